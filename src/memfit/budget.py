@@ -1,0 +1,241 @@
+"""Byte sizes, device memory, and the budget every memfit component plans against.
+
+memfit declares memory before it uses it: a component lists the buffers it will allocate
+(`Ledger.add`), the ledger compares their sum with the budget, and `BudgetExceeded` names what
+needed how much when it does not fit. Sizes are parsed and printed here too.
+
+Example:
+    >>> parse_bytes("1.5 GiB")
+    1610612736
+    >>> format_bytes(1610612736)
+    '1.50 GiB'
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_FORMS = ("an int number of bytes, or a string such as '512', '64MB', '1.5 GiB' "
+          "(units B, KB/MB/GB/TB decimal, KiB/MiB/GiB/TiB binary, case insensitive)")
+
+# Fraction of free device memory memfit leaves alone when no budget is given: the CUDA context,
+# cuDNN workspaces and the user's own model need room too.
+SAFETY_FRACTION = 0.10
+SAFETY_MIN = 64 * 2**20
+
+
+def parse_bytes(size: int | str) -> int:
+    """Parse a byte count: an int passes through, a string may carry a unit.
+
+    Example:
+        >>> parse_bytes("64MiB"), parse_bytes("2 kb"), parse_bytes(1000)
+        (67108864, 2000, 1000)
+    """
+    if isinstance(size, bool):
+        raise TypeError(f"expected a size as {_FORMS}; found the bool {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"expected a size >= 0 as {_FORMS}; found {size}")
+        return size
+    if isinstance(size, float):
+        if not math.isfinite(size) or size < 0:
+            raise ValueError(f"expected a finite size >= 0 as {_FORMS}; found {size}")
+        return int(size)
+    if not isinstance(size, str):
+        raise TypeError(f"expected a size as {_FORMS}; found {type(size).__name__} {size!r}")
+    m = _SIZE_RE.match(size)
+    if m is None:
+        hint = " (sizes cannot be negative)" if size.strip().startswith("-") else ""
+        raise ValueError(f"expected a size as {_FORMS}; found {size!r}{hint}")
+    number, unit = m.groups()
+    if unit.lower() not in _UNITS:
+        raise ValueError(f"unknown unit {unit!r} in {size!r}; expected a size as {_FORMS}")
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable binary size: '512 B', '1.50 KiB', '3.00 GiB'.
+
+    Example:
+        >>> format_bytes(512), format_bytes(1536), format_bytes(-2048)
+        ('512 B', '1.50 KiB', '-2.00 KiB')
+    """
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n < 1024:
+        return f"{sign}{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if n < 1024 or unit == "PiB":
+            return f"{sign}{n:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+class BudgetExceeded(MemoryError):
+    """A plan needs more memory than its budget. `.items` lists (name, bytes) of what it needed."""
+
+    def __init__(self, message: str, needed: int = 0, budget: int = 0, items=()):
+        super().__init__(message)
+        self.needed, self.budget, self.items = needed, budget, list(items)
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """`None` -> the first CUDA device when there is one, else the CPU; strings are checked."""
+    if device is None:
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"expected a device such as 'cpu', 'cuda' or 'cuda:1'; found {device!r} ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but this torch build or machine has no CUDA; "
+                             "use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA "
+                             f"device(s) exist (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    elif dev.type != "cpu":
+        raise ValueError(f"memfit supports 'cpu' and 'cuda' devices; found {device!r}")
+    return dev
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Memory of one device, in bytes. `held` is what this process holds there."""
+    device: str
+    name: str
+    total: int
+    free: int
+    held: int
+
+
+def _read_kv(path: str) -> dict[str, int]:
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if parts[-1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under a cgroup v2 memory limit (containers), or None when there is no limit."""
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - current)
+
+
+def process_rss() -> int:
+    """Resident set size of this process in bytes (0 where the OS does not say)."""
+    status = _read_kv("/proc/self/status")
+    if "VmRSS" in status:
+        return status["VmRSS"]
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak, the best we have
+    except (ImportError, OSError):
+        return 0
+
+
+def cpu_memory() -> MemoryInfo:
+    info = _read_kv("/proc/meminfo")
+    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free = info.get("MemAvailable", info.get("MemFree", total))
+    room = _cgroup_room()
+    if room is not None:
+        free = min(free, room)
+    import platform
+    return MemoryInfo("cpu", platform.processor() or platform.machine(), total, free, process_rss())
+
+
+def device_memory(device: str | torch.device | None = None) -> MemoryInfo:
+    """Total, free and held bytes of one device (CUDA: `torch.cuda.mem_get_info`; CPU: the OS)."""
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        return cpu_memory()
+    free, total = torch.cuda.mem_get_info(dev)
+    return MemoryInfo(str(dev), torch.cuda.get_device_name(dev), total, free,
+                      torch.cuda.memory_reserved(dev))
+
+
+def devices() -> list[MemoryInfo]:
+    """The CPU and every CUDA device this process can use."""
+    out = [cpu_memory()]
+    if torch.cuda.is_available():
+        out += [device_memory(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+    return out
+
+
+def default_budget(device: str | torch.device | None = None) -> int:
+    """Free memory of `device` minus a safety margin (10%, at least 64 MiB)."""
+    free = device_memory(device).free
+    return max(0, free - max(SAFETY_MIN, int(free * SAFETY_FRACTION)))
+
+
+def resolve_budget(budget: int | str | None, device: str | torch.device | None = None) -> int:
+    return default_budget(device) if budget is None else parse_bytes(budget)
+
+
+@dataclass
+class Ledger:
+    """The buffers a component will allocate, checked against a budget before anything is allocated.
+
+    Example:
+        >>> led = Ledger(budget=1000, what="loader")
+        >>> led.add("dataset", 600).add("batches", 300).total
+        900
+        >>> led.fits
+        True
+    """
+    budget: int
+    what: str = "plan"
+    items: list[tuple[str, int]] = field(default_factory=list)
+
+    def add(self, name: str, nbytes: int) -> Ledger:
+        self.items.append((name, int(nbytes)))
+        return self
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.items)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    def table(self) -> str:
+        rows = [f"  {name:<34} {format_bytes(n):>12}" for name, n in self.items]
+        rows.append(f"  {'total':<34} {format_bytes(self.total):>12}  of budget {format_bytes(self.budget)}")
+        return "\n".join(rows)
+
+    def check(self, hint: str = "") -> Ledger:
+        """Raise `BudgetExceeded` listing every item when the total is over the budget."""
+        if not self.fits:
+            raise BudgetExceeded(
+                f"{self.what} needs {format_bytes(self.total)} but the budget is {format_bytes(self.budget)} "
+                f"({format_bytes(self.total - self.budget)} short):\n{self.table()}" + (f"\n{hint}" if hint else ""),
+                needed=self.total, budget=self.budget, items=self.items)
+        return self
