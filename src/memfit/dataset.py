@@ -1,0 +1,374 @@
+"""CompactDataset: a dataset held compactly on the device, decoded per batch just before use.
+
+Seed 000: 8-bit pixels take a quarter of the bytes of float32, so four times more data fits on a
+small GPU. The stored rows stay compact; `batch(indices)` gathers them with one indexing op on
+the device and decodes them (convert + one per-channel multiply-add that also normalises).
+
+Example:
+    >>> import numpy as np, torch
+    >>> x = np.random.default_rng(0).integers(0, 256, (100, 1, 8, 8), dtype=np.uint8)
+    >>> y = np.arange(100) % 10
+    >>> ds = CompactDataset.from_arrays(x, y, normalize=([127.5], [64.0]), device="cpu")
+    >>> ds.codec.name, ds.nbytes < ds.dense_nbytes / 3
+    ('uint8', True)
+    >>> xb, yb = ds.batch(torch.tensor([3, 1, 4]))
+    >>> xb.shape, xb.dtype, yb.dtype
+    (torch.Size([3, 1, 8, 8]), torch.float32, torch.int64)
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from memfit.budget import format_bytes, resolve_device
+from memfit.codecs import Codec, auto_name, make_codec
+from memfit.progress import progress
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+CHUNK_BYTES = 32 * 2**20   # encode in chunks of about this many input bytes: bounded temporaries
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return dtype
+    raise ValueError(f"expected an output dtype float32, float16 or bfloat16 (or one of {sorted(DTYPES)}); "
+                     f"found {dtype!r}")
+
+
+def release_pages(x: object) -> None:
+    """Drop the pages a memory-mapped array has read from this process's resident memory.
+
+    The data stays in the OS page cache (it is file-backed and clean), but no longer counts as
+    memory this process holds, so iterating a file larger than RAM does not grow our RSS.
+    """
+    mm = getattr(x, "_mmap", None)          # np.memmap and its slices share the parent's map
+    if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):   # a closed map or an OS without madvise: nothing to drop
+            return
+
+
+def as_array(x: object, what: str = "x") -> np.ndarray | torch.Tensor:
+    """numpy arrays (memmaps too) and tensors pass through; lists become arrays."""
+    if isinstance(x, (np.ndarray, torch.Tensor)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x)
+    raise TypeError(f"expected {what} as a numpy array or torch tensor of shape (N, ...); "
+                    f"found {type(x).__name__}")
+
+
+def to_tensor(chunk: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(chunk, torch.Tensor):
+        return chunk
+    chunk = np.ascontiguousarray(chunk)
+    if chunk.dtype.byteorder == ">":
+        chunk = chunk.astype(chunk.dtype.newbyteorder("="))
+    return torch.from_numpy(chunk)
+
+
+def iter_chunks(x: np.ndarray | torch.Tensor, rows: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, rows as a tensor) over x in chunks of about CHUNK_BYTES; memmap pages are released."""
+    n = x.shape[0]
+    if rows is None:
+        row_bytes = max(1, math.prod(x.shape[1:]) * x.dtype.itemsize if isinstance(x, np.ndarray)
+                        else x[:1].nbytes)
+        rows = max(1, CHUNK_BYTES // row_bytes)
+    for start in range(0, n, rows):
+        yield start, to_tensor(x[start:start + rows])
+        release_pages(x)
+
+
+def label_dtype(lo: int, hi: int) -> torch.dtype:
+    """The smallest integer dtype that holds every label in [lo, hi]."""
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+        info = torch.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return dtype
+    return torch.int64
+
+
+def encode_labels(y: object, n: int) -> torch.Tensor:
+    """Validate labels and store them in the smallest integer dtype (CPU)."""
+    y = to_tensor(as_array(y, "y"))
+    if y.dim() == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.dim() != 1:
+        raise ValueError(f"expected labels y of shape (N,) with one class id per sample; found shape "
+                         f"{tuple(y.shape)} (one-hot labels: pass y.argmax(1))")
+    if y.shape[0] != n:
+        raise ValueError(f"labels y have {y.shape[0]} entries but x has {n} samples; they must match")
+    if y.is_floating_point():
+        if not torch.isfinite(y).all() or not torch.equal(y, y.round()):
+            raise ValueError("labels y must be integer class ids; found non-integer values "
+                             f"such as {y[y != y.round()].flatten()[:1].tolist()}")
+    if y.numel() == 0:
+        return y.to(torch.uint8)
+    lo, hi = int(y.min()), int(y.max())
+    return y.to(label_dtype(lo, hi))
+
+
+def channel_stats(x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (axis 1) mean and std of all of x, float64 (C,), one streaming pass.
+
+    Chunks are merged with Chan's parallel formula, so float data of any magnitude stays exact.
+    """
+    count, mean, m2 = 0, None, None
+    for _, chunk in iter_chunks(x):
+        c = chunk.transpose(0, 1).reshape(chunk.shape[1], -1).double()    # (C, rows*spatial)
+        k = c.shape[1]
+        cm = c.mean(1)
+        cm2 = ((c - cm[:, None]) ** 2).sum(1)
+        if mean is None:
+            count, mean, m2 = k, cm, cm2
+        else:
+            delta = cm - mean
+            total = count + k
+            mean = mean + delta * k / total
+            m2 = m2 + cm2 + delta**2 * count * k / total
+            count = total
+    return mean, (m2 / max(count, 1)).sqrt()
+
+
+def normalisation(normalize: object, x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Resolve `normalize` into per-channel float64 (mean, std) in raw units, or None."""
+    channels = x.shape[1]
+    if normalize is None:
+        return None
+    if isinstance(normalize, str):
+        if normalize != "dataset":
+            raise ValueError(f"normalize must be None, 'dataset' or (mean, std); found {normalize!r}")
+        mean, std = channel_stats(x)
+        return mean, torch.where(std > 0, std, torch.ones_like(std))   # constant channels: no scaling
+    if not (isinstance(normalize, (tuple, list)) and len(normalize) == 2):
+        raise ValueError(f"normalize must be None, 'dataset' or a pair (mean, std) of per-channel "
+                         f"sequences; found {normalize!r}")
+    out = []
+    for name, value in zip(("mean", "std"), normalize):
+        t = torch.as_tensor(value, dtype=torch.float64).flatten()
+        if t.numel() == 1:
+            t = t.expand(channels).clone()
+        if t.numel() != channels:
+            raise ValueError(f"normalize {name} has {t.numel()} values but x has {channels} channels "
+                             f"(axis 1 of shape {tuple(x.shape)}); give one value per channel or a single value")
+        out.append(t)
+    if (out[1] == 0).any() or not torch.isfinite(out[1]).all():
+        raise ValueError(f"normalize std must be finite and non-zero in every channel; found {out[1].tolist()}")
+    return out[0], out[1]
+
+
+class CompactDataset(torch.utils.data.Dataset):
+    """Samples stored compactly on a device, decoded per batch. Build with `from_arrays`.
+
+    Attributes: `x` (stored rows, (N, *stored_shape)), `y` (labels in the smallest integer dtype, or
+    None), `codec`, `sample_shape`, `dtype` (decoded), `device`, `mean`/`std` (per-channel, raw units).
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor | None, codec: Codec, sample_shape: tuple[int, ...],
+                 dtype: torch.dtype, mean: torch.Tensor | None = None, std: torch.Tensor | None = None):
+        self.x, self.y, self.codec = x, y, codec
+        self.sample_shape, self.dtype = tuple(sample_shape), dtype
+        self.mean, self.std = mean, std
+        self.num_classes = int(y.max()) + 1 if y is not None and len(y) else None
+        self._set_affine()
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_arrays(cls, x, y=None, *, codec: str | Codec = "auto", normalize=None, device=None,
+                    dtype: torch.dtype | str = torch.float32, progress_bar: bool | None = None) -> CompactDataset:
+        """Encode `x` (N, ...) with `codec` and store it with labels `y` on `device`.
+
+        Args:
+            x: numpy array, memmap or tensor of shape (N, C, ...) or (N, D); read in chunks.
+            y: optional class ids (N,), stored in the smallest integer dtype, returned as int64.
+            codec: 'auto' (uint8 for uint8 data, q8 for float data) or a name in `memfit.codecs.CODECS`.
+            normalize: None (raw values as float), 'dataset' (per-channel mean/std of x) or
+                (mean, std), each one value per channel (axis 1), in the units of x.
+            device: where to store; None = first CUDA device when there is one, else the CPU.
+            dtype: decoded dtype: float32, float16 or bfloat16.
+
+        Raises:
+            ValueError / TypeError naming what was expected and found; nothing is kept on error.
+        """
+        x = as_array(x, "x")
+        if x.ndim < 2:
+            raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with one row per sample; found shape "
+                             f"{tuple(x.shape)} (a single sample? add a batch axis: x[None])")
+        if x.shape[0] == 0:
+            raise ValueError("x has no samples (shape[0] == 0); pass at least one sample")
+        dev, dtype = resolve_device(device), resolve_dtype(dtype)
+        codec = make_codec(auto_name(x) if codec == "auto" else codec)
+        labels = None if y is None else encode_labels(y, x.shape[0])
+        stats = normalisation(normalize, x)
+        sample_shape = tuple(x.shape[1:])
+        for _, chunk in iter_chunks(x):                 # pass 1: codec parameters (q8/q4 min, max)
+            codec.fit(chunk)
+        n = x.shape[0]
+        stored = torch.empty((n, *codec.stored_shape(sample_shape)), dtype=codec.stored_dtype, device=dev)
+        bar = progress(n, "encoding", unit="sample", enabled=progress_bar if n * math.prod(sample_shape) > 2**28
+                       else False)
+        for start, chunk in iter_chunks(x):             # pass 2: encode (checks every value)
+            enc = codec.encode(chunk)
+            stored[start:start + enc.shape[0]].copy_(enc)
+            bar.update(enc.shape[0])
+        bar.close()
+        mean, std = stats if stats is not None else (None, None)
+        return cls(stored, None if labels is None else labels.to(dev), codec, sample_shape, dtype, mean, std)
+
+    def _set_affine(self) -> None:
+        """Fold the codec's dequantisation and the normalisation into one multiply-add per channel."""
+        a, b = self.codec.affine()                         # value = code * a + b, float64 (C,)
+        if self.mean is not None:
+            a, b = a / self.std, (b - self.mean) / self.std  # (value - mean) / std
+        shape = (1, -1) + (1,) * (len(self.sample_shape) - 1)
+        self._scale = a.to(torch.float32).view(shape).to(self.device)   # (1, C, 1, ..)
+        self._shift = b.to(torch.float32).view(shape).to(self.device)
+        uniform = bool((a == a[0]).all() and (b == b[0]).all())
+        # Python scalars skip a broadcast and are cheaper per op; identity steps are skipped.
+        self._scale_op = float(a[0]) if uniform else self._scale
+        self._shift_op = float(b[0]) if uniform else self._shift
+        if uniform and self._scale_op == 1.0:
+            self._scale_op = None
+        if uniform and self._shift_op == 0.0:
+            self._shift_op = None
+
+    # ---- the hot path -------------------------------------------------------------------------
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows (n, *stored_shape) -> decoded samples (n, *sample_shape) in `self.dtype`."""
+        codes = self.codec.unpack(rows, self.sample_shape)
+        x = codes.to(torch.float32)         # one convert: uint8 reads are 4x cheaper than float32 reads
+        if x is rows:                       # float32 codec: never hand out the stored rows themselves
+            x = x.clone()
+        if self._scale_op is not None:
+            x.mul_(self._scale_op)
+        if self._shift_op is not None:
+            x.add_(self._shift_op)
+        # half types are computed in float32 and rounded once, the most accurate result
+        return x if self.dtype == torch.float32 else x.to(self.dtype)
+
+    def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoded batch for a LongTensor of valid indices already on `self.device` (no checks)."""
+        x = self.decode(self.x.index_select(0, idx))
+        y = None if self.y is None else self.y.index_select(0, idx).long()
+        return x, y
+
+    def index(self, indices: object) -> torch.Tensor:
+        """Indices (int list, numpy, tensor, slice, bool mask) -> checked LongTensor on the device."""
+        n = len(self)
+        if isinstance(indices, slice):
+            return torch.arange(*indices.indices(n), device=self.device)
+        idx = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(np.asarray(indices))
+        if idx.dtype == torch.bool:
+            if idx.shape != (n,):
+                raise ValueError(f"a boolean mask must have shape ({n},); found {tuple(idx.shape)}")
+            idx = idx.nonzero().squeeze(1)
+        if idx.is_floating_point() or idx.is_complex():
+            raise TypeError(f"indices must be integers; found dtype {idx.dtype}")
+        idx = idx.reshape(-1).long()
+        if idx.device.type == "cpu" and idx.numel():   # device tensors are trusted: checking would sync
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < -n or hi >= n:
+                raise IndexError(f"index {hi if hi >= n else lo} is out of range for a dataset of {n} samples")
+            if lo < 0:
+                idx = torch.where(idx < 0, idx + n, idx)
+        return idx.to(self.device, non_blocking=True)
+
+    def batch(self, indices: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoded `(x, y)` for the given indices: one gather on the device, then decode.
+
+        `x` is (n, *sample_shape) in `self.dtype`; `y` is int64 (n,), or None without labels.
+        """
+        return self.gather(self.index(indices))
+
+    # ---- torch Dataset protocol ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            x, y = self.batch([int(i)])
+            return x[0], (None if y is None else y[0])
+        return self.batch(i)
+
+    def __getitems__(self, indices: Sequence[int]):
+        """Called by torch's DataLoader with a whole batch of indices: one gather, no collation.
+
+        Pair it with `collate_fn=CompactDataset.collate` so the batch passes through unchanged.
+        """
+        return self.batch(indices)
+
+    @staticmethod
+    def collate(batch):
+        """`collate_fn` for DataLoader: the batch from `__getitems__` is already collated."""
+        return batch
+
+    # ---- memory -------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: stored rows, labels and the per-channel decode parameters."""
+        return (self.x.nbytes + (0 if self.y is None else self.y.nbytes)
+                + self._scale.nbytes + self._shift.nbytes)
+
+    @property
+    def dense_nbytes(self) -> int:
+        """What the same data takes as float32 samples and int64 labels."""
+        return len(self) * (4 * math.prod(self.sample_shape) + (0 if self.y is None else 8))
+
+    @property
+    def row_nbytes(self) -> int:
+        """Stored bytes of one sample (its label included)."""
+        return self.x[:1].nbytes + (0 if self.y is None else self.y.element_size())
+
+    def batch_nbytes(self, n: int) -> int:
+        """Bytes of one decoded batch of n samples (x in `dtype`, y as int64)."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return n * (item * math.prod(self.sample_shape) + (0 if self.y is None else 8))
+
+    def _replace(self, x: torch.Tensor, y: torch.Tensor | None) -> CompactDataset:
+        return type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std)
+
+    def to(self, device, non_blocking: bool = False) -> CompactDataset:
+        """The same dataset held on another device (a new object; this one is unchanged)."""
+        dev = resolve_device(device)
+        if dev == self.device:
+            return self
+        move = lambda t: None if t is None else t.to(dev, non_blocking=non_blocking)
+        return self._replace(move(self.x), move(self.y))
+
+    def pin_memory(self) -> CompactDataset:
+        """A copy in pinned (page-locked) host memory, for asynchronous copies to a CUDA device."""
+        if self.device.type != "cpu":
+            raise ValueError(f"pin_memory needs a dataset on the CPU; this one is on {self.device}; "
+                             "call .to('cpu') first")
+        if not torch.cuda.is_available():
+            raise ValueError("pinned memory needs CUDA, and this machine or torch build has none")
+        pin = lambda t: None if t is None else t.pin_memory()
+        return self._replace(pin(self.x), pin(self.y))
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.device.type == "cpu" and torch.cuda.is_available() and self.x.is_pinned()
+
+    def subset(self, indices: object) -> CompactDataset:
+        """A new dataset holding only the given samples (compact rows copied, no decode)."""
+        idx = self.index(indices)
+        return self._replace(self.x.index_select(0, idx), None if self.y is None else self.y.index_select(0, idx))
+
+    def __repr__(self) -> str:
+        return (f"CompactDataset(n={len(self)}, sample_shape={self.sample_shape}, codec={self.codec.name!r}, "
+                f"dtype={str(self.dtype).replace('torch.', '')}, device={self.device}, "
+                f"nbytes={format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x float32))")
