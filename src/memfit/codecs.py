@@ -197,8 +197,9 @@ class QuantCodec(Codec):
 
     def quantise(self, x: torch.Tensor) -> torch.Tensor:
         self.check(x)
+        step = self.step                     # raises when the codec was not fitted
         shape = (1, -1) + (1,) * (x.dim() - 2)
-        q = ((x.double() - self.lo.view(shape)) / self.step.view(shape)).round_()
+        q = ((x.double() - self.lo.view(shape)) / step.view(shape)).round_()
         return q.clamp_(0, self.levels).to(torch.uint8)
 
 

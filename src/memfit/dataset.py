@@ -71,9 +71,12 @@ def as_array(x: object, what: str = "x") -> np.ndarray | torch.Tensor:
 def to_tensor(chunk: np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(chunk, torch.Tensor):
         return chunk
-    chunk = np.ascontiguousarray(chunk)
     if chunk.dtype.byteorder == ">":
         chunk = chunk.astype(chunk.dtype.newbyteorder("="))
+    # read-only (memmap) rows are copied: this is the one read from disk, and torch needs writable memory
+    chunk = np.ascontiguousarray(chunk)
+    if not chunk.flags.writeable:
+        chunk = chunk.copy()
     return torch.from_numpy(chunk)
 
 

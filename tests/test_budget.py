@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from memfit.budget import (
+    BudgetExceeded, Ledger, device_memory, devices, format_bytes, parse_bytes, resolve_budget, resolve_device,
+)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1.5GiB", 3 * 2**29), ("1.5 gib", 3 * 2**29), ("64MiB", 64 * 2**20), ("64 MB", 64 * 10**6),
+    ("2kb", 2000), ("2KiB", 2048), ("512", 512), (" 7 B ", 7), ("0", 0), (".5KiB", 512), ("1TB", 10**12),
+    (1000, 1000), (0, 0),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "5 parsecs", "-1", "-2 GiB", "", "1.2.3MB", "GiB"])
+def test_parse_bytes_rejects_garbage_naming_the_forms(bad):
+    with pytest.raises(ValueError, match="KiB/MiB/GiB"):
+        parse_bytes(bad)
+
+
+def test_parse_bytes_rejects_negative_ints_and_wrong_types():
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_bytes(-5)
+    with pytest.raises(TypeError, match="bool"):
+        parse_bytes(True)
+    with pytest.raises(TypeError, match="list"):
+        parse_bytes([1])
+
+
+@pytest.mark.parametrize("n", [0, 1, 1023, 1024, 1536, 2**20 * 3, 2**30 * 5 // 2, 2**40])
+def test_format_bytes_round_trips_through_parse(n):
+    text = format_bytes(n)
+    # two decimals: the parsed value is within 0.5% of the original
+    assert abs(parse_bytes(text.replace(" ", "")) - n) <= n * 0.005 + 1
+
+
+def test_format_bytes_units():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_ledger_reports_every_item_when_over():
+    led = Ledger(budget=1000, what="loader").add("dataset", 700).add("batches", 400)
+    assert not led.fits and led.total == 1100
+    with pytest.raises(BudgetExceeded, match=r"(?s)loader needs 1.07 KiB.*dataset.*700 B.*batches.*400 B") as e:
+        led.check(hint="use a smaller batch")
+    assert isinstance(e.value, MemoryError)
+    assert e.value.needed == 1100 and e.value.budget == 1000
+    assert "use a smaller batch" in str(e.value)
+    Ledger(budget=1100).add("x", 1100).check()     # exactly at the budget fits
+
+
+def test_cpu_memory_is_sane():
+    info = device_memory("cpu")
+    assert 0 < info.free <= info.total
+    assert info.held > 0                      # this process holds at least the interpreter
+    assert devices()[0].device == "cpu"
+    assert 0 < resolve_budget(None, "cpu") < info.free
+    assert resolve_budget("1MiB", "cpu") == 2**20
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="expected a device"):
+        resolve_device("gpu7")
+    if not torch.cuda.is_available():
+        assert resolve_device(None) == torch.device("cpu")
+        with pytest.raises(ValueError, match="no CUDA"):
+            resolve_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_uses_mem_get_info():
+    free, total = torch.cuda.mem_get_info(0)
+    info = device_memory("cuda:0")
+    assert info.total == total and abs(info.free - free) < 64 * 2**20
