@@ -167,8 +167,20 @@ def cpu_memory() -> MemoryInfo:
     room = _cgroup_room()
     if room is not None:
         free = min(free, room)
+    return MemoryInfo("cpu", cpu_name(), total, free, process_rss())
+
+
+def cpu_name() -> str:
+    """The processor's model name ('AMD EPYC', 'Apple M2', ...), or the architecture."""
     import platform
-    return MemoryInfo("cpu", platform.processor() or platform.machine(), total, free, process_rss())
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def device_memory(device: str | torch.device | None = None) -> MemoryInfo:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from memfit.budget import cpu_name
+
 
 def sync(device: torch.device | str | None = None) -> None:
     """Wait for queued device work so that a timer measures it (a no-op on the CPU)."""
@@ -52,7 +54,7 @@ def machine_header(device: torch.device | str = "cpu") -> str:
     """One line naming the machine, the device, torch and the commit, printed above every table."""
     dev = torch.device(device)
     what = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-            else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            else f"{cpu_name()}, {os.cpu_count()} cores, "
                  f"{torch.get_num_threads()} torch threads")
     return (f"# machine: {platform.node()} ({platform.system()} {platform.machine()}); device: {dev} ({what}); "
             f"torch {torch.__version__}; python {platform.python_version()}; memfit commit {commit()}")
