@@ -157,7 +157,7 @@ def normalisation(normalize: object, x: np.ndarray | torch.Tensor) -> tuple[torc
         raise ValueError(f"normalize must be None, 'dataset' or a pair (mean, std) of per-channel "
                          f"sequences; found {normalize!r}")
     out = []
-    for name, value in zip(("mean", "std"), normalize):
+    for name, value in zip(("mean", "std"), normalize, strict=True):
         t = torch.as_tensor(value, dtype=torch.float64).flatten()
         if t.numel() == 1:
             t = t.expand(channels).clone()
@@ -236,35 +236,46 @@ class CompactDataset(torch.utils.data.Dataset):
         a, b = self.codec.affine()                         # value = code * a + b, float64 (C,)
         if self.mean is not None:
             a, b = a / self.std, (b - self.mean) / self.std  # (value - mean) / std
-        shape = (1, -1) + (1,) * (len(self.sample_shape) - 1)
-        self._scale = a.to(torch.float32).view(shape).to(self.device)   # (1, C, 1, ..)
-        self._shift = b.to(torch.float32).view(shape).to(self.device)
-        # One fused pass per channel: add(shift, x, alpha=scale) computes shift + scale * x in a
-        # single vectorised kernel (mul_ then add_ is two passes; addcmul with broadcasting is slower).
-        if bool((a == a[0]).all() and (b == b[0]).all()):
-            self._channels = [(None, float(a[0]), b[:1].to(torch.float32).reshape(()).to(self.device))]
-        elif len(a) <= 16:
-            self._channels = [(c, float(a[c]), b[c].to(torch.float32).to(self.device)) for c in range(len(a))]
-        else:   # many channels (flat features): two broadcast passes beat hundreds of small ops
-            self._channels = None
-        self._identity = self._channels is not None and len(self._channels) == 1 and \
-            self._channels[0][1] == 1.0 and float(self._channels[0][2]) == 0.0
+        self._a, self._b = a, b
+        self._ops: dict[torch.device, tuple] = {}
+        scale, shift, _ = self._affine_on(self.device)
+        self._scale, self._shift = scale, shift            # (1, C, 1, ..) float32 on the device
+
+    def _affine_on(self, device: torch.device) -> tuple:
+        """(scale, shift, per-channel ops) on `device`, cached: rows may be decoded where they land."""
+        if device not in self._ops:
+            a, b = self._a, self._b
+            shape = (1, -1) + (1,) * (len(self.sample_shape) - 1)
+            scale = a.to(torch.float32).view(shape).to(device)
+            shift = b.to(torch.float32).view(shape).to(device)
+            # One fused pass per channel: add(shift, x, alpha=scale) computes shift + scale * x in a
+            # single vectorised kernel (mul_ then add_ is two passes; broadcast addcmul is slower).
+            if bool((a == 1).all() and (b == 0).all()):
+                ops = []
+            elif bool((a == a[0]).all() and (b == b[0]).all()):
+                ops = [(None, float(a[0]), shift.flatten()[0])]
+            elif len(a) <= 16:
+                ops = [(c, float(a[c]), shift.flatten()[c]) for c in range(len(a))]
+            else:   # many channels (flat features): two broadcast passes beat hundreds of small ops
+                ops = None
+            self._ops[device] = (scale, shift, ops)
+        return self._ops[device]
 
     # ---- the hot path -------------------------------------------------------------------------
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
-        """Stored rows (n, *stored_shape) -> decoded samples (n, *sample_shape) in `self.dtype`."""
+        """Stored rows (n, *stored_shape) on any device -> samples (n, *sample_shape) in `self.dtype`
+        on that device (so compact rows can be copied to a GPU first and decoded there)."""
         codes = self.codec.unpack(rows, self.sample_shape)
         x = codes.to(torch.float32)         # one convert: uint8 reads are 4x cheaper than float32 reads
         if x is rows:                       # float32 codec: never hand out the stored rows themselves
             x = x.clone()
-        if self._identity:
-            pass
-        elif self._channels is None:
-            x.mul_(self._scale).add_(self._shift)
+        scale, shift, ops = self._affine_on(rows.device)
+        if ops is None:
+            x.mul_(scale).add_(shift)
         else:
-            for c, scale, shift in self._channels:
+            for c, a, b in ops:
                 xc = x if c is None else x[:, c]
-                torch.add(shift, xc, alpha=scale, out=xc)
+                torch.add(b, xc, alpha=a, out=xc)
         # half types are computed in float32 and rounded once, the most accurate result
         return x if self.dtype == torch.float32 else x.to(self.dtype)
 

@@ -65,7 +65,7 @@ def run(sets=("mnist", "cifar"), codecs=CODECS, batch: int = 512, device=None, r
         ref = CompactDataset.from_arrays(raw, labels, codec="float32", normalize="dataset", device="cpu")
         dense_x = ref.batch(slice(None))[0].to(dev)              # (N, *shape) normalised float32
         dense_y = torch.from_numpy(labels).to(dev)
-        baseline = lambda idx: (dense_x.index_select(0, idx), dense_y.index_select(0, idx))
+        baseline = lambda idx, dx=dense_x, dy=dense_y: (dx.index_select(0, idx), dy.index_select(0, idx))
         contenders = {"float32 gather": baseline}
         held = {"float32 gather": dense_x.nbytes + dense_y.nbytes}
         rows.append({"set": name, "codec": "float32 gather", "bytes held": held["float32 gather"],
@@ -96,7 +96,7 @@ def run(sets=("mnist", "cifar"), codecs=CODECS, batch: int = 512, device=None, r
                          "max abs error": ds.codec.max_abs_error, "us/batch": t * 1e6,
                          "float32 us/batch": base_t * 1e6, "samples/s": batch / t,
                          "vs float32 gather": base_t / t})
-        del dense_x, datasets
+        del dense_x, datasets, contenders, baseline
     cols = ["set", "codec", "bytes held", "x bytes / float32", "max abs error", "us/batch", "float32 us/batch",
             "samples/s", "vs float32 gather"]
     print(f"# batch {batch}, random indices, normalize='dataset'; median of {repeat} runs of {n_batches} batches, "

@@ -73,7 +73,7 @@ def table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
 
     cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 
 

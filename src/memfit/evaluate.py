@@ -1,0 +1,352 @@
+"""Evaluation in chunks: exact whole-set metrics, a chunk size from the budget, OOM back-off.
+
+Seed 004 could not evaluate MNIST on a 1 GB GPU, split the test set into chunks of 50 and
+averaged the chunk accuracies, which is wrong when the last chunk is smaller. `evaluate` keeps
+metrics as sums and counts (`memfit.metrics`), picks the largest chunk whose peak memory fits
+the budget (from the activation planner when it can capture the model, else from two small
+measured runs), and when a chunk still runs out of memory it frees the chunk, halves it,
+retries only that chunk and grows back afterwards.
+
+Example:
+    >>> import torch, numpy as np
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    >>> x = np.random.default_rng(0).integers(0, 256, (100, 1, 4, 4), dtype=np.uint8)
+    >>> y = np.arange(100) % 3
+    >>> r = evaluate(model, (x, y), chunk_size=7, device="cpu", progress=False)
+    >>> r.n, r.chunks, sorted(r.metrics)
+    (100, 15, ['accuracy', 'loss'])
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from memfit.budget import BudgetExceeded, format_bytes, resolve_budget, resolve_device
+from memfit.dataset import CompactDataset
+from memfit.metrics import Metric, make_metric
+from memfit.progress import progress as progress_bar
+
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                "CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input")
+
+
+def is_oom(e: BaseException) -> bool:
+    """True for torch.OutOfMemoryError and the allocator errors of CUDA, HIP, MPS and the CPU."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) and not isinstance(e, BudgetExceeded):
+        return True
+    return isinstance(e, RuntimeError) and any(m.lower() in str(e).lower() for m in OOM_MESSAGES)
+
+
+@dataclass
+class EvalResult:
+    """What `evaluate` measured. `metrics` maps each requested metric to its whole-set value."""
+    metrics: dict
+    n: int
+    chunk_size: int
+    chunks: int
+    retries: int
+    peak_bytes: int
+    seconds: float
+    runner: str = "eager"
+    reason: str = ""
+    oom_sizes: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {type(v).__name__}"
+                         for k, v in self.metrics.items())
+        return (f"evaluated {self.n} samples in {self.chunks} chunks of up to {self.chunk_size} "
+                f"({self.retries} out-of-memory retries), {self.seconds:.2f} s, peak {format_bytes(self.peak_bytes)}, "
+                f"{self.runner}: {vals}")
+
+
+# ---- data -----------------------------------------------------------------------------------------
+class _Chunks:
+    """Decoded chunks [s, e) of a CompactDataset, copied compact to `device` and decoded there."""
+
+    def __init__(self, ds: CompactDataset, device: torch.device):
+        self.ds, self.device, self.n = ds, device, len(ds)
+        self.sample_shape, self.dtype = ds.sample_shape, ds.dtype
+        self.compact_per_sample = ds.row_nbytes if ds.device != device else 0
+        self.decoded_per_sample = ds.batch_nbytes(1)
+
+    def get(self, s: int, e: int):
+        idx = torch.arange(s, e, device=self.ds.device)
+        rows = self.ds.rows(idx)
+        y = None if self.ds.y is None else self.ds.y[s:e]
+        if self.ds.device != self.device:          # compact bytes cross the bus, not float32
+            rows = rows.to(self.device, non_blocking=True)
+            y = None if y is None else y.to(self.device, non_blocking=True)
+        return self.ds.decode(rows), (None if y is None else y.long())
+
+
+def as_chunks(data, device: torch.device):
+    """A CompactDataset, a memfit Loader (any iterable of (x, y) batches) or (x, y) arrays."""
+    if isinstance(data, CompactDataset):
+        if len(data) == 0:
+            raise ValueError("the data is empty: nothing to evaluate")
+        return _Chunks(data, device)
+    if isinstance(data, tuple) and len(data) == 2:
+        x, y = data
+        if y is not None and len(y) != len(x):
+            raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels; they must match")
+        if len(x) == 0:
+            raise ValueError("the data is empty: nothing to evaluate")
+        # stored compactly on the host; each chunk crosses to the device compact and is decoded there
+        return _Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
+    if isinstance(data, Iterable) and not isinstance(data, (str, bytes, dict)):
+        return data
+    raise TypeError(f"data must be a CompactDataset, a memfit Loader (or iterable of (x, y) batches) or an "
+                    f"(x, y) tuple of arrays; found {type(data).__name__}")
+
+
+# ---- chunk size ------------------------------------------------------------------------------------
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
+
+
+def _planned_peak(model, sample_shape, dtype) -> Callable[[int], int] | None:
+    """peak(n) from the activation planner, or None when it cannot capture the model."""
+    try:
+        from memfit.planner import memory_model
+        mm = memory_model(model, sample_shape, dtype=dtype)
+    except Exception:          # export failures are expected for some models: fall back to measuring
+        return None
+    return mm.total_bytes
+
+
+def _measured_peak(model, runner, chunks: _Chunks, sizes=(4, 16)) -> Callable[[int], int]:
+    """Fit peak(n) = a + b*n from two small measured runs (live bytes above the start)."""
+    from memfit.measure import track_memory
+    points = []
+    for n in sorted({min(s, chunks.n) for s in sizes}):
+        x, _ = chunks.get(0, n)
+        with torch.inference_mode(), track_memory(chunks.device) as mem:
+            out = runner(x)
+            del out
+        points.append((n, mem.peak + x.nbytes))
+        del x
+    if len(points) == 1:
+        n, p = points[0]
+        b, a = p / n, 0.0
+    else:
+        (n1, p1), (n2, p2) = points
+        b = max((p2 - p1) / (n2 - n1), 0.0)
+        a = max(p1 - b * n1, 0.0)
+    base = param_bytes(model)
+    # 10% head-room on the slope: extrapolating from small sizes tends to under-estimate
+    return lambda n: int(base + a + 1.1 * b * n)
+
+
+def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
+    """Largest n in [1, upper] with peak(n) <= budget (peak is non-decreasing), 0 when none fits."""
+    if peak(1) > budget:
+        return 0
+    lo, hi = 1, 1
+    while hi < upper and peak(min(2 * hi, upper)) <= budget:
+        lo = hi = min(2 * hi, upper)
+        if hi == upper:
+            return upper
+    hi = min(2 * hi, upper)
+    while lo < hi:                      # invariant: peak(lo) fits, the answer is < hi + 1
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid - 1)
+    return lo
+
+
+def choose_chunk(model, chunks, budget: int, runner) -> tuple[int, Callable[[int], int], str]:
+    """(chunk size, peak estimate, how it was chosen) for the largest chunk within the budget."""
+    extra = chunks.compact_per_sample
+    peak = _planned_peak(model, chunks.sample_shape, chunks.dtype)
+    how = "planner"
+    if peak is None:
+        peak, how = _measured_peak(model, runner, chunks), "measured at 2 sizes"
+    total = lambda n: peak(n) + extra * n
+    n = largest_fitting(total, budget, chunks.n)
+    if n == 0:
+        raise BudgetExceeded(f"one sample needs {format_bytes(total(1))} ({how}: parameters "
+                             f"{format_bytes(param_bytes(model))} included) but the budget is {format_bytes(budget)}; "
+                             "raise the budget or use a smaller model", needed=total(1), budget=budget)
+    return n, total, (f"largest chunk whose estimated peak ({how}) {format_bytes(total(n))} fits the budget "
+                      f"{format_bytes(budget)}")
+
+
+# ---- the loop --------------------------------------------------------------------------------------
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _run_chunk(runner, metrics: dict[str, Metric], x, y):
+    """Forward one chunk and compute every metric's contribution; nothing is committed here."""
+    out = runner(x)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return [m.contribution(out, y) for m in metrics.values()]
+
+
+def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss_fn: Callable | None = None,
+             chunk_size: int | str = "auto", budget: int | str | None = None, device=None,
+             progress: bool | None = True, planned: bool | None = None) -> EvalResult:
+    """Evaluate `model` on `data` in chunks and return exact whole-set metrics.
+
+    Args:
+        model: a module that maps a batch (n, *sample_shape) to outputs (n, classes).
+        data: a CompactDataset, a memfit Loader (any iterable of (x, y) batches), or (x, y) arrays,
+            which are stored compactly on the host on the way in.
+        metrics: names ('accuracy', 'topk:5', 'loss', 'confusion') or torchmetrics-style objects.
+        loss_fn: used by 'loss'; default cross entropy. Per-sample output, or a scalar mean.
+        chunk_size: 'auto' (largest that fits `budget`) or an int.
+        budget: bytes or a string like '1GiB': parameters, activations, the decoded chunk and outputs
+            must fit. Default: the device's free memory minus a margin, plus the model's own bytes.
+        device: where to evaluate; default the model's device.
+        progress: a progress bar counting samples (only on a terminal).
+        planned: run through the activation planner (`memfit.plan`): None = when it can capture
+            the model and chunk_size is 'auto'.
+
+    Raises:
+        ValueError/TypeError for bad input; BudgetExceeded when one sample does not fit; the
+        original error when a single sample runs out of memory.
+    """
+    t0 = time.perf_counter()
+    dev = _model_device(model, device)
+    chunks = as_chunks(data, dev)
+    mets = {(m if isinstance(m, str) else make_metric(m).name): make_metric(m, loss_fn) for m in metrics}
+    if not mets:
+        raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
+    was_training = model.training
+    model.eval()
+    try:
+        runner, runner_name = model, "eager"
+        if isinstance(chunks, _Chunks):
+            if chunk_size == "auto":
+                limit = resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
+                size, estimate, reason = choose_chunk(model, chunks, limit, model)
+            else:
+                size, estimate, reason = _forced(chunk_size, chunks.n), None, "chunk_size given"
+        else:
+            size, estimate, reason = 0, None, "batches of the loader"
+        if isinstance(chunks, _Chunks) and planned is not False and (planned or chunk_size == "auto"):
+            runner, runner_name = _planned_runner(model, chunks, size, planned)
+        res = _loop(runner, chunks, mets, size, dev, progress)
+    finally:
+        model.train(was_training)
+    peak = _peak(dev, estimate, res["max_n"], model)
+    values = {k: m.compute() for k, m in mets.items()}
+    return EvalResult(values, res["n"], size or res["max_n"], res["chunks"], res["retries"], peak,
+                      time.perf_counter() - t0, runner_name, reason, res["oom_sizes"])
+
+
+def _forced(chunk_size, n: int) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be 'auto' or an int >= 1; found {chunk_size!r}")
+    return min(chunk_size, n)
+
+
+def _model_device(model, device) -> torch.device:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; found {type(model).__name__}")
+    params = next(iter(model.parameters()), None)
+    have = params.device if params is not None else None
+    dev = resolve_device(device if device is not None else have)
+    if have is not None and have != dev and not (have.type == dev.type == "cuda" and have.index == dev.index):
+        raise ValueError(f"the model is on {have} but device={str(dev)!r}; move it with model.to('{dev}') "
+                         f"or pass device='{have}'")
+    return dev
+
+
+def _planned_runner(model, chunks: _Chunks, size: int, required: bool | None):
+    try:
+        from memfit.planner import plan
+        example = torch.empty((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
+        return plan(model, (example,)), "planned"
+    except Exception as e:
+        if required:
+            raise
+        return model, f"eager (the planner could not capture the model: {str(e).splitlines()[0][:120]})"
+
+
+def _peak(dev: torch.device, estimate, max_n: int, model) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev)
+    return int(estimate(max_n)) if estimate is not None else 0
+
+
+def _loop(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch.device, show) -> dict:
+    total = chunks.n if isinstance(chunks, _Chunks) else None
+    bar = progress_bar(total, "evaluating", unit="sample", enabled=show)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    stats = {"n": 0, "chunks": 0, "retries": 0, "max_n": 0, "oom_sizes": []}
+    limit, failed = size, set()
+    with torch.inference_mode():
+        if isinstance(chunks, _Chunks):
+            s, cur = 0, size
+            while s < chunks.n:
+                n = min(cur, chunks.n - s)
+                err = _attempt(runner, metrics, lambda s=s, n=n: chunks.get(s, s + n))
+                if err is not None:                 # outside the except block: the chunk's frames are gone
+                    cur, limit = _back_off(err, n, failed, limit, stats, dev)
+                    continue
+                s, stats["chunks"], stats["n"] = s + n, stats["chunks"] + 1, stats["n"] + n
+                stats["max_n"] = max(stats["max_n"], n)
+                bar.update(n)
+                cur = min(limit, cur * 2) if cur < limit else cur     # grow back towards the chosen size
+        else:
+            for batch in chunks:
+                x, y = batch[0], (batch[1] if len(batch) > 1 else None)
+                _split_run(runner, metrics, x, y, stats, dev, failed, bar)
+    bar.close()
+    if stats["n"] == 0:
+        raise ValueError("the data is empty: nothing to evaluate")
+    return stats
+
+
+def _attempt(runner, metrics, fetch) -> str | None:
+    """Run one chunk and commit it; return the OOM message instead of raising one."""
+    try:
+        x, y = fetch()
+        parts = _run_chunk(runner, metrics, x, y)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    for m, p in zip(metrics.values(), parts, strict=True):
+        m.commit(p)
+    return None
+
+
+def _back_off(err: str, n: int, failed: set, limit: int, stats: dict, dev) -> tuple[int, int]:
+    _release(dev)
+    stats["retries"] += 1
+    stats["oom_sizes"].append(n)
+    if n == 1:
+        raise torch.OutOfMemoryError(f"a single sample does not fit in memory ({err}); free memory on {dev}, "
+                                     "use a smaller model or input, or another device")
+    if n in failed:                 # failed twice at this size: stop growing back to it
+        limit = min(limit, n // 2)
+    failed.add(n)
+    return max(1, n // 2), limit
+
+
+def _split_run(runner, metrics, x, y, stats, dev, failed, bar) -> None:
+    """A loader batch that runs out of memory is halved (recursively) and each half retried."""
+    err = _attempt(runner, metrics, lambda: (x, y))
+    if err is None:
+        n = x.shape[0]
+        stats["chunks"] += 1
+        stats["n"] += n
+        stats["max_n"] = max(stats["max_n"], n)
+        bar.update(n)
+        return
+    n = x.shape[0]
+    _back_off(err, n, failed, n, stats, dev)
+    h = n // 2
+    _split_run(runner, metrics, x[:h], None if y is None else y[:h], stats, dev, failed, bar)
+    _split_run(runner, metrics, x[h:], None if y is None else y[h:], stats, dev, failed, bar)
+
