@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from memfit.budget import (
-    BudgetExceeded, Ledger, device_memory, devices, format_bytes, parse_bytes, resolve_budget, resolve_device,
+    BudgetExceeded,
+    Ledger,
+    device_memory,
+    devices,
+    format_bytes,
+    parse_bytes,
+    resolve_budget,
+    resolve_device,
 )
 
 

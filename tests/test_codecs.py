@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.codecs import CODECS, available, auto_name, make_codec
+from memfit.codecs import CODECS, auto_name, available, make_codec
 
 
 def roundtrip(codec, x):

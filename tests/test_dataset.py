@@ -147,7 +147,8 @@ def test_flat_features_are_channels():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(x=np.full((4, 1, 2), 300.0), codec="uint8"), ValueError, r"codec 'uint8' needs values in \[0, 255\], found 300"),
+    (dict(x=np.full((4, 1, 2), 300.0), codec="uint8"), ValueError,
+     r"codec 'uint8' needs values in \[0, 255\], found 300"),
     (dict(x=np.full((4, 1, 2), 300.0), codec="int8"), ValueError, r"codec 'int8' needs values"),
     (dict(x=np.full((4, 1, 2), 2, np.uint8), codec="bits1"), ValueError, r"codec 'bits1' needs values in \[0, 1\]"),
     (dict(x=np.array([[[np.nan, 1.0]]] * 4)), ValueError, r"codec 'q8' needs finite values"),

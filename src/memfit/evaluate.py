@@ -199,7 +199,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         model: a module that maps a batch (n, *sample_shape) to outputs (n, classes).
         data: a CompactDataset, a memfit Loader (any iterable of (x, y) batches), or (x, y) arrays,
             which are stored compactly on the host on the way in.
-        metrics: names ('accuracy', 'topk:5', 'loss', 'confusion') or torchmetrics-style objects.
+        metrics: names ('accuracy', 'topk:5', 'loss', 'confusion') or torchmetrics-style objects
+            (keyed by class name, '_2' added when repeated), or a dict {result key: either}.
         loss_fn: used by 'loss'; default cross entropy. Per-sample output, or a scalar mean.
         chunk_size: 'auto' (largest that fits `budget`) or an int.
         budget: bytes or a string like '1GiB': parameters, activations, the decoded chunk and outputs
@@ -216,7 +217,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     t0 = time.perf_counter()
     dev = _model_device(model, device)
     chunks = as_chunks(data, dev)
-    mets = {(m if isinstance(m, str) else make_metric(m).name): make_metric(m, loss_fn) for m in metrics}
+    mets = _metrics(metrics, loss_fn)
     if not mets:
         raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
     was_training = model.training
@@ -240,6 +241,21 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     values = {k: m.compute() for k, m in mets.items()}
     return EvalResult(values, res["n"], size or res["max_n"], res["chunks"], res["retries"], peak,
                       time.perf_counter() - t0, runner_name, reason, res["oom_sizes"])
+
+
+def _metrics(specs, loss_fn) -> dict[str, Metric]:
+    """{result key: metric}: names key themselves, objects their class name (suffixed when repeated);
+    a dict names its own keys."""
+    items = specs.items() if isinstance(specs, dict) else ((None, s) for s in specs)
+    out: dict[str, Metric] = {}
+    for key, spec in items:
+        metric = make_metric(spec, loss_fn)
+        key = key or (spec if isinstance(spec, str) else metric.name)
+        base, i = key, 2
+        while key in out:
+            key, i = f"{base}_{i}", i + 1
+        out[key] = metric
+    return out
 
 
 def _forced(chunk_size, n: int) -> int:

@@ -1,0 +1,274 @@
+"""Chunked evaluation against the unchunked computation: exact metrics whatever the chunking."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memfit.dataset import CompactDataset
+from memfit.evaluate import choose_chunk, evaluate, is_oom, largest_fitting
+
+torch.manual_seed(0)
+RNG = np.random.default_rng(0)
+
+
+def make_data(n, classes=10):
+    x = RNG.integers(0, 256, (n, 1, 4, 4), dtype=np.uint8)
+    y = RNG.integers(0, classes, n)
+    return x, y
+
+
+def make_model(classes=10):
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, classes))
+
+
+def unchunked(model, x, y, k=3):
+    """The reference: the whole set through the model at once, metrics the textbook way."""
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x).float())
+    y = torch.from_numpy(y)
+    return {"accuracy": (logits.argmax(1) == y).double().mean().item(),
+            "loss": F.cross_entropy(logits.double(), y).item(),
+            f"topk:{k}": (logits.topk(k, 1).indices == y[:, None]).any(1).double().mean().item(),
+            "confusion": torch.bincount(y * 10 + logits.argmax(1), minlength=100).view(10, 10)}
+
+
+METRICS = ("accuracy", "loss", "topk:3", "confusion")
+
+
+@pytest.mark.parametrize("n, chunk", [(1001, 1), (1001, 7), (1001, 50), (1001, 999), (1001, 1001),
+                                      (10_000, 50), (10_001, 50), (10_001, 10_001)])
+def test_chunked_equals_unchunked(n, chunk):
+    x, y = make_data(n)
+    model = make_model()
+    ref = unchunked(model, x, y)
+    r = evaluate(model, (x, y), metrics=METRICS, chunk_size=chunk, device="cpu", progress=False)
+    assert r.n == n and r.chunks == -(-n // chunk) and r.chunk_size == chunk
+    assert r.metrics["accuracy"] == ref["accuracy"]                  # counts: exactly equal
+    assert r.metrics["topk:3"] == ref["topk:3"]
+    assert torch.equal(r.metrics["confusion"], ref["confusion"])
+    assert r.metrics["loss"] == pytest.approx(ref["loss"], rel=1e-6)  # float rounding only
+
+
+def test_seed_averaging_is_wrong_on_an_uneven_split_and_memfit_is_not():
+    x, y = make_data(10_001)
+    model = make_model()
+    ref = unchunked(model, x, y)["accuracy"]
+    with torch.no_grad():                         # seed 004: mean of per-chunk accuracies over chunks of 50
+        per_chunk = [(model(torch.from_numpy(x[i:i + 50]).float()).argmax(1) == torch.from_numpy(y[i:i + 50]))
+                     .double().mean().item() for i in range(0, 10_001, 50)]
+    seed_value = sum(per_chunk) / len(per_chunk)
+    assert seed_value != ref
+    assert evaluate(model, (x, y), metrics=("accuracy",), chunk_size=50, device="cpu",
+                    progress=False).metrics["accuracy"] == ref
+
+
+class FakeOOM(torch.nn.Module):
+    """Raises torch.OutOfMemoryError for chunks above `limit` (or once at call `once`); records calls.
+
+    Inputs carry their sample index in the first pixel, so the record says which chunk was run."""
+
+    def __init__(self, inner, limit=None, once=None):
+        super().__init__()
+        self.inner, self.limit, self.once, self.calls = inner, limit, once, []
+
+    def forward(self, x):
+        first = int(x.flatten(1)[0, 0])
+        fail = (self.limit is not None and x.shape[0] > self.limit) or len(self.calls) == self.once
+        self.calls.append((first, x.shape[0], not fail))
+        if fail:
+            big = torch.empty(x.shape[0], 1000)          # held by the frame when the error is raised
+            raise torch.OutOfMemoryError(f"fake: {x.shape[0]} samples do not fit ({big.shape})")
+        return self.inner(x)
+
+
+def indexed_data(n):
+    x = RNG.integers(0, 256, (n, 1, 4, 4)).astype(np.float32)
+    x[:, 0, 0, 0] = np.arange(n)                         # the sample's index, stored exactly
+    return x, RNG.integers(0, 10, n)
+
+
+def test_back_off_retries_only_the_failed_chunk_and_counts_nothing_twice():
+    x, y = indexed_data(1000)
+    wrapped = FakeOOM(make_model(), limit=60)
+    ds = CompactDataset.from_arrays(x, y, codec="float32", device="cpu")
+    r = evaluate(wrapped, ds, metrics=METRICS, chunk_size=200, device="cpu", progress=False, planned=False)
+    ref = unchunked(make_model(), x, y)
+    assert r.metrics["accuracy"] == ref["accuracy"] and torch.equal(r.metrics["confusion"], ref["confusion"])
+    assert r.metrics["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    done = [(s, n) for s, n, ok in wrapped.calls if ok]
+    covered = np.concatenate([np.arange(s, s + n) for s, n in done])
+    assert np.array_equal(np.sort(covered), np.arange(1000))            # each sample exactly once
+    for i, (s, n, ok) in enumerate(wrapped.calls):                      # a failure is retried at its own start
+        if not ok:
+            assert wrapped.calls[i + 1][:2] == (s, n // 2)
+    assert r.retries == sum(not ok for *_, ok in wrapped.calls) > 0
+    assert max(n for _, n in done) <= 60
+
+
+def test_back_off_grows_back_after_a_transient_oom():
+    x, y = indexed_data(1000)
+    wrapped = FakeOOM(make_model(), once=2)
+    r = evaluate(wrapped, (x, y), chunk_size=100, device="cpu", progress=False, planned=False)
+    sizes = [n for _, n, _ in wrapped.calls]
+    assert sizes[:6] == [100, 100, 100, 50, 100, 100]          # fails once at the 3rd, retries 50, grows back
+    assert r.retries == 1 and r.n == 1000 and r.oom_sizes == [100]
+
+
+def test_gives_up_when_one_sample_does_not_fit():
+    x, y = indexed_data(10)
+    with pytest.raises(torch.OutOfMemoryError, match="a single sample does not fit"):
+        evaluate(FakeOOM(make_model(), limit=0), (x, y), chunk_size=4, device="cpu", progress=False, planned=False)
+
+
+def test_oom_messages_are_recognised():
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"))
+    assert is_oom(RuntimeError("HIP out of memory. Tried to allocate"))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_real_out_of_memory_on_cpu_backs_off(tmp_path):
+    """RLIMIT_AS caps the address space so that the whole set cannot run in one chunk."""
+    script = textwrap.dedent("""
+        import resource, sys, numpy as np, torch
+        from memfit.evaluate import evaluate
+        torch.manual_seed(0)
+        n = 4000
+        x = np.random.default_rng(0).integers(0, 256, (n, 1, 8, 8), dtype=np.uint8)
+        y = np.random.default_rng(1).integers(0, 10, n)
+        # 4000 x 8192 float32 = 125 MiB of hidden activations for the whole set at once
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8192), torch.nn.ReLU(),
+                                    torch.nn.Linear(8192, 10))
+        ref = evaluate(model, (x, y), chunk_size=50, device="cpu", progress=False, planned=False)
+        def vm():
+            return int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+        limit = vm() + 160 * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        r = evaluate(model, (x, y), chunk_size=n, device="cpu", progress=False, planned=False)
+        print(r.retries, r.metrics["accuracy"] == ref.metrics["accuracy"],
+              abs(r.metrics["loss"] - ref.metrics["loss"]) < 1e-6 * abs(ref.metrics["loss"]), r.oom_sizes)
+    """)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    retries, acc_equal, loss_equal, sizes = out.stdout.split(maxsplit=3)
+    assert int(retries) >= 1 and acc_equal == "True" and loss_equal == "True", out.stdout
+
+
+def test_largest_fitting_is_the_boundary():
+    for budget in (0, 5, 99, 100, 101, 10**6):
+        peak = lambda n: 37 + 7 * n
+        best = largest_fitting(peak, budget, 5000)
+        if best:
+            assert peak(best) <= budget and (best == 5000 or peak(best + 1) > budget)
+        else:
+            assert peak(1) > budget
+
+
+def test_auto_chunk_respects_the_budget_by_memfit_accounting():
+    x, y = make_data(3000)
+    model = make_model()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    from memfit.evaluate import _Chunks
+    chunks = _Chunks(ds, torch.device("cpu"))
+    for budget in (200_000, 1_000_000):
+        n, estimate, reason = choose_chunk(model, chunks, budget, model)
+        assert 1 <= n <= 3000 and estimate(n) <= budget
+        assert n == 3000 or estimate(n + 1) > budget
+        r = evaluate(model, ds, chunk_size="auto", budget=budget, device="cpu", progress=False)
+        assert r.chunk_size == n and r.peak_bytes <= budget
+        assert r.metrics["accuracy"] == unchunked(model, x, y)["accuracy"]
+
+
+def test_model_mode_is_restored():
+    x, y = make_data(50)
+    model = make_model()
+    model.train()
+    evaluate(model, (x, y), chunk_size=10, device="cpu", progress=False)
+    assert model.training
+    model.eval()
+    evaluate(model, (x, y), chunk_size=10, device="cpu", progress=False)
+    assert not model.training
+    model.train()
+    with pytest.raises(ValueError):
+        evaluate(model, (x, y + 100), chunk_size=10, device="cpu", progress=False)
+    assert model.training                                      # restored after an error too
+
+
+def test_dropout_and_batchnorm_run_in_eval_mode():
+    x, y = make_data(64)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Dropout(0.9), torch.nn.Linear(16, 10))
+    model.train()
+    model(torch.randn(32, 1, 4, 4))                          # move the running stats away from the init
+    a = evaluate(model, (x, y), chunk_size=7, device="cpu", progress=False).metrics
+    model.eval()
+    assert a["accuracy"] == unchunked(model, x, y)["accuracy"]
+
+
+def test_torchmetrics_objects_match_builtins():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    x, y = make_data(777)
+    model = make_model()
+    acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+    top3 = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro", top_k=3)
+    r = evaluate(model, (x, y), metrics=("accuracy", "topk:3", acc, top3), chunk_size=50, device="cpu",
+                 progress=False)
+    assert r.metrics["MulticlassAccuracy"] == pytest.approx(r.metrics["accuracy"])
+    assert r.metrics["MulticlassAccuracy_2"] == pytest.approx(r.metrics["topk:3"])
+    assert acc.compute().item() == pytest.approx(r.metrics["accuracy"])
+    assert top3.compute().item() == pytest.approx(r.metrics["topk:3"])
+
+
+def test_loss_fn_forms_give_the_same_mean():
+    x, y = make_data(333)
+    model = make_model()
+    ref = unchunked(model, x, y)["loss"]
+    for fn in (torch.nn.CrossEntropyLoss(), torch.nn.CrossEntropyLoss(reduction="sum"),
+               torch.nn.CrossEntropyLoss(reduction="none"), lambda o, t: F.cross_entropy(o, t, reduction="none")):
+        r = evaluate(model, (x, y), metrics=("loss",), loss_fn=fn, chunk_size=50, device="cpu", progress=False)
+        assert r.metrics["loss"] == pytest.approx(ref, rel=1e-6)
+
+
+def test_iterable_of_batches():
+    x, y = make_data(100)
+    model = make_model()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    batches = [ds.batch(range(i, min(i + 30, 100))) for i in range(0, 100, 30)]
+    r = evaluate(model, batches, chunk_size="auto", device="cpu", progress=False)
+    assert r.n == 100 and r.chunks == 4 and r.metrics["accuracy"] == unchunked(model, x, y)["accuracy"]
+
+
+@pytest.mark.parametrize("data, kwargs, error, match", [
+    (make_data(20), dict(), None, None),
+    ((make_data(20)[0], make_data(20)[1] + 10), dict(), ValueError, r"label 1\d is out of range for a model with 10 "),
+    ((np.zeros((0, 1, 4, 4), np.uint8), np.zeros(0)), dict(), ValueError, "empty"),
+    ((make_data(20)[0], make_data(19)[1]), dict(), ValueError, "x has 20 samples but y has 19 labels"),
+    (make_data(20), dict(metrics=("f1",)), ValueError, "unknown metric 'f1'"),
+    (make_data(20), dict(metrics=()), ValueError, "metrics is empty"),
+    (make_data(20), dict(chunk_size=0), ValueError, "chunk_size must be 'auto' or an int >= 1"),
+    ("images.npy", dict(), TypeError, "data must be a CompactDataset"),
+])
+def test_bad_input(data, kwargs, error, match):
+    model = make_model()
+    kwargs = {"chunk_size": 8, "device": "cpu", "progress": False, **kwargs}
+    if error is None:
+        evaluate(model, data, **kwargs)
+        return
+    with pytest.raises(error, match=match):
+        evaluate(model, data, **kwargs)
+
+
+def test_output_that_is_not_n_by_classes():
+    x, y = make_data(20)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 10, 3))          # (N, 10, 2, 2)
+    with pytest.raises(ValueError, match=r"accuracy needs model outputs of shape \(N, classes\); found shape "
+                                         r"\(8, 10, 2, 2\)"):
+        evaluate(model, (x, y), metrics=("accuracy",), chunk_size=8, device="cpu", progress=False)
