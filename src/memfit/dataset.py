@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -170,6 +171,16 @@ def normalisation(normalize: object, x: np.ndarray | torch.Tensor) -> tuple[torc
     return out[0], out[1]
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """Which part of a whole dataset a shard holds: `indices` are positions in the whole (CPU)."""
+    rank: int
+    world_size: int
+    mode: str
+    n_total: int
+    indices: torch.Tensor
+
+
 class CompactDataset(torch.utils.data.Dataset):
     """Samples stored compactly on a device, decoded per batch. Build with `from_arrays`.
 
@@ -182,6 +193,7 @@ class CompactDataset(torch.utils.data.Dataset):
         self.x, self.y, self.codec = x, y, codec
         self.sample_shape, self.dtype = tuple(sample_shape), dtype
         self.mean, self.std = mean, std
+        self.shard_info: ShardInfo | None = None     # set by shard(): which part of which whole
         self.num_classes = int(y.max()) + 1 if y is not None and len(y) else None
         row_bytes = x[:1].nbytes
         self._x_words = (x.view(x.shape[0], -1).view(torch.int64)
@@ -371,7 +383,10 @@ class CompactDataset(torch.utils.data.Dataset):
         return n * (item * math.prod(self.sample_shape) + (0 if self.y is None else 8))
 
     def _replace(self, x: torch.Tensor, y: torch.Tensor | None) -> CompactDataset:
-        return type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std)
+        out = type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std)
+        out.num_classes = self.num_classes           # a part keeps the whole's class count
+        out.shard_info = self.shard_info
+        return out
 
     def to(self, device, non_blocking: bool = False) -> CompactDataset:
         """The same dataset held on another device (a new object; this one is unchanged)."""
@@ -399,6 +414,30 @@ class CompactDataset(torch.utils.data.Dataset):
         """A new dataset holding only the given samples (compact rows copied, no decode)."""
         idx = self.index(indices)
         return self._replace(self.rows(idx), None if self.y is None else self.y.index_select(0, idx))
+
+    def shard(self, rank: int | None = None, world_size: int | None = None, *,
+              mode: str = "contiguous") -> CompactDataset:
+        """Only this rank's part of the data (a copy; `nbytes` shrinks to about 1/world_size).
+
+        `rank`/`world_size` default to the initialised process group. `mode` 'contiguous' keeps a
+        balanced block of consecutive samples, 'strided' every world_size-th sample.
+
+        Example:
+            >>> import numpy as np
+            >>> ds = CompactDataset.from_arrays(np.zeros((10, 4), np.uint8), np.arange(10), device="cpu")
+            >>> part = ds.shard(1, 3)
+            >>> len(part), part.shard_info.indices.tolist()
+            (3, [4, 5, 6])
+        """
+        from memfit.distributed import rank_world, shard_indices
+        if self.shard_info is not None:
+            raise ValueError(f"this dataset is already shard {self.shard_info.rank} of "
+                             f"{self.shard_info.world_size}; shard the whole dataset instead")
+        r, w = rank_world(rank, world_size)
+        idx = shard_indices(len(self), r, w, mode)
+        part = self.subset(idx.to(self.device))
+        part.shard_info = ShardInfo(r, w, mode, len(self), idx)
+        return part
 
     def __repr__(self) -> str:
         return (f"CompactDataset(n={len(self)}, sample_shape={self.sample_shape}, codec={self.codec.name!r}, "

@@ -192,7 +192,7 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y):
 
 def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss_fn: Callable | None = None,
              chunk_size: int | str = "auto", budget: int | str | None = None, device=None,
-             progress: bool | None = True, planned: bool | None = None) -> EvalResult:
+             progress: bool | None = True, planned: bool | None = None, distributed: bool = False) -> EvalResult:
     """Evaluate `model` on `data` in chunks and return exact whole-set metrics.
 
     Args:
@@ -209,38 +209,79 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         progress: a progress bar counting samples (only on a terminal).
         planned: run through the activation planner (`memfit.plan`): None = when it can capture
             the model and chunk_size is 'auto'.
+        distributed: every rank of the initialised process group evaluates its shard (a whole
+            CompactDataset or arrays are sharded here; a Loader should be distributed already);
+            sums and counts are all-reduced, so every rank returns the single-process result.
+            The auto chunk size is the minimum over ranks; out-of-memory back-off stays local.
 
     Raises:
         ValueError/TypeError for bad input; BudgetExceeded when one sample does not fit; the
-        original error when a single sample runs out of memory.
+        original error when a single sample runs out of memory; with `distributed`, an error on
+        every rank naming the rank that failed.
     """
     t0 = time.perf_counter()
     dev = _model_device(model, device)
-    chunks = as_chunks(data, dev)
     mets = _metrics(metrics, loss_fn)
     if not mets:
         raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
+    if distributed:
+        from memfit import distributed as mdist
+        if not mdist.is_distributed():
+            raise ValueError("distributed=True needs an initialised torch.distributed process group "
+                             "(start with torchrun, or call init_process_group first)")
     was_training = model.training
     model.eval()
+    error, res = None, None
     try:
+        chunks = as_chunks(_shard(data) if distributed else data, dev)
+        size, estimate, reason = _chunk_size(model, chunks, chunk_size, budget, dev, distributed)
         runner, runner_name = model, "eager"
-        if isinstance(chunks, _Chunks):
-            if chunk_size == "auto":
-                limit = resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
-                size, estimate, reason = choose_chunk(model, chunks, limit, model)
-            else:
-                size, estimate, reason = _forced(chunk_size, chunks.n), None, "chunk_size given"
-        else:
-            size, estimate, reason = 0, None, "batches of the loader"
         if isinstance(chunks, _Chunks) and planned is not False and (planned or chunk_size == "auto"):
             runner, runner_name = _planned_runner(model, chunks, size, planned)
-        res = _loop(runner, chunks, mets, size, dev, progress)
+        res = _loop(runner, chunks, mets, size, dev, progress, allow_empty=distributed)
+    except Exception as e:
+        if not distributed:
+            raise
+        error = e
     finally:
         model.train(was_training)
+    if distributed:
+        mdist.agree(error, "memfit.evaluate")       # every rank learns whether one failed, then raises
+        mdist.reduce_states([m.state for m in mets.values() if m.reduce])
+        for m in mets.values():
+            if m.reduce and "n" in m.state:
+                m.n = int(m.state["n"])
+        counts = torch.tensor([res["n"], res["chunks"], res["retries"]], dtype=torch.int64)
+        mdist.all_reduce(counts, what="evaluate counts")
+        res["n"], res["chunks"], res["retries"] = (int(v) for v in counts)
     peak = _peak(dev, estimate, res["max_n"], model)
     values = {k: m.compute() for k, m in mets.items()}
     return EvalResult(values, res["n"], size or res["max_n"], res["chunks"], res["retries"], peak,
                       time.perf_counter() - t0, runner_name, reason, res["oom_sizes"])
+
+
+def _shard(data):
+    """This rank's part of whole data; shards and iterables (a distributed Loader) pass through."""
+    if isinstance(data, CompactDataset):
+        return data if data.shard_info is not None else data.shard()
+    if isinstance(data, tuple) and len(data) == 2:
+        return CompactDataset.from_arrays(*data, device="cpu").shard()
+    return data
+
+
+def _chunk_size(model, chunks, chunk_size, budget, dev, distributed) -> tuple[int, Callable | None, str]:
+    if not isinstance(chunks, _Chunks):
+        return 0, None, "batches of the loader"
+    if chunk_size != "auto":
+        return _forced(chunk_size, chunks.n), None, "chunk_size given"
+    limit = resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
+    size, estimate, reason = choose_chunk(model, chunks, limit, model)
+    if distributed:             # one size for all: a rank's back-off then never waits on another's
+        from memfit import distributed as mdist
+        agreed = mdist.all_reduce(torch.tensor([size]), op=mdist.dist.ReduceOp.MIN, what="chunk size")
+        if int(agreed) != size:
+            size, reason = int(agreed), f"{reason}; the smallest over ranks ({int(agreed)}) is used"
+    return size, estimate, reason
 
 
 def _metrics(specs, loss_fn) -> dict[str, Metric]:
@@ -293,7 +334,8 @@ def _peak(dev: torch.device, estimate, max_n: int, model) -> int:
     return int(estimate(max_n)) if estimate is not None else 0
 
 
-def _loop(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch.device, show) -> dict:
+def _loop(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch.device, show,
+          allow_empty: bool = False) -> dict:
     total = chunks.n if isinstance(chunks, _Chunks) else None
     bar = progress_bar(total, "evaluating", unit="sample", enabled=show)
     if dev.type == "cuda":
@@ -318,7 +360,7 @@ def _loop(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch.devi
                 x, y = batch[0], (batch[1] if len(batch) > 1 else None)
                 _split_run(runner, metrics, x, y, stats, dev, failed, bar)
     bar.close()
-    if stats["n"] == 0:
+    if stats["n"] == 0 and not allow_empty:
         raise ValueError("the data is empty: nothing to evaluate")
     return stats
 
@@ -352,6 +394,7 @@ def _back_off(err: str, n: int, failed: set, limit: int, stats: dict, dev) -> tu
 
 def _split_run(runner, metrics, x, y, stats, dev, failed, bar) -> None:
     """A loader batch that runs out of memory is halved (recursively) and each half retried."""
+    x, y = x.to(dev, non_blocking=True), (None if y is None else y.to(dev, non_blocking=True))
     err = _attempt(runner, metrics, lambda: (x, y))
     if err is None:
         n = x.shape[0]

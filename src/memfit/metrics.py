@@ -84,6 +84,7 @@ def loss_sum(logits: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None) ->
 class Metric:
     """A metric kept as a dict of summed tensors plus a sample count."""
     name = "?"
+    reduce = True          # states are sums: all-reduce them across processes (SUM)
 
     def __init__(self) -> None:
         self.state: dict[str, torch.Tensor] = {}
@@ -155,7 +156,10 @@ class Confusion(Metric):
 
 
 class External(Metric):
-    """A torchmetrics-style object (`update(preds, target)`, `compute()`), updated per committed chunk."""
+    """A torchmetrics-style object (`update(preds, target)`, `compute()`), updated per committed chunk.
+
+    torchmetrics synchronises its own states across processes in `compute()`."""
+    reduce = False
 
     def __init__(self, obj) -> None:
         super().__init__()

@@ -1,0 +1,109 @@
+"""Sharding and exact distributed evaluation on CPU with gloo, 2 and 3 processes started here."""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from distributed_util import run_ranks
+from memfit.dataset import CompactDataset
+from memfit.distributed import epoch_batch_sizes, shard_indices, shard_sizes
+from memfit.evaluate import evaluate
+
+N = 1003                      # not a multiple of 2 or 3: uneven shards
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, (N, 1, 4, 4), dtype=np.uint8), rng.integers(0, 10, N)
+
+
+def model():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 10))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+@pytest.mark.parametrize("mode", ["contiguous", "strided"])
+def test_shards_partition_the_data(world, mode):
+    parts = [shard_indices(N, r, world, mode) for r in range(world)]
+    allidx = torch.cat(parts)
+    assert len(allidx) == N and torch.equal(allidx.sort().values, torch.arange(N))   # no overlap, union all
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert sorted(map(len, parts)) == sorted(shard_sizes(N, world))
+
+
+def test_dataset_shard_holds_its_part_only():
+    x, y = data()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    parts = [ds.shard(r, 3) for r in range(3)]
+    assert sum(len(p) for p in parts) == N
+    for r, p in enumerate(parts):
+        idx = p.shard_info.indices
+        assert torch.equal(p.batch(range(len(p)))[0], ds.batch(idx)[0])
+        assert abs(p.nbytes - ds.nbytes / 3) <= ds.row_nbytes + 64        # about 1/world of the bytes
+        assert p.num_classes == ds.num_classes
+    with pytest.raises(ValueError, match="already shard 0 of 3"):
+        parts[0].shard(0, 2)
+    with pytest.raises(ValueError, match="not initialised"):
+        ds.shard()
+    with pytest.raises(ValueError, match=r"0 <= rank < world_size"):
+        ds.shard(3, 3)
+
+
+@pytest.mark.parametrize("n_max, world, batch", [(5, 2, 2), (10, 3, 4), (334, 3, 64), (7, 4, 2), (3, 2, 2)])
+def test_epoch_batch_sizes_equal_counts_no_empty_no_repeat(n_max, world, batch):
+    sizes = [n_max - (r > 0) for r in range(world)]
+    for drop_last in (False, True):
+        per_rank = [epoch_batch_sizes(n, min(sizes), max(sizes), batch, drop_last) for n in sizes]
+        assert len({len(b) for b in per_rank}) == 1                         # same number of batches
+        for n, b in zip(sizes, per_rank, strict=True):
+            assert all(s >= 1 for s in b) and all(s <= batch for s in b)
+            assert sum(b) == n if not drop_last else sum(b) <= n
+
+
+def test_epoch_batch_sizes_says_when_it_cannot_balance():
+    with pytest.raises(ValueError, match="cannot fill 7 batches.*drop_last=True"):
+        epoch_batch_sizes(6, 6, 7, 1, False)
+
+
+def _eval_rank(rank, world, chunk_size, fail_rank):
+    x, y = data()
+    m = model()
+    if rank == fail_rank:
+        def boom(*_):
+            raise RuntimeError("model exploded on purpose")
+        m.register_forward_hook(boom)
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    r = evaluate(m, ds, metrics=("accuracy", "loss", "confusion"), chunk_size=chunk_size, device="cpu",
+                 progress=False, distributed=True)
+    return r.metrics["accuracy"], r.metrics["loss"], r.metrics["confusion"].tolist(), r.n
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_evaluation_equals_single_process(world):
+    x, y = data()
+    single = evaluate(model(), (x, y), metrics=("accuracy", "loss", "confusion"), chunk_size=64, device="cpu",
+                      progress=False)
+    out = run_ranks(_eval_rank, world, 64, -1)
+    assert sorted(out) == list(range(world)), out
+    for status, (acc, loss, conf, n) in out.values():
+        assert status == "ok"
+        assert acc == single.metrics["accuracy"] and n == N                     # exactly, on every rank
+        assert loss == pytest.approx(single.metrics["loss"], rel=1e-6)                 # float rounding
+        assert conf == single.metrics["confusion"].tolist()
+
+
+def test_a_failing_rank_makes_the_others_fail_clearly():
+    t0 = time.perf_counter()
+    out = run_ranks(_eval_rank, 2, 64, 1, timeout=60)
+    assert time.perf_counter() - t0 < 60
+    assert out[1][0] == "error" and "model exploded on purpose" in out[1][1]
+    assert out[0][0] == "error"
+    assert "another rank failed (rank 1: RuntimeError: model exploded on purpose)" in out[0][1]
+
+
+def test_distributed_needs_a_process_group():
+    x, y = data()
+    with pytest.raises(ValueError, match="needs an initialised torch.distributed process group"):
+        evaluate(model(), (x, y), device="cpu", progress=False, distributed=True)
