@@ -38,7 +38,7 @@ def test_dataset_shard_holds_its_part_only():
     ds = CompactDataset.from_arrays(x, y, device="cpu")
     parts = [ds.shard(r, 3) for r in range(3)]
     assert sum(len(p) for p in parts) == N
-    for r, p in enumerate(parts):
+    for p in parts:
         idx = p.shard_info.indices
         assert torch.equal(p.batch(range(len(p)))[0], ds.batch(idx)[0])
         assert abs(p.nbytes - ds.nbytes / 3) <= ds.row_nbytes + 64        # about 1/world of the bytes
