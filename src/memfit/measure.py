@@ -1,0 +1,116 @@
+"""Measure the live tensor bytes of running code: the figure the planner and `evaluate` compare with.
+
+On CUDA this is the caching allocator's own count (`torch.cuda.max_memory_allocated` above the
+start). On CPU there is no allocator statistic, so a `TorchDispatchMode` sees every ATen op's
+outputs, counts each new storage once and subtracts it when the last tensor on it is freed.
+
+Example:
+    >>> import torch
+    >>> from memfit.measure import track_memory
+    >>> with track_memory("cpu") as mem:
+    ...     y = torch.ones(1000) * 2        # two float32 buffers of 4000 bytes, both live at once
+    >>> mem.peak
+    8000
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MemoryTrace", "track_memory"]
+
+
+@dataclass
+class MemoryTrace:
+    """Bytes allocated above the start of the `with` block: `peak` is the most live at once."""
+    device: torch.device
+    current: int = 0
+    peak: int = 0
+    allocations: int = 0
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):      # sparse, meta or wrapper tensors own no plain storage
+        return None
+    return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self, trace: MemoryTrace):
+        super().__init__()
+        self.trace = trace
+        self.live: dict[int, list[int]] = {}         # storage pointer -> [bytes, tensors alive on it]
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.trace.current -= entry[0]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {k[0] for k in (_storage_key(a) for a in tree_flatten((args, kwargs))[0]
+                                 if isinstance(a, torch.Tensor)) if k}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device != self.trace.device:
+                continue
+            key = _storage_key(t)
+            if key is None:
+                continue
+            ptr, nbytes = key
+            if ptr in self.live:
+                self.live[ptr][1] += 1
+            elif ptr in inputs:                        # a view of (or in-place write to) a tensor made outside
+                continue
+            else:
+                self.live[ptr] = [nbytes, 1]
+                self.trace.current += nbytes
+                self.trace.allocations += 1
+                self.trace.peak = max(self.trace.peak, self.trace.current)
+            weakref.finalize(t, self._release, ptr)
+        return out
+
+
+class track_memory:  # noqa: N801  (used as a context manager, reads like a function)
+    """Context manager measuring the live tensor bytes allocated inside it on `device`.
+
+    Args:
+        device: where to measure ("cpu", "cuda", "cuda:1", a torch.device).
+    """
+
+    def __init__(self, device="cpu"):
+        self.trace = MemoryTrace(torch.device(device))
+        if self.trace.device.type == "cuda" and self.trace.device.index is None:
+            self.trace.device = torch.device("cuda", torch.cuda.current_device())
+        self._mode: _Tracker | None = None
+        self._base = 0
+
+    def __enter__(self) -> MemoryTrace:
+        dev = self.trace.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            self._base = torch.cuda.memory_allocated(dev)
+        else:
+            self._mode = _Tracker(self.trace)
+            self._mode.__enter__()
+        return self.trace
+
+    def __exit__(self, *exc) -> None:
+        dev = self.trace.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            self.trace.peak = torch.cuda.max_memory_allocated(dev) - self._base
+            self.trace.current = torch.cuda.memory_allocated(dev) - self._base
+        elif self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
