@@ -13,7 +13,20 @@ import sys
 
 EXAMPLES = {
     "info": "example:\n  memfit info\n  memfit info --json",
-    "bench codecs": "example:\n  memfit bench codecs --sets mnist --device cpu",
+    "demo": ("example:\n  memfit demo\n  memfit demo --epochs 3 --budget 16MiB --json\n"
+             "  memfit demo --data mnist:~/data/mnist --device cuda\n"
+             "  torchrun --nproc-per-node=2 -m memfit demo --distributed"),
+    "bench": ("example:\n  memfit bench codecs --quick\n  memfit bench loaders --plot loaders.png\n"
+              "  memfit bench planner --quick\n  memfit bench evaluate --quick\n"
+              "  (memfit bench NAME --help lists each benchmark's options)"),
+    "eval": ("example:\n  memfit eval mymodels.py:make_net --weights net.pt --data mnist:~/data/mnist\n"
+             "  memfit eval pkg.models:resnet --weights r.pt --data test.npz --budget 1GiB --json"),
+}
+BENCHMARKS = {
+    "codecs": "bytes held and batch throughput of each codec vs a float32 gather",
+    "loaders": "stream / resident / macro loaders vs torch DataLoader and a float32 gather",
+    "planner": "activation arena of a model zoo: naive, eager peak, planned, lower bound, latency",
+    "evaluate": "auto chunk size vs the largest that fits, OOMs, throughput vs unchunked",
 }
 
 
@@ -34,13 +47,41 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=cmd_info)
 
-    bench = sub.add_parser("bench", help="benchmarks against the baselines users have today")
-    bsub = bench.add_subparsers(dest="bench", metavar="{codecs}")
+    demo = sub.add_parser("demo", help="store, train, plan and evaluate on built-in digits in under a minute",
+                          epilog=EXAMPLES["demo"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from memfit.demo import add_arguments
+    add_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks against the baselines users have today",
+                           epilog=EXAMPLES["bench"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    bsub = bench.add_subparsers(dest="bench", metavar="{" + ",".join(BENCHMARKS) + "}")
     bsub.required = True
-    for name, summary in (("codecs", "bytes held and batch throughput of each codec vs a float32 gather"),):
+    for name, summary in BENCHMARKS.items():
         # options after the benchmark's name go to the benchmark's own parser (its --help too)
         b = bsub.add_parser(name, help=summary, add_help=False)
         b.set_defaults(func=cmd_bench, passthrough=True)
+
+    plan = sub.add_parser("plan", help="the activation memory plan of your model (MODULE:FACTORY --input ...)",
+                          add_help=False)
+    plan.set_defaults(func=cmd_plan, passthrough=True)
+
+    ev = sub.add_parser("eval", help="evaluate your model on your data with auto chunking",
+                        epilog=EXAMPLES["eval"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("factory", metavar="MODULE:FACTORY",
+                    help="a function that builds the model, in an importable module or a .py file")
+    ev.add_argument("--weights", default=None, help="a state_dict saved with torch.save (optional)")
+    ev.add_argument("--data", default="digits", help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz "
+                    "(its test split is evaluated)")
+    ev.add_argument("--normalize", default="dataset", choices=("dataset", "none", "unit"),
+                    help="inputs as the model was trained: per-channel mean/std of the training split "
+                         "(dataset), raw 0..255 (none) or 0..1 (unit)")
+    ev.add_argument("--metrics", default="accuracy,loss", help="comma-separated: accuracy, topk:K, loss, confusion")
+    ev.add_argument("--budget", default=None, help="memory budget, e.g. 1GiB (default: free memory minus a margin)")
+    ev.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
+    ev.add_argument("--chunk-size", default="auto", help="'auto' (default) or a number of samples")
+    ev.add_argument("--json", action="store_true", help="machine-readable output")
+    ev.set_defaults(func=cmd_eval)
     return p
 
 
@@ -66,11 +107,83 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.bench == "codecs":
-        from memfit.bench.codecs import main as run
-    else:  # pragma: no cover - argparse restricts the choices
-        raise UsageError(f"unknown benchmark {args.bench!r}")
+    import importlib
+    run = importlib.import_module(f"memfit.bench.{args.bench}").main    # argparse restricts the names
     return run(args.extra)
+
+
+def cmd_plan(args) -> int:
+    from memfit.planner import cli_plan
+    return cli_plan(args.extra)
+
+
+def _budget(text):
+    from memfit.budget import parse_bytes
+    try:
+        return None if text is None else parse_bytes(text)
+    except ValueError as e:
+        raise UsageError(f"--budget: {e}") from None
+
+
+def cmd_demo(args) -> int:
+    from memfit import demo
+    from memfit.sources import SPECS
+    _budget(args.budget)
+    kind = args.data.partition(":")[0]
+    if not (args.data == "digits" or kind in ("synthetic", "mnist", "cifar10")
+            or args.data.lower().endswith((".npz", ".npy"))):
+        raise UsageError(f"--data: expected {SPECS}; found {args.data!r}")
+    if args.epochs < 1 or args.batch_size < 1:
+        raise UsageError(f"--epochs and --batch-size must be >= 1; found {args.epochs} and {args.batch_size}")
+    return demo.main(args)
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from memfit.dataset import CompactDataset
+    from memfit.evaluate import evaluate
+    from memfit.planner import load_factory
+    from memfit.sources import open_data
+    budget = _budget(args.budget)
+    chunk = args.chunk_size
+    if chunk != "auto":
+        if not chunk.isdigit() or int(chunk) < 1:
+            raise UsageError(f"--chunk-size: expected 'auto' or a whole number >= 1; found {chunk!r}")
+        chunk = int(chunk)
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    model = load_factory(args.factory)()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{args.factory} returned {type(model).__name__}; expected a torch.nn.Module")
+    if args.weights:
+        state = torch.load(args.weights, map_location="cpu", weights_only=True)
+        for key in ("state_dict", "model"):
+            if isinstance(state, dict) and isinstance(state.get(key), dict):
+                state = state[key]
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise ValueError(f"{args.weights} does not match the model of {args.factory}: "
+                             f"{str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}") from None
+    from memfit.budget import resolve_device
+    dev = resolve_device(args.device)
+    model = model.to(dev)
+    d = open_data(args.data)
+    norm = {"dataset": "dataset", "none": None, "unit": (0.0, 255.0)}[args.normalize]
+    if norm == "dataset":
+        ref = CompactDataset.from_arrays(d.x_train[:10_000], normalize="dataset", device="cpu")
+        norm = (ref.mean, ref.std)
+    test = CompactDataset.from_arrays(d.x_test, d.y_test, normalize=norm, device="cpu")
+    res = evaluate(model, test, metrics=metrics, budget=budget, device=dev, chunk_size=chunk,
+                   progress=not args.json)
+    if args.json:
+        vals = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in res.metrics.items()}
+        print(json.dumps({"metrics": vals, "n": res.n, "chunk_size": res.chunk_size, "chunks": res.chunks,
+                          "retries": res.retries, "peak_bytes": res.peak_bytes, "seconds": res.seconds,
+                          "runner": res.runner, "reason": res.reason}))
+    else:
+        print(res)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,166 @@
+"""Chunked-evaluation benchmark: is the auto chunk size as large as what really fits, and is it fast?
+
+A CPU has no memory limit small enough to hit, so the benchmark emulates a device of `--budget`
+bytes: a chunk "really fits" when the parameters, the compact chunk, the decoded input and the
+live bytes measured while the model runs it (`memfit.measure.track_memory`, the runner evaluate
+really uses: the planned module with its arena, or eager) add up to at most the budget.
+
+1. auto / largest: `evaluate(chunk_size="auto")` chooses from its estimate; the largest chunk that
+   really fits is found by bisection on the measured figure. Target >= 0.9x.
+2. out-of-memory errors: the same evaluation through a wrapper that raises `torch.OutOfMemoryError`
+   whenever a chunk goes over the emulated device. Target 0 with the planner-based estimate.
+3. throughput: with a budget that holds everything, `evaluate` against one eager `model(x)` on the
+   whole float32 set computing the same accuracy. Target >= 0.95x.
+
+Run:
+    memfit bench evaluate
+    python benchmarks/bench_evaluate.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from memfit.bench.common import machine_header, table
+from memfit.budget import format_bytes, parse_bytes, resolve_device
+from memfit.dataset import CompactDataset
+from memfit.evaluate import evaluate, param_bytes
+from memfit.measure import track_memory
+
+
+def cnn(classes: int = 10) -> torch.nn.Module:
+    """A small MNIST CNN (about 0.1 M parameters) whose activations dominate its memory."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),     # (N, 32, 14, 14)
+        torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),    # (N, 64, 7, 7)
+        torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, classes))
+
+
+def data(n: int, seed: int = 0) -> CompactDataset:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (n, 1, 28, 28), dtype=np.uint8)
+    y = rng.integers(0, 10, n)
+    return CompactDataset.from_arrays(x, y, normalize="dataset", device="cpu")
+
+
+def runner_for(model, ds: CompactDataset, n: int, kind: str):
+    """The callable evaluate runs for a chunk of n: the planned module (arena made for n) or eager."""
+    if kind != "planned":
+        return model, 0
+    from memfit.planner import plan
+    pm = plan(model, (torch.empty((n, *ds.sample_shape)),))
+    return pm, pm.report.arena_bytes
+
+
+def measured(model, ds: CompactDataset, n: int, kind: str) -> int:
+    """Bytes a chunk of n really holds on the emulated device."""
+    runner, arena = runner_for(model, ds, n, kind)
+    x, _ = ds.batch(torch.arange(n))
+    with torch.inference_mode():
+        runner(x)                                  # warm: any lazy set-up happens outside the measure
+        with track_memory("cpu") as mem:
+            runner(x)
+    return param_bytes(model) + ds.batch_nbytes(n) + x.nbytes + arena + mem.peak
+
+
+def largest_really_fitting(model, ds, budget: int, kind: str) -> int:
+    lo, hi = 0, len(ds)
+    while lo < hi:                                  # measured(n) grows with n
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if measured(model, ds, mid, kind) <= budget else (lo, mid - 1)
+    return lo
+
+
+class EmulatedDevice(torch.nn.Module):
+    """Raises torch.OutOfMemoryError for a chunk whose measured bytes exceed the budget."""
+
+    def __init__(self, model, ds, budget: int, kind: str):
+        super().__init__()
+        self.model, self.ds, self.budget, self.kind, self.ooms = model, ds, budget, kind, 0
+        self.fits: dict[int, bool] = {}
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n not in self.fits:
+            self.fits[n] = measured(self.model, self.ds, n, self.kind) <= self.budget
+        if not self.fits[n]:
+            self.ooms += 1
+            raise torch.OutOfMemoryError(f"emulated device: a chunk of {n} needs more than "
+                                         f"{format_bytes(self.budget)}")
+        return self.model(x)
+
+
+def run(n: int = 10_000, budgets=("8MiB", "16MiB", "32MiB"), repeat: int = 3, as_json: bool = False) -> list[dict]:
+    dev = resolve_device("cpu")
+    print(machine_header(dev))
+    torch.manual_seed(0)
+    model = cnn().eval()
+    ds = data(n)
+    rows = []
+    for b in budgets:
+        budget = parse_bytes(b)
+        r = evaluate(model, ds, chunk_size="auto", budget=budget, progress=False)
+        kind = "planned" if r.runner == "planned" else "eager"
+        best = largest_really_fitting(model, ds, budget, kind)
+        emu = EmulatedDevice(model, ds, budget, kind)
+        r2 = evaluate(emu, ds, chunk_size=r.chunk_size, budget=budget, progress=False, planned=False)
+        rows.append({"budget": format_bytes(budget), "runner": kind, "auto chunk": r.chunk_size,
+                     "largest that fits": best, "auto / largest": r.chunk_size / max(best, 1),
+                     "estimated peak": format_bytes(r.peak_bytes),
+                     "measured at auto": format_bytes(measured(model, ds, r.chunk_size, kind)),
+                     "OOMs": r2.retries, "accuracy equal": r2.metrics["accuracy"] == r.metrics["accuracy"]})
+    print(f"# {n} MNIST-shaped samples (uint8), the CNN above, emulated device of each budget")
+    print(table(rows))
+
+    # throughput when everything fits: memfit (auto, compact data decoded per chunk) vs eager whole set
+    x_all, y_all = ds.batch(torch.arange(n))
+
+    def eager():
+        with torch.inference_mode():
+            return (model(x_all).argmax(1) == y_all).sum().item() / n
+
+    def chunked():
+        return evaluate(model, ds, metrics=("accuracy",), budget="8GiB", progress=False)
+
+    eager()
+    res = chunked()
+    t_eager = min(_time(eager) for _ in range(repeat))
+    t_mem = min(_time(chunked) for _ in range(repeat))
+    speed = {"unchunked eager s": t_eager, "memfit auto s": t_mem, "auto chunk": res.chunk_size,
+             "runner": res.runner.split(" ")[0], "throughput ratio": t_eager / t_mem}
+    print("# everything fits (budget 8GiB): evaluate(auto) vs one eager model(x) over the float32 set")
+    print(table([speed]))
+    worst = min(r["auto / largest"] for r in rows)
+    ooms = sum(r["OOMs"] for r in rows)
+    print(f"{'PASS' if worst >= 0.9 else 'MISS'}  auto chunk / largest that fits: worst {worst:.2f} (target >= 0.9)")
+    print(f"{'PASS' if ooms == 0 else 'MISS'}  out-of-memory errors at the auto size: {ooms} (target 0)")
+    ratio = speed["throughput ratio"]
+    print(f"{'PASS' if ratio >= 0.95 else 'MISS'}  throughput at auto vs unchunked: {ratio:.2f}x (target >= 0.95x)")
+    if as_json:
+        print(json.dumps({"rows": rows, "throughput": speed}))
+    return rows
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="memfit bench evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=10_000, help="samples in the synthetic test set")
+    p.add_argument("--budgets", default="8MiB,16MiB,32MiB", help="comma-separated emulated device sizes")
+    p.add_argument("--quick", action="store_true", help="2,000 samples and one budget (for tests)")
+    p.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    a = p.parse_args(argv)
+    run(n=2_000 if a.quick else a.n, budgets=("4MiB",) if a.quick else a.budgets.split(","),
+        repeat=1 if a.quick else 3, as_json=a.json)
+    return 0

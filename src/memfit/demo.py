@@ -1,0 +1,208 @@
+"""`memfit demo`: the whole job on real data in under a minute: store, train, plan, evaluate.
+
+On scikit-learn's bundled digits (or `--data` of your own) with a memory budget (default 64MiB):
+1. stores the images compactly (uint8) and prints float32 bytes against compact bytes;
+2. trains a small CNN through `memfit.loader` (strategy chosen by the budget, with its reason);
+3. plans the model's activation memory (naive / planned / lower bound) and finds the largest
+   evaluation batch that fits the budget;
+4. evaluates on the held-out split with `memfit.evaluate` (auto chunk size) for the exact accuracy;
+5. writes memfit-demo/arena.png and memfit-demo/loss.png.
+
+Run:
+    memfit demo
+    memfit demo --epochs 3 --budget 16MiB --json
+    torchrun --nproc-per-node=2 -m memfit demo --distributed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from memfit.budget import format_bytes, parse_bytes, resolve_device
+from memfit.dataset import CompactDataset
+from memfit.progress import progress
+from memfit.sources import SPECS, open_data
+
+
+def small_cnn(in_channels: int, classes: int, side: int) -> torch.nn.Module:
+    """Three 3x3 convolutions and a linear head; pools only when the image is large enough."""
+    pool = [torch.nn.MaxPool2d(2)] if side >= 16 else []
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(in_channels, 32, 3, padding=1), torch.nn.ReLU(), *pool,      # (N, 32, H', W')
+        torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), *pool,
+        torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),                            # (N, 64)
+        torch.nn.Linear(64, classes))
+
+
+def _say(quiet: bool, *args) -> None:
+    if not quiet:
+        print(*args, flush=True)
+
+
+def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, batch_size: int = 64,
+        lr: float = 3e-3, seed: int = 0, out: str | os.PathLike = "memfit-demo", as_json: bool = False,
+        distributed: bool = False, plots: bool = True) -> dict:
+    """Run the demo and return its figures (what `--json` prints)."""
+    from memfit.evaluate import evaluate
+    from memfit.loader import loader
+    from memfit.planner import max_batch_size, plan
+
+    t0 = time.perf_counter()
+    rank, world = _init_distributed(device) if distributed else (0, 1)
+    quiet = as_json or rank != 0
+    dev = resolve_device(device if device is not None else (_local_cuda() if distributed else None))
+    limit = parse_bytes(budget)
+    torch.manual_seed(seed)
+
+    d = open_data(data, seed=seed)
+    train = CompactDataset.from_arrays(d.x_train, d.y_train, normalize="dataset", device="cpu")
+    test = CompactDataset.from_arrays(d.x_test, d.y_test, normalize=(train.mean, train.std), device="cpu")
+    dense = train.dense_nbytes + test.dense_nbytes
+    compact = train.nbytes + test.nbytes
+    _say(quiet, f"data     {d.name}: {len(train)} train + {len(test)} test images of shape "
+                f"{tuple(train.sample_shape)}, {d.num_classes} classes")
+    _say(quiet, f"storage  float32 {format_bytes(dense)} -> {train.codec.name} {format_bytes(compact)} "
+                f"({dense / compact:.1f}x smaller)")
+
+    # 2. train through the loader: the budget picks the strategy
+    sample_shape = tuple(train.sample_shape)
+    model = small_cnn(sample_shape[0], d.num_classes, sample_shape[-1]).to(dev)
+    net = _ddp(model, dev) if distributed else model
+    ld = loader(train, batch_size, budget=limit, device=dev, seed=seed, distributed=distributed)
+    _say(quiet, f"loader   {ld.strategy}: {ld.explain()}")
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    losses = []
+    for epoch in range(epochs):
+        bar = progress(len(ld), f"epoch {epoch + 1}/{epochs}", unit="batch", enabled=not quiet)
+        total, n, t_epoch = 0.0, 0, time.perf_counter()
+        for x, y in ld:
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total, n = total + loss.item() * len(y), n + len(y)
+            bar.update(1)
+            bar.set_postfix_str(f"loss {total / n:.4f}", refresh=False)
+        bar.close()
+        losses.append(total / max(n, 1))
+        _say(quiet, f"epoch {epoch + 1:>2}/{epochs}  loss {losses[-1]:.4f}  ({time.perf_counter() - t_epoch:.1f} s)")
+
+    # 3. plan the activation memory of inference and the largest evaluation batch in the budget
+    model.eval()
+    example = torch.empty((batch_size, *sample_shape), device=dev)
+    pm = plan(model, (example,))
+    rep = pm.report
+    largest = max_batch_size(model, sample_shape, limit, extra_bytes_per_sample=train.row_nbytes)
+    _say(quiet, f"plan     batch {batch_size}: naive {format_bytes(rep.naive_bytes)}, planned "
+                f"{format_bytes(rep.arena_bytes)} ({rep.naive_bytes / max(rep.arena_bytes, 1):.1f}x less), "
+                f"lower bound {format_bytes(rep.lower_bound)}, parameters {format_bytes(rep.param_bytes)}")
+    _say(quiet, f"         largest evaluation batch within {format_bytes(limit)}: {largest}")
+
+    # 4. exact evaluation in chunks sized to the budget
+    res = evaluate(model, test, metrics=("accuracy", "loss"), budget=limit, device=dev, progress=not quiet,
+                   distributed=distributed)
+    _say(quiet, f"evaluate chunk size {res.chunk_size} ({res.reason}); {res.chunks} chunks, {res.n} samples")
+    _say(quiet, f"accuracy {res.metrics['accuracy']:.4f}  loss {res.metrics['loss']:.4f}  (exact, whole test set)")
+
+    # 5. pictures
+    files = []
+    if plots and rank == 0:
+        files = _plots(Path(out), rep, losses, quiet)
+    result = {
+        "data": d.name, "train": len(train), "test": len(test), "sample_shape": list(sample_shape),
+        "device": str(dev), "budget": limit, "world_size": world,
+        "bytes": {"float32": dense, "compact": compact, "ratio": dense / compact, "codec": train.codec.name},
+        "loader": {"strategy": ld.strategy, "reason": ld.explain(), "batches_per_epoch": len(ld)},
+        "losses": losses,
+        "plan": {"batch": batch_size, "naive": rep.naive_bytes, "planned": rep.arena_bytes,
+                 "lower_bound": rep.lower_bound, "unplanned": rep.unplanned_bytes, "parameters": rep.param_bytes},
+        "max_eval_batch": largest,
+        "evaluate": {"chunk_size": res.chunk_size, "chunks": res.chunks, "n": res.n, "runner": res.runner,
+                     "accuracy": res.metrics["accuracy"], "loss": res.metrics["loss"], "reason": res.reason},
+        "files": [str(f) for f in files],
+        "seconds": time.perf_counter() - t0,
+    }
+    _say(quiet, f"done in {result['seconds']:.1f} s")
+    if as_json and rank == 0:
+        print(json.dumps(result))
+    if distributed:
+        torch.distributed.destroy_process_group()
+    return result
+
+
+def _plots(out: Path, report, losses: list[float], quiet: bool) -> list[Path]:
+    try:
+        import matplotlib
+    except ImportError:
+        _say(quiet, "plots    skipped: matplotlib is not installed (pip install 'memfit[demo]')")
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out.mkdir(parents=True, exist_ok=True)
+    arena = report.plot(out / "arena.png")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(range(1, len(losses) + 1), losses, marker="o")
+    ax.set(xlabel="epoch", ylabel="mean training loss", title="memfit demo: training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
+    plt.close(fig)
+    files = [Path(arena or out / "arena.png"), out / "loss.png"]
+    _say(quiet, f"plots    {files[0]} (arena plan), {files[1]} (loss curve)")
+    return files
+
+
+def _local_cuda():
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+
+
+def _init_distributed(device) -> tuple[int, int]:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ValueError("--distributed needs the process group variables torchrun sets; start with "
+                             "torchrun --nproc-per-node=2 -m memfit demo --distributed")
+        dev = resolve_device(device if device is not None else _local_cuda())
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _ddp(model, dev):
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", default="digits", help=f"{SPECS} (default: digits)")
+    p.add_argument("--budget", default="64MiB", help="memory budget for the loader, plan and evaluation")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
+    p.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same run")
+    p.add_argument("--out", default="memfit-demo", help="folder for the PNGs (default memfit-demo/)")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNGs")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--distributed", action="store_true", help="one process per rank, started by torchrun")
+
+
+def main(args) -> int:
+    if args.epochs < 1 or args.batch_size < 1:
+        raise ValueError(f"--epochs and --batch-size must be >= 1; found {args.epochs} and {args.batch_size}")
+    run(args.data, budget=args.budget, device=args.device, epochs=args.epochs, batch_size=args.batch_size,
+        seed=args.seed, out=args.out, as_json=args.json, distributed=args.distributed, plots=not args.no_plots)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser(prog="memfit demo")
+    add_arguments(p)
+    sys.exit(main(p.parse_args()))

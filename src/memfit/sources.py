@@ -1,0 +1,110 @@
+"""What `--data` means on the command line: a built-in set or the user's own files, as train/test arrays.
+
+Specs:
+    digits              scikit-learn's bundled 8x8 digits (the default; needs scikit-learn)
+    synthetic[:N]       generated MNIST-shaped images (N samples, default 10,000)
+    mnist:FOLDER        the four MNIST IDX files (gzip or not) in FOLDER
+    cifar10:FOLDER      the CIFAR-10 python pickles (folder or .tar.gz)
+    FILE.npz            arrays x_train, y_train, x_test, y_test, or x, y (split here)
+    FILE.npy            images only is not enough: give an .npz with labels
+
+Example:
+    >>> from memfit.sources import open_data
+    >>> d = open_data("synthetic:1000", seed=0)
+    >>> d.x_train.shape, d.x_test.shape
+    ((800, 1, 28, 28), (200, 1, 28, 28))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memfit import datasets
+
+__all__ = ["Data", "open_data"]
+
+SPECS = "digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz"
+
+
+@dataclass
+class Data:
+    """Train and test arrays of one source; images (N, C, H, W), labels int64 (N,)."""
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    @property
+    def num_classes(self) -> int:
+        return int(max(self.y_train.max(initial=0), self.y_test.max(initial=0))) + 1
+
+
+def split(x: np.ndarray, y: np.ndarray, test_fraction: float = 0.2, seed: int = 0):
+    """A seeded random split into (x_train, y_train, x_test, y_test)."""
+    if len(x) != len(y):
+        raise ValueError(f"expected as many labels as images; found {len(x)} images and {len(y)} labels")
+    if len(x) < 2:
+        raise ValueError(f"expected at least 2 samples to split into train and test; found {len(x)}")
+    order = np.random.default_rng(seed).permutation(len(x))
+    k = max(1, int(round(len(x) * test_fraction)))
+    test, train = order[:k], order[k:]
+    return x[train], y[train], x[test], y[test]
+
+
+def _images(x: np.ndarray, where: str) -> np.ndarray:
+    """(N, H, W) -> (N, 1, H, W); (N, H, W, C) with C in 1/3/4 -> (N, C, H, W)."""
+    x = np.asarray(x)
+    if x.ndim == 2:                                     # (N, features): a flat vector per sample
+        return x
+    if x.ndim == 3:
+        return x[:, None]
+    if x.ndim == 4 and x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    if x.ndim == 4:
+        return x
+    raise ValueError(f"{where}: expected images (N, H, W), (N, C, H, W) or (N, H, W, C); found shape {x.shape}")
+
+
+def _npz(path: str, seed: int):
+    arrays = datasets.load_array(path)
+    if not isinstance(arrays, dict):
+        raise ValueError(f"{path}: a .npy file holds images only; save images and labels together with "
+                         "np.savez(path, x=images, y=labels) (or x_train, y_train, x_test, y_test)")
+    keys = set(arrays)
+    if {"x_train", "y_train", "x_test", "y_test"} <= keys:
+        parts = arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"]
+    elif {"x", "y"} <= keys:
+        parts = split(arrays["x"], arrays["y"], seed=seed)
+    else:
+        raise ValueError(f"{path}: expected arrays named x, y (or x_train, y_train, x_test, y_test); found "
+                         f"{', '.join(sorted(keys)) or 'none'}; save with np.savez(path, x=images, y=labels)")
+    return parts
+
+
+def open_data(spec: str = "digits", seed: int = 0) -> Data:
+    """Open `spec` (see the module docstring) as train/test arrays; a clear ValueError otherwise."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"expected --data to be one of {SPECS}; found {spec!r}")
+    kind, _, arg = spec.partition(":")
+    if spec == "digits":
+        parts = split(*datasets.digits(), seed=seed)
+    elif kind == "synthetic":
+        try:
+            n = int(arg) if arg else 10_000
+        except ValueError:
+            raise ValueError(f"expected synthetic:N with N a whole number of samples; found {spec!r}") from None
+        parts = split(*datasets.synthetic(n, seed=seed), seed=seed)
+    elif kind == "mnist" and arg:
+        parts = datasets.mnist(arg)
+    elif kind == "cifar10" and arg:
+        parts = datasets.cifar10(arg)
+    elif spec.lower().endswith((".npz", ".npy")):
+        parts = _npz(spec, seed)
+    else:
+        raise ValueError(f"unknown data {spec!r}; expected one of {SPECS}")
+    xtr, ytr, xte, yte = parts
+    return Data(spec, _images(xtr, spec), np.asarray(ytr).astype(np.int64),
+                _images(xte, spec), np.asarray(yte).astype(np.int64))
