@@ -26,6 +26,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_loaders.py
 	$(PY) benchmarks/bench_planner.py
 	$(PY) benchmarks/bench_evaluate.py
+	$(PY) benchmarks/bench_distributed.py
 
 clean:
 	rm -rf $(VENV) memfit-demo .pytest_cache

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "loaders": "stream / resident / macro loaders vs torch DataLoader and a float32 gather",
     "planner": "activation arena of a model zoo: naive, eager peak, planned, lower bound, latency",
     "evaluate": "auto chunk size vs the largest that fits, OOMs, throughput vs unchunked",
+    "distributed": "resident loader and exact evaluation with 1 and 2 processes (torch.distributed)",
 }
 
 
