@@ -79,7 +79,7 @@ def test_resolve_device():
             resolve_device("cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_memory_uses_mem_get_info():
     free, total = torch.cuda.mem_get_info(0)
     info = device_memory("cuda:0")

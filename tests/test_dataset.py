@@ -182,7 +182,7 @@ def test_to_and_pin_on_cpu_only_machine():
             ds.pin_memory()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_batches_equal_cpu_batches():
     cpu = CompactDataset.from_arrays(FLOATS, LABELS, codec="q8", normalize="dataset", device="cpu")
     gpu = CompactDataset.from_arrays(FLOATS, LABELS, codec="q8", normalize="dataset", device="cuda")

@@ -35,7 +35,7 @@ def test_matches_hand_count_for_an_mlp():
     assert mem.current == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_uses_the_allocator_statistics():
     with track_memory("cuda") as mem:
         a = torch.ones(1 << 20, device="cuda")

@@ -59,6 +59,7 @@ def _rank(rank: int, world: int, port: int, n: int, batch: int, epochs: int, thr
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t_load = time.perf_counter() - t0
+        torch.manual_seed(0)                               # the same weights in every process and world size
         model = cnn().to(dev)
         dist.barrier()
         t0 = time.perf_counter()
