@@ -1,0 +1,48 @@
+"""Activation memory planner: every intermediate tensor of a model in one arena, never on a live input.
+
+- `plan(model, example_inputs)` -> `PlannedModule`: captures the model with torch.export, places
+  each intermediate at an offset of one byte arena (tensors live at the same op never overlap;
+  allowlisted elementwise ops may write over a dead input) and runs the model there.
+- `memory_model`, `activation_bytes`, `max_batch_size`: the bytes a batch of n needs, from plans,
+  without running the model at full size.
+- `memfit plan MODULE:FACTORY --input 1,3,224,224` prints the plan (`cli_plan`).
+
+Modules: `arena` (lifetimes, offsets, verifier: pure functions), `ops` (out= kernels, views,
+in-place allowlist), `capture` (torch.export), `graph` (aliases and lifetimes), `codegen` (the
+generated forward), `planned` (`plan`, `PlannedModule`), `sizing`, `report`, `cli`.
+
+Example:
+    >>> import torch
+    >>> from memfit.planner import plan
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).eval()
+    >>> pm = plan(model, (torch.randn(4, 8),))
+    >>> print(pm.report.summary().splitlines()[0])
+    memory plan (greedy_by_size, 7 ops, 2 tensors in the arena)
+"""
+
+from memfit.planner.arena import ALGORITHMS, Buffer, OverlapError, assign_offsets, lower_bound, verify
+from memfit.planner.capture import CaptureError
+from memfit.planner.cli import cli_plan, load_factory
+from memfit.planner.planned import PlannedModule, plan
+from memfit.planner.report import Report, Row
+from memfit.planner.sizing import MemoryModel, activation_bytes, max_batch_size, memory_model
+
+__all__ = [
+    "ALGORITHMS",
+    "Buffer",
+    "CaptureError",
+    "MemoryModel",
+    "OverlapError",
+    "PlannedModule",
+    "Report",
+    "Row",
+    "activation_bytes",
+    "assign_offsets",
+    "cli_plan",
+    "load_factory",
+    "lower_bound",
+    "max_batch_size",
+    "memory_model",
+    "plan",
+    "verify",
+]

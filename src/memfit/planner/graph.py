@@ -1,0 +1,214 @@
+"""From an exported graph to what the arena needs: tensors, their aliases, lifetimes and op modes.
+
+Every tensor value in the graph belongs to one *root*: the allocation it lives in. A compute op
+creates roots; a view (`view`, `permute`, `expand`, `slice`, `getitem` of a multi-output view, ...)
+and an in-place op add values to their input's root and keep it alive. A root's lifetime runs
+from the op that writes it to the last op that reads any of its values. Root kinds:
+
+- `input`, `const`: the caller's inputs, parameters, buffers; never written.
+- `arena`: written by an `out=` kernel into the arena; what the planner places.
+- `call`: the output of an op with no real `out=` kernel; allocated by torch, freed after its last
+  reader (counted as unplanned bytes).
+- `output`: returned to the caller, so it must be fresh memory each call (also unplanned bytes).
+- `empty`: zero bytes (the unused statistics outputs of batch norm in eval).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+from memfit.planner.ops import Lowered, inplace_candidates, is_view, lower
+
+__all__ = ["Graph", "Root", "Step", "analyze", "span_bytes"]
+
+
+def span_bytes(shape, stride, dtype: torch.dtype, storage_offset: int = 0) -> int:
+    """Bytes of storage a strided tensor touches (0 when it has no elements)."""
+    if any(s == 0 for s in shape):
+        return 0
+    elems = storage_offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    return elems * dtype.itemsize
+
+
+@dataclass
+class Root:
+    """One allocation: the values stored in it, its size and lifetime (op indices, both included)."""
+    name: str
+    kind: str
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    nbytes: int
+    first: int
+    last: int
+    members: list[str] = field(default_factory=list)     # values written into it by in-place ops
+
+
+@dataclass
+class Step:
+    """One call_function node: how it runs (`view`, `getitem`, `out`, `call`) and what it writes."""
+    index: int
+    node: Node
+    mode: str
+    outputs: list[str]                  # value names of its tensor outputs ("" for non-tensors)
+    lowered: Lowered | None = None
+    inplace_arg: int | None = None      # position of the argument it overwrites
+
+
+@dataclass
+class Graph:
+    steps: list[Step]
+    roots: dict[str, Root]
+    root_of: dict[str, str]             # value name -> root name
+    metas: dict[str, torch.Tensor]      # value name -> fake tensor (shape, stride, dtype)
+    inputs: list[str]
+    consts: dict[str, torch.Tensor]
+    outputs: list                       # flat outputs: value names (str) or constants
+    naive_bytes: int                    # every compute output in its own region, no in-place
+
+
+def _metas(node: Node) -> list:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+def _nodes_in(x) -> list[Node]:
+    if isinstance(x, Node):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [n for item in x for n in _nodes_in(item)]
+    if isinstance(x, dict):
+        return [n for item in x.values() for n in _nodes_in(item)]
+    return []
+
+
+def _out_name(node: Node, k: int, many: bool) -> str:
+    return f"{node.name}__out{k}" if many else node.name
+
+
+def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool = True) -> Graph:
+    """Lifetimes, aliases and the run mode of every op of an exported, decomposed graph."""
+    roots: dict[str, Root] = {}
+    root_of: dict[str, str] = {}
+    metas: dict[str, torch.Tensor] = {}
+    value_of: dict[Node, list[str]] = {}        # node -> names of its tensor output values
+    steps: list[Step] = []
+    inputs: list[str] = []
+    naive = 0
+
+    def new_root(name: str, kind: str, meta, index: int) -> None:
+        nbytes = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset())
+        roots[name] = Root(name, kind if nbytes else "empty", tuple(meta.shape), tuple(meta.stride()), meta.dtype,
+                           nbytes, index, index)
+        root_of[name] = name
+        metas[name] = meta
+
+    index = 0
+    output_node = None
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            meta = node.meta["val"]
+            if node.name in consts:
+                new_root(node.name, "const", consts[node.name], -1)
+            else:
+                if not isinstance(meta, torch.Tensor):
+                    raise TypeError(f"the planner takes tensor inputs only; input {node.name!r} is {meta!r}")
+                inputs.append(node.name)
+                new_root(node.name, "input", meta, -1)
+            value_of[node] = [node.name]
+            continue
+        if node.op == "output":
+            output_node = node
+            continue
+        if node.op != "call_function":
+            raise TypeError(f"unexpected node {node.op} {node.target} in the exported graph")
+        outs = _metas(node)
+        many = isinstance(node.meta.get("val"), (tuple, list))
+        names = [_out_name(node, k, many) if isinstance(m, torch.Tensor) else "" for k, m in enumerate(outs)]
+        if node.target is operator.getitem:
+            src, k = node.args
+            names = [value_of[src][k]]
+            mode = "getitem"
+        elif is_view(node.target):
+            base = root_of[value_of[node.args[0]][0]]
+            for name, m in zip(names, outs, strict=True):
+                if name:
+                    root_of[name], metas[name] = base, m
+            mode = "view"
+        else:
+            for name, m in zip(names, outs, strict=True):
+                if name:
+                    new_root(name, "call", m, index)
+                    naive += roots[name].nbytes
+            mode = "call"
+        value_of[node] = names
+        for arg in _nodes_in((node.args, node.kwargs)):
+            for v in value_of[arg]:
+                if v:
+                    r = roots[root_of[v]]
+                    r.last = max(r.last, index)
+        steps.append(Step(index, node, mode, names))
+        index += 1
+
+    # outputs: alive to the end, and fresh memory every call
+    flat_out = []
+    for item in output_node.args[0]:
+        if isinstance(item, Node):
+            name = value_of[item][0]
+            flat_out.append(name)
+            r = roots[root_of[name]]
+            r.last = index
+            if r.kind in ("call", "empty"):
+                r.kind = "output"
+        else:
+            flat_out.append(item)
+
+    # decide how each compute op runs; in-place merges go in execution order
+    for step in steps:
+        if step.mode != "call":
+            continue
+        node, names = step.node, step.outputs
+        own = [roots[n] for n in names if n]
+        if not own or any(r.kind == "output" for r in own) or not all(names):
+            continue
+        lowered = lower(node.target, node.args, node.kwargs, [metas[n] for n in names], device_type)
+        if lowered is None:
+            continue
+        step.mode, step.lowered = "out", lowered
+        for r in own:
+            r.kind = "arena" if r.nbytes else "empty"
+        if inplace and own[0].kind == "arena" and all(r.kind == "empty" for r in own[1:]):
+            _try_inplace(step, own[0], roots, root_of, metas, value_of)
+    return Graph(steps, roots, root_of, metas, inputs, consts, flat_out, naive)
+
+
+def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None:
+    """Write `out` over an input when the rules allow: allowlisted elementwise op, input in the arena
+    with no later reader, same shape, strides and dtype."""
+    args = step.node.args
+    for pos in inplace_candidates(step.node.target, args):
+        arg = args[pos]
+        if not isinstance(arg, Node):
+            continue
+        v = value_of[arg][0]
+        if not v:
+            continue
+        base = roots[root_of[v]]
+        meta = metas[v]
+        whole = v == base.name or v in base.members         # not a view of it
+        if (base.kind != "arena" or base.last != step.index or not whole
+                or tuple(meta.shape) != out.shape or tuple(meta.stride()) != out.stride or meta.dtype != out.dtype
+                or meta.storage_offset() != 0 or base.nbytes != out.nbytes):
+            continue
+        base.last = max(base.last, out.last)
+        base.members.append(out.name)
+        for name, r in list(root_of.items()):
+            if r == out.name:
+                root_of[name] = base.name
+        del roots[out.name]
+        step.inplace_arg = pos
+        return

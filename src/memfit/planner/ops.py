@@ -1,0 +1,169 @@
+"""Which ATen ops the planner can run into the arena: views, `out=` kernels, in-place allowlist.
+
+An op's output can live in the arena only when the op has an `out=` variant with a real kernel
+for the device (registered under the CPU or CUDA dispatch key). Many `out=` variants are generated
+wrappers (`CompositeExplicitAutograd`) that allocate the result and copy it into `out`: on the CPU
+that is the case for convolution, layer norm and `_native_batch_norm_legit_no_training`. Those are
+either rewritten to an equivalent op that has a real kernel (`REWRITES`) or run normally, their
+output reported as unplanned.
+
+Example:
+    >>> import torch
+    >>> is_view(torch.ops.aten.permute.default), is_view(torch.ops.aten.mm.default)
+    (True, False)
+    >>> out_variant(torch.ops.aten.mm.default, "cpu").name
+    'aten::mm.out'
+    >>> out_variant(torch.ops.aten.convolution.default, "cpu") is None    # no real CPU out= kernel
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["INPLACE", "Lowered", "inplace_candidates", "is_view", "lower", "out_variant"]
+
+aten = torch.ops.aten
+
+# Ops whose result shares memory with an input although their schema does not say so.
+_EXTRA_VIEWS = {"_unsafe_view", "alias", "lift_fresh", "detach"}
+
+# Elementwise ops that may write over their input (same shape, strides and dtype; the input has no
+# later reader). Every other op's output gets bytes no live tensor holds.
+INPLACE = frozenset({
+    "relu", "clamp", "clamp_min", "clamp_max", "hardtanh", "add", "sub", "mul", "div", "sigmoid", "tanh",
+    "gelu", "silu", "hardswish", "hardsigmoid", "leaky_relu", "elu", "neg", "exp",
+    "_native_batch_norm_legit_no_training",
+})
+
+# Python bindings that take the same positional arguments as the ATen op plus `out=`: about 1 us
+# faster per call than going through the OpOverload (which matters for batch-1 MLPs).
+_FAST = {name: getattr(torch, name) for name in (
+    "add", "sub", "mul", "div", "addmm", "mm", "bmm", "baddbmm", "sigmoid", "tanh", "clamp_min", "clamp",
+    "clamp_max", "cat", "mean", "sum", "exp", "neg", "rsqrt", "sqrt", "where", "maximum", "minimum",
+    "index_select", "pow", "amax")}
+_FAST.update({name: getattr(torch._C._nn, name) for name in (
+    "hardtanh", "gelu", "silu", "hardswish", "hardsigmoid", "leaky_relu", "avg_pool2d")})
+
+
+def is_view(op) -> bool:
+    """True when the op returns a view of (an alias of) one of its inputs."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    if op._schema.name.split("::")[-1] in _EXTRA_VIEWS:
+        return True
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+def _out_args(schema) -> list[str]:
+    return [a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+
+
+@dataclass(frozen=True)
+class OutVariant:
+    """An `out=` overload: `name` for messages, `fn` to call, `outs` the names of its out arguments."""
+    name: str
+    fn: Callable
+    outs: tuple[str, ...]
+    fast: bool            # fn is a Python binding: single output passed as out=
+
+
+@functools.cache
+def out_variant(op, device_type: str) -> OutVariant | None:
+    """The `out=` overload of `op` with a real kernel on `device_type` ('cpu' or 'cuda'), or None.
+
+    Matching is by signature: the overload whose arguments, less its out arguments, are the op's.
+    """
+    if not isinstance(op, torch._ops.OpOverload) or is_view(op):
+        return None
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if key is None:
+        return None
+    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        ov = getattr(packet, name)
+        outs = _out_args(ov._schema)
+        if not outs or [(a.name, str(a.type)) for a in ov._schema.arguments if a.name not in outs] != want:
+            continue
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(ov.name(), key):
+            return None        # a generated wrapper that allocates and copies: no memory saved
+        short = packet.__name__
+        fast = len(outs) == 1 and outs[0] == "out" and short in _FAST
+        return OutVariant(ov.name(), _FAST[short] if fast else ov._op, tuple(outs), fast)
+    return None
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """How to run one op into preallocated outputs: `fn(*args, **kwargs, <outs[i]>=output i)`."""
+    variant: OutVariant
+    args: tuple
+    kwargs: dict
+
+
+def _relu(args, kwargs, metas, dev):
+    v = out_variant(aten.clamp_min.default, dev)
+    return v and Lowered(v, (args[0], 0), {})
+
+
+def _batch_norm_eval(args, kwargs, metas, dev):
+    # native_batch_norm.out has a real CPU kernel; with training=False it only normalises
+    v = out_variant(aten.native_batch_norm.default, dev)
+    x, w, b, mean, var, momentum, eps = args
+    return v and Lowered(v, (x, w, b, mean, var, False, momentum, eps), {})
+
+
+def _upsample_nearest2d_vec(args, kwargs, metas, dev):
+    x, size, scales = (list(args) + [None, None])[:3]
+    v = out_variant(aten.upsample_nearest2d.default, dev)
+    sh, sw = scales if scales is not None else (None, None)
+    return v and Lowered(v, (x, list(metas[0].shape[-2:]), sh, sw), {})
+
+
+def _copy_into(x, *, out, **_):
+    # clone / _to_copy into a preallocated tensor: copy_ converts dtype and keeps out's strides,
+    # which are the strides the functional op would give (the planner allocates them from its meta)
+    return out.copy_(x)
+
+
+_COPY = OutVariant("Tensor.copy_", _copy_into, ("out",), True)
+
+
+def _copy(args, kwargs, metas, dev):
+    x = args[0]
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != dev or kwargs.get("layout") not in (None, torch.strided):
+        return None
+    return Lowered(_COPY, (x,), {})
+
+
+REWRITES: dict[object, Callable] = {
+    aten.clone.default: _copy,
+    aten._to_copy.default: _copy,
+    aten.relu.default: _relu,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_eval,
+    aten.upsample_nearest2d.vec: _upsample_nearest2d_vec,
+}
+
+
+def lower(op, args: tuple, kwargs: dict, metas: list, device_type: str) -> Lowered | None:
+    """How to run `op(*args, **kwargs)` writing into preallocated outputs, or None when it cannot."""
+    if op in REWRITES:
+        return REWRITES[op](args, kwargs, metas, device_type)
+    v = out_variant(op, device_type)
+    if v is None or len(v.outs) != len(metas):
+        return None
+    return Lowered(v, tuple(args), dict(kwargs))
+
+
+def inplace_candidates(op, args: tuple) -> list[int]:
+    """Positions of the arguments an allowlisted elementwise op may overwrite (the first, and the
+    second for the commutative binary ops)."""
+    if not isinstance(op, torch._ops.OpOverload) or op.overloadpacket.__name__ not in INPLACE:
+        return []
+    return [0, 1] if op.overloadpacket.__name__ in ("add", "mul") and len(args) > 1 else [0]

@@ -1,0 +1,226 @@
+"""`plan(model, example_inputs)`: capture, place every intermediate tensor in one arena, run it there.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).eval()
+    >>> x = torch.randn(4, 8)
+    >>> pm = plan(model, (x,))
+    >>> torch.testing.assert_close(pm(x), model(x))
+    >>> pm.report.lower_bound <= pm.report.arena_bytes <= pm.report.naive_bytes
+    True
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from memfit.budget import format_bytes
+from memfit.planner.arena import ALGORITHMS, Buffer, assign_offsets, live_profile, lower_bound, verify
+from memfit.planner.capture import capture, constants
+from memfit.planner.codegen import generate
+from memfit.planner.graph import Graph, analyze
+from memfit.planner.report import Report, Row
+
+__all__ = ["ALIGNMENT", "PlannedModule", "layout", "plan"]
+
+ALIGNMENT = 64      # bytes: a cache line, and enough for any dtype's vector loads
+
+
+@dataclass
+class Layout:
+    """The analysed graph with arena offsets: everything but the memory itself."""
+    graph: Graph
+    buffers: list[Buffer]
+    offsets: dict[str, int]
+    report: Report
+    out_spec: object
+
+
+def _check_args(algorithm: str, inplace: bool) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}; found {algorithm!r}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be True or False; found {inplace!r}")
+
+
+def layout(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
+           inplace: bool = True) -> Layout:
+    """Capture `model` and place its intermediates, without allocating the arena or running anything
+    (so it is cheap at any batch size; `plan` calls it, `memory_model` too)."""
+    _check_args(algorithm, inplace)
+    ep = capture(model, example_inputs)
+    device = example_inputs[0].device if len(example_inputs) else torch.device("cpu")
+    graph = analyze(ep, constants(ep, model), device.type, inplace=inplace)
+    arena_roots = [r for r in graph.roots.values() if r.kind == "arena"]
+    buffers = [Buffer(r.name, r.nbytes, r.first, r.last) for r in arena_roots]
+    offs, size = assign_offsets(buffers, algorithm, ALIGNMENT)
+    verify(buffers, offs, ALIGNMENT)
+    offsets = dict(zip((b.name for b in buffers), offs, strict=True))
+    n_ops = len(graph.steps)
+    outside = [Buffer(r.name, r.nbytes, r.first, min(r.last, n_ops)) for r in graph.roots.values()
+               if r.kind in ("call", "output")]
+    seen, params = set(), 0
+    for r in graph.roots.values():
+        if r.kind == "const":
+            t = graph.consts[r.name]
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                params += key[1]
+    rows = sorted((Row(r.name, r.shape, str(r.dtype).removeprefix("torch."), r.nbytes, (max(r.first, 0), r.last),
+                       offsets.get(r.name), r.kind, tuple(r.members))
+                   for r in graph.roots.values() if r.kind not in ("const", "input", "empty")),
+                  key=lambda row: row.lifetime)
+    unplanned = Counter(s.node.target.__name__.split(".")[0] for s in graph.steps
+                        if s.mode == "call" and any(graph.roots[graph.root_of[v]].kind == "call"
+                                                    for v in s.outputs if v))
+    report = Report(
+        naive_bytes=sum(-(-graph.roots.get(n, r).nbytes // ALIGNMENT) * ALIGNMENT for r in arena_roots
+                        for n in [r.name, *r.members]) if graph.naive_bytes else 0,
+        arena_bytes=size, lower_bound=lower_bound(buffers, ALIGNMENT),
+        unplanned_bytes=max(live_profile(outside, 1), default=0), param_bytes=params,
+        input_bytes=sum(x.nbytes for x in example_inputs), rows=rows, algorithm=algorithm, n_ops=n_ops,
+        unplanned_ops=dict(unplanned))
+    return Layout(graph, buffers, offsets, report, ep.call_spec.out_spec)
+
+
+class _Plan:
+    """One layout made real: the arena, its views and the generated function."""
+
+    def __init__(self, lay: Layout, device: torch.device):
+        self.layout, self.report = lay, lay.report
+        with torch.inference_mode(False), torch.no_grad():
+            # one block for every planned tensor; views of it are handed to the out= kernels
+            self.arena = torch.empty(lay.report.arena_bytes, dtype=torch.uint8, device=device)
+            tensors = dict(lay.graph.consts)
+            for r in lay.graph.roots.values():
+                if r.kind == "arena":
+                    off = lay.offsets[r.name]
+                    tensors[r.name] = self.arena[off:off + r.nbytes].view(r.dtype).as_strided(r.shape, r.stride)
+                elif r.kind == "empty":
+                    tensors[r.name] = torch.empty_strided(r.shape, r.stride, dtype=r.dtype, device=device)
+        self.fn, self.source = generate(lay.graph, tensors)
+        spec = lay.out_spec
+        self.unflatten = (lambda flat: flat[0]) if spec.is_leaf() else (lambda flat: pytree.tree_unflatten(flat, spec))
+        self.checked = False
+
+    def run(self, inputs):
+        if self.checked:
+            return self.unflatten(self.fn(*inputs))
+        # first call: a resize of an arena view would write outside its region; make it an error
+        storage = (self.arena.untyped_storage().data_ptr(), self.arena.untyped_storage().nbytes())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*was resized.*")
+            out = self.fn(*inputs)
+        if (self.arena.untyped_storage().data_ptr(), self.arena.untyped_storage().nbytes()) != storage:
+            raise RuntimeError("an op resized its arena view out of the plan; a planner bug: please report it")
+        self.checked = True
+        return self.unflatten(out)
+
+
+class PlannedModule:
+    """A model run inside one preallocated arena. Call it like the model (positional tensors).
+
+    Inputs of a new shape (or strides) get their own plan, made on first use and cached
+    (`pm.plans`); a different dtype or device is an error. The planned module runs inference only:
+    no autograd graph is recorded. `pm.report` describes the plan of the latest inputs.
+    """
+
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool):
+        self.model, self.algorithm, self.inplace = model, algorithm, inplace
+        self.dtypes = [x.dtype for x in example_inputs]
+        self.device = example_inputs[0].device if example_inputs else torch.device("cpu")
+        self.plans: dict[tuple, _Plan] = {}
+        self._last = self._plan_for(tuple(example_inputs), self._key(example_inputs))
+
+    @staticmethod
+    def _key(inputs) -> tuple:
+        return tuple((x.shape, x.stride()) for x in inputs)
+
+    def _plan_for(self, inputs: tuple, key: tuple) -> _Plan:
+        p = _Plan(layout(self.model, inputs, algorithm=self.algorithm, inplace=self.inplace), self.device)
+        self.plans[key] = p
+        return p
+
+    @property
+    def report(self) -> Report:
+        return self._last.report
+
+    @property
+    def source(self) -> str:
+        """The generated Python function of the latest plan."""
+        return self._last.source
+
+    def _check(self, inputs) -> None:
+        if len(inputs) != len(self.dtypes):
+            raise TypeError(f"expected {len(self.dtypes)} input tensor(s) as planned; found {len(inputs)}")
+        for i, (x, dt) in enumerate(zip(inputs, self.dtypes, strict=True)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i}: expected a tensor; found {type(x).__name__}")
+            if x.dtype != dt:
+                raise TypeError(f"input {i}: expected dtype {dt} as planned; found {x.dtype}; convert with "
+                                f"x.to({dt}) or plan again with an example of dtype {x.dtype}")
+            if x.device != self.device:
+                raise ValueError(f"input {i}: expected device {self.device} as planned; found {x.device}; "
+                                 f"move it with x.to('{self.device}')")
+
+    def __call__(self, *inputs):
+        p = self._last
+        key = self._key(inputs) if all(isinstance(x, torch.Tensor) for x in inputs) else None
+        if key is None or key not in self.plans:
+            self._check(inputs)
+            p = self._plan_for(inputs, key)
+        elif self.plans[key] is not p:
+            p = self.plans[key]
+        if key is not None and (inputs and inputs[0].dtype != self.dtypes[0] or inputs[0].device != self.device):
+            self._check(inputs)
+        self._last = p
+        if torch.is_grad_enabled():               # out= kernels refuse to record autograd
+            with torch.no_grad():
+                return p.run(inputs)
+        return p.run(inputs)
+
+    forward = __call__
+
+    def __repr__(self) -> str:
+        r = self.report
+        return (f"PlannedModule({type(self.model).__name__}, {self.algorithm}, arena {format_bytes(r.arena_bytes)}, "
+                f"lower bound {format_bytes(r.lower_bound)}, {len(self.plans)} plan(s))")
+
+
+def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_size",
+         inplace: bool = True) -> PlannedModule:
+    """Plan the activation memory of `model` for inputs shaped like `example_inputs` and return a
+    module that runs inside that plan.
+
+    Args:
+        model: an `nn.Module` in eval mode that `torch.export` can capture.
+        example_inputs: a tuple of tensors (or one tensor); their shapes, dtypes and device are planned.
+        algorithm: "naive", "greedy_by_size" (default) or "best" (several orders, smallest arena).
+        inplace: let allowlisted elementwise ops (relu, add, batch norm in eval, ...) write over an
+            input that has no later reader.
+
+    Returns:
+        A `PlannedModule`: `pm(*inputs)` equals `model(*inputs)`; `pm.report` has the bytes.
+
+    Raises:
+        CaptureError: torch.export cannot capture the model (the export error's reason is included).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval()
+        >>> pm = plan(model, torch.zeros(2, 8), algorithm="best")
+        >>> pm(torch.ones(2, 8)).shape
+        torch.Size([2, 8])
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if isinstance(example_inputs, list):
+        example_inputs = tuple(example_inputs)
+    _check_args(algorithm, inplace)
+    return PlannedModule(model, example_inputs, algorithm, inplace)
