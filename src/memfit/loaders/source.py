@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from memfit.dataset import (
     to_tensor,
 )
 
-READ_BYTES = 4 * 2**20      # raw bytes per file read: bounds the host temporaries of a FileSource
+READ_BYTES = 2**20          # raw bytes per file read: bounds the host temporaries of a FileSource
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor | None:
@@ -139,9 +140,11 @@ class FileSource(Source):
         empty = torch.empty((0, *self.stored_shape), dtype=self.stored_dtype)
         self.template = CompactDataset(empty, None, self.codec, sample_shape, dtype, mean, std)
         self.template.num_classes = None if labels is None or not len(labels) else int(labels.max()) + 1
-        # a raw chunk, its tensor copy and the encoded chunk (uint8 codecs encode without a copy)
+        # the reused raw read buffer and one encoded chunk (uint8 codecs encode without a copy)
         enc = self.chunk_rows * math.prod(self.stored_shape) * torch.empty((), dtype=self.stored_dtype).element_size()
-        self.read_nbytes = 2 * self.chunk_rows * row_raw + enc
+        self.read_nbytes = self.chunk_rows * row_raw + enc
+        self._raw: np.ndarray | None = None
+        self._lock = threading.Lock()
 
     def fill(self, idx, x_out, y_out):
         m = idx.shape[0]
@@ -150,14 +153,21 @@ class FileSource(Source):
         # sorted reads: a block from a block-shuffled order is one contiguous range of the file
         order = idx.argsort()
         sidx = idx[order].numpy()
-        for a in range(0, m, self.chunk_rows):
-            s = sidx[a:a + self.chunk_rows]
-            lo, hi = int(s[0]), int(s[-1])
-            raw = self.x[lo:hi + 1] if hi - lo + 1 == len(s) else self.x[s]
-            enc = self.codec.encode(to_tensor(raw))     # checks every value: a bad one raises here
-            x_out.index_copy_(0, order[a:a + len(s)], enc)
-            del raw, enc
-            release_pages(self.x)                        # the pages stay in the OS cache, not in our RSS
+        with self._lock:                                 # one read buffer, reused: no allocation per read
+            if self._raw is None:
+                self._raw = np.empty((self.chunk_rows, *self.x.shape[1:]), dtype=self.x.dtype.newbyteorder("="))
+            for a in range(0, m, self.chunk_rows):
+                s = sidx[a:a + self.chunk_rows]
+                raw = self._raw[:len(s)]
+                lo, hi = int(s[0]), int(s[-1])
+                if hi - lo + 1 == len(s):
+                    raw[...] = self.x[lo:hi + 1]         # one sequential read
+                else:
+                    np.take(self.x, s, axis=0, out=raw)
+                enc = self.codec.encode(torch.from_numpy(raw))   # checks every value: a bad one raises here
+                x_out.index_copy_(0, order[a:a + len(s)], enc)
+                del enc
+                release_pages(self.x)                    # the pages stay in the OS cache, not in our RSS
 
     def dataset(self, device):
         x = torch.empty((self.n, *self.stored_shape), dtype=self.stored_dtype, device=device)

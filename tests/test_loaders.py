@@ -1,0 +1,316 @@
+"""Loaders: exactly-once epochs for every strategy, seeds, the same batches from every strategy, budget
+arithmetic and the auto choice at its boundaries, clean shutdown, a file larger than the budget, and
+distributed epochs on 2 gloo processes. CUDA paths run when a device is present."""
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+from distributed_util import run_ranks
+from memfit.budget import BudgetExceeded
+from memfit.dataset import CompactDataset
+from memfit.loader import Loader, loader
+from memfit.loaders.plan import Needs, block_ledger, choose, largest_macro, resident_ledger
+
+N = 1003                                   # not a multiple of any batch size used here: an uneven last batch
+CONFIGS = [("resident", {}), ("stream", {}), ("stream", {"prefetch": False}),
+           ("macro", {"macro_batch": 256}), ("macro", {"macro_batch": 128, "prefetch": False})]
+
+
+def arrays(n=N):
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, (n, 1, 4, 4), dtype=np.uint8), np.arange(n)      # y identifies the sample
+
+
+@pytest.fixture(scope="module")
+def ds():
+    x, y = arrays()
+    return CompactDataset.from_arrays(x, y, normalize="dataset", device="cpu")
+
+
+def no_loader_threads():
+    return not [t for t in threading.enumerate() if t.name.startswith("memfit")]
+
+
+@pytest.mark.parametrize("strategy, kw", CONFIGS)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_sample_once_per_epoch(ds, strategy, kw, drop_last):
+    ld = loader(ds, 64, strategy=strategy, seed=1, device="cpu", drop_last=drop_last, **kw)
+    assert isinstance(ld, Loader) and ld.strategy == strategy
+    for _ in range(2):
+        batches = list(ld)
+        assert len(batches) == len(ld) == (N // 64 if drop_last else -(-N // 64))
+        sizes = [len(y) for _, y in batches]
+        assert sizes[:-1] == [64] * (len(sizes) - 1) and sizes[-1] == (64 if drop_last else N % 64)
+        seen = torch.cat([y for _, y in batches])
+        assert len(seen.unique()) == len(seen) == sum(sizes)          # nothing twice
+        if not drop_last:
+            assert torch.equal(seen.sort().values, torch.arange(N))   # everything once
+        for x, y in batches[:2]:                                      # decoded as the dataset decodes
+            ref_x, ref_y = ds.batch(y)
+            assert x.dtype == torch.float32 and y.dtype == torch.int64
+            assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
+    assert no_loader_threads()
+
+
+def test_same_batches_from_every_strategy_and_seeds(ds):
+    def epochs(strategy, seed, **kw):
+        ld = loader(ds, 100, strategy=strategy, seed=seed, device="cpu", **kw)
+        return [torch.cat([y for _, y in ld]) for _ in range(2)]
+    ref = epochs("resident", 7)
+    for strategy, kw in CONFIGS[1:]:
+        kw = {**kw, "macro_batch": 300} if strategy == "macro" else kw
+        got = epochs(strategy, 7, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), strategy
+    assert not torch.equal(ref[0], ref[1])                                   # a new epoch reshuffles
+    assert not torch.equal(ref[0], epochs("resident", 8)[0])                 # another seed, another order
+    ld = loader(ds, 100, seed=7, device="cpu")
+    ld.set_epoch(1)
+    assert torch.equal(torch.cat([y for _, y in ld]), ref[1])                # set_epoch replays an epoch
+    unshuffled = torch.cat([y for _, y in loader(ds, 100, shuffle=False, device="cpu")])
+    assert torch.equal(unshuffled, torch.arange(N))
+
+
+def test_arrays_are_encoded_and_normalised():
+    x, y = arrays()
+    ld = loader((x.astype(np.float32) / 255, y), 50, normalize="dataset", seed=0, device="cpu", strategy="stream")
+    assert ld.dataset.codec.name == "q8"
+    xb = torch.cat([b for b, _ in ld])
+    assert abs(xb.mean().item()) < 0.05 and abs(xb.std().item() - 1) < 0.05
+    assert ld.dataset.num_classes == N
+
+
+# ---- budget ---------------------------------------------------------------------------------------------
+NEEDS = Needs(n=10_000, batch_size=100, row_nbytes=785, batch_nbytes=100 * (784 * 4 + 8), device_type="cpu")
+
+
+def test_ledger_arithmetic():
+    led, host = resident_ledger(NEEDS, 1)
+    assert led.total == 10_000 * 785 + 8 * 10_000 + 100 * 785 + 2 * NEEDS.batch_nbytes and host == []
+    led, host = block_ledger(NEEDS, 1000, 1, "macro")
+    assert led.total == 2 * 1000 * 785 + 2 * NEEDS.batch_nbytes + 8 * 10_000 and host == []
+    cuda = Needs(**{**NEEDS.__dict__, "device_type": "cuda"})
+    led, host = block_ledger(cuda, 1000, 1, "macro")
+    assert led.total == 2 * 1000 * 785 + 2 * NEEDS.batch_nbytes                 # order and staging: host
+    assert dict(host)["pinned staging (2 x 1000 rows)"] == 2 * 1000 * 785
+
+
+def test_auto_choice_at_the_budget_boundaries():
+    res = resident_ledger(NEEDS, 0)[0].total
+    assert choose(NEEDS, res).strategy == "resident"
+    p = choose(NEEDS, res - 1)
+    assert p.strategy == "macro" and p.macro_batch == largest_macro(NEEDS, res - 1) and p.macro_batch % 100 == 0
+    assert block_ledger(NEEDS, p.macro_batch, 0, "macro")[0].total <= res - 1 < \
+        block_ledger(NEEDS, p.macro_batch + 100, 0, "macro")[0].total               # the largest that fits
+    two = block_ledger(NEEDS, 200, 0, "macro")[0].total
+    assert choose(NEEDS, two).strategy == "macro" and choose(NEEDS, two).macro_batch == 200
+    assert choose(NEEDS, two - 1).strategy == "stream"
+    stream = block_ledger(NEEDS, 100, 0, "stream")[0].total
+    assert choose(NEEDS, stream).strategy == "stream"
+    with pytest.raises(BudgetExceeded, match=r"(?s)stream loader needs.*batch buffers.*no strategy fits: resident"):
+        choose(NEEDS, stream - 1)
+    assert "resident would need" in p.reason and "macro-batches of" in p.explain() and "total" in p.explain()
+
+
+def test_forced_strategies_that_do_not_fit_name_what_needed_how_much(ds):
+    with pytest.raises(BudgetExceeded, match=r"(?s)resident loader needs .* but the budget is 10.00 KiB.*"
+                                             r"compact dataset \(1003 rows x 18 B\).*17.63 KiB") as e:
+        loader(ds, 64, strategy="resident", budget="10KiB", device="cpu")
+    assert isinstance(e.value, MemoryError) and e.value.budget == 10240 and e.value.needed > 10240
+    with pytest.raises(BudgetExceeded, match=r"(?s)macro loader needs.*macro-batch buffers \(2 x 512 rows\)"):
+        loader(ds, 64, strategy="macro", macro_batch=512, budget="20KiB", device="cpu")
+    with pytest.raises(BudgetExceeded, match=r"stream loader needs"):
+        loader(ds, 64, strategy="stream", budget=1000, device="cpu")
+
+
+def test_auto_picks_and_says_why(ds):
+    assert loader(ds, 64, budget="1MiB", device="cpu").strategy == "resident"
+    ld = loader(ds, 64, budget="30KiB", device="cpu")
+    assert ld.strategy == "macro" and ld.macro_batch >= 128 and ld.nbytes <= ld.budget == 30 * 1024
+    assert "resident would need" in ld.explain() and str(ld.macro_batch) in ld.explain()
+    assert ld.plan.strategy == "macro" and sum(len(y) for _, y in ld) == N
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"strategy": "shared_all"}, ValueError, r"unknown strategy 'shared_all'.*'resident'"),
+    ({"macro_batch": 100}, ValueError, r"multiple of batch_size=64.*macro_batch=64"),
+    ({"batch_size": 0}, ValueError, r"batch_size to be an int >= 1; found 0"),
+    ({"shuffle": "yes"}, TypeError, r"shuffle to be True or False"),
+    ({"codec": "q8"}, ValueError, r"already encoded"),
+    ({"distributed": True}, ValueError, r"initialised torch.distributed process group"),
+    ({"device": "tpu"}, ValueError, r"expected a device such as 'cpu'"),
+])
+def test_bad_arguments_are_named(ds, kwargs, error, match):
+    kw = {"batch_size": 64, "strategy": "macro" if "macro_batch" in kwargs else "auto", "device": "cpu", **kwargs}
+    with pytest.raises(error, match=match):
+        loader(ds, **kw)
+
+
+def test_bad_data_is_named():
+    with pytest.raises(TypeError, match=r"expected data as a CompactDataset or an \(x, y\) tuple.*found list"):
+        loader([1, 2, 3], 2, device="cpu")
+    with pytest.raises(ValueError, match="x has 3 samples but y has 2 labels"):
+        loader((np.zeros((3, 2), np.uint8), [0, 1]), 2, device="cpu")
+
+
+# ---- shutdown ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy, kw", CONFIGS)
+def test_break_and_consumer_errors_leave_nothing_running(ds, strategy, kw):
+    ld = loader(ds, 64, strategy=strategy, seed=0, device="cpu", **kw)
+    for _ in ld:
+        break
+    gc.collect()
+    assert no_loader_threads()
+    with pytest.raises(ZeroDivisionError):
+        for _ in ld:
+            raise ZeroDivisionError("the consumer fails")
+    gc.collect()
+    assert no_loader_threads()
+    it = iter(ld)
+    next(it)
+    with ld:                       # close() stops a running epoch too
+        pass
+    assert no_loader_threads()
+    with pytest.raises(ValueError, match="closed"):
+        iter(ld)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_background_errors_reach_the_consumer_with_their_traceback(ds, prefetch):
+    ld = loader(ds, 64, strategy="macro", macro_batch=128, seed=0, device="cpu", prefetch=prefetch)
+    real = ld.source.fill
+    calls = []
+
+    def failing_fill(idx, x_out, y_out):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk went away on purpose")
+        real(idx, x_out, y_out)
+
+    ld.source.fill = failing_fill
+    seen = 0
+    with pytest.raises(OSError, match="disk went away on purpose") as e:
+        for _, y in ld:
+            seen += len(y)
+    assert seen == 4 * 64                                           # two good blocks, then the error
+    frames = "".join(traceback.format_tb(e.value.__traceback__))
+    assert "failing_fill" in frames and "in fill" in frames         # the original frames, from the thread
+    gc.collect()
+    assert no_loader_threads()
+
+
+# ---- a file larger than the budget ---------------------------------------------------------------------
+ITERATE_FILE = """
+import gc, json, sys
+import numpy as np, torch
+from memfit.budget import process_rss
+from memfit.datasets import load_array
+from memfit.loader import loader
+x = load_array(sys.argv[1])
+n = len(x)
+y = np.arange(n)
+gc.collect()
+rss0 = process_rss()
+ld = loader((x, y), 1024, budget=int(sys.argv[2]), device="cpu", seed=0)
+# the loop keeps no tensor per batch: small tensors kept between the big decoded batches fragment
+# malloc's heap, and RSS would then grow with the consumer's own allocations, not memfit's
+peak, counts, first, ok = rss0, torch.zeros(n, dtype=torch.int32), [], True
+for xb, yb in ld:
+    ok &= torch.equal(xb[:, 0, 0, 0], (yb % 251).float())          # each row decoded to its own value
+    counts.index_add_(0, yb, torch.ones(len(yb), dtype=torch.int32))
+    if len(first) < ld.macro_batch // 1024:
+        first.append(yb)
+    peak = max(peak, process_rss())
+block = torch.cat(first)
+print(json.dumps({"strategy": ld.strategy, "nbytes": ld.nbytes, "macro": ld.macro_batch, "ok": bool(ok),
+                  "once": bool((counts == 1).all()), "span": int(block.max() - block.min()) + 1,
+                  "grew": peak - rss0}))
+"""
+
+
+def test_file_larger_than_the_budget_stays_within_it(tmp_path):
+    n, shape = 320_000, (1, 28, 28)                     # 250 MB of uint8 on disk, budget 32 MiB
+    path = tmp_path / "big.npy"
+    w = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(n, *shape))
+    for a in range(0, n, 32_000):
+        w[a:a + 32_000] = (np.arange(a, min(n, a + 32_000)) % 251).astype(np.uint8)[:, None, None, None]
+    w.flush()
+    del w
+    budget = 32 * 2**20
+    # A fresh process, so the allocator state does not depend on the tests before. A fixed trim threshold
+    # turns off glibc's dynamic mmap threshold, which otherwise keeps 20-40 MiB of freed batches cached
+    # at random (RSS then measures malloc's policy, not what is held).
+    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": str(2**20)}
+    out = subprocess.run([sys.executable, "-c", ITERATE_FILE, str(path), str(budget)], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["strategy"] == "macro" and r["nbytes"] <= budget and r["macro"] < n // 10
+    assert r["ok"] and r["once"]
+    assert r["span"] == r["macro"]                                      # a block is one contiguous read
+    # the constant: the interpreter's allocator keeps some freed batches cached (glibc's mmap threshold)
+    assert r["grew"] <= budget + 24 * 2**20, f"grew {r['grew'] / 2**20:.1f} MiB, file {n * 784 / 2**20:.0f} MiB"
+
+
+# ---- distributed ---------------------------------------------------------------------------------------
+def _dist_epochs(rank, world):
+    x, y = arrays()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    out = {}
+    for name, data, kw in [("resident", ds, {}), ("macro", ds, {"strategy": "macro", "macro_batch": 128}),
+                           ("stream-arrays", (x, y), {"strategy": "stream"}),
+                           ("drop_last", ds, {"drop_last": True})]:
+        ld = loader(data, 64, seed=5, device="cpu", distributed=True, **kw)
+        out[name] = (len(ld), [[y.tolist() for _, y in ld] for _ in range(2)], ld.dataset.nbytes)
+    return out
+
+
+def test_distributed_ranks_partition_every_epoch():
+    out = run_ranks(_dist_epochs, 2)
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    r0, r1 = out[0][1], out[1][1]
+    whole = loader(arrays(), 64, seed=5, device="cpu")
+    ref = [torch.cat([y for _, y in whole]) for _ in range(2)]
+    for name in r0:
+        assert r0[name][0] == r1[name][0] == len(r0[name][1][0])           # same number of batches
+        for epoch in range(2):
+            b0, b1 = r0[name][1][epoch], r1[name][1][epoch]
+            assert len(b0) == len(b1)
+            seen = [s for b in b0 + b1 for s in b]
+            assert len(seen) == len(set(seen))                              # never twice
+            if name != "drop_last":
+                assert sorted(seen) == list(range(N)), name                 # everything once across ranks
+                mine = torch.tensor([s for b in b0 for s in b])
+                assert torch.equal(mine, ref[epoch][ref[epoch] < 502])      # rank 0 follows the global order
+        assert r0[name][1][0] != r0[name][1][1]                             # reshuffled each epoch
+    assert r0["resident"][2] < 0.6 * CompactDataset.from_arrays(*arrays(), device="cpu").nbytes   # its shard only
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy, kw", CONFIGS)
+def test_cuda_batches_equal_cpu_batches(ds, strategy, kw):
+    cpu = [(x, y) for x, y in loader(ds, 64, strategy="resident", seed=3, device="cpu")]
+    for data in (ds, ds.pin_memory()):
+        ld = loader(data, 64, strategy=strategy, seed=3, device="cuda", **kw)
+        got = list(ld)
+        assert len(got) == len(cpu)
+        for (xg, yg), (xc, yc) in zip(got, cpu, strict=True):
+            assert xg.device.type == "cuda" and torch.allclose(xg.cpu(), xc, atol=1e-6) and torch.equal(yg.cpu(), yc)
+    assert no_loader_threads()
+
+
+@pytest.mark.cuda
+def test_cuda_macro_with_slow_consumer_never_reads_a_slot_being_written(ds):
+    ld = loader(ds, 64, strategy="macro", macro_batch=128, seed=3, device="cuda")
+    ref = [y for _, y in loader(ds, 64, strategy="resident", seed=3, device="cpu")]
+    for (_, y), yr in zip(ld, ref, strict=True):
+        torch.cuda._sleep(2_000_000)                  # a long kernel on the consumer's stream
+        assert torch.equal(y.cpu(), yr)
