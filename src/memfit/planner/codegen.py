@@ -127,7 +127,7 @@ def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, 
                     fixed(v, t)
             return
         # a runtime call: a view of an input or of a fresh tensor, or an op without an out= kernel
-        f = stash(_callable(node.target), "f")
+        f = stash(step.replacement or _callable(node.target), "f")
         targets = []
         for v in step.outputs:
             if v:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from memfit.planner.ops import Lowered, inplace_candidates, is_view, lower
+from memfit.planner.ops import WHEN_UNREAD, Lowered, inplace_candidates, is_view, lower
 
 __all__ = ["Graph", "Root", "Step", "analyze", "span_bytes"]
 
@@ -57,6 +57,7 @@ class Step:
     outputs: list[str]                  # value names of its tensor outputs ("" for non-tensors)
     lowered: Lowered | None = None
     inplace_arg: int | None = None      # position of the argument it overwrites
+    replacement: object = None          # run this instead of the op (mode "call")
 
 
 @dataclass
@@ -110,6 +111,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
     index = 0
     output_node = None
     for node in ep.graph.nodes:
+        replacement = None
         if node.op == "placeholder":
             meta = node.meta["val"]
             if node.name in consts:
@@ -140,6 +142,12 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
                     root_of[name], metas[name] = base, m
             mode = "view"
         else:
+            if node.target in WHEN_UNREAD:
+                unread, fn = WHEN_UNREAD[node.target]
+                read = {u.args[1] for u in node.users if u.target is operator.getitem}
+                if not read & set(unread):
+                    names = ["" if k in unread else name for k, name in enumerate(names)]
+                    replacement = fn
             for name, m in zip(names, outs, strict=True):
                 if name:
                     new_root(name, "call", m, index)
@@ -151,7 +159,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
                 if v:
                     r = roots[root_of[v]]
                     r.last = max(r.last, index)
-        steps.append(Step(index, node, mode, names))
+        steps.append(Step(index, node, mode, names, replacement=replacement if mode == "call" else None))
         index += 1
 
     # outputs: alive to the end, and fresh memory every call
@@ -173,7 +181,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             continue
         node, names = step.node, step.outputs
         own = [roots[n] for n in names if n]
-        if not own or any(r.kind == "output" for r in own) or not all(names):
+        if not own or any(r.kind == "output" for r in own) or not all(names) or step.replacement:
             continue
         lowered = lower(node.target, node.args, node.kwargs, [metas[n] for n in names], device_type)
         if lowered is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["INPLACE", "Lowered", "inplace_candidates", "is_view", "lower", "out_variant"]
+__all__ = ["INPLACE", "WHEN_UNREAD", "Lowered", "inplace_candidates", "is_view", "lower", "out_variant"]
 
 aten = torch.ops.aten
 
@@ -159,6 +159,19 @@ def lower(op, args: tuple, kwargs: dict, metas: list, device_type: str) -> Lower
     if v is None or len(v.outs) != len(metas):
         return None
     return Lowered(v, tuple(args), dict(kwargs))
+
+
+def _max_pool2d_no_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    # eager's max_pool2d on the CPU makes no indices; the decomposed graph asks for int64 indices
+    # (twice the bytes of the values) even when nothing reads them
+    return torch.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode), None
+
+
+# ops to run with another function (no out=) when some of their outputs are never read:
+# op -> (output positions that must be unread, replacement)
+WHEN_UNREAD: dict[object, tuple[tuple[int, ...], Callable]] = {
+    aten.max_pool2d_with_indices.default: ((1,), _max_pool2d_no_indices),
+}
 
 
 def inplace_candidates(op, args: tuple) -> list[int]:

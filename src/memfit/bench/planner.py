@@ -1,0 +1,141 @@
+"""Planner benchmark: the activation arena of a model zoo against naive, eager and the lower bound.
+
+For every zoo model and batch size: naive bytes (every planned tensor its own region), the eager
+peak (live tensor bytes of eager PyTorch under `torch.inference_mode`, tracked op by op), the
+planned arena, the lower bound (most bytes live at one op), the unplanned bytes the planned run
+still allocates (measured the same way as eager), and the latency of both, side by side in one
+process (median of repeats after warm-up).
+
+Run:
+    memfit bench planner --quick        # images at 64x64, batch 1 and 8 (about a minute on 2 cores)
+    python benchmarks/bench_planner.py  # images at full size, batch 1 and 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from memfit.bench.common import machine_header, median_time, table, to_csv
+from memfit.bench.zoo import MODELS, build
+from memfit.budget import format_bytes
+from memfit.measure import track_memory
+from memfit.planner import plan
+
+TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "latency": 1.10}
+
+
+def _peak(fn, x) -> int:
+    with torch.inference_mode(), track_memory("cpu") as mem:
+        out = fn(x)
+        del out
+    return mem.peak
+
+
+def measure(name: str, batch: int, image: int | None, repeat: int) -> dict:
+    """One row of the table: bytes and latency of one model at one batch size."""
+    model, shape = build(name, image=image)
+    x = torch.randn(batch, *shape)
+    t0 = time.perf_counter()
+    pm = plan(model, (x,))
+    plan_s = time.perf_counter() - t0
+    rep = pm.report
+    with torch.inference_mode():
+        torch.testing.assert_close(pm(x), model(x), rtol=1e-3, atol=1e-3)
+        eager_peak = _peak(model, x)
+        outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
+        t_eager, t_planned = [], []
+        for _ in range(2):                   # interleaved, so drift in the machine hits both alike
+            t_eager.append(median_time(lambda: model(x), repeat=repeat, warmup=1))
+            t_planned.append(median_time(lambda: pm(x), repeat=repeat, warmup=1))
+    planned_total = rep.arena_bytes + outside
+    return {
+        "model": name, "batch": batch, "naive": rep.naive_bytes, "eager_peak": eager_peak,
+        "arena": rep.arena_bytes, "bound": rep.lower_bound, "arena/bound": rep.arena_bytes / max(rep.lower_bound, 1),
+        "naive/arena": rep.naive_bytes / max(rep.arena_bytes, 1), "unplanned": outside,
+        "planned_total": planned_total, "total/eager": planned_total / max(eager_peak, 1),
+        "eager_ms": 1e3 * min(t_eager), "planned_ms": 1e3 * min(t_planned),
+        "latency_ratio": min(t_planned) / min(t_eager), "plan_s": plan_s,
+    }
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """The issue's targets, each with the measured value and PASS or MISS."""
+    ratios = [r["arena/bound"] for r in rows]
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    worst = max(rows, key=lambda r: r["arena/bound"])
+    worst_ok = worst["arena/bound"] <= TARGETS["worst_ratio"]
+    out = [f"arena / lower bound, geometric mean {geo:.3f} (target <= {TARGETS['geo_ratio']}): "
+           f"{'PASS' if geo <= TARGETS['geo_ratio'] else 'MISS'}",
+           f"arena / lower bound, worst {worst['arena/bound']:.3f} ({worst['model']} batch {worst['batch']}; "
+           f"target <= {TARGETS['worst_ratio']}): {'PASS' if worst_ok else 'MISS'}"]
+    for r in rows:
+        if r["model"] in ("resnet50", "mobilenet_v2") and r["batch"] == 1:
+            ok = r["naive/arena"] >= TARGETS["naive_over_planned"]
+            out.append(f"naive / arena, {r['model']} batch 1: {r['naive/arena']:.1f}x (target >= 5x): "
+                       f"{'PASS' if ok else 'MISS'}")
+    over = [f"{r['model']}/{r['batch']}" for r in rows if r["arena"] > r["eager_peak"]]
+    out.append(f"arena <= eager peak for every model: {'PASS' if not over else 'MISS ' + ', '.join(over)}")
+    over = [f"{r['model']}/{r['batch']} ({r['total/eager']:.2f}x)" for r in rows if r["total/eager"] > 1.0]
+    out.append(f"arena + unplanned <= eager peak for every model: {'PASS' if not over else 'MISS ' + ', '.join(over)}")
+    slow = [f"{r['model']}/{r['batch']} ({r['latency_ratio']:.2f}x)" for r in rows
+            if r["latency_ratio"] > TARGETS["latency"]]
+    out.append(f"planned latency <= 1.10x eager for every model: {'PASS' if not slow else 'MISS ' + ', '.join(slow)}")
+    return out
+
+
+def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat: int = 5,
+        csv: str | None = None, as_json: bool = False) -> list[dict]:
+    """Measure every model at every batch size; print the table and the target lines; return the rows."""
+    if not as_json:
+        print(machine_header("cpu"))
+    rows = []
+    for name in models:
+        for b in batches:
+            rows.append(measure(name, b, image, repeat))
+            if not as_json:
+                r = rows[-1]
+                print(f"# {name} batch {b}: arena {format_bytes(r['arena'])}, eager peak "
+                      f"{format_bytes(r['eager_peak'])}, {r['latency_ratio']:.2f}x eager latency", flush=True)
+    lines = verdicts(rows)
+    if as_json:
+        print(json.dumps({"rows": rows, "targets": lines}))
+    else:
+        cols = ["model", "batch", "naive", "eager_peak", "arena", "bound", "arena/bound", "naive/arena",
+                "unplanned", "total/eager", "eager_ms", "planned_ms", "latency_ratio"]
+        print(table(rows, cols))
+        print("\n".join(lines))
+    if csv:
+        to_csv(rows, csv)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
+                                epilog="example:\n  memfit bench planner --quick\n"
+                                       "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="images at 64x64, batch 1 and 8, fewer repeats")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32; quick 1,8)")
+    p.add_argument("--image", type=int, default=None, help="height and width of the image models' inputs")
+    p.add_argument("--repeat", type=int, default=None, help="timed repeats per measurement")
+    p.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = p.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown {unknown}; expected names from {list(MODELS)}")
+    try:
+        batches = tuple(int(b) for b in (args.batches or ("1,8" if args.quick else "1,32")).split(","))
+    except ValueError:
+        p.error(f"--batches: expected comma-separated ints such as 1,32; found {args.batches!r}")
+    image = args.image if args.image is not None else (64 if args.quick else None)
+    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
+    run(models, batches, image, repeat, args.csv, args.json)
+    return 0
