@@ -115,6 +115,10 @@ def _run(slots: Slots, blocks: Sequence[torch.Tensor], free: queue.Queue, ready:
     try:
         if slots.cuda:
             torch.cuda.set_device(slots.device)
+        else:
+            # one core for the copy (a memory-bound gather): with the consumer's own intra-op threads on
+            # the same cores, a second OpenMP team would oversubscribe them (measured 3.5x slower)
+            torch.set_num_threads(1)            # OpenMP's thread count is per thread: the consumer keeps its own
         for idx in blocks:
             slot = free.get()
             if slot is None or stop.is_set():
