@@ -11,11 +11,23 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CaptureError", "capture", "constants"]
+__all__ = ["CaptureError", "as_inputs", "capture", "constants"]
 
 
 class CaptureError(RuntimeError):
     """`torch.export` could not capture the model as one static graph (the reason is in the message)."""
+
+
+def as_inputs(example_inputs) -> tuple:
+    """`example_inputs` as a tuple of tensors (one tensor is wrapped), or a TypeError saying so."""
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)) or not all(isinstance(x, torch.Tensor) for x in example_inputs):
+        found = [type(x).__name__ for x in example_inputs] if isinstance(example_inputs, (tuple, list)) \
+            else type(example_inputs).__name__
+        raise TypeError(f"expected example_inputs as a tuple of tensors, e.g. (torch.empty(8, 3, 32, 32),); "
+                        f"found {found}")
+    return tuple(example_inputs)
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
@@ -28,13 +40,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Expor
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module to plan; found {type(model).__name__}")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    if not isinstance(example_inputs, (tuple, list)) or not all(isinstance(x, torch.Tensor) for x in example_inputs):
-        found = [type(x).__name__ for x in example_inputs] if isinstance(example_inputs, (tuple, list)) \
-            else type(example_inputs).__name__
-        raise TypeError(f"expected example_inputs as a tuple of tensors, e.g. (torch.empty(8, 3, 32, 32),); "
-                        f"found {found}")
+    example_inputs = as_inputs(example_inputs)
     try:
         ep = torch.export.export(model, tuple(example_inputs), strict=False)
         ep = ep.run_decompositions()

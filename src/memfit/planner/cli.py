@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 def _shape(text: str) -> tuple[int, ...]:
     from memfit.cli import UsageError
     try:
-        shape = tuple(int(s) for s in text.replace("x", ",").split(",") if s.strip())
+        shape = tuple(int(s) for s in text.split(","))
     except ValueError:
         shape = ()
     if not shape or any(s < 1 for s in shape):

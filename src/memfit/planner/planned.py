@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
 from memfit.planner.arena import ALGORITHMS, Buffer, assign_offsets, live_profile, lower_bound, verify
-from memfit.planner.capture import capture, constants
+from memfit.planner.capture import as_inputs, capture, constants
 from memfit.planner.codegen import generate
 from memfit.planner.graph import Graph, analyze
 from memfit.planner.report import Report, Row
@@ -218,9 +218,8 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
         >>> pm(torch.ones(2, 8)).shape
         torch.Size([2, 8])
     """
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    if isinstance(example_inputs, list):
-        example_inputs = tuple(example_inputs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module to plan; found {type(model).__name__}")
+    example_inputs = as_inputs(example_inputs)
     _check_args(algorithm, inplace)
     return PlannedModule(model, example_inputs, algorithm, inplace)

@@ -1,0 +1,247 @@
+"""The planner against eager PyTorch: every zoo model's outputs, seed 003's trap, in-place rules,
+re-planning, errors, sizing and the plan CLI."""
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.bench.zoo import MODELS, build
+from memfit.planner import CaptureError, activation_bytes, cli_plan, load_factory, max_batch_size, memory_model, plan
+from memfit.planner.ops import INPLACE
+
+# batch 1 and 3 where export is quick; the large graphs at batch 2 only, to keep the file fast
+ZOO = [(name, b) for name in MODELS for b in ((1, 3) if name in ("mlp", "lenet", "transformer") else (2,))]
+
+
+@pytest.mark.parametrize("name, batch", ZOO, ids=[f"{n}-{b}" for n, b in ZOO])
+def test_zoo_outputs_equal_eager(name, batch):
+    model, shape = build(name, image=32)
+    x = torch.randn(batch, *shape)
+    pm = plan(model, (x,))
+    with torch.inference_mode():
+        ref = model(x)
+        torch.testing.assert_close(pm(x), ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pm(x), ref, rtol=1e-4, atol=1e-4)      # the arena is reused correctly
+    r = pm.report
+    assert r.lower_bound <= r.arena_bytes <= r.naive_bytes
+    assert r.param_bytes == sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+
+
+def seed003():
+    """Seed 003's network: 2 -> 4 tanh, 4 -> 1 sigmoid; its layers compute act(W x - b)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1), nn.Sigmoid()).double().eval()
+    with torch.no_grad():
+        # Neanderthal's dge is column-major: columns [0.3 0.1 0.9 0.0] and [0.6 2.0 3.7 1.0]
+        net[0].weight.copy_(torch.tensor([[0.3, 0.6], [0.1, 2.0], [0.9, 3.7], [0.0, 1.0]]))
+        net[0].bias.copy_(-torch.tensor([0.7, 0.2, 1.1, 2.0]))
+        net[2].weight.copy_(torch.tensor([[0.75, 0.15, 0.22, 0.33]]))
+        net[2].bias.copy_(-torch.tensor([0.3]))
+    x = torch.tensor([[0.3, 0.9], [0.3, 0.9]], dtype=torch.float64)     # the same input twice
+    return net, x
+
+
+def test_seed003_trap_sharing_a_gemm_output_with_its_input_gives_wrong_numbers():
+    net, x = seed003()
+    with torch.no_grad():
+        temp = torch.empty(8, dtype=torch.float64)          # one buffer for both layers' outputs, the naive way
+        a1, a2 = temp.view(2, 4), temp[:2].view(2, 1)
+        torch.tanh(torch.addmm(net[0].bias, x, net[0].weight.T, out=a1), out=a1)
+        torch.mm(a1, net[2].weight.T, out=a2)               # the GEMM writes over its own input
+        wrong = torch.sigmoid(a2 + net[2].bias)
+    assert wrong[:, 0].tolist() != pytest.approx([0.44, 0.44], abs=0.005)
+    assert wrong[0, 0].item() == pytest.approx(0.41, abs=0.005)
+
+
+def test_seed003_planned_returns_044_for_both_inputs():
+    net, x = seed003()
+    pm = plan(net, (x,))
+    out = pm(x)
+    assert out[:, 0].tolist() == pytest.approx([0.4352, 0.4352], abs=1e-4)
+    torch.testing.assert_close(out, net(x))
+    rows = {r.name: r for r in pm.report.rows}
+    # the second GEMM's output never overlaps the first layer's output, which it reads
+    first, second = rows["addmm"], rows["addmm_1"]
+    assert second.kind != "arena" or first.offset + first.bytes <= second.offset or \
+        second.offset + second.bytes <= first.offset
+
+
+def _inplace_steps(pm):
+    graph = pm._last.layout.graph
+    return [s for s in graph.steps if s.inplace_arg is not None], graph
+
+
+def test_inplace_only_for_allowlisted_elementwise_ops():
+    model, shape = build("resnet18", image=32)
+    pm = plan(model, (torch.randn(2, *shape),))
+    steps, _ = _inplace_steps(pm)
+    assert steps, "expected batch norm / relu / add to run in place"
+    assert all(s.node.target.overloadpacket.__name__ in INPLACE for s in steps)
+    assert all(s.node.target.overloadpacket.__name__ not in ("addmm", "mm", "convolution") for s in steps)
+    off = plan(model, (torch.randn(2, *shape),), inplace=False)
+    assert not _inplace_steps(off)[0]
+    assert off.report.arena_bytes >= pm.report.arena_bytes
+
+
+class ReusesInput(nn.Module):
+    def forward(self, x):
+        a = x * 2
+        b = torch.relu(a)          # a is read again below: relu must not overwrite it
+        c = torch.relu(x)          # x is the caller's input: never written
+        return b + a + c
+
+
+def test_inplace_never_over_a_live_tensor_or_an_input():
+    x = torch.randn(3, 5)
+    pm = plan(ReusesInput(), (x,))
+    before = x.clone()
+    torch.testing.assert_close(pm(x), ReusesInput()(x))
+    torch.testing.assert_close(x, before)
+    steps, graph = _inplace_steps(pm)
+    for s in steps:
+        arg = s.node.args[s.inplace_arg]
+        assert arg.op != "placeholder"
+        assert not [u for u in arg.users if graph.steps[[t.node for t in graph.steps].index(u)].index > s.index]
+
+
+def test_new_shape_replans_and_outputs_are_fresh_memory():
+    model, shape = build("lenet")
+    pm = plan(model, (torch.randn(2, *shape),))
+    x5 = torch.randn(5, *shape)
+    out5 = pm(x5)
+    torch.testing.assert_close(out5, model(x5))
+    assert len(pm.plans) == 2
+    keep = out5.clone()
+    pm(torch.randn(5, *shape))
+    torch.testing.assert_close(out5, keep)        # a later call does not overwrite returned outputs
+
+
+def test_wrong_dtype_and_device_are_clear_errors():
+    pm = plan(nn.Linear(4, 2), (torch.randn(3, 4),))
+    with pytest.raises(TypeError, match="expected dtype torch.float32.*found torch.float64"):
+        pm(torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="expected 1 input"):
+        pm(torch.randn(3, 4), torch.randn(3, 4))
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:            # Python control flow on a value: torch.export cannot capture it
+            return x * 2
+        return x - 1
+
+
+def test_uncapturable_model_raises_capture_error_with_the_reason():
+    with pytest.raises(CaptureError, match="torch.export could not capture DataDependent: .*"):
+        plan(DataDependent(), (torch.randn(2, 3),))
+    with pytest.raises(CaptureError):
+        memory_model(DataDependent(), (3,))
+
+
+def test_training_mode_batch_norm_asks_for_eval():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).train()
+    with pytest.raises(CaptureError, match=r"model.eval\(\)"):
+        plan(model, (torch.randn(2, 1, 8, 8),))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        plan(nn.Linear(2, 2), (torch.randn(1, 2),), algorithm="fast")
+    with pytest.raises(TypeError, match="tuple of tensors"):
+        plan(nn.Linear(2, 2), ([1.0, 2.0],))
+
+
+@pytest.mark.parametrize("algorithm", ["naive", "greedy_by_size", "best"])
+def test_algorithms_agree_on_outputs(algorithm):
+    model, shape = build("lenet")
+    x = torch.randn(1, *shape)
+    pm = plan(model, (x,), algorithm=algorithm)
+    torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
+    if algorithm == "naive":
+        assert pm.report.arena_bytes == pm.report.naive_bytes or pm.report.arena_bytes <= pm.report.naive_bytes
+
+
+def test_memory_model_matches_a_plan_at_full_size_without_running_it():
+    model, shape = build("lenet")
+    mm = memory_model(model, shape)
+    for n in (7, 33):
+        rep = plan(model, (torch.empty(n, *shape),)).report
+        assert mm.arena_bytes(n) == rep.arena_bytes
+        assert mm.unplanned_bytes(n) == rep.unplanned_bytes
+        assert mm.total_bytes(n) == rep.total_bytes
+
+
+def test_max_batch_size_matches_a_bisection_of_activation_bytes():
+    model, shape = build("mlp")
+    budget = 3_000_000
+    sizes = list(range(1, 400))
+    need = activation_bytes(model, shape, sizes)
+    assert need == sorted(need)
+    expected = max((n for n, b in zip(sizes, need, strict=True) if b <= budget), default=0)
+    assert max_batch_size(model, shape, budget) == expected
+    assert max_batch_size(model, shape, "1KiB") == 0                 # not even the parameters fit
+    extra = max_batch_size(model, shape, budget, extra_bytes_per_sample=1000)
+    assert extra < expected
+    with pytest.raises(ValueError, match="extra_bytes_per_sample"):
+        max_batch_size(model, shape, budget, extra_bytes_per_sample=-1)
+
+
+def test_report_table_and_plot(tmp_path):
+    model, shape = build("lenet")
+    rep = plan(model, (torch.randn(2, *shape),)).report
+    text = str(rep)
+    assert "lower bound" in text and "max_pool2d" in text and "arena" in text
+    pytest.importorskip("matplotlib")
+    path = rep.plot(tmp_path / "arena.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+MODEL_FILE = ("import torch\n\ndef make():\n"
+              "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n")
+
+
+def test_cli_plan_prints_the_report(tmp_path, capsys):
+    (tmp_path / "net.py").write_text(MODEL_FILE)
+    assert cli_plan([f"{tmp_path}/net.py:make", "--input", "4,1,8,8"]) == 0
+    out = capsys.readouterr().out
+    assert "lower bound" in out and "addmm" in out
+
+
+def test_cli_plan_bad_usage(tmp_path):
+    from memfit.cli import UsageError
+    (tmp_path / "net.py").write_text(MODEL_FILE)
+    with pytest.raises(UsageError, match="--input"):
+        cli_plan([f"{tmp_path}/net.py:make", "--input", "4,x"])
+    with pytest.raises(SystemExit):
+        cli_plan([f"{tmp_path}/net.py:make"])                          # --input is required
+
+
+def test_load_factory_errors(tmp_path):
+    assert load_factory("memfit.bench.zoo:lenet") is not None
+    with pytest.raises(ValueError, match="MODULE:FACTORY"):
+        load_factory("no_colon")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_factory(f"{tmp_path}/missing.py:make")
+    with pytest.raises(ValueError, match="no attribute 'nope'"):
+        load_factory("memfit.bench.zoo:nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_factory("memfit.not_a_module:make")
+
+
+def test_planned_module_runs_with_grad_enabled_and_multiple_outputs():
+    class TwoOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            h = torch.relu(self.lin(x))
+            return h * y, (h + 1).sum()
+
+    m, x, y = TwoOut(), torch.randn(2, 4), torch.randn(2, 4)
+    pm = plan(m, (x, y))
+    got, ref = pm(x, y), m(x, y)
+    assert isinstance(got, tuple) and len(got) == 2
+    torch.testing.assert_close(got, tuple(r.detach() for r in ref))
+    assert operator.not_(got[0].requires_grad)
