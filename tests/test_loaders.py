@@ -35,6 +35,16 @@ def ds():
     return CompactDataset.from_arrays(x, y, normalize="dataset", device="cpu")
 
 
+@pytest.fixture(scope="module")
+def file_data(tmp_path_factory):
+    """The same samples as `arrays()`, x memory-mapped from a .npy file (a FileSource: copies on a thread)."""
+    from memfit.datasets import load_array
+    x, y = arrays()
+    path = tmp_path_factory.mktemp("npy") / "x.npy"
+    np.save(path, x)
+    return load_array(path), y
+
+
 def no_loader_threads():
     return not [t for t in threading.enumerate() if t.name.startswith("memfit")]
 
@@ -124,7 +134,7 @@ def test_forced_strategies_that_do_not_fit_name_what_needed_how_much(ds):
                                              r"compact dataset \(1003 rows x 18 B\).*17.63 KiB") as e:
         loader(ds, 64, strategy="resident", budget="10KiB", device="cpu")
     assert isinstance(e.value, MemoryError) and e.value.budget == 10240 and e.value.needed > 10240
-    with pytest.raises(BudgetExceeded, match=r"(?s)macro loader needs.*macro-batch buffers \(2 x 512 rows\)"):
+    with pytest.raises(BudgetExceeded, match=r"(?s)macro loader needs.*macro-batch buffers \(1 x 512 rows\)"):
         loader(ds, 64, strategy="macro", macro_batch=512, budget="20KiB", device="cpu")
     with pytest.raises(BudgetExceeded, match=r"stream loader needs"):
         loader(ds, 64, strategy="stream", budget=1000, device="cpu")
@@ -162,8 +172,16 @@ def test_bad_data_is_named():
 
 # ---- shutdown ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy, kw", CONFIGS)
-def test_break_and_consumer_errors_leave_nothing_running(ds, strategy, kw):
-    ld = loader(ds, 64, strategy=strategy, seed=0, device="cpu", **kw)
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_break_and_consumer_errors_leave_nothing_running(ds, file_data, kind, strategy, kw):
+    data = ds if kind == "memory" else file_data
+    ld = loader(data, 64, strategy=strategy, seed=0, device="cpu", **kw)
+    assert ld.threaded == (kind == "file" and kw.get("prefetch", True) and strategy != "resident")
+    it = iter(ld)
+    next(it)
+    if ld.threaded:
+        assert not no_loader_threads()                   # the copy thread runs while an epoch is open
+    del it
     for _ in ld:
         break
     gc.collect()
@@ -182,9 +200,20 @@ def test_break_and_consumer_errors_leave_nothing_running(ds, strategy, kw):
         iter(ld)
 
 
+def test_file_source_gives_the_same_batches(ds, file_data):
+    x, y = file_data
+    ref = [b for _, b in loader(arrays(), 64, seed=2, device="cpu", strategy="stream")]
+    got = [b for _, b in loader((x, y), 64, seed=2, device="cpu", strategy="stream")]
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    macro = torch.cat([b for _, b in loader((x, y), 64, seed=2, device="cpu", strategy="macro", macro_batch=256)])
+    assert torch.equal(macro.sort().values, torch.arange(N))
+    assert macro[:256].max() - macro[:256].min() == 255                   # block shuffle: one contiguous read
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_background_errors_reach_the_consumer_with_their_traceback(ds, prefetch):
-    ld = loader(ds, 64, strategy="macro", macro_batch=128, seed=0, device="cpu", prefetch=prefetch)
+def test_background_errors_reach_the_consumer_with_their_traceback(file_data, prefetch):
+    ld = loader(file_data, 64, strategy="macro", macro_batch=128, seed=0, device="cpu", prefetch=prefetch)
+    assert ld.threaded == prefetch
     real = ld.source.fill
     calls = []
 
@@ -203,6 +232,19 @@ def test_background_errors_reach_the_consumer_with_their_traceback(ds, prefetch)
     frames = "".join(traceback.format_tb(e.value.__traceback__))
     assert "failing_fill" in frames and "in fill" in frames         # the original frames, from the thread
     gc.collect()
+    assert no_loader_threads()
+
+
+def test_bad_values_in_a_file_fail_in_the_consumer(tmp_path):
+    from memfit.datasets import load_array
+    x = np.zeros((300, 4), np.float32)
+    x[250, 2] = 300.0                                               # out of range for uint8, late in the file
+    np.save(tmp_path / "bad.npy", x)
+    ld = loader((load_array(tmp_path / "bad.npy"), None), 50, codec="uint8", strategy="macro", macro_batch=100,
+                shuffle=False, device="cpu")
+    with pytest.raises(ValueError, match=r"codec 'uint8' needs values in \[0, 255\], found 300"):
+        for _ in ld:
+            pass
     assert no_loader_threads()
 
 
