@@ -1,17 +1,22 @@
 """memfit: make deep-learning work fit in the accelerator memory you have.
 
 - `CompactDataset`: datasets stored compactly on the device (uint8, q8, q4, bits1, ...), decoded per batch.
+- `loader` / `Loader`: minibatches by the resident, stream or macro strategy, chosen from a memory budget.
+- `plan` / `PlannedModule`: every activation of a model in one arena; `activation_bytes` and
+  `max_batch_size` say what a batch needs and what fits, without running it at full size.
 - `evaluate`: exact whole-set metrics in chunks sized to a memory budget, with out-of-memory back-off.
 - `parse_bytes` / `format_bytes` / `device_memory`: sizes and the memory each device has.
 
 Submodules: `memfit.codecs` (the codecs), `memfit.datasets` (readers for MNIST, CIFAR-10, .npy/.npz,
-digits, synthetic data), `memfit.metrics`, `memfit.distributed`. See README.md.
+digits, synthetic data), `memfit.metrics`, `memfit.distributed`, `memfit.loaders`, `memfit.planner`. See README.md.
 """
 
 from memfit import codecs, datasets, metrics
 from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
 from memfit.dataset import CompactDataset
 from memfit.evaluate import EvalResult, evaluate
+from memfit.loader import Loader, loader  # rebinds memfit.loader from the module to the function
+from memfit.planner import PlannedModule, activation_bytes, max_batch_size, plan
 
 __version__ = "0.1.0"
 
@@ -19,11 +24,17 @@ __all__ = [
     "BudgetExceeded",
     "CompactDataset",
     "EvalResult",
+    "Loader",
+    "PlannedModule",
+    "activation_bytes",
     "codecs",
     "datasets",
     "device_memory",
     "evaluate",
     "format_bytes",
+    "loader",
+    "max_batch_size",
     "metrics",
     "parse_bytes",
+    "plan",
 ]

@@ -9,6 +9,8 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 __all__ = ["CaptureError", "as_inputs", "capture", "constants"]
@@ -42,8 +44,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Expor
         raise TypeError(f"expected a torch.nn.Module to plan; found {type(model).__name__}")
     example_inputs = as_inputs(example_inputs)
     try:
-        ep = torch.export.export(model, tuple(example_inputs), strict=False)
-        ep = ep.run_decompositions()
+        with warnings.catch_warnings():
+            # torch 2.13's export warns about its own pytree internals (LeafSpec): not the user's concern
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            ep = torch.export.export(model, tuple(example_inputs), strict=False)
+            ep = ep.run_decompositions()
     except Exception as e:                     # export raises many types; all mean "cannot capture"
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {reason}. "

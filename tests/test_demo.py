@@ -1,0 +1,69 @@
+"""`memfit demo` end to end on a reduced setting, and the README's quick start, executed."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from memfit.cli import main
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.fixture(scope="module")
+def demo_json(tmp_path_factory):
+    pytest.importorskip("sklearn")
+    out = tmp_path_factory.mktemp("demo")
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["demo", "--epochs", "4", "--seed", "1", "--json", "--out", str(out)])
+    assert code == 0
+    return json.loads(buf.getvalue().strip().splitlines()[-1]), out
+
+
+def test_demo_reports_every_figure(demo_json):
+    r, out = demo_json
+    assert r["data"] == "digits" and r["train"] + r["test"] == 1797
+    # a sample: 64 float32 pixels + an int64 label (264 B) against 64 uint8 pixels + a uint8 label (65 B)
+    assert r["bytes"]["codec"] == "uint8" and r["bytes"]["ratio"] == pytest.approx(264 / 65, rel=1e-3)
+    assert r["loader"]["strategy"] in ("resident", "macro", "stream") and r["loader"]["reason"]
+    assert len(r["losses"]) == 4 and r["losses"][-1] < r["losses"][0]
+    p = r["plan"]
+    assert p["lower_bound"] <= p["planned"] <= p["naive"]
+    assert r["max_eval_batch"] >= 1
+    e = r["evaluate"]
+    assert e["n"] == r["test"] and e["chunk_size"] >= 1
+    assert e["accuracy"] > 0.9                       # digits are easy: a small CNN gets there in 4 epochs
+    for f in r["files"]:
+        assert Path(f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {Path(f).name for f in r["files"]} == {"arena.png", "loss.png"}
+
+
+def test_demo_is_deterministic_with_a_seed(demo_json, tmp_path, capsys):
+    r, _ = demo_json
+    assert main(["demo", "--epochs", "4", "--seed", "1", "--json", "--no-plots"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["losses"] == r["losses"]
+    assert again["evaluate"]["accuracy"] == r["evaluate"]["accuracy"]
+
+
+def test_a_small_budget_changes_the_choices(capsys):
+    pytest.importorskip("sklearn")
+    assert main(["demo", "--epochs", "1", "--budget", "1MiB", "--json", "--no-plots"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["evaluate"]["chunk_size"] < r["test"]          # activations of 359 samples need several MiB
+    assert r["max_eval_batch"] < r["test"]
+
+
+def test_readme_quick_start_runs():
+    text = README.read_text()
+    block = re.search(r"## Quick start.*?```python\n(.*?)```", text, re.S)
+    assert block, "README.md has no ```python block under '## Quick start'"
+    exec(compile(block.group(1), "README quick start", "exec"), {})
+
+
+def test_readme_starts_with_the_two_commands():
+    head = README.read_text()[:1500]
+    assert "make demo" in head and "make test" in head
