@@ -67,3 +67,21 @@ def test_readme_quick_start_runs():
 def test_readme_starts_with_the_two_commands():
     head = README.read_text()[:1500]
     assert "make demo" in head and "make test" in head
+
+
+def test_demo_runs_on_two_processes_with_torchrun():
+    """`torchrun --nproc-per-node=2 -m memfit demo --distributed`: each rank trains on its shard and
+    the evaluation counts every test sample once across the two ranks."""
+    pytest.importorskip("sklearn")
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMFIT_DIST_TIMEOUT": "60"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "memfit", "demo", "--distributed", "--epochs", "1", "--no-plots", "--json"],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    assert r["world_size"] == 2
+    assert r["evaluate"]["n"] == r["test"] == 359            # every test sample counted once, none twice
+    assert r["loader"]["batches_per_epoch"] == -(-719 // 64)  # a rank iterates its half of the 1438

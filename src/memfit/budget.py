@@ -239,8 +239,8 @@ class Ledger:
         return self.total <= self.budget
 
     def table(self) -> str:
-        rows = [f"  {name:<34} {format_bytes(n):>12}" for name, n in self.items]
-        rows.append(f"  {'total':<34} {format_bytes(self.total):>12}  of budget {format_bytes(self.budget)}")
+        rows = [f"  {name:<44} {format_bytes(n):>12}" for name, n in self.items]
+        rows.append(f"  {'total':<44} {format_bytes(self.total):>12}  of budget {format_bytes(self.budget)}")
         return "\n".join(rows)
 
     def check(self, hint: str = "") -> Ledger:

@@ -15,7 +15,7 @@ EXAMPLES = {
     "info": "example:\n  memfit info\n  memfit info --json",
     "demo": ("example:\n  memfit demo\n  memfit demo --epochs 3 --budget 16MiB --json\n"
              "  memfit demo --data mnist:~/data/mnist --device cuda\n"
-             "  torchrun --nproc-per-node=2 -m memfit demo --distributed"),
+             "  torchrun --standalone --nproc-per-node=2 -m memfit demo --distributed"),
     "bench": ("example:\n  memfit bench codecs --quick\n  memfit bench loaders --plot loaders.png\n"
               "  memfit bench planner --quick\n  memfit bench evaluate --quick\n"
               "  (memfit bench NAME --help lists each benchmark's options)"),

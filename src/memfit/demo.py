@@ -11,7 +11,7 @@ On scikit-learn's bundled digits (or `--data` of your own) with a memory budget 
 Run:
     memfit demo
     memfit demo --epochs 3 --budget 16MiB --json
-    torchrun --nproc-per-node=2 -m memfit demo --distributed
+    torchrun --standalone --nproc-per-node=2 -m memfit demo --distributed
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _init_distributed(device) -> tuple[int, int]:
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise ValueError("--distributed needs the process group variables torchrun sets; start with "
-                             "torchrun --nproc-per-node=2 -m memfit demo --distributed")
+                             "torchrun --standalone --nproc-per-node=2 -m memfit demo --distributed")
         dev = resolve_device(device if device is not None else _local_cuda())
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
