@@ -10,3 +10,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+try:        # the same examples on every run: a red CI then always means a regression, never bad luck
+    from hypothesis import settings
+    settings.register_profile("memfit", derandomize=True, deadline=None, print_blob=True)
+    settings.load_profile("memfit")
+except ImportError:  # pragma: no cover
+    pass

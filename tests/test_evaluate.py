@@ -272,3 +272,34 @@ def test_output_that_is_not_n_by_classes():
     with pytest.raises(ValueError, match=r"accuracy needs model outputs of shape \(N, classes\); found shape "
                                          r"\(8, 10, 2, 2\)"):
         evaluate(model, (x, y), metrics=("accuracy",), chunk_size=8, device="cpu", progress=False)
+
+
+def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypatch):
+    """Evaluating every epoch captures the model once; the arena is freed after each call, and the
+    cache lets the model be garbage-collected."""
+    import gc
+    import weakref
+
+    import memfit.planner
+    x, y = make_data(300)
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    model = make_model()
+    calls = []
+    real = memfit.planner.planned.layout
+    monkeypatch.setattr(memfit.planner.planned, "layout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = evaluate(model, ds, chunk_size=128, planned=True, progress=False)   # chunks 128, 128, 44
+    captured = len(calls)
+    assert captured == 2 and first.runner == "planned"            # one plan per chunk shape
+    with torch.no_grad():
+        model[1].weight.mul_(-1)                                    # in-place updates are seen
+    second = evaluate(model, ds, chunk_size=128, planned=True, progress=False)
+    assert len(calls) == captured
+    ref = unchunked(model, x, y)
+    assert second.metrics["accuracy"] == ref["accuracy"] != first.metrics["accuracy"]
+    model[1] = torch.nn.Linear(16, 32)                              # a replaced layer: planned again
+    evaluate(model, ds, chunk_size=128, planned=True, progress=False)
+    assert len(calls) > captured
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

@@ -68,7 +68,7 @@ def test_seed003_planned_returns_044_for_both_inputs():
 
 
 def _inplace_steps(pm):
-    graph = pm._last.layout.graph
+    graph = pm.layouts[pm._last_key].graph
     return [s for s in graph.steps if s.inplace_arg is not None], graph
 
 
@@ -111,7 +111,7 @@ def test_new_shape_replans_and_outputs_are_fresh_memory():
     x5 = torch.randn(5, *shape)
     out5 = pm(x5)
     torch.testing.assert_close(out5, model(x5))
-    assert len(pm.plans) == 2
+    assert len(pm.layouts) == 2                  # a plan per shape, one shared arena
     keep = out5.clone()
     pm(torch.randn(5, *shape))
     torch.testing.assert_close(out5, keep)        # a later call does not overwrite returned outputs
@@ -245,3 +245,25 @@ def test_planned_module_runs_with_grad_enabled_and_multiple_outputs():
     assert isinstance(got, tuple) and len(got) == 2
     torch.testing.assert_close(got, tuple(r.detach() for r in ref))
     assert operator.not_(got[0].requires_grad)
+
+
+def test_plans_share_one_arena_and_release_frees_it():
+    """A smaller batch (the last chunk of an evaluation) reuses the arena of the larger plan."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 4)).eval()
+    x = torch.randn(32, 16)
+    pm = plan(model, (x,))
+    big = pm.arena_bytes
+    assert big == pm.report.arena_bytes > 0
+    small = torch.randn(5, 16)
+    torch.testing.assert_close(pm(small), model(small))
+    assert pm.arena_bytes == big and len(pm.layouts) == 2        # one arena for both plans
+    storages = {p.arena.untyped_storage().data_ptr() for p in pm.plans.values()}
+    assert len(storages) == 1
+    pm.release()
+    assert pm.arena_bytes == 0 and not pm.plans
+    with torch.no_grad():
+        ref = model(x)
+    torch.testing.assert_close(pm(x), ref)                     # allocated again, nothing re-captured
+    assert pm.arena_bytes == big and len(pm.layouts) == 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -109,11 +110,32 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
 
 
+# Plans and memory models per model, so that evaluating every epoch captures the model once. The
+# entry dies with the model; it is dropped when a parameter or a submodule is replaced.
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple:
+    tensors = tuple((id(t), t.data_ptr(), tuple(t.shape)) for t in [*model.parameters(), *model.buffers()])
+    return tensors + tuple(id(m) for m in model.modules())
+
+
+def _cached(model: torch.nn.Module, key: tuple, make: Callable):
+    fp = _fingerprint(model)
+    entry = _CACHE.get(model)
+    if entry is None or entry[0] != fp:
+        entry = _CACHE[model] = (fp, {})
+    if key not in entry[1]:
+        entry[1][key] = make()
+    return entry[1][key]
+
+
 def _planned_peak(model, sample_shape, dtype) -> Callable[[int], int] | None:
     """peak(n) from the activation planner, or None when it cannot capture the model."""
     try:
         from memfit.planner import memory_model
-        mm = memory_model(model, sample_shape, dtype=dtype)
+        mm = _cached(model, ("memory", tuple(sample_shape), dtype),
+                     lambda: memory_model(model, sample_shape, dtype=dtype))
     except Exception:          # export failures are expected for some models: fall back to measuring
         return None
     return mm.total_bytes
@@ -231,7 +253,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
                              "(start with torchrun, or call init_process_group first)")
     was_training = model.training
     model.eval()
-    error, res = None, None
+    error, res, runner = None, None, model
     try:
         chunks = as_chunks(_shard(data) if distributed else data, dev)
         size, estimate, reason = _chunk_size(model, chunks, chunk_size, budget, dev, distributed)
@@ -245,6 +267,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         error = e
     finally:
         model.train(was_training)
+        if runner is not model:
+            _detached(runner)       # the arena is freed now; the plans stay for the next call
     if distributed:
         mdist.agree(error, "memfit.evaluate")       # every rank learns whether one failed, then raises
         mdist.reduce_states([m.state for m in mets.values() if m.reduce])
@@ -321,11 +345,20 @@ def _planned_runner(model, chunks: _Chunks, size: int, required: bool | None):
     try:
         from memfit.planner import plan
         example = torch.empty((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
-        return plan(model, (example,)), "planned"
+        pm = _cached(model, ("plan", tuple(chunks.sample_shape), chunks.dtype, chunks.device),
+                     lambda: _detached(plan(model, (example,))))
+        pm.model = model            # held only while it runs: the cache must not keep the model alive
+        return pm, "planned"
     except Exception as e:
         if required:
             raise
         return model, f"eager (the planner could not capture the model: {str(e).splitlines()[0][:120]})"
+
+
+def _detached(pm):
+    pm.release()
+    pm.model = None
+    return pm
 
 
 def _peak(dev: torch.device, estimate, max_n: int, model) -> int:

@@ -1,9 +1,11 @@
 """Chunked-evaluation benchmark: is the auto chunk size as large as what really fits, and is it fast?
 
 A CPU has no memory limit small enough to hit, so the benchmark emulates a device of `--budget`
-bytes: a chunk "really fits" when the parameters, the compact chunk, the decoded input and the
-live bytes measured while the model runs it (`memfit.measure.track_memory`, the runner evaluate
-really uses: the planned module with its arena, or eager) add up to at most the budget.
+bytes: a chunk "really fits" when the parameters, the decoded input chunk and the live bytes
+measured while the model runs it (`memfit.measure.track_memory`, the runner evaluate really uses:
+the planned module with its arena, or eager) add up to at most the budget. The compact dataset
+stays on the host here (as with a dataset larger than the device); its gathered rows are freed
+once decoded, before the model runs.
 
 1. auto / largest: `evaluate(chunk_size="auto")` chooses from its estimate; the largest chunk that
    really fits is found by bisection on the measured figure. Target >= 0.9x.
@@ -66,7 +68,7 @@ def measured(model, ds: CompactDataset, n: int, kind: str) -> int:
         runner(x)                                  # warm: any lazy set-up happens outside the measure
         with track_memory("cpu") as mem:
             runner(x)
-    return param_bytes(model) + ds.batch_nbytes(n) + x.nbytes + arena + mem.peak
+    return param_bytes(model) + x.nbytes + arena + mem.peak
 
 
 def largest_really_fitting(model, ds, budget: int, kind: str) -> int:

@@ -90,13 +90,13 @@ def layout(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "g
 
 
 class _Plan:
-    """One layout made real: the arena, its views and the generated function."""
+    """One layout made real in an arena: its views and the generated function."""
 
-    def __init__(self, lay: Layout, device: torch.device):
-        self.layout, self.report = lay, lay.report
+    def __init__(self, lay: Layout, arena: torch.Tensor):
+        self.layout, self.report, self.arena = lay, lay.report, arena
+        device = arena.device
         with torch.inference_mode(False), torch.no_grad():
-            # one block for every planned tensor; views of it are handed to the out= kernels
-            self.arena = torch.empty(lay.report.arena_bytes, dtype=torch.uint8, device=device)
+            # views of the one block are handed to the out= kernels
             tensors = dict(lay.graph.consts)
             for r in lay.graph.roots.values():
                 if r.kind == "arena":
@@ -129,32 +129,62 @@ class PlannedModule:
     Inputs of a new shape (or strides) get their own plan, made on first use and cached
     (`pm.plans`); a different dtype or device is an error. The planned module runs inference only:
     no autograd graph is recorded. `pm.report` describes the plan of the latest inputs.
+
+    All plans share one arena, as large as the largest of them (`pm.arena_bytes`): a smaller last
+    chunk or a halved batch costs no extra memory. `pm.release()` frees the arena between uses;
+    the next call allocates it again (the plans are kept, nothing is captured again).
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool):
         self.model, self.algorithm, self.inplace = model, algorithm, inplace
         self.dtypes = [x.dtype for x in example_inputs]
         self.device = example_inputs[0].device if example_inputs else torch.device("cpu")
+        self.layouts: dict[tuple, Layout] = {}
         self.plans: dict[tuple, _Plan] = {}
-        self._last = self._plan_for(tuple(example_inputs), self._key(example_inputs))
+        self._arena: torch.Tensor | None = None
+        self._last_key = self._key(example_inputs)
+        self._plan_for(tuple(example_inputs), self._last_key)
 
     @staticmethod
     def _key(inputs) -> tuple:
         return tuple((x.shape, x.stride()) for x in inputs)
 
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the shared arena: the largest plan's arena (0 after `release()`)."""
+        return 0 if self._arena is None else self._arena.nbytes
+
+    def release(self) -> None:
+        """Free the arena (the plans stay; the next call allocates it again)."""
+        self._arena = None
+        self.plans.clear()
+
     def _plan_for(self, inputs: tuple, key: tuple) -> _Plan:
-        p = _Plan(layout(self.model, inputs, algorithm=self.algorithm, inplace=self.inplace), self.device)
+        if key not in self.layouts:
+            self.layouts[key] = layout(self.model, inputs, algorithm=self.algorithm, inplace=self.inplace)
+        lay = self.layouts[key]
+        need = max([lay.report.arena_bytes] + [la.report.arena_bytes for la in self.layouts.values()])
+        if self._arena is None or self._arena.nbytes < need:
+            self.plans.clear()                    # views of the old arena: dropped, so it is freed first
+            self._arena = None
+            with torch.inference_mode(False):
+                self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
+        p = _Plan(lay, self._arena)
         self.plans[key] = p
         return p
 
     @property
     def report(self) -> Report:
-        return self._last.report
+        return self.layouts[self._last_key].report
 
     @property
     def source(self) -> str:
         """The generated Python function of the latest plan."""
-        return self._last.source
+        p = self.plans.get(self._last_key)
+        if p is None:                              # released: make the views again to show the code
+            p = _Plan(self.layouts[self._last_key], torch.empty(self.layouts[self._last_key].report.arena_bytes,
+                                                                dtype=torch.uint8, device=self.device))
+        return p.source
 
     def _check(self, inputs) -> None:
         if len(inputs) != len(self.dtypes):
@@ -170,16 +200,14 @@ class PlannedModule:
                                  f"move it with x.to('{self.device}')")
 
     def __call__(self, *inputs):
-        p = self._last
         key = self._key(inputs) if all(isinstance(x, torch.Tensor) for x in inputs) else None
-        if key is None or key not in self.plans:
+        p = self.plans.get(key) if key is not None else None
+        if p is None:
             self._check(inputs)
             p = self._plan_for(inputs, key)
-        elif self.plans[key] is not p:
-            p = self.plans[key]
-        if key is not None and (inputs and inputs[0].dtype != self.dtypes[0] or inputs[0].device != self.device):
+        elif inputs and (inputs[0].dtype != self.dtypes[0] or inputs[0].device != self.device):
             self._check(inputs)
-        self._last = p
+        self._last_key = key
         if torch.is_grad_enabled():               # out= kernels refuse to record autograd
             with torch.no_grad():
                 return p.run(inputs)
@@ -190,7 +218,7 @@ class PlannedModule:
     def __repr__(self) -> str:
         r = self.report
         return (f"PlannedModule({type(self.model).__name__}, {self.algorithm}, arena {format_bytes(r.arena_bytes)}, "
-                f"lower bound {format_bytes(r.lower_bound)}, {len(self.plans)} plan(s))")
+                f"lower bound {format_bytes(r.lower_bound)}, {len(self.layouts)} plan(s))")
 
 
 def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_size",
