@@ -117,19 +117,32 @@ class Report:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = plt.subplots(figsize=(8, 4.4))
         cmap = plt.get_cmap("tab20")
         scale, unit = (2**20, "MiB") if self.arena_bytes >= 2**20 else (2**10, "KiB")
         for i, r in enumerate(r for r in self.rows if r.kind == "arena"):
             ax.add_patch(Rectangle((r.lifetime[0], r.offset / scale), r.lifetime[1] - r.lifetime[0] + 1,
                                    r.bytes / scale, facecolor=cmap(i % 20), edgecolor="black", linewidth=0.3))
+        # tensors made by ops without an out= kernel live outside the arena: drawn above it, hatched
+        from memfit.planner.arena import Buffer, assign_offsets
+        outside = [r for r in self.rows if r.kind == "call" and r.bytes]
+        top = self.arena_bytes
+        if outside:
+            offs, size = assign_offsets([Buffer(r.name, r.bytes, *r.lifetime) for r in outside], "greedy_by_size", 1)
+            for r, off in zip(outside, offs, strict=True):
+                ax.add_patch(Rectangle((r.lifetime[0], (self.arena_bytes + off) / scale),
+                                       r.lifetime[1] - r.lifetime[0] + 1, r.bytes / scale, facecolor="0.85",
+                                       edgecolor="0.4", hatch="//", linewidth=0.3))
+            top += size
+            label = f"outside the arena (no out= kernel), up to {format_bytes(self.unplanned_bytes)}"
+            ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="0.85", edgecolor="0.4", hatch="//", label=label))
         ax.axhline(self.arena_bytes / scale, color="red", linewidth=1, label=f"arena {format_bytes(self.arena_bytes)}")
         ax.axhline(self.lower_bound / scale, color="gray", linestyle="--", linewidth=1,
                    label=f"lower bound {format_bytes(self.lower_bound)}")
-        ax.set(xlim=(0, max(self.n_ops, 1)), ylim=(0, max(self.arena_bytes, 1) / scale * 1.08),
-               xlabel="op index", ylabel=f"arena offset ({unit})",
+        ax.set(xlim=(0, max(self.n_ops, 1)), ylim=(0, max(top, 1) / scale * 1.08),
+               xlabel="op index", ylabel=f"offset ({unit})",
                title=f"memfit activation arena ({self.algorithm}): one rectangle per tensor")
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8, frameon=False)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
