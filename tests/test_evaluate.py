@@ -303,3 +303,13 @@ def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypat
     del model
     gc.collect()
     assert alive() is None
+
+
+def test_auto_chunk_is_capped_where_larger_chunks_stop_paying(monkeypatch):
+    evaluate_module = __import__("sys").modules["memfit.evaluate"]
+    monkeypatch.setattr(evaluate_module, "MAX_AUTO_CHUNK", 64)
+    x, y = make_data(300)
+    model = make_model()
+    r = evaluate(model, (x, y), budget="1GiB", progress=False)
+    assert r.chunk_size == 64 and r.chunks == 5 and "would fit" in r.reason
+    assert r.metrics["accuracy"] == unchunked(model, x, y)["accuracy"]
