@@ -28,6 +28,7 @@ def test_import_is_cheap_and_has_no_side_effects():
 
 
 def test_submodules_are_documented():
-    for mod in ("budget", "codecs", "dataset", "datasets", "evaluate", "metrics", "distributed", "progress", "cli"):
+    for mod in ("budget", "codecs", "dataset", "datasets", "encoding", "evaluate", "metrics", "distributed", "progress",
+                "cli", "measure", "sources", "demo", "loader", "loaders", "planner"):
         m = importlib.import_module(f"memfit.{mod}")
         assert m.__doc__ and len(m.__doc__) > 40, mod

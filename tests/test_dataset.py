@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-import memfit.dataset as dataset_mod
-from memfit.dataset import CompactDataset, channel_stats, label_dtype
+import memfit.encoding as encoding_mod
+from memfit.dataset import CompactDataset
+from memfit.encoding import channel_stats, label_dtype
 
 RNG = np.random.default_rng(0)
 IMAGES = RNG.integers(0, 256, (300, 3, 6, 5), dtype=np.uint8)        # 8-bit data, odd spatial size
@@ -122,7 +123,7 @@ def test_memmap_input_equals_in_memory(tmp_path, monkeypatch):
     path = tmp_path / "x.npy"
     np.save(path, FLOATS)
     mm = np.load(path, mmap_mode="r")
-    monkeypatch.setattr(dataset_mod, "CHUNK_BYTES", 7 * FLOATS[0].nbytes)     # many uneven chunks
+    monkeypatch.setattr(encoding_mod, "CHUNK_BYTES", 7 * FLOATS[0].nbytes)     # many uneven chunks
     a = CompactDataset.from_arrays(mm, LABELS, codec="q8", normalize="dataset", device="cpu")
     monkeypatch.undo()
     b = CompactDataset.from_arrays(FLOATS, LABELS, codec="q8", normalize="dataset", device="cpu")
@@ -133,7 +134,7 @@ def test_memmap_input_equals_in_memory(tmp_path, monkeypatch):
 
 def test_channel_stats_match_numpy(monkeypatch):
     big = (RNG.normal(1e4, 3.0, (200, 2, 4))).astype(np.float32)   # large mean: naive sums lose digits
-    monkeypatch.setattr(dataset_mod, "CHUNK_BYTES", 13 * big[0].nbytes)
+    monkeypatch.setattr(encoding_mod, "CHUNK_BYTES", 13 * big[0].nbytes)
     mean, std = channel_stats(big)
     assert np.allclose(mean.numpy(), big.astype(np.float64).mean(axis=(0, 2)), rtol=1e-12)
     assert np.allclose(std.numpy(), big.astype(np.float64).std(axis=(0, 2)), rtol=1e-9)

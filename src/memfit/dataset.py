@@ -19,8 +19,7 @@ Example:
 from __future__ import annotations
 
 import math
-import mmap
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,147 +27,14 @@ import torch
 
 from memfit.budget import format_bytes, resolve_device
 from memfit.codecs import Codec, auto_name, make_codec
+from memfit.encoding import (
+    as_array,
+    encode_labels,
+    iter_chunks,
+    normalisation,
+    resolve_dtype,
+)
 from memfit.progress import progress
-
-DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-CHUNK_BYTES = 32 * 2**20   # encode in chunks of about this many input bytes: bounded temporaries
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    if dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return dtype
-    raise ValueError(f"expected an output dtype float32, float16 or bfloat16 (or one of {sorted(DTYPES)}); "
-                     f"found {dtype!r}")
-
-
-def release_pages(x: object) -> None:
-    """Drop the pages a memory-mapped array has read from this process's resident memory.
-
-    The data stays in the OS page cache (it is file-backed and clean), but no longer counts as
-    memory this process holds, so iterating a file larger than RAM does not grow our RSS.
-    """
-    mm = getattr(x, "_mmap", None)          # np.memmap and its slices share the parent's map
-    if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
-        try:
-            mm.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError):   # a closed map or an OS without madvise: nothing to drop
-            return
-
-
-def as_array(x: object, what: str = "x") -> np.ndarray | torch.Tensor:
-    """numpy arrays (memmaps too) and tensors pass through; lists become arrays."""
-    if isinstance(x, (np.ndarray, torch.Tensor)):
-        return x
-    if isinstance(x, (list, tuple)):
-        return np.asarray(x)
-    raise TypeError(f"expected {what} as a numpy array or torch tensor of shape (N, ...); "
-                    f"found {type(x).__name__}")
-
-
-def to_tensor(chunk: np.ndarray | torch.Tensor) -> torch.Tensor:
-    if isinstance(chunk, torch.Tensor):
-        return chunk
-    if chunk.dtype.byteorder == ">":
-        chunk = chunk.astype(chunk.dtype.newbyteorder("="))
-    # read-only (memmap) rows are copied: this is the one read from disk, and torch needs writable memory
-    chunk = np.ascontiguousarray(chunk)
-    if not chunk.flags.writeable:
-        chunk = chunk.copy()
-    return torch.from_numpy(chunk)
-
-
-def iter_chunks(x: np.ndarray | torch.Tensor, rows: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-    """(start, rows as a tensor) over x in chunks of about CHUNK_BYTES; memmap pages are released."""
-    n = x.shape[0]
-    if rows is None:
-        row_bytes = max(1, math.prod(x.shape[1:]) * x.dtype.itemsize if isinstance(x, np.ndarray)
-                        else x[:1].nbytes)
-        rows = max(1, CHUNK_BYTES // row_bytes)
-    for start in range(0, n, rows):
-        yield start, to_tensor(x[start:start + rows])
-        release_pages(x)
-
-
-def label_dtype(lo: int, hi: int) -> torch.dtype:
-    """The smallest integer dtype that holds every label in [lo, hi]."""
-    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
-        info = torch.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            return dtype
-    return torch.int64
-
-
-def encode_labels(y: object, n: int) -> torch.Tensor:
-    """Validate labels and store them in the smallest integer dtype (CPU)."""
-    y = to_tensor(as_array(y, "y"))
-    if y.dim() == 2 and y.shape[1] == 1:
-        y = y[:, 0]
-    if y.dim() != 1:
-        raise ValueError(f"expected labels y of shape (N,) with one class id per sample; found shape "
-                         f"{tuple(y.shape)} (one-hot labels: pass y.argmax(1))")
-    if y.shape[0] != n:
-        raise ValueError(f"labels y have {y.shape[0]} entries but x has {n} samples; they must match")
-    if y.is_floating_point():
-        if not torch.isfinite(y).all() or not torch.equal(y, y.round()):
-            raise ValueError("labels y must be integer class ids; found non-integer values "
-                             f"such as {y[y != y.round()].flatten()[:1].tolist()}")
-    if y.numel() == 0:
-        return y.to(torch.uint8)
-    lo, hi = int(y.min()), int(y.max())
-    return y.to(label_dtype(lo, hi))
-
-
-def channel_stats(x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel (axis 1) mean and std of all of x, float64 (C,), one streaming pass.
-
-    Chunks are merged with Chan's parallel formula, so float data of any magnitude stays exact.
-    """
-    count, mean, m2 = 0, None, None
-    for _, chunk in iter_chunks(x):
-        c = chunk.transpose(0, 1).reshape(chunk.shape[1], -1).double()    # (C, rows*spatial)
-        k = c.shape[1]
-        cm = c.mean(1)
-        cm2 = ((c - cm[:, None]) ** 2).sum(1)
-        if mean is None:
-            count, mean, m2 = k, cm, cm2
-        else:
-            delta = cm - mean
-            total = count + k
-            mean = mean + delta * k / total
-            m2 = m2 + cm2 + delta**2 * count * k / total
-            count = total
-    return mean, (m2 / max(count, 1)).sqrt()
-
-
-def normalisation(normalize: object, x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Resolve `normalize` into per-channel float64 (mean, std) in raw units, or None."""
-    channels = x.shape[1]
-    if normalize is None:
-        return None
-    if isinstance(normalize, str):
-        if normalize != "dataset":
-            raise ValueError(f"normalize must be None, 'dataset' or (mean, std); found {normalize!r}")
-        mean, std = channel_stats(x)
-        return mean, torch.where(std > 0, std, torch.ones_like(std))   # constant channels: no scaling
-    if not (isinstance(normalize, (tuple, list)) and len(normalize) == 2):
-        raise ValueError(f"normalize must be None, 'dataset' or a pair (mean, std) of per-channel "
-                         f"sequences; found {normalize!r}")
-    out = []
-    for name, value in zip(("mean", "std"), normalize, strict=True):
-        t = torch.as_tensor(value, dtype=torch.float64).flatten()
-        if t.numel() == 1:
-            t = t.expand(channels).clone()
-        if t.numel() != channels:
-            raise ValueError(f"normalize {name} has {t.numel()} values but x has {channels} channels "
-                             f"(axis 1 of shape {tuple(x.shape)}); give one value per channel or a single value")
-        out.append(t)
-    if (out[1] == 0).any() or not torch.isfinite(out[1]).all():
-        raise ValueError(f"normalize std must be finite and non-zero in every channel; found {out[1].tolist()}")
-    return out[0], out[1]
 
 
 @dataclass(frozen=True)

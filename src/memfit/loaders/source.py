@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from memfit.codecs import Codec, QuantCodec, auto_name, make_codec
-from memfit.dataset import (
-    CompactDataset,
+from memfit.dataset import CompactDataset
+from memfit.encoding import (
     as_array,
     encode_labels,
     iter_chunks,
