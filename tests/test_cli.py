@@ -98,9 +98,24 @@ def test_eval_weights_that_do_not_match_are_a_clear_error(tmp_path, capsys):
     assert "does not match the model" in capsys.readouterr().err
 
 
+MLP_FILE = '''
+import torch
+
+def make():
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+'''
+
+
 def test_plan_prints_the_report(tmp_path, capsys):
-    (tmp_path / "net.py").write_text(MODEL_FILE)
-    code = main(["plan", f"{tmp_path}/net.py:make", "--input", "4,1,8,8"])
+    import memfit
+    (tmp_path / "mlp.py").write_text(MLP_FILE)
+    code = main(["plan", f"{tmp_path}/mlp.py:make", "--input", "4,1,8,8"])
     assert code == 0
     out = capsys.readouterr().out
     assert "lower bound" in out.lower()
+    assert main(["plan", f"{tmp_path}/mlp.py:make", "--input", "4,1,8,8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ref = memfit.plan(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                          torch.nn.Linear(32, 10)).eval(), (torch.empty(4, 1, 8, 8),)).report
+    assert got["arena_bytes"] == ref.arena_bytes > 0                 # the same plan as the Python API
+    assert got["lower_bound"] == ref.lower_bound and got["naive_bytes"] == ref.naive_bytes

@@ -306,8 +306,7 @@ def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypat
 
 
 def test_auto_chunk_is_capped_where_larger_chunks_stop_paying(monkeypatch):
-    evaluate_module = __import__("sys").modules["memfit.evaluate"]
-    monkeypatch.setattr(evaluate_module, "MAX_AUTO_CHUNK", 64)
+    monkeypatch.setattr(sys.modules["memfit.evaluate"], "MAX_AUTO_CHUNK", 64)   # memfit.evaluate is the function
     x, y = make_data(300)
     model = make_model()
     r = evaluate(model, (x, y), budget="1GiB", progress=False)

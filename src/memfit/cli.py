@@ -155,7 +155,8 @@ def cmd_eval(args) -> int:
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     model = load_factory(args.factory)()
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{args.factory} returned {type(model).__name__}; expected a torch.nn.Module")
+        raise TypeError(f"{args.factory} returned {type(model).__name__}; expected a torch.nn.Module: make the "
+                        "factory build and return the model (weights come from --weights)")
     if args.weights:
         state = torch.load(args.weights, map_location="cpu", weights_only=True)
         for key in ("state_dict", "model"):

@@ -83,17 +83,19 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     losses = []
     for epoch in range(epochs):
         bar = progress(len(ld), f"epoch {epoch + 1}/{epochs}", unit="batch", enabled=not quiet)
-        total, n, t_epoch = 0.0, 0, time.perf_counter()
-        for x, y in ld:
+        total, n, t_epoch = torch.zeros((), device=dev), 0, time.perf_counter()
+        for i, (x, y) in enumerate(ld):
             loss = torch.nn.functional.cross_entropy(net(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total, n = total + loss.item() * len(y), n + len(y)
+            total += loss.detach() * len(y)          # summed on the device: no sync per batch
+            n += len(y)
             bar.update(1)
-            bar.set_postfix_str(f"loss {total / n:.4f}", refresh=False)
+            if not quiet and i % 10 == 9:           # .item() waits for the device: only now and then
+                bar.set_postfix_str(f"loss {total.item() / n:.4f}", refresh=False)
         bar.close()
-        losses.append(total / max(n, 1))
+        losses.append(total.item() / max(n, 1))
         _say(quiet, f"epoch {epoch + 1:>2}/{epochs}  loss {losses[-1]:.4f}  ({time.perf_counter() - t_epoch:.1f} s)")
 
     # 3. plan the activation memory of inference and the largest evaluation batch in the budget

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -110,32 +109,11 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
 
 
-# Plans and memory models per model, so that evaluating every epoch captures the model once. The
-# entry dies with the model; it is dropped when a parameter or a submodule is replaced.
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _fingerprint(model: torch.nn.Module) -> tuple:
-    tensors = tuple((id(t), t.data_ptr(), tuple(t.shape)) for t in [*model.parameters(), *model.buffers()])
-    return tensors + tuple(id(m) for m in model.modules())
-
-
-def _cached(model: torch.nn.Module, key: tuple, make: Callable):
-    fp = _fingerprint(model)
-    entry = _CACHE.get(model)
-    if entry is None or entry[0] != fp:
-        entry = _CACHE[model] = (fp, {})
-    if key not in entry[1]:
-        entry[1][key] = make()
-    return entry[1][key]
-
-
 def _planned_peak(model, sample_shape, dtype) -> Callable[[int], int] | None:
     """peak(n) from the activation planner, or None when it cannot capture the model."""
     try:
-        from memfit.planner import memory_model
-        mm = _cached(model, ("memory", tuple(sample_shape), dtype),
-                     lambda: memory_model(model, sample_shape, dtype=dtype))
+        from memfit.planner.cache import memory_model_of
+        mm = memory_model_of(model, sample_shape, dtype)
     except Exception:          # export failures are expected for some models: fall back to measuring
         return None
     return mm.total_bytes
@@ -280,7 +258,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     finally:
         model.train(was_training)
         if runner is not model:
-            _detached(runner)       # the arena is freed now; the plans stay for the next call
+            from memfit.planner.cache import give_back
+            give_back(runner)       # the arena is freed now; the plans stay for the next call
     if distributed:
         mdist.agree(error, "memfit.evaluate")       # every rank learns whether one failed, then raises
         mdist.reduce_states([m.state for m in mets.values() if m.reduce])
@@ -355,22 +334,13 @@ def _model_device(model, device) -> torch.device:
 
 def _planned_runner(model, chunks: _Chunks, size: int, required: bool | None):
     try:
-        from memfit.planner import plan
+        from memfit.planner.cache import borrow_plan
         example = torch.empty((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
-        pm = _cached(model, ("plan", tuple(chunks.sample_shape), chunks.dtype, chunks.device),
-                     lambda: _detached(plan(model, (example,))))
-        pm.model = model            # held only while it runs: the cache must not keep the model alive
-        return pm, "planned"
+        return borrow_plan(model, example), "planned"      # captured once per model, given back below
     except Exception as e:
         if required:
             raise
         return model, f"eager (the planner could not capture the model: {str(e).splitlines()[0][:120]})"
-
-
-def _detached(pm):
-    pm.release()
-    pm.model = None
-    return pm
 
 
 def _peak(dev: torch.device, estimate, max_n: int, model) -> int:

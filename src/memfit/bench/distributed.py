@@ -46,7 +46,8 @@ def _rank(rank: int, world: int, port: int, n: int, batch: int, epochs: int, thr
         from memfit.evaluate import evaluate
         from memfit.loader import loader
         x, y = synthetic(n, seed=0)
-        ds = CompactDataset.from_arrays(x, y, normalize="dataset", device="cpu")
+        ds = CompactDataset.from_arrays(x, y, normalize="dataset", device="cpu").shard()   # this rank's part only
+        del x, y
         ld = loader(ds, batch, strategy="resident", device=dev, seed=0, distributed=True, budget="4GiB")
         for _batch in ld:                                  # warm-up epoch: allocations, first touches
             pass
@@ -66,7 +67,7 @@ def _rank(rank: int, world: int, port: int, n: int, batch: int, epochs: int, thr
         res = evaluate(model, ds, metrics=("accuracy",), chunk_size=1024, device=dev, progress=False,
                        distributed=True, planned=False)
         t_eval = time.perf_counter() - t0
-        held = ds.shard().nbytes
+        held = ds.nbytes
         queue.put((rank, {"seen": seen, "load_s": t_load, "eval_s": t_eval, "held": held,
                           "accuracy": res.metrics["accuracy"], "n": res.n}))
     except BaseException as e:

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import torch
 
-from memfit.bench.common import machine_header, table
+from memfit.bench.common import machine_header, median_time, table
 from memfit.budget import format_bytes, parse_bytes, resolve_device
 from memfit.dataset import CompactDataset
 from memfit.evaluate import evaluate, param_bytes
@@ -130,10 +129,9 @@ def run(n: int = 10_000, budgets=("8MiB", "16MiB", "32MiB"), repeat: int = 3, as
     def chunked():
         return evaluate(model, ds, metrics=("accuracy",), budget="8GiB", progress=False)
 
-    eager()
     res = chunked()
-    t_eager = min(_time(eager) for _ in range(repeat))
-    t_mem = min(_time(chunked) for _ in range(repeat))
+    t_eager = median_time(eager, repeat=repeat)
+    t_mem = median_time(chunked, repeat=repeat)
     speed = {"unchunked eager s": t_eager, "memfit auto s": t_mem, "auto chunk": res.chunk_size,
              "runner": res.runner.split(" ")[0], "throughput ratio": t_eager / t_mem}
     print("# everything fits (budget 8GiB): evaluate(auto) vs one eager model(x) over the float32 set")
@@ -147,12 +145,6 @@ def run(n: int = 10_000, budgets=("8MiB", "16MiB", "32MiB"), repeat: int = 3, as
     if as_json:
         print(json.dumps({"rows": rows, "throughput": speed}))
     return rows
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:

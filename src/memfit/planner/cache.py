@@ -1,0 +1,65 @@
+"""Plans kept across calls: evaluating every epoch captures the model once, and the cache never
+keeps the model (or an arena) alive between calls.
+
+An entry lives as long as its model (a weak key) and is dropped when a parameter, buffer or
+submodule is replaced; in-place weight updates are seen, since a plan reads the parameters by
+reference. A borrowed plan holds its arena only until it is given back.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    >>> pm = borrow_plan(model, torch.empty(16, 8))
+    >>> pm(torch.ones(16, 8)).shape, give_back(pm), pm.arena_bytes
+    (torch.Size([16, 4]), None, 0)
+    >>> borrow_plan(model, torch.empty(16, 8)) is pm          # the same plan, nothing re-captured
+    True
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from memfit.planner.planned import PlannedModule, plan
+from memfit.planner.sizing import MemoryModel, memory_model
+
+__all__ = ["borrow_plan", "give_back", "memory_model_of"]
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> (fingerprint, {key: value})
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple:
+    tensors = tuple((id(t), t.data_ptr(), tuple(t.shape)) for t in [*model.parameters(), *model.buffers()])
+    return tensors + tuple(id(m) for m in model.modules())
+
+
+def _cached(model: torch.nn.Module, key: tuple, make: Callable):
+    fp = _fingerprint(model)
+    entry = _CACHE.get(model)
+    if entry is None or entry[0] != fp:
+        entry = _CACHE[model] = (fp, {})
+    if key not in entry[1]:
+        entry[1][key] = make()
+    return entry[1][key]
+
+
+def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype) -> MemoryModel:
+    """`memory_model(model, sample_shape, dtype)`, made once per model (raises CaptureError likewise)."""
+    return _cached(model, ("memory", tuple(sample_shape), dtype),
+                   lambda: memory_model(model, sample_shape, dtype=dtype))
+
+
+def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:
+    """The model's cached plan for inputs like `example` (made on first use); call `give_back` after."""
+    pm = _cached(model, ("plan", tuple(example.shape[1:]), example.dtype, example.device),
+                 lambda: plan(model, (example,)))
+    pm.model = model                 # held only while borrowed: new shapes may need a new capture
+    return pm
+
+
+def give_back(pm: PlannedModule) -> None:
+    """Free the plan's arena and let go of its model (the layouts stay for the next borrow)."""
+    pm.release()
+    pm.model = None
