@@ -202,9 +202,10 @@ def test_break_and_consumer_errors_leave_nothing_running(ds, file_data, kind, st
 
 def test_file_source_gives_the_same_batches(ds, file_data):
     x, y = file_data
-    ref = [b for _, b in loader(arrays(), 64, seed=2, device="cpu", strategy="stream")]
-    got = [b for _, b in loader((x, y), 64, seed=2, device="cpu", strategy="stream")]
-    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    ref = list(loader(arrays(), 64, seed=2, device="cpu", strategy="stream"))
+    got = list(loader((x, y), 64, seed=2, device="cpu", strategy="stream"))
+    assert all(torch.equal(xa, xb) and torch.equal(ya, yb)                 # the samples too, not just the labels
+               for (xa, ya), (xb, yb) in zip(ref, got, strict=True))
     macro = torch.cat([b for _, b in loader((x, y), 64, seed=2, device="cpu", strategy="macro", macro_batch=256)])
     assert torch.equal(macro.sort().values, torch.arange(N))
     assert macro[:256].max() - macro[:256].min() == 255                   # block shuffle: one contiguous read

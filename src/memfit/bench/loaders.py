@@ -44,9 +44,9 @@ def _contenders(raw, labels, micro_sizes, macro_sizes, device, seed=0):
     dense_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
     dense_bytes = dense.nbytes + dense_y.nbytes
     g = torch.Generator().manual_seed(seed)
+    tds = torch.utils.data.TensorDataset(dense.cpu(), dense_y.cpu())
     out = {}
     for b in micro_sizes:
-        tds = torch.utils.data.TensorDataset(dense.cpu(), dense_y.cpu())
         dl = torch.utils.data.DataLoader(tds, batch_size=b, shuffle=True, num_workers=0, generator=g)
         if device.type == "cuda":
             make = lambda dl=dl: ((x.to(device, non_blocking=True), y.to(device)) for x, y in dl)
@@ -83,7 +83,8 @@ def run(n: int = 60_000, micro_sizes=(128, 512, 2048), macro_sizes=(2048, 8192, 
         from memfit.datasets import load_array
         raw = load_array(data)
         if isinstance(raw, dict):
-            raise ValueError(f"--data expects a .npy file of images (N, C, H, W); found an archive: {data}")
+            raise ValueError(f"--data expects a .npy file of images (N, C, H, W); found an archive: {data}; "
+                             "save one of its arrays with np.save and pass that file")
         raw = np.asarray(raw[:n]) if n else np.asarray(raw)
         name = data
     else:
@@ -101,11 +102,13 @@ def run(n: int = 60_000, micro_sizes=(128, 512, 2048), macro_sizes=(2048, 8192, 
         t = statistics.median(times[k])
         rows.append({**fields, "s/epoch": t, "samples/s": len(raw) / t})
     by = {(r["strategy"], r["macro"], r["micro"]): r for r in rows}
+    dense_bytes = next(r["bytes held"] for r in rows if r["data"] == "float32")   # the same data as float32
     for r in rows:
         b = r["micro"]
         r["vs DataLoader"] = r["samples/s"] / by[("DataLoader", "", b)]["samples/s"]
         r["vs float32 gather"] = r["samples/s"] / by[("gather", "", b)]["samples/s"]
         r["vs resident"] = r["samples/s"] / by[("resident", "", b)]["samples/s"]
+        r["bytes vs float32"] = r["bytes held"] / dense_bytes
         r["bytes held"] = format_bytes(r["bytes held"])
     print(f"# {name}, {len(raw)} samples, device {dev}; median of {repeat} rounds of one epoch each, all "
           "contenders alternating in every round")

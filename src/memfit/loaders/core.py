@@ -35,6 +35,7 @@ import torch
 
 from memfit.budget import resolve_budget, resolve_device
 from memfit.dataset import CompactDataset
+from memfit.distributed import all_reduce, epoch_batch_sizes, is_distributed, rank_world, shard_indices, shard_sizes
 from memfit.loaders import order as order_mod
 from memfit.loaders.plan import Needs, Plan, choose
 from memfit.loaders.prefetch import Inline, Prefetcher, Slots
@@ -58,15 +59,13 @@ def _shared_seed(seed: int | None, distributed: bool) -> int:
     drawn = int(torch.randint(0, 2**62, (1,)))
     if not distributed:
         return drawn
-    from memfit import distributed as mdist
-    t = torch.tensor([drawn if mdist.dist.get_rank() == 0 else 0], dtype=torch.int64)
-    return int(mdist.all_reduce(t, what="loader seed")[0])
+    t = torch.tensor([drawn if rank_world()[0] == 0 else 0], dtype=torch.int64)
+    return int(all_reduce(t, what="loader seed")[0])
 
 
 def _shard(data: object, rank: int, world: int) -> tuple[object, torch.Tensor, int]:
     """(this rank's part, its indices in the whole, the whole's size). Arrays are sliced (a memmap stays
     a memmap); a whole CompactDataset is sharded (copied); an already sharded one passes through."""
-    from memfit.distributed import shard_indices
     if isinstance(data, CompactDataset):
         info = data.shard_info
         if info is None:
@@ -110,7 +109,6 @@ class Loader:
         self.shuffle, self.drop_last, self.prefetch, self.distributed = shuffle, drop_last, prefetch, distributed
         self.rank, self.world_size = 0, 1
         if distributed:
-            from memfit.distributed import is_distributed, rank_world, shard_sizes
             if not is_distributed():
                 raise ValueError("distributed=True needs an initialised torch.distributed process group; call "
                                  "torch.distributed.init_process_group first (torchrun sets the environment)")
@@ -124,7 +122,8 @@ class Loader:
         if not distributed:
             self._members, self._n_total = None, src.n
             self._n_min = self._n_max = src.n
-        self._sizes = order_mod.batch_sizes(src.n, self.batch_size, drop_last, self._n_min, self._n_max)
+        # every rank yields the same number of batches; without shards n_min = n_max = n (full, then the rest)
+        self._sizes = epoch_batch_sizes(src.n, self._n_min, self._n_max, self.batch_size, drop_last)
         on_device = isinstance(src, CompactSource) and src.original.device == self.device
         limit = resolve_budget(budget, self.device)
         if budget is None and on_device:          # free memory no longer counts what the data already holds
@@ -237,13 +236,13 @@ def _pipeline_epoch(source: Source, order: torch.Tensor, sizes: list[int], capac
     slots = Slots(source, capacity, device, count=2 if prefetch else 1)
     fetch = Prefetcher(slots, idx) if prefetch else Inline(slots, idx)
     try:
-        for block in blocks:
+        for block, rows in zip(blocks, idx, strict=True):
             slot = fetch.get()
             start = 0
             for m in block:
                 batch = slots.batch(slot, start, m)
                 start += m
-                if start == sum(block):          # last read of the slot is queued: hand it back first
+                if start == len(rows):           # last read of the slot is queued: hand it back first
                     fetch.release(slot)
                 yield batch
     finally:                                     # break, consumer error, background error: stop the thread

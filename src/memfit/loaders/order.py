@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from memfit.distributed import epoch_batch_sizes
-
 _MIX = 0x9E3779B97F4A7C15    # golden-ratio constant: neighbouring (seed, epoch) pairs get unrelated streams
 
 
@@ -83,19 +81,6 @@ def restrict(order: torch.Tensor, members: torch.Tensor, n_total: int) -> torch.
     local[members] = torch.arange(len(members))
     pos = local[order]
     return pos[pos >= 0]
-
-
-def batch_sizes(n_local: int, batch_size: int, drop_last: bool, n_min: int | None = None,
-                n_max: int | None = None) -> list[int]:
-    """Sizes of one epoch's batches: full ones, then the remainder (none with drop_last).
-
-    With shards (`n_min`/`n_max`: the smallest and largest shard), every rank gets the same number of
-    batches: `memfit.distributed.epoch_batch_sizes` splits a rank's last full batch in two when it
-    would otherwise run out one batch early; no sample is repeated or padded.
-    """
-    n_min = n_local if n_min is None else n_min
-    n_max = n_local if n_max is None else n_max
-    return epoch_batch_sizes(n_local, n_min, n_max, batch_size, drop_last)
 
 
 def pack(sizes: list[int], capacity: int) -> list[list[int]]:

@@ -62,14 +62,13 @@ class Source:
     @property
     def row_nbytes(self) -> int:
         """Stored bytes of one sample, its label included."""
-        item = torch.empty((), dtype=self.stored_dtype).element_size()
-        label = 0 if self.y_dtype is None else torch.empty((), dtype=self.y_dtype).element_size()
-        return math.prod(self.stored_shape) * item + label
+        label = 0 if self.y_dtype is None else self.y_dtype.itemsize
+        return math.prod(self.stored_shape) * self.stored_dtype.itemsize + label
 
     def batch_nbytes(self, m: int) -> int:
         """One decoded batch of m samples: x in the output dtype, y as int64."""
-        item = torch.empty((), dtype=self.template.dtype).element_size()
-        return m * (item * math.prod(self.template.sample_shape) + (0 if self.y_dtype is None else 8))
+        x = self.template.dtype.itemsize * math.prod(self.template.sample_shape)
+        return m * (x + (0 if self.y_dtype is None else 8))
 
     def fill(self, idx: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor | None) -> None:
         """Write the rows `idx` (CPU int64, (m,)) into x_out[:m] and their labels into y_out[:m]."""
@@ -119,7 +118,8 @@ class FileSource(Source):
 
     def __init__(self, x: np.ndarray, y: object, codec: str | Codec, normalize: object, dtype: torch.dtype):
         if x.ndim < 2 or x.shape[0] == 0:
-            raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with N >= 1; found shape {x.shape}")
+            raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with N >= 1; found shape {x.shape}; "
+                             "save N >= 1 samples, a 1-D file of scalars as x.reshape(-1, 1)")
         self.x, self.n = x, x.shape[0]
         self.codec = make_codec(auto_name(x) if codec == "auto" else codec)
         labels = None if y is None else encode_labels(y, self.n)
@@ -141,7 +141,7 @@ class FileSource(Source):
         self.template = CompactDataset(empty, None, self.codec, sample_shape, dtype, mean, std)
         self.template.num_classes = None if labels is None or not len(labels) else int(labels.max()) + 1
         # the reused raw read buffer and one encoded chunk (uint8 codecs encode without a copy)
-        enc = self.chunk_rows * math.prod(self.stored_shape) * torch.empty((), dtype=self.stored_dtype).element_size()
+        enc = self.chunk_rows * math.prod(self.stored_shape) * self.stored_dtype.itemsize
         self.read_nbytes = self.chunk_rows * row_raw + enc
         self._raw: np.ndarray | None = None
         self._lock = threading.Lock()
@@ -166,7 +166,6 @@ class FileSource(Source):
                     np.take(self.x, s, axis=0, out=raw)
                 enc = self.codec.encode(torch.from_numpy(raw))   # checks every value: a bad one raises here
                 x_out.index_copy_(0, order[a:a + len(s)], enc)
-                del enc
                 release_pages(self.x)                    # the pages stay in the OS cache, not in our RSS
 
     def dataset(self, device):
@@ -179,8 +178,7 @@ class FileSource(Source):
             x[a:a + len(idx)].copy_(buf[:len(idx)])
         y = None if self.y is None else self.y.to(device)
         t = self.template
-        ds = CompactDataset(x, y, self.codec, t.sample_shape, t.dtype, t.mean, t.std)
-        return ds
+        return CompactDataset(x, y, self.codec, t.sample_shape, t.dtype, t.mean, t.std)
 
 
 def is_file_backed(x: object) -> bool:
