@@ -165,8 +165,7 @@ def verify(buffers: Sequence[Buffer], offsets: Sequence[int], alignment: int = 1
 
     Example:
         >>> verify([Buffer("a", 8, 0, 1), Buffer("b", 8, 1, 2)], [0, 8])      # fine: no error
-        >>> # doctest: +ELLIPSIS
-        >>> verify([Buffer("a", 8, 0, 1), Buffer("b", 8, 1, 2)], [0, 4])
+        >>> verify([Buffer("a", 8, 0, 1), Buffer("b", 8, 1, 2)], [0, 4])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         memfit.planner.arena.OverlapError: 'a' (bytes [0, 8), ops 0..1) and 'b' (bytes [4, 12), ops 1..2) ...

@@ -69,7 +69,6 @@ class Graph:
     inputs: list[str]
     consts: dict[str, torch.Tensor]
     outputs: list                       # flat outputs: value names (str) or constants
-    naive_bytes: int                    # every compute output in its own region, no in-place
 
 
 def _metas(node: Node) -> list:
@@ -99,7 +98,6 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
     value_of: dict[Node, list[str]] = {}        # node -> names of its tensor output values
     steps: list[Step] = []
     inputs: list[str] = []
-    naive = 0
 
     def new_root(name: str, kind: str, meta, index: int) -> None:
         nbytes = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset())
@@ -151,7 +149,6 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             for name, m in zip(names, outs, strict=True):
                 if name:
                     new_root(name, "call", m, index)
-                    naive += roots[name].nbytes
             mode = "call"
         value_of[node] = names
         for arg in _nodes_in((node.args, node.kwargs)):
@@ -159,7 +156,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
                 if v:
                     r = roots[root_of[v]]
                     r.last = max(r.last, index)
-        steps.append(Step(index, node, mode, names, replacement=replacement if mode == "call" else None))
+        steps.append(Step(index, node, mode, names, replacement=replacement))
         index += 1
 
     # outputs: alive to the end, and fresh memory every call
@@ -191,7 +188,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             r.kind = "arena" if r.nbytes else "empty"
         if inplace and own[0].kind == "arena" and all(r.kind == "empty" for r in own[1:]):
             _try_inplace(step, own[0], roots, root_of, metas, value_of)
-    return Graph(steps, roots, root_of, metas, inputs, consts, flat_out, naive)
+    return Graph(steps, roots, root_of, metas, inputs, consts, flat_out)
 
 
 def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None:

@@ -137,7 +137,7 @@ _COPY = OutVariant("Tensor.copy_", _copy_into, ("out",), True)
 def _copy(args, kwargs, metas, dev):
     x = args[0]
     device = kwargs.get("device")
-    if device is not None and torch.device(device).type != dev or kwargs.get("layout") not in (None, torch.strided):
+    if (device is not None and torch.device(device).type != dev) or kwargs.get("layout") not in (None, torch.strided):
         return None
     return Lowered(_COPY, (x,), {})
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.budget import format_bytes
+from memfit.planner.arena import Buffer, assign_offsets
 
 __all__ = ["Report", "Row"]
 
@@ -124,7 +125,6 @@ class Report:
             ax.add_patch(Rectangle((r.lifetime[0], r.offset / scale), r.lifetime[1] - r.lifetime[0] + 1,
                                    r.bytes / scale, facecolor=cmap(i % 20), edgecolor="black", linewidth=0.3))
         # tensors made by ops without an out= kernel live outside the arena: drawn above it, hatched
-        from memfit.planner.arena import Buffer, assign_offsets
         outside = [r for r in self.rows if r.kind == "call" and r.bytes]
         top = self.arena_bytes
         if outside:

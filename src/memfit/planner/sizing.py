@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -119,7 +120,7 @@ def memory_model(model: torch.nn.Module, sample_shape: Sequence[int], dtype: tor
     dev = _device(model)
     lays = [layout(model, (torch.empty((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
             for n in PROBES]
-    per_sample = torch.empty((1, *shape), dtype=dtype).nbytes
+    per_sample = math.prod(shape) * dtype.itemsize
     params = lays[0].report.param_bytes
     (n1, n2), (l1, l2) = PROBES, lays
     kinds = [[(r.name, r.kind, r.first, r.last) for r in lay.graph.roots.values()] for lay in lays]
@@ -178,7 +179,7 @@ def max_batch_size(model: torch.nn.Module, sample_shape: Sequence[int], budget: 
             or extra_bytes_per_sample < 0:
         raise ValueError(f"extra_bytes_per_sample must be an int >= 0; found {extra_bytes_per_sample!r}")
     mm = memory_model(model, sample_shape, dtype)
-    fits = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n <= budget     # noqa: E731
+    fits = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n <= budget
     if not fits(1):
         return 0
     lo = 1
