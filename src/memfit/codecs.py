@@ -18,7 +18,7 @@ Example:
     >>> c = make_codec("q8")
     >>> x = torch.tensor([[0.0, 1.0], [0.5, 0.25]])      # (N=2, C=2)
     >>> c.fit(x); stored = c.encode(x)
-    >>> stored.dtype, c.max_abs_error <= c.step.max() / 2
+    >>> stored.dtype, bool(c.max_abs_error <= c.step.max() / 2)
     (torch.uint8, True)
 """
 
