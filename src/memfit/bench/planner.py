@@ -48,10 +48,12 @@ def measure(name: str, batch: int, image: int | None, repeat: int) -> dict:
         torch.testing.assert_close(pm(x), model(x), rtol=1e-3, atol=1e-3)
         eager_peak = _peak(model, x)
         outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
+        # fast models need many repeats for a stable median: at least ~0.3 s of calls per measurement
+        reps = max(repeat, min(1000, int(0.3 / max(median_time(lambda: model(x), repeat=1), 1e-6))))
         t_eager, t_planned = [], []
         for _ in range(2):                   # interleaved, so drift in the machine hits both alike
-            t_eager.append(median_time(lambda: model(x), repeat=repeat, warmup=1))
-            t_planned.append(median_time(lambda: pm(x), repeat=repeat, warmup=1))
+            t_eager.append(median_time(lambda: model(x), repeat=reps, warmup=1))
+            t_planned.append(median_time(lambda: pm(x), repeat=reps, warmup=1))
     planned_total = rep.arena_bytes + outside
     return {
         "model": name, "batch": batch, "naive": rep.naive_bytes, "eager_peak": eager_peak,
