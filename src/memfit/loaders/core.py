@@ -38,6 +38,7 @@ from memfit.dataset import CompactDataset
 from memfit.distributed import all_reduce, epoch_batch_sizes, is_distributed, rank_world, shard_indices, shard_sizes
 from memfit.loaders import order as order_mod
 from memfit.loaders.plan import Needs, Plan, choose
+from memfit.loaders.pool import BatchPool, Decoder
 from memfit.loaders.prefetch import Inline, Prefetcher, Slots
 from memfit.loaders.source import CompactSource, Source, make_source
 
@@ -151,6 +152,12 @@ class Loader:
         self._resident = src.dataset(self.device) if self.strategy == "resident" else None
         if self.strategy == "resident":
             self.dataset = self._resident
+        # decoded batches (and, resident, the gathered rows) go into reused host buffers: fresh
+        # batch-sized allocations would fragment malloc's heap and grow host memory past the budget
+        self._decode = Decoder(self.dataset, self.batch_size, self.device)
+        cpu = self.device.type == "cpu"
+        self._rows = BatchPool(src.stored_shape, src.stored_dtype, self.device, self.batch_size, count=1) \
+            if cpu and self.strategy == "resident" else None
         self._epoch = 0
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
@@ -191,10 +198,12 @@ class Loader:
         order = self.epoch_order(epoch)
         used = sum(self._sizes)             # drop_last leaves the tail of the order out
         if self.strategy == "resident":
-            it = _resident_epoch(self._resident, order[:used].to(self.device, non_blocking=True), self._sizes)
+            it = _resident_epoch(self._resident, order[:used].to(self.device, non_blocking=True), self._sizes,
+                                 self._decode, self._rows)
         else:
             cap = self.macro_batch if self.strategy == "macro" else self.batch_size
-            it = _pipeline_epoch(self.source, order[:used], self._sizes, cap, self.device, self.threaded)
+            it = _pipeline_epoch(self.source, order[:used], self._sizes, cap, self.device, self.threaded,
+                                 self._decode)
         self._live.add(it)
         return it
 
@@ -203,7 +212,7 @@ class Loader:
         for it in list(self._live):
             it.close()
         self._live = weakref.WeakSet()
-        self._resident = None
+        self._resident = self._decode = self._rows = None
         self._closed = True
 
     def __enter__(self) -> Loader:
@@ -222,18 +231,20 @@ def _relabel(plan: Plan, requested: str, why: str) -> Plan:
                                                       + plan.reason.split(": ", 1)[1])
 
 
-def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int]) -> Iterator[Batch]:
-    # the order was made on the CPU and copied once per epoch (8 bytes a sample): the same order on
-    # every device, strategy and rank; each batch is then one gather + decode on the device
+def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], decode: Decoder,
+                    rows: BatchPool | None) -> Iterator[Batch]:
+    # the order was made on the CPU and copied once per epoch: the same order on every device, strategy
+    # and rank; each batch is then one gather + decode on the device (into reused buffers on the CPU)
     for idx in torch.split(order, sizes):
-        yield ds.gather(idx)
+        x = decode(ds.rows(idx, out=None if rows is None else rows.take(len(idx))))
+        yield x, None if ds.y is None else ds.y.index_select(0, idx).long()
 
 
 def _pipeline_epoch(source: Source, order: torch.Tensor, sizes: list[int], capacity: int,
-                    device: torch.device, prefetch: bool) -> Iterator[Batch]:
+                    device: torch.device, prefetch: bool, decode: Decoder) -> Iterator[Batch]:
     blocks = order_mod.pack(sizes, capacity)
     idx = torch.split(order, [sum(b) for b in blocks])
-    slots = Slots(source, capacity, device, count=2 if prefetch else 1)
+    slots = Slots(source, capacity, device, count=2 if prefetch else 1, decode=decode)
     fetch = Prefetcher(slots, idx) if prefetch else Inline(slots, idx)
     try:
         for block, rows in zip(blocks, idx, strict=True):
@@ -245,6 +256,7 @@ def _pipeline_epoch(source: Source, order: torch.Tensor, sizes: list[int], capac
                 if start == len(rows):           # last read of the slot is queued: hand it back first
                     fetch.release(slot)
                 yield batch
+                batch = None                     # hold no batch: its buffer is reused once the consumer drops it
     finally:                                     # break, consumer error, background error: stop the thread
         fetch.close()
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,8 +50,10 @@ JOIN_TIMEOUT_S = 60.0
 class Slots:
     """`count` buffers of up to `capacity` compact rows on `device` (plus pinned staging on CUDA)."""
 
-    def __init__(self, source: Source, capacity: int, device: torch.device, count: int = 2):
+    def __init__(self, source: Source, capacity: int, device: torch.device, count: int = 2,
+                 decode: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.source, self.device, self.count = source, device, count
+        self.decode = decode or source.template.decode       # a `pool.Decoder` reuses the decoded buffers
         self.cuda = device.type == "cuda"
         shape = (capacity, *source.stored_shape)
 
@@ -100,8 +102,8 @@ class Slots:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
 
     def batch(self, slot: int, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decoded micro-batch rows [start, start + m) of the slot: a view decoded into new tensors."""
-        x = self.source.template.decode(self.x[slot][start:start + m])
+        """Decoded micro-batch rows [start, start + m) of the slot (never a view of the slot itself)."""
+        x = self.decode(self.x[slot][start:start + m])
         y = self.y[slot]
         if y is None:
             return x, None
