@@ -10,9 +10,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world, port, args, queue):
+def _worker(fn, rank, world, port, args, queue, env):
     import os
 
+    os.environ.update(env or {})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -27,12 +28,14 @@ def _worker(fn, rank, world, port, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> dict:
-    """{rank: ("ok", value) or ("error", message)}; processes that do not answer in time are killed."""
+def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = None) -> dict:
+    """{rank: ("ok", value) or ("error", message)}; processes that do not answer in time are killed.
+    `env` is set in each process before torch is imported (e.g. MEMFIT_DIST_TIMEOUT)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, env), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     out = {}

@@ -252,7 +252,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
             runner, runner_name = _planned_runner(model, chunks, size, planned)
         res = _loop(runner, chunks, mets, size, dev, progress, allow_empty=distributed)
     except Exception as e:
-        if not distributed:
+        if not distributed or isinstance(e, mdist.RankFailed):    # every rank already knows: agree no further
             raise
         error = e
     finally:
@@ -293,9 +293,9 @@ def _chunk_size(model, chunks, chunk_size, budget, dev, distributed) -> tuple[in
     size, estimate, reason = choose_chunk(model, chunks, limit, model)
     if distributed:             # one size for all: a rank's back-off then never waits on another's
         from memfit import distributed as mdist
-        agreed = mdist.all_reduce(torch.tensor([size]), op=mdist.dist.ReduceOp.MIN, what="chunk size")
-        if int(agreed) != size:
-            size, reason = int(agreed), f"{reason}; the smallest over ranks ({int(agreed)}) is used"
+        agreed = mdist.smallest(size, "memfit.evaluate chunk size")     # also stops every rank if one failed
+        if agreed != size:
+            size, reason = agreed, f"{reason}; the smallest over ranks ({agreed}) is used"
     return size, estimate, reason
 
 

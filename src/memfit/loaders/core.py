@@ -35,7 +35,7 @@ import torch
 
 from memfit.budget import resolve_budget, resolve_device
 from memfit.dataset import CompactDataset
-from memfit.distributed import all_reduce, epoch_batch_sizes, is_distributed, rank_world, shard_indices, shard_sizes
+from memfit.distributed import agree, epoch_batch_sizes, is_distributed, rank_world, shard_indices, shard_sizes
 from memfit.loaders import order as order_mod
 from memfit.loaders.plan import Needs, Plan, choose
 from memfit.loaders.pool import BatchPool, Decoder
@@ -53,15 +53,21 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
-def _shared_seed(seed: int | None, distributed: bool) -> int:
-    """The seed, or one drawn from torch's generator (rank 0's, broadcast, when distributed)."""
-    if seed is not None:
-        return _check_int("seed", seed, 0)
+def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int) -> int:
+    """The agreement of a distributed loader: raises on every rank when one failed, when the ranks hold
+    different data sizes or were given different seeds; else the seed (rank 0's draw when None)."""
     drawn = int(torch.randint(0, 2**62, (1,)))
-    if not distributed:
-        return drawn
-    t = torch.tensor([drawn if rank_world()[0] == 0 else 0], dtype=torch.int64)
-    return int(all_reduce(t, what="loader seed")[0])
+    given = -1 if seed is None or error is not None else seed
+    ranks = agree(error, "memfit.loader", (given, drawn, n_total))
+    if len({v[2] for v in ranks}) > 1:
+        raise ValueError("the ranks were given data of different sizes (" + ", ".join(
+            f"rank {r}: {v[2]}" for r, v in enumerate(ranks)) + "); with distributed=True pass every rank the "
+            "whole dataset (or its own shard of the same whole): each keeps its part of one shared order")
+    if len({v[0] for v in ranks}) > 1:
+        raise ValueError("the ranks were given different seeds (" + ", ".join(
+            f"rank {r}: {'None' if v[0] < 0 else v[0]}" for r, v in enumerate(ranks)) + "); pass the same "
+            "seed on every rank (or None on all: rank 0's draw is shared), else samples repeat or go missing")
+    return ranks[0][1] if ranks[0][0] < 0 else ranks[0][0]
 
 
 def _shard(data: object, rank: int, world: int) -> tuple[object, torch.Tensor, int]:
@@ -101,23 +107,41 @@ class Loader:
                  device=None, shuffle: bool = True, seed: int | None = None, drop_last: bool = False,
                  macro_batch: int | None = None, prefetch: bool = True, distributed: bool = False,
                  codec: str = "auto", normalize=None, dtype: torch.dtype | str = torch.float32):
+        if not isinstance(distributed, bool):
+            raise TypeError(f"expected distributed to be True or False; found {distributed!r}")
+        if distributed and not is_distributed():
+            raise ValueError("distributed=True needs an initialised torch.distributed process group; call "
+                             "torch.distributed.init_process_group first (torchrun sets the environment)")
+        # Distributed: every local step that can fail runs first, then one agreement (with a timeout)
+        # shares the seed and the data size; a rank that failed makes every rank raise, none hangs.
+        error = None
+        try:
+            self._build(data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch,
+                        prefetch, distributed, codec, normalize, dtype)
+        except Exception as e:
+            if not distributed:
+                raise
+            error = e
+        if distributed:
+            self.seed = _agreed_seed(error, seed, getattr(self, "_n_total", 0))
+        elif seed is None:
+            self.seed = int(torch.randint(0, 2**62, (1,)))
+
+    def _build(self, data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch, prefetch,
+               distributed, codec, normalize, dtype) -> None:
         self.batch_size = _check_int("batch_size", batch_size, 1)
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch),
-                           ("distributed", distributed)):
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch)):
             if not isinstance(flag, bool):
                 raise TypeError(f"expected {name} to be True or False; found {flag!r}")
+        self.seed = None if seed is None else _check_int("seed", seed, 0)
         self.device = resolve_device(device)
         self.shuffle, self.drop_last, self.prefetch, self.distributed = shuffle, drop_last, prefetch, distributed
         self.rank, self.world_size = 0, 1
         if distributed:
-            if not is_distributed():
-                raise ValueError("distributed=True needs an initialised torch.distributed process group; call "
-                                 "torch.distributed.init_process_group first (torchrun sets the environment)")
             self.rank, self.world_size = rank_world()
             data, self._members, self._n_total = _shard(data, self.rank, self.world_size)
             sizes = shard_sizes(self._n_total, self.world_size)
             self._n_min, self._n_max = min(sizes), max(sizes)
-        self.seed = _shared_seed(seed, distributed)
         self.source: Source = make_source(data, codec=codec, normalize=normalize, dtype=dtype)
         src = self.source
         if not distributed:
