@@ -167,6 +167,8 @@ def test_auto_picks_and_says_why(ds):
     ({"shuffle": "yes"}, TypeError, r"shuffle to be True or False"),
     ({"codec": "q8"}, ValueError, r"already encoded"),
     ({"distributed": True}, ValueError, r"initialised torch.distributed process group"),
+    ({"batch_size": 2000, "drop_last": True}, ValueError,
+     r"drop_last=True with batch_size=2000 would yield no batch: there are 1003 samples.*batch_size <= 1003"),
     ({"device": "tpu"}, ValueError, r"expected a device such as 'cpu'"),
 ])
 def test_bad_arguments_are_named(ds, kwargs, error, match):

@@ -69,11 +69,20 @@ def epoch_batch_sizes(n_local: int, n_min: int, n_max: int, batch_size: int, dro
     two instead, so no batch is empty and no sample is repeated or padded (DistributedSampler pads by
     repeating samples, which biases metrics).
 
+    Raises:
+        ValueError: drop_last with fewer samples than one batch (no batch at all), or shards too small
+            to fill the batches without an empty one.
+
     Example:
         >>> epoch_batch_sizes(5, 4, 5, 2, False), epoch_batch_sizes(4, 4, 5, 2, False)
         ([2, 2, 1], [2, 1, 1])
     """
     if drop_last:
+        if n_min < batch_size:
+            where = f"the smallest shard holds {n_min}" if n_min != n_max else f"there are {n_min}"
+            raise ValueError(f"drop_last=True with batch_size={batch_size} would yield no batch: {where} samples, "
+                             f"fewer than one batch; pass drop_last=False (one batch of {n_local}) or a "
+                             f"batch_size <= {n_min}")
         return [batch_size] * (n_min // batch_size)
     k = -(-n_max // batch_size)
     sizes = [batch_size] * (n_local // batch_size) + ([n_local % batch_size] if n_local % batch_size else [])

@@ -1,4 +1,4 @@
-"""Loader benchmark: seed 002's comparison (resident / stream / macro) against what users write today.
+"""Loader benchmark: memfit's strategies (resident / stream / macro) against what users write today.
 
 Baselines, measured side by side in one process (every contender runs once per round, rounds
 repeated, medians reported):
@@ -156,7 +156,7 @@ def run(n: int = 60_000, micro_sizes=(128, 512, 2048), macro_sizes=(2048, 8192, 
 
 
 def targets(rows: list[dict], dev: torch.device) -> str:
-    """PASS/MISS lines for issue 3's targets (batch 512)."""
+    """PASS/MISS lines for the loader targets (batch 512)."""
     by = {(r["strategy"], r["macro"], r["micro"]): r for r in rows}
     lines = []
     res = by.get(("resident", "", 512))

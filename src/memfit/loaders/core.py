@@ -1,12 +1,12 @@
 """`loader()` and `Loader`: minibatches decoded on the device, by the strategy the budget allows.
 
-Seed 002 compares three ways to feed a computation; memfit names them and picks one by budget:
+Three ways to feed a computation, picked by budget:
 
-| strategy   | seed 002       | where the compact data lives       | per batch                              |
-|------------|----------------|------------------------------------|----------------------------------------|
-| `resident` | shared_all     | all on the device                  | one gather + decode there              |
-| `stream`   | input          | host; 2 batch buffers on the device | host gather -> compact copy -> decode  |
-| `macro`    | shared_batched | host; 2 macro-batch buffers        | decode a view of the resident block    |
+| strategy   | where the compact data lives        | per batch                              |
+|------------|-------------------------------------|----------------------------------------|
+| `resident` | all on the device                   | one gather + decode there              |
+| `stream`   | host; 2 batch buffers on the device | host gather -> compact copy -> decode  |
+| `macro`    | host; 2 macro-batch buffers         | decode a view of the resident block    |
 
 `stream` and `macro` share one pipeline: blocks of samples (one batch for `stream`, a macro-batch
 for `macro`) are gathered on the host and copied compact into a slot in the background (a thread; on

@@ -5,7 +5,7 @@ Two shuffles:
 - **global**: one permutation of all samples; any batch may hold any samples. Used by `resident`,
   `stream`, and `macro` from host memory (gathering a macro block costs the same whatever rows it holds,
   so the best shuffle is free there; the batches are then the same as `resident`'s for the same seed).
-- **blocks** (seed 002's `shared_batched`): contiguous blocks of the macro size in a permuted order,
+- **blocks** (macro-batch shuffling): contiguous blocks of the macro size in a permuted order,
   the samples permuted within each block, the partial block last. Used by `macro` from a file: each
   block is then one sequential read instead of thousands of scattered ones.
 

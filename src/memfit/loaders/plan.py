@@ -133,7 +133,8 @@ def choose(needs: Needs, budget: int, strategy: str = "auto", macro_batch: int |
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(map(repr, STRATEGIES))} "
-                         "(seed 002's shared_all = 'resident', input = 'stream', shared_batched = 'macro')")
+                         "('resident': all the compact data on the device; 'stream': batch by batch from the host; "
+                         "'macro': macro-batches from the host, micro-batches decoded from them)")
     if macro_batch is not None:
         macro_batch = _check_macro(macro_batch, needs)
     b, budget = needs.batch_size, int(budget)
