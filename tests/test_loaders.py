@@ -250,6 +250,35 @@ def test_background_errors_reach_the_consumer_with_their_traceback(file_data, pr
     assert no_loader_threads()
 
 
+def test_the_copy_thread_changes_no_other_threads_count(file_data):
+    from memfit.loaders.prefetch import one_openmp_thread
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def count_in_new_thread():
+            got = []
+            t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+            t.start()
+            t.join()
+            return got[0]
+        assert count_in_new_thread() == 2
+        ld = loader(file_data, 64, strategy="stream", seed=0, device="cpu")
+        assert ld.threaded
+        real, inside = ld.source.fill, []
+        ld.source.fill = lambda idx, x, y: (inside.append(torch.get_num_threads()), real(idx, x, y))
+        assert sum(len(y) for _, y in ld) == N
+        assert torch.get_num_threads() == 2                      # the consumer's count
+        assert count_in_new_thread() == 2                        # threads started later (torch.set_num_threads(1)
+        # in the copy thread made this 1: it also stores the count every new thread takes)
+        limited = threading.Thread(target=lambda: inside.append(("limited", one_openmp_thread())))
+        limited.start()
+        limited.join()
+        if inside[-1][1]:                                        # the OpenMP runtime was found: the copy ran on 1
+            assert set(inside[:-1]) == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_values_in_a_file_fail_in_the_consumer(tmp_path):
     from memfit.datasets import load_array
     x = np.zeros((300, 4), np.float32)

@@ -36,6 +36,8 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -112,6 +114,37 @@ class Slots:
         return x, (yl.clone() if yl.data_ptr() == view.data_ptr() else yl)   # never hand out the slot itself
 
 
+def _openmp_library() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (libgomp, libiomp5 or libomp), or None where it cannot be found."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "omp" in line and ".so" in line}
+    except OSError:                          # no /proc (macOS, Windows): leave the thread as it is
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")):
+            try:
+                return ctypes.CDLL(path)     # already loaded: the same library, no second runtime
+            except OSError:
+                return None
+    return None
+
+
+def one_openmp_thread() -> bool:
+    """Limit the calling thread's own OpenMP team to one thread; True when it could.
+
+    Not torch.set_num_threads(1): besides this thread's OpenMP setting it stores a process-wide count
+    that every thread started later takes (autograd's, a DataLoader's, the user's), so a loader would
+    slow down work it has nothing to do with. omp_set_num_threads changes only the calling thread's.
+    """
+    torch.get_num_threads()                  # torch's lazy per-thread init first: it would undo the setting
+    lib = _openmp_library()
+    if lib is None:
+        return False
+    lib.omp_set_num_threads(1)
+    return True
+
+
 def _run(slots: Slots, blocks: Sequence[torch.Tensor], free: queue.Queue, ready: queue.Queue,
          stop: threading.Event) -> None:
     try:
@@ -120,7 +153,7 @@ def _run(slots: Slots, blocks: Sequence[torch.Tensor], free: queue.Queue, ready:
         else:
             # one core for the copy (a memory-bound gather): with the consumer's own intra-op threads on
             # the same cores, a second OpenMP team would oversubscribe them (measured 3.5x slower)
-            torch.set_num_threads(1)            # OpenMP's thread count is per thread: the consumer keeps its own
+            one_openmp_thread()
         for idx in blocks:
             slot = free.get()
             if slot is None or stop.is_set():
