@@ -100,6 +100,42 @@ def test_reused_buffers_decode_as_the_dataset_does(codec, dtype, strategy):
         assert xb.dtype == dtype and torch.equal(xb, ref)
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_blocks_order_sees_every_sample_once_per_epoch(file_data, drop_last, prefetch):
+    ld = loader(file_data, 64, strategy="macro", macro_batch=192, order="blocks", seed=3, device="cpu",
+                drop_last=drop_last, prefetch=prefetch)
+    assert ld.order == "blocks" and "epoch order 'blocks'" in ld.explain() and "shuffled blocks" in ld.explain()
+    epochs = []
+    for _ in range(2):
+        seen = torch.cat([y for _, y in ld])
+        assert len(seen.unique()) == len(seen) == (N // 64 * 64 if drop_last else N)
+        if not drop_last:
+            assert torch.equal(seen.sort().values, torch.arange(N))
+        for k in range(0, len(seen) - 192 + 1, 192):            # each macro-batch: one block of the file
+            block = seen[k:k + 192]
+            assert block.max() - block.min() == 191 and block.min() % 192 == 0
+        epochs.append(seen)
+    assert not torch.equal(epochs[0], epochs[1])
+    assert torch.equal(torch.cat(list(ld._order_pieces(0)))[:len(epochs[0])], epochs[0])   # the documented order
+
+
+def test_the_order_is_named_and_its_host_bytes_counted(ds, file_data):
+    from memfit.loaders.order import blocks
+    ld = loader(ds, 64, strategy="macro", macro_batch=256, device="cpu")
+    assert ld.order == "global" and "epoch order 'global'" in ld.explain()
+    assert dict(ld.plan.items)["epoch order (one permutation, int32)"] == 4 * N
+    assert loader(file_data, 64, strategy="macro", macro_batch=256, device="cpu").order == "blocks"
+    assert loader(file_data, 64, strategy="stream", device="cpu").order == "global"    # blocks need macro
+    with pytest.raises(ValueError, match=r"order='blocks' shuffles macro-batches, but the strategy is 'resident'"):
+        loader(ds, 64, order="blocks", device="cpu")
+    with pytest.raises(ValueError, match=r"unknown order 'random'"):
+        loader(ds, 64, order="random", device="cpu")
+    # 2**33 samples: their int64 permutation would take 64 GiB; the blocks order makes one block at a time
+    first = next(blocks(2**33, 2**16, seed=0, epoch=0))
+    assert first.dtype == torch.int64 and len(first) == 2**16 and first.max() - first.min() == 2**16 - 1
+
+
 def test_arrays_are_encoded_and_normalised():
     x, y = arrays()
     ld = loader((x.astype(np.float32) / 255, y), 50, normalize="dataset", seed=0, device="cpu", strategy="stream")
@@ -115,9 +151,9 @@ NEEDS = Needs(n=10_000, batch_size=100, row_nbytes=785, batch_nbytes=100 * (784 
 
 def test_ledger_arithmetic():
     led, host = resident_ledger(NEEDS, 1)
-    assert led.total == 10_000 * 785 + 8 * 10_000 + 100 * 785 + 2 * NEEDS.batch_nbytes and host == []
+    assert led.total == 10_000 * 785 + 4 * 10_000 + 100 * 785 + 2 * NEEDS.batch_nbytes and host == []  # int32 order
     led, host = block_ledger(NEEDS, 1000, 1, "macro")
-    assert led.total == 2 * 1000 * 785 + 2 * NEEDS.batch_nbytes + 8 * 10_000 and host == []
+    assert led.total == 2 * 1000 * 785 + 2 * NEEDS.batch_nbytes + 4 * 10_000 and host == []
     cuda = Needs(**{**NEEDS.__dict__, "device_type": "cuda"})
     led, host = block_ledger(cuda, 1000, 1, "macro")
     assert led.total == 2 * 1000 * 785 + 2 * NEEDS.batch_nbytes                 # order and staging: host
@@ -415,10 +451,15 @@ def _dist_epochs(rank, world):
     out = {}
     for name, data, kw in [("resident", ds, {}), ("macro", ds, {"strategy": "macro", "macro_batch": 128}),
                            ("stream-arrays", (x, y), {"strategy": "stream"}),
-                           ("drop_last", ds, {"drop_last": True})]:
+                           ("drop_last", ds, {"drop_last": True}),
+                           ("blocks", ds, BLOCKS), ("blocks-strided", ds.shard(rank, world, mode="strided"), BLOCKS)]:
         ld = loader(data, 64, seed=5, device="cpu", distributed=True, **kw)
-        out[name] = (len(ld), [[y.tolist() for _, y in ld] for _ in range(2)], ld.dataset.nbytes)
+        out[name] = (len(ld), [[y.tolist() for _, y in ld] for _ in range(2)], ld.dataset.nbytes,
+                     dict(ld.plan.items))
     return out
+
+
+BLOCKS = {"strategy": "macro", "macro_batch": 128, "order": "blocks"}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -429,6 +470,8 @@ def test_distributed_ranks_partition_every_epoch(world):
     ranks = [out[r][1] for r in range(world)]
     whole = loader(arrays(), 64, seed=5, device="cpu")
     ref = [torch.cat([y for _, y in whole]) for _ in range(2)]
+    whole = loader(arrays(), 64, seed=5, device="cpu", **BLOCKS)
+    ref_blocks = [torch.cat([y for _, y in whole]) for _ in range(2)]
     first = shard_sizes(N, world)[0]                                        # rank 0 holds samples [0, first)
     for name in ranks[0]:
         counts = {r[name][0] for r in ranks}
@@ -440,11 +483,17 @@ def test_distributed_ranks_partition_every_epoch(world):
             assert len(seen) == len(set(seen))                              # never twice
             if name != "drop_last":
                 assert sorted(seen) == list(range(N)), name                 # everything once across ranks
-                mine = torch.tensor([s for b in per_rank[0] for s in b])
-                assert torch.equal(mine, ref[epoch][ref[epoch] < first])    # rank 0 follows the global order
+                mine = torch.tensor([s for b in per_rank[0] for s in b])    # rank 0 follows the global order
+                glob = ref_blocks[epoch] if name.startswith("blocks") else ref[epoch]
+                assert torch.equal(mine, glob[glob % world == 0] if name == "blocks-strided" else glob[glob < first])
         assert ranks[0][name][1][0] != ranks[0][name][1][1]                 # reshuffled each epoch
     whole_bytes = CompactDataset.from_arrays(*arrays(), device="cpu").nbytes
     assert ranks[0]["resident"][2] < (1 / world + 0.1) * whole_bytes       # its shard only
+    # the host bytes of the order: every rank draws the permutation of all N samples (int32), selects its
+    # shard with a mask and a temporary over all N, and keeps its own positions
+    items = ranks[0]["resident"][3]
+    assert items[f"epoch order (permutation of all {N} samples, shard selection, int32)"] == \
+        N * (2 * 4 + 1) + 4 * first
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------------

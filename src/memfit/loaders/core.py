@@ -35,9 +35,9 @@ import torch
 
 from memfit.budget import resolve_budget, resolve_device
 from memfit.dataset import CompactDataset
-from memfit.distributed import agree, epoch_batch_sizes, is_distributed, rank_world, shard_indices, shard_sizes
+from memfit.distributed import agree, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loaders import order as order_mod
-from memfit.loaders.plan import Needs, Plan, choose
+from memfit.loaders.plan import Needs, Plan, choose, order_bytes
 from memfit.loaders.pool import BatchPool, Decoder
 from memfit.loaders.prefetch import Inline, Prefetcher, Slots
 from memfit.loaders.source import CompactSource, Source, make_source
@@ -45,6 +45,7 @@ from memfit.loaders.source import CompactSource, Source, make_source
 log = logging.getLogger("memfit.loader")
 
 Batch = tuple[torch.Tensor, torch.Tensor | None]
+ORDERS = ("auto", "global", "blocks")
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -70,27 +71,30 @@ def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int) ->
     return ranks[0][1] if ranks[0][0] < 0 else ranks[0][0]
 
 
-def _shard(data: object, rank: int, world: int) -> tuple[object, torch.Tensor, int]:
-    """(this rank's part, its indices in the whole, the whole's size). Arrays are sliced (a memmap stays
-    a memmap); a whole CompactDataset is sharded (copied); an already sharded one passes through."""
+def _shard(data: object, rank: int, world: int) -> tuple[object, range, int]:
+    """(this rank's part, its positions in the whole as a range, the whole's size). Arrays are sliced (a
+    memmap stays a memmap); a whole CompactDataset is sharded (copied); an already sharded one passes."""
     if isinstance(data, CompactDataset):
         info = data.shard_info
         if info is None:
-            part = data.shard(rank, world)
-            return part, part.shard_info.indices, len(data)
-        if (info.rank, info.world_size) != (rank, world):
+            data = data.shard(rank, world)
+            info = data.shard_info
+        elif (info.rank, info.world_size) != (rank, world):
             raise ValueError(f"the dataset is shard {info.rank} of {info.world_size}, but this process is rank "
                              f"{rank} of {world}; pass the whole dataset or this rank's shard")
-        return data, info.indices, info.n_total
+        if info.mode == "strided":
+            return data, range(rank, info.n_total, world), info.n_total
+        start = int(info.indices[0]) if len(info.indices) else 0
+        return data, range(start, start + len(info.indices)), info.n_total
     if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "__len__"):
         n = len(data[0])
-        idx = shard_indices(n, rank, world)
-        a, b = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
+        sizes = shard_sizes(n, world)
+        a = sum(sizes[:rank])
         y = data[1]
         if y is not None and len(y) != n:
             raise ValueError(f"x has {n} samples but y has {len(y)} labels; they must match")
-        return (data[0][a:b], None if y is None else y[a:b]), idx, n
-    return data, torch.empty(0, dtype=torch.int64), 0       # make_source names the bad type
+        return (data[0][a:a + sizes[rank]], None if y is None else y[a:a + sizes[rank]]), range(a, a + sizes[rank]), n
+    return data, range(0), 0                                 # make_source names the bad type
 
 
 class Loader:
@@ -106,7 +110,8 @@ class Loader:
     def __init__(self, data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None,
                  device=None, shuffle: bool = True, seed: int | None = None, drop_last: bool = False,
                  macro_batch: int | None = None, prefetch: bool = True, distributed: bool = False,
-                 codec: str = "auto", normalize=None, dtype: torch.dtype | str = torch.float32):
+                 codec: str = "auto", normalize=None, dtype: torch.dtype | str = torch.float32,
+                 order: str = "auto"):
         if not isinstance(distributed, bool):
             raise TypeError(f"expected distributed to be True or False; found {distributed!r}")
         if distributed and not is_distributed():
@@ -117,7 +122,7 @@ class Loader:
         error = None
         try:
             self._build(data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch,
-                        prefetch, distributed, codec, normalize, dtype)
+                        prefetch, distributed, codec, normalize, dtype, order)
         except Exception as e:
             if not distributed:
                 raise
@@ -128,8 +133,12 @@ class Loader:
             self.seed = int(torch.randint(0, 2**62, (1,)))
 
     def _build(self, data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch, prefetch,
-               distributed, codec, normalize, dtype) -> None:
+               distributed, codec, normalize, dtype, order) -> None:
         self.batch_size = _check_int("batch_size", batch_size, 1)
+        if order not in ORDERS:
+            raise ValueError(f"unknown order {order!r}; expected one of {', '.join(map(repr, ORDERS))} ('global': one "
+                             "permutation of all samples; 'blocks': shuffled macro-batches, shuffled within, host "
+                             "memory proportional to the macro-batch)")
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch)):
             if not isinstance(flag, bool):
                 raise TypeError(f"expected {name} to be True or False; found {flag!r}")
@@ -158,15 +167,26 @@ class Loader:
         # the consumer for the same cores and measured slower than copying inline (0.4x vs 1.0x resident on
         # 2 cores), so the thread runs only where there is something to overlap: a bus copy or file reads.
         self.threaded = prefetch and (self.device.type == "cuda" or src.sequential)
-        needs = Needs(n=src.n, batch_size=self.batch_size, row_nbytes=src.row_nbytes,
-                      batch_nbytes=src.batch_nbytes(self.batch_size), device_type=self.device.type,
-                      read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1)
         wanted = strategy
         if strategy == "auto" and on_device and self.device.type == "cuda":
             wanted = "resident"                   # already there: copying it back to stream it makes no sense
-        self.plan: Plan = choose(needs, limit, wanted, macro_batch)
+        # 'blocks' is the default for macro-batches from a file (one sequential read per block); it needs
+        # macro-batches, so a plan that chose another strategy is made again with the global order
+        self.order = order if order != "auto" else ("blocks" if src.sequential else "global")
+        self.plan: Plan = choose(self._needs(src, limit), limit, wanted, macro_batch)
+        if self.order == "blocks" and self.plan.strategy != "macro":
+            if order == "blocks":
+                raise ValueError(f"order='blocks' shuffles macro-batches, but the strategy is "
+                                 f"'{self.plan.strategy}'; pass strategy='macro' (and a macro_batch or a budget) "
+                                 "or order='global'")
+            self.order = "global"
+            self.plan = choose(self._needs(src, limit), limit, wanted, macro_batch)
         if wanted != strategy:
             self.plan = _relabel(self.plan, strategy, f"the dataset is already on {self.device}")
+        how = ("one permutation of all samples" if self.order == "global" else
+               f"shuffled blocks of {self.plan.macro_batch} consecutive samples, shuffled within (host memory "
+               "proportional to the macro-batch, not to the data)")
+        self.plan = replace(self.plan, reason=f"{self.plan.reason}; epoch order '{self.order}': {how}")
         if prefetch and not self.threaded and self.plan.strategy != "resident":
             self.plan = replace(self.plan, reason=self.plan.reason + "; copies run inline (prefetch needs a CUDA "
                                 "device or a file to overlap with: on the CPU a copy thread only competes for cores)")
@@ -187,6 +207,13 @@ class Loader:
         self._closed = False
         log.info("memfit loader: %s", self.plan.reason)
 
+    def _needs(self, src: Source, limit: int) -> Needs:
+        """What the plan needs: the data's and the batches' bytes, and the epoch order's (see `order_bytes`)."""
+        return Needs(n=src.n, batch_size=self.batch_size, row_nbytes=src.row_nbytes,
+                     batch_nbytes=src.batch_nbytes(self.batch_size), device_type=self.device.type,
+                     read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
+                     **order_bytes(self.order, self._n_total, src.n, self.batch_size, self.distributed))
+
     # ---- public ------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch (the same on every rank when distributed)."""
@@ -206,28 +233,34 @@ class Loader:
         self._epoch = _check_int("epoch", epoch, 0)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The positions (in this loader's data or shard) in the order epoch `epoch` visits them."""
+        """The positions (in this loader's data or shard) in the order epoch `epoch` visits them, whole
+        (the loader itself makes a 'blocks' order one block at a time)."""
+        return torch.cat(list(self._order_pieces(epoch)))
+
+    def _order_pieces(self, epoch: int) -> Iterator[torch.Tensor]:
+        """The epoch order in pieces: one for 'global', a block at a time for 'blocks'; this rank's samples."""
         n = self._n_total
-        if self.source.sequential and self.strategy == "macro":
-            glob = order_mod.block_permutation(n, self.macro_batch, self.seed, epoch, self.shuffle)
+        if self.order == "blocks":
+            pieces = order_mod.blocks(n, self.macro_batch, self.seed, epoch, self.shuffle)
         else:
-            glob = order_mod.permutation(n, self.seed, epoch, self.shuffle)
-        return glob if self._members is None else order_mod.restrict(glob, self._members, n)
+            pieces = iter([order_mod.permutation(n, self.seed, epoch, self.shuffle)])
+        if self._members is None:
+            return pieces
+        return (order_mod.restrict(p, self._members) for p in pieces)
 
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
             raise ValueError("this loader is closed; build a new one with memfit.loader(...)")
         epoch = self._epoch
         self._epoch += 1
-        order = self.epoch_order(epoch)
-        used = sum(self._sizes)             # drop_last leaves the tail of the order out
-        if self.strategy == "resident":
-            it = _resident_epoch(self._resident, order[:used].to(self.device, non_blocking=True), self._sizes,
+        pieces = self._order_pieces(epoch)
+        if self.strategy == "resident":           # global order, one piece: to the device once per epoch
+            order = next(pieces)[:sum(self._sizes)]    # drop_last leaves the tail of the order out
+            it = _resident_epoch(self._resident, order.to(self.device, non_blocking=True), self._sizes,
                                  self._decode, self._rows)
         else:
             cap = self.macro_batch if self.strategy == "macro" else self.batch_size
-            it = _pipeline_epoch(self.source, order[:used], self._sizes, cap, self.device, self.threaded,
-                                 self._decode)
+            it = _pipeline_epoch(self.source, pieces, self._sizes, cap, self.device, self.threaded, self._decode)
         self._live.add(it)
         return it
 
@@ -264,20 +297,21 @@ def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], d
         yield x, None if ds.y is None else ds.y.index_select(0, idx).long()
 
 
-def _pipeline_epoch(source: Source, order: torch.Tensor, sizes: list[int], capacity: int,
+def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[int], capacity: int,
                     device: torch.device, prefetch: bool, decode: Decoder) -> Iterator[Batch]:
     blocks = order_mod.pack(sizes, capacity)
-    idx = torch.split(order, [sum(b) for b in blocks])
+    totals = [sum(b) for b in blocks]
+    idx = order_mod.rechunk(pieces, totals)          # made as the copies need them (on the copy thread)
     slots = Slots(source, capacity, device, count=2 if prefetch else 1, decode=decode)
     fetch = Prefetcher(slots, idx) if prefetch else Inline(slots, idx)
     try:
-        for block, rows in zip(blocks, idx, strict=True):
+        for block, total in zip(blocks, totals, strict=True):
             slot = fetch.get()
             start = 0
             for m in block:
                 batch = slots.batch(slot, start, m)
                 start += m
-                if start == len(rows):           # last read of the slot is queued: hand it back first
+                if start == total:               # last read of the slot is queued: hand it back first
                     fetch.release(slot)
                 yield batch
                 batch = None                     # hold no batch: its buffer is reused once the consumer drops it
@@ -288,7 +322,7 @@ def _pipeline_epoch(source: Source, order: torch.Tensor, sizes: list[int], capac
 def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None, device=None,
            shuffle: bool = True, seed: int | None = None, drop_last: bool = False, macro_batch: int | None = None,
            prefetch: bool = True, distributed: bool = False, codec: str = "auto", normalize=None,
-           dtype: torch.dtype | str = torch.float32) -> Loader:
+           dtype: torch.dtype | str = torch.float32, order: str = "auto") -> Loader:
     """Minibatches of `data` decoded on `device`, by the strategy that fits `budget`.
 
     Args:
@@ -315,6 +349,12 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
             smallest_shard // batch_size full batches.
         codec, normalize, dtype: how (x, y) arrays are encoded and decoded (see
             `CompactDataset.from_arrays`); a CompactDataset keeps its own.
+        order: the epoch order. 'global': one permutation of all samples (4 bytes a sample on the host;
+            distributed, every rank draws the whole one: 9 bytes a sample of the whole while it is made).
+            'blocks' (macro only): macro-batches of consecutive samples in a shuffled order, shuffled
+            within, made one block at a time: host memory proportional to the macro-batch, for sets
+            whose order would not fit in RAM. 'auto': 'blocks' for macro-batches read from a file,
+            else 'global'. `explain()` says which one is used.
 
     Returns:
         A `Loader`: iterate it for `(x, y)` (x float (B, ...) normalised, y int64 (B,)); `len()` is the
@@ -334,4 +374,4 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
     """
     return Loader(data, batch_size, strategy=strategy, budget=budget, device=device, shuffle=shuffle, seed=seed,
                   drop_last=drop_last, macro_batch=macro_batch, prefetch=prefetch, distributed=distributed,
-                  codec=codec, normalize=normalize, dtype=dtype)
+                  codec=codec, normalize=normalize, dtype=dtype, order=order)

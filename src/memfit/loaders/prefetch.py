@@ -40,7 +40,7 @@ import ctypes
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -145,7 +145,7 @@ def one_openmp_thread() -> bool:
     return True
 
 
-def _run(slots: Slots, blocks: Sequence[torch.Tensor], free: queue.Queue, ready: queue.Queue,
+def _run(slots: Slots, blocks: Iterable[torch.Tensor], free: queue.Queue, ready: queue.Queue,
          stop: threading.Event) -> None:
     try:
         if slots.cuda:
@@ -167,7 +167,7 @@ def _run(slots: Slots, blocks: Sequence[torch.Tensor], free: queue.Queue, ready:
 class Prefetcher:
     """Fills `slots` for each block of `blocks` on a background thread, one block ahead."""
 
-    def __init__(self, slots: Slots, blocks: Sequence[torch.Tensor], name: str = "memfit-prefetch"):
+    def __init__(self, slots: Slots, blocks: Iterable[torch.Tensor], name: str = "memfit-prefetch"):
         self.slots = slots
         self._free: queue.Queue = queue.Queue()
         self._ready: queue.Queue = queue.Queue()
@@ -210,12 +210,12 @@ class Prefetcher:
 class Inline:
     """The same protocol without a thread: each block is filled when the consumer asks for it."""
 
-    def __init__(self, slots: Slots, blocks: Sequence[torch.Tensor]):
-        self.slots, self._blocks, self._k = slots, blocks, 0
+    def __init__(self, slots: Slots, blocks: Iterable[torch.Tensor]):
+        self.slots, self._blocks, self._k = slots, iter(blocks), 0
 
     def get(self) -> int:
         slot = self._k % self.slots.count
-        self.slots.fill(slot, self._blocks[self._k])
+        self.slots.fill(slot, next(self._blocks))
         self._k += 1
         self.slots.ready(slot)
         return slot
