@@ -511,9 +511,23 @@ def test_cuda_batches_equal_cpu_batches(ds, strategy, kw):
 
 
 @pytest.mark.cuda
-def test_cuda_macro_with_slow_consumer_never_reads_a_slot_being_written(ds):
-    ld = loader(ds, 64, strategy="macro", macro_batch=128, seed=3, device="cuda")
-    ref = [y for _, y in loader(ds, 64, strategy="resident", seed=3, device="cpu")]
-    for (_, y), yr in zip(ld, ref, strict=True):
-        torch.cuda._sleep(2_000_000)                  # a long kernel on the consumer's stream
+@pytest.mark.parametrize("strategy, kw", [("macro", {"macro_batch": 128}), ("stream", {}),
+                                          ("macro", {"macro_batch": 128, "order": "global"})])
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_cuda_slow_consumer_never_reads_a_slot_being_written(ds, file_data, strategy, kw, kind):
+    data = ds if kind == "memory" else file_data
+    ld = loader(data, 64, strategy=strategy, seed=3, device="cuda", normalize="dataset" if kind == "file" else None,
+                **kw)
+    assert ld.threaded
+    ref = loader(data, 64, strategy=strategy, seed=3, device="cpu", prefetch=False,
+                 normalize="dataset" if kind == "file" else None, **kw)
+    for (x, y), (xr, yr) in zip(ld, ref, strict=True):
+        # a long kernel on the consumer's stream that reads the batch: were the copy of the next block into
+        # this slot not waiting for it, the decoded x checked below would hold the next block's rows
+        torch.cuda._sleep(2_000_000)
+        s = x.sum()
+        torch.cuda._sleep(2_000_000)
         assert torch.equal(y.cpu(), yr)
+        torch.testing.assert_close(x.cpu(), xr, rtol=0, atol=1e-6)          # the decoded samples, not only labels
+        assert s.item() == pytest.approx(xr.sum().item(), rel=1e-5, abs=1e-3)
+    assert no_loader_threads()
