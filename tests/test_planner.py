@@ -6,8 +6,8 @@ from torch import nn
 
 from memfit.bench.zoo import MODELS, build
 from memfit.planner import CaptureError, activation_bytes, max_batch_size, memory_model, plan
-from memfit.planner.cli import cli_plan, load_factory
 from memfit.planner.arena import align
+from memfit.planner.cli import cli_plan, load_factory
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT
 

@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="a function that builds the model, in an importable module or a .py file")
     ev.add_argument("--weights", default=None, help="a state_dict saved with torch.save (optional)")
     ev.add_argument("--data", default="digits", type=data_arg,
-                    help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz (its test split is evaluated)")
+                    help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz "
+                         "(its test split is evaluated)")
     ev.add_argument("--normalize", default="dataset", choices=("dataset", "none", "unit"),
                     help="inputs as the model was trained: per-channel mean/std of the training split "
                          "(dataset), raw 0..255 (none) or 0..1 (unit)")
