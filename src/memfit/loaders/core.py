@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import torch
 
-from memfit.budget import resolve_budget, resolve_device
+from memfit.budget import check_count, resolve_budget, resolve_device
 from memfit.dataset import CompactDataset
 from memfit.distributed import agree, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loaders import order as order_mod
@@ -46,12 +46,6 @@ log = logging.getLogger("memfit.loader")
 
 Batch = tuple[torch.Tensor, torch.Tensor | None]
 ORDERS = ("auto", "global", "blocks")
-
-
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"expected {name} to be an int >= {low}; found {value!r}")
-    return value
 
 
 def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int) -> int:
@@ -110,7 +104,7 @@ class Loader:
     def __init__(self, data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None,
                  device=None, shuffle: bool = True, seed: int | None = None, drop_last: bool = False,
                  macro_batch: int | None = None, prefetch: bool = True, distributed: bool = False,
-                 codec: str = "auto", normalize=None, dtype: torch.dtype | str = torch.float32,
+                 codec: str = "auto", normalize=None, dtype: torch.dtype | str | None = None,
                  order: str = "auto"):
         if not isinstance(distributed, bool):
             raise TypeError(f"expected distributed to be True or False; found {distributed!r}")
@@ -128,13 +122,13 @@ class Loader:
                 raise
             error = e
         if distributed:
-            self.seed = _agreed_seed(error, seed, getattr(self, "_n_total", 0))
+            self.seed = _agreed_seed(error, getattr(self, "seed", None), getattr(self, "_n_total", 0))
         elif seed is None:
             self.seed = int(torch.randint(0, 2**62, (1,)))
 
     def _build(self, data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch, prefetch,
                distributed, codec, normalize, dtype, order) -> None:
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.batch_size = check_count("batch_size", batch_size, 1)
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}; expected one of {', '.join(map(repr, ORDERS))} ('global': one "
                              "permutation of all samples; 'blocks': shuffled macro-batches, shuffled within, host "
@@ -142,7 +136,7 @@ class Loader:
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch)):
             if not isinstance(flag, bool):
                 raise TypeError(f"expected {name} to be True or False; found {flag!r}")
-        self.seed = None if seed is None else _check_int("seed", seed, 0)
+        self.seed = None if seed is None else check_count("seed", seed, 0)
         self.device = resolve_device(device)
         self.shuffle, self.drop_last, self.prefetch, self.distributed = shuffle, drop_last, prefetch, distributed
         self.rank, self.world_size = 0, 1
@@ -230,7 +224,7 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next `iter()` runs (its order is a function of `seed` and `epoch`)."""
-        self._epoch = _check_int("epoch", epoch, 0)
+        self._epoch = check_count("epoch", epoch, 0)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The positions (in this loader's data or shard) in the order epoch `epoch` visits them, whole
@@ -322,7 +316,7 @@ def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[
 def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None, device=None,
            shuffle: bool = True, seed: int | None = None, drop_last: bool = False, macro_batch: int | None = None,
            prefetch: bool = True, distributed: bool = False, codec: str = "auto", normalize=None,
-           dtype: torch.dtype | str = torch.float32, order: str = "auto") -> Loader:
+           dtype: torch.dtype | str | None = None, order: str = "auto") -> Loader:
     """Minibatches of `data` decoded on `device`, by the strategy that fits `budget`.
 
     Args:

@@ -81,7 +81,7 @@ class Decoder:
         reuse = device.type == "cpu"
         shape, dtype = template.sample_shape, template.dtype
         self.out = BatchPool(shape, dtype, device, batch_size) if reuse else None
-        half = dtype != torch.float32           # half types are decoded in float32 first
+        half = dtype in (torch.float16, torch.bfloat16)        # decoded in float32 first
         self.work = BatchPool(shape, torch.float32, device, batch_size, count=1) if reuse and half else None
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
