@@ -206,6 +206,7 @@ class Loader:
         return Needs(n=src.n, batch_size=self.batch_size, row_nbytes=src.row_nbytes,
                      batch_nbytes=src.batch_nbytes(self.batch_size), device_type=self.device.type,
                      read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
+                     scratch_nbytes=Decoder.scratch_nbytes(src.template, self.batch_size),
                      **order_bytes(self.order, self._n_total, src.n, self.batch_size, self.distributed))
 
     # ---- public ------------------------------------------------------------------------------
