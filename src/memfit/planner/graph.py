@@ -191,9 +191,25 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
     return Graph(steps, roots, root_of, metas, inputs, consts, flat_out)
 
 
+def _shares_storage(step: Step, pos: int, v: str, root_of, value_of) -> bool:
+    """True when an operand of the op other than argument `pos` lives in `v`'s allocation (a view,
+    slice, transpose, expand or broadcast of the same root, however many views deep). Writing over
+    `v` would then change what that operand reads while the kernel still reads it: a broadcast row
+    overwritten before the other rows read it gives wrong numbers without any error. The very same
+    value at two positions (`y * y`) is safe: each element is read before it is written."""
+    root = root_of[v]
+    others = [a for i, a in enumerate(step.node.args) if i != pos] + list(step.node.kwargs.values())
+    for arg in _nodes_in(others):
+        for w in value_of[arg]:
+            if w and root_of[w] == root and w != v:
+                return True
+    return False
+
+
 def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None:
     """Write `out` over an input when the rules allow: allowlisted elementwise op, input in the arena
-    with no later reader, same shape, strides and dtype."""
+    with no later reader, same shape, strides and dtype, and no other operand of the op sharing its
+    memory."""
     args = step.node.args
     for pos in inplace_candidates(step.node.target, args):
         arg = args[pos]
@@ -206,6 +222,7 @@ def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None
         meta = metas[v]
         whole = v == base.name or v in base.members         # not a view of it
         if (base.kind != "arena" or base.last != step.index or not whole
+                or _shares_storage(step, pos, v, root_of, value_of)
                 or tuple(meta.shape) != out.shape or tuple(meta.stride()) != out.stride or meta.dtype != out.dtype
                 or meta.storage_offset() != 0 or base.nbytes != out.nbytes):
             continue

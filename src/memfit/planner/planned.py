@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from memfit.planner.codegen import generate
 from memfit.planner.graph import Graph, analyze
 from memfit.planner.report import Report, Row
 
-__all__ = ["ALIGNMENT", "PlannedModule", "layout", "plan"]
+__all__ = ["ALIGNMENT", "Captured", "PlannedModule", "capture_model", "layout", "layout_captured", "plan",
+           "plan_captured"]
 
 ALIGNMENT = 64      # bytes: a cache line, and enough for any dtype's vector loads
 
@@ -48,14 +50,38 @@ def _check_args(algorithm: str, inplace: bool) -> None:
         raise TypeError(f"inplace must be True or False; found {inplace!r}")
 
 
+@dataclass
+class Captured:
+    """One `torch.export` capture of a model: layouts for any algorithm come from it, no re-export.
+    It holds the parameters (by reference) but not the module, so a cache of captures never keeps a
+    model alive."""
+    ep: torch.export.ExportedProgram
+    consts: dict[str, torch.Tensor]
+    device: torch.device
+
+
+def capture_model(model: torch.nn.Module, example_inputs) -> Captured:
+    """Export `model` once at the shapes of `example_inputs` (raises CaptureError, TypeError)."""
+    example_inputs = as_inputs(example_inputs)
+    ep = capture(model, example_inputs)
+    device = example_inputs[0].device if len(example_inputs) else torch.device("cpu")
+    return Captured(ep, constants(ep, model), device)
+
+
 def layout(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
            inplace: bool = True) -> Layout:
     """Capture `model` and place its intermediates, without allocating the arena or running anything
     (so it is cheap at any batch size; `plan` calls it, `memory_model` too)."""
     _check_args(algorithm, inplace)
-    ep = capture(model, example_inputs)
-    device = example_inputs[0].device if len(example_inputs) else torch.device("cpu")
-    graph = analyze(ep, constants(ep, model), device.type, inplace=inplace)
+    return layout_captured(capture_model(model, example_inputs), example_inputs, algorithm=algorithm,
+                           inplace=inplace)
+
+
+def layout_captured(cap: Captured, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
+                    inplace: bool = True) -> Layout:
+    """`layout` from a capture made before (no export)."""
+    _check_args(algorithm, inplace)
+    graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace)
     arena_roots = [r for r in graph.roots.values() if r.kind == "arena"]
     buffers = [Buffer(r.name, r.nbytes, r.first, r.last) for r in arena_roots]
     offs, size = assign_offsets(buffers, algorithm, ALIGNMENT)
@@ -86,7 +112,7 @@ def layout(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "g
         unplanned_bytes=max(live_profile(outside, 1), default=0), param_bytes=params,
         input_bytes=sum(x.nbytes for x in example_inputs), rows=rows, algorithm=algorithm, n_ops=n_ops,
         unplanned_ops=dict(unplanned))
-    return Layout(graph, buffers, offsets, report, ep.call_spec.out_spec)
+    return Layout(graph, buffers, offsets, report, cap.ep.call_spec.out_spec)
 
 
 class _Plan:
@@ -123,26 +149,51 @@ class _Plan:
         return self.unflatten(out)
 
 
+class _NoBackward(torch.autograd.Function):
+    """Marks planned outputs so that `backward` through them says why it cannot work."""
+
+    @staticmethod
+    def forward(ctx, x, _anchor):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward through a PlannedModule: planned modules run inference only (their arena is "
+                           "reused by the next call and no autograd graph is kept); train the model itself, with "
+                           "memfit.accumulate to fit a large batch, and size it with "
+                           "memfit.memory_model(model, ..., train=True)")
+
+
 class PlannedModule:
     """A model run inside one preallocated arena. Call it like the model (positional tensors).
 
     Inputs of a new shape (or strides) get their own plan, made on first use and cached
     (`pm.plans`); a different dtype or device is an error. The planned module runs inference only:
-    no autograd graph is recorded. `pm.report` describes the plan of the latest inputs.
+    no autograd graph is recorded, and `backward` through its outputs raises an error saying so.
+    `pm.report` describes the plan of the latest inputs.
 
     All plans share one arena, as large as the largest of them (`pm.arena_bytes`): a smaller last
     chunk or a halved batch costs no extra memory. `pm.release()` frees the arena between uses;
     the next call allocates it again (the plans are kept, nothing is captured again).
+
+    Threads: calls are serialised by a lock (one arena, one call at a time), so two threads may
+    share a PlannedModule and each gets its own correct outputs (outputs are fresh memory, never
+    the arena). For parallel inference give each thread its own `plan(...)`.
     """
 
-    def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool):
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool,
+                 captured: Captured | None = None):
         self.model, self.algorithm, self.inplace = model, algorithm, inplace
         self.dtypes = [x.dtype for x in example_inputs]
         self.device = example_inputs[0].device if example_inputs else torch.device("cpu")
         self.layouts: dict[tuple, Layout] = {}
         self.plans: dict[tuple, _Plan] = {}
         self._arena: torch.Tensor | None = None
+        self._lock = threading.Lock()
         self._last_key = self._key(example_inputs)
+        if captured is not None:
+            self.layouts[self._last_key] = layout_captured(captured, example_inputs, algorithm=algorithm,
+                                                           inplace=inplace)
         self._plan_for(tuple(example_inputs), self._last_key)
 
     @staticmethod
@@ -208,15 +259,19 @@ class PlannedModule:
             key = self._key(inputs)
         except AttributeError:                    # not a tensor: `_check` says which
             key = None
-        p = self.plans.get(key)
-        if p is None:
-            self._check(inputs)
-            p = self._plan_for(inputs, key)
-        self._last_key = key
-        if torch.is_grad_enabled():               # out= kernels refuse to record autograd
-            with torch.no_grad():
+        with self._lock:
+            p = self.plans.get(key)
+            if p is None:
+                self._check(inputs)
+                p = self._plan_for(inputs, key)
+            self._last_key = key
+            if not torch.is_grad_enabled():
                 return p.run(inputs)
-        return p.run(inputs)
+            with torch.no_grad():                 # out= kernels refuse to record autograd
+                out = p.run(inputs)
+        anchor = torch.zeros((), requires_grad=True)
+        return pytree.tree_map_only(torch.Tensor, lambda t: _NoBackward.apply(t, anchor)
+                                    if t.is_floating_point() else t, out)
 
     forward = __call__
 
@@ -253,3 +308,9 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
     """
     # the model, algorithm and inplace are checked by `layout`, which the first plan calls
     return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace)
+
+
+def plan_captured(cap: Captured, example_inputs, *, model: torch.nn.Module | None = None,
+                  algorithm: str = "greedy_by_size", inplace: bool = True) -> PlannedModule:
+    """`plan` from a capture made before: several algorithms or settings, one export."""
+    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace, captured=cap)
