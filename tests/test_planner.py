@@ -281,3 +281,29 @@ def test_plans_share_one_arena_and_release_frees_it():
         ref = model(x)
     torch.testing.assert_close(pm(x), ref)                     # allocated again, nothing re-captured
     assert pm.arena_bytes == big and len(pm.layouts) == 2
+
+
+def test_two_threads_share_a_planned_module():
+    """Calls are serialised by a lock: each thread's outputs equal eager on its own inputs."""
+    import threading
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).eval()
+    pm = plan(model, (torch.randn(16, 32),))
+    inputs = [torch.randn(16, 32) for _ in range(2)]
+    with torch.no_grad():
+        refs = [model(x) for x in inputs]
+    errors = []
+
+    def work(k):
+        for _ in range(200):
+            with torch.no_grad():
+                if not torch.equal(pm(inputs[k]), refs[k]):
+                    errors.append(k)
+                    return
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
