@@ -139,11 +139,45 @@ class DataDependent(nn.Module):
         return x - 1
 
 
-def test_uncapturable_model_raises_capture_error_with_the_reason():
-    with pytest.raises(CaptureError, match="torch.export could not capture DataDependent: .*"):
+class BoolMask(nn.Module):
+    def forward(self, x):
+        return x[x > 0].sum()
+
+
+def test_uncapturable_model_raises_capture_error_with_the_reason(capfd):
+    with pytest.raises(CaptureError, match="DataDependent has control flow .* depend on tensor values") as e:
         plan(DataDependent(), (torch.randn(2, 3),))
+    assert e.value.kind == "data-dependent" and "\n" not in str(e.value)
+    with pytest.raises(CaptureError, match="sizes that depend on values.*boolean-mask") as e:
+        plan(BoolMask(), (torch.randn(2, 3),))
+    assert e.value.kind == "data-dependent"
     with pytest.raises(CaptureError):
         memory_model(DataDependent(), (3,))
+    assert capfd.readouterr().err == ""                 # torch's log lines and graph dumps are silenced
+
+
+CONV = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+
+
+@pytest.mark.parametrize("model, x, match", [
+    (CONV, torch.randn(2, 4, 16, 16), r"expected input.* to have 3 channels, but got 4.*found \(2, 4, 16, 16\)"),
+    (CONV, torch.randn(2, 1, 3, 16, 16), r"dimension too many or too few; found \(2, 1, 3, 16, 16\).*without the batch"),
+    (nn.Embedding(100, 8).eval(), torch.randn(2, 7), r"integer token ids; found \(2, 7\) float32.*torch.long"),
+    (nn.Linear(8, 2), torch.randn(2, 7), r"feature size differs.*found \(2, 7\)"),
+], ids=["channels", "batch-in-sample", "float-ids", "features"])
+def test_shape_and_dtype_mistakes_are_reported_as_such(model, x, match):
+    with pytest.raises(CaptureError, match=match) as e:
+        plan(model, (x,))
+    assert e.value.kind == "inputs" and "control flow" not in str(e.value)
+
+
+def test_capture_restores_torch_logging():
+    import logging
+    lg = logging.getLogger("torch._subclasses.fake_tensor")
+    before = (lg.level, lg.disabled)
+    with pytest.raises(CaptureError):
+        plan(DataDependent(), (torch.randn(2, 3),))
+    assert (lg.level, lg.disabled) == before
 
 
 def test_training_mode_batch_norm_asks_for_eval():

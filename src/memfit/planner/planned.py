@@ -18,11 +18,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
 from memfit.planner.arena import ALGORITHMS, Buffer, align, assign_offsets, live_profile, lower_bound, verify
-from memfit.planner.capture import as_inputs, capture, constants
+from memfit.planner.capture import CaptureError, _first_line, as_inputs, capture, constants
 from memfit.planner.codegen import generate
 from memfit.planner.graph import Graph, analyze
 from memfit.planner.report import Report, Row
@@ -81,7 +82,13 @@ def layout_captured(cap: Captured, example_inputs: tuple, *, algorithm: str = "g
                     inplace: bool = True) -> Layout:
     """`layout` from a capture made before (no export)."""
     _check_args(algorithm, inplace)
-    graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace)
+    try:
+        graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace)
+    except GuardOnDataDependentSymNode as e:       # a size known only when the model runs
+        raise CaptureError(f"the model's graph has tensor sizes that depend on values ({_first_line(e)}): "
+                           "boolean-mask indexing, nonzero or .item(); the planner needs static sizes: run the "
+                           "model eagerly, or do the value-dependent part outside the model",
+                           kind="data-dependent") from None
     arena_roots = [r for r in graph.roots.values() if r.kind == "arena"]
     buffers = [Buffer(r.name, r.nbytes, r.first, r.last) for r in arena_roots]
     offs, size = assign_offsets(buffers, algorithm, ALIGNMENT)
