@@ -161,7 +161,7 @@ CONV = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
 
 @pytest.mark.parametrize("model, x, match", [
     (CONV, torch.randn(2, 4, 16, 16), r"expected input.* to have 3 channels, but got 4.*found \(2, 4, 16, 16\)"),
-    (CONV, torch.randn(2, 1, 3, 16, 16), r"dimension too many or too few; found \(2, 1, 3, 16, 16\).*without the batch"),
+    (CONV, torch.randn(2, 1, 3, 16, 16), r"dimension too many or too few; found \(2, 1, 3, 16, 16\).*no batch"),
     (nn.Embedding(100, 8).eval(), torch.randn(2, 7), r"integer token ids; found \(2, 7\) float32.*torch.long"),
     (nn.Linear(8, 2), torch.randn(2, 7), r"feature size differs.*found \(2, 7\)"),
 ], ids=["channels", "batch-in-sample", "float-ids", "features"])

@@ -77,7 +77,7 @@ def _hint(message: str, inputs: tuple) -> str:
         return f"the input's channel count differs from what the first layer expects; found {found}"
     if "expected" in m and ("d (batched)" in m or "unbatched" in m or "dimension" in m or "dims" in m):
         return (f"the input has a dimension too many or too few; found {found}: give the shape of one sample "
-                "without the batch (e.g. 3,32,32), the batch comes first")
+                "with no batch (e.g. 3,32,32), the batch comes first")
     if "shapes cannot be multiplied" in m or "size of tensor" in m or "must match" in m:
         return f"the input's feature size differs from what the model expects; found {found}"
     return f"check the example inputs' shapes and dtypes; found {found}"
@@ -100,8 +100,8 @@ def diagnose(model: torch.nn.Module, inputs: tuple, error: BaseException) -> Cap
     name = type(model).__name__
     eager = _fails_eagerly(model, inputs)
     if eager is not None:
-        return CaptureError(f"{name} fails on one sample of the example inputs, before any capture: {_first_line(eager)} "
-                            f"({_hint(str(eager), inputs)})", kind="inputs")
+        return CaptureError(f"{name} fails on one sample of the example inputs, before any capture: "
+                            f"{_first_line(eager)} ({_hint(str(eager), inputs)})", kind="inputs")
     text = f"{type(error).__name__}: {_first_line(error)}"
     if isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in text.lower() \
             or "data dependent" in text.lower():
