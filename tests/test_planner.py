@@ -341,3 +341,41 @@ def test_two_threads_share_a_planned_module():
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.parametrize("name", ["lenet", "transformer", "resnet18"])
+def test_one_capture_plans_every_batch_size(name):
+    """Batch sizes after the first are planned from the symbolic capture: no export, equal outputs,
+    and byte sizes equal to a static capture at that batch."""
+    from memfit.planner.planned import capture_model, layout_at
+    model, shape = build(name, image=32)
+    pm = plan(model, (torch.randn(4, *shape),))
+    assert pm.captures[0].dynamic and "one capture" in pm.report.capture
+    for n in (1, 3):
+        x = torch.randn(n, *shape)
+        with torch.no_grad():
+            torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
+    assert len(pm.captures) == 1 and len(pm.layouts) == 3
+    static = capture_model(model, (torch.randn(3, *shape),), dynamic_batch=False)
+    want = layout_at(static, 3).report
+    got = layout_at(pm.captures[0], 3).report
+    # node names differ between the two exports (mul_85 / mul); shapes, bytes, kinds and lifetimes do not
+    assert [(r.shape, r.bytes, r.kind, r.lifetime) for r in got.rows] == [(r.shape, r.bytes, r.kind, r.lifetime)
+                                                                          for r in want.rows]
+    assert (got.arena_bytes, got.unplanned_bytes, got.input_bytes) == (want.arena_bytes, want.unplanned_bytes,
+                                                                       want.input_bytes)
+
+
+class FixedBatch(nn.Module):
+    def forward(self, x):
+        return x.reshape(4, -1).relu()           # the batch size is written into the model
+
+
+def test_a_model_that_fixes_its_batch_is_captured_statically_with_the_reason():
+    from memfit.planner.planned import layout_at
+    pm = plan(FixedBatch(), (torch.randn(4, 6),))
+    cap = pm.captures[0]
+    assert not cap.dynamic and cap.static_reason and "static capture at batch 4" in pm.report.capture
+    torch.testing.assert_close(pm(torch.ones(4, 6)), torch.ones(4, 6))
+    with pytest.raises(ValueError, match="static at batch 4.*capture again"):
+        layout_at(cap, 8)

@@ -84,12 +84,12 @@ def _hint(message: str, inputs: tuple) -> str:
 
 
 def _fails_eagerly(model: torch.nn.Module, inputs: tuple) -> BaseException | None:
-    """Run the model on one sample of the example inputs (cheap at any batch size); the error, or None."""
-    few = tuple(x[:1] if x.dim() and x.shape[0] > 1 else x for x in inputs)
+    """Run the model eagerly on the example inputs (only after a failed capture); the error, or None.
+    The whole example, not one sample: a model may be written for its batch size."""
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model(*few)
+            model(*inputs)
     except Exception as e:                          # any error here is the model's own reaction to the inputs
         return e
     return None
@@ -100,7 +100,7 @@ def diagnose(model: torch.nn.Module, inputs: tuple, error: BaseException) -> Cap
     name = type(model).__name__
     eager = _fails_eagerly(model, inputs)
     if eager is not None:
-        return CaptureError(f"{name} fails on one sample of the example inputs, before any capture: "
+        return CaptureError(f"{name} fails on the example inputs, before any capture: "
                             f"{_first_line(eager)} ({_hint(str(eager), inputs)})", kind="inputs")
     text = f"{type(error).__name__}: {_first_line(error)}"
     if isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in text.lower() \
@@ -146,8 +146,11 @@ def decompositions(device_type: str) -> dict:
     return table
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
-    """Export `model` at the shapes of `example_inputs` and decompose to core ATen ops.
+def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None,
+            explain: bool = True) -> torch.export.ExportedProgram:
+    """Export `model` at the shapes of `example_inputs` (sizes symbolic where `dynamic_shapes`, as
+    in `torch.export.export`, says so) and decompose to core ATen ops. `explain=False` skips the
+    diagnosis of a failure (an eager run): for attempts that have a fallback.
 
     Raises:
         TypeError: `model` is not an `nn.Module` or an input is not a tensor.
@@ -161,12 +164,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Expor
         with quiet_torch(), warnings.catch_warnings():
             # torch 2.13's export warns about its own pytree internals (LeafSpec): not the user's concern
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            ep = torch.export.export(model, tuple(example_inputs), strict=False)
+            ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
             device = example_inputs[0].device.type if example_inputs else "cpu"
             ep = ep.run_decompositions(dict(decompositions(device)))
     except Exception as e:                     # export raises many types; all mean "cannot capture"
         debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
-        raise diagnose(model, example_inputs, e) from (e if debug else None)
+        err = diagnose(model, example_inputs, e) if explain else CaptureError(f"{type(e).__name__}: {_first_line(e)}")
+        raise err from (e if debug else None)
     mutated = [s.target for s in ep.graph_signature.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:
         raise CaptureError(f"{type(model).__name__}.forward writes to {mutated} (a BatchNorm in training mode?); "
