@@ -43,13 +43,17 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memfit.budget import format_bytes
 from memfit.measure import MemoryTrace, _storage_key, _Tracker
 
-__all__ = ["Batch", "StepMemoryModel", "measure_step", "step_memory_model", "training_step"]
+__all__ = ["Batch", "FakeRunError", "StepMemoryModel", "measure_step", "step_memory_model", "training_step"]
 
 KINDS = ("activations", "gradients", "optimizer state", "backward transient", "step transient", "kept by the model")
 PROBES = (1, 2, 4)          # fit on 2 and 4, check at 1; 8 checks instead where batch 1 runs other ops
 CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 CUDA_MARGIN = 0.05          # stated head-room for fragmentation of the allocator's segments on CUDA
 CUDA_SEGMENT = 2 << 20      # ... and one partly used 2 MiB small-allocation segment
+
+
+class FakeRunError(RuntimeError):
+    """The step or forward could not run on fake tensors (data-dependent Python control flow, say)."""
 
 
 # ---- the batch at any size -----------------------------------------------------------------------
@@ -154,6 +158,20 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     return held + mem.peak
 
 
+class _FakeTracker(_Tracker):
+    """memfit.measure's live-bytes mode, with the few fake kernels whose outputs differ from the real ones."""
+
+    # batch norm on a half or bfloat16 input: the real kernels keep the saved mean and inverse std in float32
+    # (the accumulation type); the meta kernels give them the input's dtype
+    BATCH_NORM = {"aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                  "aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats"}
+
+    def size_of(self, func, index, t, nbytes):
+        if index in (1, 2) and str(func) in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
+            return nbytes * 2
+        return nbytes
+
+
 # ---- one fake run --------------------------------------------------------------------------------
 @dataclass
 class _Run:
@@ -231,20 +249,22 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
             fakes[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
         return fakes[id(t)]
 
-    named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    named = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
     held = {"parameters": _unique_bytes(named.values()),
             "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
             "optimizer state": _unique_bytes(_state_tensors(optimizer))}
     snap = _snapshot(model)
     log: list = []
-    tracker = _Tracker(MemoryTrace(device), log)
+    tracker = _FakeTracker(MemoryTrace(device), log)
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
     samples: dict[str, set] = {}                        # storages that are gradients / optimizer state
     try:
         with torch.random.fork_rng(devices=[]):
             fake_named = {k: fake(v) for k, v in named.items()}
             opt = _fake_optimizer(optimizer, fake) if optimizer is not None else None
-            model.train(train)
+            if train:
+                model.train()                          # restored with the rest by _restore
             gc.collect()
             with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
                 x = batch.at(n, device)
@@ -442,8 +462,19 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         optimizer_note = " (no optimizer: no step)"
     else:
         optimizer_note = ""
-    run = lambda n: _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
-                         autocast=autocast, device=dev)
+    def run(n: int) -> _Run:
+        try:
+            return _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
+                        autocast=autocast, device=dev)
+        except (ValueError, TypeError):                # our own argument errors, and the user's
+            raise
+        except Exception as e:
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            raise FakeRunError(
+                f"could not run {'one training step' if train else 'the forward'} of {type(model).__name__} on "
+                f"fake tensors at batch {n} ({reason}). Data-dependent Python control flow (`if x.sum() > 0`, "
+                "`.item()`, `.tolist()`) needs real values; measure a real step instead with "
+                "memfit.footprint.measure_step, or make the branch independent of the values") from e
     runs = {n: run(n) for n in PROBES}
     what = "one training step" if train else "one forward"
     measured = {}
@@ -466,7 +497,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     else:
         runs[8] = run(8)
         peaks = [(n, runs[n].live.sum(axis=1).max()) for n in sorted(runs)]
-        slope = max(max((p2 - p1) / (n2 - n1) for (n1, p1), (n2, p2) in zip(peaks, peaks[1:])), 0)
+        slope = max(max((p2 - p1) / (n2 - n1) for (n1, p1), (n2, p2) in zip(peaks, peaks[1:], strict=False)), 0)
         top = max(p - slope * n for n, p in peaks)
         # the op sequence changes with the batch: one line through the measured peaks
         a = np.zeros((1, len(KINDS)))
