@@ -36,11 +36,6 @@ class Checkpointed(nn.Module):
         return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
 
 
-def encoder():
-    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-    return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Flatten(), nn.Linear(8 * 32, 4))
-
-
 def gpt2():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64,
@@ -64,12 +59,12 @@ def tokens(n, labels="causal"):
 # name: (model factory, batch(n), loss_fn, target(n), autocast dtype)
 CASES = {
     "mlp": (mlp, lambda n: torch.randn(n, 32), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)), None),
-    "cnn_bn": (cnn_bn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)), None),
+    "cnn_bn": (cnn_bn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)),
+               None),
     "cnn_bn_bf16_autocast": (cnn_bn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy,
                              lambda n: torch.randint(0, 10, (n,)), torch.bfloat16),
     "checkpoint": (Checkpointed, lambda n: torch.randn(n, 32), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)),
                    None),
-    "encoder": (encoder, lambda n: torch.randn(n, 8, 32), F.cross_entropy, lambda n: torch.randint(0, 4, (n,)), None),
     "gpt2": (gpt2, tokens, None, None, None),
     "bert": (bert, lambda n: tokens(n, "class"), None, None, None),
 }
@@ -143,7 +138,8 @@ def test_gradients_kept_by_zero_grad_without_set_to_none_count_from_the_start():
             super().zero_grad(set_to_none=False)
 
     opt = KeepGrads(model.parameters(), lr=0.1)
-    mm = step_memory_model(model, (32,), optimizer=opt, loss_fn=F.cross_entropy, target=torch.zeros(1, dtype=torch.long))
+    mm = step_memory_model(model, (32,), optimizer=opt, loss_fn=F.cross_entropy,
+                           target=torch.zeros(1, dtype=torch.long))
     params = sum(p.nbytes for p in model.parameters())
     assert mm.breakdown(1)["gradients"] == params
     for n in (1, 64):

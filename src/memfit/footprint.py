@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import gc
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -265,7 +264,6 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
             opt = _fake_optimizer(optimizer, fake) if optimizer is not None else None
             if train:
                 model.train()                          # restored with the rest by _restore
-            gc.collect()
             with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
                 x = batch.at(n, device)
                 y = target.at(n, device) if target is not None else None
@@ -288,8 +286,11 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
                         mark("forward")
                         del out
                 del x, y
-                gc.collect()
-                live_at_end = dict(tracker.live)
+                # what the step keeps: optimizer state, gradients zero_grad did not drop, tensors cached on a
+                # module; anything else still alive is garbage in a reference cycle, freed by the next collection
+                kept = [*_state_tensors(opt), *(p.grad for p in fake_named.values() if p.grad is not None),
+                        *(v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
+                live_at_end = {k[0] for t in kept if (k := _storage_key(t)) and k[0] in tracker.live}
     finally:
         _restore(snap)
     pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
