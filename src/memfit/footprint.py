@@ -42,7 +42,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memfit.budget import format_bytes
 from memfit.measure import MemoryTrace, _storage_key, _Tracker
 
-__all__ = ["Batch", "FakeRunError", "StepMemoryModel", "measure_step", "step_memory_model", "training_step"]
+__all__ = ["Batch", "FakeRunError", "StepMemoryModel", "check_prediction", "measure_step", "step_memory_model",
+           "training_step"]
 
 KINDS = ("activations", "gradients", "optimizer state", "backward transient", "step transient", "kept by the model")
 PROBES = (1, 2, 4)          # fit on 2 and 4, check at 1; 8 checks instead where batch 1 runs other ops
@@ -169,6 +170,36 @@ class _FakeTracker(_Tracker):
         if index in (1, 2) and str(func) in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
             return nbytes * 2
         return nbytes
+
+
+def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), *, optimizer=None, loss_fn=None,
+                     target_at: Callable[[int], object] | None = None, autocast=None) -> list[dict]:
+    """Predicted vs measured bytes of one training step at each batch size (for benchmarks).
+
+    `example_at(n)` / `target_at(n)` build a real batch of n. The prediction comes from
+    `memfit.memory_model(train=True)` with the batch at 2; each measurement runs `measure_step` on deep
+    copies of the model and optimizer (the originals are not touched). Rows: n, predicted, measured,
+    ratio (predicted / measured), predict_s (seconds to build the memory model), step_s (seconds of one
+    real step at n, untracked).
+    """
+    import time
+
+    from memfit.planner.sizing import memory_model
+    t0 = time.perf_counter()
+    mm = memory_model(model, example_at(2), train=True, optimizer=optimizer, loss_fn=loss_fn,
+                      target=target_at(2) if target_at else None, autocast=autocast)
+    predict_s = time.perf_counter() - t0
+    rows = []
+    for n in sizes:
+        m, opt = copy.deepcopy((model, optimizer))             # one deepcopy: opt stays on m's parameters
+        x, y = example_at(n), target_at(n) if target_at else None
+        measured = measure_step(m, x, opt, loss_fn, y, autocast=autocast)
+        t0 = time.perf_counter()
+        training_step(m, x, opt, loss_fn, y, autocast)
+        step_s = time.perf_counter() - t0
+        rows.append({"n": n, "predicted": mm.total_bytes(n), "measured": measured,
+                     "ratio": mm.total_bytes(n) / measured, "predict_s": predict_s, "step_s": step_s})
+    return rows
 
 
 # ---- one fake run --------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -32,7 +33,8 @@ from memfit.footprint import CUDA_MARGIN, CUDA_SEGMENT, FakeRunError, StepMemory
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.planned import ALIGNMENT, layout
 
-__all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "largest_fitting", "max_batch_size", "memory_model"]
+__all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "largest_fitting", "max_batch_size", "memory_model",
+           "plot_memory"]
 
 PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
 
@@ -280,3 +282,34 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
                              f"is {format_bytes(budget)}; raise the budget or use a smaller model",
                              needed=need(1), budget=budget, items=list(parts.items()))
     return n
+
+
+def plot_memory(mm: MemoryModel | StepMemoryModel, path, max_batch: int, budget: int | None = None):
+    """Write a picture of the bytes by kind (stacked) against the batch size, 1..max_batch, with the budget line.
+
+    Needs matplotlib (optional, imported here). Returns the path written.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plot_memory needs matplotlib, which is not installed; pip install matplotlib "
+                          "(or 'memfit[demo]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = sorted({max(1, round(max_batch * i / 64)) for i in range(65)})
+    parts = [mm.breakdown(n) for n in sizes]
+    kinds = list(dict.fromkeys(k for p in parts for k in p))
+    mib = 2.0 ** 20
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.stackplot(sizes, [[p.get(k, 0) / mib for p in parts] for k in kinds], labels=kinds, alpha=0.85)
+    if budget is not None:
+        ax.axhline(budget / mib, color="black", linestyle="--", label=f"budget {format_bytes(budget)}")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("MiB at the peak")
+    ax.set_title(f"{'training step' if mm.train else 'forward'}: {mm.method[:90]}", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
