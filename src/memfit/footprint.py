@@ -21,7 +21,7 @@ Example:
     >>> opt = torch.optim.AdamW(model.parameters())
     >>> mm = step_memory_model(model, (32,), train=True, optimizer=opt)
     >>> b = mm.breakdown(64)
-    >>> b["optimizer state"] == 2 * b["parameters"] + 4 * 8        # exp_avg, exp_avg_sq (+ a 4-byte step each)
+    >>> b["optimizer state"] == 2 * b["parameters"] + 4 * 4        # exp_avg, exp_avg_sq, a 4-byte step per tensor
     True
     >>> mm.total_bytes(64) == measure_step(model, torch.randn(64, 32), opt)
     True
@@ -487,7 +487,8 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         device: the device to predict for (default: the model's).
         why: a reason prepended to `method` (e.g. why the planner was not used).
     """
-    dev = torch.device(device) if device is not None else _model_device(model)
+    from memfit.budget import resolve_device
+    dev = resolve_device(device) if device is not None else _model_device(model)   # checks CUDA is there
     batch = Batch(example, dtype)
     tgt = Batch(target, dtype) if target is not None else None
     if train and optimizer is None:
@@ -504,9 +505,9 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             raise FakeRunError(
                 f"could not run {'one training step' if train else 'the forward'} of {type(model).__name__} on "
-                f"fake tensors at batch {n} ({reason}). Data-dependent Python control flow (`if x.sum() > 0`, "
-                "`.item()`, `.tolist()`) needs real values; measure a real step instead with "
-                "memfit.footprint.measure_step, or make the branch independent of the values") from e
+                f"fake tensors at batch {n} ({reason}). Fake tensors have shapes but no values: data-dependent "
+                "Python control flow (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run on them; measure a real "
+                "step instead with memfit.footprint.measure_step, or make the branch independent of the values") from e
     runs = {n: run(n) for n in PROBES}
     what = "one training step" if train else "one forward"
     measured = {}
