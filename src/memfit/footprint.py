@@ -414,12 +414,19 @@ class StepMemoryModel:
         out = {"parameters": self.param_bytes, "inputs": 0}
         for kind, (a, b) in self._held.items():
             out[kind] = out.get(kind, 0) + a + b * n
-        for kind, v in zip(KINDS, parts.tolist(), strict=True):
-            if v or kind in ("activations",) or (self.train and kind in ("gradients", "optimizer state")):
+        for kind, v in zip(KINDS, parts.tolist(), strict=True):     # the same keys at every n
+            if v or (kind == "activations") or (self.train and kind != "kept by the model"):
                 out[kind] = out.get(kind, 0) + v
         if self.device.type == "cuda":
             out["allocator margin"] = int(CUDA_MARGIN * sum(out.values())) + CUDA_SEGMENT
         return out
+
+    def saved_activation_bytes(self, n: int) -> int:
+        """Bytes the forward (and loss) leave alive for backward, for a batch of n (at the forward's end)."""
+        k = self._ends.get("forward", len(self._ops)) - 1
+        if self._a.shape[0] <= k or k < 0:              # the line-through-peaks fallback keeps no per-op rows
+            return self.breakdown(n)["activations"]
+        return int(np.ceil(self._a[k, 0] + self._b[k, 0] * _batch(n)))
 
     def total_bytes(self, n: int) -> int:
         """Bytes held at the peak of the step (or forward) for a batch of n."""
@@ -440,6 +447,11 @@ class StepMemoryModel:
         lines = [f"memory of {what} on {self.device}, by {self.method}.",
                  f"batch {n}: {format_bytes(self.total_bytes(n))} at the peak, during the {self.peak_phase(n)}:"]
         lines += [f"  {k:<20} {format_bytes(v):>12}" for k, v in self.breakdown(n).items()]
+        if self.train:
+            saved = format_bytes(self.saved_activation_bytes(n))
+            lines.append(f"saved for backward at the end of the forward: {saved}. Steady state of a training loop: "
+                         "what the step keeps (optimizer state, gradients that "
+                         "zero_grad keeps) is counted from the start; the output and loss live until the step ends.")
         if self.device.type == "cuda":
             lines.append(f"CUDA: every block rounded up to {CUDA_BLOCK} bytes as the caching allocator does, plus a "
                          f"fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} segment; "
