@@ -232,3 +232,15 @@ def test_checkpointing_saves_less_for_backward_than_the_same_model_without():
     # the block keeps 3 tensors of (n, 256) float32 (two GELU inputs and the middle output) without checkpointing
     assert saved_plain.saved_activation_bytes(n) - saved_ck.saved_activation_bytes(n) >= 2 * n * 256 * 4
     assert saved_ck.breakdown(n)["activations"] <= saved_ck.total_bytes(n)
+
+
+def test_a_second_prediction_for_the_same_model_and_layout_is_cached_until_the_model_changes():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    kw = dict(optimizer=opt, loss_fn=F.cross_entropy)
+    first = step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw)
+    again = step_memory_model(model, torch.zeros(9, 32), target=torch.zeros(9, dtype=torch.long), **kw)
+    assert again is first                                     # the batch size is not part of the layout
+    model[3] = nn.Linear(128, 20)                             # a new head: predicted again
+    new = step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw)
+    assert new is not first and new.param_bytes > first.param_bytes

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -462,9 +463,8 @@ class StepMemoryModel:
 
 
 def _batch(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"expected a batch size as an int >= 1; found {n!r}")
-    return int(n)
+    from memfit.budget import check_count
+    return check_count("the batch size", n, 1)
 
 
 def _affine(runs: dict[int, _Run], n1: int, n2: int):
@@ -503,10 +503,37 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     dev = resolve_device(device) if device is not None else _model_device(model)   # checks CUDA is there
     batch = Batch(example, dtype)
     tgt = Batch(target, dtype) if target is not None else None
-    if train and optimizer is None:
-        optimizer_note = " (no optimizer: no step)"
-    else:
-        optimizer_note = ""
+    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+                   for g in (optimizer.param_groups if optimizer is not None else ()))
+    key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
+           id(optimizer), groups, id(loss_fn), autocast, dev, why)
+    fingerprint = tuple((id(t), tuple(t.shape), t.dtype, t.requires_grad)
+                        for t in [*model.parameters(), *model.buffers()]) \
+        + tuple((id(m), m.training) for m in model.modules())
+    entry = _CACHE.get(model)
+    if entry is None or entry[0] != fingerprint:
+        entry = _CACHE[model] = (fingerprint, {})
+    if key not in entry[1]:
+        entry[1][key] = _fit(model, batch, tgt, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
+                             device=dev, why=why)
+    return entry[1][key]
+
+
+# model -> (fingerprint, {key: model}): predicting again for the same model, batch layout and optimizer (each
+# micro-batch of an accumulation, each evaluation) costs nothing; a new or reshaped parameter drops the entry
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(template) -> object:
+    """The batch layout without the batch size: shapes after the leading dimension and dtypes."""
+    return tuple((tuple(x.shape[1:]), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                 for x in tree_flatten(template)[0]) + (str(tree_flatten(template)[1]),)
+
+
+def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why):
+    dev = device
+    optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
+
     def run(n: int) -> _Run:
         try:
             return _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
