@@ -266,10 +266,10 @@ def _fake_optimizer(optimizer, fake: Callable):
 
 
 def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target: Batch | None,
-         autocast, device: torch.device) -> _Run:
+         autocast, device: torch.device, mode: FakeTensorMode, fakes: dict) -> _Run:
+    """One fake run at batch n. `mode` and `fakes` (id of a real tensor -> its fake) are shared by the runs
+    of one prediction: the fake mode's op cache then serves the ops whose shapes do not depend on the batch."""
     from torch.nn.utils.stateless import _reparametrize_module
-    mode = FakeTensorMode(allow_non_fake_inputs=True)      # plain tensors a forward makes are converted
-    fakes: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in fakes:
@@ -325,6 +325,8 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
                 live_at_end = {k[0] for t in kept if (k := _storage_key(t)) and k[0] in tracker.live}
     finally:
         _restore(snap)
+        for f in fakes.values():                       # gradients kept by zero_grad must not reach the next run
+            f.grad = None
     pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
     return _Run(tracker.ops, _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad),
                 {k: v[0] for k, v in marks.items()}, held)
@@ -533,11 +535,13 @@ def _signature(template) -> object:
 def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why):
     dev = device
     optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)      # plain tensors a forward makes are converted
+    fakes: dict[int, torch.Tensor] = {}
 
     def run(n: int) -> _Run:
         try:
             return _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
-                        autocast=autocast, device=dev)
+                        autocast=autocast, device=dev, mode=mode, fakes=fakes)
         except (ValueError, TypeError):                # our own argument errors, and the user's
             raise
         except Exception as e:
