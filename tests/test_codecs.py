@@ -43,7 +43,7 @@ def test_quantised_error_within_half_a_step(n, c, d, loc, scale, codec, seed):
     step = cod.step.view(1, -1, 1)
     assert (err <= step / 2 * (1 + 1e-9) + 1e-12).all()
     assert err.max().item() <= cod.max_abs_error + 1e-12          # the reported bound is the real worst
-    ulp = 1e-15 * x.abs().max().item()                               # float64 rounding at |x| >> step
+    ulp = 2.0**-23 * x.abs().max().item()             # the bound also covers float32 rounding of the decode
     assert cod.max_abs_error <= cod.step.max().item() / 2 * (1 + 1e-9) + ulp
 
 
