@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from memfit import BudgetExceeded
 from memfit.bench.zoo import MODELS, build
 from memfit.planner import CaptureError, activation_bytes, max_batch_size, memory_model, plan
 from memfit.planner.arena import align
@@ -227,7 +228,8 @@ def test_max_batch_size_matches_a_bisection_of_activation_bytes():
     assert need == sorted(need)
     expected = max((n for n, b in zip(sizes, need, strict=True) if b <= budget), default=0)
     assert max_batch_size(model, shape, budget) == expected
-    assert max_batch_size(model, shape, "1KiB") == 0                 # not even the parameters fit
+    with pytest.raises(BudgetExceeded, match=r"not even a batch of 1 fits.*parameters"):
+        max_batch_size(model, shape, "1KiB")                         # not even the parameters fit
     extra = max_batch_size(model, shape, budget, extra_bytes_per_sample=1000)
     assert extra < expected
     with pytest.raises(ValueError, match="extra_bytes_per_sample"):
