@@ -8,8 +8,8 @@ given. An out-of-memory error backs off: the failed micro-batch alone is retried
 
 An OOM can strike in backward after some parameters already received the failed micro-batch's
 gradient. A parameter's gradient is accumulated once per backward, complete (the autograd engine
-sums every use of a parameter before its AccumulateGrad runs), so a post-accumulate hook tells
-which parameters got it; the retry of that micro-batch runs with those parameters frozen
+sums every use of a parameter before its AccumulateGrad runs), so the version counter of its
+`.grad` tells which parameters got it; the retry of that micro-batch runs with those parameters frozen
 (`requires_grad=False`), so they get nothing twice and the others get the rest. No extra gradient
 buffer is held: memory is that of plain accumulation.
 
@@ -271,16 +271,17 @@ def _signature(x) -> tuple:
 
 
 # ---- the step ------------------------------------------------------------------------------------------
-class _Grads:
-    """Which parameters received their gradient during one attempt (post-accumulate hooks)."""
+def _grad_marks(params: list[torch.nn.Parameter]) -> list[tuple]:
+    """Each parameter's gradient tensor and its version: AccumulateGrad either sets a new tensor or adds in
+    place (which bumps the version), so a changed mark means the parameter received a gradient. (Cheaper
+    than hooks: adding and removing one costs about 2.5 us per parameter and step, this 0.15 us.)"""
+    return [(p.grad, -1 if p.grad is None else p.grad._version) for p in params]
 
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.got: set[int] = set()
-        self.handles = [p.register_post_accumulate_grad_hook(lambda p: self.got.add(id(p))) for p in params]
 
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+def _received(params, marks) -> frozenset:
+    """ids of the parameters whose gradient changed since `marks`."""
+    return frozenset(id(p) for p, (g, v) in zip(params, marks, strict=True)
+                     if p.grad is not g or (g is not None and g._version != v))
 
 
 @contextlib.contextmanager
@@ -306,7 +307,6 @@ class _Step:
         self.device, self.sync_last = device, sync_last
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
-        self.grads = _Grads(self.params)
         self.autocast = self._autocast_type()
 
     @staticmethod
@@ -318,7 +318,7 @@ class _Step:
 
     def attempt(self, s: int, e: int, frozen: frozenset, last: bool) -> tuple[str | None, frozenset]:
         """Run samples [s, e) forward and backward; (OOM message or None, parameters that got a gradient)."""
-        self.grads.got = set()
+        marks = _grad_marks(self.params)
         sync = contextlib.nullcontext() if (last or not self.sync_last) else self.model.no_sync()
         try:
             with sync, _frozen(self.params, frozen):
@@ -330,7 +330,7 @@ class _Step:
                 raise RuntimeError(f"out of memory in the last micro-batch ({e - s} samples), which all-reduces "
                                    "the gradients across ranks: it cannot be retried without leaving the other "
                                    f"ranks waiting ({type(e).__name__}); pass a smaller micro_batch") from e
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", frozenset(self.grads.got)
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", _received(self.params, marks)
         return None, frozenset()
 
     def _run(self, s: int, e: int) -> None:
@@ -440,12 +440,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     else:
         size, reason = min(micro_batch, n), "micro_batch given"
     optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
     step = _Step(model, loss_fn, x, y, n_total, world, device, sync_last=world > 1)
-    try:
-        final = step.run_range(0, n, size, frozenset(), n)
-    finally:
-        step.grads.close()
+    for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
+        p.grad = None
+    final = step.run_range(0, n, size, frozenset(), n)
     optimizer.step()
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
         cache = _CHOSEN.get(model, {})
