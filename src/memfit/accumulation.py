@@ -27,11 +27,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 import time
 import warnings
 import weakref
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -208,46 +210,74 @@ def _held_bytes(model, optimizer) -> int:
     return total
 
 
-def _training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
-    """peak(n): predicted bytes of one whole training step on n samples (parameters, gradients, optimizer
-    state, activations, the backward's transient), from memfit's fake-tensor memory model."""
-    from memfit import memory_model  # the memory model of one whole training step
-    module = model.module if isinstance(model, _ddp_class()) else model
-    example = (_slice(x, 0, min(2, _batch_size(x, y)), _device(model)),)
-    mm = memory_model(module, example, train=True, optimizer=optimizer, loss_fn=loss_fn)
-    return mm.total_bytes, f"training memory model ({getattr(mm, 'method', 'fake-tensor run')})"
+def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
+    """loss_fn as the memory model calls it: loss_fn(out) without a target, and a scalar (per-sample losses
+    summed: the same ops and bytes as the weighting accumulate applies)."""
+    def loss(out, *target):
+        v = loss_fn(out, target[0] if y_given else None)
+        return v.sum() if v.dim() else v
+    return loss
 
 
-def _largest(peak: Callable[[int], int], budget: int, upper: int) -> int:
-    from memfit.evaluate import largest_fitting
-    return largest_fitting(peak, budget, upper)
+def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
+    """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
+
+    The memory model is a fake-tensor run of one plain training step (`memfit.footprint`): parameters,
+    gradients, optimizer state, activations and the backward's transient, at any batch size. Micro-batches
+    differ from it in two ways: after the first one the gradients stay allocated through the next forward
+    (plus all of them: an upper bound), and the micro-batch is a view of the batch already on the device
+    (the batch's bytes once, not the micro-batch's inputs). A DistributedDataParallel model also holds its
+    gradient buckets.
+    """
+    from memfit.footprint import step_memory_model  # one training step on fake tensors
+    ddp = isinstance(model, _ddp_class())
+    module = model.module if ddp else model
+    device, n = _device(model), _batch_size(x, y)
+    k = min(2, n)
+    # The fake run counts lazily created optimizer state as held from the start, so an optimizer without
+    # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
+    stateless = copy.copy(optimizer)
+    stateless.state = defaultdict(dict)
+    mm = step_memory_model(module, _slice(x, 0, k, device), train=True, optimizer=stateless,
+                           loss_fn=_scalar_loss(loss_fn, y is not None),
+                           target=None if y is None else _slice(y, 0, k, device))
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
+    on_device = [t for t in _tensors(x) + _tensors(y) if t.device == device]
+    batch_bytes = sum(t.nbytes for t in on_device)
+    inputs_held = bool(on_device)         # micro-batches are views of it: their inputs take no new bytes
+
+    def peak(m: int) -> int:
+        parts = mm.breakdown(m)
+        inputs = parts.get("inputs", 0) if inputs_held else 0
+        return sum(parts.values()) - inputs + batch_bytes + buckets + (grads if m < n else 0)
+    how = (f"{mm.method}; + all gradients held between micro-batches"
+           + (" + DDP gradient buckets" if buckets else ""))
+    return peak, how
 
 
 def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) -> tuple[int, str]:
-    """(micro-batch size, why) for the largest micro-batch whose predicted training step fits the budget."""
+    """(micro-batch size, why) for the largest micro-batch whose predicted step fits the budget."""
+    from memfit.budget import BudgetExceeded
+    from memfit.evaluate import largest_fitting
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
         limit += _held_bytes(model, optimizer)
-    batch_bytes = sum(t.nbytes for t in _tensors(x) + _tensors(y) if t.device == device)
     try:
-        peak, how = _training_peak(model, optimizer, loss_fn, x, y)
+        peak, how = training_peak(model, optimizer, loss_fn, x, y)
     except Exception as e:
         raise RuntimeError(f"micro_batch='auto' could not predict the training step's memory "
                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); pass "
                            "micro_batch=<int> (out-of-memory errors still back off)") from e
-    total = lambda m: peak(m) + batch_bytes        # the whole batch already lies on the device
-    m = _largest(total, limit, n)
+    m = largest_fitting(peak, limit, n)
     if m == 0:
-        from memfit.budget import BudgetExceeded
-        raise BudgetExceeded(f"a training step on one sample needs {format_bytes(total(1))} ({how}, the batch's "
-                             f"{format_bytes(batch_bytes)} included) but the budget is {format_bytes(limit)}; "
-                             "raise the budget, use a smaller model or an optimizer with less state",
-                             needed=total(1), budget=limit)
+        raise BudgetExceeded(f"a training step on one sample needs {format_bytes(peak(1))} (the batch's bytes "
+                             f"included; {how}) but the budget is {format_bytes(limit)}; raise the budget, use a "
+                             "smaller model or an optimizer with less state", needed=peak(1), budget=limit)
     if m == n:
-        return m, (f"the whole batch fits: predicted step {format_bytes(total(n))} <= budget "
-                   f"{format_bytes(limit)} ({how})")
-    return m, (f"largest micro-batch whose predicted step {format_bytes(total(m))} fits the budget "
-               f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(total(n))} ({how})")
+        return m, f"the whole batch fits: predicted step {format_bytes(peak(n))} <= budget {format_bytes(limit)}"
+    return m, (f"largest micro-batch whose predicted step {format_bytes(peak(m))} fits the budget "
+               f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(peak(n))} ({how})")
 
 
 def _auto(model, optimizer, loss_fn, x, y, n, budget, device, world) -> tuple[int, str]:
