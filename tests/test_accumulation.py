@@ -468,3 +468,15 @@ def test_two_gloo_ranks_step_like_one_process_on_the_whole_batch():
             for p, g, q in zip(ref.parameters(), grads, params, strict=True):
                 assert torch.allclose(p.grad, torch.tensor(g), rtol=1e-5, atol=1e-7)
                 assert torch.allclose(p, torch.tensor(q), rtol=1e-5, atol=1e-7)
+
+
+def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
+    from memfit.dataset import CompactDataset
+    from memfit.demo import train_under_budget
+    rng = np.random.default_rng(0)
+    ds = CompactDataset.from_arrays(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8), rng.integers(0, 4, 100),
+                                    normalize="dataset", device="cpu")
+    r = train_under_budget(ds, 4, torch.device("cpu"), seed=0, batch=48, lr=3e-3, quiet=True, steps=3)
+    assert r["needs"] > r["budget"] and 1 <= r["micro_batch"] < 48 and r["micro_batches"] >= 2
+    assert len(r["plain"]) == len(r["accumulated"]) == 3 and r["plain"][-1] < r["plain"][0]
+    assert r["max_difference"] < 1e-5
