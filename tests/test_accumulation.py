@@ -480,3 +480,19 @@ def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
     assert r["needs"] > r["budget"] and 1 <= r["micro_batch"] < 48 and r["micro_batches"] >= 2
     assert len(r["plain"]) == len(r["accumulated"]) == 3 and r["plain"][-1] < r["plain"][0]
     assert r["max_difference"] < 1e-5
+
+
+def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_budget):
+    """With DDP the last micro-batch all-reduces inside backward: a retry there would leave the other ranks
+    waiting in the collective, so it stops with a message (earlier micro-batches back off locally)."""
+    class Synced(Gated):
+        def no_sync(self):
+            import contextlib
+            return contextlib.nullcontext()
+    mod = Synced()
+    x, y = data(10)
+    oom_budget.budget = staticmethod(lambda n: n != 4)
+    step = accumulation._Step(mod, F.cross_entropy, x, y, 10, 1, torch.device("cpu"), sync_last=True)
+    with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
+        step.run_range(0, 10, 6, frozenset(), 10)          # [0, 6) runs under no_sync, the last 4 fail
+    assert step.retries == 0 and step.micro_batches == 1

@@ -280,19 +280,23 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
                f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(peak(n))} ({how})")
 
 
-def _auto(model, optimizer, loss_fn, x, y, n, budget, device, world) -> tuple[int, str]:
-    key = (id(optimizer), n, None if budget is None else parse_bytes(budget), _signature(x))
+def _auto_key(model, optimizer, x, n: int, budget) -> tuple:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)    # frozen layers need less
+    return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
+            _signature(x))
+
+
+def _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tuple[int, str]:
     cache = _CHOSEN.setdefault(model, {})
-    if key in cache:
-        return cache[key]
-    m, why = choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device)
-    if world > 1:               # one size for all ranks
+    if key not in cache:
+        cache[key] = choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device)
+    m, why = cache[key]
+    if world > 1:       # one size for all ranks, agreed every step: a rank's cache may hold what another's lacks
         from memfit.distributed import all_reduce
-        t = all_reduce(torch.tensor([m], dtype=torch.int64), op=torch.distributed.ReduceOp.MIN,
-                       what="micro-batch size")
-        if int(t) != m:
-            m, why = int(t), f"{why}; the smallest over ranks ({int(t)}) is used"
-    cache[key] = (m, why)
+        agreed = int(all_reduce(torch.tensor([m], dtype=torch.int64), op=torch.distributed.ReduceOp.MIN,
+                                what="micro-batch size"))
+        if agreed != m:
+            m, why = agreed, f"{why}; the smallest over ranks ({agreed}) is used"
     return m, why
 
 
@@ -353,14 +357,15 @@ class _Step:
         try:
             with sync, _frozen(self.params, frozen):
                 self._run(s, e)
-        except Exception as e:
-            if not is_oom(e):
+        except Exception as err:
+            if not is_oom(err):
                 raise
             if last and self.sync_last:
                 raise RuntimeError(f"out of memory in the last micro-batch ({e - s} samples), which all-reduces "
                                    "the gradients across ranks: it cannot be retried without leaving the other "
-                                   f"ranks waiting ({type(e).__name__}); pass a smaller micro_batch") from e
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", _received(self.params, marks)
+                                   f"ranks waiting ({type(err).__name__}); pass a smaller micro_batch") from err
+            msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            return msg, _received(self.params, marks)
         return None, frozenset()
 
     def _run(self, s: int, e: int) -> None:
@@ -443,6 +448,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             is local, except in the last micro-batch (an error there: the other ranks are in the all-reduce).
         allow_batch_dependent: run a model with batch statistics anyway (a warning says the step differs).
 
+    Precision: gradients accumulate in the parameters' dtype, as in any accumulation (bfloat16 parameters
+    round each micro-batch's addition to bfloat16; under autocast the parameters, and so the sums, stay
+    float32).
+
     Returns:
         StepResult: the loss over the whole batch, the micro-batch size chosen and why, retries.
 
@@ -466,7 +475,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         from memfit.distributed import all_reduce
         n_total = int(all_reduce(torch.tensor([n], dtype=torch.int64), what="accumulate sample count"))
     if micro_batch == "auto":
-        size, reason = _auto(model, optimizer, loss_fn, x, y, n, budget, device, world)
+        key = _auto_key(model, optimizer, x, n, budget)
+        size, reason = _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key)
     else:
         size, reason = min(micro_batch, n), "micro_batch given"
     optimizer.zero_grad(set_to_none=True)
@@ -476,10 +486,9 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     final = step.run_range(0, n, size, frozenset(), n)
     optimizer.step()
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
-        cache = _CHOSEN.get(model, {})
-        for k, (m, why) in list(cache.items()):
-            if m == size:
-                cache[k] = (final, f"{why}; lowered to {final} after an out-of-memory error")
+        chosen = _CHOSEN.get(model, {})
+        if key in chosen:
+            chosen[key] = (final, f"{chosen[key][1]}; lowered to {final} after an out-of-memory error")
     loss_sum = step.loss_sum
     if world > 1:
         from memfit.distributed import all_reduce

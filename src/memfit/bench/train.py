@@ -11,7 +11,8 @@ capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, tw
 2. max batch: `memfit.max_batch_size(train=True)` for an emulated device of 1.5x the measured peak at
    the larger size, against the largest batch whose real step fits it (bisection on the measured
    figure). Target >= 0.9, and the predicted size really fits (0 out-of-memory errors).
-3. predict cost: one `memory_model` call against one real step at the larger size. Target < 2x.
+3. predict cost: one `memory_model` call against one real step at the largest batch that really fits
+   the emulated device (the least that finding it by trial costs). Target < 2x.
 4. accumulation: `memfit.accumulate` in micro-batches of about a third of the batch (an uneven last
    one) against one plain full-batch step: the largest gradient difference relative to each tensor's
    largest gradient, floored at 1e-3 of the model's largest (target <= 1e-4: float32 reassociation);
@@ -70,8 +71,9 @@ def _zoo(name: str, image: int | None, classes: int) -> Case:
 
 
 def zoo_cases() -> list[Case]:
-    cases = [_zoo("mlp", None, 10), _zoo("lenet", None, 10), _zoo("resnet18", 32, 1000),
-             _zoo("mobilenet_v2", 32, 1000)]
+    # 64 pixels: at 32 the last feature map is 1x1 and BatchNorm cannot train on one sample of it
+    cases = [_zoo("mlp", None, 10), _zoo("lenet", None, 10), _zoo("resnet18", 64, 1000),
+             _zoo("mobilenet_v2", 64, 1000)]
     unet_shape = build("unet", image=32)[1]
     cases.append(Case("unet", lambda: build("unet", image=32)[0].train(),
                       lambda n: (torch.randn(n, *unet_shape, generator=_seeded(n)),
@@ -163,11 +165,12 @@ def measured_peak(case: Case, n: int) -> int:
     for _ in range(2):                 # the first step creates AdamW's state, the second starts with it
         opt.zero_grad(set_to_none=True)
         base = _held(model, opt, x, y)
-        with track_memory("cpu") as mem:
-            loss = case.loss(_forward(model, x), y)
+        with track_memory("cpu") as mem:         # a training loop's locals: out and loss live to the end
+            out = _forward(model, x)
+            loss = case.loss(out, y)
             loss.backward()
             opt.step()
-            del loss
+            del out, loss
         peaks.append(base + mem.peak)
     return max(peaks)
 
@@ -184,55 +187,66 @@ def largest_really_fitting(case: Case, budget: int, start: int) -> int:
 
 
 # ---- the memory model (memfit.memory_model(train=True)) ---------------------------------------------------
-def memory_model_api():
-    """memfit's training memory model, or None when this build of memfit has none."""
+def memory_model_api() -> tuple[Callable | None, str]:
+    """(memfit's training memory model, its name): `memfit.memory_model(train=True)`, else the fake-tensor
+    step model it is built on (`memfit.footprint.step_memory_model`), else (None, why)."""
     import inspect
 
     import memfit
     mm = getattr(memfit, "memory_model", None)
-    if mm is None or "train" not in inspect.signature(mm).parameters:
-        return None
-    return mm
+    if mm is not None and "train" in inspect.signature(mm).parameters:
+        return mm, "memfit.memory_model(train=True)"
+    try:
+        from memfit.footprint import step_memory_model
+    except ImportError:
+        return None, "this memfit has no training memory model"
+    return step_memory_model, "memfit.footprint.step_memory_model"
 
 
-def predict(case: Case, sizes) -> tuple[list[int], float]:
-    """Predicted step bytes at each size and the seconds one memory_model call took."""
-    mm_fn = memory_model_api()
+def predict(case: Case):
+    """(the memory model of a training step of a fresh model, the seconds it took)."""
+    mm_fn, _ = memory_model_api()
     model = case.make()
-    opt = _optimizer(model)
     x, y = case.batch(2)
     t0 = time.perf_counter()
-    mm = mm_fn(model, x, train=True, optimizer=opt, loss_fn=lambda out: case.loss(out, y))
-    seconds = time.perf_counter() - t0
-    x_bytes = lambda n: sum(t.nbytes for t in _tensors(case.batch(1)[0]) + _tensors(case.batch(1)[1])) * n
-    return [mm.total_bytes(n) + x_bytes(n) for n in sizes], seconds
+    mm = mm_fn(model, x, train=True, optimizer=_optimizer(model), loss_fn=case.loss, target=y)
+    return mm, time.perf_counter() - t0
 
 
-def predicted_max_batch(case: Case, budget: int) -> int:
+def predicted_max_batch(case: Case, mm, budget: int) -> tuple[int, str]:
+    """`memfit.max_batch_size(train=True)` when this memfit has it, else the same search on `mm`."""
+    import inspect
+
     import memfit
-    model = case.make()
-    x, y = case.batch(2)
-    return memfit.max_batch_size(model, x, budget, train=True, optimizer=_optimizer(model),
-                                 loss_fn=lambda out: case.loss(out, y))
+    from memfit.evaluate import largest_fitting
+    if "train" in inspect.signature(memfit.max_batch_size).parameters:
+        model = case.make()
+        x, y = case.batch(2)
+        try:
+            return memfit.max_batch_size(model, x, budget, train=True, optimizer=_optimizer(model), loss_fn=case.loss,
+                                         target=y), "max_batch_size"
+        except MemoryError:                      # BudgetExceeded: not one sample fits
+            return 0, "max_batch_size"
+    return largest_fitting(mm.total_bytes, budget, 2**20), "largest n with total_bytes(n) <= budget"
 
 
 # ---- rows ---------------------------------------------------------------------------------------------------
 def memory_rows(case: Case, sizes) -> list[dict]:
     measured = [measured_peak(case, n) for n in sizes]
-    pred, pred_s = predict(case, sizes)
-    model, opt = case.make(), None
-    opt = _optimizer(model)
-    x, y = case.batch(sizes[-1])
-    step_s = median_time(lambda: plain_step(model, opt, x, y, case.loss), repeat=3)
+    mm, pred_s = predict(case)
     budget = int(1.5 * measured[-1])
     best = largest_really_fitting(case, budget, sizes[-1])
-    mbs = predicted_max_batch(case, budget)
+    model = case.make()
+    opt = _optimizer(model)
+    x, y = case.batch(best)
+    step_s = median_time(lambda: plain_step(model, opt, x, y, case.loss), repeat=3)   # what trying it would cost
+    mbs, _ = predicted_max_batch(case, mm, budget)
     fits = mbs > 0 and measured_peak(case, mbs) <= budget
-    return [{"model": case.name, "batch": n, "measured": format_bytes(m), "predicted": format_bytes(p),
-             "pred/meas": p / m, "budget": format_bytes(budget), "max_batch": mbs, "largest fits": best,
-             "max/largest": mbs / max(best, 1), "OOM at max": 0 if fits else 1, "predict s": pred_s,
-             "step s": step_s, "predict/step": pred_s / step_s}
-            for n, m, p in zip(sizes, measured, pred, strict=True)]
+    return [{"model": case.name, "batch": n, "measured": format_bytes(m), "predicted": format_bytes(mm.total_bytes(n)),
+             "pred/meas": mm.total_bytes(n) / m, "peak in": mm.peak_phase(n) if hasattr(mm, "peak_phase") else "",
+             "budget": format_bytes(budget), "max batch": mbs, "largest fits": best, "max/largest": mbs / max(best, 1),
+             "OOM at max": 0 if fits else 1, "predict s": pred_s, "step s": step_s, "predict/step": pred_s / step_s}
+            for n, m in zip(sizes, measured, strict=True)]
 
 
 def _bn_eval(model):
@@ -285,13 +299,16 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
             "accumulate s": t_acc, "plain/accumulate": t_plain / t_acc}
 
 
-def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = False) -> dict:
+def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = False, models=None) -> dict:
     print(machine_header("cpu"))
     torch.manual_seed(0)
     cases = zoo_cases() + hf_cases(seq=32 if quick else 64)
-    if len(cases) < 10:
+    if models:
+        cases = [c for c in cases if c.name.split(" ")[0] in models]
+    elif len(cases) < 10:
         print("# transformers is not installed: its four models are skipped (pip install 'memfit[dev]')")
-    have_mm = memory_model_api() is not None
+    mm_fn, mm_name = memory_model_api()
+    have_mm = mm_fn is not None
     mem_rows, acc_rows = [], []
     for case in cases:
         if have_mm:
@@ -300,10 +317,11 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
     print(f"# training-step memory, AdamW, batch sizes {list(sizes)}; emulated device = 1.5x the measured peak "
           f"at {sizes[-1]}")
     if have_mm:
+        print(f"# predicted by {mm_name}; predict/step: one memory-model call against one real step at the "
+              "largest batch that fits (what finding it by trial costs at the least)")
         print(table(mem_rows))
     else:
-        print("not available: this memfit has no memory_model(train=True) (the training memory model); "
-              "the peak, max-batch and predict-cost targets are not measured")
+        print(f"not available: {mm_name}; the peak, max-batch and predict-cost targets are not measured")
     print(f"# accumulation at batch {sizes[-1]}: gradient vs one plain step; step time at the auto micro-batch "
           "(budget 1TiB: the whole batch fits) vs the plain step")
     print(table(acc_rows))
@@ -346,11 +364,16 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="8,32", help="two comma-separated batch sizes")
     p.add_argument("--quick", action="store_true", help="batch 4 and 8, shorter sequences, 3 timing repeats")
+    p.add_argument("--models", default=None, help="comma-separated subset, e.g. mlp,gpt2 (default: all ten)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     a = p.parse_args(argv)
+    names = ["mlp", "lenet", "resnet18", "mobilenet_v2", "unet", "transformer", "bert", "gpt2", "vit", "convnext"]
+    models = None if a.models is None else a.models.split(",")
+    if models and set(models) - set(names):
+        p.error(f"--models: unknown {sorted(set(models) - set(names))}; expected some of {names}")
     sizes = (4, 8) if a.quick else tuple(int(s) for s in a.sizes.split(","))
     if len(sizes) != 2 or min(sizes) < 1:
         p.error(f"--sizes: expected two batch sizes >= 1, e.g. 8,32; found {a.sizes!r}")
-    run(sizes, quick=a.quick, repeat=3 if a.quick else 5, as_json=a.json)
+    run(sizes, quick=a.quick, repeat=3 if a.quick else 5, as_json=a.json, models=models)
     return 0
 
