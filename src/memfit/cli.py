@@ -31,6 +31,7 @@ BENCHMARKS = {
     "planner": "activation arena of a model zoo: naive, eager peak, planned, lower bound, latency",
     "evaluate": "auto chunk size vs the largest that fits, OOMs, throughput vs unchunked",
     "distributed": "resident loader and exact evaluation with 1 and 2 processes (torch.distributed)",
+    "train": "training-step memory model vs real steps; accumulate's gradient and step time vs a plain step",
 }
 
 
