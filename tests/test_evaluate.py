@@ -1,16 +1,21 @@
 """Chunked evaluation against the unchunked computation: exact metrics whatever the chunking."""
+import functools
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memfit.dataset import CompactDataset
 from memfit.evaluate import choose_chunk, evaluate, is_oom, largest_fitting
+from memfit.loaders import loader
 
 torch.manual_seed(0)
 RNG = np.random.default_rng(0)
@@ -325,3 +330,135 @@ def test_float_features_are_evaluated_exactly():
         y = model(x).argmax(1)
     r = evaluate(model, (x.numpy(), y.numpy()), metrics=("accuracy",), device="cpu", progress=False)
     assert r.metrics["accuracy"] == 1.0
+
+
+# ---- any output structure, exact loss sums, dict inputs --------------------------------------------------
+class Wrapped(torch.nn.Module):
+    """A linear classifier whose logits come back wrapped the way real models return them."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.lin = kind, torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        z = self.lin(x)
+        if self.kind == "tuple":
+            return z, z.sum()
+        if self.kind == "list":
+            return [z]
+        if self.kind == "dict":
+            return {"hidden": z * 0, "logits": z}
+        if self.kind == "object":
+            return types.SimpleNamespace(logits=z, loss=None)
+        return {"scores": z}
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "object", "custom"])
+def test_logits_from_any_output_structure(kind):
+    torch.manual_seed(0)
+    model = Wrapped(kind).eval()
+    x, y = torch.randn(50, 6), torch.randint(0, 4, (50,))
+    with torch.no_grad():
+        z = model.lin(x)
+    ref_acc = (z.argmax(1) == y).double().mean().item()
+    ref_loss = torch.nn.functional.cross_entropy(z.double(), y).item()
+    fn = (lambda out: out["scores"]) if kind == "custom" else None
+    r = evaluate(model, (x.numpy(), y.numpy()), chunk_size=16, device="cpu", progress=False, output_fn=fn)
+    assert r.metrics["accuracy"] == ref_acc and r.metrics["loss"] == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_dict_output_without_logits_says_how_to_pick_them():
+    with pytest.raises(ValueError, match=r"without a 'logits' tensor \(keys \['scores'\]\); pass output_fn="):
+        evaluate(Wrapped("custom"), (np.zeros((4, 6), np.float32), np.zeros(4)), device="cpu", progress=False)
+
+
+def summing(out, y):
+    return torch.nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+@pytest.mark.parametrize("loss_fn, reduction", [
+    (torch.nn.CrossEntropyLoss(reduction="sum"), None),
+    (functools.partial(torch.nn.functional.cross_entropy, reduction="sum"), None),
+    (torch.nn.functional.cross_entropy, None),
+    (summing, "sum"),
+    (lambda out, y: torch.nn.functional.cross_entropy(out, y), "mean"),
+    (lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none"), None),
+])
+def test_loss_is_the_whole_set_mean_whatever_the_reduction(loss_fn, reduction):
+    model, x, y = elementwise_problem(101)
+    ref = torch.nn.functional.cross_entropy(x.double(), y).item()
+    r = evaluate(model, (x, y), metrics=("loss",), loss_fn=loss_fn, loss_reduction=reduction, chunk_size=17,
+                 device="cpu", progress=False)
+    assert r.metrics["loss"] == pytest.approx(ref, rel=1e-6)
+
+
+def test_a_scalar_loss_of_unknown_reduction_is_refused():
+    model, x, y = elementwise_problem(20)
+    with pytest.raises(ValueError, match=r"cannot tell whether it is the mean or the sum.*loss_reduction='mean'"):
+        evaluate(model, (x, y), metrics=("loss",), loss_fn=summing, device="cpu", progress=False)
+
+
+def elementwise_problem(n):
+    """A model whose outputs do not depend on how the set is chunked (elementwise ops only)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 5, generator=g) * 30
+    y = torch.randint(0, 5, (n,), generator=g)
+    return torch.nn.Sequential(torch.nn.Identity()).eval(), x, y
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.integers(1, 300), st.lists(st.integers(1, 300), min_size=1, max_size=3))
+def test_loss_is_chunking_invariant(n, sizes):
+    model, x, y = elementwise_problem(n)
+    # per-sample losses in float32 (as the model's dtype gives them), summed in float64 in one go
+    ref = torch.nn.functional.cross_entropy(x, y, reduction="none").double().sum().item() / n
+    for size in sizes:
+        r = evaluate(model, (x, y), metrics=("loss",), chunk_size=size, device="cpu", progress=False)
+        assert abs(r.metrics["loss"] - ref) <= 1e-12 * abs(ref)
+
+
+def test_all_nan_outputs_warn_once_naming_the_chunk():
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            return x * float("nan")
+    x, y = np.ones((30, 3), np.float32), np.zeros(30, np.int64)
+    with pytest.warns(RuntimeWarning, match=r"all NaN for samples 0\.\.9") as rec:
+        evaluate(Broken(), (x, y), chunk_size=10, device="cpu", progress=False)
+    assert len([w for w in rec if "NaN" in str(w.message)]) == 1
+
+
+def test_fixed_chunk_size_says_why_no_planner_and_no_fake_peak():
+    model, x, y = elementwise_problem(40)
+    r = evaluate(model, (x, y), chunk_size=8, device="cpu", progress=False)
+    assert r.peak_bytes is None and "peak not measured" in str(r)
+    assert "the planner is not used with a fixed chunk_size" in r.reason
+
+
+def test_reason_is_whole_and_wrapped_when_printed():
+    model, x, y = elementwise_problem(40)
+    r = evaluate(model, (x, y), chunk_size=8, device="cpu", progress=False)
+    r.reason = "x" * 30 + " Eq(u0, 1) data-dependent " + "y" * 150
+    text = str(r)
+    assert "Eq(u0, 1) data-dependent" in text.replace("\n     ", " ") and "y" * 150 in text
+
+
+def test_dict_inputs_are_passed_as_keywords():
+    class TwoInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.meta = torch.nn.Embedding(1000, 4), torch.nn.Linear(3, 4)
+
+        def forward(self, input_ids, meta):
+            return self.emb(input_ids).sum(1) + self.meta(meta)
+    torch.manual_seed(0)
+    model = TwoInputs().eval()
+    ids, meta = torch.randint(0, 1000, (70, 6)), torch.randn(70, 3)
+    y = torch.randint(0, 4, (70,))
+    with torch.no_grad():
+        ref = (model(ids, meta).argmax(1) == y).double().mean().item()
+    data = CompactDataset.from_arrays({"input_ids": ids, "meta": meta}, y, device="cpu")
+    for chunk in ("auto", 9):
+        r = evaluate(model, data, chunk_size=chunk, device="cpu", progress=False)
+        assert r.metrics["accuracy"] == ref and r.n == 70
+    r = evaluate(model, loader(data, 16, device="cpu", shuffle=False), device="cpu", progress=False)
+    assert r.metrics["accuracy"] == ref

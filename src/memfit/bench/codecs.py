@@ -111,7 +111,7 @@ def run(sets=("mnist", "cifar"), codecs=CODECS, batch: int = 512, device=None, r
 
 
 def summary(rows: list[dict]) -> str:
-    """PASS/MISS lines for the issue's targets."""
+    """PASS/MISS lines for the byte-ratio and throughput targets."""
     lines = []
     for r in rows:
         want = TARGET_BYTES.get(r["codec"])
