@@ -383,15 +383,15 @@ def test_synthetic_is_generated_in_chunks():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"n": 0}, ValueError, r"expected n >= 1, found 0"),
-    ({"n": 2.5}, TypeError, r"expected n to be an int >= 1, found float 2\.5"),
+    ({"n": 0}, ValueError, r"expected n to be an int >= 1; found 0"),
+    ({"n": 2.5}, TypeError, r"expected n to be an int >= 1; found float 2\.5"),
     ({"n": True}, TypeError, r"expected n to be an int"),
-    ({"n": 10, "num_classes": 1}, ValueError, r"expected num_classes >= 2, found 1"),
-    ({"n": 10, "shape": (1, 0, 28)}, ValueError, r"expected every dimension of shape >= 1, found 0"),
-    ({"n": 10, "shape": (1, -28)}, ValueError, r"expected every dimension of shape >= 1, found -28"),
+    ({"n": 10, "num_classes": 1}, ValueError, r"expected num_classes to be an int >= 2; found 1"),
+    ({"n": 10, "shape": (1, 0, 28)}, ValueError, r"expected every dimension of shape to be an int >= 1; found 0"),
+    ({"n": 10, "shape": (1, -28)}, ValueError, r"expected every dimension of shape to be an int >= 1; found -28"),
     ({"n": 10, "shape": 28}, TypeError, r"expected shape as a non-empty tuple of ints"),
     ({"n": 10, "shape": ()}, TypeError, r"expected shape as a non-empty tuple of ints"),
-    ({"n": 10, "seed": -1}, ValueError, r"expected seed >= 0, found -1"),
+    ({"n": 10, "seed": -1}, ValueError, r"expected seed to be an int >= 0; found -1"),
 ])
 def test_synthetic_validation(kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from memfit.bench.zoo import MODELS, build
-from memfit.planner import CaptureError, activation_bytes, cli_plan, load_factory, max_batch_size, memory_model, plan
+from memfit.planner import CaptureError, activation_bytes, max_batch_size, memory_model, plan
 from memfit.planner.arena import align
+from memfit.planner.cli import cli_plan, load_factory
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT
 
@@ -221,7 +222,7 @@ def test_cli_plan_prints_the_report(tmp_path, capsys):
 
 
 def test_cli_plan_bad_usage(tmp_path):
-    from memfit.cli import UsageError
+    from memfit.usage import UsageError
     (tmp_path / "net.py").write_text(MODEL_FILE)
     with pytest.raises(UsageError, match="--input"):
         cli_plan([f"{tmp_path}/net.py:make", "--input", "4,x"])

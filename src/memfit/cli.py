@@ -1,7 +1,8 @@
 """The `memfit` command line: info, demo, bench, plan, eval.
 
-Exit codes: 0 on success, 2 on bad usage (the reason on stderr), 1 on a failure (a one-line cause;
-the traceback only with --debug).
+Exit codes: 0 on success, 2 on bad usage (the option and the reason on stderr), 1 on a failure (a
+one-line cause, or a budget's whole breakdown; the traceback only with --debug, accepted anywhere
+on the line).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import json
 import platform
 import sys
 
+from memfit.usage import UsageError, budget_arg, data_arg, device_arg
+
 EXAMPLES = {
     "info": "example:\n  memfit info\n  memfit info --json",
-    "demo": ("example:\n  memfit demo\n  memfit demo --epochs 3 --budget 16MiB --json\n"
+    "demo": ("example:\n  memfit demo\n  memfit demo --epochs 3 --budget 16MiB --plot demo-pictures --json\n"
              "  memfit demo --data mnist:~/data/mnist --device cuda\n"
              "  torchrun --standalone --nproc-per-node=2 -m memfit demo --distributed"),
     "bench": ("example:\n  memfit bench codecs --quick\n  memfit bench loaders --plot loaders.png\n"
@@ -29,10 +32,6 @@ BENCHMARKS = {
     "evaluate": "auto chunk size vs the largest that fits, OOMs, throughput vs unchunked",
     "distributed": "resident loader and exact evaluation with 1 and 2 processes (torch.distributed)",
 }
-
-
-class UsageError(Exception):
-    """Bad usage found after parsing (exit code 2)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,14 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("factory", metavar="MODULE:FACTORY",
                     help="a function that builds the model, in an importable module or a .py file")
     ev.add_argument("--weights", default=None, help="a state_dict saved with torch.save (optional)")
-    ev.add_argument("--data", default="digits", help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz "
-                    "(its test split is evaluated)")
+    ev.add_argument("--data", default="digits", type=data_arg,
+                    help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz "
+                         "(its test split is evaluated)")
     ev.add_argument("--normalize", default="dataset", choices=("dataset", "none", "unit"),
                     help="inputs as the model was trained: per-channel mean/std of the training split "
                          "(dataset), raw 0..255 (none) or 0..1 (unit)")
     ev.add_argument("--metrics", default="accuracy,loss", help="comma-separated: accuracy, topk:K, loss, confusion")
-    ev.add_argument("--budget", default=None, help="memory budget, e.g. 1GiB (default: free memory minus a margin)")
-    ev.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
+    ev.add_argument("--budget", default=None, type=budget_arg,
+                    help="memory budget, e.g. 1GiB (default: free memory minus a margin)")
+    ev.add_argument("--device", default=None, type=device_arg,
+                    help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
     ev.add_argument("--chunk-size", default="auto", help="'auto' (default) or a number of samples")
     ev.add_argument("--json", action="store_true", help="machine-readable output")
     ev.set_defaults(func=cmd_eval)
@@ -114,7 +116,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from memfit.planner import cli_plan
+    from memfit.planner.cli import cli_plan
     return cli_plan(args.extra)
 
 
@@ -128,15 +130,7 @@ def _budget(text):
 
 def cmd_demo(args) -> int:
     from memfit import demo
-    from memfit.sources import SPECS
-    _budget(args.budget)
-    kind = args.data.partition(":")[0]
-    if not (args.data == "digits" or kind in ("synthetic", "mnist", "cifar10")
-            or args.data.lower().endswith((".npz", ".npy"))):
-        raise UsageError(f"--data: expected {SPECS}; found {args.data!r}")
-    if args.epochs < 1 or args.batch_size < 1:
-        raise UsageError(f"--epochs and --batch-size must be >= 1; found {args.epochs} and {args.batch_size}")
-    return demo.main(args)
+    return demo.main(args)       # options checked by their argparse types, the output folder by demo.main
 
 
 def cmd_eval(args) -> int:
@@ -144,7 +138,7 @@ def cmd_eval(args) -> int:
 
     from memfit.dataset import CompactDataset
     from memfit.evaluate import evaluate
-    from memfit.planner import load_factory
+    from memfit.planner.cli import load_factory
     from memfit.sources import open_data
     budget = _budget(args.budget)
     chunk = args.chunk_size
@@ -188,7 +182,21 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def failure(e: BaseException) -> str:
+    """What a failure prints: one line, except a budget's breakdown (what needed how much), kept whole."""
+    from memfit.budget import BudgetExceeded
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    if isinstance(e, BudgetExceeded) and len(lines) > 1:
+        return "\n".join([f"memfit: error: {type(e).__name__}: {lines[0]}", *lines[1:],
+                          "(run with --debug for the traceback)"])
+    return f"memfit: error: {type(e).__name__}: {lines[0]} (run with --debug for the traceback)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is accepted anywhere on the line (a benchmark's or plan's own parser does not know it)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passthrough", False):
@@ -197,17 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UsageError as e:
-        parser.print_usage(sys.stderr)
-        print(f"memfit: error: {e}", file=sys.stderr)
+        command = " ".join(filter(None, ("memfit", args.command, getattr(args, "bench", None))))
+        print(f"{command}: error: {e}\n({command} --help lists the options)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if args.debug:
+        if debug:
             raise
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"memfit: error: {type(e).__name__}: {cause} (run with --debug for the traceback)", file=sys.stderr)
+        print(failure(e), file=sys.stderr)
         return 1
 
 

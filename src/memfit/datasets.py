@@ -19,6 +19,8 @@ from typing import IO
 
 import numpy as np
 
+from memfit.budget import check_count
+
 __all__ = ["cifar10", "digits", "load_array", "load_idx", "mnist", "synthetic", "write_idx"]
 
 # IDX type code -> big-endian dtype on disk (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT").
@@ -346,14 +348,6 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
 
 
 # ----------------------------------------------------------------------------------- synthetic
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"expected {name} to be an int >= {low}, found {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"expected {name} >= {low}, found {value}")
-    return int(value)
-
-
 def _interp_matrix(size: int, low: int) -> np.ndarray:
     """(size, low) linear-interpolation weights stretching `low` control points over `size` pixels."""
     t = np.linspace(0, low - 1, size)
@@ -387,12 +381,12 @@ def synthetic(n: int, shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 1
         >>> x.shape, x.dtype.name, np.bincount(y).tolist()
         ((1000, 3, 32, 32), 'uint8', [100, 100, 100, 100, 100, 100, 100, 100, 100, 100])
     """
-    n = _check_int("n", n, 1)
-    num_classes = _check_int("num_classes", num_classes, 2)
-    seed = _check_int("seed", seed, 0)
+    n = check_count("n", n, 1)
+    num_classes = check_count("num_classes", num_classes, 2)
+    seed = check_count("seed", seed, 0)
     if isinstance(shape, (int, np.integer)) or not isinstance(shape, (tuple, list)) or not shape:
         raise TypeError(f"expected shape as a non-empty tuple of ints such as (1, 28, 28), found {shape!r}")
-    shape = tuple(_check_int("every dimension of shape", d, 1) for d in shape)
+    shape = tuple(check_count("every dimension of shape", d, 1) for d in shape)
 
     proto_rng, label_rng, noise_rng = map(np.random.default_rng, np.random.SeedSequence(seed).spawn(3))
     # Prototypes: random control points on a coarse grid (full resolution for axes of <= 8, such as

@@ -6,11 +6,11 @@ On scikit-learn's bundled digits (or `--data` of your own) with a memory budget 
 3. plans the model's activation memory (naive / planned / lower bound) and finds the largest
    evaluation batch that fits the budget;
 4. evaluates on the held-out split with `memfit.evaluate` (auto chunk size) for the exact accuracy;
-5. writes memfit-demo/arena.png and memfit-demo/loss.png.
+5. writes arena.png and loss.png into the `--plot` folder (default memfit-demo/).
 
 Run:
     memfit demo
-    memfit demo --epochs 3 --budget 16MiB --json
+    memfit demo --epochs 3 --budget 16MiB --plot demo-pictures --json
     torchrun --standalone --nproc-per-node=2 -m memfit demo --distributed
 """
 
@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from memfit.budget import format_bytes, parse_bytes, resolve_device
+from memfit.budget import check_count, format_bytes, parse_bytes, resolve_device
 from memfit.dataset import CompactDataset
 from memfit.progress import progress
 from memfit.sources import SPECS, open_data
@@ -57,6 +58,10 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     from memfit.planner import max_batch_size, plan
 
     t0 = time.perf_counter()
+    epochs, batch_size = check_count("epochs", epochs, 1), check_count("batch_size", batch_size, 1)
+    seed = check_count("seed", seed, 0)
+    if plots:
+        check_folder(out)                       # before the work, not after a minute of training
     rank, world = _init_distributed(device) if distributed else (0, 1)
     quiet = as_json or rank != 0
     dev = resolve_device(device if device is not None else (_local_cuda() if distributed else None))
@@ -184,22 +189,46 @@ def _ddp(model, dev):
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
 
 
+def check_folder(out: str | os.PathLike) -> Path:
+    """Create `out` (with its parents) and check that a file can be written there.
+
+    Raises:
+        UsageError: `out` cannot be created or written (the command line exits 2 before any work).
+    """
+    from memfit.usage import UsageError
+    path = Path(out).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"--plot: cannot write the pictures into {str(path)!r} ({e.strerror or e}); "
+                         "give a writable folder, or --no-plot") from None
+    return path
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", default="digits", help=f"{SPECS} (default: digits)")
-    p.add_argument("--budget", default="64MiB", help="memory budget for the loader, plan and evaluation")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
-    p.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same run")
-    p.add_argument("--out", default="memfit-demo", help="folder for the PNGs (default memfit-demo/)")
-    p.add_argument("--no-plots", action="store_true", help="do not write PNGs")
+    from memfit.usage import budget_arg, count_arg, data_arg, device_arg
+    p.add_argument("--data", default="digits", type=data_arg, help=f"{SPECS} (default: digits)")
+    p.add_argument("--budget", default="64MiB", type=budget_arg,
+                   help="memory budget for the loader, plan and evaluation (default 64MiB)")
+    p.add_argument("--device", default=None, type=device_arg,
+                   help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
+    p.add_argument("--epochs", type=count_arg(1), default=8, help="training epochs (default 8)")
+    p.add_argument("--batch-size", type=count_arg(1), default=64, help="training batch size (default 64)")
+    p.add_argument("--seed", type=count_arg(0), default=0, help="the same seed gives the same run (default 0)")
+    p.add_argument("--plot", default="memfit-demo", metavar="FOLDER", dest="out",
+                   help="folder for arena.png and loss.png (default memfit-demo/)")
+    p.add_argument("--out", dest="out", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its former name
+    p.add_argument("--no-plot", action="store_true", dest="no_plots", help="do not write PNGs")
+    p.add_argument("--no-plots", action="store_true", dest="no_plots", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--distributed", action="store_true", help="one process per rank, started by torchrun")
 
 
 def main(args) -> int:
-    if args.epochs < 1 or args.batch_size < 1:
-        raise ValueError(f"--epochs and --batch-size must be >= 1; found {args.epochs} and {args.batch_size}")
+    if not args.no_plots:
+        check_folder(args.out)
     run(args.data, budget=args.budget, device=args.device, epochs=args.epochs, batch_size=args.batch_size,
         seed=args.seed, out=args.out, as_json=args.json, distributed=args.distributed, plots=not args.no_plots)
     return 0

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import BudgetExceeded, format_bytes, resolve_budget, resolve_device
+from memfit.budget import BudgetExceeded, check_count, format_bytes, resolve_budget, resolve_device
 from memfit.dataset import CompactDataset
 from memfit.fields import batch_len, batch_nbytes, batch_slice, batch_to, forward
 from memfit.metrics import Metric, logits_of, make_metric
@@ -370,9 +370,10 @@ def _metrics(specs, loss_fn, loss_reduction=None) -> dict[str, Metric]:
 
 
 def _forced(chunk_size, n: int) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be 'auto' or an int >= 1; found {chunk_size!r}")
-    return min(chunk_size, n)
+    try:
+        return min(check_count("chunk_size", chunk_size, 1), n)
+    except (TypeError, ValueError):                   # 'auto' is the other valid value: say so
+        raise ValueError(f"chunk_size must be 'auto' or an int >= 1; found {chunk_size!r}") from None
 
 
 def _model_device(model, device) -> torch.device:

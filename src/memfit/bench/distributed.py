@@ -116,7 +116,7 @@ def run(worlds=(1, 2), n: int = 60_000, batch: int = 512, epochs: int = 3, as_js
         r["bytes vs 1 process"] = r["bytes per rank"] / base["bytes per rank"]
     print(f"# {n} MNIST-shaped uint8 samples, resident loader batch {batch} over {epochs} epochs, "
           "exact distributed evaluation of a small CNN (chunks of 1024)")
-    print(table(rows))
+    print(table(rows, bytes_columns={"bytes per rank"}))
     same = len({r["accuracy"] for r in rows}) == 1 and all(r["evaluated"] == n for r in rows)
     print(f"{'PASS' if same else 'MISS'}  every world size evaluates all {n} samples once, same accuracy")
     if as_json:

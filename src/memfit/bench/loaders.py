@@ -1,4 +1,4 @@
-"""Loader benchmark: seed 002's comparison (resident / stream / macro) against what users write today.
+"""Loader benchmark: memfit's strategies (resident / stream / macro) against what users write today.
 
 Baselines, measured side by side in one process (every contender runs once per round, rounds
 repeated, medians reported):
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
 import torch
 
 from memfit.bench.codecs import images
-from memfit.bench.common import machine_header, sync, table
+from memfit.bench.common import machine_header, median, spread_warning, sync, table
 from memfit.budget import format_bytes, resolve_device
 from memfit.dataset import CompactDataset
 from memfit.loader import loader
@@ -99,7 +98,7 @@ def run(n: int = 60_000, micro_sizes=(128, 512, 2048), macro_sizes=(2048, 8192, 
             times[k].append(_epoch_time(make, dev))
     rows = []
     for k, (fields, _) in cont.items():
-        t = statistics.median(times[k])
+        t = median(times[k], k)
         rows.append({**fields, "s/epoch": t, "samples/s": len(raw) / t})
     by = {(r["strategy"], r["macro"], r["micro"]): r for r in rows}
     dense_bytes = next(r["bytes held"] for r in rows if r["data"] == "float32")   # the same data as float32
@@ -114,6 +113,9 @@ def run(n: int = 60_000, micro_sizes=(128, 512, 2048), macro_sizes=(2048, 8192, 
           "contenders alternating in every round")
     print(table(rows))
     print(targets(rows, dev))
+    warning = spread_warning()
+    if warning:
+        print(warning)
     best = max((r for r in rows if r["data"] == "uint8"), key=lambda r: r["samples/s"])
     auto = loader(CompactDataset.from_arrays(raw[:1], labels[:1], device="cpu"), 1, device=dev)
     print(f"recommended here: '{best['strategy']}'" + (f" macro {best['macro']}" if best["macro"] else "")
@@ -127,7 +129,7 @@ def run(n: int = 60_000, micro_sizes=(128, 512, 2048), macro_sizes=(2048, 8192, 
 
 
 def targets(rows: list[dict], dev: torch.device) -> str:
-    """PASS/MISS lines for issue 3's targets (batch 512)."""
+    """PASS/MISS lines for the loader targets (batch 512)."""
     by = {(r["strategy"], r["macro"], r["micro"]): r for r in rows}
     lines = []
     res = by.get(("resident", "", 512))

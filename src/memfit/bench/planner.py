@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from memfit.bench.common import machine_header, median_time, table, to_csv
+from memfit.bench.common import machine_header, median_time, spread_warning, sync, table, to_csv
 from memfit.bench.zoo import MODELS, build
 from memfit.budget import format_bytes
 from memfit.measure import track_memory
@@ -30,18 +30,21 @@ TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "l
 
 
 def _peak(fn, x) -> int:
-    with torch.inference_mode(), track_memory("cpu") as mem:
+    with torch.inference_mode(), track_memory(x.device) as mem:
         out = fn(x)
         del out
     return mem.peak
 
 
-def measure(name: str, batch: int, image: int | None, repeat: int) -> dict:
+def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu") -> dict:
     """One row of the table: bytes and latency of one model at one batch size."""
+    dev = torch.device(device)
     model, shape = build(name, image=image)
-    x = torch.randn(batch, *shape)
+    model = model.to(dev)
+    x = torch.randn(batch, *shape, device=dev)
     t0 = time.perf_counter()
     pm = plan(model, (x,))
+    sync(dev)
     plan_s = time.perf_counter() - t0
     rep = pm.report
     with torch.inference_mode():
@@ -49,11 +52,14 @@ def measure(name: str, batch: int, image: int | None, repeat: int) -> dict:
         eager_peak = _peak(model, x)
         outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
         # fast models need many repeats for a stable median: at least ~0.3 s of calls per measurement
-        reps = max(repeat, min(1000, int(0.3 / max(median_time(lambda: model(x), repeat=1), 1e-6))))
+        once = median_time(lambda: model(x), repeat=1, device=dev)
+        reps = max(repeat, min(1000, int(0.3 / max(once, 1e-6))))
         t_eager, t_planned = [], []
         for _ in range(2):                   # interleaved, so drift in the machine hits both alike
-            t_eager.append(median_time(lambda: model(x), repeat=reps, warmup=1))
-            t_planned.append(median_time(lambda: pm(x), repeat=reps, warmup=1))
+            t_eager.append(median_time(lambda: model(x), repeat=reps, warmup=1, device=dev,
+                                       what=f"{name} batch {batch} eager"))
+            t_planned.append(median_time(lambda: pm(x), repeat=reps, warmup=1, device=dev,
+                                         what=f"{name} batch {batch} planned"))
     planned_total = rep.arena_bytes + outside
     return {
         "model": name, "batch": batch, "naive": rep.naive_bytes, "eager_peak": eager_peak,
@@ -66,7 +72,7 @@ def measure(name: str, batch: int, image: int | None, repeat: int) -> dict:
 
 
 def verdicts(rows: list[dict]) -> list[str]:
-    """The issue's targets, each with the measured value and PASS or MISS."""
+    """The planner's targets, each with the measured value and PASS or MISS."""
     ratios = [r["arena/bound"] for r in rows]
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     worst = max(rows, key=lambda r: r["arena/bound"])
@@ -93,25 +99,28 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 
 def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat: int = 5,
-        csv: str | None = None, as_json: bool = False) -> list[dict]:
+        csv: str | None = None, as_json: bool = False, device="cpu") -> list[dict]:
     """Measure every model at every batch size; print the table and the target lines; return the rows."""
     if not as_json:
-        print(machine_header("cpu"))
+        print(machine_header(device))
     rows = []
     for name in models:
         for b in batches:
-            rows.append(measure(name, b, image, repeat))
+            rows.append(measure(name, b, image, repeat, device))
             if not as_json:
                 r = rows[-1]
                 print(f"# {name} batch {b}: arena {format_bytes(r['arena'])}, eager peak "
                       f"{format_bytes(r['eager_peak'])}, {r['latency_ratio']:.2f}x eager latency", flush=True)
     lines = verdicts(rows)
+    warning = spread_warning()
+    if warning:
+        lines.append(warning)
     if as_json:
-        print(json.dumps({"machine": machine_header("cpu"), "rows": rows, "targets": lines}))
+        print(json.dumps({"machine": machine_header(device), "rows": rows, "targets": lines}))
     else:
         cols = ["model", "batch", "naive", "eager_peak", "arena", "bound", "arena/bound", "naive/arena",
                 "unplanned", "total/eager", "eager_ms", "planned_ms", "latency_ratio"]
-        print(table(rows, cols))
+        print(table(rows, cols, bytes_columns={"naive", "eager_peak", "arena", "bound", "unplanned"}))
         print("\n".join(lines))
     if csv:
         to_csv(rows, csv)
@@ -119,27 +128,26 @@ def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memfit.usage import count_arg, counts_arg, device_arg, names_arg
     p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
                                 epilog="example:\n  memfit bench planner --quick\n"
-                                       "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json",
+                                       "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json\n"
+                                       "  memfit bench planner --quick --device cuda",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="images at 64x64, batch 1 and 8, fewer repeats")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32; quick 1,8)")
-    p.add_argument("--image", type=int, default=None, help="height and width of the image models' inputs")
-    p.add_argument("--repeat", type=int, default=None, help="timed repeats per measurement")
+    p.add_argument("--models", default=",".join(MODELS), type=names_arg(tuple(MODELS), "model"),
+                   help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--batches", default=None, type=counts_arg(1),
+                   help="comma-separated batch sizes (default 1,32; quick 1,8)")
+    p.add_argument("--image", type=count_arg(1), default=None, help="height and width of the image models' inputs")
+    p.add_argument("--repeat", type=count_arg(1), default=None, help="timed repeats per measurement")
+    p.add_argument("--device", default="cpu", type=device_arg,
+                   help="cpu, cuda, cuda:1 (default cpu: the published figures are the CPU's)")
     p.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        p.error(f"--models: unknown {unknown}; expected names from {list(MODELS)}")
-    try:
-        batches = tuple(int(b) for b in (args.batches or ("1,8" if args.quick else "1,32")).split(","))
-    except ValueError:
-        p.error(f"--batches: expected comma-separated ints such as 1,32; found {args.batches!r}")
+    batches = args.batches or ((1, 8) if args.quick else (1, 32))
     image = args.image if args.image is not None else (64 if args.quick else None)
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
-    run(models, batches, image, repeat, args.csv, args.json)
+    run(args.models, batches, image, repeat, args.csv, args.json, args.device)
     return 0

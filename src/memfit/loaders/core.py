@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import torch
 
-from memfit.budget import resolve_budget, resolve_device
+from memfit.budget import check_count, resolve_budget, resolve_device
 from memfit.dataset import CompactDataset
 from memfit.distributed import all_reduce, epoch_batch_sizes, is_distributed, rank_world, shard_indices, shard_sizes
 from memfit.loaders import order as order_mod
@@ -46,16 +46,10 @@ log = logging.getLogger("memfit.loader")
 Batch = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"expected {name} to be an int >= {low}; found {value!r}")
-    return value
-
-
 def _shared_seed(seed: int | None, distributed: bool) -> int:
     """The seed, or one drawn from torch's generator (rank 0's, broadcast, when distributed)."""
     if seed is not None:
-        return _check_int("seed", seed, 0)
+        return check_count("seed", seed, 0)
     drawn = int(torch.randint(0, 2**62, (1,)))
     if not distributed:
         return drawn
@@ -100,7 +94,7 @@ class Loader:
                  device=None, shuffle: bool = True, seed: int | None = None, drop_last: bool = False,
                  macro_batch: int | None = None, prefetch: bool = True, distributed: bool = False,
                  codec: str = "auto", normalize=None, dtype: torch.dtype | str | None = None):
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.batch_size = check_count("batch_size", batch_size, 1)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch),
                            ("distributed", distributed)):
             if not isinstance(flag, bool):
@@ -173,7 +167,7 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next `iter()` runs (its order is a function of `seed` and `epoch`)."""
-        self._epoch = _check_int("epoch", epoch, 0)
+        self._epoch = check_count("epoch", epoch, 0)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The positions (in this loader's data or shard) in the order epoch `epoch` visits them."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.budget import Ledger, format_bytes
+from memfit.budget import Ledger, check_count, format_bytes
 
 STRATEGIES = ("auto", "resident", "stream", "macro")
 INDEX_BYTES = 8            # int64 sample indices (the epoch order)
@@ -107,13 +107,16 @@ def largest_macro(needs: Needs, budget: int) -> int:
 
 def _check_macro(macro_batch: object, needs: Needs) -> int:
     b = needs.batch_size
-    if isinstance(macro_batch, bool) or not isinstance(macro_batch, int) or macro_batch < b or macro_batch % b:
-        lo = max(b, (macro_batch // b) * b) if isinstance(macro_batch, int) and not isinstance(macro_batch, bool) \
-            else b
+    try:
+        m = check_count("macro_batch", macro_batch, 1)   # numpy ints too
+    except (TypeError, ValueError):
+        m = 0
+    if m < b or m % b:
+        lo = max(b, (m // b) * b)
         raise ValueError(f"expected macro_batch to be a multiple of batch_size={b} (a macro-batch holds whole "
                          f"micro-batches); found {macro_batch!r}; use e.g. macro_batch={lo} or None (the largest "
                          "that fits the budget)")
-    return min(macro_batch, -(-needs.n // b) * b)
+    return min(m, -(-needs.n // b) * b)
 
 
 def _plan(needs, budget, strategy, requested, macro, ledger_host, reason) -> Plan:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import parse_bytes
+from memfit.budget import check_count, parse_bytes
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.planned import ALIGNMENT, layout
 
@@ -77,19 +77,17 @@ class MemoryModel:
 
 
 def _batch(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"expected a batch size as an int >= 1; found {n!r}")
-    return n
+    return check_count("the batch size", n, 1)
 
 
 def _sample_shape(sample_shape) -> tuple[int, ...]:
     if isinstance(sample_shape, int):
         sample_shape = (sample_shape,)
-    shape = tuple(sample_shape)
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
+    try:
+        return tuple(check_count("sample_shape", s, 1) for s in sample_shape)   # numpy ints too
+    except (TypeError, ValueError):
         raise ValueError(f"expected sample_shape as positive ints without the batch dimension, e.g. (3, 32, 32); "
-                         f"found {sample_shape!r}")
-    return shape
+                         f"found {sample_shape!r}") from None
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -175,9 +173,7 @@ def max_batch_size(model: torch.nn.Module, sample_shape: Sequence[int], budget: 
         10
     """
     budget = parse_bytes(budget)
-    if isinstance(extra_bytes_per_sample, bool) or not isinstance(extra_bytes_per_sample, int) \
-            or extra_bytes_per_sample < 0:
-        raise ValueError(f"extra_bytes_per_sample must be an int >= 0; found {extra_bytes_per_sample!r}")
+    extra_bytes_per_sample = check_count("extra_bytes_per_sample", extra_bytes_per_sample, 0)
     mm = memory_model(model, sample_shape, dtype)
     fits = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n <= budget
     if not fits(1):
