@@ -101,6 +101,8 @@ def as_chunks(data, device: torch.device):
         return _Chunks(data, device)
     if isinstance(data, tuple) and len(data) == 2:
         x, y = data
+        if isinstance(x, dict):     # several inputs per sample; from_arrays checks every count
+            return _Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
         if y is not None and len(y) != len(x):
             raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels; they must match")
         if len(x) == 0:
@@ -123,9 +125,21 @@ def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | No
     try:
         from memfit.planner.cache import memory_model_of
         mm = memory_model_of(model, sample_shape, dtype)
-    except Exception as e:     # export failures are expected for some models: fall back to measuring
-        return None, f" (the planner could not capture the model: {first_line(e)})"
+    except Exception:          # export failures are expected for some models; the runner says why
+        return None, ", as the planner could not capture the model"
     return mm.total_bytes, "planner"
+
+
+def _fake_peak(model, chunks: _Chunks, why: str) -> tuple[Callable[[int], int] | None, str]:
+    """peak(n) of an eager forward from fake-tensor runs (`memfit.footprint`; no export, nothing allocated),
+    cached per model; (None, why) when even that fails."""
+    try:
+        from memfit.planner.cache import forward_memory_of
+        x, _ = chunks.get(0, 1)
+        mm = forward_memory_of(model, x)
+    except Exception as e:     # a model fake tensors cannot run: measure real runs instead
+        return None, f"{why}; fake-tensor estimate failed: {first_line(e)}"
+    return mm.total_bytes, f"fake-tensor forward{why}"
 
 
 def _measured_peak(model, runner, chunks: _Chunks, sizes=(4, 16)) -> Callable[[int], int]:
@@ -177,9 +191,12 @@ def choose_chunk(model, chunks, budget: int, runner, use_plan: bool = True) -> t
     """(chunk size, peak estimate, how it was chosen) for the largest chunk within the budget,
     at most MAX_AUTO_CHUNK samples."""
     extra = chunks.compact_per_sample
-    peak, how = None, "planner"
-    if use_plan and not chunks.fields:      # the planner captures single-tensor inputs
+    peak, how = None, (", as the planner takes one input tensor and this data has several fields" if chunks.fields
+                       else ", as planned=False")
+    if use_plan and not chunks.fields:
         peak, how = _planned_peak(model, chunks.sample_shape, chunks.dtype)
+    if peak is None:
+        peak, how = _fake_peak(model, chunks, how)
     if peak is None:
         peak, how = _measured_peak(model, runner, chunks), f"measured at 2 sizes{how}"
     total = lambda n: peak(n) + extra * n
@@ -279,7 +296,9 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         chunks = as_chunks(_shard(data) if distributed else data, dev)
         size, estimate, reason = _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned)
         if isinstance(chunks, _Chunks) and _use_planner(chunks, chunk_size, planned, budget, distributed):
-            runner, runner_name = _planned_runner(model, chunks, size, planned)
+            runner, why = _planned_runner(model, chunks, size, planned)
+            runner_name = "planned" if runner is not model else "eager"
+            reason = f"{reason}; {why}" if why else reason
         res = _loop(runner, chunks, mets, size, dev, progress, output_fn, allow_empty=distributed)
     except Exception as e:
         if not distributed:
@@ -398,11 +417,11 @@ def _planned_runner(model, chunks: _Chunks, size: int, required: bool | None):
     try:
         from memfit.planner.cache import borrow_plan
         example = torch.empty((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
-        return borrow_plan(model, example), "planned"      # captured once per model, given back below
+        return borrow_plan(model, example), ""      # captured once per model, given back below
     except Exception as e:
         if required:
             raise
-        return model, f"eager (the planner could not capture the model: {first_line(e)})"
+        return model, f"run eagerly: the planner could not capture the model ({first_line(e)})"
 
 
 def _peak(dev: torch.device, estimate, max_n: int) -> int | None:
