@@ -462,3 +462,53 @@ def test_dict_inputs_are_passed_as_keywords():
         assert r.metrics["accuracy"] == ref and r.n == 70
     r = evaluate(model, loader(data, 16, device="cpu", shuffle=False), device="cpu", progress=False)
     assert r.metrics["accuracy"] == ref
+
+
+# ---- errors that say what happened, and memfit eval --------------------------------------------------------
+def test_float_inputs_to_a_token_model_are_a_dtype_mistake():
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Flatten(), torch.nn.Linear(12, 3)).eval()
+    ids = np.random.default_rng(0).integers(0, 50, (20, 3))
+    r = evaluate(model, (ids, np.zeros(20)), device="cpu", progress=False)       # integer data stays int64
+    assert r.n == 20
+    floats = CompactDataset.from_arrays(ids, np.zeros(20), dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match=r"inputs are float32 but the model wants integer inputs.*--dtype int64"):
+        evaluate(model, floats, device="cpu", progress=False)
+
+
+EVAL_NET = "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n"
+TOKEN_NET = ("import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Embedding(100, 4), torch.nn.Flatten(),"
+             " torch.nn.Linear(24, 3))\n")
+
+
+def test_eval_refuses_a_whole_pickled_model_naming_the_file(tmp_path, capsys):
+    from memfit.cli import main
+    (tmp_path / "net.py").write_text(EVAL_NET)
+    torch.save(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)), tmp_path / "whole.pt")
+    code = main(["eval", f"{tmp_path}/net.py:make", "--weights", str(tmp_path / "whole.pt"), "--data", "synthetic:50"])
+    err = capsys.readouterr().err
+    assert code == 1 and "\x1b[" not in err
+    assert f"{tmp_path / 'whole.pt'}: expected a state_dict" in err and "whole pickled model" in err
+    assert "torch.save(model.state_dict()" in err and "weights_only=False" not in err
+
+
+def test_eval_without_weights_needs_random_weights(tmp_path, capsys):
+    from memfit.cli import main
+    (tmp_path / "net.py").write_text(EVAL_NET)
+    code = main(["eval", f"{tmp_path}/net.py:make", "--data", "digits"])
+    assert code == 2 and "--random-weights" in capsys.readouterr().err
+    assert main(["eval", f"{tmp_path}/net.py:make", "--data", "digits", "--random-weights", "--json"]) == 0
+
+
+def test_eval_token_data_and_dtype_mistake(tmp_path, capsys):
+    import json
+
+    from memfit.cli import main
+    (tmp_path / "tok.py").write_text(TOKEN_NET)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 100, (60, 6)), rng.integers(0, 3, 60)
+    np.savez(tmp_path / "t.npz", x_train=x[:40], y_train=y[:40], x_test=x[40:], y_test=y[40:])
+    args = ["eval", f"{tmp_path}/tok.py:make", "--random-weights", "--data", str(tmp_path / "t.npz")]
+    assert main([*args, "--json"]) == 0                          # integer data: int64 ids, no normalisation
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 20
+    assert main([*args, "--dtype", "float32"]) == 1
+    assert "the model wants integer inputs" in capsys.readouterr().err

@@ -472,11 +472,33 @@ def _attempt(run, metrics, fetch) -> str | None:
         parts = run(x, y)
     except Exception as e:
         if not is_oom(e):
+            mistake = dtype_mistake(e, locals().get("x"))
+            if mistake is not None:
+                raise mistake from e
             raise
         return first_line(e)
     for m, p in zip(metrics.values(), parts, strict=True):
         m.commit(p)
     return None
+
+
+def dtype_mistake(e: BaseException, x) -> TypeError | None:
+    """A TypeError saying the inputs have the wrong dtype for the model (and how to fix it), when torch's error
+    is one of its dtype mismatches; else None."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or x is None or not any(
+            k in text for k in ("scalar type", "scalar types", "same dtype", "should be the same", "expected both")):
+        return None
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in (x.values() if isinstance(x, dict) else [x])})
+    floats = all(t.is_floating_point() for t in (x.values() if isinstance(x, dict) else [x]))
+    if floats and ("Long" in text or "Int" in text):
+        fix = ("the model wants integer inputs (token ids, e.g. an Embedding first); give integer arrays (they "
+               "decode to int64) or CompactDataset.from_arrays(..., dtype=torch.long); on the command line "
+               "--dtype int64")
+    else:
+        fix = ("the model wants float inputs; build the data with a float dtype, e.g. "
+               "CompactDataset.from_arrays(..., dtype=torch.float32); on the command line --dtype float32")
+    return TypeError(f"the inputs are {', '.join(dtypes)} but {fix} ({first_line(e)})")
 
 
 def _back_off(err: str, n: int, failed: set, limit: int, stats: dict, dev) -> tuple[int, int]:
