@@ -65,7 +65,7 @@ def test_seed_averaging_is_wrong_on_an_uneven_split_and_memfit_is_not():
     x, y = make_data(10_001)
     model = make_model()
     ref = unchunked(model, x, y)["accuracy"]
-    with torch.no_grad():                         # seed 004: mean of per-chunk accuracies over chunks of 50
+    with torch.no_grad():                         # the naive way: mean of per-chunk accuracies over chunks of 50
         per_chunk = [(model(torch.from_numpy(x[i:i + 50]).float()).argmax(1) == torch.from_numpy(y[i:i + 50]))
                      .double().mean().item() for i in range(0, 10_001, 50)]
     seed_value = sum(per_chunk) / len(per_chunk)
