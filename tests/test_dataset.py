@@ -287,3 +287,14 @@ def test_plain_dataloader_with_default_collate_gives_the_tensordataset_batches(d
                 assert torch.equal(a, b[0])
             else:
                 assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+def test_token_ids_from_a_memmapped_file_stream_as_int64(tmp_path):
+    import memfit
+    from memfit.datasets import load_array
+    np.save(tmp_path / "ids.npy", TOKENS)
+    ld = memfit.loader((load_array(tmp_path / "ids.npy"), LABELS[:120]), 32, strategy="stream", device="cpu",
+                       shuffle=False)
+    got = torch.cat([x for x, _ in ld])
+    assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(TOKENS))
+    assert "stored as int16 (lossless), decoded to int64" in ld.explain()

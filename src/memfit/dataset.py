@@ -420,6 +420,8 @@ class CompactDataset(torch.utils.data.Dataset):
             parts = "; ".join(f"{k}: {f.template.explain_sample()}" for k, f in self.fields.items())
             return (f"{len(self)} samples of {len(self.fields)} fields packed in {self.x.shape[1]}-byte rows, "
                     f"{format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x plain tensors); {parts}")
+        if not len(self):              # a file source's template: the rows stay on disk
+            return f"samples of {self.explain_sample()}"
         return (f"{len(self)} samples of {self.explain_sample()}, {format_bytes(self.nbytes)} "
                 f"({self.nbytes / self.dense_nbytes:.3f}x plain tensors)")
 
