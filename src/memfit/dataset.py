@@ -219,21 +219,34 @@ class CompactDataset(torch.utils.data.Dataset):
         return self._ops[device, dtype]
 
     # ---- the hot path -------------------------------------------------------------------------
-    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+    def decode(self, rows: torch.Tensor, out: torch.Tensor | None = None,
+               work: torch.Tensor | None = None) -> torch.Tensor:
         """Stored rows (n, *stored_shape) on any device -> samples (n, *sample_shape) in `self.dtype`
-        on that device (so compact rows can be copied to a GPU first and decoded there)."""
+        on that device (so compact rows can be copied to a GPU first and decoded there).
+
+        `out` (n, *sample_shape) in `self.dtype` receives the samples instead of a new tensor; `work`,
+        float32 of the same shape, is the intermediate for half dtypes. Loaders pass reused buffers:
+        no allocation per batch (fresh batch-sized allocations fragment the host heap). A dataset of
+        fields decodes to a dict of new tensors (`out`/`work` are not used)."""
         if self.fields is not None:
             return unpack(rows, self.fields)              # {name: (n, *shape)}
         codes = self.codec.unpack(rows, self.sample_shape)
         if not self.dtype.is_floating_point:          # integer outputs (token ids): exact, no affine
-            x = codes.to(self.dtype)
-            if x is rows:
-                x = x.clone()
+            if out is not None:
+                x = out.copy_(codes)
+            else:
+                x = codes.to(self.dtype)
+                if x is rows:
+                    x = x.clone()
             return x.add_(self.codec.offset) if self.codec.offset else x
-        wide = self.dtype == torch.float64
-        x = codes.to(torch.float64 if wide else torch.float32)   # one convert: uint8 reads are 4x cheaper
-        if x is rows:                       # float32 codec: never hand out the stored rows themselves
-            x = x.clone()
+        compute = torch.float64 if self.dtype == torch.float64 else torch.float32
+        x = out if self.dtype == compute else work
+        if x is None:
+            x = codes.to(compute)           # one convert: uint8 reads are 4x cheaper than float32 reads
+            if x is rows:                   # float32 codec: never hand out the stored rows themselves
+                x = x.clone()
+        else:
+            x.copy_(codes)                  # the same convert, into the caller's buffer
         scale, shift, ops = self._affine_on(rows.device, x.dtype)
         if ops is None:
             x.mul_(scale).add_(shift)
@@ -242,14 +255,20 @@ class CompactDataset(torch.utils.data.Dataset):
                 xc = x if c is None else x[:, c]
                 torch.add(b, xc, alpha=a, out=xc)
         # half types are computed in float32 and rounded once, the most accurate result
-        return x if x.dtype == self.dtype else x.to(self.dtype)
+        if x.dtype == self.dtype:
+            return x
+        return x.to(self.dtype) if out is None else out.copy_(x)
 
-    def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """Stored rows for valid indices on `self.device`: (n, *stored_shape), one gather."""
+    def rows(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored rows for valid indices on `self.device`: (n, *stored_shape), one gather (into `out`,
+        contiguous (n, *stored_shape), when given)."""
         # Rows are moved as 8-byte words when their size allows: index_select then copies 8x fewer
         # elements than it would as bytes (a 784-byte MNIST row is 98 words).
         if self._x_words is None:
-            return self.x.index_select(0, idx)
+            return self.x.index_select(0, idx) if out is None else torch.index_select(self.x, 0, idx, out=out)
+        if out is not None:
+            torch.index_select(self._x_words, 0, idx, out=out.view(out.shape[0], -1).view(torch.int64))
+            return out
         words = self._x_words.index_select(0, idx)
         return words.view(self.x.dtype).view(idx.shape[0], *self.x.shape[1:])
 

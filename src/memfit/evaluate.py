@@ -301,7 +301,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
             reason = f"{reason}; {why}" if why else reason
         res = _loop(runner, chunks, mets, size, dev, progress, output_fn, allow_empty=distributed)
     except Exception as e:
-        if not distributed:
+        if not distributed or isinstance(e, mdist.RankFailed):    # every rank already knows: agree no further
             raise
         error = e
     finally:
@@ -367,9 +367,9 @@ def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) ->
     size, estimate, reason = choose_chunk(model, chunks, limit, model, use_plan=planned is not False)
     if distributed:             # one size for all: a rank's back-off then never waits on another's
         from memfit import distributed as mdist
-        agreed = mdist.all_reduce(torch.tensor([size]), op=mdist.dist.ReduceOp.MIN, what="chunk size")
-        if int(agreed) != size:
-            size, reason = int(agreed), f"{reason}; the smallest over ranks ({int(agreed)}) is used"
+        agreed = mdist.smallest(size, "memfit.evaluate chunk size")     # also stops every rank if one failed
+        if agreed != size:
+            size, reason = agreed, f"{reason}; the smallest over ranks ({agreed}) is used"
     return size, estimate, reason
 
 
