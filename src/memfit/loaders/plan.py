@@ -136,7 +136,8 @@ def choose(needs: Needs, budget: int, strategy: str = "auto", macro_batch: int |
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(map(repr, STRATEGIES))} "
-                         "(seed 002's shared_all = 'resident', input = 'stream', shared_batched = 'macro')")
+                         "(resident: the whole compact set on the device; stream: each batch copied from the host; "
+                         "macro: blocks of batches copied ahead)")
     if macro_batch is not None:
         macro_batch = _check_macro(macro_batch, needs)
     b, budget = needs.batch_size, int(budget)
