@@ -5,6 +5,8 @@
 - `plan` / `PlannedModule`: every activation of a model in one arena; `activation_bytes` and
   `max_batch_size` say what a batch needs and what fits, without running it at full size.
 - `evaluate`: exact whole-set metrics in chunks sized to a memory budget, with out-of-memory back-off.
+- `accumulate`: one optimizer step on a batch too large for the budget, as micro-batches, with the
+  full-batch gradient and out-of-memory back-off.
 - `parse_bytes` / `format_bytes` / `device_memory`: sizes and the memory each device has.
 
 Submodules: `memfit.codecs` (the codecs), `memfit.datasets` (readers for MNIST, CIFAR-10, .npy/.npz,
@@ -12,6 +14,7 @@ digits, synthetic data), `memfit.metrics`, `memfit.distributed`, `memfit.loaders
 """
 
 from memfit import codecs, datasets, metrics
+from memfit.accumulation import accumulate
 from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
 from memfit.dataset import CompactDataset
 from memfit.evaluate import EvalResult, evaluate
@@ -26,6 +29,7 @@ __all__ = [
     "EvalResult",
     "Loader",
     "PlannedModule",
+    "accumulate",
     "activation_bytes",
     "codecs",
     "datasets",

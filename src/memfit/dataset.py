@@ -1,6 +1,6 @@
 """CompactDataset: a dataset held compactly on the device, decoded per batch just before use.
 
-Seed 000: 8-bit pixels take a quarter of the bytes of float32, so four times more data fits on a
+Compact storage: 8-bit pixels take a quarter of the bytes of float32, so four times more data fits on a
 small GPU. The stored rows stay compact; `batch(indices)` gathers them with one indexing op on
 the device and decodes them (convert + one per-channel multiply-add that also normalises).
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, resolve_device
-from memfit.codecs import Codec, auto_name, make_codec
+from memfit.codecs import Codec, auto_codec, make_codec
 from memfit.encoding import (
     as_array,
     encode_labels,
@@ -35,6 +35,16 @@ from memfit.encoding import (
     resolve_dtype,
 )
 from memfit.progress import progress
+
+
+def check_integer_output(codec: Codec, dtype: torch.dtype, normalize: object) -> None:
+    """Integer outputs (token ids) come only from integer codecs, unnormalised: they must be exact."""
+    if codec.offset is None:
+        raise ValueError(f"dtype {dtype} needs integer data and an integer codec (codec='auto'); found codec "
+                         f"{codec.name!r}; use a float dtype (e.g. dtype=torch.float32) for float data")
+    if normalize is not None:
+        raise ValueError(f"normalize applies to float outputs; dtype {dtype} yields the integers themselves "
+                         "(token ids): pass normalize=None, or a float dtype to normalise")
 
 
 @dataclass(frozen=True)
@@ -69,17 +79,21 @@ class CompactDataset(torch.utils.data.Dataset):
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_arrays(cls, x, y=None, *, codec: str | Codec = "auto", normalize=None, device=None,
-                    dtype: torch.dtype | str = torch.float32, progress_bar: bool | None = None) -> CompactDataset:
+                    dtype: torch.dtype | str | None = None, progress_bar: bool | None = None) -> CompactDataset:
         """Encode `x` (N, ...) with `codec` and store it with labels `y` on `device`.
 
         Args:
             x: numpy array, memmap or tensor of shape (N, C, ...) or (N, D); read in chunks.
             y: optional class ids (N,), stored in the smallest integer dtype, returned as int64.
-            codec: 'auto' (uint8 for uint8 data, q8 for float data) or a name in `memfit.codecs.CODECS`.
+            codec: 'auto' (lossless: the narrowest exact integer type for integer data, uint8 for 8-bit
+                images, fp16/bf16 only where every value is exact, else float32; `memfit.codecs.auto_codec`)
+                or a name in `memfit.codecs.CODECS`; a lossy one ('q8', 'q4', 'fp16' on float32 data)
+                reports its error bound in `codec.max_abs_error` and `explain()`.
             normalize: None (raw values as float), 'dataset' (per-channel mean/std of x) or
                 (mean, std), each one value per channel (axis 1), in the units of x.
             device: where to store; None = first CUDA device when there is one, else the CPU.
-            dtype: decoded dtype: float32, float16 or bfloat16.
+            dtype: decoded dtype: None (int64 for integer data such as token ids, float32 otherwise),
+                float32, float16, bfloat16, float64, or int64/int32 (integer codecs, no normalize).
 
         Raises:
             ValueError / TypeError naming what was expected and found; nothing is kept on error.
@@ -90,8 +104,10 @@ class CompactDataset(torch.utils.data.Dataset):
                              f"{tuple(x.shape)} (a single sample? add a batch axis: x[None])")
         if x.shape[0] == 0:
             raise ValueError("x has no samples (shape[0] == 0); pass at least one sample")
-        dev, dtype = resolve_device(device), resolve_dtype(dtype)
-        codec = make_codec(auto_name(x) if codec == "auto" else codec)
+        dev, dtype = resolve_device(device), resolve_dtype(dtype, x)
+        codec = auto_codec(x) if isinstance(codec, str) and codec == "auto" else make_codec(codec)
+        if not dtype.is_floating_point:
+            check_integer_output(codec, dtype, normalize)
         labels = None if y is None else encode_labels(y, x.shape[0])
         stats = normalisation(normalize, x)
         sample_shape = tuple(x.shape[1:])
@@ -115,17 +131,17 @@ class CompactDataset(torch.utils.data.Dataset):
         if self.mean is not None:
             a, b = a / self.std, (b - self.mean) / self.std  # (value - mean) / std
         self._a, self._b = a, b
-        self._ops: dict[torch.device, tuple] = {}
+        self._ops: dict[tuple[torch.device, torch.dtype], tuple] = {}
         scale, shift, _ = self._affine_on(self.device)
         self._scale, self._shift = scale, shift            # (1, C, 1, ..) float32 on the device
 
-    def _affine_on(self, device: torch.device) -> tuple:
-        """(scale, shift, per-channel ops) on `device`, cached: rows may be decoded where they land."""
-        if device not in self._ops:
+    def _affine_on(self, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple:
+        """(scale, shift, per-channel ops) on `device` in `dtype`, cached: rows may be decoded where they land."""
+        if (device, dtype) not in self._ops:
             a, b = self._a, self._b
             shape = (1, -1) + (1,) * (len(self.sample_shape) - 1)
-            scale = a.to(torch.float32).view(shape).to(device)
-            shift = b.to(torch.float32).view(shape).to(device)
+            scale = a.to(dtype).view(shape).to(device)
+            shift = b.to(dtype).view(shape).to(device)
             # One fused pass per channel: add(shift, x, alpha=scale) computes shift + scale * x in a
             # single vectorised kernel (mul_ then add_ is two passes; broadcast addcmul is slower).
             if bool((a == 1).all() and (b == 0).all()):
@@ -136,18 +152,24 @@ class CompactDataset(torch.utils.data.Dataset):
                 ops = [(c, float(a[c]), shift.flatten()[c]) for c in range(len(a))]
             else:   # many channels (flat features): two broadcast passes beat hundreds of small ops
                 ops = None
-            self._ops[device] = (scale, shift, ops)
-        return self._ops[device]
+            self._ops[device, dtype] = (scale, shift, ops)
+        return self._ops[device, dtype]
 
     # ---- the hot path -------------------------------------------------------------------------
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows (n, *stored_shape) on any device -> samples (n, *sample_shape) in `self.dtype`
         on that device (so compact rows can be copied to a GPU first and decoded there)."""
         codes = self.codec.unpack(rows, self.sample_shape)
-        x = codes.to(torch.float32)         # one convert: uint8 reads are 4x cheaper than float32 reads
+        if not self.dtype.is_floating_point:          # integer outputs (token ids): exact, no affine
+            x = codes.to(self.dtype)
+            if x is rows:
+                x = x.clone()
+            return x.add_(self.codec.offset) if self.codec.offset else x
+        wide = self.dtype == torch.float64
+        x = codes.to(torch.float64 if wide else torch.float32)   # one convert: uint8 reads are 4x cheaper
         if x is rows:                       # float32 codec: never hand out the stored rows themselves
             x = x.clone()
-        scale, shift, ops = self._affine_on(rows.device)
+        scale, shift, ops = self._affine_on(rows.device, x.dtype)
         if ops is None:
             x.mul_(scale).add_(shift)
         else:
@@ -155,7 +177,7 @@ class CompactDataset(torch.utils.data.Dataset):
                 xc = x if c is None else x[:, c]
                 torch.add(b, xc, alpha=a, out=xc)
         # half types are computed in float32 and rounded once, the most accurate result
-        return x if self.dtype == torch.float32 else x.to(self.dtype)
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """Stored rows for valid indices on `self.device`: (n, *stored_shape), one gather."""
@@ -235,8 +257,9 @@ class CompactDataset(torch.utils.data.Dataset):
 
     @property
     def dense_nbytes(self) -> int:
-        """What the same data takes as float32 samples and int64 labels."""
-        return len(self) * (4 * math.prod(self.sample_shape) + (0 if self.y is None else 8))
+        """What the same data takes as plain tensors: float32 samples (int64 for integer data), int64 labels."""
+        item = 4 if self.dtype.is_floating_point else 8
+        return len(self) * (item * math.prod(self.sample_shape) + (0 if self.y is None else 8))
 
     @property
     def row_nbytes(self) -> int:
@@ -305,7 +328,15 @@ class CompactDataset(torch.utils.data.Dataset):
         part.shard_info = ShardInfo(r, w, mode, len(self), idx)
         return part
 
+    def explain(self) -> str:
+        """How the samples are stored and decoded, with the codec's error bound when it is lossy."""
+        norm = "" if self.mean is None else ", normalised per channel"
+        return (f"{len(self)} samples of shape {self.sample_shape} stored as {self.codec.describe()}, "
+                f"{format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x plain tensors), "
+                f"decoded to {str(self.dtype).replace('torch.', '')}{norm}")
+
     def __repr__(self) -> str:
-        return (f"CompactDataset(n={len(self)}, sample_shape={self.sample_shape}, codec={self.codec.name!r}, "
+        codec = self.codec.name if self.codec.lossless or not self.codec.max_abs_error else self.codec.describe()
+        return (f"CompactDataset(n={len(self)}, sample_shape={self.sample_shape}, codec={codec!r}, "
                 f"dtype={str(self.dtype).replace('torch.', '')}, device={self.device}, "
                 f"nbytes={format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x float32))")

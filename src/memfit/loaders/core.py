@@ -93,7 +93,7 @@ class Loader:
     def __init__(self, data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None,
                  device=None, shuffle: bool = True, seed: int | None = None, drop_last: bool = False,
                  macro_batch: int | None = None, prefetch: bool = True, distributed: bool = False,
-                 codec: str = "auto", normalize=None, dtype: torch.dtype | str = torch.float32):
+                 codec: str = "auto", normalize=None, dtype: torch.dtype | str | None = None):
         self.batch_size = check_count("batch_size", batch_size, 1)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch),
                            ("distributed", distributed)):
@@ -246,7 +246,7 @@ def _pipeline_epoch(source: Source, order: torch.Tensor, sizes: list[int], capac
 def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None, device=None,
            shuffle: bool = True, seed: int | None = None, drop_last: bool = False, macro_batch: int | None = None,
            prefetch: bool = True, distributed: bool = False, codec: str = "auto", normalize=None,
-           dtype: torch.dtype | str = torch.float32) -> Loader:
+           dtype: torch.dtype | str | None = None) -> Loader:
     """Minibatches of `data` decoded on `device`, by the strategy that fits `budget`.
 
     Args:

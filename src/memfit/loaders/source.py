@@ -26,8 +26,8 @@ import threading
 import numpy as np
 import torch
 
-from memfit.codecs import Codec, QuantCodec, auto_name, make_codec
-from memfit.dataset import CompactDataset
+from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
+from memfit.dataset import CompactDataset, check_integer_output
 from memfit.encoding import (
     as_array,
     encode_labels,
@@ -116,12 +116,16 @@ class FileSource(Source):
     """x memory-mapped on disk (never read whole), labels in memory; blocks are encoded as they are read."""
     sequential = True
 
-    def __init__(self, x: np.ndarray, y: object, codec: str | Codec, normalize: object, dtype: torch.dtype):
+    def __init__(self, x: np.ndarray, y: object, codec: str | Codec, normalize: object,
+                 dtype: torch.dtype | str | None):
         if x.ndim < 2 or x.shape[0] == 0:
             raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with N >= 1; found shape {x.shape}; "
                              "save N >= 1 samples, a 1-D file of scalars as x.reshape(-1, 1)")
         self.x, self.n = x, x.shape[0]
-        self.codec = make_codec(auto_name(x) if codec == "auto" else codec)
+        self.codec = auto_codec(x) if isinstance(codec, str) and codec == "auto" else make_codec(codec)
+        dtype = resolve_dtype(dtype, x)
+        if not dtype.is_floating_point:
+            check_integer_output(self.codec, dtype, normalize)
         labels = None if y is None else encode_labels(y, self.n)
         stats = normalisation(normalize, x)              # one streaming pass for normalize='dataset'
         sample_shape = tuple(x.shape[1:])
@@ -187,13 +191,13 @@ def is_file_backed(x: object) -> bool:
 
 
 def make_source(data: object, *, codec: str | Codec = "auto", normalize: object = None,
-                dtype: torch.dtype | str = torch.float32) -> Source:
+                dtype: torch.dtype | str | None = None) -> Source:
     """A Source for a CompactDataset or an (x, y) pair (a memmapped x stays on disk)."""
     if isinstance(data, CompactDataset):
         if codec != "auto" or normalize is not None:
             raise ValueError("codec and normalize apply to (x, y) arrays; this CompactDataset is already encoded "
                              f"(codec {data.codec.name!r}); pass codec='auto', normalize=None, or the raw arrays")
-        if resolve_dtype(dtype) not in (torch.float32, data.dtype):
+        if dtype is not None and resolve_dtype(dtype) not in (torch.float32, data.dtype):
             raise ValueError(f"dtype {dtype} differs from the dataset's {data.dtype}; a CompactDataset decodes to "
                              "its own dtype: build it with CompactDataset.from_arrays(..., dtype=...)")
         if len(data) == 0:
@@ -204,7 +208,7 @@ def make_source(data: object, *, codec: str | Codec = "auto", normalize: object 
         if y is not None and len(y) != len(x):
             raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels; they must match")
         if is_file_backed(x):
-            return FileSource(x, y, codec, normalize, resolve_dtype(dtype))
+            return FileSource(x, y, codec, normalize, dtype)
         return CompactSource(CompactDataset.from_arrays(x, y, codec=codec, normalize=normalize, device="cpu",
                                                         dtype=dtype))
     raise TypeError(f"expected data as a CompactDataset or an (x, y) tuple of arrays (x may be a memory-mapped "
