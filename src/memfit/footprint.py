@@ -40,7 +40,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from memfit.budget import format_bytes
+from memfit.budget import check_count, format_bytes
 from memfit.measure import MemoryTrace, _storage_key, _Tracker
 
 __all__ = ["Batch", "StepMemoryModel", "measure_step", "step_memory_model", "training_step"]
@@ -398,9 +398,7 @@ class StepMemoryModel:
 
 
 def _batch(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"expected a batch size as an int >= 1; found {n!r}")
-    return int(n)
+    return check_count("the batch size", n, 1)
 
 
 def _affine(runs: dict[int, _Run], n1: int, n2: int):
