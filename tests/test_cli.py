@@ -232,3 +232,13 @@ def test_the_library_never_imports_the_command_line():
             "print(sorted(m for m in sys.modules if m in ('memfit.cli', 'memfit.planner.cli')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.cuda
+def test_plan_and_eval_on_cuda(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    (tmp_path / "mlp.py").write_text(MLP_FILE)
+    assert main(["plan", f"{tmp_path}/mlp.py:make", "--input", "4,1,8,8", "--device", "cuda", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["arena_bytes"] > 0
+    assert main(["eval", f"{tmp_path}/mlp.py:make", "--data", "digits", "--device", "cuda", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 359

@@ -182,7 +182,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def failure(e: BaseException) -> str:
+def _failure(e: BaseException) -> str:
     """What a failure prints: one line, except a budget's breakdown (what needed how much), kept whole."""
     from memfit.budget import BudgetExceeded
     lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
-        print(failure(e), file=sys.stderr)
+        print(_failure(e), file=sys.stderr)
         return 1
 
 
