@@ -219,7 +219,7 @@ def load_weights(model, path: str, factory: str) -> None:
                          f"{lines[1] if len(lines) > 1 else lines[0]}") from None
 
 
-def failure(e: BaseException) -> str:
+def _failure(e: BaseException) -> str:
     """What a failure prints: one line, except a budget's breakdown (what needed how much), kept whole."""
     from memfit.budget import BudgetExceeded
     lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
-        print(failure(e), file=sys.stderr)
+        print(_failure(e), file=sys.stderr)
         return 1
 
 

@@ -40,7 +40,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from memfit.budget import format_bytes
+from memfit.budget import check_count, format_bytes
 from memfit.measure import MemoryTrace, _storage_key, _Tracker
 
 __all__ = ["Batch", "FakeRunError", "StepMemoryModel", "check_prediction", "measure_step", "step_memory_model",
@@ -465,7 +465,6 @@ class StepMemoryModel:
 
 
 def _batch(n) -> int:
-    from memfit.budget import check_count
     return check_count("the batch size", n, 1)
 
 

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from memfit.budget import plural
+
 
 def check_logits(logits: torch.Tensor, y: torch.Tensor, what: str) -> None:
     """Raise a clear ValueError unless logits are (N, classes) and y holds class ids that fit."""
@@ -35,12 +37,12 @@ def check_logits(logits: torch.Tensor, y: torch.Tensor, what: str) -> None:
     if y is None:
         raise ValueError(f"{what} needs labels; the data has none (give y, or use metrics that need no labels)")
     if y.shape[0] != logits.shape[0]:
-        raise ValueError(f"{what}: {logits.shape[0]} outputs but {y.shape[0]} labels in a chunk")
+        raise ValueError(f"{what}: {plural(logits.shape[0], 'output')} but {plural(y.shape[0], 'label')} in a chunk")
     if y.numel():
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= logits.shape[1]:
             bad = hi if hi >= logits.shape[1] else lo
-            raise ValueError(f"label {bad} is out of range for a model with {logits.shape[1]} outputs "
+            raise ValueError(f"label {bad} is out of range for a model with {plural(logits.shape[1], 'output')} "
                              f"(labels must be in 0..{logits.shape[1] - 1}); check the labels or the model's "
                              "output size")
 

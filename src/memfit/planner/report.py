@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.budget import format_bytes
+from memfit.budget import format_bytes, plural
 from memfit.planner.arena import Buffer, assign_offsets
 
 __all__ = ["Report", "Row"]
@@ -67,8 +67,8 @@ class Report:
         ratio = self.arena_bytes / self.lower_bound if self.lower_bound else 1.0
         unplanned = ", ".join(f"{k} x{v}" for k, v in sorted(self.unplanned_ops.items()))
         return "\n".join([
-            f"memory plan ({self.algorithm}, {self.n_ops} ops, {sum(r.kind == 'arena' for r in self.rows)} "
-            f"tensors in the arena)",
+            f"memory plan ({self.algorithm}, {plural(self.n_ops, 'op')}, "
+            f"{plural(sum(r.kind == 'arena' for r in self.rows), 'tensor')} in the arena)",
             f"  naive (one region per tensor)  {format_bytes(self.naive_bytes):>12}",
             f"  planned arena                  {format_bytes(self.arena_bytes):>12}  "
             f"({self.naive_bytes / max(self.arena_bytes, 1):.1f}x less than naive)",
@@ -106,7 +106,21 @@ class Report:
                           "inplace": list(r.inplace)} for r in self.rows]}
 
     def plot(self, path: str | os.PathLike, labels: int = 10) -> Path:
-        """Write a PNG of the arena over time: one rectangle per tensor (x = op index, y = offset).
+        """Write a PNG of the arena over time (see `figure`) to `path`; returns the path.
+
+        Raises:
+            ImportError: matplotlib is not installed (`pip install matplotlib`).
+        """
+        fig = self.figure(labels)                          # raises the ImportError with its fix first
+        import matplotlib.pyplot as plt
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def figure(self, labels: int = 10):
+        """A matplotlib Figure of the arena over time: one rectangle per tensor (x = op index, y = offset).
 
         A tensor with lifetime first..last (as in `table`) covers the cells of ops first to last,
         each cell centred on its op's index. The largest tensors (up to `labels`) carry their name
@@ -126,9 +140,7 @@ class Report:
         from matplotlib.patches import Rectangle
         from matplotlib.ticker import MaxNLocator
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(9, 5))
+        fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
         cmap = plt.get_cmap("tab20")
         scale, unit = (2**20, "MiB") if self.arena_bytes >= 2**20 else (2**10, "KiB")
         cell = lambda r, off: ((r.lifetime[0] - 0.5, off / scale), r.lifetime[1] - r.lifetime[0] + 1, r.bytes / scale)
@@ -158,9 +170,7 @@ class Report:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8, frameon=False)
         fig.tight_layout()
         _label_largest(fig, ax, arena, labels, scale)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        return fig
 
 
 def _label_largest(fig, ax, rows: list[Row], n: int, scale: int) -> None:
