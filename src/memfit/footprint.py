@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,6 +59,11 @@ class FakeRunError(RuntimeError):
 
 
 # ---- the batch at any size -----------------------------------------------------------------------
+def _integral(v) -> bool:
+    """An int or a numpy integer, not a bool and not a tensor."""
+    return not isinstance(v, (bool, torch.Tensor)) and hasattr(v, "__index__")
+
+
 @dataclass
 class Batch:
     """An example batch (a sample shape, a tensor, a tuple or a dict of tensors) rebuilt at any batch size.
@@ -69,9 +75,10 @@ class Batch:
 
     def __post_init__(self):
         t = self.template
-        if isinstance(t, int) and not isinstance(t, bool):
-            t = self.template = (t,)
-        if isinstance(t, (tuple, list)) and t and all(isinstance(s, int) and not isinstance(s, bool) for s in t):
+        if _integral(t):
+            t = self.template = (operator.index(t),)
+        if isinstance(t, (tuple, list)) and t and all(_integral(s) for s in t):
+            t = tuple(operator.index(s) for s in t)          # numpy ints too
             if any(s < 1 for s in t):
                 raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. "
                                  f"(3, 32, 32); found {t!r}")
