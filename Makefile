@@ -41,6 +41,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_planner.py
 	$(PY) benchmarks/bench_evaluate.py
 	$(PY) benchmarks/bench_distributed.py
+	$(PY) benchmarks/bench_train.py
 
 clean:
 	rm -rf $(VENV) memfit-demo .pytest_cache

@@ -220,8 +220,9 @@ class Loader:
         return self.plan.nbytes
 
     def explain(self) -> str:
-        """Why this strategy: the byte figures of the choice and every buffer with its bytes."""
-        return self.plan.explain()
+        """Why this strategy: the byte figures of the choice and every buffer with its bytes; then how the
+        data is stored (a lossy codec's error bound included)."""
+        return self.plan.explain() + "\ndata: " + self.dataset.explain()
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next `iter()` runs (its order is a function of `seed` and `epoch`)."""

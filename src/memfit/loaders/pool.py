@@ -78,19 +78,26 @@ class Decoder:
 
     def __init__(self, template: CompactDataset, batch_size: int, device: torch.device):
         self.template = template
-        reuse = device.type == "cpu"
+        # a dataset of fields decodes to a dict of new tensors (small: token ids and masks), not reused
+        reuse = device.type == "cpu" and template.fields is None
         shape, dtype = template.sample_shape, template.dtype
         self.out = BatchPool(shape, dtype, device, batch_size) if reuse else None
-        half = dtype in (torch.float16, torch.bfloat16)        # decoded in float32 first
+        half = dtype in (torch.float16, torch.bfloat16)     # half types are decoded in float32 first
         self.work = BatchPool(shape, torch.float32, device, batch_size, count=1) if reuse and half else None
-        width = template.codec.unpacked_width(tuple(template.x.shape[1:]))   # q4, bits1 unpack into new memory
+        width = self.unpacked_width(template)                 # q4, bits1 unpack into new memory
         self.codes = BatchPool((width,), torch.uint8, device, batch_size, count=1) if reuse and width else None
+
+    @staticmethod
+    def unpacked_width(template: CompactDataset) -> int:
+        return 0 if template.fields is not None else template.codec.unpacked_width(tuple(template.x.shape[1:]))
 
     @staticmethod
     def scratch_nbytes(template: CompactDataset, batch_size: int) -> int:
         """Bytes of one batch of intermediates: unpacked codes, float32 for half types (held on every device:
         reused on the CPU, fresh per batch on CUDA)."""
-        width = template.codec.unpacked_width(tuple(template.x.shape[1:]))
+        if template.fields is not None:         # fields decode straight to new tensors
+            return 0
+        width = Decoder.unpacked_width(template)
         half = template.dtype in (torch.float16, torch.bfloat16)
         return batch_size * (width + (4 * math.prod(template.sample_shape) if half else 0))
 
