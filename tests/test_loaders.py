@@ -293,6 +293,10 @@ def test_background_errors_reach_the_consumer_with_their_traceback(file_data, pr
 
 def test_the_copy_thread_changes_no_other_threads_count(file_data):
     from memfit.loaders.prefetch import one_openmp_thread
+    try:                                  # a second OpenMP runtime in the process (scikit-learn brings its own)
+        import sklearn.linear_model  # noqa: F401
+    except ImportError:
+        pass
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

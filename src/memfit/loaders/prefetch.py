@@ -114,35 +114,36 @@ class Slots:
         return x, (yl.clone() if yl.data_ptr() == view.data_ptr() else yl)   # never hand out the slot itself
 
 
-def _openmp_library() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (libgomp, libiomp5 or libomp), or None where it cannot be found."""
+def _openmp_libraries() -> list[str]:
+    """Paths of the OpenMP runtimes loaded in this process (libgomp, libiomp5, libomp; other packages,
+    scikit-learn's among them, may bring their own beside torch's), torch's own first."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "omp" in line and ".so" in line}
     except OSError:                          # no /proc (macOS, Windows): leave the thread as it is
-        return None
-    for path in sorted(paths):
-        if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")):
-            try:
-                return ctypes.CDLL(path)     # already loaded: the same library, no second runtime
-            except OSError:
-                return None
-    return None
+        return []
+    runtimes = [p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp"))]
+    here = os.path.dirname(torch.__file__)
+    return sorted(runtimes, key=lambda p: (not p.startswith(here), p))
 
 
 def one_openmp_thread() -> bool:
-    """Limit the calling thread's own OpenMP team to one thread; True when it could.
+    """Limit the calling thread's own OpenMP team to one thread; True when torch's count here is then 1.
 
     Not torch.set_num_threads(1): besides this thread's OpenMP setting it stores a process-wide count
     that every thread started later takes (autograd's, a DataLoader's, the user's), so a loader would
-    slow down work it has nothing to do with. omp_set_num_threads changes only the calling thread's.
+    slow down work it has nothing to do with. omp_set_num_threads changes only the calling thread's;
+    it is called on each loaded runtime until torch's own reports 1 thread.
     """
     torch.get_num_threads()                  # torch's lazy per-thread init first: it would undo the setting
-    lib = _openmp_library()
-    if lib is None:
-        return False
-    lib.omp_set_num_threads(1)
-    return True
+    for path in _openmp_libraries():
+        if torch.get_num_threads() == 1:
+            break
+        try:
+            ctypes.CDLL(path).omp_set_num_threads(1)      # already loaded: the same library, no second runtime
+        except (OSError, AttributeError):
+            continue
+    return torch.get_num_threads() == 1
 
 
 def _run(slots: Slots, blocks: Iterable[torch.Tensor], free: queue.Queue, ready: queue.Queue,
