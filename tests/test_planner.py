@@ -238,6 +238,9 @@ def test_report_table_and_plot(tmp_path):
     rep = plan(model, (torch.randn(2, *shape),)).report
     text = str(rep)
     assert "lower bound" in text and "max_pool2d" in text and "arena" in text
+    # every op run outside the arena says why
+    assert set(rep.unplanned_reasons) == set(rep.unplanned_ops) and all(rep.unplanned_reasons.values())
+    assert "allocates and copies" in rep.unplanned_reasons["convolution"]
     pytest.importorskip("matplotlib")
     path = rep.plot(tmp_path / "arena.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
