@@ -84,3 +84,61 @@ def test_cuda_memory_uses_mem_get_info():
     free, total = torch.cuda.mem_get_info(0)
     info = device_memory("cuda:0")
     assert info.total == total and abs(info.free - free) < 64 * 2**20
+
+
+@pytest.mark.parametrize("size, expected", [
+    (1e9, 10**9), (2.0, 2), ("1.3 KiB", 1331), ("1.1 TB", 1_100_000_000_000), ("0.5B", None), ("1.5", None),
+    (1.5, None), ("3 Gi", None),
+])
+def test_parse_bytes_never_drops_a_fraction_of_a_byte_silently(size, expected):
+    """A whole count passes; a fraction of a larger unit is rounded down to whole bytes (exactly, not
+    through a float); a fractional count of bytes is refused, telling the user to round it."""
+    if expected is None:
+        with pytest.raises(ValueError, match="whole number of bytes|unknown unit"):
+            parse_bytes(size)
+    else:
+        assert parse_bytes(size) == expected
+
+
+@pytest.mark.parametrize("text, binary, decimal", [("1G", "1GiB", "1GB"), ("64k", "64KiB", "64KB"),
+                                                   ("2 M", "2MiB", "2MB"), ("1t", "1TiB", "1TB")])
+def test_parse_bytes_refuses_ambiguous_units_offering_both_spellings(text, binary, decimal):
+    with pytest.raises(ValueError, match=f"ambiguous unit.*'{binary}'.*'{decimal}'"):
+        parse_bytes(text)
+
+
+def test_parse_bytes_takes_any_integral():
+    import numpy as np
+    assert parse_bytes(np.int64(4096)) == 4096 and parse_bytes(np.uint32(7)) == 7
+    assert parse_bytes(torch.tensor(5)) == 5
+    with pytest.raises(TypeError, match="ndarray"):
+        parse_bytes(np.array([1, 2]))
+
+
+def test_check_count_accepts_integrals_and_names_the_argument():
+    import numpy as np
+
+    from memfit.budget import check_count
+    assert check_count("batch_size", np.int64(32)) == 32 and type(check_count("n", np.int32(3))) is int
+    assert check_count("seed", 0, 0) == 0
+    with pytest.raises(ValueError, match=r"expected seed to be an int >= 0; found -1"):
+        check_count("seed", -1, 0)
+    with pytest.raises(TypeError, match=r"expected epochs to be an int >= 1; found float 2\.0"):
+        check_count("epochs", 2.0)
+    with pytest.raises(TypeError, match="bool"):
+        check_count("batch_size", True)
+
+
+def test_counts_accept_numpy_ints_across_the_api():
+    """Every count the API takes goes through the one check: numpy ints work where ints do."""
+    import numpy as np
+
+    import memfit
+    x, y = memfit.datasets.synthetic(np.int64(64), shape=(np.int64(1), 4, 4), seed=np.int64(0))
+    ds = memfit.CompactDataset.from_arrays(x, y, device="cpu")
+    ld = memfit.loader(ds, np.int64(16), seed=np.int64(1), device="cpu", strategy="macro", macro_batch=np.int64(32))
+    assert [len(b) for b, _ in ld] == [16] * 4
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 10))
+    r = memfit.evaluate(model, ds, chunk_size=np.int64(10), progress=False)
+    assert r.chunks == 7 and r.n == 64
+    assert memfit.max_batch_size(model, (np.int64(1), 4, 4), "1MiB", extra_bytes_per_sample=np.int64(16)) > 0

@@ -4,9 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+from memfit import BudgetExceeded
 from memfit.bench.zoo import MODELS, build
-from memfit.planner import CaptureError, activation_bytes, cli_plan, load_factory, max_batch_size, memory_model, plan
+from memfit.planner import CaptureError, activation_bytes, max_batch_size, memory_model, plan
 from memfit.planner.arena import align
+from memfit.planner.cli import cli_plan, load_factory
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT
 
@@ -226,7 +228,8 @@ def test_max_batch_size_matches_a_bisection_of_activation_bytes():
     assert need == sorted(need)
     expected = max((n for n, b in zip(sizes, need, strict=True) if b <= budget), default=0)
     assert max_batch_size(model, shape, budget) == expected
-    assert max_batch_size(model, shape, "1KiB") == 0                 # not even the parameters fit
+    with pytest.raises(BudgetExceeded, match=r"not even a batch of 1 fits.*parameters"):
+        max_batch_size(model, shape, "1KiB")                         # not even the parameters fit
     extra = max_batch_size(model, shape, budget, extra_bytes_per_sample=1000)
     assert extra < expected
     with pytest.raises(ValueError, match="extra_bytes_per_sample"):
@@ -258,7 +261,7 @@ def test_cli_plan_prints_the_report(tmp_path, capsys):
 
 
 def test_cli_plan_bad_usage(tmp_path):
-    from memfit.cli import UsageError
+    from memfit.usage import UsageError
     (tmp_path / "net.py").write_text(MODEL_FILE)
     with pytest.raises(UsageError, match="--input"):
         cli_plan([f"{tmp_path}/net.py:make", "--input", "4,x"])

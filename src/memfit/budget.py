@@ -14,9 +14,11 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 import os
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 
@@ -25,8 +27,11 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+# '1G' means 10**9 to some tools and 2**30 to others: refused, with both spellings offered.
+_AMBIGUOUS = {"k": ("KiB", "2**10", "KB", "10**3"), "m": ("MiB", "2**20", "MB", "10**6"),
+              "g": ("GiB", "2**30", "GB", "10**9"), "t": ("TiB", "2**40", "TB", "10**12")}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-_FORMS = ("an int number of bytes, or a string such as '512', '64MB', '1.5 GiB' "
+_FORMS = ("a whole number of bytes, or a string such as '512', '64MB', '1.5 GiB' "
           "(units B, KB/MB/GB/TB decimal, KiB/MiB/GiB/TiB binary, case insensitive)")
 
 # Fraction of free device memory memfit leaves alone when no budget is given: the CUDA context,
@@ -35,33 +40,78 @@ SAFETY_FRACTION = 0.10
 SAFETY_MIN = 64 * 2**20
 
 
-def parse_bytes(size: int | str) -> int:
-    """Parse a byte count: an int passes through, a string may carry a unit.
+def parse_bytes(size: int | float | str) -> int:
+    """Parse a byte count: an integral number passes through, a string may carry a unit.
+
+    Rules (a budget must never be larger than the user wrote, nor silently smaller by much):
+    - an int (numpy ints too) or an integral float (`1e9`) is that many bytes;
+    - a fractional count of bytes (`1.5`, `"1.5"`, `"1.5 B"`) is refused: round it yourself;
+    - a fraction of a larger unit is rounded down to whole bytes (`"1.3 KiB"` -> 1331);
+    - `K`, `M`, `G`, `T` alone are refused as ambiguous (write `GiB` for 2**30 or `GB` for 10**9).
 
     Example:
-        >>> parse_bytes("64MiB"), parse_bytes("2 kb"), parse_bytes(1000)
-        (67108864, 2000, 1000)
+        >>> parse_bytes("64MiB"), parse_bytes("2 kb"), parse_bytes(1000), parse_bytes(1e9)
+        (67108864, 2000, 1000, 1000000000)
     """
     if isinstance(size, bool):
         raise TypeError(f"expected a size as {_FORMS}; found the bool {size!r}")
-    if isinstance(size, int):
-        if size < 0:
-            raise ValueError(f"expected a size >= 0 as {_FORMS}; found {size}")
-        return size
     if isinstance(size, float):
         if not math.isfinite(size) or size < 0:
             raise ValueError(f"expected a finite size >= 0 as {_FORMS}; found {size}")
+        if not size.is_integer():
+            raise ValueError(f"expected a whole number of bytes; found {size!r}: round it yourself "
+                             f"(int({size!r}) = {int(size)}) or give a unit, e.g. '{size:g} KiB'")
         return int(size)
     if not isinstance(size, str):
-        raise TypeError(f"expected a size as {_FORMS}; found {type(size).__name__} {size!r}")
+        try:
+            n = operator.index(size)                  # int, numpy integers, 0-d integer tensors
+        except TypeError:
+            raise TypeError(f"expected a size as {_FORMS}; found {type(size).__name__} {size!r}") from None
+        if n < 0:
+            raise ValueError(f"expected a size >= 0 as {_FORMS}; found {n}")
+        return n
     m = _SIZE_RE.match(size)
     if m is None:
         hint = " (sizes cannot be negative)" if size.strip().startswith("-") else ""
         raise ValueError(f"expected a size as {_FORMS}; found {size!r}{hint}")
     number, unit = m.groups()
+    if unit.lower() in _AMBIGUOUS:
+        binary, two, decimal, ten = _AMBIGUOUS[unit.lower()]
+        raise ValueError(f"ambiguous unit {unit!r} in {size!r}: write '{number}{binary}' ({number} x {two} bytes) "
+                         f"or '{number}{decimal}' ({number} x {ten}); expected a size as {_FORMS}")
     if unit.lower() not in _UNITS:
         raise ValueError(f"unknown unit {unit!r} in {size!r}; expected a size as {_FORMS}")
-    return int(float(number) * _UNITS[unit.lower()])
+    scale = _UNITS[unit.lower()]
+    value = Fraction(number) * scale                  # exact: no float rounding of '1.1 TB'
+    if scale == 1 and value.denominator != 1:
+        raise ValueError(f"expected a whole number of bytes; found {size!r}: round it or give a larger unit "
+                         f"such as '{number} KiB'")
+    return math.floor(value)
+
+
+def check_count(name: str, value: object, low: int = 1) -> int:
+    """`value` as a Python int >= `low`: the one check for every count memfit takes (batch sizes,
+    chunk sizes, seeds, epochs, ...). Any integral type passes (`operator.index`: numpy ints,
+    0-d integer tensors); floats and bools do not, even when whole.
+
+    Raises:
+        TypeError: `value` is not an integral number.
+        ValueError: `value` is below `low`.
+
+    Example:
+        >>> import numpy as np
+        >>> check_count("batch_size", np.int64(32))
+        32
+    """
+    if isinstance(value, bool):                       # True is an int to Python, never a count to a user
+        raise TypeError(f"expected {name} to be an int >= {low}; found the bool {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"expected {name} to be an int >= {low}; found {type(value).__name__} {value!r}") from None
+    if n < low:
+        raise ValueError(f"expected {name} to be an int >= {low}; found {n}")
+    return n
 
 
 def format_bytes(n: int | float) -> str:
@@ -80,6 +130,16 @@ def format_bytes(n: int | float) -> str:
         if n < 1024 or unit == "PiB":
             return f"{sign}{n:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 tensor', '3 tensors': a count and its noun, for messages.
+
+    Example:
+        >>> plural(1, "chunk"), plural(0, "chunk")
+        ('1 chunk', '0 chunks')
+    """
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class BudgetExceeded(MemoryError):

@@ -2,15 +2,18 @@
 
 On scikit-learn's bundled digits (or `--data` of your own) with a memory budget (default 64MiB):
 1. stores the images compactly (uint8) and prints float32 bytes against compact bytes;
-2. trains a small CNN through `memfit.loader` (strategy chosen by the budget, with its reason);
+2. trains a small CNN through `memfit.loader` (strategy chosen by the budget, with its reason); then
+   takes steps on batches of 4x the batch size under an emulated device too small for them, with
+   `memfit.accumulate` (micro-batches from the training memory model), beside plain steps on the same
+   batches: both loss curves and their largest difference are printed;
 3. plans the model's activation memory (naive / planned / lower bound) and finds the largest
    evaluation batch that fits the budget;
 4. evaluates on the held-out split with `memfit.evaluate` (auto chunk size) for the exact accuracy;
-5. writes memfit-demo/arena.png and memfit-demo/loss.png.
+5. writes arena.png and loss.png into the `--plot` folder (default memfit-demo/).
 
 Run:
     memfit demo
-    memfit demo --epochs 3 --budget 16MiB --json
+    memfit demo --epochs 3 --budget 16MiB --plot demo-pictures --json
     torchrun --standalone --nproc-per-node=2 -m memfit demo --distributed
 """
 
@@ -20,12 +23,13 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from memfit.budget import format_bytes, parse_bytes, resolve_device
+from memfit.budget import check_count, format_bytes, parse_bytes, plural, resolve_device
 from memfit.dataset import CompactDataset
 from memfit.progress import progress
 from memfit.sources import SPECS, open_data
@@ -57,6 +61,10 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     from memfit.planner import max_batch_size, plan
 
     t0 = time.perf_counter()
+    epochs, batch_size = check_count("epochs", epochs, 1), check_count("batch_size", batch_size, 1)
+    seed = check_count("seed", seed, 0)
+    if plots:
+        check_folder(out)                       # before the work, not after a minute of training
     rank, world = _init_distributed(device) if distributed else (0, 1)
     quiet = as_json or rank != 0
     dev = resolve_device(device if device is not None else (_local_cuda() if distributed else None))
@@ -98,6 +106,9 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
         losses.append(total.item() / max(n, 1))
         _say(quiet, f"epoch {epoch + 1:>2}/{epochs}  loss {losses[-1]:.4f}  ({time.perf_counter() - t_epoch:.1f} s)")
 
+    accumulated = None if distributed else train_under_budget(train, d.num_classes, dev, seed, 4 * batch_size, lr,
+                                                              quiet)
+
     # 3. plan the activation memory of inference and the largest evaluation batch in the budget
     model.eval()
     example = torch.empty((batch_size, *sample_shape), device=dev)
@@ -112,7 +123,8 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     # 4. exact evaluation in chunks sized to the budget
     res = evaluate(model, test, metrics=("accuracy", "loss"), budget=limit, device=dev, progress=not quiet,
                    distributed=distributed)
-    _say(quiet, f"evaluate chunk size {res.chunk_size} ({res.reason}); {res.chunks} chunks, {res.n} samples")
+    _say(quiet, f"evaluate chunk size {res.chunk_size} ({res.reason}); {plural(res.chunks, 'chunk')}, "
+                f"{plural(res.n, 'sample')}")
     _say(quiet, f"accuracy {res.metrics['accuracy']:.4f}  loss {res.metrics['loss']:.4f}  (exact, whole test set)")
 
     # 5. pictures
@@ -125,6 +137,7 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
         "bytes": {"float32": dense, "compact": compact, "ratio": dense / compact, "codec": train.codec.name},
         "loader": {"strategy": ld.strategy, "reason": ld.explain(), "batches_per_epoch": len(ld)},
         "losses": losses,
+        "accumulate": accumulated,
         "plan": {"batch": batch_size, "naive": rep.naive_bytes, "planned": rep.arena_bytes,
                  "lower_bound": rep.lower_bound, "unplanned": rep.unplanned_bytes, "parameters": rep.param_bytes},
         "max_eval_batch": largest,
@@ -139,6 +152,53 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     if distributed:
         torch.distributed.destroy_process_group()
     return result
+
+
+def train_under_budget(train: CompactDataset, classes: int, dev: torch.device, seed: int, batch: int, lr: float,
+                       quiet: bool, steps: int = 5) -> dict:
+    """Steps on a batch too large for an emulated device, with `memfit.accumulate`, beside plain steps.
+
+    Two copies of the model start from the same weights. One takes plain steps on batches of `batch`; the
+    other `accumulate`s the same batches in micro-batches chosen by the training memory model under a
+    budget halfway between one sample's step and the whole batch's. Their loss curves are printed side by
+    side: the same curve, up to float reassociation.
+    """
+    import copy
+
+    from memfit.accumulation import accumulate, training_peak
+    torch.manual_seed(seed)
+    sample_shape = tuple(train.sample_shape)
+    plain = small_cnn(sample_shape[0], classes, sample_shape[-1]).to(dev)
+    accumulated = copy.deepcopy(plain)
+    opt_plain = torch.optim.Adam(plain.parameters(), lr=lr)
+    opt_acc = torch.optim.Adam(accumulated.parameters(), lr=lr)
+    loss_fn = torch.nn.functional.cross_entropy
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    batches = [train.batch(order[torch.arange(i * batch, (i + 1) * batch) % len(train)]) for i in range(steps)]
+    batches = [(x.to(dev), y.to(dev)) for x, y in batches]
+    peak, how = training_peak(accumulated, opt_acc, loss_fn, *batches[0])
+    budget = (peak(batch) + peak(1)) // 2                  # an emulated device too small for the plain batch
+    _say(quiet, f"budget   a training step on {batch} samples needs {format_bytes(peak(batch))}; on an emulated "
+                f"device of {format_bytes(budget)} it runs as micro-batches with memfit.accumulate")
+    curve_plain, curve_acc, r = [], [], None
+    for x, y in batches:
+        opt_plain.zero_grad(set_to_none=True)
+        loss = loss_fn(plain(x), y)
+        loss.backward()
+        opt_plain.step()
+        curve_plain.append(loss.item())
+        r = accumulate(accumulated, opt_acc, (x, y), loss_fn, budget=budget)
+        curve_acc.append(r.loss)
+    diff = max(abs(a - b) for a, b in zip(curve_plain, curve_acc, strict=True))
+    _say(quiet, f"         micro-batch {r.micro_batch} ({r.micro_batches} per step, {r.retries} out-of-memory "
+                f"retries): {r.reason.split(' (')[0]}")
+    _say(quiet, "         step  plain batch loss  accumulated loss")
+    for i, (a, b) in enumerate(zip(curve_plain, curve_acc, strict=True)):
+        _say(quiet, f"         {i + 1:>4}  {a:>16.6f}  {b:>16.6f}")
+    _say(quiet, f"         max |difference| {diff:.2e} over {steps} steps: the same loss curve")
+    return {"batch": batch, "needs": peak(batch), "budget": budget, "micro_batch": r.micro_batch,
+            "micro_batches": r.micro_batches, "reason": r.reason, "plain": curve_plain, "accumulated": curve_acc,
+            "max_difference": diff}
 
 
 def _plots(out: Path, report, losses: list[float], quiet: bool) -> list[Path]:
@@ -184,22 +244,46 @@ def _ddp(model, dev):
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
 
 
+def check_folder(out: str | os.PathLike) -> Path:
+    """Create `out` (with its parents) and check that a file can be written there.
+
+    Raises:
+        UsageError: `out` cannot be created or written (the command line exits 2 before any work).
+    """
+    from memfit.usage import UsageError
+    path = Path(out).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"--plot: cannot write the pictures into {str(path)!r} ({e.strerror or e}); "
+                         "give a writable folder, or --no-plot") from None
+    return path
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", default="digits", help=f"{SPECS} (default: digits)")
-    p.add_argument("--budget", default="64MiB", help="memory budget for the loader, plan and evaluation")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
-    p.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same run")
-    p.add_argument("--out", default="memfit-demo", help="folder for the PNGs (default memfit-demo/)")
-    p.add_argument("--no-plots", action="store_true", help="do not write PNGs")
+    from memfit.usage import budget_arg, count_arg, data_arg, device_arg
+    p.add_argument("--data", default="digits", type=data_arg, help=f"{SPECS} (default: digits)")
+    p.add_argument("--budget", default="64MiB", type=budget_arg,
+                   help="memory budget for the loader, plan and evaluation (default 64MiB)")
+    p.add_argument("--device", default=None, type=device_arg,
+                   help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
+    p.add_argument("--epochs", type=count_arg(1), default=8, help="training epochs (default 8)")
+    p.add_argument("--batch-size", type=count_arg(1), default=64, help="training batch size (default 64)")
+    p.add_argument("--seed", type=count_arg(0), default=0, help="the same seed gives the same run (default 0)")
+    p.add_argument("--plot", default="memfit-demo", metavar="FOLDER", dest="out",
+                   help="folder for arena.png and loss.png (default memfit-demo/)")
+    p.add_argument("--out", dest="out", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its former name
+    p.add_argument("--no-plot", action="store_true", dest="no_plots", help="do not write PNGs")
+    p.add_argument("--no-plots", action="store_true", dest="no_plots", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--distributed", action="store_true", help="one process per rank, started by torchrun")
 
 
 def main(args) -> int:
-    if args.epochs < 1 or args.batch_size < 1:
-        raise ValueError(f"--epochs and --batch-size must be >= 1; found {args.epochs} and {args.batch_size}")
+    if not args.no_plots:
+        check_folder(args.out)
     run(args.data, budget=args.budget, device=args.device, epochs=args.epochs, batch_size=args.batch_size,
         seed=args.seed, out=args.out, as_json=args.json, distributed=args.distributed, plots=not args.no_plots)
     return 0

@@ -19,17 +19,29 @@ import torch
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64, "double": torch.float64,
+          "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32}
 CHUNK_BYTES = 32 * 2**20   # encode in chunks of about this many input bytes: bounded temporaries
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def is_integer_data(x: np.ndarray | torch.Tensor) -> bool:
+    """Integer data other than 8-bit images (uint8) and bool: token ids, class ids, counts."""
+    dtype = x.dtype if isinstance(x, torch.Tensor) else np.dtype(x.dtype)
+    if isinstance(dtype, torch.dtype):
+        return not dtype.is_floating_point and not dtype.is_complex and dtype not in (torch.uint8, torch.bool)
+    return dtype.kind in "iu" and dtype != np.uint8
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, x: np.ndarray | torch.Tensor | None = None) -> torch.dtype:
+    """The decoded dtype: the one asked for, or (None) int64 for integer data and float32 otherwise."""
+    if dtype is None:
+        return torch.int64 if x is not None and is_integer_data(x) else torch.float32
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if dtype in set(DTYPES.values()):
         return dtype
-    raise ValueError(f"expected an output dtype float32, float16 or bfloat16 (or one of {sorted(DTYPES)}); "
-                     f"found {dtype!r}")
+    raise ValueError(f"expected an output dtype float32, float16, bfloat16, float64, int64 or int32 (or one of "
+                     f"{sorted(DTYPES)}); found {dtype!r}")
 
 
 def release_pages(x: object) -> None:
@@ -61,6 +73,10 @@ def to_tensor(chunk: np.ndarray | torch.Tensor) -> torch.Tensor:
         return chunk
     if chunk.dtype.byteorder == ">":
         chunk = chunk.astype(chunk.dtype.newbyteorder("="))
+    if chunk.dtype.kind == "u" and chunk.dtype.itemsize > 1:    # torch has no arithmetic on uint16/32/64
+        if chunk.dtype.itemsize == 8 and chunk.size and chunk.max() > np.iinfo(np.int64).max:
+            raise ValueError(f"uint64 values above {np.iinfo(np.int64).max} do not fit int64; found {chunk.max()}")
+        chunk = chunk.astype(np.int64)
     # read-only (memmap) rows are copied: this is the one read from disk, and torch needs writable memory
     chunk = np.ascontiguousarray(chunk)
     if not chunk.flags.writeable:

@@ -18,12 +18,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from memfit import datasets
 
-__all__ = ["Data", "open_data"]
+__all__ = ["Data", "check_spec", "open_data"]
 
 SPECS = "digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz"
 
@@ -84,27 +85,57 @@ def _npz(path: str, seed: int):
     return parts
 
 
+def check_spec(spec: str) -> str:
+    """Check `spec` without reading data: its form, and that the file or folder it names exists.
+
+    Returns the spec with `~` expanded in its path. Raises ValueError naming the accepted forms; the
+    command line reports it as bad usage (exit 2), for a malformed spec and a missing path alike.
+
+    Example:
+        >>> check_spec("synthetic:500")
+        'synthetic:500'
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"expected one of {SPECS}; found {spec!r}")
+    kind, colon, arg = spec.partition(":")
+    if spec == "digits":
+        return spec
+    if kind == "synthetic":
+        if colon and not (arg.isdigit() and int(arg) >= 2):
+            raise ValueError(f"expected synthetic:N with N a whole number of samples >= 2; found {spec!r}")
+        return spec
+    if kind in ("mnist", "cifar10"):
+        what = "folder of the four IDX files" if kind == "mnist" else "folder or .tar.gz of the python pickles"
+        if not arg:
+            raise ValueError(f"expected {kind}:FOLDER with FOLDER the {what}; found {spec!r}")
+        path = Path(arg).expanduser()
+        if not path.exists():
+            raise ValueError(f"{spec}: {str(path)!r} does not exist; expected {kind}:FOLDER with FOLDER the {what}")
+        return f"{kind}:{path}"
+    if spec.lower().endswith((".npz", ".npy")):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{spec}: no such file; expected an .npz holding x, y (or x_train, y_train, x_test, "
+                             "y_test)")
+        return str(path)
+    raise ValueError(f"unknown data {spec!r}; expected one of {SPECS}")
+
+
 def open_data(spec: str = "digits", seed: int = 0) -> Data:
     """Open `spec` (see the module docstring) as train/test arrays; a clear ValueError otherwise."""
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"expected --data to be one of {SPECS}; found {spec!r}")
+    name = spec
+    spec = check_spec(spec)
     kind, _, arg = spec.partition(":")
     if spec == "digits":
         parts = split(*datasets.digits(), seed=seed)
     elif kind == "synthetic":
-        try:
-            n = int(arg) if arg else 10_000
-        except ValueError:
-            raise ValueError(f"expected synthetic:N with N a whole number of samples; found {spec!r}") from None
-        parts = split(*datasets.synthetic(n, seed=seed), seed=seed)
-    elif kind == "mnist" and arg:
+        parts = split(*datasets.synthetic(int(arg) if arg else 10_000, seed=seed), seed=seed)
+    elif kind == "mnist":
         parts = datasets.mnist(arg)
-    elif kind == "cifar10" and arg:
+    elif kind == "cifar10":
         parts = datasets.cifar10(arg)
-    elif spec.lower().endswith((".npz", ".npy")):
-        parts = _npz(spec, seed)
     else:
-        raise ValueError(f"unknown data {spec!r}; expected one of {SPECS}")
+        parts = _npz(spec, seed)
     xtr, ytr, xte, yte = parts
-    return Data(spec, _images(xtr, spec), np.asarray(ytr).astype(np.int64),
+    return Data(name, _images(xtr, spec), np.asarray(ytr).astype(np.int64),
                 _images(xte, spec), np.asarray(yte).astype(np.int64))

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
 import torch
 
-from memfit.bench.common import machine_header, sync, table, to_csv
+from memfit.bench.common import machine_header, median, spread_warning, sync, table, to_csv
 from memfit.budget import resolve_device
 from memfit.dataset import CompactDataset
 
@@ -89,7 +88,7 @@ def run(sets=("mnist", "cifar"), codecs=CODECS, batch: int = 512, device=None, r
             for _ in range(repeat):
                 bs.append(_time_batches(baseline, batches, dev))
                 ts.append(_time_batches(fn, batches, dev))
-            t, base_t = statistics.median(ts), statistics.median(bs)
+            t, base_t = median(ts, f"{name} {k}"), median(bs, f"{name} float32 gather beside {k}")
             ds = datasets[k]
             x_ratio = (ds.x.nbytes + ds._scale.nbytes + ds._shift.nbytes) / (4 * n * int(np.prod(shape)))
             rows.append({"set": name, "codec": k, "bytes held": held[k], "x bytes / float32": round(x_ratio, 5),
@@ -101,8 +100,11 @@ def run(sets=("mnist", "cifar"), codecs=CODECS, batch: int = 512, device=None, r
             "samples/s", "vs float32 gather"]
     print(f"# batch {batch}, random indices, normalize='dataset'; median of {repeat} runs of {n_batches} batches, "
           "each codec alternating with its own float32-gather run")
-    print(table(rows, cols))
+    print(table(rows, cols, bytes_columns={"bytes held"}))
     print(summary(rows))
+    warning = spread_warning()
+    if warning:
+        print(warning)
     if csv:
         to_csv(rows, csv)
     if as_json:
@@ -111,7 +113,7 @@ def run(sets=("mnist", "cifar"), codecs=CODECS, batch: int = 512, device=None, r
 
 
 def summary(rows: list[dict]) -> str:
-    """PASS/MISS lines for the issue's targets."""
+    """PASS/MISS lines for the targets: compact bytes and uint8 decode throughput."""
     lines = []
     for r in rows:
         want = TARGET_BYTES.get(r["codec"])
@@ -127,18 +129,22 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    from memfit.usage import count_arg, device_arg, names_arg
     p = argparse.ArgumentParser(prog="memfit bench codecs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", default="mnist,cifar", help="comma-separated: mnist, cifar (default both)")
-    p.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codec names")
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
-    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--sets", default="mnist,cifar", type=names_arg(tuple(SHAPES), "set"),
+                   help=f"comma-separated, from {', '.join(SHAPES)} (default both)")
+    p.add_argument("--codecs", default=",".join(CODECS), type=names_arg(CODECS, "codec"),
+                   help=f"comma-separated, from {', '.join(CODECS)} (default all)")
+    p.add_argument("--batch", type=count_arg(1), default=512, help="samples per batch (default 512)")
+    p.add_argument("--device", default=None, type=device_arg,
+                   help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
+    p.add_argument("--repeat", type=count_arg(1), default=15, help="timed rounds per codec (default 15)")
     p.add_argument("--quick", action="store_true", help="a tenth of the data and fewer repeats (for tests)")
     p.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     a = p.parse_args(argv)
-    run(sets=a.sets.split(","), codecs=a.codecs.split(","), batch=a.batch, device=a.device,
+    run(sets=a.sets, codecs=a.codecs, batch=a.batch, device=a.device,
         repeat=3 if a.quick else a.repeat, n_batches=10 if a.quick else 40, scale=0.1 if a.quick else 1.0,
         csv=a.csv, as_json=a.json)
     return 0

@@ -1,19 +1,27 @@
-"""Shared pieces of the benchmarks: timing by median, the machine header, tables and CSV."""
+"""Shared pieces of the benchmarks: timing by median (with the spread across repeats watched), the
+machine header, tables and CSV."""
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from memfit.budget import cpu_name
+from memfit.budget import cpu_name, format_bytes
+
+# Above this relative spread of repeated timings ((upper quartile - lower quartile) / median, or
+# (max - min) / median for fewer than 4 repeats) a figure is noise rather than a measurement; a
+# quiet machine stays well below it.
+SPREAD_LIMIT = 0.25
+_spreads: list[tuple[float, str]] = []         # (spread, what) of every median taken since the last report
 
 
 def sync(device: torch.device | str | None = None) -> None:
@@ -22,9 +30,45 @@ def sync(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
+def spread(times: Sequence[float]) -> float:
+    """Relative spread of repeated timings: interquartile range / median (range / median below 4)."""
+    if len(times) < 2:
+        return 0.0
+    mid = statistics.median(times)
+    if len(times) >= 4:
+        q1, _, q3 = statistics.quantiles(times, n=4)
+        width = q3 - q1
+    else:
+        width = max(times) - min(times)
+    return width / mid if mid > 0 else 0.0
+
+
+def median(times: Sequence[float], what: str = "a timing") -> float:
+    """The median of repeated timings, noting their spread for `spread_warning`."""
+    if len(times) > 1:                                # one run says nothing about the spread
+        _spreads.append((spread(times), what))
+    return statistics.median(times)
+
+
+def spread_warning(limit: float = SPREAD_LIMIT) -> str | None:
+    """One line warning that timings varied too much to trust (None when they did not); resets the record.
+
+    Benchmarks print it under their table, so that a figure measured on a busy machine says so.
+    """
+    noisy = sorted((s, w) for s, w in _spreads if s > limit)
+    total = len(_spreads)
+    _spreads.clear()
+    if not noisy:
+        return None
+    worst, what = noisy[-1]
+    return (f"WARNING: {len(noisy)} of {total} timings varied by more than {limit:.0%} across repeats (worst "
+            f"{worst:.0%}, {what}): the machine is probably busy; the ratios above are unreliable, rerun on a "
+            "quiet machine")
+
+
 def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
-                device: torch.device | str | None = None) -> float:
-    """Median seconds of `fn()` over `repeat` runs after `warmup` runs."""
+                device: torch.device | str | None = None, what: str = "a timing") -> float:
+    """Median seconds of `fn()` over `repeat` runs after `warmup` runs (spread noted, see `spread_warning`)."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -34,7 +78,7 @@ def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median(times, what)
 
 
 def commit() -> str:
@@ -60,18 +104,36 @@ def machine_header(device: torch.device | str = "cpu") -> str:
             f"torch {torch.__version__}; python {platform.python_version()}; memfit commit {commit()}")
 
 
-def table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
-    """Fixed-width text table of dict rows; floats get 3 significant digits."""
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def column_format(values: Sequence[object], as_bytes: bool = False) -> Callable[[object], str]:
+    """One number format for a whole column, so that its figures line up and compare at a glance.
+
+    Bytes print human-readable ('1.50 MiB'); ints with thousands separators; floats with the same
+    number of decimals in every row: enough for 3 significant digits of the smallest non-zero value,
+    at most 3 (a column of 0.031, 0.25 and 1.0 prints 0.031, 0.250, 1.000), with thousands
+    separators when the values are large. Anything else prints as str().
+    """
+    numbers = [v for v in values if _is_number(v)]
+    if as_bytes:
+        return lambda v: format_bytes(v) if _is_number(v) else str(v)
+    if all(isinstance(v, int) for v in numbers):
+        return lambda v: f"{v:,}" if _is_number(v) else str(v)
+    nonzero = [abs(v) for v in numbers if v and math.isfinite(v)]
+    decimals = min(3, max(0, 2 - math.floor(math.log10(min(nonzero))))) if nonzero else 0
+    return lambda v: f"{v:,.{decimals}f}" if _is_number(v) else str(v)
+
+
+def table(rows: Sequence[dict], columns: Sequence[str] | None = None, bytes_columns: Collection[str] = ()) -> str:
+    """Fixed-width text table of dict rows, one number format per column (`column_format`);
+    the columns named in `bytes_columns` hold byte counts and print human-readable."""
     if not rows:
         return "(no rows)"
     columns = list(columns or rows[0].keys())
-
-    def cell(v: object) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
-        return str(v)
-
-    cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
+    formats = {c: column_format([r.get(c) for r in rows], c in bytes_columns) for c in columns}
+    cells = [[formats[c](r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])

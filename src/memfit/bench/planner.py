@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from memfit.bench.common import machine_header, median_time, table, to_csv
+from memfit.bench.common import machine_header, median_time, spread_warning, sync, table, to_csv
 from memfit.bench.zoo import MODELS, build
 from memfit.budget import format_bytes
 from memfit.measure import track_memory
@@ -35,38 +35,44 @@ TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "l
 
 
 def _peak(fn, x) -> int:
-    with torch.inference_mode(), track_memory("cpu") as mem:
+    with torch.inference_mode(), track_memory(x.device) as mem:
         out = fn(x)
         del out
     return mem.peak
 
 
-def measure(name: str, batch: int, image: int | None, repeat: int) -> dict:
+def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu") -> dict:
     """One row of the zoo table: bytes and latency of one model at one batch size."""
+    dev = torch.device(device)
     model, shape = build(name, image=image)
-    x = torch.randn(batch, *shape)
+    model = model.to(dev)
+    x = torch.randn(batch, *shape, device=dev)
     t0 = time.perf_counter()
     pm = plan(model, (x,))
+    sync(dev)
     return _row(name, model, pm, x, repeat, time.perf_counter() - t0)
 
 
 def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> dict:
     """Bytes and latency of `pm` against `model` on `x` (planned for x's shape on first call)."""
+    dev, batch = x.device, x.shape[0]
     with torch.inference_mode():
-        out, ref = pm(x), model(x)
-        torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(pm(x), model(x), rtol=1e-3, atol=1e-3)
         rep = pm.report
         eager_peak = _peak(model, x)
         outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
         # fast models need many repeats for a stable median: at least ~0.3 s of calls per measurement
-        reps = max(repeat, min(1000, int(0.3 / max(median_time(lambda: model(x), repeat=1), 1e-6))))
+        once = median_time(lambda: model(x), repeat=1, device=dev)
+        reps = max(repeat, min(1000, int(0.3 / max(once, 1e-6))))
         t_eager, t_planned = [], []
-        for _ in range(3):                   # interleaved, so drift in the machine hits both alike
-            t_eager.append(median_time(lambda: model(x), repeat=reps, warmup=1))
-            t_planned.append(median_time(lambda: pm(x), repeat=reps, warmup=1))
+        for _ in range(2):                   # interleaved, so drift in the machine hits both alike
+            t_eager.append(median_time(lambda: model(x), repeat=reps, warmup=1, device=dev,
+                                       what=f"{name} batch {batch} eager"))
+            t_planned.append(median_time(lambda: pm(x), repeat=reps, warmup=1, device=dev,
+                                         what=f"{name} batch {batch} planned"))
     planned_total = rep.arena_bytes + outside
     return {
-        "model": name, "batch": x.shape[0], "naive": rep.naive_bytes, "eager_peak": eager_peak,
+        "model": name, "batch": batch, "naive": rep.naive_bytes, "eager_peak": eager_peak,
         "arena": rep.arena_bytes, "bound": rep.lower_bound, "arena/bound": rep.arena_bytes / max(rep.lower_bound, 1),
         "naive/arena": rep.naive_bytes / max(rep.arena_bytes, 1), "unplanned": outside,
         "planned_total": planned_total, "total/eager": planned_total / max(eager_peak, 1),
@@ -111,57 +117,8 @@ def verdicts_real(rows: list[dict]) -> list[str]:
     return out
 
 
-def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: str | None = None,
-             as_json: bool = False) -> list[dict]:
-    """Measure every real architecture at every batch size; print the table and the target lines."""
-    if not as_json:
-        print(machine_header("cpu"))
-    rows = []
-    for name in models:
-        try:
-            new = measure_real(name, tuple(batches), quick, repeat)
-        except Exception as e:              # a model that fails is a row of the table, not the end of the run
-            print(f"# {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-            continue
-        rows += new
-        if not as_json:
-            for r in new:
-                print(f"# {name} batch {r['batch']}: arena/bound {r['arena/bound']:.3f}, (arena + unplanned) / eager "
-                      f"{r['total/eager']:.2f}, latency {r['latency_ratio']:.2f}x eager", flush=True)
-    lines = verdicts_real(rows) if rows else ["no model ran"]
-    if as_json:
-        print(json.dumps({"machine": machine_header("cpu"), "rows": rows, "targets": lines}))
-    else:
-        cols = ["model", "batch", "eager_peak", "arena", "bound", "arena/bound", "unplanned", "total/eager",
-                "eager_ms", "planned_ms", "latency_ratio", "PASS/MISS"]
-        print(table(rows, cols))
-        print("\n".join(lines))
-        print("unplanned ops (run by torch, outside the arena; reasons in pm.report.unplanned_reasons):")
-        for r in rows[::len(batches)]:
-            print(f"  {r['model']}: {r['unplanned_ops'] or '-'}")
-    if csv:
-        to_csv(rows, csv)
-    return rows
-
-
-def run_fuzz(examples: int, seed: int = 0) -> int:
-    """Differential fuzzing: `examples` random models of up to 6 programs each, planned with every
-    algorithm, compared with eager bit for bit. Prints progress; raises on the first difference."""
-    from memfit.bench.fuzz import fuzz
-    t0 = time.perf_counter()
-    step = max(1, examples // 10)
-    done = 0
-    while done < examples:
-        k = min(step, examples - done)
-        fuzz(k, seed=seed + done)
-        done += k
-        print(f"# fuzz: {done}/{examples} models equal eager bit for bit ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
-    return done
-
-
 def verdicts(rows: list[dict]) -> list[str]:
-    """The issue's targets, each with the measured value and PASS or MISS."""
+    """The planner's targets, each with the measured value and PASS or MISS."""
     ratios = [r["arena/bound"] for r in rows]
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     worst = max(rows, key=lambda r: r["arena/bound"])
@@ -188,57 +145,114 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 
 def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat: int = 5,
-        csv: str | None = None, as_json: bool = False) -> list[dict]:
+        csv: str | None = None, as_json: bool = False, device="cpu") -> list[dict]:
     """Measure every model at every batch size; print the table and the target lines; return the rows."""
     if not as_json:
-        print(machine_header("cpu"))
+        print(machine_header(device))
     rows = []
     for name in models:
         for b in batches:
-            rows.append(measure(name, b, image, repeat))
+            rows.append(measure(name, b, image, repeat, device))
             if not as_json:
                 r = rows[-1]
                 print(f"# {name} batch {b}: arena {format_bytes(r['arena'])}, eager peak "
                       f"{format_bytes(r['eager_peak'])}, {r['latency_ratio']:.2f}x eager latency", flush=True)
     lines = verdicts(rows)
+    warning = spread_warning()
+    if warning:
+        lines.append(warning)
     if as_json:
-        print(json.dumps({"machine": machine_header("cpu"), "rows": rows, "targets": lines}))
+        print(json.dumps({"machine": machine_header(device), "rows": rows, "targets": lines}))
     else:
         cols = ["model", "batch", "naive", "eager_peak", "arena", "bound", "arena/bound", "naive/arena",
                 "unplanned", "total/eager", "eager_ms", "planned_ms", "latency_ratio"]
-        print(table(rows, cols))
+        print(table(rows, cols, bytes_columns={"naive", "eager_peak", "arena", "bound", "unplanned"}))
         print("\n".join(lines))
     if csv:
         to_csv(rows, csv)
     return rows
 
 
+def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: str | None = None,
+             as_json: bool = False) -> list[dict]:
+    """Measure every real architecture at every batch size; print the table and the target lines."""
+    if not as_json:
+        print(machine_header("cpu"))
+    rows = []
+    for name in models:
+        try:
+            new = measure_real(name, tuple(batches), quick, repeat)
+        except Exception as e:              # a model that fails is a row of the table, not the end of the run
+            print(f"# {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        rows += new
+        if not as_json:
+            for r in new:
+                print(f"# {name} batch {r['batch']}: arena/bound {r['arena/bound']:.3f}, (arena + unplanned) / eager "
+                      f"{r['total/eager']:.2f}, latency {r['latency_ratio']:.2f}x eager", flush=True)
+    lines = verdicts_real(rows) if rows else ["no model ran"]
+    warning = spread_warning()
+    if warning:
+        lines.append(warning)
+    if as_json:
+        print(json.dumps({"machine": machine_header("cpu"), "rows": rows, "targets": lines}))
+    else:
+        cols = ["model", "batch", "eager_peak", "arena", "bound", "arena/bound", "unplanned", "total/eager",
+                "eager_ms", "planned_ms", "latency_ratio", "PASS/MISS"]
+        print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned"}))
+        print("\n".join(lines))
+        print("unplanned ops (run by torch, outside the arena; reasons in pm.report.unplanned_reasons):")
+        for r in rows[::len(batches)]:
+            print(f"  {r['model']}: {r['unplanned_ops'] or '-'}")
+    if csv:
+        to_csv(rows, csv)
+    return rows
+
+
+def run_fuzz(examples: int, seed: int = 0) -> int:
+    """Differential fuzzing: `examples` random models of up to 6 programs each, planned with every
+    algorithm, compared with eager bit for bit. Prints progress; raises on the first difference."""
+    from memfit.bench.fuzz import fuzz
+    t0 = time.perf_counter()
+    step = max(1, examples // 10)
+    done = 0
+    while done < examples:
+        k = min(step, examples - done)
+        fuzz(k, seed=seed + done)
+        done += k
+        print(f"# fuzz: {done}/{examples} models equal eager bit for bit ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     from memfit.bench.zoo import REAL
+    from memfit.usage import count_arg, counts_arg, device_arg
     p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
                                 epilog="example:\n  memfit bench planner --quick\n"
                                        "  memfit bench planner --real --quick\n"
                                        "  memfit bench planner --fuzz 500\n"
-                                       "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json",
+                                       "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json\n"
+                                       "  memfit bench planner --quick --device cuda",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller inputs and configs, fewer repeats")
     p.add_argument("--real", action="store_true",
                    help=f"real architectures from transformers configs ({', '.join(REAL)}); needs transformers")
-    p.add_argument("--fuzz", type=int, default=None, metavar="N",
+    p.add_argument("--fuzz", type=count_arg(1), default=None, metavar="N",
                    help="run N random-graph models against eager, bit for bit, instead of the table")
-    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (or with --real, "
+    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (with --real, "
                                                   "from the real list)")
-    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32; quick 1,8; "
-                                                   "real 1,8; real quick 2,8)")
-    p.add_argument("--image", type=int, default=None, help="height and width of the zoo image models' inputs")
-    p.add_argument("--repeat", type=int, default=None, help="timed repeats per measurement")
+    p.add_argument("--batches", default=None, type=counts_arg(1),
+                   help="comma-separated batch sizes (default 1,32; quick 1,8; real 1,8; real quick 2,8)")
+    p.add_argument("--image", type=count_arg(1), default=None, help="height and width of the image models' inputs")
+    p.add_argument("--repeat", type=count_arg(1), default=None, help="timed repeats per measurement")
     p.add_argument("--seed", type=int, default=0, help="seed of the --fuzz run")
+    p.add_argument("--device", default="cpu", type=device_arg,
+                   help="cpu, cuda, cuda:1 (default cpu: the published figures are the CPU's)")
     p.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
     if args.fuzz is not None:
-        if args.fuzz < 1:
-            p.error(f"--fuzz: expected a number of models >= 1; found {args.fuzz}")
         run_fuzz(args.fuzz, args.seed)
         return 0
     known = REAL if args.real else MODELS
@@ -246,19 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in known]
     if unknown:
         p.error(f"--models: unknown {unknown}; expected names from {list(known)}")
-    default = ("2,8" if args.quick else "1,8") if args.real else ("1,8" if args.quick else "1,32")
-    try:
-        batches = tuple(int(b) for b in (args.batches or default).split(","))
-    except ValueError:
-        p.error(f"--batches: expected comma-separated ints such as 1,32; found {args.batches!r}")
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
     if args.real:
         try:
             import transformers  # noqa: F401
         except ImportError:
             p.error("--real needs transformers (pip install transformers; an optional bench dependency)")
-        run_real(models, batches, args.quick, repeat, args.csv, args.json)
+        run_real(models, args.batches or ((2, 8) if args.quick else (1, 8)), args.quick, repeat, args.csv, args.json)
         return 0
+    batches = args.batches or ((1, 8) if args.quick else (1, 32))
     image = args.image if args.image is not None else (64 if args.quick else None)
-    run(models, batches, image, repeat, args.csv, args.json)
+    run(models, batches, image, repeat, args.csv, args.json, args.device)
     return 0

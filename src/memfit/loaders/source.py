@@ -26,8 +26,8 @@ import threading
 import numpy as np
 import torch
 
-from memfit.codecs import Codec, QuantCodec, auto_name, make_codec
-from memfit.dataset import CompactDataset
+from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
+from memfit.dataset import CompactDataset, check_integer_output
 from memfit.encoding import (
     as_array,
     encode_labels,
@@ -67,8 +67,7 @@ class Source:
 
     def batch_nbytes(self, m: int) -> int:
         """One decoded batch of m samples: x in the output dtype, y as int64."""
-        x = self.template.dtype.itemsize * math.prod(self.template.sample_shape)
-        return m * (x + (0 if self.y_dtype is None else 8))
+        return self.template.x_batch_nbytes(m) + (0 if self.y_dtype is None else 8 * m)
 
     def fill(self, idx: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor | None) -> None:
         """Write the rows `idx` (CPU int64, (m,)) into x_out[:m] and their labels into y_out[:m]."""
@@ -116,12 +115,16 @@ class FileSource(Source):
     """x memory-mapped on disk (never read whole), labels in memory; blocks are encoded as they are read."""
     sequential = True
 
-    def __init__(self, x: np.ndarray, y: object, codec: str | Codec, normalize: object, dtype: torch.dtype):
+    def __init__(self, x: np.ndarray, y: object, codec: str | Codec, normalize: object,
+                 dtype: torch.dtype | str | None):
         if x.ndim < 2 or x.shape[0] == 0:
             raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with N >= 1; found shape {x.shape}; "
                              "save N >= 1 samples, a 1-D file of scalars as x.reshape(-1, 1)")
         self.x, self.n = x, x.shape[0]
-        self.codec = make_codec(auto_name(x) if codec == "auto" else codec)
+        self.codec = auto_codec(x) if isinstance(codec, str) and codec == "auto" else make_codec(codec)
+        dtype = resolve_dtype(dtype, x)
+        if not dtype.is_floating_point:
+            check_integer_output(self.codec, dtype, normalize)
         labels = None if y is None else encode_labels(y, self.n)
         stats = normalisation(normalize, x)              # one streaming pass for normalize='dataset'
         sample_shape = tuple(x.shape[1:])
@@ -187,24 +190,28 @@ def is_file_backed(x: object) -> bool:
 
 
 def make_source(data: object, *, codec: str | Codec = "auto", normalize: object = None,
-                dtype: torch.dtype | str = torch.float32) -> Source:
+                dtype: torch.dtype | str | None = None) -> Source:
     """A Source for a CompactDataset or an (x, y) pair (a memmapped x stays on disk)."""
     if isinstance(data, CompactDataset):
         if codec != "auto" or normalize is not None:
             raise ValueError("codec and normalize apply to (x, y) arrays; this CompactDataset is already encoded "
                              f"(codec {data.codec.name!r}); pass codec='auto', normalize=None, or the raw arrays")
-        if resolve_dtype(dtype) not in (torch.float32, data.dtype):
+        if dtype is not None and resolve_dtype(dtype) not in (torch.float32, data.dtype):
             raise ValueError(f"dtype {dtype} differs from the dataset's {data.dtype}; a CompactDataset decodes to "
                              "its own dtype: build it with CompactDataset.from_arrays(..., dtype=...)")
         if len(data) == 0:
             raise ValueError("the dataset is empty; a loader needs at least one sample")
         return CompactSource(data)
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], dict):
+        # several inputs per sample: packed into one byte row each, which every strategy moves as it is
+        return CompactSource(CompactDataset.from_arrays(data[0], data[1], codec=codec, normalize=normalize,
+                                                        device="cpu", dtype=dtype))
     if isinstance(data, tuple) and len(data) == 2:
         x, y = as_array(data[0], "x"), data[1]
         if y is not None and len(y) != len(x):
             raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels; they must match")
         if is_file_backed(x):
-            return FileSource(x, y, codec, normalize, resolve_dtype(dtype))
+            return FileSource(x, y, codec, normalize, dtype)
         return CompactSource(CompactDataset.from_arrays(x, y, codec=codec, normalize=normalize, device="cpu",
                                                         dtype=dtype))
     raise TypeError(f"expected data as a CompactDataset or an (x, y) tuple of arrays (x may be a memory-mapped "

@@ -5,7 +5,8 @@
   allowlisted elementwise ops may write over a dead input) and runs the model there.
 - `memory_model`, `activation_bytes`, `max_batch_size`: the bytes a batch of n needs, from plans,
   without running the model at full size.
-- `memfit plan MODULE:FACTORY --input 1,3,224,224` prints the plan (`cli_plan`).
+- `memfit plan MODULE:FACTORY --input 1,3,224,224` prints the plan (`memfit.planner.cli`, not
+  imported here: the library never imports the command line).
 
 Modules: `arena` (lifetimes, offsets, verifier: pure functions), `ops` (out= kernels, views,
 in-place allowlist), `capture` (torch.export), `graph` (aliases and lifetimes), `codegen` (the
@@ -17,12 +18,11 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).eval()
     >>> pm = plan(model, (torch.randn(4, 8),))
     >>> print(pm.report.summary().splitlines()[0])
-    memory plan (greedy_by_size, 5 ops, 1 tensors in the arena)
+    memory plan (greedy_by_size, 5 ops, 1 tensor in the arena)
 """
 
 from memfit.planner.arena import ALGORITHMS, Buffer, OverlapError, assign_offsets, lower_bound, verify
 from memfit.planner.capture import CaptureError
-from memfit.planner.cli import cli_plan, load_factory
 from memfit.planner.planned import PlannedModule, plan
 from memfit.planner.report import Report, Row
 from memfit.planner.sizing import MemoryModel, activation_bytes, max_batch_size, memory_model
@@ -38,8 +38,6 @@ __all__ = [
     "Row",
     "activation_bytes",
     "assign_offsets",
-    "cli_plan",
-    "load_factory",
     "lower_bound",
     "max_batch_size",
     "memory_model",

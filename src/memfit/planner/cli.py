@@ -3,24 +3,30 @@
 Run:
     memfit plan mymodels.py:make_net --input 1,3,224,224 --plot arena.png
     memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json
+    memfit plan pkg.models:resnet --input 32,3,64,64 --train --optimizer adamw --budget 8GiB --plot train.png
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from memfit.usage import UsageError, device_arg
+
 __all__ = ["cli_plan", "load_factory"]
 
 EXAMPLE = ("example:\n  memfit plan mymodels.py:make_net --input 1,3,224,224 --plot arena.png\n"
-           "  memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json")
+           "  memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json\n"
+           "  memfit plan my_module:make_net --input 8,3,32,32 --all --device cuda")
 
 
 def load_factory(spec: str) -> Callable:
@@ -47,7 +53,8 @@ def load_factory(spec: str) -> Callable:
         mod_spec.loader.exec_module(module)
     else:
         try:
-            module = importlib.import_module(where)
+            with _current_folder_on_path():
+                module = importlib.import_module(where)
         except ModuleNotFoundError as e:
             raise ValueError(f"{spec}: cannot import module {where!r} ({e}); check the name or pass a file path "
                              "(path/to/file.py:factory)") from None
@@ -58,6 +65,21 @@ def load_factory(spec: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"{spec}: {name!r} is a {type(fn).__name__}, not a callable that builds the model")
     return fn
+
+
+@contextlib.contextmanager
+def _current_folder_on_path() -> Iterator[None]:
+    """Import from the current folder as `python -m memfit` does; the `memfit` console script puts
+    only its own folder on sys.path, so `memfit plan my_module:make_net` would not find my_module."""
+    cwd = os.getcwd()
+    added = not any(p in ("", cwd) for p in sys.path)
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,13 +95,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default="greedy_by_size", choices=ALGORITHMS, help="offset algorithm")
     p.add_argument("--no-inplace", action="store_true", help="never let an op write over its input")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a picture of the arena over time")
+    p.add_argument("--device", default="cpu", type=device_arg,
+                   help="plan on cpu, cuda, cuda:1 (default cpu: a plan's bytes do not depend on the device, "
+                        "but which ops get an out= kernel does)")
+    p.add_argument("--train", action="store_true",
+                   help="the memory of one training step instead (forward, loss, backward, optimizer step) by kind, "
+                        "from a fake-tensor run; --plot draws bytes against the batch size")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="with --train (default adamw)")
+    p.add_argument("--budget", default=None, metavar="SIZE", help="with --train: the largest batch within it, "
+                   "and a line on the plot (e.g. 8GiB)")
     p.add_argument("--all", action="store_true", help="list every tensor (default: the first 60)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
 def _shape(text: str) -> tuple[int, ...]:
-    from memfit.cli import UsageError
     try:
         shape = tuple(int(s) for s in text.split(","))
     except ValueError:
@@ -89,9 +119,37 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
+    """`memfit plan --train`: the training step's bytes by kind at the given batch, a plot, the largest batch."""
+    from memfit.budget import format_bytes, parse_bytes
+    from memfit.planner.sizing import largest_fitting, memory_model, plot_memory
+    model.train().to(args.device)
+    opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
+    example = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
+    mm = memory_model(model, example, train=True, optimizer=opt)
+    n = shapes[0][0]
+    budget = parse_bytes(args.budget) if args.budget else None
+    largest = largest_fitting(mm.total_bytes, budget, 2**31) if budget is not None else None
+    path = plot_memory(mm, args.plot, max(2 * n, 2 * (largest or 0), 8), budget) if args.plot else None
+    if args.json:
+        print(json.dumps({"batch": n, "total_bytes": mm.total_bytes(n), "breakdown": mm.breakdown(n),
+                          "method": mm.method, "largest_batch": largest, "plot": str(path) if path else None}))
+        return 0
+    print(f"{args.factory}: one training step with {args.optimizer}, loss = the output's .loss or the sum of "
+          f"the outputs, input {' and '.join(str(list(s)) for s in shapes)}")
+    print(mm.explain(n))
+    if budget is not None:
+        print(f"largest batch within {format_bytes(budget)}: {largest}")
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
 def cli_plan(argv: list[str]) -> int:
     """Run `memfit plan` with `argv` (the arguments after 'plan'); returns the exit code."""
-    from memfit.cli import UsageError
     args = _parser().parse_args(argv)
     shapes = [_shape(s) for s in args.input]
     dtype = getattr(torch, args.dtype, None)
@@ -101,9 +159,13 @@ def cli_plan(argv: list[str]) -> int:
     model = load_factory(args.factory)()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{args.factory} returned {type(model).__name__}; expected a torch.nn.Module")
-    model.eval()
-    pm = plan(model, tuple(torch.zeros(s, dtype=dtype) for s in shapes), algorithm=args.algorithm,
-              inplace=not args.no_inplace)
+    if args.train:
+        return _train_report(args, model, shapes, dtype)
+    if args.budget:
+        raise UsageError("--budget goes with --train")
+    model.eval().to(args.device)
+    pm = plan(model, tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes),
+              algorithm=args.algorithm, inplace=not args.no_inplace)
     rep = pm.report
     path = rep.plot(args.plot) if args.plot else None
     if args.json:
@@ -111,7 +173,8 @@ def cli_plan(argv: list[str]) -> int:
         return 0
     print(f"{args.factory} with input {' and '.join(str(list(s)) for s in shapes)} (model put in eval mode)")
     print(rep.summary())
-    print(rep.table(limit=None if args.all else 60))
+    print(rep.table(limit=None if args.all else 60).replace("(report.table(limit=None) lists all)",
+                                                            "(--all lists them all)"))
     if path:
         print(f"wrote {path}")
     return 0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.budget import format_bytes
+from memfit.budget import format_bytes, plural
 from memfit.planner.arena import Buffer, assign_offsets
 
 __all__ = ["Report", "Row"]
@@ -68,8 +70,8 @@ class Report:
         ratio = self.arena_bytes / self.lower_bound if self.lower_bound else 1.0
         unplanned = ", ".join(f"{k} x{v}" for k, v in sorted(self.unplanned_ops.items()))
         return "\n".join([
-            f"memory plan ({self.algorithm}, {self.n_ops} ops, {sum(r.kind == 'arena' for r in self.rows)} "
-            f"tensors in the arena)",
+            f"memory plan ({self.algorithm}, {plural(self.n_ops, 'op')}, "
+            f"{plural(sum(r.kind == 'arena' for r in self.rows), 'tensor')} in the arena)",
             f"  naive (one region per tensor)  {format_bytes(self.naive_bytes):>12}",
             f"  planned arena                  {format_bytes(self.arena_bytes):>12}  "
             f"({self.naive_bytes / max(self.arena_bytes, 1):.1f}x less than naive)",
@@ -108,8 +110,27 @@ class Report:
                           "lifetime": list(r.lifetime), "offset": r.offset, "kind": r.kind,
                           "inplace": list(r.inplace)} for r in self.rows]}
 
-    def plot(self, path: str | os.PathLike) -> Path:
-        """Write a PNG of the arena over time: one rectangle per tensor (x = op index, y = offset).
+    def plot(self, path: str | os.PathLike, labels: int = 10) -> Path:
+        """Write a PNG of the arena over time (see `figure`) to `path`; returns the path.
+
+        Raises:
+            ImportError: matplotlib is not installed (`pip install matplotlib`).
+        """
+        fig = self.figure(labels)                          # raises the ImportError with its fix first
+        import matplotlib.pyplot as plt
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def figure(self, labels: int = 10):
+        """A matplotlib Figure of the arena over time: one rectangle per tensor (x = op index, y = offset).
+
+        A tensor with lifetime first..last (as in `table`) covers the cells of ops first to last,
+        each cell centred on its op's index. The largest tensors (up to `labels`) carry their name
+        and size where the text fits; the arena and the lower bound are drawn as two lines, the
+        bound dashed on top so that both show when they are equal.
 
         Raises:
             ImportError: matplotlib is not installed (`pip install matplotlib`).
@@ -122,35 +143,64 @@ class Report:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.patches import Rectangle
+        from matplotlib.ticker import MaxNLocator
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(8, 4.4))
+        fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
         cmap = plt.get_cmap("tab20")
         scale, unit = (2**20, "MiB") if self.arena_bytes >= 2**20 else (2**10, "KiB")
-        for i, r in enumerate(r for r in self.rows if r.kind == "arena"):
-            ax.add_patch(Rectangle((r.lifetime[0], r.offset / scale), r.lifetime[1] - r.lifetime[0] + 1,
-                                   r.bytes / scale, facecolor=cmap(i % 20), edgecolor="black", linewidth=0.3))
+        cell = lambda r, off: ((r.lifetime[0] - 0.5, off / scale), r.lifetime[1] - r.lifetime[0] + 1, r.bytes / scale)
+        arena = [r for r in self.rows if r.kind == "arena"]
+        for i, r in enumerate(arena):
+            ax.add_patch(Rectangle(*cell(r, r.offset), facecolor=cmap(i % 20), edgecolor="black", linewidth=0.3))
         # tensors made by ops without an out= kernel live outside the arena: drawn above it, hatched
         outside = [r for r in self.rows if r.kind == "call" and r.bytes]
         top = self.arena_bytes
         if outside:
             offs, size = assign_offsets([Buffer(r.name, r.bytes, *r.lifetime) for r in outside], "greedy_by_size", 1)
             for r, off in zip(outside, offs, strict=True):
-                ax.add_patch(Rectangle((r.lifetime[0], (self.arena_bytes + off) / scale),
-                                       r.lifetime[1] - r.lifetime[0] + 1, r.bytes / scale, facecolor="0.85",
-                                       edgecolor="0.4", hatch="//", linewidth=0.3))
+                ax.add_patch(Rectangle(*cell(r, self.arena_bytes + off), facecolor="0.88", edgecolor="0.4",
+                                       hatch="//", linewidth=0.3))
             top += size
             label = f"outside the arena (no out= kernel), up to {format_bytes(self.unplanned_bytes)}"
-            ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="0.85", edgecolor="0.4", hatch="//", label=label))
-        ax.axhline(self.arena_bytes / scale, color="red", linewidth=1, label=f"arena {format_bytes(self.arena_bytes)}")
-        ax.axhline(self.lower_bound / scale, color="gray", linestyle="--", linewidth=1,
-                   label=f"lower bound {format_bytes(self.lower_bound)}")
-        ax.set(xlim=(0, max(self.n_ops, 1)), ylim=(0, max(top, 1) / scale * 1.08),
-               xlabel="op index", ylabel=f"offset ({unit})",
-               title=f"memfit activation arena ({self.algorithm}): one rectangle per tensor")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8, frameon=False)
+            ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="0.88", edgecolor="0.4", hatch="//", label=label))
+        same = " (= arena)" if self.lower_bound == self.arena_bytes else ""
+        ax.axhline(self.arena_bytes / scale, color="tab:red", linewidth=2.4, zorder=3,
+                   label=f"arena {format_bytes(self.arena_bytes)}")
+        ax.axhline(self.lower_bound / scale, color="black", linestyle=(0, (4, 3)), linewidth=1.2, zorder=4,
+                   label=f"lower bound {format_bytes(self.lower_bound)}{same}")
+        ax.set(xlim=(-0.5, max(self.n_ops, 1) - 0.5), ylim=(0, max(top, 1) / scale * 1.08),
+               xlabel="op index (a tensor spans the ops of its lifetime, first..last, as in the table)",
+               ylabel=f"offset ({unit})", title=f"memfit activation arena ({self.algorithm}): one rectangle per tensor")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8, frameon=False)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        _label_largest(fig, ax, arena, labels, scale)
+        return fig
+
+
+def _label_largest(fig, ax, rows: list[Row], n: int, scale: int) -> None:
+    """Write name and size inside the `n` largest tensors' rectangles, where the text fits (turned
+    upright in a tall, narrow one)."""
+    fig.canvas.draw()                                      # fixes the axes' size in pixels
+    to_px = ax.transData.transform
+    for r in sorted(rows, key=lambda r: r.bytes, reverse=True)[:n]:
+        (x0, y0), (x1, y1) = to_px([(r.lifetime[0] - 0.5, r.offset / scale),
+                                    (r.lifetime[1] + 0.5, (r.offset + r.bytes) / scale)])
+        w, h = x1 - x0, y1 - y0
+        for text, size in itertools.product((f"{_short(r.name)}\n{format_bytes(r.bytes)}", format_bytes(r.bytes)),
+                                            (8, 7, 6)):
+            px = size * fig.dpi / 72                       # the font's height in pixels
+            lines = text.splitlines()
+            tw, th = 0.62 * px * max(map(len, lines)), 1.25 * px * len(lines)   # about 0.62 em a character
+            rotation = 0 if tw <= w - 4 and th <= h - 2 else 90 if th <= w - 2 and tw <= h - 4 else None
+            if rotation is not None:
+                ax.text((r.lifetime[0] + r.lifetime[1]) / 2, (r.offset + r.bytes / 2) / scale, text,
+                        ha="center", va="center", fontsize=size, rotation=rotation, zorder=5, clip_on=True)
+                break
+
+
+def _short(name: str, most: int = 20) -> str:
+    """A tensor's name for a label: without the '__out0' of multi-output ops, middle elided when long
+    ('native_ba...training_4'); its end, which tells tensors of one op apart, stays."""
+    name = re.sub(r"_+out\d+$", "", name).lstrip("_")
+    return name if len(name) <= most else f"{name[:8]}...{name[-(most - 11):]}"

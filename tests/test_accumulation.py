@@ -1,0 +1,498 @@
+"""accumulate: micro-batched steps against one plain full-batch step (eager PyTorch as the reference)."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+from distributed_util import run_ranks
+from memfit import accumulation
+from memfit.accumulation import BatchDependentError, accumulate, batch_dependent_modules
+
+D, C = 6, 3
+
+
+class Tied(nn.Module):
+    """Embedding-like input projection whose weight is used again, transposed, by the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, D) * 0.3)
+        self.mid = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w.t())                 # (N, 8)
+        return (self.mid(h) @ self.w)[:, :C]           # the same weight again: two uses, one gradient
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, C)
+
+    def forward(self, x):
+        return self.head(self.enc(self.inp(x).view(x.shape[0], 1, 16).expand(-1, 3, -1)).mean(1))
+
+
+def make(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, C))
+    if kind == "cnn":
+        return nn.Sequential(nn.Unflatten(1, (1, 2, 3)), nn.Conv2d(1, 4, 2, padding=1), nn.GroupNorm(2, 4),
+                             nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 4, C))
+    if kind == "tied":
+        return Tied()
+    if kind == "attn":
+        return Attn()
+    raise ValueError(kind)
+
+
+def data(n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, D, generator=g), torch.randint(0, C, (n,), generator=g)
+
+
+def plain_step(model, opt, x, y, loss_fn=F.cross_entropy):
+    """The reference: one full-batch step."""
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def pair(kind: str, opt="sgd"):
+    a, b = make(kind), make(kind)
+    b.load_state_dict(a.state_dict())
+    mk = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+          "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3)}[opt]
+    return a, mk(a.parameters()), b, mk(b.parameters())
+
+
+def assert_same_step(ref, mod, rtol=1e-5):
+    """Gradients and parameters after the step agree within float32 reassociation (relative to each tensor's
+    size)."""
+    for (name, p), q in zip(ref.named_parameters(), mod.parameters(), strict=True):
+        scale = max(p.grad.abs().max().item(), 1e-6)
+        assert (p.grad - q.grad).abs().max().item() <= rtol * scale + 1e-7, f"gradient of {name}"
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"parameter {name} after the step"
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(n=st.integers(1, 13), micro=st.integers(1, 15), kind=st.sampled_from(["mlp", "cnn", "tied", "attn"]))
+def test_gradient_and_step_equal_the_full_batch(n, micro, kind):
+    ref, ref_opt, mod, opt = pair(kind)
+    x, y = data(n)
+    loss = plain_step(ref, ref_opt, x, y)
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=micro)
+    assert r.micro_batches == -(-n // min(micro, n)) and r.retries == 0 and r.n == n
+    assert abs(r.loss - loss) <= 1e-5 * max(1.0, abs(loss))
+    assert_same_step(ref, mod)
+
+
+def test_several_steps_with_adamw_follow_the_plain_run():
+    # not "attn": its key bias has a zero true gradient, so Adam's first steps are +-lr on float noise
+    ref, ref_opt, mod, opt = pair("tied", "adamw")
+    for step in range(4):
+        x, y = data(11, seed=step)
+        plain_step(ref, ref_opt, x, y)
+        accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4)     # 4 + 4 + 3
+    # Adam divides by sqrt(v): a gradient element near 0 turns a 1e-7 reassociation difference into a
+    # visible fraction of lr (1e-3) per step, so parameters agree to a few percent of one step's size
+    for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+        assert (p - q).abs().max() <= 5e-5
+
+
+def test_per_sample_losses_are_summed_not_averaged_per_micro_batch():
+    ref, ref_opt, mod, opt = pair("mlp")
+    x, y = data(10)
+    plain_step(ref, ref_opt, x, y)
+    r = accumulate(mod, opt, (x, y), lambda out, t: F.cross_entropy(out, t, reduction="none"), micro_batch=3)
+    assert r.micro_batches == 4
+    assert_same_step(ref, mod)
+
+
+def test_a_micro_batch_mean_weighted_equally_would_fail_this_test():
+    """The uneven last micro-batch: averaging the micro-batch means (the seed-004 trap) is not the gradient."""
+    ref, ref_opt, mod, _ = pair("mlp")
+    x, y = data(9)
+    plain_step(ref, ref_opt, x, y)
+    mod.zero_grad()
+    for s in range(0, 9, 4):                         # 4 + 4 + 1, each weighted 1/3
+        (F.cross_entropy(mod(x[s:s + 4]), y[s:s + 4]) / 3).backward()
+    with pytest.raises(AssertionError):
+        for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4)
+
+
+# ---- out of memory ----------------------------------------------------------------------------------
+class OOMInBackward(torch.autograd.Function):
+    """Identity whose backward raises an out-of-memory error while `budget(n)` says the batch is too big."""
+    budget = staticmethod(lambda n: True)
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.n = x.shape[0]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not OOMInBackward.budget(ctx.n):
+            raise torch.OutOfMemoryError(f"emulated: backward of a micro-batch of {ctx.n} does not fit")
+        return g
+
+
+class Gated(nn.Module):
+    """The gate sits between two layers: backward reaches it after `head` already has its gradient."""
+
+    def __init__(self, where="backward"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.where = nn.Linear(D, 16), nn.Linear(16, C), where
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        if self.where == "forward" and not OOMInBackward.budget(x.shape[0]):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (emulated)")
+        return self.head(OOMInBackward.apply(h))
+
+
+@pytest.fixture
+def oom_budget():
+    yield OOMInBackward
+    OOMInBackward.budget = staticmethod(lambda n: True)
+
+
+@pytest.mark.parametrize("where", ["backward", "forward"])
+def test_oom_retries_only_the_failed_micro_batch_without_its_partial_gradient(oom_budget, where):
+    ref, mod = Gated(where), Gated(where)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    x, y = data(13)
+    plain_step(ref, ref_opt, x, y)
+    oom_budget.budget = staticmethod(lambda n: n <= 3)          # the emulated device holds 3 samples
+    got = []
+    mod.head.weight.register_post_accumulate_grad_hook(lambda p: got.append(p.grad.clone()))
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=8)
+    # [0, 8) fails -> its first 4 fail -> 2, 2, 2, 2; then the 5 left at size 2: 2, 2, 1
+    assert r.oom_sizes == [8, 4] and r.retries == 2 and r.final_micro_batch == 2 and r.micro_batch == 8
+    assert r.micro_batches == 7
+    assert_same_step(ref, mod)
+    # in backward, head got samples [0, 8) before the gate failed, and nothing more of them (frozen while
+    # they are retried), then one per micro-batch of the rest; in forward, one per micro-batch
+    assert len(got) == (1 + 3 if where == "backward" else 7)
+
+
+def test_oom_once_mid_backward(oom_budget):
+    calls = {"n": 0}
+
+    def once(n):
+        calls["n"] += 1
+        return calls["n"] != 2                 # the second micro-batch's backward fails, once
+    ref, mod = Gated(), Gated()
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    x, y = data(12)
+    plain_step(ref, ref_opt, x, y)
+    oom_budget.budget = staticmethod(once)
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4)
+    assert r.retries == 1 and r.oom_sizes == [4] and r.micro_batches == 5   # 4, (2, 2), 2, 2
+    assert abs(r.loss - F.cross_entropy(ref(x), y).item()) < 0.05         # ref stepped: close, not equal
+    assert_same_step(ref, mod)
+    assert all(p.requires_grad for p in mod.parameters())                 # nothing left frozen
+
+
+def test_a_single_sample_that_does_not_fit_raises(oom_budget):
+    mod = Gated()
+    oom_budget.budget = staticmethod(lambda n: False)
+    with pytest.raises(torch.OutOfMemoryError, match="single sample"):
+        accumulate(mod, torch.optim.SGD(mod.parameters(), lr=0.1), data(4), F.cross_entropy, micro_batch=4)
+    assert all(p.requires_grad for p in mod.parameters())
+
+
+def test_other_errors_are_not_swallowed():
+    mod = make("mlp")
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):
+        accumulate(mod, torch.optim.SGD(mod.parameters(), lr=0.1), (torch.randn(4, D + 1), torch.zeros(4).long()),
+                   F.cross_entropy, micro_batch=2)
+
+
+# ---- batch statistics ---------------------------------------------------------------------------------
+def test_batchnorm_in_training_mode_is_refused_unless_asked():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.BatchNorm1d(8), nn.Linear(8, C))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(BatchDependentError, match=r"1 \(BatchNorm1d\).*allow_batch_dependent=True"):
+        accumulate(model, opt, data(8), F.cross_entropy, micro_batch=4)
+    with pytest.warns(UserWarning, match="not the full-batch step"):
+        accumulate(model, opt, data(8), F.cross_entropy, micro_batch=4, allow_batch_dependent=True)
+    model[1].eval()                                  # running statistics: no longer batch-dependent
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accumulate(model, opt, data(8), F.cross_entropy, micro_batch=4)
+
+
+def test_batch_dependence_lists_each_kind():
+    m = nn.Sequential(nn.Conv2d(1, 2, 1), nn.SyncBatchNorm(2), nn.InstanceNorm2d(2, track_running_stats=True),
+                      nn.InstanceNorm2d(2), nn.GroupNorm(1, 2), nn.LayerNorm(2))
+    found = batch_dependent_modules(m)
+    assert [f.split(" ")[1] for f in found] == ["(SyncBatchNorm):", "(InstanceNorm2d):"]
+
+
+# ---- inputs, precision, loaders -------------------------------------------------------------------------
+class KwModel(nn.Module):
+    """Takes tokenizer-style keyword inputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, C)
+
+    def forward(self, input_ids, attention_mask, scale=1.0):
+        m = attention_mask.unsqueeze(-1).float()                          # (N, T, 1)
+        return self.head((self.emb(input_ids) * m).sum(1) / m.sum(1) * scale)
+
+
+def test_dict_inputs_are_split_per_tensor():
+    g = torch.Generator().manual_seed(0)
+    x = {"input_ids": torch.randint(0, 20, (9, 5), generator=g), "attention_mask": torch.ones(9, 5, dtype=torch.long),
+         "scale": 2.0}
+    x["attention_mask"][::2, 3:] = 0
+    y = torch.randint(0, C, (9,), generator=g)
+    ref, mod = KwModel(), KwModel()
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    F.cross_entropy(ref(**x), y).backward()
+    ref_opt.step()
+    accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4)
+    assert_same_step(ref, mod)
+
+
+def test_transformers_bert_from_a_tiny_config():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=16, num_labels=C,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    ref = transformers.BertForSequenceClassification(cfg)
+    mod = transformers.BertForSequenceClassification(cfg)
+    mod.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(0)
+    x = {"input_ids": torch.randint(0, 50, (7, 6), generator=g), "attention_mask": torch.ones(7, 6, dtype=torch.long)}
+    y = torch.randint(0, C, (7,), generator=g)
+    loss_fn = lambda out, t: F.cross_entropy(out.logits, t)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    loss_fn(ref(**x), y).backward()
+    ref_opt.step()
+    accumulate(mod, opt, (x, y), loss_fn, micro_batch=3)
+    assert_same_step(ref, mod, rtol=1e-4)
+
+
+def test_bf16_autocast_on_cpu_matches_the_plain_autocast_step():
+    ref, ref_opt, mod, opt = pair("attn")
+    x, y = data(10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_step(ref, ref_opt, x, y)
+        r = accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4)
+    assert r.micro_batches == 3
+    # bf16 keeps 8 bits of mantissa; per-micro-batch rounding of the bf16 products differs from the full batch's
+    for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+        assert q.grad.dtype == torch.float32
+        assert (p.grad - q.grad).norm() <= 2e-2 * p.grad.norm() + 1e-6
+
+
+def test_bf16_parameters_without_a_grad_scaler():
+    ref, ref_opt, mod, opt = pair("mlp")
+    ref.to(torch.bfloat16)
+    mod.to(torch.bfloat16)
+    x, y = data(12)
+    plain_step(ref, ref_opt, x.bfloat16(), y)
+    accumulate(mod, opt, (x.bfloat16(), y), F.cross_entropy, micro_batch=5)
+    for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+        assert q.grad.dtype == torch.bfloat16
+        assert (p.grad.float() - q.grad.float()).norm() <= 2e-2 * p.grad.float().norm() + 1e-6
+
+
+def test_memfit_loader_batches_train_like_plain_steps():
+    from memfit import loader
+    rng = np.random.default_rng(0)
+    xs, ys = rng.integers(0, 256, (50, 1, 2, 3), dtype=np.uint8), rng.integers(0, C, 50)
+    ld = loader((xs, ys), 16, device="cpu", seed=0, budget="64MiB")          # 16, 16, 16, 2
+    ref, ref_opt, mod, opt = pair("cnn")
+    sizes = []
+    for xb, yb in ld:
+        plain_step(ref, ref_opt, xb.flatten(1), yb)
+        sizes.append(accumulate(mod, opt, (xb.flatten(1), yb), F.cross_entropy, micro_batch=5).micro_batches)
+    assert sizes == [4, 4, 4, 1]
+    for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+# ---- the automatic size ---------------------------------------------------------------------------------
+def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch):
+    peak = lambda m: 10_000 + 1_000 * m                     # bytes of a step on m samples
+    calls = []
+
+    def fake(model, optimizer, loss_fn, x, y):
+        calls.append(1)
+        return peak, "a stand-in model"
+    monkeypatch.setattr(accumulation, "training_peak", fake)
+    ref, ref_opt, mod, opt = pair("mlp")
+    x, y = data(20)
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
+    assert r.micro_batch == 6 and r.micro_batches == 4 and "largest micro-batch" in r.reason
+    plain_step(ref, ref_opt, x, y)
+    assert_same_step(ref, mod)
+    accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
+    assert len(calls) == 1                                    # kept for the next step
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(40))
+    assert r.micro_batch == 20 and "whole batch fits" in r.reason
+    with pytest.raises(MemoryError, match="one sample needs"):
+        accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(0))
+
+
+@pytest.mark.parametrize("kind, opt", [("mlp", "adamw"), ("attn", "sgd")])
+def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypatch):
+    """The fake-tensor memory model chooses; the real step's live bytes (memfit.measure) stay in the budget."""
+    from memfit.measure import track_memory
+    ref, ref_opt, mod, mod_opt = pair(kind, opt)
+    x, y = data(64)
+    plain_step(ref, ref_opt, x, y)                        # both with optimizer state, as in a running loop
+    plain_step(mod, mod_opt, x, y)
+    peak, how = accumulation.training_peak(mod, mod_opt, F.cross_entropy, x, y)
+    monkeypatch.setattr(accumulation, "training_peak", lambda *a: (peak, how))     # the same, computed once
+    budget = (peak(64) + peak(1)) // 3                   # too small for the whole batch
+    x, y = data(64, seed=2)
+    plain_step(ref, ref_opt, x, y)
+    mod.zero_grad(set_to_none=True)
+    held = accumulation._held_bytes(mod, mod_opt) + x.nbytes + y.nbytes
+    with track_memory("cpu") as mem:
+        r = accumulate(mod, mod_opt, (x, y), F.cross_entropy, budget=budget)
+    assert 1 <= r.micro_batch < 64 and r.micro_batches > 1 and "fake-tensor" in r.reason
+    assert peak(r.micro_batch) <= budget < peak(r.micro_batch + 1)
+    assert held + mem.peak <= budget, f"{held + mem.peak} > {budget}: the prediction fell below the real step"
+    assert_same_step(ref, mod, rtol=1e-4)
+
+
+def test_auto_says_how_to_continue_when_the_memory_cannot_be_predicted(monkeypatch):
+    def broken(*a):
+        raise NotImplementedError("no fake kernel for aten::foo")
+    monkeypatch.setattr(accumulation, "training_peak", broken)
+    mod = make("mlp")
+    with pytest.raises(RuntimeError, match=r"could not predict.*aten::foo.*micro_batch=<int>"):
+        accumulate(mod, torch.optim.SGD(mod.parameters(), lr=0.1), data(4), F.cross_entropy, budget="1MiB")
+
+
+def test_a_back_off_lowers_the_size_kept_for_the_next_step(monkeypatch, oom_budget):
+    monkeypatch.setattr(accumulation, "training_peak", lambda *a: (lambda m: m, "stand-in"))
+    mod = Gated()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    oom_budget.budget = staticmethod(lambda n: n <= 5)
+    r = accumulate(mod, opt, data(16), F.cross_entropy, budget=10**9)
+    assert (r.micro_batch, r.final_micro_batch, r.retries) == (16, 4, 2)
+    r = accumulate(mod, opt, data(16), F.cross_entropy, budget=10**9)
+    assert (r.micro_batch, r.retries) == (4, 0) and "lowered to 4" in r.reason
+
+
+# ---- usage errors -----------------------------------------------------------------------------------------
+def test_usage_errors_say_what_was_expected():
+    mod = make("mlp")
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    x, y = data(4)
+    with pytest.raises(ValueError, match="'auto' or an int >= 1; found 0"):
+        accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=0)
+    with pytest.raises(TypeError, match=r"batch must be \(x, y\)"):
+        accumulate(mod, opt, x, F.cross_entropy, micro_batch=2)
+    with pytest.raises(ValueError, match="same first"):
+        accumulate(mod, opt, (x, y[:3]), F.cross_entropy, micro_batch=2)
+    with pytest.raises(ValueError, match="mean loss over the micro-batch"):
+        accumulate(mod, opt, (x, y), lambda o, t: o, micro_batch=2)
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=2, distributed=True)
+
+
+# ---- two processes ------------------------------------------------------------------------------------------
+SIZES = (7, 4)                 # uneven batches on the two ranks
+
+
+def _ddp_step(rank, oom_rank):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    model = make("mlp")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    reductions = []                 # gradient buckets all-reduced: only in the last micro-batch
+
+    def counting_hook(state, bucket):
+        reductions.append(1)
+        return allreduce_hook(state, bucket)
+    ddp.register_comm_hook(None, counting_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x, y = data(sum(SIZES))
+    s = sum(SIZES[:rank])
+    if rank == oom_rank:            # this rank's first micro-batch (no_sync) runs out of memory once
+        calls = {"n": 0}
+
+        def once(n):
+            calls["n"] += 1
+            return calls["n"] != 1
+        OOMInBackward.budget = staticmethod(once)
+        model.register_forward_hook(lambda m, i, o: OOMInBackward.apply(o))
+    r = accumulate(ddp, opt, (x[s:s + SIZES[rank]], y[s:s + SIZES[rank]]), F.cross_entropy, micro_batch=3,
+                   distributed=True)
+    return (r.loss, r.retries, r.micro_batches, len(reductions), [p.grad.tolist() for p in model.parameters()],
+            [p.tolist() for p in model.parameters()])
+
+
+def _ddp_rank(rank, world):
+    return [_ddp_step(rank, None), _ddp_step(rank, 1)]
+
+
+def test_two_gloo_ranks_step_like_one_process_on_the_whole_batch():
+    out = run_ranks(_ddp_rank, 2, timeout=60)
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    ref, ref_opt, _, _ = pair("mlp")
+    x, y = data(sum(SIZES))
+    loss = plain_step(ref, ref_opt, x, y)
+    for rank, (_, steps) in out.items():
+        for oom_rank, (r_loss, retries, micro_batches, reductions, grads, params) in zip((None, 1), steps, strict=True):
+            assert abs(r_loss - loss) < 1e-5
+            assert retries == (1 if rank == oom_rank else 0)
+            # 7 = 3 + 3 + 1, 4 = 3 + 1; the retried 3 on rank 1 runs as 1 + 1 + 1
+            assert micro_batches == (3 if rank == 0 else 2 + 2 * (rank == oom_rank))
+            assert reductions == 1
+            for p, g, q in zip(ref.parameters(), grads, params, strict=True):
+                assert torch.allclose(p.grad, torch.tensor(g), rtol=1e-5, atol=1e-7)
+                assert torch.allclose(p, torch.tensor(q), rtol=1e-5, atol=1e-7)
+
+
+def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
+    from memfit.dataset import CompactDataset
+    from memfit.demo import train_under_budget
+    rng = np.random.default_rng(0)
+    ds = CompactDataset.from_arrays(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8), rng.integers(0, 4, 100),
+                                    normalize="dataset", device="cpu")
+    r = train_under_budget(ds, 4, torch.device("cpu"), seed=0, batch=48, lr=3e-3, quiet=True, steps=3)
+    assert r["needs"] > r["budget"] and 1 <= r["micro_batch"] < 48 and r["micro_batches"] >= 2
+    assert len(r["plain"]) == len(r["accumulated"]) == 3 and r["plain"][-1] < r["plain"][0]
+    assert r["max_difference"] < 1e-5
+
+
+def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_budget):
+    """With DDP the last micro-batch all-reduces inside backward: a retry there would leave the other ranks
+    waiting in the collective, so it stops with a message (earlier micro-batches back off locally)."""
+    class Synced(Gated):
+        def no_sync(self):
+            import contextlib
+            return contextlib.nullcontext()
+    mod = Synced()
+    x, y = data(10)
+    oom_budget.budget = staticmethod(lambda n: n != 4)
+    step = accumulation._Step(mod, F.cross_entropy, x, y, 10, 1, torch.device("cpu"), sync_last=True)
+    with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
+        step.run_range(0, 10, 6, frozenset(), 10)          # [0, 6) runs under no_sync, the last 4 fail
+    assert step.retries == 0 and step.micro_batches == 1
