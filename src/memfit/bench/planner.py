@@ -227,7 +227,7 @@ def run_fuzz(examples: int, seed: int = 0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from memfit.bench.zoo import REAL
-    from memfit.usage import count_arg, counts_arg, device_arg
+    from memfit.usage import count_arg, counts_arg, device_arg, names_arg
     p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
                                 epilog="example:\n  memfit bench planner --quick\n"
                                        "  memfit bench planner --real --quick\n"
@@ -240,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"real architectures from transformers configs ({', '.join(REAL)}); needs transformers")
     p.add_argument("--fuzz", type=count_arg(1), default=None, metavar="N",
                    help="run N random-graph models against eager, bit for bit, instead of the table")
-    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (with --real, "
-                                                  "from the real list)")
+    p.add_argument("--models", default=None, type=names_arg((*MODELS, *REAL), "model"),
+                   help=f"comma-separated, from {', '.join(MODELS)} (with --real, from the real list)")
     p.add_argument("--batches", default=None, type=counts_arg(1),
                    help="comma-separated batch sizes (default 1,32; quick 1,8; real 1,8; real quick 2,8)")
     p.add_argument("--image", type=count_arg(1), default=None, help="height and width of the image models' inputs")
@@ -256,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         run_fuzz(args.fuzz, args.seed)
         return 0
     known = REAL if args.real else MODELS
-    models = [m.strip() for m in (args.models or ",".join(known)).split(",") if m.strip()]
+    models = args.models or tuple(known)
     unknown = [m for m in models if m not in known]
     if unknown:
-        p.error(f"--models: unknown {unknown}; expected names from {list(known)}")
+        p.error(f"--models: unknown model {', '.join(map(repr, unknown))} {'with' if args.real else 'without'} "
+                f"--real; expected comma-separated names from {', '.join(known)}")
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
     if args.real:
         try:
