@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -69,9 +70,10 @@ class Batch:
 
     def __post_init__(self):
         t = self.template
-        if isinstance(t, int) and not isinstance(t, bool):
+        if _integral(t):
             t = self.template = (t,)
-        if isinstance(t, (tuple, list)) and t and all(isinstance(s, int) and not isinstance(s, bool) for s in t):
+        if _is_shape(t):
+            t = tuple(operator.index(s) for s in t)
             if any(s < 1 for s in t):
                 raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. "
                                  f"(3, 32, 32); found {t!r}")
@@ -212,8 +214,20 @@ class _Run:
     held: dict[str, int]              # bytes there before the step: parameters, inputs, optimizer state
 
 
+def _integral(s) -> bool:
+    """An int, numpy int or 0-d integer tensor, not a bool (operator.index accepts those)."""
+    if isinstance(s, bool) or isinstance(s, torch.Tensor) and s.dim():
+        return False
+    try:
+        operator.index(s)
+    except TypeError:
+        return False
+    return True
+
+
 def _is_shape(x) -> bool:
-    return isinstance(x, int) or (isinstance(x, (tuple, list)) and all(isinstance(s, int) for s in x))
+    """A sample shape (ints without the batch dimension) rather than an example batch."""
+    return _integral(x) or (isinstance(x, (tuple, list)) and len(x) > 0 and all(_integral(s) for s in x))
 
 
 def _model_device(model) -> torch.device:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from memfit.budget import BudgetExceeded, check_count, format_bytes, parse_bytes
-from memfit.footprint import CUDA_MARGIN, CUDA_SEGMENT, FakeRunError, StepMemoryModel, step_memory_model
+from memfit.footprint import CUDA_MARGIN, CUDA_SEGMENT, FakeRunError, StepMemoryModel, _is_shape, step_memory_model
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.planned import ALIGNMENT, layout
 
@@ -184,10 +184,6 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
 
 class _GraphsDiffer(Exception):
     pass
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, int) or (isinstance(x, (tuple, list)) and all(isinstance(s, int) for s in x))
 
 
 def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> MemoryModel:
