@@ -68,6 +68,8 @@ CASES = {
     "mlp": (mlp, lambda n: torch.randn(n, 32), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)), None),
     "cnn_bn": (cnn_bn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)),
                None),
+    "cnn_bn_bf16_weights": (lambda: cnn_bn().to(torch.bfloat16), lambda n: torch.randn(n, 3, 16, 16).bfloat16(),
+                            F.cross_entropy, lambda n: torch.randint(0, 10, (n,)), None),
     "frozen_stem": (frozen_cnn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy,
                     lambda n: torch.randint(0, 10, (n,)), None),
     "cnn_bn_bf16_autocast": (cnn_bn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy,
@@ -84,7 +86,7 @@ def state_of(model, opt):
     tensors = {k: v.clone() for k, v in model.state_dict().items()}
     grads = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
     ostate = copy.deepcopy(opt.state_dict())
-    return tensors, grads, ostate, [m.training for m in model.modules()], len(vars(model))
+    return tensors, grads, ostate, [m.training for m in model.modules()], (len(vars(model)), torch.get_rng_state())
 
 
 def assert_same_state(a, b):
@@ -92,7 +94,7 @@ def assert_same_state(a, b):
     assert t1.keys() == t2.keys() and all(torch.equal(t1[k], t2[k]) for k in t1)
     assert g1.keys() == g2.keys()
     assert all((g1[k] is None and g2[k] is None) or torch.equal(g1[k], g2[k]) for k in g1)
-    assert m1 == m2 and v1 == v2
+    assert m1 == m2 and v1[0] == v2[0] and torch.equal(v1[1], v2[1])       # modes, attributes, the RNG
     assert o1["param_groups"] == o2["param_groups"] and o1["state"].keys() == o2["state"].keys()
     for k in o1["state"]:
         for name, v in o1["state"][k].items():
@@ -106,9 +108,10 @@ def test_training_step_prediction_holds_and_leaves_everything_as_it_was(name):
     model = make()
     model.eval()                                  # the prediction puts it in train mode and back
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    example, example_target = batch(2), target(2) if target else None
     before = state_of(model, opt)
-    mm = memfit.memory_model(model, batch(2), train=True, optimizer=opt, loss_fn=loss_fn,
-                             target=target(2) if target else None, autocast=autocast)
+    mm = memfit.memory_model(model, example, train=True, optimizer=opt, loss_fn=loss_fn, target=example_target,
+                             autocast=autocast)
     assert_same_state(before, state_of(model, opt))
     assert "fake-tensor run of one training step" in mm.method
     for n in (3, 11):
