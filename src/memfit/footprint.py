@@ -513,7 +513,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         autocast: run forward and loss under `torch.autocast` with this dtype.
         dtype: the input dtype when `example` is a shape.
         device: the device to predict for (default: the model's).
-        why: a reason prepended to `method` (e.g. why the planner was not used).
+        why: a reason added to `method` (e.g. why the planner was not used).
     """
     from memfit.budget import resolve_device
     dev = resolve_device(device) if device is not None else _model_device(model)   # checks CUDA is there
@@ -594,8 +594,10 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         b = np.zeros((1, len(KINDS)))
         a[0, 0], b[0, 0] = top, slope
         how = "line above the peaks at sizes 1, 2, 4, 8 with the steepest slope (the ops change with the batch size)"
-    held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0)),
-            "optimizer state": (runs[1].held["optimizer state"], 0)}
-    method = f"{why}fake-tensor run of {what}{optimizer_note} at batch sizes {sorted(runs)}, {how}"
+    held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
+    if train:
+        held["optimizer state"] = (runs[1].held["optimizer state"], 0)
+    method = f"fake-tensor run of {what}{optimizer_note} at batch sizes {sorted(runs)}, {how}" + \
+        (f" ({why})" if why else "")
     return StepMemoryModel(method, runs[1].held["parameters"], dev, train, held, a, b, runs[2].ops,
                            runs[2].phase_ends, measured)

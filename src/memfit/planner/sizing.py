@@ -167,19 +167,20 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     if isinstance(example, torch.Tensor):
         example, dtype = tuple(example.shape[1:]), example.dtype
     if not _is_shape(example):
-        return fake("not planned (the planner takes one input tensor): ")
+        return fake("not planned: the planner takes one input tensor")
     if autocast is not None or (device is not None and torch.device(device) != _device(model)):
-        return fake("not planned (autocast or another device than the model's): ")
+        return fake("not planned: autocast or another device than the model's")
     try:
         return _planned_model(model, _sample_shape(example), dtype, algorithm)
     except CaptureError as e:
-        reason = str(e).splitlines()[0][:200]
+        reason = str(e).splitlines()[0]
+        reason = reason if len(reason) <= 160 else reason[:160].rsplit(" ", 1)[0] + " ..."
         try:
-            return fake(f"not planned: {reason}; ")
+            return fake(f"not planned: {reason}")
         except FakeRunError as f:
             raise CaptureError(f"{e}\nThe fake-tensor forward failed too: {f}") from f
     except _GraphsDiffer:
-        return fake("not planned: the captured graphs at batch 2 and 4 differ; ")
+        return fake("not planned: the captured graphs at batch 2 and 4 differ")
 
 
 class _GraphsDiffer(Exception):
