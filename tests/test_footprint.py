@@ -247,3 +247,9 @@ def test_a_second_prediction_for_the_same_model_and_layout_is_cached_until_the_m
     model[3] = nn.Linear(128, 20)                             # a new head: predicted again
     new = step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw)
     assert new is not first and new.param_bytes > first.param_bytes
+
+
+def test_a_two_argument_loss_without_a_target_asks_for_one():
+    model = mlp()
+    with pytest.raises(TypeError, match=r"needs target=, an example target batch"):
+        step_memory_model(model, (32,), optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.cross_entropy)

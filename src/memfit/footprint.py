@@ -107,8 +107,16 @@ def call(model: torch.nn.Module, batch):
 
 
 def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None and target is not None:
+        return loss_fn(out, target)
     if loss_fn is not None:
-        return loss_fn(out) if target is None else loss_fn(out, target)
+        try:
+            return loss_fn(out)
+        except TypeError as e:
+            if "argument" not in str(e):
+                raise
+            raise TypeError(f"loss_fn(output) failed ({e}); a loss_fn(output, target) needs target=, an example "
+                            "target batch (e.g. target=y[:2])") from None
     if target is not None:
         raise ValueError("a target was given but no loss_fn; pass loss_fn=torch.nn.functional.cross_entropy or similar")
     loss = getattr(out, "loss", None)                 # transformers outputs when labels are in the batch
