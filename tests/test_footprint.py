@@ -253,3 +253,40 @@ def test_a_two_argument_loss_without_a_target_asks_for_one():
     model = mlp()
     with pytest.raises(TypeError, match=r"needs target=, an example target batch"):
         step_memory_model(model, (32,), optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.cross_entropy)
+
+
+def contrastive_loss(emb):
+    """Each sample against every other: an (n, n) similarity matrix, memory quadratic in the batch."""
+    return F.cross_entropy(emb @ emb.t(), torch.arange(emb.shape[0], device=emb.device))
+
+
+def test_memory_quadratic_in_the_batch_is_fit_as_a_quadratic_and_holds():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mm = step_memory_model(model, (16,), optimizer=opt, loss_fn=contrastive_loss)
+    assert "quadratic per op and kind" in mm.method
+    for n in (3, 200):
+        m = copy.deepcopy(model)
+        real = measure_step(m, torch.randn(n, 16), torch.optim.SGD(m.parameters(), lr=0.1), contrastive_loss)
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real)
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.cat([y, y]) if x.shape[0] >= 4 else y        # other ops from batch 4 on
+
+
+def test_ops_that_change_with_the_batch_give_an_approximate_line_that_says_so():
+    model = ShapeBranch()
+    with pytest.warns(UserWarning, match="estimated, not exact"):
+        mm = step_memory_model(model, (16,), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert mm.method.startswith("fake-tensor run") and "APPROXIMATE" in mm.method
+    for n in (5, 64):
+        m = copy.deepcopy(model)
+        assert mm.total_bytes(n) >= measure_step(m, torch.randn(n, 16), torch.optim.SGD(m.parameters(), lr=0.1))

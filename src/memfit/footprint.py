@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -422,9 +423,10 @@ class StepMemoryModel:
     _ops: list[str]
     _ends: dict[str, int]
     _measured: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) where probed exactly
+    _c: np.ndarray | None = None                      # (ops, kinds): + c*n^2 where sizes grow faster than n
 
     def _peak(self, n: int) -> tuple[int, np.ndarray]:
-        live = self._a + self._b * n
+        live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
         if n in self._measured and self._measured[n].shape == live.shape:
             live = np.maximum(live, self._measured[n])
         elif n in self._measured:                     # batch 1 runs other ops: its own run is exact
@@ -451,7 +453,8 @@ class StepMemoryModel:
         k = self._ends.get("forward", len(self._ops)) - 1
         if self._a.shape[0] <= k or k < 0:              # the line-through-peaks fallback keeps no per-op rows
             return self.breakdown(n)["activations"]
-        return int(np.ceil(self._a[k, 0] + self._b[k, 0] * _batch(n)))
+        n = _batch(n)
+        return int(np.ceil(self._a[k, 0] + self._b[k, 0] * n + (self._c[k, 0] * n * n if self._c is not None else 0)))
 
     def total_bytes(self, n: int) -> int:
         """Bytes held at the peak of the step (or forward) for a batch of n."""
@@ -495,6 +498,15 @@ def _affine(runs: dict[int, _Run], n1: int, n2: int):
     l1, l2 = runs[n1].live.astype(np.float64), runs[n2].live.astype(np.float64)
     b = (l2 - l1) / (n2 - n1)
     return l1 - b * n1, b
+
+
+def _quadratic(runs: dict[int, _Run], n1: int, n2: int, n3: int):
+    """a, b, c of a + b*n + c*n^2 through the live bytes at three sizes (per op and kind)."""
+    l1, l2, l3 = (runs[n].live.astype(np.float64) for n in (n1, n2, n3))
+    s12, s23 = (l2 - l1) / (n2 - n1), (l3 - l2) / (n3 - n2)
+    c = (s23 - s12) / (n3 - n1)
+    b = s12 - c * (n1 + n2)
+    return l1 - b * n1 - c * n1 * n1, b, c
 
 
 def _envelope(runs: dict[int, _Run], sizes: list[int]):
@@ -576,6 +588,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
     runs = {n: run(n) for n in PROBES}
     what = "one training step" if train else "one forward"
     measured = {}
+    c = None
     if runs[2].ops == runs[4].ops:
         a, b = _affine(runs, 2, 4)
         check = 1 if runs[1].ops == runs[2].ops else 8
@@ -583,14 +596,26 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
             runs[8] = run(8)
             measured[1] = runs[1].live
         same = runs[check].ops == runs[2].ops
-        exact = same and np.array_equal(a + b * check, runs[check].live)
-        if exact:
+        c = None
+        if same and np.array_equal(a + b * check, runs[check].live):
             how = f"affine per op and kind from sizes 2 and 4, exact at {check}"
         else:
-            sizes = sorted(n for n in runs if runs[n].ops == runs[2].ops)
-            a, b = _envelope(runs, sizes)
-            how = (f"upper envelope of the sizes {sizes} (not exactly affine at {check}: steepest slope per op)")
-        if check == 8:
+            # some size grows faster than the batch (an n x n similarity matrix, say): a quadratic per op from
+            # 2, 4 and 8, checked at a fourth size
+            for n in (8, 16):
+                runs[n] = runs[n] if n in runs else run(n)
+            check = 1 if runs[1].ops == runs[2].ops else 16
+            if all(runs[n].ops == runs[2].ops for n in (4, 8, check)):
+                a, b, c = _quadratic(runs, 2, 4, 8)
+            if c is not None and np.allclose(a + b * check + c * check * check, runs[check].live, rtol=0, atol=0.5):
+                how = f"quadratic per op and kind from sizes 2, 4 and 8, exact at {check}"
+            else:
+                sizes = sorted(n for n in runs if runs[n].ops == runs[2].ops)
+                a, b = _envelope(runs, sizes)
+                c = None
+                how = (f"APPROXIMATE: upper envelope of the sizes {sizes} (neither affine nor quadratic in the "
+                       "batch: steepest slope per op)")
+        if runs[1].ops != runs[2].ops:
             how += "; batch 1 runs other ops and is its own exact run"
     else:
         runs[8] = run(8)
@@ -601,11 +626,15 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         a = np.zeros((1, len(KINDS)))
         b = np.zeros((1, len(KINDS)))
         a[0, 0], b[0, 0] = top, slope
-        how = "line above the peaks at sizes 1, 2, 4, 8 with the steepest slope (the ops change with the batch size)"
+        how = ("APPROXIMATE: line above the peaks at sizes 1, 2, 4, 8 with the steepest slope (the ops change with "
+               "the batch size)")
     held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
     if train:
         held["optimizer state"] = (runs[1].held["optimizer state"], 0)
     method = f"fake-tensor run of {what}{optimizer_note} at batch sizes {sorted(runs)}, {how}" + \
         (f" ({why})" if why else "")
+    if "APPROXIMATE" in how:
+        warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
+                      "pick with memfit.footprint.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[1].held["parameters"], dev, train, held, a, b, runs[2].ops,
-                           runs[2].phase_ends, measured)
+                           runs[2].phase_ends, measured, c if runs[2].ops == runs[4].ops else None)
