@@ -5,7 +5,11 @@ loss, backward, `optimizer.step()`, `zero_grad()`) under `torch._subclasses.fake
 at batch sizes 1, 2 and 4, with `memfit.measure`'s live-bytes dispatch mode recording every storage
 allocated and freed. Each op's live bytes, per kind (activations, gradients, optimizer state,
 transients), is affine in the batch, `a + b * n`: two sizes fit it, the third checks it, and the
-peak at any n is the largest over the ops. No `torch.export`, so any model that runs eagerly works.
+peak at any n is the largest over the ops. Where the check fails (an n x n similarity matrix), a
+quadratic per op is fit at 2, 4, 8 and checked at a fourth size; where even that fails, or the ops
+change with the batch, an upper line is used and `method` says APPROXIMATE (with a warning). No
+`torch.export`, so any model that runs eagerly works; data-dependent Python control flow does not
+(`FakeRunError` says so).
 
 Parameters and buffers are swapped for fake copies for the run (`torch.func.functional_call`'s
 mechanism) and the optimizer is a shallow copy holding fake state, so the model, its buffers
