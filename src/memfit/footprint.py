@@ -46,7 +46,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from memfit.budget import format_bytes
+from memfit.budget import check_count, format_bytes
 from memfit.measure import MemoryTrace, _storage_key, _Tracker
 
 __all__ = ["Batch", "FakeRunError", "StepMemoryModel", "check_prediction", "measure_step", "step_memory_model",
@@ -76,9 +76,9 @@ class Batch:
     def __post_init__(self):
         t = self.template
         if _integral(t):
-            t = self.template = (t,)
+            t = self.template = (operator.index(t),)
         if _is_shape(t):
-            t = tuple(operator.index(s) for s in t)
+            t = tuple(operator.index(s) for s in t)          # numpy ints too
             if any(s < 1 for s in t):
                 raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. "
                                  f"(3, 32, 32); found {t!r}")
@@ -494,7 +494,6 @@ class StepMemoryModel:
 
 
 def _batch(n) -> int:
-    from memfit.budget import check_count
     return check_count("the batch size", n, 1)
 
 
