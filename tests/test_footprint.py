@@ -125,10 +125,12 @@ def test_training_step_prediction_holds_and_leaves_everything_as_it_was(name):
     assert 2 * trained <= parts["optimizer state"] <= 2 * trained + 4 * len(opt.param_groups[0]["params"])
 
 
-def test_optimizer_state_that_exists_is_counted_once_and_left_alone():
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adamw"])
+def test_optimizer_state_that_exists_is_counted_once_and_left_alone(kind):
     torch.manual_seed(0)
     model = cnn_bn()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "sgd_momentum" \
+        else torch.optim.AdamW(model.parameters())        # its `step` is a tensor read with .item()
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
     F.cross_entropy(model(x), y).backward()
     opt.step()                                     # momentum buffers exist; .grad kept (not zeroed) on purpose
@@ -136,9 +138,12 @@ def test_optimizer_state_that_exists_is_counted_once_and_left_alone():
     mm = step_memory_model(model, x, optimizer=opt, loss_fn=F.cross_entropy, target=y)
     assert_same_state(before, state_of(model, opt))
     params = sum(p.nbytes for p in model.parameters())
-    assert mm.breakdown(8)["optimizer state"] == params          # one momentum buffer per parameter
-    real = measure_step(copy.deepcopy(model), torch.randn(8, 3, 16, 16), copy.deepcopy(opt), F.cross_entropy,
-                        torch.randint(0, 10, (8,)), warmup=False)
+    state = mm.breakdown(8)["optimizer state"]
+    steps = 4 * len(list(model.parameters()))        # AdamW: a 4-byte step per tensor
+    assert state == params if kind == "sgd_momentum" else 2 * params <= state <= 2 * params + steps
+    real_model, real_opt = copy.deepcopy((model, opt))            # one deepcopy: the copy steps the copy's weights
+    real = measure_step(real_model, torch.randn(8, 3, 16, 16), real_opt, F.cross_entropy, torch.randint(0, 10, (8,)),
+                        warmup=False)
     assert 1.0 <= mm.total_bytes(8) / real <= 1.05
 
 

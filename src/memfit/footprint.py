@@ -276,8 +276,17 @@ def _restore(snap) -> None:
         m._buffers.clear(), m._buffers.update(buffers)
 
 
-def _fake_optimizer(optimizer, fake: Callable):
-    """A shallow copy of `optimizer` over the fake parameters, with fake copies of its state."""
+def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
+    """A shallow copy of `optimizer` over the fake parameters, with fake copies of its state.
+
+    A one-element CPU state tensor (Adam's `step`, read with .item()) becomes a fake tensor that keeps a
+    copy of its value, as `torch.tensor(0.0)` made under the fake mode does; the real one is never written.
+    """
+    def state(v):
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.device.type == "cpu" and not v.requires_grad:
+            return mode.fake_tensor_converter.from_real_tensor(mode, v.detach().clone(), make_constant=True)
+        return fake(v) if isinstance(v, torch.Tensor) else copy.copy(v)
+
     from torch.optim.optimizer import _default_to_fused_or_foreach
     opt = copy.copy(optimizer)
     opt.param_groups = []
@@ -287,8 +296,7 @@ def _fake_optimizer(optimizer, fake: Callable):
             # the default picks the multi-tensor kernels for real CUDA tensors, never for fake ones: say it
             group["foreach"] = _default_to_fused_or_foreach(g["params"], differentiable=False, use_fused=False)[1]
         opt.param_groups.append(group)
-    opt.state = defaultdict(dict, {fake(p): {k: fake(v) if isinstance(v, torch.Tensor) else copy.copy(v)
-                                             for k, v in st.items()} for p, st in optimizer.state.items()})
+    opt.state = defaultdict(dict, {fake(p): {k: state(v) for k, v in st.items()} for p, st in optimizer.state.items()})
     return opt
 
 
@@ -320,7 +328,7 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
     try:
         with torch.random.fork_rng(devices=[]):
             fake_named = {k: fake(v) for k, v in named.items()}
-            opt = _fake_optimizer(optimizer, fake) if optimizer is not None else None
+            opt = _fake_optimizer(optimizer, fake, mode) if optimizer is not None else None
             if train:
                 model.train()                          # restored with the rest by _restore
             with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
