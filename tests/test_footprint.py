@@ -249,6 +249,11 @@ def test_a_second_prediction_for_the_same_model_and_layout_is_cached_until_the_m
     first = step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw)
     again = step_memory_model(model, torch.zeros(9, 32), target=torch.zeros(9, dtype=torch.long), **kw)
     assert again is first                                     # the batch size is not part of the layout
+    wrap = lambda f: (lambda out, y: f(out, y))               # a loss wrapper made again for each call
+    kw["loss_fn"] = wrap(F.cross_entropy)
+    wrapped = step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw)
+    kw["loss_fn"] = wrap(F.cross_entropy)
+    assert step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw) is wrapped
     model[3] = nn.Linear(128, 20)                             # a new head: predicted again
     new = step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw)
     assert new is not first and new.param_bytes > first.param_bytes

@@ -201,6 +201,7 @@ def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), 
     import time
 
     from memfit.planner.sizing import memory_model
+    _CACHE.pop(model, None)                                     # time the prediction itself, not a cache hit
     t0 = time.perf_counter()
     mm = memory_model(model, example_at(2), train=True, optimizer=optimizer, loss_fn=loss_fn,
                       target=target_at(2) if target_at else None, autocast=autocast)
@@ -553,7 +554,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
-           id(optimizer), groups, id(loss_fn), autocast, dev, why)
+           id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why)
     fingerprint = tuple((id(t), tuple(t.shape), t.dtype, t.requires_grad)
                         for t in [*model.parameters(), *model.buffers()]) \
         + tuple((id(m), m.training) for m in model.modules())
@@ -569,6 +570,15 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
 # model -> (fingerprint, {key: model}): predicting again for the same model, batch layout and optimizer (each
 # micro-batch of an accumulation, each evaluation) costs nothing; a new or reshaped parameter drops the entry
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _callable_key(f) -> object:
+    """The same key for closures made again from the same code over the same objects (a loss wrapper built
+    per call), else the object's id."""
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return id(f)
+    return code, tuple(id(c.cell_contents) for c in (f.__closure__ or ())), id(getattr(f, "__self__", None))
 
 
 def _signature(template) -> object:
