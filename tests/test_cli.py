@@ -37,6 +37,25 @@ def test_help_shows_an_example(cmd, capsys):
     (["eval"], "MODULE:FACTORY"),
     (["eval", "x:y", "--chunk-size", "-3"], "--chunk-size"),
     (["plan"], "MODULE:FACTORY|required"),
+    (["demo", "--seed", "-1"], r"argument --seed: expected a whole number >= 0; found '-1'"),
+    (["demo", "--batch-size", "2.5"], r"--batch-size: expected a whole number >= 1"),
+    (["demo", "--budget", "1.5"], r"--budget: expected a whole number of bytes"),
+    (["demo", "--budget", "1G"], r"--budget: ambiguous unit 'G'.*'1GiB'.*'1GB'"),
+    (["demo", "--data", "mnist:"], r"--data: expected mnist:FOLDER"),
+    (["demo", "--data", "mnist:/no/such/folder"], r"--data: .*does not exist"),
+    (["demo", "--data", "missing.npz"], r"--data: missing.npz: no such file"),
+    (["demo", "--data", "synthetic:x"], r"--data: expected synthetic:N"),
+    (["eval", "x:y", "--data", "foo"], r"--data: unknown data 'foo'"),
+    (["eval", "x:y", "--data", "mnist:"], r"--data: expected mnist:FOLDER"),
+    (["eval", "x:y", "--device", "gpu7"], r"--device: expected a device"),
+    (["plan", "x:y", "--input", "1,2", "--device", "gpu7"], r"--device: expected a device"),
+    (["bench", "codecs", "--sets", "foo"], r"--sets: unknown set 'foo'; expected .*mnist, cifar"),
+    (["bench", "codecs", "--codecs", "uint8,jpeg"], r"--codecs: unknown codec 'jpeg'"),
+    (["bench", "evaluate", "--budget", "lots"], r"--budget"),
+    (["bench", "evaluate", "--device", "gpu7"], r"--device"),
+    (["bench", "planner", "--device", "gpu7"], r"--device"),
+    (["bench", "planner", "--models", "resnet5"], r"--models: unknown model 'resnet5'"),
+    (["bench", "planner", "--batches", "1,x"], r"--batches: expected comma-separated whole numbers"),
 ])
 def test_bad_usage_exits_2_with_the_reason(argv, match, capsys):
     try:
@@ -119,3 +138,107 @@ def test_plan_prints_the_report(tmp_path, capsys):
                                           torch.nn.Linear(32, 10)).eval(), (torch.empty(4, 1, 8, 8),)).report
     assert got["arena_bytes"] == ref.arena_bytes > 0                 # the same plan as the Python API
     assert got["lower_bound"] == ref.lower_bound and got["naive_bytes"] == ref.naive_bytes
+
+
+LEAVES = [c for c in SUBCOMMANDS if c != ["bench"]]
+
+
+@pytest.mark.parametrize("cmd", LEAVES, ids=" ".join)
+def test_help_names_only_options_that_exist(cmd, capsys):
+    """Every --option a subcommand's help mentions (description, examples) is one of its options."""
+    import re
+    with pytest.raises(SystemExit):
+        main([*cmd, "--help"])
+    out = capsys.readouterr().out
+    options = set(re.findall(r"^\s+(?:-\w, )?(--[\w-]+)", out.split("options:", 1)[1], re.M))
+    mentioned = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", out)) - {"--help", "--nproc-per-node", "--standalone"}
+    assert mentioned <= options | {"--debug"}, f"mentioned but not options: {mentioned - options}"
+
+
+@pytest.mark.parametrize("cmd", [["demo"], ["eval"], ["plan"], ["bench", "codecs"], ["bench", "loaders"],
+                                 ["bench", "planner"], ["bench", "evaluate"]], ids=" ".join)
+def test_every_command_that_runs_a_model_takes_device(cmd, capsys):
+    with pytest.raises(SystemExit):
+        main([*cmd, "--help"])
+    assert "--device" in capsys.readouterr().out
+
+
+def test_a_budget_that_does_not_fit_prints_the_whole_breakdown(capsys):
+    code = main(["demo", "--data", "synthetic:200", "--budget", "0", "--no-plot", "--epochs", "1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("memfit: error: BudgetExceeded:")
+    lines = err.strip().splitlines()
+    assert len(lines) >= 4 and any(line.strip().startswith("total") for line in lines), err
+    assert "Traceback" not in err and lines[-1] == "(run with --debug for the traceback)"
+
+
+def test_demo_checks_its_output_folder_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    code = main(["demo", "--data", "synthetic:200", "--plot", str(blocker / "pictures")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""                     # nothing ran: no data line, no epoch
+    assert "--plot: cannot write the pictures into" in err and "a-file" in err
+
+
+def test_debug_anywhere_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        main(["eval", f"{tmp_path}/missing.py:make", "--data", "synthetic:100", "--debug"])
+    with pytest.raises(ValueError, match="does not exist"):
+        main(["--debug", "plan", f"{tmp_path}/missing.py:make", "--input", "1,64"])
+
+
+def test_console_script_imports_a_module_from_the_current_folder(tmp_path):
+    """`memfit plan my_module:make` finds my_module.py in the current folder, as `python -m memfit` does."""
+    import os
+    import shutil
+    script = shutil.which("memfit", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the memfit console script is not installed beside this interpreter")
+    (tmp_path / "my_module_for_cli.py").write_text(MLP_FILE)
+    for cmd in ([script], [sys.executable, "-m", "memfit"]):
+        out = subprocess.run([*cmd, "plan", "my_module_for_cli:make", "--input", "2,1,8,8", "--json"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-1500:]
+        assert json.loads(out.stdout)["arena_bytes"] > 0
+
+
+DEEP_FILE = '''
+import torch
+
+def make():
+    layers = [torch.nn.Flatten()]
+    for _ in range(70):
+        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+'''
+
+
+def test_plan_all_lists_every_tensor(tmp_path, capsys):
+    (tmp_path / "deep.py").write_text(DEEP_FILE)
+    assert main(["plan", f"{tmp_path}/deep.py:make", "--input", "2,16"]) == 0
+    short = capsys.readouterr().out
+    assert main(["plan", f"{tmp_path}/deep.py:make", "--input", "2,16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) > 60 and f"... {len(rows) - 60} more (--all lists them all)" in short
+    assert main(["plan", f"{tmp_path}/deep.py:make", "--input", "2,16", "--all"]) == 0
+    full = capsys.readouterr().out
+    assert "more (" not in full and all(r["name"][:28] in full for r in rows)
+
+
+def test_the_library_never_imports_the_command_line():
+    code = ("import sys, memfit, memfit.planner, memfit.demo; "
+            "print(sorted(m for m in sys.modules if m in ('memfit.cli', 'memfit.planner.cli')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.cuda
+def test_plan_and_eval_on_cuda(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    (tmp_path / "mlp.py").write_text(MLP_FILE)
+    assert main(["plan", f"{tmp_path}/mlp.py:make", "--input", "4,1,8,8", "--device", "cuda", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["arena_bytes"] > 0
+    assert main(["eval", f"{tmp_path}/mlp.py:make", "--data", "digits", "--device", "cuda", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 359

@@ -18,7 +18,7 @@ def demo_json(tmp_path_factory):
     import io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = main(["demo", "--epochs", "4", "--seed", "1", "--json", "--out", str(out)])
+        code = main(["demo", "--epochs", "4", "--seed", "1", "--json", "--plot", str(out)])
     assert code == 0
     return json.loads(buf.getvalue().strip().splitlines()[-1]), out
 
@@ -43,7 +43,7 @@ def test_demo_reports_every_figure(demo_json):
 
 def test_demo_is_deterministic_with_a_seed(demo_json, tmp_path, capsys):
     r, _ = demo_json
-    assert main(["demo", "--epochs", "4", "--seed", "1", "--json", "--no-plots"]) == 0
+    assert main(["demo", "--epochs", "4", "--seed", "1", "--json", "--no-plot"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["losses"] == r["losses"]
     assert again["evaluate"]["accuracy"] == r["evaluate"]["accuracy"]
@@ -51,7 +51,7 @@ def test_demo_is_deterministic_with_a_seed(demo_json, tmp_path, capsys):
 
 def test_a_small_budget_changes_the_choices(capsys):
     pytest.importorskip("sklearn")
-    assert main(["demo", "--epochs", "1", "--budget", "1MiB", "--json", "--no-plots"]) == 0
+    assert main(["demo", "--epochs", "1", "--budget", "1MiB", "--json", "--no-plot"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["evaluate"]["chunk_size"] < r["test"]          # activations of 359 samples need several MiB
     assert r["max_eval_batch"] < r["test"]
@@ -78,10 +78,41 @@ def test_demo_runs_on_two_processes_with_torchrun():
     import sys
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMFIT_DIST_TIMEOUT": "60"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "memfit", "demo", "--distributed", "--epochs", "1", "--no-plots", "--json"],
+                          "-m", "memfit", "demo", "--distributed", "--epochs", "1", "--no-plot", "--json"],
                          capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert r["world_size"] == 2
     assert r["evaluate"]["n"] == r["test"] == 359            # every test sample counted once, none twice
     assert r["loader"]["batches_per_epoch"] == -(-719 // 64)  # a rank iterates its half of the 1438
+
+
+def test_arena_picture_agrees_with_the_table():
+    """The picture the demo writes: each arena tensor's rectangle spans exactly the ops of its lifetime
+    in the table (cells centred on op indices) at its offset; the arena and the lower bound are two
+    visible lines (the bound dashed, drawn on top); the largest tensor is labelled."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from memfit.demo import small_cnn
+    from memfit.planner import plan
+    rep = plan(small_cnn(1, 10, 8).eval(), (torch.empty(64, 1, 8, 8),)).report
+    fig = rep.figure()
+    try:
+        ax = fig.axes[0]
+        scale = 2**20 if rep.arena_bytes >= 2**20 else 2**10
+        drawn = {(p.get_x(), p.get_width(), p.get_y(), p.get_height()) for p in ax.patches if not p.get_hatch()}
+        arena = [r for r in rep.rows if r.kind == "arena"]
+        assert arena
+        for r in arena:
+            first, last = r.lifetime
+            assert (first - 0.5, last - first + 1, r.offset / scale, r.bytes / scale) in drawn, r
+        lines = {line.get_label().split()[0]: line for line in ax.get_lines()}
+        assert lines["arena"].get_ydata()[0] == rep.arena_bytes / scale
+        assert lines["lower"].get_ydata()[0] == rep.lower_bound / scale
+        assert lines["lower"].get_linestyle() != "-" and lines["lower"].get_zorder() > lines["arena"].get_zorder()
+        largest = max(arena, key=lambda r: r.bytes)
+        assert any(largest.name in t.get_text() for t in ax.texts)
+    finally:
+        plt.close(fig)

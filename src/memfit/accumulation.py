@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import format_bytes, parse_bytes, resolve_budget
+from memfit.budget import check_count, format_bytes, parse_bytes, resolve_budget
 from memfit.evaluate import is_oom
 
 __all__ = ["BatchDependentError", "StepResult", "accumulate", "batch_dependent_modules"]
@@ -165,8 +165,10 @@ def _check_batch_dependence(model, allow: bool) -> None:
 def _check_micro(micro_batch) -> None:
     if micro_batch == "auto":
         return
-    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
-        raise ValueError(f"micro_batch must be 'auto' or an int >= 1; found {micro_batch!r}")
+    try:
+        check_count("micro_batch", micro_batch, 1)      # numpy ints too
+    except (TypeError, ValueError):
+        raise ValueError(f"micro_batch must be 'auto' or an int >= 1; found {micro_batch!r}") from None
 
 
 def _ddp_class():

@@ -132,6 +132,16 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(n: int, noun: str) -> str:
+    """'1 tensor', '3 tensors': a count and its noun, for messages.
+
+    Example:
+        >>> plural(1, "chunk"), plural(0, "chunk")
+        ('1 chunk', '0 chunks')
+    """
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 class BudgetExceeded(MemoryError):
     """A plan needs more memory than its budget. `.items` lists (name, bytes) of what it needed."""
 

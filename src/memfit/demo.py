@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.budget import check_count, format_bytes, parse_bytes, resolve_device
+from memfit.budget import check_count, format_bytes, parse_bytes, plural, resolve_device
 from memfit.dataset import CompactDataset
 from memfit.progress import progress
 from memfit.sources import SPECS, open_data
@@ -123,7 +123,8 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     # 4. exact evaluation in chunks sized to the budget
     res = evaluate(model, test, metrics=("accuracy", "loss"), budget=limit, device=dev, progress=not quiet,
                    distributed=distributed)
-    _say(quiet, f"evaluate chunk size {res.chunk_size} ({res.reason}); {res.chunks} chunks, {res.n} samples")
+    _say(quiet, f"evaluate chunk size {res.chunk_size} ({res.reason}); {plural(res.chunks, 'chunk')}, "
+                f"{plural(res.n, 'sample')}")
     _say(quiet, f"accuracy {res.metrics['accuracy']:.4f}  loss {res.metrics['loss']:.4f}  (exact, whole test set)")
 
     # 5. pictures

@@ -45,7 +45,8 @@ def spread(times: Sequence[float]) -> float:
 
 def median(times: Sequence[float], what: str = "a timing") -> float:
     """The median of repeated timings, noting their spread for `spread_warning`."""
-    _spreads.append((spread(times), what))
+    if len(times) > 1:                                # one run says nothing about the spread
+        _spreads.append((spread(times), what))
     return statistics.median(times)
 
 

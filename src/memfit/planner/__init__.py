@@ -18,7 +18,7 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).eval()
     >>> pm = plan(model, (torch.randn(4, 8),))
     >>> print(pm.report.summary().splitlines()[0])
-    memory plan (greedy_by_size, 5 ops, 1 tensors in the arena)
+    memory plan (greedy_by_size, 5 ops, 1 tensor in the arena)
 """
 
 from memfit.planner.arena import ALGORITHMS, Buffer, OverlapError, assign_offsets, lower_bound, verify

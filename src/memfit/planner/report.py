@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.budget import format_bytes
+from memfit.budget import format_bytes, plural
 from memfit.planner.arena import Buffer, assign_offsets
 
 __all__ = ["Report", "Row"]
@@ -44,6 +44,7 @@ class Report:
         rows: one `Row` per allocation, in order of first use.
         algorithm: the offset algorithm used.
         unplanned_ops: op name -> count of ops run without an `out=` kernel.
+        capture: how the graph was captured ("one capture, batch symbolic in [1, inf)", or static and why).
     """
     naive_bytes: int
     arena_bytes: int
@@ -55,6 +56,7 @@ class Report:
     algorithm: str
     n_ops: int
     unplanned_ops: dict[str, int] = field(default_factory=dict)
+    capture: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -65,8 +67,8 @@ class Report:
         ratio = self.arena_bytes / self.lower_bound if self.lower_bound else 1.0
         unplanned = ", ".join(f"{k} x{v}" for k, v in sorted(self.unplanned_ops.items()))
         return "\n".join([
-            f"memory plan ({self.algorithm}, {self.n_ops} ops, {sum(r.kind == 'arena' for r in self.rows)} "
-            f"tensors in the arena)",
+            f"memory plan ({self.algorithm}, {plural(self.n_ops, 'op')}, "
+            f"{plural(sum(r.kind == 'arena' for r in self.rows), 'tensor')} in the arena)",
             f"  naive (one region per tensor)  {format_bytes(self.naive_bytes):>12}",
             f"  planned arena                  {format_bytes(self.arena_bytes):>12}  "
             f"({self.naive_bytes / max(self.arena_bytes, 1):.1f}x less than naive)",
@@ -75,7 +77,7 @@ class Report:
             + (f"  ({unplanned})" if unplanned else ""),
             f"  parameters                     {format_bytes(self.param_bytes):>12}",
             f"  total with inputs              {format_bytes(self.total_bytes):>12}",
-        ])
+        ] + ([f"  capture: {self.capture}"] if self.capture else []))
 
     def table(self, limit: int | None = 60) -> str:
         head = f"  {'tensor':<28} {'shape':<20} {'dtype':<9} {'bytes':>11} {'lifetime':>11} {'offset':>11}  kind"
@@ -98,13 +100,27 @@ class Report:
         return {"naive_bytes": self.naive_bytes, "arena_bytes": self.arena_bytes, "lower_bound": self.lower_bound,
                 "unplanned_bytes": self.unplanned_bytes, "param_bytes": self.param_bytes,
                 "input_bytes": self.input_bytes, "algorithm": self.algorithm, "n_ops": self.n_ops,
-                "unplanned_ops": dict(self.unplanned_ops),
+                "unplanned_ops": dict(self.unplanned_ops), "capture": self.capture,
                 "rows": [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.bytes,
                           "lifetime": list(r.lifetime), "offset": r.offset, "kind": r.kind,
                           "inplace": list(r.inplace)} for r in self.rows]}
 
     def plot(self, path: str | os.PathLike, labels: int = 10) -> Path:
-        """Write a PNG of the arena over time: one rectangle per tensor (x = op index, y = offset).
+        """Write a PNG of the arena over time (see `figure`) to `path`; returns the path.
+
+        Raises:
+            ImportError: matplotlib is not installed (`pip install matplotlib`).
+        """
+        fig = self.figure(labels)                          # raises the ImportError with its fix first
+        import matplotlib.pyplot as plt
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def figure(self, labels: int = 10):
+        """A matplotlib Figure of the arena over time: one rectangle per tensor (x = op index, y = offset).
 
         A tensor with lifetime first..last (as in `table`) covers the cells of ops first to last,
         each cell centred on its op's index. The largest tensors (up to `labels`) carry their name
@@ -124,9 +140,7 @@ class Report:
         from matplotlib.patches import Rectangle
         from matplotlib.ticker import MaxNLocator
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(9, 5))
+        fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
         cmap = plt.get_cmap("tab20")
         scale, unit = (2**20, "MiB") if self.arena_bytes >= 2**20 else (2**10, "KiB")
         cell = lambda r, off: ((r.lifetime[0] - 0.5, off / scale), r.lifetime[1] - r.lifetime[0] + 1, r.bytes / scale)
@@ -156,9 +170,7 @@ class Report:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8, frameon=False)
         fig.tight_layout()
         _label_largest(fig, ax, arena, labels, scale)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        return fig
 
 
 def _label_largest(fig, ax, rows: list[Row], n: int, scale: int) -> None:

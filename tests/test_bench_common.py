@@ -1,0 +1,57 @@
+"""The benchmarks' shared table and timing helpers: one number format per column, bytes readable,
+and a warning when repeated timings spread too much to be trusted."""
+import re
+import statistics
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memfit.bench.common import median, spread, spread_warning, table
+from memfit.budget import format_bytes, parse_bytes
+
+
+def _cells(text: str, column: int) -> list[str]:
+    return [line.split()[column] for line in text.splitlines()[2:]]
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(st.lists(st.floats(min_value=1e-4, max_value=1e7, allow_nan=False), min_size=1, max_size=8))
+def test_a_float_column_has_one_format_and_keeps_three_digits_of_its_smallest_value(values):
+    out = _cells(table([{"x": v} for v in values]), 0)
+    decimals = {len(c.partition(".")[2]) for c in out}
+    assert len(decimals) == 1                                   # one format for the whole column
+    d = decimals.pop()
+    for cell, v in zip(out, values, strict=True):
+        assert abs(float(cell.replace(",", "")) - v) <= 0.5 * 10**-d * (1 + 1e-9)
+    smallest = min(values)
+    if d < 3:                                                   # at most 3 decimals; below that, 3 digits
+        assert smallest >= 10 ** (2 - d) * 0.99
+
+
+def test_ints_get_separators_bytes_get_units_and_text_passes():
+    rows = [{"n": 60000, "held": 3 * 2**20, "name": "uint8", "ratio": 0.25},
+            {"n": 512, "held": 700, "name": "float32", "ratio": 1}]
+    text = table(rows, bytes_columns={"held"})
+    assert _cells(text, 0) == ["60,000", "512"]
+    assert [parse_bytes(c) for c in re.findall(r"\d+(?:\.\d+)? (?:B|KiB|MiB)", text)] == [3 * 2**20, 700]
+    assert format_bytes(3 * 2**20) in text and "uint8" in text
+    assert re.search(r"0\.250\s*$", text.splitlines()[2]) and re.search(r"1\.000\s*$", text.splitlines()[3])
+
+
+def test_spread_is_the_interquartile_range_over_the_median():
+    times = [1.0, 1.1, 1.2, 1.3, 5.0]
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    assert spread(times) == (q3 - q1) / statistics.median(times)
+    assert spread([2.0, 3.0]) == 0.4                              # fewer than 4: the range
+    assert spread([1.0]) == 0.0
+
+
+def test_a_busy_machine_is_reported_once_then_forgotten():
+    spread_warning()                                              # forget what other tests timed
+    assert median([1.0, 1.01, 0.99, 1.0, 1.02], "steady") == 1.0
+    assert spread_warning() is None
+    median([1.0, 1.01, 0.99, 1.0, 1.02], "steady")
+    median([0.1, 0.4, 0.1, 0.9, 0.2], "noisy")
+    warning = spread_warning()
+    assert warning and "1 of 2 timings" in warning and "noisy" in warning and "busy" in warning
+    assert spread_warning() is None
