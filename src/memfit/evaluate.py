@@ -124,9 +124,12 @@ def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | No
     """(peak(n) from the activation planner, "planner"), or (None, why not) when it cannot capture the model."""
     try:
         from memfit.planner.cache import memory_model_of
+        from memfit.planner.sizing import MemoryModel
         mm = memory_model_of(model, sample_shape, dtype)
     except Exception:          # export failures are expected for some models; the runner says why
         return None, ", as the planner could not capture the model"
+    if not isinstance(mm, MemoryModel):      # memory_model fell back to a fake-tensor forward itself
+        return mm.total_bytes, "fake-tensor forward, as the planner could not capture the model"
     return mm.total_bytes, "planner"
 
 
@@ -192,7 +195,7 @@ def choose_chunk(model, chunks, budget: int, runner, use_plan: bool = True) -> t
     at most MAX_AUTO_CHUNK samples."""
     extra = chunks.compact_per_sample
     peak, how = None, (", as the planner takes one input tensor and this data has several fields" if chunks.fields
-                       else ", as planned=False")
+                       else "" if use_plan else ", without capture")
     if use_plan and not chunks.fields:
         peak, how = _planned_peak(model, chunks.sample_shape, chunks.dtype)
     if peak is None:
@@ -329,10 +332,14 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
 SMALL_SET = 1024
 
 
+def _small_set(chunks, chunk_size, planned) -> bool:
+    """A set small enough that capturing the model for the planner would cost more than running it."""
+    return isinstance(chunks, _Chunks) and chunk_size == "auto" and planned is None and chunks.n <= SMALL_SET
+
+
 def _small(chunks, chunk_size, planned, budget) -> bool:
-    """One eager chunk, no capture and no measured runs: a small set under the default budget."""
-    return (isinstance(chunks, _Chunks) and chunk_size == "auto" and planned is None and budget is None
-            and chunks.n <= SMALL_SET)
+    """One eager chunk, no capture and no estimate: a small set under the default budget."""
+    return _small_set(chunks, chunk_size, planned) and budget is None
 
 
 def _use_planner(chunks, chunk_size, planned, budget, distributed) -> bool:
@@ -340,7 +347,7 @@ def _use_planner(chunks, chunk_size, planned, budget, distributed) -> bool:
         return False
     if planned:
         return True
-    return chunk_size == "auto" and not (not distributed and _small(chunks, chunk_size, planned, budget))
+    return chunk_size == "auto" and not (not distributed and _small_set(chunks, chunk_size, planned))
 
 
 def _shard(data):
@@ -364,7 +371,11 @@ def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) ->
                                 "faster than capturing the model for the planner; out-of-memory back-off halves "
                                 "the chunk if needed")
     limit = resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
-    size, estimate, reason = choose_chunk(model, chunks, limit, model, use_plan=planned is not False)
+    small = not distributed and _small_set(chunks, chunk_size, planned)
+    size, estimate, reason = choose_chunk(model, chunks, limit, model, use_plan=planned is not False and not small)
+    if small:
+        reason += (f"; run eagerly: a set this small (<= {SMALL_SET} samples) runs faster than capturing the "
+                   "model for the planner")
     if distributed:             # one size for all: a rank's back-off then never waits on another's
         from memfit import distributed as mdist
         agreed = mdist.smallest(size, "memfit.evaluate chunk size")     # also stops every rank if one failed
@@ -407,6 +418,13 @@ def _model_device(model, device) -> torch.device:
     return dev
 
 
+def whole_words(text: str, limit: int) -> str:
+    """text, or its first words up to about `limit` characters and '...': never cut mid-word."""
+    if len(text) < limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def first_line(e: BaseException) -> str:
     """'TypeName: first line of the message', whole: never cut mid-word."""
     text = str(e).strip()
@@ -415,8 +433,13 @@ def first_line(e: BaseException) -> str:
 
 def _planned_runner(model, chunks: _Chunks, size: int, required: bool | None):
     try:
-        from memfit.planner.cache import borrow_plan
-        example = torch.empty((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
+        from memfit.planner.cache import borrow_plan, known_memory_model
+        from memfit.planner.sizing import MemoryModel
+        mm = known_memory_model(model, chunks.sample_shape, chunks.dtype)      # made when sizing the chunk
+        if mm is not None and not isinstance(mm, (MemoryModel, Exception)):   # capture failed: don't pay again
+            return model, f"run eagerly: {whole_words(mm.method.split('; fake-tensor')[0], 200)}"
+        # zeros, not empty: integer inputs (token ids) must be valid indices
+        example = torch.zeros((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
         return borrow_plan(model, example), ""      # captured once per model, given back below
     except Exception as e:
         if required:

@@ -192,7 +192,7 @@ def _is_shape(x) -> bool:
 
 def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> MemoryModel:
     dev = _device(model)
-    lays = [layout(model, (torch.empty((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
+    lays = [layout(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
             for n in PROBES]
     per_sample = math.prod(shape) * dtype.itemsize
     params = lays[0].report.param_bytes
