@@ -194,13 +194,13 @@ class _GraphsDiffer(Exception):
 def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> MemoryModel:
     dev = _device(model)
     per_sample = math.prod(shape) * dtype.itemsize
-    cap = capture_model(model, (torch.empty((PROBES[0], *shape), dtype=dtype, device=dev),))
+    cap = capture_model(model, (torch.zeros((PROBES[0], *shape), dtype=dtype, device=dev),))
     if cap.dynamic:           # one export; the layout at any n has every tensor's exact size
         rep = layout_at(cap, PROBES[0], algorithm=algorithm).report
         return MemoryModel(rep.param_bytes, per_sample, "planned arena: exact layouts at any batch from one capture "
                            "with a symbolic batch", algorithm, [], [], dev, _cap=cap)
     # a static capture: layouts at 2 and 4, each tensor's size the exact line through its two sizes
-    lays = [layout(model, (torch.empty((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
+    lays = [layout(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
             for n in PROBES]
     params = lays[0].report.param_bytes
     l1, l2 = lays
