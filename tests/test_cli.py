@@ -56,6 +56,8 @@ def test_help_shows_an_example(cmd, capsys):
     (["bench", "planner", "--device", "gpu7"], r"--device"),
     (["bench", "planner", "--models", "resnet5"], r"--models: unknown model 'resnet5'"),
     (["bench", "planner", "--batches", "1,x"], r"--batches: expected comma-separated whole numbers"),
+    (["bench", "loaders", "--micro", "512,x"], r"--micro: expected comma-separated whole numbers"),
+    (["bench", "distributed", "--worlds", "0,2"], r"--worlds: expected comma-separated whole numbers >= 1"),
 ])
 def test_bad_usage_exits_2_with_the_reason(argv, match, capsys):
     try:
