@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 (CPU build) comes from the local wheel cache; without the pin pip would fetch CUDA.
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints-cpu.txt
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-cuda lint bench clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,20 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# The CUDA-marked tests, then every benchmark on the GPU (--quick). .venv holds the CPU build of torch:
+# run it with a CUDA build, e.g. `make test-cuda CUDA_PY=python` in an environment that has one.
+CUDA_PY ?= $(PY)
+test-cuda:
+	@$(CUDA_PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make test-cuda: torch ' + \
+	torch.__version__ + ' sees no CUDA device; run it where one is, with a CUDA build: make test-cuda CUDA_PY=python')"
+	$(CUDA_PY) -m pytest -q -m cuda -p no:cacheprovider
+	for b in codecs loaders planner evaluate; do \
+	  if $(CUDA_PY) -m memfit bench $$b --help | grep -q -- --device; then dev="--device cuda"; else dev=""; fi; \
+	  $(CUDA_PY) -m memfit bench $$b --quick $$dev || exit 1; \
+	done
+	$(CUDA_PY) -m memfit bench distributed --quick --device cuda \
+	  --worlds $$($(CUDA_PY) -c "import torch; print('1,2' if torch.cuda.device_count() >= 2 else '1')")
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 
@@ -27,6 +41,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_planner.py
 	$(PY) benchmarks/bench_evaluate.py
 	$(PY) benchmarks/bench_distributed.py
+	$(PY) benchmarks/bench_train.py
 
 clean:
 	rm -rf $(VENV) memfit-demo .pytest_cache

@@ -1,4 +1,5 @@
-"""Start `world` CPU processes on gloo for a test and collect what each returns (or raised)."""
+"""Start `world` processes (gloo on the CPU, or nccl with one GPU each) for a test and collect what each
+returns (or raised)."""
 import multiprocessing as mp
 import socket
 import traceback
@@ -10,15 +11,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world, port, args, queue):
+def _worker(fn, rank, world, port, args, queue, env, backend):
     import os
 
+    os.environ.update(env or {})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)                # world processes share 2 cores
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         queue.put((rank, "ok", fn(rank, world, *args)))
     except BaseException as e:
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -27,12 +31,14 @@ def _worker(fn, rank, world, port, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> dict:
-    """{rank: ("ok", value) or ("error", message)}; processes that do not answer in time are killed."""
+def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = None, backend: str = "gloo") -> dict:
+    """{rank: ("ok", value) or ("error", message)}; processes that do not answer in time are killed.
+    `env` is set in each process before torch is imported (e.g. MEMFIT_DIST_TIMEOUT)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, env, backend), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     out = {}

@@ -342,15 +342,14 @@ def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch)
     def fake(model, optimizer, loss_fn, x, y):
         calls.append(1)
         return peak, "a stand-in model"
-    monkeypatch.setattr(accumulation, "_training_peak", fake)
+    monkeypatch.setattr(accumulation, "training_peak", fake)
     ref, ref_opt, mod, opt = pair("mlp")
     x, y = data(20)
-    batch_bytes = x.nbytes + y.nbytes
-    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + batch_bytes + 999)
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
     assert r.micro_batch == 6 and r.micro_batches == 4 and "largest micro-batch" in r.reason
     plain_step(ref, ref_opt, x, y)
     assert_same_step(ref, mod)
-    accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + batch_bytes + 999)
+    accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
     assert len(calls) == 1                                    # kept for the next step
     r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(40))
     assert r.micro_batch == 20 and "whole batch fits" in r.reason
@@ -358,17 +357,40 @@ def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch)
         accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(0))
 
 
+@pytest.mark.parametrize("kind, opt", [("mlp", "adamw"), ("attn", "sgd")])
+def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypatch):
+    """The fake-tensor memory model chooses; the real step's live bytes (memfit.measure) stay in the budget."""
+    from memfit.measure import track_memory
+    ref, ref_opt, mod, mod_opt = pair(kind, opt)
+    x, y = data(64)
+    plain_step(ref, ref_opt, x, y)                        # both with optimizer state, as in a running loop
+    plain_step(mod, mod_opt, x, y)
+    peak, how = accumulation.training_peak(mod, mod_opt, F.cross_entropy, x, y)
+    monkeypatch.setattr(accumulation, "training_peak", lambda *a: (peak, how))     # the same, computed once
+    budget = (peak(64) + peak(1)) // 3                   # too small for the whole batch
+    x, y = data(64, seed=2)
+    plain_step(ref, ref_opt, x, y)
+    mod.zero_grad(set_to_none=True)
+    held = accumulation._held_bytes(mod, mod_opt) + x.nbytes + y.nbytes
+    with track_memory("cpu") as mem:
+        r = accumulate(mod, mod_opt, (x, y), F.cross_entropy, budget=budget)
+    assert 1 <= r.micro_batch < 64 and r.micro_batches > 1 and "fake-tensor" in r.reason
+    assert peak(r.micro_batch) <= budget < peak(r.micro_batch + 1)
+    assert held + mem.peak <= budget, f"{held + mem.peak} > {budget}: the prediction fell below the real step"
+    assert_same_step(ref, mod, rtol=1e-4)
+
+
 def test_auto_says_how_to_continue_when_the_memory_cannot_be_predicted(monkeypatch):
     def broken(*a):
         raise NotImplementedError("no fake kernel for aten::foo")
-    monkeypatch.setattr(accumulation, "_training_peak", broken)
+    monkeypatch.setattr(accumulation, "training_peak", broken)
     mod = make("mlp")
     with pytest.raises(RuntimeError, match=r"could not predict.*aten::foo.*micro_batch=<int>"):
         accumulate(mod, torch.optim.SGD(mod.parameters(), lr=0.1), data(4), F.cross_entropy, budget="1MiB")
 
 
 def test_a_back_off_lowers_the_size_kept_for_the_next_step(monkeypatch, oom_budget):
-    monkeypatch.setattr(accumulation, "_training_peak", lambda *a: (lambda m: m, "stand-in"))
+    monkeypatch.setattr(accumulation, "training_peak", lambda *a: (lambda m: m, "stand-in"))
     mod = Gated()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     oom_budget.budget = staticmethod(lambda n: n <= 5)
@@ -446,3 +468,31 @@ def test_two_gloo_ranks_step_like_one_process_on_the_whole_batch():
             for p, g, q in zip(ref.parameters(), grads, params, strict=True):
                 assert torch.allclose(p.grad, torch.tensor(g), rtol=1e-5, atol=1e-7)
                 assert torch.allclose(p, torch.tensor(q), rtol=1e-5, atol=1e-7)
+
+
+def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
+    from memfit.dataset import CompactDataset
+    from memfit.demo import train_under_budget
+    rng = np.random.default_rng(0)
+    ds = CompactDataset.from_arrays(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8), rng.integers(0, 4, 100),
+                                    normalize="dataset", device="cpu")
+    r = train_under_budget(ds, 4, torch.device("cpu"), seed=0, batch=48, lr=3e-3, quiet=True, steps=3)
+    assert r["needs"] > r["budget"] and 1 <= r["micro_batch"] < 48 and r["micro_batches"] >= 2
+    assert len(r["plain"]) == len(r["accumulated"]) == 3 and r["plain"][-1] < r["plain"][0]
+    assert r["max_difference"] < 1e-5
+
+
+def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_budget):
+    """With DDP the last micro-batch all-reduces inside backward: a retry there would leave the other ranks
+    waiting in the collective, so it stops with a message (earlier micro-batches back off locally)."""
+    class Synced(Gated):
+        def no_sync(self):
+            import contextlib
+            return contextlib.nullcontext()
+    mod = Synced()
+    x, y = data(10)
+    oom_budget.budget = staticmethod(lambda n: n != 4)
+    step = accumulation._Step(mod, F.cross_entropy, x, y, 10, 1, torch.device("cpu"), sync_last=True)
+    with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
+        step.run_range(0, 10, 6, frozenset(), 10)          # [0, 6) runs under no_sync, the last 4 fail
+    assert step.retries == 0 and step.micro_batches == 1

@@ -11,7 +11,7 @@ import torch
 from memfit.cli import main
 
 SUBCOMMANDS = [["info"], ["demo"], ["bench"], ["bench", "codecs"], ["bench", "loaders"], ["bench", "planner"],
-               ["bench", "evaluate"], ["bench", "distributed"], ["plan"], ["eval"]]
+               ["bench", "evaluate"], ["bench", "distributed"], ["bench", "train"], ["plan"], ["eval"]]
 
 
 @pytest.mark.parametrize("cmd", SUBCOMMANDS, ids=" ".join)
@@ -242,5 +242,6 @@ def test_plan_and_eval_on_cuda(tmp_path, capsys):
     (tmp_path / "mlp.py").write_text(MLP_FILE)
     assert main(["plan", f"{tmp_path}/mlp.py:make", "--input", "4,1,8,8", "--device", "cuda", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["arena_bytes"] > 0
-    assert main(["eval", f"{tmp_path}/mlp.py:make", "--data", "digits", "--device", "cuda", "--json"]) == 0
+    assert main(["eval", f"{tmp_path}/mlp.py:make", "--random-weights", "--data", "digits", "--device", "cuda",
+                 "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 359

@@ -196,3 +196,105 @@ def test_cuda_batches_equal_cpu_batches():
     assert torch.allclose(xg.cpu(), xc, atol=1e-5) and torch.equal(yg.cpu(), yc)
     pinned = cpu.pin_memory()
     assert pinned.is_pinned and torch.equal(pinned.to("cuda").x.cpu(), cpu.x)
+
+
+# ---- integer data and several inputs per sample ---------------------------------------------------------
+TOKENS = RNG.integers(0, 30522, (120, 9))                      # BERT-sized vocabulary, (N, L) int64
+
+
+def test_token_ids_are_stored_narrow_and_yielded_as_long():
+    ds = CompactDataset.from_arrays(TOKENS, LABELS[:120], device="cpu")
+    assert ds.codec.name == "int16" and ds.x.dtype == torch.int16 and ds.dtype == torch.int64
+    xb, _ = ds.batch([3, 0])
+    assert xb.dtype == torch.int64 and torch.equal(xb, torch.from_numpy(TOKENS[[3, 0]]))
+    assert ds.nbytes < ds.dense_nbytes / 3.5                  # 2 bytes a token instead of 8
+    as32 = CompactDataset.from_arrays(TOKENS, dtype=torch.int32, device="cpu")
+    assert as32.batch([1])[0].dtype == torch.int32
+    assert CompactDataset.from_arrays(TOKENS, dtype=torch.long, device="cpu").batch([1])[0].dtype == torch.long
+
+
+FIELDS = {"input_ids": TOKENS, "attention_mask": (TOKENS % 3 > 0).astype(np.int64),
+          "image": RNG.integers(0, 256, (120, 3, 2, 2), dtype=np.uint8),
+          "meta": RNG.standard_normal((120, 5)).astype(np.float32)}
+
+
+def test_fields_decode_to_a_dict_equal_to_each_array():
+    ds = CompactDataset.from_arrays(FIELDS, LABELS[:120], device="cpu")
+    assert ds.x.shape[1] % 8 == 0 and ds.x.dtype == torch.uint8      # one packed byte row per sample
+    idx = [7, 0, 119, 7]
+    xb, yb = ds.batch(idx)
+    assert set(xb) == set(FIELDS) and torch.equal(yb, torch.from_numpy(LABELS[idx]).long())
+    for name, arr in FIELDS.items():
+        single = CompactDataset.from_arrays(arr, device="cpu").batch(idx)[0]     # each field on its own
+        assert torch.equal(xb[name], single), name
+    assert torch.equal(xb["input_ids"], torch.from_numpy(TOKENS[idx]))
+    x0, y0 = ds[7]
+    assert torch.equal(x0["meta"], torch.from_numpy(FIELDS["meta"][7])) and int(y0) == LABELS[7]
+    part = ds.subset([119])
+    assert torch.equal(part.batch([0])[0]["image"], xb["image"][2:3])
+    assert "input_ids: shape (9,) stored as int16 (lossless)" in ds.explain()
+
+
+@pytest.mark.parametrize("strategy", ["resident", "stream", "macro"])
+def test_fields_through_every_loader_strategy(strategy):
+    import memfit
+    ref = CompactDataset.from_arrays(FIELDS, LABELS[:120], device="cpu")
+    ld = memfit.loader((FIELDS, LABELS[:120]), 32, strategy=strategy, device="cpu", seed=3)
+    order = ld.epoch_order(0)
+    start = 0
+    for xb, yb in ld:
+        want_x, want_y = ref.batch(order[start:start + len(yb)])
+        start += len(yb)
+        assert torch.equal(yb, want_y) and all(torch.equal(xb[k], want_x[k]) for k in FIELDS)
+    assert start == 120
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(x={"a": np.zeros((3, 2)), "b": np.zeros((4, 2))}), r"one row per sample; found sample counts"),
+    (dict(x={"a": np.zeros((3, 2))}, codec={"b": "q8"}), r"codec names fields \['b'\] that x does not have"),
+    (dict(x={"a": np.full((3, 2), 0.5)}, dtype={"a": torch.long}), r"field 'a': dtype torch.int64 needs integer"),
+    (dict(x={}), r"x is an empty dict"),
+])
+def test_bad_fields_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CompactDataset.from_arrays(device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("data", ["images", "fields", "no labels"])
+def test_plain_dataloader_with_default_collate_gives_the_tensordataset_batches(data):
+    """`DataLoader(ds, batch_size=32)` with nothing else: the same batches as a DataLoader over a
+    TensorDataset of the decoded data, in the same shuffled order."""
+    if data == "fields":
+        ds = CompactDataset.from_arrays(FIELDS, LABELS[:120], device="cpu")
+    else:
+        ds = CompactDataset.from_arrays(IMAGES, None if data == "no labels" else LABELS, normalize="dataset",
+                                        device="cpu")
+    decoded, labels = ds.batch(slice(None))
+    tensors = (decoded,) if labels is None else (decoded, labels)
+    if data == "fields":
+        ref = torch.utils.data.StackDataset(torch.utils.data.StackDataset(**decoded), labels)
+    else:
+        ref = torch.utils.data.TensorDataset(*tensors)
+    for kw in ({}, {"shuffle": True}):
+        got = list(torch.utils.data.DataLoader(ds, batch_size=32, generator=torch.Generator().manual_seed(1), **kw))
+        want = list(torch.utils.data.DataLoader(ref, batch_size=32, generator=torch.Generator().manual_seed(1), **kw))
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            if data == "fields":
+                (xa, ya), (xb, yb) = a, b
+                assert all(torch.equal(xa[k], xb[k]) for k in FIELDS) and torch.equal(ya, yb)
+            elif data == "no labels":
+                assert torch.equal(a, b[0])
+            else:
+                assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
+def test_token_ids_from_a_memmapped_file_stream_as_int64(tmp_path):
+    import memfit
+    from memfit.datasets import load_array
+    np.save(tmp_path / "ids.npy", TOKENS)
+    ld = memfit.loader((load_array(tmp_path / "ids.npy"), LABELS[:120]), 32, strategy="stream", device="cpu",
+                       shuffle=False)
+    got = torch.cat([x for x, _ in ld])
+    assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(TOKENS))
+    assert "stored as int16 (lossless), decoded to int64" in ld.explain()

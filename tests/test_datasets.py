@@ -298,10 +298,10 @@ def test_load_array_errors(tmp_path):
     with pytest.raises(ValueError, match=r"found none"):
         load_array(tmp_path / "noext")
     np.save(tmp_path / "o.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    with pytest.raises(ValueError, match=r"o\.npy: expected a valid \.npy file without pickled objects"):
+    with pytest.raises(ValueError, match=r"o\.npy: holds pickled Python objects.*does not load"):
         load_array(tmp_path / "o.npy")
     np.savez(tmp_path / "o.npz", o=np.array([None], dtype=object))
-    with pytest.raises(ValueError, match=r"o\.npz: expected a valid \.npz file without pickled objects"):
+    with pytest.raises(ValueError, match=r"o\.npz: holds pickled Python objects.*does not load"):
         load_array(tmp_path / "o.npz")
     (tmp_path / "junk.npy").write_bytes(b"not numpy at all")
     with pytest.raises(ValueError, match=r"junk\.npy: expected a valid \.npy file"):
@@ -403,3 +403,29 @@ def test_public_names_documented():
     for name in datasets.__all__:
         doc = getattr(datasets, name).__doc__
         assert doc and "Example:" in doc, name
+
+
+def test_a_non_zip_npz_is_named_and_never_told_to_unpickle(tmp_path):
+    (tmp_path / "bad.npz").write_bytes(b"not a zip archive at all" * 4)
+    with pytest.raises(ValueError, match=r"bad\.npz: expected a \.npz file \(a zip archive") as e:
+        load_array(tmp_path / "bad.npz")
+    assert "allow_pickle" not in str(e.value)
+    np.save(tmp_path / "renamed.npy", np.arange(3))
+    (tmp_path / "renamed.npy").rename(tmp_path / "renamed.npz")
+    with pytest.raises(ValueError, match=r"renamed\.npz: .*found a \.npy file"):
+        load_array(tmp_path / "renamed.npz")
+
+
+def test_a_truncated_cifar_archive_names_the_file(tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            blob = pickle.dumps({b"data": np.random.default_rng(0).integers(0, 256, (20, 3072), dtype=np.uint8),
+                                 b"labels": [0] * 20})
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    raw = buf.getvalue()
+    (tmp_path / "c.tar.gz").write_bytes(raw[:len(raw) * 2 // 3])
+    with pytest.raises(ValueError, match=r"c\.tar\.gz.*truncated or corrupt.*download it again"):
+        cifar10(tmp_path / "c.tar.gz")

@@ -9,6 +9,7 @@ from distributed_util import run_ranks
 from memfit.dataset import CompactDataset
 from memfit.distributed import epoch_batch_sizes, shard_indices, shard_sizes
 from memfit.evaluate import evaluate
+from memfit.loader import loader as memfit_loader
 
 N = 1003                      # not a multiple of 2 or 3: uneven shards
 
@@ -101,6 +102,51 @@ def test_a_failing_rank_makes_the_others_fail_clearly():
     assert out[1][0] == "error" and "model exploded on purpose" in out[1][1]
     assert out[0][0] == "error"
     assert "another rank failed (rank 1: RuntimeError: model exploded on purpose)" in out[0][1]
+
+
+def _prep_fails_rank(rank, world, where):
+    x, y = data()
+    if rank == 1:
+        y = y[:-1]                            # fails while the rank prepares its data: before any collective
+    r = evaluate(model(), (x, y), chunk_size="auto", device="cpu", progress=False, distributed=True)
+    return r.n
+
+
+def test_a_rank_failing_before_the_auto_chunk_agreement_stops_every_rank_quickly():
+    t0 = time.perf_counter()
+    out = run_ranks(_prep_fails_rank, 2, "data", timeout=90, env={"MEMFIT_DIST_TIMEOUT": "120"})
+    took = time.perf_counter() - t0
+    assert sorted(out) == [0, 1], f"a rank hung: {out}"
+    assert out[1][0] == "error" and out[1][1].startswith("ValueError") and "1002" in out[1][1]   # its own error
+    assert out[0][0] == "error" and "another rank failed (rank 1: ValueError:" in out[0][1] and "1002" in out[0][1]
+    assert took < 60, f"{took:.0f} s: a rank waited for the collective timeout instead of the agreement"
+
+
+def _loader_mistakes(rank, world):
+    """Several mistakes in a row on one process group: each stops both ranks, the group stays usable."""
+    x, y = data()
+    cases = {"labels": ((x, y[:-1] if rank else y), 0), "sizes": ((x[:N - 5 * rank], y[:N - 5 * rank]), 0),
+             "seeds": ((x, y), rank), "fine": ((x, y), None)}
+    out = {}
+    for name, (arrays, seed) in cases.items():
+        try:
+            ld = memfit_loader(arrays, 64, device="cpu", seed=seed, distributed=True, strategy="stream")
+            out[name] = ("ok", len(ld), ld.seed)
+        except Exception as e:
+            out[name] = ("error", f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_loader_mistake_on_one_rank_stops_every_rank_with_its_reason():
+    out = run_ranks(_loader_mistakes, 2, timeout=90)
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    r0, r1 = out[0][1], out[1][1]
+    assert r1["labels"][0] == "error" and "1002" in r1["labels"][1]                  # its own error
+    assert r0["labels"][0] == "error" and "another rank failed (rank 1: ValueError:" in r0["labels"][1]
+    for r in (r0, r1):
+        assert "different sizes (rank 0: 1003, rank 1: 998)" in r["sizes"][1]
+        assert "different seeds (rank 0: 0, rank 1: 1)" in r["seeds"][1]
+    assert r0["fine"][0] == r1["fine"][0] == "ok" and r0["fine"][2] == r1["fine"][2]   # rank 0's seed, shared
 
 
 def test_distributed_needs_a_process_group():

@@ -1,16 +1,21 @@
 """Chunked evaluation against the unchunked computation: exact metrics whatever the chunking."""
+import functools
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memfit.dataset import CompactDataset
 from memfit.evaluate import choose_chunk, evaluate, is_oom, largest_fitting
+from memfit.loaders import loader
 
 torch.manual_seed(0)
 RNG = np.random.default_rng(0)
@@ -60,7 +65,7 @@ def test_seed_averaging_is_wrong_on_an_uneven_split_and_memfit_is_not():
     x, y = make_data(10_001)
     model = make_model()
     ref = unchunked(model, x, y)["accuracy"]
-    with torch.no_grad():                         # seed 004: mean of per-chunk accuracies over chunks of 50
+    with torch.no_grad():                         # the naive way: mean of per-chunk accuracies over chunks of 50
         per_chunk = [(model(torch.from_numpy(x[i:i + 50]).float()).argmax(1) == torch.from_numpy(y[i:i + 50]))
                      .double().mean().item() for i in range(0, 10_001, 50)]
     seed_value = sum(per_chunk) / len(per_chunk)
@@ -325,3 +330,185 @@ def test_float_features_are_evaluated_exactly():
         y = model(x).argmax(1)
     r = evaluate(model, (x.numpy(), y.numpy()), metrics=("accuracy",), device="cpu", progress=False)
     assert r.metrics["accuracy"] == 1.0
+
+
+# ---- any output structure, exact loss sums, dict inputs --------------------------------------------------
+class Wrapped(torch.nn.Module):
+    """A linear classifier whose logits come back wrapped the way real models return them."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.lin = kind, torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        z = self.lin(x)
+        if self.kind == "tuple":
+            return z, z.sum()
+        if self.kind == "list":
+            return [z]
+        if self.kind == "dict":
+            return {"hidden": z * 0, "logits": z}
+        if self.kind == "object":
+            return types.SimpleNamespace(logits=z, loss=None)
+        return {"scores": z}
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "object", "custom"])
+def test_logits_from_any_output_structure(kind):
+    torch.manual_seed(0)
+    model = Wrapped(kind).eval()
+    x, y = torch.randn(50, 6), torch.randint(0, 4, (50,))
+    with torch.no_grad():
+        z = model.lin(x)
+    ref_acc = (z.argmax(1) == y).double().mean().item()
+    ref_loss = torch.nn.functional.cross_entropy(z.double(), y).item()
+    fn = (lambda out: out["scores"]) if kind == "custom" else None
+    r = evaluate(model, (x.numpy(), y.numpy()), chunk_size=16, device="cpu", progress=False, output_fn=fn)
+    assert r.metrics["accuracy"] == ref_acc and r.metrics["loss"] == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_dict_output_without_logits_says_how_to_pick_them():
+    with pytest.raises(ValueError, match=r"without a 'logits' tensor \(keys \['scores'\]\); pass output_fn="):
+        evaluate(Wrapped("custom"), (np.zeros((4, 6), np.float32), np.zeros(4)), device="cpu", progress=False)
+
+
+def summing(out, y):
+    return torch.nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+@pytest.mark.parametrize("loss_fn, reduction", [
+    (torch.nn.CrossEntropyLoss(reduction="sum"), None),
+    (functools.partial(torch.nn.functional.cross_entropy, reduction="sum"), None),
+    (torch.nn.functional.cross_entropy, None),
+    (summing, "sum"),
+    (lambda out, y: torch.nn.functional.cross_entropy(out, y), "mean"),
+    (lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none"), None),
+])
+def test_loss_is_the_whole_set_mean_whatever_the_reduction(loss_fn, reduction):
+    model, x, y = elementwise_problem(101)
+    ref = torch.nn.functional.cross_entropy(x.double(), y).item()
+    r = evaluate(model, (x, y), metrics=("loss",), loss_fn=loss_fn, loss_reduction=reduction, chunk_size=17,
+                 device="cpu", progress=False)
+    assert r.metrics["loss"] == pytest.approx(ref, rel=1e-6)
+
+
+def test_a_scalar_loss_of_unknown_reduction_is_refused():
+    model, x, y = elementwise_problem(20)
+    with pytest.raises(ValueError, match=r"cannot tell whether it is the mean or the sum.*loss_reduction='mean'"):
+        evaluate(model, (x, y), metrics=("loss",), loss_fn=summing, device="cpu", progress=False)
+
+
+def elementwise_problem(n):
+    """A model whose outputs do not depend on how the set is chunked (elementwise ops only)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 5, generator=g) * 30
+    y = torch.randint(0, 5, (n,), generator=g)
+    return torch.nn.Sequential(torch.nn.Identity()).eval(), x, y
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.integers(1, 300), st.lists(st.integers(1, 300), min_size=1, max_size=3))
+def test_loss_is_chunking_invariant(n, sizes):
+    model, x, y = elementwise_problem(n)
+    # per-sample losses in float32 (as the model's dtype gives them), summed in float64 in one go
+    ref = torch.nn.functional.cross_entropy(x, y, reduction="none").double().sum().item() / n
+    for size in sizes:
+        r = evaluate(model, (x, y), metrics=("loss",), chunk_size=size, device="cpu", progress=False)
+        assert abs(r.metrics["loss"] - ref) <= 1e-12 * abs(ref)
+
+
+def test_all_nan_outputs_warn_once_naming_the_chunk():
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            return x * float("nan")
+    x, y = np.ones((30, 3), np.float32), np.zeros(30, np.int64)
+    with pytest.warns(RuntimeWarning, match=r"all NaN for samples 0\.\.9") as rec:
+        evaluate(Broken(), (x, y), chunk_size=10, device="cpu", progress=False)
+    assert len([w for w in rec if "NaN" in str(w.message)]) == 1
+
+
+def test_fixed_chunk_size_says_why_no_planner_and_no_fake_peak():
+    model, x, y = elementwise_problem(40)
+    r = evaluate(model, (x, y), chunk_size=8, device="cpu", progress=False)
+    assert r.peak_bytes is None and "peak not measured" in str(r)
+    assert "the planner is not used with a fixed chunk_size" in r.reason
+
+
+def test_reason_is_whole_and_wrapped_when_printed():
+    model, x, y = elementwise_problem(40)
+    r = evaluate(model, (x, y), chunk_size=8, device="cpu", progress=False)
+    r.reason = "x" * 30 + " Eq(u0, 1) data-dependent " + "y" * 150
+    text = str(r)
+    assert "Eq(u0, 1) data-dependent" in text.replace("\n     ", " ") and "y" * 150 in text
+
+
+def test_dict_inputs_are_passed_as_keywords():
+    class TwoInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.meta = torch.nn.Embedding(1000, 4), torch.nn.Linear(3, 4)
+
+        def forward(self, input_ids, meta):
+            return self.emb(input_ids).sum(1) + self.meta(meta)
+    torch.manual_seed(0)
+    model = TwoInputs().eval()
+    ids, meta = torch.randint(0, 1000, (70, 6)), torch.randn(70, 3)
+    y = torch.randint(0, 4, (70,))
+    with torch.no_grad():
+        ref = (model(ids, meta).argmax(1) == y).double().mean().item()
+    data = CompactDataset.from_arrays({"input_ids": ids, "meta": meta}, y, device="cpu")
+    for chunk in ("auto", 9):
+        r = evaluate(model, data, chunk_size=chunk, device="cpu", progress=False)
+        assert r.metrics["accuracy"] == ref and r.n == 70
+    r = evaluate(model, loader(data, 16, device="cpu", shuffle=False), device="cpu", progress=False)
+    assert r.metrics["accuracy"] == ref
+
+
+# ---- errors that say what happened, and memfit eval --------------------------------------------------------
+def test_float_inputs_to_a_token_model_are_a_dtype_mistake():
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Flatten(), torch.nn.Linear(12, 3)).eval()
+    ids = np.random.default_rng(0).integers(0, 50, (20, 3))
+    r = evaluate(model, (ids, np.zeros(20)), device="cpu", progress=False)       # integer data stays int64
+    assert r.n == 20
+    floats = CompactDataset.from_arrays(ids, np.zeros(20), dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match=r"inputs are float32 but the model wants integer inputs.*--dtype int64"):
+        evaluate(model, floats, device="cpu", progress=False)
+
+
+EVAL_NET = "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n"
+TOKEN_NET = ("import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Embedding(100, 4), torch.nn.Flatten(),"
+             " torch.nn.Linear(24, 3))\n")
+
+
+def test_eval_refuses_a_whole_pickled_model_naming_the_file(tmp_path, capsys):
+    from memfit.cli import main
+    (tmp_path / "net.py").write_text(EVAL_NET)
+    torch.save(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)), tmp_path / "whole.pt")
+    code = main(["eval", f"{tmp_path}/net.py:make", "--weights", str(tmp_path / "whole.pt"), "--data", "synthetic:50"])
+    err = capsys.readouterr().err
+    assert code == 1 and "\x1b[" not in err
+    assert f"{tmp_path / 'whole.pt'}: expected a state_dict" in err and "whole pickled model" in err
+    assert "torch.save(model.state_dict()" in err and "weights_only=False" not in err
+
+
+def test_eval_without_weights_needs_random_weights(tmp_path, capsys):
+    from memfit.cli import main
+    (tmp_path / "net.py").write_text(EVAL_NET)
+    code = main(["eval", f"{tmp_path}/net.py:make", "--data", "digits"])
+    assert code == 2 and "--random-weights" in capsys.readouterr().err
+    assert main(["eval", f"{tmp_path}/net.py:make", "--data", "digits", "--random-weights", "--json"]) == 0
+
+
+def test_eval_token_data_and_dtype_mistake(tmp_path, capsys):
+    import json
+
+    from memfit.cli import main
+    (tmp_path / "tok.py").write_text(TOKEN_NET)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 100, (60, 6)), rng.integers(0, 3, 60)
+    np.savez(tmp_path / "t.npz", x_train=x[:40], y_train=y[:40], x_test=x[40:], y_test=y[40:])
+    args = ["eval", f"{tmp_path}/tok.py:make", "--random-weights", "--data", str(tmp_path / "t.npz")]
+    assert main([*args, "--json"]) == 0                          # integer data: int64 ids, no normalisation
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 20
+    assert main([*args, "--dtype", "float32"]) == 1
+    assert "the model wants integer inputs" in capsys.readouterr().err

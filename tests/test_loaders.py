@@ -88,6 +88,54 @@ def test_same_batches_from_every_strategy_and_seeds(ds):
     assert torch.equal(unshuffled, torch.arange(N))
 
 
+@pytest.mark.parametrize("codec, dtype", [("uint8", torch.float16), ("q4", torch.bfloat16), ("q8", torch.float32)])
+@pytest.mark.parametrize("strategy", ["resident", "stream"])
+def test_reused_buffers_decode_as_the_dataset_does(codec, dtype, strategy):
+    x, y = arrays()
+    data = (x.astype(np.float32), y) if codec != "uint8" else (x, y)
+    ds = CompactDataset.from_arrays(*data, codec=codec, normalize="dataset", dtype=dtype, device="cpu")
+    batches = [(xb.clone(), yb) for xb, yb in loader(ds, 64, strategy=strategy, seed=0, device="cpu")]
+    for xb, yb in batches:                                   # cloned: only the decode is compared
+        ref = ds.batch(yb)[0]
+        assert xb.dtype == dtype and torch.equal(xb, ref)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_blocks_order_sees_every_sample_once_per_epoch(file_data, drop_last, prefetch):
+    ld = loader(file_data, 64, strategy="macro", macro_batch=192, order="blocks", seed=3, device="cpu",
+                drop_last=drop_last, prefetch=prefetch)
+    assert ld.order == "blocks" and "epoch order 'blocks'" in ld.explain() and "shuffled blocks" in ld.explain()
+    epochs = []
+    for _ in range(2):
+        seen = torch.cat([y for _, y in ld])
+        assert len(seen.unique()) == len(seen) == (N // 64 * 64 if drop_last else N)
+        if not drop_last:
+            assert torch.equal(seen.sort().values, torch.arange(N))
+        for k in range(0, len(seen) - 192 + 1, 192):            # each macro-batch: one block of the file
+            block = seen[k:k + 192]
+            assert block.max() - block.min() == 191 and block.min() % 192 == 0
+        epochs.append(seen)
+    assert not torch.equal(epochs[0], epochs[1])
+    assert torch.equal(torch.cat(list(ld._order_pieces(0)))[:len(epochs[0])], epochs[0])   # the documented order
+
+
+def test_the_order_is_named_and_its_host_bytes_counted(ds, file_data):
+    from memfit.loaders.order import blocks
+    ld = loader(ds, 64, strategy="macro", macro_batch=256, device="cpu")
+    assert ld.order == "global" and "epoch order 'global'" in ld.explain()
+    assert dict(ld.plan.items)["epoch order (one permutation, int32)"] == 4 * N
+    assert loader(file_data, 64, strategy="macro", macro_batch=256, device="cpu").order == "blocks"
+    assert loader(file_data, 64, strategy="stream", device="cpu").order == "global"    # blocks need macro
+    with pytest.raises(ValueError, match=r"order='blocks' shuffles macro-batches, but the strategy is 'resident'"):
+        loader(ds, 64, order="blocks", device="cpu")
+    with pytest.raises(ValueError, match=r"unknown order 'random'"):
+        loader(ds, 64, order="random", device="cpu")
+    # 2**33 samples: their int64 permutation would take 64 GiB; the blocks order makes one block at a time
+    first = next(blocks(2**33, 2**16, seed=0, epoch=0))
+    assert first.dtype == torch.int64 and len(first) == 2**16 and first.max() - first.min() == 2**16 - 1
+
+
 def test_arrays_are_encoded_and_normalised():
     x, y = arrays()
     ld = loader((x.astype(np.float32) / 255, y), 50, normalize="dataset", seed=0, device="cpu", strategy="stream")
@@ -103,9 +151,9 @@ NEEDS = Needs(n=10_000, batch_size=100, row_nbytes=785, batch_nbytes=100 * (784 
 
 def test_ledger_arithmetic():
     led, host = resident_ledger(NEEDS, 1)
-    assert led.total == 10_000 * 785 + 8 * 10_000 + 100 * 785 + 2 * NEEDS.batch_nbytes and host == []
+    assert led.total == 10_000 * 785 + 4 * 10_000 + 100 * 785 + 2 * NEEDS.batch_nbytes and host == []  # int32 order
     led, host = block_ledger(NEEDS, 1000, 1, "macro")
-    assert led.total == 2 * 1000 * 785 + 2 * NEEDS.batch_nbytes + 8 * 10_000 and host == []
+    assert led.total == 2 * 1000 * 785 + 2 * NEEDS.batch_nbytes + 4 * 10_000 and host == []
     cuda = Needs(**{**NEEDS.__dict__, "device_type": "cuda"})
     led, host = block_ledger(cuda, 1000, 1, "macro")
     assert led.total == 2 * 1000 * 785 + 2 * NEEDS.batch_nbytes                 # order and staging: host
@@ -155,6 +203,8 @@ def test_auto_picks_and_says_why(ds):
     ({"shuffle": "yes"}, TypeError, r"shuffle to be True or False"),
     ({"codec": "q8"}, ValueError, r"already encoded"),
     ({"distributed": True}, ValueError, r"initialised torch.distributed process group"),
+    ({"batch_size": 2000, "drop_last": True}, ValueError,
+     r"drop_last=True with batch_size=2000 would yield no batch: there are 1003 samples.*batch_size <= 1003"),
     ({"device": "tpu"}, ValueError, r"expected a device such as 'cpu'"),
 ])
 def test_bad_arguments_are_named(ds, kwargs, error, match):
@@ -236,6 +286,35 @@ def test_background_errors_reach_the_consumer_with_their_traceback(file_data, pr
     assert no_loader_threads()
 
 
+def test_the_copy_thread_changes_no_other_threads_count(file_data):
+    from memfit.loaders.prefetch import one_openmp_thread
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def count_in_new_thread():
+            got = []
+            t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+            t.start()
+            t.join()
+            return got[0]
+        assert count_in_new_thread() == 2
+        ld = loader(file_data, 64, strategy="stream", seed=0, device="cpu")
+        assert ld.threaded
+        real, inside = ld.source.fill, []
+        ld.source.fill = lambda idx, x, y: (inside.append(torch.get_num_threads()), real(idx, x, y))
+        assert sum(len(y) for _, y in ld) == N
+        assert torch.get_num_threads() == 2                      # the consumer's count
+        assert count_in_new_thread() == 2                        # threads started later (torch.set_num_threads(1)
+        # in the copy thread made this 1: it also stores the count every new thread takes)
+        limited = threading.Thread(target=lambda: inside.append(("limited", one_openmp_thread())))
+        limited.start()
+        limited.join()
+        if inside[-1][1]:                                        # the OpenMP runtime was found: the copy ran on 1
+            assert set(inside[:-1]) == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_values_in_a_file_fail_in_the_consumer(tmp_path):
     from memfit.datasets import load_array
     x = np.zeros((300, 4), np.float32)
@@ -262,8 +341,7 @@ y = np.arange(n)
 gc.collect()
 rss0 = process_rss()
 ld = loader((x, y), 1024, budget=int(sys.argv[2]), device="cpu", seed=0)
-# the loop keeps no tensor per batch: small tensors kept between the big decoded batches fragment
-# malloc's heap, and RSS would then grow with the consumer's own allocations, not memfit's
+# peak RSS over the epoch (file pages included); keeping every batch's labels is checked on its own below
 peak, counts, first, ok = rss0, torch.zeros(n, dtype=torch.int32), [], True
 for xb, yb in ld:
     ok &= torch.equal(xb[:, 0, 0, 0], (yb % 251).float())          # each row decoded to its own value
@@ -302,6 +380,70 @@ def test_file_larger_than_the_budget_stays_within_it(tmp_path):
     assert r["grew"] <= budget + 24 * 2**20, f"grew {r['grew'] / 2**20:.1f} MiB, file {n * 784 / 2**20:.0f} MiB"
 
 
+KEEP_LABELS = """
+import json, sys
+import numpy as np, torch
+from memfit.datasets import load_array
+from memfit.loader import loader
+def anon():                                  # heap and anonymous maps: not the file's page cache
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon"))
+x = load_array(sys.argv[1])
+ld = loader((x, np.arange(len(x))), 512, budget=sys.argv[2], device="cpu", seed=0)
+a0, got, ok = anon(), [], True
+for xb, yb in ld:
+    got.append(yb)                           # what every evaluation loop keeps
+    ok &= torch.equal(xb[:, 0, 0, 0], (yb % 251).float())
+seen = torch.cat(got).sort().values
+print(json.dumps({"grew": anon() - a0, "strategy": ld.strategy, "ok": bool(ok),
+                  "once": bool(torch.equal(seen, torch.arange(len(x))))}))
+"""
+
+
+def test_kept_labels_do_not_grow_host_memory_past_the_budget(tmp_path):
+    # Fresh 6 MiB batches freed into malloc's heap, with the 4 KiB labels the consumer keeps landing in
+    # the holes, grew anonymous memory by ~6 MiB a batch (350 MiB here) before decoded batches were reused.
+    n = 30_000
+    path = tmp_path / "cifar.npy"
+    w = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(n, 3, 32, 32))
+    w[:] = (np.arange(n) % 251).astype(np.uint8)[:, None, None, None]
+    w.flush()
+    del w
+    out = subprocess.run([sys.executable, "-c", KEEP_LABELS, str(path), "64MiB"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["strategy"] == "macro" and r["ok"] and r["once"]
+    assert r["grew"] < (64 + 64) * 2**20, f"anonymous memory grew {r['grew'] / 2**20:.0f} MiB, budget 64 MiB"
+
+
+def test_reused_batch_buffers_never_overwrite_what_the_consumer_holds(ds):
+    ld = loader(ds, 64, strategy="resident", seed=4, device="cpu")
+    ref = [(x.clone(), y) for x, y in ld]
+    ptrs, held = set(), []
+    ld.set_epoch(0)
+    for k, (x, _) in enumerate(ld):
+        ptrs.add(x.data_ptr())
+        if k == 1:
+            held.append(("view", k, x[3:5]))                  # a view holds the buffer
+        if k == 2:
+            held.append(("numpy", k, x.numpy()))              # so does a numpy array of it
+        if k == 3:
+            w = torch.ones(16, 2, requires_grad=True)
+            out = x.flatten(1) @ w                            # autograd saves x for w's gradient
+            held.append(("graph", k, (out, w)))
+    for kind, k, h in held:
+        if kind == "view":
+            assert torch.equal(h, ref[k][0][3:5])
+        elif kind == "numpy":
+            assert np.array_equal(h, ref[k][0].numpy())
+        else:
+            out, w = h
+            out.sum().backward()
+            # d sum(x @ w) / dw: the column sums of x (rounding differs: the matmul sums in another order)
+            assert torch.allclose(w.grad[:, 0], ref[k][0].flatten(1).sum(0), atol=1e-4)
+    assert 2 <= len(ptrs) <= 2 + len(held)                    # dropped batches' buffers were reused
+
+
 # ---- distributed ---------------------------------------------------------------------------------------
 def _dist_epochs(rank, world):
     x, y = arrays()
@@ -309,10 +451,15 @@ def _dist_epochs(rank, world):
     out = {}
     for name, data, kw in [("resident", ds, {}), ("macro", ds, {"strategy": "macro", "macro_batch": 128}),
                            ("stream-arrays", (x, y), {"strategy": "stream"}),
-                           ("drop_last", ds, {"drop_last": True})]:
+                           ("drop_last", ds, {"drop_last": True}),
+                           ("blocks", ds, BLOCKS), ("blocks-strided", ds.shard(rank, world, mode="strided"), BLOCKS)]:
         ld = loader(data, 64, seed=5, device="cpu", distributed=True, **kw)
-        out[name] = (len(ld), [[y.tolist() for _, y in ld] for _ in range(2)], ld.dataset.nbytes)
+        out[name] = (len(ld), [[y.tolist() for _, y in ld] for _ in range(2)], ld.dataset.nbytes,
+                     dict(ld.plan.items))
     return out
+
+
+BLOCKS = {"strategy": "macro", "macro_batch": 128, "order": "blocks"}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -323,6 +470,8 @@ def test_distributed_ranks_partition_every_epoch(world):
     ranks = [out[r][1] for r in range(world)]
     whole = loader(arrays(), 64, seed=5, device="cpu")
     ref = [torch.cat([y for _, y in whole]) for _ in range(2)]
+    whole = loader(arrays(), 64, seed=5, device="cpu", **BLOCKS)
+    ref_blocks = [torch.cat([y for _, y in whole]) for _ in range(2)]
     first = shard_sizes(N, world)[0]                                        # rank 0 holds samples [0, first)
     for name in ranks[0]:
         counts = {r[name][0] for r in ranks}
@@ -334,11 +483,17 @@ def test_distributed_ranks_partition_every_epoch(world):
             assert len(seen) == len(set(seen))                              # never twice
             if name != "drop_last":
                 assert sorted(seen) == list(range(N)), name                 # everything once across ranks
-                mine = torch.tensor([s for b in per_rank[0] for s in b])
-                assert torch.equal(mine, ref[epoch][ref[epoch] < first])    # rank 0 follows the global order
+                mine = torch.tensor([s for b in per_rank[0] for s in b])    # rank 0 follows the global order
+                glob = ref_blocks[epoch] if name.startswith("blocks") else ref[epoch]
+                assert torch.equal(mine, glob[glob % world == 0] if name == "blocks-strided" else glob[glob < first])
         assert ranks[0][name][1][0] != ranks[0][name][1][1]                 # reshuffled each epoch
     whole_bytes = CompactDataset.from_arrays(*arrays(), device="cpu").nbytes
     assert ranks[0]["resident"][2] < (1 / world + 0.1) * whole_bytes       # its shard only
+    # the host bytes of the order: every rank draws the permutation of all N samples (int32), selects its
+    # shard with a mask and a temporary over all N, and keeps its own positions
+    items = ranks[0]["resident"][3]
+    assert items[f"epoch order (permutation of all {N} samples, shard selection, int32)"] == \
+        N * (2 * 4 + 1) + 4 * first
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------------
@@ -356,9 +511,23 @@ def test_cuda_batches_equal_cpu_batches(ds, strategy, kw):
 
 
 @pytest.mark.cuda
-def test_cuda_macro_with_slow_consumer_never_reads_a_slot_being_written(ds):
-    ld = loader(ds, 64, strategy="macro", macro_batch=128, seed=3, device="cuda")
-    ref = [y for _, y in loader(ds, 64, strategy="resident", seed=3, device="cpu")]
-    for (_, y), yr in zip(ld, ref, strict=True):
-        torch.cuda._sleep(2_000_000)                  # a long kernel on the consumer's stream
+@pytest.mark.parametrize("strategy, kw", [("macro", {"macro_batch": 128}), ("stream", {}),
+                                          ("macro", {"macro_batch": 128, "order": "global"})])
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_cuda_slow_consumer_never_reads_a_slot_being_written(ds, file_data, strategy, kw, kind):
+    data = ds if kind == "memory" else file_data
+    ld = loader(data, 64, strategy=strategy, seed=3, device="cuda", normalize="dataset" if kind == "file" else None,
+                **kw)
+    assert ld.threaded
+    ref = loader(data, 64, strategy=strategy, seed=3, device="cpu", prefetch=False,
+                 normalize="dataset" if kind == "file" else None, **kw)
+    for (x, y), (xr, yr) in zip(ld, ref, strict=True):
+        # a long kernel on the consumer's stream that reads the batch: were the copy of the next block into
+        # this slot not waiting for it, the decoded x checked below would hold the next block's rows
+        torch.cuda._sleep(2_000_000)
+        s = x.sum()
+        torch.cuda._sleep(2_000_000)
         assert torch.equal(y.cpu(), yr)
+        torch.testing.assert_close(x.cpu(), xr, rtol=0, atol=1e-6)          # the decoded samples, not only labels
+        assert s.item() == pytest.approx(xr.sum().item(), rel=1e-5, abs=1e-3)
+    assert no_loader_threads()

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from memfit import BudgetExceeded
 from memfit.bench.zoo import MODELS, build
 from memfit.planner import CaptureError, activation_bytes, max_batch_size, memory_model, plan
 from memfit.planner.arena import align
@@ -140,11 +141,45 @@ class DataDependent(nn.Module):
         return x - 1
 
 
-def test_uncapturable_model_raises_capture_error_with_the_reason():
-    with pytest.raises(CaptureError, match="torch.export could not capture DataDependent: .*"):
+class BoolMask(nn.Module):
+    def forward(self, x):
+        return x[x > 0].sum()
+
+
+def test_uncapturable_model_raises_capture_error_with_the_reason(capfd):
+    with pytest.raises(CaptureError, match="DataDependent has control flow .* depend on tensor values") as e:
         plan(DataDependent(), (torch.randn(2, 3),))
+    assert e.value.kind == "data-dependent" and "\n" not in str(e.value)
+    with pytest.raises(CaptureError, match="sizes that depend on values.*boolean-mask") as e:
+        plan(BoolMask(), (torch.randn(2, 3),))
+    assert e.value.kind == "data-dependent"
     with pytest.raises(CaptureError):
         memory_model(DataDependent(), (3,))
+    assert capfd.readouterr().err == ""                 # torch's log lines and graph dumps are silenced
+
+
+CONV = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+
+
+@pytest.mark.parametrize("model, x, match", [
+    (CONV, torch.randn(2, 4, 16, 16), r"expected input.* to have 3 channels, but got 4.*found \(2, 4, 16, 16\)"),
+    (CONV, torch.randn(2, 1, 3, 16, 16), r"dimension too many or too few; found \(2, 1, 3, 16, 16\).*no batch"),
+    (nn.Embedding(100, 8).eval(), torch.randn(2, 7), r"integer token ids; found \(2, 7\) float32.*torch.long"),
+    (nn.Linear(8, 2), torch.randn(2, 7), r"feature size differs.*found \(2, 7\)"),
+], ids=["channels", "batch-in-sample", "float-ids", "features"])
+def test_shape_and_dtype_mistakes_are_reported_as_such(model, x, match):
+    with pytest.raises(CaptureError, match=match) as e:
+        plan(model, (x,))
+    assert e.value.kind == "inputs" and "control flow" not in str(e.value)
+
+
+def test_capture_restores_torch_logging():
+    import logging
+    lg = logging.getLogger("torch._subclasses.fake_tensor")
+    before = (lg.level, lg.disabled)
+    with pytest.raises(CaptureError):
+        plan(DataDependent(), (torch.randn(2, 3),))
+    assert (lg.level, lg.disabled) == before
 
 
 def test_training_mode_batch_norm_asks_for_eval():
@@ -193,7 +228,8 @@ def test_max_batch_size_matches_a_bisection_of_activation_bytes():
     assert need == sorted(need)
     expected = max((n for n, b in zip(sizes, need, strict=True) if b <= budget), default=0)
     assert max_batch_size(model, shape, budget) == expected
-    assert max_batch_size(model, shape, "1KiB") == 0                 # not even the parameters fit
+    with pytest.raises(BudgetExceeded, match=r"not even a batch of 1 fits.*parameters"):
+        max_batch_size(model, shape, "1KiB")                         # not even the parameters fit
     extra = max_batch_size(model, shape, budget, extra_bytes_per_sample=1000)
     assert extra < expected
     with pytest.raises(ValueError, match="extra_bytes_per_sample"):
@@ -257,8 +293,9 @@ def test_planned_module_runs_with_grad_enabled_and_multiple_outputs():
     with torch.enable_grad():
         got, ref = pm(x, y), m(x, y)
     assert isinstance(got, tuple) and len(got) == 2
-    torch.testing.assert_close(got, tuple(r.detach() for r in ref))
-    assert ref[0].requires_grad and not got[0].requires_grad
+    torch.testing.assert_close(tuple(g.detach() for g in got), tuple(r.detach() for r in ref))
+    with pytest.raises(RuntimeError, match="run inference only.*memfit.accumulate.*train=True"):
+        got[0].sum().backward()
 
 
 def test_plans_share_one_arena_and_release_frees_it():
@@ -281,3 +318,67 @@ def test_plans_share_one_arena_and_release_frees_it():
         ref = model(x)
     torch.testing.assert_close(pm(x), ref)                     # allocated again, nothing re-captured
     assert pm.arena_bytes == big and len(pm.layouts) == 2
+
+
+def test_two_threads_share_a_planned_module():
+    """Calls are serialised by a lock: each thread's outputs equal eager on its own inputs."""
+    import threading
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).eval()
+    pm = plan(model, (torch.randn(16, 32),))
+    inputs = [torch.randn(16, 32) for _ in range(2)]
+    with torch.no_grad():
+        refs = [model(x) for x in inputs]
+    errors = []
+
+    def work(k):
+        for _ in range(200):
+            with torch.no_grad():
+                if not torch.equal(pm(inputs[k]), refs[k]):
+                    errors.append(k)
+                    return
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+@pytest.mark.parametrize("name", ["lenet", "transformer", "resnet18"])
+def test_one_capture_plans_every_batch_size(name):
+    """Batch sizes after the first are planned from the symbolic capture: no export, equal outputs,
+    and byte sizes equal to a static capture at that batch."""
+    from memfit.planner.planned import capture_model, layout_at
+    model, shape = build(name, image=32)
+    pm = plan(model, (torch.randn(4, *shape),))
+    assert pm.captures[0].dynamic and "one capture" in pm.report.capture
+    for n in (1, 3):
+        x = torch.randn(n, *shape)
+        with torch.no_grad():
+            torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
+    assert len(pm.captures) == 1 and len(pm.layouts) == 3
+    static = capture_model(model, (torch.randn(3, *shape),), dynamic_batch=False)
+    want = layout_at(static, 3).report
+    got = layout_at(pm.captures[0], 3).report
+    # node names differ between the two exports (mul_85 / mul); shapes, bytes, kinds and lifetimes do not
+    assert [(r.shape, r.bytes, r.kind, r.lifetime) for r in got.rows] == [(r.shape, r.bytes, r.kind, r.lifetime)
+                                                                          for r in want.rows]
+    assert (got.arena_bytes, got.unplanned_bytes, got.input_bytes) == (want.arena_bytes, want.unplanned_bytes,
+                                                                       want.input_bytes)
+
+
+class FixedBatch(nn.Module):
+    def forward(self, x):
+        return x.reshape(4, -1).relu()           # the batch size is written into the model
+
+
+def test_a_model_that_fixes_its_batch_is_captured_statically_with_the_reason():
+    from memfit.planner.planned import layout_at
+    pm = plan(FixedBatch(), (torch.randn(4, 6),))
+    cap = pm.captures[0]
+    assert not cap.dynamic and cap.static_reason and "static capture at batch 4" in pm.report.capture
+    torch.testing.assert_close(pm(torch.ones(4, 6)), torch.ones(4, 6))
+    with pytest.raises(ValueError, match="static at batch 4.*capture again"):
+        layout_at(cap, 8)

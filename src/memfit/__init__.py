@@ -2,8 +2,9 @@
 
 - `CompactDataset`: datasets stored compactly on the device (uint8, q8, q4, bits1, ...), decoded per batch.
 - `loader` / `Loader`: minibatches by the resident, stream or macro strategy, chosen from a memory budget.
-- `plan` / `PlannedModule`: every activation of a model in one arena; `activation_bytes` and
-  `max_batch_size` say what a batch needs and what fits, without running it at full size.
+- `plan` / `PlannedModule`: every activation of a model in one arena; `memory_model`, `activation_bytes` and
+  `max_batch_size` say what a batch (of inference or of a whole training step) needs and what fits,
+  without running it at full size.
 - `evaluate`: exact whole-set metrics in chunks sized to a memory budget, with out-of-memory back-off.
 - `accumulate`: one optimizer step on a batch too large for the budget, as micro-batches, with the
   full-batch gradient and out-of-memory back-off.
@@ -19,7 +20,7 @@ from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_byt
 from memfit.dataset import CompactDataset
 from memfit.evaluate import EvalResult, evaluate
 from memfit.loader import Loader, loader  # rebinds memfit.loader from the module to the function
-from memfit.planner import PlannedModule, activation_bytes, max_batch_size, plan
+from memfit.planner import PlannedModule, activation_bytes, max_batch_size, memory_model, plan
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "format_bytes",
     "loader",
     "max_batch_size",
+    "memory_model",
     "metrics",
     "parse_bytes",
     "plan",

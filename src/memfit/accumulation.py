@@ -8,8 +8,8 @@ given. An out-of-memory error backs off: the failed micro-batch alone is retried
 
 An OOM can strike in backward after some parameters already received the failed micro-batch's
 gradient. A parameter's gradient is accumulated once per backward, complete (the autograd engine
-sums every use of a parameter before its AccumulateGrad runs), so a post-accumulate hook tells
-which parameters got it; the retry of that micro-batch runs with those parameters frozen
+sums every use of a parameter before its AccumulateGrad runs), so the version counter of its
+`.grad` tells which parameters got it; the retry of that micro-batch runs with those parameters frozen
 (`requires_grad=False`), so they get nothing twice and the others get the rest. No extra gradient
 buffer is held: memory is that of plain accumulation.
 
@@ -27,11 +27,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 import time
 import warnings
 import weakref
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -210,61 +212,93 @@ def _held_bytes(model, optimizer) -> int:
     return total
 
 
-def _training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
-    """peak(n): predicted bytes of one whole training step on n samples (parameters, gradients, optimizer
-    state, activations, the backward's transient), from memfit's fake-tensor memory model."""
-    from memfit import memory_model  # the memory model of one whole training step
-    module = model.module if isinstance(model, _ddp_class()) else model
-    example = (_slice(x, 0, min(2, _batch_size(x, y)), _device(model)),)
-    mm = memory_model(module, example, train=True, optimizer=optimizer, loss_fn=loss_fn)
-    return mm.total_bytes, f"training memory model ({getattr(mm, 'method', 'fake-tensor run')})"
+def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
+    """loss_fn as the memory model calls it: loss_fn(out) without a target, and a scalar (per-sample losses
+    summed: the same ops and bytes as the weighting accumulate applies)."""
+    def loss(out, *target):
+        v = loss_fn(out, target[0] if y_given else None)
+        return v.sum() if v.dim() else v
+    return loss
 
 
-def _largest(peak: Callable[[int], int], budget: int, upper: int) -> int:
-    from memfit.evaluate import largest_fitting
-    return largest_fitting(peak, budget, upper)
+def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
+    """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
+
+    The memory model is a fake-tensor run of one plain training step (`memfit.footprint`): parameters,
+    gradients, optimizer state, activations and the backward's transient, at any batch size. Micro-batches
+    differ from it in two ways: after the first one the gradients stay allocated through the next forward
+    (plus all of them: an upper bound), and the micro-batch is a view of the batch already on the device
+    (the batch's bytes once, not the micro-batch's inputs). A DistributedDataParallel model also holds its
+    gradient buckets.
+    """
+    from memfit.footprint import step_memory_model  # one training step on fake tensors
+    ddp = isinstance(model, _ddp_class())
+    module = model.module if ddp else model
+    device, n = _device(model), _batch_size(x, y)
+    k = min(2, n)
+    # The fake run counts lazily created optimizer state as held from the start, so an optimizer without
+    # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
+    stateless = copy.copy(optimizer)
+    stateless.state = defaultdict(dict)
+    mm = step_memory_model(module, _slice(x, 0, k, device), train=True, optimizer=stateless,
+                           loss_fn=_scalar_loss(loss_fn, y is not None),
+                           target=None if y is None else _slice(y, 0, k, device))
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
+    on_device = [t for t in _tensors(x) + _tensors(y) if t.device == device]
+    batch_bytes = sum(t.nbytes for t in on_device)
+    inputs_held = bool(on_device)         # micro-batches are views of it: their inputs take no new bytes
+
+    def peak(m: int) -> int:
+        parts = mm.breakdown(m)
+        inputs = parts.get("inputs", 0) if inputs_held else 0
+        return sum(parts.values()) - inputs + batch_bytes + buckets + (grads if m < n else 0)
+    how = (f"{mm.method}; + all gradients held between micro-batches"
+           + (" + DDP gradient buckets" if buckets else ""))
+    return peak, how
 
 
 def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) -> tuple[int, str]:
-    """(micro-batch size, why) for the largest micro-batch whose predicted training step fits the budget."""
+    """(micro-batch size, why) for the largest micro-batch whose predicted step fits the budget."""
+    from memfit.budget import BudgetExceeded
+    from memfit.evaluate import largest_fitting
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
         limit += _held_bytes(model, optimizer)
-    batch_bytes = sum(t.nbytes for t in _tensors(x) + _tensors(y) if t.device == device)
     try:
-        peak, how = _training_peak(model, optimizer, loss_fn, x, y)
+        peak, how = training_peak(model, optimizer, loss_fn, x, y)
     except Exception as e:
         raise RuntimeError(f"micro_batch='auto' could not predict the training step's memory "
                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); pass "
                            "micro_batch=<int> (out-of-memory errors still back off)") from e
-    total = lambda m: peak(m) + batch_bytes        # the whole batch already lies on the device
-    m = _largest(total, limit, n)
+    m = largest_fitting(peak, limit, n)
     if m == 0:
-        from memfit.budget import BudgetExceeded
-        raise BudgetExceeded(f"a training step on one sample needs {format_bytes(total(1))} ({how}, the batch's "
-                             f"{format_bytes(batch_bytes)} included) but the budget is {format_bytes(limit)}; "
-                             "raise the budget, use a smaller model or an optimizer with less state",
-                             needed=total(1), budget=limit)
+        raise BudgetExceeded(f"a training step on one sample needs {format_bytes(peak(1))} (the batch's bytes "
+                             f"included; {how}) but the budget is {format_bytes(limit)}; raise the budget, use a "
+                             "smaller model or an optimizer with less state", needed=peak(1), budget=limit)
     if m == n:
-        return m, (f"the whole batch fits: predicted step {format_bytes(total(n))} <= budget "
-                   f"{format_bytes(limit)} ({how})")
-    return m, (f"largest micro-batch whose predicted step {format_bytes(total(m))} fits the budget "
-               f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(total(n))} ({how})")
+        return m, f"the whole batch fits: predicted step {format_bytes(peak(n))} <= budget {format_bytes(limit)}"
+    return m, (f"largest micro-batch whose predicted step {format_bytes(peak(m))} fits the budget "
+               f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(peak(n))} ({how})")
 
 
-def _auto(model, optimizer, loss_fn, x, y, n, budget, device, world) -> tuple[int, str]:
-    key = (id(optimizer), n, None if budget is None else parse_bytes(budget), _signature(x))
+def _auto_key(model, optimizer, x, n: int, budget) -> tuple:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)    # frozen layers need less
+    return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
+            _signature(x))
+
+
+def _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tuple[int, str]:
     cache = _CHOSEN.setdefault(model, {})
-    if key in cache:
-        return cache[key]
-    m, why = choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device)
-    if world > 1:               # one size for all ranks
+    if key not in cache:
+        cache[key] = choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device)
+    m, why = cache[key]
+    if world > 1:       # one size for all ranks, agreed every step: a rank's cache may hold what another's lacks
         from memfit.distributed import all_reduce
-        t = all_reduce(torch.tensor([m], dtype=torch.int64), op=torch.distributed.ReduceOp.MIN,
-                       what="micro-batch size")
-        if int(t) != m:
-            m, why = int(t), f"{why}; the smallest over ranks ({int(t)}) is used"
-    cache[key] = (m, why)
+        agreed = int(all_reduce(torch.tensor([m], dtype=torch.int64), op=torch.distributed.ReduceOp.MIN,
+                                what="micro-batch size"))
+        if agreed != m:
+            m, why = agreed, f"{why}; the smallest over ranks ({agreed}) is used"
     return m, why
 
 
@@ -273,16 +307,17 @@ def _signature(x) -> tuple:
 
 
 # ---- the step ------------------------------------------------------------------------------------------
-class _Grads:
-    """Which parameters received their gradient during one attempt (post-accumulate hooks)."""
+def _grad_marks(params: list[torch.nn.Parameter]) -> list[tuple]:
+    """Each parameter's gradient tensor and its version: AccumulateGrad either sets a new tensor or adds in
+    place (which bumps the version), so a changed mark means the parameter received a gradient. (Cheaper
+    than hooks: adding and removing one costs about 2.5 us per parameter and step, this 0.15 us.)"""
+    return [(p.grad, -1 if p.grad is None else p.grad._version) for p in params]
 
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.got: set[int] = set()
-        self.handles = [p.register_post_accumulate_grad_hook(lambda p: self.got.add(id(p))) for p in params]
 
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+def _received(params, marks) -> frozenset:
+    """ids of the parameters whose gradient changed since `marks`."""
+    return frozenset(id(p) for p, (g, v) in zip(params, marks, strict=True)
+                     if p.grad is not g or (g is not None and g._version != v))
 
 
 @contextlib.contextmanager
@@ -308,7 +343,6 @@ class _Step:
         self.device, self.sync_last = device, sync_last
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
-        self.grads = _Grads(self.params)
         self.autocast = self._autocast_type()
 
     @staticmethod
@@ -320,19 +354,20 @@ class _Step:
 
     def attempt(self, s: int, e: int, frozen: frozenset, last: bool) -> tuple[str | None, frozenset]:
         """Run samples [s, e) forward and backward; (OOM message or None, parameters that got a gradient)."""
-        self.grads.got = set()
+        marks = _grad_marks(self.params)
         sync = contextlib.nullcontext() if (last or not self.sync_last) else self.model.no_sync()
         try:
             with sync, _frozen(self.params, frozen):
                 self._run(s, e)
-        except Exception as e:
-            if not is_oom(e):
+        except Exception as err:
+            if not is_oom(err):
                 raise
             if last and self.sync_last:
                 raise RuntimeError(f"out of memory in the last micro-batch ({e - s} samples), which all-reduces "
                                    "the gradients across ranks: it cannot be retried without leaving the other "
-                                   f"ranks waiting ({type(e).__name__}); pass a smaller micro_batch") from e
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", frozenset(self.grads.got)
+                                   f"ranks waiting ({type(err).__name__}); pass a smaller micro_batch") from err
+            msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            return msg, _received(self.params, marks)
         return None, frozenset()
 
     def _run(self, s: int, e: int) -> None:
@@ -415,6 +450,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             is local, except in the last micro-batch (an error there: the other ranks are in the all-reduce).
         allow_batch_dependent: run a model with batch statistics anyway (a warning says the step differs).
 
+    Precision: gradients accumulate in the parameters' dtype, as in any accumulation (bfloat16 parameters
+    round each micro-batch's addition to bfloat16; under autocast the parameters, and so the sums, stay
+    float32).
+
     Returns:
         StepResult: the loss over the whole batch, the micro-batch size chosen and why, retries.
 
@@ -438,22 +477,20 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         from memfit.distributed import all_reduce
         n_total = int(all_reduce(torch.tensor([n], dtype=torch.int64), what="accumulate sample count"))
     if micro_batch == "auto":
-        size, reason = _auto(model, optimizer, loss_fn, x, y, n, budget, device, world)
+        key = _auto_key(model, optimizer, x, n, budget)
+        size, reason = _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key)
     else:
         size, reason = min(micro_batch, n), "micro_batch given"
     optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
     step = _Step(model, loss_fn, x, y, n_total, world, device, sync_last=world > 1)
-    try:
-        final = step.run_range(0, n, size, frozenset(), n)
-    finally:
-        step.grads.close()
+    for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
+        p.grad = None
+    final = step.run_range(0, n, size, frozenset(), n)
     optimizer.step()
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
-        cache = _CHOSEN.get(model, {})
-        for k, (m, why) in list(cache.items()):
-            if m == size:
-                cache[k] = (final, f"{why}; lowered to {final} after an out-of-memory error")
+        chosen = _CHOSEN.get(model, {})
+        if key in chosen:
+            chosen[key] = (final, f"{chosen[key][1]}; lowered to {final} after an out-of-memory error")
     loss_sum = step.loss_sum
     if world > 1:
         from memfit.distributed import all_reduce

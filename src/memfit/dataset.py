@@ -34,6 +34,7 @@ from memfit.encoding import (
     normalisation,
     resolve_dtype,
 )
+from memfit.fields import Field, PackedCodec, check_fields, pack, unpack
 from memfit.progress import progress
 
 
@@ -57,6 +58,34 @@ class ShardInfo:
     indices: torch.Tensor
 
 
+class Samples(Sequence):
+    """A decoded batch seen as a sequence of samples: `[i]` is `(x[i], y[i])` (views; x alone without
+    labels, a dict of views for a dataset of fields). `x`, `y` hold the whole batch."""
+
+    def __init__(self, x, y) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        first = next(iter(self.x.values())) if isinstance(self.x, dict) else self.x
+        return first.shape[0]
+
+    def __getitem__(self, i):
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError(f"samples are indexed by an int; found {type(i).__name__}")
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} is out of range for a batch of {len(self)}")
+        x = {k: v[i] for k, v in self.x.items()} if isinstance(self.x, dict) else self.x[i]
+        return x if self.y is None else (x, self.y[i])
+
+
+class SampleList(list):
+    """An unlabelled batch as a list of per-sample views (what torch.stack takes); `x` is the batch."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__(x.unbind(0))
+        self.x = x
+
+
 class CompactDataset(torch.utils.data.Dataset):
     """Samples stored compactly on a device, decoded per batch. Build with `from_arrays`.
 
@@ -65,9 +94,15 @@ class CompactDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor | None, codec: Codec, sample_shape: tuple[int, ...],
-                 dtype: torch.dtype, mean: torch.Tensor | None = None, std: torch.Tensor | None = None):
+                 dtype: torch.dtype, mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
+                 fields: dict[str, Field] | None = None):
         self.x, self.y, self.codec = x, y, codec
-        self.sample_shape, self.dtype = tuple(sample_shape), dtype
+        self.fields = fields        # several inputs per sample, packed in one byte row (memfit.fields)
+        if fields is None:
+            self.sample_shape, self.dtype = tuple(sample_shape), dtype
+        else:                       # per field: {name: shape}, {name: dtype}
+            self.sample_shape = {k: f.template.sample_shape for k, f in fields.items()}
+            self.dtype = {k: f.template.dtype for k, f in fields.items()}
         self.mean, self.std = mean, std
         self.shard_info: ShardInfo | None = None     # set by shard(): which part of which whole
         self.num_classes = int(y.max()) + 1 if y is not None and len(y) else None
@@ -98,6 +133,9 @@ class CompactDataset(torch.utils.data.Dataset):
         Raises:
             ValueError / TypeError naming what was expected and found; nothing is kept on error.
         """
+        if isinstance(x, dict):
+            return cls._from_fields(x, y, codec=codec, normalize=normalize, device=device, dtype=dtype,
+                                    progress_bar=progress_bar)
         x = as_array(x, "x")
         if x.ndim < 2:
             raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with one row per sample; found shape "
@@ -125,8 +163,33 @@ class CompactDataset(torch.utils.data.Dataset):
         mean, std = stats if stats is not None else (None, None)
         return cls(stored, None if labels is None else labels.to(dev), codec, sample_shape, dtype, mean, std)
 
+    @classmethod
+    def _from_fields(cls, x: dict, y, *, codec, normalize, device, dtype, progress_bar) -> CompactDataset:
+        """Each field encoded on its own, then packed into one byte row per sample (memfit.fields)."""
+        n = check_fields(x)
+        per = lambda arg, name: arg.get(name, "auto" if arg is codec else None) if isinstance(arg, dict) else arg
+        for arg, what in ((codec, "codec"), (normalize, "normalize"), (dtype, "dtype")):
+            if isinstance(arg, dict) and set(arg) - set(x):
+                raise ValueError(f"{what} names fields {sorted(set(arg) - set(x))} that x does not have; "
+                                 f"x has {sorted(x)}")
+        parts = {}
+        for name, arr in x.items():
+            try:
+                parts[name] = cls.from_arrays(arr, None, codec=per(codec, name), normalize=per(normalize, name),
+                                              device="cpu", dtype=per(dtype, name), progress_bar=progress_bar)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"field {name!r}: {e}") from None
+        rows, fields = pack(parts, resolve_device(device))
+        labels = None if y is None else encode_labels(y, n).to(rows.device)
+        packed = PackedCodec({k: p.codec for k, p in parts.items()})
+        return cls(rows, labels, packed, tuple(rows.shape[1:]), torch.uint8, fields=fields)
+
     def _set_affine(self) -> None:
         """Fold the codec's dequantisation and the normalisation into one multiply-add per channel."""
+        if self.fields is not None:                        # each field decodes with its own
+            self._a = self._b = torch.zeros(0, dtype=torch.float64)
+            self._ops, self._scale, self._shift = {}, torch.zeros(0), torch.zeros(0)
+            return
         a, b = self.codec.affine()                         # value = code * a + b, float64 (C,)
         if self.mean is not None:
             a, b = a / self.std, (b - self.mean) / self.std  # (value - mean) / std
@@ -156,19 +219,34 @@ class CompactDataset(torch.utils.data.Dataset):
         return self._ops[device, dtype]
 
     # ---- the hot path -------------------------------------------------------------------------
-    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+    def decode(self, rows: torch.Tensor, out: torch.Tensor | None = None,
+               work: torch.Tensor | None = None) -> torch.Tensor:
         """Stored rows (n, *stored_shape) on any device -> samples (n, *sample_shape) in `self.dtype`
-        on that device (so compact rows can be copied to a GPU first and decoded there)."""
+        on that device (so compact rows can be copied to a GPU first and decoded there).
+
+        `out` (n, *sample_shape) in `self.dtype` receives the samples instead of a new tensor; `work`,
+        float32 of the same shape, is the intermediate for half dtypes. Loaders pass reused buffers:
+        no allocation per batch (fresh batch-sized allocations fragment the host heap). A dataset of
+        fields decodes to a dict of new tensors (`out`/`work` are not used)."""
+        if self.fields is not None:
+            return unpack(rows, self.fields)              # {name: (n, *shape)}
         codes = self.codec.unpack(rows, self.sample_shape)
         if not self.dtype.is_floating_point:          # integer outputs (token ids): exact, no affine
-            x = codes.to(self.dtype)
-            if x is rows:
-                x = x.clone()
+            if out is not None:
+                x = out.copy_(codes)
+            else:
+                x = codes.to(self.dtype)
+                if x is rows:
+                    x = x.clone()
             return x.add_(self.codec.offset) if self.codec.offset else x
-        wide = self.dtype == torch.float64
-        x = codes.to(torch.float64 if wide else torch.float32)   # one convert: uint8 reads are 4x cheaper
-        if x is rows:                       # float32 codec: never hand out the stored rows themselves
-            x = x.clone()
+        compute = torch.float64 if self.dtype == torch.float64 else torch.float32
+        x = out if self.dtype == compute else work
+        if x is None:
+            x = codes.to(compute)           # one convert: uint8 reads are 4x cheaper than float32 reads
+            if x is rows:                   # float32 codec: never hand out the stored rows themselves
+                x = x.clone()
+        else:
+            x.copy_(codes)                  # the same convert, into the caller's buffer
         scale, shift, ops = self._affine_on(rows.device, x.dtype)
         if ops is None:
             x.mul_(scale).add_(shift)
@@ -177,14 +255,20 @@ class CompactDataset(torch.utils.data.Dataset):
                 xc = x if c is None else x[:, c]
                 torch.add(b, xc, alpha=a, out=xc)
         # half types are computed in float32 and rounded once, the most accurate result
-        return x if x.dtype == self.dtype else x.to(self.dtype)
+        if x.dtype == self.dtype:
+            return x
+        return x.to(self.dtype) if out is None else out.copy_(x)
 
-    def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """Stored rows for valid indices on `self.device`: (n, *stored_shape), one gather."""
+    def rows(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored rows for valid indices on `self.device`: (n, *stored_shape), one gather (into `out`,
+        contiguous (n, *stored_shape), when given)."""
         # Rows are moved as 8-byte words when their size allows: index_select then copies 8x fewer
         # elements than it would as bytes (a 784-byte MNIST row is 98 words).
         if self._x_words is None:
-            return self.x.index_select(0, idx)
+            return self.x.index_select(0, idx) if out is None else torch.index_select(self.x, 0, idx, out=out)
+        if out is not None:
+            torch.index_select(self._x_words, 0, idx, out=out.view(out.shape[0], -1).view(torch.int64))
+            return out
         words = self._x_words.index_select(0, idx)
         return words.view(self.x.dtype).view(idx.shape[0], *self.x.shape[1:])
 
@@ -227,22 +311,31 @@ class CompactDataset(torch.utils.data.Dataset):
         return self.x.shape[0]
 
     def __getitem__(self, i):
+        """`ds[i]` is one sample `(x, y)` (x alone without labels); `ds[indices]` a decoded batch `(x, y)`."""
         if isinstance(i, (int, np.integer)):
-            x, y = self.batch([int(i)])
-            return x[0], (None if y is None else y[0])
+            return Samples(*self.batch([int(i)]))[0]
         return self.batch(i)
 
-    def __getitems__(self, indices: Sequence[int]):
-        """Called by torch's DataLoader with a whole batch of indices: one gather, no collation.
+    def __getitems__(self, indices: Sequence[int]) -> Samples:
+        """Called by torch's DataLoader with a whole batch of indices: one gather + decode for the batch.
 
-        Pair it with `collate_fn=CompactDataset.collate` so the batch passes through unchanged.
+        The result is a sequence of per-sample `(x, y)` views of that batch, so DataLoader's default
+        `collate_fn` stacks it as it would any dataset's samples; `collate_fn=CompactDataset.collate`
+        takes the batch as it is (no views, no stack: the fastest).
         """
-        return self.batch(indices)
+        x, y = self.batch(indices)
+        if y is None and not isinstance(x, dict):
+            return SampleList(x)     # default collate stacks tensor samples with torch.stack: needs a list
+        return Samples(x, y)
 
     @staticmethod
     def collate(batch):
-        """`collate_fn` for DataLoader: the batch from `__getitems__` is already collated."""
-        return batch
+        """`collate_fn` for DataLoader: the `(x, y)` batch that `__getitems__` gathered, unchanged."""
+        if isinstance(batch, SampleList):
+            return batch.x
+        if isinstance(batch, Samples):
+            return batch.x, batch.y
+        return torch.utils.data.default_collate(batch)
 
     # ---- memory -------------------------------------------------------------------------------
     @property
@@ -258,8 +351,15 @@ class CompactDataset(torch.utils.data.Dataset):
     @property
     def dense_nbytes(self) -> int:
         """What the same data takes as plain tensors: float32 samples (int64 for integer data), int64 labels."""
-        item = 4 if self.dtype.is_floating_point else 8
-        return len(self) * (item * math.prod(self.sample_shape) + (0 if self.y is None else 8))
+        labels = 0 if self.y is None else 8 * len(self)
+        if self.fields is not None:
+            return sum(len(self) * f.template.dense_nbytes_per_sample for f in self.fields.values()) + labels
+        return len(self) * self.dense_nbytes_per_sample + labels
+
+    @property
+    def dense_nbytes_per_sample(self) -> int:
+        """Bytes of one sample as a plain tensor (float32, or int64 for integer data), no label."""
+        return (4 if self.dtype.is_floating_point else 8) * math.prod(self.sample_shape)
 
     @property
     def row_nbytes(self) -> int:
@@ -268,11 +368,16 @@ class CompactDataset(torch.utils.data.Dataset):
 
     def batch_nbytes(self, n: int) -> int:
         """Bytes of one decoded batch of n samples (x in `dtype`, y as int64)."""
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return n * (item * math.prod(self.sample_shape) + (0 if self.y is None else 8))
+        return self.x_batch_nbytes(n) + (0 if self.y is None else 8 * n)
+
+    def x_batch_nbytes(self, n: int) -> int:
+        """Bytes of the decoded inputs of n samples (every field), labels left out."""
+        if self.fields is not None:
+            return sum(f.template.x_batch_nbytes(n) for f in self.fields.values())
+        return n * self.dtype.itemsize * math.prod(self.sample_shape)
 
     def _replace(self, x: torch.Tensor, y: torch.Tensor | None) -> CompactDataset:
-        out = type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std)
+        out = type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std, self.fields)
         out.num_classes = self.num_classes           # a part keeps the whole's class count
         out.shard_info = self.shard_info
         return out
@@ -330,13 +435,26 @@ class CompactDataset(torch.utils.data.Dataset):
 
     def explain(self) -> str:
         """How the samples are stored and decoded, with the codec's error bound when it is lossy."""
+        if self.fields is not None:
+            parts = "; ".join(f"{k}: {f.template.explain_sample()}" for k, f in self.fields.items())
+            return (f"{len(self)} samples of {len(self.fields)} fields packed in {self.x.shape[1]}-byte rows, "
+                    f"{format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x plain tensors); {parts}")
+        if not len(self):              # a file source's template: the rows stay on disk
+            return f"samples of {self.explain_sample()}"
+        return (f"{len(self)} samples of {self.explain_sample()}, {format_bytes(self.nbytes)} "
+                f"({self.nbytes / self.dense_nbytes:.3f}x plain tensors)")
+
+    def explain_sample(self) -> str:
         norm = "" if self.mean is None else ", normalised per channel"
-        return (f"{len(self)} samples of shape {self.sample_shape} stored as {self.codec.describe()}, "
-                f"{format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x plain tensors), "
-                f"decoded to {str(self.dtype).replace('torch.', '')}{norm}")
+        return (f"shape {self.sample_shape} stored as {self.codec.describe()}, decoded to "
+                f"{str(self.dtype).replace('torch.', '')}{norm}")
 
     def __repr__(self) -> str:
         codec = self.codec.name if self.codec.lossless or not self.codec.max_abs_error else self.codec.describe()
+        dtype = str(self.dtype).replace("torch.", "")
+        if self.fields is not None:
+            codec = {k: f.template.codec.name for k, f in self.fields.items()}
+            dtype = "{" + ", ".join(f"{k!r}: {str(d).replace('torch.', '')}" for k, d in self.dtype.items()) + "}"
         return (f"CompactDataset(n={len(self)}, sample_shape={self.sample_shape}, codec={codec!r}, "
-                f"dtype={str(self.dtype).replace('torch.', '')}, device={self.device}, "
+                f"dtype={dtype}, device={self.device}, "
                 f"nbytes={format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x float32))")

@@ -13,6 +13,7 @@ import math
 import os
 import pickle
 import tarfile
+import zipfile
 import zlib
 from pathlib import Path
 from typing import IO
@@ -209,7 +210,10 @@ def _read_batch(f: IO[bytes], where: str) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR-10 batch pickle -> images uint8 (N, 3, 32, 32), labels int64 (N,)."""
     try:
         batch = _BatchUnpickler(f, encoding="bytes").load()  # Python 2 pickles: str -> bytes
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+    except (EOFError, zlib.error, gzip.BadGzipFile, tarfile.ReadError) as e:   # the bytes stop early
+        raise ValueError(f"{where}: the file is truncated or corrupt (it ends before this batch does: {e}); "
+                         "download it again (a complete cifar-10-python.tar.gz is 170,498,071 bytes)") from e
+    except (pickle.UnpicklingError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{where}: expected a CIFAR-10 batch pickle (a dict of numpy data and "
                          f"labels), found one that does not load: {e}") from e
     if not isinstance(batch, dict):
@@ -267,11 +271,15 @@ def cifar10(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray
             raise ValueError(f"{path}: expected a folder of CIFAR-10 batches or {_CIFAR_TAR}, "
                              f"found a file that is not a tar archive")
         # Members are read as the stream reaches them: no backward seeks through the gzip stream.
-        with tarfile.open(path, "r:*") as tar:
-            for member in tar:
-                name = member.name.rsplit("/", 1)[-1]
-                if member.isfile() and name in _CIFAR_BATCHES and name not in batches:
-                    batches[name] = _read_batch(tar.extractfile(member), f"{path}:{member.name}")
+        try:
+            with tarfile.open(path, "r:*") as tar:
+                for member in tar:
+                    name = member.name.rsplit("/", 1)[-1]
+                    if member.isfile() and name in _CIFAR_BATCHES and name not in batches:
+                        batches[name] = _read_batch(tar.extractfile(member), f"{path}:{member.name}")
+        except (EOFError, zlib.error, gzip.BadGzipFile, tarfile.ReadError) as e:
+            raise ValueError(f"{path}: the archive is truncated or corrupt ({e}); download it again "
+                             "(a complete cifar-10-python.tar.gz is 170,498,071 bytes)") from e
         _check_batches(path, batches, "in the archive")
     else:
         raise FileNotFoundError(f"expected a CIFAR-10 folder or {_CIFAR_TAR}, found nothing at {path}")
@@ -311,14 +319,33 @@ def load_array(path: str | os.PathLike) -> np.ndarray | dict[str, np.ndarray]:
                          f"{suffix or 'none'}; save arrays with np.save / np.savez")
     if not path.is_file():
         raise FileNotFoundError(f"expected a {suffix} file, found nothing at {path}")
+    if suffix == ".npz":
+        _check_zip(path)
     try:
         if suffix == ".npy":
             return np.lib.format.open_memmap(path, mode="r")
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
-    except (ValueError, OSError, EOFError) as e:  # bad magic, object dtype, broken zip
-        raise ValueError(f"{path}: expected a valid {suffix} file without pickled objects, "
-                         f"found one that does not load: {e}") from e
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # bad magic, object dtype, broken zip
+        text = str(e)
+        if "pickle" in text or "object" in text.lower():      # numpy's advice (allow_pickle) would be unsafe
+            raise ValueError(f"{path}: holds pickled Python objects (an object array), which memfit does not "
+                             "load: unpickling can run code. Save plain numeric arrays: np.savez(path, x=images, "
+                             "y=labels) with numeric dtypes") from None
+        raise ValueError(f"{path}: expected a valid {suffix} file, found one that does not load "
+                         f"({type(e).__name__}: {text}); it may be truncated: write it again") from None
+
+
+def _check_zip(path: Path) -> None:
+    """A .npz is a zip archive (np.savez writes one): say what the file is when it is not."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return
+    found = ("a .npy file (save it as .npy, or write an archive with np.savez)" if head.startswith(b"\x93NUMPY")
+             else "an empty file" if not head else f"a file starting with {head[:4]!r}")
+    raise ValueError(f"{path}: expected a .npz file (a zip archive, as np.savez writes), found {found}; "
+                     "the file is not a numpy archive or is damaged")
 
 
 # -------------------------------------------------------------------------------------- digits

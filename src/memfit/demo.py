@@ -2,7 +2,10 @@
 
 On scikit-learn's bundled digits (or `--data` of your own) with a memory budget (default 64MiB):
 1. stores the images compactly (uint8) and prints float32 bytes against compact bytes;
-2. trains a small CNN through `memfit.loader` (strategy chosen by the budget, with its reason);
+2. trains a small CNN through `memfit.loader` (strategy chosen by the budget, with its reason); then
+   takes steps on batches of 4x the batch size under an emulated device too small for them, with
+   `memfit.accumulate` (micro-batches from the training memory model), beside plain steps on the same
+   batches: both loss curves and their largest difference are printed;
 3. plans the model's activation memory (naive / planned / lower bound) and finds the largest
    evaluation batch that fits the budget;
 4. evaluates on the held-out split with `memfit.evaluate` (auto chunk size) for the exact accuracy;
@@ -103,6 +106,9 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
         losses.append(total.item() / max(n, 1))
         _say(quiet, f"epoch {epoch + 1:>2}/{epochs}  loss {losses[-1]:.4f}  ({time.perf_counter() - t_epoch:.1f} s)")
 
+    accumulated = None if distributed else train_under_budget(train, d.num_classes, dev, seed, 4 * batch_size, lr,
+                                                              quiet)
+
     # 3. plan the activation memory of inference and the largest evaluation batch in the budget
     model.eval()
     example = torch.empty((batch_size, *sample_shape), device=dev)
@@ -131,6 +137,7 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
         "bytes": {"float32": dense, "compact": compact, "ratio": dense / compact, "codec": train.codec.name},
         "loader": {"strategy": ld.strategy, "reason": ld.explain(), "batches_per_epoch": len(ld)},
         "losses": losses,
+        "accumulate": accumulated,
         "plan": {"batch": batch_size, "naive": rep.naive_bytes, "planned": rep.arena_bytes,
                  "lower_bound": rep.lower_bound, "unplanned": rep.unplanned_bytes, "parameters": rep.param_bytes},
         "max_eval_batch": largest,
@@ -145,6 +152,53 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     if distributed:
         torch.distributed.destroy_process_group()
     return result
+
+
+def train_under_budget(train: CompactDataset, classes: int, dev: torch.device, seed: int, batch: int, lr: float,
+                       quiet: bool, steps: int = 5) -> dict:
+    """Steps on a batch too large for an emulated device, with `memfit.accumulate`, beside plain steps.
+
+    Two copies of the model start from the same weights. One takes plain steps on batches of `batch`; the
+    other `accumulate`s the same batches in micro-batches chosen by the training memory model under a
+    budget halfway between one sample's step and the whole batch's. Their loss curves are printed side by
+    side: the same curve, up to float reassociation.
+    """
+    import copy
+
+    from memfit.accumulation import accumulate, training_peak
+    torch.manual_seed(seed)
+    sample_shape = tuple(train.sample_shape)
+    plain = small_cnn(sample_shape[0], classes, sample_shape[-1]).to(dev)
+    accumulated = copy.deepcopy(plain)
+    opt_plain = torch.optim.Adam(plain.parameters(), lr=lr)
+    opt_acc = torch.optim.Adam(accumulated.parameters(), lr=lr)
+    loss_fn = torch.nn.functional.cross_entropy
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    batches = [train.batch(order[torch.arange(i * batch, (i + 1) * batch) % len(train)]) for i in range(steps)]
+    batches = [(x.to(dev), y.to(dev)) for x, y in batches]
+    peak, how = training_peak(accumulated, opt_acc, loss_fn, *batches[0])
+    budget = (peak(batch) + peak(1)) // 2                  # an emulated device too small for the plain batch
+    _say(quiet, f"budget   a training step on {batch} samples needs {format_bytes(peak(batch))}; on an emulated "
+                f"device of {format_bytes(budget)} it runs as micro-batches with memfit.accumulate")
+    curve_plain, curve_acc, r = [], [], None
+    for x, y in batches:
+        opt_plain.zero_grad(set_to_none=True)
+        loss = loss_fn(plain(x), y)
+        loss.backward()
+        opt_plain.step()
+        curve_plain.append(loss.item())
+        r = accumulate(accumulated, opt_acc, (x, y), loss_fn, budget=budget)
+        curve_acc.append(r.loss)
+    diff = max(abs(a - b) for a, b in zip(curve_plain, curve_acc, strict=True))
+    _say(quiet, f"         micro-batch {r.micro_batch} ({r.micro_batches} per step, {r.retries} out-of-memory "
+                f"retries): {r.reason.split(' (')[0]}")
+    _say(quiet, "         step  plain batch loss  accumulated loss")
+    for i, (a, b) in enumerate(zip(curve_plain, curve_acc, strict=True)):
+        _say(quiet, f"         {i + 1:>4}  {a:>16.6f}  {b:>16.6f}")
+    _say(quiet, f"         max |difference| {diff:.2e} over {steps} steps: the same loss curve")
+    return {"batch": batch, "needs": peak(batch), "budget": budget, "micro_batch": r.micro_batch,
+            "micro_batches": r.micro_batches, "reason": r.reason, "plain": curve_plain, "accumulated": curve_acc,
+            "max_difference": diff}
 
 
 def _plots(out: Path, report, losses: list[float], quiet: bool) -> list[Path]:

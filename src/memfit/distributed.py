@@ -1,7 +1,9 @@
 """torch.distributed helpers: shard bounds, agreement between ranks, exact metric reduction.
 
-Every collective memfit makes has a timeout and is preceded by an agreement step, so a rank that
-fails makes the others fail with a clear error naming it instead of hanging in a collective.
+Every collective memfit makes has a timeout and is preceded by an agreement (`agree`): the local steps
+that can fail run first, then every rank says whether it failed in one fixed-size all_gather, so a
+rank that fails makes the others fail at once with a clear error naming it instead of hanging in a
+collective.
 
 Example (pure arithmetic, no process group needed):
     >>> [shard_indices(10, r, 3).tolist() for r in range(3)]
@@ -15,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import traceback
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -66,11 +69,20 @@ def epoch_batch_sizes(n_local: int, n_min: int, n_max: int, batch_size: int, dro
     two instead, so no batch is empty and no sample is repeated or padded (DistributedSampler pads by
     repeating samples, which biases metrics).
 
+    Raises:
+        ValueError: drop_last with fewer samples than one batch (no batch at all), or shards too small
+            to fill the batches without an empty one.
+
     Example:
         >>> epoch_batch_sizes(5, 4, 5, 2, False), epoch_batch_sizes(4, 4, 5, 2, False)
         ([2, 2, 1], [2, 1, 1])
     """
     if drop_last:
+        if n_min < batch_size:
+            where = f"the smallest shard holds {n_min}" if n_min != n_max else f"there are {n_min}"
+            raise ValueError(f"drop_last=True with batch_size={batch_size} would yield no batch: {where} samples, "
+                             f"fewer than one batch; pass drop_last=False (one batch of {n_local}) or a "
+                             f"batch_size <= {n_min}")
         return [batch_size] * (n_min // batch_size)
     k = -(-n_max // batch_size)
     sizes = [batch_size] * (n_local // batch_size) + ([n_local % batch_size] if n_local % batch_size else [])
@@ -109,22 +121,69 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "all_reduce",
     return t
 
 
-def agree(error: BaseException | None, what: str, timeout_s: float | None = None) -> None:
-    """Every rank says whether it failed; when any did, all raise an error naming the failed ranks.
+class RankFailed(RuntimeError):
+    """Raised on the ranks that did not fail when another one did (every rank knows: agree no further)."""
 
-    Call it from every rank at the same point, with the exception this rank hit (or None).
+
+VALUES = 4                  # int64 values a rank can share in an agreement
+MESSAGE_BYTES = 512         # the first bytes of a failed rank's error message
+
+
+def agree(error: BaseException | None, what: str, values: tuple[int, ...] = (),
+          timeout_s: float | None = None) -> list[tuple[int, ...]]:
+    """Every rank says whether it failed and shares up to `VALUES` ints, in one collective with a timeout.
+
+    Call it from every rank after the local steps that can fail, before the collectives that need them,
+    with the exception this rank hit (or None). Every agreement is the same all_gather of one fixed-size
+    record (failed flag, a tag naming the point, the values, the message), so a rank that failed early
+    and went straight to a later agreement still meets the others: nobody waits on a collective that
+    will never come. Raises on every rank when any failed: the failed ranks their own error, the others
+    `RankFailed` naming them; also when the ranks reached different agreement points.
+
+    Returns:
+        Every rank's `values`, by rank.
     """
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    all_reduce(flag, what=f"{what} (agreement)", timeout_s=timeout_s)
-    if int(flag) == 0:
-        return
-    mine = None if error is None else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    messages: list = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, mine)
-    failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    if len(values) > VALUES:
+        raise ValueError(f"an agreement shares at most {VALUES} values; found {len(values)}")
+    record = torch.zeros(3 + VALUES + MESSAGE_BYTES // 8, dtype=torch.int64)
+    record[0] = error is not None
+    record[1] = zlib.crc32(what.encode())        # the agreement point: ranks must be at the same one
+    record[2] = len(values)
+    record[3:3 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.int64)
     if error is not None:
-        raise error
-    raise RuntimeError(f"memfit: {what} stopped because another rank failed ({failed})")
+        first = str(error).splitlines()[0] if str(error) else ""
+        text = f"{type(error).__name__}: {first}".encode()[:MESSAGE_BYTES]
+        record[3 + VALUES:].view(torch.uint8)[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    records = all_gather(record, f"{what} (agreement)", timeout_s)
+    failed = [(r, _message(rec)) for r, rec in enumerate(records) if int(rec[0])]
+    if failed:
+        if error is not None:
+            raise error
+        names = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise RankFailed(f"memfit: {what} stopped because another rank failed ({names})")
+    tags = {int(rec[1]) for rec in records}
+    if len(tags) > 1:
+        raise RankFailed(f"memfit: the ranks reached different agreement points ({what!r} here on rank "
+                         f"{dist.get_rank()}); every rank must make the same memfit calls in the same order")
+    return [tuple(int(v) for v in rec[3:3 + int(rec[2])]) for rec in records]
+
+
+def smallest(value: int, what: str, timeout_s: float | None = None) -> int:
+    """The smallest of every rank's `value` (an agreement: a rank that failed earlier stops all)."""
+    return min(v[0] for v in agree(None, what, (value,), timeout_s))
+
+
+def _message(record: torch.Tensor) -> str:
+    return bytes(record[3 + VALUES:].view(torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def all_gather(t: torch.Tensor, what: str, timeout_s: float | None = None) -> list[torch.Tensor]:
+    """Every rank's `t` (same shape and dtype on every rank), by rank, on the CPU; with a timeout."""
+    dev = _device_for(dist.get_backend())
+    buf = t.to(dev)
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    _wait(dist.all_gather(out, buf, async_op=True), what, timeout_s or TIMEOUT_S)
+    return [o.cpu() for o in out]
 
 
 def reduce_states(states: list[dict[str, torch.Tensor]], timeout_s: float | None = None) -> None:

@@ -21,7 +21,7 @@ Example:
     >>> opt = torch.optim.AdamW(model.parameters())
     >>> mm = step_memory_model(model, (32,), train=True, optimizer=opt)
     >>> b = mm.breakdown(64)
-    >>> b["optimizer state"] == 2 * b["parameters"] + 4 * 8        # exp_avg, exp_avg_sq (+ a 4-byte step each)
+    >>> b["optimizer state"] == 2 * b["parameters"] + 4 * 4        # exp_avg, exp_avg_sq, a 4-byte step per tensor
     True
     >>> mm.total_bytes(64) == measure_step(model, torch.randn(64, 32), opt)
     True
@@ -29,7 +29,8 @@ Example:
 from __future__ import annotations
 
 import copy
-import gc
+import operator
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -43,7 +44,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memfit.budget import check_count, format_bytes
 from memfit.measure import MemoryTrace, _storage_key, _Tracker
 
-__all__ = ["Batch", "StepMemoryModel", "measure_step", "step_memory_model", "training_step"]
+__all__ = ["Batch", "FakeRunError", "StepMemoryModel", "check_prediction", "measure_step", "step_memory_model",
+           "training_step"]
 
 KINDS = ("activations", "gradients", "optimizer state", "backward transient", "step transient", "kept by the model")
 PROBES = (1, 2, 4)          # fit on 2 and 4, check at 1; 8 checks instead where batch 1 runs other ops
@@ -52,7 +54,16 @@ CUDA_MARGIN = 0.05          # stated head-room for fragmentation of the allocato
 CUDA_SEGMENT = 2 << 20      # ... and one partly used 2 MiB small-allocation segment
 
 
+class FakeRunError(RuntimeError):
+    """The step or forward could not run on fake tensors (data-dependent Python control flow, say)."""
+
+
 # ---- the batch at any size -----------------------------------------------------------------------
+def _integral(v) -> bool:
+    """An int or a numpy integer, not a bool and not a tensor."""
+    return not isinstance(v, (bool, torch.Tensor)) and hasattr(v, "__index__")
+
+
 @dataclass
 class Batch:
     """An example batch (a sample shape, a tensor, a tuple or a dict of tensors) rebuilt at any batch size.
@@ -64,9 +75,10 @@ class Batch:
 
     def __post_init__(self):
         t = self.template
-        if isinstance(t, int) and not isinstance(t, bool):
-            t = self.template = (t,)
-        if isinstance(t, (tuple, list)) and t and all(isinstance(s, int) and not isinstance(s, bool) for s in t):
+        if _integral(t):
+            t = self.template = (operator.index(t),)
+        if isinstance(t, (tuple, list)) and t and all(_integral(s) for s in t):
+            t = tuple(operator.index(s) for s in t)          # numpy ints too
             if any(s < 1 for s in t):
                 raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. "
                                  f"(3, 32, 32); found {t!r}")
@@ -154,6 +166,50 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     return held + mem.peak
 
 
+class _FakeTracker(_Tracker):
+    """memfit.measure's live-bytes mode, with the few fake kernels whose outputs differ from the real ones."""
+
+    # batch norm on a half or bfloat16 input: the real kernels keep the saved mean and inverse std in float32
+    # (the accumulation type); the meta kernels give them the input's dtype
+    BATCH_NORM = {"aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                  "aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats"}
+
+    def size_of(self, func, index, t, nbytes):
+        if index in (1, 2) and str(func) in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
+            return nbytes * 2
+        return nbytes
+
+
+def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), *, optimizer=None, loss_fn=None,
+                     target_at: Callable[[int], object] | None = None, autocast=None) -> list[dict]:
+    """Predicted vs measured bytes of one training step at each batch size (for benchmarks).
+
+    `example_at(n)` / `target_at(n)` build a real batch of n. The prediction comes from
+    `memfit.memory_model(train=True)` with the batch at 2; each measurement runs `measure_step` on deep
+    copies of the model and optimizer (the originals are not touched). Rows: n, predicted, measured,
+    ratio (predicted / measured), predict_s (seconds to build the memory model), step_s (seconds of one
+    real step at n, untracked).
+    """
+    import time
+
+    from memfit.planner.sizing import memory_model
+    t0 = time.perf_counter()
+    mm = memory_model(model, example_at(2), train=True, optimizer=optimizer, loss_fn=loss_fn,
+                      target=target_at(2) if target_at else None, autocast=autocast)
+    predict_s = time.perf_counter() - t0
+    rows = []
+    for n in sizes:
+        m, opt = copy.deepcopy((model, optimizer))             # one deepcopy: opt stays on m's parameters
+        x, y = example_at(n), target_at(n) if target_at else None
+        measured = measure_step(m, x, opt, loss_fn, y, autocast=autocast)
+        t0 = time.perf_counter()
+        training_step(m, x, opt, loss_fn, y, autocast)
+        step_s = time.perf_counter() - t0
+        rows.append({"n": n, "predicted": mm.total_bytes(n), "measured": measured,
+                     "ratio": mm.total_bytes(n) / measured, "predict_s": predict_s, "step_s": step_s})
+    return rows
+
+
 # ---- one fake run --------------------------------------------------------------------------------
 @dataclass
 class _Run:
@@ -217,10 +273,10 @@ def _fake_optimizer(optimizer, fake: Callable):
 
 
 def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target: Batch | None,
-         autocast, device: torch.device) -> _Run:
+         autocast, device: torch.device, mode: FakeTensorMode, fakes: dict) -> _Run:
+    """One fake run at batch n. `mode` and `fakes` (id of a real tensor -> its fake) are shared by the runs
+    of one prediction: the fake mode's op cache then serves the ops whose shapes do not depend on the batch."""
     from torch.nn.utils.stateless import _reparametrize_module
-    mode = FakeTensorMode(allow_non_fake_inputs=True)      # plain tensors a forward makes are converted
-    fakes: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in fakes:
@@ -231,21 +287,22 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
             fakes[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
         return fakes[id(t)]
 
-    named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    named = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
     held = {"parameters": _unique_bytes(named.values()),
             "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
             "optimizer state": _unique_bytes(_state_tensors(optimizer))}
     snap = _snapshot(model)
     log: list = []
-    tracker = _Tracker(MemoryTrace(device), log)
+    tracker = _FakeTracker(MemoryTrace(device), log)
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
     samples: dict[str, set] = {}                        # storages that are gradients / optimizer state
     try:
         with torch.random.fork_rng(devices=[]):
             fake_named = {k: fake(v) for k, v in named.items()}
             opt = _fake_optimizer(optimizer, fake) if optimizer is not None else None
-            model.train(train)
-            gc.collect()
+            if train:
+                model.train()                          # restored with the rest by _restore
             with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
                 x = batch.at(n, device)
                 y = target.at(n, device) if target is not None else None
@@ -268,10 +325,15 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
                         mark("forward")
                         del out
                 del x, y
-                gc.collect()
-                live_at_end = dict(tracker.live)
+                # what the step keeps: optimizer state, gradients zero_grad did not drop, tensors cached on a
+                # module; anything else still alive is garbage in a reference cycle, freed by the next collection
+                kept = [*_state_tensors(opt), *(p.grad for p in fake_named.values() if p.grad is not None),
+                        *(v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
+                live_at_end = {k[0] for t in kept if (k := _storage_key(t)) and k[0] in tracker.live}
     finally:
         _restore(snap)
+        for f in fakes.values():                       # gradients kept by zero_grad must not reach the next run
+            f.grad = None
     pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
     return _Run(tracker.ops, _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad),
                 {k: v[0] for k, v in marks.items()}, held)
@@ -362,12 +424,19 @@ class StepMemoryModel:
         out = {"parameters": self.param_bytes, "inputs": 0}
         for kind, (a, b) in self._held.items():
             out[kind] = out.get(kind, 0) + a + b * n
-        for kind, v in zip(KINDS, parts.tolist(), strict=True):
-            if v or kind in ("activations",) or (self.train and kind in ("gradients", "optimizer state")):
+        for kind, v in zip(KINDS, parts.tolist(), strict=True):     # the same keys at every n
+            if v or (kind == "activations") or (self.train and kind != "kept by the model"):
                 out[kind] = out.get(kind, 0) + v
         if self.device.type == "cuda":
             out["allocator margin"] = int(CUDA_MARGIN * sum(out.values())) + CUDA_SEGMENT
         return out
+
+    def saved_activation_bytes(self, n: int) -> int:
+        """Bytes the forward (and loss) leave alive for backward, for a batch of n (at the forward's end)."""
+        k = self._ends.get("forward", len(self._ops)) - 1
+        if self._a.shape[0] <= k or k < 0:              # the line-through-peaks fallback keeps no per-op rows
+            return self.breakdown(n)["activations"]
+        return int(np.ceil(self._a[k, 0] + self._b[k, 0] * _batch(n)))
 
     def total_bytes(self, n: int) -> int:
         """Bytes held at the peak of the step (or forward) for a batch of n."""
@@ -388,6 +457,11 @@ class StepMemoryModel:
         lines = [f"memory of {what} on {self.device}, by {self.method}.",
                  f"batch {n}: {format_bytes(self.total_bytes(n))} at the peak, during the {self.peak_phase(n)}:"]
         lines += [f"  {k:<20} {format_bytes(v):>12}" for k, v in self.breakdown(n).items()]
+        if self.train:
+            saved = format_bytes(self.saved_activation_bytes(n))
+            lines.append(f"saved for backward at the end of the forward: {saved}. Steady state of a training loop: "
+                         "what the step keeps (optimizer state, gradients that "
+                         "zero_grad keeps) is counted from the start; the output and loss live until the step ends.")
         if self.device.type == "cuda":
             lines.append(f"CUDA: every block rounded up to {CUDA_BLOCK} bytes as the caching allocator does, plus a "
                          f"fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} segment; "
@@ -433,15 +507,56 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         device: the device to predict for (default: the model's).
         why: a reason prepended to `method` (e.g. why the planner was not used).
     """
-    dev = torch.device(device) if device is not None else _model_device(model)
+    from memfit.budget import resolve_device
+    dev = resolve_device(device) if device is not None else _model_device(model)   # checks CUDA is there
     batch = Batch(example, dtype)
     tgt = Batch(target, dtype) if target is not None else None
-    if train and optimizer is None:
-        optimizer_note = " (no optimizer: no step)"
-    else:
-        optimizer_note = ""
-    run = lambda n: _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
-                         autocast=autocast, device=dev)
+    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+                   for g in (optimizer.param_groups if optimizer is not None else ()))
+    key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
+           id(optimizer), groups, id(loss_fn), autocast, dev, why)
+    fingerprint = tuple((id(t), tuple(t.shape), t.dtype, t.requires_grad)
+                        for t in [*model.parameters(), *model.buffers()]) \
+        + tuple((id(m), m.training) for m in model.modules())
+    entry = _CACHE.get(model)
+    if entry is None or entry[0] != fingerprint:
+        entry = _CACHE[model] = (fingerprint, {})
+    if key not in entry[1]:
+        entry[1][key] = _fit(model, batch, tgt, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
+                             device=dev, why=why)
+    return entry[1][key]
+
+
+# model -> (fingerprint, {key: model}): predicting again for the same model, batch layout and optimizer (each
+# micro-batch of an accumulation, each evaluation) costs nothing; a new or reshaped parameter drops the entry
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(template) -> object:
+    """The batch layout without the batch size: shapes after the leading dimension and dtypes."""
+    return tuple((tuple(x.shape[1:]), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                 for x in tree_flatten(template)[0]) + (str(tree_flatten(template)[1]),)
+
+
+def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why):
+    dev = device
+    optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)      # plain tensors a forward makes are converted
+    fakes: dict[int, torch.Tensor] = {}
+
+    def run(n: int) -> _Run:
+        try:
+            return _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
+                        autocast=autocast, device=dev, mode=mode, fakes=fakes)
+        except (ValueError, TypeError):                # our own argument errors, and the user's
+            raise
+        except Exception as e:
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            raise FakeRunError(
+                f"could not run {'one training step' if train else 'the forward'} of {type(model).__name__} on "
+                f"fake tensors at batch {n} ({reason}). Fake tensors have shapes but no values: data-dependent "
+                "Python control flow (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run on them; measure a real "
+                "step instead with memfit.footprint.measure_step, or make the branch independent of the values") from e
     runs = {n: run(n) for n in PROBES}
     what = "one training step" if train else "one forward"
     measured = {}
@@ -464,7 +579,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     else:
         runs[8] = run(8)
         peaks = [(n, runs[n].live.sum(axis=1).max()) for n in sorted(runs)]
-        slope = max(max((p2 - p1) / (n2 - n1) for (n1, p1), (n2, p2) in zip(peaks, peaks[1:])), 0)
+        slope = max(max((p2 - p1) / (n2 - n1) for (n1, p1), (n2, p2) in zip(peaks, peaks[1:], strict=False)), 0)
         top = max(p - slope * n for n, p in peaks)
         # the op sequence changes with the batch: one line through the measured peaks
         a = np.zeros((1, len(KINDS)))

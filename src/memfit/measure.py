@@ -53,6 +53,10 @@ class _Tracker(TorchDispatchMode):
         self.log = log
         self.ops: list[str] = []
 
+    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int) -> int:
+        """Bytes counted for output `index` of `func` (a subclass corrects fake kernels that differ from real)."""
+        return nbytes
+
     def _release(self, ptr: int) -> None:
         entry = self.live.get(ptr)
         if entry is None:
@@ -70,13 +74,13 @@ class _Tracker(TorchDispatchMode):
             self.ops.append(str(func))
         inputs = {k[0] for k in (_storage_key(a) for a in tree_flatten((args, kwargs))[0]
                                  if isinstance(a, torch.Tensor)) if k}
-        for t in tree_flatten(out)[0]:
+        for i, t in enumerate(tree_flatten(out)[0]):
             if not isinstance(t, torch.Tensor) or t.device != self.trace.device:
                 continue
             key = _storage_key(t)
             if key is None:
                 continue
-            ptr, nbytes = key
+            ptr, nbytes = key[0], self.size_of(func, i, t, key[1])
             if ptr in self.live:
                 self.live[ptr][1] += 1
             elif ptr in inputs:                        # a view of (or in-place write to) a tensor made outside

@@ -1,6 +1,6 @@
 """Metrics as sums and counts, so that any chunking gives exactly the whole-set value.
 
-Seed 004 averaged per-chunk accuracies, which is wrong when the last chunk is smaller: with
+Averaging per-chunk accuracies is wrong when the last chunk is smaller: with
 10,001 samples in chunks of 50 the last chunk of 1 sample weighs as much as a full one. Here each
 chunk contributes sums (correct predictions, summed losses, confusion counts) and the sample
 count; the value is computed once at the end. Contributions are computed first and committed
@@ -18,7 +18,10 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import functools
+import inspect
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -63,23 +66,83 @@ def confusion(logits: torch.Tensor, y: torch.Tensor, classes: int) -> torch.Tens
     return torch.bincount(y * classes + pred, minlength=classes * classes).view(classes, classes)
 
 
-def loss_sum(logits: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None) -> torch.Tensor:
-    """Sum of per-sample losses over the chunk, float64.
+def logits_of(out, output_fn: Callable | None = None) -> torch.Tensor:
+    """The logits in a model's output, by one documented rule.
 
-    `loss_fn(outputs, y)` may return per-sample losses (N,), or a scalar: the mean over the chunk,
-    unless the loss object says `reduction == 'sum'`.
+    `output_fn(out)` when given; else a tensor as it is; an object with a tensor `.logits`
+    (a transformers `ModelOutput`) its `.logits`; a dict its `"logits"` entry; a tuple or list its
+    first element (the convention of `return_dict=False` models: logits first). Anything else raises,
+    naming what was found.
+    """
+    if output_fn is not None:
+        out = output_fn(out)
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(getattr(out, "logits", None), torch.Tensor):
+        return out.logits
+    if isinstance(out, Mapping):
+        if isinstance(out.get("logits"), torch.Tensor):
+            return out["logits"]
+        raise ValueError(f"the model returned a dict without a 'logits' tensor (keys {list(out)}); pass "
+                         "output_fn=lambda out: out['KEY'] to say where the logits are")
+    if isinstance(out, (tuple, list)) and out:
+        return logits_of(out[0])
+    raise TypeError(f"the model returned {type(out).__name__}; expected logits as a tensor, a tuple/list (logits "
+                    "first), a dict or ModelOutput with 'logits', or pass output_fn= to pick them")
+
+
+REDUCTIONS = ("mean", "sum")
+
+
+def per_sample(loss_fn: Callable, reduction: str | None) -> tuple[Callable, str]:
+    """(callable, how its result is summed): the loss asked for per-sample values where it can say.
+
+    torch losses (a `reduction` attribute), `functools.partial(..., reduction=...)` and functions with a
+    `reduction` parameter (F.cross_entropy) are called with reduction='none'; anything else is called
+    as it is and its scalar is read as `reduction` ('mean' or 'sum' over the chunk), which the user
+    must give: guessing made a summing loss N times too large.
+    """
+    if reduction is not None and reduction not in REDUCTIONS:
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum' (what loss_fn does over a chunk); "
+                         f"found {reduction!r}")
+    if isinstance(getattr(loss_fn, "reduction", None), str) and isinstance(loss_fn, torch.nn.Module):
+        clone = copy.copy(loss_fn)               # the user's module keeps its own reduction
+        clone.reduction = "none"
+        return clone, "none"
+    if isinstance(loss_fn, functools.partial) and "reduction" in loss_fn.keywords:
+        return functools.partial(loss_fn, reduction="none"), "none"
+    try:
+        takes = "reduction" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):             # builtins without a signature
+        takes = False
+    if takes and reduction is None:
+        return functools.partial(loss_fn, reduction="none"), "none"
+    return loss_fn, reduction or "unknown"
+
+
+def loss_sum(logits: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None,
+             reduction: str = "none") -> tuple[torch.Tensor, int]:
+    """(sum of the chunk's losses in float64, how many values it sums); default cross entropy.
+
+    `loss_fn(outputs, y)` returns per-sample (or per-element) losses, or a scalar read as `reduction`.
     """
     if loss_fn is None:
-        return F.cross_entropy(logits.float(), y, reduction="sum").double()
+        return F.cross_entropy(logits.float(), y, reduction="none").double().sum(), logits.shape[0]
     out = loss_fn(logits, y)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"loss_fn must return a tensor; found {type(out).__name__}")
     if out.dim() == 0:
-        return out.double() if getattr(loss_fn, "reduction", "mean") == "sum" else out.double() * logits.shape[0]
+        if reduction == "sum":
+            return out.double(), logits.shape[0]
+        if reduction == "mean":
+            return out.double() * logits.shape[0], logits.shape[0]
+        raise ValueError("loss_fn returned a scalar, and memfit cannot tell whether it is the mean or the sum over "
+                         "the chunk; return per-sample losses (reduction='none'), or pass loss_reduction='mean' "
+                         "or 'sum' to evaluate")
     if out.shape[0] != logits.shape[0]:
         raise ValueError(f"loss_fn returned shape {tuple(out.shape)}; expected per-sample losses "
                          f"({logits.shape[0]},) or a scalar")
-    return out.double().sum()
+    return out.double().sum(), out.numel()
 
 
 # ---- thin stateful classes ----------------------------------------------------------------------
@@ -131,19 +194,23 @@ class TopK(Metric):
 
 
 class Loss(Metric):
+    """The mean loss over the whole set: a float64 sum of per-sample (or per-element) losses and
+    their count, so any chunking gives the same value to about 1e-15 relative."""
     name = "loss"
 
-    def __init__(self, loss_fn: Callable | None = None) -> None:
+    def __init__(self, loss_fn: Callable | None = None, reduction: str | None = None) -> None:
         super().__init__()
-        self.loss_fn = loss_fn
+        self.loss_fn, self.reduction = (None, "none") if loss_fn is None else per_sample(loss_fn, reduction)
 
     def contribution(self, logits, y):
         if self.loss_fn is None:
             check_logits(logits, y, "loss (cross entropy)")
-        return {"sum": loss_sum(logits, y, self.loss_fn), "n": torch.tensor(logits.shape[0], device=logits.device)}
+        total, count = loss_sum(logits, y, self.loss_fn, self.reduction)
+        return {"sum": total, "count": torch.tensor(count, device=logits.device),
+                "n": torch.tensor(logits.shape[0], device=logits.device)}
 
     def compute(self):
-        return float(self.state["sum"]) / int(self.state["n"]) if self.n else float("nan")
+        return float(self.state["sum"]) / int(self.state["count"]) if self.n else float("nan")
 
 
 class Confusion(Metric):
@@ -181,13 +248,13 @@ class External(Metric):
         return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
-def make_metric(spec, loss_fn: Callable | None = None) -> Metric:
+def make_metric(spec, loss_fn: Callable | None = None, loss_reduction: str | None = None) -> Metric:
     """'accuracy', 'topk:5', 'loss', 'confusion', or an object with update() and compute()."""
     if isinstance(spec, str):
         if spec == "accuracy":
             return Accuracy()
         if spec == "loss":
-            return Loss(loss_fn)
+            return Loss(loss_fn, loss_reduction)
         if spec == "confusion":
             return Confusion()
         if spec.startswith("topk:") and spec[5:].isdigit():

@@ -29,12 +29,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, n: int, batch: int, epochs: int, threads: int, queue) -> None:
+def _rank(rank: int, world: int, port: int, n: int, batch: int, epochs: int, threads: int, queue,
+          device: str = "cpu") -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
     try:
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+        cuda = device == "cuda"
         dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(dev)
@@ -77,13 +78,15 @@ def _rank(rank: int, world: int, port: int, n: int, batch: int, epochs: int, thr
             dist.destroy_process_group()
 
 
-def measure(world: int, n: int, batch: int, epochs: int, timeout: float = 600) -> dict:
-    """Start `world` processes and return the slowest rank's times and the per-rank figures."""
+def measure(world: int, n: int, batch: int, epochs: int, timeout: float = 600, device: str = "cpu") -> dict:
+    """Start `world` processes (on `device`: 'cpu' with gloo, 'cuda' with nccl, one GPU per rank) and
+    return the slowest rank's times and the per-rank figures."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // world)
-    procs = [ctx.Process(target=_rank, args=(r, world, port, n, batch, epochs, threads, queue), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, world, port, n, batch, epochs, threads, queue, device),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -105,10 +108,18 @@ def measure(world: int, n: int, batch: int, epochs: int, timeout: float = 600) -
             "accuracy": out[0]["accuracy"], "evaluated": out[0]["n"]}
 
 
-def run(worlds=(1, 2), n: int = 60_000, batch: int = 512, epochs: int = 3, as_json: bool = False) -> list[dict]:
+def run(worlds=(1, 2), n: int = 60_000, batch: int = 512, epochs: int = 3, as_json: bool = False,
+        device: str | None = None) -> list[dict]:
     import torch
-    print(machine_header("cuda" if torch.cuda.is_available() else "cpu"))
-    rows = [measure(w, n, batch, epochs) for w in worlds]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = device or ("cuda" if gpus >= max(worlds) else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be 'cpu' or 'cuda' (each rank takes its own GPU); found {device!r}")
+    if device == "cuda" and gpus < max(worlds):
+        raise ValueError(f"--device cuda gives each process its own GPU: {max(worlds)} processes need "
+                         f"{max(worlds)} GPUs, this machine has {gpus}; pass --worlds 1 or --device cpu")
+    print(machine_header(device))
+    rows = [measure(w, n, batch, epochs, device=device) for w in worlds]
     base = rows[0]
     for r in rows:
         r["loader speed-up"] = r["loader samples/s"] / base["loader samples/s"]
@@ -132,8 +143,12 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=count_arg(1), default=60_000, help="samples (default 60,000, MNIST's size)")
     p.add_argument("--batch", type=count_arg(1), default=512, help="samples per batch (default 512)")
     p.add_argument("--epochs", type=count_arg(1), default=3, help="timed epochs (default 3)")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="cpu (gloo) or cuda (nccl, one GPU per process); default: cuda when every process gets "
+                        "a GPU, else cpu")
     p.add_argument("--quick", action="store_true", help="6,000 samples, one epoch")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     a = p.parse_args(argv)
-    run(a.worlds, n=6_000 if a.quick else a.n, batch=a.batch, epochs=1 if a.quick else a.epochs, as_json=a.json)
+    run(a.worlds, n=6_000 if a.quick else a.n, batch=a.batch, epochs=1 if a.quick else a.epochs, as_json=a.json,
+        device=a.device)
     return 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import numpy as np
 import torch
@@ -104,6 +105,58 @@ class EmulatedDevice(torch.nn.Module):
         return self.model(x)
 
 
+class TokenClassifier(torch.nn.Module):
+    """A small transformer text classifier on token ids (embedding, 2 encoder layers, mean pool, linear)."""
+
+    def __init__(self, vocab: int = 1000, d: int = 64, classes: int = 10):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        layer = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, ids):                       # (N, L) int64 -> (N, classes)
+        return self.head(self.enc(self.emb(ids)).mean(1))
+
+
+def plain_loop(model, x: torch.Tensor, y: torch.Tensor, batch: int = 512) -> float:
+    """The loop a user writes over tensors already in memory: accuracy over batches."""
+    correct = 0
+    with torch.inference_mode():
+        for s in range(0, len(y), batch):
+            correct += int((model(x[s:s + batch]).argmax(1) == y[s:s + batch]).sum())
+    return correct / len(y)
+
+
+def size_sweep(dev: torch.device, sizes, repeat: int) -> list[dict]:
+    """evaluate(model, compact set) vs the plain loop over the decoded float32/int64 tensors, at each set size,
+    for the CNN (MNIST-shaped uint8 images) and a transformer (token ids). The first call of each model
+    includes what evaluate does once per model (capture for the planner when it is used)."""
+    rows = []
+    rng = np.random.default_rng(1)
+    n = max(sizes)
+    sets = {"cnn": (cnn(), rng.integers(0, 256, (n, 1, 28, 28), dtype=np.uint8), {"normalize": "dataset"}),
+            "transformer": (TokenClassifier(), rng.integers(0, 1000, (min(n, 4096), 32)), {})}
+    for name, (model, x, kw) in sets.items():
+        model = model.eval().to(dev)
+        y = rng.integers(0, 10, len(x))
+        for m in sorted({min(k, len(x)) for k in sizes}):
+            ds = CompactDataset.from_arrays(x[:m], y[:m], device="cpu", **kw)
+            xt, yt = (t.to(dev) for t in ds.batch(torch.arange(m)))
+            go = lambda ds=ds, model=model: evaluate(model, ds, metrics=("accuracy",), device=dev, progress=False)
+            t0 = time.perf_counter()
+            r = go()
+            first = time.perf_counter() - t0
+            t_mem = median_time(go, repeat=repeat, device=dev, what=f"evaluate {name} {m}")
+            loop = lambda xt=xt, yt=yt, model=model: plain_loop(model, xt, yt)
+            t_plain = median_time(loop, repeat=repeat, device=dev, what=f"plain loop {name} {m}")
+            assert r.metrics["accuracy"] == plain_loop(model, xt, yt), "evaluate and the plain loop disagree"
+            rows.append({"model": name, "samples": m, "runner": r.runner, "chunk": r.chunk_size,
+                         "first call s": first, "evaluate s": t_mem, "plain loop s": t_plain,
+                         "evaluate / plain": t_mem / t_plain})
+    return rows
+
+
 def run(n: int = 10_000, budgets=("8MiB", "16MiB", "32MiB"), repeat: int = 3, as_json: bool = False,
         device="cpu") -> list[dict]:
     dev = resolve_device(device)
@@ -144,12 +197,19 @@ def run(n: int = 10_000, budgets=("8MiB", "16MiB", "32MiB"), repeat: int = 3, as
              "runner": res.runner.split(" ")[0], "throughput ratio": t_eager / t_mem}
     print("# everything fits (budget 8GiB): evaluate(auto) vs one eager model(x) over the float32 set")
     print(table([speed]))
+    sizes = [32, 256, 1024, n] if n > 1024 else [32, 256, n]
+    sweep = size_sweep(dev, sizes, repeat)
+    print("# set-size sweep, default budget: evaluate vs a plain PyTorch loop (batches of 512, float32 tensors)")
+    print(table(sweep))
     worst = min(r["auto / largest"] for r in rows)
     ooms = sum(r["OOMs"] for r in rows)
     print(f"{'PASS' if worst >= 0.9 else 'MISS'}  auto chunk / largest that fits: worst {worst:.2f} (target >= 0.9)")
     print(f"{'PASS' if ooms == 0 else 'MISS'}  out-of-memory errors at the auto size: {ooms} (target 0)")
     ratio = speed["throughput ratio"]
     print(f"{'PASS' if ratio >= 0.95 else 'MISS'}  throughput at auto vs unchunked: {ratio:.2f}x (target >= 0.95x)")
+    slow = max(r["evaluate / plain"] for r in sweep)
+    print(f"{'PASS' if slow <= 1.1 else 'MISS'}  evaluate / plain loop, every set size and model: worst {slow:.2f}x "
+          "(target <= 1.1x)")
     warning = spread_warning()
     if warning:
         print(warning)

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.budget import Ledger, check_count, format_bytes
+from memfit.loaders.order import index_dtype
 
 STRATEGIES = ("auto", "resident", "stream", "macro")
-INDEX_BYTES = 8            # int64 sample indices (the epoch order)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,38 @@ class Needs:
     device_type: str           # 'cpu' (host and device are one memory) or 'cuda'
     read_nbytes: int = 0       # host temporaries of one read from a file (raw chunk + encoded chunk)
     slots: int = 2             # buffers in flight: 2 with prefetch (double buffering), 1 without
+    order_name: str = ""       # the epoch order's ledger line ('' = one permutation of the n samples)
+    order_nbytes: int = -1     # host bytes of the epoch order at its peak (-1 = n indices), see order_bytes
+    order_row_nbytes: int = 0  # more host bytes per row of a block (the 'blocks' order holds one block)
+
+    def order_item(self, rows: int) -> tuple[str, int]:
+        """(name, host bytes) of the epoch order when blocks hold `rows` samples."""
+        if self.order_nbytes < 0:
+            size = index_dtype(self.n).itemsize
+            return f"epoch order (one permutation, int{8 * size})", self.n * size
+        return self.order_name, self.order_nbytes + rows * self.order_row_nbytes
+
+
+def order_bytes(kind: str, n_total: int, n_local: int, batch_size: int, distributed: bool) -> dict:
+    """The `Needs` fields (order_name, order_nbytes, order_row_nbytes) of an epoch order, at its peak.
+
+    'global': the permutation of all n_total samples; distributed, also a mask and a temporary over all
+    of them (the shard selection) and this rank's positions. 'blocks': the blocks' order (int64, at
+    most one block per batch) and a few block-sized temporaries (a block, its selection, a joined run).
+
+    Example:
+        >>> order_bytes("global", 1000, 500, 10, True)["order_nbytes"]    # 4 B x 1000 x 2 + 1000 + 4 B x 500
+        11000
+    """
+    size = index_dtype(n_total).itemsize
+    bits = 8 * size
+    if kind == "global" and not distributed:
+        return {"order_name": f"epoch order (one permutation, int{bits})", "order_nbytes": n_total * size}
+    if kind == "global":
+        return {"order_name": f"epoch order (permutation of all {n_total} samples, shard selection, int{bits})",
+                "order_nbytes": n_total * (2 * size + 1) + n_local * size}
+    return {"order_name": f"epoch order (shuffled blocks, one at a time, int{bits})",
+            "order_nbytes": 8 * -(-n_total // batch_size), "order_row_nbytes": 5 * size + 2}
 
 
 @dataclass(frozen=True)
@@ -68,13 +100,20 @@ def _decoded(needs: Needs) -> tuple[str, int]:
 
 
 def resident_ledger(needs: Needs, budget: int) -> tuple[Ledger, list[tuple[str, int]]]:
-    """The whole compact dataset on the device, the epoch permutation there, one gathered batch."""
+    """The whole compact dataset on the device, the epoch order (copied there on CUDA), one gathered batch."""
     led = Ledger(budget, "resident loader")
     led.add(f"compact dataset ({needs.n} rows x {needs.row_nbytes} B)", needs.n * needs.row_nbytes)
-    led.add("epoch permutation (int64)", needs.n * INDEX_BYTES)
+    order = needs.order_item(0)
+    host = []
+    if needs.device_type == "cuda":          # made on the host, copied to the device once per epoch
+        size = index_dtype(needs.n).itemsize
+        led.add(f"epoch order on the device (int{8 * size})", needs.n * size)
+        host.append(order)
+    else:                                    # host and device are one memory
+        led.add(*order)
     led.add("gathered compact rows (1 batch)", needs.batch_size * needs.row_nbytes)
     led.add(*_decoded(needs))
-    return led, []
+    return led, host
 
 
 def block_ledger(needs: Needs, rows: int, budget: int, what: str) -> tuple[Ledger, list[tuple[str, int]]]:
@@ -85,7 +124,7 @@ def block_ledger(needs: Needs, rows: int, budget: int, what: str) -> tuple[Ledge
     led.add(buf, needs.slots * rows * needs.row_nbytes)
     led.add(*_decoded(needs))
     # the epoch order and file reads live in host memory: on a CPU device that is the budget's memory
-    host_side = [("epoch order (int64, host)", needs.n * INDEX_BYTES)]
+    host_side = [needs.order_item(rows)]
     if needs.read_nbytes:
         host_side.append(("file read chunk (raw + encoded, host)", needs.read_nbytes))
     if needs.device_type == "cuda":
@@ -100,7 +139,8 @@ def block_ledger(needs: Needs, rows: int, budget: int, what: str) -> tuple[Ledge
 def largest_macro(needs: Needs, budget: int) -> int:
     """The largest macro-batch (a multiple of the batch size, at most the data) that fits the budget."""
     fixed = block_ledger(needs, 0, budget, "macro")[0].total
-    rows = max(0, budget - fixed) // max(1, needs.slots * needs.row_nbytes)
+    per_row = needs.slots * needs.row_nbytes + (needs.order_row_nbytes if needs.device_type != "cuda" else 0)
+    rows = max(0, budget - fixed) // max(1, per_row)
     whole = -(-needs.n // needs.batch_size) * needs.batch_size
     return min(rows // needs.batch_size * needs.batch_size, whole)
 
@@ -136,8 +176,8 @@ def choose(needs: Needs, budget: int, strategy: str = "auto", macro_batch: int |
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(map(repr, STRATEGIES))} "
-                         "(resident: the whole compact set on the device; stream: each batch copied from the host; "
-                         "macro: blocks of batches copied ahead)")
+                         "('resident': all the compact data on the device; 'stream': batch by batch from the host; "
+                         "'macro': macro-batches from the host, micro-batches decoded from them)")
     if macro_batch is not None:
         macro_batch = _check_macro(macro_batch, needs)
     b, budget = needs.batch_size, int(budget)

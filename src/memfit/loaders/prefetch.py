@@ -36,9 +36,11 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -50,8 +52,10 @@ JOIN_TIMEOUT_S = 60.0
 class Slots:
     """`count` buffers of up to `capacity` compact rows on `device` (plus pinned staging on CUDA)."""
 
-    def __init__(self, source: Source, capacity: int, device: torch.device, count: int = 2):
+    def __init__(self, source: Source, capacity: int, device: torch.device, count: int = 2,
+                 decode: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.source, self.device, self.count = source, device, count
+        self.decode = decode or source.template.decode       # a `pool.Decoder` reuses the decoded buffers
         self.cuda = device.type == "cuda"
         shape = (capacity, *source.stored_shape)
 
@@ -100,8 +104,8 @@ class Slots:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
 
     def batch(self, slot: int, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decoded micro-batch rows [start, start + m) of the slot: a view decoded into new tensors."""
-        x = self.source.template.decode(self.x[slot][start:start + m])
+        """Decoded micro-batch rows [start, start + m) of the slot (never a view of the slot itself)."""
+        x = self.decode(self.x[slot][start:start + m])
         y = self.y[slot]
         if y is None:
             return x, None
@@ -110,7 +114,38 @@ class Slots:
         return x, (yl.clone() if yl.data_ptr() == view.data_ptr() else yl)   # never hand out the slot itself
 
 
-def _run(slots: Slots, blocks: Sequence[torch.Tensor], free: queue.Queue, ready: queue.Queue,
+def _openmp_library() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (libgomp, libiomp5 or libomp), or None where it cannot be found."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "omp" in line and ".so" in line}
+    except OSError:                          # no /proc (macOS, Windows): leave the thread as it is
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")):
+            try:
+                return ctypes.CDLL(path)     # already loaded: the same library, no second runtime
+            except OSError:
+                return None
+    return None
+
+
+def one_openmp_thread() -> bool:
+    """Limit the calling thread's own OpenMP team to one thread; True when it could.
+
+    Not torch.set_num_threads(1): besides this thread's OpenMP setting it stores a process-wide count
+    that every thread started later takes (autograd's, a DataLoader's, the user's), so a loader would
+    slow down work it has nothing to do with. omp_set_num_threads changes only the calling thread's.
+    """
+    torch.get_num_threads()                  # torch's lazy per-thread init first: it would undo the setting
+    lib = _openmp_library()
+    if lib is None:
+        return False
+    lib.omp_set_num_threads(1)
+    return True
+
+
+def _run(slots: Slots, blocks: Iterable[torch.Tensor], free: queue.Queue, ready: queue.Queue,
          stop: threading.Event) -> None:
     try:
         if slots.cuda:
@@ -118,7 +153,7 @@ def _run(slots: Slots, blocks: Sequence[torch.Tensor], free: queue.Queue, ready:
         else:
             # one core for the copy (a memory-bound gather): with the consumer's own intra-op threads on
             # the same cores, a second OpenMP team would oversubscribe them (measured 3.5x slower)
-            torch.set_num_threads(1)            # OpenMP's thread count is per thread: the consumer keeps its own
+            one_openmp_thread()
         for idx in blocks:
             slot = free.get()
             if slot is None or stop.is_set():
@@ -132,7 +167,7 @@ def _run(slots: Slots, blocks: Sequence[torch.Tensor], free: queue.Queue, ready:
 class Prefetcher:
     """Fills `slots` for each block of `blocks` on a background thread, one block ahead."""
 
-    def __init__(self, slots: Slots, blocks: Sequence[torch.Tensor], name: str = "memfit-prefetch"):
+    def __init__(self, slots: Slots, blocks: Iterable[torch.Tensor], name: str = "memfit-prefetch"):
         self.slots = slots
         self._free: queue.Queue = queue.Queue()
         self._ready: queue.Queue = queue.Queue()
@@ -175,12 +210,12 @@ class Prefetcher:
 class Inline:
     """The same protocol without a thread: each block is filled when the consumer asks for it."""
 
-    def __init__(self, slots: Slots, blocks: Sequence[torch.Tensor]):
-        self.slots, self._blocks, self._k = slots, blocks, 0
+    def __init__(self, slots: Slots, blocks: Iterable[torch.Tensor]):
+        self.slots, self._blocks, self._k = slots, iter(blocks), 0
 
     def get(self) -> int:
         slot = self._k % self.slots.count
-        self.slots.fill(slot, self._blocks[self._k])
+        self.slots.fill(slot, next(self._blocks))
         self._k += 1
         self.slots.ready(slot)
         return slot

@@ -67,8 +67,7 @@ class Source:
 
     def batch_nbytes(self, m: int) -> int:
         """One decoded batch of m samples: x in the output dtype, y as int64."""
-        x = self.template.dtype.itemsize * math.prod(self.template.sample_shape)
-        return m * (x + (0 if self.y_dtype is None else 8))
+        return self.template.x_batch_nbytes(m) + (0 if self.y_dtype is None else 8 * m)
 
     def fill(self, idx: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor | None) -> None:
         """Write the rows `idx` (CPU int64, (m,)) into x_out[:m] and their labels into y_out[:m]."""
@@ -203,6 +202,10 @@ def make_source(data: object, *, codec: str | Codec = "auto", normalize: object 
         if len(data) == 0:
             raise ValueError("the dataset is empty; a loader needs at least one sample")
         return CompactSource(data)
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], dict):
+        # several inputs per sample: packed into one byte row each, which every strategy moves as it is
+        return CompactSource(CompactDataset.from_arrays(data[0], data[1], codec=codec, normalize=normalize,
+                                                        device="cpu", dtype=dtype))
     if isinstance(data, tuple) and len(data) == 2:
         x, y = as_array(data[0], "x"), data[1]
         if y is not None and len(y) != len(x):

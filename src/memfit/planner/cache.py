@@ -25,7 +25,7 @@ import torch
 from memfit.planner.planned import PlannedModule, plan
 from memfit.planner.sizing import MemoryModel, memory_model
 
-__all__ = ["borrow_plan", "give_back", "memory_model_of"]
+__all__ = ["borrow_plan", "forward_memory_of", "give_back", "memory_model_of"]
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> (fingerprint, {key: value})
 
@@ -41,8 +41,14 @@ def _cached(model: torch.nn.Module, key: tuple, make: Callable):
     if entry is None or entry[0] != fp:
         entry = _CACHE[model] = (fp, {})
     if key not in entry[1]:
-        entry[1][key] = make()
-    return entry[1][key]
+        try:
+            entry[1][key] = make()
+        except Exception as e:      # a model that cannot be captured fails fast next time (capture takes seconds)
+            entry[1][key] = e.with_traceback(None)
+    value = entry[1][key]
+    if isinstance(value, Exception):
+        raise value
+    return value
 
 
 def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype) -> MemoryModel:
@@ -63,3 +69,12 @@ def give_back(pm: PlannedModule) -> None:
     """Free the plan's arena and let go of its model (the layouts stay for the next borrow)."""
     pm.release()
     pm.model = None
+
+
+def forward_memory_of(model: torch.nn.Module, example) -> object:
+    """`memfit.footprint.step_memory_model(model, example, train=False)` (fake-tensor runs of an eager
+    forward, for models the planner cannot capture), made once per model and input signature."""
+    from memfit.footprint import step_memory_model
+    leaves = example.items() if isinstance(example, dict) else [("", example)]
+    key = ("forward",) + tuple((k, tuple(v.shape[1:]), v.dtype, v.device) for k, v in leaves)
+    return _cached(model, key, lambda: step_memory_model(model, example, train=False))

@@ -9,15 +9,108 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+import logging
+import os
 import warnings
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-__all__ = ["CaptureError", "as_inputs", "capture", "constants"]
+__all__ = ["CaptureError", "as_inputs", "capture", "constants", "decompositions", "diagnose", "quiet_torch"]
 
 
 class CaptureError(RuntimeError):
-    """`torch.export` could not capture the model as one static graph (the reason is in the message)."""
+    """The model could not be captured as one static graph; the message says why in one line.
+
+    Attributes:
+        kind: "inputs" (the model fails on the example inputs even eagerly: a shape or dtype
+            mistake), "data-dependent" (control flow or output shapes that depend on values),
+            "mutation" (the forward writes to its buffers), or "export" (anything else torch.export
+            cannot trace).
+    """
+
+    def __init__(self, message: str, kind: str = "export"):
+        super().__init__(message)
+        self.kind = kind
+
+
+DEBUG_ENV = "MEMFIT_DEBUG"      # set to 1 to see torch's own log lines and tracebacks during capture
+
+
+@contextlib.contextmanager
+def quiet_torch():
+    """Silence torch's loggers (fake-tensor error lines) and stderr (graph dumps of failed traces)
+    while capturing; both are restored afterwards. `MEMFIT_DEBUG=1` keeps them."""
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name == "torch" or name.startswith("torch.")]
+    saved = [(lg, lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.disabled = True
+        with contextlib.redirect_stderr(io.StringIO()):     # export prints graph dumps of failed traces
+            yield
+    finally:
+        for lg, level, propagate, disabled in saved:
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0].strip() if text else type(e).__name__
+
+
+def _hint(message: str, inputs: tuple) -> str:
+    """How to fix a shape or dtype mistake that torch reported as `message`."""
+    found = ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for x in inputs)
+    m = message.lower()
+    if "indices" in m and ("long" in m or "int" in m):
+        return (f"the model looks up embeddings and needs integer token ids; found {found}: give torch.long "
+                "inputs (--dtype int64 in the CLI)")
+    if "channels" in m:
+        return f"the input's channel count differs from what the first layer expects; found {found}"
+    if "expected" in m and ("d (batched)" in m or "unbatched" in m or "dimension" in m or "dims" in m):
+        return (f"the input has a dimension too many or too few; found {found}: give the shape of one sample "
+                "with no batch (e.g. 3,32,32), the batch comes first")
+    if "shapes cannot be multiplied" in m or "size of tensor" in m or "must match" in m:
+        return f"the input's feature size differs from what the model expects; found {found}"
+    return f"check the example inputs' shapes and dtypes; found {found}"
+
+
+def _fails_eagerly(model: torch.nn.Module, inputs: tuple) -> BaseException | None:
+    """Run the model eagerly on the example inputs (only after a failed capture); the error, or None.
+    The whole example, not one sample: a model may be written for its batch size."""
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(*inputs)
+    except Exception as e:                          # any error here is the model's own reaction to the inputs
+        return e
+    return None
+
+
+def diagnose(model: torch.nn.Module, inputs: tuple, error: BaseException) -> CaptureError:
+    """The one-line CaptureError for an export failure: an input mistake, data-dependence or other."""
+    name = type(model).__name__
+    eager = _fails_eagerly(model, inputs)
+    if eager is not None:
+        return CaptureError(f"{name} fails on the example inputs, before any capture: "
+                            f"{_first_line(eager)} ({_hint(str(eager), inputs)})", kind="inputs")
+    text = f"{type(error).__name__}: {_first_line(error)}"
+    if isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in text.lower() \
+            or "data dependent" in text.lower():
+        return CaptureError(f"{name} has control flow or output shapes that depend on tensor values ({text}); "
+                            "the planner needs one static graph: run the model eagerly, or compute the "
+                            "value-dependent part (boolean-mask indexing, nonzero, .item()) outside the model",
+                            kind="data-dependent")
+    return CaptureError(f"torch.export could not capture {name} ({text}); the planner needs a model that exports "
+                        f"as one graph: run it eagerly instead (set {DEBUG_ENV}=1 to see torch's own log)")
 
 
 def as_inputs(example_inputs) -> tuple:
@@ -32,8 +125,32 @@ def as_inputs(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
-    """Export `model` at the shapes of `example_inputs` and decompose to core ATen ops.
+@functools.cache
+def decompositions(device_type: str) -> dict:
+    """Core ATen decompositions, less those of ops with a real kernel on the device.
+
+    Eager PyTorch runs `silu` as one kernel; the default table rewrites it as `sigmoid` then `mul`
+    (two passes over memory, one more intermediate, and results that differ from eager in the last
+    bit), and `hardswish` as five ops. Keeping every functional op that has its own kernel runs what
+    eager runs, so the planned model is never slower for lack of a fused kernel.
+    """
+    table = torch.export.default_decompositions()
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if key is None:
+        return table
+    for op in list(table):
+        if (isinstance(op, torch._ops.OpOverload) and not op._schema.is_mutable
+                and not any(r.alias_info is not None for r in op._schema.returns)
+                and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)):
+            del table[op]
+    return table
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None,
+            explain: bool = True) -> torch.export.ExportedProgram:
+    """Export `model` at the shapes of `example_inputs` (sizes symbolic where `dynamic_shapes`, as
+    in `torch.export.export`, says so) and decompose to core ATen ops. `explain=False` skips the
+    diagnosis of a failure (an eager run): for attempts that have a fallback.
 
     Raises:
         TypeError: `model` is not an `nn.Module` or an input is not a tensor.
@@ -44,20 +161,20 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Expor
         raise TypeError(f"expected a torch.nn.Module to plan; found {type(model).__name__}")
     example_inputs = as_inputs(example_inputs)
     try:
-        with warnings.catch_warnings():
+        with quiet_torch(), warnings.catch_warnings():
             # torch 2.13's export warns about its own pytree internals (LeafSpec): not the user's concern
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            ep = torch.export.export(model, tuple(example_inputs), strict=False)
-            ep = ep.run_decompositions()
+            ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
+            device = example_inputs[0].device.type if example_inputs else "cpu"
+            ep = ep.run_decompositions(dict(decompositions(device)))
     except Exception as e:                     # export raises many types; all mean "cannot capture"
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CaptureError(f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {reason}. "
-                           "memfit plans models that export as one static graph; run the model eagerly "
-                           "instead (or remove data-dependent Python control flow)") from e
+        debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        err = diagnose(model, example_inputs, e) if explain else CaptureError(f"{type(e).__name__}: {_first_line(e)}")
+        raise err from (e if debug else None)
     mutated = [s.target for s in ep.graph_signature.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:
         raise CaptureError(f"{type(model).__name__}.forward writes to {mutated} (a BatchNorm in training mode?); "
-                           "the planner runs inference only: call model.eval() before planning")
+                           "the planner runs inference only: call model.eval() before planning", kind="mutation")
     return ep
 
 

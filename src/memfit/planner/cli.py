@@ -3,6 +3,7 @@
 Run:
     memfit plan mymodels.py:make_net --input 1,3,224,224 --plot arena.png
     memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json
+    memfit plan pkg.models:resnet --input 32,3,64,64 --train --optimizer adamw --budget 8GiB --plot train.png
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.usage import UsageError, device_arg
+from memfit.usage import UsageError, budget_arg, device_arg
 
 __all__ = ["cli_plan", "load_factory"]
 
@@ -97,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", type=device_arg,
                    help="plan on cpu, cuda, cuda:1 (default cpu: a plan's bytes do not depend on the device, "
                         "but which ops get an out= kernel does)")
+    p.add_argument("--train", action="store_true",
+                   help="the memory of one training step instead (forward, loss, backward, optimizer step) by kind, "
+                        "from a fake-tensor run; --plot draws bytes against the batch size")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="with --train (default adamw)")
+    p.add_argument("--budget", default=None, metavar="SIZE", type=budget_arg,
+                   help="with --train: the largest batch within it, "
+                   "and a line on the plot (e.g. 8GiB)")
     p.add_argument("--all", action="store_true", help="list every tensor (default: the first 60)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
@@ -112,6 +120,35 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
+    """`memfit plan --train`: the training step's bytes by kind at the given batch, a plot, the largest batch."""
+    from memfit.budget import format_bytes, parse_bytes
+    from memfit.planner.sizing import largest_fitting, memory_model, plot_memory
+    model.train().to(args.device)
+    opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
+    example = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
+    mm = memory_model(model, example, train=True, optimizer=opt)
+    n = shapes[0][0]
+    budget = parse_bytes(args.budget) if args.budget else None
+    largest = largest_fitting(mm.total_bytes, budget, 2**31) if budget is not None else None
+    path = plot_memory(mm, args.plot, max(2 * n, 2 * (largest or 0), 8), budget) if args.plot else None
+    if args.json:
+        print(json.dumps({"batch": n, "total_bytes": mm.total_bytes(n), "breakdown": mm.breakdown(n),
+                          "method": mm.method, "largest_batch": largest, "plot": str(path) if path else None}))
+        return 0
+    print(f"{args.factory}: one training step with {args.optimizer}, loss = the output's .loss or the sum of "
+          f"the outputs, input {' and '.join(str(list(s)) for s in shapes)}")
+    print(mm.explain(n))
+    if budget is not None:
+        print(f"largest batch within {format_bytes(budget)}: {largest}")
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
 def cli_plan(argv: list[str]) -> int:
     """Run `memfit plan` with `argv` (the arguments after 'plan'); returns the exit code."""
     args = _parser().parse_args(argv)
@@ -123,6 +160,10 @@ def cli_plan(argv: list[str]) -> int:
     model = load_factory(args.factory)()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{args.factory} returned {type(model).__name__}; expected a torch.nn.Module")
+    if args.train:
+        return _train_report(args, model, shapes, dtype)
+    if args.budget:
+        raise UsageError("--budget goes with --train")
     model.eval().to(args.device)
     pm = plan(model, tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes),
               algorithm=args.algorithm, inplace=not args.no_inplace)

@@ -72,7 +72,11 @@ def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, 
     def vname(n: Node) -> str:
         return n.name if n.op == "placeholder" else node_value[n]
 
+    ints = graph.ints          # sizes computed from the batch: plain numbers in this plan
+
     def render(x) -> str:
+        if isinstance(x, Node) and x in ints:
+            return render(ints[x])
         if isinstance(x, Node):
             return expr[vname(x)]
         if isinstance(x, (list, tuple)):
@@ -82,6 +86,8 @@ def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, 
         return stash(x)
 
     def value(x):
+        if isinstance(x, Node) and x in ints:
+            return ints[x]
         if isinstance(x, Node):
             return known[vname(x)]
         if isinstance(x, (list, tuple)):
@@ -90,7 +96,7 @@ def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, 
 
     def is_fixed(x) -> bool:
         if isinstance(x, Node):
-            return vname(x) in known
+            return x in ints or vname(x) in known
         if isinstance(x, (list, tuple)):
             return all(is_fixed(i) for i in x)
         return True

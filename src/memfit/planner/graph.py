@@ -23,7 +23,45 @@ from torch.fx import Node
 
 from memfit.planner.ops import WHEN_UNREAD, Lowered, inplace_candidates, is_view, lower
 
-__all__ = ["Graph", "Root", "Step", "analyze", "span_bytes"]
+__all__ = ["Graph", "Meta", "Root", "Step", "analyze", "concrete", "span_bytes"]
+
+
+class DataDependentSize(RuntimeError):
+    """A tensor size that is known only when the model runs (boolean-mask indexing, nonzero, .item())."""
+
+
+def concrete(v, env: dict):
+    """An int (or bool) from a size that may be symbolic in the batch: `env` maps the batch symbol
+    to its value. Raises DataDependentSize for sizes that depend on tensor values."""
+    if isinstance(v, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        expr = v.node.expr
+        expr = expr.xreplace(env) if hasattr(expr, "xreplace") else expr
+        if getattr(expr, "free_symbols", None):
+            raise DataDependentSize(f"size {v.node.expr} depends on tensor values")
+        return bool(expr) if isinstance(v, torch.SymBool) else int(expr) if isinstance(v, torch.SymInt) \
+            else float(expr)
+    return v
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Shape, strides, dtype and storage offset of one tensor value at a concrete batch size (the
+    methods mirror a tensor's, so code reads `meta.stride()` either way)."""
+    shape: tuple
+    strides: tuple
+    dtype: torch.dtype
+    offset: int
+
+    @classmethod
+    def of(cls, t, env: dict) -> Meta:
+        return cls(tuple(concrete(s, env) for s in t.shape), tuple(concrete(s, env) for s in t.stride()), t.dtype,
+                   concrete(t.storage_offset(), env))
+
+    def stride(self) -> tuple:
+        return self.strides
+
+    def storage_offset(self) -> int:
+        return self.offset
 
 
 def span_bytes(shape, stride, dtype: torch.dtype, storage_offset: int = 0) -> int:
@@ -65,15 +103,17 @@ class Graph:
     steps: list[Step]
     roots: dict[str, Root]
     root_of: dict[str, str]             # value name -> root name
-    metas: dict[str, torch.Tensor]      # value name -> fake tensor (shape, stride, dtype)
+    metas: dict[str, Meta]              # value name -> shape, stride, dtype at this batch size
     inputs: list[str]
     consts: dict[str, torch.Tensor]
     outputs: list                       # flat outputs: value names (str) or constants
+    ints: dict[Node, object] = field(default_factory=dict)   # size arithmetic, evaluated at this batch size
 
 
-def _metas(node: Node) -> list:
+def _metas(node: Node, env: dict) -> list:
     val = node.meta.get("val")
-    return list(val) if isinstance(val, (tuple, list)) else [val]
+    vals = list(val) if isinstance(val, (tuple, list)) else [val]
+    return [Meta.of(v, env) if isinstance(v, torch.Tensor) else v for v in vals]
 
 
 def _nodes_in(x) -> list[Node]:
@@ -90,14 +130,21 @@ def _out_name(node: Node, k: int, many: bool) -> str:
     return f"{node.name}__out{k}" if many else node.name
 
 
-def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool = True) -> Graph:
-    """Lifetimes, aliases and the run mode of every op of an exported, decomposed graph."""
+def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool = True,
+            env: dict | None = None) -> Graph:
+    """Lifetimes, aliases and the run mode of every op of an exported, decomposed graph.
+
+    `env` maps the batch symbol of a graph exported with a dynamic batch to the batch size to plan
+    for; every size is then exact at that batch (none: the graph's sizes are static).
+    """
+    env = env or {}
     roots: dict[str, Root] = {}
     root_of: dict[str, str] = {}
     metas: dict[str, torch.Tensor] = {}
     value_of: dict[Node, list[str]] = {}        # node -> names of its tensor output values
     steps: list[Step] = []
     inputs: list[str] = []
+    ints: dict[Node, object] = {}
 
     def new_root(name: str, kind: str, meta, index: int) -> None:
         nbytes = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset())
@@ -118,7 +165,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
                 if not isinstance(meta, torch.Tensor):
                     raise TypeError(f"the planner takes tensor inputs only; input {node.name!r} is {meta!r}")
                 inputs.append(node.name)
-                new_root(node.name, "input", meta, -1)
+                new_root(node.name, "input", Meta.of(meta, env), -1)
             value_of[node] = [node.name]
             continue
         if node.op == "output":
@@ -126,9 +173,15 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             continue
         if node.op != "call_function":
             raise TypeError(f"unexpected node {node.op} {node.target} in the exported graph")
-        outs = _metas(node)
+        val = node.meta.get("val")
+        if val is None or isinstance(val, (int, float, bool, torch.SymInt, torch.SymBool, torch.SymFloat)):
+            # size arithmetic (sym_size, mul of sizes) is a number at this batch size; a None value is a
+            # runtime assertion on sizes, which holds for every batch in the exported range
+            ints[node] = concrete(val, env)
+            continue
+        outs = _metas(node, env)
         many = isinstance(node.meta.get("val"), (tuple, list))
-        names = [_out_name(node, k, many) if isinstance(m, torch.Tensor) else "" for k, m in enumerate(outs)]
+        names = [_out_name(node, k, many) if isinstance(m, Meta) else "" for k, m in enumerate(outs)]
         if node.target is operator.getitem:
             src, k = node.args
             names = [value_of[src][k]]
@@ -152,7 +205,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             mode = "call"
         value_of[node] = names
         for arg in _nodes_in((node.args, node.kwargs)):
-            for v in value_of[arg]:
+            for v in value_of.get(arg, ()):
                 if v:
                     r = roots[root_of[v]]
                     r.last = max(r.last, index)
@@ -188,16 +241,32 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             r.kind = "arena" if r.nbytes else "empty"
         if inplace and own[0].kind == "arena" and all(r.kind == "empty" for r in own[1:]):
             _try_inplace(step, own[0], roots, root_of, metas, value_of)
-    return Graph(steps, roots, root_of, metas, inputs, consts, flat_out)
+    return Graph(steps, roots, root_of, metas, inputs, consts, flat_out, ints)
+
+
+def _shares_storage(step: Step, pos: int, v: str, root_of, value_of) -> bool:
+    """True when an operand of the op other than argument `pos` lives in `v`'s allocation (a view,
+    slice, transpose, expand or broadcast of the same root, however many views deep). Writing over
+    `v` would then change what that operand reads while the kernel still reads it: a broadcast row
+    overwritten before the other rows read it gives wrong numbers without any error. The very same
+    value at two positions (`y * y`) is safe: each element is read before it is written."""
+    root = root_of[v]
+    others = [a for i, a in enumerate(step.node.args) if i != pos] + list(step.node.kwargs.values())
+    for arg in _nodes_in(others):
+        for w in value_of.get(arg, ()):
+            if w and root_of[w] == root and w != v:
+                return True
+    return False
 
 
 def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None:
     """Write `out` over an input when the rules allow: allowlisted elementwise op, input in the arena
-    with no later reader, same shape, strides and dtype."""
+    with no later reader, same shape, strides and dtype, and no other operand of the op sharing its
+    memory."""
     args = step.node.args
     for pos in inplace_candidates(step.node.target, args):
         arg = args[pos]
-        if not isinstance(arg, Node):
+        if not isinstance(arg, Node) or arg not in value_of:
             continue
         v = value_of[arg][0]
         if not v:
@@ -206,6 +275,7 @@ def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None
         meta = metas[v]
         whole = v == base.name or v in base.members         # not a view of it
         if (base.kind != "arena" or base.last != step.index or not whole
+                or _shares_storage(step, pos, v, root_of, value_of)
                 or tuple(meta.shape) != out.shape or tuple(meta.stride()) != out.stride or meta.dtype != out.dtype
                 or meta.storage_offset() != 0 or base.nbytes != out.nbytes):
             continue

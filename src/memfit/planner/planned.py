@@ -12,21 +12,24 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
 from memfit.planner.arena import ALGORITHMS, Buffer, align, assign_offsets, live_profile, lower_bound, verify
-from memfit.planner.capture import as_inputs, capture, constants
+from memfit.planner.capture import CaptureError, _first_line, as_inputs, capture, constants
 from memfit.planner.codegen import generate
-from memfit.planner.graph import Graph, analyze
+from memfit.planner.graph import DataDependentSize, Graph, Meta, analyze
 from memfit.planner.report import Report, Row
 
-__all__ = ["ALIGNMENT", "PlannedModule", "layout", "plan"]
+__all__ = ["ALIGNMENT", "Captured", "PlannedModule", "capture_model", "layout", "layout_at", "layout_captured",
+           "plan", "plan_captured"]
 
 ALIGNMENT = 64      # bytes: a cache line, and enough for any dtype's vector loads
 
@@ -39,6 +42,7 @@ class Layout:
     offsets: dict[str, int]
     report: Report
     out_spec: object
+    batch: int | None = None
 
 
 def _check_args(algorithm: str, inplace: bool) -> None:
@@ -48,14 +52,160 @@ def _check_args(algorithm: str, inplace: bool) -> None:
         raise TypeError(f"inplace must be True or False; found {inplace!r}")
 
 
+@dataclass
+class Captured:
+    """One `torch.export` capture of a model, with the batch dimension symbolic where it can be:
+    layouts for any algorithm and any batch size in `batch_range` come from it, no re-export.
+
+    It holds the parameters (by reference) but not the module, so a cache of captures never keeps a
+    model alive.
+
+    Attributes:
+        batch: the batch size symbol (a sympy Symbol), or None when the capture is static.
+        batch_range: (lowest, highest) batch the graph is valid for (highest None: unbounded).
+        static_reason: why the batch could not be symbolic ("" when it is).
+        example_batch: the batch of the example inputs.
+    """
+    ep: torch.export.ExportedProgram
+    consts: dict[str, torch.Tensor]
+    device: torch.device
+    batch: object = None
+    batch_range: tuple = (None, None)
+    static_reason: str = ""
+    example_batch: int | None = None
+    example_key: tuple = ()
+
+    @property
+    def dynamic(self) -> bool:
+        return self.batch is not None
+
+    def env(self, n: int | None) -> dict:
+        return {} if self.batch is None or n is None else {self.batch: n}
+
+    @staticmethod
+    def batch_of(inputs: tuple) -> int | None:
+        return inputs[0].shape[0] if inputs and inputs[0].dim() else None
+
+    def accepts(self, inputs: tuple) -> bool:
+        """Whether these inputs can be planned from this capture; False when they need a new capture
+        (another sample shape, dtype or strides; a batch outside the range; any change if static)."""
+        if not self.dynamic:
+            return PlannedModule._key(inputs) == self.example_key
+        n = self.batch_of(inputs)
+        lo, hi = self.batch_range
+        if n is None or n < lo or (hi is not None and n > hi):
+            return False
+        specs = [p.meta["val"] for p in self.ep.graph.nodes if p.op == "placeholder" and p.name not in self.consts]
+        if len(specs) != len(inputs):
+            return False
+        for x, fake in zip(inputs, specs, strict=True):
+            meta = Meta.of(fake, self.env(n))
+            if x.dtype != meta.dtype or tuple(x.shape) != meta.shape or tuple(x.stride()) != meta.strides:
+                return False
+        return True
+
+
+def _batch_dims(example_inputs: tuple):
+    """`dynamic_shapes` with dim 0 of every input one shared symbolic batch, or a reason it cannot be."""
+    if not example_inputs or any(x.dim() == 0 for x in example_inputs):
+        return None, "an input has no batch dimension"
+    if len({x.shape[0] for x in example_inputs}) != 1:
+        return None, "the inputs' first dimensions differ, so there is no one batch dimension"
+    batch = torch.export.Dim("batch", min=1)
+    return tuple({0: batch} for _ in example_inputs), ""
+
+
+def capture_model(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool = True) -> Captured:
+    """Export `model` once, with the batch dimension symbolic where the model allows it (else at the
+    example's shapes, the reason kept in `static_reason`). Raises CaptureError, TypeError."""
+    example_inputs = as_inputs(example_inputs)
+    device = example_inputs[0].device if len(example_inputs) else torch.device("cpu")
+    n = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else None
+    key = PlannedModule._key(example_inputs)
+    dims, reason = _batch_dims(example_inputs) if dynamic_batch else (None, "a static capture was asked for")
+    if dims is not None:
+        # export treats a size-1 example dimension as the constant 1: trace at batch 2 instead
+        traced = tuple(torch.cat([x, x]) for x in example_inputs) if n == 1 else example_inputs
+        try:
+            ep = capture(model, traced, dims, explain=False)
+        except CaptureError as e:                 # the static capture below explains errors of its own
+            reason = f"the batch cannot be symbolic ({e})"
+        else:
+            sym = _batch_symbol(ep)
+            if sym is not None:
+                vr = ep.range_constraints.get(sym)
+                hi = None if vr is None or vr.upper.is_infinite or str(vr.upper) == "int_oo" else int(vr.upper)
+                cap = Captured(ep, constants(ep, model), device, sym, (int(vr.lower) if vr else 1, hi), "", n, key)
+                if cap.accepts(example_inputs):
+                    return cap
+            reason = "export made the batch size a constant (the model specialises on it)"
+    ep = capture(model, example_inputs)
+    return Captured(ep, constants(ep, model), device, None, (n, n), reason, n, key)
+
+
+def _batch_symbol(ep):
+    for p in ep.graph.nodes:
+        if p.op == "placeholder" and p.name in {s.arg.name for s in ep.graph_signature.input_specs
+                                                if s.kind.name == "USER_INPUT"}:
+            size = p.meta["val"].shape[0]
+            if isinstance(size, torch.SymInt) and len(size.node.expr.free_symbols) == 1:
+                return next(iter(size.node.expr.free_symbols))
+            return None
+    return None
+
+
 def layout(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
            inplace: bool = True) -> Layout:
     """Capture `model` and place its intermediates, without allocating the arena or running anything
     (so it is cheap at any batch size; `plan` calls it, `memory_model` too)."""
     _check_args(algorithm, inplace)
-    ep = capture(model, example_inputs)
-    device = example_inputs[0].device if len(example_inputs) else torch.device("cpu")
-    graph = analyze(ep, constants(ep, model), device.type, inplace=inplace)
+    return layout_captured(capture_model(model, example_inputs), example_inputs, algorithm=algorithm,
+                           inplace=inplace)
+
+
+def layout_captured(cap: Captured, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
+                    inplace: bool = True) -> Layout:
+    """`layout` from a capture made before (no export) for inputs like `example_inputs`."""
+    inputs = as_inputs(example_inputs)
+    if not cap.accepts(inputs):
+        raise ValueError(f"inputs {[tuple(x.shape) for x in inputs]} cannot be planned from this capture "
+                         f"(made for {[tuple(s[0]) for s in cap.example_key]}); capture again")
+    return layout_at(cap, cap.batch_of(inputs), algorithm=algorithm, inplace=inplace)
+
+
+def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_size", inplace: bool = True) -> Layout:
+    """The layout at batch size `batch` from one capture: exact sizes of every tensor, offsets, the
+    report; nothing is exported, allocated or run (milliseconds per batch size).
+
+    Args:
+        cap: from `capture_model(model, example_inputs)`.
+        batch: any size in `cap.batch_range` when `cap.dynamic`; else the example's batch.
+
+    Raises:
+        ValueError: a static capture and another batch size (`cap.static_reason` says why it is static),
+            or a batch outside the range.
+
+    Example:
+        >>> import torch
+        >>> cap = capture_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU()), torch.zeros(2, 8))
+        >>> [layout_at(cap, n).report.unplanned_bytes for n in (1, 100)]      # the output, (n, 16) float32
+        [64, 6400]
+    """
+    _check_args(algorithm, inplace)
+    lo, hi = cap.batch_range
+    if cap.dynamic and (isinstance(batch, bool) or not isinstance(batch, int) or batch < lo
+                        or (hi is not None and batch > hi)):
+        raise ValueError(f"batch must be an int in [{lo}, {hi or 'inf'}) for this capture; found {batch!r}")
+    if not cap.dynamic and batch != cap.example_batch:
+        raise ValueError(f"this capture is static at batch {cap.example_batch} ({cap.static_reason}); "
+                         f"found batch {batch!r}: capture again with inputs of that batch")
+    try:
+        graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch))
+    except (GuardOnDataDependentSymNode, DataDependentSize) as e:       # a size known only when the model runs
+        raise CaptureError(f"the model's graph has tensor sizes that depend on values ({_first_line(e)}): "
+                           "boolean-mask indexing, nonzero or .item(); the planner needs static sizes: run the "
+                           "model eagerly, or do the value-dependent part outside the model",
+                           kind="data-dependent") from None
     arena_roots = [r for r in graph.roots.values() if r.kind == "arena"]
     buffers = [Buffer(r.name, r.nbytes, r.first, r.last) for r in arena_roots]
     offs, size = assign_offsets(buffers, algorithm, ALIGNMENT)
@@ -84,9 +234,11 @@ def layout(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "g
         naive_bytes=sum(align(r.nbytes, ALIGNMENT) * (1 + len(r.members)) for r in arena_roots),
         arena_bytes=size, lower_bound=lower_bound(buffers, ALIGNMENT),
         unplanned_bytes=max(live_profile(outside, 1), default=0), param_bytes=params,
-        input_bytes=sum(x.nbytes for x in example_inputs), rows=rows, algorithm=algorithm, n_ops=n_ops,
+        input_bytes=sum(graph.roots[v].nbytes for v in graph.inputs), rows=rows, algorithm=algorithm, n_ops=n_ops,
         unplanned_ops=dict(unplanned))
-    return Layout(graph, buffers, offsets, report, ep.call_spec.out_spec)
+    report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'})" if cap.dynamic
+                      else f"static capture at batch {cap.example_batch} ({cap.static_reason})")
+    return Layout(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch)
 
 
 class _Plan:
@@ -123,26 +275,54 @@ class _Plan:
         return self.unflatten(out)
 
 
+class _NoBackward(torch.autograd.Function):
+    """Marks planned outputs so that `backward` through them says why it cannot work."""
+
+    @staticmethod
+    def forward(ctx, x, _anchor):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward through a PlannedModule: planned modules run inference only (their arena is "
+                           "reused by the next call and no autograd graph is kept); train the model itself, with "
+                           "memfit.accumulate to fit a large batch, and size it with "
+                           "memfit.memory_model(model, ..., train=True)")
+
+
 class PlannedModule:
     """A model run inside one preallocated arena. Call it like the model (positional tensors).
 
     Inputs of a new shape (or strides) get their own plan, made on first use and cached
-    (`pm.plans`); a different dtype or device is an error. The planned module runs inference only:
-    no autograd graph is recorded. `pm.report` describes the plan of the latest inputs.
+    (`pm.plans`); a different dtype or device is an error. The model is captured once with the batch
+    dimension symbolic, so a new batch size is planned from that capture in milliseconds, without
+    exporting again (`pm.captures`; a model that specialises on its batch size is captured per
+    shape, and `pm.report.capture` says why). The planned module runs inference only:
+    no autograd graph is recorded, and `backward` through its outputs raises an error saying so.
+    `pm.report` describes the plan of the latest inputs.
 
     All plans share one arena, as large as the largest of them (`pm.arena_bytes`): a smaller last
     chunk or a halved batch costs no extra memory. `pm.release()` frees the arena between uses;
     the next call allocates it again (the plans are kept, nothing is captured again).
+
+    Threads: calls are serialised by a lock (one arena, one call at a time), so two threads may
+    share a PlannedModule and each gets its own correct outputs (outputs are fresh memory, never
+    the arena). For parallel inference give each thread its own `plan(...)`.
     """
 
-    def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool):
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool,
+                 captured: Captured | None = None):
         self.model, self.algorithm, self.inplace = model, algorithm, inplace
         self.dtypes = [x.dtype for x in example_inputs]
         self.device = example_inputs[0].device if example_inputs else torch.device("cpu")
         self.layouts: dict[tuple, Layout] = {}
         self.plans: dict[tuple, _Plan] = {}
         self._arena: torch.Tensor | None = None
+        self._lock = threading.Lock()
         self._last_key = self._key(example_inputs)
+        _check_args(algorithm, inplace)
+        # one capture, batch symbolic where the model allows: new batch sizes are planned from it
+        self.captures = [captured if captured is not None else capture_model(model, example_inputs)]
         self._plan_for(tuple(example_inputs), self._last_key)
 
     @staticmethod
@@ -164,7 +344,14 @@ class PlannedModule:
 
     def _plan_for(self, inputs: tuple, key: tuple) -> _Plan:
         if key not in self.layouts:
-            self.layouts[key] = layout(self.model, inputs, algorithm=self.algorithm, inplace=self.inplace)
+            cap = next((c for c in self.captures if c.accepts(inputs)), None)
+            if cap is None:                       # another sample shape or strides, or a static capture
+                if self.model is None:
+                    raise RuntimeError("this PlannedModule was given back (its model released); borrow it again "
+                                       "to plan new input shapes")
+                cap = capture_model(self.model, inputs)
+                self.captures.append(cap)
+            self.layouts[key] = layout_captured(cap, inputs, algorithm=self.algorithm, inplace=self.inplace)
         lay = self.layouts[key]
         need = max(la.report.arena_bytes for la in self.layouts.values())     # lay is one of them
         if self._arena is None or self._arena.nbytes < need:
@@ -208,15 +395,19 @@ class PlannedModule:
             key = self._key(inputs)
         except AttributeError:                    # not a tensor: `_check` says which
             key = None
-        p = self.plans.get(key)
-        if p is None:
-            self._check(inputs)
-            p = self._plan_for(inputs, key)
-        self._last_key = key
-        if torch.is_grad_enabled():               # out= kernels refuse to record autograd
-            with torch.no_grad():
+        with self._lock:
+            p = self.plans.get(key)
+            if p is None:
+                self._check(inputs)
+                p = self._plan_for(inputs, key)
+            self._last_key = key
+            if not torch.is_grad_enabled():
                 return p.run(inputs)
-        return p.run(inputs)
+            with torch.no_grad():                 # out= kernels refuse to record autograd
+                out = p.run(inputs)
+        anchor = torch.zeros((), requires_grad=True)
+        return pytree.tree_map_only(torch.Tensor, lambda t: _NoBackward.apply(t, anchor)
+                                    if t.is_floating_point() else t, out)
 
     forward = __call__
 
@@ -253,3 +444,9 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
     """
     # the model, algorithm and inplace are checked by `layout`, which the first plan calls
     return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace)
+
+
+def plan_captured(cap: Captured, example_inputs, *, model: torch.nn.Module | None = None,
+                  algorithm: str = "greedy_by_size", inplace: bool = True) -> PlannedModule:
+    """`plan` from a capture made before: several algorithms or settings, one export."""
+    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace, captured=cap)

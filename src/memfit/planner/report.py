@@ -44,6 +44,7 @@ class Report:
         rows: one `Row` per allocation, in order of first use.
         algorithm: the offset algorithm used.
         unplanned_ops: op name -> count of ops run without an `out=` kernel.
+        capture: how the graph was captured ("one capture, batch symbolic in [1, inf)", or static and why).
     """
     naive_bytes: int
     arena_bytes: int
@@ -55,6 +56,7 @@ class Report:
     algorithm: str
     n_ops: int
     unplanned_ops: dict[str, int] = field(default_factory=dict)
+    capture: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -75,7 +77,7 @@ class Report:
             + (f"  ({unplanned})" if unplanned else ""),
             f"  parameters                     {format_bytes(self.param_bytes):>12}",
             f"  total with inputs              {format_bytes(self.total_bytes):>12}",
-        ])
+        ] + ([f"  capture: {self.capture}"] if self.capture else []))
 
     def table(self, limit: int | None = 60) -> str:
         head = f"  {'tensor':<28} {'shape':<20} {'dtype':<9} {'bytes':>11} {'lifetime':>11} {'offset':>11}  kind"
@@ -98,7 +100,7 @@ class Report:
         return {"naive_bytes": self.naive_bytes, "arena_bytes": self.arena_bytes, "lower_bound": self.lower_bound,
                 "unplanned_bytes": self.unplanned_bytes, "param_bytes": self.param_bytes,
                 "input_bytes": self.input_bytes, "algorithm": self.algorithm, "n_ops": self.n_ops,
-                "unplanned_ops": dict(self.unplanned_ops),
+                "unplanned_ops": dict(self.unplanned_ops), "capture": self.capture,
                 "rows": [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.bytes,
                           "lifetime": list(r.lifetime), "offset": r.offset, "kind": r.kind,
                           "inplace": list(r.inplace)} for r in self.rows]}

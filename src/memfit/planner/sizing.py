@@ -1,10 +1,13 @@
-"""Bytes a batch of n needs, from plans at two small batch sizes: no run at full size.
+"""Bytes a batch of n needs, for inference or a whole training step, without running it at full size.
 
-The planner lays out the graph at batch 2 and batch 4 (only shapes are traced; nothing runs).
-Each tensor's size is affine in the batch, `a + b * n`, so the sizes at any n follow exactly, and
-the same offset algorithm places them again (a fraction of a second, cached per n). When the two
-graphs differ in structure the totals are extrapolated linearly with 25% head-room instead, and
-`MemoryModel.method` says so.
+`memory_model` is the one entry point. For inference of a model torch.export can capture, the planner
+lays out the graph at batch 2 and batch 4 (only shapes are traced; nothing runs). Each tensor's size
+is affine in the batch, `a + b * n` (exact rationals, rounded up), so the sizes at any n follow
+exactly, and the same offset algorithm places them again (cached per n). For training, for inputs
+given as a dict or several tensors, for models export cannot capture, and where the two graphs
+differ, the fake-tensor run of `memfit.footprint` counts the eager forward or the training step
+instead, and `method` says why. `max_batch_size` searches the largest batch in a budget
+(`largest_fitting`: doubling, then bisection).
 
 Example:
     >>> import torch
@@ -19,16 +22,19 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from memfit.budget import check_count, parse_bytes
+from memfit.budget import BudgetExceeded, check_count, format_bytes, parse_bytes
+from memfit.footprint import CUDA_MARGIN, CUDA_SEGMENT, FakeRunError, StepMemoryModel, step_memory_model
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.planned import ALIGNMENT, layout
 
-__all__ = ["MemoryModel", "activation_bytes", "max_batch_size", "memory_model"]
+__all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "largest_fitting", "max_batch_size", "memory_model",
+           "plot_memory"]
 
 PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
 
@@ -37,29 +43,29 @@ PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
 class MemoryModel:
     """Bytes for a batch of n: parameters + inputs + planned arena + unplanned (see `total_bytes`).
 
+    The same small interface as `memfit.footprint.StepMemoryModel`: `total_bytes(n)`, `breakdown(n)`,
+    `method`, `explain()`.
+
     Attributes:
         param_bytes: parameters and buffers the graph reads.
-        method: how sizes at other batch sizes are computed ("affine per tensor" or the fallback).
+        method: how sizes at other batch sizes are computed.
     """
     param_bytes: int
     input_bytes_per_sample: int
     method: str
     algorithm: str
-    _arena: list[tuple[int, int, int, int]]          # (a, b, first, last): size a + b*n
+    _arena: list[tuple[int, int, int, int]]          # (bytes at n1, bytes at n2, first, last)
     _outside: list[tuple[int, int, int, int]]
-    _fallback: tuple[float, float] | None = None     # (a, b) of the total without params and inputs
+    device: torch.device = torch.device("cpu")
+    train: bool = False
     _cache: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def _parts(self, n: int) -> tuple[int, int]:
         if n not in self._cache:
-            if self._fallback is not None:
-                a, b = self._fallback
-                self._cache[n] = (int(1.25 * (a + b * n)) + 1, 0)
-            else:
-                arena = [Buffer(str(i), max(0, a + b * n), f, la) for i, (a, b, f, la) in enumerate(self._arena)]
-                outside = [Buffer(str(i), max(0, a + b * n), f, la) for i, (a, b, f, la) in enumerate(self._outside)]
-                self._cache[n] = (assign_offsets(arena, self.algorithm, ALIGNMENT)[1],
-                                  max(live_profile(outside, 1), default=0))
+            arena = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._arena)]
+            outside = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._outside)]
+            self._cache[n] = (assign_offsets(arena, self.algorithm, ALIGNMENT)[1],
+                              max(live_profile(outside, 1), default=0))
         return self._cache[n]
 
     def arena_bytes(self, n: int) -> int:
@@ -70,10 +76,35 @@ class MemoryModel:
         """The most bytes live outside the arena at one op for a batch of n."""
         return self._parts(_batch(n))[1]
 
+    def breakdown(self, n: int) -> dict[str, int]:
+        """Bytes by kind for a batch of n (they sum to `total_bytes(n)`)."""
+        n = _batch(n)
+        arena, outside = self._parts(n)
+        out = {"parameters": self.param_bytes, "inputs": self.input_bytes_per_sample * n,
+               "activations (arena)": arena, "activations (outside the arena)": outside}
+        if self.device.type == "cuda":       # one arena block; the tensors outside it are rounded like any
+            out["allocator margin"] = int(CUDA_MARGIN * sum(out.values())) + CUDA_SEGMENT
+        return out
+
     def total_bytes(self, n: int) -> int:
         """Parameters + the batch of inputs + arena + unplanned, for a batch of n (bytes)."""
-        n = _batch(n)
-        return self.param_bytes + self.input_bytes_per_sample * n + sum(self._parts(n))
+        return sum(self.breakdown(n).values())
+
+    def explain(self, n: int = 1) -> str:
+        """What the figure is, how it was computed, and the bytes by kind at a batch of n."""
+        lines = [f"memory of the planned forward on {self.device}, by {self.method}.",
+                 f"batch {n}: {format_bytes(self.total_bytes(n))}:"]
+        lines += [f"  {k:<32} {format_bytes(v):>12}" for k, v in self.breakdown(n).items()]
+        if self.device.type == "cuda":
+            lines.append(f"CUDA: a fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} "
+                         "segment of the caching allocator are added.")
+        return "\n".join(lines)
+
+
+def _size(s1: int, s2: int, n: int) -> int:
+    """Bytes at batch n of a tensor of s1 bytes at PROBES[0] and s2 at PROBES[1]: the exact line, rounded up."""
+    n1, n2 = PROBES
+    return max(0, -(-(s1 * (n2 - n1) + (s2 - s1) * (n - n1)) // (n2 - n1)))
 
 
 def _batch(n) -> int:
@@ -95,18 +126,30 @@ def _device(model: torch.nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def memory_model(model: torch.nn.Module, sample_shape: Sequence[int], dtype: torch.dtype = torch.float32, *,
-                 algorithm: str = "greedy_by_size") -> MemoryModel:
-    """The bytes `model` needs per batch size, from layouts at batch 2 and 4.
+def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
+                 loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
+                 dtype: torch.dtype = torch.float32, device=None,
+                 algorithm: str = "greedy_by_size") -> MemoryModel | StepMemoryModel:
+    """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
+
+    Inference (train=False) of a model torch.export captures, with one input tensor: from planner layouts
+    at batch 2 and 4 (the planned forward `evaluate` runs). Otherwise (training, dict or several inputs,
+    no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
+    (`memfit.footprint`), which allocates nothing and leaves the model and optimizer as they were.
 
     Args:
-        model: an eval-mode module torch.export can capture (on its own device).
-        sample_shape: one sample's shape, without the batch dimension.
-        dtype: the input dtype.
-        algorithm: the offset algorithm, as in `plan`.
-
-    Raises:
-        CaptureError: torch.export cannot capture the model.
+        model: the module (on its own device).
+        example_or_sample_shape: one sample's shape without the batch dimension, or an example batch (a
+            tensor, a tuple of tensors, or a dict such as input_ids + attention_mask); its leading
+            dimension is the batch and is rescaled.
+        train: the memory of one training step (forward, loss, backward, optimizer step, zero_grad).
+        optimizer: the optimizer whose step and state are counted (train=True).
+        loss_fn: `loss_fn(output, target)`; default the output's `.loss` or the sum of the outputs.
+        target: an example target batch (or its sample shape), for loss_fn.
+        autocast: run forward and loss under `torch.autocast` with this dtype (e.g. torch.bfloat16).
+        dtype: the input dtype when a sample shape is given.
+        device: the device to predict for (default: the model's).
+        algorithm: the planner's offset algorithm.
 
     Example:
         >>> import torch
@@ -114,36 +157,64 @@ def memory_model(model: torch.nn.Module, sample_shape: Sequence[int], dtype: tor
         >>> mm.param_bytes, mm.total_bytes(2) - mm.param_bytes      # inputs 64 + output 32
         (144, 96)
     """
-    shape = _sample_shape(sample_shape)
+    from memfit.planner.capture import CaptureError
+    fake = lambda why: step_memory_model(model, example_or_sample_shape, train=train, optimizer=optimizer,
+                                         loss_fn=loss_fn, target=target, autocast=autocast, dtype=dtype,
+                                         device=device, why=why)
+    if train:
+        return fake("")
+    example = example_or_sample_shape
+    if isinstance(example, torch.Tensor):
+        example, dtype = tuple(example.shape[1:]), example.dtype
+    if not _is_shape(example):
+        return fake("not planned (the planner takes one input tensor): ")
+    if autocast is not None or (device is not None and torch.device(device) != _device(model)):
+        return fake("not planned (autocast or another device than the model's): ")
+    try:
+        return _planned_model(model, _sample_shape(example), dtype, algorithm)
+    except CaptureError as e:
+        reason = str(e).splitlines()[0][:200]
+        try:
+            return fake(f"not planned: {reason}; ")
+        except FakeRunError as f:
+            raise CaptureError(f"{e}\nThe fake-tensor forward failed too: {f}") from f
+    except _GraphsDiffer:
+        return fake("not planned: the captured graphs at batch 2 and 4 differ; ")
+
+
+class _GraphsDiffer(Exception):
+    pass
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, int) or (isinstance(x, (tuple, list)) and all(isinstance(s, int) for s in x))
+
+
+def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> MemoryModel:
     dev = _device(model)
     lays = [layout(model, (torch.empty((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
             for n in PROBES]
     per_sample = math.prod(shape) * dtype.itemsize
     params = lays[0].report.param_bytes
-    (n1, n2), (l1, l2) = PROBES, lays
+    l1, l2 = lays
     kinds = [[(r.name, r.kind, r.first, r.last) for r in lay.graph.roots.values()] for lay in lays]
     if kinds[0] != kinds[1]:
-        r1, r2 = l1.report, l2.report
-        t1, t2 = r1.arena_bytes + r1.unplanned_bytes, r2.arena_bytes + r2.unplanned_bytes
-        b = max(0.0, (t2 - t1) / (n2 - n1))
-        return MemoryModel(params, per_sample, "linear in the batch from totals at 2 and 4, +25% (graphs differ)",
-                           algorithm, [], [], (max(0.0, t1 - b * n1), b))
+        raise _GraphsDiffer
     arena, outside = [], []
     end = len(l1.graph.steps)
     for r, q in zip(l1.graph.roots.values(), l2.graph.roots.values(), strict=True):
-        b = (q.nbytes - r.nbytes) // (n2 - n1)
-        item = (r.nbytes - b * n1, b, max(r.first, 0), min(r.last, end))
+        item = (r.nbytes, q.nbytes, max(r.first, 0), min(r.last, end))
         if r.kind == "arena":
             arena.append(item)
         elif r.kind in ("call", "output"):
             outside.append(item)
-    return MemoryModel(params, per_sample, "affine per tensor from layouts at batch 2 and 4", algorithm,
-                       arena, outside)
+    return MemoryModel(params, per_sample, "planned arena: sizes per tensor affine from layouts at batch 2 and 4",
+                       algorithm, arena, outside, dev)
 
 
-def activation_bytes(model: torch.nn.Module, sample_shape: Sequence[int], batch_sizes: Sequence[int],
-                     dtype: torch.dtype = torch.float32) -> list[int]:
-    """Bytes for each batch size: parameters + inputs + planned arena + unplanned (a list, in order).
+def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence[int],
+                     dtype: torch.dtype = torch.float32, **options) -> list[int]:
+    """`memory_model(model, sample_shape, dtype=dtype, **options).total_bytes(n)` for each batch size, in order.
 
     Example:
         >>> import torch
@@ -151,21 +222,47 @@ def activation_bytes(model: torch.nn.Module, sample_shape: Sequence[int], batch_
         >>> b - a                # 10 more samples: inputs 320 + outputs 160 bytes
         480
     """
-    mm = memory_model(model, sample_shape, dtype)
+    mm = memory_model(model, sample_shape, dtype=dtype, **options)
     return [mm.total_bytes(n) for n in batch_sizes]
 
 
-def max_batch_size(model: torch.nn.Module, sample_shape: Sequence[int], budget: int | str, *,
-                   extra_bytes_per_sample: int = 0, dtype: torch.dtype = torch.float32,
-                   limit: int = 2**31) -> int:
-    """The largest batch n whose `activation_bytes` + `extra_bytes_per_sample * n` fit `budget`.
+def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
+    """Largest n in [1, upper] with peak(n) <= budget (peak non-decreasing), 0 when none fits.
 
-    Returns 0 when not even one sample fits (callers print it or raise `BudgetExceeded`).
+    Doubling from 1, then bisection: O(log n) calls of peak.
+
+    Example:
+        >>> largest_fitting(lambda n: 100 + 7 * n, 1000, 10**6)
+        128
+    """
+    if upper < 1 or peak(1) > budget:
+        return 0
+    lo = 1
+    while lo < upper and peak(min(2 * lo, upper)) <= budget:
+        lo = min(2 * lo, upper)
+    hi = min(2 * lo, upper)
+    while lo < hi:                           # peak(lo) fits; the answer is below hi + 1
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid - 1)
+    return lo
+
+
+def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, train: bool = False,
+                   optimizer=None, loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
+                   dtype: torch.dtype = torch.float32, device=None, extra_bytes_per_sample: int = 0,
+                   limit: int = 2**31) -> int:
+    """The largest batch n whose `memory_model(...).total_bytes(n)` + `extra_bytes_per_sample * n` fit `budget`.
+
+    With train=True (and optimizer, loss_fn, target) it is the largest batch one training step fits.
 
     Args:
+        sample_shape: one sample's shape, or an example batch (see `memory_model`).
         budget: bytes, or a string such as "64MiB".
         extra_bytes_per_sample: anything else held per sample (a compact copy of the batch, say).
         limit: the largest batch considered.
+
+    Raises:
+        BudgetExceeded: not even one sample fits; the message lists what one sample needs.
 
     Example:
         >>> import torch
@@ -174,15 +271,45 @@ def max_batch_size(model: torch.nn.Module, sample_shape: Sequence[int], budget: 
     """
     budget = parse_bytes(budget)
     extra_bytes_per_sample = check_count("extra_bytes_per_sample", extra_bytes_per_sample, 0)
-    mm = memory_model(model, sample_shape, dtype)
-    fits = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n <= budget
-    if not fits(1):
-        return 0
-    lo = 1
-    while lo < limit and fits(min(2 * lo, limit)):
-        lo = min(2 * lo, limit)
-    hi = min(2 * lo, limit)
-    while lo < hi:                           # fits(lo) holds; the answer is below hi + 1
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+    mm = memory_model(model, sample_shape, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
+                      autocast=autocast, dtype=dtype, device=device)
+    need = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n
+    n = largest_fitting(need, budget, limit)
+    if n == 0:
+        parts = {**mm.breakdown(1), **({"extra per sample": extra_bytes_per_sample} if extra_bytes_per_sample else {})}
+        what = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
+        raise BudgetExceeded(f"not even a batch of 1 fits: it needs {format_bytes(need(1))} ({what}) but the budget "
+                             f"is {format_bytes(budget)}; raise the budget or use a smaller model",
+                             needed=need(1), budget=budget, items=list(parts.items()))
+    return n
+
+
+def plot_memory(mm: MemoryModel | StepMemoryModel, path, max_batch: int, budget: int | None = None):
+    """Write a picture of the bytes by kind (stacked) against the batch size, 1..max_batch, with the budget line.
+
+    Needs matplotlib (optional, imported here). Returns the path written.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plot_memory needs matplotlib, which is not installed; pip install matplotlib "
+                          "(or 'memfit[demo]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = sorted({max(1, round(max_batch * i / 64)) for i in range(65)})
+    parts = [mm.breakdown(n) for n in sizes]
+    kinds = list(dict.fromkeys(k for p in parts for k in p))
+    mib = 2.0 ** 20
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.stackplot(sizes, [[p.get(k, 0) / mib for p in parts] for k in kinds], labels=kinds, alpha=0.85)
+    if budget is not None:
+        ax.axhline(budget / mib, color="black", linestyle="--", label=f"budget {format_bytes(budget)}")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("MiB at the peak")
+    ax.set_title(f"{'training step' if mm.train else 'forward'}: {mm.method[:90]}", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,246 @@
+"""The fake-tensor memory model against the live bytes of the real step (`memfit.measure`), and the promise
+that predicting leaves the model, its buffers, `.grad` and the optimizer exactly as they were."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.footprint import FakeRunError, measure_step, step_memory_model
+
+warnings.filterwarnings("ignore", message=".*(loss_type|bos_token_id|eos_token_id).*")
+
+
+def frozen_cnn():
+    model = cnn_bn()
+    for p in model[:3].parameters():          # a frozen stem: no gradients, no optimizer state for it
+        p.requires_grad_(False)
+    return model
+
+
+def cnn_bn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
+
+
+class Checkpointed(nn.Module):
+    """A block recomputed in backward by torch.utils.checkpoint: its activations are not saved."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU())
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def bert():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=100, max_position_embeddings=64)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def tokens(n, labels="causal"):
+    batch = {"input_ids": torch.randint(0, 100, (n, 16)), "attention_mask": torch.ones(n, 16, dtype=torch.long)}
+    batch["labels"] = torch.randint(0, 100, (n, 16)) if labels == "causal" else torch.randint(0, 2, (n,))
+    return batch
+
+
+# name: (model factory, batch(n), loss_fn, target(n), autocast dtype)
+CASES = {
+    "mlp": (mlp, lambda n: torch.randn(n, 32), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)), None),
+    "cnn_bn": (cnn_bn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)),
+               None),
+    "frozen_stem": (frozen_cnn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy,
+                    lambda n: torch.randint(0, 10, (n,)), None),
+    "cnn_bn_bf16_autocast": (cnn_bn, lambda n: torch.randn(n, 3, 16, 16), F.cross_entropy,
+                             lambda n: torch.randint(0, 10, (n,)), torch.bfloat16),
+    "checkpoint": (Checkpointed, lambda n: torch.randn(n, 32), F.cross_entropy, lambda n: torch.randint(0, 10, (n,)),
+                   None),
+    "gpt2": (gpt2, tokens, None, None, None),
+    "bert": (bert, lambda n: tokens(n, "class"), None, None, None),
+}
+
+
+def state_of(model, opt):
+    """Everything a step could change: parameters, buffers, .grad, optimizer state, modes."""
+    tensors = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+    ostate = copy.deepcopy(opt.state_dict())
+    return tensors, grads, ostate, [m.training for m in model.modules()], len(vars(model))
+
+
+def assert_same_state(a, b):
+    (t1, g1, o1, m1, v1), (t2, g2, o2, m2, v2) = a, b
+    assert t1.keys() == t2.keys() and all(torch.equal(t1[k], t2[k]) for k in t1)
+    assert g1.keys() == g2.keys()
+    assert all((g1[k] is None and g2[k] is None) or torch.equal(g1[k], g2[k]) for k in g1)
+    assert m1 == m2 and v1 == v2
+    assert o1["param_groups"] == o2["param_groups"] and o1["state"].keys() == o2["state"].keys()
+    for k in o1["state"]:
+        for name, v in o1["state"][k].items():
+            assert torch.equal(v, o2["state"][k][name]) if isinstance(v, torch.Tensor) else v == o2["state"][k][name]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_step_prediction_holds_and_leaves_everything_as_it_was(name):
+    make, batch, loss_fn, target, autocast = CASES[name]
+    torch.manual_seed(0)
+    model = make()
+    model.eval()                                  # the prediction puts it in train mode and back
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = state_of(model, opt)
+    mm = memfit.memory_model(model, batch(2), train=True, optimizer=opt, loss_fn=loss_fn,
+                             target=target(2) if target else None, autocast=autocast)
+    assert_same_state(before, state_of(model, opt))
+    assert "fake-tensor run of one training step" in mm.method
+    for n in (3, 11):
+        real_model = copy.deepcopy(model)
+        real_opt = torch.optim.AdamW(real_model.parameters(), lr=1e-3)
+        real = measure_step(real_model, batch(n), real_opt, loss_fn, target(n) if target else None, autocast=autocast)
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real, mm.method)
+    parts = mm.breakdown(11)
+    assert sum(parts.values()) == mm.total_bytes(11)
+    trained = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    assert 2 * trained <= parts["optimizer state"] <= 2 * trained + 4 * len(opt.param_groups[0]["params"])
+
+
+def test_optimizer_state_that_exists_is_counted_once_and_left_alone():
+    torch.manual_seed(0)
+    model = cnn_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()                                     # momentum buffers exist; .grad kept (not zeroed) on purpose
+    before = state_of(model, opt)
+    mm = step_memory_model(model, x, optimizer=opt, loss_fn=F.cross_entropy, target=y)
+    assert_same_state(before, state_of(model, opt))
+    params = sum(p.nbytes for p in model.parameters())
+    assert mm.breakdown(8)["optimizer state"] == params          # one momentum buffer per parameter
+    real = measure_step(copy.deepcopy(model), torch.randn(8, 3, 16, 16), copy.deepcopy(opt), F.cross_entropy,
+                        torch.randint(0, 10, (8,)), warmup=False)
+    assert 1.0 <= mm.total_bytes(8) / real <= 1.05
+
+
+def test_gradients_kept_by_zero_grad_without_set_to_none_count_from_the_start():
+    torch.manual_seed(0)
+    model = mlp()
+
+    class KeepGrads(torch.optim.SGD):
+        def zero_grad(self, set_to_none=False):
+            super().zero_grad(set_to_none=False)
+
+    opt = KeepGrads(model.parameters(), lr=0.1)
+    mm = step_memory_model(model, (32,), optimizer=opt, loss_fn=F.cross_entropy,
+                           target=torch.zeros(1, dtype=torch.long))
+    params = sum(p.nbytes for p in model.parameters())
+    assert mm.breakdown(1)["gradients"] == params
+    for n in (1, 64):
+        real = measure_step(copy.deepcopy(model), torch.randn(n, 32), KeepGrads(copy.deepcopy(model).parameters()),
+                            F.cross_entropy, torch.zeros(n, dtype=torch.long))
+        assert mm.total_bytes(n) >= real
+
+
+def test_inference_falls_back_to_the_fake_forward_when_export_fails():
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    ids = torch.randint(0, 100, (2, 16))
+    mm = memfit.memory_model(model, ids)
+    assert "not planned" in mm.method and "fake-tensor run of one forward" in mm.method
+    for n in (3, 9):
+        x = torch.randint(0, 100, (n, 16))
+        with torch.no_grad(), memfit.measure.track_memory() as mem:
+            out = model(x)
+            del out
+        real = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if t is not model.lm_head.weight) \
+            + x.nbytes + mem.peak
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real)
+    assert memfit.activation_bytes(model, ids, [3, 9]) == [mm.total_bytes(3), mm.total_bytes(9)]
+    budget = mm.total_bytes(40)
+    assert memfit.max_batch_size(model, ids, budget) == 40
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else x        # needs the values: fake tensors have none
+
+
+def test_data_dependent_control_flow_says_why_it_cannot_run_fake():
+    with pytest.raises(FakeRunError, match=r"(?s)DataDependent on fake tensors.*data-dependent Python control flow"):
+        step_memory_model(DataDependent(), (4,), optimizer=torch.optim.SGD(DataDependent().parameters(), lr=0.1))
+
+
+class CachesOnItself(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.last = torch.ones(x.shape[1])      # a module that caches a tensor on the first call
+        return self.lin(x) * self.last
+
+
+def test_tensors_a_forward_caches_on_the_module_are_not_left_behind():
+    model = CachesOnItself()
+    step_memory_model(model, (8,), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not hasattr(model, "last")
+    model(torch.ones(2, 8))
+    kept = model.last
+    step_memory_model(model, (8,), train=False)
+    assert model.last is kept
+
+
+def test_bad_examples_say_what_was_expected():
+    with pytest.raises(ValueError, match="same leading"):
+        step_memory_model(mlp(), (torch.zeros(2, 32), torch.zeros(3, 32)))
+    with pytest.raises(TypeError, match="sample shape"):
+        step_memory_model(mlp(), "32")
+    with pytest.raises(ValueError, match="no loss_fn"):
+        step_memory_model(mlp(), (32,), target=torch.zeros(1, dtype=torch.long))
+
+
+def test_checkpointing_saves_less_for_backward_than_the_same_model_without():
+    torch.manual_seed(0)
+    ck = Checkpointed()
+    plain = copy.deepcopy(ck)
+    plain.forward = lambda x: plain.head(plain.block(x))
+    kw = dict(loss_fn=F.cross_entropy, target=torch.zeros(1, dtype=torch.long))
+    saved_ck = step_memory_model(ck, (32,), optimizer=torch.optim.SGD(ck.parameters(), lr=0.1), **kw)
+    saved_plain = step_memory_model(plain, (32,), optimizer=torch.optim.SGD(plain.parameters(), lr=0.1), **kw)
+    n = 64
+    # the block keeps 3 tensors of (n, 256) float32 (two GELU inputs and the middle output) without checkpointing
+    assert saved_plain.saved_activation_bytes(n) - saved_ck.saved_activation_bytes(n) >= 2 * n * 256 * 4
+    assert saved_ck.breakdown(n)["activations"] <= saved_ck.total_bytes(n)
+
+
+def test_a_second_prediction_for_the_same_model_and_layout_is_cached_until_the_model_changes():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    kw = dict(optimizer=opt, loss_fn=F.cross_entropy)
+    first = step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw)
+    again = step_memory_model(model, torch.zeros(9, 32), target=torch.zeros(9, dtype=torch.long), **kw)
+    assert again is first                                     # the batch size is not part of the layout
+    model[3] = nn.Linear(128, 20)                             # a new head: predicted again
+    new = step_memory_model(model, torch.zeros(4, 32), target=torch.zeros(4, dtype=torch.long), **kw)
+    assert new is not first and new.param_bytes > first.param_bytes

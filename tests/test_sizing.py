@@ -1,0 +1,132 @@
+"""`memory_model` / `max_batch_size` against what really runs: the planned forward's live bytes, a real
+training step's live bytes (`memfit.measure`), a brute-force search, and the budget errors."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import memfit
+from memfit.bench.zoo import build
+from memfit.footprint import StepMemoryModel, measure_step
+from memfit.measure import track_memory
+from memfit.planner import plan
+from memfit.planner.sizing import MemoryModel, largest_fitting
+
+
+@pytest.mark.parametrize("name", ["lenet", "transformer"])
+def test_planned_prediction_holds_for_the_planned_forward(name):
+    model, shape = build(name)
+    model.eval()
+    mm = memfit.memory_model(model, shape)
+    assert isinstance(mm, MemoryModel) and mm.method.startswith("planned arena")
+    params = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    for n in (3, 13):
+        x = torch.randn(n, *shape)
+        pm = plan(model, (x,))
+        with torch.inference_mode(), track_memory() as mem:
+            y = pm(x)
+            del y
+        real = params + x.nbytes + pm.arena_bytes + mem.peak
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real)
+        assert sum(mm.breakdown(n).values()) == mm.total_bytes(n)
+    assert "planned forward" in mm.explain(4) and "arena" in mm.explain(4)
+
+
+def test_several_inputs_use_the_fake_forward_and_hold_for_eager():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 64), nn.Linear(16, 64)
+
+        def forward(self, x, z):
+            return torch.relu(self.a(x)) * self.b(z)
+
+    model = Pair().eval()
+    mm = memfit.memory_model(model, (torch.zeros(2, 16), torch.zeros(2, 16)))
+    assert isinstance(mm, StepMemoryModel) and "not planned (the planner takes one input tensor)" in mm.method
+    for n in (5, 50):
+        x, z = torch.randn(n, 16), torch.randn(n, 16)
+        with torch.no_grad(), track_memory() as mem:
+            out = model(x, z)
+            del out
+        real = sum(p.nbytes for p in model.parameters()) + x.nbytes + z.nbytes + mem.peak
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05
+
+
+@given(st.integers(0, 10**6), st.integers(0, 5000), st.integers(1, 300), st.integers(1, 2000))
+def test_largest_fitting_is_the_brute_force_boundary(budget, a, b, upper):
+    peak = lambda n: a + b * n + (n * n) // 7           # any non-decreasing function
+    expected = max((n for n in range(1, upper + 1) if peak(n) <= budget), default=0)
+    assert largest_fitting(peak, budget, upper) == expected
+
+
+def test_nothing_fits_raises_budget_exceeded_naming_what_is_needed():
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    for budget in (0, "1KiB"):
+        with pytest.raises(memfit.BudgetExceeded, match=r"not even a batch of 1 fits: it needs .*parameters 75.04 KiB"):
+            memfit.max_batch_size(model, (64,), budget)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(memfit.BudgetExceeded, match=r"(?s)optimizer state.*gradients") as e:
+        memfit.max_batch_size(model, (64,), "200KiB", train=True, optimizer=opt)
+    assert e.value.needed > e.value.budget == 200 * 1024
+
+
+def test_max_batch_size_for_training_fits_a_real_step_and_one_more_does_not():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 8 * 8, 10))
+    opt = torch.optim.AdamW(model.parameters())
+    target = torch.zeros(1, dtype=torch.long)
+    budget = 300_000
+    n = memfit.max_batch_size(model, (1, 8, 8), budget, train=True, optimizer=opt, loss_fn=F.cross_entropy,
+                              target=target)
+    assert n > 1
+
+    def real(k):
+        m = copy.deepcopy(model)
+        return measure_step(m, torch.randn(k, 1, 8, 8), torch.optim.AdamW(m.parameters()), F.cross_entropy,
+                            torch.zeros(k, dtype=torch.long))
+
+    assert real(n) <= budget                                       # no out-of-memory at the predicted size
+    assert real(int(n / 0.9) + 1) > budget                         # and at least 0.9 of the largest that fits
+    mm = memfit.memory_model(model, (1, 8, 8), train=True, optimizer=opt, loss_fn=F.cross_entropy, target=target)
+    assert mm.total_bytes(n) <= budget < mm.total_bytes(n + 1)
+
+
+@pytest.mark.cuda
+def test_cuda_prediction_holds_for_the_caching_allocator():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(32 * 32 * 32, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    mm = memfit.memory_model(model, (3, 32, 32), train=True, optimizer=opt, loss_fn=F.cross_entropy,
+                             target=torch.zeros(1, dtype=torch.long, device="cuda"))
+    assert "allocator margin" in mm.breakdown(8) and "512 bytes" in mm.explain(8)
+    for n in (8, 64):
+        m = copy.deepcopy(model)
+        real = measure_step(m, torch.randn(n, 3, 32, 32, device="cuda"), torch.optim.AdamW(m.parameters()),
+                            F.cross_entropy, torch.zeros(n, dtype=torch.long, device="cuda"))
+        margin = mm.breakdown(n)["allocator margin"]
+        assert real <= mm.total_bytes(n) <= 1.05 * real + margin
+
+
+def test_plan_train_cli_prints_the_python_api_breakdown(capsys, tmp_path):
+    import json
+
+    from memfit.planner.cli import cli_plan
+    assert cli_plan(["memfit.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--budget", "8MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, shape = build("mlp")
+    mm = memfit.memory_model(model.train(), shape, train=True, optimizer=torch.optim.AdamW(model.parameters()))
+    assert out["breakdown"] == mm.breakdown(8) and out["total_bytes"] == mm.total_bytes(8)
+    assert out["largest_batch"] == largest_fitting(mm.total_bytes, 8 * 2**20, 2**31)
+    assert cli_plan(["memfit.bench.zoo:mlp", "--input", "8,1,28,28", "--train"]) == 0
+    text = capsys.readouterr().out
+    assert "optimizer state" in text and "at the peak, during the" in text
+    pytest.importorskip("matplotlib")
+    cli_plan(["memfit.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--plot", str(tmp_path / "t.png")])
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
