@@ -290,11 +290,12 @@ def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypat
     ds = CompactDataset.from_arrays(x, y, device="cpu")
     model = make_model()
     calls = []
-    real = memfit.planner.planned.layout
-    monkeypatch.setattr(memfit.planner.planned, "layout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = memfit.planner.planned.capture_model
+    monkeypatch.setattr(memfit.planner.planned, "capture_model",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     first = evaluate(model, ds, chunk_size=128, planned=True, progress=False)   # chunks 128, 128, 44
     captured = len(calls)
-    assert captured == 2 and first.runner == "planned"            # one plan per chunk shape
+    assert captured == 1 and first.runner == "planned"            # one capture, the batch symbolic
     with torch.no_grad():
         model[1].weight.mul_(-1)                                    # in-place updates are seen
     second = evaluate(model, ds, chunk_size=128, planned=True, progress=False)

@@ -44,6 +44,8 @@ class Report:
         rows: one `Row` per allocation, in order of first use.
         algorithm: the offset algorithm used.
         unplanned_ops: op name -> count of ops run without an `out=` kernel.
+        unplanned_reasons: op name -> why it runs outside the arena (no out= variant, an out= variant
+            that allocates and copies, ...).
         capture: how the graph was captured ("one capture, batch symbolic in [1, inf)", or static and why).
     """
     naive_bytes: int
@@ -57,6 +59,7 @@ class Report:
     n_ops: int
     unplanned_ops: dict[str, int] = field(default_factory=dict)
     capture: str = ""
+    unplanned_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -73,11 +76,12 @@ class Report:
             f"  planned arena                  {format_bytes(self.arena_bytes):>12}  "
             f"({self.naive_bytes / max(self.arena_bytes, 1):.1f}x less than naive)",
             f"  lower bound (most live at once){format_bytes(self.lower_bound):>12}  (arena / bound {ratio:.3f})",
-            f"  unplanned (no out= kernel)     {format_bytes(self.unplanned_bytes):>12}"
+            f"  unplanned (outside the arena)  {format_bytes(self.unplanned_bytes):>12}"
             + (f"  ({unplanned})" if unplanned else ""),
             f"  parameters                     {format_bytes(self.param_bytes):>12}",
             f"  total with inputs              {format_bytes(self.total_bytes):>12}",
-        ] + ([f"  capture: {self.capture}"] if self.capture else []))
+        ] + [f"    {op}: {why}" for op, why in sorted(self.unplanned_reasons.items())]
+          + ([f"  capture: {self.capture}"] if self.capture else []))
 
     def table(self, limit: int | None = 60) -> str:
         head = f"  {'tensor':<28} {'shape':<20} {'dtype':<9} {'bytes':>11} {'lifetime':>11} {'offset':>11}  kind"
@@ -100,7 +104,8 @@ class Report:
         return {"naive_bytes": self.naive_bytes, "arena_bytes": self.arena_bytes, "lower_bound": self.lower_bound,
                 "unplanned_bytes": self.unplanned_bytes, "param_bytes": self.param_bytes,
                 "input_bytes": self.input_bytes, "algorithm": self.algorithm, "n_ops": self.n_ops,
-                "unplanned_ops": dict(self.unplanned_ops), "capture": self.capture,
+                "unplanned_ops": dict(self.unplanned_ops), "unplanned_reasons": dict(self.unplanned_reasons),
+                "capture": self.capture,
                 "rows": [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.bytes,
                           "lifetime": list(r.lifetime), "offset": r.offset, "kind": r.kind,
                           "inplace": list(r.inplace)} for r in self.rows]}
