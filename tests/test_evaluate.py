@@ -181,8 +181,8 @@ def test_auto_chunk_respects_the_budget_by_memfit_accounting():
     x, y = make_data(3000)
     model = make_model()
     ds = CompactDataset.from_arrays(x, y, device="cpu")
-    from memfit.evaluate import _Chunks
-    chunks = _Chunks(ds, torch.device("cpu"))
+    from memfit.chunking import Chunks
+    chunks = Chunks(ds, torch.device("cpu"))
     for budget in (200_000, 1_000_000):
         n, estimate, reason = choose_chunk(model, chunks, budget, model)
         assert 1 <= n <= 3000 and estimate(n) <= budget
@@ -290,11 +290,12 @@ def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypat
     ds = CompactDataset.from_arrays(x, y, device="cpu")
     model = make_model()
     calls = []
-    real = memfit.planner.planned.layout
-    monkeypatch.setattr(memfit.planner.planned, "layout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = memfit.planner.planned.capture_model
+    monkeypatch.setattr(memfit.planner.planned, "capture_model",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     first = evaluate(model, ds, chunk_size=128, planned=True, progress=False)   # chunks 128, 128, 44
     captured = len(calls)
-    assert captured == 2 and first.runner == "planned"            # one plan per chunk shape
+    assert captured == 1 and first.runner == "planned"            # one capture, the batch symbolic
     with torch.no_grad():
         model[1].weight.mul_(-1)                                    # in-place updates are seen
     second = evaluate(model, ds, chunk_size=128, planned=True, progress=False)
@@ -311,7 +312,7 @@ def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypat
 
 
 def test_auto_chunk_is_capped_where_larger_chunks_stop_paying(monkeypatch):
-    monkeypatch.setattr(sys.modules["memfit.evaluate"], "MAX_AUTO_CHUNK", 64)   # memfit.evaluate is the function
+    monkeypatch.setattr(sys.modules["memfit.chunking"], "MAX_AUTO_CHUNK", 64)
     x, y = make_data(300)
     model = make_model()
     r = evaluate(model, (x, y), budget="1GiB", progress=False)

@@ -39,7 +39,7 @@ import torch
 from torch.nn import functional as F
 
 from memfit.accumulation import accumulate
-from memfit.bench.common import machine_header, median_time, table
+from memfit.bench.common import machine_header, median_time, spread_warning, table
 from memfit.bench.zoo import build
 from memfit.budget import format_bytes
 from memfit.measure import track_memory
@@ -340,6 +340,9 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
           "(budget 1TiB: the whole batch fits) vs the plain step")
     print(table(acc_rows))
     _verdicts(mem_rows, acc_rows, have_mm)
+    warning = spread_warning()
+    if warning:
+        print(warning)
     out = {"memory": mem_rows, "accumulation": acc_rows, "memory_model": have_mm}
     if as_json:
         print(json.dumps(out, default=str))
