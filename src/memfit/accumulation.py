@@ -224,8 +224,8 @@ def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
 def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
     """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
 
-    The memory model (`memfit.memory_model(train=True)`) is a fake-tensor run of one plain training step: parameters,
-    gradients, optimizer state, activations and the backward's transient, at any batch size. Micro-batches
+    The memory model (`memfit.memory_model(train=True)`) is a fake-tensor run of one plain training step:
+    parameters, gradients, optimizer state, activations and the backward's transient, at any batch size. Micro-batches
     differ from it in two ways: after the first one the gradients stay allocated through the next forward
     (plus all of them: an upper bound), and the micro-batch is a view of the batch already on the device
     (the batch's bytes once, not the micro-batch's inputs). A DistributedDataParallel model also holds its
@@ -240,9 +240,9 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
     stateless = copy.copy(optimizer)
     stateless.state = defaultdict(dict)
+    target = None if y is None else _slice(y, 0, k, device)
     mm = memory_model(module, _slice(x, 0, k, device), train=True, optimizer=stateless,
-                           loss_fn=_scalar_loss(loss_fn, y is not None),
-                           target=None if y is None else _slice(y, 0, k, device))
+                      loss_fn=_scalar_loss(loss_fn, y is not None), target=target)
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
     on_device = [t for t in _tensors(x) + _tensors(y) if t.device == device]
