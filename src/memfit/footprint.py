@@ -182,9 +182,16 @@ class _FakeTracker(_Tracker):
     BATCH_NORM = {"aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
                   "aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats"}
 
-    def size_of(self, func, index, t, nbytes):
-        if index in (1, 2) and str(func) in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
+    # these CPU losses return the reduced scalar as a view of an input-sized buffer, which it keeps alive
+    CPU_LOSS_VIEWS = {"aten.mse_loss.default", "aten.smooth_l1_loss.default", "aten.binary_cross_entropy.default",
+                      "aten.soft_margin_loss.default"}
+
+    def size_of(self, func, index, t, nbytes, args=()):
+        name = str(func)
+        if index in (1, 2) and name in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
             return nbytes * 2
+        if index == 0 and name in self.CPU_LOSS_VIEWS and t.device.type == "cpu" and t.dim() == 0 and args:
+            return max(nbytes, args[0].numel() * t.element_size())
         return nbytes
 
 

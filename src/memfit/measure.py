@@ -53,7 +53,7 @@ class _Tracker(TorchDispatchMode):
         self.log = log
         self.ops: list[str] = []
 
-    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int) -> int:
+    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int, args=()) -> int:
         """Bytes counted for output `index` of `func` (a subclass corrects fake kernels that differ from real)."""
         return nbytes
 
@@ -80,7 +80,7 @@ class _Tracker(TorchDispatchMode):
             key = _storage_key(t)
             if key is None:
                 continue
-            ptr, nbytes = key[0], self.size_of(func, i, t, key[1])
+            ptr, nbytes = key[0], self.size_of(func, i, t, key[1], args)
             if ptr in self.live:
                 self.live[ptr][1] += 1
             elif ptr in inputs:                        # a view of (or in-place write to) a tensor made outside
