@@ -181,8 +181,8 @@ def test_auto_chunk_respects_the_budget_by_memfit_accounting():
     x, y = make_data(3000)
     model = make_model()
     ds = CompactDataset.from_arrays(x, y, device="cpu")
-    from memfit.evaluate import _Chunks
-    chunks = _Chunks(ds, torch.device("cpu"))
+    from memfit.chunking import Chunks
+    chunks = Chunks(ds, torch.device("cpu"))
     for budget in (200_000, 1_000_000):
         n, estimate, reason = choose_chunk(model, chunks, budget, model)
         assert 1 <= n <= 3000 and estimate(n) <= budget
@@ -312,7 +312,7 @@ def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypat
 
 
 def test_auto_chunk_is_capped_where_larger_chunks_stop_paying(monkeypatch):
-    monkeypatch.setattr(sys.modules["memfit.evaluate"], "MAX_AUTO_CHUNK", 64)   # memfit.evaluate is the function
+    monkeypatch.setattr(sys.modules["memfit.chunking"], "MAX_AUTO_CHUNK", 64)
     x, y = make_data(300)
     model = make_model()
     r = evaluate(model, (x, y), budget="1GiB", progress=False)

@@ -23,14 +23,24 @@ import gc
 import textwrap
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import BudgetExceeded, check_count, format_bytes, resolve_budget, resolve_device
+from memfit.budget import BudgetExceeded, check_count, format_bytes, plural, resolve_budget, resolve_device
+from memfit.chunking import (  # noqa: F401  (re-exported: part of the API)
+    MAX_AUTO_CHUNK,
+    Chunks,
+    as_chunks,
+    choose_chunk,
+    first_line,
+    largest_fitting,
+    param_bytes,
+    whole_words,
+)
 from memfit.dataset import CompactDataset
-from memfit.fields import batch_len, batch_nbytes, batch_slice, batch_to, forward
+from memfit.fields import batch_len, batch_slice, batch_to, forward
 from memfit.metrics import Metric, logits_of, make_metric
 from memfit.progress import progress as progress_bar
 
@@ -63,154 +73,14 @@ class EvalResult:
         vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {type(v).__name__}"
                          for k, v in self.metrics.items())
         peak = "not measured" if self.peak_bytes is None else format_bytes(self.peak_bytes)
-        head = (f"evaluated {self.n} samples in {self.chunks} chunks of up to {self.chunk_size} "
-                f"({self.retries} out-of-memory retries), {self.seconds:.2f} s, peak {peak}, {self.runner}: {vals}")
+        head = (f"evaluated {plural(self.n, 'sample')} in {plural(self.chunks, 'chunk')} of up to {self.chunk_size} "
+                f"({plural(self.retries, 'out-of-memory retry', 'out-of-memory retries')}), {self.seconds:.2f} s, "
+                f"peak {peak}, {self.runner}: {vals}")
         if not self.reason:
             return head
         # wrapped, never cut: the reason is the part that explains a surprising choice
         return head + "\n" + textwrap.fill(f"why: {self.reason}", width=100, subsequent_indent="     ",
                                            break_long_words=False, break_on_hyphens=False)
-
-
-# ---- data -----------------------------------------------------------------------------------------
-class _Chunks:
-    """Decoded chunks [s, e) of a CompactDataset, copied compact to `device` and decoded there."""
-
-    def __init__(self, ds: CompactDataset, device: torch.device):
-        self.ds, self.device, self.n = ds, device, len(ds)
-        self.sample_shape, self.dtype = ds.sample_shape, ds.dtype
-        self.fields = ds.fields is not None      # a dict of inputs: model(**x), not planned
-        self.compact_per_sample = ds.row_nbytes if ds.device != device else 0
-        self.decoded_per_sample = ds.batch_nbytes(1)
-
-    def get(self, s: int, e: int):
-        idx = torch.arange(s, e, device=self.ds.device)
-        rows = self.ds.rows(idx)
-        y = None if self.ds.y is None else self.ds.y[s:e]
-        if self.ds.device != self.device:          # compact bytes cross the bus, not float32
-            rows = rows.to(self.device, non_blocking=True)
-            y = None if y is None else y.to(self.device, non_blocking=True)
-        return self.ds.decode(rows), (None if y is None else y.long())
-
-
-def as_chunks(data, device: torch.device):
-    """A CompactDataset, a memfit Loader (any iterable of (x, y) batches) or (x, y) arrays."""
-    if isinstance(data, CompactDataset):
-        if len(data) == 0:
-            raise ValueError("the data is empty: nothing to evaluate")
-        return _Chunks(data, device)
-    if isinstance(data, tuple) and len(data) == 2:
-        x, y = data
-        if isinstance(x, dict):     # several inputs per sample; from_arrays checks every count
-            return _Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
-        if y is not None and len(y) != len(x):
-            raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels; they must match")
-        if len(x) == 0:
-            raise ValueError("the data is empty: nothing to evaluate")
-        # stored compactly on the host; each chunk crosses to the device compact and is decoded there
-        return _Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
-    if isinstance(data, Iterable) and not isinstance(data, (str, bytes, dict)):
-        return data
-    raise TypeError(f"data must be a CompactDataset, a memfit Loader (or iterable of (x, y) batches) or an "
-                    f"(x, y) tuple of arrays; found {type(data).__name__}")
-
-
-# ---- chunk size ------------------------------------------------------------------------------------
-def param_bytes(model: torch.nn.Module) -> int:
-    return sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
-
-
-def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | None, str]:
-    """(peak(n) from the activation planner, "planner"), or (None, why not) when it cannot capture the model."""
-    try:
-        from memfit.planner.cache import memory_model_of
-        mm = memory_model_of(model, sample_shape, dtype)
-    except Exception:          # export failures are expected for some models; the runner says why
-        return None, ", as the planner could not capture the model"
-    return mm.total_bytes, "planner"
-
-
-def _fake_peak(model, chunks: _Chunks, why: str) -> tuple[Callable[[int], int] | None, str]:
-    """peak(n) of an eager forward from fake-tensor runs (`memfit.footprint`; no export, nothing allocated),
-    cached per model; (None, why) when even that fails."""
-    try:
-        from memfit.planner.cache import forward_memory_of
-        x, _ = chunks.get(0, 1)
-        mm = forward_memory_of(model, x)
-    except Exception as e:     # a model fake tensors cannot run: measure real runs instead
-        return None, f"{why}; fake-tensor estimate failed: {first_line(e)}"
-    return mm.total_bytes, f"fake-tensor forward{why}"
-
-
-def _measured_peak(model, runner, chunks: _Chunks, sizes=(4, 16)) -> Callable[[int], int]:
-    """Fit peak(n) = a + b*n from two small measured runs (live bytes above the start)."""
-    from memfit.measure import track_memory
-    points = []
-    for n in sorted({min(s, chunks.n) for s in sizes}):
-        x, _ = chunks.get(0, n)
-        with torch.inference_mode(), track_memory(chunks.device) as mem:
-            out = forward(runner, x)
-            del out
-        points.append((n, mem.peak + batch_nbytes(x)))
-        del x
-    if len(points) == 1:
-        n, p = points[0]
-        b, a = p / n, 0.0
-    else:
-        (n1, p1), (n2, p2) = points
-        b = max((p2 - p1) / (n2 - n1), 0.0)
-        a = max(p1 - b * n1, 0.0)
-    base = param_bytes(model)
-    # 10% head-room on the slope: extrapolating from small sizes tends to under-estimate
-    return lambda n: int(base + a + 1.1 * b * n)
-
-
-def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
-    """Largest n in [1, upper] with peak(n) <= budget (peak is non-decreasing), 0 when none fits."""
-    if peak(1) > budget:
-        return 0
-    lo, hi = 1, 1
-    while hi < upper and peak(min(2 * hi, upper)) <= budget:
-        lo = hi = min(2 * hi, upper)
-        if hi == upper:
-            return upper
-    hi = min(2 * hi, upper)
-    while lo < hi:                      # invariant: peak(lo) fits, the answer is < hi + 1
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid - 1)
-    return lo
-
-
-# Beyond a few thousand samples a chunk only holds more memory: it runs no faster (on 2 CPU cores a
-# 4-layer CNN took 3.4 s for 10,000 samples in chunks of 2,500 and 4.5 s in one chunk of 10,000), and
-# every GPU is saturated well below it. chunk_size=int forces a larger one.
-MAX_AUTO_CHUNK = 4096
-
-
-def choose_chunk(model, chunks, budget: int, runner, use_plan: bool = True) -> tuple[int, Callable[[int], int], str]:
-    """(chunk size, peak estimate, how it was chosen) for the largest chunk within the budget,
-    at most MAX_AUTO_CHUNK samples."""
-    extra = chunks.compact_per_sample
-    peak, how = None, (", as the planner takes one input tensor and this data has several fields" if chunks.fields
-                       else ", as planned=False")
-    if use_plan and not chunks.fields:
-        peak, how = _planned_peak(model, chunks.sample_shape, chunks.dtype)
-    if peak is None:
-        peak, how = _fake_peak(model, chunks, how)
-    if peak is None:
-        peak, how = _measured_peak(model, runner, chunks), f"measured at 2 sizes{how}"
-    total = lambda n: peak(n) + extra * n
-    n = largest_fitting(total, budget, chunks.n)
-    if n == 0:
-        raise BudgetExceeded(f"one sample needs {format_bytes(total(1))} ({how}: parameters "
-                             f"{format_bytes(param_bytes(model))} included) but the budget is {format_bytes(budget)}; "
-                             "raise the budget or use a smaller model", needed=total(1), budget=budget)
-    if n > MAX_AUTO_CHUNK:
-        return MAX_AUTO_CHUNK, total, (f"{MAX_AUTO_CHUNK} samples (estimated peak ({how}) "
-                                       f"{format_bytes(total(MAX_AUTO_CHUNK))}): {n} would fit the budget "
-                                       f"{format_bytes(budget)}, but larger chunks hold more memory and run no faster")
-    return n, total, (f"largest chunk whose estimated peak ({how}) {format_bytes(total(n))} fits the budget "
-                      f"{format_bytes(budget)}")
 
 
 # ---- the loop --------------------------------------------------------------------------------------
@@ -295,7 +165,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     try:
         chunks = as_chunks(_shard(data) if distributed else data, dev)
         size, estimate, reason = _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned)
-        if isinstance(chunks, _Chunks) and _use_planner(chunks, chunk_size, planned, budget, distributed):
+        if isinstance(chunks, Chunks) and _use_planner(chunks, chunk_size, planned, budget, distributed):
             runner, why = _planned_runner(model, chunks, size, planned)
             runner_name = "planned" if runner is not model else "eager"
             reason = f"{reason}; {why}" if why else reason
@@ -329,10 +199,14 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
 SMALL_SET = 1024
 
 
+def _small_set(chunks, chunk_size, planned) -> bool:
+    """A set small enough that capturing the model for the planner would cost more than running it."""
+    return isinstance(chunks, Chunks) and chunk_size == "auto" and planned is None and chunks.n <= SMALL_SET
+
+
 def _small(chunks, chunk_size, planned, budget) -> bool:
-    """One eager chunk, no capture and no measured runs: a small set under the default budget."""
-    return (isinstance(chunks, _Chunks) and chunk_size == "auto" and planned is None and budget is None
-            and chunks.n <= SMALL_SET)
+    """One eager chunk, no capture and no estimate: a small set under the default budget."""
+    return _small_set(chunks, chunk_size, planned) and budget is None
 
 
 def _use_planner(chunks, chunk_size, planned, budget, distributed) -> bool:
@@ -340,7 +214,7 @@ def _use_planner(chunks, chunk_size, planned, budget, distributed) -> bool:
         return False
     if planned:
         return True
-    return chunk_size == "auto" and not (not distributed and _small(chunks, chunk_size, planned, budget))
+    return chunk_size == "auto" and not (not distributed and _small_set(chunks, chunk_size, planned))
 
 
 def _shard(data):
@@ -353,7 +227,7 @@ def _shard(data):
 
 
 def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) -> tuple[int, Callable | None, str]:
-    if not isinstance(chunks, _Chunks):
+    if not isinstance(chunks, Chunks):
         return 0, None, "batches of the loader"
     if chunk_size != "auto":
         why = ("" if planned else "; the planner is not used with a fixed chunk_size (pass planned=True to "
@@ -364,7 +238,11 @@ def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) ->
                                 "faster than capturing the model for the planner; out-of-memory back-off halves "
                                 "the chunk if needed")
     limit = resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
-    size, estimate, reason = choose_chunk(model, chunks, limit, model, use_plan=planned is not False)
+    small = not distributed and _small_set(chunks, chunk_size, planned)
+    size, estimate, reason = choose_chunk(model, chunks, limit, model, use_plan=planned is not False and not small)
+    if small:
+        reason += (f"; run eagerly: a set this small (<= {SMALL_SET} samples) runs faster than capturing the "
+                   "model for the planner")
     if distributed:             # one size for all: a rank's back-off then never waits on another's
         from memfit import distributed as mdist
         agreed = mdist.smallest(size, "memfit.evaluate chunk size")     # also stops every rank if one failed
@@ -407,16 +285,15 @@ def _model_device(model, device) -> torch.device:
     return dev
 
 
-def first_line(e: BaseException) -> str:
-    """'TypeName: first line of the message', whole: never cut mid-word."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-def _planned_runner(model, chunks: _Chunks, size: int, required: bool | None):
+def _planned_runner(model, chunks: Chunks, size: int, required: bool | None):
     try:
-        from memfit.planner.cache import borrow_plan
-        example = torch.empty((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
+        from memfit.planner.cache import borrow_plan, known_memory_model
+        from memfit.planner.sizing import MemoryModel
+        mm = known_memory_model(model, chunks.sample_shape, chunks.dtype)      # made when sizing the chunk
+        if mm is not None and not isinstance(mm, (MemoryModel, Exception)):   # capture failed: don't pay again
+            return model, f"run eagerly: {whole_words(mm.method.split('; fake-tensor')[0], 200)}"
+        # zeros, not empty: integer inputs (token ids) must be valid indices
+        example = torch.zeros((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
         return borrow_plan(model, example), ""      # captured once per model, given back below
     except Exception as e:
         if required:
@@ -433,7 +310,7 @@ def _peak(dev: torch.device, estimate, max_n: int) -> int | None:
 
 def _loop(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch.device, show, output_fn=None,
           allow_empty: bool = False) -> dict:
-    total = chunks.n if isinstance(chunks, _Chunks) else None
+    total = chunks.n if isinstance(chunks, Chunks) else None
     bar = progress_bar(total, "evaluating", unit="sample", enabled=show)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -441,7 +318,7 @@ def _loop(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch.devi
     limit, failed, watch = size, set(), NanWatch()
     run = lambda x, y: _run_chunk(runner, metrics, x, y, output_fn, watch)
     with torch.inference_mode():
-        if isinstance(chunks, _Chunks):
+        if isinstance(chunks, Chunks):
             s, cur = 0, size
             while s < chunks.n:
                 n = min(cur, chunks.n - s)

@@ -25,7 +25,7 @@ import torch
 from memfit.planner.planned import PlannedModule, plan
 from memfit.planner.sizing import MemoryModel, memory_model
 
-__all__ = ["borrow_plan", "forward_memory_of", "give_back", "memory_model_of"]
+__all__ = ["borrow_plan", "forward_memory_of", "give_back", "known_memory_model", "memory_model_of"]
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> (fingerprint, {key: value})
 
@@ -55,6 +55,15 @@ def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype
     """`memory_model(model, sample_shape, dtype)`, made once per model (raises CaptureError likewise)."""
     return _cached(model, ("memory", tuple(sample_shape), dtype),
                    lambda: memory_model(model, sample_shape, dtype=dtype))
+
+
+def known_memory_model(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype):
+    """The memory model `memory_model_of` already made for these inputs (or its error), else None: nothing
+    is captured here."""
+    entry = _CACHE.get(model)
+    if entry is None or entry[0] != _fingerprint(model):
+        return None
+    return entry[1].get(("memory", tuple(sample_shape), dtype))
 
 
 def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:
