@@ -7,7 +7,7 @@ import torch
 
 from distributed_util import run_ranks
 from memfit.dataset import CompactDataset
-from memfit.distributed import epoch_batch_sizes, shard_indices, shard_sizes
+from memfit.distributed import RankFailed, agree, epoch_batch_sizes, shard_indices, shard_sizes
 from memfit.evaluate import evaluate
 from memfit.loader import loader as memfit_loader
 
@@ -134,6 +134,11 @@ def _loader_mistakes(rank, world):
             out[name] = ("ok", len(ld), ld.seed)
         except Exception as e:
             out[name] = ("error", f"{type(e).__name__}: {e}")
+    try:                                   # the ranks at two different agreement points: both stop, none waits
+        agree(None, "one step" if rank == 0 else "another step")
+        out["points"] = ("ok",)
+    except RankFailed as e:
+        out["points"] = ("error", str(e))
     return out
 
 
@@ -147,6 +152,8 @@ def test_a_loader_mistake_on_one_rank_stops_every_rank_with_its_reason():
         assert "different sizes (rank 0: 1003, rank 1: 998)" in r["sizes"][1]
         assert "different seeds (rank 0: 0, rank 1: 1)" in r["seeds"][1]
     assert r0["fine"][0] == r1["fine"][0] == "ok" and r0["fine"][2] == r1["fine"][2]   # rank 0's seed, shared
+    assert "different agreement points ('one step' here on rank 0)" in r0["points"][1]
+    assert "different agreement points ('another step' here on rank 1)" in r1["points"][1]
 
 
 def test_distributed_needs_a_process_group():

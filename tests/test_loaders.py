@@ -88,16 +88,21 @@ def test_same_batches_from_every_strategy_and_seeds(ds):
     assert torch.equal(unshuffled, torch.arange(N))
 
 
-@pytest.mark.parametrize("codec, dtype", [("uint8", torch.float16), ("q4", torch.bfloat16), ("q8", torch.float32)])
+@pytest.mark.parametrize("codec, dtype", [("uint8", torch.float16), ("q4", torch.bfloat16), ("q8", torch.float32),
+                                          ("uint8", torch.float64), ("uint8", torch.int64), ("bits1", torch.float32)])
 @pytest.mark.parametrize("strategy", ["resident", "stream"])
 def test_reused_buffers_decode_as_the_dataset_does(codec, dtype, strategy):
     x, y = arrays()
-    data = (x.astype(np.float32), y) if codec != "uint8" else (x, y)
-    ds = CompactDataset.from_arrays(*data, codec=codec, normalize="dataset", dtype=dtype, device="cpu")
+    data = {"uint8": (x, y), "bits1": (x > 127, y)}.get(codec, (x.astype(np.float32), y))
+    normalize = "dataset" if dtype.is_floating_point else None       # integer outputs are the codes
+    ds = CompactDataset.from_arrays(*data, codec=codec, normalize=normalize, dtype=dtype, device="cpu")
     batches = [(xb.clone(), yb) for xb, yb in loader(ds, 64, strategy=strategy, seed=0, device="cpu")]
     for xb, yb in batches:                                   # cloned: only the decode is compared
         ref = ds.batch(yb)[0]
         assert xb.dtype == dtype and torch.equal(xb, ref)
+    scratch = codec in ("q4", "bits1") or dtype in (torch.float16, torch.bfloat16)   # counted when there is one
+    items = dict(loader(ds, 64, strategy=strategy, device="cpu").plan.items)
+    assert ("decode scratch (1 batch: unpacked codes, float32 for half types)" in items) == scratch
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

@@ -1,4 +1,4 @@
-"""The planner against eager PyTorch: every zoo model's outputs, seed 003's trap, in-place rules,
+"""The planner against eager PyTorch: every zoo model's outputs, the shared-GEMM-output trap, in-place rules,
 re-planning, errors, sizing and the plan CLI."""
 import pytest
 import torch
@@ -30,8 +30,9 @@ def test_zoo_outputs_equal_eager(name, batch):
     assert r.param_bytes == sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
 
 
-def seed003():
-    """Seed 003's network: 2 -> 4 tanh, 4 -> 1 sigmoid; its layers compute act(W x - b)."""
+def shared_gemm_net():
+    """A 2 -> 4 tanh, 4 -> 1 sigmoid network whose layers compute act(W x - b): sharing one buffer between
+    the two GEMM outputs, the naive way, gives wrong numbers."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1), nn.Sigmoid()).double().eval()
     with torch.no_grad():
@@ -44,8 +45,8 @@ def seed003():
     return net, x
 
 
-def test_seed003_trap_sharing_a_gemm_output_with_its_input_gives_wrong_numbers():
-    net, x = seed003()
+def test_trap_sharing_a_gemm_output_with_its_input_gives_wrong_numbers():
+    net, x = shared_gemm_net()
     with torch.no_grad():
         temp = torch.empty(8, dtype=torch.float64)          # one buffer for both layers' outputs, the naive way
         a1, a2 = temp.view(2, 4), temp[:2].view(2, 1)
@@ -56,8 +57,8 @@ def test_seed003_trap_sharing_a_gemm_output_with_its_input_gives_wrong_numbers()
     assert wrong[0, 0].item() == pytest.approx(0.41, abs=0.005)
 
 
-def test_seed003_planned_returns_044_for_both_inputs():
-    net, x = seed003()
+def test_shared_gemm_net_planned_returns_044_for_both_inputs():
+    net, x = shared_gemm_net()
     pm = plan(net, (x,))
     out = pm(x)
     assert out[:, 0].tolist() == pytest.approx([0.4352, 0.4352], abs=1e-4)
@@ -241,6 +242,9 @@ def test_report_table_and_plot(tmp_path):
     rep = plan(model, (torch.randn(2, *shape),)).report
     text = str(rep)
     assert "lower bound" in text and "max_pool2d" in text and "arena" in text
+    # every op run outside the arena says why
+    assert set(rep.unplanned_reasons) == set(rep.unplanned_ops) and all(rep.unplanned_reasons.values())
+    assert "allocates and copies" in rep.unplanned_reasons["convolution"]
     pytest.importorskip("matplotlib")
     path = rep.plot(tmp_path / "arena.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

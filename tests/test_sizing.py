@@ -47,7 +47,7 @@ def test_several_inputs_use_the_fake_forward_and_hold_for_eager():
 
     model = Pair().eval()
     mm = memfit.memory_model(model, (torch.zeros(2, 16), torch.zeros(2, 16)))
-    assert isinstance(mm, StepMemoryModel) and "not planned (the planner takes one input tensor)" in mm.method
+    assert isinstance(mm, StepMemoryModel) and "(not planned: the planner takes one input tensor)" in mm.method
     for n in (5, 50):
         x, z = torch.randn(n, 16), torch.randn(n, 16)
         with torch.no_grad(), track_memory() as mem:

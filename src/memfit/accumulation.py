@@ -224,14 +224,14 @@ def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
 def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
     """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
 
-    The memory model is a fake-tensor run of one plain training step (`memfit.footprint`): parameters,
+    The memory model (`memfit.memory_model(train=True)`) is a fake-tensor run of one plain training step: parameters,
     gradients, optimizer state, activations and the backward's transient, at any batch size. Micro-batches
     differ from it in two ways: after the first one the gradients stay allocated through the next forward
     (plus all of them: an upper bound), and the micro-batch is a view of the batch already on the device
     (the batch's bytes once, not the micro-batch's inputs). A DistributedDataParallel model also holds its
     gradient buckets.
     """
-    from memfit.footprint import step_memory_model  # one training step on fake tensors
+    from memfit.planner import memory_model  # train=True: one training step on fake tensors
     ddp = isinstance(model, _ddp_class())
     module = model.module if ddp else model
     device, n = _device(model), _batch_size(x, y)
@@ -240,7 +240,7 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
     stateless = copy.copy(optimizer)
     stateless.state = defaultdict(dict)
-    mm = step_memory_model(module, _slice(x, 0, k, device), train=True, optimizer=stateless,
+    mm = memory_model(module, _slice(x, 0, k, device), train=True, optimizer=stateless,
                            loss_fn=_scalar_loss(loss_fn, y is not None),
                            target=None if y is None else _slice(y, 0, k, device))
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

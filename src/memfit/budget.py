@@ -132,14 +132,14 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
-def plural(n: int, noun: str) -> str:
-    """'1 tensor', '3 tensors': a count and its noun, for messages.
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """'1 tensor', '3 tensors': a count and its noun, for messages (`many` for an irregular plural).
 
     Example:
-        >>> plural(1, "chunk"), plural(0, "chunk")
-        ('1 chunk', '0 chunks')
+        >>> plural(1, "chunk"), plural(0, "chunk"), plural(2, "retry", "retries")
+        ('1 chunk', '0 chunks', '2 retries')
     """
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+    return f"{n} {noun}" if n == 1 else f"{n} {many or noun + 's'}"
 
 
 class BudgetExceeded(MemoryError):

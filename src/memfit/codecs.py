@@ -99,9 +99,17 @@ class Codec:
         """(n, *sample_shape) CPU tensor -> (n, *stored_shape) stored tensor."""
         raise NotImplementedError
 
-    def unpack(self, stored: torch.Tensor, sample_shape: tuple[int, ...]) -> torch.Tensor:
-        """(n, *stored_shape) -> (n, *sample_shape) codes (integers or floats) on the same device."""
+    def unpack(self, stored: torch.Tensor, sample_shape: tuple[int, ...],
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, *stored_shape) -> (n, *sample_shape) codes (integers or floats) on the same device.
+
+        Codecs that unpack into new memory (`unpacked_width` > 0) write into `out` when given: a
+        contiguous uint8 buffer of at least n * unpacked_width elements (loaders reuse one)."""
         return stored
+
+    def unpacked_width(self, stored_shape: tuple[int, ...]) -> int:
+        """Bytes per sample `unpack` writes into new memory (0: it returns the stored rows or a view)."""
+        return 0
 
     def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel (a, b), float64 (C,): value = code * a + b."""
@@ -301,9 +309,13 @@ class Q4Codec(QuantCodec):
         self._track_error(x, packed)
         return packed
 
-    def unpack(self, stored, sample_shape):
-        n = stored.shape[0]
-        out = torch.empty((n, 2 * stored.shape[1]), dtype=torch.uint8, device=stored.device)
+    def unpacked_width(self, stored_shape):
+        return 2 * stored_shape[0]
+
+    def unpack(self, stored, sample_shape, out=None):
+        n, w = stored.shape[0], 2 * stored.shape[1]
+        out = (torch.empty((n, w), dtype=torch.uint8, device=stored.device) if out is None
+               else out.reshape(-1)[:n * w].view(n, w))
         torch.bitwise_right_shift(stored, 4, out=out[:, 0::2])
         torch.bitwise_and(stored, 15, out=out[:, 1::2])
         return out[:, :math.prod(sample_shape)].reshape(n, *sample_shape)
@@ -328,10 +340,17 @@ class Bits1Codec(Codec):
         weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=x.device)
         return (bits * weights).sum(-1, dtype=torch.uint8)           # (n, ceil(D/8)), as np.packbits
 
-    def unpack(self, stored, sample_shape):
+    def unpacked_width(self, stored_shape):
+        return 8 * stored_shape[0]
+
+    def unpack(self, stored, sample_shape, out=None):
         n = stored.shape[0]
         shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=stored.device)
-        bits = (stored.unsqueeze(-1) >> shifts) & 1                # (n, P, 8)
+        if out is None:
+            bits = (stored.unsqueeze(-1) >> shifts) & 1            # (n, P, 8)
+        else:
+            bits = out.reshape(-1)[:n * 8 * stored.shape[1]].view(n, -1, 8)
+            torch.bitwise_right_shift(stored.unsqueeze(-1), shifts, out=bits).bitwise_and_(1)
         return bits.view(n, -1)[:, :math.prod(sample_shape)].reshape(n, *sample_shape)
 
 

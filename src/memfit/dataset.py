@@ -219,18 +219,19 @@ class CompactDataset(torch.utils.data.Dataset):
         return self._ops[device, dtype]
 
     # ---- the hot path -------------------------------------------------------------------------
-    def decode(self, rows: torch.Tensor, out: torch.Tensor | None = None,
-               work: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, rows: torch.Tensor, out: torch.Tensor | None = None, work: torch.Tensor | None = None,
+               codes: torch.Tensor | None = None) -> torch.Tensor:
         """Stored rows (n, *stored_shape) on any device -> samples (n, *sample_shape) in `self.dtype`
         on that device (so compact rows can be copied to a GPU first and decoded there).
 
         `out` (n, *sample_shape) in `self.dtype` receives the samples instead of a new tensor; `work`,
-        float32 of the same shape, is the intermediate for half dtypes. Loaders pass reused buffers:
-        no allocation per batch (fresh batch-sized allocations fragment the host heap). A dataset of
-        fields decodes to a dict of new tensors (`out`/`work` are not used)."""
+        float32 of the same shape, is the intermediate for half dtypes; `codes`, uint8, receives what
+        the codec unpacks (q4, bits1: see `Codec.unpacked_width`). Loaders pass reused buffers: no
+        allocation per batch (fresh batch-sized allocations fragment the host heap). A dataset of
+        fields decodes to a dict of new tensors (`out`/`work`/`codes` are not used)."""
         if self.fields is not None:
             return unpack(rows, self.fields)              # {name: (n, *shape)}
-        codes = self.codec.unpack(rows, self.sample_shape)
+        codes = self.codec.unpack(rows, self.sample_shape, out=codes)
         if not self.dtype.is_floating_point:          # integer outputs (token ids): exact, no affine
             if out is not None:
                 x = out.copy_(codes)

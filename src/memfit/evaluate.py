@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import BudgetExceeded, check_count, format_bytes, resolve_budget, resolve_device
+from memfit.budget import BudgetExceeded, check_count, format_bytes, plural, resolve_budget, resolve_device
 from memfit.chunking import (  # noqa: F401  (re-exported: part of the API)
     MAX_AUTO_CHUNK,
     Chunks,
@@ -73,8 +73,9 @@ class EvalResult:
         vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {type(v).__name__}"
                          for k, v in self.metrics.items())
         peak = "not measured" if self.peak_bytes is None else format_bytes(self.peak_bytes)
-        head = (f"evaluated {self.n} samples in {self.chunks} chunks of up to {self.chunk_size} "
-                f"({self.retries} out-of-memory retries), {self.seconds:.2f} s, peak {peak}, {self.runner}: {vals}")
+        head = (f"evaluated {plural(self.n, 'sample')} in {plural(self.chunks, 'chunk')} of up to {self.chunk_size} "
+                f"({plural(self.retries, 'out-of-memory retry', 'out-of-memory retries')}), {self.seconds:.2f} s, "
+                f"peak {peak}, {self.runner}: {vals}")
         if not self.reason:
             return head
         # wrapped, never cut: the reason is the part that explains a surprising choice

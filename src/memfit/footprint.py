@@ -5,7 +5,11 @@ loss, backward, `optimizer.step()`, `zero_grad()`) under `torch._subclasses.fake
 at batch sizes 1, 2 and 4, with `memfit.measure`'s live-bytes dispatch mode recording every storage
 allocated and freed. Each op's live bytes, per kind (activations, gradients, optimizer state,
 transients), is affine in the batch, `a + b * n`: two sizes fit it, the third checks it, and the
-peak at any n is the largest over the ops. No `torch.export`, so any model that runs eagerly works.
+peak at any n is the largest over the ops. Where the check fails (an n x n similarity matrix), a
+quadratic per op is fit at 2, 4, 8 and checked at a fourth size; where even that fails, or the ops
+change with the batch, an upper line is used and `method` says APPROXIMATE (with a warning). No
+`torch.export`, so any model that runs eagerly works; data-dependent Python control flow does not
+(`FakeRunError` says so).
 
 Parameters and buffers are swapped for fake copies for the run (`torch.func.functional_call`'s
 mechanism) and the optimizer is a shallow copy holding fake state, so the model, its buffers
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -59,11 +64,6 @@ class FakeRunError(RuntimeError):
 
 
 # ---- the batch at any size -----------------------------------------------------------------------
-def _integral(v) -> bool:
-    """An int or a numpy integer, not a bool and not a tensor."""
-    return not isinstance(v, (bool, torch.Tensor)) and hasattr(v, "__index__")
-
-
 @dataclass
 class Batch:
     """An example batch (a sample shape, a tensor, a tuple or a dict of tensors) rebuilt at any batch size.
@@ -77,7 +77,7 @@ class Batch:
         t = self.template
         if _integral(t):
             t = self.template = (operator.index(t),)
-        if isinstance(t, (tuple, list)) and t and all(_integral(s) for s in t):
+        if _is_shape(t):
             t = tuple(operator.index(s) for s in t)          # numpy ints too
             if any(s < 1 for s in t):
                 raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. "
@@ -112,8 +112,16 @@ def call(model: torch.nn.Module, batch):
 
 
 def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None and target is not None:
+        return loss_fn(out, target)
     if loss_fn is not None:
-        return loss_fn(out) if target is None else loss_fn(out, target)
+        try:
+            return loss_fn(out)
+        except TypeError as e:
+            if "argument" not in str(e):
+                raise
+            raise TypeError(f"loss_fn(output) failed ({e}); a loss_fn(output, target) needs target=, an example "
+                            "target batch (e.g. target=y[:2])") from None
     if target is not None:
         raise ValueError("a target was given but no loss_fn; pass loss_fn=torch.nn.functional.cross_entropy or similar")
     loss = getattr(out, "loss", None)                 # transformers outputs when labels are in the batch
@@ -193,6 +201,7 @@ def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), 
     import time
 
     from memfit.planner.sizing import memory_model
+    _CACHE.pop(model, None)                                     # time the prediction itself, not a cache hit
     t0 = time.perf_counter()
     mm = memory_model(model, example_at(2), train=True, optimizer=optimizer, loss_fn=loss_fn,
                       target=target_at(2) if target_at else None, autocast=autocast)
@@ -219,8 +228,20 @@ class _Run:
     held: dict[str, int]              # bytes there before the step: parameters, inputs, optimizer state
 
 
+def _integral(s) -> bool:
+    """An int, numpy int or 0-d integer tensor, not a bool (operator.index accepts those)."""
+    if isinstance(s, bool) or isinstance(s, torch.Tensor) and s.dim():
+        return False
+    try:
+        operator.index(s)
+    except TypeError:
+        return False
+    return True
+
+
 def _is_shape(x) -> bool:
-    return isinstance(x, int) or (isinstance(x, (tuple, list)) and all(isinstance(s, int) for s in x))
+    """A sample shape (ints without the batch dimension) rather than an example batch."""
+    return _integral(x) or (isinstance(x, (tuple, list)) and len(x) > 0 and all(_integral(s) for s in x))
 
 
 def _model_device(model) -> torch.device:
@@ -256,8 +277,17 @@ def _restore(snap) -> None:
         m._buffers.clear(), m._buffers.update(buffers)
 
 
-def _fake_optimizer(optimizer, fake: Callable):
-    """A shallow copy of `optimizer` over the fake parameters, with fake copies of its state."""
+def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
+    """A shallow copy of `optimizer` over the fake parameters, with fake copies of its state.
+
+    A one-element CPU state tensor (Adam's `step`, read with .item()) becomes a fake tensor that keeps a
+    copy of its value, as `torch.tensor(0.0)` made under the fake mode does; the real one is never written.
+    """
+    def state(v):
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.device.type == "cpu" and not v.requires_grad:
+            return mode.fake_tensor_converter.from_real_tensor(mode, v.detach().clone(), make_constant=True)
+        return fake(v) if isinstance(v, torch.Tensor) else copy.copy(v)
+
     from torch.optim.optimizer import _default_to_fused_or_foreach
     opt = copy.copy(optimizer)
     opt.param_groups = []
@@ -267,8 +297,7 @@ def _fake_optimizer(optimizer, fake: Callable):
             # the default picks the multi-tensor kernels for real CUDA tensors, never for fake ones: say it
             group["foreach"] = _default_to_fused_or_foreach(g["params"], differentiable=False, use_fused=False)[1]
         opt.param_groups.append(group)
-    opt.state = defaultdict(dict, {fake(p): {k: fake(v) if isinstance(v, torch.Tensor) else copy.copy(v)
-                                             for k, v in st.items()} for p, st in optimizer.state.items()})
+    opt.state = defaultdict(dict, {fake(p): {k: state(v) for k, v in st.items()} for p, st in optimizer.state.items()})
     return opt
 
 
@@ -300,7 +329,7 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
     try:
         with torch.random.fork_rng(devices=[]):
             fake_named = {k: fake(v) for k, v in named.items()}
-            opt = _fake_optimizer(optimizer, fake) if optimizer is not None else None
+            opt = _fake_optimizer(optimizer, fake, mode) if optimizer is not None else None
             if train:
                 model.train()                          # restored with the rest by _restore
             with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
@@ -407,9 +436,10 @@ class StepMemoryModel:
     _ops: list[str]
     _ends: dict[str, int]
     _measured: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) where probed exactly
+    _c: np.ndarray | None = None                      # (ops, kinds): + c*n^2 where sizes grow faster than n
 
     def _peak(self, n: int) -> tuple[int, np.ndarray]:
-        live = self._a + self._b * n
+        live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
         if n in self._measured and self._measured[n].shape == live.shape:
             live = np.maximum(live, self._measured[n])
         elif n in self._measured:                     # batch 1 runs other ops: its own run is exact
@@ -436,7 +466,8 @@ class StepMemoryModel:
         k = self._ends.get("forward", len(self._ops)) - 1
         if self._a.shape[0] <= k or k < 0:              # the line-through-peaks fallback keeps no per-op rows
             return self.breakdown(n)["activations"]
-        return int(np.ceil(self._a[k, 0] + self._b[k, 0] * _batch(n)))
+        n = _batch(n)
+        return int(np.ceil(self._a[k, 0] + self._b[k, 0] * n + (self._c[k, 0] * n * n if self._c is not None else 0)))
 
     def total_bytes(self, n: int) -> int:
         """Bytes held at the peak of the step (or forward) for a batch of n."""
@@ -481,6 +512,15 @@ def _affine(runs: dict[int, _Run], n1: int, n2: int):
     return l1 - b * n1, b
 
 
+def _quadratic(runs: dict[int, _Run], n1: int, n2: int, n3: int):
+    """a, b, c of a + b*n + c*n^2 through the live bytes at three sizes (per op and kind)."""
+    l1, l2, l3 = (runs[n].live.astype(np.float64) for n in (n1, n2, n3))
+    s12, s23 = (l2 - l1) / (n2 - n1), (l3 - l2) / (n3 - n2)
+    c = (s23 - s12) / (n3 - n1)
+    b = s12 - c * (n1 + n2)
+    return l1 - b * n1 - c * n1 * n1, b, c
+
+
 def _envelope(runs: dict[int, _Run], sizes: list[int]):
     """The steepest slope between probes and the smallest intercept above every probe: never below them."""
     lives = [runs[n].live.astype(np.float64) for n in sizes]
@@ -505,7 +545,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         autocast: run forward and loss under `torch.autocast` with this dtype.
         dtype: the input dtype when `example` is a shape.
         device: the device to predict for (default: the model's).
-        why: a reason prepended to `method` (e.g. why the planner was not used).
+        why: a reason added to `method` (e.g. why the planner was not used).
     """
     from memfit.budget import resolve_device
     dev = resolve_device(device) if device is not None else _model_device(model)   # checks CUDA is there
@@ -514,7 +554,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
-           id(optimizer), groups, id(loss_fn), autocast, dev, why)
+           id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why)
     fingerprint = tuple((id(t), tuple(t.shape), t.dtype, t.requires_grad)
                         for t in [*model.parameters(), *model.buffers()]) \
         + tuple((id(m), m.training) for m in model.modules())
@@ -530,6 +570,15 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
 # model -> (fingerprint, {key: model}): predicting again for the same model, batch layout and optimizer (each
 # micro-batch of an accumulation, each evaluation) costs nothing; a new or reshaped parameter drops the entry
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _callable_key(f) -> object:
+    """The same key for closures made again from the same code over the same objects (a loss wrapper built
+    per call), else the object's id."""
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return id(f)
+    return code, tuple(id(c.cell_contents) for c in (f.__closure__ or ())), id(getattr(f, "__self__", None))
 
 
 def _signature(template) -> object:
@@ -560,6 +609,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
     runs = {n: run(n) for n in PROBES}
     what = "one training step" if train else "one forward"
     measured = {}
+    c = None
     if runs[2].ops == runs[4].ops:
         a, b = _affine(runs, 2, 4)
         check = 1 if runs[1].ops == runs[2].ops else 8
@@ -567,14 +617,26 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
             runs[8] = run(8)
             measured[1] = runs[1].live
         same = runs[check].ops == runs[2].ops
-        exact = same and np.array_equal(a + b * check, runs[check].live)
-        if exact:
+        c = None
+        if same and np.array_equal(a + b * check, runs[check].live):
             how = f"affine per op and kind from sizes 2 and 4, exact at {check}"
         else:
-            sizes = sorted(n for n in runs if runs[n].ops == runs[2].ops)
-            a, b = _envelope(runs, sizes)
-            how = (f"upper envelope of the sizes {sizes} (not exactly affine at {check}: steepest slope per op)")
-        if check == 8:
+            # some size grows faster than the batch (an n x n similarity matrix, say): a quadratic per op from
+            # 2, 4 and 8, checked at a fourth size
+            for n in (8, 16):
+                runs[n] = runs[n] if n in runs else run(n)
+            check = 1 if runs[1].ops == runs[2].ops else 16
+            if all(runs[n].ops == runs[2].ops for n in (4, 8, check)):
+                a, b, c = _quadratic(runs, 2, 4, 8)
+            if c is not None and np.allclose(a + b * check + c * check * check, runs[check].live, rtol=0, atol=0.5):
+                how = f"quadratic per op and kind from sizes 2, 4 and 8, exact at {check}"
+            else:
+                sizes = sorted(n for n in runs if runs[n].ops == runs[2].ops)
+                a, b = _envelope(runs, sizes)
+                c = None
+                how = (f"APPROXIMATE: upper envelope of the sizes {sizes} (neither affine nor quadratic in the "
+                       "batch: steepest slope per op)")
+        if runs[1].ops != runs[2].ops:
             how += "; batch 1 runs other ops and is its own exact run"
     else:
         runs[8] = run(8)
@@ -585,9 +647,15 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         a = np.zeros((1, len(KINDS)))
         b = np.zeros((1, len(KINDS)))
         a[0, 0], b[0, 0] = top, slope
-        how = "line above the peaks at sizes 1, 2, 4, 8 with the steepest slope (the ops change with the batch size)"
-    held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0)),
-            "optimizer state": (runs[1].held["optimizer state"], 0)}
-    method = f"{why}fake-tensor run of {what}{optimizer_note} at batch sizes {sorted(runs)}, {how}"
+        how = ("APPROXIMATE: line above the peaks at sizes 1, 2, 4, 8 with the steepest slope (the ops change with "
+               "the batch size)")
+    held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
+    if train:
+        held["optimizer state"] = (runs[1].held["optimizer state"], 0)
+    method = f"fake-tensor run of {what}{optimizer_note} at batch sizes {sorted(runs)}, {how}" + \
+        (f" ({why})" if why else "")
+    if "APPROXIMATE" in how:
+        warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
+                      "pick with memfit.footprint.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[1].held["parameters"], dev, train, held, a, b, runs[2].ops,
-                           runs[2].phase_ends, measured)
+                           runs[2].phase_ends, measured, c if runs[2].ops == runs[4].ops else None)

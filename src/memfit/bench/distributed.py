@@ -136,19 +136,19 @@ def run(worlds=(1, 2), n: int = 60_000, batch: int = 512, epochs: int = 3, as_js
 
 
 def main(argv=None) -> int:
+    from memfit.usage import count_arg, counts_arg
     p = argparse.ArgumentParser(prog="memfit bench distributed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worlds", default="1,2", help="comma-separated process counts (default 1,2)")
-    p.add_argument("--n", type=int, default=60_000, help="samples (default 60,000, MNIST's size)")
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--worlds", default="1,2", type=counts_arg(1), help="comma-separated process counts (default 1,2)")
+    p.add_argument("--n", type=count_arg(1), default=60_000, help="samples (default 60,000, MNIST's size)")
+    p.add_argument("--batch", type=count_arg(1), default=512, help="samples per batch (default 512)")
+    p.add_argument("--epochs", type=count_arg(1), default=3, help="timed epochs (default 3)")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="cpu (gloo) or cuda (nccl, one GPU per process); default: cuda when every process gets "
                         "a GPU, else cpu")
     p.add_argument("--quick", action="store_true", help="6,000 samples, one epoch")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     a = p.parse_args(argv)
-    worlds = tuple(int(w) for w in a.worlds.split(","))
-    run(worlds, n=6_000 if a.quick else a.n, batch=a.batch, epochs=1 if a.quick else a.epochs, as_json=a.json,
+    run(a.worlds, n=6_000 if a.quick else a.n, batch=a.batch, epochs=1 if a.quick else a.epochs, as_json=a.json,
         device=a.device)
     return 0

@@ -207,20 +207,21 @@ def _plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
+    from memfit.usage import count_arg, counts_arg, device_arg
     p = argparse.ArgumentParser(prog="memfit bench loaders", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=60_000, help="samples (default 60,000, MNIST's size)")
-    p.add_argument("--micro", default="128,512,2048", help="comma-separated batch sizes")
-    p.add_argument("--macro", default="2048,8192,32768", help="comma-separated macro-batch sizes")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
+    p.add_argument("--n", type=count_arg(1), default=60_000, help="samples (default 60,000, MNIST's size)")
+    p.add_argument("--micro", default="128,512,2048", type=counts_arg(1), help="comma-separated batch sizes")
+    p.add_argument("--macro", default="2048,8192,32768", type=counts_arg(1), help="comma-separated macro-batch sizes")
+    p.add_argument("--repeat", type=count_arg(1), default=5, help="rounds of one epoch each (default 5)")
+    p.add_argument("--device", default=None, type=device_arg,
+                   help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
     p.add_argument("--data", default=None, help="a .npy file of images (N, C, H, W) instead of synthetic data")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG bar chart of samples/s")
     p.add_argument("--quick", action="store_true", help="batch 512 only, 2 macro sizes, 3 rounds (< 60 s)")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     a = p.parse_args(argv)
-    ints = lambda s: tuple(int(v) for v in s.split(","))
-    micro, macro, repeat = ints(a.micro), ints(a.macro), a.repeat
+    micro, macro, repeat = a.micro, a.macro, a.repeat
     if a.quick:
         micro, macro, repeat = (512,), (4096, 16384), 3
     run(n=a.n, micro_sizes=micro, macro_sizes=macro, repeat=repeat, device=a.device, data=a.data, plot=a.plot,

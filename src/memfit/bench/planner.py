@@ -1,14 +1,19 @@
-"""Planner benchmark: the activation arena of a model zoo against naive, eager and the lower bound.
+"""Planner benchmark: the activation arena against naive, eager and the lower bound, on memfit's
+model zoo and on real architectures from `transformers` configs; and a long differential fuzz run.
 
-For every zoo model and batch size: naive bytes (every planned tensor its own region), the eager
+For every model and batch size: naive bytes (every planned tensor its own region), the eager
 peak (live tensor bytes of eager PyTorch under `torch.inference_mode`, tracked op by op), the
 planned arena, the lower bound (most bytes live at one op), the unplanned bytes the planned run
 still allocates (measured the same way as eager), and the latency of both, side by side in one
-process (median of repeats after warm-up).
+process (interleaved medians after warm-up). Real models are captured once and planned at both
+batch sizes from that one capture.
 
 Run:
-    memfit bench planner --quick        # images at 64x64, batch 1 and 8 (about a minute on 2 cores)
-    python benchmarks/bench_planner.py  # images at full size, batch 1 and 32
+    memfit bench planner --quick        # zoo images at 64x64, batch 1 and 8 (about a minute on 2 cores)
+    memfit bench planner --real --quick # 14 transformers architectures, tiny configs, batch 2 and 8
+    memfit bench planner --real         # moderate configs (BERT hidden 256, images 128x128), batch 1 and 8
+    memfit bench planner --fuzz 500     # 500 random graphs, every algorithm, bit for bit against eager
+    python benchmarks/bench_planner.py  # zoo images at full size, batch 1 and 32
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def _peak(fn, x) -> int:
 
 
 def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu") -> dict:
-    """One row of the table: bytes and latency of one model at one batch size."""
+    """One row of the zoo table: bytes and latency of one model at one batch size."""
     dev = torch.device(device)
     model, shape = build(name, image=image)
     model = model.to(dev)
@@ -45,10 +50,15 @@ def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu")
     t0 = time.perf_counter()
     pm = plan(model, (x,))
     sync(dev)
-    plan_s = time.perf_counter() - t0
-    rep = pm.report
+    return _row(name, model, pm, x, repeat, time.perf_counter() - t0)
+
+
+def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> dict:
+    """Bytes and latency of `pm` against `model` on `x` (planned for x's shape on first call)."""
+    dev, batch = x.device, x.shape[0]
     with torch.inference_mode():
         torch.testing.assert_close(pm(x), model(x), rtol=1e-3, atol=1e-3)
+        rep = pm.report
         eager_peak = _peak(model, x)
         outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
         # fast models need many repeats for a stable median: at least ~0.3 s of calls per measurement
@@ -67,8 +77,44 @@ def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu")
         "naive/arena": rep.naive_bytes / max(rep.arena_bytes, 1), "unplanned": outside,
         "planned_total": planned_total, "total/eager": planned_total / max(eager_peak, 1),
         "eager_ms": 1e3 * min(t_eager), "planned_ms": 1e3 * min(t_planned),
-        "latency_ratio": min(t_planned) / min(t_eager), "plan_s": plan_s,
+        "latency_ratio": min(t_planned) / min(t_eager), "plan_s": plan_s, "captures": len(pm.captures),
+        "unplanned_ops": ", ".join(f"{k} x{v}" for k, v in sorted(rep.unplanned_ops.items())),
     }
+
+
+REAL_TARGETS = {"latency": 1.00, "latency_geo": 0.95, "total/eager": 1.00, "arena/bound": 1.02}
+
+
+def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int) -> list[dict]:
+    """Rows of one `transformers` architecture: one capture (at the first batch), every batch planned from it."""
+    from memfit.bench.zoo import build_real
+    model, make_input = build_real(name, quick)
+    t0 = time.perf_counter()
+    pm = plan(model, (make_input(batches[0]),))
+    plan_s = time.perf_counter() - t0
+    rows = []
+    for b in batches:
+        row = _row(name, model, pm, make_input(b), repeat, plan_s if b == batches[0] else 0.0)
+        row["PASS/MISS"] = " ".join(
+            f"{key}:{'PASS' if row[col] <= REAL_TARGETS[key] else 'MISS'}"
+            for key, col in (("latency", "latency_ratio"), ("total/eager", "total/eager"),
+                             ("arena/bound", "arena/bound")))
+        rows.append(row)
+    return rows
+
+
+def verdicts_real(rows: list[dict]) -> list[str]:
+    """The targets for real models, each with PASS or MISS and the rows that miss it."""
+    geo = math.exp(sum(math.log(r["latency_ratio"]) for r in rows) / len(rows))
+    out = [f"latency planned / eager, geometric mean {geo:.3f} (target <= {REAL_TARGETS['latency_geo']}): "
+           f"{'PASS' if geo <= REAL_TARGETS['latency_geo'] else 'MISS'}"]
+    for key, col in (("latency", "latency_ratio"), ("total/eager", "total/eager"), ("arena/bound", "arena/bound")):
+        miss = [f"{r['model']}/{r['batch']} ({r[col]:.3f})" for r in rows if r[col] > REAL_TARGETS[key]]
+        out.append(f"{col} <= {REAL_TARGETS[key]:.2f} for every model: "
+                   f"{'PASS' if not miss else 'MISS ' + ', '.join(miss)}")
+    one = [r["model"] for r in rows if r["captures"] != 1]
+    out.append(f"one capture per model for both batch sizes: {'PASS' if not one else 'MISS ' + ', '.join(one)}")
+    return out
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -127,27 +173,103 @@ def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat:
     return rows
 
 
+def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: str | None = None,
+             as_json: bool = False) -> list[dict]:
+    """Measure every real architecture at every batch size; print the table and the target lines."""
+    if not as_json:
+        print(machine_header("cpu"))
+    rows = []
+    for name in models:
+        try:
+            new = measure_real(name, tuple(batches), quick, repeat)
+        except Exception as e:              # a model that fails is a row of the table, not the end of the run
+            print(f"# {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        rows += new
+        if not as_json:
+            for r in new:
+                print(f"# {name} batch {r['batch']}: arena/bound {r['arena/bound']:.3f}, (arena + unplanned) / eager "
+                      f"{r['total/eager']:.2f}, latency {r['latency_ratio']:.2f}x eager", flush=True)
+    lines = verdicts_real(rows) if rows else ["no model ran"]
+    warning = spread_warning()
+    if warning:
+        lines.append(warning)
+    if as_json:
+        print(json.dumps({"machine": machine_header("cpu"), "rows": rows, "targets": lines}))
+    else:
+        cols = ["model", "batch", "eager_peak", "arena", "bound", "arena/bound", "unplanned", "total/eager",
+                "eager_ms", "planned_ms", "latency_ratio", "PASS/MISS"]
+        print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned"}))
+        print("\n".join(lines))
+        print("unplanned ops (run by torch, outside the arena; reasons in pm.report.unplanned_reasons):")
+        for r in rows[::len(batches)]:
+            print(f"  {r['model']}: {r['unplanned_ops'] or '-'}")
+    if csv:
+        to_csv(rows, csv)
+    return rows
+
+
+def run_fuzz(examples: int, seed: int = 0) -> int:
+    """Differential fuzzing: `examples` random models of up to 6 programs each, planned with every
+    algorithm, compared with eager bit for bit. Prints progress; raises on the first difference."""
+    from memfit.bench.fuzz import fuzz
+    t0 = time.perf_counter()
+    step = max(1, examples // 10)
+    done = 0
+    while done < examples:
+        k = min(step, examples - done)
+        fuzz(k, seed=seed + done)
+        done += k
+        print(f"# fuzz: {done}/{examples} models equal eager bit for bit ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
+    from memfit.bench.zoo import REAL
     from memfit.usage import count_arg, counts_arg, device_arg, names_arg
     p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
                                 epilog="example:\n  memfit bench planner --quick\n"
+                                       "  memfit bench planner --real --quick\n"
+                                       "  memfit bench planner --fuzz 500\n"
                                        "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json\n"
                                        "  memfit bench planner --quick --device cuda",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="images at 64x64, batch 1 and 8, fewer repeats")
-    p.add_argument("--models", default=",".join(MODELS), type=names_arg(tuple(MODELS), "model"),
-                   help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--quick", action="store_true", help="smaller inputs and configs, fewer repeats")
+    p.add_argument("--real", action="store_true",
+                   help=f"real architectures from transformers configs ({', '.join(REAL)}); needs transformers")
+    p.add_argument("--fuzz", type=count_arg(1), default=None, metavar="N",
+                   help="run N random-graph models against eager, bit for bit, instead of the table")
+    p.add_argument("--models", default=None, type=names_arg((*MODELS, *REAL), "model"),
+                   help=f"comma-separated, from {', '.join(MODELS)} (with --real, from the real list)")
     p.add_argument("--batches", default=None, type=counts_arg(1),
-                   help="comma-separated batch sizes (default 1,32; quick 1,8)")
+                   help="comma-separated batch sizes (default 1,32; quick 1,8; real 1,8; real quick 2,8)")
     p.add_argument("--image", type=count_arg(1), default=None, help="height and width of the image models' inputs")
     p.add_argument("--repeat", type=count_arg(1), default=None, help="timed repeats per measurement")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --fuzz run")
     p.add_argument("--device", default="cpu", type=device_arg,
                    help="cpu, cuda, cuda:1 (default cpu: the published figures are the CPU's)")
     p.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
+    if args.fuzz is not None:
+        run_fuzz(args.fuzz, args.seed)
+        return 0
+    known = REAL if args.real else MODELS
+    models = args.models or tuple(known)
+    unknown = [m for m in models if m not in known]
+    if unknown:
+        p.error(f"--models: unknown model {', '.join(map(repr, unknown))} {'with' if args.real else 'without'} "
+                f"--real; expected comma-separated names from {', '.join(known)}")
+    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
+    if args.real:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            p.error("--real needs transformers (pip install transformers; an optional bench dependency)")
+        run_real(models, args.batches or ((2, 8) if args.quick else (1, 8)), args.quick, repeat, args.csv, args.json)
+        return 0
     batches = args.batches or ((1, 8) if args.quick else (1, 32))
     image = args.image if args.image is not None else (64 if args.quick else None)
-    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
-    run(args.models, batches, image, repeat, args.csv, args.json, args.device)
+    run(models, batches, image, repeat, args.csv, args.json, args.device)
     return 0

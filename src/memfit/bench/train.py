@@ -21,7 +21,7 @@ capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, tw
    BatchNorm is put in eval mode for this row (accumulate refuses batch statistics), dropout is 0.
 
 Run:
-    memfit bench train --quick           # small sizes, about a minute
+    memfit bench train --quick           # eight light models, small sizes (a few minutes on 2 busy cores)
     python benchmarks/bench_train.py     # batch 8 and 32
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import torch
 from torch.nn import functional as F
 
 from memfit.accumulation import accumulate
-from memfit.bench.common import machine_header, median_time, table
+from memfit.bench.common import machine_header, median_time, spread_warning, table
 from memfit.bench.zoo import build
 from memfit.budget import format_bytes
 from memfit.measure import track_memory
@@ -175,15 +176,22 @@ def measured_peak(case: Case, n: int) -> int:
     return max(peaks)
 
 
-def largest_really_fitting(case: Case, budget: int, start: int) -> int:
-    """Largest n whose measured step fits `budget` (measured grows with n), searched from `start` up."""
-    lo, hi = 0, start
-    while measured_peak(case, hi) <= budget:           # double until it does not fit
-        lo, hi = hi, hi * 2
+def largest_really_fitting(case: Case, budget: int, guess: int) -> tuple[int, bool]:
+    """(largest n whose measured step fits `budget`, whether `guess` fits), searched from `guess`: gallop up
+    from it while it fits (one or two real steps when the guess is right), else bisect below it."""
+    fits = lambda n: measured_peak(case, n) <= budget
+    guess_fits = guess >= 1 and fits(guess)
+    if guess_fits:
+        lo, step = guess, 1
+        while fits(lo + step):                      # lo fits; lo + step is the next try
+            lo, step = lo + step, step * 2
+        hi = lo + step                              # does not fit
+    else:
+        lo, hi = 0, max(guess, 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if measured_peak(case, mid) <= budget else (lo, mid)
-    return lo
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, guess_fits
 
 
 # ---- the memory model (memfit.memory_model(train=True)) ---------------------------------------------------
@@ -231,17 +239,16 @@ def predicted_max_batch(case: Case, mm, budget: int) -> tuple[int, str]:
 
 
 # ---- rows ---------------------------------------------------------------------------------------------------
-def memory_rows(case: Case, sizes) -> list[dict]:
+def memory_rows(case: Case, sizes, room: float = 1.5, repeat: int = 3) -> list[dict]:
     measured = [measured_peak(case, n) for n in sizes]
     mm, pred_s = predict(case)
-    budget = int(1.5 * measured[-1])
-    best = largest_really_fitting(case, budget, sizes[-1])
+    budget = int(room * measured[-1])
+    mbs, _ = predicted_max_batch(case, mm, budget)
+    best, fits = largest_really_fitting(case, budget, mbs)
     model = case.make()
     opt = _optimizer(model)
-    x, y = case.batch(best)
-    step_s = median_time(lambda: plain_step(model, opt, x, y, case.loss), repeat=3)   # what trying it would cost
-    mbs, _ = predicted_max_batch(case, mm, budget)
-    fits = mbs > 0 and measured_peak(case, mbs) <= budget
+    x, y = case.batch(max(best, 1))
+    step_s = median_time(lambda: plain_step(model, opt, x, y, case.loss), repeat=repeat)  # what a trial costs
     return [{"model": case.name, "batch": n, "measured": format_bytes(m), "predicted": format_bytes(mm.total_bytes(n)),
              "pred/meas": mm.total_bytes(n) / m, "peak in": mm.peak_phase(n) if hasattr(mm, "peak_phase") else "",
              "budget": format_bytes(budget), "max batch": mbs, "largest fits": best, "max/largest": mbs / max(best, 1),
@@ -257,14 +264,17 @@ def _bn_eval(model):
 
 
 def interleaved_min(a: Callable, b: Callable, repeat: int) -> tuple[float, float]:
-    """Fastest of `repeat` runs of each, alternating a, b, a, b: drift in a shared machine hits both alike
-    and the minimum is the run least disturbed by it."""
+    """Fastest of at least `repeat` runs of each (more for fast steps: about 0.5 s of calls), alternating a, b:
+    drift in a shared machine hits both alike and the minimum is the run least disturbed by it."""
     ta, tb = [], []
-    for _ in range(repeat):
+    rounds = repeat
+    while len(ta) < rounds:
         for fn, ts in ((a, ta), (b, tb)):
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
+        if len(ta) == 1:
+            rounds = max(repeat, min(50, int(0.5 / max(ta[0] + tb[0], 1e-6))))
     return min(ta), min(tb)
 
 
@@ -303,6 +313,8 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
     print(machine_header("cpu"))
     torch.manual_seed(0)
     cases = zoo_cases() + hf_cases(seq=32 if quick else 64)
+    if quick and not models:          # the eight light ones: ResNet-18 and MobileNetV2 steps take seconds each
+        models = [c.name.split(" ")[0] for c in cases if c.name not in ("resnet18", "mobilenet_v2")]
     if models:
         cases = [c for c in cases if c.name.split(" ")[0] in models]
     elif len(cases) < 10:
@@ -311,11 +323,13 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
     have_mm = mm_fn is not None
     mem_rows, acc_rows = [], []
     for case in cases:
+        t0 = time.perf_counter()
         if have_mm:
-            mem_rows += memory_rows(case, sizes)
+            mem_rows += memory_rows(case, sizes, room=1.2 if quick else 1.5, repeat=1 if quick else 3)
         acc_rows.append(accumulation_row(case, sizes[-1], repeat, auto=have_mm))
-    print(f"# training-step memory, AdamW, batch sizes {list(sizes)}; emulated device = 1.5x the measured peak "
-          f"at {sizes[-1]}")
+        print(f"# {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(f"# training-step memory, AdamW, batch sizes {list(sizes)}; emulated device = {1.2 if quick else 1.5}x the "
+          f"measured peak at {sizes[-1]}")
     if have_mm:
         print(f"# predicted by {mm_name}; predict/step: one memory-model call against one real step at the "
               "largest batch that fits (what finding it by trial costs at the least)")
@@ -326,6 +340,9 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
           "(budget 1TiB: the whole batch fits) vs the plain step")
     print(table(acc_rows))
     _verdicts(mem_rows, acc_rows, have_mm)
+    warning = spread_warning()
+    if warning:
+        print(warning)
     out = {"memory": mem_rows, "accumulation": acc_rows, "memory_model": have_mm}
     if as_json:
         print(json.dumps(out, default=str))
@@ -363,7 +380,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="memfit bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="8,32", help="two comma-separated batch sizes")
-    p.add_argument("--quick", action="store_true", help="batch 4 and 8, shorter sequences, 3 timing repeats")
+    p.add_argument("--quick", action="store_true",
+                   help="eight light models (no ResNet-18, MobileNetV2), batch 4 and 8, shorter sequences, an "
+                        "emulated device of 1.2x, fewer timing repeats")
     p.add_argument("--models", default=None, help="comma-separated subset, e.g. mlp,gpt2 (default: all ten)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     a = p.parse_args(argv)

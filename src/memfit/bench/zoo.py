@@ -187,3 +187,94 @@ def build(name: str, image: int | None = None, seed: int = 0) -> tuple[nn.Module
     if image is not None and len(shape) == 3 and name not in ("mlp", "lenet", "inception"):
         shape = (shape[0], image, image)
     return model, shape
+
+
+# --- real architectures from `transformers` configs (random weights, never a download) ---------------
+
+class MainOutput(nn.Module):
+    """A `transformers` model returning its main tensor: `.logits`, else `.last_hidden_state`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out = self.model(x)
+        logits = getattr(out, "logits", None)
+        return logits if logits is not None else out.last_hidden_state
+
+
+def _text(cls_name: str, cfg_name: str, make_cfg: Callable[[bool], dict], seq: tuple[int, int] = (32, 128)):
+    def factory(quick: bool):
+        import transformers
+        cfg = getattr(transformers, cfg_name)(**make_cfg(quick))
+        model = getattr(transformers, cls_name)(cfg)
+        length = seq[0] if quick else seq[1]
+        return MainOutput(model), lambda b: torch.randint(0, cfg.vocab_size, (b, length))
+    return factory
+
+
+def _image(cls_name: str, cfg_name: str, make_cfg: Callable[[bool], dict], size: tuple[int, int] = (64, 128)):
+    def factory(quick: bool):
+        import transformers
+        side = size[0] if quick else size[1]
+        kwargs = make_cfg(quick)
+        if "image_size" in kwargs:
+            kwargs["image_size"] = side
+        cfg = getattr(transformers, cfg_name)(**kwargs)
+        model = getattr(transformers, cls_name)(cfg)
+        return MainOutput(model), lambda b: torch.randn(b, 3, side, side)
+    return factory
+
+
+def _enc(quick: bool, **extra) -> dict:
+    # tiny (quick) or moderate encoder sizes: hidden, layers, heads, MLP width
+    d = 64 if quick else 256
+    return {"hidden_size": d, "num_hidden_layers": 2 if quick else 4, "num_attention_heads": 4,
+            "intermediate_size": 4 * d, "vocab_size": 1000, **extra}
+
+
+def _stages(quick: bool) -> dict:
+    return {"hidden_sizes": [16, 32, 64, 128] if quick else [48, 96, 192, 384], "depths": [1, 1, 2, 1] if quick
+            else [2, 2, 4, 2]}
+
+
+REAL: dict[str, Callable[[bool], tuple[nn.Module, Callable[[int], torch.Tensor]]]] = {
+    "bert": _text("BertForSequenceClassification", "BertConfig", _enc),
+    "distilbert": _text("DistilBertForSequenceClassification", "DistilBertConfig", lambda q: {
+        "dim": 64 if q else 256, "n_layers": 2 if q else 4, "n_heads": 4, "hidden_dim": 256 if q else 1024,
+        "vocab_size": 1000}),
+    "roberta": _text("RobertaForSequenceClassification", "RobertaConfig", _enc),
+    "t5_encoder": _text("T5EncoderModel", "T5Config", lambda q: {
+        "d_model": 64 if q else 256, "num_layers": 2 if q else 4, "num_heads": 4, "d_ff": 256 if q else 1024,
+        "d_kv": 16 if q else 64, "vocab_size": 1000}),
+    "gpt2": _text("GPT2LMHeadModel", "GPT2Config", lambda q: {
+        "n_embd": 64 if q else 256, "n_layer": 2 if q else 4, "n_head": 4, "vocab_size": 1000, "n_positions": 256}),
+    "vit": _image("ViTForImageClassification", "ViTConfig", lambda q: _enc(q, image_size=0, patch_size=16)),
+    "deit": _image("DeiTForImageClassification", "DeiTConfig", lambda q: _enc(q, image_size=0, patch_size=16)),
+    "convnext": _image("ConvNextForImageClassification", "ConvNextConfig", _stages),
+    "resnet": _image("ResNetForImageClassification", "ResNetConfig", lambda q: {
+        "hidden_sizes": [32, 64, 128, 256] if q else [256, 512, 1024, 2048], "depths": [1, 1, 1, 1] if q else
+        [3, 4, 6, 3], "embedding_size": 32 if q else 64, "layer_type": "bottleneck"}),
+    "efficientnet": _image("EfficientNetForImageClassification", "EfficientNetConfig", lambda q: {
+        "image_size": 0, "depth_coefficient": 0.5 if q else 1.0}),
+    "mobilenet_v2_hf": _image("MobileNetV2ForImageClassification", "MobileNetV2Config", lambda q: {
+        "image_size": 0, "depth_multiplier": 0.5 if q else 1.0}),
+    "swin": _image("SwinForImageClassification", "SwinConfig", lambda q: {
+        "image_size": 0, "embed_dim": 32 if q else 96, "depths": [1, 1, 2] if q else [2, 2, 6, 2],
+        "num_heads": [2, 4, 8] if q else [3, 6, 12, 24], "window_size": 4}),
+    "mobilevit": _image("MobileViTForImageClassification", "MobileViTConfig", lambda q: {"image_size": 0}),
+    "regnet": _image("RegNetForImageClassification", "RegNetConfig", lambda q: {
+        "hidden_sizes": [32, 64, 128, 256] if q else [64, 128, 256, 512], "depths": [1, 1, 2, 1] if q
+        else [1, 2, 4, 2]}),
+}
+
+
+def build_real(name: str, quick: bool = False, seed: int = 0):
+    """(eval-mode model, make_input(batch)) of a `transformers` architecture from a config with random
+    weights (`transformers` is an optional bench dependency; nothing is downloaded)."""
+    if name not in REAL:
+        raise ValueError(f"unknown real model {name!r}; expected one of {sorted(REAL)}")
+    torch.manual_seed(seed)
+    model, make_input = REAL[name](quick)
+    return model.eval(), make_input

@@ -122,7 +122,7 @@ class Loader:
                 raise
             error = e
         if distributed:
-            self.seed = _agreed_seed(error, seed, getattr(self, "_n_total", 0))
+            self.seed = _agreed_seed(error, getattr(self, "seed", None), getattr(self, "_n_total", 0))
         elif seed is None:
             self.seed = int(torch.randint(0, 2**62, (1,)))
 
@@ -206,6 +206,7 @@ class Loader:
         return Needs(n=src.n, batch_size=self.batch_size, row_nbytes=src.row_nbytes,
                      batch_nbytes=src.batch_nbytes(self.batch_size), device_type=self.device.type,
                      read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
+                     scratch_nbytes=Decoder.scratch_nbytes(src.template, self.batch_size),
                      **order_bytes(self.order, self._n_total, src.n, self.batch_size, self.distributed))
 
     # ---- public ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class Needs:
     order_name: str = ""       # the epoch order's ledger line ('' = one permutation of the n samples)
     order_nbytes: int = -1     # host bytes of the epoch order at its peak (-1 = n indices), see order_bytes
     order_row_nbytes: int = 0  # more host bytes per row of a block (the 'blocks' order holds one block)
+    scratch_nbytes: int = 0    # one batch of decode intermediates (unpacked codes, float32 for half types)
 
     def order_item(self, rows: int) -> tuple[str, int]:
         """(name, host bytes) of the epoch order when blocks hold `rows` samples."""
@@ -94,9 +95,10 @@ class Plan:
         return text
 
 
-def _decoded(needs: Needs) -> tuple[str, int]:
-    # the batch the consumer holds and the next one being decoded
-    return "decoded batches (2: yours, the next)", 2 * needs.batch_nbytes
+def _add_decode(led: Ledger, needs: Needs) -> None:
+    led.add("decoded batches (2: yours, the next)", 2 * needs.batch_nbytes)    # held by you, being decoded
+    if needs.scratch_nbytes:
+        led.add("decode scratch (1 batch: unpacked codes, float32 for half types)", needs.scratch_nbytes)
 
 
 def resident_ledger(needs: Needs, budget: int) -> tuple[Ledger, list[tuple[str, int]]]:
@@ -112,7 +114,7 @@ def resident_ledger(needs: Needs, budget: int) -> tuple[Ledger, list[tuple[str, 
     else:                                    # host and device are one memory
         led.add(*order)
     led.add("gathered compact rows (1 batch)", needs.batch_size * needs.row_nbytes)
-    led.add(*_decoded(needs))
+    _add_decode(led, needs)
     return led, host
 
 
@@ -122,7 +124,7 @@ def block_ledger(needs: Needs, rows: int, budget: int, what: str) -> tuple[Ledge
     host: list[tuple[str, int]] = []
     buf = f"compact {'macro-batch' if what == 'macro' else 'batch'} buffers ({needs.slots} x {rows} rows)"
     led.add(buf, needs.slots * rows * needs.row_nbytes)
-    led.add(*_decoded(needs))
+    _add_decode(led, needs)
     # the epoch order and file reads live in host memory: on a CPU device that is the budget's memory
     host_side = [needs.order_item(rows)]
     if needs.read_nbytes:

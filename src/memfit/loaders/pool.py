@@ -84,9 +84,25 @@ class Decoder:
         self.out = BatchPool(shape, dtype, device, batch_size) if reuse else None
         half = dtype in (torch.float16, torch.bfloat16)     # half types are decoded in float32 first
         self.work = BatchPool(shape, torch.float32, device, batch_size, count=1) if reuse and half else None
+        width = self.unpacked_width(template)                 # q4, bits1 unpack into new memory
+        self.codes = BatchPool((width,), torch.uint8, device, batch_size, count=1) if reuse and width else None
+
+    @staticmethod
+    def unpacked_width(template: CompactDataset) -> int:
+        return 0 if template.fields is not None else template.codec.unpacked_width(tuple(template.x.shape[1:]))
+
+    @staticmethod
+    def scratch_nbytes(template: CompactDataset, batch_size: int) -> int:
+        """Bytes of one batch of intermediates: unpacked codes, float32 for half types (held on every device:
+        reused on the CPU, fresh per batch on CUDA)."""
+        if template.fields is not None:         # fields decode straight to new tensors
+            return 0
+        width = Decoder.unpacked_width(template)
+        half = template.dtype in (torch.float16, torch.bfloat16)
+        return batch_size * (width + (4 * math.prod(template.sample_shape) if half else 0))
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """(m, *stored_shape) rows -> (m, *sample_shape) samples."""
         m = rows.shape[0]
-        return self.template.decode(rows, out=None if self.out is None else self.out.take(m),
-                                    work=None if self.work is None else self.work.take(m))
+        take = lambda pool: None if pool is None else pool.take(m)
+        return self.template.decode(rows, out=take(self.out), work=take(self.work), codes=take(self.codes))

@@ -1,16 +1,20 @@
 """Activation memory planner: every intermediate tensor of a model in one arena, never on a live input.
 
-- `plan(model, example_inputs)` -> `PlannedModule`: captures the model with torch.export, places
-  each intermediate at an offset of one byte arena (tensors live at the same op never overlap;
-  allowlisted elementwise ops may write over a dead input) and runs the model there.
+- `plan(model, example_inputs)` -> `PlannedModule`: captures the model once with torch.export (the
+  batch dimension symbolic, so every batch size is planned from that one capture), places each
+  intermediate at an offset of one byte arena (tensors live at the same op never overlap;
+  allowlisted elementwise ops may write over a dead input that no other operand of the op views)
+  and runs the model there.
 - `memory_model`, `activation_bytes`, `max_batch_size`: the bytes a batch of n needs, from plans,
   without running the model at full size.
 - `memfit plan MODULE:FACTORY --input 1,3,224,224` prints the plan (`memfit.planner.cli`, not
   imported here: the library never imports the command line).
 
 Modules: `arena` (lifetimes, offsets, verifier: pure functions), `ops` (out= kernels, views,
-in-place allowlist), `capture` (torch.export), `graph` (aliases and lifetimes), `codegen` (the
-generated forward), `planned` (`plan`, `PlannedModule`), `sizing`, `report`, `cli`.
+in-place allowlist), `capture` (torch.export, error diagnosis), `graph` (aliases, lifetimes, sizes
+at a batch size), `codegen` (the generated forward), `planned` (`plan`, `PlannedModule`,
+`capture_model` + `layout_at(capture, n)`: exact sizes at any batch from one capture), `sizing`,
+`report`, `cli`.
 
 Example:
     >>> import torch

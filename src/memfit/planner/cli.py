@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.usage import UsageError, device_arg
+from memfit.usage import UsageError, budget_arg, device_arg
 
 __all__ = ["cli_plan", "load_factory"]
 
@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the memory of one training step instead (forward, loss, backward, optimizer step) by kind, "
                         "from a fake-tensor run; --plot draws bytes against the batch size")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="with --train (default adamw)")
-    p.add_argument("--budget", default=None, metavar="SIZE", help="with --train: the largest batch within it, "
+    p.add_argument("--budget", default=None, metavar="SIZE", type=budget_arg,
+                   help="with --train: the largest batch within it, "
                    "and a line on the plot (e.g. 8GiB)")
     p.add_argument("--all", action="store_true", help="list every tensor (default: the first 60)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

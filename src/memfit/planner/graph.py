@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from memfit.planner.ops import WHEN_UNREAD, Lowered, inplace_candidates, is_view, lower
+from memfit.planner.ops import WHEN_UNREAD, Lowered, inplace_candidates, is_view, lower, why_not_lowered
 
 __all__ = ["Graph", "Meta", "Root", "Step", "analyze", "concrete", "span_bytes"]
 
@@ -96,6 +96,7 @@ class Step:
     lowered: Lowered | None = None
     inplace_arg: int | None = None      # position of the argument it overwrites
     replacement: object = None          # run this instead of the op (mode "call")
+    reason: str = ""                    # why a compute op runs outside the arena (mode "call")
 
 
 @dataclass
@@ -231,10 +232,18 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             continue
         node, names = step.node, step.outputs
         own = [roots[n] for n in names if n]
-        if not own or any(r.kind == "output" for r in own) or not all(names) or step.replacement:
+        if step.replacement:
+            step.reason = "an output nobody reads is skipped by running another kernel (as eager does)"
+            continue
+        if not own or any(r.kind == "output" for r in own):
+            step.reason = "a model output: fresh memory every call, so the caller may keep it"
+            continue
+        if not all(names):
+            step.reason = "some of its outputs are not tensors"
             continue
         lowered = lower(node.target, node.args, node.kwargs, [metas[n] for n in names], device_type)
         if lowered is None:
+            step.reason = why_not_lowered(node.target, device_type)
             continue
         step.mode, step.lowered = "out", lowered
         for r in own:

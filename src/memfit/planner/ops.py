@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["INPLACE", "WHEN_UNREAD", "Lowered", "inplace_candidates", "is_view", "lower", "out_variant"]
+__all__ = ["INPLACE", "WHEN_UNREAD", "Lowered", "inplace_candidates", "is_view", "lower", "out_variant",
+           "why_not_lowered"]
 
 aten = torch.ops.aten
 
@@ -172,6 +173,24 @@ def _max_pool2d_no_indices(x, kernel_size, stride=(), padding=0, dilation=1, cei
 WHEN_UNREAD: dict[object, tuple[tuple[int, ...], Callable]] = {
     aten.max_pool2d_with_indices.default: ((1,), _max_pool2d_no_indices),
 }
+
+
+def why_not_lowered(op, device_type: str) -> str:
+    """Why `lower` found no way to run `op` into the arena, in words for the report."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return "not an ATen op"
+    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        ov = getattr(packet, name)
+        outs = _out_args(ov._schema)
+        if outs and [(a.name, str(a.type)) for a in ov._schema.arguments if a.name not in outs] == want:
+            key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type, device_type)
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(ov.name(), key):
+                return (f"its out= variant on {device_type} is a wrapper that allocates and copies: "
+                        "no memory saved, slower than eager")
+            return "its out= variant returns a different number of outputs"
+    return "no out= variant"
 
 
 def inplace_candidates(op, args: tuple) -> list[int]:

@@ -226,16 +226,17 @@ def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_s
                        offsets.get(r.name), r.kind, tuple(r.members))
                    for r in graph.roots.values() if r.kind not in ("const", "input", "empty")),
                   key=lambda row: row.lifetime)
-    unplanned = Counter(s.node.target.__name__.split(".")[0] for s in graph.steps
-                        if s.mode == "call" and any(graph.roots[graph.root_of[v]].kind == "call"
-                                                    for v in s.outputs if v))
+    unplanned_steps = [s for s in graph.steps if s.mode == "call" and any(graph.roots[graph.root_of[v]].kind == "call"
+                                                                          for v in s.outputs if v)]
+    unplanned = Counter(s.node.target.__name__.split(".")[0] for s in unplanned_steps)
+    reasons = {s.node.target.__name__.split(".")[0]: s.reason for s in unplanned_steps}
     report = Report(
         # an in-place member has its root's size (graph._try_inplace checks it): one region each
         naive_bytes=sum(align(r.nbytes, ALIGNMENT) * (1 + len(r.members)) for r in arena_roots),
         arena_bytes=size, lower_bound=lower_bound(buffers, ALIGNMENT),
         unplanned_bytes=max(live_profile(outside, 1), default=0), param_bytes=params,
         input_bytes=sum(graph.roots[v].nbytes for v in graph.inputs), rows=rows, algorithm=algorithm, n_ops=n_ops,
-        unplanned_ops=dict(unplanned))
+        unplanned_ops=dict(unplanned), unplanned_reasons=reasons)
     report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'})" if cap.dynamic
                       else f"static capture at batch {cap.example_batch} ({cap.static_reason})")
     return Layout(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch)

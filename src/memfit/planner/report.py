@@ -44,6 +44,8 @@ class Report:
         rows: one `Row` per allocation, in order of first use.
         algorithm: the offset algorithm used.
         unplanned_ops: op name -> count of ops run without an `out=` kernel.
+        unplanned_reasons: op name -> why it runs outside the arena (no out= variant, an out= variant
+            that allocates and copies, ...).
         capture: how the graph was captured ("one capture, batch symbolic in [1, inf)", or static and why).
     """
     naive_bytes: int
@@ -57,6 +59,7 @@ class Report:
     n_ops: int
     unplanned_ops: dict[str, int] = field(default_factory=dict)
     capture: str = ""
+    unplanned_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -73,11 +76,12 @@ class Report:
             f"  planned arena                  {format_bytes(self.arena_bytes):>12}  "
             f"({self.naive_bytes / max(self.arena_bytes, 1):.1f}x less than naive)",
             f"  lower bound (most live at once){format_bytes(self.lower_bound):>12}  (arena / bound {ratio:.3f})",
-            f"  unplanned (no out= kernel)     {format_bytes(self.unplanned_bytes):>12}"
+            f"  unplanned (outside the arena)  {format_bytes(self.unplanned_bytes):>12}"
             + (f"  ({unplanned})" if unplanned else ""),
             f"  parameters                     {format_bytes(self.param_bytes):>12}",
             f"  total with inputs              {format_bytes(self.total_bytes):>12}",
-        ] + ([f"  capture: {self.capture}"] if self.capture else []))
+        ] + [f"    {op}: {why}" for op, why in sorted(self.unplanned_reasons.items())]
+          + ([f"  capture: {self.capture}"] if self.capture else []))
 
     def table(self, limit: int | None = 60) -> str:
         head = f"  {'tensor':<28} {'shape':<20} {'dtype':<9} {'bytes':>11} {'lifetime':>11} {'offset':>11}  kind"
@@ -100,7 +104,8 @@ class Report:
         return {"naive_bytes": self.naive_bytes, "arena_bytes": self.arena_bytes, "lower_bound": self.lower_bound,
                 "unplanned_bytes": self.unplanned_bytes, "param_bytes": self.param_bytes,
                 "input_bytes": self.input_bytes, "algorithm": self.algorithm, "n_ops": self.n_ops,
-                "unplanned_ops": dict(self.unplanned_ops), "capture": self.capture,
+                "unplanned_ops": dict(self.unplanned_ops), "unplanned_reasons": dict(self.unplanned_reasons),
+                "capture": self.capture,
                 "rows": [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.bytes,
                           "lifetime": list(r.lifetime), "offset": r.offset, "kind": r.kind,
                           "inplace": list(r.inplace)} for r in self.rows]}
@@ -145,6 +150,7 @@ class Report:
         scale, unit = (2**20, "MiB") if self.arena_bytes >= 2**20 else (2**10, "KiB")
         cell = lambda r, off: ((r.lifetime[0] - 0.5, off / scale), r.lifetime[1] - r.lifetime[0] + 1, r.bytes / scale)
         arena = [r for r in self.rows if r.kind == "arena"]
+        drawn = [(r, r.offset) for r in arena]               # (row, offset drawn at), for the labels
         for i, r in enumerate(arena):
             ax.add_patch(Rectangle(*cell(r, r.offset), facecolor=cmap(i % 20), edgecolor="black", linewidth=0.3))
         # tensors made by ops without an out= kernel live outside the arena: drawn above it, hatched
@@ -153,6 +159,7 @@ class Report:
         if outside:
             offs, size = assign_offsets([Buffer(r.name, r.bytes, *r.lifetime) for r in outside], "greedy_by_size", 1)
             for r, off in zip(outside, offs, strict=True):
+                drawn.append((r, self.arena_bytes + off))
                 ax.add_patch(Rectangle(*cell(r, self.arena_bytes + off), facecolor="0.88", edgecolor="0.4",
                                        hatch="//", linewidth=0.3))
             top += size
@@ -169,18 +176,18 @@ class Report:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8, frameon=False)
         fig.tight_layout()
-        _label_largest(fig, ax, arena, labels, scale)
+        _label_largest(fig, ax, drawn, labels, scale)
         return fig
 
 
-def _label_largest(fig, ax, rows: list[Row], n: int, scale: int) -> None:
-    """Write name and size inside the `n` largest tensors' rectangles, where the text fits (turned
-    upright in a tall, narrow one)."""
+def _label_largest(fig, ax, drawn: list[tuple[Row, int]], n: int, scale: int) -> None:
+    """Write name and size inside the `n` largest tensors' rectangles ((row, offset drawn at)), where
+    the text fits (turned upright in a tall, narrow one)."""
     fig.canvas.draw()                                      # fixes the axes' size in pixels
     to_px = ax.transData.transform
-    for r in sorted(rows, key=lambda r: r.bytes, reverse=True)[:n]:
-        (x0, y0), (x1, y1) = to_px([(r.lifetime[0] - 0.5, r.offset / scale),
-                                    (r.lifetime[1] + 0.5, (r.offset + r.bytes) / scale)])
+    for r, offset in sorted(drawn, key=lambda d: d[0].bytes, reverse=True)[:n]:
+        (x0, y0), (x1, y1) = to_px([(r.lifetime[0] - 0.5, offset / scale),
+                                    (r.lifetime[1] + 0.5, (offset + r.bytes) / scale)])
         w, h = x1 - x0, y1 - y0
         for text, size in itertools.product((f"{_short(r.name)}\n{format_bytes(r.bytes)}", format_bytes(r.bytes)),
                                             (8, 7, 6)):
@@ -189,8 +196,9 @@ def _label_largest(fig, ax, rows: list[Row], n: int, scale: int) -> None:
             tw, th = 0.62 * px * max(map(len, lines)), 1.25 * px * len(lines)   # about 0.62 em a character
             rotation = 0 if tw <= w - 4 and th <= h - 2 else 90 if th <= w - 2 and tw <= h - 4 else None
             if rotation is not None:
-                ax.text((r.lifetime[0] + r.lifetime[1]) / 2, (r.offset + r.bytes / 2) / scale, text,
-                        ha="center", va="center", fontsize=size, rotation=rotation, zorder=5, clip_on=True)
+                ax.text((r.lifetime[0] + r.lifetime[1]) / 2, (offset + r.bytes / 2) / scale, text,
+                        ha="center", va="center", fontsize=size, rotation=rotation, zorder=5, clip_on=True,
+                        bbox={"facecolor": "white", "alpha": 0.6, "edgecolor": "none", "pad": 0.5})  # over hatching
                 break
 
 

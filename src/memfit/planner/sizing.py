@@ -1,9 +1,9 @@
 """Bytes a batch of n needs, for inference or a whole training step, without running it at full size.
 
-`memory_model` is the one entry point. For inference of a model torch.export can capture, the planner
-lays out the graph at batch 2 and batch 4 (only shapes are traced; nothing runs). Each tensor's size
-is affine in the batch, `a + b * n` (exact rationals, rounded up), so the sizes at any n follow
-exactly, and the same offset algorithm places them again (cached per n). For training, for inputs
+`memory_model` is the one entry point. For inference of a model torch.export can capture, one capture
+with a symbolic batch gives the planner's layout at any n with every tensor's exact size (nothing
+runs; cached per n). Where the capture is static, layouts at batch 2 and 4 give each tensor's size as
+the exact line `a + b * n` (rationals, rounded up). For training, for inputs
 given as a dict or several tensors, for models export cannot capture, and where the two graphs
 differ, the fake-tensor run of `memfit.footprint` counts the eager forward or the training step
 instead, and `method` says why. `max_batch_size` searches the largest batch in a budget
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from memfit.budget import BudgetExceeded, check_count, format_bytes, parse_bytes
-from memfit.footprint import CUDA_MARGIN, CUDA_SEGMENT, FakeRunError, StepMemoryModel, step_memory_model
+from memfit.footprint import CUDA_MARGIN, CUDA_SEGMENT, FakeRunError, StepMemoryModel, _is_shape, step_memory_model
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
-from memfit.planner.planned import ALIGNMENT, layout
+from memfit.planner.planned import ALIGNMENT, capture_model, layout, layout_at
 
 __all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "largest_fitting", "max_batch_size", "memory_model",
            "plot_memory"]
@@ -59,8 +59,12 @@ class MemoryModel:
     device: torch.device = torch.device("cpu")
     train: bool = False
     _cache: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _cap: object = None                               # a capture with a symbolic batch: exact layouts at any n
 
     def _parts(self, n: int) -> tuple[int, int]:
+        if n not in self._cache and self._cap is not None:
+            rep = layout_at(self._cap, n, algorithm=self.algorithm).report
+            self._cache[n] = (rep.arena_bytes, rep.unplanned_bytes)
         if n not in self._cache:
             arena = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._arena)]
             outside = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._outside)]
@@ -132,8 +136,8 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
                  algorithm: str = "greedy_by_size") -> MemoryModel | StepMemoryModel:
     """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
 
-    Inference (train=False) of a model torch.export captures, with one input tensor: from planner layouts
-    at batch 2 and 4 (the planned forward `evaluate` runs). Otherwise (training, dict or several inputs,
+    Inference (train=False) of a model torch.export captures, with one input tensor: from the planner's
+    layouts (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
     no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
     (`memfit.footprint`), which allocates nothing and leaves the model and optimizer as they were.
 
@@ -167,34 +171,37 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     if isinstance(example, torch.Tensor):
         example, dtype = tuple(example.shape[1:]), example.dtype
     if not _is_shape(example):
-        return fake("not planned (the planner takes one input tensor): ")
+        return fake("not planned: the planner takes one input tensor")
     if autocast is not None or (device is not None and torch.device(device) != _device(model)):
-        return fake("not planned (autocast or another device than the model's): ")
+        return fake("not planned: autocast or another device than the model's")
     try:
         return _planned_model(model, _sample_shape(example), dtype, algorithm)
     except CaptureError as e:
-        reason = str(e).splitlines()[0][:200]
+        reason = str(e).splitlines()[0]
+        reason = reason if len(reason) <= 160 else reason[:160].rsplit(" ", 1)[0] + " ..."
         try:
-            return fake(f"not planned: {reason}; ")
+            return fake(f"not planned: {reason}")
         except FakeRunError as f:
             raise CaptureError(f"{e}\nThe fake-tensor forward failed too: {f}") from f
     except _GraphsDiffer:
-        return fake("not planned: the captured graphs at batch 2 and 4 differ; ")
+        return fake("not planned: the captured graphs at batch 2 and 4 differ")
 
 
 class _GraphsDiffer(Exception):
     pass
 
 
-def _is_shape(x) -> bool:
-    return isinstance(x, int) or (isinstance(x, (tuple, list)) and all(isinstance(s, int) for s in x))
-
-
 def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> MemoryModel:
     dev = _device(model)
+    per_sample = math.prod(shape) * dtype.itemsize
+    cap = capture_model(model, (torch.zeros((PROBES[0], *shape), dtype=dtype, device=dev),))
+    if cap.dynamic:           # one export; the layout at any n has every tensor's exact size
+        rep = layout_at(cap, PROBES[0], algorithm=algorithm).report
+        return MemoryModel(rep.param_bytes, per_sample, "planned arena: exact layouts at any batch from one capture "
+                           "with a symbolic batch", algorithm, [], [], dev, _cap=cap)
+    # a static capture: layouts at 2 and 4, each tensor's size the exact line through its two sizes
     lays = [layout(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
             for n in PROBES]
-    per_sample = math.prod(shape) * dtype.itemsize
     params = lays[0].report.param_bytes
     l1, l2 = lays
     kinds = [[(r.name, r.kind, r.first, r.last) for r in lay.graph.roots.values()] for lay in lays]
@@ -208,8 +215,8 @@ def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm:
             arena.append(item)
         elif r.kind in ("call", "output"):
             outside.append(item)
-    return MemoryModel(params, per_sample, "planned arena: sizes per tensor affine from layouts at batch 2 and 4",
-                       algorithm, arena, outside, dev)
+    return MemoryModel(params, per_sample, f"planned arena: sizes per tensor affine from layouts at batch 2 and 4 "
+                       f"(the capture is static: {cap.static_reason})", algorithm, arena, outside, dev)
 
 
 def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence[int],
