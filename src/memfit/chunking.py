@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -152,19 +153,50 @@ def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
 MAX_AUTO_CHUNK = 4096
 
 
-def choose_chunk(model, chunks, budget: int, runner, use_plan: bool = True) -> tuple[int, Callable[[int], int], str]:
-    """(chunk size, peak estimate, how it was chosen) for the largest chunk within the budget,
-    at most MAX_AUTO_CHUNK samples."""
-    extra = chunks.compact_per_sample
-    peak, how = None, (", as the planner takes one input tensor and this data has several fields" if chunks.fields
-                       else "" if use_plan else ", without capture")
-    if use_plan and not chunks.fields:
-        peak, how = _planned_peak(model, chunks.sample_shape, chunks.dtype)
-    if peak is None:
-        peak, how = _fake_peak(model, chunks, how)
+@dataclass
+class Estimate:
+    """peak(n) + extra * n bytes for a chunk of n; `planned`: from the planner (the planned module runs)."""
+    peak: Callable[[int], int]
+    extra: int
+    planned: bool
+
+    def __call__(self, n: int) -> int:
+        return self.peak(n) + self.extra * n
+
+
+def _eager_peak(model, runner, chunks: Chunks, why: str) -> tuple[Callable[[int], int], str]:
+    peak, how = _fake_peak(model, chunks, why)
     if peak is None:
         peak, how = _measured_peak(model, runner, chunks), f"measured at 2 sizes{how}"
-    total = lambda n: peak(n) + extra * n
+    return peak, how
+
+
+def choose_chunk(model, chunks, budget: int, runner, use_plan: bool | None = True) -> tuple[int, Estimate, str]:
+    """(chunk size, peak estimate, how it was chosen) for the largest chunk within the budget,
+    at most MAX_AUTO_CHUNK samples.
+
+    use_plan: True sizes from the planner (when it captures the model); None captures only where it
+    pays: when the eager forward's estimate cannot fit the chunk it would run (min(n, MAX_AUTO_CHUNK)),
+    since the planner's arena then fits more; False never captures.
+    """
+    extra, target = chunks.compact_per_sample, min(chunks.n, MAX_AUTO_CHUNK)
+    peak, how, planned, eager = None, "", False, None
+    if chunks.fields:
+        use_plan, how = False, ", as the planner takes one input tensor and this data has several fields"
+    if use_plan is None:           # the eager estimate first: capture costs seconds, and pays only when memory binds
+        eager = _eager_peak(model, runner, chunks, "")
+        if eager[0](target) + extra * target <= budget:
+            peak, how = eager[0], eager[1] + f"; no capture: {target} samples fit eagerly"
+        else:
+            use_plan = True
+    if use_plan:
+        peak, how = _planned_peak(model, chunks.sample_shape, chunks.dtype)
+        planned = peak is not None and how == "planner"
+        if peak is None and eager is not None:      # no capture: the eager estimate it is
+            peak, how = eager[0], eager[1] + how
+    if peak is None:
+        peak, how = _eager_peak(model, runner, chunks, how)
+    total = Estimate(peak, extra, planned)
     n = largest_fitting(total, budget, chunks.n)
     if n == 0:
         raise BudgetExceeded(f"one sample needs {format_bytes(total(1))} ({how}: parameters "

@@ -136,9 +136,10 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
             must fit. Default: the device's free memory minus a margin, plus the model's own bytes.
         device: where to evaluate; default the model's device.
         progress: a progress bar counting samples (only on a terminal).
-        planned: run through the activation planner (`memfit.plan`): None = when chunk_size is 'auto',
-            the set is not small (capture would cost more than the run) and the planner can capture
-            the model; `EvalResult.reason` says which and why.
+        planned: run through the activation planner (`memfit.plan`). None: only where capture pays, i.e.
+            chunk_size 'auto', more than SMALL_SET samples, and the eager forward's estimate cannot fit
+            the chunk in the budget (the planner's arena fits more); True: always; False: never.
+            `EvalResult.reason` says which and why.
         distributed: every rank of the initialised process group evaluates its shard (a whole
             CompactDataset or arrays are sharded here; a Loader should be distributed already);
             sums and counts are all-reduced, so every rank returns the single-process result.
@@ -165,7 +166,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     try:
         chunks = as_chunks(_shard(data) if distributed else data, dev)
         size, estimate, reason = _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned)
-        if isinstance(chunks, Chunks) and _use_planner(chunks, chunk_size, planned, budget, distributed):
+        if isinstance(chunks, Chunks) and _use_planner(chunks, planned, estimate):
             runner, why = _planned_runner(model, chunks, size, planned)
             runner_name = "planned" if runner is not model else "eager"
             reason = f"{reason}; {why}" if why else reason
@@ -209,12 +210,11 @@ def _small(chunks, chunk_size, planned, budget) -> bool:
     return _small_set(chunks, chunk_size, planned) and budget is None
 
 
-def _use_planner(chunks, chunk_size, planned, budget, distributed) -> bool:
+def _use_planner(chunks, planned, estimate) -> bool:
+    """planned=True: always; None: when the chunk was sized by the planner (memory binds); False: never."""
     if planned is False or chunks.fields:
         return False
-    if planned:
-        return True
-    return chunk_size == "auto" and not (not distributed and _small_set(chunks, chunk_size, planned))
+    return bool(planned) or (estimate is not None and estimate.planned)
 
 
 def _shard(data):
@@ -239,7 +239,8 @@ def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) ->
                                 "the chunk if needed")
     limit = resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
     small = not distributed and _small_set(chunks, chunk_size, planned)
-    size, estimate, reason = choose_chunk(model, chunks, limit, model, use_plan=planned is not False and not small)
+    use = False if planned is False or small else (True if planned else None)
+    size, estimate, reason = choose_chunk(model, chunks, limit, model, use_plan=use)
     if small:
         reason += (f"; run eagerly: a set this small (<= {SMALL_SET} samples) runs faster than capturing the "
                    "model for the planner")

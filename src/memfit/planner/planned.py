@@ -138,7 +138,10 @@ def capture_model(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool
                 cap = Captured(ep, constants(ep, model), device, sym, (int(vr.lower) if vr else 1, hi), "", n, key)
                 if cap.accepts(example_inputs):
                     return cap
-            reason = "export made the batch size a constant (the model specialises on it)"
+                reason = (f"the symbolic graph holds for batch sizes in [{cap.batch_range[0]}, "
+                          f"{hi or 'inf'}) only, not {n}")
+            else:
+                reason = "export made the batch size a constant (the model specialises on it)"
     ep = capture(model, example_inputs)
     return Captured(ep, constants(ep, model), device, None, (n, n), reason, n, key)
 
