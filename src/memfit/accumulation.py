@@ -261,7 +261,7 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
 def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) -> tuple[int, str]:
     """(micro-batch size, why) for the largest micro-batch whose predicted step fits the budget."""
     from memfit.budget import BudgetExceeded
-    from memfit.evaluate import largest_fitting
+    from memfit.planner.sizing import largest_fitting
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
         limit += _held_bytes(model, optimizer)
@@ -349,6 +349,13 @@ class _Step:
     def _autocast_type():
         for dev in ("cuda", "cpu"):
             if torch.is_autocast_enabled(dev):
+                if torch.get_autocast_dtype(dev) == torch.float16:
+                    # small float16 gradients flush to zero without loss scaling, and accumulate calls
+                    # optimizer.step() itself, so a GradScaler around it cannot unscale them
+                    raise ValueError(f"accumulate runs under float16 autocast on {dev}, which needs loss scaling "
+                                     "(torch.amp.GradScaler) that accumulate does not do: its gradients could "
+                                     "silently flush to zero. Use torch.autocast(..., dtype=torch.bfloat16), or run "
+                                     "the micro-batches yourself with a GradScaler")
                 return dev
         return None
 

@@ -20,6 +20,7 @@ import torch
 from memfit.budget import BudgetExceeded, format_bytes
 from memfit.dataset import CompactDataset
 from memfit.fields import batch_nbytes, forward
+from memfit.planner.sizing import largest_fitting  # one doubling + bisection search for every "what fits"
 
 
 def whole_words(text: str, limit: int) -> str:
@@ -129,22 +130,6 @@ def _measured_peak(model, runner, chunks: Chunks, sizes=(4, 16)) -> Callable[[in
     base = param_bytes(model)
     # 10% head-room on the slope: extrapolating from small sizes tends to under-estimate
     return lambda n: int(base + a + 1.1 * b * n)
-
-
-def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
-    """Largest n in [1, upper] with peak(n) <= budget (peak is non-decreasing), 0 when none fits."""
-    if peak(1) > budget:
-        return 0
-    lo, hi = 1, 1
-    while hi < upper and peak(min(2 * hi, upper)) <= budget:
-        lo = hi = min(2 * hi, upper)
-        if hi == upper:
-            return upper
-    hi = min(2 * hi, upper)
-    while lo < hi:                      # invariant: peak(lo) fits, the answer is < hi + 1
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid - 1)
-    return lo
 
 
 # Beyond a few thousand samples a chunk only holds more memory: it runs no faster (on 2 CPU cores a

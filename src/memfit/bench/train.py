@@ -226,7 +226,7 @@ def predicted_max_batch(case: Case, mm, budget: int) -> tuple[int, str]:
     import inspect
 
     import memfit
-    from memfit.evaluate import largest_fitting
+    from memfit.planner.sizing import largest_fitting
     if "train" in inspect.signature(memfit.max_batch_size).parameters:
         model = case.make()
         x, y = case.batch(2)
