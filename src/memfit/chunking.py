@@ -132,10 +132,11 @@ def _measured_peak(model, runner, chunks: Chunks, sizes=(4, 16)) -> Callable[[in
     return lambda n: int(base + a + 1.1 * b * n)
 
 
-# Beyond a few thousand samples a chunk only holds more memory: it runs no faster (on 2 CPU cores a
-# 4-layer CNN took 3.4 s for 10,000 samples in chunks of 2,500 and 4.5 s in one chunk of 10,000), and
-# every GPU is saturated well below it. chunk_size=int forces a larger one.
-MAX_AUTO_CHUNK = 4096
+# Beyond about a thousand samples a chunk only holds more memory and runs slower on a CPU (its
+# activations leave the caches: a small transformer took 2.1x a loop of 512-sample batches in chunks of
+# 4,096, 0.98x in chunks of 1,024; a 4-layer CNN 1.14x vs 1.07x), and every GPU is saturated well below
+# it. chunk_size=int forces a larger one.
+MAX_AUTO_CHUNK = 1024
 
 
 @dataclass

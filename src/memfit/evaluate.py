@@ -130,7 +130,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         loss_reduction: 'mean' or 'sum': what a scalar-returning `loss_fn` does over a chunk.
         output_fn: picks the logits from the model's output; default rule (`memfit.metrics.logits_of`):
             a tensor; `.logits` of a ModelOutput; `["logits"]` of a dict; the first element of a tuple/list.
-        chunk_size: 'auto' (the largest that fits `budget`, at most MAX_AUTO_CHUNK = 4096 samples:
+        chunk_size: 'auto' (the largest that fits `budget`, at most MAX_AUTO_CHUNK = 1024 samples:
             larger chunks run no faster) or an int.
         budget: bytes or a string like '1GiB': parameters, activations, the decoded chunk and outputs
             must fit. Default: the device's free memory minus a margin, plus the model's own bytes.
