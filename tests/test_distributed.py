@@ -160,3 +160,34 @@ def test_distributed_needs_a_process_group():
     x, y = data()
     with pytest.raises(ValueError, match="needs an initialised torch.distributed process group"):
         evaluate(model(), (x, y), device="cpu", progress=False, distributed=True)
+
+
+def _padded():
+    x, y = data()
+    y = y.copy()
+    y[: N // 3][np.random.default_rng(1).random(N // 3) < 0.8] = -100   # the padding sits mostly on one shard
+    return x, y
+
+
+WEIGHT = torch.linspace(0.25, 3.0, 10)
+
+
+def _weighted_loss_rank(rank, world):
+    x, y = _padded()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    r = evaluate(model(), ds, metrics=("loss",), loss_fn=torch.nn.CrossEntropyLoss(weight=WEIGHT), chunk_size=50,
+                 device="cpu", progress=False, distributed=True)
+    return r.metrics["loss"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_loss_divides_by_the_summed_torch_denominator(world):
+    """Ignored targets and class weights make ranks' divisors differ: the divisor is all-reduced state."""
+    x, y = _padded()
+    with torch.no_grad():
+        ref = torch.nn.CrossEntropyLoss(weight=WEIGHT)(model()(torch.from_numpy(x).float()), torch.from_numpy(y))
+    out = run_ranks(_weighted_loss_rank, world)
+    assert sorted(out) == list(range(world)), out
+    for status, loss in out.values():
+        assert status == "ok", loss
+        assert loss == pytest.approx(ref.item(), rel=1e-6)

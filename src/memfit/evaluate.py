@@ -126,7 +126,9 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
             (keyed by class name, '_2' added when repeated), or a dict {result key: either}.
         loss_fn: used by 'loss'; default cross entropy. torch losses, partials and functions with a
             `reduction` parameter are asked for per-sample values; a function that returns a scalar
-            needs `loss_reduction`.
+            needs `loss_reduction`. The result is torch's mean over the whole set: targets equal to
+            `ignore_index` are not counted, class weights divide by sum(weight[y]) (CrossEntropyLoss,
+            NLLLoss), KLDivLoss 'batchmean' divides by the number of samples; CTCLoss is refused.
         loss_reduction: 'mean' or 'sum': what a scalar-returning `loss_fn` does over a chunk.
         output_fn: picks the logits from the model's output; default rule (`memfit.metrics.logits_of`):
             a tensor; `.logits` of a ModelOutput; `["logits"]` of a dict; the first element of a tuple/list.
