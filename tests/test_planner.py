@@ -386,3 +386,29 @@ def test_a_model_that_fixes_its_batch_is_captured_statically_with_the_reason():
     torch.testing.assert_close(pm(torch.ones(4, 6)), torch.ones(4, 6))
     with pytest.raises(ValueError, match="static at batch 4.*capture again"):
         layout_at(cap, 8)
+
+
+def test_cache_keeps_only_capture_errors_with_traceback_and_sees_training():
+    from memfit.planner import cache
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).train()
+    x = torch.randn(2, 1, 8, 8)
+    with pytest.raises(CaptureError, match=r"model.eval\(\)") as first:
+        cache.borrow_plan(model, x)
+    assert first.value.__traceback__ is not None and first.tb.tb_next is not None
+    with pytest.raises(CaptureError, match=r"model.eval\(\)"):      # fails fast from the cache
+        cache.borrow_plan(model, x)
+    model.eval()                                                      # the reason is gone: captured anew
+    pm = cache.borrow_plan(model, x)
+    torch.testing.assert_close(pm(x), model(x))
+    cache.give_back(pm)
+
+    other, calls = nn.Linear(2, 2), []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("transient")
+        return "made"
+    with pytest.raises(torch.OutOfMemoryError):
+        cache._cached(other, ("k",), flaky)
+    assert cache._cached(other, ("k",), flaky) == "made" and len(calls) == 2
