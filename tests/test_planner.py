@@ -412,3 +412,25 @@ def test_cache_keeps_only_capture_errors_with_traceback_and_sees_training():
     with pytest.raises(torch.OutOfMemoryError):
         cache._cached(other, ("k",), flaky)
     assert cache._cached(other, ("k",), flaky) == "made" and len(calls) == 2
+
+
+def test_outputs_are_plain_tensors_unless_eager_would_require_grad():
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    pm = plan(model, (x,))
+    with torch.no_grad():
+        out = pm(x)
+        out.numpy()
+        out.add_(1)
+    model.requires_grad_(False)                      # grad mode on, nothing trainable: as eager, plain outputs
+    out = pm(x)
+    assert not out.requires_grad
+    out.numpy()
+    out += 1
+    out.clamp_(max=0.5)
+    torch.testing.assert_close(out, (model(x) + 1).clamp(max=0.5))
+    model.requires_grad_(True)
+    out = pm(x)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="run inference only"):
+        out.sum().backward()

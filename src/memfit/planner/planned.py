@@ -405,15 +405,22 @@ class PlannedModule:
                 self._check(inputs)
                 p = self._plan_for(inputs, key)
             self._last_key = key
-            if not torch.is_grad_enabled():
-                return p.run(inputs)
-            with torch.no_grad():                 # out= kernels refuse to record autograd
+            # plain outputs unless eager's would require grad (grad mode and a trainable parameter): then
+            # they are marked so that backward says why it cannot work
+            if not (torch.is_grad_enabled() and self._trainable()):
+                with torch.no_grad():             # out= kernels refuse to record autograd
+                    return p.run(inputs)
+            with torch.no_grad():
                 out = p.run(inputs)
         anchor = torch.zeros((), requires_grad=True)
         return pytree.tree_map_only(torch.Tensor, lambda t: _NoBackward.apply(t, anchor)
                                     if t.is_floating_point() else t, out)
 
     forward = __call__
+
+    def _trainable(self) -> bool:
+        """Whether a parameter the plans read requires grad (read now: requires_grad_ after planning is seen)."""
+        return any(t.requires_grad for cap in self.captures for t in cap.consts.values())
 
     def __repr__(self) -> str:
         r = self.report
