@@ -362,7 +362,8 @@ def test_one_capture_plans_every_batch_size(name):
         x = torch.randn(n, *shape)
         with torch.no_grad():
             torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
-    assert len(pm.captures) == 1 and len(pm.layouts) == 3
+    # batch 1 is planned from a static capture of its own (a symbolic batch starts at 2)
+    assert len(pm.captures) == 2 and not pm.captures[1].dynamic and len(pm.layouts) == 3
     static = capture_model(model, (torch.randn(3, *shape),), dynamic_batch=False)
     want = layout_at(static, 3).report
     got = layout_at(pm.captures[0], 3).report
@@ -386,3 +387,89 @@ def test_a_model_that_fixes_its_batch_is_captured_statically_with_the_reason():
     torch.testing.assert_close(pm(torch.ones(4, 6)), torch.ones(4, 6))
     with pytest.raises(ValueError, match="static at batch 4.*capture again"):
         layout_at(cap, 8)
+
+
+def test_cache_keeps_only_capture_errors_with_traceback_and_sees_training():
+    from memfit.planner import cache
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).train()
+    x = torch.randn(2, 1, 8, 8)
+    with pytest.raises(CaptureError, match=r"model.eval\(\)") as first:
+        cache.borrow_plan(model, x)
+    assert first.value.__traceback__ is not None and first.tb.tb_next is not None
+    with pytest.raises(CaptureError, match=r"model.eval\(\)"):      # fails fast from the cache
+        cache.borrow_plan(model, x)
+    model.eval()                                                      # the reason is gone: captured anew
+    pm = cache.borrow_plan(model, x)
+    torch.testing.assert_close(pm(x), model(x))
+    cache.give_back(pm)
+
+    other, calls = nn.Linear(2, 2), []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("transient")
+        return "made"
+    with pytest.raises(torch.OutOfMemoryError):
+        cache._cached(other, ("k",), flaky)
+    assert cache._cached(other, ("k",), flaky) == "made" and len(calls) == 2
+
+
+def test_outputs_are_plain_tensors_unless_eager_would_require_grad():
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    pm = plan(model, (x,))
+    with torch.no_grad():
+        out = pm(x)
+        out.numpy()
+        out.add_(1)
+    model.requires_grad_(False)                      # grad mode on, nothing trainable: as eager, plain outputs
+    out = pm(x)
+    assert not out.requires_grad
+    out.numpy()
+    out += 1
+    out.clamp_(max=0.5)
+    torch.testing.assert_close(out, (model(x) + 1).clamp(max=0.5))
+    model.requires_grad_(True)
+    out = pm(x)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="run inference only"):
+        out.sum().backward()
+
+
+class SizeOneBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 1)
+
+    def forward(self, x):
+        y = self.lin(x).squeeze()                # (n,) at batch n > 1, () at batch 1
+        if x.shape[0] == 1:
+            return y * 10
+        return y + 1
+
+
+def test_batch_one_is_planned_from_its_own_capture_and_matches_eager():
+    from memfit.planner.planned import layout_at
+    model = SizeOneBranches().eval()
+    pm = plan(model, (torch.randn(4, 6),))
+    cap = pm.captures[0]
+    assert cap.dynamic and cap.batch_range[0] == 2 and "[2, inf]" in pm.report.capture
+    with pytest.raises(ValueError, match=r"in \[2, inf\]"):
+        layout_at(cap, 1)
+    with torch.no_grad():
+        for n in (1, 4, 1, 3):
+            x = torch.randn(n, 6)
+            got, want = pm(x), model(x)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+    assert len(pm.captures) == 2 and not pm.captures[1].dynamic
+    pm1 = plan(model, (torch.randn(1, 6),))            # planned at batch 1 first: static there, symbolic after
+    with torch.no_grad():
+        for n in (1, 5):
+            x = torch.randn(n, 6)
+            torch.testing.assert_close(pm1(x), model(x))
+    mm = memory_model(model, (6,))
+    assert mm.total_bytes(1) > 0 and mm.total_bytes(1) <= mm.total_bytes(2)
+    assert max_batch_size(model, (6,), "1GiB", limit=64) == 64
+    assert activation_bytes(model, (6,), [1, 2])[0] == mm.total_bytes(1)

@@ -17,11 +17,13 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 
 import torch
 
+from memfit.planner.capture import CaptureError
 from memfit.planner.planned import PlannedModule, plan
 from memfit.planner.sizing import MemoryModel, memory_model
 
@@ -32,7 +34,7 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> (f
 
 def _fingerprint(model: torch.nn.Module) -> tuple:
     tensors = tuple((id(t), t.data_ptr(), tuple(t.shape)) for t in [*model.parameters(), *model.buffers()])
-    return tensors + tuple(id(m) for m in model.modules())
+    return tensors + tuple((id(m), m.training) for m in model.modules())   # eval() can lift a capture error
 
 
 def _cached(model: torch.nn.Module, key: tuple, make: Callable):
@@ -43,12 +45,24 @@ def _cached(model: torch.nn.Module, key: tuple, make: Callable):
     if key not in entry[1]:
         try:
             entry[1][key] = make()
-        except Exception as e:      # a model that cannot be captured fails fast next time (capture takes seconds)
-            entry[1][key] = e.with_traceback(None)
+        except CaptureError as e:   # a model that cannot be captured fails fast next time (capture takes seconds);
+            entry[1][key] = _bare(e)    # other errors (a transient OutOfMemoryError) are not kept
+            raise                       # with its traceback the first time
+        return entry[1][key]
     value = entry[1][key]
-    if isinstance(value, Exception):
-        raise value
+    if isinstance(value, CaptureError):
+        raise _bare(value)          # a fresh copy: the kept one never holds a traceback (nor the model via its frames)
     return value
+
+
+def _bare(e: CaptureError) -> CaptureError:
+    """A copy of `e` without traceback, cause or context."""
+    try:
+        c = copy.copy(e)
+    except Exception:               # an exception type whose copy fails: a plain one with the same message
+        c = CaptureError(str(e), getattr(e, "kind", "export"))
+    c.__traceback__ = c.__cause__ = c.__context__ = None
+    return c
 
 
 def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype) -> MemoryModel:

@@ -111,7 +111,9 @@ def _batch_dims(example_inputs: tuple):
         return None, "an input has no batch dimension"
     if len({x.shape[0] for x in example_inputs}) != 1:
         return None, "the inputs' first dimensions differ, so there is no one batch dimension"
-    batch = torch.export.Dim("batch", min=1)
+    # from 2: with min=1 export may assume the batch is never 1 (size-1 specialisation), so a model that
+    # squeezes or branches on a size of 1 would run differently at batch 1; batch 1 gets a capture of its own
+    batch = torch.export.Dim("batch", min=2)
     return tuple({0: batch} for _ in example_inputs), ""
 
 
@@ -123,11 +125,11 @@ def capture_model(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool
     n = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else None
     key = PlannedModule._key(example_inputs)
     dims, reason = _batch_dims(example_inputs) if dynamic_batch else (None, "a static capture was asked for")
+    if dims is not None and n == 1:
+        dims, reason = None, "batch 1 is captured on its own (a symbolic batch starts at 2)"
     if dims is not None:
-        # export treats a size-1 example dimension as the constant 1: trace at batch 2 instead
-        traced = tuple(torch.cat([x, x]) for x in example_inputs) if n == 1 else example_inputs
         try:
-            ep = capture(model, traced, dims, explain=False)
+            ep = capture(model, example_inputs, dims, explain=False)
         except CaptureError as e:                 # the static capture below explains errors of its own
             reason = f"the batch cannot be symbolic ({e})"
         else:
@@ -135,11 +137,11 @@ def capture_model(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool
             if sym is not None:
                 vr = ep.range_constraints.get(sym)
                 hi = None if vr is None or vr.upper.is_infinite or str(vr.upper) == "int_oo" else int(vr.upper)
-                cap = Captured(ep, constants(ep, model), device, sym, (int(vr.lower) if vr else 1, hi), "", n, key)
+                cap = Captured(ep, constants(ep, model), device, sym, (int(vr.lower) if vr else 2, hi), "", n, key)
                 if cap.accepts(example_inputs):
                     return cap
                 reason = (f"the symbolic graph holds for batch sizes in [{cap.batch_range[0]}, "
-                          f"{hi or 'inf'}) only, not {n}")
+                          f"{hi or 'inf'}] only, not {n}")
             else:
                 reason = "export made the batch size a constant (the model specialises on it)"
     ep = capture(model, example_inputs)
@@ -176,7 +178,8 @@ def layout_captured(cap: Captured, example_inputs: tuple, *, algorithm: str = "g
     return layout_at(cap, cap.batch_of(inputs), algorithm=algorithm, inplace=inplace)
 
 
-def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_size", inplace: bool = True) -> Layout:
+def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_size", inplace: bool = True,
+              _below_range: bool = False) -> Layout:
     """The layout at batch size `batch` from one capture: exact sizes of every tensor, offsets, the
     report; nothing is exported, allocated or run (milliseconds per batch size).
 
@@ -191,14 +194,17 @@ def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_s
     Example:
         >>> import torch
         >>> cap = capture_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU()), torch.zeros(2, 8))
-        >>> [layout_at(cap, n).report.unplanned_bytes for n in (1, 100)]      # the output, (n, 16) float32
-        [64, 6400]
+        >>> [layout_at(cap, n).report.unplanned_bytes for n in (2, 100)]      # the output, (n, 16) float32
+        [128, 6400]
     """
     _check_args(algorithm, inplace)
     lo, hi = cap.batch_range
-    if cap.dynamic and (isinstance(batch, bool) or not isinstance(batch, int) or batch < lo
-                        or (hi is not None and batch > hi)):
-        raise ValueError(f"batch must be an int in [{lo}, {hi or 'inf'}) for this capture; found {batch!r}")
+    # _below_range (sizing only): the symbolic graph's sizes at a batch below its range (batch 1), an
+    # estimate of batch 1's own capture, which runs the same ops unless the model branches on a size of 1
+    if cap.dynamic and (isinstance(batch, bool) or not isinstance(batch, int) or (batch < lo and not
+                        (_below_range and batch >= 1)) or (hi is not None and batch > hi)):
+        raise ValueError(f"batch must be an int in [{lo}, {hi or 'inf'}] for this capture (batch 1 is captured on "
+                         f"its own); found {batch!r}")
     if not cap.dynamic and batch != cap.example_batch:
         raise ValueError(f"this capture is static at batch {cap.example_batch} ({cap.static_reason}); "
                          f"found batch {batch!r}: capture again with inputs of that batch")
@@ -240,7 +246,7 @@ def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_s
         unplanned_bytes=max(live_profile(outside, 1), default=0), param_bytes=params,
         input_bytes=sum(graph.roots[v].nbytes for v in graph.inputs), rows=rows, algorithm=algorithm, n_ops=n_ops,
         unplanned_ops=dict(unplanned), unplanned_reasons=reasons)
-    report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'})" if cap.dynamic
+    report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'}]" if cap.dynamic
                       else f"static capture at batch {cap.example_batch} ({cap.static_reason})")
     return Layout(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch)
 
@@ -405,15 +411,22 @@ class PlannedModule:
                 self._check(inputs)
                 p = self._plan_for(inputs, key)
             self._last_key = key
-            if not torch.is_grad_enabled():
-                return p.run(inputs)
-            with torch.no_grad():                 # out= kernels refuse to record autograd
+            # plain outputs unless eager's would require grad (grad mode and a trainable parameter): then
+            # they are marked so that backward says why it cannot work
+            if not (torch.is_grad_enabled() and self._trainable()):
+                with torch.no_grad():             # out= kernels refuse to record autograd
+                    return p.run(inputs)
+            with torch.no_grad():
                 out = p.run(inputs)
         anchor = torch.zeros((), requires_grad=True)
         return pytree.tree_map_only(torch.Tensor, lambda t: _NoBackward.apply(t, anchor)
                                     if t.is_floating_point() else t, out)
 
     forward = __call__
+
+    def _trainable(self) -> bool:
+        """Whether a parameter the plans read requires grad (read now: requires_grad_ after planning is seen)."""
+        return any(t.requires_grad for cap in self.captures for t in cap.consts.values())
 
     def __repr__(self) -> str:
         r = self.report

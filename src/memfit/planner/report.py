@@ -46,7 +46,7 @@ class Report:
         unplanned_ops: op name -> count of ops run without an `out=` kernel.
         unplanned_reasons: op name -> why it runs outside the arena (no out= variant, an out= variant
             that allocates and copies, ...).
-        capture: how the graph was captured ("one capture, batch symbolic in [1, inf)", or static and why).
+        capture: how the graph was captured ("one capture, batch symbolic in [2, inf]", or static and why).
     """
     naive_bytes: int
     arena_bytes: int

@@ -63,7 +63,9 @@ class MemoryModel:
 
     def _parts(self, n: int) -> tuple[int, int]:
         if n not in self._cache and self._cap is not None:
-            rep = layout_at(self._cap, n, algorithm=self.algorithm).report
+            # batch 1 lies below the symbolic range (it is planned from a capture of its own): the
+            # symbolic graph's sizes at n=1, no export
+            rep = layout_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
             self._cache[n] = (rep.arena_bytes, rep.unplanned_bytes)
         if n not in self._cache:
             arena = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._arena)]
