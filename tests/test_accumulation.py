@@ -120,7 +120,7 @@ def test_per_sample_losses_are_summed_not_averaged_per_micro_batch():
 
 
 def test_a_micro_batch_mean_weighted_equally_would_fail_this_test():
-    """The uneven last micro-batch: averaging the micro-batch means (the seed-004 trap) is not the gradient."""
+    """The uneven last micro-batch: averaging the micro-batch means (equal weights, unequal parts) is wrong."""
     ref, ref_opt, mod, _ = pair("mlp")
     x, y = data(9)
     plain_step(ref, ref_opt, x, y)

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from memfit.budget import BudgetExceeded, format_bytes
 from memfit.dataset import CompactDataset
 from memfit.fields import batch_nbytes, forward
 from memfit.planner.sizing import largest_fitting  # one doubling + bisection search for every "what fits"
+
+log = logging.getLogger("memfit.evaluate")
 
 
 def whole_words(text: str, limit: int) -> str:
@@ -153,7 +156,10 @@ class Estimate:
 def _eager_peak(model, runner, chunks: Chunks, why: str) -> tuple[Callable[[int], int], str]:
     peak, how = _fake_peak(model, chunks, why)
     if peak is None:
-        peak, how = _measured_peak(model, runner, chunks), f"measured at 2 sizes{how}"
+        # an extrapolation, not an exact count: say so where the user reads the choice
+        log.warning("memfit.evaluate: the chunk size is APPROXIMATE (extrapolated from runs at 4 and 16 "
+                    "samples with 10%% head-room): %s", how)
+        peak, how = _measured_peak(model, runner, chunks), f"APPROXIMATE, extrapolated from runs at 2 sizes{how}"
     return peak, how
 
 

@@ -369,12 +369,18 @@ def dtype_mistake(e: BaseException, x) -> TypeError | None:
     if not isinstance(e, RuntimeError) or x is None or not any(
             k in text for k in ("scalar type", "scalar types", "same dtype", "should be the same", "expected both")):
         return None
+    if "device" in text or "cuda" in text.lower():     # tensors on different devices: not a dtype mistake
+        return None
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in (x.values() if isinstance(x, dict) else [x])})
     floats = all(t.is_floating_point() for t in (x.values() if isinstance(x, dict) else [x]))
     if floats and ("Long" in text or "Int" in text):
         fix = ("the model wants integer inputs (token ids, e.g. an Embedding first); give integer arrays (they "
                "decode to int64) or CompactDataset.from_arrays(..., dtype=torch.long); on the command line "
                "--dtype int64")
+    elif floats:
+        fix = ("the model's parameters have another float dtype than the inputs (e.g. a .half() model); "
+               "build the data in the model's dtype (CompactDataset.from_arrays(..., dtype=...), --dtype on the "
+               "command line) or convert the model with model.float()")
     else:
         fix = ("the model wants float inputs; build the data with a float dtype, e.g. "
                "CompactDataset.from_arrays(..., dtype=torch.float32); on the command line --dtype float32")
