@@ -391,6 +391,24 @@ def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypat
     assert_same_step(ref, mod, rtol=1e-4)
 
 
+@pytest.mark.cuda
+def test_auto_with_inputs_on_the_host_and_labels_on_the_device_fits_the_budget():
+    """Only the share of the inputs already on the device is taken off the prediction: x left on the host
+    is copied per micro-batch, and those copies are counted."""
+    _, _, mod, opt = pair("mlp", "adamw")
+    mod.cuda()                                             # the optimizer keeps the same Parameter objects
+    x, y = data(64)
+    y = y.cuda()
+    peak, _ = accumulation.training_peak(mod, opt, F.cross_entropy, x, y)
+    budget = (peak(64) + peak(1)) // 3                     # too small for the whole batch
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=budget)
+    torch.cuda.synchronize()
+    assert r.micro_batches > 1
+    assert torch.cuda.max_memory_allocated() <= budget, "the prediction fell below the real step"
+
+
 def test_auto_says_how_to_continue_when_the_memory_cannot_be_predicted(monkeypatch):
     def broken(*a):
         raise NotImplementedError("no fake kernel for aten::foo")

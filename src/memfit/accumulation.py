@@ -30,6 +30,7 @@ import contextlib
 import copy
 import gc
 import logging
+import math
 import time
 import warnings
 import weakref
@@ -247,11 +248,14 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
     on_device = [t for t in _tensors(x) + _tensors(y) if t.device == device]
     batch_bytes = sum(t.nbytes for t in on_device)
-    inputs_held = bool(on_device)         # micro-batches are views of it: their inputs take no new bytes
+    # Micro-batches of inputs already on the device are views: their bytes are in batch_bytes, not new.
+    # Only that share of the model's input bytes is taken off (x on the host and y on the device: none).
+    x_all = sum(t.nbytes for t in _tensors(x))
+    x_held = sum(t.nbytes for t in _tensors(x) if t.device == device) / x_all if x_all else 0.0
 
     def peak(m: int) -> int:
         parts = mm.breakdown(m)
-        inputs = parts.get("inputs", 0) if inputs_held else 0
+        inputs = math.floor(parts.get("inputs", 0) * x_held)      # rounded down: never below reality
         return sum(parts.values()) - inputs + batch_bytes + buckets + (grads if m < n else 0)
     how = (f"{mm.method}; + all gradients held between micro-batches"
            + (" + DDP gradient buckets" if buckets else ""))
