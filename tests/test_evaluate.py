@@ -541,3 +541,25 @@ def test_an_extrapolated_chunk_estimate_says_it_is_approximate(monkeypatch, capl
         peak, how = chunking._eager_peak(model, model, chunks, "")
     assert how.startswith("APPROXIMATE") and "APPROXIMATE" in caplog.text
     assert peak(16) >= peak(4) > 0
+
+
+def test_a_chunk_sized_for_the_planner_is_sized_again_when_the_planner_cannot_run(monkeypatch):
+    """The planned forward holds less than the eager one: when the plan cannot be borrowed after all, the
+    chunk is sized again for the eager forward instead of running a planner-sized chunk over the budget."""
+    from memfit import chunking
+    from memfit.planner import cache
+    x, y = make_data(3000)
+    model = make_model()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    chunks = chunking.Chunks(ds, torch.device("cpu"))
+    budget = 100_000
+    planned_size, est, _ = choose_chunk(model, chunks, budget, model, use_plan=None)
+    eager_size, _, _ = choose_chunk(model, chunks, budget, model, use_plan=False)
+    assert est.planned and eager_size < planned_size                 # the case this test is about
+
+    def refuse(*a, **k):
+        raise RuntimeError("no arena today")
+    monkeypatch.setattr(cache, "borrow_plan", refuse)
+    r = evaluate(model, ds, budget=budget, device="cpu", progress=False)
+    assert r.runner == "eager" and r.chunk_size == eager_size and "sized again" in r.reason
+    assert r.metrics["accuracy"] == unchunked(model, x, y)["accuracy"]

@@ -171,6 +171,11 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         if isinstance(chunks, Chunks) and _use_planner(chunks, planned, estimate):
             runner, why = _planned_runner(model, chunks, size, planned)
             runner_name = "planned" if runner is not model else "eager"
+            if runner is model and estimate is not None and estimate.planned and not distributed:
+                # the chunk was sized for the planned forward, which will not run: size it for the eager one
+                size, estimate, again = choose_chunk(model, chunks, _limit(model, budget, dev), model,
+                                                     use_plan=False)
+                why = f"{why}; chunk sized again for the eager forward: {again}"
             reason = f"{reason}; {why}" if why else reason
         res = _loop(runner, chunks, mets, size, dev, progress, output_fn, allow_empty=distributed)
     except Exception as e:
@@ -228,6 +233,11 @@ def _shard(data):
     return data
 
 
+def _limit(model, budget, dev) -> int:
+    """The bytes a chunk may use: the budget, or the free memory plus what the model already holds."""
+    return resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
+
+
 def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) -> tuple[int, Callable | None, str]:
     if not isinstance(chunks, Chunks):
         return 0, None, "batches of the loader"
@@ -239,7 +249,7 @@ def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) ->
         return chunks.n, None, (f"one eager chunk of all {chunks.n} samples: a set this small (<= {SMALL_SET}) runs "
                                 "faster than capturing the model for the planner; out-of-memory back-off halves "
                                 "the chunk if needed")
-    limit = resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
+    limit = _limit(model, budget, dev)
     small = not distributed and _small_set(chunks, chunk_size, planned)
     use = False if planned is False or small else (True if planned else None)
     size, estimate, reason = choose_chunk(model, chunks, limit, model, use_plan=use)
