@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import logging
 import math
 import time
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import check_count, format_bytes, parse_bytes, resolve_budget
+from memfit.budget import check_count, format_bytes, parse_bytes, release_cached, resolve_budget
 from memfit.evaluate import is_oom
 
 __all__ = ["BatchDependentError", "StepResult", "accumulate", "batch_dependent_modules"]
@@ -413,7 +412,7 @@ class _Step:
             if err is None:
                 i += m
                 continue
-            _release(self.device)              # outside the except block: the failed part's frames are gone
+            release_cached(self.device)              # outside the except block: the failed part's frames are gone
             self.retries += 1
             self.oom_sizes.append(m)
             if m == 1:
@@ -424,12 +423,6 @@ class _Step:
             size = self.run_range(i, i + m, size, frozen | got, n)
             i += m
         return size
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable,

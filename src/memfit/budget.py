@@ -150,6 +150,15 @@ class BudgetExceeded(MemoryError):
         self.needed, self.budget, self.items = needed, budget, list(items)
 
 
+def release_cached(device: torch.device) -> None:
+    """Free what an out-of-memory error left behind before a retry: unreachable tensors (gc) and, on CUDA,
+    the caching allocator's unused blocks."""
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     """`None` -> the first CUDA device when there is one, else the CPU; strings are checked."""
     if device is None:

@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import gc
 import textwrap
 import time
 import warnings
@@ -28,7 +27,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import BudgetExceeded, check_count, format_bytes, plural, resolve_budget, resolve_device
+from memfit.budget import (
+    BudgetExceeded,
+    check_count,
+    format_bytes,
+    plural,
+    release_cached,
+    resolve_budget,
+    resolve_device,
+)
 from memfit.chunking import (  # noqa: F401  (re-exported: part of the API)
     MAX_AUTO_CHUNK,
     Chunks,
@@ -84,12 +91,6 @@ class EvalResult:
 
 
 # ---- the loop --------------------------------------------------------------------------------------
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
     """Forward one chunk and compute every metric's contribution; nothing is committed here."""
     out = logits_of(forward(runner, x), output_fn)
@@ -398,7 +399,7 @@ def dtype_mistake(e: BaseException, x) -> TypeError | None:
 
 
 def _back_off(err: str, n: int, failed: set, limit: int, stats: dict, dev) -> tuple[int, int]:
-    _release(dev)
+    release_cached(dev)
     stats["retries"] += 1
     stats["oom_sizes"].append(n)
     if n == 1:

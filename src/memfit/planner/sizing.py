@@ -29,7 +29,15 @@ from pathlib import Path
 import torch
 
 from memfit.budget import BudgetExceeded, check_count, format_bytes, parse_bytes
-from memfit.footprint import CUDA_MARGIN, CUDA_SEGMENT, FakeRunError, StepMemoryModel, _is_shape, step_memory_model
+from memfit.footprint import (
+    CUDA_MARGIN,
+    CUDA_SEGMENT,
+    FakeRunError,
+    StepMemoryModel,
+    _batch,
+    _is_shape,
+    step_memory_model,
+)
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.planned import ALIGNMENT, capture_model, layout, layout_at
 
@@ -111,10 +119,6 @@ def _size(s1: int, s2: int, n: int) -> int:
     """Bytes at batch n of a tensor of s1 bytes at PROBES[0] and s2 at PROBES[1]: the exact line, rounded up."""
     n1, n2 = PROBES
     return max(0, -(-(s1 * (n2 - n1) + (s2 - s1) * (n - n1)) // (n2 - n1)))
-
-
-def _batch(n) -> int:
-    return check_count("the batch size", n, 1)
 
 
 def _sample_shape(sample_shape) -> tuple[int, ...]:
