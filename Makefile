@@ -33,15 +33,12 @@ test-cuda:
 	  --worlds $$($(CUDA_PY) -c "import torch; print('1,2' if torch.cuda.device_count() >= 2 else '1')")
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests
 
+# Every benchmark, full size; each prints its table (save it under benchmarks/results/ with tee).
 bench: $(VENV)/.installed
-	$(PY) benchmarks/bench_codecs.py
-	$(PY) benchmarks/bench_loaders.py
-	$(PY) benchmarks/bench_planner.py
-	$(PY) benchmarks/bench_evaluate.py
-	$(PY) benchmarks/bench_distributed.py
-	$(PY) benchmarks/bench_train.py
+	for b in codecs loaders planner evaluate distributed train; do $(VENV)/bin/memfit bench $$b || exit 1; done
+	$(VENV)/bin/memfit bench planner --real
 
 clean:
 	rm -rf $(VENV) memfit-demo .pytest_cache

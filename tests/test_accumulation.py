@@ -500,8 +500,8 @@ def test_two_gloo_ranks_step_like_one_process_on_the_whole_batch():
 
 
 def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
-    from memfit.dataset import CompactDataset
-    from memfit.demo import train_under_budget
+    from memfit.cli.demo import train_under_budget
+    from memfit.compact import CompactDataset
     rng = np.random.default_rng(0)
     ds = CompactDataset.from_arrays(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8), rng.integers(0, 4, 100),
                                     normalize="dataset", device="cpu")

@@ -28,7 +28,8 @@ def test_import_is_cheap_and_has_no_side_effects():
 
 
 def test_submodules_are_documented():
-    for mod in ("budget", "codecs", "dataset", "datasets", "encoding", "evaluate", "metrics", "distributed", "progress",
-                "cli", "measure", "sources", "demo", "loader", "loaders", "planner"):
+    for mod in ("accumulation", "arrays", "budget", "chunking", "codecs", "compact", "distributed", "evaluation",
+                "fields", "measure", "metrics", "progress", "readers", "cli", "cli.data", "cli.demo", "cli.options",
+                "cli.plan", "cli.bench", "loading", "planner", "planner.footprint"):
         m = importlib.import_module(f"memfit.{mod}")
         assert m.__doc__ and len(m.__doc__) > 40, mod

@@ -134,7 +134,7 @@ def test_counts_accept_numpy_ints_across_the_api():
     import numpy as np
 
     import memfit
-    x, y = memfit.datasets.synthetic(np.int64(64), shape=(np.int64(1), 4, 4), seed=np.int64(0))
+    x, y = memfit.readers.synthetic(np.int64(64), shape=(np.int64(1), 4, 4), seed=np.int64(0))
     ds = memfit.CompactDataset.from_arrays(x, y, device="cpu")
     ld = memfit.loader(ds, np.int64(16), seed=np.int64(1), device="cpu", strategy="macro", macro_batch=np.int64(32))
     assert [len(b) for b, _ in ld] == [16] * 4

@@ -159,7 +159,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @given(arrays())
 def test_auto_round_trips_bit_exactly(x):
     """Whatever the dtype and range, auto stores x so that decoding in x's own precision gives x back."""
-    from memfit.dataset import CompactDataset
+    from memfit.compact import CompactDataset
     ref = torch.from_numpy(x.astype(np.int64) if x.dtype.kind in "iu" and x.dtype != np.uint8 else x)
     wide = torch.int64 if x.dtype.kind in "iu" and x.dtype != np.uint8 else torch.float64
     ds = CompactDataset.from_arrays(x, device="cpu", dtype=wide)
@@ -178,7 +178,7 @@ def test_auto_round_trips_bit_exactly(x):
 def test_quantised_bound_holds_for_the_float32_decode(channels, loc, max_scale, codec, seed):
     """The advertised max_abs_error bounds what the dataset really hands out (float32 arithmetic),
     with per-channel scales up to 1e4 (20 channels: the two-pass decode of many channels too)."""
-    from memfit.dataset import CompactDataset
+    from memfit.compact import CompactDataset
     g = torch.Generator().manual_seed(seed)
     scales = torch.rand(channels, generator=g, dtype=torch.float64) * max_scale
     x = (torch.randn(16, channels, 3, generator=g, dtype=torch.float64) * scales.view(1, -1, 1) + loc).float()

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from distributed_util import run_ranks
-from memfit.bench.zoo import MODELS, build
-from memfit.dataset import CompactDataset
-from memfit.evaluate import evaluate
+from memfit.cli.bench.zoo import MODELS, build
+from memfit.compact import CompactDataset
+from memfit.evaluation import evaluate
 from memfit.planner import plan
 
 pytestmark = pytest.mark.cuda

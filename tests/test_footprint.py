@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.footprint import FakeRunError, measure_step, step_memory_model
+from memfit.planner.footprint import FakeRunError, measure_step, step_memory_model
 
 warnings.filterwarnings("ignore", message=".*(loss_type|bos_token_id|eos_token_id).*")
 

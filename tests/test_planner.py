@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from memfit import BudgetExceeded
-from memfit.bench.zoo import MODELS, build
+from memfit.cli.bench.zoo import MODELS, build
+from memfit.cli.plan import cli_plan, load_factory
 from memfit.planner import CaptureError, activation_bytes, max_batch_size, memory_model, plan
 from memfit.planner.arena import align
-from memfit.planner.cli import cli_plan, load_factory
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT
 
@@ -262,7 +262,7 @@ def test_cli_plan_prints_the_report(tmp_path, capsys):
 
 
 def test_cli_plan_bad_usage(tmp_path):
-    from memfit.usage import UsageError
+    from memfit.cli.options import UsageError
     (tmp_path / "net.py").write_text(MODEL_FILE)
     with pytest.raises(UsageError, match="--input"):
         cli_plan([f"{tmp_path}/net.py:make", "--input", "4,x"])
@@ -271,13 +271,13 @@ def test_cli_plan_bad_usage(tmp_path):
 
 
 def test_load_factory_errors(tmp_path):
-    assert load_factory("memfit.bench.zoo:lenet") is not None
+    assert load_factory("memfit.cli.bench.zoo:lenet") is not None
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
         load_factory("no_colon")
     with pytest.raises(ValueError, match="does not exist"):
         load_factory(f"{tmp_path}/missing.py:make")
     with pytest.raises(ValueError, match="no attribute 'nope'"):
-        load_factory("memfit.bench.zoo:nope")
+        load_factory("memfit.cli.bench.zoo:nope")
     with pytest.raises(ValueError, match="cannot import"):
         load_factory("memfit.not_a_module:make")
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from memfit.bench.fuzz import FuzzModel, check_programs, programs
+from memfit.cli.bench.fuzz import FuzzModel, check_programs, programs
 from memfit.planner import plan
 
 

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from memfit.bench.zoo import build_real  # noqa: E402
+from memfit.cli.bench.zoo import build_real  # noqa: E402
 from memfit.planner import plan  # noqa: E402
 
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import check_count, format_bytes, parse_bytes, release_cached, resolve_budget
-from memfit.evaluate import is_oom
+from memfit.budget import check_count, format_bytes, is_oom, model_device, parse_bytes, release_cached, resolve_budget
+from memfit.fields import batch_tensors
 
 __all__ = ["BatchDependentError", "StepResult", "accumulate", "batch_dependent_modules"]
 
@@ -78,23 +78,13 @@ class StepResult:
 
 
 # ---- the batch -------------------------------------------------------------------------------------
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [v for v in x.values() if isinstance(v, torch.Tensor)]
-    if isinstance(x, (tuple, list)):
-        return [v for v in x if isinstance(v, torch.Tensor)]
-    return []
-
-
 def _batch_size(x, y) -> int:
     """N, the samples in (x, y): dim 0 of every tensor, which must agree."""
-    ts = _tensors(x)
+    ts = batch_tensors(x)
     if not ts:
         raise TypeError(f"batch x must be a tensor, a dict of tensors (e.g. tokenizer output) or a tuple of "
                         f"tensors; found {type(x).__name__}")
-    sizes = {t.shape[0] if t.dim() else None for t in ts + _tensors(y)}
+    sizes = {t.shape[0] if t.dim() else None for t in ts + batch_tensors(y)}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"every tensor of the batch needs the same first (batch) dimension; found sizes "
                          f"{sorted(map(str, sizes))}")
@@ -190,11 +180,10 @@ def _check_distributed(model, distributed: bool) -> int:
     return torch.distributed.get_world_size()
 
 
-def _device(model) -> torch.device:
-    p = next(iter(model.parameters()), None)
-    if p is None:
+def _trained_device(model) -> torch.device:
+    if next(iter(model.parameters()), None) is None:
         raise ValueError("the model has no parameters: there is nothing to train")
-    return p.device
+    return model_device(model)
 
 
 # ---- micro-batch size -------------------------------------------------------------------------------
@@ -234,7 +223,7 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     from memfit.planner import memory_model  # train=True: one training step on fake tensors
     ddp = isinstance(model, _ddp_class())
     module = model.module if ddp else model
-    device, n = _device(model), _batch_size(x, y)
+    device, n = _trained_device(model), _batch_size(x, y)
     k = min(2, n)
     # The fake run counts lazily created optimizer state as held from the start, so an optimizer without
     # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
@@ -245,12 +234,12 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
                       loss_fn=_scalar_loss(loss_fn, y is not None), target=target)
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
-    on_device = [t for t in _tensors(x) + _tensors(y) if t.device == device]
+    on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device]
     batch_bytes = sum(t.nbytes for t in on_device)
     # Micro-batches of inputs already on the device are views: their bytes are in batch_bytes, not new.
     # Only that share of the model's input bytes is taken off (x on the host and y on the device: none).
-    x_all = sum(t.nbytes for t in _tensors(x))
-    x_held = sum(t.nbytes for t in _tensors(x) if t.device == device) / x_all if x_all else 0.0
+    x_all = sum(t.nbytes for t in batch_tensors(x))
+    x_held = sum(t.nbytes for t in batch_tensors(x) if t.device == device) / x_all if x_all else 0.0
 
     def peak(m: int) -> int:
         parts = mm.breakdown(m)
@@ -306,7 +295,7 @@ def _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tup
 
 
 def _signature(x) -> tuple:
-    return tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in _tensors(x))
+    return tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in batch_tensors(x))
 
 
 # ---- the step ------------------------------------------------------------------------------------------
@@ -475,7 +464,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     _check_batch_dependence(model, allow_batch_dependent)
     x, y = batch
     n = _batch_size(x, y)
-    device = _device(model)
+    device = _trained_device(model)
     n_total = n
     if world > 1:               # the global sample count weights every rank's micro-batches
         from memfit.distributed import all_reduce

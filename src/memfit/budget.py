@@ -132,22 +132,18 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
-def plural(n: int, noun: str, many: str | None = None) -> str:
-    """'1 tensor', '3 tensors': a count and its noun, for messages (`many` for an irregular plural).
-
-    Example:
-        >>> plural(1, "chunk"), plural(0, "chunk"), plural(2, "retry", "retries")
-        ('1 chunk', '0 chunks', '2 retries')
-    """
-    return f"{n} {noun}" if n == 1 else f"{n} {many or noun + 's'}"
-
-
 class BudgetExceeded(MemoryError):
     """A plan needs more memory than its budget. `.items` lists (name, bytes) of what it needed."""
 
     def __init__(self, message: str, needed: int = 0, budget: int = 0, items=()):
         super().__init__(message)
         self.needed, self.budget, self.items = needed, budget, list(items)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter; the CPU for a model without parameters."""
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def release_cached(device: torch.device) -> None:
@@ -320,3 +316,14 @@ class Ledger:
                 f"({format_bytes(self.total - self.budget)} short):\n{self.table()}" + (f"\n{hint}" if hint else ""),
                 needed=self.total, budget=self.budget, items=self.items)
         return self
+
+
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                "CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input")
+
+
+def is_oom(e: BaseException) -> bool:
+    """True for torch.OutOfMemoryError and the allocator errors of CUDA, HIP, MPS and the CPU."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) and not isinstance(e, BudgetExceeded):
+        return True
+    return isinstance(e, RuntimeError) and any(m.lower() in str(e).lower() for m in OOM_MESSAGES)

@@ -2,7 +2,7 @@
 
 The peak bytes of a chunk of n samples come from the activation planner (`memfit.plan`'s memory
 model) when it can capture the model, else from a fake-tensor run of the eager forward
-(`memfit.footprint`: nothing allocated, no export), else from two small measured runs. Each is
+(`memfit.planner.footprint`: nothing allocated, no export), else from two small measured runs. Each is
 an affine-in-n estimate; `largest_fitting` bisects it against the budget.
 
 Example:
@@ -19,24 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from memfit.budget import BudgetExceeded, format_bytes
-from memfit.dataset import CompactDataset
+from memfit.compact import CompactDataset
 from memfit.fields import batch_nbytes, forward
+from memfit.messages import first_line
 from memfit.planner.sizing import largest_fitting  # one doubling + bisection search for every "what fits"
 
 log = logging.getLogger("memfit.evaluate")
-
-
-def whole_words(text: str, limit: int) -> str:
-    """text, or its first words up to about `limit` characters and '...': never cut mid-word."""
-    if len(text) < limit:
-        return text
-    return text[:limit].rsplit(" ", 1)[0] + " ..."
-
-
-def first_line(e: BaseException) -> str:
-    """'TypeName: first line of the message', whole: never cut mid-word."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -101,7 +89,7 @@ def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | No
 
 
 def _fake_peak(model, chunks: Chunks, why: str) -> tuple[Callable[[int], int] | None, str]:
-    """peak(n) of an eager forward from fake-tensor runs (`memfit.footprint`; no export, nothing allocated),
+    """peak(n) of an eager forward from fake-tensor runs (`memfit.planner.footprint`; no export, nothing allocated),
     cached per model; (None, why) when even that fails."""
     try:
         from memfit.planner.cache import forward_memory_of

@@ -419,7 +419,7 @@ def _torch_dtype(x: Array) -> torch.dtype:
 
 
 def _chunks(x: Array):
-    from memfit.encoding import iter_chunks  # one bounded pass (a memmap is never read whole)
+    from memfit.arrays import iter_chunks  # one bounded pass (a memmap is never read whole)
     for _, chunk in iter_chunks(x):
         yield chunk
 

@@ -10,7 +10,7 @@ stored dtype (no copy) and decodes it, giving a dict batch that a `transformers`
 
 Example:
     >>> import numpy as np, torch
-    >>> from memfit.dataset import CompactDataset
+    >>> from memfit.compact import CompactDataset
     >>> ids = np.array([[101, 2023, 102], [101, 7592, 102]])           # (N=2, L=3) token ids
     >>> ds = CompactDataset.from_arrays({"input_ids": ids, "attention_mask": np.ones_like(ids)}, [0, 1],
     ...                                 device="cpu")
@@ -115,6 +115,14 @@ def forward(model, x):
 
 def batch_len(x) -> int:
     return next(iter(x.values())).shape[0] if isinstance(x, dict) else x.shape[0]
+
+
+def batch_tensors(x) -> list[torch.Tensor]:
+    """The tensors of a batch part: a tensor, or the tensors among a dict's values or a tuple's items."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    return [v for v in items if isinstance(v, torch.Tensor)]
 
 
 def batch_nbytes(x) -> int:

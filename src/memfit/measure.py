@@ -38,13 +38,13 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
         s = t.untyped_storage()
     except (RuntimeError, NotImplementedError):      # sparse or wrapper tensors own no plain storage
         return None
-    # the storage object's own address, not its data pointer: fake tensors (memfit.footprint) have none
+    # the storage object's own address, not its data pointer: fake tensors (memfit.planner.footprint) have none
     return (s._cdata, s.nbytes()) if s.nbytes() else None
 
 
 class _Tracker(TorchDispatchMode):
     """Counts live storages; with `log`, also records every allocation and free as
-    (op index, storage key, +bytes or -bytes) and the ops' names in `ops` (memfit.footprint's timeline)."""
+    (op index, storage key, +bytes or -bytes) and the ops' names in `ops` (memfit.planner.footprint's timeline)."""
 
     def __init__(self, trace: MemoryTrace, log: list | None = None):
         super().__init__()

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from memfit.budget import plural
+from memfit.messages import plural
 
 
 def check_logits(logits: torch.Tensor, y: torch.Tensor, what: str) -> None:

@@ -7,7 +7,7 @@
   and runs the model there.
 - `memory_model`, `activation_bytes`, `max_batch_size`: the bytes a batch of n needs, from plans,
   without running the model at full size.
-- `memfit plan MODULE:FACTORY --input 1,3,224,224` prints the plan (`memfit.planner.cli`, not
+- `memfit plan MODULE:FACTORY --input 1,3,224,224` prints the plan (`memfit.cli.plan`, not
   imported here: the library never imports the command line).
 
 Modules: `arena` (lifetimes, offsets, verifier: pure functions), `ops` (out= kernels, views,

@@ -22,8 +22,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
+from memfit.messages import first_line
 from memfit.planner.arena import ALGORITHMS, Buffer, align, assign_offsets, live_profile, lower_bound, verify
-from memfit.planner.capture import CaptureError, _first_line, as_inputs, capture, constants
+from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.codegen import generate
 from memfit.planner.graph import DataDependentSize, Graph, Meta, analyze
 from memfit.planner.report import Report, Row
@@ -211,7 +212,8 @@ def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_s
     try:
         graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch))
     except (GuardOnDataDependentSymNode, DataDependentSize) as e:       # a size known only when the model runs
-        raise CaptureError(f"the model's graph has tensor sizes that depend on values ({_first_line(e)}): "
+        why = first_line(e, with_type=False)
+        raise CaptureError(f"the model's graph has tensor sizes that depend on values ({why}): "
                            "boolean-mask indexing, nonzero or .item(); the planner needs static sizes: run the "
                            "model eagerly, or do the value-dependent part outside the model",
                            kind="data-dependent") from None

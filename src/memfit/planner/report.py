@@ -8,7 +8,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.budget import format_bytes, plural
+from memfit.budget import format_bytes
+from memfit.messages import plural
 from memfit.planner.arena import Buffer, assign_offsets
 
 __all__ = ["Report", "Row"]

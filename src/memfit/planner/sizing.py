@@ -5,7 +5,7 @@ with a symbolic batch gives the planner's layout at any n with every tensor's ex
 runs; cached per n). Where the capture is static, layouts at batch 2 and 4 give each tensor's size as
 the exact line `a + b * n` (rationals, rounded up). For training, for inputs
 given as a dict or several tensors, for models export cannot capture, and where the two graphs
-differ, the fake-tensor run of `memfit.footprint` counts the eager forward or the training step
+differ, the fake-tensor run of `memfit.planner.footprint` counts the eager forward or the training step
 instead, and `method` says why. `max_batch_size` searches the largest batch in a budget
 (`largest_fitting`: doubling, then bisection).
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from memfit.budget import BudgetExceeded, check_count, format_bytes, parse_bytes
-from memfit.footprint import (
+from memfit.budget import BudgetExceeded, check_count, format_bytes, model_device, parse_bytes
+from memfit.planner.arena import Buffer, assign_offsets, live_profile
+from memfit.planner.footprint import (
     CUDA_MARGIN,
     CUDA_SEGMENT,
     FakeRunError,
@@ -38,7 +39,6 @@ from memfit.footprint import (
     _is_shape,
     step_memory_model,
 )
-from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.planned import ALIGNMENT, capture_model, layout, layout_at
 
 __all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "largest_fitting", "max_batch_size", "memory_model",
@@ -51,7 +51,7 @@ PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
 class MemoryModel:
     """Bytes for a batch of n: parameters + inputs + planned arena + unplanned (see `total_bytes`).
 
-    The same small interface as `memfit.footprint.StepMemoryModel`: `total_bytes(n)`, `breakdown(n)`,
+    The same small interface as `memfit.planner.footprint.StepMemoryModel`: `total_bytes(n)`, `breakdown(n)`,
     `method`, `explain()`.
 
     Attributes:
@@ -131,11 +131,6 @@ def _sample_shape(sample_shape) -> tuple[int, ...]:
                          f"found {sample_shape!r}") from None
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
                  loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, device=None,
@@ -145,7 +140,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     Inference (train=False) of a model torch.export captures, with one input tensor: from the planner's
     layouts (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
     no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
-    (`memfit.footprint`), which allocates nothing and leaves the model and optimizer as they were.
+    (`memfit.planner.footprint`), which allocates nothing and leaves the model and optimizer as they were.
 
     Args:
         model: the module (on its own device).
@@ -178,7 +173,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         example, dtype = tuple(example.shape[1:]), example.dtype
     if not _is_shape(example):
         return fake("not planned: the planner takes one input tensor")
-    if autocast is not None or (device is not None and torch.device(device) != _device(model)):
+    if autocast is not None or (device is not None and torch.device(device) != model_device(model)):
         return fake("not planned: autocast or another device than the model's")
     try:
         return _planned_model(model, _sample_shape(example), dtype, algorithm)
@@ -198,7 +193,7 @@ class _GraphsDiffer(Exception):
 
 
 def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> MemoryModel:
-    dev = _device(model)
+    dev = model_device(model)
     per_sample = math.prod(shape) * dtype.itemsize
     cap = capture_model(model, (torch.zeros((PROBES[0], *shape), dtype=dtype, device=dev),))
     if cap.dynamic:           # one export; the layout at any n has every tensor's exact size
