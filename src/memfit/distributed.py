@@ -60,6 +60,42 @@ def shard_indices(n: int, rank: int, world_size: int, mode: str = "contiguous") 
     raise ValueError(f"shard mode must be 'contiguous' or 'strided'; found {mode!r}")
 
 
+def shard_data(data: object, rank: int, world_size: int) -> tuple[object, range, int]:
+    """This rank's part of whole data: (the part, its positions in the whole, the whole's size).
+
+    A whole dataset (a `CompactDataset`: anything with `shard_info` None and `shard(rank, world_size)`)
+    is sharded, a copy of a contiguous block; one already sharded passes when it is this rank's shard.
+    An (x, y) pair of arrays is sliced to a contiguous block (a memory-mapped x stays one). Anything
+    else passes as it is, with no positions (`range(0)`, size 0): its consumer names a bad type.
+
+    Example:
+        >>> part, where, n = shard_data((list(range(10)), None), 1, 3)
+        >>> part, where, n
+        (([4, 5, 6], None), range(4, 7), 10)
+    """
+    if hasattr(data, "shard_info") and hasattr(data, "shard"):
+        info = data.shard_info
+        if info is None:
+            data = data.shard(rank, world_size)
+            info = data.shard_info
+        elif (info.rank, info.world_size) != (rank, world_size):
+            raise ValueError(f"the dataset is shard {info.rank} of {info.world_size}, but this process is rank "
+                             f"{rank} of {world_size}; pass the whole dataset or this rank's shard")
+        if info.mode == "strided":
+            return data, range(rank, info.n_total, world_size), info.n_total
+        start = int(info.indices[0]) if len(info.indices) else 0
+        return data, range(start, start + len(info.indices)), info.n_total
+    if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "__len__"):
+        x, y = data
+        n = len(x)
+        if y is not None and len(y) != n:
+            raise ValueError(f"x has {n} samples but y has {len(y)} labels; they must match")
+        sizes = shard_sizes(n, world_size)
+        a, b = sum(sizes[:rank]), sum(sizes[:rank + 1])
+        return (x[a:b], None if y is None else y[a:b]), range(a, b), n
+    return data, range(0), 0
+
+
 def epoch_batch_sizes(n_local: int, n_min: int, n_max: int, batch_size: int, drop_last: bool) -> list[int]:
     """Batch sizes of one rank so that every rank yields the same number of batches.
 
