@@ -52,15 +52,20 @@ def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int) ->
     drawn = int(torch.randint(0, 2**62, (1,)))
     given = -1 if seed is None or error is not None else seed
     ranks = agree(error, "memfit.loader", (given, drawn, n_total))
-    if len({v[2] for v in ranks}) > 1:
-        raise ValueError("the ranks were given data of different sizes (" + ", ".join(
-            f"rank {r}: {v[2]}" for r, v in enumerate(ranks)) + "); with distributed=True pass every rank the "
-            "whole dataset (or its own shard of the same whole): each keeps its part of one shared order")
-    if len({v[0] for v in ranks}) > 1:
-        raise ValueError("the ranks were given different seeds (" + ", ".join(
-            f"rank {r}: {'None' if v[0] < 0 else v[0]}" for r, v in enumerate(ranks)) + "); pass the same "
-            "seed on every rank (or None on all: rank 0's draw is shared), else samples repeat or go missing")
+    _same_on_every_rank([v[2] for v in ranks], "data of different sizes", str,
+                        "with distributed=True pass every rank the whole dataset (or its own shard of the same "
+                        "whole): each keeps its part of one shared order")
+    _same_on_every_rank([v[0] for v in ranks], "different seeds", lambda s: "None" if s < 0 else str(s),
+                        "pass the same seed on every rank (or None on all: rank 0's draw is shared), else samples "
+                        "repeat or go missing")
     return ranks[0][1] if ranks[0][0] < 0 else ranks[0][0]
+
+
+def _same_on_every_rank(values: list[int], what: str, show, fix: str) -> None:
+    """Raise ValueError listing every rank's value when they differ."""
+    if len(set(values)) > 1:
+        ranks = ", ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
+        raise ValueError(f"the ranks were given {what} ({ranks}); {fix}")
 
 
 class Loader:

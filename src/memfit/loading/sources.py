@@ -1,7 +1,7 @@
 """Host sources: where a loader's compact rows come from, and how a block of them is gathered.
 
 - `CompactSource`: a `CompactDataset` (CPU, pinned CPU, or already on the device). A block is one
-  `index_select` into a preallocated buffer, moving rows as 8-byte words when their size allows.
+  gather into a preallocated buffer (`CompactDataset.rows`: 8-byte words when the row size allows).
 - `FileSource`: (x, y) where x is a memory-mapped `.npy` (possibly larger than RAM). x stays on disk;
   a block is read in chunks of about `READ_BYTES` (sorted indices: sequential reads when the block is
   contiguous), encoded on the way, and the pages read are dropped from this process's memory.
@@ -39,14 +39,6 @@ from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
 from memfit.compact import CompactDataset, check_integer_output
 
 READ_BYTES = 2**20          # raw bytes per file read: bounds the host temporaries of a FileSource
-
-
-def as_words(t: torch.Tensor) -> torch.Tensor | None:
-    """Rows of `t` as int64 words when they allow it (an index_select then moves 8x fewer elements)."""
-    if t.dim() < 1 or not t.is_contiguous() or t.element_size() >= 8 or t.shape[0] == 0:
-        return None
-    row = t[:1].nbytes
-    return t.view(t.shape[0], -1).view(torch.int64) if row % 8 == 0 and row > 0 else None
 
 
 class Source:
@@ -88,22 +80,16 @@ class CompactSource(Source):
         self.stored_dtype = ds.x.dtype
         self.y_dtype = None if ds.y is None else ds.y.dtype
         self._host: CompactDataset | None = None
-        self._words: torch.Tensor | None = None
 
     def host(self) -> CompactDataset:
         """The rows in host memory (a dataset on a CUDA device is copied back once, when first needed)."""
         if self._host is None:
             self._host = self.original if self.original.device.type == "cpu" else self.original.to("cpu")
-            self._words = as_words(self._host.x)
         return self._host
 
     def fill(self, idx, x_out, y_out):
         m, ds = idx.shape[0], self.host()
-        out_words = as_words(x_out[:m]) if self._words is not None else None
-        if out_words is not None:
-            torch.index_select(self._words, 0, idx, out=out_words)      # one gather, 8-byte elements
-        else:
-            torch.index_select(ds.x, 0, idx, out=x_out[:m])
+        ds.rows(idx, out=x_out[:m])                  # one gather (as 8-byte words when the rows allow it)
         if y_out is not None:
             torch.index_select(ds.y, 0, idx, out=y_out[:m])
 
