@@ -358,3 +358,22 @@ def test_token_ids_from_a_memmapped_file_stream_as_int64(tmp_path):
     got = torch.cat([x for x, _ in ld])
     assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(TOKENS))
     assert "stored as int16 (lossless), decoded to int64" in ld.explain()
+
+
+def test_one_progress_keyword_across_the_public_api():
+    """A progress bar is asked for as `progress=` everywhere (from_arrays as evaluate), never `progress_bar=`."""
+    import inspect
+
+    import memfit
+    params = {}
+    for name in memfit.__all__:
+        obj = getattr(memfit, name)
+        members = vars(obj).items() if inspect.isclass(obj) else [(name, obj)]
+        for member, fn in members:
+            fn = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+            if inspect.isfunction(fn):
+                params[f"{name}.{member}"] = set(inspect.signature(fn).parameters)
+    assert not [k for k, p in params.items() if "progress_bar" in p]
+    assert "progress" in params["CompactDataset.from_arrays"] and "progress" in params["evaluate.evaluate"]
+    ds = CompactDataset.from_arrays({"a": IMAGES}, LABELS, device="cpu", progress=False)   # fields pass it on
+    assert len(ds) == len(IMAGES)

@@ -230,8 +230,8 @@ class QuantCodec(Codec):
 
         Two parts, per channel: the quantisation error |code * a + b - x| (at most half a step),
         measured exactly in float64, plus the worst rounding of the float32 decode of any code
-        (`decode_rounding`). Measuring only the first part understated the error by 2e-4 with
-        per-channel scales of 1e3.
+        (`decode_rounding`). The first part alone understates the error of what a user gets (by 2e-4
+        with per-channel scales of 1e3).
         """
         if not x.numel():
             return

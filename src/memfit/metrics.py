@@ -160,7 +160,7 @@ def per_sample(loss_fn: Callable, reduction: str | None) -> tuple[Callable, str]
     torch losses (a `reduction` attribute), `functools.partial(..., reduction=...)` and functions with a
     `reduction` parameter (F.cross_entropy) are called with reduction='none'; anything else is called
     as it is and its scalar is read as `reduction` ('mean' or 'sum' over the chunk), which the user
-    must give: guessing made a summing loss N times too large. How the per-element values are averaged
+    must give: a guess would make a summing loss N times too large. How the per-element values are averaged
     is `torch_denominator`'s business.
     """
     if reduction is not None and reduction not in REDUCTIONS:
