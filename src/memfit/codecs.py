@@ -429,7 +429,7 @@ def auto_codec(x: Array) -> Codec:
     if dtype == torch.uint8:
         return UInt8Codec()
     if not dtype.is_floating_point:
-        lo, hi = 0, 0
+        lo, hi = 0, 0                # exact Python ints: float64 statistics would round int64 beyond 2**53
         for i, (_, chunk) in enumerate(iter_chunks(x)):   # bounded reads: a memmap is never read whole
             if chunk.numel():
                 clo, chi = int(chunk.min()), int(chunk.max())

@@ -50,13 +50,13 @@ def as_words(t: torch.Tensor) -> torch.Tensor | None:
     return t.view(t.shape[0], -1).view(torch.int64) if row % 8 == 0 and row > 0 else None
 
 
-def row_nbytes(stored_shape: tuple[int, ...], stored_dtype: torch.dtype, label_dtype: torch.dtype | None) -> int:
+def stored_row_nbytes(stored_shape: tuple[int, ...], stored_dtype: torch.dtype, label_dtype: torch.dtype | None) -> int:
     """Stored bytes of one sample: its compact row plus its label (`label_dtype` None: no label)."""
     label = 0 if label_dtype is None else label_dtype.itemsize
     return math.prod(stored_shape) * stored_dtype.itemsize + label
 
 
-def batch_nbytes(n: int, sample_shape, dtype, labelled: bool) -> int:
+def decoded_batch_nbytes(n: int, sample_shape, dtype, labelled: bool) -> int:
     """Bytes of n decoded samples: x in `dtype` (per field for a dataset of fields: `sample_shape` and
     `dtype` are then {name: ...}), labels as int64 when `labelled`."""
     if isinstance(sample_shape, dict):
@@ -395,11 +395,11 @@ class CompactDataset(torch.utils.data.Dataset):
     @property
     def row_nbytes(self) -> int:
         """Stored bytes of one sample (its label included)."""
-        return row_nbytes(self.x.shape[1:], self.x.dtype, None if self.y is None else self.y.dtype)
+        return stored_row_nbytes(self.x.shape[1:], self.x.dtype, None if self.y is None else self.y.dtype)
 
     def batch_nbytes(self, n: int) -> int:
         """Bytes of one decoded batch of n samples (x in `dtype`, y as int64)."""
-        return batch_nbytes(n, self.sample_shape, self.dtype, self.y is not None)
+        return decoded_batch_nbytes(n, self.sample_shape, self.dtype, self.y is not None)
 
     def _replace(self, x: torch.Tensor, y: torch.Tensor | None) -> CompactDataset:
         out = type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std, self.fields)

@@ -244,7 +244,9 @@ class Accuracy(Metric):
         return int(self.state["correct"]) / int(self.state["n"]) if self.n else float("nan")
 
 
-class TopK(Metric):
+class TopK(Accuracy):
+    """Top-k accuracy: the share of samples whose label is among the k highest outputs."""
+
     def __init__(self, k: int) -> None:
         super().__init__()
         if k < 1:
@@ -254,9 +256,6 @@ class TopK(Metric):
     def contribution(self, logits, y):
         check_logits(logits, y, f"topk:{self.k}")
         return {"correct": correct_topk(logits, y, self.k), "n": torch.tensor(y.shape[0], device=y.device)}
-
-    def compute(self):
-        return int(self.state["correct"]) / int(self.state["n"]) if self.n else float("nan")
 
 
 class Loss(Metric):
