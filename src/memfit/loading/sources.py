@@ -38,7 +38,6 @@ from memfit.arrays import (
 from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
 from memfit.compact import (
     CompactDataset,
-    as_words,
     check_integer_output,
     decoded_batch_nbytes,
     stored_row_nbytes,
