@@ -247,25 +247,29 @@ def test_the_choice_decides_the_order_and_the_data_on_the_device():
     assert not choose(Needs(**{**NEEDS.__dict__, "on_device": True}), res - 1).already_on_device   # CPU: by bytes
 
 
-def test_shard_data_takes_this_ranks_part(ds):
+def test_shards_are_this_ranks_part(ds, file_data):
     from memfit.distributed import shard_data
-    x, y = arrays()
+    from memfit.loading.sources import make_source
     for world in (1, 2, 3):
-        expect = np.array_split(np.arange(N), world)                           # balanced, the first ranks larger
-        for rank, idx in enumerate(expect):
-            part, where, n = shard_data((x, y), rank, world)
-            assert n == N and list(where) == idx.tolist()
-            assert np.array_equal(part[0], x[idx]) and np.array_equal(part[1], y[idx])
-            shard, where_ds, n_ds = shard_data(ds, rank, world)
-            assert (where_ds, n_ds) == (where, N) and torch.equal(shard.y.long(), torch.from_numpy(idx))
+        for rank, idx in enumerate(np.array_split(np.arange(N), world)):      # balanced, the first ranks larger
+            shard, where, n = shard_data(ds, rank, world)
+            assert n == N and list(where) == idx.tolist() and torch.equal(shard.y.long(), torch.from_numpy(idx))
+            for src in (make_source(ds), make_source(file_data)):              # a loader shards its source
+                part, where_src, n_src = src.shard(rank, world)
+                rows = torch.empty((len(idx), *part.stored_shape), dtype=part.stored_dtype)
+                labels = torch.empty(len(idx), dtype=part.y_dtype)
+                part.fill(torch.arange(len(idx)), rows, labels)
+                assert (where_src, n_src) == (where, N)
+                assert part.template.codec is src.template.codec and part.template.num_classes == N    # the whole's
+                assert torch.equal(labels.long(), torch.from_numpy(idx)) and torch.equal(rows, ds.x[idx])
     strided = ds.shard(1, 3, mode="strided")
     part, where, n = shard_data(strided, 1, 3)
     assert part is strided and where == range(1, N, 3) and n == N
     with pytest.raises(ValueError, match=r"the dataset is shard 1 of 3, but this process is rank 0 of 3"):
         shard_data(strided, 0, 3)
-    with pytest.raises(ValueError, match=r"x has 1003 samples but y has 2 labels"):
-        shard_data((x, [0, 1]), 0, 2)
-    assert shard_data([1, 2], 0, 2) == ([1, 2], range(0), 0)                   # loader() names the bad type
+    assert shard_data([1, 2], 0, 2) == ([1, 2], range(0), 0)                   # batches pass as they are
+    with pytest.raises(ValueError, match=r"rank 3 of 4 holds no sample: the data has 3; use at most 3 processes"):
+        make_source((np.zeros((3, 2), np.uint8), None)).shard(3, 4)
 
 
 def test_forced_strategies_that_do_not_fit_name_what_needed_how_much(ds):
@@ -626,3 +630,37 @@ def test_cuda_slow_consumer_never_reads_a_slot_being_written(ds, file_data, stra
         torch.testing.assert_close(x.cpu(), xr, rtol=0, atol=1e-6)          # the decoded samples, not only labels
         assert s.item() == pytest.approx(xr.sum().item(), rel=1e-5, abs=1e-3)
     assert no_loader_threads()
+
+
+def _dist_decodes_like_the_whole(rank, world, path):
+    from memfit.readers import load_array
+    x, y = skewed()
+    whole = CompactDataset.from_arrays(x, y, codec="q8", normalize="dataset", device="cpu")
+    out = {}
+    for name, data in (("arrays", (x, y)), ("file", (load_array(path), y))):
+        ld = loader(data, 64, codec="q8", normalize="dataset", seed=0, device="cpu", distributed=True,
+                    strategy="stream")
+        worst = 0.0
+        for xb, yb in ld:                                   # each sample decoded as the whole set decodes it
+            worst = max(worst, (xb - whole.batch(yb)[0]).abs().max().item())
+        out[name] = (worst, ld.dataset.num_classes)
+    return out
+
+
+def skewed():
+    """Shards that differ: the first half of the samples dark, the second bright; y identifies the sample."""
+    x = np.random.default_rng(1).random((N, 1, 4, 4), dtype=np.float32)
+    x[N // 2:] = 10 + 5 * x[N // 2:]
+    return x, np.arange(N)
+
+
+def test_distributed_ranks_encode_and_normalise_as_the_whole(tmp_path):
+    # every rank decodes a sample as the whole data decodes it: one codec range, one mean/std, one class
+    # count, whichever shard it holds (each rank encoding only its own shard would decode differently)
+    path = tmp_path / "x.npy"
+    np.save(path, skewed()[0])
+    out = run_ranks(_dist_decodes_like_the_whole, 2, str(path))
+    assert all(s == "ok" for s, _ in out.values()), out
+    for rank in range(2):
+        for name, (worst, classes) in out[rank][1].items():
+            assert worst == 0.0 and classes == N, (rank, name, worst, classes)

@@ -34,7 +34,7 @@ import torch
 
 from memfit.budget import check_count, resolve_budget, resolve_device
 from memfit.compact import CompactDataset
-from memfit.distributed import agree, epoch_batch_sizes, is_distributed, rank_world, shard_data, shard_sizes
+from memfit.distributed import agree, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loading import order as order_mod
 from memfit.loading.pool import BatchPool, Decoder
 from memfit.loading.prefetch import Inline, Prefetcher, Slots
@@ -116,16 +116,16 @@ class Loader:
         self.device = resolve_device(device)
         self.shuffle, self.drop_last, self.prefetch, self.distributed = shuffle, drop_last, prefetch, distributed
         self.rank, self.world_size = 0, 1
+        # the whole data is encoded (a file: its codec fitted, its statistics taken) before it is sharded:
+        # every rank then decodes a sample as the whole decodes it, whichever shard holds it
+        self.source: Source = make_source(data, codec=codec, normalize=normalize, dtype=dtype)
+        self._members, self._n_total = None, self.source.n
         if distributed:
             self.rank, self.world_size = rank_world()
-            data, self._members, self._n_total = shard_data(data, self.rank, self.world_size)
-            sizes = shard_sizes(self._n_total, self.world_size)
-            self._n_min, self._n_max = min(sizes), max(sizes)
-        self.source: Source = make_source(data, codec=codec, normalize=normalize, dtype=dtype)
+            self.source, self._members, self._n_total = self.source.shard(self.rank, self.world_size)
         src = self.source
-        if not distributed:
-            self._members, self._n_total = None, src.n
-            self._n_min = self._n_max = src.n
+        sizes = shard_sizes(self._n_total, self.world_size)
+        self._n_min, self._n_max = min(sizes), max(sizes)
         # every rank yields the same number of batches; without shards n_min = n_max = n (full, then the rest)
         self._sizes = epoch_batch_sizes(src.n, self._n_min, self._n_max, self.batch_size, drop_last)
         on_device = isinstance(src, CompactSource) and src.original.device == self.device
@@ -288,7 +288,9 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
             once per epoch across ranks. Every rank yields the same number of batches: when shards
             differ by one sample, a rank that would run out a batch early splits its last full batch
             in two (nothing is repeated or padded); with drop_last every rank yields
-            smallest_shard // batch_size full batches.
+            smallest_shard // batch_size full batches. Arrays and files are encoded as a whole (codec
+            range, normalisation, class count) before each rank keeps its shard, so a sample decodes
+            the same on every rank (a file is read whole once for a q8/q4 range or normalize="dataset").
         codec, normalize, dtype: how (x, y) arrays are encoded and decoded (see
             `CompactDataset.from_arrays`); a CompactDataset keeps its own.
         order: the epoch order. 'global': one permutation of all samples (4 bytes a sample on the host;

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 
@@ -42,6 +43,7 @@ from memfit.compact import (
     decoded_batch_nbytes,
     stored_row_nbytes,
 )
+from memfit.distributed import shard_data, shard_sizes
 
 READ_BYTES = 2**20          # raw bytes per file read: bounds the host temporaries of a FileSource
 
@@ -73,6 +75,11 @@ class Source:
         """The whole source as a CompactDataset on `device` (the `resident` strategy)."""
         raise NotImplementedError
 
+    def shard(self, rank: int, world_size: int) -> tuple[Source, range, int]:
+        """(this rank's part, its positions in the whole, the whole's size). The part decodes with the
+        whole's template: the codec, normalisation and class count are the same on every rank."""
+        raise NotImplementedError
+
 
 class CompactSource(Source):
     """A CompactDataset used as it is (no copy) for `resident` on its own device, else gathered from."""
@@ -99,6 +106,10 @@ class CompactSource(Source):
 
     def dataset(self, device):
         return self.original if self.original.device == device else self.original.to(device)
+
+    def shard(self, rank, world_size):
+        part, members, n = shard_data(self.original, rank, world_size)
+        return _not_empty(CompactSource(part), rank, world_size, n), members, n
 
 
 class FileSource(Source):
@@ -172,6 +183,22 @@ class FileSource(Source):
         y = None if self.y is None else self.y.to(device)
         t = self.template
         return CompactDataset(x, y, self.codec, t.sample_shape, t.dtype, t.mean, t.std)
+
+
+    def shard(self, rank, world_size):
+        sizes = shard_sizes(self.n, world_size)
+        a = sum(sizes[:rank])
+        part = copy.copy(self)                   # the same codec and template: x and y are views of the part
+        part.x, part.n = self.x[a:a + sizes[rank]], sizes[rank]
+        part.y = None if self.y is None else self.y[a:a + sizes[rank]]
+        part._raw, part._lock = None, threading.Lock()
+        return _not_empty(part, rank, world_size, self.n), range(a, a + part.n), self.n
+
+
+def _not_empty(part: Source, rank: int, world_size: int, n: int) -> Source:
+    if part.n:
+        return part
+    raise ValueError(f"rank {rank} of {world_size} holds no sample: the data has {n}; use at most {n} processes")
 
 
 def is_file_backed(x: object) -> bool:
