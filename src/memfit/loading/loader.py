@@ -137,12 +137,7 @@ class Loader:
         # the consumer for the same cores and measured slower than copying inline (0.4x vs 1.0x resident on
         # 2 cores), so the thread runs only where there is something to overlap: a bus copy or file reads.
         self.threaded = prefetch and (self.device.type == "cuda" or src.sequential)
-        needs = Needs(n=src.n, batch_size=self.batch_size, row_nbytes=src.row_nbytes,
-                      batch_nbytes=src.batch_nbytes(self.batch_size), device_type=self.device.type,
-                      read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
-                      scratch_nbytes=Decoder.scratch_nbytes(src.template, self.batch_size), n_total=self._n_total,
-                      distributed=self.distributed, sequential=src.sequential, on_device=on_device, prefetch=prefetch)
-        self.choice: StrategyChoice = choose(needs, limit, strategy, macro_batch, order)
+        self.choice: StrategyChoice = choose(self._needs(on_device), limit, strategy, macro_batch, order)
         self.strategy, self.macro_batch, self.order = self.choice.strategy, self.choice.macro_batch, self.choice.order
         self.threaded = self.threaded and self.strategy != "resident"     # resident has nothing to copy
         self.dataset: CompactDataset = src.template
@@ -159,6 +154,16 @@ class Loader:
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
         log.info("memfit loader: %s", self.choice.reason)
+
+    def _needs(self, on_device: bool) -> Needs:
+        """What the strategy choice weighs: the data's and the batches' bytes, and where they are."""
+        src = self.source
+        return Needs(n=src.n, batch_size=self.batch_size, row_nbytes=src.row_nbytes,
+                     batch_nbytes=src.batch_nbytes(self.batch_size), device_type=self.device.type,
+                     read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
+                     scratch_nbytes=Decoder.scratch_nbytes(src.template, self.batch_size), n_total=self._n_total,
+                     distributed=self.distributed, sequential=src.sequential, on_device=on_device,
+                     prefetch=self.prefetch)
 
     # ---- public ------------------------------------------------------------------------------
     def __len__(self) -> int:
