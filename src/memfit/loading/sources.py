@@ -188,9 +188,9 @@ class FileSource(Source):
     def shard(self, rank, world_size):
         sizes = shard_sizes(self.n, world_size)
         a = sum(sizes[:rank])
-        part = copy.copy(self)                   # the same codec and template: x and y are views of the part
-        part.x, part.n = self.x[a:a + sizes[rank]], sizes[rank]
-        part.y = None if self.y is None else self.y[a:a + sizes[rank]]
+        part = copy.copy(self)                   # the same codec and template
+        part.x, part.n = self.x[a:a + sizes[rank]], sizes[rank]          # a memory map of the part
+        part.y = None if self.y is None else self.y[a:a + sizes[rank]].clone()   # the whole's labels are freed
         part._raw, part._lock = None, threading.Lock()
         return _not_empty(part, rank, world_size, self.n), range(a, a + part.n), self.n
 
