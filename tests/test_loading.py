@@ -503,8 +503,8 @@ print(json.dumps({"grew": anon() - a0, "strategy": ld.strategy, "ok": bool(ok),
 
 
 def test_kept_labels_do_not_grow_host_memory_past_the_budget(tmp_path):
-    # Fresh 6 MiB batches freed into malloc's heap, with the 4 KiB labels the consumer keeps landing in
-    # the holes, grew anonymous memory by ~6 MiB a batch (350 MiB here) before decoded batches were reused.
+    # Without reused decode buffers, fresh 6 MiB batches freed into malloc's heap, with the 4 KiB labels the
+    # consumer keeps landing in the holes, grow anonymous memory by ~6 MiB a batch (350 MiB here).
     n = 30_000
     path = tmp_path / "cifar.npy"
     w = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(n, 3, 32, 32))

@@ -57,10 +57,13 @@ class Needs:
     on_device: bool = False    # the compact data already lives on the device
     prefetch: bool = True      # background copies were asked for (they run where slots == 2)
 
+    def order_bytes(self) -> tuple[str, int, int]:
+        """(ledger name, host bytes, more host bytes per row of a block) of this epoch order (`order_bytes`)."""
+        return order_bytes(self.order, self.n_total or self.n, self.n, self.batch_size, self.distributed)
+
     def order_item(self, rows: int) -> tuple[str, int]:
         """(name, host bytes) of the epoch order when blocks hold `rows` samples."""
-        name, nbytes, per_row = order_bytes(self.order, self.n_total or self.n, self.n, self.batch_size,
-                                            self.distributed)
+        name, nbytes, per_row = self.order_bytes()
         return name, nbytes + rows * per_row
 
 
@@ -189,8 +192,7 @@ def largest_macro(needs: Needs, budget: int) -> int:
     fixed = block_ledger(needs, 0, budget, "macro")[0].total
     per_row = needs.slots * needs.row_nbytes
     if needs.device_type != "cuda":          # the order's per-row bytes are host memory, the budget's on a CPU
-        per_row += order_bytes(needs.order, needs.n_total or needs.n, needs.n, needs.batch_size,
-                               needs.distributed)[2]
+        per_row += needs.order_bytes()[2]
     rows = max(0, budget - fixed) // max(1, per_row)
     whole = -(-needs.n // needs.batch_size) * needs.batch_size
     return min(rows // needs.batch_size * needs.batch_size, whole)
