@@ -71,7 +71,7 @@ def test_shared_gemm_net_planned_returns_044_for_both_inputs():
 
 
 def _inplace_steps(pm):
-    graph = pm.layouts[pm._last_key].graph
+    graph = pm.placements[pm._last_key].graph
     return [s for s in graph.steps if s.inplace_arg is not None], graph
 
 
@@ -116,7 +116,7 @@ def test_new_shape_replans_and_outputs_are_fresh_memory():
     x5 = torch.randn(5, *shape)
     out5 = pm(x5)
     torch.testing.assert_close(out5, model(x5))
-    assert len(pm.layouts) == 2                  # a plan per shape, one shared arena
+    assert len(pm.placements) == 2                  # a plan per shape, one shared arena
     keep = out5.clone()
     pm(torch.randn(5, *shape))
     torch.testing.assert_close(out5, keep)        # a later call does not overwrite returned outputs
@@ -313,15 +313,15 @@ def test_plans_share_one_arena_and_release_frees_it():
     assert big == pm.report.arena_bytes > 0
     small = torch.randn(5, 16)
     torch.testing.assert_close(pm(small), model(small))
-    assert pm.arena_bytes == big and len(pm.layouts) == 2        # one arena for both plans
-    storages = {p.arena.untyped_storage().data_ptr() for p in pm.plans.values()}
+    assert pm.arena_bytes == big and len(pm.placements) == 2        # one arena for both plans
+    storages = {p.arena.untyped_storage().data_ptr() for p in pm.forwards.values()}
     assert len(storages) == 1
     pm.release()
-    assert pm.arena_bytes == 0 and not pm.plans
+    assert pm.arena_bytes == 0 and not pm.forwards
     with torch.no_grad():
         ref = model(x)
     torch.testing.assert_close(pm(x), ref)                     # allocated again, nothing re-captured
-    assert pm.arena_bytes == big and len(pm.layouts) == 2
+    assert pm.arena_bytes == big and len(pm.placements) == 2
 
 
 def test_two_threads_share_a_planned_module():
@@ -354,7 +354,7 @@ def test_two_threads_share_a_planned_module():
 def test_one_capture_plans_every_batch_size(name):
     """Batch sizes after the first are planned from the symbolic capture: no export, equal outputs,
     and byte sizes equal to a static capture at that batch."""
-    from memfit.planner.planned import capture_model, layout_at
+    from memfit.planner.planned import capture_model, place_at
     model, shape = build(name, image=32)
     pm = plan(model, (torch.randn(4, *shape),))
     assert pm.captures[0].dynamic and "one capture" in pm.report.capture
@@ -363,10 +363,10 @@ def test_one_capture_plans_every_batch_size(name):
         with torch.no_grad():
             torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
     # batch 1 is planned from a static capture of its own (a symbolic batch starts at 2)
-    assert len(pm.captures) == 2 and not pm.captures[1].dynamic and len(pm.layouts) == 3
+    assert len(pm.captures) == 2 and not pm.captures[1].dynamic and len(pm.placements) == 3
     static = capture_model(model, (torch.randn(3, *shape),), dynamic_batch=False)
-    want = layout_at(static, 3).report
-    got = layout_at(pm.captures[0], 3).report
+    want = place_at(static, 3).report
+    got = place_at(pm.captures[0], 3).report
     # node names differ between the two exports (mul_85 / mul); shapes, bytes, kinds and lifetimes do not
     assert [(r.shape, r.bytes, r.kind, r.lifetime) for r in got.rows] == [(r.shape, r.bytes, r.kind, r.lifetime)
                                                                           for r in want.rows]
@@ -380,13 +380,13 @@ class FixedBatch(nn.Module):
 
 
 def test_a_model_that_fixes_its_batch_is_captured_statically_with_the_reason():
-    from memfit.planner.planned import layout_at
+    from memfit.planner.planned import place_at
     pm = plan(FixedBatch(), (torch.randn(4, 6),))
     cap = pm.captures[0]
     assert not cap.dynamic and cap.static_reason and "static capture at batch 4" in pm.report.capture
     torch.testing.assert_close(pm(torch.ones(4, 6)), torch.ones(4, 6))
     with pytest.raises(ValueError, match="static at batch 4.*capture again"):
-        layout_at(cap, 8)
+        place_at(cap, 8)
 
 
 def test_cache_keeps_only_capture_errors_with_traceback_and_sees_training():
@@ -450,13 +450,13 @@ class SizeOneBranches(nn.Module):
 
 
 def test_batch_one_is_planned_from_its_own_capture_and_matches_eager():
-    from memfit.planner.planned import layout_at
+    from memfit.planner.planned import place_at
     model = SizeOneBranches().eval()
     pm = plan(model, (torch.randn(4, 6),))
     cap = pm.captures[0]
     assert cap.dynamic and cap.batch_range[0] == 2 and "[2, inf]" in pm.report.capture
     with pytest.raises(ValueError, match=r"in \[2, inf\]"):
-        layout_at(cap, 1)
+        place_at(cap, 1)
     with torch.no_grad():
         for n in (1, 4, 1, 3):
             x = torch.randn(n, 6)
