@@ -9,7 +9,8 @@ Algorithms (Pisarchyk & Lee 2020, "Efficient Memory Management for Deep Neural N
 - `naive`: every tensor its own region, one after another (the baseline).
 - `greedy_by_size`: largest first; each goes into the smallest gap left by the already placed
   tensors whose lifetimes overlap its own, or above them all (TFLite's arena planner). When that
-  leaves the arena above the lower bound, a few seeded shuffles of the order are tried as well.
+  leaves the arena above the lower bound, seeded shuffles of the order are tried as well
+  (`shuffles(n)`: up to 256, fewer for large graphs).
 - `best`: greedy with several orderings (size, lifetime length, first use, size x length, then the
   seeded shuffles); the smallest arena wins. Both stop as soon as an order reaches the bound.
 
@@ -166,17 +167,25 @@ def assign_offsets(buffers: Sequence[Buffer], algorithm: str = "greedy_by_size",
     return best
 
 
-RANDOM_ORDERS = 8       # seeded shuffles tried when the named orders leave the arena above the bound
+SHUFFLE_WORK = 1_000_000    # seeded shuffles tried x buffers^2 (one greedy pass costs ~0.2 us x buffers^2): <= ~0.2 s
+
+
+def shuffles(n_buffers: int) -> int:
+    """How many seeded shuffles to try after the named orders: at least 8, at most 256, fewer for
+    large graphs (a greedy pass costs about n^2). A 4-block GPT-2 (54 buffers) needs 13 to 22."""
+    return max(8, min(256, SHUFFLE_WORK // max(n_buffers, 1) ** 2))
 
 
 def _orders(buffers: Sequence[Buffer], algorithm: str):
     """Placement orders to try, best first: the named ones, then seeded shuffles (deterministic).
-    Largest-first leaves gaps on some graphs (a GPT-2 block: 1.076x the bound) that another order
-    closes; a few shuffles find one cheaply, and the loop stops once the bound is reached."""
+    Largest-first leaves gaps on some graphs (a GPT-2 block: 1.076x the bound: every block's three
+    MLP tensors go to offset 0, so the residual streams of consecutive blocks, live together for an
+    op, stack above them); another order closes the gap; shuffles find one cheaply, and the loop
+    stops once the bound is reached."""
     idx = range(len(buffers))
     for k in ("size",) if algorithm == "greedy_by_size" else tuple(_ORDERS):
         yield sorted(idx, key=lambda i, k=k: _ORDERS[k](buffers[i]))
-    for seed in range(RANDOM_ORDERS):
+    for seed in range(shuffles(len(buffers))):
         order = list(idx)
         random.Random(seed).shuffle(order)
         yield order
