@@ -28,8 +28,10 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ALGORITHMS", "Buffer", "OverlapError", "align", "assign_offsets", "live_profile", "lower_bound",
-           "verify"]
+import numpy as np
+
+__all__ = ["ALGORITHMS", "Buffer", "OverlapError", "align", "assign_offsets", "cheaper_outside", "live_profile",
+           "lower_bound", "verify"]
 
 ALGORITHMS = ("naive", "greedy_by_size", "best")
 
@@ -98,6 +100,69 @@ def lower_bound(buffers: Sequence[Buffer], alignment: int = 64) -> int:
         15
     """
     return max(live_profile(buffers, alignment), default=0)
+
+
+def cheaper_outside(arena: Sequence[Buffer], outside: Sequence[Buffer], movable: dict[str, tuple[int, ...]],
+                    alignment: int = 64) -> list[str]:
+    """Names of `movable` arena buffers that are cheaper outside the arena, by the peak bytes of both.
+
+    The arena is held for the whole call at its peak, while a tensor outside it (allocated by torch,
+    freed after its last reader) costs memory only while it lives. Where the outside peak comes at
+    another time than the arena's (a model output, a stem of convolutions with no `out=` kernel),
+    the arena's peak tensors fit under the outside peak for free: moving them out lowers
+    `max(arena) + max(outside)`. Greedy: take a buffer live at the arena's peak, the one that
+    lowers the sum most (ties: the largest), while the sum does not grow; return the moves up to the
+    smallest sum (bytes: arena sizes padded to `alignment`, outside sizes exact, as the report counts).
+
+    `movable` maps a buffer's name to the ops that write over it in place: outside the arena they
+    write a copy, so the buffer counts twice at those ops.
+
+    Example:
+        >>> arena = [Buffer("a", 10, 0, 1), Buffer("b", 4, 2, 3)]
+        >>> cheaper_outside(arena, [Buffer("out", 12, 3, 3)], {"a": (), "b": ()}, alignment=1)  # 10 + 12 -> 4 + 12
+        ['a']
+    """
+    _check([*arena, *outside], alignment)
+    n = max((b.last + 1 for b in [*arena, *outside]), default=0)
+    inside = np.zeros(n + 1, dtype=np.int64)
+    out = np.zeros(n + 1, dtype=np.int64)
+    for b in arena:
+        inside[b.first:b.last + 1] += align(b.size, alignment)
+    for b in outside:
+        out[b.first:b.last + 1] += b.size
+    left = {b.name: b for b in arena if b.name in movable and b.size}
+
+    def outside_bytes(b: Buffer) -> np.ndarray:
+        add = np.zeros(n + 1, dtype=np.int64)
+        add[b.first:b.last + 1] = b.size
+        add[list(movable[b.name])] += b.size
+        return add
+
+    def total_without(b: Buffer) -> int:
+        live = slice(b.first, b.last + 1)
+        rest = max(inside[:b.first].max(initial=0), inside[b.last + 1:].max(initial=0))
+        return int(max(rest, inside[live].max() - align(b.size, alignment)) + (out + outside_bytes(b)).max())
+
+    moved: list[str] = []
+    best = current = int(inside.max() + out.max())
+    keep = 0
+    while left and inside.max() > 0:
+        t = int(inside.argmax())
+        candidates = [b for b in left.values() if b.first <= t <= b.last]
+        if not candidates:
+            break
+        b = min(candidates, key=lambda b: (total_without(b), -b.size))
+        new = total_without(b)
+        if new > current:
+            break
+        inside[b.first:b.last + 1] -= align(b.size, alignment)
+        out += outside_bytes(b)
+        moved.append(b.name)
+        del left[b.name]
+        current = new
+        if new < best:
+            best, keep = new, len(moved)
+    return moved[:keep]
 
 
 def _greedy(buffers: Sequence[Buffer], order: Sequence[int], alignment: int) -> tuple[list[int], int]:

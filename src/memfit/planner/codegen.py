@@ -120,7 +120,7 @@ def _fix_view(src: _Source, step: Step) -> bool:
     if args is _PER_CALL or any(v is _PER_CALL for v in kwargs.values()):
         return False
     with torch.inference_mode(False), torch.no_grad():
-        out = node.target(*args, **kwargs)
+        out = (step.replacement or node.target)(*args, **kwargs)
     for v, t in zip(step.outputs, out if isinstance(out, (tuple, list)) else [out], strict=True):
         if v:
             src.fix(v, t)

@@ -23,7 +23,16 @@ from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
 from memfit.messages import first_line
-from memfit.planner.arena import ALGORITHMS, Buffer, align, assign_offsets, live_profile, lower_bound, verify
+from memfit.planner.arena import (
+    ALGORITHMS,
+    Buffer,
+    align,
+    assign_offsets,
+    cheaper_outside,
+    live_profile,
+    lower_bound,
+    verify,
+)
 from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.codegen import generate
 from memfit.planner.graph import DataDependentSize, Graph, Meta, analyze
@@ -47,11 +56,12 @@ class Placement:
     batch: int | None = None
 
 
-def _check_args(algorithm: str, inplace: bool) -> None:
+def _check_args(algorithm: str, inplace: bool, eager_where_cheaper: bool = True) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}; found {algorithm!r}")
-    if not isinstance(inplace, bool):
-        raise TypeError(f"inplace must be True or False; found {inplace!r}")
+    for name, flag in (("inplace", inplace), ("eager_where_cheaper", eager_where_cheaper)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False; found {flag!r}")
 
 
 @dataclass
@@ -162,32 +172,34 @@ def _batch_symbol(ep):
 
 
 def place(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
-          inplace: bool = True) -> Placement:
+          inplace: bool = True, eager_where_cheaper: bool = True) -> Placement:
     """Capture `model` and place its intermediates, without allocating the arena or running anything
-    (so it is cheap at any batch size; `plan` calls it, `memory_model` too)."""
-    _check_args(algorithm, inplace)
+    (so it is cheap at any batch size; `memory_model` calls it)."""
+    _check_args(algorithm, inplace, eager_where_cheaper)
     return place_captured(capture_model(model, example_inputs), example_inputs, algorithm=algorithm,
-                          inplace=inplace)
+                          inplace=inplace, eager_where_cheaper=eager_where_cheaper)
 
 
 def place_captured(cap: Captured, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
-                   inplace: bool = True) -> Placement:
+                   inplace: bool = True, eager_where_cheaper: bool = True) -> Placement:
     """`place` from a capture made before (no export) for inputs like `example_inputs`."""
     inputs = as_inputs(example_inputs)
     if not cap.accepts(inputs):
         raise ValueError(f"inputs {[tuple(x.shape) for x in inputs]} cannot be planned from this capture "
                          f"(made for {[tuple(s[0]) for s in cap.example_key]}); capture again")
-    return place_at(cap, cap.batch_of(inputs), algorithm=algorithm, inplace=inplace)
+    return place_at(cap, cap.batch_of(inputs), algorithm=algorithm, inplace=inplace,
+                    eager_where_cheaper=eager_where_cheaper)
 
 
 def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_size", inplace: bool = True,
-             _below_range: bool = False) -> Placement:
+             eager_where_cheaper: bool = True, _below_range: bool = False) -> Placement:
     """The placement at batch size `batch` from one capture: exact sizes of every tensor, offsets, the
     report; nothing is exported, allocated or run (milliseconds per batch size).
 
     Args:
         cap: from `capture_model(model, example_inputs)`.
         batch: any size in `cap.batch_range` when `cap.dynamic`; else the example's batch.
+        algorithm, inplace, eager_where_cheaper: as for `plan`.
 
     Raises:
         ValueError: a static capture and another batch size (`cap.static_reason` says why it is static),
@@ -199,7 +211,7 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
         >>> [place_at(cap, n).report.unplanned_bytes for n in (2, 100)]      # the output, (n, 16) float32
         [128, 6400]
     """
-    _check_args(algorithm, inplace)
+    _check_args(algorithm, inplace, eager_where_cheaper)
     lo, hi = cap.batch_range
     # _below_range (sizing only): the symbolic graph's sizes at a batch below its range (batch 1), an
     # estimate of batch 1's own capture, which runs the same ops unless the model branches on a size of 1
@@ -212,6 +224,9 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
                          f"found batch {batch!r}: capture again with inputs of that batch")
     try:
         graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch))
+        eager = _eager_where_cheaper(graph) if eager_where_cheaper else {}
+        if eager:
+            graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch), eager=eager)
     except (GuardOnDataDependentSymNode, DataDependentSize) as e:       # a size known only when the model runs
         why = first_line(e, with_type=False)
         raise CaptureError(f"the model's graph has tensor sizes that depend on values ({why}): "
@@ -224,8 +239,7 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     verify(buffers, offs, ALIGNMENT)
     offsets = dict(zip((b.name for b in buffers), offs, strict=True))
     n_ops = len(graph.steps)
-    outside = [Buffer(r.name, r.nbytes, r.first, min(r.last, n_ops)) for r in graph.roots.values()
-               if r.kind in ("call", "output")]
+    outside = _outside(graph)
     seen, params = set(), 0
     for r in graph.roots.values():
         if r.kind == "const":
@@ -252,6 +266,35 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'}]" if cap.dynamic
                       else f"static capture at batch {cap.example_batch} ({cap.static_reason})")
     return Placement(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch)
+
+
+def _outside(graph: Graph) -> list[Buffer]:
+    """The tensors torch allocates (op outputs without an arena place, the model's outputs), alive to the last op."""
+    n_ops = len(graph.steps)
+    return [Buffer(r.name, r.nbytes, r.first, min(r.last, n_ops)) for r in graph.roots.values()
+            if r.kind in ("call", "output")]
+
+
+EAGER_CHEAPER = ("runs eagerly: the arena is held at its peak for the whole call, and this output fits under "
+                 "the peak of the tensors outside it, so arena + unplanned bytes are lower with it outside")
+
+
+def _eager_where_cheaper(graph: Graph) -> dict[str, str]:
+    """Node name -> reason for the ops whose outputs cost less memory outside the arena than in it
+    (`arena.cheaper_outside`): an arena tensor moves out with the ops that write over it in place
+    (they then write a copy), where each of those ops has one output to place."""
+    writer = {v: s for s in graph.steps for v in s.outputs if v}      # value name -> the step that writes it
+    arena = [r for r in graph.roots.values() if r.kind == "arena"]
+
+    def single(step) -> bool:
+        return all(not v or v == step.outputs[0] or graph.roots[graph.root_of[v]].kind == "empty"
+                   for v in step.outputs)
+
+    movable = {r.name: tuple(writer[m].index for m in r.members) for r in arena
+               if single(writer[r.name]) and all(single(writer[m]) for m in r.members)}
+    moved = cheaper_outside([Buffer(r.name, r.nbytes, r.first, r.last) for r in arena], _outside(graph), movable,
+                            ALIGNMENT)
+    return {writer[v].node.name: EAGER_CHEAPER for name in moved for v in (name, *graph.roots[name].members)}
 
 
 class _ArenaForward:
@@ -326,8 +369,9 @@ class PlannedModule:
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool,
-                 captured: Captured | None = None):
+                 captured: Captured | None = None, eager_where_cheaper: bool = True):
         self.model, self.algorithm, self.inplace = model, algorithm, inplace
+        self.eager_where_cheaper = eager_where_cheaper
         self.dtypes = [x.dtype for x in example_inputs]
         self.device = example_inputs[0].device if example_inputs else torch.device("cpu")
         self.placements: dict[tuple, Placement] = {}
@@ -335,7 +379,7 @@ class PlannedModule:
         self._arena: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._last_key = self._key(example_inputs)
-        _check_args(algorithm, inplace)
+        _check_args(algorithm, inplace, eager_where_cheaper)
         # one capture, batch symbolic where the model allows: new batch sizes are planned from it
         self.captures = [captured if captured is not None else capture_model(model, example_inputs)]
         self._forward_for(tuple(example_inputs), self._last_key)
@@ -366,7 +410,8 @@ class PlannedModule:
                                        "to plan new input shapes")
                 cap = capture_model(self.model, inputs)
                 self.captures.append(cap)
-            self.placements[key] = place_captured(cap, inputs, algorithm=self.algorithm, inplace=self.inplace)
+            self.placements[key] = place_captured(cap, inputs, algorithm=self.algorithm, inplace=self.inplace,
+                                                  eager_where_cheaper=self.eager_where_cheaper)
         placement = self.placements[key]
         need = max(pl.report.arena_bytes for pl in self.placements.values())     # placement is one of them
         if self._arena is None or self._arena.nbytes < need:
@@ -440,7 +485,7 @@ class PlannedModule:
 
 
 def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_size",
-         inplace: bool = True) -> PlannedModule:
+         inplace: bool = True, eager_where_cheaper: bool = True) -> PlannedModule:
     """Plan the activation memory of `model` for inputs shaped like `example_inputs` and return a
     module that runs inside that plan.
 
@@ -450,6 +495,11 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
         algorithm: "naive", "greedy_by_size" (default) or "best" (several orders, smallest arena).
         inplace: let allowlisted elementwise ops (relu, add, batch norm in eval, ...) write over an
             input that has no later reader.
+        eager_where_cheaper: run an op eagerly (its output allocated by torch, outside the arena) where
+            that lowers arena + unplanned peak bytes: the arena is held at its peak for the whole
+            call, so tensors that fit under the peak of those outside it (a large model output, a
+            stem of ops without `out=` kernels) cost nothing there. False: every op with an `out=`
+            kernel writes into the arena. `pm.report.unplanned_reasons` says which ran eagerly.
 
     Returns:
         A `PlannedModule`: `pm(*inputs)` equals `model(*inputs)`; `pm.report` has the bytes.
@@ -465,10 +515,13 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
         torch.Size([2, 8])
     """
     # the model, algorithm and inplace are checked by `place_at`, which the first call plans with
-    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace)
+    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace,
+                         eager_where_cheaper=eager_where_cheaper)
 
 
 def plan_captured(cap: Captured, example_inputs, *, model: torch.nn.Module | None = None,
-                  algorithm: str = "greedy_by_size", inplace: bool = True) -> PlannedModule:
+                  algorithm: str = "greedy_by_size", inplace: bool = True,
+                  eager_where_cheaper: bool = True) -> PlannedModule:
     """`plan` from a capture made before: several algorithms or settings, one export."""
-    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace, captured=cap)
+    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace, captured=cap,
+                         eager_where_cheaper=eager_where_cheaper)
