@@ -39,8 +39,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import check_count, format_bytes, is_oom, model_device, parse_bytes, release_cached, resolve_budget
-from memfit.fields import batch_tensors
+from memfit.batches import batch_slice, batch_tensors, batch_to, forward
+from memfit.budget import (
+    BudgetExceeded,
+    check_count,
+    format_bytes,
+    is_oom,
+    largest_fitting,
+    model_device,
+    parse_bytes,
+    release_cached,
+    resolve_budget,
+)
+from memfit.measure import held_bytes
+from memfit.messages import first_line, whole_words
 
 __all__ = ["BatchDependentError", "StepResult", "accumulate", "batch_dependent_modules"]
 
@@ -96,21 +108,7 @@ def _batch_size(x, y) -> int:
 
 def _slice(v, s: int, e: int, device: torch.device):
     """Samples [s, e) of v on `device` (a view when v is there already; non-tensor values pass through)."""
-    if isinstance(v, torch.Tensor):
-        return v[s:e].to(device, non_blocking=True)
-    if isinstance(v, dict):
-        return {k: _slice(t, s, e, device) for k, t in v.items()}
-    if isinstance(v, (tuple, list)):
-        return type(v)(_slice(t, s, e, device) for t in v)
-    return v
-
-
-def _forward(model, x):
-    if isinstance(x, dict):
-        return model(**x)
-    if isinstance(x, (tuple, list)):
-        return model(*x)
-    return model(x)
+    return batch_to(batch_slice(v, s, e), device)
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -187,20 +185,6 @@ def _trained_device(model) -> torch.device:
 
 
 # ---- micro-batch size -------------------------------------------------------------------------------
-def _held_bytes(model, optimizer) -> int:
-    """Bytes the model and optimizer hold now: parameters, buffers, gradients and optimizer state."""
-    seen, total = set(), 0
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    for st in optimizer.state.values():
-        tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += key[1]
-    return total
-
-
 def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
     """loss_fn as the memory model calls it: loss_fn(out) without a target, and a scalar (per-sample losses
     summed: the same ops and bytes as the weighting accumulate applies)."""
@@ -252,16 +236,14 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
 
 def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) -> tuple[int, str]:
     """(micro-batch size, why) for the largest micro-batch whose predicted step fits the budget."""
-    from memfit.budget import BudgetExceeded
-    from memfit.planner.sizing import largest_fitting
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
-        limit += _held_bytes(model, optimizer)
+        limit += held_bytes(model, optimizer, grads=True)
     try:
         peak, how = training_peak(model, optimizer, loss_fn, x, y)
     except Exception as e:
         raise RuntimeError(f"micro_batch='auto' could not predict the training step's memory "
-                           f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); pass "
+                           f"({whole_words(first_line(e), 200)}); pass "
                            "micro_batch=<int> (out-of-memory errors still back off)") from e
     m = largest_fitting(peak, limit, n)
     if m == 0:
@@ -365,13 +347,13 @@ class _Step:
                 raise RuntimeError(f"out of memory in the last micro-batch ({e - s} samples), which all-reduces "
                                    "the gradients across ranks: it cannot be retried without leaving the other "
                                    f"ranks waiting ({type(err).__name__}); pass a smaller micro_batch") from err
-            msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            msg = first_line(err)
             return msg, _received(self.params, marks)
         return None, frozenset()
 
     def _run(self, s: int, e: int) -> None:
         xs, ys = _slice(self.x, s, e, self.device), _slice(self.y, s, e, self.device)
-        loss = self.loss_fn(_forward(self.model, xs), ys)
+        loss = self.loss_fn(forward(self.model, xs), ys)
         m = e - s
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
         if not isinstance(loss, torch.Tensor) or not (loss.numel() == 1 or per_sample):

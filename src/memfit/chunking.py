@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.budget import BudgetExceeded, format_bytes
+from memfit.batches import batch_nbytes, forward
+from memfit.budget import BudgetExceeded, format_bytes, largest_fitting
 from memfit.compact import CompactDataset
-from memfit.fields import batch_nbytes, forward
+from memfit.measure import held_bytes, track_memory
 from memfit.messages import first_line
-from memfit.planner.sizing import largest_fitting  # one doubling + bisection search for every "what fits"
 
 log = logging.getLogger("memfit.evaluate")
 
@@ -71,10 +71,6 @@ def as_chunks(data, device: torch.device):
 
 
 # ---- chunk size ------------------------------------------------------------------------------------
-def param_bytes(model: torch.nn.Module) -> int:
-    return sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
-
-
 def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | None, str]:
     """(peak(n) from the activation planner, "planner"), or (None, why not) when it cannot capture the model."""
     try:
@@ -102,7 +98,6 @@ def _fake_peak(model, chunks: Chunks, why: str) -> tuple[Callable[[int], int] | 
 
 def _measured_peak(model, runner, chunks: Chunks, sizes=(4, 16)) -> Callable[[int], int]:
     """Fit peak(n) = a + b*n from two small measured runs (live bytes above the start)."""
-    from memfit.measure import track_memory
     points = []
     for n in sorted({min(s, chunks.n) for s in sizes}):
         x, _ = chunks.get(0, n)
@@ -118,7 +113,7 @@ def _measured_peak(model, runner, chunks: Chunks, sizes=(4, 16)) -> Callable[[in
         (n1, p1), (n2, p2) = points
         b = max((p2 - p1) / (n2 - n1), 0.0)
         a = max(p1 - b * n1, 0.0)
-    base = param_bytes(model)
+    base = held_bytes(model)
     # 10% head-room on the slope: extrapolating from small sizes tends to under-estimate
     return lambda n: int(base + a + 1.1 * b * n)
 
@@ -180,7 +175,7 @@ def choose_chunk(model, chunks, budget: int, runner, use_plan: bool | None = Tru
     n = largest_fitting(total, budget, chunks.n)
     if n == 0:
         raise BudgetExceeded(f"one sample needs {format_bytes(total(1))} ({how}: parameters "
-                             f"{format_bytes(param_bytes(model))} included) but the budget is {format_bytes(budget)}; "
+                             f"{format_bytes(held_bytes(model))} included) but the budget is {format_bytes(budget)}; "
                              "raise the budget or use a smaller model", needed=total(1), budget=budget)
     if n > MAX_AUTO_CHUNK:
         return MAX_AUTO_CHUNK, total, (f"{MAX_AUTO_CHUNK} samples (estimated peak ({how}) "

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memfit.batches import batch_len, batch_slice, batch_tensors, batch_to, forward
 from memfit.budget import (
     check_count,
     format_bytes,
     is_oom,
+    model_device,
     release_cached,
     resolve_budget,
     resolve_device,
@@ -39,10 +41,9 @@ from memfit.chunking import (
     Chunks,
     as_chunks,
     choose_chunk,
-    param_bytes,
 )
 from memfit.compact import CompactDataset
-from memfit.fields import batch_len, batch_slice, batch_to, forward
+from memfit.measure import held_bytes
 from memfit.messages import first_line, plural, whole_words
 from memfit.metrics import Metric, logits_of, make_metric
 from memfit.progress import progress as progress_bar
@@ -222,7 +223,7 @@ def _shard(data):
 
 def _limit(model, budget, dev) -> int:
     """The bytes a chunk may use: the budget, or the free memory plus what the model already holds."""
-    return resolve_budget(budget, dev) + (param_bytes(model) if budget is None else 0)
+    return resolve_budget(budget, dev) + (held_bytes(model) if budget is None else 0)
 
 
 def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) -> tuple[int, Callable | None, str]:
@@ -276,8 +277,8 @@ def _forced(chunk_size, n: int) -> int:
 def _model_device(model, device) -> torch.device:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; found {type(model).__name__}")
-    params = next(iter(model.parameters()), None)
-    have = params.device if params is not None else None
+    has_tensors = next(iter([*model.parameters(), *model.buffers()]), None) is not None
+    have = model_device(model) if has_tensors else None
     dev = resolve_device(device if device is not None else have)
     if have is not None and have != dev and not (have.type == dev.type == "cuda" and have.index == dev.index):
         raise ValueError(f"the model is on {have} but device={str(dev)!r}; move it with model.to('{dev}') "
@@ -368,8 +369,8 @@ def dtype_mistake(e: BaseException, x) -> TypeError | None:
         return None
     if "device" in text or "cuda" in text.lower():     # tensors on different devices: not a dtype mistake
         return None
-    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in (x.values() if isinstance(x, dict) else [x])})
-    floats = all(t.is_floating_point() for t in (x.values() if isinstance(x, dict) else [x]))
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in batch_tensors(x)})
+    floats = all(t.is_floating_point() for t in batch_tensors(x))
     if floats and ("Long" in text or "Int" in text):
         fix = ("the model wants integer inputs (token ids, e.g. an Embedding first); give integer arrays (they "
                "decode to int64) or CompactDataset.from_arrays(..., dtype=torch.long); on the command line "
@@ -399,7 +400,7 @@ def _back_off(err: str, n: int, failed: set, limit: int, stats: dict, dev) -> tu
 
 def _split_run(run, metrics, x, y, stats, dev, failed, bar) -> None:
     """A loader batch that runs out of memory is halved (recursively) and each half retried."""
-    x, y = batch_to(x, dev), (None if y is None else y.to(dev, non_blocking=True))
+    x, y = batch_to(x, dev), batch_to(y, dev)
     err = _attempt(run, metrics, lambda: (x, y))
     n = batch_len(x)
     if err is None:
@@ -410,5 +411,5 @@ def _split_run(run, metrics, x, y, stats, dev, failed, bar) -> None:
         return
     _back_off(err, n, failed, n, stats, dev)
     h = n // 2
-    _split_run(run, metrics, batch_slice(x, 0, h), None if y is None else y[:h], stats, dev, failed, bar)
-    _split_run(run, metrics, batch_slice(x, h, n), None if y is None else y[h:], stats, dev, failed, bar)
+    _split_run(run, metrics, batch_slice(x, 0, h), batch_slice(y, 0, h), stats, dev, failed, bar)
+    _split_run(run, metrics, batch_slice(x, h, n), batch_slice(y, h, n), stats, dev, failed, bar)

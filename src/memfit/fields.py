@@ -107,33 +107,5 @@ def check_fields(x: dict) -> int:
     return n
 
 
-# ---- batches that may be a tensor or a dict of tensors (what evaluate and the loaders hand a model) ----
-def forward(model, x):
-    """`model(**x)` for a dict batch (a transformers model's keyword inputs), else `model(x)`."""
-    return model(**x) if isinstance(x, dict) else model(x)
-
-
-def batch_len(x) -> int:
-    return next(iter(x.values())).shape[0] if isinstance(x, dict) else x.shape[0]
-
-
-def batch_tensors(x) -> list[torch.Tensor]:
-    """The tensors of a batch part: a tensor, or the tensors among a dict's values or a tuple's items."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
-    return [v for v in items if isinstance(v, torch.Tensor)]
-
-
-def batch_nbytes(x) -> int:
-    return sum(v.nbytes for v in x.values()) if isinstance(x, dict) else x.nbytes
-
-
-def batch_to(x, device: torch.device):
-    if isinstance(x, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
-    return x.to(device, non_blocking=True)
-
-
-def batch_slice(x, a: int, b: int):
-    return {k: v[a:b] for k, v in x.items()} if isinstance(x, dict) else x[a:b]
+# cli/bench/train.py still imports this from here; it belongs to memfit.batches (import it from there)
+from memfit.batches import batch_tensors  # noqa: E402, F401

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.budget import BudgetExceeded, check_count, format_bytes, model_device, parse_bytes
+from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.footprint import (
     CUDA_MARGIN,
@@ -232,27 +232,6 @@ def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence
     """
     mm = memory_model(model, sample_shape, dtype=dtype, **options)
     return [mm.total_bytes(n) for n in batch_sizes]
-
-
-def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
-    """Largest n in [1, upper] with peak(n) <= budget (peak non-decreasing), 0 when none fits.
-
-    Doubling from 1, then bisection: O(log n) calls of peak.
-
-    Example:
-        >>> largest_fitting(lambda n: 100 + 7 * n, 1000, 10**6)
-        128
-    """
-    if upper < 1 or peak(1) > budget:
-        return 0
-    lo = 1
-    while lo < upper and peak(min(2 * lo, upper)) <= budget:
-        lo = min(2 * lo, upper)
-    hi = min(2 * lo, upper)
-    while lo < hi:                           # peak(lo) fits; the answer is below hi + 1
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid - 1)
-    return lo
 
 
 def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, train: bool = False,

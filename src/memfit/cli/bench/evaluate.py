@@ -30,11 +30,10 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, model_device, parse_bytes, resolve_device
-from memfit.chunking import param_bytes
 from memfit.cli.bench.common import machine_header, median_time, spread_warning, table
 from memfit.compact import CompactDataset
 from memfit.evaluation import evaluate
-from memfit.measure import track_memory
+from memfit.measure import held_bytes, track_memory
 
 
 def cnn(classes: int = 10) -> torch.nn.Module:
@@ -72,7 +71,7 @@ def measured(model, ds: CompactDataset, n: int, kind: str) -> int:
         runner(x)                                  # warm: any lazy set-up happens outside the measure
         with track_memory(dev) as mem:
             runner(x)
-    return param_bytes(model) + x.nbytes + arena + mem.peak
+    return held_bytes(model) + x.nbytes + arena + mem.peak
 
 
 def largest_really_fitting(model, ds, budget: int, kind: str) -> int:
