@@ -1,6 +1,6 @@
 """A batch as a model takes it: one tensor, a tuple or list of tensors, or a dict of tensors.
 
-One rule everywhere (evaluate, accumulate, the memory model, the benchmarks): a tensor is one input,
+One rule wherever memfit runs a model on a batch (evaluate, its chunk sizing, accumulate): a tensor is one input,
 `model(x)`; a tuple or list is positional inputs, `model(*x)`; a dict is keyword inputs, `model(**x)`
 (a `transformers` model's `input_ids` + `attention_mask`). Dimension 0 of every tensor is the sample.
 Values that are not tensors (a flag in a dict, None) pass through slicing and moves unchanged.

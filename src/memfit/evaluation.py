@@ -108,8 +108,9 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     Args:
         model: a module that maps a batch (n, *sample_shape) to outputs (n, classes); a dataset of
             fields (`from_arrays({"input_ids": ..., "attention_mask": ...}, y)`) is passed as `model(**x)`.
-        data: a CompactDataset, a memfit Loader (any iterable of (x, y) batches), or (x, y) arrays,
-            which are stored compactly (and losslessly) on the host on the way in.
+        data: a CompactDataset, a memfit Loader (any iterable of (x, y) batches: x a tensor, a tuple
+            passed as `model(*x)` or a dict passed as `model(**x)`), or (x, y) arrays, which are stored
+            compactly (and losslessly) on the host on the way in.
         metrics: names ('accuracy', 'topk:5', 'loss', 'confusion') or torchmetrics-style objects
             (keyed by class name, '_2' added when repeated), or a dict {result key: either}.
         loss_fn: used by 'loss'; default cross entropy. torch losses, partials and functions with a
