@@ -204,7 +204,7 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     (the batch's bytes once, not the micro-batch's inputs). A DistributedDataParallel model also holds its
     gradient buckets.
     """
-    from memfit.planner import memory_model  # train=True: one training step on fake tensors
+    from memfit.planner.sizing import memory_model  # train=True: one training step on fake tensors
     ddp = isinstance(model, _ddp_class())
     module = model.module if ddp else model
     device, n = _trained_device(model), _batch_size(x, y)

@@ -56,7 +56,7 @@ def runner_for(model, ds: CompactDataset, n: int, kind: str):
     """The callable evaluate runs for a chunk of n: the planned module (arena made for n) or eager."""
     if kind != "planned":
         return model, 0
-    from memfit.planner import plan
+    from memfit import plan
     pm = plan(model, (torch.empty((n, *ds.sample_shape), device=model_device(model)),))
     return pm, pm.report.arena_bytes
 
