@@ -188,13 +188,27 @@ def _overloads(*names: str) -> frozenset:
     return frozenset(found)
 
 
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that remembers the storage's key (its address, reused once it is freed)."""
+    __slots__ = ("key",)
+
+
+def _fresh_outputs(func) -> bool:
+    """Whether every output of `func` is a new storage: its schema aliases no input (not a view, not in place,
+    not out=). `_unsafe_view` is a view whose schema says otherwise."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and func is not torch.ops.aten._unsafe_view.default \
+        and not any(r.alias_info is not None for r in schema.returns)
+
+
 class _StorageLog(TorchDispatchMode):
     """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
 
     The lean cousin of `memfit.measure`'s live-bytes mode for fake runs, where its Python work per op is most
-    of the cost: one finalizer per storage rather than per tensor (a storage's Python object lives as long as
-    the storage, so its finalizer runs when the last tensor on it goes), ops kept as objects, and an op's
-    inputs looked at only when an output's storage is new (in place on a tensor made outside, or a view of one).
+    of the cost: one weak reference per storage rather than a finalizer per tensor (a storage's Python object
+    lives as long as the storage, so the reference dies with the last tensor on it), ops kept as objects, and
+    an op's inputs looked at only when its schema says an output may alias one (a view of, or a write to, a
+    tensor made outside: parameters, the batch).
     """
 
     # batch norm on a half or bfloat16 input: the real kernels keep the saved mean and inverse std in float32
@@ -205,6 +219,7 @@ class _StorageLog(TorchDispatchMode):
     # these CPU losses return the reduced scalar as a view of an input-sized buffer, which it keeps alive
     CPU_LOSS_VIEWS = _overloads("aten.mse_loss.default", "aten.smooth_l1_loss.default",
                                 "aten.binary_cross_entropy.default", "aten.soft_margin_loss.default")
+    FRESH: dict = {}                                  # op -> whether its outputs are always new storages
 
     def __init__(self, device: torch.device):
         super().__init__()
@@ -212,12 +227,17 @@ class _StorageLog(TorchDispatchMode):
         self.ops: list = []                           # the OpOverload of every op, in order
         self.log: list[tuple[int, int, int]] = []
         self.live: dict[int, int] = {}                # storage key -> bytes, for storages allocated here
-        self.outside: set[int] = set()                # storages made before (parameters, inputs) seen as outputs
+        self.refs: dict[int, _StorageRef] = {}        # storage key -> its weak reference (kept so it calls back)
 
-    def _free(self, key: int) -> None:
-        nbytes = self.live.pop(key, None)
+    def _freed(self, ref: _StorageRef) -> None:
+        nbytes = self.live.pop(ref.key, None)
+        self.refs.pop(ref.key, None)
         if nbytes is not None:
-            self.log.append((len(self.ops), key, -nbytes))
+            self.log.append((len(self.ops), ref.key, -nbytes))
+
+    def _watch(self, s, key: int) -> None:
+        ref = self.refs[key] = _StorageRef(s, self._freed)
+        ref.key = key
 
     def size_of(self, func, index: int, t: torch.Tensor, nbytes: int, args) -> int:
         """Bytes counted for output `index` of `func`: the few fake kernels whose outputs differ from the real."""
@@ -231,7 +251,15 @@ class _StorageLog(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         op = len(self.ops)
         self.ops.append(func)
-        outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        if isinstance(out, torch.Tensor):
+            outs = (out,)
+        elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in out):
+            outs = out
+        else:
+            outs = tree_flatten(out)[0]
+        fresh = self.FRESH.get(func)
+        if fresh is None:
+            fresh = self.FRESH[func] = _fresh_outputs(func)
         inputs = None
         for i, t in enumerate(outs):
             if not isinstance(t, torch.Tensor) or t.device != self.device:
@@ -241,22 +269,22 @@ class _StorageLog(TorchDispatchMode):
             except (RuntimeError, NotImplementedError):   # sparse or wrapper tensors own no plain storage
                 continue
             key = s._cdata
-            if key in self.live or key in self.outside:
+            if key in self.refs:                          # allocated here, or known to be made outside
                 continue
             nbytes = s.nbytes()
             if not nbytes:
                 continue
-            if inputs is None:
-                inputs = {k[0] for a in tree_flatten((args, kwargs))[0]
-                          if isinstance(a, torch.Tensor) and (k := _storage_key(a))}
-            if key in inputs:                             # a view of (or in-place write to) a tensor made outside
-                self.outside.add(key)
-                weakref.finalize(s, self.outside.discard, key)
-                continue
+            if not fresh:
+                if inputs is None:
+                    inputs = {k[0] for a in tree_flatten((args, kwargs))[0]
+                              if isinstance(a, torch.Tensor) and (k := _storage_key(a))}
+                if key in inputs:                         # a view of (or a write to) a tensor made outside
+                    self._watch(s, key)
+                    continue
             nbytes = self.size_of(func, i, t, nbytes, args)
             self.live[key] = nbytes
             self.log.append((op, key, nbytes))
-            weakref.finalize(s, self._free, key)
+            self._watch(s, key)
         return out
 
 
