@@ -380,6 +380,7 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
     print(machine_header(dev))
     torch.manual_seed(0)
     cases = [on_device(c, dev) for c in zoo_cases() + hf_cases(seq=32 if quick else 64)]
+    realistic = not models                # the predict-cost table runs unless a subset of models is asked for
     if quick and not models:          # the eight light ones: ResNet-18 and MobileNetV2 steps take seconds each
         models = [c.name.split(" ")[0] for c in cases if c.name not in ("resnet18", "mobilenet_v2")]
     if models:
@@ -396,7 +397,7 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
         acc_rows.append(accumulation_row(case, sizes[-1], repeat, auto=have_mm))
         print(f"# {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     cost_rows = []
-    if have_mm and not models:
+    if have_mm and realistic:
         for case, n in realistic_cases(quick):
             t0 = time.perf_counter()
             cost_rows.append(cost_row(on_device(case, dev), n, repeat=1 if quick else 3))
