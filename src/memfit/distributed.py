@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import traceback
 import zlib
 
 import torch
@@ -191,7 +190,3 @@ def reduce_states(states: list[dict[str, torch.Tensor]], timeout_s: float | None
     for st in states:
         for key in sorted(st):
             st[key] = all_reduce(st[key].clone(), what=f"metric state {key!r}", timeout_s=timeout_s)
-
-
-def format_exc_short(e: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(e), e)).strip()

@@ -125,14 +125,6 @@ def cmd_plan(args) -> int:
     return cli_plan(args.extra)
 
 
-def _budget(text):
-    from memfit.budget import parse_bytes
-    try:
-        return None if text is None else parse_bytes(text)
-    except ValueError as e:
-        raise UsageError(f"--budget: {e}") from None
-
-
 def cmd_demo(args) -> int:
     from memfit.cli import demo
     return demo.main(args)       # options checked by their argparse types, the output folder by demo.main
@@ -142,11 +134,12 @@ def cmd_eval(args) -> int:
     import torch
 
     from memfit.arrays import is_integer_data
+    from memfit.budget import parse_bytes
     from memfit.cli.data import open_data
     from memfit.cli.plan import load_factory
     from memfit.compact import CompactDataset
     from memfit.evaluation import evaluate
-    budget = _budget(args.budget)
+    budget = None if args.budget is None else parse_bytes(args.budget)   # checked by budget_arg
     chunk = args.chunk_size
     if chunk != "auto":
         if not chunk.isdigit() or int(chunk) < 1:

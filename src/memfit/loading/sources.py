@@ -36,17 +36,15 @@ from memfit.arrays import (
     to_tensor,
 )
 from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
-from memfit.compact import CompactDataset, check_integer_output
+from memfit.compact import (
+    CompactDataset,
+    as_words,
+    check_integer_output,
+    decoded_batch_nbytes,
+    stored_row_nbytes,
+)
 
 READ_BYTES = 2**20          # raw bytes per file read: bounds the host temporaries of a FileSource
-
-
-def as_words(t: torch.Tensor) -> torch.Tensor | None:
-    """Rows of `t` as int64 words when they allow it (an index_select then moves 8x fewer elements)."""
-    if t.dim() < 1 or not t.is_contiguous() or t.element_size() >= 8 or t.shape[0] == 0:
-        return None
-    row = t[:1].nbytes
-    return t.view(t.shape[0], -1).view(torch.int64) if row % 8 == 0 and row > 0 else None
 
 
 class Source:
@@ -62,12 +60,11 @@ class Source:
     @property
     def row_nbytes(self) -> int:
         """Stored bytes of one sample, its label included."""
-        label = 0 if self.y_dtype is None else self.y_dtype.itemsize
-        return math.prod(self.stored_shape) * self.stored_dtype.itemsize + label
+        return stored_row_nbytes(self.stored_shape, self.stored_dtype, self.y_dtype)
 
     def batch_nbytes(self, m: int) -> int:
         """One decoded batch of m samples: x in the output dtype, y as int64."""
-        return self.template.x_batch_nbytes(m) + (0 if self.y_dtype is None else 8 * m)
+        return decoded_batch_nbytes(m, self.template.sample_shape, self.template.dtype, self.y_dtype is not None)
 
     def fill(self, idx: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor | None) -> None:
         """Write the rows `idx` (CPU int64, (m,)) into x_out[:m] and their labels into y_out[:m]."""
