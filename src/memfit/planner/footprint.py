@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.budget import check_count, format_bytes
@@ -201,7 +200,7 @@ def _fresh_outputs(func) -> bool:
         and not any(r.alias_info is not None for r in schema.returns)
 
 
-class _StorageLog(TorchDispatchMode):
+class _StorageLog:
     """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
 
     The lean cousin of `memfit.measure`'s live-bytes mode for fake runs, where its Python work per op is most
@@ -222,7 +221,6 @@ class _StorageLog(TorchDispatchMode):
     FRESH: dict = {}                                  # op -> whether its outputs are always new storages
 
     def __init__(self, device: torch.device):
-        super().__init__()
         self.device = device
         self.ops: list = []                           # the OpOverload of every op, in order
         self.log: list[tuple[int, int, int]] = []
@@ -247,8 +245,8 @@ class _StorageLog(TorchDispatchMode):
             return max(nbytes, args[0].numel() * t.element_size())
         return nbytes
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def record(self, func, out, args, kwargs) -> None:
+        """Note op `func` and the new storages among its outputs `out`."""
         op = len(self.ops)
         self.ops.append(func)
         if isinstance(out, torch.Tensor):
@@ -285,7 +283,36 @@ class _StorageLog(TorchDispatchMode):
             self.live[key] = nbytes
             self.log.append((op, key, nbytes))
             self._watch(s, key)
+
+
+class _LoggingFakeMode(FakeTensorMode):
+    """A fake mode that hands every op the program runs, with its outputs, to a `_StorageLog` while one is set:
+    one dispatch layer instead of a logging mode on top of the fake one. The ops the fake mode runs to compute
+    an op (its decompositions) are not logged: the real kernel does not allocate their outputs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.storage_log: _StorageLog | None = None
+        self._depth = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.storage_log is None or self._depth:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        self._depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._depth -= 1
+        self.storage_log.record(func, out, args, kwargs)
         return out
+
+    @contextmanager
+    def logging_to(self, storage_log: _StorageLog):
+        self.storage_log = storage_log
+        try:
+            yield
+        finally:
+            self.storage_log = None
 
 
 def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), *, optimizer=None, loss_fn=None,
@@ -449,7 +476,7 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
                     if phase == "step":
                         samples["optimizer state"] = {k[0] for t in _state_tensors(opt) if (k := _storage_key(t))}
 
-                with tracker, _no_cycle_collection():
+                with mode.logging_to(tracker), _no_cycle_collection():
                     if train:
                         training_step(model, x, opt, loss_fn, y, autocast, mark, step)
                     else:
@@ -751,7 +778,7 @@ def _signature(template) -> object:
 def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why):
     dev = device
     optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)      # plain tensors a forward makes are converted
+    mode = _LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
     fakes: dict[int, torch.Tensor] = {}
 
     once = train and optimizer is not None            # the optimizer step runs at batch 4 only
