@@ -2,13 +2,22 @@
 
 `step_memory_model(model, example, train=True, optimizer=opt, loss_fn=...)` runs the real code (forward,
 loss, backward, `optimizer.step()`, `zero_grad()`) under `torch._subclasses.fake_tensor.FakeTensorMode`
-at batch sizes 1, 2 and 4, with `memfit.measure`'s live-bytes dispatch mode recording every storage
-allocated and freed. Each op's live bytes, per kind (activations, gradients, optimizer state,
-transients), is affine in the batch, `a + b * n`: two sizes fit it, the third checks it, and the
-peak at any n is the largest over the ops. Where the check fails (an n x n similarity matrix), a
-quadratic per op is fit at 2, 4, 8 and checked at a fourth size; where even that fails, or the ops
-change with the batch, an upper line is used and `method` says APPROXIMATE (with a warning). No
-`torch.export`, so any model that runs eagerly works; data-dependent Python control flow does not
+at small batch sizes, logging every storage allocated and freed (the live bytes `memfit.measure` counts).
+Each op's live bytes, per kind (activations, gradients, optimizer state, transients), is then
+`a + b * n`, and the peak at any n is the largest over the ops. A fake run costs Python work per op
+whatever the tensors' sizes, so a prediction runs as few as it can:
+- batch 4 and batch 1. When both allocate and free the same storages at the same ops, each the same size
+  in both or 4 times as large, every size is constant or proportional to the batch and the line through
+  the two runs is exact: two runs.
+- otherwise batch 2 as well: the line through 2 and 4 under the same check, and batch 1 its own exact run
+  where it runs other ops (broadcast parameters need no reduction over a batch of one). Where sizes are not
+  proportional, the line through 2 and 4 is checked at a third size; where that fails (an n x n similarity
+  matrix) a quadratic per op is fit at 2, 4, 8 and checked at a fourth; where even that fails, or the ops
+  change with the batch, an upper line is used and `method` says APPROXIMATE (with a warning).
+- the optimizer step runs once, at batch 4: it reads and writes parameters, gradients and its state, none
+  of which depends on the batch, so what it adds above the end of backward is the same at every size and
+  is put into the other runs, which skip it.
+No `torch.export`, so any model that runs eagerly works; data-dependent Python control flow does not
 (`FakeRunError` says so).
 
 Parameters and buffers are swapped for fake copies for the run (`torch.func.functional_call`'s
