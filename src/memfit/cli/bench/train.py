@@ -393,7 +393,8 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
     for case in cases:
         t0 = time.perf_counter()
         if have_mm:
-            mem_rows += memory_rows(case, sizes, room=1.2 if quick else 1.5, repeat=1 if quick else 3)
+            # a step of these models takes milliseconds: a median of 5 costs little and steadies predict/step
+            mem_rows += memory_rows(case, sizes, room=1.2 if quick else 1.5, repeat=5)
         acc_rows.append(accumulation_row(case, sizes[-1], repeat, auto=have_mm))
         print(f"# {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     cost_rows = []
