@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="input dtype (default float32)")
     p.add_argument("--algorithm", default="greedy_by_size", choices=ALGORITHMS, help="offset algorithm")
     p.add_argument("--no-inplace", action="store_true", help="never let an op write over its input")
+    p.add_argument("--all-in-arena", action="store_true",
+                   help="every op with an out= kernel writes into the arena, even where running it eagerly "
+                        "costs less memory (arena + unplanned)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a picture of the arena over time")
     p.add_argument("--device", default="cpu", type=device_arg,
                    help="plan on cpu, cuda, cuda:1 (default cpu: a plan's bytes do not depend on the device, "
@@ -166,7 +169,7 @@ def cli_plan(argv: list[str]) -> int:
         raise UsageError("--budget goes with --train")
     model.eval().to(args.device)
     pm = plan(model, tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes),
-              algorithm=args.algorithm, inplace=not args.no_inplace)
+              algorithm=args.algorithm, inplace=not args.no_inplace, eager_where_cheaper=not args.all_in_arena)
     rep = pm.report
     path = rep.plot(args.plot) if args.plot else None
     if args.json:

@@ -1,7 +1,7 @@
 """Host sources: where a loader's compact rows come from, and how a block of them is gathered.
 
 - `CompactSource`: a `CompactDataset` (CPU, pinned CPU, or already on the device). A block is one
-  `index_select` into a preallocated buffer, moving rows as 8-byte words when their size allows.
+  gather into a preallocated buffer (`CompactDataset.rows`: 8-byte words when the row size allows).
 - `FileSource`: (x, y) where x is a memory-mapped `.npy` (possibly larger than RAM). x stays on disk;
   a block is read in chunks of about `READ_BYTES` (sorted indices: sequential reads when the block is
   contiguous), encoded on the way, and the pages read are dropped from this process's memory.
@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 
@@ -38,11 +39,11 @@ from memfit.arrays import (
 from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
 from memfit.compact import (
     CompactDataset,
-    as_words,
     check_integer_output,
     decoded_batch_nbytes,
     stored_row_nbytes,
 )
+from memfit.distributed import shard_data, shard_sizes
 
 READ_BYTES = 2**20          # raw bytes per file read: bounds the host temporaries of a FileSource
 
@@ -74,6 +75,11 @@ class Source:
         """The whole source as a CompactDataset on `device` (the `resident` strategy)."""
         raise NotImplementedError
 
+    def shard(self, rank: int, world_size: int) -> tuple[Source, range, int]:
+        """(this rank's part, its positions in the whole, the whole's size). The part decodes with the
+        whole's template: the codec, normalisation and class count are the same on every rank."""
+        raise NotImplementedError
+
 
 class CompactSource(Source):
     """A CompactDataset used as it is (no copy) for `resident` on its own device, else gathered from."""
@@ -85,27 +91,25 @@ class CompactSource(Source):
         self.stored_dtype = ds.x.dtype
         self.y_dtype = None if ds.y is None else ds.y.dtype
         self._host: CompactDataset | None = None
-        self._words: torch.Tensor | None = None
 
     def host(self) -> CompactDataset:
         """The rows in host memory (a dataset on a CUDA device is copied back once, when first needed)."""
         if self._host is None:
             self._host = self.original if self.original.device.type == "cpu" else self.original.to("cpu")
-            self._words = as_words(self._host.x)
         return self._host
 
     def fill(self, idx, x_out, y_out):
         m, ds = idx.shape[0], self.host()
-        out_words = as_words(x_out[:m]) if self._words is not None else None
-        if out_words is not None:
-            torch.index_select(self._words, 0, idx, out=out_words)      # one gather, 8-byte elements
-        else:
-            torch.index_select(ds.x, 0, idx, out=x_out[:m])
+        ds.rows(idx, out=x_out[:m])                  # one gather (as 8-byte words when the rows allow it)
         if y_out is not None:
             torch.index_select(ds.y, 0, idx, out=y_out[:m])
 
     def dataset(self, device):
         return self.original if self.original.device == device else self.original.to(device)
+
+    def shard(self, rank, world_size):
+        part, members, n = shard_data(self.original, rank, world_size)
+        return _not_empty(CompactSource(part), rank, world_size, n), members, n
 
 
 class FileSource(Source):
@@ -179,6 +183,22 @@ class FileSource(Source):
         y = None if self.y is None else self.y.to(device)
         t = self.template
         return CompactDataset(x, y, self.codec, t.sample_shape, t.dtype, t.mean, t.std)
+
+
+    def shard(self, rank, world_size):
+        sizes = shard_sizes(self.n, world_size)
+        a = sum(sizes[:rank])
+        part = copy.copy(self)                   # the same codec and template
+        part.x, part.n = self.x[a:a + sizes[rank]], sizes[rank]          # a memory map of the part
+        part.y = None if self.y is None else self.y[a:a + sizes[rank]].clone()   # the whole's labels are freed
+        part._raw, part._lock = None, threading.Lock()
+        return _not_empty(part, rank, world_size, self.n), range(a, a + part.n), self.n
+
+
+def _not_empty(part: Source, rank: int, world_size: int, n: int) -> Source:
+    if part.n:
+        return part
+    raise ValueError(f"rank {rank} of {world_size} holds no sample: the data has {n}; use at most {n} processes")
 
 
 def is_file_backed(x: object) -> bool:

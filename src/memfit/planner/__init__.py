@@ -13,8 +13,9 @@
 Modules: `arena` (lifetimes, offsets, verifier: pure functions), `ops` (out= kernels, views,
 in-place allowlist), `capture` (torch.export, error diagnosis), `graph` (aliases, lifetimes, sizes
 at a batch size), `codegen` (the generated forward), `planned` (`plan`, `PlannedModule`,
-`capture_model` + `layout_at(capture, n)`: exact sizes at any batch from one capture), `sizing`,
-`report`, `cli`.
+`capture_model` + `place_at(capture, n)`: exact sizes at any batch from one capture), `sizing`
+(`memory_model`, `max_batch_size`), `report`, `cache` (plans `evaluate` borrows), `footprint` (the
+fake-tensor memory of an eager forward or training step).
 
 Example:
     >>> import torch

@@ -89,7 +89,7 @@ def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:
 
 
 def give_back(pm: PlannedModule) -> None:
-    """Free the plan's arena and let go of its model (the layouts stay for the next borrow)."""
+    """Free the plan's arena and let go of its model (the placements stay for the next borrow)."""
     pm.release()
     pm.model = None
 

@@ -1,8 +1,8 @@
 """Bytes a batch of n needs, for inference or a whole training step, without running it at full size.
 
 `memory_model` is the one entry point. For inference of a model torch.export can capture, one capture
-with a symbolic batch gives the planner's layout at any n with every tensor's exact size (nothing
-runs; cached per n). Where the capture is static, layouts at batch 2 and 4 give each tensor's size as
+with a symbolic batch gives the planner's placement at any n with every tensor's exact size (nothing
+runs; cached per n). Where the capture is static, placements at batch 2 and 4 give each tensor's size as
 the exact line `a + b * n` (rationals, rounded up). For training, for inputs
 given as a dict or several tensors, for models export cannot capture, and where the two graphs
 differ, the fake-tensor run of `memfit.planner.footprint` counts the eager forward or the training step
@@ -39,7 +39,7 @@ from memfit.planner.footprint import (
     _is_shape,
     step_memory_model,
 )
-from memfit.planner.planned import ALIGNMENT, capture_model, layout, layout_at
+from memfit.planner.planned import ALIGNMENT, capture_model, place, place_at
 
 __all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "largest_fitting", "max_batch_size", "memory_model",
            "plot_memory"]
@@ -67,17 +67,17 @@ class MemoryModel:
     device: torch.device = torch.device("cpu")
     train: bool = False
     _cache: dict[int, tuple[int, int]] = field(default_factory=dict)
-    _cap: object = None                               # a capture with a symbolic batch: exact layouts at any n
+    _cap: object = None                               # a capture with a symbolic batch: exact placements at any n
 
     def _parts(self, n: int) -> tuple[int, int]:
         if n not in self._cache and self._cap is not None:
             # batch 1 lies below the symbolic range (it is planned from a capture of its own): the
             # symbolic graph's sizes at n=1, no export
-            rep = layout_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
+            rep = place_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
             self._cache[n] = (rep.arena_bytes, rep.unplanned_bytes)
         if n not in self._cache:
-            arena = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._arena)]
-            outside = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._outside)]
+            arena = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._arena)]
+            outside = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._outside)]
             self._cache[n] = (assign_offsets(arena, self.algorithm, ALIGNMENT)[1],
                               max(live_profile(outside, 1), default=0))
         return self._cache[n]
@@ -138,7 +138,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
 
     Inference (train=False) of a model torch.export captures, with one input tensor: from the planner's
-    layouts (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
+    placements (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
     no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
     (`memfit.planner.footprint`), which allocates nothing and leaves the model and optimizer as they were.
 
@@ -196,16 +196,16 @@ def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm:
     dev = model_device(model)
     per_sample = math.prod(shape) * dtype.itemsize
     cap = capture_model(model, (torch.zeros((PROBES[0], *shape), dtype=dtype, device=dev),))
-    if cap.dynamic:           # one export; the layout at any n has every tensor's exact size
-        rep = layout_at(cap, PROBES[0], algorithm=algorithm).report
-        return MemoryModel(rep.param_bytes, per_sample, "planned arena: exact layouts at any batch from one capture "
+    if cap.dynamic:           # one export; the placement at any n has every tensor's exact size
+        rep = place_at(cap, PROBES[0], algorithm=algorithm).report
+        return MemoryModel(rep.param_bytes, per_sample, "planned arena: exact placements at any batch from one capture "
                            "with a symbolic batch", algorithm, [], [], dev, _cap=cap)
-    # a static capture: layouts at 2 and 4, each tensor's size the exact line through its two sizes
-    lays = [layout(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
-            for n in PROBES]
-    params = lays[0].report.param_bytes
-    l1, l2 = lays
-    kinds = [[(r.name, r.kind, r.first, r.last) for r in lay.graph.roots.values()] for lay in lays]
+    # a static capture: placements at 2 and 4, each tensor's size the exact line through its two sizes
+    placements = [place(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
+                  for n in PROBES]
+    params = placements[0].report.param_bytes
+    l1, l2 = placements
+    kinds = [[(r.name, r.kind, r.first, r.last) for r in pl.graph.roots.values()] for pl in placements]
     if kinds[0] != kinds[1]:
         raise _GraphsDiffer
     arena, outside = [], []
@@ -216,7 +216,7 @@ def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm:
             arena.append(item)
         elif r.kind in ("call", "output"):
             outside.append(item)
-    return MemoryModel(params, per_sample, f"planned arena: sizes per tensor affine from layouts at batch 2 and 4 "
+    return MemoryModel(params, per_sample, f"planned arena: sizes per tensor affine from placements at batch 2 and 4 "
                        f"(the capture is static: {cap.static_reason})", algorithm, arena, outside, dev)
 
 

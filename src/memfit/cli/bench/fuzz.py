@@ -40,6 +40,7 @@ UNARY = {
     "clamp": lambda a: a.clamp(-0.5, 0.5), "softmax": lambda a: torch.softmax(a, -1),
     "sum0": lambda a: a.sum(0, keepdim=True),
     "copy_t": lambda a: a.t().reshape(-1).reshape(a.shape),         # reshape of a transpose: a copy
+    "dropout": lambda a: nn.functional.dropout(a, 0.5, training=False),   # export: a copy in the same layout
 }
 BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": lambda a, b: a / (b.abs() + 1),
@@ -119,8 +120,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_programs(programs: list[list[tuple]], n: int, algorithms=None) -> None:
-    """Plan the programs' model with every algorithm (one capture); outputs must equal eager bit for
-    bit on two inputs, called twice each, and the inputs must be left untouched. Raises AssertionError."""
+    """Plan the programs' model with every algorithm, every op in the arena where it has an `out=`
+    kernel, and once more with the default of running ops eagerly where that costs less memory (one
+    capture); outputs must equal eager bit for bit on two inputs, called twice each, and the inputs
+    must be left untouched. Raises AssertionError."""
     from memfit.planner.arena import ALGORITHMS
     from memfit.planner.planned import capture_model, plan_captured
 
@@ -130,8 +133,9 @@ def check_programs(programs: list[list[tuple]], n: int, algorithms=None) -> None
     with torch.no_grad():
         refs = [model(x) for x in xs]
     cap = capture_model(model, (xs[0],))
-    for algorithm in algorithms or ALGORITHMS:
-        pm = plan_captured(cap, (xs[0],), algorithm=algorithm)
+    settings = [(a, False) for a in algorithms or ALGORITHMS] + [("greedy_by_size", True)]
+    for algorithm, eager_where_cheaper in settings:
+        pm = plan_captured(cap, (xs[0],), algorithm=algorithm, eager_where_cheaper=eager_where_cheaper)
         for x, ref in [*zip(xs, refs, strict=True), (xs[0], refs[0])]:
             before = x.clone()
             with torch.no_grad():
