@@ -105,7 +105,3 @@ def check_fields(x: dict) -> int:
     if bad:
         raise ValueError(f"every field needs one row per sample; found sample counts {counts}")
     return n
-
-
-# cli/bench/train.py still imports this from here; it belongs to memfit.batches (import it from there)
-from memfit.batches import batch_tensors  # noqa: E402, F401

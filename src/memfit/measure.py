@@ -68,9 +68,14 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
     tensors = [*model.parameters(), *model.buffers()]
     if grads:
         tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    if optimizer is not None:
-        tensors += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return unique_bytes(tensors)
+    return unique_bytes(tensors + optimizer_state(optimizer))
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The tensors an optimizer keeps (AdamW: two per parameter once it has stepped); [] for None."""
+    if optimizer is None:
+        return []
+    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 class _Tracker(TorchDispatchMode):

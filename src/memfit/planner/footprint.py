@@ -56,8 +56,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from memfit.budget import check_count, format_bytes
-from memfit.measure import _storage_key
+from memfit.batches import forward
+from memfit.budget import check_count, format_bytes, model_device
+from memfit.measure import _storage_key, optimizer_state, unique_bytes
+from memfit.messages import first_line, whole_words
 
 __all__ = ["Batch", "FakeRunError", "StepMemoryModel", "check_prediction", "measure_step", "step_memory_model",
            "training_step"]
@@ -111,15 +113,6 @@ class Batch:
         return tree_map(scale, self.template)
 
 
-def call(model: torch.nn.Module, batch):
-    """model(batch), model(*batch) or model(**batch) as the batch is a tensor, a tuple or a dict."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
 def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
     if loss_fn is not None and target is not None:
         return loss_fn(out, target)
@@ -150,7 +143,7 @@ def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: 
     step returns."""
     dev = next((t.device.type for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), "cpu")
     with torch.autocast(dev, dtype=autocast) if autocast is not None else nullcontext():
-        out = call(model, batch)
+        out = forward(model, batch)
         loss = _loss(out, target, loss_fn)
     marks("forward")
     loss.backward()
@@ -172,14 +165,14 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     optimizer are updated, as by any training step.
     """
     from memfit.measure import track_memory
-    dev = torch.device(device) if device is not None else _model_device(model)
+    dev = torch.device(device) if device is not None else model_device(model)
     batch = example if isinstance(example, (torch.Tensor, tuple, list, dict)) and not _is_shape(example) \
         else Batch(example).at(1, dev)
-    held = _unique_bytes([*model.parameters(), *model.buffers(), *tree_flatten(batch)[0], *tree_flatten(target)[0]])
+    held = unique_bytes([*model.parameters(), *model.buffers(), *tree_flatten(batch)[0], *tree_flatten(target)[0]])
     model.train()
     if warmup and optimizer is not None:
         training_step(model, batch, optimizer, loss_fn, target, autocast)
-    held += _unique_bytes(_state_tensors(optimizer))
+    held += unique_bytes(optimizer_state(optimizer))
     with track_memory(dev) as mem:
         training_step(model, batch, optimizer, loss_fn, target, autocast)
     return held + mem.peak
@@ -328,19 +321,18 @@ def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), 
                      target_at: Callable[[int], object] | None = None, autocast=None) -> list[dict]:
     """Predicted vs measured bytes of one training step at each batch size (for benchmarks).
 
-    `example_at(n)` / `target_at(n)` build a real batch of n. The prediction comes from
-    `memfit.memory_model(train=True)` with the batch at 2; each measurement runs `measure_step` on deep
+    `example_at(n)` / `target_at(n)` build a real batch of n. The prediction is `step_memory_model`'s
+    (what `memfit.memory_model(train=True)` returns) from the batch at 2; each measurement runs `measure_step` on deep
     copies of the model and optimizer (the originals are not touched). Rows: n, predicted, measured,
     ratio (predicted / measured), predict_s (seconds to build the memory model), step_s (seconds of one
     real step at n, untracked).
     """
     import time
 
-    from memfit.planner.sizing import memory_model
     _CACHE.pop(model, None)                                     # time the prediction itself, not a cache hit
     t0 = time.perf_counter()
-    mm = memory_model(model, example_at(2), train=True, optimizer=optimizer, loss_fn=loss_fn,
-                      target=target_at(2) if target_at else None, autocast=autocast)
+    mm = step_memory_model(model, example_at(2), train=True, optimizer=optimizer, loss_fn=loss_fn,
+                           target=target_at(2) if target_at else None, autocast=autocast)
     predict_s = time.perf_counter() - t0
     rows = []
     for n in sizes:
@@ -381,25 +373,6 @@ def _integral(s) -> bool:
 def _is_shape(x) -> bool:
     """A sample shape (ints without the batch dimension) rather than an example batch."""
     return _integral(x) or (isinstance(x, (tuple, list)) and len(x) > 0 and all(_integral(s) for s in x))
-
-
-def _model_device(model) -> torch.device:
-    t = next(iter([*model.parameters(), *model.buffers()]), None)
-    return t.device if t is not None else torch.device("cpu")
-
-
-def _unique_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and (k := _storage_key(t)) is not None:
-            seen[k[0]] = k[1]
-    return sum(seen.values())
-
-
-def _state_tensors(optimizer) -> list[torch.Tensor]:
-    if optimizer is None:
-        return []
-    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 def _snapshot(model):
@@ -458,9 +431,9 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
 
     named = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False))}
-    held = {"parameters": _unique_bytes(named.values()),
+    held = {"parameters": unique_bytes(named.values()),
             "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
-            "optimizer state": _unique_bytes(_state_tensors(optimizer))}
+            "optimizer state": unique_bytes(optimizer_state(optimizer))}
     snap = _snapshot(model)
     tracker = _StorageLog(device)
     log = tracker.log
@@ -483,7 +456,7 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
                         samples["gradients"] = {_storage_key(p.grad)[0] for p in fake_named.values()
                                                 if isinstance(p, torch.Tensor) and p.grad is not None}
                     if phase == "step":
-                        samples["optimizer state"] = {k[0] for t in _state_tensors(opt) if (k := _storage_key(t))}
+                        samples["optimizer state"] = {k[0] for t in optimizer_state(opt) if (k := _storage_key(t))}
 
                 with mode.logging_to(tracker), _no_cycle_collection():
                     if train:
@@ -491,13 +464,13 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
                     else:
                         with torch.no_grad(), torch.autocast(device.type, dtype=autocast) \
                                 if autocast is not None else nullcontext():
-                            out = call(model, x)
+                            out = forward(model, x)
                         mark("forward")
                         del out
                 del x, y
                 # what the step keeps: optimizer state, gradients zero_grad did not drop, tensors cached on a
                 # module; anything else still alive is garbage in a reference cycle, freed by the next collection
-                kept = [*_state_tensors(opt), *(p.grad for p in fake_named.values() if p.grad is not None),
+                kept = [*optimizer_state(opt), *(p.grad for p in fake_named.values() if p.grad is not None),
                         *(v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
                 live_at_end = {k[0] for t in kept if (k := _storage_key(t)) and k[0] in tracker.live}
     finally:
@@ -745,7 +718,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         why: a reason added to `method` (e.g. why the planner was not used).
     """
     from memfit.budget import resolve_device
-    dev = resolve_device(device) if device is not None else _model_device(model)   # checks CUDA is there
+    dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
     batch = Batch(example, dtype)
     tgt = Batch(target, dtype) if target is not None else None
     groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
@@ -799,7 +772,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         except (ValueError, TypeError):                # our own argument errors, and the user's
             raise
         except Exception as e:
-            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            reason = whole_words(first_line(e), 300)
             raise FakeRunError(
                 f"could not run {'one training step' if train else 'the forward'} of {type(model).__name__} on "
                 f"fake tensors at batch {n} ({reason}). Fake tensors have shapes but no values: data-dependent "

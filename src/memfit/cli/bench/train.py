@@ -43,12 +43,12 @@ import torch
 from torch.nn import functional as F
 
 from memfit.accumulation import accumulate
+from memfit.batches import batch_tensors, forward
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import machine_header, median_time, spread_warning, sync, table
 from memfit.cli.bench.zoo import build
 from memfit.cli.options import device_arg
-from memfit.fields import batch_tensors
-from memfit.measure import track_memory
+from memfit.measure import optimizer_state, track_memory, unique_bytes
 
 TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "max_batch": 0.9, "predict_cost": 2.0, "grad_rel": 1e-4,
            "step_time": 0.9}
@@ -194,26 +194,21 @@ def cost_row(case: Case, n: int, repeat: int) -> dict:
 
 
 # ---- real steps -------------------------------------------------------------------------------------------
-def _forward(model, x):
-    return model(**x) if isinstance(x, dict) else model(x)
-
-
 def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def plain_step(model, opt, x, y, loss_fn) -> None:
     opt.zero_grad(set_to_none=True)
-    loss_fn(_forward(model, x), y).backward()
+    loss_fn(forward(model, x), y).backward()
     opt.step()
 
 
 def _held(model, opt, x, y) -> int:
     """Bytes held before a step: parameters, buffers, gradients, optimizer state and the batch."""
-    ts = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
-          *batch_tensors(x), *batch_tensors(y)]
-    ts += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return unique_bytes([*model.parameters(), *model.buffers(), *grads, *optimizer_state(opt),
+                         *batch_tensors(x), *batch_tensors(y)])
 
 
 def measured_peak(case: Case, n: int) -> int:
@@ -228,7 +223,7 @@ def measured_peak(case: Case, n: int) -> int:
         opt.zero_grad(set_to_none=True)
         base = _held(model, opt, x, y)
         with track_memory(device) as mem:        # a training loop's locals: out and loss live to the end
-            out = _forward(model, x)
+            out = forward(model, x)
             loss = case.loss(out, y)
             loss.backward()
             opt.step()
@@ -288,7 +283,7 @@ def predicted_max_batch(case: Case, mm, budget: int) -> tuple[int, str]:
     import inspect
 
     import memfit
-    from memfit.planner.sizing import largest_fitting
+    from memfit.budget import largest_fitting
     if "train" in inspect.signature(memfit.max_batch_size).parameters:
         model = case.make()
         x, y = case.batch(2)
