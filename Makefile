@@ -25,7 +25,7 @@ test-cuda:
 	@$(CUDA_PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make test-cuda: torch ' + \
 	torch.__version__ + ' sees no CUDA device; run it where one is, with a CUDA build: make test-cuda CUDA_PY=python')"
 	$(CUDA_PY) -m pytest -q -m cuda -p no:cacheprovider
-	for b in codecs loaders planner evaluate; do \
+	for b in codecs loaders planner evaluate train; do \
 	  if $(CUDA_PY) -m memfit bench $$b --help | grep -q -- --device; then dev="--device cuda"; else dev=""; fi; \
 	  $(CUDA_PY) -m memfit bench $$b --quick $$dev || exit 1; \
 	done
