@@ -243,3 +243,49 @@ def test_a_distributed_loader_of_fields_gives_each_rank_its_shard_decoded_as_the
         assert torch.equal(torch.cat([p[1] for p in parts]), ref_y)
         for k, v in ref_x.items():
             assert union_x[k].dtype == v.dtype and torch.equal(union_x[k], v), (strategy, k)
+
+
+# ---- a rank with nothing to evaluate -----------------------------------------------------------------
+EMPTY_METRICS = ("accuracy", "loss", "confusion", "topk:3")
+
+
+def _summary(r):
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in r.metrics.items()}, r.n
+
+
+EMPTY_CASES = ("loader", "auto", 4)       # a per-rank loader empty on one rank; fewer samples than ranks
+
+
+def _empty_rank_eval(rank, world):
+    x, y = data()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    kw = dict(metrics=EMPTY_METRICS, device="cpu", progress=False, distributed=True)
+    out = {}
+    for case in EMPTY_CASES:
+        if case == "loader":    # a per-rank list of batches (a user's own loader), empty on the last rank
+            mine = [ds.batch(range(s, min(s + 100, N))) for s in range(0, N, 100)] if rank < world - 1 else []
+            out[case] = _summary(evaluate(model(), mine, **kw))
+        else:                   # a whole dataset with fewer samples than ranks: the last rank's shard is empty
+            out[case] = _summary(evaluate(model(), ds.subset(range(world - 1)), chunk_size=case, **kw))
+    return out
+
+
+def test_a_rank_with_nothing_to_evaluate_neither_hangs_nor_changes_the_result():
+    """Every rank returns the single-process result over the union; a collective one rank skipped would
+    hang (the collective timeout is short here, so a hang fails the test instead of blocking)."""
+    x, y = data()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    batches = [ds.batch(range(s, min(s + 100, N))) for s in range(0, N, 100)]     # the ranks' union, as chunked
+    single = {case: _summary(evaluate(model(), batches if case == "loader" else ds.subset(range(1)),
+                                      metrics=EMPTY_METRICS, device="cpu", progress=False))
+              for case in EMPTY_CASES}
+    t0 = time.perf_counter()
+    out = run_ranks(_empty_rank_eval, 2, timeout=60, env={"MEMFIT_DIST_TIMEOUT": "20"})
+    assert sorted(out) == [0, 1], f"a rank hung: {out}"
+    assert time.perf_counter() - t0 < 60
+    for rank, (status, value) in out.items():
+        assert status == "ok", (rank, value)
+        for case, (metrics, n) in value.items():
+            assert n == single[case][1], (rank, case)
+            for k, v in single[case][0].items():
+                assert metrics[k] == (pytest.approx(v, rel=1e-12) if k == "loss" else v), (rank, case, k)
