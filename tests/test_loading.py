@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distributed_util import run_ranks
+from memfit import Loader, loader
 from memfit.budget import BudgetExceeded, format_bytes
 from memfit.compact import CompactDataset
-from memfit.loading.loader import Loader, loader
 from memfit.loading.strategy import Needs, block_ledger, choose, largest_macro, resident_ledger
 
 N = 1003                                   # not a multiple of any batch size used here: an uneven last batch
@@ -439,7 +439,7 @@ import gc, json, sys
 import numpy as np, torch
 from memfit.budget import process_rss
 from memfit.readers import load_array
-from memfit.loading.loader import loader
+from memfit import loader
 x = load_array(sys.argv[1])
 n = len(x)
 y = np.arange(n)
@@ -489,7 +489,7 @@ KEEP_LABELS = """
 import json, sys
 import numpy as np, torch
 from memfit.readers import load_array
-from memfit.loading.loader import loader
+from memfit import loader
 def anon():                                  # heap and anonymous maps: not the file's page cache
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon"))
 x = load_array(sys.argv[1])

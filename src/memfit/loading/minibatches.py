@@ -108,7 +108,7 @@ class Loader:
     def _build(self, data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch, prefetch,
                distributed, codec, normalize, dtype, order) -> None:
         self.batch_size = check_count("batch_size", batch_size, 1)
-        check_names(strategy, order)
+        check_names(strategy, order)        # before the data is encoded (choose checks them again later)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch)):
             if not isinstance(flag, bool):
                 raise TypeError(f"expected {name} to be True or False; found {flag!r}")
