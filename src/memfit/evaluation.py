@@ -132,7 +132,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         distributed: every rank of the initialised process group evaluates its shard (a whole
             CompactDataset or arrays are sharded here; a Loader should be distributed already);
             sums and counts are all-reduced, so every rank returns the single-process result.
-            The auto chunk size is the minimum over ranks; out-of-memory back-off stays local.
+            The auto chunk size is the minimum over ranks; out-of-memory back-off stays local. A rank
+            with nothing to evaluate (fewer samples than ranks, its loader empty) adds nothing.
 
     Raises:
         ValueError/TypeError for bad input; BudgetExceeded when one sample does not fit; the
