@@ -1,4 +1,6 @@
 """CompactDataset against the float32 reference pipeline: (x_float - mean) / std, gathered."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -377,3 +379,72 @@ def test_one_progress_keyword_across_the_public_api():
     assert "progress" in params["CompactDataset.from_arrays"] and "progress" in params["evaluate.evaluate"]
     ds = CompactDataset.from_arrays({"a": IMAGES}, LABELS, device="cpu", progress=False)   # fields pass it on
     assert len(ds) == len(IMAGES)
+
+
+# ---- the file source and from_arrays share one set-up ---------------------------------------------
+FILE_CASES = {     # name: (x, codecs to try, output dtypes to try)
+    "images": (IMAGES[:40], ["auto", "uint8", "q8", "q4", "fp16"], [None, torch.float16, torch.float64]),
+    "floats": (FLOATS[:40], ["auto", "q8", "q4", "fp16", "bf16", "float32"], [None, torch.bfloat16]),
+    "halves": (np.round(FLOATS[:40] * 4) / 4, ["auto"], [None]),                         # auto picks fp16
+    "tokens": (RNG.integers(-300, 30000, (40, 7)), ["auto", "int16", "int32"], [None, torch.int32, torch.float32]),
+    "binary": (RNG.random((40, 2, 9)) < 0.3, ["auto", "bits1"], [None, torch.float16]),
+    "wide": (FLOATS[:40].astype(np.float64) / 3, ["auto", "float32"], [None, torch.float64]),
+    "nan": (np.where(FLOATS[:40] > 40, np.nan, FLOATS[:40]).astype(np.float64), ["auto", "q8"], [None]),  # refused
+}
+NORMALIZE = [None, "dataset", (2.0, 7.0)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor: bit-for-bit comparison (-0.0 and NaN included)."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_a_memory_mapped_file_source_stores_and_decodes_as_from_arrays(case, tmp_path, monkeypatch):
+    """The loaders' file source reads a .npy block by block; from_arrays encodes the array whole. For the
+    same data both must store the same codes, decode them to the same bits and explain() the same
+    (a lossy codec's bound included): small reads make the file source fit q8/q4 over many chunks."""
+    from memfit.loading import sources
+    monkeypatch.setattr(sources, "READ_BYTES", 256)
+    monkeypatch.setattr(arrays_mod, "CHUNK_BYTES", 1000)        # several chunks for the statistics too
+    x, codecs, dtypes = FILE_CASES[case]
+    np.save(tmp_path / "x.npy", x)
+    mm = np.load(tmp_path / "x.npy", mmap_mode="r")
+    y = RNG.integers(0, 5, len(x))
+    idx = torch.from_numpy(RNG.permutation(len(x))[:23])
+    tried = 0
+    for codec in codecs:
+        for dtype in dtypes:
+            for normalize in NORMALIZE:
+                kw = dict(codec=codec, normalize=normalize, dtype=dtype)
+                try:
+                    ds = CompactDataset.from_arrays(x, y, device="cpu", **kw)
+                except ValueError as e:                     # refused in memory: refused from the file alike
+                    with pytest.raises(ValueError, match="^" + re.escape(str(e)) + "$"):
+                        sources.make_source((mm, y), **kw)
+                    continue
+                src = sources.make_source((mm, y), **kw)
+                assert isinstance(src, sources.FileSource)
+                what = f"{codec}, {normalize}, {dtype}"
+                assert src.template.explain_sample() == ds.explain_sample(), what
+                assert (src.template.num_classes, src.y_dtype) == (ds.num_classes, ds.y.dtype), what
+                whole = src.dataset(torch.device("cpu"))                   # every row, read in blocks
+                assert torch.equal(_bits(whole.x), _bits(ds.x)) and torch.equal(whole.y, ds.y), what
+                rows = torch.empty((len(idx), *src.stored_shape), dtype=src.stored_dtype)
+                labels = torch.empty(len(idx), dtype=src.y_dtype)
+                src.fill(idx, rows, labels)                                # a shuffled block
+                ref_x, ref_y = ds.batch(idx)
+                got = src.template.decode(rows)
+                assert got.dtype == ref_x.dtype and torch.equal(_bits(got), _bits(ref_x)), what
+                assert torch.equal(labels.long(), ref_y), what
+                tried += 1
+    assert tried >= len(codecs) or case == "nan"    # most combinations are valid: the comparison did run
+
+
+def test_a_file_source_refuses_a_value_its_codec_cannot_hold_before_any_batch(tmp_path):
+    from memfit.loading.sources import make_source
+    x = np.zeros((30, 4), np.float32)
+    x[17, 2] = 300.0
+    np.save(tmp_path / "x.npy", x)
+    with pytest.raises(ValueError, match=r"codec 'uint8' needs values in \[0, 255\], found 300 at sample 17"):
+        make_source((np.load(tmp_path / "x.npy", mmap_mode="r"), None), codec="uint8")

@@ -420,11 +420,13 @@ def test_the_copy_thread_changes_no_other_threads_count(file_data):
 
 def test_bad_values_in_a_file_fail_in_the_consumer(tmp_path):
     from memfit.readers import load_array
-    x = np.zeros((300, 4), np.float32)
-    x[250, 2] = 300.0                                               # out of range for uint8, late in the file
-    np.save(tmp_path / "bad.npy", x)
+    np.save(tmp_path / "bad.npy", np.zeros((300, 4), np.float32))
     ld = loader((load_array(tmp_path / "bad.npy"), None), 50, codec="uint8", strategy="macro", macro_batch=100,
                 shuffle=False, device="cpu")
+    bad = np.load(tmp_path / "bad.npy", mmap_mode="r+")             # the file changes after the loader checked it
+    bad[250, 2] = 300.0                                             # out of range for uint8, late in the file
+    bad.flush()
+    del bad
     with pytest.raises(ValueError, match=r"codec 'uint8' needs values in \[0, 255\], found 300"):
         for _ in ld:
             pass

@@ -31,9 +31,10 @@ from memfit.arrays import (
     iter_chunks,
     normalisation,
     resolve_dtype,
+    to_tensor,
 )
 from memfit.budget import format_bytes, resolve_device
-from memfit.codecs import Codec, auto_codec, make_codec
+from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
 from memfit.fields import Field, PackedCodec, check_fields, pack, unpack
 from memfit.progress import progress as progress_bar
 
@@ -74,6 +75,67 @@ def check_integer_output(codec: Codec, dtype: torch.dtype, normalize: object) ->
     if normalize is not None:
         raise ValueError(f"normalize applies to float outputs; dtype {dtype} yields the integers themselves "
                          "(token ids): pass normalize=None, or a float dtype to normalise")
+
+
+@dataclass
+class Encoding:
+    """How arrays become a CompactDataset, decided once from the whole of x: the one set-up shared by
+    `CompactDataset.from_arrays` (in memory) and the loaders' file source (memory-mapped), so both store
+    the same codes and decode them to the same values.
+
+    `codec` is fitted (q8/q4 know every channel's range); `labels` are CPU, in the smallest integer
+    dtype; `mean`/`std` are float64 (C,) in the units of x, or None."""
+    x: np.ndarray | torch.Tensor
+    codec: Codec
+    dtype: torch.dtype
+    sample_shape: tuple[int, ...]
+    labels: torch.Tensor | None
+    mean: torch.Tensor | None
+    std: torch.Tensor | None
+    auto: bool                     # the codec was chosen by `auto_codec` (exact for every value of x)
+
+
+def prepare_encoding(x: np.ndarray | torch.Tensor, y: object, codec: str | Codec, normalize: object,
+                     dtype: torch.dtype | str | None, chunk_rows: int | None = None) -> Encoding:
+    """Check x (N, ...), choose and fit the codec, resolve the output dtype, encode the labels and
+    resolve the normalisation; reads x in chunks of `chunk_rows` rows (default about `CHUNK_BYTES`).
+
+    Raises:
+        ValueError / TypeError naming what was expected and found.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with one row per sample; found shape "
+                         f"{tuple(x.shape)} (a single sample? add a batch axis: x[None]; a 1-D array of "
+                         "scalars: x.reshape(-1, 1))")
+    if x.shape[0] == 0:
+        raise ValueError("x has no samples (shape[0] == 0); pass at least one sample")
+    auto = isinstance(codec, str) and codec == "auto"
+    dtype = resolve_dtype(dtype, x)
+    codec = auto_codec(x) if auto else make_codec(codec)
+    if not dtype.is_floating_point:
+        check_integer_output(codec, dtype, normalize)
+    labels = None if y is None else encode_labels(y, x.shape[0])
+    stats = normalisation(normalize, x)                 # one streaming pass for normalize='dataset'
+    if isinstance(codec, QuantCodec):                   # q8/q4 need the range of all the data first
+        for _, chunk in iter_chunks(x, chunk_rows):
+            codec.fit(chunk)
+    else:                                               # fixed codecs only learn the channel count
+        codec.fit(to_tensor(x[:1]))
+    mean, std = stats if stats is not None else (None, None)
+    return Encoding(x, codec, dtype, tuple(x.shape[1:]), labels, mean, std, auto)
+
+
+def check_encoding(enc: Encoding, chunk_rows: int | None = None) -> None:
+    """Encode all of x once and drop the codes: every value is checked (a value the codec cannot hold
+    raises here, not in the middle of a run) and a lossy codec's error bound covers all of x (so
+    `explain()` reports it before any batch is read). `from_arrays` does this while it stores x.
+
+    Skipped where no value can fail: a codec `auto_codec` chose as exact for x (it read every value),
+    except float64, which it also picks for float64 data holding NaN or infinity."""
+    if enc.auto and enc.codec.lossless and enc.codec.name != "float64":
+        return
+    for _, chunk in iter_chunks(enc.x, chunk_rows):
+        enc.codec.encode(chunk)
 
 
 @dataclass(frozen=True)
@@ -164,21 +226,9 @@ class CompactDataset(torch.utils.data.Dataset):
         if isinstance(x, dict):
             return cls._from_fields(x, y, codec=codec, normalize=normalize, device=device, dtype=dtype,
                                     progress=progress)
-        x = as_array(x, "x")
-        if x.ndim < 2:
-            raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with one row per sample; found shape "
-                             f"{tuple(x.shape)} (a single sample? add a batch axis: x[None])")
-        if x.shape[0] == 0:
-            raise ValueError("x has no samples (shape[0] == 0); pass at least one sample")
-        dev, dtype = resolve_device(device), resolve_dtype(dtype, x)
-        codec = auto_codec(x) if isinstance(codec, str) and codec == "auto" else make_codec(codec)
-        if not dtype.is_floating_point:
-            check_integer_output(codec, dtype, normalize)
-        labels = None if y is None else encode_labels(y, x.shape[0])
-        stats = normalisation(normalize, x)
-        sample_shape = tuple(x.shape[1:])
-        for _, chunk in iter_chunks(x):                 # pass 1: codec parameters (q8/q4 min, max)
-            codec.fit(chunk)
+        dev = resolve_device(device)
+        prep = prepare_encoding(as_array(x, "x"), y, codec, normalize, dtype)
+        x, codec, sample_shape = prep.x, prep.codec, prep.sample_shape
         n = x.shape[0]
         stored = torch.empty((n, *codec.stored_shape(sample_shape)), dtype=codec.stored_dtype, device=dev)
         bar = progress_bar(n, "encoding", unit="sample",
@@ -188,8 +238,8 @@ class CompactDataset(torch.utils.data.Dataset):
             stored[start:start + enc.shape[0]].copy_(enc)
             bar.update(enc.shape[0])
         bar.close()
-        mean, std = stats if stats is not None else (None, None)
-        return cls(stored, None if labels is None else labels.to(dev), codec, sample_shape, dtype, mean, std)
+        labels = None if prep.labels is None else prep.labels.to(dev)
+        return cls(stored, labels, codec, sample_shape, prep.dtype, prep.mean, prep.std)
 
     @classmethod
     def _from_fields(cls, x: dict, y, *, codec, normalize, device, dtype, progress) -> CompactDataset:

@@ -215,7 +215,49 @@ def all_gather(t: torch.Tensor, what: str, timeout_s: float | None = None) -> li
 
 
 def reduce_states(states: list[dict[str, torch.Tensor]], timeout_s: float | None = None) -> None:
-    """Sum every metric state tensor across ranks, in place (sums and counts add up exactly)."""
+    """Sum every metric state tensor across ranks, in place (sums and counts add up exactly).
+
+    A rank that saw no sample (an empty shard, a loader with no batch on this rank) has empty states: it
+    adds zeros shaped as the other ranks' states, so every rank makes the same all_reduces (a missing one
+    would pair with another collective, and hang or mix values). Raises on every rank when ranks that saw
+    samples hold states of different shapes (e.g. models with different class counts)."""
+    layouts = all_gather_text(_layout(states), "metric state layouts", timeout_s)
+    seen = [(r, text) for r, text in enumerate(layouts) if text]
+    if not seen:                                  # no rank saw a sample: nothing to add up
+        return
+    if any(text != seen[0][1] for _, text in seen):
+        found = "; ".join(f"rank {r}: {text}" for r, text in seen)
+        raise ValueError(f"the ranks' metric states differ, so they cannot be summed ({found}); every rank must "
+                         "evaluate the same model with the same metrics")
+    if not layouts[dist.get_rank()]:
+        _zeros_like_layout(states, seen[0][1])
     for st in states:
         for key in sorted(st):
             st[key] = all_reduce(st[key].clone(), what=f"metric state {key!r}", timeout_s=timeout_s)
+
+
+def _layout(states: list[dict[str, torch.Tensor]]) -> str:
+    """'metric|key|dtype|shape' for every state tensor, ';'-separated; '' when no metric has state yet."""
+    if not any(states):
+        return ""
+    return ";".join(f"{i}|{key}|{str(st[key].dtype).replace('torch.', '')}|{','.join(map(str, st[key].shape))}"
+                    for i, st in enumerate(states) for key in sorted(st))
+
+
+def _zeros_like_layout(states: list[dict[str, torch.Tensor]], layout: str) -> None:
+    """Fill empty states with zeros of the layout another rank reported (`_layout`)."""
+    for item in layout.split(";"):
+        i, key, dtype, shape = item.split("|")
+        dims = tuple(int(d) for d in shape.split(",")) if shape else ()
+        states[int(i)][key] = torch.zeros(dims, dtype=getattr(torch, dtype))
+
+
+def all_gather_text(text: str, what: str, timeout_s: float | None = None) -> list[str]:
+    """Every rank's `text` (any length), by rank: the lengths first, then the bytes padded to the longest."""
+    data = text.encode()
+    lengths = all_gather(torch.tensor([len(data)], dtype=torch.int64), f"{what} (lengths)", timeout_s)
+    longest = max(int(n) for n in lengths)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    parts = all_gather(buf, what, timeout_s)
+    return [bytes(p[:int(n)].tolist()).decode() for p, n in zip(parts, lengths, strict=True)]

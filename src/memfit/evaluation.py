@@ -134,7 +134,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         distributed: every rank of the initialised process group evaluates its shard (a whole
             CompactDataset or arrays are sharded here; a Loader should be distributed already);
             sums and counts are all-reduced, so every rank returns the single-process result.
-            The auto chunk size is the minimum over ranks; out-of-memory back-off stays local.
+            The auto chunk size is the minimum over ranks; out-of-memory back-off stays local. A rank
+            with nothing to evaluate (fewer samples than ranks, its loader empty) adds nothing.
 
     Raises:
         ValueError/TypeError for bad input; BudgetExceeded when one sample does not fit; the
@@ -155,7 +156,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     model.eval()
     error, res, runner, runner_name = None, None, model, "eager"
     try:
-        chunks = as_chunks(_shard(data) if distributed else data, dev)
+        chunks = _local_chunks(data, dev) if distributed else as_chunks(data, dev)
         size, estimate, reason = _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned)
         if isinstance(chunks, Chunks) and _use_planner(chunks, planned, estimate):
             runner, why = _planned_runner(model, chunks, size, planned)
@@ -185,6 +186,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         counts = torch.tensor([res["n"], res["chunks"], res["retries"]], dtype=torch.int64)
         mdist.all_reduce(counts, what="evaluate counts")
         res["n"], res["chunks"], res["retries"] = (int(v) for v in counts)
+        if res["n"] == 0:          # every rank has the same sum: every rank raises, none waits
+            raise ValueError("the data is empty on every rank: nothing to evaluate")
     peak = _peak(dev, estimate, res["max_n"])
     values = {k: m.compute() for k, m in mets.items()}
     return EvalResult(values, res["n"], size or res["max_n"], res["chunks"], res["retries"], peak,
@@ -222,12 +225,37 @@ def _shard(data):
     return shard_data(data, *rank_world())[0]
 
 
+def _local_chunks(data, dev):
+    """This rank's chunks. An empty shard (fewer samples than ranks) is no chunk at all: the rank still
+    makes every agreement and reduction, adding nothing."""
+    part = _shard(data)
+    if isinstance(part, CompactDataset) and len(part) == 0:
+        return ()
+    return as_chunks(part, dev)
+
+
 def _limit(model, budget, dev) -> int:
     """The bytes a chunk may use: the budget, or the free memory plus what the model already holds."""
     return resolve_budget(budget, dev) + (held_bytes(model) if budget is None else 0)
 
 
+# What a rank without chunks of its own (a loader, an empty shard) offers when the ranks agree on a chunk size
+NO_CHUNK = 2**62
+
+
 def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) -> tuple[int, Callable | None, str]:
+    size, estimate, reason = _local_chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned)
+    if distributed and isinstance(chunk_size, str) and chunk_size == "auto":
+        # one size for all, so a rank's back-off never waits on another's; every rank agrees, one with no
+        # chunks too (a loader, an empty shard): the ranks must make the same collectives
+        from memfit import distributed as mdist
+        agreed = mdist.smallest(size or NO_CHUNK, "memfit.evaluate chunk size")   # also stops all if one failed
+        if size and agreed != size:
+            size, reason = agreed, f"{reason}; the smallest over ranks ({agreed}) is used"
+    return size, estimate, reason
+
+
+def _local_chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) -> tuple[int, Callable | None, str]:
     if not isinstance(chunks, Chunks):
         return 0, None, "batches of the loader"
     if chunk_size != "auto":
@@ -245,11 +273,6 @@ def _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned) ->
     if small:
         reason += (f"; run eagerly: a set this small (<= {SMALL_SET} samples) runs faster than capturing the "
                    "model for the planner")
-    if distributed:             # one size for all: a rank's back-off then never waits on another's
-        from memfit import distributed as mdist
-        agreed = mdist.smallest(size, "memfit.evaluate chunk size")     # also stops every rank if one failed
-        if agreed != size:
-            size, reason = agreed, f"{reason}; the smallest over ranks ({agreed}) is used"
     return size, estimate, reason
 
 

@@ -27,20 +27,13 @@ import threading
 import numpy as np
 import torch
 
-from memfit.arrays import (
-    as_array,
-    encode_labels,
-    iter_chunks,
-    normalisation,
-    release_pages,
-    resolve_dtype,
-    to_tensor,
-)
-from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
+from memfit.arrays import as_array, release_pages, resolve_dtype
+from memfit.codecs import Codec
 from memfit.compact import (
     CompactDataset,
-    check_integer_output,
+    check_encoding,
     decoded_batch_nbytes,
+    prepare_encoding,
     stored_row_nbytes,
 )
 from memfit.distributed import shard_data, shard_sizes
@@ -118,32 +111,18 @@ class FileSource(Source):
 
     def __init__(self, x: np.ndarray, y: object, codec: str | Codec, normalize: object,
                  dtype: torch.dtype | str | None):
-        if x.ndim < 2 or x.shape[0] == 0:
-            raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with N >= 1; found shape {x.shape}; "
-                             "save N >= 1 samples, a 1-D file of scalars as x.reshape(-1, 1)")
-        self.x, self.n = x, x.shape[0]
-        self.codec = auto_codec(x) if isinstance(codec, str) and codec == "auto" else make_codec(codec)
-        dtype = resolve_dtype(dtype, x)
-        if not dtype.is_floating_point:
-            check_integer_output(self.codec, dtype, normalize)
-        labels = None if y is None else encode_labels(y, self.n)
-        stats = normalisation(normalize, x)              # one streaming pass for normalize='dataset'
-        sample_shape = tuple(x.shape[1:])
-        row_raw = max(1, math.prod(sample_shape) * x.dtype.itemsize)
+        row_raw = max(1, math.prod(x.shape[1:]) * x.dtype.itemsize)
         self.chunk_rows = max(1, READ_BYTES // row_raw)
-        if isinstance(self.codec, QuantCodec):            # q8/q4 need the range of all the data first
-            for _, chunk in iter_chunks(x, self.chunk_rows):
-                self.codec.fit(chunk)
-        else:                                             # fixed codecs only learn the channel count
-            self.codec.fit(to_tensor(x[:1]))
-        self.stored_shape = tuple(self.codec.stored_shape(sample_shape))
+        # the same set-up as CompactDataset.from_arrays: the same codes, values and explain()
+        prep = prepare_encoding(x, y, codec, normalize, dtype, self.chunk_rows)
+        check_encoding(prep, self.chunk_rows)     # one streaming pass where a value could fail or a bound is due
+        self.x, self.n, self.codec, self.y = x, x.shape[0], prep.codec, prep.labels
+        self.stored_shape = tuple(self.codec.stored_shape(prep.sample_shape))
         self.stored_dtype = self.codec.stored_dtype
-        self.y = labels
-        self.y_dtype = None if labels is None else labels.dtype
-        mean, std = stats if stats is not None else (None, None)
+        self.y_dtype = None if self.y is None else self.y.dtype
         empty = torch.empty((0, *self.stored_shape), dtype=self.stored_dtype)
-        self.template = CompactDataset(empty, None, self.codec, sample_shape, dtype, mean, std)
-        self.template.num_classes = None if labels is None or not len(labels) else int(labels.max()) + 1
+        self.template = CompactDataset(empty, None, self.codec, prep.sample_shape, prep.dtype, prep.mean, prep.std)
+        self.template.num_classes = None if self.y is None or not len(self.y) else int(self.y.max()) + 1
         # the reused raw read buffer and one encoded chunk (uint8 codecs encode without a copy)
         enc = self.chunk_rows * math.prod(self.stored_shape) * self.stored_dtype.itemsize
         self.read_nbytes = self.chunk_rows * row_raw + enc
