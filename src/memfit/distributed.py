@@ -21,6 +21,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from memfit.messages import first_line
+
 TIMEOUT_S = float(os.environ.get("MEMFIT_DIST_TIMEOUT", "120"))
 
 
@@ -132,7 +134,7 @@ def _wait(work, what: str, timeout_s: float) -> None:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise RuntimeError(f"memfit: {what} failed on rank {dist.get_rank()}: another rank stopped "
-                           f"or did not answer within {timeout_s:.0f} s ({str(e).splitlines()[0]})") from None
+                           f"or did not answer within {timeout_s:.0f} s ({first_line(e, with_type=False)})") from None
     if ok is False:
         raise RuntimeError(f"memfit: {what} timed out after {timeout_s:.0f} s on rank {dist.get_rank()}; "
                            "another rank may have crashed")
@@ -179,8 +181,7 @@ def agree(error: BaseException | None, what: str, values: tuple[int, ...] = (),
     record[2] = len(values)
     record[3:3 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.int64)
     if error is not None:
-        first = str(error).splitlines()[0] if str(error) else ""
-        text = f"{type(error).__name__}: {first}".encode()[:MESSAGE_BYTES]
+        text = first_line(error).encode()[:MESSAGE_BYTES]
         record[3 + VALUES:].view(torch.uint8)[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     records = all_gather(record, f"{what} (agreement)", timeout_s)
     failed = [(r, _message(rec)) for r, rec in enumerate(records) if int(rec[0])]

@@ -138,11 +138,12 @@ def cmd_eval(args) -> int:
 def _failure(e: BaseException) -> str:
     """What a failure prints: one line, except a budget's breakdown (what needed how much), kept whole."""
     from memfit.budget import BudgetExceeded
+    from memfit.messages import first_line
     lines = str(e).strip().splitlines() or [type(e).__name__]
     if isinstance(e, BudgetExceeded) and len(lines) > 1:
         return "\n".join([f"memfit: error: {type(e).__name__}: {lines[0]}", *lines[1:],
                           "(run with --debug for the traceback)"])
-    return f"memfit: error: {type(e).__name__}: {lines[0]} (run with --debug for the traceback)"
+    return f"memfit: error: {first_line(e)} (run with --debug for the traceback)"
 
 
 def main(argv: list[str] | None = None) -> int:
