@@ -551,3 +551,18 @@ def test_a_copy_in_the_same_layout_is_the_tensor_itself_but_outputs_stay_fresh()
     got = pm(x)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert got[0].untyped_storage().data_ptr() != got[1].untyped_storage().data_ptr()
+
+
+def test_an_op_writes_over_a_view_of_a_whole_allocation():
+    """A linear on (batch, tokens, features) is a 2-D GEMM viewed as 3-D; the GELU after it writes
+    over that view in place (each element read and written at one address), and equals eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).eval()
+    x = torch.randn(4, 8, 16)
+    pm = plan(model, (x,), eager_where_cheaper=False)
+    inplace, graph = _inplace_steps(pm)
+    gelu = next(s for s in inplace if s.node.name == "gelu")
+    assert graph.steps[gelu.index - 1].mode == "view"                # its input is the GEMM's view
+    with torch.no_grad():
+        want = model(x)
+    assert torch.equal(pm(x), want) and torch.equal(pm(x + 1), model(x + 1).detach())
