@@ -43,6 +43,9 @@ def _callable(op) -> Callable:
     return getattr(op, "_op", op)
 
 
+_PER_CALL = object()      # marks a value known only when the generated function runs
+
+
 @dataclass
 class _Value:
     """How the generated code reaches one tensor value: a Python expression (a global `g_3` or a
@@ -97,9 +100,6 @@ class _Source:
             parts = [self.plan_time(i) for i in x]
             return _PER_CALL if any(p is _PER_CALL for p in parts) else parts
         return x
-
-
-_PER_CALL = object()      # marks a value known only when the generated function runs
 
 
 def _emit_out(src: _Source, step: Step) -> None:
