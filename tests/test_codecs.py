@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.codecs import CODECS, auto_codec, auto_name, available, make_codec
+from memfit.codecs import CODECS, auto_codec, available, make_codec
 
 
 def roundtrip(codec, x):
@@ -96,8 +96,8 @@ def test_registry_and_auto():
     assert set(CODECS) == {"uint8", "int8", "int16", "int32", "int64", "q8", "q4", "bits1", "fp16", "bf16",
                            "float32", "float64"}
     assert available()[0] == "auto"
-    assert auto_name(np.zeros(1, np.uint8)) == "uint8"
-    assert auto_name(torch.zeros(1, dtype=torch.bool)) == "bits1"
+    assert auto_codec(np.zeros(1, np.uint8)).name == "uint8"
+    assert auto_codec(torch.zeros(1, dtype=torch.bool)).name == "bits1"
     with pytest.raises(ValueError, match=r"unknown codec 'jpeg'; expected one of \['auto', 'uint8'"):
         make_codec("jpeg")
 

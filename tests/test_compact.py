@@ -3,9 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-import memfit.arrays as encoding_mod
-from memfit.arrays import channel_stats, label_dtype
-from memfit.compact import CompactDataset
+import memfit.arrays as arrays_mod
+from memfit.arrays import channel_mean_std, channel_min_max, label_dtype
+from memfit.codecs import make_codec
+from memfit.compact import CompactDataset, as_words
 
 RNG = np.random.default_rng(0)
 IMAGES = RNG.integers(0, 256, (300, 3, 6, 5), dtype=np.uint8)        # 8-bit data, odd spatial size
@@ -123,7 +124,7 @@ def test_memmap_input_equals_in_memory(tmp_path, monkeypatch):
     path = tmp_path / "x.npy"
     np.save(path, FLOATS)
     mm = np.load(path, mmap_mode="r")
-    monkeypatch.setattr(encoding_mod, "CHUNK_BYTES", 7 * FLOATS[0].nbytes)     # many uneven chunks
+    monkeypatch.setattr(arrays_mod, "CHUNK_BYTES", 7 * FLOATS[0].nbytes)     # many uneven chunks
     a = CompactDataset.from_arrays(mm, LABELS, codec="q8", normalize="dataset", device="cpu")
     monkeypatch.undo()
     b = CompactDataset.from_arrays(FLOATS, LABELS, codec="q8", normalize="dataset", device="cpu")
@@ -132,12 +133,71 @@ def test_memmap_input_equals_in_memory(tmp_path, monkeypatch):
     assert a.codec.max_abs_error == b.codec.max_abs_error
 
 
-def test_channel_stats_match_numpy(monkeypatch):
-    big = (RNG.normal(1e4, 3.0, (200, 2, 4))).astype(np.float32)   # large mean: naive sums lose digits
-    monkeypatch.setattr(encoding_mod, "CHUNK_BYTES", 13 * big[0].nbytes)
-    mean, std = channel_stats(big)
-    assert np.allclose(mean.numpy(), big.astype(np.float64).mean(axis=(0, 2)), rtol=1e-12)
-    assert np.allclose(std.numpy(), big.astype(np.float64).std(axis=(0, 2)), rtol=1e-9)
+@pytest.mark.parametrize("source", ["array", "memmap", "tensor"])
+def test_channel_statistics_match_numpy_in_bounded_chunks(tmp_path, monkeypatch, source):
+    """Per-channel min/max and mean/std against numpy over the whole array, read 13 rows at a time
+    (a memmap is never read whole); a large mean makes naive running sums lose digits."""
+    big = RNG.normal(1e4, 3.0, (200, 2, 4)).astype(np.float32)
+    data = big
+    if source == "memmap":
+        np.save(tmp_path / "big.npy", big)
+        data = np.load(tmp_path / "big.npy", mmap_mode="r")
+    elif source == "tensor":
+        data = torch.from_numpy(big)
+    monkeypatch.setattr(arrays_mod, "CHUNK_BYTES", 13 * big[0].nbytes)
+    read = []
+    to_tensor = arrays_mod.to_tensor
+    monkeypatch.setattr(arrays_mod, "to_tensor", lambda chunk: read.append(len(chunk)) or to_tensor(chunk))
+    mean, std = channel_mean_std(data)
+    lo, hi = channel_min_max(data)
+    assert max(read) == 13 and sum(read) == 2 * 200          # two passes of bounded reads
+    ref = big.astype(np.float64)
+    assert np.allclose(mean.numpy(), ref.mean(axis=(0, 2)), rtol=1e-12)
+    assert np.allclose(std.numpy(), ref.std(axis=(0, 2)), rtol=1e-9)
+    assert np.array_equal(lo.numpy(), ref.min(axis=(0, 2))) and np.array_equal(hi.numpy(), ref.max(axis=(0, 2)))
+    assert lo.dtype == hi.dtype == mean.dtype == std.dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype, row", [(torch.uint8, (3, 8)), (torch.uint8, (7,)), (torch.int16, (4,)),
+                                        (torch.float32, (2, 3)), (torch.int64, (2,)), (torch.uint8, (0,))])
+def test_rows_as_words_gather_the_same_bytes(dtype, row):
+    """`as_words` is a view of the same bytes when the rows are whole words, else None; gathers through
+    `rows` (with and without `out`) equal a plain index_select either way."""
+    x = torch.from_numpy(RNG.integers(0, 100, (30, *row))).to(dtype)
+    words = as_words(x)
+    whole_words = x[:1].nbytes % 8 == 0 and x[:1].nbytes > 0 and x.element_size() < 8
+    assert (words is not None) == whole_words
+    if words is not None:
+        assert words.dtype == torch.int64 and words.data_ptr() == x.data_ptr()
+        assert words.view(dtype).view(x.shape).equal(x)
+    assert as_words(x[::2]) is None                              # every other row: not contiguous
+    ds = CompactDataset(x, None, make_codec("uint8"), row, torch.float32)
+    idx = torch.tensor([29, 0, 5, 5, 17])
+    ref = x.index_select(0, idx)
+    assert torch.equal(ds.rows(idx), ref)
+    out = torch.empty_like(ref)
+    assert ds.rows(idx, out=out) is out and torch.equal(out, ref)
+
+
+def test_bytes_per_row_and_batch_match_the_tensors_produced(tmp_path):
+    """`row_nbytes` and `batch_nbytes` against the bytes of the stored rows and the decoded batches,
+    for a dataset, a dataset of fields, and the loaders' sources (in memory and memory-mapped)."""
+    from memfit.loading.sources import make_source
+    np.save(tmp_path / "x.npy", FLOATS)
+    datasets = {"images": CompactDataset.from_arrays(IMAGES, LABELS, normalize="dataset", device="cpu"),
+                "q4 fp16": CompactDataset.from_arrays(FLOATS, LABELS, codec="q4", dtype="fp16", device="cpu"),
+                "no labels": CompactDataset.from_arrays(FLOATS, device="cpu"),
+                "fields": CompactDataset.from_arrays(FIELDS, LABELS[:120], device="cpu")}
+    for name, ds in datasets.items():
+        xb, yb = ds.batch(range(7))
+        decoded = sum(v.nbytes for v in xb.values()) if isinstance(xb, dict) else xb.nbytes
+        assert ds.batch_nbytes(7) == decoded + (0 if yb is None else yb.nbytes), name
+        assert ds.row_nbytes == ds.x[0].nbytes + (0 if ds.y is None else ds.y[0].nbytes), name
+        src = make_source(ds)
+        assert (src.row_nbytes, src.batch_nbytes(7)) == (ds.row_nbytes, ds.batch_nbytes(7)), name
+    mapped = make_source((np.load(tmp_path / "x.npy", mmap_mode="r"), LABELS), codec="q8")
+    in_memory = CompactDataset.from_arrays(FLOATS, LABELS, codec="q8", device="cpu")
+    assert (mapped.row_nbytes, mapped.batch_nbytes(5)) == (in_memory.row_nbytes, in_memory.batch_nbytes(5))
 
 
 def test_flat_features_are_channels():
@@ -298,3 +358,22 @@ def test_token_ids_from_a_memmapped_file_stream_as_int64(tmp_path):
     got = torch.cat([x for x, _ in ld])
     assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(TOKENS))
     assert "stored as int16 (lossless), decoded to int64" in ld.explain()
+
+
+def test_one_progress_keyword_across_the_public_api():
+    """A progress bar is asked for as `progress=` everywhere (from_arrays as evaluate), never `progress_bar=`."""
+    import inspect
+
+    import memfit
+    params = {}
+    for name in memfit.__all__:
+        obj = getattr(memfit, name)
+        members = vars(obj).items() if inspect.isclass(obj) else [(name, obj)]
+        for member, fn in members:
+            fn = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+            if inspect.isfunction(fn):
+                params[f"{name}.{member}"] = set(inspect.signature(fn).parameters)
+    assert not [k for k, p in params.items() if "progress_bar" in p]
+    assert "progress" in params["CompactDataset.from_arrays"] and "progress" in params["evaluate.evaluate"]
+    ds = CompactDataset.from_arrays({"a": IMAGES}, LABELS, device="cpu", progress=False)   # fields pass it on
+    assert len(ds) == len(IMAGES)

@@ -12,11 +12,13 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from distributed_util import run_ranks
-from memfit.budget import BudgetExceeded
+from memfit import Loader, loader
+from memfit.budget import BudgetExceeded, format_bytes
 from memfit.compact import CompactDataset
-from memfit.loading.loader import Loader, loader
 from memfit.loading.strategy import Needs, block_ledger, choose, largest_macro, resident_ledger
 
 N = 1003                                   # not a multiple of any batch size used here: an uneven last batch
@@ -101,7 +103,7 @@ def test_reused_buffers_decode_as_the_dataset_does(codec, dtype, strategy):
         ref = ds.batch(yb)[0]
         assert xb.dtype == dtype and torch.equal(xb, ref)
     scratch = codec in ("q4", "bits1") or dtype in (torch.float16, torch.bfloat16)   # counted when there is one
-    items = dict(loader(ds, 64, strategy=strategy, device="cpu").plan.items)
+    items = dict(loader(ds, 64, strategy=strategy, device="cpu").choice.items)
     assert ("decode scratch (1 batch: unpacked codes, float32 for half types)" in items) == scratch
 
 
@@ -129,7 +131,7 @@ def test_the_order_is_named_and_its_host_bytes_counted(ds, file_data):
     from memfit.loading.order import blocks
     ld = loader(ds, 64, strategy="macro", macro_batch=256, device="cpu")
     assert ld.order == "global" and "epoch order 'global'" in ld.explain()
-    assert dict(ld.plan.items)["epoch order (one permutation, int32)"] == 4 * N
+    assert dict(ld.choice.items)["epoch order (one permutation, int32)"] == 4 * N
     assert loader(file_data, 64, strategy="macro", macro_batch=256, device="cpu").order == "blocks"
     assert loader(file_data, 64, strategy="stream", device="cpu").order == "global"    # blocks need macro
     with pytest.raises(ValueError, match=r"order='blocks' shuffles macro-batches, but the strategy is 'resident'"):
@@ -182,6 +184,98 @@ def test_auto_choice_at_the_budget_boundaries():
     assert "resident would need" in p.reason and "macro-batches of" in p.explain() and "total" in p.explain()
 
 
+@settings(max_examples=150)
+@given(batches=st.integers(1, 400), b=st.integers(1, 64), rest=st.integers(0, 63), row=st.integers(1, 3000),
+       slots=st.sampled_from([1, 2]), cuda=st.booleans(), percent=st.integers(0, 110),
+       micro=st.one_of(st.none(), st.integers(1, 30)),
+       strategy=st.sampled_from(["auto", "auto", "auto", "resident", "stream", "macro"]))
+def test_the_choice_fits_its_budget_or_says_what_was_too_big(batches, b, rest, row, slots, cuda, percent, micro,
+                                                             strategy):
+    n = batches * b + rest % b                                             # an uneven last batch too
+    needs = Needs(n=n, batch_size=b, row_nbytes=row, batch_nbytes=b * row, device_type="cuda" if cuda else "cpu",
+                  slots=slots)
+    budget = resident_ledger(needs, 0)[0].total * percent // 100          # around what resident needs
+    macro = None if micro is None else micro * b
+    res, stream = resident_ledger(needs, budget)[0], block_ledger(needs, b, budget, "stream")[0]
+    try:
+        c = choose(needs, budget, strategy, macro)
+    except BudgetExceeded as e:                  # what was too big: every buffer, the sum over the budget
+        assert e.budget == budget < e.needed == sum(nb for _, nb in e.items)
+        assert all(name in str(e) for name, _ in e.items) and "fix:" in str(e)
+        if strategy == "auto":                   # every strategy was over (or held fewer than 2 micro-batches)
+            assert not res.fits and not stream.fits
+            assert f"no strategy fits: resident would need {format_bytes(res.total)}" in str(e)
+        return
+    assert c.nbytes == sum(nb for _, nb in c.items) <= budget and c.requested == strategy
+    ledger = resident_ledger(needs, budget) if c.strategy == "resident" else \
+        block_ledger(needs, c.macro_batch or b, budget, c.strategy)
+    assert c.items == tuple(ledger[0].items) and c.host_items == tuple(ledger[1])      # the ledger it was sized by
+    whole = -(-n // b) * b
+    if c.strategy == "macro":
+        assert c.macro_batch % b == 0 and b <= c.macro_batch <= whole
+        if macro is None:                        # the largest that fits
+            assert c.macro_batch == whole or not block_ledger(needs, c.macro_batch + b, budget, "macro")[0].fits
+        else:
+            assert c.macro_batch == min(macro, whole) and c.given_macro == c.macro_batch
+    if strategy != "auto":
+        assert c.strategy == strategy and c.tried == () and "(forced)" in c.reason
+        return
+    # auto: the first of resident, macro with at least 2 micro-batches, stream that fits
+    assert (c.strategy == "resident") == res.fits and "(auto)" in c.reason
+    assert [t.strategy for t in c.tried] == {"resident": [], "macro": ["resident"],
+                                             "stream": ["resident", "macro"]}[c.strategy]
+    assert c.strategy != "macro" or c.macro_batch >= 2 * b
+    for t in c.tried:                            # each ruled out: over the budget, or too few micro-batches
+        assert t.nbytes > budget or (t.strategy == "macro" and (t.macro_batch < 2 * b or n <= b))
+    if c.tried:
+        assert f"resident would need {format_bytes(res.total)} > budget" in c.reason
+    if c.strategy == "stream" and macro is None and n > b:
+        assert not block_ledger(needs, 2 * b, budget, "macro")[0].fits
+
+
+def test_the_choice_decides_the_order_and_the_data_on_the_device():
+    file = Needs(**{**NEEDS.__dict__, "sequential": True})
+    res = resident_ledger(NEEDS, 0)[0].total
+    assert choose(file, res - 1, order="auto").order == "blocks"               # macro from a file: blocks
+    assert choose(NEEDS, res - 1, order="auto").order == "global"              # macro from memory
+    c = choose(file, 2**30, order="auto")
+    assert (c.strategy, c.order) == ("resident", "global")                     # blocks need macro-batches
+    assert c.items == choose(NEEDS, 2**30).items                               # counted with the global order
+    with pytest.raises(ValueError, match=r"order='blocks' shuffles macro-batches, but the strategy is 'stream'"):
+        choose(NEEDS, 2**30, "stream", order="blocks")
+    on_gpu = Needs(**{**NEEDS.__dict__, "device_type": "cuda", "on_device": True})
+    c = choose(on_gpu, 2**30)
+    assert c.strategy == "resident" and c.already_on_device and "already on the cuda device" in c.reason
+    with pytest.raises(BudgetExceeded, match=r"resident loader needs"):           # already there, over the budget
+        choose(on_gpu, 1000)
+    assert not choose(Needs(**{**NEEDS.__dict__, "on_device": True}), res - 1).already_on_device   # CPU: by bytes
+
+
+def test_shards_are_this_ranks_part(ds, file_data):
+    from memfit.distributed import shard_data
+    from memfit.loading.sources import make_source
+    for world in (1, 2, 3):
+        for rank, idx in enumerate(np.array_split(np.arange(N), world)):      # balanced, the first ranks larger
+            shard, where, n = shard_data(ds, rank, world)
+            assert n == N and list(where) == idx.tolist() and torch.equal(shard.y.long(), torch.from_numpy(idx))
+            for src in (make_source(ds), make_source(file_data)):              # a loader shards its source
+                part, where_src, n_src = src.shard(rank, world)
+                rows = torch.empty((len(idx), *part.stored_shape), dtype=part.stored_dtype)
+                labels = torch.empty(len(idx), dtype=part.y_dtype)
+                part.fill(torch.arange(len(idx)), rows, labels)
+                assert (where_src, n_src) == (where, N)
+                assert part.template.codec is src.template.codec and part.template.num_classes == N    # the whole's
+                assert torch.equal(labels.long(), torch.from_numpy(idx)) and torch.equal(rows, ds.x[idx])
+    strided = ds.shard(1, 3, mode="strided")
+    part, where, n = shard_data(strided, 1, 3)
+    assert part is strided and where == range(1, N, 3) and n == N
+    with pytest.raises(ValueError, match=r"the dataset is shard 1 of 3, but this process is rank 0 of 3"):
+        shard_data(strided, 0, 3)
+    assert shard_data([1, 2], 0, 2) == ([1, 2], range(0), 0)                   # batches pass as they are
+    with pytest.raises(ValueError, match=r"rank 3 of 4 holds no sample: the data has 3; use at most 3 processes"):
+        make_source((np.zeros((3, 2), np.uint8), None)).shard(3, 4)
+
+
 def test_forced_strategies_that_do_not_fit_name_what_needed_how_much(ds):
     with pytest.raises(BudgetExceeded, match=r"(?s)resident loader needs .* but the budget is 10.00 KiB.*"
                                              r"compact dataset \(1003 rows x 18 B\).*17.63 KiB") as e:
@@ -198,7 +292,7 @@ def test_auto_picks_and_says_why(ds):
     ld = loader(ds, 64, budget="30KiB", device="cpu")
     assert ld.strategy == "macro" and ld.macro_batch >= 128 and ld.nbytes <= ld.budget == 30 * 1024
     assert "resident would need" in ld.explain() and str(ld.macro_batch) in ld.explain()
-    assert ld.plan.strategy == "macro" and sum(len(y) for _, y in ld) == N
+    assert ld.choice.strategy == "macro" and sum(len(y) for _, y in ld) == N
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -343,7 +437,7 @@ import gc, json, sys
 import numpy as np, torch
 from memfit.budget import process_rss
 from memfit.readers import load_array
-from memfit.loading.loader import loader
+from memfit import loader
 x = load_array(sys.argv[1])
 n = len(x)
 y = np.arange(n)
@@ -393,7 +487,7 @@ KEEP_LABELS = """
 import json, sys
 import numpy as np, torch
 from memfit.readers import load_array
-from memfit.loading.loader import loader
+from memfit import loader
 def anon():                                  # heap and anonymous maps: not the file's page cache
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon"))
 x = load_array(sys.argv[1])
@@ -409,8 +503,8 @@ print(json.dumps({"grew": anon() - a0, "strategy": ld.strategy, "ok": bool(ok),
 
 
 def test_kept_labels_do_not_grow_host_memory_past_the_budget(tmp_path):
-    # Fresh 6 MiB batches freed into malloc's heap, with the 4 KiB labels the consumer keeps landing in
-    # the holes, grew anonymous memory by ~6 MiB a batch (350 MiB here) before decoded batches were reused.
+    # Without reused decode buffers, fresh 6 MiB batches freed into malloc's heap, with the 4 KiB labels the
+    # consumer keeps landing in the holes, grow anonymous memory by ~6 MiB a batch (350 MiB here).
     n = 30_000
     path = tmp_path / "cifar.npy"
     w = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(n, 3, 32, 32))
@@ -464,7 +558,7 @@ def _dist_epochs(rank, world):
                            ("blocks", ds, BLOCKS), ("blocks-strided", ds.shard(rank, world, mode="strided"), BLOCKS)]:
         ld = loader(data, 64, seed=5, device="cpu", distributed=True, **kw)
         out[name] = (len(ld), [[y.tolist() for _, y in ld] for _ in range(2)], ld.dataset.nbytes,
-                     dict(ld.plan.items))
+                     dict(ld.choice.items))
     return out
 
 
@@ -540,3 +634,37 @@ def test_cuda_slow_consumer_never_reads_a_slot_being_written(ds, file_data, stra
         torch.testing.assert_close(x.cpu(), xr, rtol=0, atol=1e-6)          # the decoded samples, not only labels
         assert s.item() == pytest.approx(xr.sum().item(), rel=1e-5, abs=1e-3)
     assert no_loader_threads()
+
+
+def _dist_decodes_like_the_whole(rank, world, path):
+    from memfit.readers import load_array
+    x, y = skewed()
+    whole = CompactDataset.from_arrays(x, y, codec="q8", normalize="dataset", device="cpu")
+    out = {}
+    for name, data in (("arrays", (x, y)), ("file", (load_array(path), y))):
+        ld = loader(data, 64, codec="q8", normalize="dataset", seed=0, device="cpu", distributed=True,
+                    strategy="stream")
+        worst = 0.0
+        for xb, yb in ld:                                   # each sample decoded as the whole set decodes it
+            worst = max(worst, (xb - whole.batch(yb)[0]).abs().max().item())
+        out[name] = (worst, ld.dataset.num_classes)
+    return out
+
+
+def skewed():
+    """Shards that differ: the first half of the samples dark, the second bright; y identifies the sample."""
+    x = np.random.default_rng(1).random((N, 1, 4, 4), dtype=np.float32)
+    x[N // 2:] = 10 + 5 * x[N // 2:]
+    return x, np.arange(N)
+
+
+def test_distributed_ranks_encode_and_normalise_as_the_whole(tmp_path):
+    # every rank decodes a sample as the whole data decodes it: one codec range, one mean/std, one class
+    # count, whichever shard it holds (each rank encoding only its own shard would decode differently)
+    path = tmp_path / "x.npy"
+    np.save(path, skewed()[0])
+    out = run_ranks(_dist_decodes_like_the_whole, 2, str(path))
+    assert all(s == "ok" for s, _ in out.values()), out
+    for rank in range(2):
+        for name, (worst, classes) in out[rank][1].items():
+            assert worst == 0.0 and classes == N, (rank, name, worst, classes)

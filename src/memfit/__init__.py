@@ -19,7 +19,7 @@ from memfit.accumulation import accumulate
 from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
 from memfit.compact import CompactDataset
 from memfit.evaluation import EvalResult, evaluate
-from memfit.loading.loader import Loader, loader
+from memfit.loading.minibatches import Loader, loader
 from memfit.planner import PlannedModule, activation_bytes, max_batch_size, memory_model, plan
 
 __version__ = "0.1.0"

@@ -125,14 +125,29 @@ def encode_labels(y: object, n: int) -> torch.Tensor:
     return y.to(label_dtype(lo, hi))
 
 
-def channel_stats(x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel (axis 1) mean and std of all of x, float64 (C,), one streaming pass.
+def by_channel(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, ...) -> (C, N * prod(...)): every value of channel c (axis 1) in row c."""
+    return x.transpose(0, 1).reshape(x.shape[1], -1)
+
+
+def channel_min_max(x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (axis 1) minimum and maximum of all of x, float64 (C,), one streaming pass."""
+    lo = hi = None
+    for _, chunk in iter_chunks(x):
+        c = by_channel(chunk)
+        clo, chi = c.amin(1).double(), c.amax(1).double()
+        lo, hi = (clo, chi) if lo is None else (torch.minimum(lo, clo), torch.maximum(hi, chi))
+    return lo, hi
+
+
+def channel_mean_std(x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (axis 1) mean and (population) std of all of x, float64 (C,), one streaming pass.
 
     Chunks are merged with Chan's parallel formula, so float data of any magnitude stays exact.
     """
     count, mean, m2 = 0, None, None
     for _, chunk in iter_chunks(x):
-        c = chunk.transpose(0, 1).reshape(chunk.shape[1], -1).double()    # (C, rows*spatial)
+        c = by_channel(chunk).double()                  # (C, rows*spatial)
         k = c.shape[1]
         cm = c.mean(1)
         cm2 = ((c - cm[:, None]) ** 2).sum(1)
@@ -155,7 +170,7 @@ def normalisation(normalize: object, x: np.ndarray | torch.Tensor) -> tuple[torc
     if isinstance(normalize, str):
         if normalize != "dataset":
             raise ValueError(f"normalize must be None, 'dataset' or (mean, std); found {normalize!r}")
-        mean, std = channel_stats(x)
+        mean, std = channel_mean_std(x)
         return mean, torch.where(std > 0, std, torch.ones_like(std))   # constant channels: no scaling
     if not (isinstance(normalize, (tuple, list)) and len(normalize) == 2):
         raise ValueError(f"normalize must be None, 'dataset' or a pair (mean, std) of per-channel "

@@ -35,7 +35,35 @@ from memfit.arrays import (
 from memfit.budget import format_bytes, resolve_device
 from memfit.codecs import Codec, auto_codec, make_codec
 from memfit.fields import Field, PackedCodec, check_fields, pack, unpack
-from memfit.progress import progress
+from memfit.progress import progress as progress_bar
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor | None:
+    """Rows of `t` (N, ...) as int64 words (N, row_bytes / 8), a view, when their layout allows it; else None.
+
+    An index_select over words moves 8x fewer elements than over bytes (a 784-byte MNIST row is 98
+    words). Needs contiguous rows of a whole number of words, in a dtype narrower than a word.
+    """
+    if t.dim() < 1 or not t.is_contiguous() or t.element_size() >= 8 or t.shape[0] == 0:
+        return None
+    row = t[:1].nbytes
+    return t.view(t.shape[0], -1).view(torch.int64) if row % 8 == 0 and row > 0 else None
+
+
+def stored_row_nbytes(stored_shape: tuple[int, ...], stored_dtype: torch.dtype, label_dtype: torch.dtype | None) -> int:
+    """Stored bytes of one sample: its compact row plus its label (`label_dtype` None: no label)."""
+    label = 0 if label_dtype is None else label_dtype.itemsize
+    return math.prod(stored_shape) * stored_dtype.itemsize + label
+
+
+def decoded_batch_nbytes(n: int, sample_shape, dtype, labelled: bool) -> int:
+    """Bytes of n decoded samples: x in `dtype` (per field for a dataset of fields: `sample_shape` and
+    `dtype` are then {name: ...}), labels as int64 when `labelled`."""
+    if isinstance(sample_shape, dict):
+        x = sum(n * dtype[k].itemsize * math.prod(shape) for k, shape in sample_shape.items())
+    else:
+        x = n * dtype.itemsize * math.prod(sample_shape)
+    return x + (8 * n if labelled else 0)
 
 
 def check_integer_output(codec: Codec, dtype: torch.dtype, normalize: object) -> None:
@@ -106,15 +134,13 @@ class CompactDataset(torch.utils.data.Dataset):
         self.mean, self.std = mean, std
         self.shard_info: ShardInfo | None = None     # set by shard(): which part of which whole
         self.num_classes = int(y.max()) + 1 if y is not None and len(y) else None
-        row_bytes = x[:1].nbytes
-        self._x_words = (x.view(x.shape[0], -1).view(torch.int64)
-                         if x.is_contiguous() and row_bytes % 8 == 0 and x.element_size() < 8 and len(x) else None)
+        self._x_words = as_words(x)     # the rows as 8-byte words, for gathers (None: as they are)
         self._set_affine()
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_arrays(cls, x, y=None, *, codec: str | Codec = "auto", normalize=None, device=None,
-                    dtype: torch.dtype | str | None = None, progress_bar: bool | None = None) -> CompactDataset:
+                    dtype: torch.dtype | str | None = None, progress: bool | None = None) -> CompactDataset:
         """Encode `x` (N, ...) with `codec` and store it with labels `y` on `device`.
 
         Args:
@@ -129,13 +155,15 @@ class CompactDataset(torch.utils.data.Dataset):
             device: where to store; None = first CUDA device when there is one, else the CPU.
             dtype: decoded dtype: None (int64 for integer data such as token ids, float32 otherwise),
                 float32, float16, bfloat16, float64, or int64/int32 (integer codecs, no normalize).
+            progress: a progress bar counting encoded samples, for large inputs (over 2**28 values) and
+                only on a terminal; False never shows one.
 
         Raises:
             ValueError / TypeError naming what was expected and found; nothing is kept on error.
         """
         if isinstance(x, dict):
             return cls._from_fields(x, y, codec=codec, normalize=normalize, device=device, dtype=dtype,
-                                    progress_bar=progress_bar)
+                                    progress=progress)
         x = as_array(x, "x")
         if x.ndim < 2:
             raise ValueError(f"expected x of shape (N, C, ...) or (N, D) with one row per sample; found shape "
@@ -153,8 +181,8 @@ class CompactDataset(torch.utils.data.Dataset):
             codec.fit(chunk)
         n = x.shape[0]
         stored = torch.empty((n, *codec.stored_shape(sample_shape)), dtype=codec.stored_dtype, device=dev)
-        bar = progress(n, "encoding", unit="sample", enabled=progress_bar if n * math.prod(sample_shape) > 2**28
-                       else False)
+        bar = progress_bar(n, "encoding", unit="sample",
+                           enabled=progress if n * math.prod(sample_shape) > 2**28 else False)
         for start, chunk in iter_chunks(x):             # pass 2: encode (checks every value)
             enc = codec.encode(chunk)
             stored[start:start + enc.shape[0]].copy_(enc)
@@ -164,7 +192,7 @@ class CompactDataset(torch.utils.data.Dataset):
         return cls(stored, None if labels is None else labels.to(dev), codec, sample_shape, dtype, mean, std)
 
     @classmethod
-    def _from_fields(cls, x: dict, y, *, codec, normalize, device, dtype, progress_bar) -> CompactDataset:
+    def _from_fields(cls, x: dict, y, *, codec, normalize, device, dtype, progress) -> CompactDataset:
         """Each field encoded on its own, then packed into one byte row per sample (memfit.fields)."""
         n = check_fields(x)
         per = lambda arg, name: arg.get(name, "auto" if arg is codec else None) if isinstance(arg, dict) else arg
@@ -176,7 +204,7 @@ class CompactDataset(torch.utils.data.Dataset):
         for name, arr in x.items():
             try:
                 parts[name] = cls.from_arrays(arr, None, codec=per(codec, name), normalize=per(normalize, name),
-                                              device="cpu", dtype=per(dtype, name), progress_bar=progress_bar)
+                                              device="cpu", dtype=per(dtype, name), progress=progress)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"field {name!r}: {e}") from None
         rows, fields = pack(parts, resolve_device(device))
@@ -263,13 +291,15 @@ class CompactDataset(torch.utils.data.Dataset):
     def rows(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Stored rows for valid indices on `self.device`: (n, *stored_shape), one gather (into `out`,
         contiguous (n, *stored_shape), when given)."""
-        # Rows are moved as 8-byte words when their size allows: index_select then copies 8x fewer
-        # elements than it would as bytes (a 784-byte MNIST row is 98 words).
-        if self._x_words is None:
-            return self.x.index_select(0, idx) if out is None else torch.index_select(self.x, 0, idx, out=out)
+        # Rows are moved as 8-byte words when their size allows (`as_words`): 8x fewer elements to copy.
         if out is not None:
-            torch.index_select(self._x_words, 0, idx, out=out.view(out.shape[0], -1).view(torch.int64))
+            out_words = None if self._x_words is None else as_words(out)
+            if out_words is None:
+                return torch.index_select(self.x, 0, idx, out=out)
+            torch.index_select(self._x_words, 0, idx, out=out_words)
             return out
+        if self._x_words is None:
+            return self.x.index_select(0, idx)
         words = self._x_words.index_select(0, idx)
         return words.view(self.x.dtype).view(idx.shape[0], *self.x.shape[1:])
 
@@ -365,17 +395,11 @@ class CompactDataset(torch.utils.data.Dataset):
     @property
     def row_nbytes(self) -> int:
         """Stored bytes of one sample (its label included)."""
-        return self.x[:1].nbytes + (0 if self.y is None else self.y.element_size())
+        return stored_row_nbytes(self.x.shape[1:], self.x.dtype, None if self.y is None else self.y.dtype)
 
     def batch_nbytes(self, n: int) -> int:
         """Bytes of one decoded batch of n samples (x in `dtype`, y as int64)."""
-        return self.x_batch_nbytes(n) + (0 if self.y is None else 8 * n)
-
-    def x_batch_nbytes(self, n: int) -> int:
-        """Bytes of the decoded inputs of n samples (every field), labels left out."""
-        if self.fields is not None:
-            return sum(f.template.x_batch_nbytes(n) for f in self.fields.values())
-        return n * self.dtype.itemsize * math.prod(self.sample_shape)
+        return decoded_batch_nbytes(n, self.sample_shape, self.dtype, self.y is not None)
 
     def _replace(self, x: torch.Tensor, y: torch.Tensor | None) -> CompactDataset:
         out = type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std, self.fields)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import traceback
 import zlib
 
 import torch
@@ -58,6 +57,35 @@ def shard_indices(n: int, rank: int, world_size: int, mode: str = "contiguous") 
     if mode == "strided":
         return torch.arange(rank, n, world_size)
     raise ValueError(f"shard mode must be 'contiguous' or 'strided'; found {mode!r}")
+
+
+def shard_data(data: object, rank: int, world_size: int) -> tuple[object, range, int]:
+    """This rank's part of a whole dataset: (the part, its positions in the whole, the whole's size).
+
+    A whole dataset (a `CompactDataset`: anything with `shard_info` None and `shard(rank, world_size)`)
+    is sharded, a copy of a contiguous block; one already sharded passes when it is this rank's shard.
+    Anything else (an iterable of batches, a distributed `Loader`) passes as it is, with no positions.
+
+    Example:
+        >>> import numpy as np
+        >>> from memfit.compact import CompactDataset
+        >>> part, where, n = shard_data(CompactDataset.from_arrays(np.zeros((10, 4), np.uint8), device="cpu"), 1, 3)
+        >>> len(part), where, n
+        (3, range(4, 7), 10)
+    """
+    if not (hasattr(data, "shard_info") and hasattr(data, "shard")):
+        return data, range(0), 0
+    info = data.shard_info
+    if info is None:
+        data = data.shard(rank, world_size)
+        info = data.shard_info
+    elif (info.rank, info.world_size) != (rank, world_size):
+        raise ValueError(f"the dataset is shard {info.rank} of {info.world_size}, but this process is rank "
+                         f"{rank} of {world_size}; pass the whole dataset or this rank's shard")
+    if info.mode == "strided":
+        return data, range(rank, info.n_total, world_size), info.n_total
+    start = int(info.indices[0]) if len(info.indices) else 0
+    return data, range(start, start + len(info.indices)), info.n_total
 
 
 def epoch_batch_sizes(n_local: int, n_min: int, n_max: int, batch_size: int, drop_last: bool) -> list[int]:
@@ -191,7 +219,3 @@ def reduce_states(states: list[dict[str, torch.Tensor]], timeout_s: float | None
     for st in states:
         for key in sorted(st):
             st[key] = all_reduce(st[key].clone(), what=f"metric state {key!r}", timeout_s=timeout_s)
-
-
-def format_exc_short(e: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(e), e)).strip()

@@ -212,12 +212,12 @@ def _use_planner(chunks, planned, estimate) -> bool:
 
 
 def _shard(data):
-    """This rank's part of whole data; shards and iterables (a distributed Loader) pass through."""
-    if isinstance(data, CompactDataset):
-        return data if data.shard_info is not None else data.shard()
+    """This rank's part of whole data; this rank's shard and iterables (a distributed Loader) pass through.
+    Arrays are encoded whole first, so every rank decodes with the same codec and normalisation."""
+    from memfit.distributed import rank_world, shard_data
     if isinstance(data, tuple) and len(data) == 2:
-        return CompactDataset.from_arrays(*data, device="cpu").shard()
-    return data
+        data = CompactDataset.from_arrays(*data, device="cpu")
+    return shard_data(data, *rank_world())[0]
 
 
 def _limit(model, budget, dev) -> int:

@@ -52,7 +52,7 @@ class PackedCodec(Codec):
         return "fields: " + ", ".join(f"{k} {c.describe()}" for k, c in self.codecs.items())
 
 
-def layout(parts: dict[str, object]) -> tuple[dict[str, tuple[int, int]], int]:
+def field_offsets(parts: dict[str, object]) -> tuple[dict[str, tuple[int, int]], int]:
     """{name: (offset, nbytes)} of each field's stored row, aligned to its element size, and the
     row size rounded up to 8 bytes (so rows move as int64 words and every view is aligned)."""
     out, offset = {}, 0
@@ -67,7 +67,7 @@ def layout(parts: dict[str, object]) -> tuple[dict[str, tuple[int, int]], int]:
 
 def pack(parts: dict[str, object], device: torch.device) -> tuple[torch.Tensor, dict[str, Field]]:
     """(packed rows (N, row_bytes) uint8 on `device`, {name: Field}) from per-field CompactDatasets."""
-    where, row = layout(parts)
+    where, row = field_offsets(parts)
     n = len(next(iter(parts.values())))
     x = torch.zeros((n, row), dtype=torch.uint8, device=device)
     fields = {}

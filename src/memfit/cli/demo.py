@@ -57,9 +57,7 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
         lr: float = 3e-3, seed: int = 0, out: str | os.PathLike = "memfit-demo", as_json: bool = False,
         distributed: bool = False, plots: bool = True) -> dict:
     """Run the demo and return its figures (what `--json` prints)."""
-    from memfit.evaluation import evaluate
-    from memfit.loading.loader import loader
-    from memfit.planner import max_batch_size, plan
+    from memfit import evaluate, loader, max_batch_size, plan
 
     t0 = time.perf_counter()
     epochs, batch_size = check_count("epochs", epochs, 1), check_count("batch_size", batch_size, 1)
@@ -275,18 +273,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=count_arg(0), default=0, help="the same seed gives the same run (default 0)")
     p.add_argument("--plot", default="memfit-demo", metavar="FOLDER", dest="out",
                    help="folder for arena.png and loss.png (default memfit-demo/)")
-    p.add_argument("--out", dest="out", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its former name
-    p.add_argument("--no-plot", action="store_true", dest="no_plots", help="do not write PNGs")
-    p.add_argument("--no-plots", action="store_true", dest="no_plots", help=argparse.SUPPRESS)
+    p.add_argument("--no-plot", action="store_true", help="do not write PNGs")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--distributed", action="store_true", help="one process per rank, started by torchrun")
 
 
 def main(args) -> int:
-    if not args.no_plots:
-        check_folder(args.out)
     run(args.data, budget=args.budget, device=args.device, epochs=args.epochs, batch_size=args.batch_size,
-        seed=args.seed, out=args.out, as_json=args.json, distributed=args.distributed, plots=not args.no_plots)
+        seed=args.seed, out=args.out, as_json=args.json, distributed=args.distributed, plots=not args.no_plot)
     return 0
 
 

@@ -47,11 +47,6 @@ class BatchPool:
         self._bufs: list[torch.Tensor] = []
         self._idle = 0                 # the storage's use count while only the pool holds it
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the pool holds at most (all `count` buffers)."""
-        return self.count * self.rows * self.dtype.itemsize * math.prod(self.shape)
-
     def take(self, m: int) -> torch.Tensor:
         """A (m, *shape) tensor to decode into: a view of a free buffer, else of a new one."""
         if _use_count is None or m > self.rows:
@@ -66,9 +61,6 @@ class BatchPool:
         self._idle = _holders(t)
         self._bufs = self._bufs[-(self.count - 1):] + [t] if self.count > 1 else [t]
         return t[:m]
-
-    def clear(self) -> None:
-        self._bufs = []
 
 
 

@@ -226,9 +226,3 @@ class Inline:
 
     def close(self) -> None:
         pass
-
-    def __enter__(self) -> Inline:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

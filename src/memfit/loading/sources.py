@@ -1,7 +1,7 @@
 """Host sources: where a loader's compact rows come from, and how a block of them is gathered.
 
 - `CompactSource`: a `CompactDataset` (CPU, pinned CPU, or already on the device). A block is one
-  `index_select` into a preallocated buffer, moving rows as 8-byte words when their size allows.
+  gather into a preallocated buffer (`CompactDataset.rows`: 8-byte words when the row size allows).
 - `FileSource`: (x, y) where x is a memory-mapped `.npy` (possibly larger than RAM). x stays on disk;
   a block is read in chunks of about `READ_BYTES` (sorted indices: sequential reads when the block is
   contiguous), encoded on the way, and the pages read are dropped from this process's memory.
@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 
@@ -36,17 +37,15 @@ from memfit.arrays import (
     to_tensor,
 )
 from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
-from memfit.compact import CompactDataset, check_integer_output
+from memfit.compact import (
+    CompactDataset,
+    check_integer_output,
+    decoded_batch_nbytes,
+    stored_row_nbytes,
+)
+from memfit.distributed import shard_data, shard_sizes
 
 READ_BYTES = 2**20          # raw bytes per file read: bounds the host temporaries of a FileSource
-
-
-def as_words(t: torch.Tensor) -> torch.Tensor | None:
-    """Rows of `t` as int64 words when they allow it (an index_select then moves 8x fewer elements)."""
-    if t.dim() < 1 or not t.is_contiguous() or t.element_size() >= 8 or t.shape[0] == 0:
-        return None
-    row = t[:1].nbytes
-    return t.view(t.shape[0], -1).view(torch.int64) if row % 8 == 0 and row > 0 else None
 
 
 class Source:
@@ -62,12 +61,11 @@ class Source:
     @property
     def row_nbytes(self) -> int:
         """Stored bytes of one sample, its label included."""
-        label = 0 if self.y_dtype is None else self.y_dtype.itemsize
-        return math.prod(self.stored_shape) * self.stored_dtype.itemsize + label
+        return stored_row_nbytes(self.stored_shape, self.stored_dtype, self.y_dtype)
 
     def batch_nbytes(self, m: int) -> int:
         """One decoded batch of m samples: x in the output dtype, y as int64."""
-        return self.template.x_batch_nbytes(m) + (0 if self.y_dtype is None else 8 * m)
+        return decoded_batch_nbytes(m, self.template.sample_shape, self.template.dtype, self.y_dtype is not None)
 
     def fill(self, idx: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor | None) -> None:
         """Write the rows `idx` (CPU int64, (m,)) into x_out[:m] and their labels into y_out[:m]."""
@@ -75,6 +73,11 @@ class Source:
 
     def dataset(self, device: torch.device) -> CompactDataset:
         """The whole source as a CompactDataset on `device` (the `resident` strategy)."""
+        raise NotImplementedError
+
+    def shard(self, rank: int, world_size: int) -> tuple[Source, range, int]:
+        """(this rank's part, its positions in the whole, the whole's size). The part decodes with the
+        whole's template: the codec, normalisation and class count are the same on every rank."""
         raise NotImplementedError
 
 
@@ -88,27 +91,25 @@ class CompactSource(Source):
         self.stored_dtype = ds.x.dtype
         self.y_dtype = None if ds.y is None else ds.y.dtype
         self._host: CompactDataset | None = None
-        self._words: torch.Tensor | None = None
 
     def host(self) -> CompactDataset:
         """The rows in host memory (a dataset on a CUDA device is copied back once, when first needed)."""
         if self._host is None:
             self._host = self.original if self.original.device.type == "cpu" else self.original.to("cpu")
-            self._words = as_words(self._host.x)
         return self._host
 
     def fill(self, idx, x_out, y_out):
         m, ds = idx.shape[0], self.host()
-        out_words = as_words(x_out[:m]) if self._words is not None else None
-        if out_words is not None:
-            torch.index_select(self._words, 0, idx, out=out_words)      # one gather, 8-byte elements
-        else:
-            torch.index_select(ds.x, 0, idx, out=x_out[:m])
+        ds.rows(idx, out=x_out[:m])                  # one gather (as 8-byte words when the rows allow it)
         if y_out is not None:
             torch.index_select(ds.y, 0, idx, out=y_out[:m])
 
     def dataset(self, device):
         return self.original if self.original.device == device else self.original.to(device)
+
+    def shard(self, rank, world_size):
+        part, members, n = shard_data(self.original, rank, world_size)
+        return _not_empty(CompactSource(part), rank, world_size, n), members, n
 
 
 class FileSource(Source):
@@ -182,6 +183,22 @@ class FileSource(Source):
         y = None if self.y is None else self.y.to(device)
         t = self.template
         return CompactDataset(x, y, self.codec, t.sample_shape, t.dtype, t.mean, t.std)
+
+
+    def shard(self, rank, world_size):
+        sizes = shard_sizes(self.n, world_size)
+        a = sum(sizes[:rank])
+        part = copy.copy(self)                   # the same codec and template
+        part.x, part.n = self.x[a:a + sizes[rank]], sizes[rank]          # a memory map of the part
+        part.y = None if self.y is None else self.y[a:a + sizes[rank]].clone()   # the whole's labels are freed
+        part._raw, part._lock = None, threading.Lock()
+        return _not_empty(part, rank, world_size, self.n), range(a, a + part.n), self.n
+
+
+def _not_empty(part: Source, rank: int, world_size: int, n: int) -> Source:
+    if part.n:
+        return part
+    raise ValueError(f"rank {rank} of {world_size} holds no sample: the data has {n}; use at most {n} processes")
 
 
 def is_file_backed(x: object) -> bool:

@@ -20,11 +20,11 @@ import time
 import numpy as np
 import torch
 
+from memfit import loader
 from memfit.budget import format_bytes, resolve_device
 from memfit.cli.bench.codecs import images
 from memfit.cli.bench.common import machine_header, median, spread_warning, sync, table
 from memfit.compact import CompactDataset
-from memfit.loading.loader import loader
 
 
 def _epoch_time(make_iter, device) -> float:

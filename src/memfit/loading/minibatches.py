@@ -11,7 +11,7 @@ Three ways to feed a computation, picked by budget:
 `stream` and `macro` share one pipeline: blocks of samples (one batch for `stream`, a macro-batch
 for `macro`) are gathered on the host and copied compact into a slot in the background (a thread; on
 CUDA through pinned staging and a side stream) while the consumer decodes micro-batches from the
-other slot. Run: `python -m pytest -q tests/test_loaders.py`.
+other slot. Run: `python -m pytest -q tests/test_loading.py`.
 
 Example:
     >>> import numpy as np
@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterator
-from dataclasses import replace
 
 import torch
 
@@ -40,12 +39,11 @@ from memfit.loading import order as order_mod
 from memfit.loading.pool import BatchPool, Decoder
 from memfit.loading.prefetch import Inline, Prefetcher, Slots
 from memfit.loading.sources import CompactSource, Source, make_source
-from memfit.loading.strategy import Needs, Plan, choose, order_bytes
+from memfit.loading.strategy import Needs, StrategyChoice, check_names, choose
 
 log = logging.getLogger("memfit.loader")
 
 Batch = tuple[torch.Tensor, torch.Tensor | None]
-ORDERS = ("auto", "global", "blocks")
 
 
 def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int) -> int:
@@ -54,41 +52,20 @@ def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int) ->
     drawn = int(torch.randint(0, 2**62, (1,)))
     given = -1 if seed is None or error is not None else seed
     ranks = agree(error, "memfit.loader", (given, drawn, n_total))
-    if len({v[2] for v in ranks}) > 1:
-        raise ValueError("the ranks were given data of different sizes (" + ", ".join(
-            f"rank {r}: {v[2]}" for r, v in enumerate(ranks)) + "); with distributed=True pass every rank the "
-            "whole dataset (or its own shard of the same whole): each keeps its part of one shared order")
-    if len({v[0] for v in ranks}) > 1:
-        raise ValueError("the ranks were given different seeds (" + ", ".join(
-            f"rank {r}: {'None' if v[0] < 0 else v[0]}" for r, v in enumerate(ranks)) + "); pass the same "
-            "seed on every rank (or None on all: rank 0's draw is shared), else samples repeat or go missing")
+    _same_on_every_rank([v[2] for v in ranks], "data of different sizes", str,
+                        "with distributed=True pass every rank the whole dataset (or its own shard of the same "
+                        "whole): each keeps its part of one shared order")
+    _same_on_every_rank([v[0] for v in ranks], "different seeds", lambda s: "None" if s < 0 else str(s),
+                        "pass the same seed on every rank (or None on all: rank 0's draw is shared), else samples "
+                        "repeat or go missing")
     return ranks[0][1] if ranks[0][0] < 0 else ranks[0][0]
 
 
-def _shard(data: object, rank: int, world: int) -> tuple[object, range, int]:
-    """(this rank's part, its positions in the whole as a range, the whole's size). Arrays are sliced (a
-    memmap stays a memmap); a whole CompactDataset is sharded (copied); an already sharded one passes."""
-    if isinstance(data, CompactDataset):
-        info = data.shard_info
-        if info is None:
-            data = data.shard(rank, world)
-            info = data.shard_info
-        elif (info.rank, info.world_size) != (rank, world):
-            raise ValueError(f"the dataset is shard {info.rank} of {info.world_size}, but this process is rank "
-                             f"{rank} of {world}; pass the whole dataset or this rank's shard")
-        if info.mode == "strided":
-            return data, range(rank, info.n_total, world), info.n_total
-        start = int(info.indices[0]) if len(info.indices) else 0
-        return data, range(start, start + len(info.indices)), info.n_total
-    if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "__len__"):
-        n = len(data[0])
-        sizes = shard_sizes(n, world)
-        a = sum(sizes[:rank])
-        y = data[1]
-        if y is not None and len(y) != n:
-            raise ValueError(f"x has {n} samples but y has {len(y)} labels; they must match")
-        return (data[0][a:a + sizes[rank]], None if y is None else y[a:a + sizes[rank]]), range(a, a + sizes[rank]), n
-    return data, range(0), 0                                 # make_source names the bad type
+def _same_on_every_rank(values: list[int], what: str, show, fix: str) -> None:
+    """Raise ValueError listing every rank's value when they differ."""
+    if len(set(values)) > 1:
+        ranks = ", ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
+        raise ValueError(f"the ranks were given {what} ({ranks}); {fix}")
 
 
 class Loader:
@@ -97,7 +74,9 @@ class Loader:
     Attributes:
         strategy: 'resident', 'stream' or 'macro' (what was chosen; `explain()` says why).
         macro_batch: samples per macro-batch (macro only), else None.
-        plan: the `Plan` (strategy, byte ledger, reason); `nbytes` its device bytes; `budget` its budget.
+        order: the epoch order, 'global' or 'blocks'.
+        choice: the `StrategyChoice` (strategy, byte ledger, why as fields; `.reason` in words); `nbytes`
+            its device bytes; `budget` its budget.
         dataset: the CompactDataset that decodes the batches (codec, sample_shape, mean/std, num_classes).
     """
 
@@ -129,10 +108,7 @@ class Loader:
     def _build(self, data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch, prefetch,
                distributed, codec, normalize, dtype, order) -> None:
         self.batch_size = check_count("batch_size", batch_size, 1)
-        if order not in ORDERS:
-            raise ValueError(f"unknown order {order!r}; expected one of {', '.join(map(repr, ORDERS))} ('global': one "
-                             "permutation of all samples; 'blocks': shuffled macro-batches, shuffled within, host "
-                             "memory proportional to the macro-batch)")
+        check_names(strategy, order)        # before the data is encoded (choose checks them again later)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch)):
             if not isinstance(flag, bool):
                 raise TypeError(f"expected {name} to be True or False; found {flag!r}")
@@ -140,16 +116,16 @@ class Loader:
         self.device = resolve_device(device)
         self.shuffle, self.drop_last, self.prefetch, self.distributed = shuffle, drop_last, prefetch, distributed
         self.rank, self.world_size = 0, 1
+        # the whole data is encoded (a file: its codec fitted, its statistics taken) before it is sharded:
+        # every rank then decodes a sample as the whole decodes it, whichever shard holds it
+        self.source: Source = make_source(data, codec=codec, normalize=normalize, dtype=dtype)
+        self._members, self._n_total = None, self.source.n
         if distributed:
             self.rank, self.world_size = rank_world()
-            data, self._members, self._n_total = _shard(data, self.rank, self.world_size)
-            sizes = shard_sizes(self._n_total, self.world_size)
-            self._n_min, self._n_max = min(sizes), max(sizes)
-        self.source: Source = make_source(data, codec=codec, normalize=normalize, dtype=dtype)
+            self.source, self._members, self._n_total = self.source.shard(self.rank, self.world_size)
         src = self.source
-        if not distributed:
-            self._members, self._n_total = None, src.n
-            self._n_min = self._n_max = src.n
+        sizes = shard_sizes(self._n_total, self.world_size)
+        self._n_min, self._n_max = min(sizes), max(sizes)
         # every rank yields the same number of batches; without shards n_min = n_max = n (full, then the rest)
         self._sizes = epoch_batch_sizes(src.n, self._n_min, self._n_max, self.batch_size, drop_last)
         on_device = isinstance(src, CompactSource) and src.original.device == self.device
@@ -161,30 +137,8 @@ class Loader:
         # the consumer for the same cores and measured slower than copying inline (0.4x vs 1.0x resident on
         # 2 cores), so the thread runs only where there is something to overlap: a bus copy or file reads.
         self.threaded = prefetch and (self.device.type == "cuda" or src.sequential)
-        wanted = strategy
-        if strategy == "auto" and on_device and self.device.type == "cuda":
-            wanted = "resident"                   # already there: copying it back to stream it makes no sense
-        # 'blocks' is the default for macro-batches from a file (one sequential read per block); it needs
-        # macro-batches, so a plan that chose another strategy is made again with the global order
-        self.order = order if order != "auto" else ("blocks" if src.sequential else "global")
-        self.plan: Plan = choose(self._needs(src, limit), limit, wanted, macro_batch)
-        if self.order == "blocks" and self.plan.strategy != "macro":
-            if order == "blocks":
-                raise ValueError(f"order='blocks' shuffles macro-batches, but the strategy is "
-                                 f"'{self.plan.strategy}'; pass strategy='macro' (and a macro_batch or a budget) "
-                                 "or order='global'")
-            self.order = "global"
-            self.plan = choose(self._needs(src, limit), limit, wanted, macro_batch)
-        if wanted != strategy:
-            self.plan = _relabel(self.plan, strategy, f"the dataset is already on {self.device}")
-        how = ("one permutation of all samples" if self.order == "global" else
-               f"shuffled blocks of {self.plan.macro_batch} consecutive samples, shuffled within (host memory "
-               "proportional to the macro-batch, not to the data)")
-        self.plan = replace(self.plan, reason=f"{self.plan.reason}; epoch order '{self.order}': {how}")
-        if prefetch and not self.threaded and self.plan.strategy != "resident":
-            self.plan = replace(self.plan, reason=self.plan.reason + "; copies run inline (prefetch needs a CUDA "
-                                "device or a file to overlap with: on the CPU a copy thread only competes for cores)")
-        self.strategy, self.macro_batch = self.plan.strategy, self.plan.macro_batch
+        self.choice: StrategyChoice = choose(self._needs(on_device), limit, strategy, macro_batch, order)
+        self.strategy, self.macro_batch, self.order = self.choice.strategy, self.choice.macro_batch, self.choice.order
         self.threaded = self.threaded and self.strategy != "resident"     # resident has nothing to copy
         self.dataset: CompactDataset = src.template
         self._resident = src.dataset(self.device) if self.strategy == "resident" else None
@@ -199,15 +153,17 @@ class Loader:
         self._epoch = 0
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
-        log.info("memfit loader: %s", self.plan.reason)
+        log.info("memfit loader: %s", self.choice.reason)
 
-    def _needs(self, src: Source, limit: int) -> Needs:
-        """What the plan needs: the data's and the batches' bytes, and the epoch order's (see `order_bytes`)."""
+    def _needs(self, on_device: bool) -> Needs:
+        """What the strategy choice weighs: the data's and the batches' bytes, and where they are."""
+        src = self.source
         return Needs(n=src.n, batch_size=self.batch_size, row_nbytes=src.row_nbytes,
                      batch_nbytes=src.batch_nbytes(self.batch_size), device_type=self.device.type,
                      read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
-                     scratch_nbytes=Decoder.scratch_nbytes(src.template, self.batch_size),
-                     **order_bytes(self.order, self._n_total, src.n, self.batch_size, self.distributed))
+                     scratch_nbytes=Decoder.scratch_nbytes(src.template, self.batch_size), n_total=self._n_total,
+                     distributed=self.distributed, sequential=src.sequential, on_device=on_device,
+                     prefetch=self.prefetch)
 
     # ---- public ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -216,13 +172,13 @@ class Loader:
 
     @property
     def nbytes(self) -> int:
-        """Bytes memfit holds on the device for this loader at the peak of an epoch (the plan's ledger)."""
-        return self.plan.nbytes
+        """Bytes memfit holds on the device for this loader at the peak of an epoch (the choice's ledger)."""
+        return self.choice.nbytes
 
     def explain(self) -> str:
         """Why this strategy: the byte figures of the choice and every buffer with its bytes; then how the
         data is stored (a lossy codec's error bound included)."""
-        return self.plan.explain() + "\ndata: " + self.dataset.explain()
+        return self.choice.explain() + "\ndata: " + self.dataset.explain()
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next `iter()` runs (its order is a function of `seed` and `epoch`)."""
@@ -277,11 +233,6 @@ class Loader:
     def __repr__(self) -> str:
         return (f"Loader(strategy={self.strategy!r}, batch_size={self.batch_size}, macro_batch={self.macro_batch}, "
                 f"batches={len(self)}, device={self.device}, nbytes={self.nbytes})")
-
-
-def _relabel(plan: Plan, requested: str, why: str) -> Plan:
-    return replace(plan, requested=requested, reason=f"strategy '{plan.strategy}' ({requested}): {why}; "
-                                                      + plan.reason.split(": ", 1)[1])
 
 
 def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], decode: Decoder,
@@ -342,7 +293,9 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
             once per epoch across ranks. Every rank yields the same number of batches: when shards
             differ by one sample, a rank that would run out a batch early splits its last full batch
             in two (nothing is repeated or padded); with drop_last every rank yields
-            smallest_shard // batch_size full batches.
+            smallest_shard // batch_size full batches. Arrays and files are encoded as a whole (codec
+            range, normalisation, class count) before each rank keeps its shard, so a sample decodes
+            the same on every rank (a file is read whole once for a q8/q4 range or normalize="dataset").
         codec, normalize, dtype: how (x, y) arrays are encoded and decoded (see
             `CompactDataset.from_arrays`); a CompactDataset keeps its own.
         order: the epoch order. 'global': one permutation of all samples (4 bytes a sample on the host;
