@@ -1,5 +1,7 @@
 """The planner against eager PyTorch: every zoo model's outputs, the shared-GEMM-output trap, in-place rules,
 re-planning, errors, sizing and the plan CLI."""
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -259,6 +261,20 @@ def test_cli_plan_prints_the_report(tmp_path, capsys):
     assert cli_plan([f"{tmp_path}/net.py:make", "--input", "4,1,8,8"]) == 0
     out = capsys.readouterr().out
     assert "lower bound" in out and "addmm" in out
+
+
+WIDE_HEAD_FILE = ("import torch\nfrom torch import nn\n\ndef make():\n"
+                  "    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8), nn.Linear(8, 2000))\n")
+
+
+def test_cli_plan_all_in_arena_keeps_every_out_kernel_in_the_arena(tmp_path, capsys):
+    (tmp_path / "net.py").write_text(WIDE_HEAD_FILE)
+    assert cli_plan([f"{tmp_path}/net.py:make", "--input", "4,8", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert cli_plan([f"{tmp_path}/net.py:make", "--input", "4,8", "--json", "--all-in-arena"]) == 0
+    all_in = json.loads(capsys.readouterr().out)
+    assert "runs eagerly" in default["unplanned_reasons"]["addmm"] and not all_in["unplanned_ops"]
+    assert default["arena_bytes"] < all_in["arena_bytes"]
 
 
 def test_cli_plan_bad_usage(tmp_path):
