@@ -2,13 +2,15 @@
 
 Every tensor value in the graph belongs to one *root*: the allocation it lives in. A compute op
 creates roots; a view (`view`, `permute`, `expand`, `slice`, `getitem` of a multi-output view, ...)
-and an in-place op add values to their input's root and keep it alive. A root's lifetime runs
+and an in-place op add values to their input's root and keep it alive; so does a `clone` into the
+very same layout (export's dropout in eval), which runs as the tensor itself. A root's lifetime runs
 from the op that writes it to the last op that reads any of its values. Root kinds:
 
 - `input`, `const`: the caller's inputs, parameters, buffers; never written.
 - `arena`: written by an `out=` kernel into the arena; what the planner places.
-- `call`: the output of an op with no real `out=` kernel; allocated by torch, freed after its last
-  reader (counted as unplanned bytes).
+- `call`: the output of an op with no real `out=` kernel, or of one run eagerly because its output
+  costs less memory outside the arena (`eager`); allocated by torch, freed after its last reader
+  (counted as unplanned bytes).
 - `output`: returned to the caller, so it must be fresh memory each call (also unplanned bytes).
 - `empty`: zero bytes (the unused statistics outputs of batch norm in eval).
 """
