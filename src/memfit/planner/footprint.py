@@ -2,13 +2,22 @@
 
 `step_memory_model(model, example, train=True, optimizer=opt, loss_fn=...)` runs the real code (forward,
 loss, backward, `optimizer.step()`, `zero_grad()`) under `torch._subclasses.fake_tensor.FakeTensorMode`
-at batch sizes 1, 2 and 4, with `memfit.measure`'s live-bytes dispatch mode recording every storage
-allocated and freed. Each op's live bytes, per kind (activations, gradients, optimizer state,
-transients), is affine in the batch, `a + b * n`: two sizes fit it, the third checks it, and the
-peak at any n is the largest over the ops. Where the check fails (an n x n similarity matrix), a
-quadratic per op is fit at 2, 4, 8 and checked at a fourth size; where even that fails, or the ops
-change with the batch, an upper line is used and `method` says APPROXIMATE (with a warning). No
-`torch.export`, so any model that runs eagerly works; data-dependent Python control flow does not
+at small batch sizes, logging every storage allocated and freed (the live bytes `memfit.measure` counts).
+Each op's live bytes, per kind (activations, gradients, optimizer state, transients), is then
+`a + b * n`, and the peak at any n is the largest over the ops. A fake run costs Python work per op
+whatever the tensors' sizes, so a prediction runs as few as it can:
+- batch 4 and batch 1. When both allocate and free the same storages at the same ops, each the same size
+  in both or 4 times as large, every size is constant or proportional to the batch and the line through
+  the two runs is exact: two runs.
+- otherwise batch 2 as well: the line through 2 and 4 under the same check, and batch 1 its own exact run
+  where it runs other ops (broadcast parameters need no reduction over a batch of one). Where sizes are not
+  proportional, the line through 2 and 4 is checked at a third size; where that fails (an n x n similarity
+  matrix) a quadratic per op is fit at 2, 4, 8 and checked at a fourth; where even that fails, or the ops
+  change with the batch, an upper line is used and `method` says APPROXIMATE (with a warning).
+- the optimizer step runs once, at batch 4: it reads and writes parameters, gradients and its state, none
+  of which depends on the batch, so what it adds above the end of backward is the same at every size and
+  is put into the other runs, which skip it.
+No `torch.export`, so any model that runs eagerly works; data-dependent Python control flow does not
 (`FakeRunError` says so).
 
 Parameters and buffers are swapped for fake copies for the run (`torch.func.functional_call`'s
@@ -33,12 +42,13 @@ Example:
 from __future__ import annotations
 
 import copy
+import gc
 import operator
 import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,13 +57,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.budget import check_count, format_bytes
-from memfit.measure import MemoryTrace, _storage_key, _Tracker
+from memfit.measure import _storage_key
 
 __all__ = ["Batch", "FakeRunError", "StepMemoryModel", "check_prediction", "measure_step", "step_memory_model",
            "training_step"]
 
 KINDS = ("activations", "gradients", "optimizer state", "backward transient", "step transient", "kept by the model")
-PROBES = (1, 2, 4)          # fit on 2 and 4, check at 1; 8 checks instead where batch 1 runs other ops
 CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 CUDA_MARGIN = 0.05          # stated head-room for fragmentation of the allocator's segments on CUDA
 CUDA_SEGMENT = 2 << 20      # ... and one partly used 2 MiB small-allocation segment
@@ -135,9 +144,10 @@ def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
 
 
 def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: torch.dtype | None = None,
-                  marks: Callable[[str], None] = lambda phase: None) -> None:
+                  marks: Callable[[str], None] = lambda phase: None, step: bool = True) -> None:
     """One training step as `footprint` counts it: forward and loss (under autocast when given), backward,
-    `optimizer.step()`, `optimizer.zero_grad()`. The output and loss live until the step returns."""
+    `optimizer.step()` (skipped with step=False), `optimizer.zero_grad()`. The output and loss live until the
+    step returns."""
     dev = next((t.device.type for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), "cpu")
     with torch.autocast(dev, dtype=autocast) if autocast is not None else nullcontext():
         out = call(model, batch)
@@ -146,7 +156,8 @@ def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: 
     loss.backward()
     marks("backward")
     if optimizer is not None:
-        type(optimizer).step(optimizer)               # the class's step: a scheduler's wrapper may step the original
+        if step:
+            type(optimizer).step(optimizer)           # the class's step: a scheduler's wrapper may step the original
         marks("step")
         type(optimizer).zero_grad(optimizer)
     del out, loss
@@ -174,25 +185,143 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     return held + mem.peak
 
 
-class _FakeTracker(_Tracker):
-    """memfit.measure's live-bytes mode, with the few fake kernels whose outputs differ from the real ones."""
+def _overloads(*names: str) -> frozenset:
+    """The ATen overloads of these names ("aten.mse_loss.default") that this torch has."""
+    found = set()
+    for name in names:
+        _, packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            found.add(op)
+    return frozenset(found)
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that remembers the storage's key (its address, reused once it is freed)."""
+    __slots__ = ("key",)
+
+
+def _fresh_outputs(func) -> bool:
+    """Whether every output of `func` is a new storage: its schema aliases no input (not a view, not in place,
+    not out=). `_unsafe_view` is a view whose schema says otherwise."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and func is not torch.ops.aten._unsafe_view.default \
+        and not any(r.alias_info is not None for r in schema.returns)
+
+
+class _StorageLog:
+    """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
+
+    The lean cousin of `memfit.measure`'s live-bytes mode for fake runs, where its Python work per op is most
+    of the cost: one weak reference per storage rather than a finalizer per tensor (a storage's Python object
+    lives as long as the storage, so the reference dies with the last tensor on it), ops kept as objects, and
+    an op's inputs looked at only when its schema says an output may alias one (a view of, or a write to, a
+    tensor made outside: parameters, the batch).
+    """
 
     # batch norm on a half or bfloat16 input: the real kernels keep the saved mean and inverse std in float32
     # (the accumulation type); the meta kernels give them the input's dtype
-    BATCH_NORM = {"aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
-                  "aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats"}
-
+    BATCH_NORM = _overloads("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                            "aten._native_batch_norm_legit_functional.default",
+                            "aten._native_batch_norm_legit.no_stats")
     # these CPU losses return the reduced scalar as a view of an input-sized buffer, which it keeps alive
-    CPU_LOSS_VIEWS = {"aten.mse_loss.default", "aten.smooth_l1_loss.default", "aten.binary_cross_entropy.default",
-                      "aten.soft_margin_loss.default"}
+    CPU_LOSS_VIEWS = _overloads("aten.mse_loss.default", "aten.smooth_l1_loss.default",
+                                "aten.binary_cross_entropy.default", "aten.soft_margin_loss.default")
+    FRESH: dict = {}                                  # op -> whether its outputs are always new storages
 
-    def size_of(self, func, index, t, nbytes, args=()):
-        name = str(func)
-        if index in (1, 2) and name in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.ops: list = []                           # the OpOverload of every op, in order
+        self.log: list[tuple[int, int, int]] = []
+        self.live: dict[int, int] = {}                # storage key -> bytes, for storages allocated here
+        self.refs: dict[int, _StorageRef] = {}        # storage key -> its weak reference (kept so it calls back)
+
+    def _freed(self, ref: _StorageRef) -> None:
+        nbytes = self.live.pop(ref.key, None)
+        self.refs.pop(ref.key, None)
+        if nbytes is not None:
+            self.log.append((len(self.ops), ref.key, -nbytes))
+
+    def _watch(self, s, key: int) -> None:
+        ref = self.refs[key] = _StorageRef(s, self._freed)
+        ref.key = key
+
+    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int, args) -> int:
+        """Bytes counted for output `index` of `func`: the few fake kernels whose outputs differ from the real."""
+        if index in (1, 2) and func in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
             return nbytes * 2
-        if index == 0 and name in self.CPU_LOSS_VIEWS and t.device.type == "cpu" and t.dim() == 0 and args:
+        if index == 0 and func in self.CPU_LOSS_VIEWS and t.device.type == "cpu" and t.dim() == 0 and args:
             return max(nbytes, args[0].numel() * t.element_size())
         return nbytes
+
+    def record(self, func, out, args, kwargs) -> None:
+        """Note op `func` and the new storages among its outputs `out`."""
+        op = len(self.ops)
+        self.ops.append(func)
+        if isinstance(out, torch.Tensor):
+            outs = (out,)
+        elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in out):
+            outs = out
+        else:
+            outs = tree_flatten(out)[0]
+        fresh = self.FRESH.get(func)
+        if fresh is None:
+            fresh = self.FRESH[func] = _fresh_outputs(func)
+        inputs = None
+        for i, t in enumerate(outs):
+            if not isinstance(t, torch.Tensor) or t.device != self.device:
+                continue
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # sparse or wrapper tensors own no plain storage
+                continue
+            key = s._cdata
+            if key in self.refs:                          # allocated here, or known to be made outside
+                continue
+            nbytes = s.nbytes()
+            if not nbytes:
+                continue
+            if not fresh:
+                if inputs is None:
+                    inputs = {k[0] for a in tree_flatten((args, kwargs))[0]
+                              if isinstance(a, torch.Tensor) and (k := _storage_key(a))}
+                if key in inputs:                         # a view of (or a write to) a tensor made outside
+                    self._watch(s, key)
+                    continue
+            nbytes = self.size_of(func, i, t, nbytes, args)
+            self.live[key] = nbytes
+            self.log.append((op, key, nbytes))
+            self._watch(s, key)
+
+
+class _LoggingFakeMode(FakeTensorMode):
+    """A fake mode that hands every op the program runs, with its outputs, to a `_StorageLog` while one is set:
+    one dispatch layer instead of a logging mode on top of the fake one. The ops the fake mode runs to compute
+    an op (its decompositions) are not logged: the real kernel does not allocate their outputs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.storage_log: _StorageLog | None = None
+        self._depth = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.storage_log is None or self._depth:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        self._depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._depth -= 1
+        self.storage_log.record(func, out, args, kwargs)
+        return out
+
+    @contextmanager
+    def logging_to(self, storage_log: _StorageLog):
+        self.storage_log = storage_log
+        try:
+            yield
+        finally:
+            self.storage_log = None
 
 
 def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), *, optimizer=None, loss_fn=None,
@@ -229,10 +358,13 @@ def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), 
 # ---- one fake run --------------------------------------------------------------------------------
 @dataclass
 class _Run:
-    ops: list[str]
+    ops: list                         # the ops in order (OpOverloads, and a marker at each phase's end)
     live: np.ndarray                  # (ops, kinds) bytes live after each op, kept bytes counted from the start
     phase_ends: dict[str, int]        # op index where forward / backward / step ended
     held: dict[str, int]              # bytes there before the step: parameters, inputs, optimizer state
+    events: np.ndarray | None = None  # (events, 5) op, +1/-1, its allocation's event (frees), kind, kept: outside
+    sizes: np.ndarray | None = None   # (events,) bytes of each        the optimizer step, to compare runs
+    step_kept: np.ndarray | None = None   # (kinds,) bytes the optimizer step allocates and keeps (its state)
 
 
 def _integral(s) -> bool:
@@ -309,9 +441,10 @@ def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
 
 
 def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target: Batch | None,
-         autocast, device: torch.device, mode: FakeTensorMode, fakes: dict) -> _Run:
-    """One fake run at batch n. `mode` and `fakes` (id of a real tensor -> its fake) are shared by the runs
-    of one prediction: the fake mode's op cache then serves the ops whose shapes do not depend on the batch."""
+         autocast, device: torch.device, mode: FakeTensorMode, fakes: dict, step: bool = True) -> _Run:
+    """One fake run at batch n (with step=False the optimizer step is skipped: `_with_step` puts it in).
+    `mode` and `fakes` (id of a real tensor -> its fake) are shared by the runs of one prediction: the fake
+    mode's op cache then serves the ops whose shapes do not depend on the batch."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -329,8 +462,8 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
             "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
             "optimizer state": _unique_bytes(_state_tensors(optimizer))}
     snap = _snapshot(model)
-    log: list = []
-    tracker = _FakeTracker(MemoryTrace(device), log)
+    tracker = _StorageLog(device)
+    log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
     samples: dict[str, set] = {}                        # storages that are gradients / optimizer state
     try:
@@ -344,6 +477,7 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
                 y = target.at(n, device) if target is not None else None
 
                 def mark(phase):
+                    tracker.ops.append(f"<end of {phase}>")   # what is freed before the mark is freed in it
                     marks[phase] = (len(tracker.ops), len(log))
                     if phase == "backward":
                         samples["gradients"] = {_storage_key(p.grad)[0] for p in fake_named.values()
@@ -351,9 +485,9 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
                     if phase == "step":
                         samples["optimizer state"] = {k[0] for t in _state_tensors(opt) if (k := _storage_key(t))}
 
-                with tracker:
+                with mode.logging_to(tracker), _no_cycle_collection():
                     if train:
-                        training_step(model, x, opt, loss_fn, y, autocast, mark)
+                        training_step(model, x, opt, loss_fn, y, autocast, mark, step)
                     else:
                         with torch.no_grad(), torch.autocast(device.type, dtype=autocast) \
                                 if autocast is not None else nullcontext():
@@ -371,12 +505,26 @@ def _run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target
         for f in fakes.values():                       # gradients kept by zero_grad must not reach the next run
             f.grad = None
     pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
-    return _Run(tracker.ops, _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad),
-                {k: v[0] for k, v in marks.items()}, held)
+    live, events, sizes, step_kept = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
+    return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept)
 
 
-def _timeline(log, n_ops: int, marks, samples, live_at_end, pad: int) -> np.ndarray:
-    """(ops, kinds) live bytes from the allocation log; storages alive at the end count from the start."""
+@contextmanager
+def _no_cycle_collection():
+    """Garbage in reference cycles stays counted until the run ends, rather than until a collection that may
+    or may not come (and at another op in each run): the same in every run, and never below the real step."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _timeline(log, n_ops: int, marks, samples, live_at_end, pad: int):
+    """(ops, kinds) live bytes from the allocation log (storages alive at the end count from the start), the
+    events outside the optimizer step as `_Run.events` / `_Run.sizes`, and the bytes the step keeps by kind."""
     tag_at: dict[int, list[str]] = defaultdict(list)  # log position -> phases that ended there
     for phase, (_, pos) in marks.items():
         tag_at[pos].append(phase)
@@ -408,19 +556,61 @@ def _timeline(log, n_ops: int, marks, samples, live_at_end, pad: int) -> np.ndar
             return KINDS.index("activations")
         return KINDS.index("backward transient" if op < ends.get("backward", n_ops) else "step transient")
 
+    # the optimizer step's events (log positions and ops between the ends of backward and step) are left out of
+    # the events, and the later ops renumbered as if it had not run
+    step_log = (marks["backward"][1], marks["step"][1]) if "step" in marks else (len(log), len(log))
+    step_ops = (marks["backward"][0], marks["step"][0] - 1) if "step" in marks else (n_ops, n_ops)
     live = np.zeros((n_ops + 1, len(KINDS)), dtype=np.int64)
     constant = np.zeros(len(KINDS), dtype=np.int64)
+    step_kept = np.zeros(len(KINDS), dtype=np.int64)
+    events, sizes, position = [], [], {}
     for i, (op, _, delta) in enumerate(log):
         a = i if delta > 0 else kind_of_entry.get(i)
+        k = kind(a, log[a][0]) if a is not None else -1
+        if not step_log[0] <= i < step_log[1]:
+            position[i] = len(events)
+            shifted = op - (step_ops[1] - step_ops[0]) if op >= step_ops[1] else op
+            events.append((shifted, 1 if delta > 0 else -1, -1 if a is None else position.get(a, -2), k, a in kept))
+            sizes.append(abs(delta))
         if a is None:
             continue
         size = delta + (pad if delta > 0 else -pad)
-        k = kind(a, log[a][0])
         if a in kept:
             constant[k] += size if delta > 0 else 0
+            if delta > 0 and step_log[0] <= a < step_log[1]:
+                step_kept[k] += size
         else:
             live[min(op, n_ops), k] += size
-    return np.cumsum(live, axis=0)[:n_ops] + constant
+    return (np.cumsum(live, axis=0)[:n_ops] + constant, np.array(events, dtype=np.int64).reshape(-1, 5),
+            np.array(sizes, dtype=np.int64), step_kept)
+
+
+def _proportional(r1: _Run, n1: int, r2: _Run, n2: int) -> bool:
+    """Whether the two runs (outside the optimizer step) allocate and free the same storages at the same ops,
+    each either the same size in both or scaled with the batch (n2 / n1): then every op's live bytes are
+    a + b*n, and the line through the two runs is exact."""
+    skip = lambda r: r.ops[:r.phase_ends["backward"]] + r.ops[r.phase_ends["step"] - 1:] \
+        if "step" in r.phase_ends else r.ops
+    if skip(r1) != skip(r2) or r1.events.shape != r2.events.shape or not np.array_equal(r1.events, r2.events):
+        return False
+    return bool(np.all((r1.sizes == r2.sizes) | (r1.sizes * n2 == r2.sizes * n1)))
+
+
+def _with_step(r: _Run, full: _Run) -> _Run:
+    """Run `r` (forward, backward and zero_grad, the optimizer step skipped) with the step of `full` put in.
+
+    The step reads and writes parameters, gradients and its state, none of which depends on the batch: what
+    it adds above the bytes live when backward ends is the same at every batch size."""
+    b, s = r.phase_ends["backward"], r.phase_ends["step"]            # s == b + 1: the step's marker alone
+    fb, fs = full.phase_ends["backward"], full.phase_ends["step"]
+    assert s == b + 1, "the step was not skipped"
+    keep = full.step_kept
+    rise = full.live[fb:fs - 1] - full.live[fb - 1]                  # the step's ops, above the end of backward
+    left = full.live[fs - 1] - full.live[fb - 1]                    # what it leaves and does not keep: none
+    live = np.concatenate([r.live[:b] + keep, r.live[b - 1] + keep + rise, r.live[b:] + keep + left])
+    ops = r.ops[:b] + full.ops[fb:fs - 1] + r.ops[b:]
+    ends = {**r.phase_ends, "step": s + fs - 1 - fb}
+    return _Run(ops, live, ends, r.held, r.events, r.sizes, keep)
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -597,13 +787,15 @@ def _signature(template) -> object:
 def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why):
     dev = device
     optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)      # plain tensors a forward makes are converted
+    mode = _LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
     fakes: dict[int, torch.Tensor] = {}
+
+    once = train and optimizer is not None            # the optimizer step runs at batch 4 only
 
     def run(n: int) -> _Run:
         try:
-            return _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
-                        autocast=autocast, device=dev, mode=mode, fakes=fakes)
+            r = _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
+                     autocast=autocast, device=dev, mode=mode, fakes=fakes, step=not once or n == 4)
         except (ValueError, TypeError):                # our own argument errors, and the user's
             raise
         except Exception as e:
@@ -614,18 +806,37 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
                 "Python control flow (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run on them; measure a real "
                 "step instead with memfit.planner.footprint.measure_step, or make the branch independent of the "
                 "values") from e
-    runs = {n: run(n) for n in PROBES}
+        return _with_step(r, runs[4]) if once and n != 4 else r
+
+    runs = {4: run(4)}
+    runs[1] = run(1)
     what = "one training step" if train else "one forward"
     measured = {}
     c = None
-    if runs[2].ops == runs[4].ops:
+    cheap = _proportional(runs[1], 1, runs[4], 4)    # two runs, every storage the same size in both or 4x
+    if not cheap:
+        runs[2] = run(2)
+    if cheap:
+        a, b = _affine(runs, 1, 4)
+        how = "affine per op and kind from sizes 1 and 4 (every storage the same size in both, or 4 times as large)"
+    elif runs[2].ops == runs[4].ops and _proportional(runs[2], 2, runs[4], 4):
+        a, b = _affine(runs, 2, 4)
+        how = "affine per op and kind from sizes 2 and 4 (every storage the same size in both, or twice as large)"
+        if runs[1].ops != runs[2].ops:
+            measured[1] = runs[1].live
+            how += "; batch 1 runs other ops and is its own exact run"
+        elif not np.array_equal(a + b, runs[1].live):
+            measured[1] = runs[1].live
+            how += "; batch 1 is its own exact run"
+        else:
+            how += ", exact at 1"
+    elif runs[2].ops == runs[4].ops:
         a, b = _affine(runs, 2, 4)
         check = 1 if runs[1].ops == runs[2].ops else 8
         if check == 8:
             runs[8] = run(8)
             measured[1] = runs[1].live
         same = runs[check].ops == runs[2].ops
-        c = None
         if same and np.array_equal(a + b * check, runs[check].live):
             how = f"affine per op and kind from sizes 2 and 4, exact at {check}"
         else:
@@ -657,13 +868,16 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         a[0, 0], b[0, 0] = top, slope
         how = ("APPROXIMATE: line above the peaks at sizes 1, 2, 4, 8 with the steepest slope (the ops change with "
                "the batch size)")
+    if once:
+        how += ("; the optimizer step ran once, at batch 4: it reads and writes parameters, gradients and its "
+                "state, none of which depends on the batch")
     held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
     if train:
-        held["optimizer state"] = (runs[1].held["optimizer state"], 0)
+        held["optimizer state"] = (runs[4].held["optimizer state"], 0)
     method = f"fake-tensor run of {what}{optimizer_note} at batch sizes {sorted(runs)}, {how}" + \
         (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
                       "pick with memfit.planner.footprint.measure_step", stacklevel=3)
-    return StepMemoryModel(method, runs[1].held["parameters"], dev, train, held, a, b, runs[2].ops,
-                           runs[2].phase_ends, measured, c if runs[2].ops == runs[4].ops else None)
+    return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
+                           runs[4].phase_ends, measured, c)
