@@ -1,5 +1,7 @@
 """The planner against eager PyTorch: every zoo model's outputs, the shared-GEMM-output trap, in-place rules,
 re-planning, errors, sizing and the plan CLI."""
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -261,6 +263,20 @@ def test_cli_plan_prints_the_report(tmp_path, capsys):
     assert "lower bound" in out and "addmm" in out
 
 
+WIDE_HEAD_FILE = ("import torch\nfrom torch import nn\n\ndef make():\n"
+                  "    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8), nn.Linear(8, 2000))\n")
+
+
+def test_cli_plan_all_in_arena_keeps_every_out_kernel_in_the_arena(tmp_path, capsys):
+    (tmp_path / "net.py").write_text(WIDE_HEAD_FILE)
+    assert cli_plan([f"{tmp_path}/net.py:make", "--input", "4,8", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert cli_plan([f"{tmp_path}/net.py:make", "--input", "4,8", "--json", "--all-in-arena"]) == 0
+    all_in = json.loads(capsys.readouterr().out)
+    assert "runs eagerly" in default["unplanned_reasons"]["addmm"] and not all_in["unplanned_ops"]
+    assert default["arena_bytes"] < all_in["arena_bytes"]
+
+
 def test_cli_plan_bad_usage(tmp_path):
     from memfit.cli.options import UsageError
     (tmp_path / "net.py").write_text(MODEL_FILE)
@@ -496,10 +512,19 @@ def _measured_outside(fn, x) -> int:
     return mem.peak
 
 
-def test_ops_run_eagerly_where_the_arena_costs_more_memory():
+def _conv_bn_wide_head():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 4000))
+
+
+@pytest.mark.parametrize(("make", "shape", "moved"), [
+    (WideHead, (8, 16), {"addmm", "gelu"}),
+    (_conv_bn_wide_head, (4, 3, 8, 8), {"_native_batch_norm_legit_no_training"}),    # a multi-output op
+])
+def test_ops_run_eagerly_where_the_arena_costs_more_memory(make, shape, moved):
     from memfit.planner.planned import EAGER_CHEAPER
     torch.manual_seed(0)
-    model, x = WideHead().eval(), torch.randn(8, 16)
+    model, x = make().eval(), torch.randn(*shape)
     all_in = plan(model, (x,), eager_where_cheaper=False)
     pm = plan(model, (x,))
     with torch.no_grad():
@@ -507,7 +532,7 @@ def test_ops_run_eagerly_where_the_arena_costs_more_memory():
     assert torch.equal(pm(x), want) and torch.equal(all_in(x), want)
     rep, full = pm.report, all_in.report
     # the body's ops ran eagerly, each with the reason, and the plan holds less memory than all in the arena
-    assert {"addmm", "gelu"} <= set(rep.unplanned_ops) and rep.unplanned_reasons["gelu"] == EAGER_CHEAPER
+    assert moved <= set(rep.unplanned_ops) and all(rep.unplanned_reasons[op] == EAGER_CHEAPER for op in moved)
     assert rep.arena_bytes + rep.unplanned_bytes < full.arena_bytes + full.unplanned_bytes
     # what the report predicts outside the arena is what the planned run allocates, and not above eager
     assert _measured_outside(pm, x) == rep.unplanned_bytes
@@ -551,3 +576,18 @@ def test_a_copy_in_the_same_layout_is_the_tensor_itself_but_outputs_stay_fresh()
     got = pm(x)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert got[0].untyped_storage().data_ptr() != got[1].untyped_storage().data_ptr()
+
+
+def test_an_op_writes_over_a_view_of_a_whole_allocation():
+    """A linear on (batch, tokens, features) is a 2-D GEMM viewed as 3-D; the GELU after it writes
+    over that view in place (each element read and written at one address), and equals eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).eval()
+    x = torch.randn(4, 8, 16)
+    pm = plan(model, (x,), eager_where_cheaper=False)
+    inplace, graph = _inplace_steps(pm)
+    gelu = next(s for s in inplace if s.node.name == "gelu")
+    assert graph.steps[gelu.index - 1].mode == "view"                # its input is the GEMM's view
+    with torch.no_grad():
+        want = model(x)
+    assert torch.equal(pm(x), want) and torch.equal(pm(x + 1), model(x + 1).detach())

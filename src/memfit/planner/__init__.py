@@ -3,8 +3,8 @@
 - `plan(model, example_inputs)` -> `PlannedModule`: captures the model once with torch.export (the
   batch dimension symbolic, so every batch size is planned from that one capture), places each
   intermediate at an offset of one byte arena (tensors live at the same op never overlap;
-  allowlisted elementwise ops may write over a dead input that no other operand of the op views)
-  and runs the model there.
+  allowlisted elementwise ops may write over a dead input that no other operand of the op views;
+  an op whose output costs less memory outside the arena runs eagerly) and runs the model there.
 - `memory_model`, `activation_bytes`, `max_batch_size`: the bytes a batch of n needs, from plans,
   without running the model at full size.
 - `memfit plan MODULE:FACTORY --input 1,3,224,224` prints the plan (`memfit.cli.plan`, not

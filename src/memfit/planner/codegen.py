@@ -43,6 +43,9 @@ def _callable(op) -> Callable:
     return getattr(op, "_op", op)
 
 
+_PER_CALL = object()      # marks a value known only when the generated function runs
+
+
 @dataclass
 class _Value:
     """How the generated code reaches one tensor value: a Python expression (a global `g_3` or a
@@ -97,9 +100,6 @@ class _Source:
             parts = [self.plan_time(i) for i in x]
             return _PER_CALL if any(p is _PER_CALL for p in parts) else parts
         return x
-
-
-_PER_CALL = object()      # marks a value known only when the generated function runs
 
 
 def _emit_out(src: _Source, step: Step) -> None:
@@ -162,8 +162,11 @@ def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, 
     src = _Source(graph)
     for name, root in graph.roots.items():
         if root.kind in ("const", "arena", "empty"):
-            for value in (name, *root.members):        # in-place results share their root's memory
-                src.fix(value, tensors[name])
+            src.fix(name, tensors[name])
+            for value in root.members:                  # in-place results: their own shape, the root's memory
+                t, m = tensors[name], graph.metas[value]
+                with torch.inference_mode(False), torch.no_grad():
+                    src.fix(value, t.as_strided(m.shape, m.strides, t.storage_offset() + m.offset))
     for v in graph.inputs:
         src.values[v] = _Value(f"v_{v}")
     dies_after: dict[int, list[str]] = {}               # op index -> torch-allocated roots last read there

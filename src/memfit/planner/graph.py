@@ -2,13 +2,15 @@
 
 Every tensor value in the graph belongs to one *root*: the allocation it lives in. A compute op
 creates roots; a view (`view`, `permute`, `expand`, `slice`, `getitem` of a multi-output view, ...)
-and an in-place op add values to their input's root and keep it alive. A root's lifetime runs
+and an in-place op add values to their input's root and keep it alive; so does a `clone` into the
+very same layout (export's dropout in eval), which runs as the tensor itself. A root's lifetime runs
 from the op that writes it to the last op that reads any of its values. Root kinds:
 
 - `input`, `const`: the caller's inputs, parameters, buffers; never written.
 - `arena`: written by an `out=` kernel into the arena; what the planner places.
-- `call`: the output of an op with no real `out=` kernel; allocated by torch, freed after its last
-  reader (counted as unplanned bytes).
+- `call`: the output of an op with no real `out=` kernel, or of one run eagerly because its output
+  costs less memory outside the arena (`eager`); allocated by torch, freed after its last reader
+  (counted as unplanned bytes).
 - `output`: returned to the caller, so it must be fresh memory each call (also unplanned bytes).
 - `empty`: zero bytes (the unused statistics outputs of batch norm in eval).
 """
@@ -144,7 +146,7 @@ def _copy_as_is(node: Node, outs: list, metas: dict, value_of: dict, roots: dict
     v = value_of[node.args[0]][0]
     src = metas[v]
     return (len(outs) == 1 and isinstance(outs[0], Meta) and roots[root_of[v]].kind not in ("input", "const")
-            and (outs[0].shape, outs[0].strides, outs[0].dtype) == (src.shape, src.strides, src.dtype))
+            and (outs[0].shape, outs[0].strides, outs[0].dtype) == (tuple(src.shape), tuple(src.stride()), src.dtype))
 
 
 def _out_name(node: Node, k: int, many: bool) -> str:
@@ -297,8 +299,8 @@ def _shares_storage(step: Step, pos: int, v: str, root_of, value_of) -> bool:
 
 def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None:
     """Write `out` over an input when the rules allow: allowlisted elementwise op, input in the arena
-    with no later reader, same shape, strides and dtype, and no other operand of the op sharing its
-    memory."""
+    with no later reader, covering all of its allocation, same shape, strides and dtype as `out`, and
+    no other operand of the op sharing its memory."""
     args = step.node.args
     for pos in inplace_candidates(step.node.target, args):
         arg = args[pos]
@@ -309,7 +311,9 @@ def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None
             continue
         base = roots[root_of[v]]
         meta = metas[v]
-        whole = v == base.name or v in base.members         # not a view of it
+        # the whole allocation, or a view of all of it (a linear's 2-D output viewed as 3-D): each element is read
+        # and written at the same address, as for the root itself
+        whole = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset()) == base.nbytes
         if (base.kind != "arena" or base.last != step.index or not whole
                 or _shares_storage(step, pos, v, root_of, value_of)
                 or tuple(meta.shape) != out.shape or tuple(meta.stride()) != out.stride or meta.dtype != out.dtype

@@ -283,7 +283,7 @@ def _eager_where_cheaper(graph: Graph) -> dict[str, str]:
     """Node name -> reason for the ops whose outputs cost less memory outside the arena than in it
     (`arena.cheaper_outside`): an arena tensor moves out with the ops that write over it in place
     (they then write a copy), where each of those ops has one output to place."""
-    writer = {v: s for s in graph.steps for v in s.outputs if v}      # value name -> the step that writes it
+    writer = {v: s for s in graph.steps if s.mode == "out" for v in s.outputs if v}   # value -> the op writing it
     arena = [r for r in graph.roots.values() if r.kind == "arena"]
 
     def single(step) -> bool:

@@ -32,6 +32,7 @@ FORMS = {
     "last_col_expand": lambda t: t[:, -1:].expand_as(t),
     "diag": lambda t: t.diagonal(),
     "flat_head": lambda t: t.reshape(-1)[: t.shape[1]],
+    "reshaped": lambda t: t.reshape(-1).view(t.shape),       # a view of the whole allocation
 }
 
 UNARY = {
