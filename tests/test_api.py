@@ -106,8 +106,6 @@ def test_no_function_shadows_a_module(name):
     assert found is module, f"{parent}.{child} is {type(found).__name__} {found!r}, not the module {name}"
 
 
-@pytest.mark.xfail(strict=False, reason="memfit.planner still re-exports plan, PlannedModule, memory_model, ...; "
-                                        "that re-export is being removed on another branch")
 def test_each_public_name_has_one_import_path():
     """A name of memfit.__all__ is not exported again by a subpackage (memfit.planner.plan beside memfit.plan)."""
     public = set(memfit.__all__)

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from distributed_util import run_ranks
+from memfit import plan
 from memfit.cli.bench.zoo import MODELS, build
 from memfit.compact import CompactDataset
 from memfit.evaluation import evaluate
-from memfit.planner import plan
 
 pytestmark = pytest.mark.cuda
 

@@ -14,11 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfit import loader
-from memfit.budget import is_oom
+from memfit.budget import is_oom, largest_fitting
 from memfit.chunking import choose_chunk
 from memfit.compact import CompactDataset
 from memfit.evaluation import evaluate
-from memfit.planner.sizing import largest_fitting
 
 torch.manual_seed(0)
 RNG = np.random.default_rng(0)

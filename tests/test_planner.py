@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from memfit import BudgetExceeded
+from memfit import BudgetExceeded, activation_bytes, max_batch_size, memory_model, plan
 from memfit.cli.bench.zoo import MODELS, build
 from memfit.cli.plan import cli_plan, load_factory
-from memfit.planner import CaptureError, activation_bytes, max_batch_size, memory_model, plan
+from memfit.planner import CaptureError
 from memfit.planner.arena import align
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT

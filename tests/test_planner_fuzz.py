@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from memfit import plan
 from memfit.cli.bench.fuzz import FuzzModel, check_programs, programs
-from memfit.planner import plan
 
 
 def _padded(*steps):

@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memfit
+from memfit import plan
+from memfit.budget import largest_fitting
 from memfit.cli.bench.zoo import build
 from memfit.measure import track_memory
-from memfit.planner import plan
 from memfit.planner.footprint import StepMemoryModel, measure_step
-from memfit.planner.sizing import MemoryModel, largest_fitting
+from memfit.planner.sizing import MemoryModel
 
 
 @pytest.mark.parametrize("name", ["lenet", "transformer"])

@@ -20,7 +20,8 @@ from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_byt
 from memfit.compact import CompactDataset
 from memfit.evaluation import EvalResult, evaluate
 from memfit.loading.minibatches import Loader, loader
-from memfit.planner import PlannedModule, activation_bytes, max_batch_size, memory_model, plan
+from memfit.planner.planned import PlannedModule, plan
+from memfit.planner.sizing import activation_bytes, max_batch_size, memory_model
 
 __version__ = "0.1.0"
 

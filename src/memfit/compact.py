@@ -36,7 +36,7 @@ from memfit.arrays import (
 from memfit.budget import format_bytes, resolve_device
 from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
 from memfit.fields import Field, PackedCodec, check_fields, pack, unpack
-from memfit.progress import progress as progress_bar
+from memfit.progress import progress_bar
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor | None:

@@ -46,7 +46,7 @@ from memfit.compact import CompactDataset
 from memfit.measure import held_bytes
 from memfit.messages import first_line, plural, whole_words
 from memfit.metrics import Metric, logits_of, make_metric
-from memfit.progress import progress as progress_bar
+from memfit.progress import progress_bar
 
 
 @dataclass

@@ -33,7 +33,7 @@ from memfit.budget import check_count, format_bytes, parse_bytes, resolve_device
 from memfit.cli.data import SPECS, open_data
 from memfit.compact import CompactDataset
 from memfit.messages import plural
-from memfit.progress import progress
+from memfit.progress import progress_bar
 
 
 def small_cnn(in_channels: int, classes: int, side: int) -> torch.nn.Module:
@@ -89,7 +89,7 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses = []
     for epoch in range(epochs):
-        bar = progress(len(ld), f"epoch {epoch + 1}/{epochs}", unit="batch", enabled=not quiet)
+        bar = progress_bar(len(ld), f"epoch {epoch + 1}/{epochs}", unit="batch", enabled=not quiet)
         total, n, t_epoch = torch.zeros((), device=dev), 0, time.perf_counter()
         for i, (x, y) in enumerate(ld):
             loss = torch.nn.functional.cross_entropy(net(x), y)

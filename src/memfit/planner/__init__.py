@@ -17,9 +17,12 @@ at a batch size), `codegen` (the generated forward), `planned` (`plan`, `Planned
 (`memory_model`, `max_batch_size`), `report`, `cache` (plans `evaluate` borrows), `footprint` (the
 fake-tensor memory of an eager forward or training step).
 
+The public entry points live on `memfit` (`memfit.plan`, `memfit.memory_model`, ...); this package
+exports the planner's own types and pure functions.
+
 Example:
     >>> import torch
-    >>> from memfit.planner import plan
+    >>> from memfit import plan
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).eval()
     >>> pm = plan(model, (torch.randn(4, 8),))
     >>> print(pm.report.summary().splitlines()[0])
@@ -28,9 +31,8 @@ Example:
 
 from memfit.planner.arena import ALGORITHMS, Buffer, OverlapError, assign_offsets, lower_bound, verify
 from memfit.planner.capture import CaptureError
-from memfit.planner.planned import PlannedModule, plan
 from memfit.planner.report import Report, Row
-from memfit.planner.sizing import MemoryModel, activation_bytes, max_batch_size, memory_model
+from memfit.planner.sizing import MemoryModel
 
 __all__ = [
     "ALGORITHMS",
@@ -38,14 +40,9 @@ __all__ = [
     "CaptureError",
     "MemoryModel",
     "OverlapError",
-    "PlannedModule",
     "Report",
     "Row",
-    "activation_bytes",
     "assign_offsets",
     "lower_bound",
-    "max_batch_size",
-    "memory_model",
-    "plan",
     "verify",
 ]

@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
+from memfit.measure import unique_bytes
 from memfit.messages import first_line
 from memfit.planner.arena import (
     ALGORITHMS,
@@ -240,14 +241,7 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     offsets = dict(zip((b.name for b in buffers), offs, strict=True))
     n_ops = len(graph.steps)
     outside = _outside(graph)
-    seen, params = set(), 0
-    for r in graph.roots.values():
-        if r.kind == "const":
-            t = graph.consts[r.name]
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            if key not in seen:
-                seen.add(key)
-                params += key[1]
+    params = unique_bytes(graph.consts[r.name] for r in graph.roots.values() if r.kind == "const")
     rows = sorted((Row(r.name, r.shape, str(r.dtype).removeprefix("torch."), r.nbytes, (max(r.first, 0), r.last),
                        offsets.get(r.name), r.kind, tuple(r.members))
                    for r in graph.roots.values() if r.kind not in ("const", "input", "empty")),

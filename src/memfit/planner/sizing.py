@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
+from memfit.messages import first_line, whole_words
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.footprint import (
     CUDA_MARGIN,
@@ -41,7 +42,7 @@ from memfit.planner.footprint import (
 )
 from memfit.planner.planned import ALIGNMENT, capture_model, place, place_at
 
-__all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "largest_fitting", "max_batch_size", "memory_model",
+__all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
            "plot_memory"]
 
 PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
@@ -178,8 +179,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     try:
         return _planned_model(model, _sample_shape(example), dtype, algorithm)
     except CaptureError as e:
-        reason = str(e).splitlines()[0]
-        reason = reason if len(reason) <= 160 else reason[:160].rsplit(" ", 1)[0] + " ..."
+        reason = whole_words(first_line(e, with_type=False), 160)
         try:
             return fake(f"not planned: {reason}")
         except FakeRunError as f:

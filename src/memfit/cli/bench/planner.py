@@ -25,11 +25,12 @@ import time
 
 import torch
 
+from memfit import plan
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import machine_header, median_time, spread_warning, sync, table, to_csv
 from memfit.cli.bench.zoo import MODELS, build
 from memfit.measure import track_memory
-from memfit.planner import plan
+from memfit.messages import first_line, whole_words
 
 TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "latency": 1.10}
 
@@ -189,7 +190,7 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
         try:
             new = measure_real(name, tuple(batches), quick, repeat)
         except Exception as e:              # a model that fails is a row of the table, not the end of the run
-            print(f"# {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            print(f"# {name}: FAILED {whole_words(first_line(e), 200)}", flush=True)
             continue
         rows += new
         if not as_json:
