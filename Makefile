@@ -25,7 +25,7 @@ test-cuda:
 	@$(CUDA_PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make test-cuda: torch ' + \
 	torch.__version__ + ' sees no CUDA device; run it where one is, with a CUDA build: make test-cuda CUDA_PY=python')"
 	$(CUDA_PY) -m pytest -q -m cuda -p no:cacheprovider
-	for b in codecs loaders planner evaluate; do \
+	for b in codecs loaders planner evaluate train; do \
 	  if $(CUDA_PY) -m memfit bench $$b --help | grep -q -- --device; then dev="--device cuda"; else dev=""; fi; \
 	  $(CUDA_PY) -m memfit bench $$b --quick $$dev || exit 1; \
 	done
@@ -33,15 +33,12 @@ test-cuda:
 	  --worlds $$($(CUDA_PY) -c "import torch; print('1,2' if torch.cuda.device_count() >= 2 else '1')")
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests
 
+# Every benchmark, full size; each prints its table (save it under benchmarks/results/ with tee).
 bench: $(VENV)/.installed
-	$(PY) benchmarks/bench_codecs.py
-	$(PY) benchmarks/bench_loaders.py
-	$(PY) benchmarks/bench_planner.py
-	$(PY) benchmarks/bench_evaluate.py
-	$(PY) benchmarks/bench_distributed.py
-	$(PY) benchmarks/bench_train.py
+	for b in codecs loaders planner evaluate distributed train; do $(VENV)/bin/memfit bench $$b || exit 1; done
+	$(VENV)/bin/memfit bench planner --real
 
 clean:
 	rm -rf $(VENV) memfit-demo .pytest_cache

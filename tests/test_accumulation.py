@@ -371,7 +371,7 @@ def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch)
 @pytest.mark.parametrize("kind, opt", [("mlp", "adamw"), ("attn", "sgd")])
 def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypatch):
     """The fake-tensor memory model chooses; the real step's live bytes (memfit.measure) stay in the budget."""
-    from memfit.measure import track_memory
+    from memfit.measure import held_bytes, track_memory
     ref, ref_opt, mod, mod_opt = pair(kind, opt)
     x, y = data(64)
     plain_step(ref, ref_opt, x, y)                        # both with optimizer state, as in a running loop
@@ -382,7 +382,7 @@ def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypat
     x, y = data(64, seed=2)
     plain_step(ref, ref_opt, x, y)
     mod.zero_grad(set_to_none=True)
-    held = accumulation._held_bytes(mod, mod_opt) + x.nbytes + y.nbytes
+    held = held_bytes(mod, mod_opt, grads=True) + x.nbytes + y.nbytes
     with track_memory("cpu") as mem:
         r = accumulate(mod, mod_opt, (x, y), F.cross_entropy, budget=budget)
     assert 1 <= r.micro_batch < 64 and r.micro_batches > 1 and "fake-tensor" in r.reason
@@ -500,8 +500,8 @@ def test_two_gloo_ranks_step_like_one_process_on_the_whole_batch():
 
 
 def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
-    from memfit.dataset import CompactDataset
-    from memfit.demo import train_under_budget
+    from memfit.cli.demo import train_under_budget
+    from memfit.compact import CompactDataset
     rng = np.random.default_rng(0)
     ds = CompactDataset.from_arrays(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8), rng.integers(0, 4, 100),
                                     normalize="dataset", device="cpu")

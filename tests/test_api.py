@@ -1,7 +1,12 @@
 """The public API: every exported name exists, is documented, and imports do no work."""
+import ast
 import importlib
+import inspect
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import memfit
 
@@ -28,7 +33,89 @@ def test_import_is_cheap_and_has_no_side_effects():
 
 
 def test_submodules_are_documented():
-    for mod in ("budget", "codecs", "dataset", "datasets", "encoding", "evaluate", "metrics", "distributed", "progress",
-                "cli", "measure", "sources", "demo", "loader", "loaders", "planner"):
+    for mod in ("accumulation", "arrays", "batches", "budget", "chunking", "codecs", "compact", "distributed",
+                "evaluation", "fields", "measure", "metrics", "progress", "readers", "cli", "cli.data", "cli.demo",
+                "cli.options", "cli.plan", "cli.bench", "loading", "planner", "planner.footprint"):
         m = importlib.import_module(f"memfit.{mod}")
         assert m.__doc__ and len(m.__doc__) > 40, mod
+
+
+# ---- the layout: imports flow one way, no module shadowed, one import path per public name ----------------------
+SRC = Path(memfit.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> list[str]:
+    return sorted(module_name(p) for p in SRC.rglob("*.py"))
+
+
+def imported_modules(path: Path, name: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, at any depth (function-level ones too),
+    relative imports resolved against its module `name` (default: from its path); `from a import b` yields
+    both a and a.b (b may be a module); `importlib.import_module("...")` with a literal name counts as well."""
+    tree = ast.parse(path.read_text(), str(path))
+    name = name or module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            out.append((node.lineno, base))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def test_the_library_never_imports_the_command_line():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if module_name(path).startswith("memfit.cli") or path.name == "__main__.py":    # `python -m memfit` is the CLI
+            continue
+        found += [f"{path.relative_to(SRC.parent)}:{line} imports {name}" for line, name in imported_modules(path)
+                  if name == "memfit.cli" or name.startswith("memfit.cli.")]
+    assert not found, "the library imports the command line (memfit.cli sits on top of it):\n" + "\n".join(found)
+
+
+def test_the_import_scan_sees_function_level_and_relative_imports(tmp_path):
+    """The scan above sees the ways an import of memfit.cli can hide."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from memfit.cli import options\n"
+                     "def g():\n    from ..cli.data import parse\n"
+                     "def h():\n    import importlib; importlib.import_module('memfit.cli.demo')\n")
+    names = [n for _, n in imported_modules(probe, "memfit.loading.probe")]
+    assert {"memfit.cli.options", "memfit.cli.data", "memfit.cli.demo"} <= set(names), names
+
+
+@pytest.mark.parametrize("name", [n for n in all_modules() if "." in n and n != "memfit.__main__"])  # runs the CLI
+def test_no_function_shadows_a_module(name):
+    """memfit.X (and memfit.X.Y) is the module X once imported: no function or object of that name hides it."""
+    module = importlib.import_module(name)
+    parent, _, child = name.rpartition(".")
+    found = getattr(importlib.import_module(parent), child)
+    assert found is module, f"{parent}.{child} is {type(found).__name__} {found!r}, not the module {name}"
+
+
+def test_each_public_name_has_one_import_path():
+    """A name of memfit.__all__ is not exported again by a subpackage (memfit.planner.plan beside memfit.plan)."""
+    public = set(memfit.__all__)
+    twice = []
+    for name in all_modules():
+        if not (SRC.parent / name.replace(".", "/") / "__init__.py").exists() or name == "memfit":
+            continue
+        pkg = importlib.import_module(name)
+        exported = set(getattr(pkg, "__all__", ())) | {k for k, v in vars(pkg).items()
+                                                        if not k.startswith("_") and not inspect.ismodule(v)}
+        twice += [f"{name}.{k}" for k in sorted(exported & public)
+                  if not inspect.ismodule(getattr(memfit, k))]
+    assert not twice, f"also exported beside memfit.*: {twice}; import them from memfit only"

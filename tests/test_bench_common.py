@@ -6,8 +6,8 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.bench.common import median, spread, spread_warning, table
 from memfit.budget import format_bytes, parse_bytes
+from memfit.cli.bench.common import median, spread, spread_warning, table
 
 
 def _cells(text: str, column: int) -> list[str]:

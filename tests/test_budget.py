@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memfit.budget import (
     BudgetExceeded,
@@ -134,7 +136,7 @@ def test_counts_accept_numpy_ints_across_the_api():
     import numpy as np
 
     import memfit
-    x, y = memfit.datasets.synthetic(np.int64(64), shape=(np.int64(1), 4, 4), seed=np.int64(0))
+    x, y = memfit.readers.synthetic(np.int64(64), shape=(np.int64(1), 4, 4), seed=np.int64(0))
     ds = memfit.CompactDataset.from_arrays(x, y, device="cpu")
     ld = memfit.loader(ds, np.int64(16), seed=np.int64(1), device="cpu", strategy="macro", macro_batch=np.int64(32))
     assert [len(b) for b, _ in ld] == [16] * 4
@@ -142,3 +144,28 @@ def test_counts_accept_numpy_ints_across_the_api():
     r = memfit.evaluate(model, ds, chunk_size=np.int64(10), progress=False)
     assert r.chunks == 7 and r.n == 64
     assert memfit.max_batch_size(model, (np.int64(1), 4, 4), "1MiB", extra_bytes_per_sample=np.int64(16)) > 0
+
+
+# ---- the model's device and the largest count that fits -------------------------------------------------------
+def test_model_device_looks_at_parameters_then_buffers():
+    from memfit.budget import model_device
+    assert model_device(torch.nn.Linear(2, 2).to("meta")) == torch.device("meta")
+    bn = torch.nn.BatchNorm1d(3, affine=False).to("meta")           # buffers only
+    assert next(bn.parameters(), None) is None and model_device(bn) == torch.device("meta")
+    assert model_device(torch.nn.ReLU()) == torch.device("cpu")       # neither: the CPU
+
+
+def test_evaluate_checks_the_device_of_a_model_with_only_buffers():
+    import memfit
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(3, affine=False)).to("meta")
+    with pytest.raises(ValueError, match=r"the model is on meta but device='cpu'; move it with model.to\('cpu'\)"):
+        memfit.evaluate(model, (torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)), device="cpu", progress=False)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.integers(0, 5000), st.integers(0, 300), st.integers(0, 40), st.integers(0, 700))
+def test_largest_fitting_is_the_brute_force_boundary(budget, a, b, upper):
+    from memfit.budget import largest_fitting
+    peak = lambda n: a + b * n + (n * n) // 50               # non-decreasing, not affine
+    expected = max((n for n in range(1, upper + 1) if peak(n) <= budget), default=0)
+    assert largest_fitting(peak, budget, upper) == expected

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from distributed_util import run_ranks
-from memfit.bench.zoo import MODELS, build
-from memfit.dataset import CompactDataset
-from memfit.evaluate import evaluate
-from memfit.planner import plan
+from memfit import plan
+from memfit.cli.bench.zoo import MODELS, build
+from memfit.compact import CompactDataset
+from memfit.evaluation import evaluate
 
 pytestmark = pytest.mark.cuda
 

@@ -95,8 +95,8 @@ def test_arena_picture_agrees_with_the_table():
     import matplotlib.pyplot as plt
     import torch
 
-    from memfit.demo import small_cnn
-    from memfit.planner import plan
+    from memfit import plan
+    from memfit.cli.demo import small_cnn
     rep = plan(small_cnn(1, 10, 8).eval(), (torch.empty(64, 1, 8, 8),)).report
     fig = rep.figure()
     try:

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from distributed_util import run_ranks
-from memfit.dataset import CompactDataset
+from memfit import loader as memfit_loader
+from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed, agree, epoch_batch_sizes, shard_indices, shard_sizes
-from memfit.evaluate import evaluate
-from memfit.loader import loader as memfit_loader
+from memfit.evaluation import evaluate
 
 N = 1003                      # not a multiple of 2 or 3: uneven shards
 
@@ -191,3 +191,101 @@ def test_distributed_loss_divides_by_the_summed_torch_denominator(world):
     for status, loss in out.values():
         assert status == "ok", loss
         assert loss == pytest.approx(ref.item(), rel=1e-6)
+
+
+# ---- a loader of per-field inputs, sharded ---------------------------------------------------------
+def _fields():
+    """Token ids whose first column is the sample's id, a mask, and float features: per-field inputs."""
+    rng = np.random.default_rng(2)
+    n = 101
+    ids = rng.integers(0, 30000, (n, 6))
+    ids[:, 0] = np.arange(n)
+    x = {"input_ids": ids, "attention_mask": (rng.random((n, 6)) < 0.7).astype(np.int64),
+         "feat": rng.normal(5.0, 3.0, (n, 2, 3)).astype(np.float32)}
+    return x, rng.integers(0, 4, n)
+
+
+FIELD_OPTIONS = dict(codec={"feat": "q8"}, normalize={"feat": "dataset"}, device="cpu")
+
+
+def _epoch(ld):
+    """Every sample of one epoch: {field: (n, ...)} and labels, sorted by sample id."""
+    batches = list(ld)
+    x = {k: torch.cat([b[0][k] for b in batches]) for k in batches[0][0]}
+    y = torch.cat([b[1] for b in batches])
+    order = x["input_ids"][:, 0].argsort()
+    return {k: v[order] for k, v in x.items()}, y[order], len(batches)
+
+
+def _fields_loader_rank(rank, world):
+    x, y = _fields()
+    out = {}
+    for strategy in ("resident", "stream"):
+        ld = memfit_loader((x, y), 8, strategy=strategy, shuffle=True, seed=3, distributed=True, **FIELD_OPTIONS)
+        out[strategy] = _epoch(ld)
+    return out
+
+
+def test_a_distributed_loader_of_fields_gives_each_rank_its_shard_decoded_as_the_whole():
+    """Each rank holds a contiguous shard; together the ranks see every sample once, decoded bit for bit as
+    a single-process loader decodes it (the q8 range and the mean/std of the whole, not of a shard)."""
+    x, y = _fields()
+    ref_x, ref_y, _ = _epoch(memfit_loader((x, y), 8, shuffle=False, **FIELD_OPTIONS))
+    out = run_ranks(_fields_loader_rank, 2)
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    for strategy in ("resident", "stream"):
+        parts = [out[r][1][strategy] for r in range(2)]
+        assert parts[0][2] == parts[1][2]                                     # the same number of batches
+        for r, (px, _, _) in enumerate(parts):                                # rank r: its shard, no more
+            start = sum(shard_sizes(101, 2)[:r])
+            assert px["input_ids"][:, 0].tolist() == list(range(start, start + shard_sizes(101, 2)[r]))
+        union_x = {k: torch.cat([p[0][k] for p in parts]) for k in ref_x}
+        assert torch.equal(torch.cat([p[1] for p in parts]), ref_y)
+        for k, v in ref_x.items():
+            assert union_x[k].dtype == v.dtype and torch.equal(union_x[k], v), (strategy, k)
+
+
+# ---- a rank with nothing to evaluate -----------------------------------------------------------------
+EMPTY_METRICS = ("accuracy", "loss", "confusion", "topk:3")
+
+
+def _summary(r):
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in r.metrics.items()}, r.n
+
+
+EMPTY_CASES = ("loader", "auto", 4)       # a per-rank loader empty on one rank; fewer samples than ranks
+
+
+def _empty_rank_eval(rank, world):
+    x, y = data()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    kw = dict(metrics=EMPTY_METRICS, device="cpu", progress=False, distributed=True)
+    out = {}
+    for case in EMPTY_CASES:
+        if case == "loader":    # a per-rank list of batches (a user's own loader), empty on the last rank
+            mine = [ds.batch(range(s, min(s + 100, N))) for s in range(0, N, 100)] if rank < world - 1 else []
+            out[case] = _summary(evaluate(model(), mine, **kw))
+        else:                   # a whole dataset with fewer samples than ranks: the last rank's shard is empty
+            out[case] = _summary(evaluate(model(), ds.subset(range(world - 1)), chunk_size=case, **kw))
+    return out
+
+
+def test_a_rank_with_nothing_to_evaluate_neither_hangs_nor_changes_the_result():
+    """Every rank returns the single-process result over the union; a collective one rank skipped would
+    hang (the collective timeout is short here, so a hang fails the test instead of blocking)."""
+    x, y = data()
+    ds = CompactDataset.from_arrays(x, y, device="cpu")
+    batches = [ds.batch(range(s, min(s + 100, N))) for s in range(0, N, 100)]     # the ranks' union, as chunked
+    single = {case: _summary(evaluate(model(), batches if case == "loader" else ds.subset(range(1)),
+                                      metrics=EMPTY_METRICS, device="cpu", progress=False))
+              for case in EMPTY_CASES}
+    t0 = time.perf_counter()
+    out = run_ranks(_empty_rank_eval, 2, timeout=60, env={"MEMFIT_DIST_TIMEOUT": "20"})
+    assert sorted(out) == [0, 1], f"a rank hung: {out}"
+    assert time.perf_counter() - t0 < 60
+    for rank, (status, value) in out.items():
+        assert status == "ok", (rank, value)
+        for case, (metrics, n) in value.items():
+            assert n == single[case][1], (rank, case)
+            for k, v in single[case][0].items():
+                assert metrics[k] == (pytest.approx(v, rel=1e-12) if k == "loss" else v), (rank, case, k)

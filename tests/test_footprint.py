@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.footprint import FakeRunError, measure_step, step_memory_model
+from memfit.planner.footprint import FakeRunError, measure_step, step_memory_model
 
 warnings.filterwarnings("ignore", message=".*(loss_type|bos_token_id|eos_token_id).*")
 
@@ -302,3 +302,51 @@ def test_ops_that_change_with_the_batch_give_an_approximate_line_that_says_so():
     for n in (5, 64):
         m = copy.deepcopy(model)
         assert mm.total_bytes(n) >= measure_step(m, torch.randn(n, 16), torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+class ExtraRow(nn.Module):
+    """Prepends one learned row to the batch: sizes are n + 1 rows, affine in the batch but not proportional."""
+
+    def __init__(self):
+        super().__init__()
+        self.row = nn.Parameter(torch.zeros(1, 16))
+        self.lin = nn.Linear(16, 64)
+
+    def forward(self, x):
+        return self.lin(torch.cat([self.row, x]))[1:]
+
+
+class CountingSGD(torch.optim.SGD):
+    steps = 0
+
+    def step(self, closure=None):
+        CountingSGD.steps += 1
+        return super().step(closure)
+
+
+def test_sizes_affine_but_not_proportional_to_the_batch_are_fit_from_more_probes_and_hold():
+    torch.manual_seed(0)
+    model = ExtraRow()
+    mm = step_memory_model(model, (16,), optimizer=torch.optim.AdamW(model.parameters()))
+    assert "sizes 1 and 4" not in mm.method and "APPROXIMATE" not in mm.method, mm.method
+    for n in (3, 11):
+        m = copy.deepcopy(model)
+        real = measure_step(m, torch.randn(n, 16), torch.optim.AdamW(m.parameters()))
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real, mm.method)
+
+
+def test_the_optimizer_step_runs_once_per_prediction_and_its_state_is_counted_at_every_size():
+    torch.manual_seed(0)
+    model = mlp()
+    opt = CountingSGD(model.parameters(), lr=0.1, momentum=0.9)
+    CountingSGD.steps = 0
+    mm = step_memory_model(model, (32,), optimizer=opt, loss_fn=F.cross_entropy,
+                           target=torch.zeros(1, dtype=torch.long))
+    assert CountingSGD.steps == 1 and "optimizer step ran once" in mm.method
+    params = sum(p.nbytes for p in model.parameters())
+    for n in (1, 2, 7, 64):
+        assert mm.breakdown(n)["optimizer state"] == params           # one momentum buffer per parameter
+        m = copy.deepcopy(model)
+        real = measure_step(m, torch.randn(n, 32), CountingSGD(m.parameters(), lr=0.1, momentum=0.9),
+                            F.cross_entropy, torch.zeros(n, dtype=torch.long))
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real, mm.method)

@@ -1,14 +1,16 @@
 """The planner against eager PyTorch: every zoo model's outputs, the shared-GEMM-output trap, in-place rules,
 re-planning, errors, sizing and the plan CLI."""
+import json
+
 import pytest
 import torch
 from torch import nn
 
-from memfit import BudgetExceeded
-from memfit.bench.zoo import MODELS, build
-from memfit.planner import CaptureError, activation_bytes, max_batch_size, memory_model, plan
+from memfit import BudgetExceeded, activation_bytes, max_batch_size, memory_model, plan
+from memfit.cli.bench.zoo import MODELS, build
+from memfit.cli.plan import cli_plan, load_factory
+from memfit.planner import CaptureError
 from memfit.planner.arena import align
-from memfit.planner.cli import cli_plan, load_factory
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT
 
@@ -59,7 +61,7 @@ def test_trap_sharing_a_gemm_output_with_its_input_gives_wrong_numbers():
 
 def test_shared_gemm_net_planned_returns_044_for_both_inputs():
     net, x = shared_gemm_net()
-    pm = plan(net, (x,))
+    pm = plan(net, (x,), eager_where_cheaper=False)       # else the GEMMs run eagerly: the output is larger
     out = pm(x)
     assert out[:, 0].tolist() == pytest.approx([0.4352, 0.4352], abs=1e-4)
     torch.testing.assert_close(out, net(x))
@@ -71,7 +73,7 @@ def test_shared_gemm_net_planned_returns_044_for_both_inputs():
 
 
 def _inplace_steps(pm):
-    graph = pm.layouts[pm._last_key].graph
+    graph = pm.placements[pm._last_key].graph
     return [s for s in graph.steps if s.inplace_arg is not None], graph
 
 
@@ -116,7 +118,7 @@ def test_new_shape_replans_and_outputs_are_fresh_memory():
     x5 = torch.randn(5, *shape)
     out5 = pm(x5)
     torch.testing.assert_close(out5, model(x5))
-    assert len(pm.layouts) == 2                  # a plan per shape, one shared arena
+    assert len(pm.placements) == 2                  # a plan per shape, one shared arena
     keep = out5.clone()
     pm(torch.randn(5, *shape))
     torch.testing.assert_close(out5, keep)        # a later call does not overwrite returned outputs
@@ -261,8 +263,22 @@ def test_cli_plan_prints_the_report(tmp_path, capsys):
     assert "lower bound" in out and "addmm" in out
 
 
+WIDE_HEAD_FILE = ("import torch\nfrom torch import nn\n\ndef make():\n"
+                  "    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8), nn.Linear(8, 2000))\n")
+
+
+def test_cli_plan_all_in_arena_keeps_every_out_kernel_in_the_arena(tmp_path, capsys):
+    (tmp_path / "net.py").write_text(WIDE_HEAD_FILE)
+    assert cli_plan([f"{tmp_path}/net.py:make", "--input", "4,8", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert cli_plan([f"{tmp_path}/net.py:make", "--input", "4,8", "--json", "--all-in-arena"]) == 0
+    all_in = json.loads(capsys.readouterr().out)
+    assert "runs eagerly" in default["unplanned_reasons"]["addmm"] and not all_in["unplanned_ops"]
+    assert default["arena_bytes"] < all_in["arena_bytes"]
+
+
 def test_cli_plan_bad_usage(tmp_path):
-    from memfit.usage import UsageError
+    from memfit.cli.options import UsageError
     (tmp_path / "net.py").write_text(MODEL_FILE)
     with pytest.raises(UsageError, match="--input"):
         cli_plan([f"{tmp_path}/net.py:make", "--input", "4,x"])
@@ -271,13 +287,13 @@ def test_cli_plan_bad_usage(tmp_path):
 
 
 def test_load_factory_errors(tmp_path):
-    assert load_factory("memfit.bench.zoo:lenet") is not None
+    assert load_factory("memfit.cli.bench.zoo:lenet") is not None
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
         load_factory("no_colon")
     with pytest.raises(ValueError, match="does not exist"):
         load_factory(f"{tmp_path}/missing.py:make")
     with pytest.raises(ValueError, match="no attribute 'nope'"):
-        load_factory("memfit.bench.zoo:nope")
+        load_factory("memfit.cli.bench.zoo:nope")
     with pytest.raises(ValueError, match="cannot import"):
         load_factory("memfit.not_a_module:make")
 
@@ -313,15 +329,15 @@ def test_plans_share_one_arena_and_release_frees_it():
     assert big == pm.report.arena_bytes > 0
     small = torch.randn(5, 16)
     torch.testing.assert_close(pm(small), model(small))
-    assert pm.arena_bytes == big and len(pm.layouts) == 2        # one arena for both plans
-    storages = {p.arena.untyped_storage().data_ptr() for p in pm.plans.values()}
+    assert pm.arena_bytes == big and len(pm.placements) == 2        # one arena for both plans
+    storages = {p.arena.untyped_storage().data_ptr() for p in pm.forwards.values()}
     assert len(storages) == 1
     pm.release()
-    assert pm.arena_bytes == 0 and not pm.plans
+    assert pm.arena_bytes == 0 and not pm.forwards
     with torch.no_grad():
         ref = model(x)
     torch.testing.assert_close(pm(x), ref)                     # allocated again, nothing re-captured
-    assert pm.arena_bytes == big and len(pm.layouts) == 2
+    assert pm.arena_bytes == big and len(pm.placements) == 2
 
 
 def test_two_threads_share_a_planned_module():
@@ -354,7 +370,7 @@ def test_two_threads_share_a_planned_module():
 def test_one_capture_plans_every_batch_size(name):
     """Batch sizes after the first are planned from the symbolic capture: no export, equal outputs,
     and byte sizes equal to a static capture at that batch."""
-    from memfit.planner.planned import capture_model, layout_at
+    from memfit.planner.planned import capture_model, place_at
     model, shape = build(name, image=32)
     pm = plan(model, (torch.randn(4, *shape),))
     assert pm.captures[0].dynamic and "one capture" in pm.report.capture
@@ -363,10 +379,10 @@ def test_one_capture_plans_every_batch_size(name):
         with torch.no_grad():
             torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
     # batch 1 is planned from a static capture of its own (a symbolic batch starts at 2)
-    assert len(pm.captures) == 2 and not pm.captures[1].dynamic and len(pm.layouts) == 3
+    assert len(pm.captures) == 2 and not pm.captures[1].dynamic and len(pm.placements) == 3
     static = capture_model(model, (torch.randn(3, *shape),), dynamic_batch=False)
-    want = layout_at(static, 3).report
-    got = layout_at(pm.captures[0], 3).report
+    want = place_at(static, 3).report
+    got = place_at(pm.captures[0], 3).report
     # node names differ between the two exports (mul_85 / mul); shapes, bytes, kinds and lifetimes do not
     assert [(r.shape, r.bytes, r.kind, r.lifetime) for r in got.rows] == [(r.shape, r.bytes, r.kind, r.lifetime)
                                                                           for r in want.rows]
@@ -380,13 +396,13 @@ class FixedBatch(nn.Module):
 
 
 def test_a_model_that_fixes_its_batch_is_captured_statically_with_the_reason():
-    from memfit.planner.planned import layout_at
+    from memfit.planner.planned import place_at
     pm = plan(FixedBatch(), (torch.randn(4, 6),))
     cap = pm.captures[0]
     assert not cap.dynamic and cap.static_reason and "static capture at batch 4" in pm.report.capture
     torch.testing.assert_close(pm(torch.ones(4, 6)), torch.ones(4, 6))
     with pytest.raises(ValueError, match="static at batch 4.*capture again"):
-        layout_at(cap, 8)
+        place_at(cap, 8)
 
 
 def test_cache_keeps_only_capture_errors_with_traceback_and_sees_training():
@@ -450,13 +466,13 @@ class SizeOneBranches(nn.Module):
 
 
 def test_batch_one_is_planned_from_its_own_capture_and_matches_eager():
-    from memfit.planner.planned import layout_at
+    from memfit.planner.planned import place_at
     model = SizeOneBranches().eval()
     pm = plan(model, (torch.randn(4, 6),))
     cap = pm.captures[0]
     assert cap.dynamic and cap.batch_range[0] == 2 and "[2, inf]" in pm.report.capture
     with pytest.raises(ValueError, match=r"in \[2, inf\]"):
-        layout_at(cap, 1)
+        place_at(cap, 1)
     with torch.no_grad():
         for n in (1, 4, 1, 3):
             x = torch.randn(n, 6)
@@ -473,3 +489,105 @@ def test_batch_one_is_planned_from_its_own_capture_and_matches_eager():
     assert mm.total_bytes(1) > 0 and mm.total_bytes(1) <= mm.total_bytes(2)
     assert max_batch_size(model, (6,), "1GiB", limit=64) == 64
     assert activation_bytes(model, (6,), [1, 2])[0] == mm.total_bytes(1)
+
+
+class WideHead(nn.Module):
+    """A small body and a wide output (a language model's vocabulary head): the output, which is
+    fresh memory every call, is the peak; the body's tensors fit under it outside the arena."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.Tanh())
+        self.head = nn.Linear(16, 2000)
+
+    def forward(self, x):
+        return self.head(self.body(x) + x)
+
+
+def _measured_outside(fn, x) -> int:
+    from memfit.measure import track_memory
+    with torch.inference_mode(), track_memory(x.device) as mem:
+        out = fn(x)
+        del out
+    return mem.peak
+
+
+def _conv_bn_wide_head():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 4000))
+
+
+@pytest.mark.parametrize(("make", "shape", "moved"), [
+    (WideHead, (8, 16), {"addmm", "gelu"}),
+    (_conv_bn_wide_head, (4, 3, 8, 8), {"_native_batch_norm_legit_no_training"}),    # a multi-output op
+])
+def test_ops_run_eagerly_where_the_arena_costs_more_memory(make, shape, moved):
+    from memfit.planner.planned import EAGER_CHEAPER
+    torch.manual_seed(0)
+    model, x = make().eval(), torch.randn(*shape)
+    all_in = plan(model, (x,), eager_where_cheaper=False)
+    pm = plan(model, (x,))
+    with torch.no_grad():
+        want = model(x)
+    assert torch.equal(pm(x), want) and torch.equal(all_in(x), want)
+    rep, full = pm.report, all_in.report
+    # the body's ops ran eagerly, each with the reason, and the plan holds less memory than all in the arena
+    assert moved <= set(rep.unplanned_ops) and all(rep.unplanned_reasons[op] == EAGER_CHEAPER for op in moved)
+    assert rep.arena_bytes + rep.unplanned_bytes < full.arena_bytes + full.unplanned_bytes
+    # what the report predicts outside the arena is what the planned run allocates, and not above eager
+    assert _measured_outside(pm, x) == rep.unplanned_bytes
+    assert rep.arena_bytes + rep.unplanned_bytes <= _measured_outside(model, x)
+
+
+def test_ops_stay_in_the_arena_where_it_pays():
+    """A model whose peak is in the middle (a wide hidden layer, a small output) keeps its ops in the arena."""
+    model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4)).eval()
+    x = torch.randn(8, 16)
+    pm = plan(model, (x,))
+    assert not pm.report.unplanned_ops                       # every op but the output (fresh memory) in the arena
+    assert torch.equal(pm(x), model(x).detach())
+
+
+def test_eager_where_cheaper_must_be_a_bool():
+    with pytest.raises(TypeError, match="eager_where_cheaper must be True or False; found 'yes'"):
+        plan(nn.Linear(2, 2).eval(), (torch.randn(2, 2),), eager_where_cheaper="yes")
+
+
+class DropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(8, 32), nn.Linear(32, 8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.fc1(x)))           # export: a clone in the same layout
+        y = self.fc2(h) + h[:, :8]
+        return y, self.drop(y)                           # a clone that is a model output
+
+
+def test_a_copy_in_the_same_layout_is_the_tensor_itself_but_outputs_stay_fresh():
+    torch.manual_seed(0)
+    model, x = DropoutNet().eval(), torch.randn(4, 8)
+    pm = plan(model, (x,), eager_where_cheaper=False)
+    steps = {s.node.name: s for s in pm.placements[pm._last_key].graph.steps}
+    clones = sorted((n for n in steps if n.startswith("clone")), key=lambda n: steps[n].index)
+    assert [steps[n].mode for n in clones] == ["view", "call"]       # the output copy is still made
+    with torch.no_grad():
+        want = model(x)
+    got = pm(x)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert got[0].untyped_storage().data_ptr() != got[1].untyped_storage().data_ptr()
+
+
+def test_an_op_writes_over_a_view_of_a_whole_allocation():
+    """A linear on (batch, tokens, features) is a 2-D GEMM viewed as 3-D; the GELU after it writes
+    over that view in place (each element read and written at one address), and equals eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).eval()
+    x = torch.randn(4, 8, 16)
+    pm = plan(model, (x,), eager_where_cheaper=False)
+    inplace, graph = _inplace_steps(pm)
+    gelu = next(s for s in inplace if s.node.name == "gelu")
+    assert graph.steps[gelu.index - 1].mode == "view"                # its input is the GEMM's view
+    with torch.no_grad():
+        want = model(x)
+    assert torch.equal(pm(x), want) and torch.equal(pm(x + 1), model(x + 1).detach())

@@ -5,8 +5,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from memfit.bench.zoo import build_real  # noqa: E402
-from memfit.planner import plan  # noqa: E402
+from memfit import plan  # noqa: E402
+from memfit.cli.bench.zoo import build_real  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["bert", "convnext"])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import memfit
-from memfit.dataset import CompactDataset
+from memfit.compact import CompactDataset
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memfit
-from memfit.bench.zoo import build
-from memfit.footprint import StepMemoryModel, measure_step
+from memfit import plan
+from memfit.budget import largest_fitting
+from memfit.cli.bench.zoo import build
 from memfit.measure import track_memory
-from memfit.planner import plan
-from memfit.planner.sizing import MemoryModel, largest_fitting
+from memfit.planner.footprint import StepMemoryModel, measure_step
+from memfit.planner.sizing import MemoryModel
 
 
 @pytest.mark.parametrize("name", ["lenet", "transformer"])
@@ -117,16 +118,16 @@ def test_cuda_prediction_holds_for_the_caching_allocator():
 def test_plan_train_cli_prints_the_python_api_breakdown(capsys, tmp_path):
     import json
 
-    from memfit.planner.cli import cli_plan
-    assert cli_plan(["memfit.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--budget", "8MiB", "--json"]) == 0
+    from memfit.cli.plan import cli_plan
+    assert cli_plan(["memfit.cli.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--budget", "8MiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     model, shape = build("mlp")
     mm = memfit.memory_model(model.train(), shape, train=True, optimizer=torch.optim.AdamW(model.parameters()))
     assert out["breakdown"] == mm.breakdown(8) and out["total_bytes"] == mm.total_bytes(8)
     assert out["largest_batch"] == largest_fitting(mm.total_bytes, 8 * 2**20, 2**31)
-    assert cli_plan(["memfit.bench.zoo:mlp", "--input", "8,1,28,28", "--train"]) == 0
+    assert cli_plan(["memfit.cli.bench.zoo:mlp", "--input", "8,1,28,28", "--train"]) == 0
     text = capsys.readouterr().out
     assert "optimizer state" in text and "at the peak, during the" in text
     pytest.importorskip("matplotlib")
-    cli_plan(["memfit.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--plot", str(tmp_path / "t.png")])
+    cli_plan(["memfit.cli.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--plot", str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -10,17 +10,18 @@
   full-batch gradient and out-of-memory back-off.
 - `parse_bytes` / `format_bytes` / `device_memory`: sizes and the memory each device has.
 
-Submodules: `memfit.codecs` (the codecs), `memfit.datasets` (readers for MNIST, CIFAR-10, .npy/.npz,
-digits, synthetic data), `memfit.metrics`, `memfit.distributed`, `memfit.loaders`, `memfit.planner`. See README.md.
+Submodules: `memfit.codecs` (the codecs), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz,
+digits, synthetic data), `memfit.metrics`, `memfit.distributed`, `memfit.loading`, `memfit.planner`. See README.md.
 """
 
-from memfit import codecs, datasets, metrics
+from memfit import codecs, metrics, readers
 from memfit.accumulation import accumulate
 from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
-from memfit.dataset import CompactDataset
-from memfit.evaluate import EvalResult, evaluate
-from memfit.loader import Loader, loader  # rebinds memfit.loader from the module to the function
-from memfit.planner import PlannedModule, activation_bytes, max_batch_size, memory_model, plan
+from memfit.compact import CompactDataset
+from memfit.evaluation import EvalResult, evaluate
+from memfit.loading.minibatches import Loader, loader
+from memfit.planner.planned import PlannedModule, plan
+from memfit.planner.sizing import activation_bytes, max_batch_size, memory_model
 
 __version__ = "0.1.0"
 
@@ -33,7 +34,7 @@ __all__ = [
     "accumulate",
     "activation_bytes",
     "codecs",
-    "datasets",
+    "readers",
     "device_memory",
     "evaluate",
     "format_bytes",

@@ -39,8 +39,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.budget import check_count, format_bytes, parse_bytes, release_cached, resolve_budget
-from memfit.evaluate import is_oom
+from memfit.batches import batch_slice, batch_tensors, batch_to, forward
+from memfit.budget import (
+    BudgetExceeded,
+    check_count,
+    format_bytes,
+    is_oom,
+    largest_fitting,
+    model_device,
+    parse_bytes,
+    release_cached,
+    resolve_budget,
+)
+from memfit.measure import held_bytes
+from memfit.messages import first_line, whole_words
 
 __all__ = ["BatchDependentError", "StepResult", "accumulate", "batch_dependent_modules"]
 
@@ -78,23 +90,13 @@ class StepResult:
 
 
 # ---- the batch -------------------------------------------------------------------------------------
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [v for v in x.values() if isinstance(v, torch.Tensor)]
-    if isinstance(x, (tuple, list)):
-        return [v for v in x if isinstance(v, torch.Tensor)]
-    return []
-
-
 def _batch_size(x, y) -> int:
     """N, the samples in (x, y): dim 0 of every tensor, which must agree."""
-    ts = _tensors(x)
+    ts = batch_tensors(x)
     if not ts:
         raise TypeError(f"batch x must be a tensor, a dict of tensors (e.g. tokenizer output) or a tuple of "
                         f"tensors; found {type(x).__name__}")
-    sizes = {t.shape[0] if t.dim() else None for t in ts + _tensors(y)}
+    sizes = {t.shape[0] if t.dim() else None for t in ts + batch_tensors(y)}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"every tensor of the batch needs the same first (batch) dimension; found sizes "
                          f"{sorted(map(str, sizes))}")
@@ -106,21 +108,7 @@ def _batch_size(x, y) -> int:
 
 def _slice(v, s: int, e: int, device: torch.device):
     """Samples [s, e) of v on `device` (a view when v is there already; non-tensor values pass through)."""
-    if isinstance(v, torch.Tensor):
-        return v[s:e].to(device, non_blocking=True)
-    if isinstance(v, dict):
-        return {k: _slice(t, s, e, device) for k, t in v.items()}
-    if isinstance(v, (tuple, list)):
-        return type(v)(_slice(t, s, e, device) for t in v)
-    return v
-
-
-def _forward(model, x):
-    if isinstance(x, dict):
-        return model(**x)
-    if isinstance(x, (tuple, list)):
-        return model(*x)
-    return model(x)
+    return batch_to(batch_slice(v, s, e), device)
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -190,28 +178,13 @@ def _check_distributed(model, distributed: bool) -> int:
     return torch.distributed.get_world_size()
 
 
-def _device(model) -> torch.device:
-    p = next(iter(model.parameters()), None)
-    if p is None:
+def _trained_device(model) -> torch.device:
+    if next(iter(model.parameters()), None) is None:
         raise ValueError("the model has no parameters: there is nothing to train")
-    return p.device
+    return model_device(model)
 
 
 # ---- micro-batch size -------------------------------------------------------------------------------
-def _held_bytes(model, optimizer) -> int:
-    """Bytes the model and optimizer hold now: parameters, buffers, gradients and optimizer state."""
-    seen, total = set(), 0
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    for st in optimizer.state.values():
-        tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += key[1]
-    return total
-
-
 def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
     """loss_fn as the memory model calls it: loss_fn(out) without a target, and a scalar (per-sample losses
     summed: the same ops and bytes as the weighting accumulate applies)."""
@@ -231,10 +204,10 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     (the batch's bytes once, not the micro-batch's inputs). A DistributedDataParallel model also holds its
     gradient buckets.
     """
-    from memfit.planner import memory_model  # train=True: one training step on fake tensors
+    from memfit.planner.sizing import memory_model  # train=True: one training step on fake tensors
     ddp = isinstance(model, _ddp_class())
     module = model.module if ddp else model
-    device, n = _device(model), _batch_size(x, y)
+    device, n = _trained_device(model), _batch_size(x, y)
     k = min(2, n)
     # The fake run counts lazily created optimizer state as held from the start, so an optimizer without
     # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
@@ -245,12 +218,12 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
                       loss_fn=_scalar_loss(loss_fn, y is not None), target=target)
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
-    on_device = [t for t in _tensors(x) + _tensors(y) if t.device == device]
+    on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device]
     batch_bytes = sum(t.nbytes for t in on_device)
     # Micro-batches of inputs already on the device are views: their bytes are in batch_bytes, not new.
     # Only that share of the model's input bytes is taken off (x on the host and y on the device: none).
-    x_all = sum(t.nbytes for t in _tensors(x))
-    x_held = sum(t.nbytes for t in _tensors(x) if t.device == device) / x_all if x_all else 0.0
+    x_all = sum(t.nbytes for t in batch_tensors(x))
+    x_held = sum(t.nbytes for t in batch_tensors(x) if t.device == device) / x_all if x_all else 0.0
 
     def peak(m: int) -> int:
         parts = mm.breakdown(m)
@@ -263,16 +236,14 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
 
 def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) -> tuple[int, str]:
     """(micro-batch size, why) for the largest micro-batch whose predicted step fits the budget."""
-    from memfit.budget import BudgetExceeded
-    from memfit.planner.sizing import largest_fitting
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
-        limit += _held_bytes(model, optimizer)
+        limit += held_bytes(model, optimizer, grads=True)
     try:
         peak, how = training_peak(model, optimizer, loss_fn, x, y)
     except Exception as e:
         raise RuntimeError(f"micro_batch='auto' could not predict the training step's memory "
-                           f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); pass "
+                           f"({whole_words(first_line(e), 200)}); pass "
                            "micro_batch=<int> (out-of-memory errors still back off)") from e
     m = largest_fitting(peak, limit, n)
     if m == 0:
@@ -306,7 +277,7 @@ def _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tup
 
 
 def _signature(x) -> tuple:
-    return tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in _tensors(x))
+    return tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in batch_tensors(x))
 
 
 # ---- the step ------------------------------------------------------------------------------------------
@@ -376,13 +347,13 @@ class _Step:
                 raise RuntimeError(f"out of memory in the last micro-batch ({e - s} samples), which all-reduces "
                                    "the gradients across ranks: it cannot be retried without leaving the other "
                                    f"ranks waiting ({type(err).__name__}); pass a smaller micro_batch") from err
-            msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            msg = first_line(err)
             return msg, _received(self.params, marks)
         return None, frozenset()
 
     def _run(self, s: int, e: int) -> None:
         xs, ys = _slice(self.x, s, e, self.device), _slice(self.y, s, e, self.device)
-        loss = self.loss_fn(_forward(self.model, xs), ys)
+        loss = self.loss_fn(forward(self.model, xs), ys)
         m = e - s
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
         if not isinstance(loss, torch.Tensor) or not (loss.numel() == 1 or per_sample):
@@ -475,7 +446,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     _check_batch_dependence(model, allow_batch_dependent)
     x, y = batch
     n = _batch_size(x, y)
-    device = _device(model)
+    device = _trained_device(model)
     n_total = n
     if world > 1:               # the global sample count weights every rank's micro-batches
         from memfit.distributed import all_reduce

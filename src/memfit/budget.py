@@ -2,7 +2,8 @@
 
 memfit declares memory before it uses it: a component lists the buffers it will allocate
 (`Ledger.add`), the ledger compares their sum with the budget, and `BudgetExceeded` names what
-needed how much when it does not fit. Sizes are parsed and printed here too.
+needed how much when it does not fit. Sizes are parsed and printed here too, and `largest_fitting`
+finds the largest count whose predicted peak fits.
 
 Example:
     >>> parse_bytes("1.5 GiB")
@@ -17,6 +18,7 @@ import math
 import operator
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -132,22 +134,42 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
-def plural(n: int, noun: str, many: str | None = None) -> str:
-    """'1 tensor', '3 tensors': a count and its noun, for messages (`many` for an irregular plural).
-
-    Example:
-        >>> plural(1, "chunk"), plural(0, "chunk"), plural(2, "retry", "retries")
-        ('1 chunk', '0 chunks', '2 retries')
-    """
-    return f"{n} {noun}" if n == 1 else f"{n} {many or noun + 's'}"
-
-
 class BudgetExceeded(MemoryError):
     """A plan needs more memory than its budget. `.items` lists (name, bytes) of what it needed."""
 
     def __init__(self, message: str, needed: int = 0, budget: int = 0, items=()):
         super().__init__(message)
         self.needed, self.budget, self.items = needed, budget, list(items)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter, else of its first buffer; the CPU for a model with neither."""
+    t = next(iter(model.parameters()), None)
+    if t is None:
+        t = next(iter(model.buffers()), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
+    """Largest n in [1, upper] with peak(n) <= budget (peak non-decreasing), 0 when none fits.
+
+    Doubling from 1, then bisection: O(log n) calls of peak. The one search behind every "what fits"
+    (a chunk, a micro-batch, a batch size).
+
+    Example:
+        >>> largest_fitting(lambda n: 100 + 7 * n, 1000, 10**6)
+        128
+    """
+    if upper < 1 or peak(1) > budget:
+        return 0
+    lo = 1
+    while lo < upper and peak(min(2 * lo, upper)) <= budget:
+        lo = min(2 * lo, upper)
+    hi = min(2 * lo, upper)
+    while lo < hi:                           # peak(lo) fits; the answer is below hi + 1
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid - 1)
+    return lo
 
 
 def release_cached(device: torch.device) -> None:
@@ -320,3 +342,14 @@ class Ledger:
                 f"({format_bytes(self.total - self.budget)} short):\n{self.table()}" + (f"\n{hint}" if hint else ""),
                 needed=self.total, budget=self.budget, items=self.items)
         return self
+
+
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                "CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input")
+
+
+def is_oom(e: BaseException) -> bool:
+    """True for torch.OutOfMemoryError and the allocator errors of CUDA, HIP, MPS and the CPU."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) and not isinstance(e, BudgetExceeded):
+        return True
+    return isinstance(e, RuntimeError) and any(m.lower() in str(e).lower() for m in OOM_MESSAGES)

@@ -2,7 +2,7 @@
 
 The peak bytes of a chunk of n samples come from the activation planner (`memfit.plan`'s memory
 model) when it can capture the model, else from a fake-tensor run of the eager forward
-(`memfit.footprint`: nothing allocated, no export), else from two small measured runs. Each is
+(`memfit.planner.footprint`: nothing allocated, no export), else from two small measured runs. Each is
 an affine-in-n estimate; `largest_fitting` bisects it against the budget.
 
 Example:
@@ -18,25 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.budget import BudgetExceeded, format_bytes
-from memfit.dataset import CompactDataset
-from memfit.fields import batch_nbytes, forward
-from memfit.planner.sizing import largest_fitting  # one doubling + bisection search for every "what fits"
+from memfit.batches import batch_nbytes, forward
+from memfit.budget import BudgetExceeded, format_bytes, largest_fitting
+from memfit.compact import CompactDataset
+from memfit.measure import held_bytes, track_memory
+from memfit.messages import first_line
 
 log = logging.getLogger("memfit.evaluate")
-
-
-def whole_words(text: str, limit: int) -> str:
-    """text, or its first words up to about `limit` characters and '...': never cut mid-word."""
-    if len(text) < limit:
-        return text
-    return text[:limit].rsplit(" ", 1)[0] + " ..."
-
-
-def first_line(e: BaseException) -> str:
-    """'TypeName: first line of the message', whole: never cut mid-word."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -83,10 +71,6 @@ def as_chunks(data, device: torch.device):
 
 
 # ---- chunk size ------------------------------------------------------------------------------------
-def param_bytes(model: torch.nn.Module) -> int:
-    return sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
-
-
 def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | None, str]:
     """(peak(n) from the activation planner, "planner"), or (None, why not) when it cannot capture the model."""
     try:
@@ -101,7 +85,7 @@ def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | No
 
 
 def _fake_peak(model, chunks: Chunks, why: str) -> tuple[Callable[[int], int] | None, str]:
-    """peak(n) of an eager forward from fake-tensor runs (`memfit.footprint`; no export, nothing allocated),
+    """peak(n) of an eager forward from fake-tensor runs (`memfit.planner.footprint`; no export, nothing allocated),
     cached per model; (None, why) when even that fails."""
     try:
         from memfit.planner.cache import forward_memory_of
@@ -114,7 +98,6 @@ def _fake_peak(model, chunks: Chunks, why: str) -> tuple[Callable[[int], int] | 
 
 def _measured_peak(model, runner, chunks: Chunks, sizes=(4, 16)) -> Callable[[int], int]:
     """Fit peak(n) = a + b*n from two small measured runs (live bytes above the start)."""
-    from memfit.measure import track_memory
     points = []
     for n in sorted({min(s, chunks.n) for s in sizes}):
         x, _ = chunks.get(0, n)
@@ -130,7 +113,7 @@ def _measured_peak(model, runner, chunks: Chunks, sizes=(4, 16)) -> Callable[[in
         (n1, p1), (n2, p2) = points
         b = max((p2 - p1) / (n2 - n1), 0.0)
         a = max(p1 - b * n1, 0.0)
-    base = param_bytes(model)
+    base = held_bytes(model)
     # 10% head-room on the slope: extrapolating from small sizes tends to under-estimate
     return lambda n: int(base + a + 1.1 * b * n)
 
@@ -192,7 +175,7 @@ def choose_chunk(model, chunks, budget: int, runner, use_plan: bool | None = Tru
     n = largest_fitting(total, budget, chunks.n)
     if n == 0:
         raise BudgetExceeded(f"one sample needs {format_bytes(total(1))} ({how}: parameters "
-                             f"{format_bytes(param_bytes(model))} included) but the budget is {format_bytes(budget)}; "
+                             f"{format_bytes(held_bytes(model))} included) but the budget is {format_bytes(budget)}; "
                              "raise the budget or use a smaller model", needed=total(1), budget=budget)
     if n > MAX_AUTO_CHUNK:
         return MAX_AUTO_CHUNK, total, (f"{MAX_AUTO_CHUNK} samples (estimated peak ({how}) "

@@ -36,13 +36,9 @@ import math
 import numpy as np
 import torch
 
+from memfit.arrays import by_channel, channel_min_max, iter_chunks
+
 Array = torch.Tensor | np.ndarray
-
-
-def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel (axis 1) min and max of (N, C, ...) as float64 (C,) tensors."""
-    flat = x.transpose(0, 1).reshape(x.shape[1], -1)
-    return flat.amin(1).double(), flat.amax(1).double()
 
 
 def _where(mask: torch.Tensor) -> str:
@@ -76,9 +72,8 @@ def check_range(x: torch.Tensor, lo: float, hi: float, codec: str, hint: str, in
 
 
 class Codec:
-    """Base class. Subclasses set `name`, `bits` (stored bits per value) and `lossless`."""
+    """Base class. Subclasses set `name` and `lossless`; `stored_shape`/`stored_dtype` say what is stored."""
     name = "?"
-    bits = 8
     lossless = True
     offset: int | None = None       # integer codecs: value = stored + offset exactly (integer outputs need it)
 
@@ -123,15 +118,6 @@ class Codec:
     def stored_dtype(self) -> torch.dtype:
         return torch.uint8
 
-    def param_bytes(self) -> int:
-        """Bytes of per-channel parameters the dataset keeps beside the data."""
-        return 0
-
-    def nbytes(self, n: int, sample_shape: tuple[int, ...]) -> int:
-        """Bytes n samples take when stored (data plus parameters)."""
-        per = math.prod(self.stored_shape(sample_shape)) * torch.empty((), dtype=self.stored_dtype).element_size()
-        return n * per + self.param_bytes()
-
     def describe(self) -> str:
         """'uint8 (lossless)' or 'q8 (LOSSY: |decoded - x| <= 0.0118)': what a user must know about it."""
         if self.lossless or self.max_abs_error == 0:
@@ -154,7 +140,6 @@ class IntCodec(Codec):
         super().__init__()
         if offset is not None:
             self.offset = offset
-        self.bits = 8 * self.dtype.itemsize
 
     @property
     def range(self) -> tuple[int, int]:
@@ -188,7 +173,7 @@ class UInt8Codec(IntCodec):
 
 
 class Int8Codec(IntCodec):
-    """int8 storage: 0..255 values as x - 128 (the default offset, as the early uint8 experiments did),
+    """int8 storage: 0..255 values as x - 128 (the default offset: 8-bit images centred on zero),
     or signed values in [-128, 127] with offset 0 (what `auto_codec` picks for such data)."""
     name, dtype, offset = "int8", torch.int8, 128
 
@@ -211,7 +196,7 @@ class Int64Codec(IntCodec):
 
 
 class QuantCodec(Codec):
-    """Float data quantised per channel (axis 1) to 2**bits levels between the channel's min and max."""
+    """Float data quantised per channel (axis 1) to `levels + 1` codes between the channel's min and max."""
     lossless = False
     levels = 255
 
@@ -225,7 +210,7 @@ class QuantCodec(Codec):
         if x.shape[0] == 0:
             return
         check_finite(x, self.name)
-        lo, hi = _channel_stats(x)
+        lo, hi = channel_min_max(x)
         self.lo = lo if self.lo is None else torch.minimum(self.lo, lo)
         self.hi = hi if self.hi is None else torch.maximum(self.hi, hi)
 
@@ -240,16 +225,13 @@ class QuantCodec(Codec):
     def affine(self):
         return self.step, self.lo.clone()
 
-    def param_bytes(self):
-        return 2 * 4 * (self.channels or 0)   # scale and zero point per channel, float32
-
     def _track_error(self, x: torch.Tensor, stored: torch.Tensor) -> None:
         """Raise `max_abs_error` to a bound on |decoded - x| that holds for the float32 decode.
 
         Two parts, per channel: the quantisation error |code * a + b - x| (at most half a step),
         measured exactly in float64, plus the worst rounding of the float32 decode of any code
-        (`decode_rounding`). Measuring only the first part understated the error by 2e-4 with
-        per-channel scales of 1e3.
+        (`decode_rounding`). The first part alone understates the error of what a user gets (by 2e-4
+        with per-channel scales of 1e3).
         """
         if not x.numel():
             return
@@ -257,7 +239,7 @@ class QuantCodec(Codec):
         shape = (1, -1) + (1,) * (x.dim() - 2)
         back = self.unpack(stored, tuple(x.shape[1:])).double() * a.view(shape) + b.view(shape)
         quant = (back - x.double()).abs()                                            # (n, C, ...)
-        per_channel = quant.transpose(0, 1).reshape(quant.shape[1], -1).amax(1)      # (C,)
+        per_channel = by_channel(quant).amax(1)                                      # (C,)
         bound = per_channel * (1 + 2**-40) + self.decode_rounding()
         self.max_abs_error = max(self.max_abs_error, float(bound.max()))
 
@@ -295,7 +277,6 @@ class Q8Codec(QuantCodec):
 class Q4Codec(QuantCodec):
     """float -> 16 levels per channel, two values per byte (high nibble first)."""
     name = "q4"
-    bits = 4
     levels = 15
 
     def stored_shape(self, sample_shape):
@@ -324,7 +305,6 @@ class Q4Codec(QuantCodec):
 class Bits1Codec(Codec):
     """Binary images, eight values per byte (most significant bit first, as np.packbits)."""
     name = "bits1"
-    bits = 1
     offset = 0
 
     def check(self, x):
@@ -389,19 +369,19 @@ class CastCodec(Codec):
 
 
 class Float64Codec(CastCodec):
-    name, dtype, bits, lossless = "float64", torch.float64, 64, True
+    name, dtype, lossless = "float64", torch.float64, True
 
 
 class Float32Codec(CastCodec):
-    name, dtype, bits = "float32", torch.float32, 32
+    name, dtype = "float32", torch.float32
 
 
 class Float16Codec(CastCodec):
-    name, dtype, bits, limit = "fp16", torch.float16, 16, 65504.0
+    name, dtype, limit = "fp16", torch.float16, 65504.0
 
 
 class BFloat16Codec(CastCodec):
-    name, dtype, bits = "bf16", torch.bfloat16, 16
+    name, dtype = "bf16", torch.bfloat16
 
 
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (
@@ -416,12 +396,6 @@ def available() -> list[str]:
 
 def _torch_dtype(x: Array) -> torch.dtype:
     return x.dtype if isinstance(x, torch.Tensor) else torch.from_numpy(np.empty(0, x.dtype)).dtype
-
-
-def _chunks(x: Array):
-    from memfit.encoding import iter_chunks  # one bounded pass (a memmap is never read whole)
-    for _, chunk in iter_chunks(x):
-        yield chunk
 
 
 def _exact_in(chunk: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -455,14 +429,14 @@ def auto_codec(x: Array) -> Codec:
     if dtype == torch.uint8:
         return UInt8Codec()
     if not dtype.is_floating_point:
-        lo, hi = 0, 0
-        for i, chunk in enumerate(_chunks(x)):
+        lo, hi = 0, 0                # exact Python ints: float64 statistics would round int64 beyond 2**53
+        for i, (_, chunk) in enumerate(iter_chunks(x)):   # bounded reads: a memmap is never read whole
             if chunk.numel():
                 clo, chi = int(chunk.min()), int(chunk.max())
                 lo, hi = (clo, chi) if i == 0 else (min(lo, clo), max(hi, chi))
         return _int_codec(lo, hi)
     byte, half, brain, single = True, True, True, True
-    for chunk in _chunks(x):
+    for _, chunk in iter_chunks(x):
         if not bool(torch.isfinite(chunk).all()):
             return Float64Codec() if dtype == torch.float64 else Float32Codec()   # encode names the bad value
         if byte:
@@ -477,11 +451,6 @@ def auto_codec(x: Array) -> Codec:
     if brain:
         return BFloat16Codec()._exact()
     return Float32Codec()._exact() if single else Float64Codec()
-
-
-def auto_name(x: Array) -> str:
-    """The name of the codec `auto_codec` picks for x."""
-    return auto_codec(x).name
 
 
 def make_codec(name: str | Codec) -> Codec:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import traceback
 import zlib
 
 import torch
 import torch.distributed as dist
+
+from memfit.messages import first_line
 
 TIMEOUT_S = float(os.environ.get("MEMFIT_DIST_TIMEOUT", "120"))
 
@@ -58,6 +59,35 @@ def shard_indices(n: int, rank: int, world_size: int, mode: str = "contiguous") 
     if mode == "strided":
         return torch.arange(rank, n, world_size)
     raise ValueError(f"shard mode must be 'contiguous' or 'strided'; found {mode!r}")
+
+
+def shard_data(data: object, rank: int, world_size: int) -> tuple[object, range, int]:
+    """This rank's part of a whole dataset: (the part, its positions in the whole, the whole's size).
+
+    A whole dataset (a `CompactDataset`: anything with `shard_info` None and `shard(rank, world_size)`)
+    is sharded, a copy of a contiguous block; one already sharded passes when it is this rank's shard.
+    Anything else (an iterable of batches, a distributed `Loader`) passes as it is, with no positions.
+
+    Example:
+        >>> import numpy as np
+        >>> from memfit.compact import CompactDataset
+        >>> part, where, n = shard_data(CompactDataset.from_arrays(np.zeros((10, 4), np.uint8), device="cpu"), 1, 3)
+        >>> len(part), where, n
+        (3, range(4, 7), 10)
+    """
+    if not (hasattr(data, "shard_info") and hasattr(data, "shard")):
+        return data, range(0), 0
+    info = data.shard_info
+    if info is None:
+        data = data.shard(rank, world_size)
+        info = data.shard_info
+    elif (info.rank, info.world_size) != (rank, world_size):
+        raise ValueError(f"the dataset is shard {info.rank} of {info.world_size}, but this process is rank "
+                         f"{rank} of {world_size}; pass the whole dataset or this rank's shard")
+    if info.mode == "strided":
+        return data, range(rank, info.n_total, world_size), info.n_total
+    start = int(info.indices[0]) if len(info.indices) else 0
+    return data, range(start, start + len(info.indices)), info.n_total
 
 
 def epoch_batch_sizes(n_local: int, n_min: int, n_max: int, batch_size: int, drop_last: bool) -> list[int]:
@@ -104,7 +134,7 @@ def _wait(work, what: str, timeout_s: float) -> None:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise RuntimeError(f"memfit: {what} failed on rank {dist.get_rank()}: another rank stopped "
-                           f"or did not answer within {timeout_s:.0f} s ({str(e).splitlines()[0]})") from None
+                           f"or did not answer within {timeout_s:.0f} s ({first_line(e, with_type=False)})") from None
     if ok is False:
         raise RuntimeError(f"memfit: {what} timed out after {timeout_s:.0f} s on rank {dist.get_rank()}; "
                            "another rank may have crashed")
@@ -151,8 +181,7 @@ def agree(error: BaseException | None, what: str, values: tuple[int, ...] = (),
     record[2] = len(values)
     record[3:3 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.int64)
     if error is not None:
-        first = str(error).splitlines()[0] if str(error) else ""
-        text = f"{type(error).__name__}: {first}".encode()[:MESSAGE_BYTES]
+        text = first_line(error).encode()[:MESSAGE_BYTES]
         record[3 + VALUES:].view(torch.uint8)[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     records = all_gather(record, f"{what} (agreement)", timeout_s)
     failed = [(r, _message(rec)) for r, rec in enumerate(records) if int(rec[0])]
@@ -187,11 +216,49 @@ def all_gather(t: torch.Tensor, what: str, timeout_s: float | None = None) -> li
 
 
 def reduce_states(states: list[dict[str, torch.Tensor]], timeout_s: float | None = None) -> None:
-    """Sum every metric state tensor across ranks, in place (sums and counts add up exactly)."""
+    """Sum every metric state tensor across ranks, in place (sums and counts add up exactly).
+
+    A rank that saw no sample (an empty shard, a loader with no batch on this rank) has empty states: it
+    adds zeros shaped as the other ranks' states, so every rank makes the same all_reduces (a missing one
+    would pair with another collective, and hang or mix values). Raises on every rank when ranks that saw
+    samples hold states of different shapes (e.g. models with different class counts)."""
+    layouts = all_gather_text(_layout(states), "metric state layouts", timeout_s)
+    seen = [(r, text) for r, text in enumerate(layouts) if text]
+    if not seen:                                  # no rank saw a sample: nothing to add up
+        return
+    if any(text != seen[0][1] for _, text in seen):
+        found = "; ".join(f"rank {r}: {text}" for r, text in seen)
+        raise ValueError(f"the ranks' metric states differ, so they cannot be summed ({found}); every rank must "
+                         "evaluate the same model with the same metrics")
+    if not layouts[dist.get_rank()]:
+        _zeros_like_layout(states, seen[0][1])
     for st in states:
         for key in sorted(st):
             st[key] = all_reduce(st[key].clone(), what=f"metric state {key!r}", timeout_s=timeout_s)
 
 
-def format_exc_short(e: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(e), e)).strip()
+def _layout(states: list[dict[str, torch.Tensor]]) -> str:
+    """'metric|key|dtype|shape' for every state tensor, ';'-separated; '' when no metric has state yet."""
+    if not any(states):
+        return ""
+    return ";".join(f"{i}|{key}|{str(st[key].dtype).replace('torch.', '')}|{','.join(map(str, st[key].shape))}"
+                    for i, st in enumerate(states) for key in sorted(st))
+
+
+def _zeros_like_layout(states: list[dict[str, torch.Tensor]], layout: str) -> None:
+    """Fill empty states with zeros of the layout another rank reported (`_layout`)."""
+    for item in layout.split(";"):
+        i, key, dtype, shape = item.split("|")
+        dims = tuple(int(d) for d in shape.split(",")) if shape else ()
+        states[int(i)][key] = torch.zeros(dims, dtype=getattr(torch, dtype))
+
+
+def all_gather_text(text: str, what: str, timeout_s: float | None = None) -> list[str]:
+    """Every rank's `text` (any length), by rank: the lengths first, then the bytes padded to the longest."""
+    data = text.encode()
+    lengths = all_gather(torch.tensor([len(data)], dtype=torch.int64), f"{what} (lengths)", timeout_s)
+    longest = max(int(n) for n in lengths)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    parts = all_gather(buf, what, timeout_s)
+    return [bytes(p[:int(n)].tolist()).decode() for p, n in zip(parts, lengths, strict=True)]

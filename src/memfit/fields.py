@@ -10,7 +10,7 @@ stored dtype (no copy) and decodes it, giving a dict batch that a `transformers`
 
 Example:
     >>> import numpy as np, torch
-    >>> from memfit.dataset import CompactDataset
+    >>> from memfit.compact import CompactDataset
     >>> ids = np.array([[101, 2023, 102], [101, 7592, 102]])           # (N=2, L=3) token ids
     >>> ds = CompactDataset.from_arrays({"input_ids": ids, "attention_mask": np.ones_like(ids)}, [0, 1],
     ...                                 device="cpu")
@@ -52,7 +52,7 @@ class PackedCodec(Codec):
         return "fields: " + ", ".join(f"{k} {c.describe()}" for k, c in self.codecs.items())
 
 
-def layout(parts: dict[str, object]) -> tuple[dict[str, tuple[int, int]], int]:
+def field_offsets(parts: dict[str, object]) -> tuple[dict[str, tuple[int, int]], int]:
     """{name: (offset, nbytes)} of each field's stored row, aligned to its element size, and the
     row size rounded up to 8 bytes (so rows move as int64 words and every view is aligned)."""
     out, offset = {}, 0
@@ -67,7 +67,7 @@ def layout(parts: dict[str, object]) -> tuple[dict[str, tuple[int, int]], int]:
 
 def pack(parts: dict[str, object], device: torch.device) -> tuple[torch.Tensor, dict[str, Field]]:
     """(packed rows (N, row_bytes) uint8 on `device`, {name: Field}) from per-field CompactDatasets."""
-    where, row = layout(parts)
+    where, row = field_offsets(parts)
     n = len(next(iter(parts.values())))
     x = torch.zeros((n, row), dtype=torch.uint8, device=device)
     fields = {}
@@ -105,27 +105,3 @@ def check_fields(x: dict) -> int:
     if bad:
         raise ValueError(f"every field needs one row per sample; found sample counts {counts}")
     return n
-
-
-# ---- batches that may be a tensor or a dict of tensors (what evaluate and the loaders hand a model) ----
-def forward(model, x):
-    """`model(**x)` for a dict batch (a transformers model's keyword inputs), else `model(x)`."""
-    return model(**x) if isinstance(x, dict) else model(x)
-
-
-def batch_len(x) -> int:
-    return next(iter(x.values())).shape[0] if isinstance(x, dict) else x.shape[0]
-
-
-def batch_nbytes(x) -> int:
-    return sum(v.nbytes for v in x.values()) if isinstance(x, dict) else x.nbytes
-
-
-def batch_to(x, device: torch.device):
-    if isinstance(x, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
-    return x.to(device, non_blocking=True)
-
-
-def batch_slice(x, a: int, b: int):
-    return {k: v[a:b] for k, v in x.items()} if isinstance(x, dict) else x[a:b]

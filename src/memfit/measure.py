@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTrace", "track_memory"]
+__all__ = ["MemoryTrace", "held_bytes", "track_memory", "unique_bytes"]
 
 
 @dataclass
@@ -38,13 +38,49 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
         s = t.untyped_storage()
     except (RuntimeError, NotImplementedError):      # sparse or wrapper tensors own no plain storage
         return None
-    # the storage object's own address, not its data pointer: fake tensors (memfit.footprint) have none
+    # the storage object's own address, not its data pointer: fake tensors (memfit.planner.footprint) have none
     return (s._cdata, s.nbytes()) if s.nbytes() else None
+
+
+def unique_bytes(tensors) -> int:
+    """Bytes of the storages under `tensors`, each storage once (tied weights and views share one);
+    entries that are not tensors are skipped."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and (k := _storage_key(t)) is not None:
+            seen[k[0]] = k[1]
+    return sum(seen.values())
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, grads: bool = False) -> int:
+    """Bytes the model holds now: its parameters and buffers (with `grads`, the parameters' `.grad` too; with an
+    optimizer, its state), each storage counted once: an embedding and an output layer sharing one weight
+    hold it once.
+
+    Example:
+        >>> import torch
+        >>> emb = torch.nn.Embedding(10, 4)
+        >>> model = torch.nn.Sequential(emb, torch.nn.Linear(4, 10, bias=False))
+        >>> model[1].weight = emb.weight                 # tied: 10 x 4 float32 once
+        >>> held_bytes(model)
+        160
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    if grads:
+        tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    return unique_bytes(tensors + optimizer_state(optimizer))
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The tensors an optimizer keeps (AdamW: two per parameter once it has stepped); [] for None."""
+    if optimizer is None:
+        return []
+    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 class _Tracker(TorchDispatchMode):
     """Counts live storages; with `log`, also records every allocation and free as
-    (op index, storage key, +bytes or -bytes) and the ops' names in `ops` (memfit.footprint's timeline)."""
+    (op index, storage key, +bytes or -bytes) and the ops' names in `ops` (memfit.planner.footprint's timeline)."""
 
     def __init__(self, trace: MemoryTrace, log: list | None = None):
         super().__init__()

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from memfit.budget import plural
+from memfit.messages import plural
 
 
 def check_logits(logits: torch.Tensor, y: torch.Tensor, what: str) -> None:
@@ -160,7 +160,7 @@ def per_sample(loss_fn: Callable, reduction: str | None) -> tuple[Callable, str]
     torch losses (a `reduction` attribute), `functools.partial(..., reduction=...)` and functions with a
     `reduction` parameter (F.cross_entropy) are called with reduction='none'; anything else is called
     as it is and its scalar is read as `reduction` ('mean' or 'sum' over the chunk), which the user
-    must give: guessing made a summing loss N times too large. How the per-element values are averaged
+    must give: a guess would make a summing loss N times too large. How the per-element values are averaged
     is `torch_denominator`'s business.
     """
     if reduction is not None and reduction not in REDUCTIONS:
@@ -244,7 +244,9 @@ class Accuracy(Metric):
         return int(self.state["correct"]) / int(self.state["n"]) if self.n else float("nan")
 
 
-class TopK(Metric):
+class TopK(Accuracy):
+    """Top-k accuracy: the share of samples whose label is among the k highest outputs."""
+
     def __init__(self, k: int) -> None:
         super().__init__()
         if k < 1:
@@ -254,9 +256,6 @@ class TopK(Metric):
     def contribution(self, logits, y):
         check_logits(logits, y, f"topk:{self.k}")
         return {"correct": correct_topk(logits, y, self.k), "n": torch.tensor(y.shape[0], device=y.device)}
-
-    def compute(self):
-        return int(self.state["correct"]) / int(self.state["n"]) if self.n else float("nan")
 
 
 class Loss(Metric):

@@ -25,7 +25,7 @@ class _Silent:
         self.close()
 
 
-def progress(total: int | None, desc: str, *, unit: str = "it", enabled: bool | None = True, leave: bool = True):
+def progress_bar(total: int | None, desc: str, *, unit: str = "it", enabled: bool | None = True, leave: bool = True):
     """A tqdm bar counting `unit`s, or a silent stand-in.
 
     `enabled=None` or `True` shows the bar only when stderr is a terminal (never in logs or CI);

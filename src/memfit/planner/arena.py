@@ -9,7 +9,8 @@ Algorithms (Pisarchyk & Lee 2020, "Efficient Memory Management for Deep Neural N
 - `naive`: every tensor its own region, one after another (the baseline).
 - `greedy_by_size`: largest first; each goes into the smallest gap left by the already placed
   tensors whose lifetimes overlap its own, or above them all (TFLite's arena planner). When that
-  leaves the arena above the lower bound, a few seeded shuffles of the order are tried as well.
+  leaves the arena above the lower bound, seeded shuffles of the order are tried as well
+  (`shuffles(n)`: up to 256, fewer for large graphs).
 - `best`: greedy with several orderings (size, lifetime length, first use, size x length, then the
   seeded shuffles); the smallest arena wins. Both stop as soon as an order reaches the bound.
 
@@ -27,8 +28,10 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ALGORITHMS", "Buffer", "OverlapError", "align", "assign_offsets", "live_profile", "lower_bound",
-           "verify"]
+import numpy as np
+
+__all__ = ["ALGORITHMS", "Buffer", "OverlapError", "align", "assign_offsets", "cheaper_outside", "live_profile",
+           "lower_bound", "verify"]
 
 ALGORITHMS = ("naive", "greedy_by_size", "best")
 
@@ -99,6 +102,69 @@ def lower_bound(buffers: Sequence[Buffer], alignment: int = 64) -> int:
     return max(live_profile(buffers, alignment), default=0)
 
 
+def cheaper_outside(arena: Sequence[Buffer], outside: Sequence[Buffer], movable: dict[str, tuple[int, ...]],
+                    alignment: int = 64) -> list[str]:
+    """Names of `movable` arena buffers that are cheaper outside the arena, by the peak bytes of both.
+
+    The arena is held for the whole call at its peak, while a tensor outside it (allocated by torch,
+    freed after its last reader) costs memory only while it lives. Where the outside peak comes at
+    another time than the arena's (a model output, a stem of convolutions with no `out=` kernel),
+    the arena's peak tensors fit under the outside peak for free: moving them out lowers
+    `max(arena) + max(outside)`. Greedy: take a buffer live at the arena's peak, the one that
+    lowers the sum most (ties: the largest), while the sum does not grow; return the moves up to the
+    smallest sum (bytes: arena sizes padded to `alignment`, outside sizes exact, as the report counts).
+
+    `movable` maps a buffer's name to the ops that write over it in place: outside the arena they
+    write a copy, so the buffer counts twice at those ops.
+
+    Example:
+        >>> arena = [Buffer("a", 10, 0, 1), Buffer("b", 4, 2, 3)]
+        >>> cheaper_outside(arena, [Buffer("out", 12, 3, 3)], {"a": (), "b": ()}, alignment=1)  # 10 + 12 -> 4 + 12
+        ['a']
+    """
+    _check([*arena, *outside], alignment)
+    n = max((b.last + 1 for b in [*arena, *outside]), default=0)
+    inside = np.zeros(n + 1, dtype=np.int64)
+    out = np.zeros(n + 1, dtype=np.int64)
+    for b in arena:
+        inside[b.first:b.last + 1] += align(b.size, alignment)
+    for b in outside:
+        out[b.first:b.last + 1] += b.size
+    left = {b.name: b for b in arena if b.name in movable and b.size}
+
+    def outside_bytes(b: Buffer) -> np.ndarray:
+        add = np.zeros(n + 1, dtype=np.int64)
+        add[b.first:b.last + 1] = b.size
+        add[list(movable[b.name])] += b.size
+        return add
+
+    def total_without(b: Buffer) -> int:
+        live = slice(b.first, b.last + 1)
+        rest = max(inside[:b.first].max(initial=0), inside[b.last + 1:].max(initial=0))
+        return int(max(rest, inside[live].max() - align(b.size, alignment)) + (out + outside_bytes(b)).max())
+
+    moved: list[str] = []
+    best = current = int(inside.max() + out.max())
+    keep = 0
+    while left and inside.max() > 0:
+        t = int(inside.argmax())
+        candidates = [b for b in left.values() if b.first <= t <= b.last]
+        if not candidates:
+            break
+        b = min(candidates, key=lambda b: (total_without(b), -b.size))
+        new = total_without(b)
+        if new > current:
+            break
+        inside[b.first:b.last + 1] -= align(b.size, alignment)
+        out += outside_bytes(b)
+        moved.append(b.name)
+        del left[b.name]
+        current = new
+        if new < best:
+            best, keep = new, len(moved)
+    return moved[:keep]
+
+
 def _greedy(buffers: Sequence[Buffer], order: Sequence[int], alignment: int) -> tuple[list[int], int]:
     """Place buffers in `order`: each in the smallest fitting gap among time-overlapping placed ones."""
     offsets: list[int] = [0] * len(buffers)
@@ -166,17 +232,25 @@ def assign_offsets(buffers: Sequence[Buffer], algorithm: str = "greedy_by_size",
     return best
 
 
-RANDOM_ORDERS = 8       # seeded shuffles tried when the named orders leave the arena above the bound
+SHUFFLE_WORK = 1_000_000    # seeded shuffles tried x buffers^2 (one greedy pass costs ~0.2 us x buffers^2): <= ~0.2 s
+
+
+def shuffles(n_buffers: int) -> int:
+    """How many seeded shuffles to try after the named orders: at least 8, at most 256, fewer for
+    large graphs (a greedy pass costs about n^2). A 4-block GPT-2 (54 buffers) needs 13 to 22."""
+    return max(8, min(256, SHUFFLE_WORK // max(n_buffers, 1) ** 2))
 
 
 def _orders(buffers: Sequence[Buffer], algorithm: str):
     """Placement orders to try, best first: the named ones, then seeded shuffles (deterministic).
-    Largest-first leaves gaps on some graphs (a GPT-2 block: 1.076x the bound) that another order
-    closes; a few shuffles find one cheaply, and the loop stops once the bound is reached."""
+    Largest-first leaves gaps on some graphs (a GPT-2 block: 1.076x the bound: every block's three
+    MLP tensors go to offset 0, so the residual streams of consecutive blocks, live together for an
+    op, stack above them); another order closes the gap; shuffles find one cheaply, and the loop
+    stops once the bound is reached."""
     idx = range(len(buffers))
     for k in ("size",) if algorithm == "greedy_by_size" else tuple(_ORDERS):
         yield sorted(idx, key=lambda i, k=k: _ORDERS[k](buffers[i]))
-    for seed in range(RANDOM_ORDERS):
+    for seed in range(shuffles(len(buffers))):
         order = list(idx)
         random.Random(seed).shuffle(order)
         yield order

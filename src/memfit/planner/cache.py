@@ -89,15 +89,15 @@ def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:
 
 
 def give_back(pm: PlannedModule) -> None:
-    """Free the plan's arena and let go of its model (the layouts stay for the next borrow)."""
+    """Free the plan's arena and let go of its model (the placements stay for the next borrow)."""
     pm.release()
     pm.model = None
 
 
 def forward_memory_of(model: torch.nn.Module, example) -> object:
-    """`memfit.footprint.step_memory_model(model, example, train=False)` (fake-tensor runs of an eager
+    """`memfit.planner.footprint.step_memory_model(model, example, train=False)` (fake-tensor runs of an eager
     forward, for models the planner cannot capture), made once per model and input signature."""
-    from memfit.footprint import step_memory_model
+    from memfit.planner.footprint import step_memory_model
     leaves = example.items() if isinstance(example, dict) else [("", example)]
     key = ("forward",) + tuple((k, tuple(v.shape[1:]), v.dtype, v.device) for k, v in leaves)
     return _cached(model, key, lambda: step_memory_model(model, example, train=False))

@@ -19,6 +19,8 @@ import warnings
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from memfit.messages import first_line
+
 __all__ = ["CaptureError", "as_inputs", "capture", "constants", "decompositions", "diagnose", "quiet_torch"]
 
 
@@ -61,11 +63,6 @@ def quiet_torch():
             lg.propagate, lg.disabled = propagate, disabled
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0].strip() if text else type(e).__name__
-
-
 def _hint(message: str, inputs: tuple) -> str:
     """How to fix a shape or dtype mistake that torch reported as `message`."""
     found = ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for x in inputs)
@@ -101,8 +98,8 @@ def diagnose(model: torch.nn.Module, inputs: tuple, error: BaseException) -> Cap
     eager = _fails_eagerly(model, inputs)
     if eager is not None:
         return CaptureError(f"{name} fails on the example inputs, before any capture: "
-                            f"{_first_line(eager)} ({_hint(str(eager), inputs)})", kind="inputs")
-    text = f"{type(error).__name__}: {_first_line(error)}"
+                            f"{first_line(eager, with_type=False)} ({_hint(str(eager), inputs)})", kind="inputs")
+    text = first_line(error)
     if isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in text.lower() \
             or "data dependent" in text.lower():
         return CaptureError(f"{name} has control flow or output shapes that depend on tensor values ({text}); "
@@ -169,7 +166,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None,
             ep = ep.run_decompositions(dict(decompositions(device)))
     except Exception as e:                     # export raises many types; all mean "cannot capture"
         debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
-        err = diagnose(model, example_inputs, e) if explain else CaptureError(f"{type(e).__name__}: {_first_line(e)}")
+        err = diagnose(model, example_inputs, e) if explain else CaptureError(first_line(e))
         raise err from (e if debug else None)
     mutated = [s.target for s in ep.graph_signature.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:

@@ -4,17 +4,22 @@ One line per op and no interpreter loop: an op with a real `out=` kernel writes 
 view (`f_3(g_x, g_w, out=g_addmm)`), views of the arena and of parameters are made once at plan
 time, and only views of the caller's inputs and outputs of ops without an `out=` kernel are made
 per call (the latter deleted after their last reader, so torch can reuse their memory).
+
+Objects the code reads (kernels, plan-time tensors, constants) are globals of the function, not
+attributes of a module: a global costs one dictionary look-up, an attribute two (this is why the
+generator writes Python itself instead of recompiling a `torch.fx.GraphModule`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import Graph
+from memfit.planner.graph import Graph, Step
 
 __all__ = ["generate"]
 
@@ -38,6 +43,115 @@ def _callable(op) -> Callable:
     return getattr(op, "_op", op)
 
 
+_PER_CALL = object()      # marks a value known only when the generated function runs
+
+
+@dataclass
+class _Value:
+    """How the generated code reaches one tensor value: a Python expression (a global `g_3` or a
+    local `v_add`) and, for values fixed at plan time (parameters, arena views), the tensor itself."""
+    expr: str
+    tensor: torch.Tensor | None = None
+
+
+@dataclass
+class _Source:
+    """The function being written: its globals, its lines and every tensor value it can name."""
+    graph: Graph
+    values: dict[str, _Value] = field(default_factory=dict)     # value name -> how to reach it
+    glb: dict[str, object] = field(default_factory=dict)         # the function's globals
+    lines: list[str] = field(default_factory=list)
+    locals_of: dict[str, list[str]] = field(default_factory=dict)   # root -> its per-call locals to delete
+    node_value: dict[Node, str] = field(default_factory=dict)   # fx node -> its (first) value name
+
+    def stash(self, obj, prefix: str = "k") -> str:
+        name = f"{prefix}_{len(self.glb)}"
+        self.glb[name] = obj
+        return name
+
+    def fix(self, value: str, t: torch.Tensor) -> None:
+        self.values[value] = _Value(self.stash(t, "g"), t)
+
+    def value_of(self, node: Node) -> _Value:
+        return self.values[node.name if node.op == "placeholder" else self.node_value[node]]
+
+    def render(self, x) -> str:
+        """Python source for an argument: a value's expression, a size computed at this batch, a literal,
+        or a global for anything else."""
+        if isinstance(x, Node):
+            return self.render(self.graph.ints[x]) if x in self.graph.ints else self.value_of(x).expr
+        if isinstance(x, (list, tuple)):
+            return "[" + ", ".join(self.render(i) for i in x) + "]"
+        if x is None or isinstance(x, (bool, int, str)) or isinstance(x, float) and math.isfinite(x):
+            return repr(x)
+        return self.stash(x)
+
+    def call_args(self, args, kwargs) -> str:
+        return ", ".join([self.render(a) for a in args] + [f"{k}={self.render(v)}" for k, v in kwargs.items()])
+
+    def plan_time(self, x):
+        """The argument's value at plan time, or _PER_CALL when some part of it is known only per call."""
+        if isinstance(x, Node):
+            if x in self.graph.ints:
+                return self.graph.ints[x]
+            t = self.value_of(x).tensor
+            return _PER_CALL if t is None else t
+        if isinstance(x, (list, tuple)):
+            parts = [self.plan_time(i) for i in x]
+            return _PER_CALL if any(p is _PER_CALL for p in parts) else parts
+        return x
+
+
+def _emit_out(src: _Source, step: Step) -> None:
+    """`f(args, out=arena view)`: the op writes into its planned place."""
+    low = step.lowered
+    f = src.stash(low.variant.fn, "f")
+    outs = ", ".join(f"{k}={src.values[v].expr}" for k, v in zip(low.variant.outs, step.outputs, strict=True))
+    note = " (in place)" if step.inplace_arg is not None else ""
+    src.lines.append(f"{f}({src.call_args(low.args, low.kwargs)}, {outs})  # {step.node.name}{note}")
+
+
+def _fix_view(src: _Source, step: Step) -> bool:
+    """Make a view of plan-time tensors (an arena view, a parameter) now, once; False when an operand
+    is known only per call."""
+    node = step.node
+    args = src.plan_time(list(node.args))
+    kwargs = {k: src.plan_time(v) for k, v in node.kwargs.items()}
+    if args is _PER_CALL or any(v is _PER_CALL for v in kwargs.values()):
+        return False
+    with torch.inference_mode(False), torch.no_grad():
+        out = (step.replacement or node.target)(*args, **kwargs)
+    for v, t in zip(step.outputs, out if isinstance(out, (tuple, list)) else [out], strict=True):
+        if v:
+            src.fix(v, t)
+    return True
+
+
+def _emit_call(src: _Source, step: Step) -> None:
+    """`v_x = f(args)`: a view of a per-call tensor, or an op torch allocates for (no `out=` kernel)."""
+    node = step.node
+    f = src.stash(step.replacement or _callable(node.target), "f")
+    targets = []
+    for v in step.outputs:
+        if v:
+            src.values[v] = _Value(f"v_{v}")
+            src.locals_of.setdefault(src.graph.root_of[v], []).append(f"v_{v}")
+        targets.append(f"v_{v}" if v else "_")
+    many = len(targets) != 1 or isinstance(node.meta.get("val"), (tuple, list))
+    lhs = ", ".join(targets) + "," if many else targets[0]
+    src.lines.append(f"{lhs} = {f}({src.call_args(node.args, node.kwargs)})  # {node.name}")
+
+
+def _emit_step(src: _Source, step: Step) -> None:
+    src.node_value[step.node] = step.outputs[0] if len(step.outputs) == 1 else ""
+    if step.mode == "getitem":
+        return                                  # the value was named by its producer
+    if step.mode == "out":
+        _emit_out(src, step)
+    elif not (step.mode == "view" and _fix_view(src, step)):
+        _emit_call(src, step)
+
+
 def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, str]:
     """The function `forward(*inputs) -> tuple of flat outputs` and its source.
 
@@ -45,118 +159,29 @@ def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, 
         graph: the analysed graph.
         tensors: root name -> its preallocated tensor for `const`, `arena` and `empty` roots.
     """
-    glb: dict[str, object] = {}
-    expr: dict[str, str] = {}                 # value name -> Python expression holding it
-    known: dict[str, torch.Tensor] = {}       # value name -> tensor, for values fixed at plan time
-    node_value: dict[Node, str] = {}
-    lines: list[str] = []
-    local_root: dict[str, list[str]] = {}     # root name -> locals to delete after its last reader
-
-    def stash(obj, prefix: str = "k") -> str:
-        name = f"{prefix}_{len(glb)}"
-        glb[name] = obj
-        return name
-
-    def fixed(value: str, t: torch.Tensor) -> None:
-        known[value] = t
-        expr[value] = stash(t, "g")
-
+    src = _Source(graph)
     for name, root in graph.roots.items():
         if root.kind in ("const", "arena", "empty"):
-            fixed(name, tensors[name])
-            for m in root.members:
-                fixed(m, tensors[name])
+            src.fix(name, tensors[name])
+            for value in root.members:                  # in-place results: their own shape, the root's memory
+                t, m = tensors[name], graph.metas[value]
+                with torch.inference_mode(False), torch.no_grad():
+                    src.fix(value, t.as_strided(m.shape, m.strides, t.storage_offset() + m.offset))
     for v in graph.inputs:
-        expr[v] = f"v_{v}"
-
-    def vname(n: Node) -> str:
-        return n.name if n.op == "placeholder" else node_value[n]
-
-    ints = graph.ints          # sizes computed from the batch: plain numbers in this plan
-
-    def render(x) -> str:
-        if isinstance(x, Node) and x in ints:
-            return render(ints[x])
-        if isinstance(x, Node):
-            return expr[vname(x)]
-        if isinstance(x, (list, tuple)):
-            return "[" + ", ".join(render(i) for i in x) + "]"
-        if x is None or isinstance(x, (bool, int, str)) or isinstance(x, float) and math.isfinite(x):
-            return repr(x)
-        return stash(x)
-
-    def value(x):
-        if isinstance(x, Node) and x in ints:
-            return ints[x]
-        if isinstance(x, Node):
-            return known[vname(x)]
-        if isinstance(x, (list, tuple)):
-            return [value(i) for i in x]
-        return x
-
-    def is_fixed(x) -> bool:
-        if isinstance(x, Node):
-            return x in ints or vname(x) in known
-        if isinstance(x, (list, tuple)):
-            return all(is_fixed(i) for i in x)
-        return True
-
-    def call_args(args, kwargs) -> str:
-        parts = [render(a) for a in args] + [f"{k}={render(v)}" for k, v in kwargs.items()]
-        return ", ".join(parts)
-
-    dels: dict[int, list[str]] = {}
+        src.values[v] = _Value(f"v_{v}")
+    dies_after: dict[int, list[str]] = {}               # op index -> torch-allocated roots last read there
     for name, root in graph.roots.items():
         if root.kind == "call":
-            dels.setdefault(root.last, []).append(name)
-
-    def emit(step) -> None:
-        node = step.node
-        if step.mode == "getitem":
-            node_value[node] = step.outputs[0]
-            return
-        node_value[node] = step.outputs[0] if len(step.outputs) == 1 else ""
-        if step.mode == "out":
-            low = step.lowered
-            f = stash(low.variant.fn, "f")
-            outs = ", ".join(f"{k}={expr[v]}" for k, v in zip(low.variant.outs, step.outputs, strict=True))
-            args = call_args(low.args, low.kwargs)
-            note = " (in place)" if step.inplace_arg is not None else ""
-            lines.append(f"{f}({args}, {outs})  # {node.name}{note}")
-            return
-        if step.mode == "view" and is_fixed((node.args, list(node.kwargs.values()))):
-            with torch.inference_mode(False), torch.no_grad():
-                out = node.target(*value(list(node.args)), **{k: value(v) for k, v in node.kwargs.items()})
-            outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            for v, t in zip(step.outputs, outs, strict=True):
-                if v:
-                    fixed(v, t)
-            return
-        # a runtime call: a view of an input or of a fresh tensor, or an op without an out= kernel
-        f = stash(step.replacement or _callable(node.target), "f")
-        targets = []
-        for v in step.outputs:
-            if v:
-                expr[v] = f"v_{v}"
-                local_root.setdefault(graph.root_of[v], []).append(expr[v])
-            targets.append(expr[v] if v else "_")
-        lhs = targets[0] if len(targets) == 1 and not isinstance(node.meta.get("val"), (tuple, list)) \
-            else ", ".join(targets) + ","
-        lines.append(f"{lhs} = {f}({call_args(node.args, node.kwargs)})  # {node.name}")
-
-    def emit_dels(index: int) -> None:
-        for root in dels.get(index, []):
-            if local_root.get(root):
-                lines.append("del " + ", ".join(local_root.pop(root)))
-
+            dies_after.setdefault(root.last, []).append(name)
     for step in graph.steps:
-        emit(step)
-        emit_dels(step.index)
-
-    outs = [expr[o] if isinstance(o, str) else stash(o) for o in graph.outputs]
+        _emit_step(src, step)
+        for root in dies_after.get(step.index, []):
+            if src.locals_of.get(root):
+                src.lines.append("del " + ", ".join(src.locals_of.pop(root)))
+    outs = [src.values[o].expr if isinstance(o, str) else src.stash(o) for o in graph.outputs]
     args = ", ".join(f"v_{v}" for v in graph.inputs)
-    src = f"def forward({args}):\n" + "".join(f"    {ln}\n" for ln in lines)
-    src += f"    return ({', '.join(outs)}{',' if len(outs) == 1 else ''})\n"
-    ns: dict[str, object] = dict(glb)
-    exec(compile(src, "<memfit planned forward>", "exec"), ns)   # noqa: S102 - code we generated above
-    return ns["forward"], src
+    text = f"def forward({args}):\n" + "".join(f"    {ln}\n" for ln in src.lines)
+    text += f"    return ({', '.join(outs)}{',' if len(outs) == 1 else ''})\n"
+    ns: dict[str, object] = dict(src.glb)
+    exec(compile(text, "<memfit planned forward>", "exec"), ns)   # noqa: S102 - code we generated above
+    return ns["forward"], text

@@ -2,13 +2,15 @@
 
 Every tensor value in the graph belongs to one *root*: the allocation it lives in. A compute op
 creates roots; a view (`view`, `permute`, `expand`, `slice`, `getitem` of a multi-output view, ...)
-and an in-place op add values to their input's root and keep it alive. A root's lifetime runs
+and an in-place op add values to their input's root and keep it alive; so does a `clone` into the
+very same layout (export's dropout in eval), which runs as the tensor itself. A root's lifetime runs
 from the op that writes it to the last op that reads any of its values. Root kinds:
 
 - `input`, `const`: the caller's inputs, parameters, buffers; never written.
 - `arena`: written by an `out=` kernel into the arena; what the planner places.
-- `call`: the output of an op with no real `out=` kernel; allocated by torch, freed after its last
-  reader (counted as unplanned bytes).
+- `call`: the output of an op with no real `out=` kernel, or of one run eagerly because its output
+  costs less memory outside the arena (`eager`); allocated by torch, freed after its last reader
+  (counted as unplanned bytes).
 - `output`: returned to the caller, so it must be fresh memory each call (also unplanned bytes).
 - `empty`: zero bytes (the unused statistics outputs of batch norm in eval).
 """
@@ -95,7 +97,7 @@ class Step:
     outputs: list[str]                  # value names of its tensor outputs ("" for non-tensors)
     lowered: Lowered | None = None
     inplace_arg: int | None = None      # position of the argument it overwrites
-    replacement: object = None          # run this instead of the op (mode "call")
+    replacement: object = None          # run this instead of the op (mode "call", or "view" for a copy as is)
     reason: str = ""                    # why a compute op runs outside the arena (mode "call")
 
 
@@ -127,18 +129,40 @@ def _nodes_in(x) -> list[Node]:
     return []
 
 
+def _same_tensor(x, *args, **kwargs):
+    return x
+
+
+def _copy_as_is(node: Node, outs: list, metas: dict, value_of: dict, roots: dict, root_of: dict) -> bool:
+    """True for a `clone` that copies an intermediate tensor into the very same layout (what export
+    makes of dropout in eval and of `.contiguous()` on a contiguous tensor, where eager copies
+    nothing). Nothing writes over a tensor the planner does not write (the graph is functional; the
+    planner's in-place writes check every alias of their root), so the copy can be the tensor itself,
+    a view of its allocation: no bytes, no time. Copies of the caller's inputs and of parameters, and
+    model outputs, stay copies (an output must not alias another tensor)."""
+    if (node.target is not torch.ops.aten.clone.default or not isinstance(node.args[0], Node)
+            or any(u.op == "output" for u in node.users)):
+        return False
+    v = value_of[node.args[0]][0]
+    src = metas[v]
+    return (len(outs) == 1 and isinstance(outs[0], Meta) and roots[root_of[v]].kind not in ("input", "const")
+            and (outs[0].shape, outs[0].strides, outs[0].dtype) == (tuple(src.shape), tuple(src.stride()), src.dtype))
+
+
 def _out_name(node: Node, k: int, many: bool) -> str:
     return f"{node.name}__out{k}" if many else node.name
 
 
 def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool = True,
-            env: dict | None = None) -> Graph:
+            env: dict | None = None, eager: dict[str, str] | None = None) -> Graph:
     """Lifetimes, aliases and the run mode of every op of an exported, decomposed graph.
 
     `env` maps the batch symbol of a graph exported with a dynamic batch to the batch size to plan
-    for; every size is then exact at that batch (none: the graph's sizes are static).
+    for; every size is then exact at that batch (none: the graph's sizes are static). `eager` maps
+    node names to the reason they run eagerly although they have an `out=` kernel.
     """
     env = env or {}
+    eager = eager or {}
     roots: dict[str, Root] = {}
     root_of: dict[str, str] = {}
     metas: dict[str, torch.Tensor] = {}
@@ -187,12 +211,14 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             src, k = node.args
             names = [value_of[src][k]]
             mode = "getitem"
-        elif is_view(node.target):
+        elif is_view(node.target) or _copy_as_is(node, outs, metas, value_of, roots, root_of):
             base = root_of[value_of[node.args[0]][0]]
             for name, m in zip(names, outs, strict=True):
                 if name:
                     root_of[name], metas[name] = base, m
             mode = "view"
+            if not is_view(node.target):
+                replacement = _same_tensor
         else:
             if node.target in WHEN_UNREAD:
                 unread, fn = WHEN_UNREAD[node.target]
@@ -241,6 +267,9 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
         if not all(names):
             step.reason = "some of its outputs are not tensors"
             continue
+        if node.name in eager:
+            step.reason = eager[node.name]
+            continue
         lowered = lower(node.target, node.args, node.kwargs, [metas[n] for n in names], device_type)
         if lowered is None:
             step.reason = why_not_lowered(node.target, device_type)
@@ -270,8 +299,8 @@ def _shares_storage(step: Step, pos: int, v: str, root_of, value_of) -> bool:
 
 def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None:
     """Write `out` over an input when the rules allow: allowlisted elementwise op, input in the arena
-    with no later reader, same shape, strides and dtype, and no other operand of the op sharing its
-    memory."""
+    with no later reader, covering all of its allocation, same shape, strides and dtype as `out`, and
+    no other operand of the op sharing its memory."""
     args = step.node.args
     for pos in inplace_candidates(step.node.target, args):
         arg = args[pos]
@@ -282,7 +311,9 @@ def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None
             continue
         base = roots[root_of[v]]
         meta = metas[v]
-        whole = v == base.name or v in base.members         # not a view of it
+        # the whole allocation, or a view of all of it (a linear's 2-D output viewed as 3-D): each element is read
+        # and written at the same address, as for the root itself
+        whole = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset()) == base.nbytes
         if (base.kind != "arena" or base.last != step.index or not whole
                 or _shares_storage(step, pos, v, root_of, value_of)
                 or tuple(meta.shape) != out.shape or tuple(meta.stride()) != out.stride or meta.dtype != out.dtype

@@ -22,21 +22,33 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
-from memfit.planner.arena import ALGORITHMS, Buffer, align, assign_offsets, live_profile, lower_bound, verify
-from memfit.planner.capture import CaptureError, _first_line, as_inputs, capture, constants
+from memfit.measure import unique_bytes
+from memfit.messages import first_line
+from memfit.planner.arena import (
+    ALGORITHMS,
+    Buffer,
+    align,
+    assign_offsets,
+    cheaper_outside,
+    live_profile,
+    lower_bound,
+    verify,
+)
+from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.codegen import generate
 from memfit.planner.graph import DataDependentSize, Graph, Meta, analyze
 from memfit.planner.report import Report, Row
 
-__all__ = ["ALIGNMENT", "Captured", "PlannedModule", "capture_model", "layout", "layout_at", "layout_captured",
-           "plan", "plan_captured"]
+__all__ = ["ALIGNMENT", "Captured", "Placement", "PlannedModule", "capture_model", "place", "place_at",
+           "place_captured", "plan", "plan_captured"]
 
 ALIGNMENT = 64      # bytes: a cache line, and enough for any dtype's vector loads
 
 
 @dataclass
-class Layout:
-    """The analysed graph with arena offsets: everything but the memory itself."""
+class Placement:
+    """Where every intermediate tensor of one batch size goes: the analysed graph and each arena
+    tensor's offset (everything but the memory itself; `_ArenaForward` makes it real)."""
     graph: Graph
     buffers: list[Buffer]
     offsets: dict[str, int]
@@ -45,17 +57,18 @@ class Layout:
     batch: int | None = None
 
 
-def _check_args(algorithm: str, inplace: bool) -> None:
+def _check_args(algorithm: str, inplace: bool, eager_where_cheaper: bool = True) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}; found {algorithm!r}")
-    if not isinstance(inplace, bool):
-        raise TypeError(f"inplace must be True or False; found {inplace!r}")
+    for name, flag in (("inplace", inplace), ("eager_where_cheaper", eager_where_cheaper)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False; found {flag!r}")
 
 
 @dataclass
 class Captured:
     """One `torch.export` capture of a model, with the batch dimension symbolic where it can be:
-    layouts for any algorithm and any batch size in `batch_range` come from it, no re-export.
+    placements for any algorithm and any batch size in `batch_range` come from it, no re-export.
 
     It holds the parameters (by reference) but not the module, so a cache of captures never keeps a
     model alive.
@@ -159,33 +172,35 @@ def _batch_symbol(ep):
     return None
 
 
-def layout(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
-           inplace: bool = True) -> Layout:
+def place(model: torch.nn.Module, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
+          inplace: bool = True, eager_where_cheaper: bool = True) -> Placement:
     """Capture `model` and place its intermediates, without allocating the arena or running anything
-    (so it is cheap at any batch size; `plan` calls it, `memory_model` too)."""
-    _check_args(algorithm, inplace)
-    return layout_captured(capture_model(model, example_inputs), example_inputs, algorithm=algorithm,
-                           inplace=inplace)
+    (so it is cheap at any batch size; `memory_model` calls it)."""
+    _check_args(algorithm, inplace, eager_where_cheaper)
+    return place_captured(capture_model(model, example_inputs), example_inputs, algorithm=algorithm,
+                          inplace=inplace, eager_where_cheaper=eager_where_cheaper)
 
 
-def layout_captured(cap: Captured, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
-                    inplace: bool = True) -> Layout:
-    """`layout` from a capture made before (no export) for inputs like `example_inputs`."""
+def place_captured(cap: Captured, example_inputs: tuple, *, algorithm: str = "greedy_by_size",
+                   inplace: bool = True, eager_where_cheaper: bool = True) -> Placement:
+    """`place` from a capture made before (no export) for inputs like `example_inputs`."""
     inputs = as_inputs(example_inputs)
     if not cap.accepts(inputs):
         raise ValueError(f"inputs {[tuple(x.shape) for x in inputs]} cannot be planned from this capture "
                          f"(made for {[tuple(s[0]) for s in cap.example_key]}); capture again")
-    return layout_at(cap, cap.batch_of(inputs), algorithm=algorithm, inplace=inplace)
+    return place_at(cap, cap.batch_of(inputs), algorithm=algorithm, inplace=inplace,
+                    eager_where_cheaper=eager_where_cheaper)
 
 
-def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_size", inplace: bool = True,
-              _below_range: bool = False) -> Layout:
-    """The layout at batch size `batch` from one capture: exact sizes of every tensor, offsets, the
+def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_size", inplace: bool = True,
+             eager_where_cheaper: bool = True, _below_range: bool = False) -> Placement:
+    """The placement at batch size `batch` from one capture: exact sizes of every tensor, offsets, the
     report; nothing is exported, allocated or run (milliseconds per batch size).
 
     Args:
         cap: from `capture_model(model, example_inputs)`.
         batch: any size in `cap.batch_range` when `cap.dynamic`; else the example's batch.
+        algorithm, inplace, eager_where_cheaper: as for `plan`.
 
     Raises:
         ValueError: a static capture and another batch size (`cap.static_reason` says why it is static),
@@ -194,10 +209,10 @@ def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_s
     Example:
         >>> import torch
         >>> cap = capture_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU()), torch.zeros(2, 8))
-        >>> [layout_at(cap, n).report.unplanned_bytes for n in (2, 100)]      # the output, (n, 16) float32
+        >>> [place_at(cap, n).report.unplanned_bytes for n in (2, 100)]      # the output, (n, 16) float32
         [128, 6400]
     """
-    _check_args(algorithm, inplace)
+    _check_args(algorithm, inplace, eager_where_cheaper)
     lo, hi = cap.batch_range
     # _below_range (sizing only): the symbolic graph's sizes at a batch below its range (batch 1), an
     # estimate of batch 1's own capture, which runs the same ops unless the model branches on a size of 1
@@ -210,8 +225,12 @@ def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_s
                          f"found batch {batch!r}: capture again with inputs of that batch")
     try:
         graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch))
+        eager = _eager_where_cheaper(graph) if eager_where_cheaper else {}
+        if eager:
+            graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch), eager=eager)
     except (GuardOnDataDependentSymNode, DataDependentSize) as e:       # a size known only when the model runs
-        raise CaptureError(f"the model's graph has tensor sizes that depend on values ({_first_line(e)}): "
+        why = first_line(e, with_type=False)
+        raise CaptureError(f"the model's graph has tensor sizes that depend on values ({why}): "
                            "boolean-mask indexing, nonzero or .item(); the planner needs static sizes: run the "
                            "model eagerly, or do the value-dependent part outside the model",
                            kind="data-dependent") from None
@@ -221,16 +240,8 @@ def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_s
     verify(buffers, offs, ALIGNMENT)
     offsets = dict(zip((b.name for b in buffers), offs, strict=True))
     n_ops = len(graph.steps)
-    outside = [Buffer(r.name, r.nbytes, r.first, min(r.last, n_ops)) for r in graph.roots.values()
-               if r.kind in ("call", "output")]
-    seen, params = set(), 0
-    for r in graph.roots.values():
-        if r.kind == "const":
-            t = graph.consts[r.name]
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            if key not in seen:
-                seen.add(key)
-                params += key[1]
+    outside = _outside(graph)
+    params = unique_bytes(graph.consts[r.name] for r in graph.roots.values() if r.kind == "const")
     rows = sorted((Row(r.name, r.shape, str(r.dtype).removeprefix("torch."), r.nbytes, (max(r.first, 0), r.last),
                        offsets.get(r.name), r.kind, tuple(r.members))
                    for r in graph.roots.values() if r.kind not in ("const", "input", "empty")),
@@ -248,26 +259,56 @@ def layout_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_s
         unplanned_ops=dict(unplanned), unplanned_reasons=reasons)
     report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'}]" if cap.dynamic
                       else f"static capture at batch {cap.example_batch} ({cap.static_reason})")
-    return Layout(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch)
+    return Placement(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch)
 
 
-class _Plan:
-    """One layout made real in an arena: its views and the generated function."""
+def _outside(graph: Graph) -> list[Buffer]:
+    """The tensors torch allocates (op outputs without an arena place, the model's outputs), alive to the last op."""
+    n_ops = len(graph.steps)
+    return [Buffer(r.name, r.nbytes, r.first, min(r.last, n_ops)) for r in graph.roots.values()
+            if r.kind in ("call", "output")]
 
-    def __init__(self, lay: Layout, arena: torch.Tensor):
-        self.layout, self.report, self.arena = lay, lay.report, arena
+
+EAGER_CHEAPER = ("runs eagerly: the arena is held at its peak for the whole call, and this output fits under "
+                 "the peak of the tensors outside it, so arena + unplanned bytes are lower with it outside")
+
+
+def _eager_where_cheaper(graph: Graph) -> dict[str, str]:
+    """Node name -> reason for the ops whose outputs cost less memory outside the arena than in it
+    (`arena.cheaper_outside`): an arena tensor moves out with the ops that write over it in place
+    (they then write a copy), where each of those ops has one output to place."""
+    writer = {v: s for s in graph.steps if s.mode == "out" for v in s.outputs if v}   # value -> the op writing it
+    arena = [r for r in graph.roots.values() if r.kind == "arena"]
+
+    def single(step) -> bool:
+        return all(not v or v == step.outputs[0] or graph.roots[graph.root_of[v]].kind == "empty"
+                   for v in step.outputs)
+
+    movable = {r.name: tuple(writer[m].index for m in r.members) for r in arena
+               if single(writer[r.name]) and all(single(writer[m]) for m in r.members)}
+    moved = cheaper_outside([Buffer(r.name, r.nbytes, r.first, r.last) for r in arena], _outside(graph), movable,
+                            ALIGNMENT)
+    return {writer[v].node.name: EAGER_CHEAPER for name in moved for v in (name, *graph.roots[name].members)}
+
+
+class _ArenaForward:
+    """One placement made real: views of the arena at its offsets and the generated forward that
+    runs the model in them (`run(inputs)`)."""
+
+    def __init__(self, placement: Placement, arena: torch.Tensor):
+        self.placement, self.report, self.arena = placement, placement.report, arena
         device = arena.device
         with torch.inference_mode(False), torch.no_grad():
             # views of the one block are handed to the out= kernels
-            tensors = dict(lay.graph.consts)
-            for r in lay.graph.roots.values():
+            tensors = dict(placement.graph.consts)
+            for r in placement.graph.roots.values():
                 if r.kind == "arena":
-                    off = lay.offsets[r.name]
+                    off = placement.offsets[r.name]
                     tensors[r.name] = self.arena[off:off + r.nbytes].view(r.dtype).as_strided(r.shape, r.stride)
                 elif r.kind == "empty":
                     tensors[r.name] = torch.empty_strided(r.shape, r.stride, dtype=r.dtype, device=device)
-        self.fn, self.source = generate(lay.graph, tensors)
-        spec = lay.out_spec
+        self.fn, self.source = generate(placement.graph, tensors)
+        spec = placement.out_spec
         self.unflatten = (lambda flat: flat[0]) if spec.is_leaf() else (lambda flat: pytree.tree_unflatten(flat, spec))
         self.checked = False
 
@@ -303,17 +344,18 @@ class _NoBackward(torch.autograd.Function):
 class PlannedModule:
     """A model run inside one preallocated arena. Call it like the model (positional tensors).
 
-    Inputs of a new shape (or strides) get their own plan, made on first use and cached
-    (`pm.plans`); a different dtype or device is an error. The model is captured once with the batch
-    dimension symbolic, so a new batch size is planned from that capture in milliseconds, without
-    exporting again (`pm.captures`; a model that specialises on its batch size is captured per
-    shape, and `pm.report.capture` says why). The planned module runs inference only:
-    no autograd graph is recorded, and `backward` through its outputs raises an error saying so.
+    Inputs of a new shape (or strides) get their own placement and generated forward, made on first
+    use and cached (`pm.placements`, `pm.forwards`); a different dtype or device is an error. The
+    model is captured once with the batch dimension symbolic, so a new batch size is planned from
+    that capture in milliseconds, without exporting again (`pm.captures`; a model that specialises
+    on its batch size is captured per shape, and `pm.report.capture` says why). The planned module
+    runs inference only: no autograd graph is recorded, and `backward` through its outputs raises
+    an error saying so.
     `pm.report` describes the plan of the latest inputs.
 
-    All plans share one arena, as large as the largest of them (`pm.arena_bytes`): a smaller last
-    chunk or a halved batch costs no extra memory. `pm.release()` frees the arena between uses;
-    the next call allocates it again (the plans are kept, nothing is captured again).
+    All placements share one arena, as large as the largest of them (`pm.arena_bytes`): a smaller
+    last chunk or a halved batch costs no extra memory. `pm.release()` frees the arena between uses;
+    the next call allocates it again (the placements are kept, nothing is captured again).
 
     Threads: calls are serialised by a lock (one arena, one call at a time), so two threads may
     share a PlannedModule and each gets its own correct outputs (outputs are fresh memory, never
@@ -321,19 +363,20 @@ class PlannedModule:
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool,
-                 captured: Captured | None = None):
+                 captured: Captured | None = None, eager_where_cheaper: bool = True):
         self.model, self.algorithm, self.inplace = model, algorithm, inplace
+        self.eager_where_cheaper = eager_where_cheaper
         self.dtypes = [x.dtype for x in example_inputs]
         self.device = example_inputs[0].device if example_inputs else torch.device("cpu")
-        self.layouts: dict[tuple, Layout] = {}
-        self.plans: dict[tuple, _Plan] = {}
+        self.placements: dict[tuple, Placement] = {}
+        self.forwards: dict[tuple, _ArenaForward] = {}
         self._arena: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._last_key = self._key(example_inputs)
-        _check_args(algorithm, inplace)
+        _check_args(algorithm, inplace, eager_where_cheaper)
         # one capture, batch symbolic where the model allows: new batch sizes are planned from it
         self.captures = [captured if captured is not None else capture_model(model, example_inputs)]
-        self._plan_for(tuple(example_inputs), self._last_key)
+        self._forward_for(tuple(example_inputs), self._last_key)
 
     @staticmethod
     def _key(inputs) -> tuple:
@@ -348,12 +391,12 @@ class PlannedModule:
         return 0 if self._arena is None else self._arena.nbytes
 
     def release(self) -> None:
-        """Free the arena and its views (`pm.plans`); the layouts stay, the next call allocates it again."""
+        """Free the arena and its views (`pm.forwards`); the placements stay, the next call allocates it again."""
         self._arena = None
-        self.plans.clear()
+        self.forwards.clear()
 
-    def _plan_for(self, inputs: tuple, key: tuple) -> _Plan:
-        if key not in self.layouts:
+    def _forward_for(self, inputs: tuple, key: tuple) -> _ArenaForward:
+        if key not in self.placements:
             cap = next((c for c in self.captures if c.accepts(inputs)), None)
             if cap is None:                       # another sample shape or strides, or a static capture
                 if self.model is None:
@@ -361,29 +404,30 @@ class PlannedModule:
                                        "to plan new input shapes")
                 cap = capture_model(self.model, inputs)
                 self.captures.append(cap)
-            self.layouts[key] = layout_captured(cap, inputs, algorithm=self.algorithm, inplace=self.inplace)
-        lay = self.layouts[key]
-        need = max(la.report.arena_bytes for la in self.layouts.values())     # lay is one of them
+            self.placements[key] = place_captured(cap, inputs, algorithm=self.algorithm, inplace=self.inplace,
+                                                  eager_where_cheaper=self.eager_where_cheaper)
+        placement = self.placements[key]
+        need = max(pl.report.arena_bytes for pl in self.placements.values())     # placement is one of them
         if self._arena is None or self._arena.nbytes < need:
-            self.plans.clear()                    # views of the old arena: dropped, so it is freed first
+            self.forwards.clear()                    # views of the old arena: dropped, so it is freed first
             self._arena = None
             with torch.inference_mode(False):
                 self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
-        p = _Plan(lay, self._arena)
-        self.plans[key] = p
+        p = _ArenaForward(placement, self._arena)
+        self.forwards[key] = p
         return p
 
     @property
     def report(self) -> Report:
-        return self.layouts[self._last_key].report
+        return self.placements[self._last_key].report
 
     @property
     def source(self) -> str:
         """The generated Python function of the latest plan."""
-        p = self.plans.get(self._last_key)
+        p = self.forwards.get(self._last_key)
         if p is None:           # released: generate again on a meta arena (the code, not the bytes, is wanted)
-            lay = self.layouts[self._last_key]
-            p = _Plan(lay, torch.empty(lay.report.arena_bytes, dtype=torch.uint8, device="meta"))
+            placement = self.placements[self._last_key]
+            p = _ArenaForward(placement, torch.empty(placement.report.arena_bytes, dtype=torch.uint8, device="meta"))
         return p.source
 
     def _check(self, inputs) -> None:
@@ -406,10 +450,10 @@ class PlannedModule:
         except AttributeError:                    # not a tensor: `_check` says which
             key = None
         with self._lock:
-            p = self.plans.get(key)
+            p = self.forwards.get(key)
             if p is None:
                 self._check(inputs)
-                p = self._plan_for(inputs, key)
+                p = self._forward_for(inputs, key)
             self._last_key = key
             # plain outputs unless eager's would require grad (grad mode and a trainable parameter): then
             # they are marked so that backward says why it cannot work
@@ -431,11 +475,11 @@ class PlannedModule:
     def __repr__(self) -> str:
         r = self.report
         return (f"PlannedModule({type(self.model).__name__}, {self.algorithm}, arena {format_bytes(r.arena_bytes)}, "
-                f"lower bound {format_bytes(r.lower_bound)}, {len(self.layouts)} plan(s))")
+                f"lower bound {format_bytes(r.lower_bound)}, {len(self.placements)} plan(s))")
 
 
 def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_size",
-         inplace: bool = True) -> PlannedModule:
+         inplace: bool = True, eager_where_cheaper: bool = True) -> PlannedModule:
     """Plan the activation memory of `model` for inputs shaped like `example_inputs` and return a
     module that runs inside that plan.
 
@@ -445,6 +489,11 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
         algorithm: "naive", "greedy_by_size" (default) or "best" (several orders, smallest arena).
         inplace: let allowlisted elementwise ops (relu, add, batch norm in eval, ...) write over an
             input that has no later reader.
+        eager_where_cheaper: run an op eagerly (its output allocated by torch, outside the arena) where
+            that lowers arena + unplanned peak bytes: the arena is held at its peak for the whole
+            call, so tensors that fit under the peak of those outside it (a large model output, a
+            stem of ops without `out=` kernels) cost nothing there. False: every op with an `out=`
+            kernel writes into the arena. `pm.report.unplanned_reasons` says which ran eagerly.
 
     Returns:
         A `PlannedModule`: `pm(*inputs)` equals `model(*inputs)`; `pm.report` has the bytes.
@@ -459,11 +508,14 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
         >>> pm(torch.ones(2, 8)).shape
         torch.Size([2, 8])
     """
-    # the model, algorithm and inplace are checked by `layout`, which the first plan calls
-    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace)
+    # the model, algorithm and inplace are checked by `place_at`, which the first call plans with
+    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace,
+                         eager_where_cheaper=eager_where_cheaper)
 
 
 def plan_captured(cap: Captured, example_inputs, *, model: torch.nn.Module | None = None,
-                  algorithm: str = "greedy_by_size", inplace: bool = True) -> PlannedModule:
+                  algorithm: str = "greedy_by_size", inplace: bool = True,
+                  eager_where_cheaper: bool = True) -> PlannedModule:
     """`plan` from a capture made before: several algorithms or settings, one export."""
-    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace, captured=cap)
+    return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace, captured=cap,
+                         eager_where_cheaper=eager_where_cheaper)

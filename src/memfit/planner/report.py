@@ -8,7 +8,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.budget import format_bytes, plural
+from memfit.budget import format_bytes
+from memfit.messages import plural
 from memfit.planner.arena import Buffer, assign_offsets
 
 __all__ = ["Report", "Row"]
@@ -38,12 +39,13 @@ class Report:
         lower_bound: the most bytes of planned tensors live at any one op (64-byte padded): no
             arena can be smaller; `arena_bytes / lower_bound` is how far the planner is from it.
         unplanned_bytes: the most bytes live at any one op outside the arena: outputs of ops with
-            no real `out=` kernel (convolution and layer norm on the CPU) and the model's outputs.
+            no real `out=` kernel (convolution and layer norm on the CPU), of ops run eagerly because
+            that costs less memory (`plan(..., eager_where_cheaper=True)`), and the model's outputs.
         param_bytes: parameters, buffers and constants the graph reads.
         input_bytes: the example inputs.
         rows: one `Row` per allocation, in order of first use.
         algorithm: the offset algorithm used.
-        unplanned_ops: op name -> count of ops run without an `out=` kernel.
+        unplanned_ops: op name -> count of ops whose outputs torch allocates (run without `out=`).
         unplanned_reasons: op name -> why it runs outside the arena (no out= variant, an out= variant
             that allocates and copies, ...).
         capture: how the graph was captured ("one capture, batch symbolic in [2, inf]", or static and why).

@@ -1,11 +1,11 @@
 """Bytes a batch of n needs, for inference or a whole training step, without running it at full size.
 
 `memory_model` is the one entry point. For inference of a model torch.export can capture, one capture
-with a symbolic batch gives the planner's layout at any n with every tensor's exact size (nothing
-runs; cached per n). Where the capture is static, layouts at batch 2 and 4 give each tensor's size as
+with a symbolic batch gives the planner's placement at any n with every tensor's exact size (nothing
+runs; cached per n). Where the capture is static, placements at batch 2 and 4 give each tensor's size as
 the exact line `a + b * n` (rationals, rounded up). For training, for inputs
 given as a dict or several tensors, for models export cannot capture, and where the two graphs
-differ, the fake-tensor run of `memfit.footprint` counts the eager forward or the training step
+differ, the fake-tensor run of `memfit.planner.footprint` counts the eager forward or the training step
 instead, and `method` says why. `max_batch_size` searches the largest batch in a budget
 (`largest_fitting`: doubling, then bisection).
 
@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
-from memfit.budget import BudgetExceeded, check_count, format_bytes, parse_bytes
-from memfit.footprint import (
+from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
+from memfit.messages import first_line, whole_words
+from memfit.planner.arena import Buffer, assign_offsets, live_profile
+from memfit.planner.footprint import (
     CUDA_MARGIN,
     CUDA_SEGMENT,
     FakeRunError,
@@ -38,10 +40,9 @@ from memfit.footprint import (
     _is_shape,
     step_memory_model,
 )
-from memfit.planner.arena import Buffer, assign_offsets, live_profile
-from memfit.planner.planned import ALIGNMENT, capture_model, layout, layout_at
+from memfit.planner.planned import ALIGNMENT, capture_model, place, place_at
 
-__all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "largest_fitting", "max_batch_size", "memory_model",
+__all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
            "plot_memory"]
 
 PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
@@ -51,7 +52,7 @@ PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
 class MemoryModel:
     """Bytes for a batch of n: parameters + inputs + planned arena + unplanned (see `total_bytes`).
 
-    The same small interface as `memfit.footprint.StepMemoryModel`: `total_bytes(n)`, `breakdown(n)`,
+    The same small interface as `memfit.planner.footprint.StepMemoryModel`: `total_bytes(n)`, `breakdown(n)`,
     `method`, `explain()`.
 
     Attributes:
@@ -67,17 +68,17 @@ class MemoryModel:
     device: torch.device = torch.device("cpu")
     train: bool = False
     _cache: dict[int, tuple[int, int]] = field(default_factory=dict)
-    _cap: object = None                               # a capture with a symbolic batch: exact layouts at any n
+    _cap: object = None                               # a capture with a symbolic batch: exact placements at any n
 
     def _parts(self, n: int) -> tuple[int, int]:
         if n not in self._cache and self._cap is not None:
             # batch 1 lies below the symbolic range (it is planned from a capture of its own): the
             # symbolic graph's sizes at n=1, no export
-            rep = layout_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
+            rep = place_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
             self._cache[n] = (rep.arena_bytes, rep.unplanned_bytes)
         if n not in self._cache:
-            arena = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._arena)]
-            outside = [Buffer(str(i), _size(s1, s2, n), f, la) for i, (s1, s2, f, la) in enumerate(self._outside)]
+            arena = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._arena)]
+            outside = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._outside)]
             self._cache[n] = (assign_offsets(arena, self.algorithm, ALIGNMENT)[1],
                               max(live_profile(outside, 1), default=0))
         return self._cache[n]
@@ -131,11 +132,6 @@ def _sample_shape(sample_shape) -> tuple[int, ...]:
                          f"found {sample_shape!r}") from None
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
                  loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, device=None,
@@ -143,9 +139,9 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
 
     Inference (train=False) of a model torch.export captures, with one input tensor: from the planner's
-    layouts (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
+    placements (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
     no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
-    (`memfit.footprint`), which allocates nothing and leaves the model and optimizer as they were.
+    (`memfit.planner.footprint`), which allocates nothing and leaves the model and optimizer as they were.
 
     Args:
         model: the module (on its own device).
@@ -178,13 +174,12 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         example, dtype = tuple(example.shape[1:]), example.dtype
     if not _is_shape(example):
         return fake("not planned: the planner takes one input tensor")
-    if autocast is not None or (device is not None and torch.device(device) != _device(model)):
+    if autocast is not None or (device is not None and torch.device(device) != model_device(model)):
         return fake("not planned: autocast or another device than the model's")
     try:
         return _planned_model(model, _sample_shape(example), dtype, algorithm)
     except CaptureError as e:
-        reason = str(e).splitlines()[0]
-        reason = reason if len(reason) <= 160 else reason[:160].rsplit(" ", 1)[0] + " ..."
+        reason = whole_words(first_line(e, with_type=False), 160)
         try:
             return fake(f"not planned: {reason}")
         except FakeRunError as f:
@@ -198,19 +193,19 @@ class _GraphsDiffer(Exception):
 
 
 def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> MemoryModel:
-    dev = _device(model)
+    dev = model_device(model)
     per_sample = math.prod(shape) * dtype.itemsize
     cap = capture_model(model, (torch.zeros((PROBES[0], *shape), dtype=dtype, device=dev),))
-    if cap.dynamic:           # one export; the layout at any n has every tensor's exact size
-        rep = layout_at(cap, PROBES[0], algorithm=algorithm).report
-        return MemoryModel(rep.param_bytes, per_sample, "planned arena: exact layouts at any batch from one capture "
+    if cap.dynamic:           # one export; the placement at any n has every tensor's exact size
+        rep = place_at(cap, PROBES[0], algorithm=algorithm).report
+        return MemoryModel(rep.param_bytes, per_sample, "planned arena: exact placements at any batch from one capture "
                            "with a symbolic batch", algorithm, [], [], dev, _cap=cap)
-    # a static capture: layouts at 2 and 4, each tensor's size the exact line through its two sizes
-    lays = [layout(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
-            for n in PROBES]
-    params = lays[0].report.param_bytes
-    l1, l2 = lays
-    kinds = [[(r.name, r.kind, r.first, r.last) for r in lay.graph.roots.values()] for lay in lays]
+    # a static capture: placements at 2 and 4, each tensor's size the exact line through its two sizes
+    placements = [place(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
+                  for n in PROBES]
+    params = placements[0].report.param_bytes
+    l1, l2 = placements
+    kinds = [[(r.name, r.kind, r.first, r.last) for r in pl.graph.roots.values()] for pl in placements]
     if kinds[0] != kinds[1]:
         raise _GraphsDiffer
     arena, outside = [], []
@@ -221,7 +216,7 @@ def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm:
             arena.append(item)
         elif r.kind in ("call", "output"):
             outside.append(item)
-    return MemoryModel(params, per_sample, f"planned arena: sizes per tensor affine from layouts at batch 2 and 4 "
+    return MemoryModel(params, per_sample, f"planned arena: sizes per tensor affine from placements at batch 2 and 4 "
                        f"(the capture is static: {cap.static_reason})", algorithm, arena, outside, dev)
 
 
@@ -237,27 +232,6 @@ def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence
     """
     mm = memory_model(model, sample_shape, dtype=dtype, **options)
     return [mm.total_bytes(n) for n in batch_sizes]
-
-
-def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
-    """Largest n in [1, upper] with peak(n) <= budget (peak non-decreasing), 0 when none fits.
-
-    Doubling from 1, then bisection: O(log n) calls of peak.
-
-    Example:
-        >>> largest_fitting(lambda n: 100 + 7 * n, 1000, 10**6)
-        128
-    """
-    if upper < 1 or peak(1) > budget:
-        return 0
-    lo = 1
-    while lo < upper and peak(min(2 * lo, upper)) <= budget:
-        lo = min(2 * lo, upper)
-    hi = min(2 * lo, upper)
-    while lo < hi:                           # peak(lo) fits; the answer is below hi + 1
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid - 1)
-    return lo
 
 
 def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, train: bool = False,

@@ -1,2 +1,0 @@
-"""Benchmarks behind `memfit bench ...` and `benchmarks/*.py`: each measures memfit side by side
-with the baseline users have today, in one process, and prints ratios."""

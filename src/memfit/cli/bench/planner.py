@@ -1,0 +1,282 @@
+"""Planner benchmark: the activation arena against naive, eager and the lower bound, on memfit's
+model zoo and on real architectures from `transformers` configs; and a long differential fuzz run.
+
+For every model and batch size: naive bytes (every planned tensor its own region), the eager
+peak (live tensor bytes of eager PyTorch under `torch.inference_mode`, tracked op by op), the
+planned arena, the lower bound (most bytes live at one op), the unplanned bytes the planned run
+still allocates (measured the same way as eager), and the latency of both, side by side in one
+process (interleaved medians after warm-up). Real models are captured once and planned at both
+batch sizes from that one capture.
+
+Run:
+    memfit bench planner --quick        # zoo images at 64x64, batch 1 and 8 (about a minute on 2 cores)
+    memfit bench planner --real --quick # 14 transformers architectures, tiny configs, batch 2 and 8
+    memfit bench planner --real         # moderate configs (BERT hidden 256, images 128x128), batch 1 and 8
+    memfit bench planner --fuzz 500     # 500 random graphs, every algorithm, bit for bit against eager
+    memfit bench planner  # zoo images at full size, batch 1 and 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from memfit import plan
+from memfit.budget import format_bytes
+from memfit.cli.bench.common import machine_header, median_time, spread_warning, sync, table, to_csv
+from memfit.cli.bench.zoo import MODELS, build
+from memfit.measure import track_memory
+from memfit.messages import first_line, whole_words
+
+TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "latency": 1.10}
+
+
+def _peak(fn, x) -> int:
+    with torch.inference_mode(), track_memory(x.device) as mem:
+        out = fn(x)
+        del out
+    return mem.peak
+
+
+def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu") -> dict:
+    """One row of the zoo table: bytes and latency of one model at one batch size."""
+    dev = torch.device(device)
+    model, shape = build(name, image=image)
+    model = model.to(dev)
+    x = torch.randn(batch, *shape, device=dev)
+    t0 = time.perf_counter()
+    pm = plan(model, (x,))
+    sync(dev)
+    return _row(name, model, pm, x, repeat, time.perf_counter() - t0)
+
+
+def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> dict:
+    """Bytes and latency of `pm` against `model` on `x` (planned for x's shape on first call)."""
+    dev, batch = x.device, x.shape[0]
+    with torch.inference_mode():
+        torch.testing.assert_close(pm(x), model(x), rtol=1e-3, atol=1e-3)
+        rep = pm.report
+        eager_peak = _peak(model, x)
+        outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
+        # fast models need many repeats for a stable median: at least ~0.3 s of calls per measurement
+        once = median_time(lambda: model(x), repeat=1, device=dev)
+        reps = max(repeat, min(1000, int(0.3 / max(once, 1e-6))))
+        t_eager, t_planned = [], []
+        for _ in range(2):                   # interleaved, so drift in the machine hits both alike
+            t_eager.append(median_time(lambda: model(x), repeat=reps, warmup=1, device=dev,
+                                       what=f"{name} batch {batch} eager"))
+            t_planned.append(median_time(lambda: pm(x), repeat=reps, warmup=1, device=dev,
+                                         what=f"{name} batch {batch} planned"))
+    planned_total = rep.arena_bytes + outside
+    return {
+        "model": name, "batch": batch, "naive": rep.naive_bytes, "eager_peak": eager_peak,
+        "arena": rep.arena_bytes, "bound": rep.lower_bound, "arena/bound": rep.arena_bytes / max(rep.lower_bound, 1),
+        "naive/arena": rep.naive_bytes / max(rep.arena_bytes, 1), "unplanned": outside,
+        "planned_total": planned_total, "total/eager": planned_total / max(eager_peak, 1),
+        "eager_ms": 1e3 * min(t_eager), "planned_ms": 1e3 * min(t_planned),
+        "latency_ratio": min(t_planned) / min(t_eager), "plan_s": plan_s, "captures": len(pm.captures),
+        "unplanned_ops": ", ".join(f"{k} x{v}" for k, v in sorted(rep.unplanned_ops.items())),
+    }
+
+
+REAL_TARGETS = {"latency": 1.00, "latency_geo": 0.95, "total/eager": 1.00, "arena/bound": 1.02}
+
+
+def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int) -> list[dict]:
+    """Rows of one `transformers` architecture: one capture (at the first batch), every batch planned from it."""
+    from memfit.cli.bench.zoo import build_real
+    model, make_input = build_real(name, quick)
+    t0 = time.perf_counter()
+    pm = plan(model, (make_input(batches[0]),))
+    plan_s = time.perf_counter() - t0
+    rows = []
+    for b in batches:
+        row = _row(name, model, pm, make_input(b), repeat, plan_s if b == batches[0] else 0.0)
+        row["PASS/MISS"] = " ".join(
+            f"{key}:{'PASS' if row[col] <= REAL_TARGETS[key] else 'MISS'}"
+            for key, col in (("latency", "latency_ratio"), ("total/eager", "total/eager"),
+                             ("arena/bound", "arena/bound")))
+        rows.append(row)
+    return rows
+
+
+def verdicts_real(rows: list[dict]) -> list[str]:
+    """The targets for real models, each with PASS or MISS and the rows that miss it."""
+    geo = math.exp(sum(math.log(r["latency_ratio"]) for r in rows) / len(rows))
+    out = [f"latency planned / eager, geometric mean {geo:.3f} (target <= {REAL_TARGETS['latency_geo']}): "
+           f"{'PASS' if geo <= REAL_TARGETS['latency_geo'] else 'MISS'}"]
+    for key, col in (("latency", "latency_ratio"), ("total/eager", "total/eager"), ("arena/bound", "arena/bound")):
+        miss = [f"{r['model']}/{r['batch']} ({r[col]:.3f})" for r in rows if r[col] > REAL_TARGETS[key]]
+        out.append(f"{col} <= {REAL_TARGETS[key]:.2f} for every model: "
+                   f"{'PASS' if not miss else 'MISS ' + ', '.join(miss)}")
+    # the symbolic batch starts at 2 (export specialises sizes of 1), so batch 1 has a capture of its own
+    batches = {}
+    for r in rows:
+        batches.setdefault(r["model"], set()).add(r["batch"])
+    allowed = {m: 1 + (1 in bs and max(bs) > 1) for m, bs in batches.items()}
+    one = sorted({r["model"] for r in rows if r["captures"] > allowed[r["model"]]})
+    out.append(f"one capture per model for every batch size >= 2 (batch 1 has its own): "
+               f"{'PASS' if not one else 'MISS ' + ', '.join(one)}")
+    return out
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """The planner's targets, each with the measured value and PASS or MISS."""
+    ratios = [r["arena/bound"] for r in rows]
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    worst = max(rows, key=lambda r: r["arena/bound"])
+    worst_ok = worst["arena/bound"] <= TARGETS["worst_ratio"]
+    out = [f"arena / lower bound, geometric mean {geo:.3f} (target <= {TARGETS['geo_ratio']}): "
+           f"{'PASS' if geo <= TARGETS['geo_ratio'] else 'MISS'}",
+           f"arena / lower bound, worst {worst['arena/bound']:.3f} ({worst['model']} batch {worst['batch']}; "
+           f"target <= {TARGETS['worst_ratio']}): {'PASS' if worst_ok else 'MISS'}"]
+    for r in rows:
+        if r["model"] in ("resnet50", "mobilenet_v2") and r["batch"] == 1:
+            ok = r["naive/arena"] >= TARGETS["naive_over_planned"]
+            out.append(f"naive / arena, {r['model']} batch 1: {r['naive/arena']:.1f}x "
+                       f"(target >= {TARGETS['naive_over_planned']:g}x): "
+                       f"{'PASS' if ok else 'MISS'}")
+    over = [f"{r['model']}/{r['batch']}" for r in rows if r["arena"] > r["eager_peak"]]
+    out.append(f"arena <= eager peak for every model: {'PASS' if not over else 'MISS ' + ', '.join(over)}")
+    over = [f"{r['model']}/{r['batch']} ({r['total/eager']:.2f}x)" for r in rows if r["total/eager"] > 1.0]
+    out.append(f"arena + unplanned <= eager peak for every model: {'PASS' if not over else 'MISS ' + ', '.join(over)}")
+    slow = [f"{r['model']}/{r['batch']} ({r['latency_ratio']:.2f}x)" for r in rows
+            if r["latency_ratio"] > TARGETS["latency"]]
+    out.append(f"planned latency <= {TARGETS['latency']:.2f}x eager for every model: "
+               f"{'PASS' if not slow else 'MISS ' + ', '.join(slow)}")
+    return out
+
+
+def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat: int = 5,
+        csv: str | None = None, as_json: bool = False, device="cpu") -> list[dict]:
+    """Measure every model at every batch size; print the table and the target lines; return the rows."""
+    if not as_json:
+        print(machine_header(device))
+    rows = []
+    for name in models:
+        for b in batches:
+            rows.append(measure(name, b, image, repeat, device))
+            if not as_json:
+                r = rows[-1]
+                print(f"# {name} batch {b}: arena {format_bytes(r['arena'])}, eager peak "
+                      f"{format_bytes(r['eager_peak'])}, {r['latency_ratio']:.2f}x eager latency", flush=True)
+    lines = verdicts(rows)
+    warning = spread_warning()
+    if warning:
+        lines.append(warning)
+    if as_json:
+        print(json.dumps({"machine": machine_header(device), "rows": rows, "targets": lines}))
+    else:
+        cols = ["model", "batch", "naive", "eager_peak", "arena", "bound", "arena/bound", "naive/arena",
+                "unplanned", "total/eager", "eager_ms", "planned_ms", "latency_ratio"]
+        print(table(rows, cols, bytes_columns={"naive", "eager_peak", "arena", "bound", "unplanned"}))
+        print("\n".join(lines))
+    if csv:
+        to_csv(rows, csv)
+    return rows
+
+
+def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: str | None = None,
+             as_json: bool = False) -> list[dict]:
+    """Measure every real architecture at every batch size; print the table and the target lines."""
+    if not as_json:
+        print(machine_header("cpu"))
+    rows = []
+    for name in models:
+        try:
+            new = measure_real(name, tuple(batches), quick, repeat)
+        except Exception as e:              # a model that fails is a row of the table, not the end of the run
+            print(f"# {name}: FAILED {whole_words(first_line(e), 200)}", flush=True)
+            continue
+        rows += new
+        if not as_json:
+            for r in new:
+                print(f"# {name} batch {r['batch']}: arena/bound {r['arena/bound']:.3f}, (arena + unplanned) / eager "
+                      f"{r['total/eager']:.2f}, latency {r['latency_ratio']:.2f}x eager", flush=True)
+    lines = verdicts_real(rows) if rows else ["no model ran"]
+    warning = spread_warning()
+    if warning:
+        lines.append(warning)
+    if as_json:
+        print(json.dumps({"machine": machine_header("cpu"), "rows": rows, "targets": lines}))
+    else:
+        cols = ["model", "batch", "eager_peak", "arena", "bound", "arena/bound", "unplanned", "total/eager",
+                "eager_ms", "planned_ms", "latency_ratio", "PASS/MISS"]
+        print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned"}))
+        print("\n".join(lines))
+        print("unplanned ops (run by torch, outside the arena; reasons in pm.report.unplanned_reasons):")
+        for r in rows[::len(batches)]:
+            print(f"  {r['model']}: {r['unplanned_ops'] or '-'}")
+    if csv:
+        to_csv(rows, csv)
+    return rows
+
+
+def run_fuzz(examples: int, seed: int = 0) -> int:
+    """Differential fuzzing: `examples` random models of up to 6 programs each, planned with every
+    algorithm, compared with eager bit for bit. Prints progress; raises on the first difference."""
+    from memfit.cli.bench.fuzz import fuzz
+    t0 = time.perf_counter()
+    step = max(1, examples // 10)
+    done = 0
+    while done < examples:
+        k = min(step, examples - done)
+        fuzz(k, seed=seed + done)
+        done += k
+        print(f"# fuzz: {done}/{examples} models equal eager bit for bit ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    from memfit.cli.bench.zoo import REAL
+    from memfit.cli.options import count_arg, counts_arg, device_arg, names_arg
+    p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
+                                epilog="example:\n  memfit bench planner --quick\n"
+                                       "  memfit bench planner --real --quick\n"
+                                       "  memfit bench planner --fuzz 500\n"
+                                       "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json\n"
+                                       "  memfit bench planner --quick --device cuda",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller inputs and configs, fewer repeats")
+    p.add_argument("--real", action="store_true",
+                   help=f"real architectures from transformers configs ({', '.join(REAL)}); needs transformers")
+    p.add_argument("--fuzz", type=count_arg(1), default=None, metavar="N",
+                   help="run N random-graph models against eager, bit for bit, instead of the table")
+    p.add_argument("--models", default=None, type=names_arg((*MODELS, *REAL), "model"),
+                   help=f"comma-separated, from {', '.join(MODELS)} (with --real, from the real list)")
+    p.add_argument("--batches", default=None, type=counts_arg(1),
+                   help="comma-separated batch sizes (default 1,32; quick 1,8; real 1,8; real quick 2,8)")
+    p.add_argument("--image", type=count_arg(1), default=None, help="height and width of the image models' inputs")
+    p.add_argument("--repeat", type=count_arg(1), default=None, help="timed repeats per measurement")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --fuzz run")
+    p.add_argument("--device", default="cpu", type=device_arg,
+                   help="cpu, cuda, cuda:1 (default cpu: the published figures are the CPU's)")
+    p.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = p.parse_args(argv)
+    if args.fuzz is not None:
+        run_fuzz(args.fuzz, args.seed)
+        return 0
+    known = REAL if args.real else MODELS
+    models = args.models or tuple(known)
+    unknown = [m for m in models if m not in known]
+    if unknown:
+        p.error(f"--models: unknown model {', '.join(map(repr, unknown))} {'with' if args.real else 'without'} "
+                f"--real; expected comma-separated names from {', '.join(known)}")
+    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
+    if args.real:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            p.error("--real needs transformers (pip install transformers; an optional bench dependency)")
+        run_real(models, args.batches or ((2, 8) if args.quick else (1, 8)), args.quick, repeat, args.csv, args.json)
+        return 0
+    batches = args.batches or ((1, 8) if args.quick else (1, 32))
+    image = args.image if args.image is not None else (64 if args.quick else None)
+    run(models, batches, image, repeat, args.csv, args.json, args.device)
+    return 0

@@ -1,0 +1,481 @@
+"""Training benchmark: the training-step memory model against real steps, and exact accumulation.
+
+Ten models: memfit's zoo (MLP, LeNet, ResNet-18, MobileNetV2, U-Net, a transformer block) and
+`transformers` models built from configs with random weights (BERT, GPT-2, which torch.export cannot
+capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, two batch sizes each.
+
+1. peak: `memfit.memory_model(train=True)` against the live bytes of real training steps
+   (`memfit.measure.track_memory` on the CPU: parameters, gradients, AdamW state, the batch, and the
+   peak of zero_grad + forward + loss + backward + step, the larger of the first two steps). Target:
+   predicted / measured in [1.00, 1.05] on every row (below 1 would be an out-of-memory error).
+2. max batch: `memfit.max_batch_size(train=True)` for an emulated device of 1.5x the measured peak at
+   the larger size, against the largest batch whose real step fits it (bisection on the measured
+   figure). Target >= 0.9, and the predicted size really fits (0 out-of-memory errors).
+3. predict cost: the first `memory_model` call for a fresh model (nothing cached) against one real step
+   at the largest batch that really fits the emulated device (the least that finding it by trial costs).
+   Target < 2x. A fake run costs about the same at any width (its work is Python per op), so on these
+   small models a real step is cheaper than predicting; a second table times BERT and GPT-2 at the widths
+   people train (BERT-base / GPT-2 small shapes; 256 wide, 4 layers with --quick), where the target is.
+4. accumulation: `memfit.accumulate` in micro-batches of about a third of the batch (an uneven last
+   one) against one plain full-batch step: the largest gradient difference relative to each tensor's
+   largest gradient, floored at 1e-3 of the model's largest (target <= 1e-4: float32 reassociation);
+   and the step time of accumulate at the auto micro-batch under a budget the whole batch fits
+   against the plain step, fastest of interleaved runs (target >= 0.9x).
+   BatchNorm is put in eval mode for this row (accumulate refuses batch statistics), dropout is 0.
+
+Run:
+    memfit bench train --quick           # eight light models, small sizes (a few minutes on 2 busy cores)
+    memfit bench train     # batch 8 and 32
+    memfit bench train --quick --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from memfit.accumulation import accumulate
+from memfit.batches import batch_tensors, forward
+from memfit.budget import format_bytes
+from memfit.cli.bench.common import machine_header, median_time, spread_warning, sync, table
+from memfit.cli.bench.zoo import build
+from memfit.cli.options import device_arg
+from memfit.measure import optimizer_state, track_memory, unique_bytes
+
+TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "max_batch": 0.9, "predict_cost": 2.0, "grad_rel": 1e-4,
+           "step_time": 0.9}
+
+
+@dataclass
+class Case:
+    """A model, a batch of n samples (x, y) and its mean loss."""
+    name: str
+    make: Callable[[], torch.nn.Module]
+    batch: Callable[[int], tuple]
+    loss: Callable
+
+
+def on_device(case: Case, device: torch.device) -> Case:
+    """The same case with its model and batches on `device` (the batches are made on the CPU, then moved)."""
+    if device.type == "cpu":
+        return case
+    move = lambda b: {k: v.to(device) for k, v in b.items()} if isinstance(b, dict) else b.to(device)
+    return Case(case.name, lambda: case.make().to(device), lambda n: tuple(move(b) for b in case.batch(n)),
+                case.loss)
+
+
+def _seeded(n: int, seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 7919 + n)
+
+
+def _images(shape, classes):
+    return lambda n: (torch.randn(n, *shape, generator=_seeded(n)),
+                      torch.randint(0, classes, (n,), generator=_seeded(n)))
+
+
+def _zoo(name: str, image: int | None, classes: int) -> Case:
+    model, shape = build(name, image=image)
+    return Case(name, lambda: build(name, image=image)[0].train(), _images(shape, classes), F.cross_entropy)
+
+
+def zoo_cases() -> list[Case]:
+    # 64 pixels: at 32 the last feature map is 1x1 and BatchNorm cannot train on one sample of it
+    cases = [_zoo("mlp", None, 10), _zoo("lenet", None, 10), _zoo("resnet18", 64, 1000),
+             _zoo("mobilenet_v2", 64, 1000)]
+    unet_shape = build("unet", image=32)[1]
+    cases.append(Case("unet", lambda: build("unet", image=32)[0].train(),
+                      lambda n: (torch.randn(n, *unet_shape, generator=_seeded(n)),
+                                 torch.randint(0, 2, (n, 32, 32), generator=_seeded(n))), F.cross_entropy))
+    tshape = build("transformer")[1]
+    cases.append(Case("transformer", lambda: build("transformer")[0].train(),
+                      lambda n: (torch.randn(n, *tshape, generator=_seeded(n)), torch.randn(n, *tshape,
+                                                                                            generator=_seeded(n, 1))),
+                      F.mse_loss))
+    return cases
+
+
+def hf_cases(seq: int = 64) -> list[Case]:
+    """transformers models from small configs, random weights, no dropout (nothing is downloaded)."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return []
+    vocab, classes = 1000, 10
+    tokens = lambda n: {"input_ids": torch.randint(0, vocab, (n, seq), generator=_seeded(n)),
+                        "attention_mask": torch.ones(n, seq, dtype=torch.long)}
+    pixels = lambda n: {"pixel_values": torch.randn(n, 3, 32, 32, generator=_seeded(n))}
+    labels = lambda n: torch.randint(0, classes, (n,), generator=_seeded(n, 1))
+    logits_ce = lambda out, y: F.cross_entropy(out.logits, y)
+    bert = tf.BertConfig(vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=256, max_position_embeddings=seq, num_labels=classes,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gpt2 = tf.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=2, n_head=2, n_positions=seq, resid_pdrop=0.0,
+                         bos_token_id=0, eos_token_id=0, embd_pdrop=0.0, attn_pdrop=0.0)
+    vit = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=128, num_labels=classes, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    convnext = tf.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=classes,
+                                 image_size=32)
+
+    def make(cls, cfg):
+        def build_it():
+            torch.manual_seed(0)
+            return cls(cfg).train()
+        return build_it
+
+    # next-token loss: the mean over (sample, position), every sample with `seq` positions, so by samples too
+    lm_loss = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    return [
+        Case("bert", make(tf.BertForSequenceClassification, bert), lambda n: (tokens(n), labels(n)), logits_ce),
+        Case("gpt2 (no export)", make(tf.GPT2LMHeadModel, gpt2),
+             lambda n: ({"input_ids": tokens(n)["input_ids"]},
+                        torch.randint(0, vocab, (n, seq), generator=_seeded(n, 2))),
+             lm_loss),
+        Case("vit", make(tf.ViTForImageClassification, vit), lambda n: (pixels(n), labels(n)), logits_ce),
+        Case("convnext", make(tf.ConvNextForImageClassification, convnext), lambda n: (pixels(n), labels(n)),
+             logits_ce),
+    ]
+
+
+def realistic_cases(quick: bool) -> list[tuple[Case, int]]:
+    """(case, batch): transformers models at the widths people train, for the predict-cost table. Full: the
+    shapes of BERT-base and GPT-2 small (768 wide, 12 layers) at sequence 128; quick: 256 wide, 4 layers."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return []
+    seq, width, layers, batch, vocab = (128, 256, 4, 16, 8000) if quick else (128, 768, 12, 8, None)
+    heads = width // 64
+    bert = tf.BertConfig(vocab_size=vocab or 30522, hidden_size=width, num_hidden_layers=layers,
+                         num_attention_heads=heads, intermediate_size=4 * width, max_position_embeddings=seq,
+                         num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gpt2 = tf.GPT2Config(vocab_size=vocab or 50257, n_embd=width, n_layer=layers, n_head=heads, n_positions=seq,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+    def make(cls, cfg):
+        def build_it():
+            torch.manual_seed(0)
+            return cls(cfg).train()
+        return build_it
+
+    ids = lambda n, v: torch.randint(0, v, (n, seq), generator=_seeded(n))
+    tag = f"{width}x{layers}, seq {seq}"
+    return [
+        (Case(f"bert {tag}", make(tf.BertForSequenceClassification, bert),
+              lambda n: ({"input_ids": ids(n, bert.vocab_size)}, torch.randint(0, 2, (n,), generator=_seeded(n, 1))),
+              lambda out, y: F.cross_entropy(out.logits, y)), batch),
+        (Case(f"gpt2 {tag}", make(tf.GPT2LMHeadModel, gpt2),
+              lambda n: ({"input_ids": ids(n, gpt2.vocab_size)}, ids(n, gpt2.vocab_size)),
+              lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())), batch),
+    ]
+
+
+def cost_row(case: Case, n: int, repeat: int) -> dict:
+    """The first prediction for a fresh model against one real step at batch n, and predicted / measured peak."""
+    measured = measured_peak(case, n)
+    mm, pred_s = predict(case)
+    model = case.make()
+    opt = _optimizer(model)
+    x, y = case.batch(n)
+    step_s = median_time(lambda: plain_step(model, opt, x, y, case.loss), repeat=repeat,
+                         device=next(model.parameters()).device)
+    return {"model": case.name, "batch": n, "params": format_bytes(sum(p.nbytes for p in model.parameters())),
+            "measured": format_bytes(measured), "predicted": format_bytes(mm.total_bytes(n)),
+            "pred/meas": mm.total_bytes(n) / measured, "predict s": pred_s, "step s": step_s,
+            "predict/step": pred_s / step_s}
+
+
+# ---- real steps -------------------------------------------------------------------------------------------
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def plain_step(model, opt, x, y, loss_fn) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss_fn(forward(model, x), y).backward()
+    opt.step()
+
+
+def _held(model, opt, x, y) -> int:
+    """Bytes held before a step: parameters, buffers, gradients, optimizer state and the batch."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return unique_bytes([*model.parameters(), *model.buffers(), *grads, *optimizer_state(opt),
+                         *batch_tensors(x), *batch_tensors(y)])
+
+
+def measured_peak(case: Case, n: int) -> int:
+    """Live bytes of the first two real training steps on n samples (the larger), from a fresh model: on the
+    CPU `memfit.measure`'s live tensor bytes, on CUDA the caching allocator's peak above what the step holds."""
+    model = case.make()
+    device = next(model.parameters()).device
+    opt = _optimizer(model)
+    x, y = case.batch(n)
+    peaks = []
+    for _ in range(2):                 # the first step creates AdamW's state, the second starts with it
+        opt.zero_grad(set_to_none=True)
+        base = _held(model, opt, x, y)
+        with track_memory(device) as mem:        # a training loop's locals: out and loss live to the end
+            out = forward(model, x)
+            loss = case.loss(out, y)
+            loss.backward()
+            opt.step()
+            del out, loss
+        peaks.append(base + mem.peak)
+    return max(peaks)
+
+
+def largest_really_fitting(case: Case, budget: int, guess: int) -> tuple[int, bool]:
+    """(largest n whose measured step fits `budget`, whether `guess` fits), searched from `guess`: gallop up
+    from it while it fits (one or two real steps when the guess is right), else bisect below it."""
+    fits = lambda n: measured_peak(case, n) <= budget
+    guess_fits = guess >= 1 and fits(guess)
+    if guess_fits:
+        lo, step = guess, 1
+        while fits(lo + step):                      # lo fits; lo + step is the next try
+            lo, step = lo + step, step * 2
+        hi = lo + step                              # does not fit
+    else:
+        lo, hi = 0, max(guess, 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, guess_fits
+
+
+# ---- the memory model (memfit.memory_model(train=True)) ---------------------------------------------------
+def memory_model_api() -> tuple[Callable | None, str]:
+    """(memfit's training memory model, its name): `memfit.memory_model(train=True)`, else the fake-tensor
+    step model it is built on (`memfit.planner.footprint.step_memory_model`), else (None, why)."""
+    import inspect
+
+    import memfit
+    mm = getattr(memfit, "memory_model", None)
+    if mm is not None and "train" in inspect.signature(mm).parameters:
+        return mm, "memfit.memory_model(train=True)"
+    try:
+        from memfit.planner.footprint import step_memory_model
+    except ImportError:
+        return None, "this memfit has no training memory model"
+    return step_memory_model, "memfit.planner.footprint.step_memory_model"
+
+
+def predict(case: Case):
+    """(the memory model of a training step of a fresh model, the seconds it took: the first prediction for
+    this model, nothing cached)."""
+    mm_fn, _ = memory_model_api()
+    model = case.make()
+    x, y = case.batch(2)
+    t0 = time.perf_counter()
+    mm = mm_fn(model, x, train=True, optimizer=_optimizer(model), loss_fn=case.loss, target=y)
+    return mm, time.perf_counter() - t0
+
+
+def predicted_max_batch(case: Case, mm, budget: int) -> tuple[int, str]:
+    """`memfit.max_batch_size(train=True)` when this memfit has it, else the same search on `mm`."""
+    import inspect
+
+    import memfit
+    from memfit.budget import largest_fitting
+    if "train" in inspect.signature(memfit.max_batch_size).parameters:
+        model = case.make()
+        x, y = case.batch(2)
+        try:
+            return memfit.max_batch_size(model, x, budget, train=True, optimizer=_optimizer(model), loss_fn=case.loss,
+                                         target=y), "max_batch_size"
+        except MemoryError:                      # BudgetExceeded: not one sample fits
+            return 0, "max_batch_size"
+    return largest_fitting(mm.total_bytes, budget, 2**20), "largest n with total_bytes(n) <= budget"
+
+
+# ---- rows ---------------------------------------------------------------------------------------------------
+def memory_rows(case: Case, sizes, room: float = 1.5, repeat: int = 3) -> list[dict]:
+    measured = [measured_peak(case, n) for n in sizes]
+    mm, pred_s = predict(case)
+    budget = int(room * measured[-1])
+    mbs, _ = predicted_max_batch(case, mm, budget)
+    best, fits = largest_really_fitting(case, budget, mbs)
+    model = case.make()
+    opt = _optimizer(model)
+    x, y = case.batch(max(best, 1))
+    step_s = median_time(lambda: plain_step(model, opt, x, y, case.loss), repeat=repeat,    # what a trial costs
+                         device=next(model.parameters()).device)
+    return [{"model": case.name, "batch": n, "measured": format_bytes(m), "predicted": format_bytes(mm.total_bytes(n)),
+             "pred/meas": mm.total_bytes(n) / m, "peak in": mm.peak_phase(n) if hasattr(mm, "peak_phase") else "",
+             "budget": format_bytes(budget), "max batch": mbs, "largest fits": best, "max/largest": mbs / max(best, 1),
+             "OOM at max": 0 if fits else 1, "predict s": pred_s, "step s": step_s, "predict/step": pred_s / step_s}
+            for n, m in zip(sizes, measured, strict=True)]
+
+
+def _bn_eval(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return model
+
+
+def interleaved_min(a: Callable, b: Callable, repeat: int, device=None) -> tuple[float, float]:
+    """Fastest of at least `repeat` runs of each (more for fast steps: about 0.5 s of calls), alternating a, b:
+    drift in a shared machine hits both alike and the minimum is the run least disturbed by it."""
+    ta, tb = [], []
+    rounds = repeat
+    while len(ta) < rounds:
+        for fn, ts in ((a, ta), (b, tb)):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            ts.append(time.perf_counter() - t0)
+        if len(ta) == 1:
+            rounds = max(repeat, min(50, int(0.5 / max(ta[0] + tb[0], 1e-6))))
+    return min(ta), min(tb)
+
+
+def grad_rel_error(ref, mod) -> float:
+    """Largest |difference| of a gradient relative to that tensor's largest |gradient|, floored at 1e-3 of the
+    model's largest: an attention key bias has a zero true gradient (softmax ignores a constant added to
+    every score), so its computed gradient is float noise (1e-13) and relative to itself means nothing."""
+    pairs = [(p.grad, q.grad) for p, q in zip(ref.parameters(), mod.parameters(), strict=True) if p.grad is not None]
+    top = max(g.abs().max().item() for g, _ in pairs)
+    return max(((g - h).abs().max() / max(g.abs().max().item(), 1e-3 * top, 1e-30)).item() for g, h in pairs)
+
+
+def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
+    """Gradient of accumulate (micro-batches of about n/3) against one plain step, and the step times."""
+    ref = _bn_eval(case.make())
+    mod = _bn_eval(case.make())
+    mod.load_state_dict(ref.state_dict())
+    x, y = case.batch(n)
+    ref_opt, opt = _optimizer(ref), _optimizer(mod)
+    plain_step(ref, ref_opt, x, y, case.loss)
+    micro = max(1, math.ceil(n / 3))
+    accumulate(mod, opt, (x, y), case.loss, micro_batch=micro)
+    rel = grad_rel_error(ref, mod)
+    budget = "1TiB"           # the whole batch fits: auto must choose it and cost nothing extra
+    mode = "auto" if auto else n
+    r = accumulate(mod, opt, (x, y), case.loss, budget=budget, micro_batch=mode)      # warm (and chooses)
+    t_plain, t_acc = interleaved_min(lambda: plain_step(ref, ref_opt, x, y, case.loss),
+                                     lambda: accumulate(mod, opt, (x, y), case.loss, budget=budget, micro_batch=mode),
+                                     repeat, next(ref.parameters()).device)
+    return {"model": case.name, "batch": n, "micro": f"{micro} ({-(-n // micro)} parts)", "grad rel err": rel,
+            "auto micro": r.micro_batch if auto else f"{n} (given: no memory model)", "plain s": t_plain,
+            "accumulate s": t_acc, "plain/accumulate": t_plain / t_acc}
+
+
+def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = False, models=None,
+        device="cpu") -> dict:
+    dev = torch.device(device)
+    print(machine_header(dev))
+    torch.manual_seed(0)
+    cases = [on_device(c, dev) for c in zoo_cases() + hf_cases(seq=32 if quick else 64)]
+    realistic = not models                # the predict-cost table runs unless a subset of models is asked for
+    if quick and not models:          # the eight light ones: ResNet-18 and MobileNetV2 steps take seconds each
+        models = [c.name.split(" ")[0] for c in cases if c.name not in ("resnet18", "mobilenet_v2")]
+    if models:
+        cases = [c for c in cases if c.name.split(" ")[0] in models]
+    elif len(cases) < 10:
+        print("# transformers is not installed: its four models are skipped (pip install 'memfit[dev]')")
+    mm_fn, mm_name = memory_model_api()
+    have_mm = mm_fn is not None
+    mem_rows, acc_rows = [], []
+    for case in cases:
+        t0 = time.perf_counter()
+        if have_mm:
+            # a step of these models takes milliseconds: a median of 5 costs little and steadies predict/step
+            mem_rows += memory_rows(case, sizes, room=1.2 if quick else 1.5, repeat=5)
+        acc_rows.append(accumulation_row(case, sizes[-1], repeat, auto=have_mm))
+        print(f"# {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    cost_rows = []
+    if have_mm and realistic:
+        for case, n in realistic_cases(quick):
+            t0 = time.perf_counter()
+            cost_rows.append(cost_row(on_device(case, dev), n, repeat=1 if quick else 3))
+            print(f"# {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(f"# training-step memory, AdamW, batch sizes {list(sizes)}; emulated device = {1.2 if quick else 1.5}x the "
+          f"measured peak at {sizes[-1]}")
+    if have_mm:
+        print(f"# predicted by {mm_name}; predict/step: one memory-model call against one real step at the "
+              "largest batch that fits (what finding it by trial costs at the least)")
+        print(table(mem_rows))
+        if cost_rows:
+            print("# predict cost at the widths people train: the first prediction for a fresh model (nothing "
+                  "cached; a second one for the same model and batch layout is a cache hit) against one real step")
+            print(table(cost_rows))
+    else:
+        print(f"not available: {mm_name}; the peak, max-batch and predict-cost targets are not measured")
+    print(f"# accumulation at batch {sizes[-1]}: gradient vs one plain step; step time at the auto micro-batch "
+          "(budget 1TiB: the whole batch fits) vs the plain step")
+    print(table(acc_rows))
+    _verdicts(mem_rows, acc_rows, have_mm, cost_rows)
+    warning = spread_warning()
+    if warning:
+        print(warning)
+    out = {"memory": mem_rows, "accumulation": acc_rows, "predict_cost": cost_rows, "memory_model": have_mm}
+    if as_json:
+        print(json.dumps(out, default=str))
+    return out
+
+
+def _line(ok: bool, text: str) -> None:
+    print(f"{'PASS' if ok else 'MISS'}  {text}")
+
+
+def _verdicts(mem_rows, acc_rows, have_mm, cost_rows=()) -> None:
+    t = TARGETS
+    if have_mm:
+        lo = min(r["pred/meas"] for r in [*mem_rows, *cost_rows])
+        hi = max(r["pred/meas"] for r in [*mem_rows, *cost_rows])
+        _line(lo >= t["peak_low"] and hi <= t["peak_high"],
+              f"predicted / measured step peak in [{lo:.3f}, {hi:.3f}] (target within [1.00, 1.05])")
+        worst = min(r["max/largest"] for r in mem_rows)
+        _line(worst >= t["max_batch"], f"max_batch_size(train=True) / largest that fits: worst {worst:.2f} "
+                                       "(target >= 0.9)")
+        ooms = sum(r["OOM at max"] for r in mem_rows[::2])
+        _line(ooms == 0, f"out-of-memory errors at the predicted size: {ooms} (target 0)")
+        cost = max(r["predict/step"] for r in mem_rows)
+        _line(cost < t["predict_cost"], f"predicting / one real step, the small models above: worst {cost:.2f}x "
+                                        "(target < 2x)")
+        if cost_rows:
+            cost = max(r["predict/step"] for r in cost_rows)
+            _line(cost < t["predict_cost"], f"predicting / one real step at the widths people train: worst "
+                                            f"{cost:.2f}x (target < 2x)")
+    else:
+        for what in ("predicted / measured step peak", "max_batch_size(train=True) / largest that fits",
+                     "out-of-memory errors at the predicted size", "predicting / one real step"):
+            print(f"N/A   {what}: not available (no training memory model in this memfit)")
+    rel = max(r["grad rel err"] for r in acc_rows)
+    _line(rel <= t["grad_rel"], f"accumulated gradient vs full batch: max relative error {rel:.2e} (target <= 1e-4)")
+    speed = min(r["plain/accumulate"] for r in acc_rows)
+    _line(speed >= t["step_time"], f"step time, plain / accumulate at auto: worst {speed:.2f}x (target >= 0.9x)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="memfit bench train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="8,32", help="two comma-separated batch sizes")
+    p.add_argument("--quick", action="store_true",
+                   help="eight light models (no ResNet-18, MobileNetV2), batch 4 and 8, shorter sequences, an "
+                        "emulated device of 1.2x, fewer timing repeats")
+    p.add_argument("--models", default=None, help="comma-separated subset, e.g. mlp,gpt2 (default: all ten)")
+    p.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    p.add_argument("--device", default="cpu", type=device_arg,
+                   help="cpu (default; peaks from memfit.measure's live bytes), cuda, cuda:1 (the caching "
+                        "allocator's peak; predictions add its rounding and margin)")
+    a = p.parse_args(argv)
+    names = ["mlp", "lenet", "resnet18", "mobilenet_v2", "unet", "transformer", "bert", "gpt2", "vit", "convnext"]
+    models = None if a.models is None else a.models.split(",")
+    if models and set(models) - set(names):
+        p.error(f"--models: unknown {sorted(set(models) - set(names))}; expected some of {names}")
+    sizes = (4, 8) if a.quick else tuple(int(s) for s in a.sizes.split(","))
+    if len(sizes) != 2 or min(sizes) < 1:
+        p.error(f"--sizes: expected two batch sizes >= 1, e.g. 8,32; found {a.sizes!r}")
+    run(sizes, quick=a.quick, repeat=3 if a.quick else 5, as_json=a.json, models=models, device=a.device)
+    return 0
+

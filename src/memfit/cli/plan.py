@@ -1,0 +1,188 @@
+"""`memfit plan MODULE:FACTORY --input 1,3,224,224`: print the activation memory plan of a model.
+
+Run:
+    memfit plan mymodels.py:make_net --input 1,3,224,224 --plot arena.png
+    memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json
+    memfit plan pkg.models:resnet --input 32,3,64,64 --train --optimizer adamw --budget 8GiB --plot train.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from memfit.cli.options import UsageError, budget_arg, device_arg
+
+__all__ = ["cli_plan", "load_factory"]
+
+EXAMPLE = ("example:\n  memfit plan mymodels.py:make_net --input 1,3,224,224 --plot arena.png\n"
+           "  memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json\n"
+           "  memfit plan my_module:make_net --input 8,3,32,32 --all --device cuda")
+
+
+def load_factory(spec: str) -> Callable:
+    """The callable named by "module.path:func" or "path/to/file.py:func".
+
+    Raises:
+        ValueError: the spec is malformed, the module or file cannot be found, or it has no such name.
+
+    Example:
+        >>> load_factory("memfit.cli.bench.zoo:mlp").__name__
+        'mlp'
+    """
+    if not isinstance(spec, str) or spec.count(":") < 1 or not all(spec.rpartition(":")[::2]):
+        raise ValueError(f"expected MODULE:FACTORY such as 'mymodels.py:make_net' or 'pkg.models:resnet'; "
+                         f"found {spec!r}")
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{spec}: the file {str(path)!r} does not exist; give a path to a .py file or an "
+                             "importable module (pkg.module:factory)")
+        mod_spec = importlib.util.spec_from_file_location(f"_memfit_user_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            with _current_folder_on_path():
+                module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"{spec}: cannot import module {where!r} ({e}); check the name or pass a file path "
+                             "(path/to/file.py:factory)") from None
+    if not hasattr(module, name):
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))[:12]
+        raise ValueError(f"{spec}: {where} has no attribute {name!r}; callables there: {public}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise ValueError(f"{spec}: {name!r} is a {type(fn).__name__}, not a callable that builds the model")
+    return fn
+
+
+@contextlib.contextmanager
+def _current_folder_on_path() -> Iterator[None]:
+    """Import from the current folder as `python -m memfit` does; the `memfit` console script puts
+    only its own folder on sys.path, so `memfit plan my_module:make_net` would not find my_module."""
+    cwd = os.getcwd()
+    added = not any(p in ("", cwd) for p in sys.path)
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from memfit.planner.arena import ALGORITHMS
+    p = argparse.ArgumentParser(prog="memfit plan", description="Print the activation memory plan of a model: "
+                                "naive bytes, the planned arena, the lower bound and every tensor's place.",
+                                epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("factory", metavar="MODULE:FACTORY",
+                   help="a function that builds the model, in an importable module or a .py file")
+    p.add_argument("--input", action="append", required=True, metavar="SHAPE",
+                   help="input shape with the batch, e.g. 1,3,224,224 (repeat for several inputs)")
+    p.add_argument("--dtype", default="float32", help="input dtype (default float32)")
+    p.add_argument("--algorithm", default="greedy_by_size", choices=ALGORITHMS, help="offset algorithm")
+    p.add_argument("--no-inplace", action="store_true", help="never let an op write over its input")
+    p.add_argument("--all-in-arena", action="store_true",
+                   help="every op with an out= kernel writes into the arena, even where running it eagerly "
+                        "costs less memory (arena + unplanned)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a picture of the arena over time")
+    p.add_argument("--device", default="cpu", type=device_arg,
+                   help="plan on cpu, cuda, cuda:1 (default cpu: a plan's bytes do not depend on the device, "
+                        "but which ops get an out= kernel does)")
+    p.add_argument("--train", action="store_true",
+                   help="the memory of one training step instead (forward, loss, backward, optimizer step) by kind, "
+                        "from a fake-tensor run; --plot draws bytes against the batch size")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="with --train (default adamw)")
+    p.add_argument("--budget", default=None, metavar="SIZE", type=budget_arg,
+                   help="with --train: the largest batch within it, "
+                   "and a line on the plot (e.g. 8GiB)")
+    p.add_argument("--all", action="store_true", help="list every tensor (default: the first 60)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise UsageError(f"--input: expected a shape of positive ints such as 1,3,224,224; found {text!r}")
+    return shape
+
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
+    """`memfit plan --train`: the training step's bytes by kind at the given batch, a plot, the largest batch."""
+    from memfit.budget import format_bytes, largest_fitting, parse_bytes
+    from memfit.planner.sizing import memory_model, plot_memory
+    model.train().to(args.device)
+    opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
+    example = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
+    mm = memory_model(model, example, train=True, optimizer=opt)
+    n = shapes[0][0]
+    budget = parse_bytes(args.budget) if args.budget else None
+    largest = largest_fitting(mm.total_bytes, budget, 2**31) if budget is not None else None
+    path = plot_memory(mm, args.plot, max(2 * n, 2 * (largest or 0), 8), budget) if args.plot else None
+    if args.json:
+        print(json.dumps({"batch": n, "total_bytes": mm.total_bytes(n), "breakdown": mm.breakdown(n),
+                          "method": mm.method, "largest_batch": largest, "plot": str(path) if path else None}))
+        return 0
+    print(f"{args.factory}: one training step with {args.optimizer}, loss = the output's .loss or the sum of "
+          f"the outputs, input {' and '.join(str(list(s)) for s in shapes)}")
+    print(mm.explain(n))
+    if budget is not None:
+        print(f"largest batch within {format_bytes(budget)}: {largest}")
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
+def cli_plan(argv: list[str]) -> int:
+    """Run `memfit plan` with `argv` (the arguments after 'plan'); returns the exit code."""
+    args = _parser().parse_args(argv)
+    shapes = [_shape(s) for s in args.input]
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"--dtype: expected a torch dtype name such as float32 or bfloat16; found {args.dtype!r}")
+    from memfit.planner.planned import plan
+    model = load_factory(args.factory)()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{args.factory} returned {type(model).__name__}; expected a torch.nn.Module")
+    if args.train:
+        return _train_report(args, model, shapes, dtype)
+    if args.budget:
+        raise UsageError("--budget goes with --train")
+    model.eval().to(args.device)
+    pm = plan(model, tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes),
+              algorithm=args.algorithm, inplace=not args.no_inplace, eager_where_cheaper=not args.all_in_arena)
+    rep = pm.report
+    path = rep.plot(args.plot) if args.plot else None
+    if args.json:
+        print(json.dumps({**rep.to_dict(), "plot": str(path) if path else None}))
+        return 0
+    print(f"{args.factory} with input {' and '.join(str(list(s)) for s in shapes)} (model put in eval mode)")
+    print(rep.summary())
+    print(rep.table(limit=None if args.all else 60).replace("(report.table(limit=None) lists all)",
+                                                            "(--all lists them all)"))
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_plan(sys.argv[1:]))
