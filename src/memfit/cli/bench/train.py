@@ -46,7 +46,7 @@ from memfit.accumulation import accumulate
 from memfit.batches import batch_tensors, forward
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import machine_header, median_time, spread_warning, sync, table
-from memfit.cli.bench.zoo import build
+from memfit.cli.bench.zoo import build, quiet_transformers
 from memfit.cli.options import device_arg
 from memfit.measure import optimizer_state, track_memory, unique_bytes
 
@@ -108,6 +108,7 @@ def hf_cases(seq: int = 64) -> list[Case]:
         import transformers as tf
     except ImportError:
         return []
+    quiet_transformers()
     vocab, classes = 1000, 10
     tokens = lambda n: {"input_ids": torch.randint(0, vocab, (n, seq), generator=_seeded(n)),
                         "attention_mask": torch.ones(n, seq, dtype=torch.long)}

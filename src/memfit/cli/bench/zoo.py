@@ -276,5 +276,13 @@ def build_real(name: str, quick: bool = False, seed: int = 0):
     if name not in REAL:
         raise ValueError(f"unknown real model {name!r}; expected one of {sorted(REAL)}")
     torch.manual_seed(seed)
+    quiet_transformers()
     model, make_input = REAL[name](quick)
     return model.eval(), make_input
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' config warnings (e.g. GPT-2's token ids outside a small test vocabulary):
+    they are about the random-weight configs built here, not about what a benchmark measures."""
+    import transformers
+    transformers.logging.set_verbosity_error()
