@@ -55,3 +55,11 @@ def test_a_busy_machine_is_reported_once_then_forgotten():
     warning = spread_warning()
     assert warning and "1 of 2 timings" in warning and "noisy" in warning and "busy" in warning
     assert spread_warning() is None
+
+
+def test_alternating_medians_runs_the_contenders_in_turn():
+    from memfit.cli.bench.common import alternating_medians
+    calls = []
+    out = alternating_medians({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeat=3, warmup=1)
+    assert calls == ["a", "b"] * 4                      # one warm-up round, then three timed rounds, in turn
+    assert set(out) == {"a", "b"} and all(v >= 0 for v in out.values())

@@ -66,6 +66,23 @@ def spread_warning(limit: float = SPREAD_LIMIT) -> str | None:
             "quiet machine")
 
 
+def alternating_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1,
+                        device: torch.device | str | None = None, what: str = "") -> dict[str, float]:
+    """Median seconds of each `fns[k]()`, the contenders run in turn in every round (after `warmup` rounds):
+    drift on a shared machine, and whatever one run leaves behind for the next (allocator state, caches,
+    clock boost), then hit all of them alike instead of whichever was timed second."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(warmup + repeat):
+        for k, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if r >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return {k: median(ts, f"{k} {what}".strip()) for k, ts in times.items()}
+
+
 def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
                 device: torch.device | str | None = None, what: str = "a timing") -> float:
     """Median seconds of `fn()` over `repeat` runs after `warmup` runs (spread noted, see `spread_warning`)."""

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, model_device, parse_bytes, resolve_device
-from memfit.cli.bench.common import machine_header, median_time, spread_warning, table
+from memfit.cli.bench.common import alternating_medians, machine_header, spread_warning, table
 from memfit.compact import CompactDataset
 from memfit.evaluation import evaluate
 from memfit.measure import held_bytes, track_memory
@@ -143,9 +143,10 @@ def size_sweep(dev: torch.device, sizes, repeat: int) -> list[dict]:
             t0 = time.perf_counter()
             r = go()
             first = time.perf_counter() - t0
-            t_mem = median_time(go, repeat=repeat, device=dev, what=f"evaluate {name} {m}")
             loop = lambda xt=xt, yt=yt, model=model: plain_loop(model, xt, yt)
-            t_plain = median_time(loop, repeat=repeat, device=dev, what=f"plain loop {name} {m}")
+            times = alternating_medians({"evaluate": go, "plain loop": loop}, repeat=repeat, device=dev,
+                                        what=f"{name} {m}")
+            t_mem, t_plain = times["evaluate"], times["plain loop"]
             assert r.metrics["accuracy"] == plain_loop(model, xt, yt), "evaluate and the plain loop disagree"
             rows.append({"model": name, "samples": m, "runner": r.runner, "chunk": r.chunk_size,
                          "first call s": first, "evaluate s": t_mem, "plain loop s": t_plain,
@@ -187,8 +188,8 @@ def run(n: int = 10_000, budgets=("8MiB", "16MiB", "32MiB"), repeat: int = 3, as
         return evaluate(model, ds, metrics=("accuracy",), budget="8GiB", device=dev, progress=False)
 
     res = chunked()
-    t_eager = median_time(eager, repeat=repeat, device=dev, what="eager whole set")
-    t_mem = median_time(chunked, repeat=repeat, device=dev, what="evaluate auto")
+    times = alternating_medians({"eager whole set": eager, "evaluate auto": chunked}, repeat=repeat, device=dev)
+    t_eager, t_mem = times["eager whole set"], times["evaluate auto"]
     speed = {"unchunked eager s": t_eager, "memfit auto s": t_mem, "auto chunk": res.chunk_size,
              "runner": res.runner.split(" ")[0], "throughput ratio": t_eager / t_mem}
     print("# everything fits (budget 8GiB): evaluate(auto) vs one eager model(x) over the float32 set")
