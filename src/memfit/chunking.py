@@ -118,11 +118,12 @@ def _measured_peak(model, runner, chunks: Chunks, sizes=(4, 16)) -> Callable[[in
     return lambda n: int(base + a + 1.1 * b * n)
 
 
-# Beyond about a thousand samples a chunk only holds more memory and runs slower on a CPU (its
-# activations leave the caches: a small transformer took 2.1x a loop of 512-sample batches in chunks of
-# 4,096, 0.98x in chunks of 1,024; a 4-layer CNN 1.14x vs 1.07x), and every GPU is saturated well below
-# it. chunk_size=int forces a larger one.
-MAX_AUTO_CHUNK = 1024
+# Beyond a few hundred samples a chunk only holds more memory and runs slower on a CPU (its activations
+# leave the caches): against a loop of 512-sample batches, a small transformer took 2.1x in chunks of
+# 4,096 and 1.23-1.26x in chunks of 1,024, a 4-layer CNN 1.08-1.11x in chunks of 1,024 (bench evaluate,
+# contenders timed in turn). Whether a GPU wants larger chunks is not measured here. chunk_size=int
+# forces a larger one.
+MAX_AUTO_CHUNK = 512
 
 
 @dataclass

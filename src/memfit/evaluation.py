@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memfit import chunking
 from memfit.batches import batch_len, batch_slice, batch_tensors, batch_to, forward
 from memfit.budget import (
     check_count,
@@ -121,7 +122,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         loss_reduction: 'mean' or 'sum': what a scalar-returning `loss_fn` does over a chunk.
         output_fn: picks the logits from the model's output; default rule (`memfit.metrics.logits_of`):
             a tensor; `.logits` of a ModelOutput; `["logits"]` of a dict; the first element of a tuple/list.
-        chunk_size: 'auto' (the largest that fits `budget`, at most MAX_AUTO_CHUNK = 1024 samples:
+        chunk_size: 'auto' (the largest that fits `budget`, at most MAX_AUTO_CHUNK = 512 samples:
             larger chunks run no faster) or an int.
         budget: bytes or a string like '1GiB': parameters, activations, the decoded chunk and outputs
             must fit. Default: the device's free memory minus a margin, plus the model's own bytes.
@@ -263,9 +264,10 @@ def _local_chunk_size(model, chunks, chunk_size, budget, dev, distributed, plann
                "run it, or chunk_size='auto' to size chunks from it)")
         return _forced(chunk_size, chunks.n), None, f"chunk_size {chunk_size} given{why}"
     if not distributed and _small(chunks, chunk_size, planned, budget):
-        return chunks.n, None, (f"one eager chunk of all {chunks.n} samples: a set this small (<= {SMALL_SET}) runs "
-                                "faster than capturing the model for the planner; out-of-memory back-off halves "
-                                "the chunk if needed")
+        size = min(chunks.n, chunking.MAX_AUTO_CHUNK)
+        what = f"one eager chunk of all {chunks.n} samples" if size == chunks.n else f"eager chunks of {size} samples"
+        return size, None, (f"{what}: a set this small (<= {SMALL_SET}) runs faster than capturing the model for "
+                            "the planner; out-of-memory back-off halves the chunk if needed")
     limit = _limit(model, budget, dev)
     small = not distributed and _small_set(chunks, chunk_size, planned)
     use = False if planned is False or small else (True if planned else None)
