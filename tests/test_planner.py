@@ -591,3 +591,31 @@ def test_an_op_writes_over_a_view_of_a_whole_allocation():
     with torch.no_grad():
         want = model(x)
     assert torch.equal(pm(x), want) and torch.equal(pm(x + 1), model(x + 1).detach())
+
+
+def test_same_layout_copies_alias_safely():
+    """A clone into the same layout (and eval dropout, which export makes a clone) is planned as the tensor
+    itself: an op may not then write over it while the original is still read, an output reached through a
+    view of it is the caller's own, and mutating it does not change the next call."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.drop = torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            h = torch.relu(self.lin(x) + 1)
+            c = h.clone()
+            y = torch.sigmoid(c)              # c dies here, but h (the same memory) is read below
+            return h * 2 + y, self.drop(h).view(-1), c.t()
+
+    torch.manual_seed(0)
+    model, x = M().eval(), torch.randn(8, 16)
+    with torch.no_grad():
+        ref = model(x)
+        pm = plan(model, (x,))
+        for _ in range(2):
+            out = pm(x)
+            for a, b in zip(ref, out, strict=True):
+                assert torch.equal(a, b)
+            out[1].add_(1)
+            out[2].mul_(0)
