@@ -521,7 +521,7 @@ def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_bud
     mod = Synced()
     x, y = data(10)
     oom_budget.budget = staticmethod(lambda n: n != 4)
-    step = accumulation._Step(mod, F.cross_entropy, x, y, 10, 1, torch.device("cpu"), sync_last=True)
+    step = accumulation._Step(mod, F.cross_entropy, x, y, 10, 10, 1, torch.device("cpu"), sync_last=True)
     with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
         step.run_range(0, 10, 6, frozenset(), 10)          # [0, 6) runs under no_sync, the last 4 fail
     assert step.retries == 0 and step.micro_batches == 1

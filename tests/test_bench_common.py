@@ -3,6 +3,7 @@ and a warning when repeated timings spread too much to be trusted."""
 import re
 import statistics
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,3 +64,22 @@ def test_alternating_medians_runs_the_contenders_in_turn():
     out = alternating_medians({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeat=3, warmup=1)
     assert calls == ["a", "b"] * 4                      # one warm-up round, then three timed rounds, in turn
     assert set(out) == {"a", "b"} and all(v >= 0 for v in out.values())
+
+
+def test_paired_ratio_divides_calls_made_back_to_back(monkeypatch):
+    """A busy stretch that starts between the two calls of a round and covers more calls of one contender than
+    of the other moves the medians apart; the median of the per-round ratios is unmoved (a fake clock makes the
+    times exact)."""
+    from memfit.cli.bench import common
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    calls = iter(range(10**6))
+    busy = {3, 4, 5, 6, 7}          # call 0, 1 warm up; then base, other alternate: the stretch starts at other
+
+    def run(seconds):
+        clock[0] += seconds * (5.0 if next(calls) in busy else 1.0)
+
+    t_base, t_other, ratio = common.paired_ratio(lambda: run(1.0), lambda: run(1.5), repeat=5, warmup=1)
+    assert ratio == pytest.approx(1.5)
+    assert (t_base, t_other) == (1.0, 7.5)          # the medians alone would say 7.5x
+    common.spread_warning()                         # the busy stretch was noted as spread: clear it for others

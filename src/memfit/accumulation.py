@@ -47,7 +47,6 @@ from memfit.budget import (
     is_oom,
     largest_fitting,
     model_device,
-    parse_bytes,
     release_cached,
     resolve_budget,
 )
@@ -256,9 +255,9 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
                f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(peak(n))} ({how})")
 
 
-def _auto_key(model, optimizer, x, n: int, budget) -> tuple:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)    # frozen layers need less
-    return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
+def _auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:
+    trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
+    return (id(optimizer), type(optimizer).__name__, trainable, n, budget,
             _signature(x))
 
 
@@ -297,7 +296,7 @@ def _received(params, marks) -> frozenset:
 @contextlib.contextmanager
 def _frozen(params: list[torch.nn.Parameter], ids: frozenset):
     """Parameters whose ids are in `ids` get no gradient inside (they already hold this part's)."""
-    changed = [p for p in params if id(p) in ids and p.requires_grad]
+    changed = [p for p in params if id(p) in ids and p.requires_grad] if ids else []
     for p in changed:
         p.requires_grad_(False)
     try:
@@ -310,12 +309,12 @@ def _frozen(params: list[torch.nn.Parameter], ids: frozenset):
 class _Step:
     """The state of one accumulated step: weights, loss sum, counts."""
 
-    def __init__(self, model, loss_fn, x, y, n_total: int, world: int, device, sync_last: bool):
-        self.model, self.loss_fn, self.x, self.y = model, loss_fn, x, y
+    def __init__(self, model, loss_fn, x, y, n: int, n_total: int, world: int, device, sync_last: bool):
+        self.model, self.loss_fn, self.x, self.y, self.n = model, loss_fn, x, y, n
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.scale = world / n_total            # DDP averages over ranks: world * m / N_total is m / N_total
+        self.world, self.n_total = world, n_total   # DDP averages over ranks: world * m / N_total is m / N_total
         self.device, self.sync_last = device, sync_last
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.parts: list[tuple[torch.Tensor, int]] = []
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
         self.autocast = self._autocast_type()
 
@@ -352,7 +351,9 @@ class _Step:
         return None, frozenset()
 
     def _run(self, s: int, e: int) -> None:
-        xs, ys = _slice(self.x, s, e, self.device), _slice(self.y, s, e, self.device)
+        whole = s == 0 and e == self.n          # the batch itself: no views to make
+        xs = batch_to(self.x, self.device) if whole else _slice(self.x, s, e, self.device)
+        ys = batch_to(self.y, self.device) if whole else _slice(self.y, s, e, self.device)
         loss = self.loss_fn(forward(self.model, xs), ys)
         m = e - s
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
@@ -360,16 +361,18 @@ class _Step:
             raise ValueError(f"loss_fn must return the mean loss over the micro-batch (a scalar tensor) or one loss "
                              f"per sample (shape ({m},)); found "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
-        # per-sample losses are summed; a mean counts m times: either way this part's share of the batch
-        part = loss.sum() if per_sample else loss.reshape(()) * m
+        # per-sample losses are summed; a mean counts m times: either way this part's share of the batch,
+        # scaled in one multiplication (none when the part is the whole batch)
+        part, count = (loss.sum(), 1) if per_sample else (loss if loss.dim() == 0 else loss.reshape(()), m)
         if part.requires_grad:       # not when every parameter is frozen (they all hold this part already)
-            weighted = part * self.scale
+            weight = count * self.world / self.n_total
+            weighted = part if weight == 1 else part * weight
             if self.autocast is not None:        # backward outside autocast, as torch.amp recommends
                 with torch.autocast(self.autocast, enabled=False):
                     weighted.backward()
             else:
                 weighted.backward()
-        self.loss_sum += part.detach().double()
+        self.parts.append((part.detach(), count))     # summed once at the end: no device sync per micro-batch
         self.micro_batches += 1
 
     def run_range(self, s: int, e: int, size: int, frozen: frozenset, n: int) -> int:
@@ -451,26 +454,27 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     if world > 1:               # the global sample count weights every rank's micro-batches
         from memfit.distributed import all_reduce
         n_total = int(all_reduce(torch.tensor([n], dtype=torch.int64), what="accumulate sample count"))
+    step = _Step(model, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1)
     if micro_batch == "auto":
-        key = _auto_key(model, optimizer, x, n, budget)
+        key = _auto_key(step.params, optimizer, x, n, budget)
         size, reason = _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key)
     else:
         size, reason = min(micro_batch, n), "micro_batch given"
     optimizer.zero_grad(set_to_none=True)
-    step = _Step(model, loss_fn, x, y, n_total, world, device, sync_last=world > 1)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
-        p.grad = None
+        if p.grad is not None:
+            p.grad = None
     final = step.run_range(0, n, size, frozenset(), n)
     optimizer.step()
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
         chosen = _CHOSEN.get(model, {})
         if key in chosen:
             chosen[key] = (final, f"{chosen[key][1]}; lowered to {final} after an out-of-memory error")
-    loss_sum = step.loss_sum
+    loss_sum = math.fsum(float(part) * count for part, count in step.parts)
     if world > 1:
         from memfit.distributed import all_reduce
-        loss_sum = all_reduce(loss_sum.cpu(), what="accumulate loss")
-    res = StepResult(float(loss_sum) / n_total, n, size, final, step.micro_batches, step.retries, reason,
+        loss_sum = float(all_reduce(torch.tensor(loss_sum, dtype=torch.float64), what="accumulate loss"))
+    res = StepResult(loss_sum / n_total, n, size, final, step.micro_batches, step.retries, reason,
                      time.perf_counter() - t0, step.oom_sizes)
     log.info("accumulate: micro-batch %d: %s", size, reason)
     return res

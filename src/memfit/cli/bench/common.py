@@ -66,11 +66,9 @@ def spread_warning(limit: float = SPREAD_LIMIT) -> str | None:
             "quiet machine")
 
 
-def alternating_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1,
-                        device: torch.device | str | None = None, what: str = "") -> dict[str, float]:
-    """Median seconds of each `fns[k]()`, the contenders run in turn in every round (after `warmup` rounds):
-    drift on a shared machine, and whatever one run leaves behind for the next (allocator state, caches,
-    clock boost), then hit all of them alike instead of whichever was timed second."""
+def _in_turn(fns: dict[str, Callable[[], object]], repeat: int, warmup: int,
+             device: torch.device | str | None) -> dict[str, list[float]]:
+    """Seconds of every timed call of each `fns[k]()`, the contenders run in turn in every round."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(warmup + repeat):
         for k, fn in fns.items():
@@ -80,7 +78,30 @@ def alternating_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 5
             sync(device)
             if r >= warmup:
                 times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def alternating_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1,
+                        device: torch.device | str | None = None, what: str = "") -> dict[str, float]:
+    """Median seconds of each `fns[k]()`, the contenders run in turn in every round (after `warmup` rounds):
+    drift on a shared machine, and whatever one run leaves behind for the next (allocator state, caches,
+    clock boost), then hit all of them alike instead of whichever was timed second."""
+    times = _in_turn(fns, repeat, warmup, device)
     return {k: median(ts, f"{k} {what}".strip()) for k, ts in times.items()}
+
+
+def paired_ratio(base: Callable[[], object], other: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
+                 device: torch.device | str | None = None, what: str = "") -> tuple[float, float, float]:
+    """(median seconds of base, of other, median over rounds of other / base), the two called in turn.
+
+    The ratio of two calls made back to back sees the same machine: a busy phase that slows a whole stretch
+    of rounds (another process, a clock change) cancels out of each round's ratio, where it shifts the two
+    medians by different amounts when it falls on more calls of one than of the other."""
+    times = _in_turn({"base": base, "other": other}, repeat, warmup, device)
+    ratios = [o / b for b, o in zip(times["base"], times["other"], strict=True)]
+    median(ratios, f"{what} ratio".strip())
+    return (median(times["base"], f"{what} base".strip()), median(times["other"], f"{what} other".strip()),
+            statistics.median(ratios))
 
 
 def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, model_device, parse_bytes, resolve_device
-from memfit.cli.bench.common import alternating_medians, machine_header, spread_warning, table
+from memfit.cli.bench.common import alternating_medians, machine_header, paired_ratio, spread_warning, table
 from memfit.compact import CompactDataset
 from memfit.evaluation import evaluate
 from memfit.measure import held_bytes, track_memory
@@ -144,13 +144,12 @@ def size_sweep(dev: torch.device, sizes, repeat: int) -> list[dict]:
             r = go()
             first = time.perf_counter() - t0
             loop = lambda xt=xt, yt=yt, model=model: plain_loop(model, xt, yt)
-            times = alternating_medians({"evaluate": go, "plain loop": loop}, repeat=repeat, device=dev,
-                                        what=f"{name} {m}")
-            t_mem, t_plain = times["evaluate"], times["plain loop"]
+            t_plain, t_mem, ratio = paired_ratio(loop, go, repeat=repeat, device=dev,
+                                                 what=f"{name} {m} evaluate / plain loop")
             assert r.metrics["accuracy"] == plain_loop(model, xt, yt), "evaluate and the plain loop disagree"
             rows.append({"model": name, "samples": m, "runner": r.runner, "chunk": r.chunk_size,
                          "first call s": first, "evaluate s": t_mem, "plain loop s": t_plain,
-                         "evaluate / plain": t_mem / t_plain})
+                         "evaluate / plain": ratio})
     return rows
 
 

@@ -5,7 +5,7 @@ For every model and batch size: naive bytes (every planned tensor its own region
 peak (live tensor bytes of eager PyTorch under `torch.inference_mode`, tracked op by op), the
 planned arena, the lower bound (most bytes live at one op), the unplanned bytes the planned run
 still allocates (measured the same way as eager), and the latency of both, side by side in one
-process (interleaved medians after warm-up). Real models are captured once and planned at both
+process (eager and planned called in turn, medians after warm-up). Real models are captured once and planned at both
 batch sizes from that one capture.
 
 Run:
@@ -27,7 +27,15 @@ import torch
 
 from memfit import plan
 from memfit.budget import format_bytes
-from memfit.cli.bench.common import machine_header, median_time, spread_warning, sync, table, to_csv
+from memfit.cli.bench.common import (
+    machine_header,
+    median_time,
+    paired_ratio,
+    spread_warning,
+    sync,
+    table,
+    to_csv,
+)
 from memfit.cli.bench.zoo import MODELS, build
 from memfit.measure import track_memory
 from memfit.messages import first_line, whole_words
@@ -62,23 +70,21 @@ def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> d
         rep = pm.report
         eager_peak = _peak(model, x)
         outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
-        # fast models need many repeats for a stable median: at least ~0.3 s of calls per measurement
+        # fast models need many rounds for a stable median: at least ~0.5 s of calls of each, and 3x `repeat`
         once = median_time(lambda: model(x), repeat=1, device=dev)
-        reps = max(repeat, min(1000, int(0.3 / max(once, 1e-6))))
-        t_eager, t_planned = [], []
-        for _ in range(2):                   # interleaved, so drift in the machine hits both alike
-            t_eager.append(median_time(lambda: model(x), repeat=reps, warmup=1, device=dev,
-                                       what=f"{name} batch {batch} eager"))
-            t_planned.append(median_time(lambda: pm(x), repeat=reps, warmup=1, device=dev,
-                                         what=f"{name} batch {batch} planned"))
+        reps = max(3 * repeat, min(1000, int(0.5 / max(once, 1e-6))))
+        # eager and planned in turn, call by call: drift in the machine, and whatever one call leaves for
+        # the next, hit both alike (timed in two blocks, the block run second was faster on a shared VM)
+        t_eager, t_planned, ratio = paired_ratio(lambda: model(x), lambda: pm(x), repeat=reps, warmup=2,
+                                                 device=dev, what=f"{name} batch {batch} planned / eager")
     planned_total = rep.arena_bytes + outside
     return {
         "model": name, "batch": batch, "naive": rep.naive_bytes, "eager_peak": eager_peak,
         "arena": rep.arena_bytes, "bound": rep.lower_bound, "arena/bound": rep.arena_bytes / max(rep.lower_bound, 1),
         "naive/arena": rep.naive_bytes / max(rep.arena_bytes, 1), "unplanned": outside,
         "planned_total": planned_total, "total/eager": planned_total / max(eager_peak, 1),
-        "eager_ms": 1e3 * min(t_eager), "planned_ms": 1e3 * min(t_planned),
-        "latency_ratio": min(t_planned) / min(t_eager), "plan_s": plan_s, "captures": len(pm.captures),
+        "eager_ms": 1e3 * t_eager, "planned_ms": 1e3 * t_planned, "latency_ratio": ratio, "plan_s": plan_s,
+        "captures": len(pm.captures),
         "unplanned_ops": ", ".join(f"{k} x{v}" for k, v in sorted(rep.unplanned_ops.items())),
     }
 

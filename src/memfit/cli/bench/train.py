@@ -20,7 +20,7 @@ capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, tw
    one) against one plain full-batch step: the largest gradient difference relative to each tensor's
    largest gradient, floored at 1e-3 of the model's largest (target <= 1e-4: float32 reassociation);
    and the step time of accumulate at the auto micro-batch under a budget the whole batch fits
-   against the plain step, fastest of interleaved runs (target >= 0.9x).
+   against the plain step: the two called in turn, the median over rounds of their ratio (target >= 0.9x).
    BatchNorm is put in eval mode for this row (accumulate refuses batch statistics), dropout is 0.
 
 Run:
@@ -45,7 +45,7 @@ from torch.nn import functional as F
 from memfit.accumulation import accumulate
 from memfit.batches import batch_tensors, forward
 from memfit.budget import format_bytes
-from memfit.cli.bench.common import machine_header, median_time, spread_warning, sync, table
+from memfit.cli.bench.common import machine_header, median_time, paired_ratio, spread_warning, table
 from memfit.cli.bench.zoo import build, quiet_transformers
 from memfit.cli.options import device_arg
 from memfit.measure import optimizer_state, track_memory, unique_bytes
@@ -322,23 +322,6 @@ def _bn_eval(model):
     return model
 
 
-def interleaved_min(a: Callable, b: Callable, repeat: int, device=None) -> tuple[float, float]:
-    """Fastest of at least `repeat` runs of each (more for fast steps: about 0.5 s of calls), alternating a, b:
-    drift in a shared machine hits both alike and the minimum is the run least disturbed by it."""
-    ta, tb = [], []
-    rounds = repeat
-    while len(ta) < rounds:
-        for fn, ts in ((a, ta), (b, tb)):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            ts.append(time.perf_counter() - t0)
-        if len(ta) == 1:
-            rounds = max(repeat, min(50, int(0.5 / max(ta[0] + tb[0], 1e-6))))
-    return min(ta), min(tb)
-
-
 def grad_rel_error(ref, mod) -> float:
     """Largest |difference| of a gradient relative to that tensor's largest |gradient|, floored at 1e-3 of the
     model's largest: an attention key bias has a zero true gradient (softmax ignores a constant added to
@@ -362,12 +345,16 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
     budget = "1TiB"           # the whole batch fits: auto must choose it and cost nothing extra
     mode = "auto" if auto else n
     r = accumulate(mod, opt, (x, y), case.loss, budget=budget, micro_batch=mode)      # warm (and chooses)
-    t_plain, t_acc = interleaved_min(lambda: plain_step(ref, ref_opt, x, y, case.loss),
-                                     lambda: accumulate(mod, opt, (x, y), case.loss, budget=budget, micro_batch=mode),
-                                     repeat, next(ref.parameters()).device)
+    dev = next(ref.parameters()).device
+    plain = lambda: plain_step(ref, ref_opt, x, y, case.loss)
+    acc = lambda: accumulate(mod, opt, (x, y), case.loss, budget=budget, micro_batch=mode)
+    once = median_time(plain, repeat=1, device=dev)
+    rounds = max(repeat, min(200, int(0.5 / max(once, 1e-6))))       # about 0.5 s of plain steps, at least `repeat`
+    t_plain, t_acc, ratio = paired_ratio(plain, acc, repeat=rounds, warmup=2, device=dev,
+                                         what=f"{case.name} accumulate / plain")
     return {"model": case.name, "batch": n, "micro": f"{micro} ({-(-n // micro)} parts)", "grad rel err": rel,
             "auto micro": r.micro_batch if auto else f"{n} (given: no memory model)", "plain s": t_plain,
-            "accumulate s": t_acc, "plain/accumulate": t_plain / t_acc}
+            "accumulate s": t_acc, "plain/accumulate": 1 / ratio}
 
 
 def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = False, models=None,
