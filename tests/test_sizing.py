@@ -5,8 +5,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
-from hypothesis import strategies as st
 from torch import nn
 
 import memfit
@@ -56,13 +54,6 @@ def test_several_inputs_use_the_fake_forward_and_hold_for_eager():
             del out
         real = sum(p.nbytes for p in model.parameters()) + x.nbytes + z.nbytes + mem.peak
         assert 1.0 <= mm.total_bytes(n) / real <= 1.05
-
-
-@given(st.integers(0, 10**6), st.integers(0, 5000), st.integers(1, 300), st.integers(1, 2000))
-def test_largest_fitting_is_the_brute_force_boundary(budget, a, b, upper):
-    peak = lambda n: a + b * n + (n * n) // 7           # any non-decreasing function
-    expected = max((n for n in range(1, upper + 1) if peak(n) <= budget), default=0)
-    assert largest_fitting(peak, budget, upper) == expected
 
 
 def test_nothing_fits_raises_budget_exceeded_naming_what_is_needed():

@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import gc
 import operator
+import threading
 import warnings
 import weakref
 from collections import defaultdict
@@ -587,6 +588,9 @@ def _with_step(r: _Run, full: _Run) -> _Run:
 
 
 # ---- the model -----------------------------------------------------------------------------------
+_PENDING_LOCK = threading.Lock()
+
+
 @dataclass
 class StepMemoryModel:
     """Bytes of one training step (or a forward) at any batch size n, from fake-tensor runs at small sizes.
@@ -607,8 +611,16 @@ class StepMemoryModel:
     _ends: dict[str, int]
     _measured: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) where probed exactly
     _c: np.ndarray | None = None                      # (ops, kinds): + c*n^2 where sizes grow faster than n
+    _pending_one: Callable[[], np.ndarray | None] | None = None   # batch 1's exact run, made on first use
 
     def _peak(self, n: int) -> tuple[int, np.ndarray]:
+        if n == 1 and self._pending_one is not None:
+            with _PENDING_LOCK:                       # two threads asking at once: one run
+                if self._pending_one is not None:
+                    exact = self._pending_one()
+                    if exact is not None:
+                        self._measured[1] = exact
+                    self._pending_one = None
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
         if n in self._measured and self._measured[n].shape == live.shape:
             live = np.maximum(live, self._measured[n])
@@ -765,7 +777,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
 
     once = train and optimizer is not None            # the optimizer step runs at batch 4 only
 
-    def run(n: int) -> _Run:
+    def run(n: int, model: torch.nn.Module) -> _Run:      # the model passed in: a later run holds no reference
         try:
             r = _run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
                      autocast=autocast, device=dev, mode=mode, fakes=fakes, step=not once or n == 4)
@@ -781,33 +793,26 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
                 "values") from e
         return _with_step(r, runs[4]) if once and n != 4 else r
 
-    runs = {4: run(4)}
-    runs[1] = run(1)
+    runs = {4: run(4, model)}
+    runs[2] = run(2, model)
     what = "one training step" if train else "one forward"
     measured = {}
     c = None
-    cheap = _proportional(runs[1], 1, runs[4], 4)    # two runs, every storage the same size in both or 4x
-    if not cheap:
-        runs[2] = run(2)
-    if cheap:
-        a, b = _affine(runs, 1, 4)
-        how = "affine per op and kind from sizes 1 and 4 (every storage the same size in both, or 4 times as large)"
-    elif runs[2].ops == runs[4].ops and _proportional(runs[2], 2, runs[4], 4):
+    pending = None
+    proportional = _proportional(runs[2], 2, runs[4], 4)     # every storage the same size in both or 2x
+    if not proportional:
+        runs[1] = run(1, model)
+    if proportional:
         a, b = _affine(runs, 2, 4)
-        how = "affine per op and kind from sizes 2 and 4 (every storage the same size in both, or twice as large)"
-        if runs[1].ops != runs[2].ops:
-            measured[1] = runs[1].live
-            how += "; batch 1 runs other ops and is its own exact run"
-        elif not np.array_equal(a + b, runs[1].live):
-            measured[1] = runs[1].live
-            how += "; batch 1 is its own exact run"
-        else:
-            how += ", exact at 1"
+        how = ("affine per op and kind from sizes 2 and 4 (every storage the same size in both, or twice as "
+               "large); batch 1, where a broadcast over the batch may run other ops, has its own exact run, "
+               "made when batch 1 is first asked for")
+        pending = _batch_one(model, run, runs[2].ops, a + b, a + 2 * b)
     elif runs[2].ops == runs[4].ops:
         a, b = _affine(runs, 2, 4)
         check = 1 if runs[1].ops == runs[2].ops else 8
         if check == 8:
-            runs[8] = run(8)
+            runs[8] = run(8, model)
             measured[1] = runs[1].live
         same = runs[check].ops == runs[2].ops
         if same and np.array_equal(a + b * check, runs[check].live):
@@ -816,7 +821,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
             # some size grows faster than the batch (an n x n similarity matrix, say): a quadratic per op from
             # 2, 4 and 8, checked at a fourth size
             for n in (8, 16):
-                runs[n] = runs[n] if n in runs else run(n)
+                runs[n] = runs[n] if n in runs else run(n, model)
             check = 1 if runs[1].ops == runs[2].ops else 16
             if all(runs[n].ops == runs[2].ops for n in (4, 8, check)):
                 a, b, c = _quadratic(runs, 2, 4, 8)
@@ -831,7 +836,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         if runs[1].ops != runs[2].ops:
             how += "; batch 1 runs other ops and is its own exact run"
     else:
-        runs[8] = run(8)
+        runs[8] = run(8, model)
         peaks = [(n, runs[n].live.sum(axis=1).max()) for n in sorted(runs)]
         slope = max(max((p2 - p1) / (n2 - n1) for (n1, p1), (n2, p2) in zip(peaks, peaks[1:], strict=False)), 0)
         top = max(p - slope * n for n, p in peaks)
@@ -853,4 +858,33 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
                       "pick with memfit.planner.footprint.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
-                           runs[4].phase_ends, measured, c)
+                           runs[4].phase_ends, measured, c, pending)
+
+
+def _batch_one(model, run: Callable, ops: list, line_at_1: np.ndarray, at_2: np.ndarray) -> Callable:
+    """A function giving batch 1's live bytes per op and kind where they are not the line's (None where the line
+    is exact at 1), from a fake run made when it is called: batch 1 is rarely asked for, and running it costs
+    as much as any probe. The model is held weakly and run in the train/eval modes it had here; when it is
+    gone (or its modules changed) batch 2's bytes stand in for batch 1's, never below them."""
+    ref = weakref.ref(model)
+    flags = [m.training for m in model.modules()]
+    name = type(model).__name__
+
+    def exact() -> np.ndarray | None:
+        m = ref()
+        modules = list(m.modules()) if m is not None else []
+        if m is None or len(modules) != len(flags):
+            warnings.warn(f"the memory of {name} at batch 1 is an upper bound (its bytes at batch 2), not exact: the "
+                          "model was deleted or changed before batch 1 was asked for, and batch 1 needs a fake run "
+                          "of its own; keep the model alive to get the exact figure", stacklevel=4)
+            return at_2
+        now = [x.training for x in modules]
+        try:
+            for x, f in zip(modules, flags, strict=True):
+                x.training = f
+            r = run(1, m)
+        finally:
+            for x, f in zip(modules, now, strict=True):
+                x.training = f
+        return None if r.ops == ops and np.array_equal(line_at_1, r.live) else r.live
+    return exact

@@ -142,6 +142,9 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     placements (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
     no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
     (`memfit.planner.footprint`), which allocates nothing and leaves the model and optimizer as they were.
+    The fake runs are at batch 4 and 2 (more when the bytes are not affine in the batch); batch 1, where a
+    broadcast over the batch can run other ops, gets its own run the first time it is asked for, so keep the
+    model alive until then (after it is deleted batch 2's bytes stand in, with a warning).
 
     Args:
         model: the module (on its own device).
