@@ -83,3 +83,12 @@ def test_paired_ratio_divides_calls_made_back_to_back(monkeypatch):
     assert ratio == pytest.approx(1.5)
     assert (t_base, t_other) == (1.0, 7.5)          # the medians alone would say 7.5x
     common.spread_warning()                         # the busy stretch was noted as spread: clear it for others
+
+
+def test_a_model_measured_in_its_own_process_brings_its_timing_spreads_back():
+    from memfit.cli.bench import common
+    from memfit.cli.bench.planner import _in_own_process
+    spread_warning()
+    assert _in_own_process(common.median, [1.0, 3.0], "a child timing") == 2.0      # spread (3 - 1) / 2
+    warning = spread_warning()
+    assert warning and "a child timing" in warning

@@ -619,3 +619,43 @@ def test_same_layout_copies_alias_safely():
                 assert torch.equal(a, b)
             out[1].add_(1)
             out[2].mul_(0)
+
+
+def test_an_op_whose_kernel_gives_other_strides_than_the_graph_runs_eagerly(monkeypatch):
+    """An arena view gets the strides of the graph's metadata; where the real kernel gives its output other
+    strides, writing it into the view would go through the kernel's own layout, so the op runs eagerly (with
+    the reason in the report). Real kernels agree with the metadata on every model we know of, so the check
+    is shown by making the example run report a transposed layout for the first add."""
+    from torch.fx import Interpreter
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32)).eval()
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = model
+
+        def forward(self, x):
+            h = self.body(x)
+            return torch.sigmoid(h + h * 2) * 3
+
+    net = Residual().eval()
+    x = torch.randn(6, 16)
+    assert plan(net, (x,)).captures[0].kernel_layouts == {}          # real kernels agree with the metadata
+    real_run_node = Interpreter.run_node
+
+    def transposed_add(self, node):
+        out = real_run_node(self, node)
+        if node.op == "call_function" and node.target is torch.ops.aten.add.Tensor:
+            return out.t().contiguous().t()                          # same values, column-major
+        return out
+    monkeypatch.setattr(Interpreter, "run_node", transposed_add)
+    pm = plan(net, (x,))
+    cap = pm.captures[0]
+    # the add, and the ops after it that keep its input's layout (mul, sigmoid, as real kernels do)
+    assert any(k.startswith("add") for k in cap.kernel_layouts)
+    assert all("strides" in why for why in cap.kernel_layouts.values())
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(pm(x), net(x))
+    assert "add" in pm.report.unplanned_ops and "strides" in pm.report.unplanned_reasons["add"]

@@ -1,5 +1,6 @@
 """The planner on real architectures from `transformers` configs (random weights, tiny sizes, no
-download): outputs equal eager, one capture serves two batch sizes, every unplanned op has a reason."""
+download): outputs equal eager, one capture serves two batch sizes, every unplanned op has a reason, and
+every op's kernel gives the strides the arena gives its output."""
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ def test_real_model_planned_equals_eager_at_two_batch_sizes_from_one_capture(nam
         with torch.no_grad():
             torch.testing.assert_close(pm(x), model(x), rtol=1e-5, atol=1e-5)
     assert len(pm.captures) == 1 and pm.captures[0].dynamic
+    assert pm.captures[0].kernel_layouts == {}          # every arena view has the strides its kernel gives
     rep = pm.report
     assert rep.lower_bound <= rep.arena_bytes <= 1.02 * rep.lower_bound
     assert set(rep.unplanned_reasons) == set(rep.unplanned_ops) and all(rep.unplanned_reasons.values())
