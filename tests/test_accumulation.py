@@ -444,6 +444,8 @@ def test_usage_errors_say_what_was_expected():
         accumulate(mod, opt, (x, y), lambda o, t: o, micro_batch=2)
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=2, distributed=True)
+    with pytest.raises(ValueError, match="no parameters: there is nothing to train"):
+        accumulate(nn.Identity(), opt, (x, y), F.mse_loss, micro_batch=2)
 
 
 # ---- two processes ------------------------------------------------------------------------------------------
@@ -521,7 +523,8 @@ def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_bud
     mod = Synced()
     x, y = data(10)
     oom_budget.budget = staticmethod(lambda n: n != 4)
-    step = accumulation._Step(mod, F.cross_entropy, x, y, 10, 10, 1, torch.device("cpu"), sync_last=True)
+    step = accumulation._Step(mod, list(mod.parameters()), F.cross_entropy, x, y, 10, 10, 1, torch.device("cpu"),
+                              sync_last=True)
     with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
         step.run_range(0, 10, 6, frozenset(), 10)          # [0, 6) runs under no_sync, the last 4 fail
     assert step.retries == 0 and step.micro_batches == 1

@@ -122,6 +122,9 @@ def batch_dependent_modules(model: torch.nn.Module) -> list[str]:
         >>> batch_dependent_modules(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)))
         ['1 (BatchNorm1d): normalises by the statistics of the batch it sees']
     """
+    kinds = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+    if not any(m.training and isinstance(m, kinds) for m in model.modules()):    # the usual case, once a step
+        return []
     out = []
     for name, m in model.named_modules():
         if not m.training:
@@ -309,9 +312,9 @@ def _frozen(params: list[torch.nn.Parameter], ids: frozenset):
 class _Step:
     """The state of one accumulated step: weights, loss sum, counts."""
 
-    def __init__(self, model, loss_fn, x, y, n: int, n_total: int, world: int, device, sync_last: bool):
+    def __init__(self, model, params, loss_fn, x, y, n: int, n_total: int, world: int, device, sync_last: bool):
         self.model, self.loss_fn, self.x, self.y, self.n = model, loss_fn, x, y, n
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in params if p.requires_grad]
         self.world, self.n_total = world, n_total   # DDP averages over ranks: world * m / N_total is m / N_total
         self.device, self.sync_last = device, sync_last
         self.parts: list[tuple[torch.Tensor, int]] = []
@@ -449,12 +452,15 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     _check_batch_dependence(model, allow_batch_dependent)
     x, y = batch
     n = _batch_size(x, y)
-    device = _trained_device(model)
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("the model has no parameters: there is nothing to train")
+    device = params[0].device               # as memfit.budget.model_device
     n_total = n
     if world > 1:               # the global sample count weights every rank's micro-batches
         from memfit.distributed import all_reduce
         n_total = int(all_reduce(torch.tensor([n], dtype=torch.int64), what="accumulate sample count"))
-    step = _Step(model, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1)
+    step = _Step(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1)
     if micro_batch == "auto":
         key = _auto_key(step.params, optimizer, x, n, budget)
         size, reason = _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key)
