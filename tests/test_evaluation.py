@@ -207,6 +207,11 @@ def test_model_mode_is_restored():
     with pytest.raises(ValueError):
         evaluate(model, (x, y + 100), chunk_size=10, device="cpu", progress=False)
     assert model.training                                      # restored after an error too
+    frozen = list(model.modules())[1]
+    frozen.eval()                                              # a frozen part of a model in training
+    modes = [m.training for m in model.modules()]
+    evaluate(model, (x, y), chunk_size=10, device="cpu", progress=False)
+    assert [m.training for m in model.modules()] == modes and model.training and not frozen.training
 
 
 def test_dropout_and_batchnorm_run_in_eval_mode():

@@ -142,12 +142,15 @@ class BudgetExceeded(MemoryError):
         self.needed, self.budget, self.items = needed, budget, list(items)
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    """The device of the model's first parameter, else of its first buffer; the CPU for a model with neither."""
+_CPU = torch.device("cpu")
+
+
+def model_device(model: torch.nn.Module, default: torch.device | None = _CPU) -> torch.device | None:
+    """The device of the model's first parameter, else of its first buffer; `default` for a model with neither."""
     t = next(iter(model.parameters()), None)
     if t is None:
         t = next(iter(model.buffers()), None)
-    return t.device if t is not None else torch.device("cpu")
+    return t.device if t is not None else default
 
 
 def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:

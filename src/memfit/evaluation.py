@@ -153,8 +153,9 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         if not mdist.is_distributed():
             raise ValueError("distributed=True needs an initialised torch.distributed process group "
                              "(start with torchrun, or call init_process_group first)")
-    was_training = model.training
-    model.eval()
+    modes = [(m, m.training) for m in model.modules()]       # each module's own mode comes back afterwards
+    if any(training for _, training in modes):
+        model.eval()
     error, res, runner, runner_name = None, None, model, "eager"
     try:
         chunks = _local_chunks(data, dev) if distributed else as_chunks(data, dev)
@@ -174,7 +175,9 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
             raise
         error = e
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            if m.training != training:
+                m.training = training
         if runner is not model:
             from memfit.planner.cache import give_back
             give_back(runner)       # the arena is freed now; the plans stay for the next call
@@ -303,8 +306,7 @@ def _forced(chunk_size, n: int) -> int:
 def _model_device(model, device) -> torch.device:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; found {type(model).__name__}")
-    has_tensors = next(iter([*model.parameters(), *model.buffers()]), None) is not None
-    have = model_device(model) if has_tensors else None
+    have = model_device(model, default=None)
     dev = resolve_device(device if device is not None else have)
     if have is not None and have != dev and not (have.type == dev.type == "cuda" and have.index == dev.index):
         raise ValueError(f"the model is on {have} but device={str(dev)!r}; move it with model.to('{dev}') "
