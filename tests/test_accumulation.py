@@ -448,6 +448,16 @@ def test_usage_errors_say_what_was_expected():
         accumulate(nn.Identity(), opt, (x, y), F.mse_loss, micro_batch=2)
 
 
+def test_infinite_losses_of_opposite_sign_give_a_nan_loss_not_an_error_after_the_step():
+    mod = make("mlp")
+    opt = torch.optim.SGD(mod.parameters(), lr=0.0)
+    x, y = data(4)
+    signs = iter([1.0, -1.0])
+    r = accumulate(mod, opt, (x, y), lambda o, t: F.cross_entropy(o, t) * 0 + next(signs) * float("inf"),
+                   micro_batch=2)
+    assert r.micro_batches == 2 and r.loss != r.loss          # nan: +inf and -inf, as a float sum gives
+
+
 # ---- two processes ------------------------------------------------------------------------------------------
 SIZES = (7, 4)                 # uneven batches on the two ranks
 

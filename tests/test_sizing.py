@@ -12,7 +12,8 @@ from memfit import plan
 from memfit.budget import largest_fitting
 from memfit.cli.bench.zoo import build
 from memfit.measure import track_memory
-from memfit.planner.footprint import StepMemoryModel, measure_step
+from memfit.planner.fake_step import measure_step
+from memfit.planner.footprint import StepMemoryModel
 from memfit.planner.sizing import MemoryModel
 
 

@@ -46,7 +46,7 @@ from memfit.budget import (
     format_bytes,
     is_oom,
     largest_fitting,
-    model_device,
+    parse_bytes,
     release_cached,
     resolve_budget,
 )
@@ -180,10 +180,11 @@ def _check_distributed(model, distributed: bool) -> int:
     return torch.distributed.get_world_size()
 
 
-def _trained_device(model) -> torch.device:
-    if next(iter(model.parameters()), None) is None:
+def _trained_device(params: list[torch.nn.Parameter]) -> torch.device:
+    """The device of the first parameter (as `memfit.budget.model_device`); a model without any is an error."""
+    if not params:
         raise ValueError("the model has no parameters: there is nothing to train")
-    return model_device(model)
+    return params[0].device
 
 
 # ---- micro-batch size -------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     from memfit.planner.sizing import memory_model  # train=True: one training step on fake tensors
     ddp = isinstance(model, _ddp_class())
     module = model.module if ddp else model
-    device, n = _trained_device(model), _batch_size(x, y)
+    device, n = _trained_device(list(model.parameters())), _batch_size(x, y)
     k = min(2, n)
     # The fake run counts lazily created optimizer state as held from the start, so an optimizer without
     # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
@@ -260,7 +261,7 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
 
 def _auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:
     trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
-    return (id(optimizer), type(optimizer).__name__, trainable, n, budget,
+    return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
             _signature(x))
 
 
@@ -317,7 +318,7 @@ class _Step:
         self.params = [p for p in params if p.requires_grad]
         self.world, self.n_total = world, n_total   # DDP averages over ranks: world * m / N_total is m / N_total
         self.device, self.sync_last = device, sync_last
-        self.parts: list[tuple[torch.Tensor, int]] = []
+        self.loss_sum: torch.Tensor | None = None
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
         self.autocast = self._autocast_type()
 
@@ -375,7 +376,9 @@ class _Step:
                     weighted.backward()
             else:
                 weighted.backward()
-        self.parts.append((part.detach(), count))     # summed once at the end: no device sync per micro-batch
+        # a float64 copy (a scalar loss may be a view of an input-sized buffer), summed on the device: read once
+        share = part.detach().double() * count if count != 1 else part.detach().double()
+        self.loss_sum = share if self.loss_sum is None else self.loss_sum + share
         self.micro_batches += 1
 
     def run_range(self, s: int, e: int, size: int, frozen: frozenset, n: int) -> int:
@@ -453,9 +456,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     x, y = batch
     n = _batch_size(x, y)
     params = list(model.parameters())
-    if not params:
-        raise ValueError("the model has no parameters: there is nothing to train")
-    device = params[0].device               # as memfit.budget.model_device
+    device = _trained_device(params)
     n_total = n
     if world > 1:               # the global sample count weights every rank's micro-batches
         from memfit.distributed import all_reduce
@@ -476,7 +477,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         chosen = _CHOSEN.get(model, {})
         if key in chosen:
             chosen[key] = (final, f"{chosen[key][1]}; lowered to {final} after an out-of-memory error")
-    loss_sum = math.fsum(float(part) * count for part, count in step.parts)
+    loss_sum = float(step.loss_sum) if step.loss_sum is not None else 0.0
     if world > 1:
         from memfit.distributed import all_reduce
         loss_sum = float(all_reduce(torch.tensor(loss_sum, dtype=torch.float64), what="accumulate loss"))

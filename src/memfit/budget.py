@@ -156,21 +156,16 @@ def model_device(model: torch.nn.Module, default: torch.device | None = _CPU) ->
 def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
     """Largest n in [1, upper] with peak(n) <= budget (peak non-decreasing), 0 when none fits.
 
-    Doubling from 2 (peak(1) is asked only when 2 does not fit), then bisection: O(log n) calls of peak.
-    The one search behind every "what fits" (a chunk, a micro-batch, a batch size).
+    Doubling from 1, then bisection: O(log n) calls of peak. The one search behind every "what fits"
+    (a chunk, a micro-batch, a batch size).
 
     Example:
         >>> largest_fitting(lambda n: 100 + 7 * n, 1000, 10**6)
         128
     """
-    if upper < 1:
+    if upper < 1 or peak(1) > budget:
         return 0
-    if upper >= 2 and peak(2) <= budget:
-        lo = 2                  # and 1 fits too (peak is non-decreasing): a memory model may run batch 1 on demand
-    elif peak(1) <= budget:
-        return 1
-    else:
-        return 0
+    lo = 1
     while lo < upper and peak(min(2 * lo, upper)) <= budget:
         lo = min(2 * lo, upper)
     hi = min(2 * lo, upper)

@@ -175,9 +175,11 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
             raise
         error = e
     finally:
-        for m, training in modes:
-            if m.training != training:
-                m.training = training
+        if any(training for _, training in modes):
+            model.train(modes[0][1])                      # an overridden train() undoes what its eval() did
+            for m, training in modes:                     # then each module's own mode (a frozen submodule)
+                if m.training != training:
+                    m.training = training
         if runner is not model:
             from memfit.planner.cache import give_back
             give_back(runner)       # the arena is freed now; the plans stay for the next call

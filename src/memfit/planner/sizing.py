@@ -31,15 +31,8 @@ import torch
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
 from memfit.messages import first_line, whole_words
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
-from memfit.planner.footprint import (
-    CUDA_MARGIN,
-    CUDA_SEGMENT,
-    FakeRunError,
-    StepMemoryModel,
-    _batch,
-    _is_shape,
-    step_memory_model,
-)
+from memfit.planner.fake_step import FakeRunError, _is_shape
+from memfit.planner.footprint import CUDA_MARGIN, CUDA_SEGMENT, StepMemoryModel, _batch, step_memory_model
 from memfit.planner.planned import ALIGNMENT, capture_model, place, place_at
 
 __all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
@@ -142,9 +135,6 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     placements (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
     no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
     (`memfit.planner.footprint`), which allocates nothing and leaves the model and optimizer as they were.
-    The fake runs are at batch 4 and 2 (more when the bytes are not affine in the batch); batch 1, where a
-    broadcast over the batch can run other ops, gets its own run the first time it is asked for, so keep the
-    model alive until then (after it is deleted batch 2's bytes stand in, with a warning).
 
     Args:
         model: the module (on its own device).

@@ -350,11 +350,11 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
     acc = lambda: accumulate(mod, opt, (x, y), case.loss, budget=budget, micro_batch=mode)
     once = median_time(plain, repeat=1, device=dev)
     rounds = max(repeat, min(200, int(0.5 / max(once, 1e-6))))       # about 0.5 s of plain steps, at least `repeat`
-    t_plain, t_acc, ratio = paired_ratio(plain, acc, repeat=rounds, warmup=2, device=dev,
-                                         what=f"{case.name} accumulate / plain")
+    t_acc, t_plain, ratio = paired_ratio(acc, plain, repeat=rounds, warmup=2, device=dev,
+                                         what=f"{case.name} plain / accumulate")
     return {"model": case.name, "batch": n, "micro": f"{micro} ({-(-n // micro)} parts)", "grad rel err": rel,
             "auto micro": r.micro_batch if auto else f"{n} (given: no memory model)", "plain s": t_plain,
-            "accumulate s": t_acc, "plain/accumulate": 1 / ratio}
+            "accumulate s": t_acc, "plain/accumulate": ratio}
 
 
 def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = False, models=None,

@@ -1,0 +1,493 @@
+"""One training step (or forward) as the memory model counts it: run on fake tensors with every storage it
+allocates and frees logged per op (`fake_run`), or run for real and measured (`measure_step`).
+
+`fake_run` runs the real code (forward, loss, backward, `optimizer.step()`, `zero_grad()`) under
+`torch._subclasses.fake_tensor.FakeTensorMode` at one batch size: nothing is allocated. Parameters and
+buffers are swapped for fake copies for the run (`torch.func.functional_call`'s mechanism) and the optimizer
+is a shallow copy holding fake state, so the model, its buffers (BatchNorm running statistics), `.grad` and
+the optimizer are left exactly as they were. `memfit.planner.footprint` fits the runs at a few batch sizes
+into bytes at any size.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import operator
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from memfit.batches import forward
+from memfit.budget import model_device
+from memfit.measure import _storage_key, optimizer_state, unique_bytes
+
+__all__ = ["Batch", "FakeRunError", "fake_run", "measure_step", "training_step"]
+
+KINDS = ("activations", "gradients", "optimizer state", "backward transient", "step transient", "kept by the model")
+
+
+CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+
+
+class FakeRunError(RuntimeError):
+    """The step or forward could not run on fake tensors (data-dependent Python control flow, say)."""
+
+
+@dataclass
+class Batch:
+    """An example batch (a sample shape, a tensor, a tuple or a dict of tensors) rebuilt at any batch size.
+
+    Tensors are scaled along their leading (batch) dimension; other dict values pass through.
+    """
+    template: object
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        t = self.template
+        if _integral(t):
+            t = self.template = (operator.index(t),)
+        if _is_shape(t):
+            t = tuple(operator.index(s) for s in t)          # numpy ints too
+            if any(s < 1 for s in t):
+                raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. "
+                                 f"(3, 32, 32); found {t!r}")
+            self.template = torch.empty((1, *t), dtype=self.dtype, device="meta")
+        leaves = [x for x in tree_flatten(self.template)[0] if isinstance(x, torch.Tensor)]
+        if not leaves or not isinstance(self.template, (torch.Tensor, tuple, list, dict)):
+            raise TypeError(f"expected a sample shape (tuple of ints) or an example batch (a tensor, a tuple or a "
+                            f"dict of tensors); found {type(self.template).__name__}")
+        sizes = {x.shape[0] if x.dim() else None for x in leaves}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(f"every tensor of the example batch needs the same leading (batch) dimension; found "
+                             f"leading sizes {sorted(map(str, sizes))}")
+
+    def bytes_per_sample(self) -> int:
+        return sum(x[0].nbytes for x in tree_flatten(self.template)[0] if isinstance(x, torch.Tensor))
+
+    def at(self, n: int, device: torch.device):
+        """The batch at size n as zeros (call it under FakeTensorMode to allocate nothing)."""
+        scale = lambda x: torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=device) \
+            if isinstance(x, torch.Tensor) else x
+        return tree_map(scale, self.template)
+
+
+def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None and target is not None:
+        return loss_fn(out, target)
+    if loss_fn is not None:
+        try:
+            return loss_fn(out)
+        except TypeError as e:
+            if "argument" not in str(e):
+                raise
+            raise TypeError(f"loss_fn(output) failed ({e}); a loss_fn(output, target) needs target=, an example "
+                            "target batch (e.g. target=y[:2])") from None
+    if target is not None:
+        raise ValueError("a target was given but no loss_fn; pass loss_fn=torch.nn.functional.cross_entropy or similar")
+    loss = getattr(out, "loss", None)                 # transformers outputs when labels are in the batch
+    if isinstance(loss, torch.Tensor):
+        return loss
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs:
+        raise ValueError(f"the model's output ({type(out).__name__}) has no tensor that requires grad; "
+                         "pass loss_fn to say how the loss is computed")
+    return sum(t.sum() for t in outs)                 # a stand-in loss: one scalar per output
+
+
+def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: torch.dtype | None = None,
+                  marks: Callable[[str], None] = lambda phase: None, step: bool = True) -> None:
+    """One training step as `footprint` counts it: forward and loss (under autocast when given), backward,
+    `optimizer.step()` (skipped with step=False), `optimizer.zero_grad()`. The output and loss live until the
+    step returns."""
+    dev = next((t.device.type for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), "cpu")
+    with torch.autocast(dev, dtype=autocast) if autocast is not None else nullcontext():
+        out = forward(model, batch)
+        loss = _loss(out, target, loss_fn)
+    marks("forward")
+    loss.backward()
+    marks("backward")
+    if optimizer is not None:
+        if step:
+            type(optimizer).step(optimizer)           # the class's step: a scheduler's wrapper may step the original
+        marks("step")
+        type(optimizer).zero_grad(optimizer)
+    del out, loss
+
+
+def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, autocast=None, device=None,
+                 warmup: bool = True) -> int:
+    """Live bytes at the peak of one real training step (parameters, inputs and optimizer state included).
+
+    With `warmup` one untracked step runs first, so the optimizer state exists as in a running training
+    loop. On CPU the bytes come from `memfit.measure`; on CUDA from the caching allocator. The model and
+    optimizer are updated, as by any training step.
+    """
+    from memfit.measure import track_memory
+    dev = torch.device(device) if device is not None else model_device(model)
+    batch = example if isinstance(example, (torch.Tensor, tuple, list, dict)) and not _is_shape(example) \
+        else Batch(example).at(1, dev)
+    held = unique_bytes([*model.parameters(), *model.buffers(), *tree_flatten(batch)[0], *tree_flatten(target)[0]])
+    model.train()
+    if warmup and optimizer is not None:
+        training_step(model, batch, optimizer, loss_fn, target, autocast)
+    held += unique_bytes(optimizer_state(optimizer))
+    with track_memory(dev) as mem:
+        training_step(model, batch, optimizer, loss_fn, target, autocast)
+    return held + mem.peak
+
+
+def _overloads(*names: str) -> frozenset:
+    """The ATen overloads of these names ("aten.mse_loss.default") that this torch has."""
+    found = set()
+    for name in names:
+        _, packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            found.add(op)
+    return frozenset(found)
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that remembers the storage's key (its address, reused once it is freed)."""
+    __slots__ = ("key",)
+
+
+def _fresh_outputs(func) -> bool:
+    """Whether every output of `func` is a new storage: its schema aliases no input (not a view, not in place,
+    not out=). `_unsafe_view` is a view whose schema says otherwise."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and func is not torch.ops.aten._unsafe_view.default \
+        and not any(r.alias_info is not None for r in schema.returns)
+
+
+class _StorageLog:
+    """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
+
+    The lean cousin of `memfit.measure`'s live-bytes mode for fake runs, where its Python work per op is most
+    of the cost: one weak reference per storage rather than a finalizer per tensor (a storage's Python object
+    lives as long as the storage, so the reference dies with the last tensor on it), ops kept as objects, and
+    an op's inputs looked at only when its schema says an output may alias one (a view of, or a write to, a
+    tensor made outside: parameters, the batch).
+    """
+
+    # batch norm on a half or bfloat16 input: the real kernels keep the saved mean and inverse std in float32
+    # (the accumulation type); the meta kernels give them the input's dtype
+    BATCH_NORM = _overloads("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                            "aten._native_batch_norm_legit_functional.default",
+                            "aten._native_batch_norm_legit.no_stats")
+    # these CPU losses return the reduced scalar as a view of an input-sized buffer, which it keeps alive
+    CPU_LOSS_VIEWS = _overloads("aten.mse_loss.default", "aten.smooth_l1_loss.default",
+                                "aten.binary_cross_entropy.default", "aten.soft_margin_loss.default")
+    FRESH: dict = {}                                  # op -> whether its outputs are always new storages
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.ops: list = []                           # the OpOverload of every op, in order
+        self.log: list[tuple[int, int, int]] = []
+        self.live: dict[int, int] = {}                # storage key -> bytes, for storages allocated here
+        self.refs: dict[int, _StorageRef] = {}        # storage key -> its weak reference (kept so it calls back)
+
+    def _freed(self, ref: _StorageRef) -> None:
+        nbytes = self.live.pop(ref.key, None)
+        self.refs.pop(ref.key, None)
+        if nbytes is not None:
+            self.log.append((len(self.ops), ref.key, -nbytes))
+
+    def _watch(self, s, key: int) -> None:
+        ref = self.refs[key] = _StorageRef(s, self._freed)
+        ref.key = key
+
+    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int, args) -> int:
+        """Bytes counted for output `index` of `func`: the few fake kernels whose outputs differ from the real."""
+        if index in (1, 2) and func in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
+            return nbytes * 2
+        if index == 0 and func in self.CPU_LOSS_VIEWS and t.device.type == "cpu" and t.dim() == 0 and args:
+            return max(nbytes, args[0].numel() * t.element_size())
+        return nbytes
+
+    def record(self, func, out, args, kwargs) -> None:
+        """Note op `func` and the new storages among its outputs `out`."""
+        op = len(self.ops)
+        self.ops.append(func)
+        if isinstance(out, torch.Tensor):
+            outs = (out,)
+        elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in out):
+            outs = out
+        else:
+            outs = tree_flatten(out)[0]
+        fresh = self.FRESH.get(func)
+        if fresh is None:
+            fresh = self.FRESH[func] = _fresh_outputs(func)
+        inputs = None
+        for i, t in enumerate(outs):
+            if not isinstance(t, torch.Tensor) or t.device != self.device:
+                continue
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # sparse or wrapper tensors own no plain storage
+                continue
+            key = s._cdata
+            if key in self.refs:                          # allocated here, or known to be made outside
+                continue
+            nbytes = s.nbytes()
+            if not nbytes:
+                continue
+            if not fresh:
+                if inputs is None:
+                    inputs = {k[0] for a in tree_flatten((args, kwargs))[0]
+                              if isinstance(a, torch.Tensor) and (k := _storage_key(a))}
+                if key in inputs:                         # a view of (or a write to) a tensor made outside
+                    self._watch(s, key)
+                    continue
+            nbytes = self.size_of(func, i, t, nbytes, args)
+            self.live[key] = nbytes
+            self.log.append((op, key, nbytes))
+            self._watch(s, key)
+
+
+class _LoggingFakeMode(FakeTensorMode):
+    """A fake mode that hands every op the program runs, with its outputs, to a `_StorageLog` while one is set:
+    one dispatch layer instead of a logging mode on top of the fake one. The ops the fake mode runs to compute
+    an op (its decompositions) are not logged: the real kernel does not allocate their outputs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.storage_log: _StorageLog | None = None
+        self._depth = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.storage_log is None or self._depth:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        self._depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._depth -= 1
+        self.storage_log.record(func, out, args, kwargs)
+        return out
+
+    @contextmanager
+    def logging_to(self, storage_log: _StorageLog):
+        self.storage_log = storage_log
+        try:
+            yield
+        finally:
+            self.storage_log = None
+
+
+@dataclass
+class _Run:
+    ops: list                         # the ops in order (OpOverloads, and a marker at each phase's end)
+    live: np.ndarray                  # (ops, kinds) bytes live after each op, kept bytes counted from the start
+    phase_ends: dict[str, int]        # op index where forward / backward / step ended
+    held: dict[str, int]              # bytes there before the step: parameters, inputs, optimizer state
+    events: np.ndarray | None = None  # (events, 5) op, +1/-1, its allocation's event (frees), kind, kept: outside
+    sizes: np.ndarray | None = None   # (events,) bytes of each        the optimizer step, to compare runs
+    step_kept: np.ndarray | None = None   # (kinds,) bytes the optimizer step allocates and keeps (its state)
+
+
+def _integral(s) -> bool:
+    """An int, numpy int or 0-d integer tensor, not a bool (operator.index accepts those)."""
+    if isinstance(s, bool) or isinstance(s, torch.Tensor) and s.dim():
+        return False
+    try:
+        operator.index(s)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_shape(x) -> bool:
+    """A sample shape (ints without the batch dimension) rather than an example batch."""
+    return _integral(x) or (isinstance(x, (tuple, list)) and len(x) > 0 and all(_integral(s) for s in x))
+
+
+def _snapshot(model):
+    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+
+
+def _restore(snap) -> None:
+    """Put back every module attribute, parameter and buffer (a forward may cache a fake tensor on a module)."""
+    for m, attrs, params, buffers in snap:
+        for k in [k for k in m.__dict__ if k not in attrs]:
+            del m.__dict__[k]
+        m.__dict__.update(attrs)
+        m._parameters.clear(), m._parameters.update(params)
+        m._buffers.clear(), m._buffers.update(buffers)
+
+
+def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
+    """A shallow copy of `optimizer` over the fake parameters, with fake copies of its state.
+
+    A one-element CPU state tensor (Adam's `step`, read with .item()) becomes a fake tensor that keeps a
+    copy of its value, as `torch.tensor(0.0)` made under the fake mode does; the real one is never written.
+    """
+    def state(v):
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.device.type == "cpu" and not v.requires_grad:
+            return mode.fake_tensor_converter.from_real_tensor(mode, v.detach().clone(), make_constant=True)
+        return fake(v) if isinstance(v, torch.Tensor) else copy.copy(v)
+
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    opt = copy.copy(optimizer)
+    opt.param_groups = []
+    for g in optimizer.param_groups:
+        group = {**g, "params": [fake(p) for p in g["params"]]}
+        if group.get("foreach") is None and not group.get("fused"):
+            # the default picks the multi-tensor kernels for real CUDA tensors, never for fake ones: say it
+            group["foreach"] = _default_to_fused_or_foreach(g["params"], differentiable=False, use_fused=False)[1]
+        opt.param_groups.append(group)
+    opt.state = defaultdict(dict, {fake(p): {k: state(v) for k, v in st.items()} for p, st in optimizer.state.items()})
+    return opt
+
+
+def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target: Batch | None,
+         autocast, device: torch.device, mode: FakeTensorMode, fakes: dict, step: bool = True) -> _Run:
+    """One fake run at batch n (with step=False the optimizer step is skipped: `_with_step` puts it in).
+    `mode` and `fakes` (id of a real tensor -> its fake) are shared by the runs of one prediction: the fake
+    mode's op cache then serves the ops whose shapes do not depend on the batch."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            f = mode.from_tensor(t)
+            if t.device != device:
+                with mode:
+                    f = f.to(device)
+            fakes[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
+        return fakes[id(t)]
+
+    named = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    held = {"parameters": unique_bytes(named.values()),
+            "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
+            "optimizer state": unique_bytes(optimizer_state(optimizer))}
+    snap = _snapshot(model)
+    tracker = _StorageLog(device)
+    log = tracker.log
+    marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
+    samples: dict[str, set] = {}                        # storages that are gradients / optimizer state
+    try:
+        with torch.random.fork_rng(devices=[]):
+            fake_named = {k: fake(v) for k, v in named.items()}
+            opt = _fake_optimizer(optimizer, fake, mode) if optimizer is not None else None
+            if train:
+                model.train()                          # restored with the rest by _restore
+            with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
+                x = batch.at(n, device)
+                y = target.at(n, device) if target is not None else None
+
+                def mark(phase):
+                    tracker.ops.append(f"<end of {phase}>")   # what is freed before the mark is freed in it
+                    marks[phase] = (len(tracker.ops), len(log))
+                    if phase == "backward":
+                        samples["gradients"] = {_storage_key(p.grad)[0] for p in fake_named.values()
+                                                if isinstance(p, torch.Tensor) and p.grad is not None}
+                    if phase == "step":
+                        samples["optimizer state"] = {k[0] for t in optimizer_state(opt) if (k := _storage_key(t))}
+
+                with mode.logging_to(tracker), _no_cycle_collection():
+                    if train:
+                        training_step(model, x, opt, loss_fn, y, autocast, mark, step)
+                    else:
+                        with torch.no_grad(), torch.autocast(device.type, dtype=autocast) \
+                                if autocast is not None else nullcontext():
+                            out = forward(model, x)
+                        mark("forward")
+                        del out
+                del x, y
+                # what the step keeps: optimizer state, gradients zero_grad did not drop, tensors cached on a
+                # module; anything else still alive is garbage in a reference cycle, freed by the next collection
+                kept = [*optimizer_state(opt), *(p.grad for p in fake_named.values() if p.grad is not None),
+                        *(v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
+                live_at_end = {k[0] for t in kept if (k := _storage_key(t)) and k[0] in tracker.live}
+    finally:
+        _restore(snap)
+        for f in fakes.values():                       # gradients kept by zero_grad must not reach the next run
+            f.grad = None
+    pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
+    live, events, sizes, step_kept = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
+    return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept)
+
+
+@contextmanager
+def _no_cycle_collection():
+    """Garbage in reference cycles stays counted until the run ends, rather than until a collection that may
+    or may not come (and at another op in each run): the same in every run, and never below the real step."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _timeline(log, n_ops: int, marks, samples, live_at_end, pad: int):
+    """(ops, kinds) live bytes from the allocation log (storages alive at the end count from the start), the
+    events outside the optimizer step as `_Run.events` / `_Run.sizes`, and the bytes the step keeps by kind."""
+    tag_at: dict[int, list[str]] = defaultdict(list)  # log position -> phases that ended there
+    for phase, (_, pos) in marks.items():
+        tag_at[pos].append(phase)
+    sampled = {"backward": "gradients", "step": "optimizer state"}
+    kind_of_entry: dict[int, int] = {}                # free's log position -> its allocation's log position
+    alloc_of: dict[int, int] = {}                     # storage key -> log position of its live allocation
+    tags: dict[int, str] = {}
+    for i, (_, key, delta) in enumerate([*log, (n_ops, None, 0)]):
+        for phase in tag_at.get(i, ()):
+            name = sampled.get(phase)
+            for k in samples.get(name, ()) if name else ():
+                if k in alloc_of:
+                    tags[alloc_of[k]] = name
+        if key is None:
+            break
+        if delta > 0:
+            alloc_of[key] = i
+        elif key in alloc_of:
+            kind_of_entry[i] = alloc_of.pop(key)
+    kept = {alloc_of[k] for k in live_at_end if k in alloc_of}
+    ends = {p: marks[p][0] for p in marks}
+
+    def kind(i: int, op: int) -> int:
+        if i in kept:
+            return KINDS.index(tags.get(i, "kept by the model"))
+        if tags.get(i) == "gradients":
+            return KINDS.index("gradients")
+        if op < ends.get("forward", n_ops):
+            return KINDS.index("activations")
+        return KINDS.index("backward transient" if op < ends.get("backward", n_ops) else "step transient")
+
+    # the optimizer step's events (log positions and ops between the ends of backward and step) are left out of
+    # the events, and the later ops renumbered as if it had not run
+    step_log = (marks["backward"][1], marks["step"][1]) if "step" in marks else (len(log), len(log))
+    step_ops = (marks["backward"][0], marks["step"][0] - 1) if "step" in marks else (n_ops, n_ops)
+    live = np.zeros((n_ops + 1, len(KINDS)), dtype=np.int64)
+    constant = np.zeros(len(KINDS), dtype=np.int64)
+    step_kept = np.zeros(len(KINDS), dtype=np.int64)
+    events, sizes, position = [], [], {}
+    for i, (op, _, delta) in enumerate(log):
+        a = i if delta > 0 else kind_of_entry.get(i)
+        k = kind(a, log[a][0]) if a is not None else -1
+        if not step_log[0] <= i < step_log[1]:
+            position[i] = len(events)
+            shifted = op - (step_ops[1] - step_ops[0]) if op >= step_ops[1] else op
+            events.append((shifted, 1 if delta > 0 else -1, -1 if a is None else position.get(a, -2), k, a in kept))
+            sizes.append(abs(delta))
+        if a is None:
+            continue
+        size = delta + (pad if delta > 0 else -pad)
+        if a in kept:
+            constant[k] += size if delta > 0 else 0
+            if delta > 0 and step_log[0] <= a < step_log[1]:
+                step_kept[k] += size
+        else:
+            live[min(op, n_ops), k] += size
+    return (np.cumsum(live, axis=0)[:n_ops] + constant, np.array(events, dtype=np.int64).reshape(-1, 5),
+            np.array(sizes, dtype=np.int64), step_kept)
