@@ -123,7 +123,13 @@ def batch_dependent_modules(model: torch.nn.Module) -> list[str]:
         ['1 (BatchNorm1d): normalises by the statistics of the batch it sees']
     """
     kinds = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
-    if not any(m.training and isinstance(m, kinds) for m in model.modules()):    # the usual case, once a step
+    stack = [model]                   # the usual case, once a step: a plain walk, no names built
+    while stack:
+        m = stack.pop()
+        if m.training and isinstance(m, kinds):
+            break
+        stack.extend(c for c in m._modules.values() if c is not None)
+    else:
         return []
     out = []
     for name, m in model.named_modules():
@@ -280,7 +286,7 @@ def _auto(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tup
 
 
 def _signature(x) -> tuple:
-    return tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in batch_tensors(x))
+    return tuple((t.shape[1:], t.dtype, t.device) for t in batch_tensors(x))
 
 
 # ---- the step ------------------------------------------------------------------------------------------

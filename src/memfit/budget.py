@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -72,6 +73,12 @@ def parse_bytes(size: int | float | str) -> int:
         if n < 0:
             raise ValueError(f"expected a size >= 0 as {_FORMS}; found {n}")
         return n
+    return _parse_text(size)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_text(size: str) -> int:
+    """parse_bytes for a string (cached: a budget string is parsed again at every training step)."""
     m = _SIZE_RE.match(size)
     if m is None:
         hint = " (sizes cannot be negative)" if size.strip().startswith("-") else ""
