@@ -144,7 +144,8 @@ def size_sweep(dev: torch.device, sizes, repeat: int) -> list[dict]:
             r = go()
             first = time.perf_counter() - t0
             loop = lambda xt=xt, yt=yt, model=model: plain_loop(model, xt, yt)
-            t_plain, t_mem, ratio = paired_ratio(loop, go, repeat=repeat, device=dev,
+            rounds = max(repeat, min(200, int(1.0 / max(first, 1e-6))))     # about 1 s of each, at least `repeat`
+            t_plain, t_mem, ratio = paired_ratio(loop, go, repeat=rounds, device=dev,
                                                  what=f"{name} {m} evaluate / plain loop")
             assert r.metrics["accuracy"] == plain_loop(model, xt, yt), "evaluate and the plain loop disagree"
             rows.append({"model": name, "samples": m, "runner": r.runner, "chunk": r.chunk_size,
