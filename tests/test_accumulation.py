@@ -536,5 +536,5 @@ def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_bud
     step = accumulation._Step(mod, list(mod.parameters()), F.cross_entropy, x, y, 10, 10, 1, torch.device("cpu"),
                               sync_last=True)
     with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
-        step.run_range(0, 10, 6, frozenset(), 10)          # [0, 6) runs under no_sync, the last 4 fail
+        step.run_range(0, 10, 6, frozenset())              # [0, 6) runs under no_sync, the last 4 fail
     assert step.retries == 0 and step.micro_batches == 1

@@ -94,3 +94,16 @@ def test_a_model_measured_in_its_own_process_brings_its_timing_spreads_back():
     assert _in_own_process(common.median, [1.0, 3.0], "a child timing") == 2.0      # spread (3 - 1) / 2
     warning = spread_warning()
     assert warning and "a child timing" in warning
+
+
+def test_rounds_for_times_a_warm_call_and_clamps(monkeypatch):
+    from memfit.cli.bench import common
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    costs = iter([5.0] + [0.01] * 100)         # the first call carries a one-time cost: not counted
+
+    def call():
+        clock[0] += next(costs)
+    assert common.rounds_for(call, seconds=1.0, at_least=3, at_most=1000) == 100
+    assert common.rounds_for(lambda: clock.__setitem__(0, clock[0] + 2.0), seconds=1.0, at_least=3, at_most=9) == 3
+    assert common.rounds_for(lambda: None, seconds=1.0, at_least=3, at_most=9) == 9

@@ -189,7 +189,9 @@ def _check_distributed(model, distributed: bool) -> int:
 def _trained_device(params: list[torch.nn.Parameter]) -> torch.device:
     """The device of the first parameter (as `memfit.budget.model_device`); a model without any is an error."""
     if not params:
-        raise ValueError("the model has no parameters: there is nothing to train")
+        raise ValueError("the model has no parameters: there is nothing to train. Expected a module with "
+                         "parameters (found none in model.parameters()); pass the module that holds the weights the "
+                         "optimizer steps")
     return params[0].device
 
 
@@ -387,14 +389,14 @@ class _Step:
         self.loss_sum = share if self.loss_sum is None else self.loss_sum + share
         self.micro_batches += 1
 
-    def run_range(self, s: int, e: int, size: int, frozen: frozenset, n: int) -> int:
+    def run_range(self, s: int, e: int, size: int, frozen: frozenset) -> int:
         """Accumulate samples [s, e) in micro-batches of `size`; returns the size that worked last.
         A micro-batch that runs out of memory is retried alone at half the size, with the parameters
         that already received its gradient frozen."""
         i = s
         while i < e:
             m = min(size, e - i)
-            err, got = self.attempt(i, i + m, frozen, last=(i + m == n))
+            err, got = self.attempt(i, i + m, frozen, last=(i + m == self.n))
             if err is None:
                 i += m
                 continue
@@ -406,7 +408,7 @@ class _Step:
                                              "free memory, use a smaller model, input or optimizer state")
             size = m // 2
             log.info("accumulate: out of memory at a micro-batch of %d (%s); retrying it as %d", m, err, size)
-            size = self.run_range(i, i + m, size, frozen | got, n)
+            size = self.run_range(i, i + m, size, frozen | got)
             i += m
         return size
 
@@ -477,7 +479,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
         if p.grad is not None:
             p.grad = None
-    final = step.run_range(0, n, size, frozenset(), n)
+    final = step.run_range(0, n, size, frozenset())
     optimizer.step()
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
         chosen = _CHOSEN.get(model, {})

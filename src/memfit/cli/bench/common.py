@@ -106,6 +106,14 @@ def paired_ratio(base: Callable[[], object], other: Callable[[], object], *, rep
     return statistics.median(times["base"]), statistics.median(times["other"]), median(ratios, what or "a ratio")
 
 
+def rounds_for(fn: Callable[[], object], *, seconds: float, at_least: int, at_most: int,
+               device: torch.device | str | None = None) -> int:
+    """How many timed rounds give about `seconds` of calls of `fn` (one warm call timed), within
+    [at_least, at_most]: fast calls need many rounds for a stable median, slow ones a few."""
+    once = median_time(fn, repeat=1, warmup=1, device=device)
+    return max(at_least, min(at_most, int(seconds / max(once, 1e-6))))
+
+
 def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
                 device: torch.device | str | None = None, what: str = "a timing") -> float:
     """Median seconds of `fn()` over `repeat` runs after `warmup` runs (spread noted, see `spread_warning`)."""

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, model_device, parse_bytes, resolve_device
-from memfit.cli.bench.common import alternating_medians, machine_header, paired_ratio, spread_warning, table
+from memfit.cli.bench.common import alternating_medians, machine_header, paired_ratio, rounds_for, spread_warning, table
 from memfit.compact import CompactDataset
 from memfit.evaluation import evaluate
 from memfit.measure import held_bytes, track_memory
@@ -144,7 +144,8 @@ def size_sweep(dev: torch.device, sizes, repeat: int) -> list[dict]:
             r = go()
             first = time.perf_counter() - t0
             loop = lambda xt=xt, yt=yt, model=model: plain_loop(model, xt, yt)
-            rounds = max(repeat, min(200, int(1.0 / max(first, 1e-6))))     # about 1 s of each, at least `repeat`
+            # about 1 s of each (timed warm: a first call may carry a one-time cost), at least `repeat`
+            rounds = rounds_for(loop, seconds=1.0, at_least=repeat, at_most=200, device=dev)
             t_plain, t_mem, ratio = paired_ratio(loop, go, repeat=rounds, device=dev,
                                                  what=f"{name} {m} evaluate / plain loop")
             assert r.metrics["accuracy"] == plain_loop(model, xt, yt), "evaluate and the plain loop disagree"

@@ -29,8 +29,8 @@ from memfit import plan
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import (
     machine_header,
-    median_time,
     paired_ratio,
+    rounds_for,
     spread_warning,
     sync,
     table,
@@ -71,8 +71,7 @@ def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> d
         eager_peak = _peak(model, x)
         outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
         # fast models need many rounds for a stable median: at least ~0.5 s of calls of each, and 3x `repeat`
-        once = median_time(lambda: model(x), repeat=1, device=dev)
-        reps = max(3 * repeat, min(1000, int(0.5 / max(once, 1e-6))))
+        reps = rounds_for(lambda: model(x), seconds=0.5, at_least=3 * repeat, at_most=1000, device=dev)
         # eager and planned in turn, call by call: drift in the machine, and whatever one call leaves for
         # the next, hit both alike (timed in two blocks, the block run second was faster on a shared VM)
         t_eager, t_planned, ratio = paired_ratio(lambda: model(x), lambda: pm(x), repeat=reps, warmup=2,

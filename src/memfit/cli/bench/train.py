@@ -45,7 +45,7 @@ from torch.nn import functional as F
 from memfit.accumulation import accumulate
 from memfit.batches import batch_tensors, forward
 from memfit.budget import format_bytes
-from memfit.cli.bench.common import machine_header, median_time, paired_ratio, spread_warning, table
+from memfit.cli.bench.common import machine_header, median_time, paired_ratio, rounds_for, spread_warning, table
 from memfit.cli.bench.zoo import build, quiet_transformers
 from memfit.cli.options import device_arg
 from memfit.measure import optimizer_state, track_memory, unique_bytes
@@ -348,8 +348,7 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
     dev = next(ref.parameters()).device
     plain = lambda: plain_step(ref, ref_opt, x, y, case.loss)
     acc = lambda: accumulate(mod, opt, (x, y), case.loss, budget=budget, micro_batch=mode)
-    once = median_time(plain, repeat=1, device=dev)
-    rounds = max(repeat, min(200, int(0.5 / max(once, 1e-6))))       # about 0.5 s of plain steps, at least `repeat`
+    rounds = rounds_for(plain, seconds=0.5, at_least=repeat, at_most=200, device=dev)
     t_acc, t_plain, ratio = paired_ratio(acc, plain, repeat=rounds, warmup=2, device=dev,
                                          what=f"{case.name} plain / accumulate")
     return {"model": case.name, "batch": n, "micro": f"{micro} ({-(-n // micro)} parts)", "grad rel err": rel,
