@@ -144,8 +144,8 @@ def size_sweep(dev: torch.device, sizes, repeat: int) -> list[dict]:
             r = go()
             first = time.perf_counter() - t0
             loop = lambda xt=xt, yt=yt, model=model: plain_loop(model, xt, yt)
-            # about 1 s of each (timed warm: a first call may carry a one-time cost), at least `repeat`
-            rounds = rounds_for(loop, seconds=1.0, at_least=repeat, at_most=200, device=dev)
+            # about 1 s of each (timed warm: a first call may carry a one-time cost), at least 7 rounds
+            rounds = rounds_for(loop, seconds=1.0, at_least=max(repeat, 7), at_most=200, device=dev)
             t_plain, t_mem, ratio = paired_ratio(loop, go, repeat=rounds, device=dev,
                                                  what=f"{name} {m} evaluate / plain loop")
             assert r.metrics["accuracy"] == plain_loop(model, xt, yt), "evaluate and the plain loop disagree"
