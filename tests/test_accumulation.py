@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from distributed_util import run_ranks
-from memfit import accumulation
+from memfit import accumulation, micro_batch_size
 from memfit.accumulation import BatchDependentError, accumulate, batch_dependent_modules
 
 D, C = 6, 3
@@ -353,7 +353,7 @@ def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch)
     def fake(model, optimizer, loss_fn, x, y):
         calls.append(1)
         return peak, "a stand-in model"
-    monkeypatch.setattr(accumulation, "training_peak", fake)
+    monkeypatch.setattr(micro_batch_size, "training_peak", fake)
     ref, ref_opt, mod, opt = pair("mlp")
     x, y = data(20)
     r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
@@ -376,8 +376,8 @@ def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypat
     x, y = data(64)
     plain_step(ref, ref_opt, x, y)                        # both with optimizer state, as in a running loop
     plain_step(mod, mod_opt, x, y)
-    peak, how = accumulation.training_peak(mod, mod_opt, F.cross_entropy, x, y)
-    monkeypatch.setattr(accumulation, "training_peak", lambda *a: (peak, how))     # the same, computed once
+    peak, how = micro_batch_size.training_peak(mod, mod_opt, F.cross_entropy, x, y)
+    monkeypatch.setattr(micro_batch_size, "training_peak", lambda *a: (peak, how))     # the same, computed once
     budget = (peak(64) + peak(1)) // 3                   # too small for the whole batch
     x, y = data(64, seed=2)
     plain_step(ref, ref_opt, x, y)
@@ -399,7 +399,7 @@ def test_auto_with_inputs_on_the_host_and_labels_on_the_device_fits_the_budget()
     mod.cuda()                                             # the optimizer keeps the same Parameter objects
     x, y = data(64)
     y = y.cuda()
-    peak, _ = accumulation.training_peak(mod, opt, F.cross_entropy, x, y)
+    peak, _ = micro_batch_size.training_peak(mod, opt, F.cross_entropy, x, y)
     budget = (peak(64) + peak(1)) // 3                     # too small for the whole batch
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -412,14 +412,14 @@ def test_auto_with_inputs_on_the_host_and_labels_on_the_device_fits_the_budget()
 def test_auto_says_how_to_continue_when_the_memory_cannot_be_predicted(monkeypatch):
     def broken(*a):
         raise NotImplementedError("no fake kernel for aten::foo")
-    monkeypatch.setattr(accumulation, "training_peak", broken)
+    monkeypatch.setattr(micro_batch_size, "training_peak", broken)
     mod = make("mlp")
     with pytest.raises(RuntimeError, match=r"could not predict.*aten::foo.*micro_batch=<int>"):
         accumulate(mod, torch.optim.SGD(mod.parameters(), lr=0.1), data(4), F.cross_entropy, budget="1MiB")
 
 
 def test_a_back_off_lowers_the_size_kept_for_the_next_step(monkeypatch, oom_budget):
-    monkeypatch.setattr(accumulation, "training_peak", lambda *a: (lambda m: m, "stand-in"))
+    monkeypatch.setattr(micro_batch_size, "training_peak", lambda *a: (lambda m: m, "stand-in"))
     mod = Gated()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     oom_budget.budget = staticmethod(lambda n: n <= 5)

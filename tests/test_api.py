@@ -35,7 +35,8 @@ def test_import_is_cheap_and_has_no_side_effects():
 def test_submodules_are_documented():
     for mod in ("accumulation", "arrays", "batches", "budget", "chunking", "codecs", "compact", "distributed",
                 "evaluation", "fields", "measure", "metrics", "progress", "readers", "cli", "cli.data", "cli.demo",
-                "cli.options", "cli.plan", "cli.bench", "loading", "planner", "planner.footprint"):
+                "cli.options", "cli.plan", "cli.bench", "loading", "planner", "planner.footprint", "planner.fake_step",
+                "planner.training_step", "micro_batch_size"):
         m = importlib.import_module(f"memfit.{mod}")
         assert m.__doc__ and len(m.__doc__) > 40, mod
 

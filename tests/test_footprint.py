@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.planner.fake_step import FakeRunError, measure_step
+from memfit.planner.fake_step import FakeRunError
 from memfit.planner.footprint import step_memory_model
+from memfit.planner.training_step import measure_step
 
 warnings.filterwarnings("ignore", message=".*(loss_type|bos_token_id|eos_token_id).*")
 

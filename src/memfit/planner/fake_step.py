@@ -1,5 +1,5 @@
-"""One training step (or forward) as the memory model counts it: run on fake tensors with every storage it
-allocates and frees logged per op (`fake_run`), or run for real and measured (`measure_step`).
+"""One training step (or forward) run on fake tensors, with every storage it allocates and frees logged per
+op (`fake_run`): what the memory model counts.
 
 `fake_run` runs the real code (forward, loss, backward, `optimizer.step()`, `zero_grad()`) under
 `torch._subclasses.fake_tensor.FakeTensorMode` at one batch size: nothing is allocated. Parameters and
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import operator
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,13 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
-from memfit.budget import model_device
 from memfit.measure import _storage_key, optimizer_state, unique_bytes
+from memfit.planner.training_step import Batch, training_step
 
-__all__ = ["Batch", "FakeRunError", "fake_run", "measure_step", "training_step"]
+__all__ = ["FakeRunError", "fake_run"]
 
 KINDS = ("activations", "gradients", "optimizer state", "backward transient", "step transient", "kept by the model")
 
@@ -39,109 +38,6 @@ CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up t
 
 class FakeRunError(RuntimeError):
     """The step or forward could not run on fake tensors (data-dependent Python control flow, say)."""
-
-
-@dataclass
-class Batch:
-    """An example batch (a sample shape, a tensor, a tuple or a dict of tensors) rebuilt at any batch size.
-
-    Tensors are scaled along their leading (batch) dimension; other dict values pass through.
-    """
-    template: object
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self):
-        t = self.template
-        if _integral(t):
-            t = self.template = (operator.index(t),)
-        if _is_shape(t):
-            t = tuple(operator.index(s) for s in t)          # numpy ints too
-            if any(s < 1 for s in t):
-                raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. "
-                                 f"(3, 32, 32); found {t!r}")
-            self.template = torch.empty((1, *t), dtype=self.dtype, device="meta")
-        leaves = [x for x in tree_flatten(self.template)[0] if isinstance(x, torch.Tensor)]
-        if not leaves or not isinstance(self.template, (torch.Tensor, tuple, list, dict)):
-            raise TypeError(f"expected a sample shape (tuple of ints) or an example batch (a tensor, a tuple or a "
-                            f"dict of tensors); found {type(self.template).__name__}")
-        sizes = {x.shape[0] if x.dim() else None for x in leaves}
-        if len(sizes) != 1 or None in sizes:
-            raise ValueError(f"every tensor of the example batch needs the same leading (batch) dimension; found "
-                             f"leading sizes {sorted(map(str, sizes))}")
-
-    def bytes_per_sample(self) -> int:
-        return sum(x[0].nbytes for x in tree_flatten(self.template)[0] if isinstance(x, torch.Tensor))
-
-    def at(self, n: int, device: torch.device):
-        """The batch at size n as zeros (call it under FakeTensorMode to allocate nothing)."""
-        scale = lambda x: torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=device) \
-            if isinstance(x, torch.Tensor) else x
-        return tree_map(scale, self.template)
-
-
-def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
-    if loss_fn is not None and target is not None:
-        return loss_fn(out, target)
-    if loss_fn is not None:
-        try:
-            return loss_fn(out)
-        except TypeError as e:
-            if "argument" not in str(e):
-                raise
-            raise TypeError(f"loss_fn(output) failed ({e}); a loss_fn(output, target) needs target=, an example "
-                            "target batch (e.g. target=y[:2])") from None
-    if target is not None:
-        raise ValueError("a target was given but no loss_fn; pass loss_fn=torch.nn.functional.cross_entropy or similar")
-    loss = getattr(out, "loss", None)                 # transformers outputs when labels are in the batch
-    if isinstance(loss, torch.Tensor):
-        return loss
-    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not outs:
-        raise ValueError(f"the model's output ({type(out).__name__}) has no tensor that requires grad; "
-                         "pass loss_fn to say how the loss is computed")
-    return sum(t.sum() for t in outs)                 # a stand-in loss: one scalar per output
-
-
-def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: torch.dtype | None = None,
-                  marks: Callable[[str], None] = lambda phase: None, step: bool = True) -> None:
-    """One training step as `footprint` counts it: forward and loss (under autocast when given), backward,
-    `optimizer.step()` (skipped with step=False), `optimizer.zero_grad()`. The output and loss live until the
-    step returns."""
-    dev = next((t.device.type for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), "cpu")
-    with torch.autocast(dev, dtype=autocast) if autocast is not None else nullcontext():
-        out = forward(model, batch)
-        loss = _loss(out, target, loss_fn)
-    marks("forward")
-    loss.backward()
-    marks("backward")
-    if optimizer is not None:
-        if step:
-            type(optimizer).step(optimizer)           # the class's step: a scheduler's wrapper may step the original
-        marks("step")
-        type(optimizer).zero_grad(optimizer)
-    del out, loss
-
-
-def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, autocast=None, device=None,
-                 warmup: bool = True) -> int:
-    """Live bytes at the peak of one real training step (parameters, inputs and optimizer state included).
-
-    With `warmup` one untracked step runs first, so the optimizer state exists as in a running training
-    loop. On CPU the bytes come from `memfit.measure`; on CUDA from the caching allocator. The model and
-    optimizer are updated, as by any training step.
-    """
-    from memfit.measure import track_memory
-    dev = torch.device(device) if device is not None else model_device(model)
-    batch = example if isinstance(example, (torch.Tensor, tuple, list, dict)) and not _is_shape(example) \
-        else Batch(example).at(1, dev)
-    held = unique_bytes([*model.parameters(), *model.buffers(), *tree_flatten(batch)[0], *tree_flatten(target)[0]])
-    model.train()
-    if warmup and optimizer is not None:
-        training_step(model, batch, optimizer, loss_fn, target, autocast)
-    held += unique_bytes(optimizer_state(optimizer))
-    with track_memory(dev) as mem:
-        training_step(model, batch, optimizer, loss_fn, target, autocast)
-    return held + mem.peak
 
 
 def _overloads(*names: str) -> frozenset:
@@ -292,22 +188,6 @@ class _Run:
     events: np.ndarray | None = None  # (events, 5) op, +1/-1, its allocation's event (frees), kind, kept: outside
     sizes: np.ndarray | None = None   # (events,) bytes of each        the optimizer step, to compare runs
     step_kept: np.ndarray | None = None   # (kinds,) bytes the optimizer step allocates and keeps (its state)
-
-
-def _integral(s) -> bool:
-    """An int, numpy int or 0-d integer tensor, not a bool (operator.index accepts those)."""
-    if isinstance(s, bool) or isinstance(s, torch.Tensor) and s.dim():
-        return False
-    try:
-        operator.index(s)
-    except TypeError:
-        return False
-    return True
-
-
-def _is_shape(x) -> bool:
-    """A sample shape (ints without the batch dimension) rather than an example batch."""
-    return _integral(x) or (isinstance(x, (tuple, list)) and len(x) > 0 and all(_integral(s) for s in x))
 
 
 def _snapshot(model):

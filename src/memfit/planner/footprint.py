@@ -49,17 +49,8 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.messages import first_line, whole_words
-from memfit.planner.fake_step import (
-    CUDA_BLOCK,
-    KINDS,
-    Batch,
-    FakeRunError,
-    _LoggingFakeMode,
-    _Run,
-    fake_run,
-    measure_step,
-    training_step,
-)
+from memfit.planner.fake_step import CUDA_BLOCK, KINDS, FakeRunError, _LoggingFakeMode, _Run, fake_run
+from memfit.planner.training_step import Batch, measure_step, training_step
 
 __all__ = ["StepMemoryModel", "check_prediction", "step_memory_model"]
 
@@ -317,7 +308,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
                 f"could not run {'one training step' if train else 'the forward'} of {type(model).__name__} on "
                 f"fake tensors at batch {n} ({reason}). Fake tensors have shapes but no values: data-dependent "
                 "Python control flow (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run on them; measure a real "
-                "step instead with memfit.planner.fake_step.measure_step, or make the branch independent of the "
+                "step instead with memfit.planner.training_step.measure_step, or make the branch independent of the "
                 "values") from e
         return _with_step(r, runs[4]) if once and n != 4 else r
 
@@ -391,6 +382,6 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
-                      "pick with memfit.planner.fake_step.measure_step", stacklevel=3)
+                      "pick with memfit.planner.training_step.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
                            runs[4].phase_ends, measured, c)

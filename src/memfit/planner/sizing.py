@@ -31,9 +31,10 @@ import torch
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
 from memfit.messages import first_line, whole_words
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
-from memfit.planner.fake_step import FakeRunError, _is_shape
+from memfit.planner.fake_step import FakeRunError
 from memfit.planner.footprint import CUDA_MARGIN, CUDA_SEGMENT, StepMemoryModel, _batch, step_memory_model
 from memfit.planner.planned import ALIGNMENT, capture_model, place, place_at
+from memfit.planner.training_step import _is_shape
 
 __all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
            "plot_memory"]

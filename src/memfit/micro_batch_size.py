@@ -1,0 +1,138 @@
+"""The micro-batch size `memfit.accumulate` chooses: the largest whose predicted training step fits the budget.
+
+`training_peak` turns the training memory model (`memfit.memory_model(train=True)`, one fake-tensor run of
+a plain step fitted at any batch size) into the peak of accumulate's step in micro-batches of m: the
+gradients stay allocated between micro-batches, and the micro-batches are views of a batch already on the
+device. `choose_micro_batch` searches the largest m in the budget. The size chosen for a model is kept for
+its next steps (`chosen_size`: predicting runs a whole fake step, too slow to repeat every step) and
+lowered there after an out-of-memory back-off (`lower_chosen`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from memfit.batches import batch_len, batch_slice, batch_tensors, batch_to
+from memfit.budget import (
+    BudgetExceeded,
+    format_bytes,
+    largest_fitting,
+    model_device,
+    parse_bytes,
+    resolve_budget,
+)
+from memfit.measure import held_bytes
+from memfit.messages import first_line, whole_words
+
+__all__ = ["choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
+
+# model -> {auto key: (micro-batch size, why)}, for the model's next steps
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
+    """loss_fn as the memory model calls it: loss_fn(out) without a target, and a scalar (per-sample losses
+    summed: the same ops and bytes as the weighting accumulate applies)."""
+    def loss(out, *target):
+        v = loss_fn(out, target[0] if y_given else None)
+        return v.sum() if v.dim() else v
+    return loss
+
+
+def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
+    """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
+
+    The memory model (`memfit.memory_model(train=True)`) is a fake-tensor run of one plain training step:
+    parameters, gradients, optimizer state, activations and the backward's transient, at any batch size. Micro-batches
+    differ from it in two ways: after the first one the gradients stay allocated through the next forward
+    (plus all of them: an upper bound), and the micro-batch is a view of the batch already on the device
+    (the batch's bytes once, not the micro-batch's inputs). A DistributedDataParallel model also holds its
+    gradient buckets.
+    """
+    from memfit.planner.sizing import memory_model  # train=True: one training step on fake tensors
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    module = model.module if ddp else model
+    device, n = model_device(model), batch_len(x)
+    k = min(2, n)
+    # The fake run counts lazily created optimizer state as held from the start, so an optimizer without
+    # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
+    stateless = copy.copy(optimizer)
+    stateless.state = defaultdict(dict)
+    target = None if y is None else batch_to(batch_slice(y, 0, k), device)
+    mm = memory_model(module, batch_to(batch_slice(x, 0, k), device), train=True, optimizer=stateless,
+                      loss_fn=_scalar_loss(loss_fn, y is not None), target=target)
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
+    on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device]
+    batch_bytes = sum(t.nbytes for t in on_device)
+    # Micro-batches of inputs already on the device are views: their bytes are in batch_bytes, not new.
+    # Only that share of the model's input bytes is taken off (x on the host and y on the device: none).
+    x_all = sum(t.nbytes for t in batch_tensors(x))
+    x_held = sum(t.nbytes for t in batch_tensors(x) if t.device == device) / x_all if x_all else 0.0
+
+    def peak(m: int) -> int:
+        parts = mm.breakdown(m)
+        inputs = math.floor(parts.get("inputs", 0) * x_held)      # rounded down: never below reality
+        return sum(parts.values()) - inputs + batch_bytes + buckets + (grads if m < n else 0)
+    how = (f"{mm.method}; + all gradients held between micro-batches"
+           + (" + DDP gradient buckets" if buckets else ""))
+    return peak, how
+
+
+def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) -> tuple[int, str]:
+    """(micro-batch size, why) for the largest micro-batch whose predicted step fits the budget."""
+    limit = resolve_budget(budget, device)
+    if budget is None:          # free memory does not count what the model and optimizer hold already
+        limit += held_bytes(model, optimizer, grads=True)
+    try:
+        peak, how = training_peak(model, optimizer, loss_fn, x, y)
+    except Exception as e:
+        raise RuntimeError(f"micro_batch='auto' could not predict the training step's memory "
+                           f"({whole_words(first_line(e), 200)}); pass "
+                           "micro_batch=<int> (out-of-memory errors still back off)") from e
+    m = largest_fitting(peak, limit, n)
+    if m == 0:
+        raise BudgetExceeded(f"a training step on one sample needs {format_bytes(peak(1))} (the batch's bytes "
+                             f"included; {how}) but the budget is {format_bytes(limit)}; raise the budget, use a "
+                             "smaller model or an optimizer with less state", needed=peak(1), budget=limit)
+    if m == n:
+        return m, f"the whole batch fits: predicted step {format_bytes(peak(n))} <= budget {format_bytes(limit)}"
+    return m, (f"largest micro-batch whose predicted step {format_bytes(peak(m))} fits the budget "
+               f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(peak(n))} ({how})")
+
+
+def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:
+    trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
+    return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
+            _signature(x))
+
+
+def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tuple[int, str]:
+    cache = _CHOSEN.setdefault(model, {})
+    if key not in cache:
+        cache[key] = choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device)
+    m, why = cache[key]
+    if world > 1:       # one size for all ranks, agreed every step: a rank's cache may hold what another's lacks
+        from memfit.distributed import all_reduce
+        agreed = int(all_reduce(torch.tensor([m], dtype=torch.int64), op=torch.distributed.ReduceOp.MIN,
+                                what="micro-batch size"))
+        if agreed != m:
+            m, why = agreed, f"{why}; the smallest over ranks ({agreed}) is used"
+    return m, why
+
+
+def _signature(x) -> tuple:
+    return tuple((t.shape[1:], t.dtype, t.device) for t in batch_tensors(x))
+
+
+def lower_chosen(model, key: tuple, final: int) -> None:
+    """After an out-of-memory back-off to `final`, the model's next steps start there."""
+    chosen = _CHOSEN.get(model, {})
+    if key in chosen:
+        chosen[key] = (final, f"{chosen[key][1]}; lowered to {final} after an out-of-memory error")
