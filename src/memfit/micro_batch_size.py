@@ -30,7 +30,7 @@ from memfit.budget import (
 from memfit.measure import held_bytes
 from memfit.messages import first_line, whole_words
 
-__all__ = ["choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
+__all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
 
 # model -> {auto key: (micro-batch size, why)}, for the model's next steps
 _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -108,12 +108,16 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
 
 
 def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:
+    """What a kept size depends on: the optimizer, the trainable parameters, the batch's size and layout, the
+    budget."""
     trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
     return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
             _signature(x))
 
 
 def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tuple[int, str]:
+    """(size, why): the size kept for the model under `key`, chosen by `choose_micro_batch` the first time;
+    with world > 1 the smallest over the ranks."""
     cache = _CHOSEN.setdefault(model, {})
     if key not in cache:
         cache[key] = choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device)
