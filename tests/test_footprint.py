@@ -232,6 +232,39 @@ def test_bad_examples_say_what_was_expected():
         step_memory_model(mlp(), (32,), target=torch.zeros(1, dtype=torch.long))
 
 
+def test_the_autocast_around_the_call_is_the_one_counted():
+    """Called inside `torch.autocast`, the prediction is for that autocast (not a float32 one cached before),
+    and exact at every size: torch keeps an inner autocast's weight casts until the outer one ends, so one
+    fake run's casts must not reach the next one's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,)))
+    x, y = data(2)
+
+    def real_step(n, autocast):
+        m = copy.deepcopy(model)
+        return measure_step(m, data(n)[0], torch.optim.SGD(m.parameters(), lr=0.1), F.cross_entropy, data(n)[1],
+                            autocast=autocast)
+    fp32 = memfit.memory_model(model, x, train=True, optimizer=opt, loss_fn=F.cross_entropy, target=y)
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("error")                       # no "estimated, not exact"
+        ambient = memfit.memory_model(model, x, train=True, optimizer=opt, loss_fn=F.cross_entropy, target=y)
+        inference = memfit.memory_model(model, x)
+        real_inside = real_step(5, autocast=None)
+    assert "torch.autocast(bfloat16)" in ambient.method and "APPROXIMATE" not in ambient.method
+    assert "torch.autocast(bfloat16)" in inference.method and "APPROXIMATE" not in inference.method
+    fresh = copy.deepcopy(model)
+    explicit = memfit.memory_model(fresh, x, train=True, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1),
+                                   loss_fn=F.cross_entropy, target=y, autocast=torch.bfloat16)
+    for n in (1, 5, 64):
+        real = real_step(n, autocast=torch.bfloat16)
+        assert ambient.total_bytes(n) == explicit.total_bytes(n) != fp32.total_bytes(n)
+        assert 1.0 <= ambient.total_bytes(n) / real <= 1.05, (n, ambient.total_bytes(n), real)
+        if n == 5:
+            assert real_inside == real                       # measure_step counts the autocast around it too
+
+
 def test_checkpointing_saves_less_for_backward_than_the_same_model_without():
     torch.manual_seed(0)
     ck = Checkpointed()

@@ -16,7 +16,7 @@ import gc
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
 from memfit.measure import _storage_key, optimizer_state, unique_bytes
-from memfit.planner.training_step import Batch, training_step
+from memfit.planner.training_step import Batch, forward_autocast, training_step
 
 __all__ = ["FakeRunError", "fake_run"]
 
@@ -277,8 +277,7 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
                     if train:
                         training_step(model, x, opt, loss_fn, y, autocast, mark, step)
                     else:
-                        with torch.no_grad(), torch.autocast(device.type, dtype=autocast) \
-                                if autocast is not None else nullcontext():
+                        with torch.no_grad(), forward_autocast(device.type, autocast):
                             out = forward(model, x)
                         mark("forward")
                         del out

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.messages import first_line, whole_words
 from memfit.planner.fake_step import CUDA_BLOCK, KINDS, FakeRunError, _LoggingFakeMode, _Run, fake_run
-from memfit.planner.training_step import Batch, measure_step, training_step
+from memfit.planner.training_step import Batch, measure_step, surrounding_autocast, training_step
 
 __all__ = ["StepMemoryModel", "check_prediction", "step_memory_model"]
 
@@ -241,13 +241,15 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         loss_fn: `loss_fn(output, target)` (or `loss_fn(output)` without a target); by default the
             output's `.loss` (transformers) or the sum of the outputs.
         target: an example target batch (or its sample shape) for loss_fn.
-        autocast: run forward and loss under `torch.autocast` with this dtype.
+        autocast: run forward and loss under `torch.autocast` with this dtype (default: the dtype of the
+            `torch.autocast` the call runs inside, if any).
         dtype: the input dtype when `example` is a shape.
         device: the device to predict for (default: the model's).
         why: a reason added to `method` (e.g. why the planner was not used).
     """
     from memfit.budget import resolve_device
     dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
+    autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     batch = Batch(example, dtype)
     tgt = Batch(target, dtype) if target is not None else None
     groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
@@ -314,7 +316,8 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
 
     runs = {4: run(4)}
     runs[1] = run(1)
-    what = "one training step" if train else "one forward"
+    what = ("one training step" if train else "one forward") + \
+        (f" (forward under torch.autocast({str(autocast).removeprefix('torch.')}))" if autocast is not None else "")
     measured = {}
     c = None
     cheap = _proportional(runs[1], 1, runs[4], 4)    # two runs, every storage the same size in both or 4x

@@ -34,7 +34,7 @@ from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.fake_step import FakeRunError
 from memfit.planner.footprint import CUDA_MARGIN, CUDA_SEGMENT, StepMemoryModel, _batch, step_memory_model
 from memfit.planner.planned import ALIGNMENT, capture_model, place, place_at
-from memfit.planner.training_step import _is_shape
+from memfit.planner.training_step import _is_shape, surrounding_autocast
 
 __all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
            "plot_memory"]
@@ -146,7 +146,8 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         optimizer: the optimizer whose step and state are counted (train=True).
         loss_fn: `loss_fn(output, target)`; default the output's `.loss` or the sum of the outputs.
         target: an example target batch (or its sample shape), for loss_fn.
-        autocast: run forward and loss under `torch.autocast` with this dtype (e.g. torch.bfloat16).
+        autocast: run forward and loss under `torch.autocast` with this dtype (e.g. torch.bfloat16); by default
+            the dtype of the `torch.autocast` the call runs inside, if any.
         dtype: the input dtype when a sample shape is given.
         device: the device to predict for (default: the model's).
         algorithm: the planner's offset algorithm.
@@ -158,6 +159,8 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         (144, 96)
     """
     from memfit.planner.capture import CaptureError
+    if autocast is None:             # the forward runs under the autocast around the call: count that one
+        autocast = surrounding_autocast(torch.device(device).type if device is not None else model_device(model).type)
     fake = lambda why: step_memory_model(model, example_or_sample_shape, train=train, optimizer=optimizer,
                                          loss_fn=loss_fn, target=target, autocast=autocast, dtype=dtype,
                                          device=device, why=why)

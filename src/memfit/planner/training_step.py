@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from memfit.batches import forward
 from memfit.budget import model_device
 from memfit.measure import optimizer_state, unique_bytes
 
-__all__ = ["Batch", "measure_step", "training_step"]
+__all__ = ["Batch", "forward_autocast", "measure_step", "surrounding_autocast", "training_step"]
 
 
 def _integral(s) -> bool:
@@ -105,23 +105,44 @@ def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
     return sum(t.sum() for t in outs)                 # a stand-in loss: one scalar per output
 
 
+def surrounding_autocast(device_type: str) -> torch.dtype | None:
+    """The dtype of the `torch.autocast` the caller runs inside for this device type (None: none)."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+@contextmanager
+def forward_autocast(device_type: str, dtype: torch.dtype | None):
+    """Exactly `torch.autocast(dtype)` (none when dtype is None) for a forward and its loss, whatever autocast
+    surrounds the call. The weight casts it caches are dropped at the end, as when an outermost autocast
+    ends: inside another one torch keeps them until that one ends, and the next run would find them there."""
+    with torch.autocast(device_type, enabled=False), \
+            torch.autocast(device_type, dtype=dtype) if dtype is not None else nullcontext():
+        try:
+            yield
+        finally:
+            if dtype is not None:
+                torch.clear_autocast_cache()
+
+
 def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: torch.dtype | None = None,
                   marks: Callable[[str], None] = lambda phase: None, step: bool = True) -> None:
-    """One training step as `footprint` counts it: forward and loss (under autocast when given), backward,
-    `optimizer.step()` (skipped with step=False), `optimizer.zero_grad()`. The output and loss live until the
-    step returns."""
+    """One training step as `footprint` counts it: forward and loss under `torch.autocast(autocast)` (none
+    when None, whatever autocast surrounds the call: callers pass `surrounding_autocast`), then outside it
+    backward, `optimizer.step()` (skipped with step=False), `optimizer.zero_grad()`. The output and loss live
+    until the step returns."""
     dev = next((t.device.type for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), "cpu")
-    with torch.autocast(dev, dtype=autocast) if autocast is not None else nullcontext():
+    with forward_autocast(dev, autocast):
         out = forward(model, batch)
         loss = _loss(out, target, loss_fn)
     marks("forward")
-    loss.backward()
-    marks("backward")
-    if optimizer is not None:
-        if step:
-            type(optimizer).step(optimizer)           # the class's step: a scheduler's wrapper may step the original
-        marks("step")
-        type(optimizer).zero_grad(optimizer)
+    with torch.autocast(dev, enabled=False):
+        loss.backward()
+        marks("backward")
+        if optimizer is not None:
+            if step:
+                type(optimizer).step(optimizer)       # the class's step: a scheduler's wrapper may step the original
+            marks("step")
+            type(optimizer).zero_grad(optimizer)
     del out, loss
 
 
@@ -138,6 +159,7 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     batch = example if isinstance(example, (torch.Tensor, tuple, list, dict)) and not _is_shape(example) \
         else Batch(example).at(1, dev)
     held = unique_bytes([*model.parameters(), *model.buffers(), *tree_flatten(batch)[0], *tree_flatten(target)[0]])
+    autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     model.train()
     if warmup and optimizer is not None:
         training_step(model, batch, optimizer, loss_fn, target, autocast)
