@@ -312,6 +312,13 @@ def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypat
     model[1] = torch.nn.Linear(16, 32)                              # a replaced layer: planned again
     evaluate(model, ds, chunk_size=128, planned=True, progress=False)
     assert len(calls) > captured
+    model[2] = torch.nn.LeakyReLU(0.01)
+    evaluate(model, ds, chunk_size=128, planned=True, progress=False)
+    captured = len(calls)
+    model[2].negative_slope = 0.5           # an attribute the captured graph baked in as a constant: planned again
+    third = evaluate(model, ds, chunk_size=128, planned=True, progress=False)
+    assert len(calls) > captured and third.runner == "planned"
+    assert third.metrics["loss"] == pytest.approx(unchunked(model, x, y)["loss"], rel=1e-5)
     alive = weakref.ref(model)
     del model
     gc.collect()

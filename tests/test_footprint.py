@@ -265,6 +265,69 @@ def test_the_autocast_around_the_call_is_the_one_counted():
             assert real_inside == real                       # measure_step counts the autocast around it too
 
 
+class Switchable(Checkpointed):
+    """Checkpointing behind a flag, as transformers' `gradient_checkpointing_enable()` sets one."""
+
+    def __init__(self):
+        super().__init__()
+        self.checkpointing = True
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False) if self.checkpointing \
+            else self.block(x)
+        return self.head(h)
+
+
+def test_a_prediction_is_made_again_when_a_flag_the_forward_reads_changes():
+    torch.manual_seed(0)
+    model = Switchable()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 32), torch.randint(0, 10, (2,))
+    on = memfit.memory_model(model, x, train=True, optimizer=opt, loss_fn=F.cross_entropy, target=y)
+    model.checkpointing = False
+    off = memfit.memory_model(model, x, train=True, optimizer=opt, loss_fn=F.cross_entropy, target=y)
+    m = copy.deepcopy(model)
+    real = measure_step(m, torch.randn(256, 32), torch.optim.SGD(m.parameters(), lr=0.1), F.cross_entropy,
+                        torch.randint(0, 10, (256,)))
+    assert on.total_bytes(256) < real <= off.total_bytes(256) <= 1.05 * real   # the kept answer would be an OOM
+
+
+def test_model_state_sees_what_a_forward_may_read_but_not_weight_updates():
+    from memfit.planner.model_state import model_state
+
+    class Config:
+        scale = None
+
+    def fresh():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+        m.cfg = Config()
+        m.cfg.scale = 1.0
+        m.table = torch.zeros(3)
+        return m
+    m = fresh()
+    before = model_state(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()                                         # in place: a plan reads the values by reference
+    assert model_state(m) == before
+    changes = {
+        "dropout p": lambda m: setattr(m[1], "p", 0.5),
+        "training flag": lambda m: m.eval(),
+        "replaced forward": lambda m: setattr(m[0], "forward", lambda x: x),
+        "hook": lambda m: m[0].register_forward_hook(lambda *a: None),
+        "config field": lambda m: setattr(m.cfg, "scale", 2.0),
+        "tensor attribute written": lambda m: m.table.add_(1),
+        "parameter replaced": lambda m: setattr(m[0], "weight", nn.Parameter(torch.zeros(4, 4))),
+        "requires_grad": lambda m: m[0].bias.requires_grad_(False),
+    }
+    for what, change in changes.items():
+        m = fresh()
+        before = model_state(m)
+        change(m)
+        assert model_state(m) != before, what
+
+
 def test_checkpointing_saves_less_for_backward_than_the_same_model_without():
     torch.manual_seed(0)
     ck = Checkpointed()

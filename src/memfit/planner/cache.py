@@ -1,9 +1,10 @@
 """Plans kept across calls: evaluating every epoch captures the model once, and the cache never
 keeps the model (or an arena) alive between calls.
 
-An entry lives as long as its model (a weak key) and is dropped when a parameter, buffer or
-submodule is replaced; in-place weight updates are seen, since a plan reads the parameters by
-reference. A borrowed plan holds its arena only until it is given back.
+An entry lives as long as its model (a weak key) and is dropped when anything a forward could depend on
+changes (`model_state`: a parameter, buffer or submodule replaced, a training flag, an attribute such as a
+dropout's `p` or a float the forward multiplies by); in-place weight updates are seen, since a plan reads
+the parameters by reference. A borrowed plan holds its arena only until it is given back.
 
 Example:
     >>> import torch
@@ -24,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from memfit.planner.capture import CaptureError
+from memfit.planner.model_state import model_state
 from memfit.planner.planned import PlannedModule, plan
 from memfit.planner.sizing import MemoryModel, memory_model
 
@@ -32,13 +34,8 @@ __all__ = ["borrow_plan", "forward_memory_of", "give_back", "known_memory_model"
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> (fingerprint, {key: value})
 
 
-def _fingerprint(model: torch.nn.Module) -> tuple:
-    tensors = tuple((id(t), t.data_ptr(), tuple(t.shape)) for t in [*model.parameters(), *model.buffers()])
-    return tensors + tuple((id(m), m.training) for m in model.modules())   # eval() can lift a capture error
-
-
 def _cached(model: torch.nn.Module, key: tuple, make: Callable):
-    fp = _fingerprint(model)
+    fp = model_state(model)
     entry = _CACHE.get(model)
     if entry is None or entry[0] != fp:
         entry = _CACHE[model] = (fp, {})
@@ -75,7 +72,7 @@ def known_memory_model(model: torch.nn.Module, sample_shape: tuple[int, ...], dt
     """The memory model `memory_model_of` already made for these inputs (or its error), else None: nothing
     is captured here."""
     entry = _CACHE.get(model)
-    if entry is None or entry[0] != _fingerprint(model):
+    if entry is None or entry[0] != model_state(model):
         return None
     return entry[1].get(("memory", tuple(sample_shape), dtype))
 

@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.messages import first_line, whole_words
 from memfit.planner.fake_step import CUDA_BLOCK, KINDS, FakeRunError, _LoggingFakeMode, _Run, fake_run
+from memfit.planner.model_state import model_state
 from memfit.planner.training_step import Batch, measure_step, surrounding_autocast, training_step
 
 __all__ = ["StepMemoryModel", "check_prediction", "step_memory_model"]
@@ -256,9 +257,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
            id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why)
-    fingerprint = tuple((id(t), tuple(t.shape), t.dtype, t.requires_grad)
-                        for t in [*model.parameters(), *model.buffers()]) \
-        + tuple((id(m), m.training) for m in model.modules())
+    fingerprint = model_state(model)       # a flag or attribute changed (checkpointing, dropout p): predict again
     entry = _CACHE.get(model)
     if entry is None or entry[0] != fingerprint:
         entry = _CACHE[model] = (fingerprint, {})
@@ -268,8 +267,8 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     return entry[1][key]
 
 
-# model -> (fingerprint, {key: model}): predicting again for the same model, batch layout and optimizer (each
-# micro-batch of an accumulation, each evaluation) costs nothing; a new or reshaped parameter drops the entry
+# model -> (model_state, {key: model}): predicting again for the same model, batch layout and optimizer (each
+# evaluation) costs nothing; a new or reshaped parameter, a changed flag or attribute drops the entry
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,0 +1,64 @@
+"""What a kept plan or memory model of a model depends on, as one comparable value (`model_state`).
+
+A captured plan bakes in what the forward read besides its inputs: a float attribute (`self.scale`), a
+flag (`gradient_checkpointing`, a dropout's `p`), a replaced `forward` or a hook, a config object's
+fields. Plans and memory models are kept per model (capturing takes seconds) and must be dropped when any
+of that changes, or a later call returns the old model's numbers. `model_state` lists, for every module,
+its parameters and buffers (identity, storage, shape, dtype, requires_grad: a plan reads their values by
+reference, so a training step's in-place updates keep it), its training flag and every
+other attribute: plain values (numbers, strings, small containers of them) by value, tensors by identity
+and version (an in-place write bumps it), callables and other objects by identity, and the plain fields of
+objects such as a `transformers` config. What it cannot see (a global the forward reads, an object's
+attribute two levels down) is the caller's to signal by building a new model or a new plan.
+
+Example:
+    >>> import torch
+    >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+    >>> before = model_state(m)
+    >>> m[1].p = 0.5
+    >>> model_state(m) == before
+    False
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["model_state"]
+
+_OWN = frozenset({"_parameters", "_buffers", "_modules", "training"})   # listed on their own
+_PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
+_LONG = 64          # longer containers are compared by identity and length only
+
+
+def model_state(model: torch.nn.Module) -> tuple:
+    """A value that changes when anything a forward of `model` could depend on changes (see the module doc)."""
+    seen: dict[int, object] = {}
+    tensors = tuple((id(t), t.data_ptr(), tuple(t.shape), t.dtype, t.requires_grad)    # values are read by
+                    for t in [*model.parameters(), *model.buffers()])                    # reference: no version
+    modules = tuple((id(m), m.training, tuple((k, _value(v, 0, seen)) for k, v in vars(m).items() if k not in _OWN))
+                    for m in model.modules())
+    return tensors, modules
+
+
+def _value(v, depth: int, seen: dict):
+    if v is None or isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, torch.Tensor):
+        return "tensor", id(v), tuple(v.shape), v.dtype, v._version
+    if isinstance(v, (tuple, list, dict, set, frozenset)):
+        if depth > 2 or len(v) > _LONG:
+            return type(v).__name__, id(v), len(v)
+        items = v.items() if isinstance(v, dict) else enumerate(sorted(v, key=repr) if isinstance(v, (set, frozenset))
+                                                                else v)
+        return type(v).__name__, tuple((k, _value(x, depth + 1, seen)) for k, x in items)
+    if callable(v) or isinstance(v, torch.nn.Module):      # functions, hooks, a replaced forward, other modules
+        return "object", id(v)
+    fields = getattr(v, "__dict__", None)
+    if depth > 0 or not isinstance(fields, dict):
+        return type(v).__name__, id(v)
+    if id(v) not in seen:              # a config object shared by many modules: its plain fields, once
+        seen[id(v)] = (type(v).__name__, id(v), tuple((k, _value(x, 1, seen)) for k, x in fields.items()))
+    return seen[id(v)]
