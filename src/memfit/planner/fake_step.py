@@ -64,6 +64,47 @@ def _fresh_outputs(func) -> bool:
         and not any(r.alias_info is not None for r in schema.returns)
 
 
+_REAL_BYTES: dict = {}          # (argument shapes) -> bytes the bound below gives
+
+
+def _lstm_workspace_bytes(args, kwargs: dict) -> int:
+    """An upper bound, at this batch size, of the workspace the CPU (oneDNN) LSTM kernel keeps for backward,
+    whose meta kernel says 0 bytes.
+
+    oneDNN sizes it as a sum of parts, each proportional to the batch and rounded up to its alignment, so
+    w(n) = sum(round_up(c_i * n)) lies between s * n and s * n + w(1) for the per-sample rate s, and
+    w(m) / m >= s at any m. The real kernel is asked, on zeros of these shapes, for w(1) and for w(m) at a
+    batch m as large as about 0.2 GFLOP allows (8 to 256): the bound w(m) / m * n + w(1) is then affine in n
+    (the fit through the probes holds at every size) and never below the real workspace."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    func = torch.ops.aten.mkldnn_rnn_layer.default
+    x, hx, hidden = args[0], args[5], args[10]
+    n = hx.shape[0]                          # hx, cx: (batch, hidden); the input comes sequence first
+    bdim = 1 if x.shape[1] == n else 0
+    steps, width = x.shape[1 - bdim], x.shape[2]
+    key = (tuple(x.shape), hidden, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                                         for a in args[1:] if not isinstance(a, list)), tuple(sorted(kwargs)))
+    if key not in _REAL_BYTES:
+        m = int(min(256, max(8, 2e8 / (8 * steps * hidden * (width + hidden)))))
+
+        def workspace(b: int) -> int:
+            def at(a, i):
+                if not isinstance(a, torch.Tensor):
+                    return a
+                shape = list(a.shape)
+                if i == 0:
+                    shape[bdim] = b
+                elif i in (5, 6):                     # hx, cx: (batch, hidden)
+                    shape[0] = b
+                return torch.zeros(shape, dtype=a.dtype)
+            out = func(*(at(a, i) for i, a in enumerate(args)), **kwargs)[3]
+            return 0 if out is None else out.untyped_storage().nbytes()
+        with _disable_current_modes():
+            one, big = workspace(1), workspace(m)
+        _REAL_BYTES[key] = -(-big // m) * n + one        # a whole byte rate: exactly affine in n
+    return _REAL_BYTES[key]
+
+
 class _StorageLog:
     """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
 
@@ -82,6 +123,9 @@ class _StorageLog:
     # these CPU losses return the reduced scalar as a view of an input-sized buffer, which it keeps alive
     CPU_LOSS_VIEWS = _overloads("aten.mse_loss.default", "aten.smooth_l1_loss.default",
                                 "aten.binary_cross_entropy.default", "aten.soft_margin_loss.default")
+    # LSTM on the CPU (oneDNN): the meta kernel gives the workspace kept for backward no bytes at all; the real
+    # one's size is oneDNN's own: bounded from the real kernel's at two batch sizes
+    REAL_SIZE = {op: (3, _lstm_workspace_bytes) for op in _overloads("aten.mkldnn_rnn_layer.default")}
     FRESH: dict = {}                                  # op -> whether its outputs are always new storages
 
     def __init__(self, device: torch.device):
@@ -101,12 +145,15 @@ class _StorageLog:
         ref = self.refs[key] = _StorageRef(s, self._freed)
         ref.key = key
 
-    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int, args) -> int:
+    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int, args, kwargs) -> int:
         """Bytes counted for output `index` of `func`: the few fake kernels whose outputs differ from the real."""
         if index in (1, 2) and func in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
             return nbytes * 2
         if index == 0 and func in self.CPU_LOSS_VIEWS and t.device.type == "cpu" and t.dim() == 0 and args:
             return max(nbytes, args[0].numel() * t.element_size())
+        real = self.REAL_SIZE.get(func)
+        if real is not None and real[0] == index and t.device.type == "cpu":
+            return max(nbytes, real[1](args, kwargs or {}))
         return nbytes
 
     def record(self, func, out, args, kwargs) -> None:
@@ -134,7 +181,7 @@ class _StorageLog:
             if key in self.refs:                          # allocated here, or known to be made outside
                 continue
             nbytes = s.nbytes()
-            if not nbytes:
+            if not nbytes and func not in self.REAL_SIZE:
                 continue
             if not fresh:
                 if inputs is None:
@@ -143,7 +190,9 @@ class _StorageLog:
                 if key in inputs:                         # a view of (or a write to) a tensor made outside
                     self._watch(s, key)
                     continue
-            nbytes = self.size_of(func, i, t, nbytes, args)
+            nbytes = self.size_of(func, i, t, nbytes, args, kwargs)
+            if not nbytes:
+                continue
             self.live[key] = nbytes
             self.log.append((op, key, nbytes))
             self._watch(s, key)
