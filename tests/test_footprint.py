@@ -1,6 +1,7 @@
 """The fake-tensor memory model against the live bytes of the real step (`memfit.measure`), and the promise
 that predicting leaves the model, its buffers, `.grad` and the optimizer exactly as they were."""
 import copy
+import functools
 import warnings
 
 import pytest
@@ -351,6 +352,32 @@ def test_the_cpu_lstm_workspace_the_meta_kernel_leaves_out_is_counted_and_never_
         m = copy.deepcopy(model)
         real = measure_step(m, data(n)[0], torch.optim.AdamW(m.parameters()), F.cross_entropy, data(n)[1])
         assert 1.0 <= mm.total_bytes(n) / real <= 1.25, (n, mm.total_bytes(n), real)
+
+
+@functools.lru_cache(maxsize=4)
+def position_table(k: int) -> torch.Tensor:
+    return torch.arange(k, dtype=torch.float32)
+
+
+class CachedPositions(nn.Module):
+    """Adds a table from a function cache, as transformers' BEiT does with its relative position index."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(12, 12)
+
+    def forward(self, x):
+        return self.proj(x + position_table(x.shape[-1]))
+
+
+def test_a_fake_run_leaves_no_fake_tensor_in_a_function_cache_the_model_uses():
+    position_table.cache_clear()
+    model = CachedPositions()
+    memfit.memory_model(model, (12,), train=True, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    memfit.memory_model(model, (12,))
+    out = model(torch.zeros(2, 12))                    # the real forward after: real tensors throughout
+    assert type(out) is torch.Tensor and type(position_table(12)) is torch.Tensor
+    torch.testing.assert_close(out, model.proj(torch.arange(12.0).expand(2, 12)))
 
 
 def test_checkpointing_saves_less_for_backward_than_the_same_model_without():

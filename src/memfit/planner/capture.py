@@ -20,6 +20,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from memfit.messages import first_line
+from memfit.planner.model_state import function_caches_kept_real
 
 __all__ = ["CaptureError", "as_inputs", "capture", "constants", "decompositions", "diagnose", "quiet_torch"]
 
@@ -158,7 +159,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None,
         raise TypeError(f"expected a torch.nn.Module to plan; found {type(model).__name__}")
     example_inputs = as_inputs(example_inputs)
     try:
-        with quiet_torch(), warnings.catch_warnings():
+        with quiet_torch(), warnings.catch_warnings(), function_caches_kept_real(model):
             # torch 2.13's export warns about its own pytree internals (LeafSpec): not the user's concern
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)

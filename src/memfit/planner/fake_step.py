@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
 from memfit.measure import _storage_key, optimizer_state, unique_bytes
+from memfit.planner.model_state import cache_misses, clear_filled
 from memfit.planner.training_step import Batch, forward_autocast, training_step
 
 __all__ = ["FakeRunError", "fake_run"]
@@ -299,6 +300,7 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
             "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
             "optimizer state": unique_bytes(optimizer_state(optimizer))}
     snap = _snapshot(model)
+    caches = cache_misses(model)
     tracker = _StorageLog(device)
     log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
@@ -338,6 +340,7 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
                 live_at_end = {k[0] for t in kept if (k := _storage_key(t)) and k[0] in tracker.live}
     finally:
         _restore(snap)
+        clear_filled(caches)
         for f in fakes.values():                       # gradients kept by zero_grad must not reach the next run
             f.grad = None
     pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
