@@ -380,6 +380,43 @@ def test_a_fake_run_leaves_no_fake_tensor_in_a_function_cache_the_model_uses():
     torch.testing.assert_close(out, model.proj(torch.arange(12.0).expand(2, 12)))
 
 
+def test_batch_norm_on_one_value_per_channel_trains_from_batch_2():
+    """BatchNorm1d after a Linear cannot train on one sample (torch refuses, as in the real step): the model is
+    fit from batch 2 up and says so, instead of failing on a batch of 1 the user never asked about."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+    data = lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # exact, not an estimate
+        mm = memfit.memory_model(model, data(8)[0], train=True, optimizer=torch.optim.AdamW(model.parameters()),
+                                 loss_fn=F.cross_entropy, target=data(8)[1])
+    assert "batch 1 cannot train" in mm.method
+    for n in (2, 5, 16):
+        m = copy.deepcopy(model)
+        real = measure_step(m, data(n)[0], torch.optim.AdamW(m.parameters()), F.cross_entropy, data(n)[1])
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real)
+
+
+def test_a_training_model_keeps_the_modes_of_its_modules():
+    """Fine-tuning with dropout (or BatchNorm) switched to eval inside a training model: the step counted is
+    that one, not one with every module training (which keeps a dropout mask per activation)."""
+    from memfit.measure import held_bytes, track_memory
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Dropout(0.5), nn.ReLU(), nn.Linear(512, 512), nn.Dropout(0.5),
+                          nn.ReLU(), nn.Linear(512, 10)).train()
+    model[1].eval(), model[4].eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    mm = memfit.memory_model(model, x[:2], train=True, optimizer=opt, loss_fn=F.cross_entropy, target=y[:2])
+    assert [m.training for m in model] == [True, False, True, True, False, True, True]
+    held = held_bytes(model, opt) + x.nbytes + y.nbytes
+    with track_memory("cpu") as mem:                       # the plain step, modes as the user set them
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert 1.0 <= mm.total_bytes(256) / (held + mem.peak) <= 1.05, (mm.total_bytes(256), held + mem.peak)
+
+
 def test_checkpointing_saves_less_for_backward_than_the_same_model_without():
     torch.manual_seed(0)
     ck = Checkpointed()

@@ -309,8 +309,8 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
         with torch.random.fork_rng(devices=[]):
             fake_named = {k: fake(v) for k, v in named.items()}
             opt = _fake_optimizer(optimizer, fake, mode) if optimizer is not None else None
-            if train:
-                model.train()                          # restored with the rest by _restore
+            if train and not model.training:   # asked about training a model in eval mode: all of it trains;
+                model.train()                  # a training model's modules keep their modes (a frozen BatchNorm)
             with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
                 x = batch.at(n, device)
                 y = target.at(n, device) if target is not None else None

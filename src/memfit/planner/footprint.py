@@ -314,13 +314,24 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         return _with_step(r, runs[4]) if once and n != 4 else r
 
     runs = {4: run(4)}
-    runs[1] = run(1)
+    single = ""
+    try:
+        runs[1] = run(1)
+    except ValueError as e:            # BatchNorm training on one sample: the real step fails the same way
+        if not train or "more than 1 value per channel" not in str(e):
+            raise
+        mode = _LoggingFakeMode(allow_non_fake_inputs=True)      # afresh: the failed run left fakes behind
+        fakes.clear()
+        runs = {4: run(4)}
+        runs[2] = run(2)
+        single = "; batch 1 cannot train (batch statistics need 2 samples): no run at 1"
     what = ("one training step" if train else "one forward") + \
         (f" (forward under torch.autocast({str(autocast).removeprefix('torch.')}))" if autocast is not None else "")
     measured = {}
     c = None
-    cheap = _proportional(runs[1], 1, runs[4], 4)    # two runs, every storage the same size in both or 4x
-    if not cheap:
+    one = runs.get(1)                                  # None when batch 1 cannot train
+    cheap = one is not None and _proportional(one, 1, runs[4], 4)   # every storage the same size in both or 4x
+    if not cheap and 2 not in runs:
         runs[2] = run(2)
     if cheap:
         a, b = _affine(runs, 1, 4)
@@ -328,20 +339,23 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
     elif runs[2].ops == runs[4].ops and _proportional(runs[2], 2, runs[4], 4):
         a, b = _affine(runs, 2, 4)
         how = "affine per op and kind from sizes 2 and 4 (every storage the same size in both, or twice as large)"
-        if runs[1].ops != runs[2].ops:
-            measured[1] = runs[1].live
+        if one is None:
+            pass
+        elif one.ops != runs[2].ops:
+            measured[1] = one.live
             how += "; batch 1 runs other ops and is its own exact run"
-        elif not np.array_equal(a + b, runs[1].live):
-            measured[1] = runs[1].live
+        elif not np.array_equal(a + b, one.live):
+            measured[1] = one.live
             how += "; batch 1 is its own exact run"
         else:
             how += ", exact at 1"
     elif runs[2].ops == runs[4].ops:
         a, b = _affine(runs, 2, 4)
-        check = 1 if runs[1].ops == runs[2].ops else 8
+        check = 1 if one is not None and one.ops == runs[2].ops else 8
         if check == 8:
             runs[8] = run(8)
-            measured[1] = runs[1].live
+            if one is not None:
+                measured[1] = one.live
         same = runs[check].ops == runs[2].ops
         if same and np.array_equal(a + b * check, runs[check].live):
             how = f"affine per op and kind from sizes 2 and 4, exact at {check}"
@@ -350,7 +364,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
             # 2, 4 and 8, checked at a fourth size
             for n in (8, 16):
                 runs[n] = runs[n] if n in runs else run(n)
-            check = 1 if runs[1].ops == runs[2].ops else 16
+            check = 1 if one is not None and one.ops == runs[2].ops else 16
             if all(runs[n].ops == runs[2].ops for n in (4, 8, check)):
                 a, b, c = _quadratic(runs, 2, 4, 8)
             if c is not None and np.allclose(a + b * check + c * check * check, runs[check].live, rtol=0, atol=0.5):
@@ -361,7 +375,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
                 c = None
                 how = (f"APPROXIMATE: upper envelope of the sizes {sizes} (neither affine nor quadratic in the "
                        "batch: steepest slope per op)")
-        if runs[1].ops != runs[2].ops:
+        if one is not None and one.ops != runs[2].ops:
             how += "; batch 1 runs other ops and is its own exact run"
     else:
         runs[8] = run(8)
@@ -372,8 +386,9 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         a = np.zeros((1, len(KINDS)))
         b = np.zeros((1, len(KINDS)))
         a[0, 0], b[0, 0] = top, slope
-        how = ("APPROXIMATE: line above the peaks at sizes 1, 2, 4, 8 with the steepest slope (the ops change with "
-               "the batch size)")
+        how = (f"APPROXIMATE: line above the peaks at sizes {sorted(runs)} with the steepest slope (the ops change "
+               "with the batch size)")
+    how += single
     if once:
         how += ("; the optimizer step ran once, at batch 4: it reads and writes parameters, gradients and its "
                 "state, none of which depends on the batch")

@@ -152,7 +152,7 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
 
     With `warmup` one untracked step runs first, so the optimizer state exists as in a running training
     loop. On CPU the bytes come from `memfit.measure`; on CUDA from the caching allocator. The model and
-    optimizer are updated, as by any training step.
+    optimizer are updated, as by any training step. A model in eval mode is put in training mode first.
     """
     from memfit.measure import track_memory
     dev = torch.device(device) if device is not None else model_device(model)
@@ -160,7 +160,8 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
         else Batch(example).at(1, dev)
     held = unique_bytes([*model.parameters(), *model.buffers(), *tree_flatten(batch)[0], *tree_flatten(target)[0]])
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
-    model.train()
+    if not model.training:              # as the memory model: a model in eval mode trains whole, a training
+        model.train()                   # model's modules keep their modes (a frozen BatchNorm stays in eval)
     if warmup and optimizer is not None:
         training_step(model, batch, optimizer, loss_fn, target, autocast)
     held += unique_bytes(optimizer_state(optimizer))
