@@ -289,6 +289,34 @@ def _signature(template) -> object:
                  for x in tree_flatten(template)[0]) + (str(tree_flatten(template)[1]),)
 
 
+def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
+    """Why a fake run failed, and what to do: in the optimizer's step, on a value the code reads, or in an op's
+    fake kernel."""
+    import inspect
+    import traceback
+    what = "one training step" if train else "the forward"
+    head = f"could not run {what} of {type(model).__name__} on fake tensors at batch {n} " \
+           f"({whole_words(first_line(e), 300)})"
+    measure = "measure a real step instead with memfit.planner.training_step.measure_step"
+    step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
+    step_code = getattr(step, "__code__", None)
+    frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
+    data_dependent = "DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower() \
+        or "_local_scalar_dense" in str(e)
+    if step_code is not None and any(f.f_code is step_code for f in frames):
+        return (f"{head}: {type(optimizer).__name__}.step() "
+                + ("reads tensor values (`.item()`), which fake tensors do not have" if data_dependent else
+                   "does not run on fake tensors")
+                + ". Predict without the step (optimizer=None: forward, loss, backward, gradients) and add the "
+                  f"optimizer's state, or {measure}")
+    if data_dependent:
+        return (f"{head}. Fake tensors have shapes but no values: data-dependent Python control flow "
+                f"(`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run on them; {measure}, or make the branch "
+                "independent of the values")
+    return (f"{head}. If the same step runs for real, this is a limit of torch's fake (shape-only) kernel for "
+            f"that op; {measure}, or use another implementation of that layer")
+
+
 def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why):
     dev = device
     optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
@@ -304,13 +332,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         except (ValueError, TypeError):                # our own argument errors, and the user's
             raise
         except Exception as e:
-            reason = whole_words(first_line(e), 300)
-            raise FakeRunError(
-                f"could not run {'one training step' if train else 'the forward'} of {type(model).__name__} on "
-                f"fake tensors at batch {n} ({reason}). Fake tensors have shapes but no values: data-dependent "
-                "Python control flow (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run on them; measure a real "
-                "step instead with memfit.planner.training_step.measure_step, or make the branch independent of the "
-                "values") from e
+            raise FakeRunError(_fake_failure(e, model, optimizer, train, n)) from e
         return _with_step(r, runs[4]) if once and n != 4 else r
 
     runs = {4: run(4)}
