@@ -4,7 +4,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
@@ -95,6 +95,59 @@ def test_gradient_and_step_equal_the_full_batch(n, micro, kind):
     assert r.micro_batches == -(-n // min(micro, n)) and r.retries == 0 and r.n == n
     assert abs(r.loss - loss) <= 1e-5 * max(1.0, abs(loss))
     assert_same_step(ref, mod)
+
+
+class Tagger(nn.Module):
+    """A token model: (n, T) ids -> (n, T, C) scores."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(20, 8), nn.Linear(8, C)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).tanh())
+
+
+def token_loss(out, y):
+    """The mean over the positions not ignored (-100), as cross_entropy and transformers' losses take it."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(n=st.integers(2, 9), micro=st.integers(1, 8), seed=st.integers(0, 100))
+def test_padded_tokens_weighted_by_their_count_give_the_full_batch_step(n, micro, seed):
+    """Labels ignoring a different number of positions per sample: weighted by samples the step is off (and a
+    warning says so); with terms= counting the positions it is the full-batch step, whole-mean loss included."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 20, (n, 6), generator=g)
+    y = torch.randint(0, C, (n, 6), generator=g)
+    y[torch.arange(6) >= torch.randint(0, 7, (n, 1), generator=g)] = -100      # 0 to 6 positions count
+    assume((y != -100).any())
+    ref, mod = Tagger(), Tagger()
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    loss = plain_step(ref, ref_opt, ids, y, token_loss)
+    r = accumulate(mod, opt, (ids, y), token_loss, micro_batch=micro, terms=lambda x, y: (y != -100).sum())
+    assert abs(r.loss - loss) <= 1e-5 * max(1.0, abs(loss))
+    assert_same_step(ref, mod)
+    uneven = len(set((y != -100).sum(1).tolist())) > 1
+    if uneven and micro < n:
+        with pytest.warns(UserWarning, match=r"terms=lambda x, y: \(y != -100\)\.sum\(\)"):
+            accumulate(Tagger(), torch.optim.SGD(Tagger().parameters(), lr=0.1), (ids, y), token_loss,
+                       micro_batch=micro)
+
+
+def test_terms_say_what_they_need():
+    model = Tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids, y = torch.randint(0, 20, (4, 6)), torch.full((4, 6), -100)
+    with pytest.raises(ValueError, match="counts no terms in the whole batch"):
+        accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: (y != -100).sum())
+    with pytest.raises(TypeError, match="number of terms"):
+        accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: "many")
+    per_sample = lambda out, y: F.cross_entropy(out.transpose(1, 2), y.clamp(min=0), reduction="none").mean(1)
+    with pytest.raises(ValueError, match="terms= needs loss_fn to return the mean"):
+        accumulate(model, opt, (ids, y.clamp(min=0)), per_sample, micro_batch=2, terms=lambda x, y: y.numel())
 
 
 def test_several_steps_with_adamw_follow_the_plain_run():

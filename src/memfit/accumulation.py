@@ -178,6 +178,40 @@ def _trained_device(params: list[torch.nn.Parameter]) -> torch.device:
     return params[0].device
 
 
+def _count_terms(terms: Callable, x, y) -> int:
+    """terms(x, y) as an int >= 0, or a clear error."""
+    c = terms(x, y)
+    try:
+        c = int(c)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"terms(x, y) must return the number of terms loss_fn averages over (an int or a 0-d tensor); "
+                        f"found {type(c).__name__}") from None
+    if c < 0:
+        raise ValueError(f"terms(x, y) must count terms (>= 0); found {c}")
+    return c
+
+
+def _warn_if_terms_differ(x, y) -> None:
+    """Token labels (y, or x['labels']) that ignore (-100) a different number of positions per sample: a loss
+    averaged over the positions that count weighs samples unequally, so weighting micro-batches by samples is
+    not the full-batch step. Said, not refused: a loss that is a mean over samples is exact."""
+    labels = [t for t in (y, x.get("labels") if isinstance(x, dict) else None)
+              if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point()]
+    for t in labels:
+        ignored = (t == -100).flatten(1).sum(1)
+        if ignored.numel() and bool(ignored.min() != ignored.max()):
+            where = "y" if t is y else "x['labels']"
+            expr = "y" if t is y else 'x["labels"]'
+            warnings.warn(f"accumulate: {where} ignores (-100) a different number of positions per sample; if "
+                          "loss_fn averages over the positions that count (cross_entropy and transformers' losses do), "
+                          "micro-batches weighted by samples do not give the full-batch gradient. Pass "
+                          f"terms=lambda x, y: ({expr} != -100).sum() to weight them by the positions that count "
+                          f"(({expr}[:, 1:] != -100).sum() for a causal LM that shifts its labels), or ignore this for "
+                          "a loss that is a mean over samples",
+                          stacklevel=3)
+            return
+
+
 # ---- the step ------------------------------------------------------------------------------------------
 def _grad_marks(params: list[torch.nn.Parameter]) -> list[tuple]:
     """Each parameter's gradient tensor and its version: AccumulateGrad either sets a new tensor or adds in
@@ -208,10 +242,12 @@ def _frozen(params: list[torch.nn.Parameter], ids: frozenset):
 class _Step:
     """The state of one accumulated step: weights, loss sum, counts."""
 
-    def __init__(self, model, params, loss_fn, x, y, n: int, n_total: int, world: int, device, sync_last: bool):
-        self.model, self.loss_fn, self.x, self.y, self.n = model, loss_fn, x, y, n
+    def __init__(self, model, params, loss_fn, x, y, n: int, n_total: int, world: int, device, sync_last: bool,
+                 terms: Callable | None = None):
+        self.model, self.loss_fn, self.x, self.y, self.n, self.terms = model, loss_fn, x, y, n, terms
         self.params = [p for p in params if p.requires_grad]
-        self.world, self.n_total = world, n_total   # DDP averages over ranks: world * m / N_total is m / N_total
+        # the samples (or the loss's terms) over every rank; DDP averages over ranks: world * m / N_total is m / N_total
+        self.world, self.n_total = world, n_total
         self.device, self.sync_last = device, sync_last
         self.loss_sum: torch.Tensor | None = None
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
@@ -260,9 +296,20 @@ class _Step:
             raise ValueError(f"loss_fn must return the mean loss over the micro-batch (a scalar tensor) or one loss "
                              f"per sample (shape ({m},)); found "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
-        # per-sample losses are summed; a mean counts m times: either way this part's share of the batch,
-        # scaled in one multiplication (none when the part is the whole batch)
+        # per-sample losses are summed; a mean counts m times (or as many times as it has terms): either way this
+        # part's share of the batch, scaled in one multiplication (none when the part is the whole batch)
         part, count = (loss.sum(), 1) if per_sample else (loss if loss.dim() == 0 else loss.reshape(()), m)
+        if self.terms is not None:
+            if per_sample:
+                raise ValueError(f"terms= needs loss_fn to return the mean over those terms (a scalar); found one "
+                                 f"loss per sample (shape ({m},)): return their mean, or drop terms=")
+            count = _count_terms(self.terms, xs, ys)
+            if count == 0:                  # nothing counts in this part: its mean is 0 / 0, and it adds nothing
+                if self.sync_last and e == self.n:
+                    raise ValueError(f"terms(x, y) counts no terms in the last micro-batch (samples {s}-{e}), which "
+                                     "must all-reduce the gradients across ranks; pass a larger micro_batch")
+                self.micro_batches += 1
+                return
         if part.requires_grad:       # not when every parameter is frozen (they all hold this part already)
             weight = count * self.world / self.n_total
             weighted = part if weight == 1 else part * weight
@@ -302,7 +349,7 @@ class _Step:
 
 def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable,
                budget: int | str | None = None, micro_batch: int | str = "auto", *, distributed: bool = False,
-               allow_batch_dependent: bool = False) -> StepResult:
+               allow_batch_dependent: bool = False, terms: Callable | None = None) -> StepResult:
     """One optimizer step on `batch`, run as micro-batches, with the full-batch gradient.
 
     Gradients are zeroed first (set to None), accumulated over the micro-batches (micro-batch i's mean
@@ -318,7 +365,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             or a tuple (positional); first dimension the samples. A batch on the host is copied to the
             model's device a micro-batch at a time. A memfit loader's batches work as they are.
         loss_fn: loss_fn(output, y) -> the mean loss over the samples (a scalar), or one loss per sample.
-            Weighting is by samples: a loss averaged over tokens is exact when every sample has as many.
+            Weighting is by samples: a loss averaged over tokens is exact when every sample has as many;
+            otherwise pass `terms` (a warning says so when labels ignore a different number of positions).
         budget: bytes or '8GiB' the step must fit (default: free device memory minus a margin, plus what
             the model and optimizer hold already). Used by micro_batch='auto'.
         micro_batch: 'auto' (the largest whose predicted step fits the budget, kept for the model's later
@@ -328,6 +376,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             gradient of the mean over every rank's samples, also with uneven batches. Out-of-memory back-off
             is local, except in the last micro-batch (an error there: the other ranks are in the all-reduce).
         allow_batch_dependent: run a model with batch statistics anyway (a warning says the step differs).
+        terms: terms(x, y) -> how many terms loss_fn's mean is over in a (micro-)batch, e.g.
+            `lambda x, y: (y != -100).sum()` for a loss averaged over the tokens that are not ignored
+            (`(y[:, 1:] != -100).sum()` for a causal LM that shifts its labels): each micro-batch is then
+            weighted by its share of the terms, and `loss` is the mean over all of them.
 
     Precision: gradients accumulate in the parameters' dtype, as in any accumulation (bfloat16 parameters
     round each micro-batch's addition to bfloat16; under autocast the parameters, and so the sums, stay
@@ -352,11 +404,13 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     n = _batch_size(x, y)
     params = list(model.parameters())
     device = _trained_device(params)
-    n_total = n
-    if world > 1:               # the global sample count weights every rank's micro-batches
+    n_total = n if terms is None else _count_terms(terms, x, y)
+    if world > 1:               # the global count weights every rank's micro-batches
         from memfit.distributed import all_reduce
-        n_total = int(all_reduce(torch.tensor([n], dtype=torch.int64), what="accumulate sample count"))
-    step = _Step(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1)
+        n_total = int(all_reduce(torch.tensor([n_total], dtype=torch.int64), what="accumulate sample count"))
+    if n_total == 0:
+        raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on")
+    step = _Step(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1, terms=terms)
     if micro_batch == "auto":
         key = auto_key(step.params, optimizer, x, n, budget)
         size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key)
@@ -368,6 +422,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             p.grad = None
     final = step.run_range(0, n, size, frozenset())
     optimizer.step()
+    if terms is None and step.micro_batches > 1:
+        _warn_if_terms_differ(x, y)
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
         lower_chosen(model, key, final)
     loss_sum = float(step.loss_sum) if step.loss_sum is not None else 0.0
