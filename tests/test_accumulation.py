@@ -145,6 +145,11 @@ def test_terms_say_what_they_need():
         accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: (y != -100).sum())
     with pytest.raises(TypeError, match="number of terms"):
         accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: "many")
+    x1, y1 = data(6)
+    y1[:2] = -100                                  # one label per sample, two ignored: a mean over four
+    with pytest.warns(UserWarning, match="ignores"):
+        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x1, y1), F.cross_entropy,
+                   micro_batch=3)
     per_sample = lambda out, y: F.cross_entropy(out.transpose(1, 2), y.clamp(min=0), reduction="none").mean(1)
     with pytest.raises(ValueError, match="terms= needs loss_fn to return the mean"):
         accumulate(model, opt, (ids, y.clamp(min=0)), per_sample, micro_batch=2, terms=lambda x, y: y.numel())
@@ -562,6 +567,40 @@ def test_two_gloo_ranks_step_like_one_process_on_the_whole_batch():
             for p, g, q in zip(ref.parameters(), grads, params, strict=True):
                 assert torch.allclose(p.grad, torch.tensor(g), rtol=1e-5, atol=1e-7)
                 assert torch.allclose(p, torch.tensor(q), rtol=1e-5, atol=1e-7)
+
+
+def _token_set():
+    """7 samples of token labels; samples 5 and 6 (rank 1's last micro-batch of 2) have none that count."""
+    g = torch.Generator().manual_seed(3)
+    ids, y = torch.randint(0, 20, (7, 6), generator=g), torch.randint(0, C, (7, 6), generator=g)
+    y[torch.arange(6) >= torch.randint(1, 7, (7, 1), generator=g)] = -100
+    y[5:] = -100
+    return ids, y
+
+
+def _ddp_terms(rank, world):
+    model = Tagger()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ids, y = _token_set()
+    s, e = ((0, 3), (3, 7))[rank]
+    r = accumulate(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), (ids[s:e], y[s:e]), token_loss, micro_batch=2,
+                   distributed=True, terms=lambda x, y: (y != -100).sum())
+    return r.loss, [p.grad.tolist() for p in model.parameters()]
+
+
+def test_terms_across_two_ranks_give_the_token_mean_step_even_when_a_last_micro_batch_counts_none():
+    """A rank whose last micro-batch (the one that all-reduces) counts no terms still joins the all-reduce
+    with a zero gradient, instead of leaving the other rank waiting."""
+    out = run_ranks(_ddp_terms, 2, timeout=60)
+    assert sorted(out) == [0, 1] and all(st == "ok" for st, _ in out.values()), out
+    ref = Tagger()
+    ids, y = _token_set()
+    loss = token_loss(ref(ids), y)
+    loss.backward()
+    for _, (r_loss, grads) in out.values():
+        assert abs(r_loss - loss.item()) <= 1e-5
+        for p, g in zip(ref.parameters(), grads, strict=True):
+            assert torch.allclose(p.grad, torch.tensor(g), rtol=1e-5, atol=1e-7)
 
 
 def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():

@@ -384,14 +384,54 @@ class CachedPositions(nn.Module):
         return self.proj(x + position_table(x.shape[-1]))
 
 
-def test_a_fake_run_leaves_no_fake_tensor_in_a_function_cache_the_model_uses():
+class Memoised(CachedPositions):
+    """The same table from a dict memo and from a cache made per instance."""
+
+    def __init__(self):
+        super().__init__()
+        self.memo = {}
+        self.table = functools.lru_cache(maxsize=4)(lambda k: torch.arange(k, dtype=torch.float32))
+
+    def forward(self, x):
+        k = x.shape[-1]
+        if k not in self.memo:
+            self.memo[k] = torch.arange(k, dtype=torch.float32)
+        return self.proj(x + self.memo[k] + self.table(k) - position_table(k))
+
+
+@pytest.mark.parametrize("make", [CachedPositions, Memoised])
+def test_a_fake_run_leaves_no_fake_tensor_in_a_cache_the_model_uses(make):
     position_table.cache_clear()
-    model = CachedPositions()
+    model = make()
     memfit.memory_model(model, (12,), train=True, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     memfit.memory_model(model, (12,))
     out = model(torch.zeros(2, 12))                    # the real forward after: real tensors throughout
     assert type(out) is torch.Tensor and type(position_table(12)) is torch.Tensor
     torch.testing.assert_close(out, model.proj(torch.arange(12.0).expand(2, 12)))
+
+
+def test_models_on_the_meta_device_and_inference_tensors_on_modules_are_fine():
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    mm = memfit.memory_model(meta, (64,), train=True, optimizer=torch.optim.SGD(meta.parameters(), lr=0.1))
+    assert mm.total_bytes(8) > mm.total_bytes(1) > 0
+    model = CachedPositions()
+    with torch.inference_mode():
+        model.last = torch.zeros(2)                    # has no version counter
+    a = memfit.memory_model(model, (12,), train=True, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert a.total_bytes(4) > 0
+
+
+def test_a_forward_under_autocast_is_kept_apart_from_one_without():
+    from memfit.planner.cache import forward_memory_of
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).eval()
+    x = {"x": torch.randn(4, 64)}
+    model.forward = lambda x: nn.Sequential.forward(model, x)      # a dict input: the fake-tensor estimate
+    plain = forward_memory_of(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = forward_memory_of(model, x)
+    assert "autocast(bfloat16)" in cast.method and "autocast" not in plain.method
+    assert cast.total_bytes(512) != plain.total_bytes(512)
 
 
 def test_batch_norm_on_one_value_per_channel_trains_from_batch_2():

@@ -192,14 +192,14 @@ def _count_terms(terms: Callable, x, y) -> int:
 
 
 def _warn_if_terms_differ(x, y) -> None:
-    """Token labels (y, or x['labels']) that ignore (-100) a different number of positions per sample: a loss
-    averaged over the positions that count weighs samples unequally, so weighting micro-batches by samples is
-    not the full-batch step. Said, not refused: a loss that is a mean over samples is exact."""
+    """Labels (y, or x['labels']) that ignore (-100) a different number of positions per sample (or some samples,
+    one label each): a loss averaged over what counts weighs samples unequally, so weighting micro-batches by
+    samples is not the full-batch step. Said, not refused: a loss that is a mean over samples is exact."""
     labels = [t for t in (y, x.get("labels") if isinstance(x, dict) else None)
-              if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point()]
+              if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.numel() and not t.is_floating_point()]
     for t in labels:
-        ignored = (t == -100).flatten(1).sum(1)
-        if ignored.numel() and bool(ignored.min() != ignored.max()):
+        ignored = (t == -100).reshape(t.shape[0], -1).sum(1)      # per sample (one label each: 0 or 1)
+        if bool(ignored.min() != ignored.max()):
             where = "y" if t is y else "x['labels']"
             expr = "y" if t is y else 'x["labels"]'
             warnings.warn(f"accumulate: {where} ignores (-100) a different number of positions per sample; if "
@@ -305,9 +305,8 @@ class _Step:
                                  f"loss per sample (shape ({m},)): return their mean, or drop terms=")
             count = _count_terms(self.terms, xs, ys)
             if count == 0:                  # nothing counts in this part: its mean is 0 / 0, and it adds nothing
-                if self.sync_last and e == self.n:
-                    raise ValueError(f"terms(x, y) counts no terms in the last micro-batch (samples {s}-{e}), which "
-                                     "must all-reduce the gradients across ranks; pass a larger micro_batch")
+                if self.sync_last and e == self.n:     # but DDP's all-reduce must run: a zero gradient for each
+                    (sum(p.sum() for p in self.params if p.requires_grad) * 0.0).backward()    # parameter
                 self.micro_batches += 1
                 return
         if part.requires_grad:       # not when every parameter is frozen (they all hold this part already)

@@ -29,6 +29,7 @@ from memfit.budget import (
 )
 from memfit.measure import held_bytes
 from memfit.messages import first_line, whole_words
+from memfit.planner.training_step import autocast_state
 
 __all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
 
@@ -109,10 +110,11 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
 
 def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:
     """What a kept size depends on: the optimizer, the trainable parameters, the batch's size and layout, the
-    budget."""
+    budget, the surrounding autocast. (Not the model's other state, which would cost a walk of every module
+    each step: a size kept after, say, checkpointing is switched off backs off at the first out-of-memory.)"""
     trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
     return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
-            _signature(x))
+            _signature(x), autocast_state())
 
 
 def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tuple[int, str]:

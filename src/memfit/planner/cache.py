@@ -28,6 +28,7 @@ from memfit.planner.capture import CaptureError
 from memfit.planner.model_state import model_state
 from memfit.planner.planned import PlannedModule, plan
 from memfit.planner.sizing import MemoryModel, memory_model
+from memfit.planner.training_step import autocast_state
 
 __all__ = ["borrow_plan", "forward_memory_of", "give_back", "known_memory_model", "memory_model_of"]
 
@@ -35,6 +36,7 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> (f
 
 
 def _cached(model: torch.nn.Module, key: tuple, make: Callable):
+    key = (*key, autocast_state())          # a capture or estimate under autocast holds only under it
     fp = model_state(model)
     entry = _CACHE.get(model)
     if entry is None or entry[0] != fp:
@@ -74,7 +76,7 @@ def known_memory_model(model: torch.nn.Module, sample_shape: tuple[int, ...], dt
     entry = _CACHE.get(model)
     if entry is None or entry[0] != model_state(model):
         return None
-    return entry[1].get(("memory", tuple(sample_shape), dtype))
+    return entry[1].get(("memory", tuple(sample_shape), dtype, autocast_state()))
 
 
 def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:

@@ -74,19 +74,19 @@ def _lstm_workspace_bytes(args, kwargs: dict) -> int:
 
     oneDNN sizes it as a sum of parts, each proportional to the batch and rounded up to its alignment, so
     w(n) = sum(round_up(c_i * n)) lies between s * n and s * n + w(1) for the per-sample rate s, and
-    w(m) / m >= s at any m. The real kernel is asked, on zeros of these shapes, for w(1) and for w(m) at a
-    batch m as large as about 0.2 GFLOP allows (8 to 256): the bound w(m) / m * n + w(1) is then affine in n
-    (the fit through the probes holds at every size) and never below the real workspace."""
+    w(m) / m >= s at any m. The real kernel is asked once per layer shape, on zeros, for w(1) and for w(m) at
+    a batch m as large as about 0.2 GFLOP allows (2 to 256; a large LSTM still costs two real forwards of the
+    layer at batch 1 and 2): the bound w(m) / m * n + w(1) is then affine in n (the fit through the probes
+    holds at every size) and never below the real workspace."""
     from torch.utils._python_dispatch import _disable_current_modes
     func = torch.ops.aten.mkldnn_rnn_layer.default
-    x, hx, hidden = args[0], args[5], args[10]
-    n = hx.shape[0]                          # hx, cx: (batch, hidden); the input comes sequence first
-    bdim = 1 if x.shape[1] == n else 0
-    steps, width = x.shape[1 - bdim], x.shape[2]
-    key = (tuple(x.shape), hidden, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                                         for a in args[1:] if not isinstance(a, list)), tuple(sorted(kwargs)))
+    x, hidden = args[0], args[10]
+    n, steps, width = x.shape[1], x.shape[0], x.shape[2]         # the input comes sequence first
+    key = (steps, width, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                               for i, a in enumerate(args) if i not in (0, 5, 6) and not isinstance(a, list)),
+           tuple(sorted(kwargs)))                             # not the batch: the same (rate, w(1)) at every n
     if key not in _REAL_BYTES:
-        m = int(min(256, max(8, 2e8 / (8 * steps * hidden * (width + hidden)))))
+        m = int(min(256, max(2, 2e8 / (8 * steps * hidden * (width + hidden)))))
 
         def workspace(b: int) -> int:
             def at(a, i):
@@ -94,16 +94,17 @@ def _lstm_workspace_bytes(args, kwargs: dict) -> int:
                     return a
                 shape = list(a.shape)
                 if i == 0:
-                    shape[bdim] = b
-                elif i in (5, 6):                     # hx, cx: (batch, hidden)
-                    shape[0] = b
+                    shape[1] = b                      # x: (steps, batch, width)
+                elif i in (5, 6):
+                    shape[0] = b                      # hx, cx: (batch, hidden)
                 return torch.zeros(shape, dtype=a.dtype)
             out = func(*(at(a, i) for i, a in enumerate(args)), **kwargs)[3]
             return 0 if out is None else out.untyped_storage().nbytes()
         with _disable_current_modes():
             one, big = workspace(1), workspace(m)
-        _REAL_BYTES[key] = -(-big // m) * n + one        # a whole byte rate: exactly affine in n
-    return _REAL_BYTES[key]
+        _REAL_BYTES[key] = (-(-big // m), one)              # a whole byte rate: exactly affine in n
+    rate, one = _REAL_BYTES[key]
+    return rate * n + one
 
 
 class _StorageLog:
@@ -241,17 +242,29 @@ class _Run:
 
 
 def _snapshot(model):
-    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    """Every module's attributes, parameters and buffers, and the contents of its dict and list attributes (a
+    memo a forward fills in place)."""
+    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers),
+             [(v, type(v)(v)) for k, v in m.__dict__.items()
+              if type(v) in (dict, list) and k not in ("_parameters", "_buffers", "_modules")])
+            for m in model.modules()]
 
 
 def _restore(snap) -> None:
-    """Put back every module attribute, parameter and buffer (a forward may cache a fake tensor on a module)."""
-    for m, attrs, params, buffers in snap:
+    """Put back every module attribute, parameter and buffer, and what its dicts and lists held (a forward may
+    cache a fake tensor on a module)."""
+    for m, attrs, params, buffers, contents in snap:
         for k in [k for k in m.__dict__ if k not in attrs]:
             del m.__dict__[k]
         m.__dict__.update(attrs)
         m._parameters.clear(), m._parameters.update(params)
         m._buffers.clear(), m._buffers.update(buffers)
+        for v, held in contents:
+            v.clear()
+            if isinstance(v, dict):
+                v.update(held)
+            else:
+                v.extend(held)
 
 
 def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):

@@ -301,8 +301,8 @@ def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
     step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
     step_code = getattr(step, "__code__", None)
     frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
-    data_dependent = "DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower() \
-        or "_local_scalar_dense" in str(e)
+    data_dependent = any(k in type(e).__name__ for k in ("DataDependent", "DynamicOutputShape")) \
+        or "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e)     # .item(), x[x > 0]
     if step_code is not None and any(f.f_code is step_code for f in frames):
         return (f"{head}: {type(optimizer).__name__}.step() "
                 + ("reads tensor values (`.item()`), which fake tensors do not have" if data_dependent else
@@ -310,9 +310,9 @@ def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
                 + ". Predict without the step (optimizer=None: forward, loss, backward, gradients) and add the "
                   f"optimizer's state, or {measure}")
     if data_dependent:
-        return (f"{head}. Fake tensors have shapes but no values: data-dependent Python control flow "
-                f"(`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run on them; {measure}, or make the branch "
-                "independent of the values")
+        return (f"{head}. Fake tensors have shapes but no values: data-dependent Python control flow or "
+                f"shapes (`if x.sum() > 0`, `.item()`, `.tolist()`, `x[x > 0]`) cannot run on them; {measure}, or "
+                "make the branch or shape independent of the values")
     return (f"{head}. If the same step runs for real, this is a limit of torch's fake (shape-only) kernel for "
             f"that op; {measure}, or use another implementation of that layer")
 

@@ -50,8 +50,8 @@ def model_state(model: torch.nn.Module) -> tuple:
 def _value(v, depth: int, seen: dict):
     if v is None or isinstance(v, _PLAIN):
         return v
-    if isinstance(v, torch.Tensor):
-        return "tensor", id(v), tuple(v.shape), v.dtype, v._version
+    if isinstance(v, torch.Tensor):      # an inference tensor has no version: it cannot be written in place
+        return "tensor", id(v), v.data_ptr(), tuple(v.shape), v.dtype, None if v.is_inference() else v._version
     if isinstance(v, (tuple, list, dict, set, frozenset)):
         if depth > 2 or len(v) > _LONG:
             return type(v).__name__, id(v), len(v)
@@ -70,7 +70,8 @@ def _value(v, depth: int, seen: dict):
 
 def function_caches(model: torch.nn.Module) -> list:
     """The `functools.lru_cache`s the model's code may fill: those in the modules its classes are defined in,
-    on those classes, or one or two wrappers deep (a decorator's closure, as transformers' method cache)."""
+    on those classes or on its modules, or one or two wrappers deep (a decorator's closure, as transformers'
+    method cache)."""
     found: dict[int, object] = {}
 
     def look(v, depth: int) -> None:
@@ -93,6 +94,9 @@ def function_caches(model: torch.nn.Module) -> list:
             look(v, 0)
     for c in classes:
         for v in list(vars(c).values()):
+            look(v, 0)
+    for m in model.modules():                              # a cache made per instance in __init__
+        for v in list(vars(m).values()):
             look(v, 0)
     return list(found.values())
 

@@ -25,7 +25,7 @@ from memfit.batches import forward
 from memfit.budget import model_device
 from memfit.measure import optimizer_state, unique_bytes
 
-__all__ = ["Batch", "forward_autocast", "measure_step", "surrounding_autocast", "training_step"]
+__all__ = ["Batch", "autocast_state", "forward_autocast", "measure_step", "surrounding_autocast", "training_step"]
 
 
 def _integral(s) -> bool:
@@ -106,8 +106,23 @@ def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
 
 
 def surrounding_autocast(device_type: str) -> torch.dtype | None:
-    """The dtype of the `torch.autocast` the caller runs inside for this device type (None: none)."""
+    """The dtype of the `torch.autocast` the caller runs inside for this device type (None: none, or a device
+    without autocast, such as meta)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def autocast_state() -> tuple:
+    """The surrounding autocast of every device type a model here may run on: part of the key of anything
+    kept that a forward under autocast would change (a plan, a memory model, a micro-batch size)."""
+    return surrounding_autocast("cpu"), surrounding_autocast("cuda")
+
+
+def _autocast_off(device_type: str):
+    """`torch.autocast(device_type, enabled=False)`, or nothing on a device without autocast."""
+    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
+        else nullcontext()
 
 
 @contextmanager
@@ -115,7 +130,7 @@ def forward_autocast(device_type: str, dtype: torch.dtype | None):
     """Exactly `torch.autocast(dtype)` (none when dtype is None) for a forward and its loss, whatever autocast
     surrounds the call. The weight casts it caches are dropped at the end, as when an outermost autocast
     ends: inside another one torch keeps them until that one ends, and the next run would find them there."""
-    with torch.autocast(device_type, enabled=False), \
+    with _autocast_off(device_type), \
             torch.autocast(device_type, dtype=dtype) if dtype is not None else nullcontext():
         try:
             yield
@@ -135,7 +150,7 @@ def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: 
         out = forward(model, batch)
         loss = _loss(out, target, loss_fn)
     marks("forward")
-    with torch.autocast(dev, enabled=False):
+    with _autocast_off(dev):
         loss.backward()
         marks("backward")
         if optimizer is not None:
