@@ -36,7 +36,7 @@ def test_submodules_are_documented():
     for mod in ("accumulation", "arrays", "batches", "budget", "chunking", "codecs", "compact", "distributed",
                 "evaluation", "fields", "measure", "metrics", "progress", "readers", "cli", "cli.data", "cli.demo",
                 "cli.options", "cli.plan", "cli.bench", "loading", "planner", "planner.footprint", "planner.fake_step",
-                "planner.training_step", "micro_batch_size"):
+                "planner.training", "planner.fingerprint", "planner.global_caches", "micro_batch_size"):
         m = importlib.import_module(f"memfit.{mod}")
         assert m.__doc__ and len(m.__doc__) > 40, mod
 

@@ -12,7 +12,7 @@ from torch import nn
 import memfit
 from memfit.planner.fake_step import FakeRunError
 from memfit.planner.footprint import step_memory_model
-from memfit.planner.training_step import measure_step
+from memfit.planner.training import measure_step
 
 warnings.filterwarnings("ignore", message=".*(loss_type|bos_token_id|eos_token_id).*")
 
@@ -308,7 +308,7 @@ def test_a_prediction_is_made_again_when_a_flag_the_forward_reads_changes():
 
 
 def test_model_state_sees_what_a_forward_may_read_but_not_weight_updates():
-    from memfit.planner.model_state import model_state
+    from memfit.planner.fingerprint import model_state
 
     class Config:
         scale = None

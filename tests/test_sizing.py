@@ -14,7 +14,7 @@ from memfit.cli.bench.zoo import build
 from memfit.measure import track_memory
 from memfit.planner.footprint import StepMemoryModel
 from memfit.planner.sizing import MemoryModel
-from memfit.planner.training_step import measure_step
+from memfit.planner.training import measure_step
 
 
 @pytest.mark.parametrize("name", ["lenet", "transformer"])

@@ -29,7 +29,7 @@ from memfit.budget import (
 )
 from memfit.measure import held_bytes
 from memfit.messages import first_line, whole_words
-from memfit.planner.training_step import autocast_state
+from memfit.planner.training import autocast_state
 
 __all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
 

@@ -14,10 +14,11 @@ Modules: `arena` (lifetimes, offsets, verifier: pure functions), `ops` (out= ker
 in-place allowlist), `capture` (torch.export, error diagnosis), `graph` (aliases, lifetimes, sizes
 at a batch size), `codegen` (the generated forward), `planned` (`plan`, `PlannedModule`,
 `capture_model` + `place_at(capture, n)`: exact sizes at any batch from one capture), `sizing`
-(`memory_model`, `max_batch_size`), `report`, `cache` (plans `evaluate` borrows), `training_step` (what
+(`memory_model`, `max_batch_size`), `report`, `cache` (plans `evaluate` borrows), `training` (what
 one training step is, and measuring it for real), `fake_step` (that step or a forward run on fake
 tensors, every storage logged), `footprint` (those runs fit into the bytes of an eager forward or
-training step at any batch size).
+training step at any batch size), `fingerprint` (what kept plans and predictions depend on),
+`global_caches` (function caches a fake run must leave without fake tensors).
 
 The public entry points live on `memfit` (`memfit.plan`, `memfit.memory_model`, ...); this package
 exports the planner's own types and pure functions.

@@ -25,10 +25,10 @@ from collections.abc import Callable
 import torch
 
 from memfit.planner.capture import CaptureError
-from memfit.planner.model_state import model_state
+from memfit.planner.fingerprint import model_state
 from memfit.planner.planned import PlannedModule, plan
 from memfit.planner.sizing import MemoryModel, memory_model
-from memfit.planner.training_step import autocast_state
+from memfit.planner.training import autocast_state
 
 __all__ = ["borrow_plan", "forward_memory_of", "give_back", "known_memory_model", "memory_model_of"]
 

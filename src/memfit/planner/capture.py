@@ -20,7 +20,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from memfit.messages import first_line
-from memfit.planner.model_state import function_caches_kept_real
+from memfit.planner.global_caches import function_caches_kept_real
 
 __all__ = ["CaptureError", "as_inputs", "capture", "constants", "decompositions", "diagnose", "quiet_torch"]
 

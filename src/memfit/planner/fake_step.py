@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
 from memfit.measure import _storage_key, optimizer_state, unique_bytes
-from memfit.planner.model_state import cache_misses, clear_filled
-from memfit.planner.training_step import Batch, forward_autocast, training_step
+from memfit.planner.global_caches import cache_misses, clear_filled
+from memfit.planner.training import Batch, forward_autocast, training_step
 
 __all__ = ["FakeRunError", "fake_run"]
 

@@ -50,8 +50,8 @@ from torch.utils._pytree import tree_flatten
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.messages import first_line, whole_words
 from memfit.planner.fake_step import CUDA_BLOCK, KINDS, FakeRunError, _LoggingFakeMode, _Run, fake_run
-from memfit.planner.model_state import model_state
-from memfit.planner.training_step import Batch, measure_step, surrounding_autocast, training_step
+from memfit.planner.fingerprint import model_state
+from memfit.planner.training import Batch, measure_step, surrounding_autocast, training_step
 
 __all__ = ["StepMemoryModel", "check_prediction", "step_memory_model"]
 
@@ -297,7 +297,7 @@ def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
     what = "one training step" if train else "the forward"
     head = f"could not run {what} of {type(model).__name__} on fake tensors at batch {n} " \
            f"({whole_words(first_line(e), 300)})"
-    measure = "measure a real step instead with memfit.planner.training_step.measure_step"
+    measure = "measure a real step instead with memfit.planner.training.measure_step"
     step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
     step_code = getattr(step, "__code__", None)
     frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
@@ -421,6 +421,6 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
-                      "pick with memfit.planner.training_step.measure_step", stacklevel=3)
+                      "pick with memfit.planner.training.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
                            runs[4].phase_ends, measured, c)

@@ -34,7 +34,7 @@ from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.fake_step import FakeRunError
 from memfit.planner.footprint import CUDA_MARGIN, CUDA_SEGMENT, StepMemoryModel, _batch, step_memory_model
 from memfit.planner.planned import ALIGNMENT, capture_model, place, place_at
-from memfit.planner.training_step import _is_shape, surrounding_autocast
+from memfit.planner.training import _is_shape, surrounding_autocast
 
 __all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
            "plot_memory"]
