@@ -289,3 +289,27 @@ def test_a_rank_with_nothing_to_evaluate_neither_hangs_nor_changes_the_result():
             assert n == single[case][1], (rank, case)
             for k, v in single[case][0].items():
                 assert metrics[k] == (pytest.approx(v, rel=1e-12) if k == "loss" else v), (rank, case, k)
+
+
+ENDS_AFTER_A_COLLECTIVE = """
+import torch, torch.distributed as dist
+from memfit.distributed import all_reduce
+dist.init_process_group("gloo")
+group = dist.group.WORLD                 # still referenced at exit, as by a DistributedDataParallel model
+all_reduce(torch.ones(1000).clone(), what="the last collective")
+"""
+
+
+def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
+    """gloo's worker thread used to drop the last reference to a finished collective while the interpreter shut
+    down; freeing its tensors then needed the GIL and the process aborted (SIGABRT, 2-4 runs in 10)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "ends.py"
+    script.write_text(ENDS_AFTER_A_COLLECTIVE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for _ in range(6):
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              str(script)], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-1500:]

@@ -129,7 +129,16 @@ def _device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+# The last collective's work, kept until the next one. gloo's worker thread drops its reference to a work after
+# the caller's wait has returned; when that drop is the last, destroying the work's tensors takes the GIL, and a
+# thread that waits for the GIL while the interpreter shuts down aborts the process ("terminate called without
+# an active exception", SIGABRT after a script's last evaluate). Held here, the work is freed by this thread.
+_last_work = None
+
+
 def _wait(work, what: str, timeout_s: float) -> None:
+    global _last_work
+    _last_work = work
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
