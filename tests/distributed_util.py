@@ -1,6 +1,7 @@
 """Start `world` processes (gloo on the CPU, or nccl with one GPU each) for a test and collect what each
 returns (or raised)."""
 import multiprocessing as mp
+import pickle
 import socket
 import traceback
 
@@ -23,7 +24,8 @@ def _worker(fn, rank, world, port, args, queue, env, backend):
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        queue.put((rank, "ok", fn(rank, world, *args)))
+        # pickled here: a tensor put on the queue as is travels as a file descriptor that dies with this process
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException as e:
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -45,7 +47,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = 
     try:
         for _ in range(world):
             rank, status, value = queue.get(timeout=timeout)
-            out[rank] = (status, value)
+            out[rank] = (status, pickle.loads(value) if status == "ok" else value)
     except Exception:      # queue.Empty: a rank hung; the test sees it missing
         pass
     for p in procs:
