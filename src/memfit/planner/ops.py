@@ -185,7 +185,9 @@ def why_not_lowered(op, device_type: str) -> str:
         ov = getattr(packet, name)
         outs = _out_args(ov._schema)
         if outs and [(a.name, str(a.type)) for a in ov._schema.arguments if a.name not in outs] == want:
-            key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type, device_type)
+            key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta", "mps": "MPS", "xpu": "XPU"}.get(device_type)
+            if key is None:
+                return f"its out= variant is not checked on {device_type}"
             if not torch._C._dispatch_has_kernel_for_dispatch_key(ov.name(), key):
                 return (f"its out= variant on {device_type} is a wrapper that allocates and copies: "
                         "no memory saved, slower than eager")
