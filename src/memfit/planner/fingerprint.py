@@ -36,19 +36,28 @@ _LONG = 64          # longer containers are compared by identity and length only
 def model_state(model: torch.nn.Module) -> tuple:
     """A value that changes when anything a forward of `model` could depend on changes (see the module doc)."""
     seen: dict[int, object] = {}
-    tensors = tuple((id(t), t.data_ptr(), tuple(t.shape), t.dtype, t.requires_grad)    # values are read by
-                    for t in [*model.parameters(), *model.buffers()])                    # reference: no version
-    modules = tuple((id(m), m.training, tuple((k, _value(v, 0, seen)) for k, v in vars(m).items() if k not in _OWN))
-                    for m in model.modules())
-    return tensors, modules
+    return tuple((id(m), m.training,
+                  tuple((id(t), t.data_ptr(), t.shape, t.dtype, t.requires_grad)     # values are read by reference:
+                        for t in (*m._parameters.values(), *m._buffers.values()) if t is not None),   # no version
+                  tuple((k, _value(v, 0, seen)) for k, v in vars(m).items() if k not in _OWN))
+                 for m in model.modules())
+
+
+_EXACT = frozenset({bool, int, float, str, torch.dtype, torch.device})     # the common cases, by a set lookup
+_CONTAINERS = (tuple, list, dict, set, frozenset)
 
 
 def _value(v, depth: int, seen: dict):
-    if v is None or isinstance(v, _PLAIN):
+    t = type(v)
+    if v is None or t in _EXACT:
+        return v
+    if isinstance(v, _CONTAINERS) and not v:      # most of a module's attributes: its empty hook dicts
+        return t.__name__
+    if isinstance(v, _PLAIN):
         return v
     if isinstance(v, torch.Tensor):      # an inference tensor has no version: it cannot be written in place
         return "tensor", id(v), v.data_ptr(), tuple(v.shape), v.dtype, None if v.is_inference() else v._version
-    if isinstance(v, (tuple, list, dict, set, frozenset)):
+    if isinstance(v, _CONTAINERS):
         if depth > 2 or len(v) > _LONG:
             return type(v).__name__, id(v), len(v)
         items = v.items() if isinstance(v, dict) else enumerate(sorted(v, key=repr) if isinstance(v, (set, frozenset))
