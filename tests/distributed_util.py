@@ -47,9 +47,14 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = 
     try:
         for _ in range(world):
             rank, status, value = queue.get(timeout=timeout)
-            out[rank] = (status, pickle.loads(value) if status == "ok" else value)
+            out[rank] = (status, value)
     except Exception:      # queue.Empty: a rank hung; the test sees it missing
         pass
+    for rank, (status, value) in out.items():
+        try:
+            out[rank] = (status, pickle.loads(value) if status == "ok" else value)
+        except Exception as e:      # a result that does not unpickle here is that rank's error, not a hang
+            out[rank] = ("error", f"its result did not unpickle: {type(e).__name__}: {e}")
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():

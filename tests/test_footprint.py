@@ -319,6 +319,7 @@ def test_model_state_sees_what_a_forward_may_read_but_not_weight_updates():
         m.cfg = Config()
         m.cfg.scale = 1.0
         m.table = torch.zeros(3)
+        m.names = []
         return m
     m = fresh()
     before = model_state(m)
@@ -335,12 +336,18 @@ def test_model_state_sees_what_a_forward_may_read_but_not_weight_updates():
         "tensor attribute written": lambda m: m.table.add_(1),
         "parameter replaced": lambda m: setattr(m[0], "weight", nn.Parameter(torch.zeros(4, 4))),
         "requires_grad": lambda m: m[0].bias.requires_grad_(False),
+        "an empty list attribute becomes a string": lambda m: setattr(m, "names", "list"),
+        "an empty list attribute filled": lambda m: m.names.append("a"),
     }
     for what, change in changes.items():
         m = fresh()
         before = model_state(m)
         change(m)
         assert model_state(m) != before, what
+    lazy = nn.Sequential(nn.LazyLinear(4))          # no data before its first forward: still fingerprinted
+    before = model_state(lazy)
+    lazy(torch.randn(2, 3))
+    assert model_state(lazy) != before
 
 
 class LSTMClassifier(nn.Module):
@@ -598,3 +605,29 @@ def test_the_optimizer_step_runs_once_per_prediction_and_its_state_is_counted_at
                             F.cross_entropy, torch.zeros(n, dtype=torch.long))
         assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real, mm.method)
 
+
+
+def test_an_attention_mask_a_fake_run_cannot_read_counts_the_padded_batch():
+    """transformers' SDPA attention skips its mask when an attention_mask is all ones; a fake run cannot read the
+    values, so the mask a padded batch needs is counted: exact for a padded batch, above an unpadded one."""
+    tf = pytest.importorskip("transformers")
+    from memfit.planner.footprint import check_prediction
+    tf.logging.set_verbosity_error()
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").train()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def mask(n, padded):
+        m = torch.ones(n, 64, dtype=torch.long)
+        if padded:
+            m[::2, -8:] = 0
+        return m
+    loss = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    for padded in (True, False):
+        rows = check_prediction(model, lambda n, padded=padded: {"input_ids": torch.randint(0, 256, (n, 64)),
+                                                  "attention_mask": mask(n, padded)},
+                                (8,), optimizer=opt, loss_fn=loss, target_at=lambda n: torch.randint(0, 256, (n, 64)))
+        ratio = rows[0]["ratio"]
+        assert (1.0 <= ratio <= 1.001) if padded else (1.02 <= ratio <= 1.1), (padded, ratio)

@@ -129,10 +129,11 @@ def _device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-# The last collective's work, kept until the next one. gloo's worker thread drops its reference to a work after
+# The last collective's work, kept until the next one. gloo's worker thread may drop its reference to a work after
 # the caller's wait has returned; when that drop is the last, destroying the work's tensors takes the GIL, and a
 # thread that waits for the GIL while the interpreter shuts down aborts the process ("terminate called without
 # an active exception", SIGABRT after a script's last evaluate). Held here, the work is freed by this thread.
+# The cost: the last collective's tensors (memfit's own are a few counts) live until the next collective.
 _last_work = None
 
 

@@ -37,8 +37,7 @@ def model_state(model: torch.nn.Module) -> tuple:
     """A value that changes when anything a forward of `model` could depend on changes (see the module doc)."""
     seen: dict[int, object] = {}
     return tuple((id(m), m.training,
-                  tuple((id(t), t.data_ptr(), t.shape, t.dtype, t.requires_grad)     # values are read by reference:
-                        for t in (*m._parameters.values(), *m._buffers.values()) if t is not None),   # no version
+                  tuple(_tensor(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None),
                   tuple((k, _value(v, 0, seen)) for k, v in vars(m).items() if k not in _OWN))
                  for m in model.modules())
 
@@ -47,16 +46,31 @@ _EXACT = frozenset({bool, int, float, str, torch.dtype, torch.device})     # the
 _CONTAINERS = (tuple, list, dict, set, frozenset)
 
 
+def _tensor(t: torch.Tensor) -> tuple:
+    """A parameter or buffer: a plan reads its values by reference, so no version (training updates it)."""
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):      # a lazy module's, before its first forward
+        return id(t), "uninitialized"
+    return id(t), _address(t), t.shape, t.dtype, t.requires_grad
+
+
+def _address(t: torch.Tensor):
+    """Where the tensor's data is; None for a tensor subclass without storage."""
+    try:
+        return t.data_ptr()
+    except (RuntimeError, ValueError):
+        return None
+
+
 def _value(v, depth: int, seen: dict):
     t = type(v)
     if v is None or t in _EXACT:
         return v
     if isinstance(v, _CONTAINERS) and not v:      # most of a module's attributes: its empty hook dicts
-        return t.__name__
+        return t.__name__, ()
     if isinstance(v, _PLAIN):
         return v
     if isinstance(v, torch.Tensor):      # an inference tensor has no version: it cannot be written in place
-        return "tensor", id(v), v.data_ptr(), tuple(v.shape), v.dtype, None if v.is_inference() else v._version
+        return "tensor", id(v), _address(v), tuple(v.shape), v.dtype, None if v.is_inference() else v._version
     if isinstance(v, _CONTAINERS):
         if depth > 2 or len(v) > _LONG:
             return type(v).__name__, id(v), len(v)

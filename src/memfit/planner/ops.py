@@ -73,6 +73,9 @@ class OutVariant:
     fast: bool            # fn is a Python binding: single output passed as out=
 
 
+_KERNEL_KEYS = {"cpu": "CPU", "cuda": "CUDA"}      # devices whose out= kernels the planner runs into its arena
+
+
 @functools.cache
 def out_variant(op, device_type: str) -> OutVariant | None:
     """The `out=` overload of `op` with a real kernel on `device_type` ('cpu' or 'cuda'), or None.
@@ -81,7 +84,7 @@ def out_variant(op, device_type: str) -> OutVariant | None:
     """
     if not isinstance(op, torch._ops.OpOverload) or is_view(op):
         return None
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    key = _KERNEL_KEYS.get(device_type)
     if key is None:
         return None
     want = [(a.name, str(a.type)) for a in op._schema.arguments]
@@ -179,16 +182,15 @@ def why_not_lowered(op, device_type: str) -> str:
     """Why `lower` found no way to run `op` into the arena, in words for the report."""
     if not isinstance(op, torch._ops.OpOverload):
         return "not an ATen op"
+    if device_type not in _KERNEL_KEYS:
+        return f"nothing runs into the arena on {device_type} (only on cpu and cuda)"
     want = [(a.name, str(a.type)) for a in op._schema.arguments]
     packet = op.overloadpacket
     for name in packet.overloads():
         ov = getattr(packet, name)
         outs = _out_args(ov._schema)
         if outs and [(a.name, str(a.type)) for a in ov._schema.arguments if a.name not in outs] == want:
-            key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta", "mps": "MPS", "xpu": "XPU"}.get(device_type)
-            if key is None:
-                return f"its out= variant is not checked on {device_type}"
-            if not torch._C._dispatch_has_kernel_for_dispatch_key(ov.name(), key):
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(ov.name(), _KERNEL_KEYS[device_type]):
                 return (f"its out= variant on {device_type} is a wrapper that allocates and copies: "
                         "no memory saved, slower than eager")
             return "its out= variant returns a different number of outputs"
