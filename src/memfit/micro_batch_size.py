@@ -29,6 +29,7 @@ from memfit.budget import (
 )
 from memfit.measure import held_bytes
 from memfit.messages import first_line, whole_words
+from memfit.planner.fake_step import CUDA_BLOCK
 from memfit.planner.training import autocast_state
 
 __all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
@@ -49,14 +50,17 @@ def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
 def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
     """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
 
-    The memory model (`memfit.memory_model(train=True)`) is a fake-tensor run of one plain training step:
-    parameters, gradients, optimizer state, activations and the backward's transient, at any batch size. Micro-batches
-    differ from it in two ways: after the first one the gradients stay allocated through the next forward
-    (plus all of them: an upper bound), and the micro-batch is a view of the batch already on the device
-    (the batch's bytes once, not the micro-batch's inputs). A DistributedDataParallel model also holds its
-    gradient buckets.
+    Two fake-tensor runs of accumulate's step (`memfit.memory_model(train=True)`'s, with the output dropped
+    once the loss is computed, as accumulate does). The first micro-batch, or the whole batch at once, is a
+    plain step (parameters, gradients, optimizer state, activations, the backward's transient). Every later
+    micro-batch runs with the gradients already there (backward adds into them); that run is made only when
+    a micro-batch size is asked for. The optimizer step after the last is the plain step's. peak(m) is the
+    largest over the first micro-batch (m), the middle ones (m) and the last (what is left), so it need not
+    grow with m at every step: the search then stops at a size that fits, perhaps not the largest. The
+    micro-batch is a view of the batch already on the device (the batch's bytes once, not the micro-batch's
+    inputs). A DistributedDataParallel model also holds its gradient buckets.
     """
-    from memfit.planner.sizing import memory_model  # train=True: one training step on fake tensors
+    from memfit.planner.footprint import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     module = model.module if ddp else model
     device, n = model_device(model), batch_len(x)
@@ -66,8 +70,16 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     stateless = copy.copy(optimizer)
     stateless.state = defaultdict(dict)
     target = None if y is None else batch_to(batch_slice(y, 0, k), device)
-    mm = memory_model(module, batch_to(batch_slice(x, 0, k), device), train=True, optimizer=stateless,
-                      loss_fn=_scalar_loss(loss_fn, y is not None), target=target)
+    example = batch_to(batch_slice(x, 0, k), device)
+    models = {}
+
+    def fit(held: bool):
+        if held not in models:
+            models[held] = step_memory_model(module, example, train=True, optimizer=stateless, target=target,
+                                             loss_fn=_scalar_loss(loss_fn, y is not None), grads_held=held,
+                                             keep_output=False)
+        return models[held]
+    fit(False)                  # fails here, not in the search, when the step cannot run on fake tensors
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
     on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device]
@@ -77,11 +89,22 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     x_all = sum(t.nbytes for t in batch_tensors(x))
     x_held = sum(t.nbytes for t in batch_tensors(x) if t.device == device) / x_all if x_all else 0.0
 
-    def peak(m: int) -> int:
-        parts = mm.breakdown(m)
+    # accumulate's own scalars: a micro-batch's weighted loss alive in backward, the float64 loss sum and its
+    # parts (each a block of its own on CUDA)
+    scalars = 4 * (CUDA_BLOCK if device.type == "cuda" else 8)
+
+    def step_at(held: bool, m: int) -> int:
+        parts = fit(held).breakdown(m)
         inputs = math.floor(parts.get("inputs", 0) * x_held)      # rounded down: never below reality
-        return sum(parts.values()) - inputs + batch_bytes + buckets + (grads if m < n else 0)
-    how = (f"{mm.method}; + all gradients held between micro-batches"
+        return sum(parts.values()) - inputs + batch_bytes + buckets + scalars
+
+    def peak(m: int) -> int:
+        if m >= n:
+            return step_at(False, n)
+        parts = -(-n // m)                 # micro-batches of m, the last one of what is left
+        later = {n - (parts - 1) * m} | ({m} if parts > 2 else set())
+        return max(step_at(False, m), *(step_at(True, size) for size in later))
+    how = (f"{models[False].method}; micro-batches after the first: the same with the gradients held"
            + (" + DDP gradient buckets" if buckets else ""))
     return peak, how
 
@@ -97,13 +120,13 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
         raise RuntimeError(f"micro_batch='auto' could not predict the training step's memory "
                            f"({whole_words(first_line(e), 200)}); pass "
                            "micro_batch=<int> (out-of-memory errors still back off)") from e
-    m = largest_fitting(peak, limit, n)
+    if peak(n) <= limit:        # the whole batch: no run with the gradients held is needed
+        return n, f"the whole batch fits: predicted step {format_bytes(peak(n))} <= budget {format_bytes(limit)}"
+    m = largest_fitting(peak, limit, n - 1)
     if m == 0:
         raise BudgetExceeded(f"a training step on one sample needs {format_bytes(peak(1))} (the batch's bytes "
                              f"included; {how}) but the budget is {format_bytes(limit)}; raise the budget, use a "
                              "smaller model or an optimizer with less state", needed=peak(1), budget=limit)
-    if m == n:
-        return m, f"the whole batch fits: predicted step {format_bytes(peak(n))} <= budget {format_bytes(limit)}"
     return m, (f"largest micro-batch whose predicted step {format_bytes(peak(m))} fits the budget "
                f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(peak(n))} ({how})")
 

@@ -292,8 +292,12 @@ def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
 
 
 def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target: Batch | None,
-         autocast, device: torch.device, mode: FakeTensorMode, fakes: dict, step: bool = True) -> _Run:
+             autocast, device: torch.device, mode: FakeTensorMode, fakes: dict, step: bool = True,
+             grads_held: bool = False, keep_output: bool = True) -> _Run:
     """One fake run at batch n (with step=False the optimizer step is skipped: `_with_step` puts it in).
+    With `grads_held` every trainable parameter has a gradient before the step, as in a later micro-batch of
+    an accumulation: backward adds into it, and its bytes are held from the start. With keep_output=False the
+    output is dropped once the loss is computed (`memfit.accumulate`'s step).
     `mode` and `fakes` (id of a real tensor -> its fake) are shared by the runs of one prediction: the fake
     mode's op cache then serves the ops whose shapes do not depend on the batch."""
     from torch.nn.utils.stateless import _reparametrize_module
@@ -325,6 +329,12 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
             if train and not model.training:   # asked about training a model in eval mode: all of it trains;
                 model.train()                  # a training model's modules keep their modes (a frozen BatchNorm)
             with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
+                if grads_held:                 # made before the log starts: held, as the parameters are
+                    trainable = {id(p): p for p in fake_named.values()
+                                 if isinstance(p, torch.nn.Parameter) and p.requires_grad}.values()
+                    for p in trainable:
+                        p.grad = torch.zeros_like(p)
+                    held["gradients"] = unique_bytes([p.grad for p in trainable])
                 x = batch.at(n, device)
                 y = target.at(n, device) if target is not None else None
 
@@ -339,7 +349,7 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
 
                 with mode.logging_to(tracker), _no_cycle_collection():
                     if train:
-                        training_step(model, x, opt, loss_fn, y, autocast, mark, step)
+                        training_step(model, x, opt, loss_fn, y, autocast, mark, step, keep_output)
                     else:
                         with torch.no_grad(), forward_autocast(device.type, autocast):
                             out = forward(model, x)

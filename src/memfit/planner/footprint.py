@@ -232,7 +232,8 @@ def _envelope(runs: dict[int, _Run], sizes: list[int]):
 
 def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, optimizer=None,
                       loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
-                      dtype: torch.dtype = torch.float32, device=None, why: str = "") -> StepMemoryModel:
+                      dtype: torch.dtype = torch.float32, device=None, why: str = "",
+                      grads_held: bool = False, keep_output: bool = True) -> StepMemoryModel:
     """The bytes of one training step (train=True) or forward (train=False) at any batch size, from fake runs.
 
     Args:
@@ -247,6 +248,10 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         dtype: the input dtype when `example` is a shape.
         device: the device to predict for (default: the model's).
         why: a reason added to `method` (e.g. why the planner was not used).
+        grads_held: every trainable parameter has its gradient before the step (a later micro-batch of an
+            accumulation, which adds into it) instead of getting it in backward.
+        keep_output: the output lives until the step ends (a training loop's local); False: it is dropped once
+            the loss is computed (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it).
     """
     from memfit.budget import resolve_device
     dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
@@ -256,14 +261,14 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
-           id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why)
+           id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output)
     fingerprint = model_state(model)       # a flag or attribute changed (checkpointing, dropout p): predict again
     entry = _CACHE.get(model)
     if entry is None or entry[0] != fingerprint:
         entry = _CACHE[model] = (fingerprint, {})
     if key not in entry[1]:
         entry[1][key] = _fit(model, batch, tgt, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
-                             device=dev, why=why)
+                             device=dev, why=why, grads_held=grads_held, keep_output=keep_output)
     return entry[1][key]
 
 
@@ -317,7 +322,8 @@ def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
             f"that op; {measure}, or use another implementation of that layer")
 
 
-def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why):
+def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why, grads_held,
+         keep_output):
     dev = device
     optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
     mode = _LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
@@ -328,7 +334,8 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
     def run(n: int) -> _Run:
         try:
             r = fake_run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
-                     autocast=autocast, device=dev, mode=mode, fakes=fakes, step=not once or n == 4)
+                     autocast=autocast, device=dev, mode=mode, fakes=fakes, step=not once or n == 4,
+                     grads_held=grads_held, keep_output=keep_output)
         except (ValueError, TypeError):                # our own argument errors, and the user's
             raise
         except Exception as e:
@@ -348,6 +355,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         runs[2] = run(2)
         single = "; batch 1 cannot train (batch statistics need 2 samples): no run at 1"
     what = ("one training step" if train else "one forward") + \
+        (" with every gradient held before it (backward adds into them)" if grads_held else "") + \
         (f" (forward under torch.autocast({str(autocast).removeprefix('torch.')}))" if autocast is not None else "")
     measured = {}
     c = None
@@ -417,6 +425,8 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
     held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
     if train:
         held["optimizer state"] = (runs[4].held["optimizer state"], 0)
+    if grads_held:
+        held["gradients"] = (runs[4].held["gradients"], 0)
     method = f"fake-tensor run of {what}{optimizer_note} at batch sizes {sorted(runs)}, {how}" + \
         (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
