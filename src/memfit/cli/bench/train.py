@@ -331,8 +331,19 @@ def grad_rel_error(ref, mod) -> float:
     return max(((g - h).abs().max() / max(g.abs().max().item(), 1e-3 * top, 1e-30)).item() for g, h in pairs)
 
 
+def accumulate_peak(model, opt, x, y, loss, **kw):
+    """(live bytes at the peak of one real accumulate step, its StepResult), what it holds before included."""
+    model.zero_grad(set_to_none=True)
+    base = _held(model, opt, x, y)
+    with track_memory(next(model.parameters()).device) as mem:
+        r = accumulate(model, opt, (x, y), loss, **kw)
+    return base + mem.peak, r
+
+
 def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
-    """Gradient of accumulate (micro-batches of about n/3) against one plain step, and the step times."""
+    """Gradient of accumulate (micro-batches of about n/3) against one plain step, and the step times; with
+    the memory model, `auto` under a budget just large enough for micro-batches of n/4 (measured, + 4 KiB): the
+    size it picks and the real peak there."""
     ref = _bn_eval(case.make())
     mod = _bn_eval(case.make())
     mod.load_state_dict(ref.state_dict())
@@ -351,9 +362,18 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
     rounds = rounds_for(plain, seconds=0.5, at_least=repeat, at_most=200, device=dev)
     t_acc, t_plain, ratio = paired_ratio(acc, plain, repeat=rounds, warmup=2, device=dev,
                                          what=f"{case.name} plain / accumulate")
-    return {"model": case.name, "batch": n, "micro": f"{micro} ({-(-n // micro)} parts)", "grad rel err": rel,
-            "auto micro": r.micro_batch if auto else f"{n} (given: no memory model)", "plain s": t_plain,
-            "accumulate s": t_acc, "plain/accumulate": ratio}
+    row = {"model": case.name, "batch": n, "micro": f"{micro} ({-(-n // micro)} parts)", "grad rel err": rel,
+           "auto micro": r.micro_batch if auto else f"{n} (given: no memory model)", "plain s": t_plain,
+           "accumulate s": t_acc, "plain/accumulate": ratio}
+    if auto:
+        quarter = max(1, math.ceil(n / 4))
+        budget, _ = accumulate_peak(mod, opt, x, y, case.loss, micro_batch=quarter)
+        budget += 4096          # room for accumulate's own scalars, which the prediction counts at their largest
+        accumulate(mod, opt, (x, y), case.loss, budget=budget)           # chooses (the fake runs: not measured)
+        peak, r = accumulate_peak(mod, opt, x, y, case.loss, budget=budget)
+        row.update({"tight budget": format_bytes(budget), "micro fits": quarter, "auto picks": r.micro_batch,
+                    "real/budget": peak / budget})
+    return row
 
 
 def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = False, models=None,
@@ -398,7 +418,8 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
     else:
         print(f"not available: {mm_name}; the peak, max-batch and predict-cost targets are not measured")
     print(f"# accumulation at batch {sizes[-1]}: gradient vs one plain step; step time at the auto micro-batch "
-          "(budget 1TiB: the whole batch fits) vs the plain step")
+          "(budget 1TiB: the whole batch fits) vs the plain step; tight budget: the measured peak of accumulate "
+          "in micro-batches of a quarter (micro fits) + 4 KiB, the size auto picks there and its real peak")
     print(table(acc_rows))
     _verdicts(mem_rows, acc_rows, have_mm, cost_rows)
     warning = spread_warning()
@@ -441,6 +462,12 @@ def _verdicts(mem_rows, acc_rows, have_mm, cost_rows=()) -> None:
     _line(rel <= t["grad_rel"], f"accumulated gradient vs full batch: max relative error {rel:.2e} (target <= 1e-4)")
     speed = min(r["plain/accumulate"] for r in acc_rows)
     _line(speed >= t["step_time"], f"step time, plain / accumulate at auto: worst {speed:.2f}x (target >= 0.9x)")
+    tight = [r for r in acc_rows if "real/budget" in r]
+    if tight:
+        over = max(r["real/budget"] for r in tight)
+        small = min(r["auto picks"] / r["micro fits"] for r in tight)
+        _line(over <= 1.0, f"accumulate under a tight budget: real peak / budget at most {over:.4f} (target <= 1); "
+                           f"auto's micro-batch / one that fits at least {small:.2f}")
 
 
 def main(argv=None) -> int:
