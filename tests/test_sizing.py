@@ -9,7 +9,7 @@ from torch import nn
 
 import memfit
 from memfit import plan
-from memfit.budget import largest_fitting
+from memfit.budget import format_bytes, largest_fitting
 from memfit.cli.bench.zoo import build
 from memfit.measure import track_memory
 from memfit.planner.footprint import StepMemoryModel
@@ -123,3 +123,21 @@ def test_plan_train_cli_prints_the_python_api_breakdown(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     cli_plan(["memfit.cli.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--plot", str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_memory_draws_the_budget_and_the_largest_batch(tmp_path, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from memfit.planner.sizing import plot_memory
+    model, shape = build("mlp")
+    mm = memfit.memory_model(model.train(), shape, train=True, optimizer=torch.optim.AdamW(model.parameters()))
+    budget = mm.total_bytes(64) + 100
+    largest = largest_fitting(mm.total_bytes, budget, 2**31)
+    assert largest == 64
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)         # keep the figure to read it back
+    assert plot_memory(mm, tmp_path / "m.png", 2 * largest, budget, name="mlp", largest=largest).exists()
+    ax = figures[0].axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == [f"budget {format_bytes(budget)}", f"largest batch within it: {largest}"]
+    assert ax.get_lines()[1].get_xdata()[0] == largest
+    assert ax.get_title(loc="left").startswith("mlp: one training step") and mm.method[:40] in ax.get_title(loc="left")

@@ -268,8 +268,10 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
     return n
 
 
-def plot_memory(mm: MemoryModel | StepMemoryModel, path, max_batch: int, budget: int | None = None):
-    """Write a picture of the bytes by kind (stacked) against the batch size, 1..max_batch, with the budget line.
+def plot_memory(mm: MemoryModel | StepMemoryModel, path, max_batch: int, budget: int | None = None, *,
+                name: str = "", largest: int | None = None):
+    """Write a picture of the bytes by kind (stacked) against the batch size, 1..max_batch, with the budget line
+    and, when `largest` is given, a line at the largest batch within it. `name` heads the title (the model).
 
     Needs matplotlib (optional, imported here). Returns the path written.
     """
@@ -278,19 +280,25 @@ def plot_memory(mm: MemoryModel | StepMemoryModel, path, max_batch: int, budget:
     except ImportError:
         raise ImportError("plot_memory needs matplotlib, which is not installed; pip install matplotlib "
                           "(or 'memfit[demo]')") from None
+    import textwrap
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     sizes = sorted({max(1, round(max_batch * i / 64)) for i in range(65)})
     parts = [mm.breakdown(n) for n in sizes]
     kinds = list(dict.fromkeys(k for p in parts for k in p))
     mib = 2.0 ** 20
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
     ax.stackplot(sizes, [[p.get(k, 0) / mib for p in parts] for k in kinds], labels=kinds, alpha=0.85)
     if budget is not None:
         ax.axhline(budget / mib, color="black", linestyle="--", label=f"budget {format_bytes(budget)}")
+    if largest:
+        ax.axvline(largest, color="black", linestyle=":", label=f"largest batch within it: {largest}")
     ax.set_xlabel("batch size")
     ax.set_ylabel("MiB at the peak")
-    ax.set_title(f"{'training step' if mm.train else 'forward'}: {mm.method[:90]}", fontsize=8)
+    what = "one training step" if mm.train else "one forward"
+    # the whole method, wrapped: a title cut at a fixed width ended mid-word
+    ax.set_title(f"{name + ': ' if name else ''}{what}, bytes at the peak by kind\n"
+                 + "\n".join(textwrap.wrap(mm.method, 125)[:3]), fontsize=7, loc="left")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path = Path(path)
