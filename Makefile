@@ -39,6 +39,7 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	for b in codecs loaders planner evaluate distributed train; do $(VENV)/bin/memfit bench $$b || exit 1; done
 	$(VENV)/bin/memfit bench planner --real
+	$(VENV)/bin/memfit bench train --architectures
 
 clean:
 	rm -rf $(VENV) memfit-demo .pytest_cache

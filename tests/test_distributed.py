@@ -297,12 +297,16 @@ from memfit.distributed import all_reduce
 dist.init_process_group("gloo")
 group = dist.group.WORLD                 # still referenced at exit, as by a DistributedDataParallel model
 all_reduce(torch.ones(1000).clone(), what="the last collective")
+import memfit.distributed
+assert memfit.distributed._last_work is not None, "the last collective's work is not held: the exit may abort"
 """
 
 
 def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
     """gloo's worker thread used to drop the last reference to a finished collective while the interpreter shut
-    down; freeing its tensors then needed the GIL and the process aborted (SIGABRT, 2-4 runs in 10)."""
+    down; freeing its tensors then needed the GIL and the process aborted (SIGABRT, 2-4 runs in 10). The abort
+    is a race, so six clean launches alone would miss a regression some of the time: the script also checks,
+    every time, that memfit holds the last work (what prevents it)."""
     import os
     import subprocess
     import sys

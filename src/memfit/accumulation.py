@@ -299,6 +299,7 @@ class _Step:
         # per-sample losses are summed; a mean counts m times (or as many times as it has terms): either way this
         # part's share of the batch, scaled in one multiplication (none when the part is the whole batch)
         part, count = (loss.sum(), 1) if per_sample else (loss if loss.dim() == 0 else loss.reshape(()), m)
+        del loss                    # per-sample losses: the vector is not needed in backward (sum saves no input)
         if self.terms is not None:
             if per_sample:
                 raise ValueError(f"terms= needs loss_fn to return the mean over those terms (a scalar); found one "

@@ -139,7 +139,8 @@ _last_work = None
 
 def _wait(work, what: str, timeout_s: float) -> None:
     global _last_work
-    _last_work = work
+    if dist.get_backend() == "gloo":        # the race is gloo's; an NCCL work is not kept past the process group
+        _last_work = work
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:

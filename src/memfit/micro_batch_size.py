@@ -1,17 +1,16 @@
-"""The micro-batch size `memfit.accumulate` chooses: the largest whose predicted training step fits the budget.
+"""The micro-batch size `memfit.accumulate` chooses: one whose predicted training step fits the budget.
 
-`training_peak` turns the training memory model (`memfit.memory_model(train=True)`, one fake-tensor run of
-a plain step fitted at any batch size) into the peak of accumulate's step in micro-batches of m: the
-gradients stay allocated between micro-batches, and the micro-batches are views of a batch already on the
-device. `choose_micro_batch` searches the largest m in the budget. The size chosen for a model is kept for
-its next steps (`chosen_size`: predicting runs a whole fake step, too slow to repeat every step) and
-lowered there after an out-of-memory back-off (`lower_chosen`).
+`training_peak` turns two fake-tensor memory models of accumulate's own step (`step_memory_model` with the
+output dropped once the loss is computed: the first micro-batch as a plain step, the later ones with the
+gradients already held, which backward adds into) into the peak of the step in micro-batches of m; the
+micro-batches are views of a batch already on the device. `choose_micro_batch` searches m in the budget.
+The size chosen for a model is kept for its next steps (`chosen_size`: predicting runs whole fake steps, too
+slow to repeat every step) and lowered there after an out-of-memory back-off (`lower_chosen`).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -50,15 +49,16 @@ def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
 def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
     """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
 
-    Two fake-tensor runs of accumulate's step (`memfit.memory_model(train=True)`'s, with the output dropped
-    once the loss is computed, as accumulate does). The first micro-batch, or the whole batch at once, is a
-    plain step (parameters, gradients, optimizer state, activations, the backward's transient). Every later
-    micro-batch runs with the gradients already there (backward adds into them); that run is made only when
-    a micro-batch size is asked for. The optimizer step after the last is the plain step's. peak(m) is the
-    largest over the first micro-batch (m), the middle ones (m) and the last (what is left), so it need not
-    grow with m at every step: the search then stops at a size that fits, perhaps not the largest. The
-    micro-batch is a view of the batch already on the device (the batch's bytes once, not the micro-batch's
-    inputs). A DistributedDataParallel model also holds its gradient buckets.
+    Two fake-tensor memory models of accumulate's step (`step_memory_model(..., keep_output=False)`: the
+    output is dropped once the loss is computed, as accumulate does). The first micro-batch, or the whole
+    batch at once, is a plain step (parameters, gradients, optimizer state, activations, the backward's
+    transient). Every later micro-batch runs with the gradients the first one left already there (backward
+    adds into them: their storages, which a gradient that is a view of a larger buffer keeps whole); that run
+    is made only when a micro-batch size is asked for. The optimizer step after the last is the plain step's.
+    peak(m) is the largest over the first micro-batch (m), the middle ones (m) and the last (what is left), so
+    it need not grow with m at every step: the search then stops at a size that fits, perhaps not the largest.
+    The micro-batch is a view of the batch already on the device (the batch's bytes once, not the
+    micro-batch's inputs). A DistributedDataParallel model also holds its gradient buckets.
     """
     from memfit.planner.footprint import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -84,10 +84,8 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
     on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device]
     batch_bytes = sum(t.nbytes for t in on_device)
-    # Micro-batches of inputs already on the device are views: their bytes are in batch_bytes, not new.
-    # Only that share of the model's input bytes is taken off (x on the host and y on the device: none).
-    x_all = sum(t.nbytes for t in batch_tensors(x))
-    x_held = sum(t.nbytes for t in batch_tensors(x) if t.device == device) / x_all if x_all else 0.0
+    # Micro-batches of tensors already on the device (x, y or both) are views: their bytes are in batch_bytes,
+    # not new; those on the host are copied per micro-batch, and counted
 
     # accumulate's own scalars: a micro-batch's weighted loss alive in backward, the float64 loss sum and its
     # parts (each a block of its own on CUDA)
@@ -95,8 +93,11 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
 
     def step_at(held: bool, m: int) -> int:
         parts = fit(held).breakdown(m)
-        inputs = math.floor(parts.get("inputs", 0) * x_held)      # rounded down: never below reality
-        return sum(parts.values()) - inputs + batch_bytes + buckets + scalars
+        inputs = min(parts.get("inputs", 0), batch_bytes * m // n)   # rounded down: never below reality
+        # the gradients a later micro-batch adds into are those the first one's backward left: where one is a
+        # view of a larger buffer (a slice of torch.cat's), all of that buffer stays, not the parameter's bytes
+        views = max(0, fit(False).gradient_bytes - fit(True).gradient_bytes) if held else 0
+        return sum(parts.values()) - inputs + batch_bytes + buckets + scalars + views
 
     def peak(m: int) -> int:
         if m >= n:
@@ -110,25 +111,29 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
 
 
 def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) -> tuple[int, str]:
-    """(micro-batch size, why) for the largest micro-batch whose predicted step fits the budget."""
+    """(micro-batch size, why): the whole batch when its predicted step fits the budget, else the micro-batch
+    the search finds (the largest that fits where peak(m) grows with m, as it does but for the uneven last
+    micro-batch; never one that does not fit)."""
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
         limit += held_bytes(model, optimizer, grads=True)
-    try:
+    try:                        # the run with the gradients held is made in the search, so it is in here too
         peak, how = training_peak(model, optimizer, loss_fn, x, y)
+        whole = peak(n)
+        m = n if whole <= limit else largest_fitting(peak, limit, n - 1)
     except Exception as e:
         raise RuntimeError(f"micro_batch='auto' could not predict the training step's memory "
                            f"({whole_words(first_line(e), 200)}); pass "
                            "micro_batch=<int> (out-of-memory errors still back off)") from e
-    if peak(n) <= limit:        # the whole batch: no run with the gradients held is needed
-        return n, f"the whole batch fits: predicted step {format_bytes(peak(n))} <= budget {format_bytes(limit)}"
-    m = largest_fitting(peak, limit, n - 1)
+    if m == n:                  # the whole batch: no run with the gradients held is needed
+        return n, f"the whole batch fits: predicted step {format_bytes(whole)} <= budget {format_bytes(limit)}"
     if m == 0:
         raise BudgetExceeded(f"a training step on one sample needs {format_bytes(peak(1))} (the batch's bytes "
                              f"included; {how}) but the budget is {format_bytes(limit)}; raise the budget, use a "
                              "smaller model or an optimizer with less state", needed=peak(1), budget=limit)
-    return m, (f"largest micro-batch whose predicted step {format_bytes(peak(m))} fits the budget "
-               f"{format_bytes(limit)}; the whole batch of {n} needs {format_bytes(peak(n))} ({how})")
+    return m, (f"micro-batches of {m}: predicted step {format_bytes(peak(m))} within the budget "
+               f"{format_bytes(limit)}, {m + 1} would need {format_bytes(peak(m + 1))}; the whole batch of {n} needs "
+               f"{format_bytes(whole)} ({how})")
 
 
 def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:

@@ -239,6 +239,8 @@ class _Run:
     events: np.ndarray | None = None  # (events, 5) op, +1/-1, its allocation's event (frees), kind, kept: outside
     sizes: np.ndarray | None = None   # (events,) bytes of each        the optimizer step, to compare runs
     step_kept: np.ndarray | None = None   # (kinds,) bytes the optimizer step allocates and keeps (its state)
+    grad_bytes: int = 0               # the storages of the gradients backward leaves (a gradient that is a view
+    #                                   of a larger buffer, a slice of torch.cat's, keeps all of it), or held
 
 
 def _snapshot(model):
@@ -345,6 +347,10 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
                     if phase == "backward":
                         samples["gradients"] = {_storage_key(p.grad)[0] for p in fake_named.values()
                                                 if isinstance(p, torch.Tensor) and p.grad is not None}
+                        if not grads_held:
+                            block = CUDA_BLOCK if device.type == "cuda" else 1
+                            held["gradient storages"] = sum(-(-tracker.live.get(k, 0) // block) * block
+                                                            for k in samples["gradients"])
                     if phase == "step":
                         samples["optimizer state"] = {k[0] for t in optimizer_state(opt) if (k := _storage_key(t))}
 
@@ -369,7 +375,8 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
             f.grad = None
     pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
     live, events, sizes, step_kept = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
-    return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept)
+    grad_bytes = held.pop("gradient storages", held.get("gradients", 0))
+    return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes)
 
 
 @contextmanager

@@ -114,7 +114,7 @@ def _with_step(r: _Run, full: _Run) -> _Run:
     live = np.concatenate([r.live[:b] + keep, r.live[b - 1] + keep + rise, r.live[b:] + keep + left])
     ops = r.ops[:b] + full.ops[fb:fs - 1] + r.ops[b:]
     ends = {**r.phase_ends, "step": s + fs - 1 - fb}
-    return _Run(ops, live, ends, r.held, r.events, r.sizes, keep)
+    return _Run(ops, live, ends, r.held, r.events, r.sizes, keep, r.grad_bytes)
 
 
 @dataclass
@@ -125,6 +125,9 @@ class StepMemoryModel:
         method: how the sizes at other batch sizes are computed.
         param_bytes: parameters and buffers.
         device: the device the figures are for (CUDA adds the allocator's rounding and a margin).
+        gradient_bytes: the storages of the gradients the step leaves: more than the parameters' bytes where a
+            gradient is a view of a larger buffer (backward of `torch.cat` of a trainable and a frozen weight
+            leaves a slice of the whole); with `grads_held`, the gradients held before the step.
     """
     method: str
     param_bytes: int
@@ -137,6 +140,7 @@ class StepMemoryModel:
     _ends: dict[str, int]
     _measured: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) where probed exactly
     _c: np.ndarray | None = None                      # (ops, kinds): + c*n^2 where sizes grow faster than n
+    gradient_bytes: int = 0                           # the storages of the gradients the step leaves (or holds)
 
     def _peak(self, n: int) -> tuple[int, np.ndarray]:
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
@@ -433,4 +437,4 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
                       "pick with memfit.planner.training.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
-                           runs[4].phase_ends, measured, c)
+                           runs[4].phase_ends, measured, c, runs[4].grad_bytes)

@@ -23,7 +23,11 @@ capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, tw
    against the plain step: the two called in turn, the median over rounds of their ratio (target >= 0.9x).
    BatchNorm is put in eval mode for this row (accumulate refuses batch statistics), dropout is 0.
 
+A broad sweep of the memory model alone, on nineteen `transformers` architectures: `--architectures`
+(`memfit.cli.bench.architectures`).
+
 Run:
+    memfit bench train --architectures   # the memory model on nineteen transformers architectures (about 1 min)
     memfit bench train --quick           # eight light models, small sizes (a few minutes on 2 busy cores)
     memfit bench train     # batch 8 and 32
     memfit bench train --quick --device cuda
@@ -37,146 +41,20 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 
 from memfit.accumulation import accumulate
 from memfit.batches import batch_tensors, forward
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import machine_header, median_time, paired_ratio, rounds_for, spread_warning, table
-from memfit.cli.bench.zoo import build, quiet_transformers
+from memfit.cli.bench.train_cases import Case, hf_cases, on_device, realistic_cases, zoo_cases
 from memfit.cli.options import device_arg
 from memfit.measure import optimizer_state, track_memory, unique_bytes
+from memfit.micro_batch_size import training_peak
 
 TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "max_batch": 0.9, "predict_cost": 2.0, "grad_rel": 1e-4,
            "step_time": 0.9}
-
-
-@dataclass
-class Case:
-    """A model, a batch of n samples (x, y) and its mean loss."""
-    name: str
-    make: Callable[[], torch.nn.Module]
-    batch: Callable[[int], tuple]
-    loss: Callable
-
-
-def on_device(case: Case, device: torch.device) -> Case:
-    """The same case with its model and batches on `device` (the batches are made on the CPU, then moved)."""
-    if device.type == "cpu":
-        return case
-    move = lambda b: {k: v.to(device) for k, v in b.items()} if isinstance(b, dict) else b.to(device)
-    return Case(case.name, lambda: case.make().to(device), lambda n: tuple(move(b) for b in case.batch(n)),
-                case.loss)
-
-
-def _seeded(n: int, seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 7919 + n)
-
-
-def _images(shape, classes):
-    return lambda n: (torch.randn(n, *shape, generator=_seeded(n)),
-                      torch.randint(0, classes, (n,), generator=_seeded(n)))
-
-
-def _zoo(name: str, image: int | None, classes: int) -> Case:
-    model, shape = build(name, image=image)
-    return Case(name, lambda: build(name, image=image)[0].train(), _images(shape, classes), F.cross_entropy)
-
-
-def zoo_cases() -> list[Case]:
-    # 64 pixels: at 32 the last feature map is 1x1 and BatchNorm cannot train on one sample of it
-    cases = [_zoo("mlp", None, 10), _zoo("lenet", None, 10), _zoo("resnet18", 64, 1000),
-             _zoo("mobilenet_v2", 64, 1000)]
-    unet_shape = build("unet", image=32)[1]
-    cases.append(Case("unet", lambda: build("unet", image=32)[0].train(),
-                      lambda n: (torch.randn(n, *unet_shape, generator=_seeded(n)),
-                                 torch.randint(0, 2, (n, 32, 32), generator=_seeded(n))), F.cross_entropy))
-    tshape = build("transformer")[1]
-    cases.append(Case("transformer", lambda: build("transformer")[0].train(),
-                      lambda n: (torch.randn(n, *tshape, generator=_seeded(n)), torch.randn(n, *tshape,
-                                                                                            generator=_seeded(n, 1))),
-                      F.mse_loss))
-    return cases
-
-
-def hf_cases(seq: int = 64) -> list[Case]:
-    """transformers models from small configs, random weights, no dropout (nothing is downloaded)."""
-    try:
-        import transformers as tf
-    except ImportError:
-        return []
-    quiet_transformers()
-    vocab, classes = 1000, 10
-    tokens = lambda n: {"input_ids": torch.randint(0, vocab, (n, seq), generator=_seeded(n)),
-                        "attention_mask": torch.ones(n, seq, dtype=torch.long)}
-    pixels = lambda n: {"pixel_values": torch.randn(n, 3, 32, 32, generator=_seeded(n))}
-    labels = lambda n: torch.randint(0, classes, (n,), generator=_seeded(n, 1))
-    logits_ce = lambda out, y: F.cross_entropy(out.logits, y)
-    bert = tf.BertConfig(vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=256, max_position_embeddings=seq, num_labels=classes,
-                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    gpt2 = tf.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=2, n_head=2, n_positions=seq, resid_pdrop=0.0,
-                         bos_token_id=0, eos_token_id=0, embd_pdrop=0.0, attn_pdrop=0.0)
-    vit = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       intermediate_size=128, num_labels=classes, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0)
-    convnext = tf.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=classes,
-                                 image_size=32)
-
-    def make(cls, cfg):
-        def build_it():
-            torch.manual_seed(0)
-            return cls(cfg).train()
-        return build_it
-
-    # next-token loss: the mean over (sample, position), every sample with `seq` positions, so by samples too
-    lm_loss = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-    return [
-        Case("bert", make(tf.BertForSequenceClassification, bert), lambda n: (tokens(n), labels(n)), logits_ce),
-        Case("gpt2 (no export)", make(tf.GPT2LMHeadModel, gpt2),
-             lambda n: ({"input_ids": tokens(n)["input_ids"]},
-                        torch.randint(0, vocab, (n, seq), generator=_seeded(n, 2))),
-             lm_loss),
-        Case("vit", make(tf.ViTForImageClassification, vit), lambda n: (pixels(n), labels(n)), logits_ce),
-        Case("convnext", make(tf.ConvNextForImageClassification, convnext), lambda n: (pixels(n), labels(n)),
-             logits_ce),
-    ]
-
-
-def realistic_cases(quick: bool) -> list[tuple[Case, int]]:
-    """(case, batch): transformers models at the widths people train, for the predict-cost table. Full: the
-    shapes of BERT-base and GPT-2 small (768 wide, 12 layers) at sequence 128; quick: 256 wide, 4 layers."""
-    try:
-        import transformers as tf
-    except ImportError:
-        return []
-    seq, width, layers, batch, vocab = (128, 256, 4, 16, 8000) if quick else (128, 768, 12, 8, None)
-    heads = width // 64
-    bert = tf.BertConfig(vocab_size=vocab or 30522, hidden_size=width, num_hidden_layers=layers,
-                         num_attention_heads=heads, intermediate_size=4 * width, max_position_embeddings=seq,
-                         num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    gpt2 = tf.GPT2Config(vocab_size=vocab or 50257, n_embd=width, n_layer=layers, n_head=heads, n_positions=seq,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-
-    def make(cls, cfg):
-        def build_it():
-            torch.manual_seed(0)
-            return cls(cfg).train()
-        return build_it
-
-    ids = lambda n, v: torch.randint(0, v, (n, seq), generator=_seeded(n))
-    tag = f"{width}x{layers}, seq {seq}"
-    return [
-        (Case(f"bert {tag}", make(tf.BertForSequenceClassification, bert),
-              lambda n: ({"input_ids": ids(n, bert.vocab_size)}, torch.randint(0, 2, (n,), generator=_seeded(n, 1))),
-              lambda out, y: F.cross_entropy(out.logits, y)), batch),
-        (Case(f"gpt2 {tag}", make(tf.GPT2LMHeadModel, gpt2),
-              lambda n: ({"input_ids": ids(n, gpt2.vocab_size)}, ids(n, gpt2.vocab_size)),
-              lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())), batch),
-    ]
 
 
 def cost_row(case: Case, n: int, repeat: int) -> dict:
@@ -369,10 +247,16 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
         quarter = max(1, math.ceil(n / 4))
         budget, _ = accumulate_peak(mod, opt, x, y, case.loss, micro_batch=quarter)
         budget += 4096          # room for accumulate's own scalars, which the prediction counts at their largest
-        accumulate(mod, opt, (x, y), case.loss, budget=budget)           # chooses (the fake runs: not measured)
-        peak, r = accumulate_peak(mod, opt, x, y, case.loss, budget=budget)
-        row.update({"tight budget": format_bytes(budget), "micro fits": quarter, "auto picks": r.micro_batch,
-                    "real/budget": peak / budget})
+        if dev.type == "cuda":  # predictions there add the allocator's stated margin: a measured budget is below
+            budget = max(budget, training_peak(mod, opt, case.loss, x, y)[0](quarter))
+        row.update({"tight budget": format_bytes(budget), "micro fits": quarter})
+        try:
+            accumulate(mod, opt, (x, y), case.loss, budget=budget)       # chooses (the fake runs: not measured)
+            peak, r = accumulate_peak(mod, opt, x, y, case.loss, budget=budget)
+        except MemoryError as e:                                  # refused: a row that says so, and a MISS
+            row.update({"auto picks": f"refused ({type(e).__name__})", "real/budget": math.inf})
+            return row
+        row.update({"auto picks": r.micro_batch, "real/budget": peak / budget})
     return row
 
 
@@ -465,7 +349,7 @@ def _verdicts(mem_rows, acc_rows, have_mm, cost_rows=()) -> None:
     tight = [r for r in acc_rows if "real/budget" in r]
     if tight:
         over = max(r["real/budget"] for r in tight)
-        small = min(r["auto picks"] / r["micro fits"] for r in tight)
+        small = min(r["auto picks"] / r["micro fits"] if isinstance(r["auto picks"], int) else 0 for r in tight)
         _line(over <= 1.0, f"accumulate under a tight budget: real peak / budget at most {over:.4f} (target <= 1); "
                            f"auto's micro-batch / one that fits at least {small:.2f}")
 
@@ -479,10 +363,23 @@ def main(argv=None) -> int:
                         "emulated device of 1.2x, fewer timing repeats")
     p.add_argument("--models", default=None, help="comma-separated subset, e.g. mlp,gpt2 (default: all ten)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    p.add_argument("--architectures", nargs="?", const="all", default=None, metavar="NAMES",
+                   help="instead: the memory model against real steps on nineteen transformers architectures "
+                        "(causal LMs, seq2seq, speech, text, audio and image classifiers), or the comma-separated "
+                        "ones named (CPU)")
     p.add_argument("--device", default="cpu", type=device_arg,
                    help="cpu (default; peaks from memfit.measure's live bytes), cuda, cuda:1 (the caching "
                         "allocator's peak; predictions add its rounding and margin)")
     a = p.parse_args(argv)
+    if a.architectures is not None:
+        from memfit.cli.bench.architectures import ARCHITECTURES
+        from memfit.cli.bench.architectures import run as run_architectures
+        picked = None if a.architectures == "all" else a.architectures.split(",")
+        if picked and set(picked) - set(ARCHITECTURES):
+            p.error(f"--architectures: unknown {sorted(set(picked) - set(ARCHITECTURES))}; expected some of "
+                    f"{ARCHITECTURES}")
+        run_architectures(picked, as_json=a.json)
+        return 0
     names = ["mlp", "lenet", "resnet18", "mobilenet_v2", "unet", "transformer", "bert", "gpt2", "vit", "convnext"]
     models = None if a.models is None else a.models.split(",")
     if models and set(models) - set(names):

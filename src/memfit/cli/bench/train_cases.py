@@ -1,0 +1,140 @@
+"""The models `memfit bench train` trains: memfit's zoo (MLP, LeNet, ResNet-18, MobileNetV2, U-Net, a
+transformer block) and `transformers` models from small configs with random weights (BERT, GPT-2, ViT,
+ConvNeXt), each a `Case` (a model factory, a batch of n and its mean loss); `realistic_cases` gives BERT and
+GPT-2 at the widths people train, for the predict-cost table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from memfit.cli.bench.zoo import build, quiet_transformers
+
+__all__ = ["Case", "hf_cases", "on_device", "realistic_cases", "zoo_cases"]
+
+@dataclass
+class Case:
+    """A model, a batch of n samples (x, y) and its mean loss."""
+    name: str
+    make: Callable[[], torch.nn.Module]
+    batch: Callable[[int], tuple]
+    loss: Callable
+
+
+def on_device(case: Case, device: torch.device) -> Case:
+    """The same case with its model and batches on `device` (the batches are made on the CPU, then moved)."""
+    if device.type == "cpu":
+        return case
+    move = lambda b: {k: v.to(device) for k, v in b.items()} if isinstance(b, dict) else b.to(device)
+    return Case(case.name, lambda: case.make().to(device), lambda n: tuple(move(b) for b in case.batch(n)),
+                case.loss)
+
+
+def _seeded(n: int, seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 7919 + n)
+
+
+def _images(shape, classes):
+    return lambda n: (torch.randn(n, *shape, generator=_seeded(n)),
+                      torch.randint(0, classes, (n,), generator=_seeded(n)))
+
+
+def _zoo(name: str, image: int | None, classes: int) -> Case:
+    model, shape = build(name, image=image)
+    return Case(name, lambda: build(name, image=image)[0].train(), _images(shape, classes), F.cross_entropy)
+
+
+def zoo_cases() -> list[Case]:
+    # 64 pixels: at 32 the last feature map is 1x1 and BatchNorm cannot train on one sample of it
+    cases = [_zoo("mlp", None, 10), _zoo("lenet", None, 10), _zoo("resnet18", 64, 1000),
+             _zoo("mobilenet_v2", 64, 1000)]
+    unet_shape = build("unet", image=32)[1]
+    cases.append(Case("unet", lambda: build("unet", image=32)[0].train(),
+                      lambda n: (torch.randn(n, *unet_shape, generator=_seeded(n)),
+                                 torch.randint(0, 2, (n, 32, 32), generator=_seeded(n))), F.cross_entropy))
+    tshape = build("transformer")[1]
+    cases.append(Case("transformer", lambda: build("transformer")[0].train(),
+                      lambda n: (torch.randn(n, *tshape, generator=_seeded(n)), torch.randn(n, *tshape,
+                                                                                            generator=_seeded(n, 1))),
+                      F.mse_loss))
+    return cases
+
+
+def hf_cases(seq: int = 64) -> list[Case]:
+    """transformers models from small configs, random weights, no dropout (nothing is downloaded)."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return []
+    quiet_transformers()
+    vocab, classes = 1000, 10
+    tokens = lambda n: {"input_ids": torch.randint(0, vocab, (n, seq), generator=_seeded(n)),
+                        "attention_mask": torch.ones(n, seq, dtype=torch.long)}
+    pixels = lambda n: {"pixel_values": torch.randn(n, 3, 32, 32, generator=_seeded(n))}
+    labels = lambda n: torch.randint(0, classes, (n,), generator=_seeded(n, 1))
+    logits_ce = lambda out, y: F.cross_entropy(out.logits, y)
+    bert = tf.BertConfig(vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=256, max_position_embeddings=seq, num_labels=classes,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gpt2 = tf.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=2, n_head=2, n_positions=seq, resid_pdrop=0.0,
+                         bos_token_id=0, eos_token_id=0, embd_pdrop=0.0, attn_pdrop=0.0)
+    vit = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=128, num_labels=classes, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    convnext = tf.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=classes,
+                                 image_size=32)
+
+    def make(cls, cfg):
+        def build_it():
+            torch.manual_seed(0)
+            return cls(cfg).train()
+        return build_it
+
+    # next-token loss: the mean over (sample, position), every sample with `seq` positions, so by samples too
+    lm_loss = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    return [
+        Case("bert", make(tf.BertForSequenceClassification, bert), lambda n: (tokens(n), labels(n)), logits_ce),
+        Case("gpt2 (no export)", make(tf.GPT2LMHeadModel, gpt2),
+             lambda n: ({"input_ids": tokens(n)["input_ids"]},
+                        torch.randint(0, vocab, (n, seq), generator=_seeded(n, 2))),
+             lm_loss),
+        Case("vit", make(tf.ViTForImageClassification, vit), lambda n: (pixels(n), labels(n)), logits_ce),
+        Case("convnext", make(tf.ConvNextForImageClassification, convnext), lambda n: (pixels(n), labels(n)),
+             logits_ce),
+    ]
+
+
+def realistic_cases(quick: bool) -> list[tuple[Case, int]]:
+    """(case, batch): transformers models at the widths people train, for the predict-cost table. Full: the
+    shapes of BERT-base and GPT-2 small (768 wide, 12 layers) at sequence 128; quick: 256 wide, 4 layers."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return []
+    seq, width, layers, batch, vocab = (128, 256, 4, 16, 8000) if quick else (128, 768, 12, 8, None)
+    heads = width // 64
+    bert = tf.BertConfig(vocab_size=vocab or 30522, hidden_size=width, num_hidden_layers=layers,
+                         num_attention_heads=heads, intermediate_size=4 * width, max_position_embeddings=seq,
+                         num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gpt2 = tf.GPT2Config(vocab_size=vocab or 50257, n_embd=width, n_layer=layers, n_head=heads, n_positions=seq,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+    def make(cls, cfg):
+        def build_it():
+            torch.manual_seed(0)
+            return cls(cfg).train()
+        return build_it
+
+    ids = lambda n, v: torch.randint(0, v, (n, seq), generator=_seeded(n))
+    tag = f"{width}x{layers}, seq {seq}"
+    return [
+        (Case(f"bert {tag}", make(tf.BertForSequenceClassification, bert),
+              lambda n: ({"input_ids": ids(n, bert.vocab_size)}, torch.randint(0, 2, (n,), generator=_seeded(n, 1))),
+              lambda out, y: F.cross_entropy(out.logits, y)), batch),
+        (Case(f"gpt2 {tag}", make(tf.GPT2LMHeadModel, gpt2),
+              lambda n: ({"input_ids": ids(n, gpt2.vocab_size)}, ids(n, gpt2.vocab_size)),
+              lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())), batch),
+    ]

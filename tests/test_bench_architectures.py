@@ -1,0 +1,39 @@
+"""The broad sweep of `memfit bench train --architectures`: transformers models nobody here tuned the memory
+model on, each checked against the live bytes of real training steps (memfit.measure) at batch sizes the
+memory model does not probe."""
+import pytest
+import torch
+
+from memfit.cli.bench.architectures import ARCHITECTURES, architectures
+from memfit.planner.footprint import check_prediction
+
+pytest.importorskip("transformers")
+
+# one of each kind, the quickest: a causal LM with grouped-query attention, a speech seq2seq, an audio
+# classifier (convolutional feature encoder) and a windowed-attention vision model (the whole sweep: the benchmark)
+SAMPLE = ["falcon", "whisper", "wav2vec2", "swin"]
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_the_training_memory_model_matches_real_steps(name):
+    from memfit.cli.bench.zoo import quiet_transformers
+    quiet_transformers()
+    arch, = architectures([name])
+    torch.manual_seed(0)
+    model = arch.make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for row in check_prediction(model, arch.batch, (3, 5), optimizer=opt, loss_fn=arch.loss, target_at=arch.target):
+        assert 1.0 <= row["ratio"] <= 1.05, (name, row)
+
+
+def test_unknown_names_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown architectures \['nope'\]; expected some of .*'gpt2'"):
+        architectures(["nope"])
+    assert len(ARCHITECTURES) == len(set(ARCHITECTURES)) == len(architectures())
+
+
+def test_the_cli_flag_refuses_unknown_names(capsys):
+    from memfit.cli.bench.train import main
+    with pytest.raises(SystemExit) as e:
+        main(["--architectures", "gpt2,nope"])
+    assert e.value.code == 2 and "--architectures: unknown ['nope']" in capsys.readouterr().err
