@@ -494,9 +494,28 @@ def test_the_predicted_accumulate_step_is_the_real_one_at_every_micro_batch(kind
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kind, opt", [("mlp", "adamw"), ("attn", "sgd"), ("frozen_cat", "sgd")])
+def test_the_predicted_accumulate_step_is_never_below_the_cuda_allocator(kind, opt):
+    """On CUDA the same prediction (blocks rounded to 512 bytes, held gradients included, plus the stated
+    margin) against the caching allocator's peak of accumulate's real step: never below."""
+    _, _, mod, mod_opt = pair(kind, opt)
+    mod.cuda()                                             # the optimizer keeps the same Parameter objects
+    x, y = (t.cuda() for t in data(48))
+    plain_step(mod, mod_opt, x, y)                        # optimizer state, as in a running loop
+    peak, _ = micro_batch_size.training_peak(mod, mod_opt, F.cross_entropy, x, y)
+    for m in (1, 5, 16, 47, 48):
+        mod.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        accumulate(mod, mod_opt, (x, y), F.cross_entropy, micro_batch=m)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() <= peak(m), (m, torch.cuda.max_memory_allocated(), peak(m))
+
+
+@pytest.mark.cuda
 def test_auto_with_inputs_on_the_host_and_labels_on_the_device_fits_the_budget():
-    """Only the share of the inputs already on the device is taken off the prediction: x left on the host
-    is copied per micro-batch, and those copies are counted."""
+    """Only the tensors already on the device are taken off the prediction (their micro-batches are views):
+    x left on the host is copied per micro-batch, and those copies are counted."""
     _, _, mod, opt = pair("mlp", "adamw")
     mod.cuda()                                             # the optimizer keeps the same Parameter objects
     x, y = data(64)
