@@ -32,8 +32,12 @@ def test_unknown_names_are_refused_with_the_known_ones():
     assert len(ARCHITECTURES) == len(set(ARCHITECTURES)) == len(architectures())
 
 
-def test_the_cli_flag_refuses_unknown_names(capsys):
+@pytest.mark.parametrize("argv, says", [
+    (["--architectures", "gpt2,nope"], "--architectures: unknown architectures ['nope']; expected some of"),
+    (["--architectures", "--quick", "--models", "mlp"], "takes no --quick, --models; drop them"),
+    (["--architectures", "gpt2", "--sizes", "2,4"], "takes no --sizes; drop it")])
+def test_the_cli_flag_refuses_unknown_names_and_options_it_would_ignore(capsys, argv, says):
     from memfit.cli.bench.train import main
     with pytest.raises(SystemExit) as e:
-        main(["--architectures", "gpt2,nope"])
-    assert e.value.code == 2 and "--architectures: unknown ['nope']" in capsys.readouterr().err
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err

@@ -302,6 +302,23 @@ assert memfit.distributed._last_work is not None, "the last collective's work is
 """
 
 
+@pytest.mark.parametrize("backend, held", [("gloo", True), ("undefined", True), ("cpu:gloo,cuda:nccl", True),
+                                            ("nccl", False)])
+def test_the_last_work_is_held_whenever_memfit_collectives_run_on_gloo(monkeypatch, backend, held):
+    """init_process_group() without a backend reports 'undefined', and a backend per device
+    'cpu:gloo,cuda:nccl': memfit's collectives run on gloo (CPU tensors) with both, so the race is theirs too."""
+    import memfit.distributed as md
+
+    class Work:
+        def wait(self, timeout):
+            return True
+    monkeypatch.setattr(md.dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(md, "_last_work", None)
+    work = Work()
+    md._wait(work, "a collective", 1.0)
+    assert (md._last_work is work) == held
+
+
 def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
     """gloo's worker thread used to drop the last reference to a finished collective while the interpreter shut
     down; freeing its tensors then needed the GIL and the process aborted (SIGABRT, 2-4 runs in 10). The abort

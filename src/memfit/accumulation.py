@@ -364,7 +364,9 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         batch: (x, y): x a tensor, a dict of tensors (passed as keyword arguments, e.g. tokenizer output)
             or a tuple (positional); first dimension the samples. A batch on the host is copied to the
             model's device a micro-batch at a time. A memfit loader's batches work as they are.
-        loss_fn: loss_fn(output, y) -> the mean loss over the samples (a scalar), or one loss per sample.
+        loss_fn: loss_fn(output, y) -> the mean loss over the samples (a scalar), or one loss per sample (summed
+            and freed before backward, as the memory model counts it: a loss_fn that keeps the vector itself
+            holds m floats more).
             Weighting is by samples: a loss averaged over tokens is exact when every sample has as many;
             otherwise pass `terms` (a warning says so when labels ignore a different number of positions).
         budget: bytes or '8GiB' the step must fit (default: free device memory minus a margin, plus what

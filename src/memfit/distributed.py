@@ -139,8 +139,8 @@ _last_work = None
 
 def _wait(work, what: str, timeout_s: float) -> None:
     global _last_work
-    if dist.get_backend() == "gloo":        # the race is gloo's; an NCCL work is not kept past the process group
-        _last_work = work
+    if dist.get_backend() != "nccl":        # memfit's collectives run on gloo then (`_device_for`): the race is
+        _last_work = work                   # gloo's; an NCCL work is not kept past its process group
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:

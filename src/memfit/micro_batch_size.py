@@ -91,20 +91,22 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     # parts (each a block of its own on CUDA)
     scalars = 4 * (CUDA_BLOCK if device.type == "cuda" else 8)
 
-    def step_at(held: bool, m: int) -> int:
+    def step_at(m: int, first: int | None = None) -> int:
+        """A micro-batch of m: the first (first=None), or a later one after a first of `first` samples."""
+        held = first is not None
         parts = fit(held).breakdown(m)
         inputs = min(parts.get("inputs", 0), batch_bytes * m // n)   # rounded down: never below reality
         # the gradients a later micro-batch adds into are those the first one's backward left: where one is a
         # view of a larger buffer (a slice of torch.cat's), all of that buffer stays, not the parameter's bytes
-        views = max(0, fit(False).gradient_bytes - fit(True).gradient_bytes) if held else 0
+        views = max(0, fit(False).gradient_bytes(first) - fit(True).gradient_bytes(m)) if held else 0
         return sum(parts.values()) - inputs + batch_bytes + buckets + scalars + views
 
     def peak(m: int) -> int:
         if m >= n:
-            return step_at(False, n)
+            return step_at(n)
         parts = -(-n // m)                 # micro-batches of m, the last one of what is left
         later = {n - (parts - 1) * m} | ({m} if parts > 2 else set())
-        return max(step_at(False, m), *(step_at(True, size) for size in later))
+        return max(step_at(m), *(step_at(size, first=m) for size in later))
     how = (f"{models[False].method}; micro-batches after the first: the same with the gradients held"
            + (" + DDP gradient buckets" if buckets else ""))
     return peak, how
@@ -131,9 +133,10 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
         raise BudgetExceeded(f"a training step on one sample needs {format_bytes(peak(1))} (the batch's bytes "
                              f"included; {how}) but the budget is {format_bytes(limit)}; raise the budget, use a "
                              "smaller model or an optimizer with less state", needed=peak(1), budget=limit)
-    return m, (f"micro-batches of {m}: predicted step {format_bytes(peak(m))} within the budget "
-               f"{format_bytes(limit)}, {m + 1} would need {format_bytes(peak(m + 1))}; the whole batch of {n} needs "
-               f"{format_bytes(whole)} ({how})")
+    above = peak(m + 1)             # peak need not grow with m at every step (the uneven last micro-batch)
+    nxt = f", {m + 1} samples would need {format_bytes(above)}" if above > limit else ""
+    return m, (f"predicted step {format_bytes(peak(m))} within the budget {format_bytes(limit)}{nxt}; the whole "
+               f"batch of {n} needs {format_bytes(whole)} ({how})")
 
 
 def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:

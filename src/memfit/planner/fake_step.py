@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
 from memfit.measure import _storage_key, optimizer_state, unique_bytes
+from memfit.planner.fake_kernels import REAL_SIZE, real_bytes
 from memfit.planner.global_caches import cache_misses, clear_filled
 from memfit.planner.training import Batch, forward_autocast, training_step
 
@@ -41,17 +42,6 @@ class FakeRunError(RuntimeError):
     """The step or forward could not run on fake tensors (data-dependent Python control flow, say)."""
 
 
-def _overloads(*names: str) -> frozenset:
-    """The ATen overloads of these names ("aten.mse_loss.default") that this torch has."""
-    found = set()
-    for name in names:
-        _, packet, overload = name.split(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-        if op is not None:
-            found.add(op)
-    return frozenset(found)
-
-
 class _StorageRef(weakref.ref):
     """A weak reference to a storage that remembers the storage's key (its address, reused once it is freed)."""
     __slots__ = ("key",)
@@ -65,48 +55,6 @@ def _fresh_outputs(func) -> bool:
         and not any(r.alias_info is not None for r in schema.returns)
 
 
-_REAL_BYTES: dict = {}          # (argument shapes) -> bytes the bound below gives
-
-
-def _lstm_workspace_bytes(args, kwargs: dict) -> int:
-    """An upper bound, at this batch size, of the workspace the CPU (oneDNN) LSTM kernel keeps for backward,
-    whose meta kernel says 0 bytes.
-
-    oneDNN sizes it as a sum of parts, each proportional to the batch and rounded up to its alignment, so
-    w(n) = sum(round_up(c_i * n)) lies between s * n and s * n + w(1) for the per-sample rate s, and
-    w(m) / m >= s at any m. The real kernel is asked once per layer shape, on zeros, for w(1) and for w(m) at
-    a batch m as large as about 0.2 GFLOP allows (2 to 256; a large LSTM still costs two real forwards of the
-    layer at batch 1 and 2): the bound w(m) / m * n + w(1) is then affine in n (the fit through the probes
-    holds at every size) and never below the real workspace."""
-    from torch.utils._python_dispatch import _disable_current_modes
-    func = torch.ops.aten.mkldnn_rnn_layer.default
-    x, hidden = args[0], args[10]
-    n, steps, width = x.shape[1], x.shape[0], x.shape[2]         # the input comes sequence first
-    key = (steps, width, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                               for i, a in enumerate(args) if i not in (0, 5, 6) and not isinstance(a, list)),
-           tuple(sorted(kwargs)))                             # not the batch: the same (rate, w(1)) at every n
-    if key not in _REAL_BYTES:
-        m = int(min(256, max(2, 2e8 / (8 * steps * hidden * (width + hidden)))))
-
-        def workspace(b: int) -> int:
-            def at(a, i):
-                if not isinstance(a, torch.Tensor):
-                    return a
-                shape = list(a.shape)
-                if i == 0:
-                    shape[1] = b                      # x: (steps, batch, width)
-                elif i in (5, 6):
-                    shape[0] = b                      # hx, cx: (batch, hidden)
-                return torch.zeros(shape, dtype=a.dtype)
-            out = func(*(at(a, i) for i, a in enumerate(args)), **kwargs)[3]
-            return 0 if out is None else out.untyped_storage().nbytes()
-        with _disable_current_modes():
-            one, big = workspace(1), workspace(m)
-        _REAL_BYTES[key] = (-(-big // m), one)              # a whole byte rate: exactly affine in n
-    rate, one = _REAL_BYTES[key]
-    return rate * n + one
-
-
 class _StorageLog:
     """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
 
@@ -117,17 +65,6 @@ class _StorageLog:
     tensor made outside: parameters, the batch).
     """
 
-    # batch norm on a half or bfloat16 input: the real kernels keep the saved mean and inverse std in float32
-    # (the accumulation type); the meta kernels give them the input's dtype
-    BATCH_NORM = _overloads("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
-                            "aten._native_batch_norm_legit_functional.default",
-                            "aten._native_batch_norm_legit.no_stats")
-    # these CPU losses return the reduced scalar as a view of an input-sized buffer, which it keeps alive
-    CPU_LOSS_VIEWS = _overloads("aten.mse_loss.default", "aten.smooth_l1_loss.default",
-                                "aten.binary_cross_entropy.default", "aten.soft_margin_loss.default")
-    # LSTM on the CPU (oneDNN): the meta kernel gives the workspace kept for backward no bytes at all; the real
-    # one's size is oneDNN's own: bounded from the real kernel's at two batch sizes
-    REAL_SIZE = {op: (3, _lstm_workspace_bytes) for op in _overloads("aten.mkldnn_rnn_layer.default")}
     FRESH: dict = {}                                  # op -> whether its outputs are always new storages
 
     def __init__(self, device: torch.device):
@@ -146,17 +83,6 @@ class _StorageLog:
     def _watch(self, s, key: int) -> None:
         ref = self.refs[key] = _StorageRef(s, self._freed)
         ref.key = key
-
-    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int, args, kwargs) -> int:
-        """Bytes counted for output `index` of `func`: the few fake kernels whose outputs differ from the real."""
-        if index in (1, 2) and func in self.BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
-            return nbytes * 2
-        if index == 0 and func in self.CPU_LOSS_VIEWS and t.device.type == "cpu" and t.dim() == 0 and args:
-            return max(nbytes, args[0].numel() * t.element_size())
-        real = self.REAL_SIZE.get(func)
-        if real is not None and real[0] == index and t.device.type == "cpu":
-            return max(nbytes, real[1](args, kwargs or {}))
-        return nbytes
 
     def record(self, func, out, args, kwargs) -> None:
         """Note op `func` and the new storages among its outputs `out`."""
@@ -183,7 +109,7 @@ class _StorageLog:
             if key in self.refs:                          # allocated here, or known to be made outside
                 continue
             nbytes = s.nbytes()
-            if not nbytes and func not in self.REAL_SIZE:
+            if not nbytes and func not in REAL_SIZE:
                 continue
             if not fresh:
                 if inputs is None:
@@ -192,7 +118,7 @@ class _StorageLog:
                 if key in inputs:                         # a view of (or a write to) a tensor made outside
                     self._watch(s, key)
                     continue
-            nbytes = self.size_of(func, i, t, nbytes, args, kwargs)
+            nbytes = real_bytes(func, i, t, nbytes, args, kwargs)
             if not nbytes:
                 continue
             self.live[key] = nbytes

@@ -51,6 +51,7 @@ from memfit.budget import check_count, format_bytes, model_device
 from memfit.messages import first_line, whole_words
 from memfit.planner.fake_step import CUDA_BLOCK, KINDS, FakeRunError, _LoggingFakeMode, _Run, fake_run
 from memfit.planner.fingerprint import model_state
+from memfit.planner.probe_fit import affine, envelope, gradient_line, proportional, quadratic, with_step
 from memfit.planner.training import Batch, measure_step, surrounding_autocast, training_step
 
 __all__ = ["StepMemoryModel", "check_prediction", "step_memory_model"]
@@ -89,34 +90,6 @@ def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), 
     return rows
 
 
-def _proportional(r1: _Run, n1: int, r2: _Run, n2: int) -> bool:
-    """Whether the two runs (outside the optimizer step) allocate and free the same storages at the same ops,
-    each either the same size in both or scaled with the batch (n2 / n1): then every op's live bytes are
-    a + b*n, and the line through the two runs is exact."""
-    skip = lambda r: r.ops[:r.phase_ends["backward"]] + r.ops[r.phase_ends["step"] - 1:] \
-        if "step" in r.phase_ends else r.ops
-    if skip(r1) != skip(r2) or r1.events.shape != r2.events.shape or not np.array_equal(r1.events, r2.events):
-        return False
-    return bool(np.all((r1.sizes == r2.sizes) | (r1.sizes * n2 == r2.sizes * n1)))
-
-
-def _with_step(r: _Run, full: _Run) -> _Run:
-    """Run `r` (forward, backward and zero_grad, the optimizer step skipped) with the step of `full` put in.
-
-    The step reads and writes parameters, gradients and its state, none of which depends on the batch: what
-    it adds above the bytes live when backward ends is the same at every batch size."""
-    b, s = r.phase_ends["backward"], r.phase_ends["step"]            # s == b + 1: the step's marker alone
-    fb, fs = full.phase_ends["backward"], full.phase_ends["step"]
-    assert s == b + 1, "the step was not skipped"
-    keep = full.step_kept
-    rise = full.live[fb:fs - 1] - full.live[fb - 1]                  # the step's ops, above the end of backward
-    left = full.live[fs - 1] - full.live[fb - 1]                    # what it leaves and does not keep: none
-    live = np.concatenate([r.live[:b] + keep, r.live[b - 1] + keep + rise, r.live[b:] + keep + left])
-    ops = r.ops[:b] + full.ops[fb:fs - 1] + r.ops[b:]
-    ends = {**r.phase_ends, "step": s + fs - 1 - fb}
-    return _Run(ops, live, ends, r.held, r.events, r.sizes, keep, r.grad_bytes)
-
-
 @dataclass
 class StepMemoryModel:
     """Bytes of one training step (or a forward) at any batch size n, from fake-tensor runs at small sizes.
@@ -125,9 +98,6 @@ class StepMemoryModel:
         method: how the sizes at other batch sizes are computed.
         param_bytes: parameters and buffers.
         device: the device the figures are for (CUDA adds the allocator's rounding and a margin).
-        gradient_bytes: the storages of the gradients the step leaves: more than the parameters' bytes where a
-            gradient is a view of a larger buffer (backward of `torch.cat` of a trainable and a frozen weight
-            leaves a slice of the whole); with `grads_held`, the gradients held before the step.
     """
     method: str
     param_bytes: int
@@ -140,7 +110,15 @@ class StepMemoryModel:
     _ends: dict[str, int]
     _measured: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) where probed exactly
     _c: np.ndarray | None = None                      # (ops, kinds): + c*n^2 where sizes grow faster than n
-    gradient_bytes: int = 0                           # the storages of the gradients the step leaves (or holds)
+    _grads: tuple[float, float] = (0.0, 0.0)          # (a, b): bytes a + b*n of the gradients' storages
+
+    def gradient_bytes(self, n: int) -> int:
+        """Bytes of the storages the gradients of a step on n samples sit in (with `grads_held`, the gradients
+        held before the step). More than the parameters' bytes where a gradient is a view of a larger buffer:
+        backward of `torch.cat` leaves each input's gradient as a slice of one buffer of the whole, which may
+        hold frozen rows, or the batch's own rows (then it grows with n)."""
+        a, b = self._grads
+        return int(np.ceil(a + b * _batch(n)))
 
     def _peak(self, n: int) -> tuple[int, np.ndarray]:
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
@@ -208,30 +186,6 @@ class StepMemoryModel:
 
 def _batch(n) -> int:
     return check_count("the batch size", n, 1)
-
-
-def _affine(runs: dict[int, _Run], n1: int, n2: int):
-    l1, l2 = runs[n1].live.astype(np.float64), runs[n2].live.astype(np.float64)
-    b = (l2 - l1) / (n2 - n1)
-    return l1 - b * n1, b
-
-
-def _quadratic(runs: dict[int, _Run], n1: int, n2: int, n3: int):
-    """a, b, c of a + b*n + c*n^2 through the live bytes at three sizes (per op and kind)."""
-    l1, l2, l3 = (runs[n].live.astype(np.float64) for n in (n1, n2, n3))
-    s12, s23 = (l2 - l1) / (n2 - n1), (l3 - l2) / (n3 - n2)
-    c = (s23 - s12) / (n3 - n1)
-    b = s12 - c * (n1 + n2)
-    return l1 - b * n1 - c * n1 * n1, b, c
-
-
-def _envelope(runs: dict[int, _Run], sizes: list[int]):
-    """The steepest slope between probes and the smallest intercept above every probe: never below them."""
-    lives = [runs[n].live.astype(np.float64) for n in sizes]
-    b = np.max([(lives[i + 1] - lives[i]) / (sizes[i + 1] - sizes[i]) for i in range(len(sizes) - 1)], axis=0)
-    b = np.maximum(b, 0)
-    a = np.max([lv - b * n for lv, n in zip(lives, sizes, strict=True)], axis=0)
-    return a, b
 
 
 def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, optimizer=None,
@@ -344,7 +298,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
             raise
         except Exception as e:
             raise FakeRunError(_fake_failure(e, model, optimizer, train, n)) from e
-        return _with_step(r, runs[4]) if once and n != 4 else r
+        return with_step(r, runs[4]) if once and n != 4 else r
 
     runs = {4: run(4)}
     single = ""
@@ -364,14 +318,14 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
     measured = {}
     c = None
     one = runs.get(1)                                  # None when batch 1 cannot train
-    cheap = one is not None and _proportional(one, 1, runs[4], 4)   # every storage the same size in both or 4x
+    cheap = one is not None and proportional(one, 1, runs[4], 4)   # every storage the same size in both or 4x
     if not cheap and 2 not in runs:
         runs[2] = run(2)
     if cheap:
-        a, b = _affine(runs, 1, 4)
+        a, b = affine(runs, 1, 4)
         how = "affine per op and kind from sizes 1 and 4 (every storage the same size in both, or 4 times as large)"
-    elif runs[2].ops == runs[4].ops and _proportional(runs[2], 2, runs[4], 4):
-        a, b = _affine(runs, 2, 4)
+    elif runs[2].ops == runs[4].ops and proportional(runs[2], 2, runs[4], 4):
+        a, b = affine(runs, 2, 4)
         how = "affine per op and kind from sizes 2 and 4 (every storage the same size in both, or twice as large)"
         if one is None:
             pass
@@ -384,7 +338,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         else:
             how += ", exact at 1"
     elif runs[2].ops == runs[4].ops:
-        a, b = _affine(runs, 2, 4)
+        a, b = affine(runs, 2, 4)
         check = 1 if one is not None and one.ops == runs[2].ops else 8
         if check == 8:
             runs[8] = run(8)
@@ -400,12 +354,12 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
                 runs[n] = runs[n] if n in runs else run(n)
             check = 1 if one is not None and one.ops == runs[2].ops else 16
             if all(runs[n].ops == runs[2].ops for n in (4, 8, check)):
-                a, b, c = _quadratic(runs, 2, 4, 8)
+                a, b, c = quadratic(runs, 2, 4, 8)
             if c is not None and np.allclose(a + b * check + c * check * check, runs[check].live, rtol=0, atol=0.5):
                 how = f"quadratic per op and kind from sizes 2, 4 and 8, exact at {check}"
             else:
                 sizes = sorted(n for n in runs if runs[n].ops == runs[2].ops)
-                a, b = _envelope(runs, sizes)
+                a, b = envelope(runs, sizes)
                 c = None
                 how = (f"APPROXIMATE: upper envelope of the sizes {sizes} (neither affine nor quadratic in the "
                        "batch: steepest slope per op)")
@@ -437,4 +391,4 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
                       "pick with memfit.planner.training.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
-                           runs[4].phase_ends, measured, c, runs[4].grad_bytes)
+                           runs[4].phase_ends, measured, c, gradient_line(runs))

@@ -298,7 +298,7 @@ def plot_memory(mm: MemoryModel | StepMemoryModel, path, max_batch: int, budget:
     what = "one training step" if mm.train else "one forward"
     # the whole method, wrapped: a title cut at a fixed width ended mid-word
     ax.set_title(f"{name + ': ' if name else ''}{what}, bytes at the peak by kind\n"
-                 + "\n".join(textwrap.wrap(mm.method, 125)[:3]), fontsize=7, loc="left")
+                 + "\n".join(textwrap.wrap(mm.method, 125)), fontsize=7, loc="left")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path = Path(path)
