@@ -58,6 +58,21 @@ class BatchCat(nn.Module):
         return (h @ torch.cat([self.anchors, h]).t())[:, :C]      # (N, C + N) -> the anchors' scores
 
 
+class ClsToken(nn.Module):
+    """A class token broadcast over the batch (ViT): at batch 1 no sum is made, and its gradient is a slice of
+    torch.cat's buffer; at larger batches the sum is a gradient of its own size."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 8) * 0.3)
+        self.inp = nn.Linear(D, 32)
+        self.head = nn.Linear(8, C)
+
+    def forward(self, x):
+        h = self.inp(x).view(x.shape[0], 4, 8)                                    # (N, 4, 8)
+        return self.head(torch.cat([self.cls.expand(x.shape[0], -1, -1), h], 1).mean(1))
+
+
 class Attn(nn.Module):
     def __init__(self):
         super().__init__()
@@ -84,6 +99,8 @@ def make(kind: str) -> nn.Module:
         return PartlyFrozen()
     if kind == "batch_cat":
         return BatchCat()
+    if kind == "cls_token":
+        return ClsToken()
     raise ValueError(kind)
 
 
@@ -123,7 +140,7 @@ def assert_same_step(ref, mod, rtol=1e-5):
 
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(n=st.integers(1, 13), micro=st.integers(1, 15),
-       kind=st.sampled_from(["mlp", "cnn", "tied", "attn", "frozen_cat", "batch_cat"]))
+       kind=st.sampled_from(["mlp", "cnn", "tied", "attn", "frozen_cat", "batch_cat", "cls_token"]))
 def test_gradient_and_step_equal_the_full_batch(n, micro, kind):
     ref, ref_opt, mod, opt = pair(kind)
     x, y = data(n)
@@ -491,15 +508,17 @@ def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypat
 @pytest.mark.parametrize("kind, opt, loss_fn", [
     ("mlp", "adamw", F.cross_entropy), ("attn", "sgd", F.cross_entropy), ("tied", "adamw", F.cross_entropy),
     ("cnn", "sgd", F.cross_entropy), ("frozen_cat", "sgd", F.cross_entropy), ("batch_cat", "adamw", F.cross_entropy),
-    ("mlp", "sgd", lambda out, y: F.cross_entropy(out, y, reduction="none"))],
-    ids=["mlp-adamw", "attn-sgd", "tied-adamw", "cnn-sgd", "frozen_cat-sgd", "batch_cat-adamw", "mlp-per-sample-loss"])
+    ("cls_token", "sgd", F.cross_entropy), ("mlp", "sgd", lambda out, y: F.cross_entropy(out, y, reduction="none"))],
+    ids=["mlp-adamw", "attn-sgd", "tied-adamw", "cnn-sgd", "frozen_cat-sgd", "batch_cat-adamw", "cls_token-sgd",
+         "mlp-per-sample-loss"])
 def test_the_predicted_accumulate_step_is_the_real_one_at_every_micro_batch(kind, opt, loss_fn):
     """training_peak(m) against the live bytes of accumulate's real step in micro-batches of m: never below,
     and above only by accumulate's few scalars. (Gradients counted on top of a plain step's peak gave up to
     1.18x: smaller micro-batches than the budget allowed, and budgets that fit refused. A gradient that is a
     slice of torch.cat's buffer counted as the parameter's bytes gave 0.69x, and as that buffer at batch 4
-    fell short where it grows with the batch; a per-sample loss vector kept through backward was 16 KiB over
-    the prediction.)"""
+    fell short where it grows with the batch; a class token's gradient, a slice at batch 1 only, counted at
+    every size was 128 bytes over; a per-sample loss vector kept through backward was 16 KiB over the
+    prediction.)"""
     from memfit.measure import held_bytes, track_memory
     _, _, mod, mod_opt = pair(kind, opt)
     x, y = data(48)

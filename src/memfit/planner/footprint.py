@@ -111,14 +111,18 @@ class StepMemoryModel:
     _measured: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) where probed exactly
     _c: np.ndarray | None = None                      # (ops, kinds): + c*n^2 where sizes grow faster than n
     _grads: tuple[float, float] = (0.0, 0.0)          # (a, b): bytes a + b*n of the gradients' storages
+    _grads_probed: dict[int, int] = field(default_factory=dict)     # n -> the gradients' storages where probed
 
     def gradient_bytes(self, n: int) -> int:
         """Bytes of the storages the gradients of a step on n samples sit in (with `grads_held`, the gradients
         held before the step). More than the parameters' bytes where a gradient is a view of a larger buffer:
         backward of `torch.cat` leaves each input's gradient as a slice of one buffer of the whole, which may
         hold frozen rows, or the batch's own rows (then it grows with n)."""
+        n = _batch(n)
+        if n in self._grads_probed:
+            return self._grads_probed[n]
         a, b = self._grads
-        return int(np.ceil(a + b * _batch(n)))
+        return int(np.ceil(a + b * n))
 
     def _peak(self, n: int) -> tuple[int, np.ndarray]:
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
@@ -391,4 +395,5 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
                       "pick with memfit.planner.training.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
-                           runs[4].phase_ends, measured, c, gradient_line(runs))
+                           runs[4].phase_ends, measured, c, gradient_line(runs),
+                           {k: r.grad_bytes for k, r in runs.items()})

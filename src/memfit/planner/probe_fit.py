@@ -63,8 +63,10 @@ def envelope(runs: dict[int, _Run], sizes: list[int]):
 
 
 def gradient_line(runs: dict[int, _Run]) -> tuple[float, float]:
-    """(a, b): bytes a + b*n of the gradients' storages, never below any probe (exact where they are affine)."""
-    probes = sorted(runs)
+    """(a, b): bytes a + b*n of the gradients' storages, never below a probe (exact where they are affine).
+    Batch 1 is left out where there are two other probes: a gradient reduced over a broadcast batch is a view
+    of its input's gradient at batch 1 only (no sum to make), so batch 1 is its own exact probe."""
+    probes = sorted(runs) if len(runs) < 3 else sorted(k for k in runs if k > 1)
     g = [runs[k].grad_bytes for k in probes]
     slope = max([0.0, *((g[i + 1] - g[i]) / (probes[i + 1] - probes[i]) for i in range(len(probes) - 1))])
     return max(gi - slope * k for gi, k in zip(g, probes, strict=True)), slope
