@@ -79,19 +79,12 @@ def optimizer_state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tenso
 
 
 class _Tracker(TorchDispatchMode):
-    """Counts live storages; with `log`, also records every allocation and free as
-    (op index, storage key, +bytes or -bytes) and the ops' names in `ops` (memfit.planner.footprint's timeline)."""
+    """Counts live storages: each new storage once, and its bytes off when the last tensor on it is freed."""
 
-    def __init__(self, trace: MemoryTrace, log: list | None = None):
+    def __init__(self, trace: MemoryTrace):
         super().__init__()
         self.trace = trace
         self.live: dict[int, list[int]] = {}         # storage key -> [bytes, tensors alive on it]
-        self.log = log
-        self.ops: list[str] = []
-
-    def size_of(self, func, index: int, t: torch.Tensor, nbytes: int, args=()) -> int:
-        """Bytes counted for output `index` of `func` (a subclass corrects fake kernels that differ from real)."""
-        return nbytes
 
     def _release(self, ptr: int) -> None:
         entry = self.live.get(ptr)
@@ -101,22 +94,18 @@ class _Tracker(TorchDispatchMode):
         if entry[1] == 0:
             self.trace.current -= entry[0]
             del self.live[ptr]
-            if self.log is not None:
-                self.log.append((len(self.ops), ptr, -entry[0]))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.log is not None:
-            self.ops.append(str(func))
         inputs = {k[0] for k in (_storage_key(a) for a in tree_flatten((args, kwargs))[0]
                                  if isinstance(a, torch.Tensor)) if k}
-        for i, t in enumerate(tree_flatten(out)[0]):
+        for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device != self.trace.device:
                 continue
             key = _storage_key(t)
             if key is None:
                 continue
-            ptr, nbytes = key[0], self.size_of(func, i, t, key[1], args)
+            ptr, nbytes = key
             if ptr in self.live:
                 self.live[ptr][1] += 1
             elif ptr in inputs:                        # a view of (or in-place write to) a tensor made outside
@@ -126,8 +115,6 @@ class _Tracker(TorchDispatchMode):
                 self.trace.current += nbytes
                 self.trace.allocations += 1
                 self.trace.peak = max(self.trace.peak, self.trace.current)
-                if self.log is not None:
-                    self.log.append((len(self.ops) - 1, ptr, nbytes))
             weakref.finalize(t, self._release, ptr)
         return out
 

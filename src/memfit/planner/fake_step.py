@@ -250,6 +250,8 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
     log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
     samples: dict[str, set] = {}                        # storages that are gradients / optimizer state
+    rounded = (lambda b: -(-b // CUDA_BLOCK) * CUDA_BLOCK) if device.type == "cuda" else (lambda b: b)  # blocks
+    grad_bytes = 0                                      # `_Run.grad_bytes`
     try:
         with torch.random.fork_rng(devices=[]):
             fake_named = {k: fake(v) for k, v in named.items()}
@@ -262,21 +264,19 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
                                  if isinstance(p, torch.nn.Parameter) and p.requires_grad}.values()
                     for p in trainable:
                         p.grad = torch.zeros_like(p)
-                    block = CUDA_BLOCK if device.type == "cuda" else 1       # the allocator's rounding
-                    held["gradients"] = sum(-(-p.grad.nbytes // block) * block for p in trainable)
+                    held["gradients"] = grad_bytes = sum(rounded(p.grad.nbytes) for p in trainable)
                 x = batch.at(n, device)
                 y = target.at(n, device) if target is not None else None
 
                 def mark(phase):
+                    nonlocal grad_bytes
                     tracker.ops.append(f"<end of {phase}>")   # what is freed before the mark is freed in it
                     marks[phase] = (len(tracker.ops), len(log))
                     if phase == "backward":
                         samples["gradients"] = {_storage_key(p.grad)[0] for p in fake_named.values()
                                                 if isinstance(p, torch.Tensor) and p.grad is not None}
-                        if not grads_held:
-                            block = CUDA_BLOCK if device.type == "cuda" else 1
-                            held["gradient storages"] = sum(-(-tracker.live.get(k, 0) // block) * block
-                                                            for k in samples["gradients"])
+                        if not grads_held:     # the storages, which may be larger than the gradients on them
+                            grad_bytes = sum(rounded(tracker.live.get(k, 0)) for k in samples["gradients"])
                     if phase == "step":
                         samples["optimizer state"] = {k[0] for t in optimizer_state(opt) if (k := _storage_key(t))}
 
@@ -301,7 +301,6 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
             f.grad = None
     pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
     live, events, sizes, step_kept = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
-    grad_bytes = held.pop("gradient storages", held.get("gradients", 0))
     return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes)
 
 

@@ -14,35 +14,35 @@ Run:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import json
+import sys
+import time
+import warnings
 
 import torch
 from torch.nn import functional as F
 
-from memfit.cli.bench.train_cases import _seeded
+from memfit.budget import format_bytes
+from memfit.cli.bench.common import machine_header, table
+from memfit.cli.bench.train_cases import Case, _seeded, hf_factory
+from memfit.cli.bench.zoo import quiet_transformers
+from memfit.messages import first_line
+from memfit.planner.footprint import check_prediction
 
-__all__ = ["ARCHITECTURES", "Architecture", "architectures"]
+__all__ = ["ARCHITECTURES", "TASKS", "architectures", "run"]
 
 VOCAB, SEQ, CLASSES = 500, 32, 4
 
 
-@dataclass
-class Architecture:
-    """A model to build, a batch of n (a dict of tensors) and, for classifiers, the labels of n."""
-    name: str
-    task: str
-    make: Callable[[], torch.nn.Module]
-    batch: Callable[[int], dict]
-    target: Callable[[int], torch.Tensor] | None = None
+def _classifier_loss(out, y):
+    return F.cross_entropy(out.logits, y)
 
-    def loss(self, out, y=None):
-        """Cross-entropy of the logits for a classifier, else the model's own loss (labels in the batch), else
-        the mean square of the last hidden state (an encoder without a head)."""
-        if self.target is not None:
-            return F.cross_entropy(out.logits, y)
-        loss = getattr(out, "loss", None)
-        return loss if loss is not None else out.last_hidden_state.float().pow(2).mean()
+
+def _own_loss(out, y=None):
+    """The model's own loss (labels in the batch), else the mean square of the last hidden state (an encoder
+    without a head)."""
+    loss = getattr(out, "loss", None)
+    return loss if loss is not None else out.last_hidden_state.float().pow(2).mean()
 
 
 def _tokens(n: int) -> dict:
@@ -79,13 +79,6 @@ def _waveform(n: int) -> dict:
 
 _SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128}
 _NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-
-
-def _build(model: str, config: str, **kwargs) -> Callable[[], torch.nn.Module]:
-    def make():
-        import transformers
-        return getattr(transformers, model)(getattr(transformers, config)(**kwargs)).train()
-    return make
 
 
 # (name, task, model class, config class, config, batch, target)
@@ -147,44 +140,47 @@ _TABLE = [
 ]
 
 ARCHITECTURES = [row[0] for row in _TABLE]
+TASKS = {row[0]: row[1] for row in _TABLE}
 
 
-def architectures(names=None) -> list[Architecture]:
-    """The sweep's models (all, or those named), as `Architecture`s."""
+def _case(name, model: str, config: str, cfg: dict, batch, target) -> Case:
+    import transformers
+    x_y = (lambda n: (batch(n), target(n))) if target is not None else (lambda n: (batch(n), None))
+    return Case(name, hf_factory(getattr(transformers, model), getattr(transformers, config)(**cfg)), x_y,
+                _classifier_loss if target is not None else _own_loss)
+
+
+def architectures(names=None) -> list[Case]:
+    """The sweep's models (all, or those named), as the training benchmark's `Case`s: `batch(n)` gives (x, y),
+    y None where the labels are in x."""
     unknown = sorted(set(names or ()) - set(ARCHITECTURES))
     if unknown:
         raise ValueError(f"unknown architectures {unknown}; expected some of {ARCHITECTURES}")
-    return [Architecture(name, task, _build(model, config, **cfg), batch, target)
-            for name, task, model, config, cfg, batch, target in _TABLE if names is None or name in names]
+    quiet_transformers()
+    return [_case(name, model, config, cfg, batch, target)
+            for name, _, model, config, cfg, batch, target in _TABLE if names is None or name in names]
 
 
 def run(names=None, sizes: tuple[int, ...] = (3, 6), as_json: bool = False) -> list[dict]:
-    """Predicted / measured training-step peak (AdamW) of each architecture at `sizes`; prints the table and
-    PASS/MISS on [1.00, 1.05] for every row. A model memfit cannot predict is a row with the reason, and a MISS."""
-    import json
-    import sys
-    import time
-    import warnings
-
-    from memfit.budget import format_bytes
-    from memfit.cli.bench.common import machine_header, table
-    from memfit.cli.bench.zoo import quiet_transformers
-    from memfit.messages import first_line
-    from memfit.planner.footprint import check_prediction
+    """Predicted / measured training-step peak (AdamW) of each architecture at `sizes`, and the seconds of a
+    prediction against one real step; prints the table and PASS/MISS on [1.00, 1.05] for every row. A model
+    memfit cannot predict is a row with the reason, and a MISS. Unknown names raise ValueError before anything
+    runs."""
+    cases = architectures(names)
     print(machine_header("cpu"))
-    quiet_transformers()
     rows = []
-    for arch in architectures(names):
+    for case in cases:
         t0 = time.perf_counter()
-        torch.manual_seed(0)
-        model = arch.make()
+        model = case.make()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        row = {"model": arch.name, "task": arch.task}
+        row = {"model": case.name, "task": TASKS[case.name]}
+        labelled = case.batch(1)[1] is not None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")            # transformers' notes on its random-weight configs
-                checks = check_prediction(model, arch.batch, sizes, optimizer=opt, loss_fn=arch.loss,
-                                          target_at=arch.target)
+                checks = check_prediction(model, lambda n, c=case: c.batch(n)[0], sizes, optimizer=opt,
+                                          loss_fn=case.loss,
+                                          target_at=(lambda n, c=case: c.batch(n)[1]) if labelled else None)
         except Exception as e:                             # a row says why, and the verdict counts it
             rows.append({**row, "error": first_line(e)[:160]})
             continue
@@ -192,14 +188,16 @@ def run(names=None, sizes: tuple[int, ...] = (3, 6), as_json: bool = False) -> l
             row[f"measured {c['n']}"] = format_bytes(c["measured"])
             row[f"pred/meas {c['n']}"] = f"{c['ratio']:.3f}"      # three decimals: the target is 1.00-1.05
         row["predict s"] = checks[0]["predict_s"]
+        row[f"predict / step {sizes[-1]}"] = checks[0]["predict_s"] / checks[-1]["step_s"]
         rows.append(row)
-        print(f"# {arch.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"# {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     print(f"# training-step memory of {len(rows)} transformers architectures (small configs, random weights), "
           f"AdamW: memfit.memory_model(train=True) against the live bytes of real steps at batch {sizes[0]} and "
-          f"{sizes[1]} (sizes it does not probe)")
-    print(table([{k: r.get(k, "") for k in ("model", "task", *[f"{w} {n}" for n in sizes
-                                                                for w in ("measured", "pred/meas")], "predict s")}
-                 for r in rows if "error" not in r]))
+          f"{sizes[1]} (sizes it does not probe); predict / step: one prediction against one real step at "
+          f"{sizes[-1]} (these models are tiny: see the predict-cost rows of `memfit bench train`)")
+    columns = ("model", "task", *[f"{w} {n}" for n in sizes for w in ("measured", "pred/meas")], "predict s",
+               f"predict / step {sizes[-1]}")
+    print(table([{k: r.get(k, "") for k in columns} for r in rows if "error" not in r]))
     failed = [r for r in rows if "error" in r]
     for r in failed:
         print(f"# {r['model']}: could not predict: {r['error']}")

@@ -47,7 +47,7 @@ import torch
 from memfit.accumulation import accumulate
 from memfit.batches import batch_tensors, forward
 from memfit.budget import format_bytes
-from memfit.cli.bench.architectures import ARCHITECTURES, architectures
+from memfit.cli.bench.architectures import ARCHITECTURES
 from memfit.cli.bench.architectures import run as run_architectures
 from memfit.cli.bench.common import machine_header, median_time, paired_ratio, rounds_for, spread_warning, table
 from memfit.cli.bench.train_cases import Case, hf_cases, on_device, realistic_cases, zoo_cases
@@ -379,12 +379,10 @@ def main(argv=None) -> int:
         if given:
             p.error(f"--architectures runs on the CPU at batch 3 and 6 and takes no {', '.join(given)}; drop "
                     f"{'it' if len(given) == 1 else 'them'}")
-        picked = None if a.architectures == "all" else a.architectures.split(",")
-        try:
-            architectures(picked)
+        try:                   # unknown names raise before anything runs
+            run_architectures(None if a.architectures == "all" else a.architectures.split(","), as_json=a.json)
         except ValueError as e:
             p.error(f"--architectures: {e}")
-        run_architectures(picked, as_json=a.json)
         return 0
     names = ["mlp", "lenet", "resnet18", "mobilenet_v2", "unet", "transformer", "bert", "gpt2", "vit", "convnext"]
     models = None if a.models is None else a.models.split(",")

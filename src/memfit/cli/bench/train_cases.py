@@ -13,7 +13,8 @@ from torch.nn import functional as F
 
 from memfit.cli.bench.zoo import build, quiet_transformers
 
-__all__ = ["Case", "hf_cases", "on_device", "realistic_cases", "zoo_cases"]
+__all__ = ["Case", "hf_cases", "hf_factory", "on_device", "realistic_cases", "zoo_cases"]
+
 
 @dataclass
 class Case:
@@ -31,6 +32,15 @@ def on_device(case: Case, device: torch.device) -> Case:
     move = lambda b: {k: v.to(device) for k, v in b.items()} if isinstance(b, dict) else b.to(device)
     return Case(case.name, lambda: case.make().to(device), lambda n: tuple(move(b) for b in case.batch(n)),
                 case.loss)
+
+
+def hf_factory(cls, cfg) -> Callable[[], torch.nn.Module]:
+    """A factory of `cls(cfg)` (a `transformers` model class and its config) in training mode, its random
+    weights seeded: the same model at every call."""
+    def build_it():
+        torch.manual_seed(0)
+        return cls(cfg).train()
+    return build_it
 
 
 def _seeded(n: int, seed: int = 0) -> torch.Generator:
@@ -87,12 +97,7 @@ def hf_cases(seq: int = 64) -> list[Case]:
     convnext = tf.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=classes,
                                  image_size=32)
 
-    def make(cls, cfg):
-        def build_it():
-            torch.manual_seed(0)
-            return cls(cfg).train()
-        return build_it
-
+    make = hf_factory
     # next-token loss: the mean over (sample, position), every sample with `seq` positions, so by samples too
     lm_loss = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
     return [
@@ -122,12 +127,7 @@ def realistic_cases(quick: bool) -> list[tuple[Case, int]]:
     gpt2 = tf.GPT2Config(vocab_size=vocab or 50257, n_embd=width, n_layer=layers, n_head=heads, n_positions=seq,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 
-    def make(cls, cfg):
-        def build_it():
-            torch.manual_seed(0)
-            return cls(cfg).train()
-        return build_it
-
+    make = hf_factory
     ids = lambda n, v: torch.randint(0, v, (n, seq), generator=_seeded(n))
     tag = f"{width}x{layers}, seq {seq}"
     return [
