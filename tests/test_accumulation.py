@@ -10,9 +10,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from distributed_util import run_ranks
-from memfit import accumulation, micro_batch_size
+from memfit import accumulation
 from memfit.accumulation import BatchDependentError, accumulate, batch_dependent_modules
 from memfit.budget import format_bytes
+from memfit.memory import micro_batch as micro_batch_size
 
 D, C = 6, 3
 
@@ -484,8 +485,8 @@ def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch)
 
 @pytest.mark.parametrize("kind, opt", [("mlp", "adamw"), ("attn", "sgd")])
 def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypatch):
-    """The fake-tensor memory model chooses; the real step's live bytes (memfit.measure) stay in the budget."""
-    from memfit.measure import held_bytes, track_memory
+    """The fake-tensor memory model chooses; the real step's live bytes (memfit.memory.measure) stay in the budget."""
+    from memfit.memory.measure import held_bytes, track_memory
     ref, ref_opt, mod, mod_opt = pair(kind, opt)
     x, y = data(64)
     plain_step(ref, ref_opt, x, y)                        # both with optimizer state, as in a running loop
@@ -519,7 +520,7 @@ def test_the_predicted_accumulate_step_is_the_real_one_at_every_micro_batch(kind
     fell short where it grows with the batch; a class token's gradient, a slice at batch 1 only, counted at
     every size was 128 bytes over; a per-sample loss vector kept through backward was 16 KiB over the
     prediction.)"""
-    from memfit.measure import held_bytes, track_memory
+    from memfit.memory.measure import held_bytes, track_memory
     _, _, mod, mod_opt = pair(kind, opt)
     x, y = data(48)
     plain_step(mod, mod_opt, x, y)                        # optimizer state, as in a running loop
@@ -540,7 +541,7 @@ def test_the_predicted_accumulate_step_is_never_below_the_cuda_allocator(kind, o
     margin) against the caching allocator's peak of accumulate's real step: never below. What the model, the
     optimizer and the batch hold is counted as the prediction counts it; the cuBLAS workspace the first matmul
     allocated, which the prediction leaves out, is below the measured peak's base."""
-    from memfit.measure import held_bytes, track_memory
+    from memfit.memory.measure import held_bytes, track_memory
     _, _, mod, mod_opt = pair(kind, opt)
     mod.cuda()                                             # the optimizer keeps the same Parameter objects
     x, y = (t.cuda() for t in data(48))
@@ -558,7 +559,7 @@ def test_the_predicted_accumulate_step_is_never_below_the_cuda_allocator(kind, o
 def test_auto_with_inputs_on_the_host_and_labels_on_the_device_fits_the_budget():
     """Only the tensors already on the device are taken off the prediction (their micro-batches are views):
     x left on the host is copied per micro-batch, and those copies are counted."""
-    from memfit.measure import held_bytes, track_memory
+    from memfit.memory.measure import held_bytes, track_memory
     _, _, mod, opt = pair("mlp", "adamw")
     mod.cuda()                                             # the optimizer keeps the same Parameter objects
     x, y = data(64)
@@ -585,7 +586,7 @@ def test_auto_says_how_to_continue_when_the_memory_cannot_be_predicted(monkeypat
 def test_auto_says_how_to_continue_when_the_run_with_gradients_held_fails(monkeypatch):
     """The later micro-batches' run is made only in the search (the whole batch did not fit): its failure gets
     the same advice as the first run's."""
-    from memfit.planner import footprint
+    from memfit.memory import step_model as footprint
     real = footprint.step_memory_model
 
     def held_fails(*a, grads_held=False, **kw):
@@ -750,7 +751,7 @@ def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_bud
     mod = Synced()
     x, y = data(10)
     oom_budget.budget = staticmethod(lambda n: n != 4)
-    step = accumulation._Step(mod, list(mod.parameters()), F.cross_entropy, x, y, 10, 10, 1, torch.device("cpu"),
+    step = accumulation._MicroStep(mod, list(mod.parameters()), F.cross_entropy, x, y, 10, 10, 1, torch.device("cpu"),
                               sync_last=True)
     with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
         step.run_range(0, 10, 6, frozenset())              # [0, 6) runs under no_sync, the last 4 fail

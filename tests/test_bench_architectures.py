@@ -1,11 +1,11 @@
 """The broad sweep of `memfit bench train --architectures`: transformers models nobody here tuned the memory
-model on, each checked against the live bytes of real training steps (memfit.measure) at batch sizes the
+model on, each checked against the live bytes of real training steps (memfit.memory.measure) at batch sizes the
 memory model does not probe."""
 import pytest
 import torch
 
 from memfit.cli.bench.architectures import ARCHITECTURES, architectures
-from memfit.planner.footprint import check_prediction
+from memfit.memory.step_model import check_prediction
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The fake-tensor memory model against the live bytes of the real step (`memfit.measure`), and the promise
+"""The fake-tensor memory model against the live bytes of the real step (`memfit.memory.measure`), and the promise
 that predicting leaves the model, its buffers, `.grad` and the optimizer exactly as they were."""
 import copy
 import functools
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.planner.fake_step import FakeRunError
-from memfit.planner.footprint import step_memory_model
-from memfit.planner.training import measure_step
+from memfit.memory.fake_run import FakeRunError
+from memfit.memory.step import measure_step
+from memfit.memory.step_model import step_memory_model
 
 warnings.filterwarnings("ignore", message=".*(loss_type|bos_token_id|eos_token_id).*")
 
@@ -179,7 +179,7 @@ def test_inference_falls_back_to_the_fake_forward_when_export_fails():
     assert "not planned" in mm.method and "fake-tensor run of one forward" in mm.method
     for n in (3, 9):
         x = torch.randint(0, 100, (n, 16))
-        with torch.no_grad(), memfit.measure.track_memory() as mem:
+        with torch.no_grad(), memfit.memory.measure.track_memory() as mem:
             out = model(x)
             del out
         real = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if t is not model.lm_head.weight) \
@@ -308,7 +308,7 @@ def test_a_prediction_is_made_again_when_a_flag_the_forward_reads_changes():
 
 
 def test_model_state_sees_what_a_forward_may_read_but_not_weight_updates():
-    from memfit.planner.fingerprint import model_state
+    from memfit.memory.fingerprint import model_state
 
     class Config:
         scale = None
@@ -436,7 +436,7 @@ def test_models_on_the_meta_device_and_inference_tensors_on_modules_are_fine():
 
 
 def test_a_forward_under_autocast_is_kept_apart_from_one_without():
-    from memfit.planner.cache import forward_memory_of
+    from memfit.memory.cache import forward_memory_of
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).eval()
     x = {"x": torch.randn(4, 64)}
     model.forward = lambda x: nn.Sequential.forward(model, x)      # a dict input: the fake-tensor estimate
@@ -467,7 +467,7 @@ def test_batch_norm_on_one_value_per_channel_trains_from_batch_2():
 def test_a_training_model_keeps_the_modes_of_its_modules():
     """Fine-tuning with dropout (or BatchNorm) switched to eval inside a training model: the step counted is
     that one, not one with every module training (which keeps a dropout mask per activation)."""
-    from memfit.measure import held_bytes, track_memory
+    from memfit.memory.measure import held_bytes, track_memory
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.Dropout(0.5), nn.ReLU(), nn.Linear(512, 512), nn.Dropout(0.5),
                           nn.ReLU(), nn.Linear(512, 10)).train()
@@ -611,7 +611,7 @@ def test_an_attention_mask_a_fake_run_cannot_read_counts_the_padded_batch():
     """transformers' SDPA attention skips its mask when an attention_mask is all ones; a fake run cannot read the
     values, so the mask a padded batch needs is counted: exact for a padded batch, above an unpadded one."""
     tf = pytest.importorskip("transformers")
-    from memfit.planner.footprint import check_prediction
+    from memfit.memory.step_model import check_prediction
     tf.logging.set_verbosity_error()
     cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

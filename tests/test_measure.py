@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from memfit.measure import track_memory
+from memfit.memory.measure import track_memory
 
 
 def test_counts_each_new_buffer_and_its_free():
@@ -61,7 +61,7 @@ class TiedLM(torch.nn.Module):
 
 @pytest.mark.parametrize("same_parameter", [True, False])
 def test_held_bytes_counts_a_tied_weight_once(same_parameter):
-    from memfit.measure import held_bytes
+    from memfit.memory.measure import held_bytes
     V, D = 50, 8
     m = TiedLM(V, D, same_parameter)
     assert m.out.weight.untyped_storage().data_ptr() == m.emb.weight.untyped_storage().data_ptr()
@@ -84,7 +84,7 @@ def test_held_bytes_counts_a_tied_weight_once(same_parameter):
 
 
 def test_held_bytes_of_a_view_counts_its_whole_storage():
-    from memfit.measure import held_bytes
+    from memfit.memory.measure import held_bytes
     m = torch.nn.Module()
     base = torch.zeros(100)
     m.register_buffer("head", base[:10])           # a view holds its whole storage alive

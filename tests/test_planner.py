@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from memfit import BudgetExceeded, activation_bytes, max_batch_size, memory_model, plan
+from memfit import BudgetExceeded, CaptureError, activation_bytes, max_batch_size, memory_model, plan
 from memfit.cli.bench.zoo import MODELS, build
 from memfit.cli.plan import cli_plan, load_factory
-from memfit.planner import CaptureError
 from memfit.planner.arena import align
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT
@@ -74,7 +73,7 @@ def test_shared_gemm_net_planned_returns_044_for_both_inputs():
 
 def _inplace_steps(pm):
     graph = pm.placements[pm._last_key].graph
-    return [s for s in graph.steps if s.inplace_arg is not None], graph
+    return [s for s in graph.ops if s.inplace_arg is not None], graph
 
 
 def test_inplace_only_for_allowlisted_elementwise_ops():
@@ -105,11 +104,11 @@ def test_inplace_never_over_a_live_tensor_or_an_input():
     torch.testing.assert_close(x, before)
     steps, graph = _inplace_steps(pm)
     assert steps, "expected relu(x * 2) or the adds to run in place"
-    index = {t.node: t.index for t in graph.steps}          # the output node reads last of all
+    index = {t.node: t.index for t in graph.ops}          # the output node reads last of all
     for s in steps:
         arg = s.node.args[s.inplace_arg]
         assert arg.op != "placeholder"
-        assert not [u for u in arg.users if index.get(u, len(graph.steps)) > s.index]
+        assert not [u for u in arg.users if index.get(u, len(graph.ops)) > s.index]
 
 
 def test_new_shape_replans_and_outputs_are_fresh_memory():
@@ -406,7 +405,7 @@ def test_a_model_that_fixes_its_batch_is_captured_statically_with_the_reason():
 
 
 def test_cache_keeps_only_capture_errors_with_traceback_and_sees_training():
-    from memfit.planner import cache
+    from memfit.memory import cache
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).train()
     x = torch.randn(2, 1, 8, 8)
     with pytest.raises(CaptureError, match=r"model.eval\(\)") as first:
@@ -505,7 +504,7 @@ class WideHead(nn.Module):
 
 
 def _measured_outside(fn, x) -> int:
-    from memfit.measure import track_memory
+    from memfit.memory.measure import track_memory
     with torch.inference_mode(), track_memory(x.device) as mem:
         out = fn(x)
         del out
@@ -568,7 +567,7 @@ def test_a_copy_in_the_same_layout_is_the_tensor_itself_but_outputs_stay_fresh()
     torch.manual_seed(0)
     model, x = DropoutNet().eval(), torch.randn(4, 8)
     pm = plan(model, (x,), eager_where_cheaper=False)
-    steps = {s.node.name: s for s in pm.placements[pm._last_key].graph.steps}
+    steps = {s.node.name: s for s in pm.placements[pm._last_key].graph.ops}
     clones = sorted((n for n in steps if n.startswith("clone")), key=lambda n: steps[n].index)
     assert [steps[n].mode for n in clones] == ["view", "call"]       # the output copy is still made
     with torch.no_grad():
@@ -587,7 +586,7 @@ def test_an_op_writes_over_a_view_of_a_whole_allocation():
     pm = plan(model, (x,), eager_where_cheaper=False)
     inplace, graph = _inplace_steps(pm)
     gelu = next(s for s in inplace if s.node.name == "gelu")
-    assert graph.steps[gelu.index - 1].mode == "view"                # its input is the GEMM's view
+    assert graph.ops[gelu.index - 1].mode == "view"                # its input is the GEMM's view
     with torch.no_grad():
         want = model(x)
     assert torch.equal(pm(x), want) and torch.equal(pm(x + 1), model(x + 1).detach())

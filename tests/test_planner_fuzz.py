@@ -35,7 +35,7 @@ def test_trap_is_planned_out_of_place():
     """y * y[:1].expand_as(y) may not write over y; y * y may (each element read before written)."""
     model = FuzzModel([_padded(("mul", -1, -1, "same", "row_expand"), ("mul", -1, -1, "same", "same"))], n=8)
     pm = plan(model.eval(), (torch.randn(8, 8),), eager_where_cheaper=False)
-    inplace = [s.node.name for s in pm.placements[pm._last_key].graph.steps if s.inplace_arg is not None]
+    inplace = [s.node.name for s in pm.placements[pm._last_key].graph.ops if s.inplace_arg is not None]
     assert "mul" not in inplace and "mul_1" in inplace
 
 

@@ -1,5 +1,5 @@
 """`memory_model` / `max_batch_size` against what really runs: the planned forward's live bytes, a real
-training step's live bytes (`memfit.measure`), a brute-force search, and the budget errors."""
+training step's live bytes (`memfit.memory.measure`), a brute-force search, and the budget errors."""
 import copy
 
 import pytest
@@ -11,10 +11,10 @@ import memfit
 from memfit import plan
 from memfit.budget import format_bytes, largest_fitting
 from memfit.cli.bench.zoo import build
-from memfit.measure import track_memory
-from memfit.planner.footprint import StepMemoryModel
-from memfit.planner.sizing import MemoryModel
-from memfit.planner.training import measure_step
+from memfit.memory.inference import InferenceMemoryModel
+from memfit.memory.measure import track_memory
+from memfit.memory.step import measure_step
+from memfit.memory.step_model import StepMemoryModel
 
 
 @pytest.mark.parametrize("name", ["lenet", "transformer"])
@@ -22,7 +22,7 @@ def test_planned_prediction_holds_for_the_planned_forward(name):
     model, shape = build(name)
     model.eval()
     mm = memfit.memory_model(model, shape)
-    assert isinstance(mm, MemoryModel) and mm.method.startswith("planned arena")
+    assert isinstance(mm, InferenceMemoryModel) and mm.method.startswith("planned arena")
     params = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     for n in (3, 13):
         x = torch.randn(n, *shape)
@@ -127,7 +127,7 @@ def test_plan_train_cli_prints_the_python_api_breakdown(capsys, tmp_path):
 
 def test_plot_memory_draws_the_budget_and_the_largest_batch(tmp_path, monkeypatch):
     plt = pytest.importorskip("matplotlib.pyplot")
-    from memfit.planner.sizing import plot_memory
+    from memfit.memory.sizing import plot_memory
     model, shape = build("mlp")
     mm = memfit.memory_model(model.train(), shape, train=True, optimizer=torch.optim.AdamW(model.parameters()))
     budget = mm.total_bytes(64) + 100

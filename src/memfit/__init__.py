@@ -9,30 +9,49 @@
 - `accumulate`: one optimizer step on a batch too large for the budget, as micro-batches, with the
   full-batch gradient and out-of-memory back-off.
 - `parse_bytes` / `format_bytes` / `device_memory`: sizes and the memory each device has.
+- `MemoryModel` (the interface of `InferenceMemoryModel` and `StepMemoryModel`), `MemoryKind`, `measure_step`,
+  `check_prediction`: what memory models return, one real step's peak, and the prediction checked against it.
 
 Submodules: `memfit.codecs` (the codecs), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz,
 digits, synthetic data), `memfit.metrics`, `memfit.distributed`, `memfit.loading`, `memfit.planner`. See README.md.
 """
 
 from memfit import codecs, metrics, readers
-from memfit.accumulation import accumulate
+from memfit.accumulation import BatchDependentError, StepResult, accumulate
 from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
 from memfit.compact import CompactDataset
+from memfit.distributed import RankFailed
 from memfit.evaluation import EvalResult, evaluate
 from memfit.loading.minibatches import Loader, loader
+from memfit.memory.fake_run import FakeRunError
+from memfit.memory.inference import InferenceMemoryModel
+from memfit.memory.kinds import MemoryKind, MemoryModel
+from memfit.memory.sizing import activation_bytes, max_batch_size, memory_model
+from memfit.memory.step import measure_step
+from memfit.memory.step_model import StepMemoryModel, check_prediction
+from memfit.planner.capture import CaptureError
 from memfit.planner.planned import PlannedModule, plan
-from memfit.planner.sizing import activation_bytes, max_batch_size, memory_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchDependentError",
     "BudgetExceeded",
+    "CaptureError",
     "CompactDataset",
     "EvalResult",
+    "FakeRunError",
+    "InferenceMemoryModel",
     "Loader",
+    "MemoryKind",
+    "MemoryModel",
     "PlannedModule",
+    "RankFailed",
+    "StepMemoryModel",
+    "StepResult",
     "accumulate",
     "activation_bytes",
+    "check_prediction",
     "codecs",
     "readers",
     "device_memory",
@@ -40,6 +59,7 @@ __all__ = [
     "format_bytes",
     "loader",
     "max_batch_size",
+    "measure_step",
     "memory_model",
     "metrics",
     "parse_bytes",

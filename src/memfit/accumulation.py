@@ -4,7 +4,7 @@
 share of the samples (m_i / N, so an uneven last micro-batch counts right) and accumulates the
 gradients, then takes one optimizer step: the gradient equals the full-batch gradient up to float
 reassociation. The micro-batch size comes from the training memory model and the budget
-(`memfit.micro_batch_size`), or is given. An out-of-memory error backs off: the failed micro-batch
+(`memfit.memory.micro_batch`), or is given. An out-of-memory error backs off: the failed micro-batch
 alone is retried at half its size.
 
 An OOM can strike in backward after some parameters already received the failed micro-batch's
@@ -38,8 +38,8 @@ import torch
 
 from memfit.batches import batch_slice, batch_tensors, batch_to, forward
 from memfit.budget import check_count, is_oom, release_cached
+from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 from memfit.messages import first_line
-from memfit.micro_batch_size import auto_key, chosen_size, lower_chosen
 
 __all__ = ["BatchDependentError", "StepResult", "accumulate", "batch_dependent_modules"]
 
@@ -239,7 +239,7 @@ def _frozen(params: list[torch.nn.Parameter], ids: frozenset):
             p.requires_grad_(True)
 
 
-class _Step:
+class _MicroStep:
     """The state of one accumulated step: weights, loss sum, counts."""
 
     def __init__(self, model, params, loss_fn, x, y, n: int, n_total: int, world: int, device, sync_last: bool,
@@ -412,7 +412,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         n_total = int(all_reduce(torch.tensor([n_total], dtype=torch.int64), what="accumulate sample count"))
     if n_total == 0:
         raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on")
-    step = _Step(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1, terms=terms)
+    step = _MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1, terms=terms)
     if micro_batch == "auto":
         key = auto_key(step.params, optimizer, x, n, budget)
         size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key)

@@ -2,7 +2,7 @@
 
 The peak bytes of a chunk of n samples come from the activation planner (`memfit.plan`'s memory
 model) when it can capture the model, else from a fake-tensor run of the eager forward
-(`memfit.planner.footprint`: nothing allocated, no export), else from two small measured runs. Each is
+(`memfit.memory.step_model`: nothing allocated, no export), else from two small measured runs. Each is
 an affine-in-n estimate; `largest_fitting` bisects it against the budget.
 
 Example:
@@ -21,7 +21,7 @@ import torch
 from memfit.batches import batch_nbytes, forward
 from memfit.budget import BudgetExceeded, format_bytes, largest_fitting
 from memfit.compact import CompactDataset
-from memfit.measure import held_bytes, track_memory
+from memfit.memory.measure import held_bytes, track_memory
 from memfit.messages import first_line
 
 log = logging.getLogger("memfit.evaluate")
@@ -74,21 +74,21 @@ def as_chunks(data, device: torch.device):
 def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | None, str]:
     """(peak(n) from the activation planner, "planner"), or (None, why not) when it cannot capture the model."""
     try:
-        from memfit.planner.cache import memory_model_of
-        from memfit.planner.sizing import MemoryModel
+        from memfit.memory.cache import memory_model_of
+        from memfit.memory.inference import InferenceMemoryModel
         mm = memory_model_of(model, sample_shape, dtype)
     except Exception:          # export failures are expected for some models; the runner says why
         return None, ", as the planner could not capture the model"
-    if not isinstance(mm, MemoryModel):      # memory_model fell back to a fake-tensor forward itself
+    if not isinstance(mm, InferenceMemoryModel):      # memory_model fell back to a fake-tensor forward itself
         return mm.total_bytes, "fake-tensor forward, as the planner could not capture the model"
     return mm.total_bytes, "planner"
 
 
 def _fake_peak(model, chunks: Chunks, why: str) -> tuple[Callable[[int], int] | None, str]:
-    """peak(n) of an eager forward from fake-tensor runs (`memfit.planner.footprint`; no export, nothing allocated),
+    """peak(n) of an eager forward from fake-tensor runs (`memfit.memory.step_model`; no export, nothing allocated),
     cached per model; (None, why) when even that fails."""
     try:
-        from memfit.planner.cache import forward_memory_of
+        from memfit.memory.cache import forward_memory_of
         x, _ = chunks.get(0, 1)
         mm = forward_memory_of(model, x)
     except Exception as e:     # a model fake tensors cannot run: measure real runs instead

@@ -44,7 +44,7 @@ from memfit.chunking import (
     choose_chunk,
 )
 from memfit.compact import CompactDataset
-from memfit.measure import held_bytes
+from memfit.memory.measure import held_bytes
 from memfit.messages import first_line, plural, whole_words
 from memfit.metrics import Metric, logits_of, make_metric
 from memfit.progress import progress_bar
@@ -181,7 +181,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
                 if m.training != training:
                     m.training = training
         if runner is not model:
-            from memfit.planner.cache import give_back
+            from memfit.memory.cache import give_back
             give_back(runner)       # the arena is freed now; the plans stay for the next call
     if distributed:
         mdist.agree(error, "memfit.evaluate")       # every rank learns whether one failed, then raises
@@ -318,10 +318,10 @@ def _model_device(model, device) -> torch.device:
 
 def _planned_runner(model, chunks: Chunks, size: int, required: bool | None):
     try:
-        from memfit.planner.cache import borrow_plan, known_memory_model
-        from memfit.planner.sizing import MemoryModel
+        from memfit.memory.cache import borrow_plan, known_memory_model
+        from memfit.memory.inference import InferenceMemoryModel
         mm = known_memory_model(model, chunks.sample_shape, chunks.dtype)      # made when sizing the chunk
-        if mm is not None and not isinstance(mm, (MemoryModel, Exception)):   # capture failed: don't pay again
+        if mm is not None and not isinstance(mm, (InferenceMemoryModel, Exception)):   # capture failed: don't pay again
             return model, f"run eagerly: {whole_words(mm.method.split('; fake-tensor')[0], 200)}"
         # zeros, not empty: integer inputs (token ids) must be valid indices
         example = torch.zeros((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)

@@ -129,7 +129,7 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
 def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
     """`memfit plan --train`: the training step's bytes by kind at the given batch, a plot, the largest batch."""
     from memfit.budget import format_bytes, largest_fitting, parse_bytes
-    from memfit.planner.sizing import memory_model, plot_memory
+    from memfit.memory.sizing import memory_model, plot_memory
     model.train().to(args.device)
     opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
     example = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)

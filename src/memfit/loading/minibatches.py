@@ -43,7 +43,7 @@ from memfit.loading.strategy import Needs, StrategyChoice, check_names, choose
 
 log = logging.getLogger("memfit.loader")
 
-Batch = tuple[torch.Tensor, torch.Tensor | None]
+LoadedBatch = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int) -> int:
@@ -200,7 +200,7 @@ class Loader:
             return pieces
         return (order_mod.restrict(p, self._members) for p in pieces)
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[LoadedBatch]:
         if self._closed:
             raise ValueError("this loader is closed; build a new one with memfit.loader(...)")
         epoch = self._epoch
@@ -236,7 +236,7 @@ class Loader:
 
 
 def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], decode: Decoder,
-                    rows: BatchPool | None) -> Iterator[Batch]:
+                    rows: BatchPool | None) -> Iterator[LoadedBatch]:
     # the order was made on the CPU and copied once per epoch: the same order on every device, strategy
     # and rank; each batch is then one gather + decode on the device (into reused buffers on the CPU)
     for idx in torch.split(order, sizes):
@@ -245,7 +245,7 @@ def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], d
 
 
 def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[int], capacity: int,
-                    device: torch.device, prefetch: bool, decode: Decoder) -> Iterator[Batch]:
+                    device: torch.device, prefetch: bool, decode: Decoder) -> Iterator[LoadedBatch]:
     blocks = order_mod.pack(sizes, capacity)
     totals = [sum(b) for b in blocks]
     idx = order_mod.rechunk(pieces, totals)          # made as the copies need them (on the copy thread)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import Graph, Step
+from memfit.planner.graph import Graph, OpRun
 
 __all__ = ["generate"]
 
@@ -102,37 +102,37 @@ class _Source:
         return x
 
 
-def _emit_out(src: _Source, step: Step) -> None:
+def _emit_out(src: _Source, op: OpRun) -> None:
     """`f(args, out=arena view)`: the op writes into its planned place."""
-    low = step.lowered
+    low = op.lowered
     f = src.stash(low.variant.fn, "f")
-    outs = ", ".join(f"{k}={src.values[v].expr}" for k, v in zip(low.variant.outs, step.outputs, strict=True))
-    note = " (in place)" if step.inplace_arg is not None else ""
-    src.lines.append(f"{f}({src.call_args(low.args, low.kwargs)}, {outs})  # {step.node.name}{note}")
+    outs = ", ".join(f"{k}={src.values[v].expr}" for k, v in zip(low.variant.outs, op.outputs, strict=True))
+    note = " (in place)" if op.inplace_arg is not None else ""
+    src.lines.append(f"{f}({src.call_args(low.args, low.kwargs)}, {outs})  # {op.node.name}{note}")
 
 
-def _fix_view(src: _Source, step: Step) -> bool:
+def _fix_view(src: _Source, op: OpRun) -> bool:
     """Make a view of plan-time tensors (an arena view, a parameter) now, once; False when an operand
     is known only per call."""
-    node = step.node
+    node = op.node
     args = src.plan_time(list(node.args))
     kwargs = {k: src.plan_time(v) for k, v in node.kwargs.items()}
     if args is _PER_CALL or any(v is _PER_CALL for v in kwargs.values()):
         return False
     with torch.inference_mode(False), torch.no_grad():
-        out = (step.replacement or node.target)(*args, **kwargs)
-    for v, t in zip(step.outputs, out if isinstance(out, (tuple, list)) else [out], strict=True):
+        out = (op.replacement or node.target)(*args, **kwargs)
+    for v, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out], strict=True):
         if v:
             src.fix(v, t)
     return True
 
 
-def _emit_call(src: _Source, step: Step) -> None:
+def _emit_call(src: _Source, op: OpRun) -> None:
     """`v_x = f(args)`: a view of a per-call tensor, or an op torch allocates for (no `out=` kernel)."""
-    node = step.node
-    f = src.stash(step.replacement or _callable(node.target), "f")
+    node = op.node
+    f = src.stash(op.replacement or _callable(node.target), "f")
     targets = []
-    for v in step.outputs:
+    for v in op.outputs:
         if v:
             src.values[v] = _Value(f"v_{v}")
             src.locals_of.setdefault(src.graph.root_of[v], []).append(f"v_{v}")
@@ -142,14 +142,14 @@ def _emit_call(src: _Source, step: Step) -> None:
     src.lines.append(f"{lhs} = {f}({src.call_args(node.args, node.kwargs)})  # {node.name}")
 
 
-def _emit_step(src: _Source, step: Step) -> None:
-    src.node_value[step.node] = step.outputs[0] if len(step.outputs) == 1 else ""
-    if step.mode == "getitem":
+def _emit_op(src: _Source, op: OpRun) -> None:
+    src.node_value[op.node] = op.outputs[0] if len(op.outputs) == 1 else ""
+    if op.mode == "getitem":
         return                                  # the value was named by its producer
-    if step.mode == "out":
-        _emit_out(src, step)
-    elif not (step.mode == "view" and _fix_view(src, step)):
-        _emit_call(src, step)
+    if op.mode == "out":
+        _emit_out(src, op)
+    elif not (op.mode == "view" and _fix_view(src, op)):
+        _emit_call(src, op)
 
 
 def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, str]:
@@ -173,9 +173,9 @@ def generate(graph: Graph, tensors: dict[str, torch.Tensor]) -> tuple[Callable, 
     for name, root in graph.roots.items():
         if root.kind == "call":
             dies_after.setdefault(root.last, []).append(name)
-    for step in graph.steps:
-        _emit_step(src, step)
-        for root in dies_after.get(step.index, []):
+    for op in graph.ops:
+        _emit_op(src, op)
+        for root in dies_after.get(op.index, []):
             if src.locals_of.get(root):
                 src.lines.append("del " + ", ".join(src.locals_of.pop(root)))
     outs = [src.values[o].expr if isinstance(o, str) else src.stash(o) for o in graph.outputs]

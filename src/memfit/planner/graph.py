@@ -25,7 +25,7 @@ from torch.fx import Node
 
 from memfit.planner.ops import WHEN_UNREAD, Lowered, inplace_candidates, is_view, lower, why_not_lowered
 
-__all__ = ["Graph", "Meta", "Root", "Step", "analyze", "concrete", "span_bytes"]
+__all__ = ["Graph", "Meta", "Root", "OpRun", "analyze", "concrete", "span_bytes"]
 
 
 class DataDependentSize(RuntimeError):
@@ -89,7 +89,7 @@ class Root:
 
 
 @dataclass
-class Step:
+class OpRun:
     """One call_function node: how it runs (`view`, `getitem`, `out`, `call`) and what it writes."""
     index: int
     node: Node
@@ -103,7 +103,7 @@ class Step:
 
 @dataclass
 class Graph:
-    steps: list[Step]
+    ops: list[OpRun]
     roots: dict[str, Root]
     root_of: dict[str, str]             # value name -> root name
     metas: dict[str, Meta]              # value name -> shape, stride, dtype at this batch size
@@ -167,7 +167,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
     root_of: dict[str, str] = {}
     metas: dict[str, torch.Tensor] = {}
     value_of: dict[Node, list[str]] = {}        # node -> names of its tensor output values
-    steps: list[Step] = []
+    ops: list[OpRun] = []
     inputs: list[str] = []
     ints: dict[Node, object] = {}
 
@@ -236,7 +236,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
                 if v:
                     r = roots[root_of[v]]
                     r.last = max(r.last, index)
-        steps.append(Step(index, node, mode, names, replacement=replacement))
+        ops.append(OpRun(index, node, mode, names, replacement=replacement))
         index += 1
 
     # outputs: alive to the end, and fresh memory every call
@@ -253,43 +253,43 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             flat_out.append(item)
 
     # decide how each compute op runs; in-place merges go in execution order
-    for step in steps:
-        if step.mode != "call":
+    for op in ops:
+        if op.mode != "call":
             continue
-        node, names = step.node, step.outputs
+        node, names = op.node, op.outputs
         own = [roots[n] for n in names if n]
-        if step.replacement:
-            step.reason = "an output nobody reads is skipped by running another kernel (as eager does)"
+        if op.replacement:
+            op.reason = "an output nobody reads is skipped by running another kernel (as eager does)"
             continue
         if not own or any(r.kind == "output" for r in own):
-            step.reason = "a model output: fresh memory every call, so the caller may keep it"
+            op.reason = "a model output: fresh memory every call, so the caller may keep it"
             continue
         if not all(names):
-            step.reason = "some of its outputs are not tensors"
+            op.reason = "some of its outputs are not tensors"
             continue
         if node.name in eager:
-            step.reason = eager[node.name]
+            op.reason = eager[node.name]
             continue
         lowered = lower(node.target, node.args, node.kwargs, [metas[n] for n in names], device_type)
         if lowered is None:
-            step.reason = why_not_lowered(node.target, device_type)
+            op.reason = why_not_lowered(node.target, device_type)
             continue
-        step.mode, step.lowered = "out", lowered
+        op.mode, op.lowered = "out", lowered
         for r in own:
             r.kind = "arena" if r.nbytes else "empty"
         if inplace and own[0].kind == "arena" and all(r.kind == "empty" for r in own[1:]):
-            _try_inplace(step, own[0], roots, root_of, metas, value_of)
-    return Graph(steps, roots, root_of, metas, inputs, consts, flat_out, ints)
+            _try_inplace(op, own[0], roots, root_of, metas, value_of)
+    return Graph(ops, roots, root_of, metas, inputs, consts, flat_out, ints)
 
 
-def _shares_storage(step: Step, pos: int, v: str, root_of, value_of) -> bool:
+def _shares_storage(op: OpRun, pos: int, v: str, root_of, value_of) -> bool:
     """True when an operand of the op other than argument `pos` lives in `v`'s allocation (a view,
     slice, transpose, expand or broadcast of the same root, however many views deep). Writing over
     `v` would then change what that operand reads while the kernel still reads it: a broadcast row
     overwritten before the other rows read it gives wrong numbers without any error. The very same
     value at two positions (`y * y`) is safe: each element is read before it is written."""
     root = root_of[v]
-    others = [a for i, a in enumerate(step.node.args) if i != pos] + list(step.node.kwargs.values())
+    others = [a for i, a in enumerate(op.node.args) if i != pos] + list(op.node.kwargs.values())
     for arg in _nodes_in(others):
         for w in value_of.get(arg, ()):
             if w and root_of[w] == root and w != v:
@@ -297,12 +297,12 @@ def _shares_storage(step: Step, pos: int, v: str, root_of, value_of) -> bool:
     return False
 
 
-def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None:
+def _try_inplace(op: OpRun, out: Root, roots, root_of, metas, value_of) -> None:
     """Write `out` over an input when the rules allow: allowlisted elementwise op, input in the arena
     with no later reader, covering all of its allocation, same shape, strides and dtype as `out`, and
     no other operand of the op sharing its memory."""
-    args = step.node.args
-    for pos in inplace_candidates(step.node.target, args):
+    args = op.node.args
+    for pos in inplace_candidates(op.node.target, args):
         arg = args[pos]
         if not isinstance(arg, Node) or arg not in value_of:
             continue
@@ -314,8 +314,8 @@ def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None
         # the whole allocation, or a view of all of it (a linear's 2-D output viewed as 3-D): each element is read
         # and written at the same address, as for the root itself
         whole = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset()) == base.nbytes
-        if (base.kind != "arena" or base.last != step.index or not whole
-                or _shares_storage(step, pos, v, root_of, value_of)
+        if (base.kind != "arena" or base.last != op.index or not whole
+                or _shares_storage(op, pos, v, root_of, value_of)
                 or tuple(meta.shape) != out.shape or tuple(meta.stride()) != out.stride or meta.dtype != out.dtype
                 or meta.storage_offset() != 0 or base.nbytes != out.nbytes):
             continue
@@ -325,5 +325,5 @@ def _try_inplace(step: Step, out: Root, roots, root_of, metas, value_of) -> None
             if r == out.name:
                 root_of[name] = base.name
         del roots[out.name]
-        step.inplace_arg = pos
+        op.inplace_arg = pos
         return

@@ -23,7 +23,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
-from memfit.measure import unique_bytes
+from memfit.memory.allocator import CPU_ALIGNMENT
+from memfit.memory.measure import unique_bytes
 from memfit.messages import first_line
 from memfit.planner.arena import (
     ALGORITHMS,
@@ -45,7 +46,7 @@ __all__ = ["ALIGNMENT", "Captured", "Placement", "PlannedModule", "capture_model
 
 log = logging.getLogger("memfit.planner")
 
-ALIGNMENT = 64      # bytes: a cache line, and enough for any dtype's vector loads
+ALIGNMENT = CPU_ALIGNMENT     # between the arena's tensors: the CPU allocator's alignment
 
 
 @dataclass
@@ -286,14 +287,14 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     offs, size = assign_offsets(buffers, algorithm, ALIGNMENT)
     verify(buffers, offs, ALIGNMENT)
     offsets = dict(zip((b.name for b in buffers), offs, strict=True))
-    n_ops = len(graph.steps)
+    n_ops = len(graph.ops)
     outside = _outside(graph)
     params = unique_bytes(graph.consts[r.name] for r in graph.roots.values() if r.kind == "const")
     rows = sorted((Row(r.name, r.shape, str(r.dtype).removeprefix("torch."), r.nbytes, (max(r.first, 0), r.last),
                        offsets.get(r.name), r.kind, tuple(r.members))
                    for r in graph.roots.values() if r.kind not in ("const", "input", "empty")),
                   key=lambda row: row.lifetime)
-    unplanned_steps = [s for s in graph.steps if s.mode == "call" and any(graph.roots[graph.root_of[v]].kind == "call"
+    unplanned_steps = [s for s in graph.ops if s.mode == "call" and any(graph.roots[graph.root_of[v]].kind == "call"
                                                                           for v in s.outputs if v)]
     unplanned = Counter(s.node.target.__name__.split(".")[0] for s in unplanned_steps)
     reasons = {s.node.target.__name__.split(".")[0]: s.reason for s in unplanned_steps}
@@ -311,7 +312,7 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
 
 def _outside(graph: Graph) -> list[Buffer]:
     """The tensors torch allocates (op outputs without an arena place, the model's outputs), alive to the last op."""
-    n_ops = len(graph.steps)
+    n_ops = len(graph.ops)
     return [Buffer(r.name, r.nbytes, r.first, min(r.last, n_ops)) for r in graph.roots.values()
             if r.kind in ("call", "output")]
 
@@ -324,7 +325,7 @@ def _eager_where_cheaper(graph: Graph) -> dict[str, str]:
     """Node name -> reason for the ops whose outputs cost less memory outside the arena than in it
     (`arena.cheaper_outside`): an arena tensor moves out with the ops that write over it in place
     (they then write a copy), where each of those ops has one output to place."""
-    writer = {v: s for s in graph.steps if s.mode == "out" for v in s.outputs if v}   # value -> the op writing it
+    writer = {v: s for s in graph.ops if s.mode == "out" for v in s.outputs if v}   # value -> the op writing it
     arena = [r for r in graph.roots.values() if r.kind == "arena"]
 
     def single(step) -> bool:

@@ -37,7 +37,7 @@ from memfit.cli.bench.common import (
     to_csv,
 )
 from memfit.cli.bench.zoo import MODELS, build
-from memfit.measure import track_memory
+from memfit.memory.measure import track_memory
 from memfit.messages import first_line, whole_words
 
 TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "latency": 1.10}

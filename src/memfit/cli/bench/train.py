@@ -5,7 +5,7 @@ Ten models: memfit's zoo (MLP, LeNet, ResNet-18, MobileNetV2, U-Net, a transform
 capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, two batch sizes each.
 
 1. peak: `memfit.memory_model(train=True)` against the live bytes of real training steps
-   (`memfit.measure.track_memory` on the CPU: parameters, gradients, AdamW state, the batch, and the
+   (`memfit.memory.measure.track_memory` on the CPU: parameters, gradients, AdamW state, the batch, and the
    peak of zero_grad + forward + loss + backward + step, the larger of the first two steps). Target:
    predicted / measured in [1.00, 1.05] on every row (below 1 would be an out-of-memory error).
 2. max batch: `memfit.max_batch_size(train=True)` for an emulated device of 1.5x the measured peak at
@@ -52,8 +52,8 @@ from memfit.cli.bench.architectures import run as run_architectures
 from memfit.cli.bench.common import machine_header, median_time, paired_ratio, rounds_for, spread_warning, table
 from memfit.cli.bench.train_cases import Case, hf_cases, on_device, realistic_cases, zoo_cases
 from memfit.cli.options import device_arg
-from memfit.measure import optimizer_state, track_memory, unique_bytes
-from memfit.micro_batch_size import training_peak
+from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
+from memfit.memory.micro_batch import training_peak
 
 TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "max_batch": 0.9, "predict_cost": 2.0, "grad_rel": 1e-4,
            "step_time": 0.9}
@@ -94,7 +94,7 @@ def _held(model, opt, x, y) -> int:
 
 def measured_peak(case: Case, n: int) -> int:
     """Live bytes of the first two real training steps on n samples (the larger), from a fresh model: on the
-    CPU `memfit.measure`'s live tensor bytes, on CUDA the caching allocator's peak above what the step holds."""
+    CPU `memfit.memory.measure`'s live tensor bytes, on CUDA the caching allocator's peak above what the step holds."""
     model = case.make()
     device = next(model.parameters()).device
     opt = _optimizer(model)
@@ -134,7 +134,7 @@ def largest_really_fitting(case: Case, budget: int, guess: int) -> tuple[int, bo
 # ---- the memory model (memfit.memory_model(train=True)) ---------------------------------------------------
 def memory_model_api() -> tuple[Callable | None, str]:
     """(memfit's training memory model, its name): `memfit.memory_model(train=True)`, else the fake-tensor
-    step model it is built on (`memfit.planner.footprint.step_memory_model`), else (None, why)."""
+    step model it is built on (`memfit.memory.step_model.step_memory_model`), else (None, why)."""
     import inspect
 
     import memfit
@@ -142,10 +142,10 @@ def memory_model_api() -> tuple[Callable | None, str]:
     if mm is not None and "train" in inspect.signature(mm).parameters:
         return mm, "memfit.memory_model(train=True)"
     try:
-        from memfit.planner.footprint import step_memory_model
+        from memfit.memory.step_model import step_memory_model
     except ImportError:
         return None, "this memfit has no training memory model"
-    return step_memory_model, "memfit.planner.footprint.step_memory_model"
+    return step_memory_model, "memfit.memory.step_model.step_memory_model"
 
 
 def predict(case: Case):
@@ -370,7 +370,7 @@ def main(argv=None) -> int:
                         "architectures (causal LMs, seq2seq, speech, text, audio and image classifiers), or the "
                         "comma-separated ones named; on the CPU, no other option but --json")
     p.add_argument("--device", default="cpu", type=device_arg,
-                   help="cpu (default; peaks from memfit.measure's live bytes), cuda, cuda:1 (the caching "
+                   help="cpu (default; peaks from memfit.memory.measure's live bytes), cuda, cuda:1 (the caching "
                         "allocator's peak; predictions add its rounding and margin)")
     a = p.parse_args(argv)
     if a.architectures is not None:

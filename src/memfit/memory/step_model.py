@@ -2,8 +2,8 @@
 
 `step_memory_model(model, example, train=True, optimizer=opt, loss_fn=...)` runs the real code (forward,
 loss, backward, `optimizer.step()`, `zero_grad()`) on fake tensors at small batch sizes
-(`memfit.planner.fake_step.fake_run`), logging every storage allocated and freed (the live bytes
-`memfit.measure` counts). Each op's live bytes, per kind (activations, gradients, optimizer state,
+(`memfit.memory.fake_run.fake_run`), logging every storage allocated and freed (the live bytes
+`memfit.memory.measure` counts). Each op's live bytes, per kind (activations, gradients, optimizer state,
 transients), is then `a + b * n`, and the peak at any n is the largest over the ops. A fake run costs
 Python work per op whatever the tensors' sizes, so a prediction runs as few as it can:
 - batch 4 and batch 1. When both allocate and free the same storages at the same ops, each the same size
@@ -48,16 +48,16 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from memfit.budget import check_count, format_bytes, model_device
+from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cuda_margin
+from memfit.memory.fake_run import FakeRunError, _LoggingFakeMode, _Run, fake_run
+from memfit.memory.fingerprint import model_state
+from memfit.memory.fit import affine, envelope, gradient_line, proportional, quadratic, with_step
+from memfit.memory.kinds import STEP_KINDS, MemoryKind
+from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
 from memfit.messages import first_line, whole_words
-from memfit.planner.fake_step import CUDA_BLOCK, KINDS, FakeRunError, _LoggingFakeMode, _Run, fake_run
-from memfit.planner.fingerprint import model_state
-from memfit.planner.probe_fit import affine, envelope, gradient_line, proportional, quadratic, with_step
-from memfit.planner.training import Batch, measure_step, surrounding_autocast, training_step
 
 __all__ = ["StepMemoryModel", "check_prediction", "step_memory_model"]
 
-CUDA_MARGIN = 0.05          # stated head-room for fragmentation of the allocator's segments on CUDA
-CUDA_SEGMENT = 2 << 20      # ... and one partly used 2 MiB small-allocation segment
 
 
 def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), *, optimizer=None, loss_fn=None,
@@ -140,11 +140,11 @@ class StepMemoryModel:
         out = {"parameters": self.param_bytes, "inputs": 0}
         for kind, (a, b) in self._held.items():
             out[kind] = out.get(kind, 0) + a + b * n
-        for kind, v in zip(KINDS, parts.tolist(), strict=True):     # the same keys at every n
+        for kind, v in zip((k.value for k in STEP_KINDS), parts.tolist(), strict=True):     # the same keys at every n
             if v or (kind == "activations") or (self.train and kind != "kept by the model"):
                 out[kind] = out.get(kind, 0) + v
         if self.device.type == "cuda":
-            out["allocator margin"] = int(CUDA_MARGIN * sum(out.values())) + CUDA_SEGMENT
+            out[MemoryKind.ALLOCATOR_MARGIN.value] = cuda_margin(sum(out.values()))
         return out
 
     def saved_activation_bytes(self, n: int) -> int:
@@ -184,7 +184,7 @@ class StepMemoryModel:
                          f"fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} segment; "
                          "library workspaces (cuBLAS, cuDNN) are not included.")
         else:
-            lines.append("CPU: live tensor bytes, as memfit.measure counts them.")
+            lines.append("CPU: live tensor bytes, as memfit.memory.measure counts them.")
         return "\n".join(lines)
 
 
@@ -218,8 +218,8 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     from memfit.budget import resolve_device
     dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
-    batch = Batch(example, dtype)
-    tgt = Batch(target, dtype) if target is not None else None
+    batch = ExampleBatch(example, dtype)
+    tgt = ExampleBatch(target, dtype) if target is not None else None
     groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
@@ -264,7 +264,7 @@ def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
     what = "one training step" if train else "the forward"
     head = f"could not run {what} of {type(model).__name__} on fake tensors at batch {n} " \
            f"({whole_words(first_line(e), 300)})"
-    measure = "measure a real step instead with memfit.planner.training.measure_step"
+    measure = "measure a real step instead with memfit.memory.step.measure_step"
     step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
     step_code = getattr(step, "__code__", None)
     frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
@@ -284,8 +284,8 @@ def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
             f"that op; {measure}, or use another implementation of that layer")
 
 
-def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, autocast, device, why, grads_held,
-         keep_output):
+def _fit(model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimizer, loss_fn, autocast, device, why,
+         grads_held, keep_output):
     dev = device
     optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
     mode = _LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
@@ -375,8 +375,8 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         slope = max(max((p2 - p1) / (n2 - n1) for (n1, p1), (n2, p2) in zip(peaks, peaks[1:], strict=False)), 0)
         top = max(p - slope * n for n, p in peaks)
         # the op sequence changes with the batch: one line through the measured peaks
-        a = np.zeros((1, len(KINDS)))
-        b = np.zeros((1, len(KINDS)))
+        a = np.zeros((1, len(STEP_KINDS)))
+        b = np.zeros((1, len(STEP_KINDS)))
         a[0, 0], b[0, 0] = top, slope
         how = (f"APPROXIMATE: line above the peaks at sizes {sorted(runs)} with the steepest slope (the ops change "
                "with the batch size)")
@@ -393,7 +393,7 @@ def _fit(model, batch: Batch, tgt: Batch | None, *, train, optimizer, loss_fn, a
         (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
-                      "pick with memfit.planner.training.measure_step", stacklevel=3)
+                      "pick with memfit.memory.step.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
                            runs[4].phase_ends, measured, c, gradient_line(runs),
                            {k: r.grad_bytes for k, r in runs.items()})

@@ -1,7 +1,7 @@
 """Where torch's fake (meta) kernels give an op's outputs other bytes than the real kernels do, and the bytes
-the real ones give (`real_bytes`): what a fake run (`memfit.planner.fake_step`) logs instead.
+the real ones give (`real_bytes`): what a fake run (`memfit.memory.fake_run`) logs instead.
 
-Each entry was found by comparing a fake run with `memfit.measure`'s live bytes of the real step; a test in
+Each entry was found by comparing a fake run with `memfit.memory.measure`'s live bytes of the real step; a test in
 tests/test_footprint.py guards each.
 """
 

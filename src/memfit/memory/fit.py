@@ -1,11 +1,11 @@
 """Fitting fake runs at a few batch sizes into bytes at any size, per op and kind of memory: the arithmetic
-of `memfit.planner.footprint`. A run is a `memfit.planner.fake_step._Run`: (ops, kinds) live bytes."""
+of `memfit.memory.step_model`. A run is a `memfit.memory.fake_run._Run`: (ops, kinds) live bytes."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from memfit.planner.fake_step import _Run
+from memfit.memory.fake_run import _Run
 
 __all__ = ["affine", "envelope", "gradient_line", "proportional", "quadratic", "with_step"]
 

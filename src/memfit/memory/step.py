@@ -1,13 +1,13 @@
 """What one training step is, as the memory model runs it and as it is measured for real.
 
-`Batch` rebuilds an example batch (a sample shape, a tensor, a tuple or a dict of tensors) at any batch
+`ExampleBatch` rebuilds an example batch (a sample shape, a tensor, a tuple or a dict of tensors) at any batch
 size; `training_step` is the step itself (forward and loss, backward, `optimizer.step()`, `zero_grad()`),
-run on fake tensors by `memfit.planner.fake_step` and for real by `measure_step`, which returns the live
-bytes at its peak (`memfit.measure` on the CPU, the caching allocator on CUDA).
+run on fake tensors by `memfit.memory.fake_run` and for real by `measure_step`, which returns the live
+bytes at its peak (`memfit.memory.measure` on the CPU, the caching allocator on CUDA).
 
 Example:
     >>> import torch
-    >>> Batch((3, 8)).at(5, torch.device("meta")).shape
+    >>> ExampleBatch((3, 8)).at(5, torch.device("meta")).shape
     torch.Size([5, 3, 8])
 """
 
@@ -23,9 +23,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.batches import forward
 from memfit.budget import model_device
-from memfit.measure import optimizer_state, unique_bytes
+from memfit.memory.measure import optimizer_state, unique_bytes
 
-__all__ = ["Batch", "autocast_state", "forward_autocast", "measure_step", "surrounding_autocast", "training_step"]
+__all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "measure_step", "surrounding_autocast",
+           "training_step"]
 
 
 def _integral(s) -> bool:
@@ -45,7 +46,7 @@ def _is_shape(x) -> bool:
 
 
 @dataclass
-class Batch:
+class ExampleBatch:
     """An example batch (a sample shape, a tensor, a tuple or a dict of tensors) rebuilt at any batch size.
 
     Tensors are scaled along their leading (batch) dimension; other dict values pass through.
@@ -170,13 +171,13 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     """Live bytes at the peak of one real training step (parameters, inputs and optimizer state included).
 
     With `warmup` one untracked step runs first, so the optimizer state exists as in a running training
-    loop. On CPU the bytes come from `memfit.measure`; on CUDA from the caching allocator. The model and
+    loop. On CPU the bytes come from `memfit.memory.measure`; on CUDA from the caching allocator. The model and
     optimizer are updated, as by any training step. A model in eval mode is put in training mode first.
     """
-    from memfit.measure import track_memory
+    from memfit.memory.measure import track_memory
     dev = torch.device(device) if device is not None else model_device(model)
     batch = example if isinstance(example, (torch.Tensor, tuple, list, dict)) and not _is_shape(example) \
-        else Batch(example).at(1, dev)
+        else ExampleBatch(example).at(1, dev)
     held = unique_bytes([*model.parameters(), *model.buffers(), *tree_flatten(batch)[0], *tree_flatten(target)[0]])
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     if not model.training:              # as the memory model: a model in eval mode trains whole, a training

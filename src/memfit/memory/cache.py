@@ -24,11 +24,12 @@ from collections.abc import Callable
 
 import torch
 
+from memfit.memory.fingerprint import model_state
+from memfit.memory.inference import InferenceMemoryModel
+from memfit.memory.sizing import memory_model
+from memfit.memory.step import autocast_state
 from memfit.planner.capture import CaptureError
-from memfit.planner.fingerprint import model_state
 from memfit.planner.planned import PlannedModule, plan
-from memfit.planner.sizing import MemoryModel, memory_model
-from memfit.planner.training import autocast_state
 
 __all__ = ["borrow_plan", "forward_memory_of", "give_back", "known_memory_model", "memory_model_of"]
 
@@ -64,7 +65,7 @@ def _bare(e: CaptureError) -> CaptureError:
     return c
 
 
-def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype) -> MemoryModel:
+def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype) -> InferenceMemoryModel:
     """`memory_model(model, sample_shape, dtype)`, made once per model (raises CaptureError likewise)."""
     return _cached(model, ("memory", tuple(sample_shape), dtype),
                    lambda: memory_model(model, sample_shape, dtype=dtype))
@@ -94,9 +95,9 @@ def give_back(pm: PlannedModule) -> None:
 
 
 def forward_memory_of(model: torch.nn.Module, example) -> object:
-    """`memfit.planner.footprint.step_memory_model(model, example, train=False)` (fake-tensor runs of an eager
+    """`memfit.memory.step_model.step_memory_model(model, example, train=False)` (fake-tensor runs of an eager
     forward, for models the planner cannot capture), made once per model and input signature."""
-    from memfit.planner.footprint import step_memory_model
+    from memfit.memory.step_model import step_memory_model
     leaves = example.items() if isinstance(example, dict) else [("", example)]
     key = ("forward",) + tuple((k, tuple(v.shape[1:]), v.dtype, v.device) for k, v in leaves)
     return _cached(model, key, lambda: step_memory_model(model, example, train=False))

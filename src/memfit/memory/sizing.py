@@ -5,7 +5,7 @@ with a symbolic batch gives the planner's placement at any n with every tensor's
 runs; cached per n). Where the capture is static, placements at batch 2 and 4 give each tensor's size as
 the exact line `a + b * n` (rationals, rounded up). For training, for inputs
 given as a dict or several tensors, for models export cannot capture, and where the two graphs
-differ, the fake-tensor run of `memfit.planner.footprint` counts the eager forward or the training step
+differ, the fake-tensor run of `memfit.memory.step_model` counts the eager forward or the training step
 instead, and `method` says why. `max_batch_size` searches the largest batch in a budget
 (`largest_fitting`: doubling, then bisection).
 
@@ -21,100 +21,20 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
+from memfit.memory.fake_run import FakeRunError
+from memfit.memory.inference import GraphsDiffer, InferenceMemoryModel, planned_memory_model
+from memfit.memory.step import _is_shape, surrounding_autocast
+from memfit.memory.step_model import StepMemoryModel, step_memory_model
 from memfit.messages import first_line, whole_words
-from memfit.planner.arena import Buffer, assign_offsets, live_profile
-from memfit.planner.fake_step import FakeRunError
-from memfit.planner.footprint import CUDA_MARGIN, CUDA_SEGMENT, StepMemoryModel, _batch, step_memory_model
-from memfit.planner.planned import ALIGNMENT, capture_model, place, place_at
-from memfit.planner.training import _is_shape, surrounding_autocast
 
-__all__ = ["MemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
+__all__ = ["InferenceMemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
            "plot_memory"]
-
-PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
-
-
-@dataclass
-class MemoryModel:
-    """Bytes for a batch of n: parameters + inputs + planned arena + unplanned (see `total_bytes`).
-
-    The same small interface as `memfit.planner.footprint.StepMemoryModel`: `total_bytes(n)`, `breakdown(n)`,
-    `method`, `explain()`.
-
-    Attributes:
-        param_bytes: parameters and buffers the graph reads.
-        method: how sizes at other batch sizes are computed.
-    """
-    param_bytes: int
-    input_bytes_per_sample: int
-    method: str
-    algorithm: str
-    _arena: list[tuple[int, int, int, int]]          # (bytes at n1, bytes at n2, first, last)
-    _outside: list[tuple[int, int, int, int]]
-    device: torch.device = torch.device("cpu")
-    train: bool = False
-    _cache: dict[int, tuple[int, int]] = field(default_factory=dict)
-    _cap: object = None                               # a capture with a symbolic batch: exact placements at any n
-
-    def _parts(self, n: int) -> tuple[int, int]:
-        if n not in self._cache and self._cap is not None:
-            # batch 1 lies below the symbolic range (it is planned from a capture of its own): the
-            # symbolic graph's sizes at n=1, no export
-            rep = place_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
-            self._cache[n] = (rep.arena_bytes, rep.unplanned_bytes)
-        if n not in self._cache:
-            arena = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._arena)]
-            outside = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._outside)]
-            self._cache[n] = (assign_offsets(arena, self.algorithm, ALIGNMENT)[1],
-                              max(live_profile(outside, 1), default=0))
-        return self._cache[n]
-
-    def arena_bytes(self, n: int) -> int:
-        """The planned arena for a batch of n."""
-        return self._parts(_batch(n))[0]
-
-    def unplanned_bytes(self, n: int) -> int:
-        """The most bytes live outside the arena at one op for a batch of n."""
-        return self._parts(_batch(n))[1]
-
-    def breakdown(self, n: int) -> dict[str, int]:
-        """Bytes by kind for a batch of n (they sum to `total_bytes(n)`)."""
-        n = _batch(n)
-        arena, outside = self._parts(n)
-        out = {"parameters": self.param_bytes, "inputs": self.input_bytes_per_sample * n,
-               "activations (arena)": arena, "activations (outside the arena)": outside}
-        if self.device.type == "cuda":       # one arena block; the tensors outside it are rounded like any
-            out["allocator margin"] = int(CUDA_MARGIN * sum(out.values())) + CUDA_SEGMENT
-        return out
-
-    def total_bytes(self, n: int) -> int:
-        """Parameters + the batch of inputs + arena + unplanned, for a batch of n (bytes)."""
-        return sum(self.breakdown(n).values())
-
-    def explain(self, n: int = 1) -> str:
-        """What the figure is, how it was computed, and the bytes by kind at a batch of n."""
-        lines = [f"memory of the planned forward on {self.device}, by {self.method}.",
-                 f"batch {n}: {format_bytes(self.total_bytes(n))}:"]
-        lines += [f"  {k:<32} {format_bytes(v):>12}" for k, v in self.breakdown(n).items()]
-        if self.device.type == "cuda":
-            lines.append(f"CUDA: a fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} "
-                         "segment of the caching allocator are added.")
-        return "\n".join(lines)
-
-
-def _size(s1: int, s2: int, n: int) -> int:
-    """Bytes at batch n of a tensor of s1 bytes at PROBES[0] and s2 at PROBES[1]: the exact line, rounded up."""
-    n1, n2 = PROBES
-    return max(0, -(-(s1 * (n2 - n1) + (s2 - s1) * (n - n1)) // (n2 - n1)))
-
 
 def _sample_shape(sample_shape) -> tuple[int, ...]:
     if isinstance(sample_shape, int):
@@ -129,13 +49,13 @@ def _sample_shape(sample_shape) -> tuple[int, ...]:
 def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
                  loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, device=None,
-                 algorithm: str = "greedy_by_size") -> MemoryModel | StepMemoryModel:
+                 algorithm: str = "greedy_by_size") -> InferenceMemoryModel | StepMemoryModel:
     """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
 
     Inference (train=False) of a model torch.export captures, with one input tensor: from the planner's
     placements (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
     no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
-    (`memfit.planner.footprint`), which allocates nothing and leaves the model and optimizer as they were.
+    (`memfit.memory.step_model`), which allocates nothing and leaves the model and optimizer as they were.
 
     Args:
         model: the module (on its own device).
@@ -174,47 +94,15 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     if autocast is not None or (device is not None and torch.device(device) != model_device(model)):
         return fake("not planned: autocast or another device than the model's")
     try:
-        return _planned_model(model, _sample_shape(example), dtype, algorithm)
+        return planned_memory_model(model, _sample_shape(example), dtype, algorithm)
     except CaptureError as e:
         reason = whole_words(first_line(e, with_type=False), 160)
         try:
             return fake(f"not planned: {reason}")
         except FakeRunError as f:
             raise CaptureError(f"{e}\nThe fake-tensor forward failed too: {f}") from f
-    except _GraphsDiffer:
+    except GraphsDiffer:
         return fake("not planned: the captured graphs at batch 2 and 4 differ")
-
-
-class _GraphsDiffer(Exception):
-    pass
-
-
-def _planned_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> MemoryModel:
-    dev = model_device(model)
-    per_sample = math.prod(shape) * dtype.itemsize
-    cap = capture_model(model, (torch.zeros((PROBES[0], *shape), dtype=dtype, device=dev),))
-    if cap.dynamic:           # one export; the placement at any n has every tensor's exact size
-        rep = place_at(cap, PROBES[0], algorithm=algorithm).report
-        return MemoryModel(rep.param_bytes, per_sample, "planned arena: exact placements at any batch from one capture "
-                           "with a symbolic batch", algorithm, [], [], dev, _cap=cap)
-    # a static capture: placements at 2 and 4, each tensor's size the exact line through its two sizes
-    placements = [place(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
-                  for n in PROBES]
-    params = placements[0].report.param_bytes
-    l1, l2 = placements
-    kinds = [[(r.name, r.kind, r.first, r.last) for r in pl.graph.roots.values()] for pl in placements]
-    if kinds[0] != kinds[1]:
-        raise _GraphsDiffer
-    arena, outside = [], []
-    end = len(l1.graph.steps)
-    for r, q in zip(l1.graph.roots.values(), l2.graph.roots.values(), strict=True):
-        item = (r.nbytes, q.nbytes, max(r.first, 0), min(r.last, end))
-        if r.kind == "arena":
-            arena.append(item)
-        elif r.kind in ("call", "output"):
-            outside.append(item)
-    return MemoryModel(params, per_sample, f"planned arena: sizes per tensor affine from placements at batch 2 and 4 "
-                       f"(the capture is static: {cap.static_reason})", algorithm, arena, outside, dev)
 
 
 def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence[int],
@@ -268,7 +156,7 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
     return n
 
 
-def plot_memory(mm: MemoryModel | StepMemoryModel, path, max_batch: int, budget: int | None = None, *,
+def plot_memory(mm: InferenceMemoryModel | StepMemoryModel, path, max_batch: int, budget: int | None = None, *,
                 name: str = "", largest: int | None = None):
     """Write a picture of the bytes by kind (stacked) against the batch size, 1..max_batch, with the budget line
     and, when `largest` is given, a line at the largest batch within it. `name` heads the title (the model).

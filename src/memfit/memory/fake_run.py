@@ -5,7 +5,7 @@ op (`fake_run`): what the memory model counts.
 `torch._subclasses.fake_tensor.FakeTensorMode` at one batch size: nothing is allocated. Parameters and
 buffers are swapped for fake copies for the run (`torch.func.functional_call`'s mechanism) and the optimizer
 is a shallow copy holding fake state, so the model, its buffers (BatchNorm running statistics), `.grad` and
-the optimizer are left exactly as they were. `memfit.planner.footprint` fits the runs at a few batch sizes
+the optimizer are left exactly as they were. `memfit.memory.step_model` fits the runs at a few batch sizes
 into bytes at any size.
 """
 
@@ -25,17 +25,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
-from memfit.measure import _storage_key, optimizer_state, unique_bytes
-from memfit.planner.fake_kernels import REAL_SIZE, real_bytes
+from memfit.memory.allocator import rounder
+from memfit.memory.fake_kernels import REAL_SIZE, real_bytes
+from memfit.memory.kinds import STEP_KINDS
+from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
+from memfit.memory.step import ExampleBatch, forward_autocast, training_step
 from memfit.planner.global_caches import cache_misses, clear_filled
-from memfit.planner.training import Batch, forward_autocast, training_step
 
 __all__ = ["FakeRunError", "fake_run"]
+COLUMN = {k.value: i for i, k in enumerate(STEP_KINDS)}     # a kind's value -> its column in a run's arrays
 
-KINDS = ("activations", "gradients", "optimizer state", "backward transient", "step transient", "kept by the model")
 
 
-CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
 
 class FakeRunError(RuntimeError):
@@ -58,7 +59,7 @@ def _fresh_outputs(func) -> bool:
 class _StorageLog:
     """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
 
-    The lean cousin of `memfit.measure`'s live-bytes mode for fake runs, where its Python work per op is most
+    The lean cousin of `memfit.memory.measure`'s live-bytes mode for fake runs, where its Python work per op is most
     of the cost: one weak reference per storage rather than a finalizer per tensor (a storage's Python object
     lives as long as the storage, so the reference dies with the last tensor on it), ops kept as objects, and
     an op's inputs looked at only when its schema says an output may alias one (a view of, or a write to, a
@@ -219,7 +220,7 @@ def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
     return opt
 
 
-def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, target: Batch | None,
+def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss_fn, target: ExampleBatch | None,
              autocast, device: torch.device, mode: FakeTensorMode, fakes: dict, step: bool = True,
              grads_held: bool = False, keep_output: bool = True) -> _Run:
     """One fake run at batch n (with step=False the optimizer step is skipped: `_with_step` puts it in).
@@ -250,7 +251,7 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
     log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
     samples: dict[str, set] = {}                        # storages that are gradients / optimizer state
-    rounded = (lambda b: -(-b // CUDA_BLOCK) * CUDA_BLOCK) if device.type == "cuda" else (lambda b: b)  # blocks
+    rounded = rounder(device)  # blocks
     grad_bytes = 0                                      # `_Run.grad_bytes`
     try:
         with torch.random.fork_rng(devices=[]):
@@ -299,7 +300,7 @@ def fake_run(model, batch: Batch, n: int, *, train: bool, optimizer, loss_fn, ta
         clear_filled(caches)
         for f in fakes.values():                       # gradients kept by zero_grad must not reach the next run
             f.grad = None
-    pad = CUDA_BLOCK - 1 if device.type == "cuda" else 0
+    pad = rounder(device)(1) - 1
     live, events, sizes, step_kept = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
     return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes)
 
@@ -344,20 +345,20 @@ def _timeline(log, n_ops: int, marks, samples, live_at_end, pad: int):
 
     def kind(i: int, op: int) -> int:
         if i in kept:
-            return KINDS.index(tags.get(i, "kept by the model"))
+            return COLUMN[tags.get(i, "kept by the model")]
         if tags.get(i) == "gradients":
-            return KINDS.index("gradients")
+            return COLUMN["gradients"]
         if op < ends.get("forward", n_ops):
-            return KINDS.index("activations")
-        return KINDS.index("backward transient" if op < ends.get("backward", n_ops) else "step transient")
+            return COLUMN["activations"]
+        return COLUMN["backward transient" if op < ends.get("backward", n_ops) else "step transient"]
 
     # the optimizer step's events (log positions and ops between the ends of backward and step) are left out of
     # the events, and the later ops renumbered as if it had not run
     step_log = (marks["backward"][1], marks["step"][1]) if "step" in marks else (len(log), len(log))
     step_ops = (marks["backward"][0], marks["step"][0] - 1) if "step" in marks else (n_ops, n_ops)
-    live = np.zeros((n_ops + 1, len(KINDS)), dtype=np.int64)
-    constant = np.zeros(len(KINDS), dtype=np.int64)
-    step_kept = np.zeros(len(KINDS), dtype=np.int64)
+    live = np.zeros((n_ops + 1, len(STEP_KINDS)), dtype=np.int64)
+    constant = np.zeros(len(STEP_KINDS), dtype=np.int64)
+    step_kept = np.zeros(len(STEP_KINDS), dtype=np.int64)
     events, sizes, position = [], [], {}
     for i, (op, _, delta) in enumerate(log):
         a = i if delta > 0 else kind_of_entry.get(i)

@@ -26,10 +26,10 @@ from memfit.budget import (
     parse_bytes,
     resolve_budget,
 )
-from memfit.measure import held_bytes
+from memfit.memory.allocator import CUDA_BLOCK
+from memfit.memory.measure import held_bytes
+from memfit.memory.step import autocast_state
 from memfit.messages import first_line, whole_words
-from memfit.planner.fake_step import CUDA_BLOCK
-from memfit.planner.training import autocast_state
 
 __all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
 
@@ -60,7 +60,7 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     The micro-batch is a view of the batch already on the device (the batch's bytes once, not the
     micro-batch's inputs). A DistributedDataParallel model also holds its gradient buckets.
     """
-    from memfit.planner.footprint import step_memory_model  # one training step on fake tensors
+    from memfit.memory.step_model import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     module = model.module if ddp else model
     device, n = model_device(model), batch_len(x)

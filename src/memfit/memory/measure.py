@@ -6,7 +6,7 @@ outputs, counts each new storage once and subtracts it when the last tensor on i
 
 Example:
     >>> import torch
-    >>> from memfit.measure import track_memory
+    >>> from memfit.memory.measure import track_memory
     >>> with track_memory("cpu") as mem:
     ...     y = torch.ones(1000) * 2        # two float32 buffers of 4000 bytes, both live at once
     >>> mem.peak
@@ -38,7 +38,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
         s = t.untyped_storage()
     except (RuntimeError, NotImplementedError):      # sparse or wrapper tensors own no plain storage
         return None
-    # the storage object's own address, not its data pointer: fake tensors (memfit.planner.footprint) have none
+    # the storage object's own address, not its data pointer: fake tensors (memfit.memory.step_model) have none
     return (s._cdata, s.nbytes()) if s.nbytes() else None
 
 

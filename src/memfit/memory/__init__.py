@@ -1,0 +1,32 @@
+"""Memory models: the bytes a forward or a whole training step needs at any batch size, before it runs.
+
+- `memory_model(model, example, train=...)` -> a `MemoryModel` (`total_bytes(n)`, `breakdown(n)` by `MemoryKind`,
+  `method`, `explain()`): `InferenceMemoryModel` for a forward the planner captures (its arena, exact at any
+  n), `StepMemoryModel` for anything else (an eager forward, a training step) from fake-tensor runs.
+- `max_batch_size`, `activation_bytes`: what fits a budget, from the model.
+- `measure_step`: one real step's peak bytes; `check_prediction`: the prediction against real steps.
+
+Every public name lives on `memfit` (`memfit.memory_model`, `memfit.MemoryModel`, ...); this package
+exports nothing of its own.
+
+Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `allocator` (what the allocators add:
+CUDA blocks and margin, CPU alignment), `step` (what one training step is; measuring it for real),
+`fake_run` (that step or a forward on fake tensors, every storage logged), `fake_kernels` (the bytes real
+kernels give where fake ones differ), `fit` (fake runs at a few sizes fitted into lines per op),
+`step_model` (`StepMemoryModel`), `inference` (`InferenceMemoryModel`, from the planner's arena),
+`sizing` (`memory_model`, `max_batch_size`, `activation_bytes`, `plot_memory`), `micro_batch` (the micro-batch
+size `accumulate` picks), `fingerprint` (what kept plans and predictions depend on), `cache` (plans and
+models kept per model), `measure` (live bytes of real runs).
+
+Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA; kernels that allocate inside
+(mkldnn convolution's `out=` copies on the CPU) are invisible to `measure`'s op-output count.
+
+Example:
+    >>> import torch
+    >>> from memfit import MemoryModel, memory_model
+    >>> mm = memory_model(torch.nn.Linear(8, 4), (8,))
+    >>> isinstance(mm, MemoryModel), sorted(mm.breakdown(2))[:2]
+    (True, ['activations (arena)', 'activations (outside the arena)'])
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,42 @@
+"""What the allocators add to the bytes tensors hold: one home for those constants.
+
+CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp, `kMinBlockSize = 512`, `kSmallBuffer = 2 MiB`)
+rounds every block up to 512 bytes and serves small blocks from 2 MiB segments; on top of that memfit adds a
+stated margin for fragmentation of its segments. The CPU allocator (c10/core/alignment.h, `gAlignment = 64`)
+aligns every allocation to 64 bytes, which the planner's arena also uses between its tensors.
+
+Known limitations: library workspaces (cuBLAS, cuDNN: 8.5 MiB, up to 32 MiB on Hopper) are not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CPU_ALIGNMENT", "CUDA_BLOCK", "CUDA_MARGIN", "CUDA_SEGMENT", "cuda_margin", "rounder"]
+
+CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+CUDA_SEGMENT = 2 << 20      # one partly used 2 MiB small-allocation segment
+CUDA_MARGIN = 0.05          # stated head-room for fragmentation of the allocator's segments on CUDA
+CPU_ALIGNMENT = 64          # bytes: a cache line, and enough for any dtype's vector loads
+
+
+def rounder(device: torch.device):
+    """The size a request of b bytes takes on `device`'s allocator, as a function of b.
+
+    Example:
+        >>> rounder(torch.device("cuda"))(1), rounder(torch.device("cpu"))(1)
+        (512, 1)
+    """
+    if device.type == "cuda":
+        return lambda b: -(-b // CUDA_BLOCK) * CUDA_BLOCK
+    return lambda b: b
+
+
+def cuda_margin(total: int) -> int:
+    """The head-room added on CUDA to a prediction of `total` bytes: a fragmentation margin and one segment.
+
+    Example:
+        >>> cuda_margin(100 << 20) == int(0.05 * (100 << 20)) + (2 << 20)
+        True
+    """
+    return int(CUDA_MARGIN * total) + CUDA_SEGMENT

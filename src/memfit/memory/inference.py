@@ -1,0 +1,135 @@
+"""The memory of a planned forward (the one `evaluate` runs): the planner's arena at any batch size.
+
+One capture with a symbolic batch gives the placement at any n with every tensor's exact size (nothing
+runs; cached per n). Where the capture is static, placements at batch 2 and 4 give each tensor's size as
+the exact line `a + b * n` (rationals, rounded up).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from memfit.budget import check_count, format_bytes, model_device
+from memfit.memory.allocator import CPU_ALIGNMENT, CUDA_MARGIN, CUDA_SEGMENT, cuda_margin
+from memfit.memory.kinds import MemoryKind
+from memfit.planner.arena import Buffer, assign_offsets, live_profile
+from memfit.planner.planned import capture_model, place, place_at
+
+__all__ = ["PROBES", "GraphsDiffer", "InferenceMemoryModel", "planned_memory_model"]
+
+
+def _batch(n) -> int:
+    return check_count("the batch size", n, 1)
+
+
+PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
+
+
+@dataclass
+class InferenceMemoryModel:
+    """Bytes for a batch of n: parameters + inputs + planned arena + unplanned (see `total_bytes`).
+
+    Implements `memfit.memory.kinds.MemoryModel`, as `StepMemoryModel` does.
+
+    Attributes:
+        param_bytes: parameters and buffers the graph reads.
+        method: how sizes at other batch sizes are computed.
+    """
+    param_bytes: int
+    input_bytes_per_sample: int
+    method: str
+    algorithm: str
+    _arena: list[tuple[int, int, int, int]]          # (bytes at n1, bytes at n2, first, last)
+    _outside: list[tuple[int, int, int, int]]
+    device: torch.device = torch.device("cpu")
+    train: bool = False
+    _cache: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _cap: object = None                               # a capture with a symbolic batch: exact placements at any n
+
+    def _parts(self, n: int) -> tuple[int, int]:
+        if n not in self._cache and self._cap is not None:
+            # batch 1 lies below the symbolic range (it is planned from a capture of its own): the
+            # symbolic graph's sizes at n=1, no export
+            rep = place_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
+            self._cache[n] = (rep.arena_bytes, rep.unplanned_bytes)
+        if n not in self._cache:
+            arena = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._arena)]
+            outside = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._outside)]
+            self._cache[n] = (assign_offsets(arena, self.algorithm, CPU_ALIGNMENT)[1],
+                              max(live_profile(outside, 1), default=0))
+        return self._cache[n]
+
+    def arena_bytes(self, n: int) -> int:
+        """The planned arena for a batch of n."""
+        return self._parts(_batch(n))[0]
+
+    def unplanned_bytes(self, n: int) -> int:
+        """The most bytes live outside the arena at one op for a batch of n."""
+        return self._parts(_batch(n))[1]
+
+    def breakdown(self, n: int) -> dict[str, int]:
+        """Bytes by kind for a batch of n (they sum to `total_bytes(n)`)."""
+        n = _batch(n)
+        arena, outside = self._parts(n)
+        out = {MemoryKind.PARAMETERS.value: self.param_bytes, MemoryKind.INPUTS.value: self.input_bytes_per_sample * n,
+               MemoryKind.ARENA.value: arena, MemoryKind.OUTSIDE_ARENA.value: outside}
+        if self.device.type == "cuda":       # one arena block; the tensors outside it are rounded like any
+            out[MemoryKind.ALLOCATOR_MARGIN.value] = cuda_margin(sum(out.values()))
+        return out
+
+    def total_bytes(self, n: int) -> int:
+        """Parameters + the batch of inputs + arena + unplanned, for a batch of n (bytes)."""
+        return sum(self.breakdown(n).values())
+
+    def explain(self, n: int = 1) -> str:
+        """What the figure is, how it was computed, and the bytes by kind at a batch of n."""
+        lines = [f"memory of the planned forward on {self.device}, by {self.method}.",
+                 f"batch {n}: {format_bytes(self.total_bytes(n))}:"]
+        lines += [f"  {k:<32} {format_bytes(v):>12}" for k, v in self.breakdown(n).items()]
+        if self.device.type == "cuda":
+            lines.append(f"CUDA: a fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} "
+                         "segment of the caching allocator are added.")
+        return "\n".join(lines)
+
+
+def _size(s1: int, s2: int, n: int) -> int:
+    """Bytes at batch n of a tensor of s1 bytes at PROBES[0] and s2 at PROBES[1]: the exact line, rounded up."""
+    n1, n2 = PROBES
+    return max(0, -(-(s1 * (n2 - n1) + (s2 - s1) * (n - n1)) // (n2 - n1)))
+
+
+class GraphsDiffer(Exception):
+    """The captured graphs at two batch sizes differ: sizes cannot be fitted per tensor."""
+
+
+def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> InferenceMemoryModel:
+    """The planned forward's bytes at any batch, from one capture (or two static ones)."""
+    dev = model_device(model)
+    per_sample = math.prod(shape) * dtype.itemsize
+    cap = capture_model(model, (torch.zeros((PROBES[0], *shape), dtype=dtype, device=dev),))
+    if cap.dynamic:           # one export; the placement at any n has every tensor's exact size
+        rep = place_at(cap, PROBES[0], algorithm=algorithm).report
+        how = "planned arena: exact placements at any batch from one capture with a symbolic batch"
+        return InferenceMemoryModel(rep.param_bytes, per_sample, how, algorithm, [], [], dev, _cap=cap)
+    # a static capture: placements at 2 and 4, each tensor's size the exact line through its two sizes
+    placements = [place(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
+                  for n in PROBES]
+    params = placements[0].report.param_bytes
+    l1, l2 = placements
+    kinds = [[(r.name, r.kind, r.first, r.last) for r in pl.graph.roots.values()] for pl in placements]
+    if kinds[0] != kinds[1]:
+        raise GraphsDiffer
+    arena, outside = [], []
+    end = len(l1.graph.ops)
+    for r, q in zip(l1.graph.roots.values(), l2.graph.roots.values(), strict=True):
+        item = (r.nbytes, q.nbytes, max(r.first, 0), min(r.last, end))
+        if r.kind == "arena":
+            arena.append(item)
+        elif r.kind in ("call", "output"):
+            outside.append(item)
+    how = f"planned arena: sizes per tensor affine from placements at batch 2 and 4 (the capture is static: " \
+          f"{cap.static_reason})"
+    return InferenceMemoryModel(params, per_sample, how, algorithm, arena, outside, dev)

@@ -1,0 +1,61 @@
+"""The kinds of memory a prediction names, and the interface every memory model gives.
+
+A breakdown (`MemoryModel.breakdown(n)`) is a dict from a `MemoryKind`'s value to bytes; the values sum to
+`total_bytes(n)`. Two models implement the interface: `InferenceMemoryModel` (a planned forward, from the
+planner's arena at any batch size) and `StepMemoryModel` (an eager forward or a whole training step, from
+fake-tensor runs).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["STEP_KINDS", "MemoryKind", "MemoryModel"]
+
+
+class MemoryKind(Enum):
+    """A kind of memory; its value is the key in a breakdown."""
+    PARAMETERS = "parameters"
+    INPUTS = "inputs"
+    ACTIVATIONS = "activations"
+    ARENA = "activations (arena)"
+    OUTSIDE_ARENA = "activations (outside the arena)"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer state"
+    BACKWARD_TRANSIENT = "backward transient"
+    STEP_TRANSIENT = "step transient"
+    KEPT_BY_MODEL = "kept by the model"
+    ALLOCATOR_MARGIN = "allocator margin"
+
+
+# the kinds a fake-tensor run sorts every logged storage into, in the order of its columns
+STEP_KINDS = (MemoryKind.ACTIVATIONS, MemoryKind.GRADIENTS, MemoryKind.OPTIMIZER_STATE,
+              MemoryKind.BACKWARD_TRANSIENT, MemoryKind.STEP_TRANSIENT, MemoryKind.KEPT_BY_MODEL)
+
+
+@runtime_checkable
+class MemoryModel(Protocol):
+    """Bytes a forward or a training step needs at any batch size n.
+
+    Attributes:
+        method: how sizes at other batch sizes are computed (exact placements, fitted lines, ...).
+        param_bytes: parameters and buffers.
+        device: the device the figures are for (CUDA adds the allocator's rounding and a margin).
+        train: True for a whole training step, False for a forward.
+    """
+    method: str
+    param_bytes: int
+    device: torch.device
+    train: bool
+
+    def total_bytes(self, n: int) -> int:
+        """Bytes at the peak for a batch of n."""
+
+    def breakdown(self, n: int) -> dict[str, int]:
+        """Bytes at the peak for a batch of n by `MemoryKind` value; they sum to `total_bytes(n)`."""
+
+    def explain(self, n: int = 1) -> str:
+        """What the figure is, how it was computed, and the bytes by kind at a batch of n."""
