@@ -9,9 +9,9 @@ from torch import nn
 
 from distributed_util import run_ranks
 from memfit import plan
-from memfit.cli.bench.zoo import MODELS, build
 from memfit.compact import CompactDataset
 from memfit.evaluation import evaluate
+from memfit.testing.zoo import MODELS, build
 
 pytestmark = pytest.mark.cuda
 

@@ -36,7 +36,7 @@ def load_factory(spec: str) -> Callable:
         ValueError: the spec is malformed, the module or file cannot be found, or it has no such name.
 
     Example:
-        >>> load_factory("memfit.cli.bench.zoo:mlp").__name__
+        >>> load_factory("memfit.testing.zoo:mlp").__name__
         'mlp'
     """
     if not isinstance(spec, str) or spec.count(":") < 1 or not all(spec.rpartition(":")[::2]):

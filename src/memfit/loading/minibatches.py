@@ -11,7 +11,7 @@ Three ways to feed a computation, picked by budget:
 `stream` and `macro` share one pipeline: blocks of samples (one batch for `stream`, a macro-batch
 for `macro`) are gathered on the host and copied compact into a slot in the background (a thread; on
 CUDA through pinned staging and a side stream) while the consumer decodes micro-batches from the
-other slot. Run: `python -m pytest -q tests/test_loading.py`.
+other slot. Run: `python -m pytest -q tests/loading/test_minibatches.py`.
 
 Example:
     >>> import numpy as np

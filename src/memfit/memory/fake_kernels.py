@@ -2,7 +2,7 @@
 the real ones give (`real_bytes`): what a fake run (`memfit.memory.fake_run`) logs instead.
 
 Each entry was found by comparing a fake run with `memfit.memory.measure`'s live bytes of the real step; a test in
-tests/test_footprint.py guards each.
+tests/memory/test_step_model.py guards each.
 """
 
 from __future__ import annotations

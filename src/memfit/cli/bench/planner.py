@@ -36,9 +36,9 @@ from memfit.cli.bench.common import (
     table,
     to_csv,
 )
-from memfit.cli.bench.zoo import MODELS, build
 from memfit.memory.measure import track_memory
 from memfit.messages import first_line, whole_words
+from memfit.testing.zoo import MODELS, build
 
 TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "latency": 1.10}
 
@@ -93,7 +93,7 @@ REAL_TARGETS = {"latency": 1.00, "latency_geo": 0.95, "total/eager": 1.00, "aren
 
 def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int) -> list[dict]:
     """Rows of one `transformers` architecture: one capture (at the first batch), every batch planned from it."""
-    from memfit.cli.bench.zoo import build_real
+    from memfit.testing.zoo import build_real
     model, make_input = build_real(name, quick)
     t0 = time.perf_counter()
     pm = plan(model, (make_input(batches[0]),))
@@ -243,7 +243,7 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
 def run_fuzz(examples: int, seed: int = 0) -> int:
     """Differential fuzzing: `examples` random models of up to 6 programs each, planned with every
     algorithm, compared with eager bit for bit. Prints progress; raises on the first difference."""
-    from memfit.cli.bench.fuzz import fuzz
+    from memfit.testing.fuzz import fuzz
     t0 = time.perf_counter()
     step = max(1, examples // 10)
     done = 0
@@ -257,8 +257,8 @@ def run_fuzz(examples: int, seed: int = 0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memfit.cli.bench.zoo import REAL
     from memfit.cli.options import count_arg, counts_arg, device_arg, names_arg
+    from memfit.testing.zoo import REAL
     p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
                                 epilog="example:\n  memfit bench planner --quick\n"
                                        "  memfit bench planner --real --quick\n"

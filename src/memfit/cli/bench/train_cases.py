@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from memfit.cli.bench.zoo import build, quiet_transformers
+from memfit.testing.zoo import build, quiet_transformers
 
 __all__ = ["Case", "hf_cases", "hf_factory", "on_device", "realistic_cases", "zoo_cases"]
 

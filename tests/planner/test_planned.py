@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from memfit import BudgetExceeded, CaptureError, activation_bytes, max_batch_size, memory_model, plan
-from memfit.cli.bench.zoo import MODELS, build
 from memfit.cli.plan import cli_plan, load_factory
 from memfit.planner.arena import align
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT
+from memfit.testing.zoo import MODELS, build
 
 # batch 1 and 3 where export is quick; the large graphs at batch 2 only, to keep the file fast
 ZOO = [(name, b) for name in MODELS for b in ((1, 3) if name in ("mlp", "lenet", "transformer") else (2,))]
@@ -286,13 +286,13 @@ def test_cli_plan_bad_usage(tmp_path):
 
 
 def test_load_factory_errors(tmp_path):
-    assert load_factory("memfit.cli.bench.zoo:lenet") is not None
+    assert load_factory("memfit.testing.zoo:lenet") is not None
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
         load_factory("no_colon")
     with pytest.raises(ValueError, match="does not exist"):
         load_factory(f"{tmp_path}/missing.py:make")
     with pytest.raises(ValueError, match="no attribute 'nope'"):
-        load_factory("memfit.cli.bench.zoo:nope")
+        load_factory("memfit.testing.zoo:nope")
     with pytest.raises(ValueError, match="cannot import"):
         load_factory("memfit.not_a_module:make")
 

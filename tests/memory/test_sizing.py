@@ -10,11 +10,11 @@ from torch import nn
 import memfit
 from memfit import plan
 from memfit.budget import format_bytes, largest_fitting
-from memfit.cli.bench.zoo import build
 from memfit.memory.inference import InferenceMemoryModel
 from memfit.memory.measure import track_memory
 from memfit.memory.step import measure_step
 from memfit.memory.step_model import StepMemoryModel
+from memfit.testing.zoo import build
 
 
 @pytest.mark.parametrize("name", ["lenet", "transformer"])
@@ -111,17 +111,17 @@ def test_plan_train_cli_prints_the_python_api_breakdown(capsys, tmp_path):
     import json
 
     from memfit.cli.plan import cli_plan
-    assert cli_plan(["memfit.cli.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--budget", "8MiB", "--json"]) == 0
+    assert cli_plan(["memfit.testing.zoo:mlp", "--input", "8,1,28,28", "--train", "--budget", "8MiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     model, shape = build("mlp")
     mm = memfit.memory_model(model.train(), shape, train=True, optimizer=torch.optim.AdamW(model.parameters()))
     assert out["breakdown"] == mm.breakdown(8) and out["total_bytes"] == mm.total_bytes(8)
     assert out["largest_batch"] == largest_fitting(mm.total_bytes, 8 * 2**20, 2**31)
-    assert cli_plan(["memfit.cli.bench.zoo:mlp", "--input", "8,1,28,28", "--train"]) == 0
+    assert cli_plan(["memfit.testing.zoo:mlp", "--input", "8,1,28,28", "--train"]) == 0
     text = capsys.readouterr().out
     assert "optimizer state" in text and "at the peak, during the" in text
     pytest.importorskip("matplotlib")
-    cli_plan(["memfit.cli.bench.zoo:mlp", "--input", "8,1,28,28", "--train", "--plot", str(tmp_path / "t.png")])
+    cli_plan(["memfit.testing.zoo:mlp", "--input", "8,1,28,28", "--train", "--plot", str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 

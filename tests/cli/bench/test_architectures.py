@@ -16,7 +16,7 @@ SAMPLE = ["falcon", "whisper", "wav2vec2", "swin"]
 
 @pytest.mark.parametrize("name", SAMPLE)
 def test_the_training_memory_model_matches_real_steps(name):
-    from memfit.cli.bench.zoo import quiet_transformers
+    from memfit.testing.zoo import quiet_transformers
     quiet_transformers()
     case, = architectures([name])
     model = case.make()

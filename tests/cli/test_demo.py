@@ -7,7 +7,7 @@ import pytest
 
 from memfit.cli import main
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("transformers")
 
 from memfit import plan  # noqa: E402
-from memfit.cli.bench.zoo import build_real  # noqa: E402
+from memfit.testing.zoo import build_real  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["bert", "convnext"])

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from memfit import plan
-from memfit.cli.bench.fuzz import FuzzModel, check_programs, programs
+from memfit.testing.fuzz import FuzzModel, check_programs, programs
 
 
 def _padded(*steps):

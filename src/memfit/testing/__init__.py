@@ -1,0 +1,8 @@
+"""Model generators the tests and the benchmarks share: nothing here runs at import or in the library.
+
+- `zoo`: a zoo of models written without torchvision (MLP, CNNs, ResNet and MobileNet layer plans, transformer
+  blocks) and of `transformers` architectures built from configs with random weights (`build_real`).
+- `fuzz`: random programs for differential fuzzing of the planner (views, broadcasts and in-place candidates).
+"""
+
+__all__: list[str] = []

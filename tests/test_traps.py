@@ -1,0 +1,128 @@
+"""Known traps: each one broke, or nearly broke, a promise of memfit once. A test here reproduces the trap on
+the smallest model that shows it and checks the promise still holds. Add a trap here when you find one.
+
+- BatchNorm on one value per channel cannot train at batch 1 (torch refuses): the memory model fits from batch 2.
+- transformers' SDPA skips an all-ones attention mask: a fake run cannot read values, so the padded batch counts.
+- A `functools.lru_cache` or a memo dict that a fake run fills would hand fake tensors to every real forward after.
+- float16 autocast needs loss scaling that accumulate cannot do around its own optimizer.step(): refused.
+- A view keeps its whole storage alive: a slice is counted at its base's size.
+"""
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.accumulation import accumulate
+from memfit.memory.step import measure_step
+
+
+def test_batch_norm_on_one_value_per_channel_trains_from_batch_2():
+    """BatchNorm1d after a Linear cannot train on one sample (torch refuses, as in the real step): the model is
+    fit from batch 2 up and says so, instead of failing on a batch of 1 the user never asked about."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+    data = lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # exact, not an estimate
+        mm = memfit.memory_model(model, data(8)[0], train=True, optimizer=torch.optim.AdamW(model.parameters()),
+                                 loss_fn=F.cross_entropy, target=data(8)[1])
+    assert "batch 1 cannot train" in mm.method
+    for n in (2, 5, 16):
+        m = copy.deepcopy(model)
+        real = measure_step(m, data(n)[0], torch.optim.AdamW(m.parameters()), F.cross_entropy, data(n)[1])
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real)
+
+
+def test_an_attention_mask_a_fake_run_cannot_read_counts_the_padded_batch():
+    """transformers' SDPA attention skips its mask when an attention_mask is all ones; a fake run cannot read the
+    values, so the mask a padded batch needs is counted: exact for a padded batch, above an unpadded one."""
+    tf = pytest.importorskip("transformers")
+    from memfit.memory.step_model import check_prediction
+    tf.logging.set_verbosity_error()
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").train()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def mask(n, padded):
+        m = torch.ones(n, 64, dtype=torch.long)
+        if padded:
+            m[::2, -8:] = 0
+        return m
+    loss = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    for padded in (True, False):
+        rows = check_prediction(model, lambda n, padded=padded: {"input_ids": torch.randint(0, 256, (n, 64)),
+                                                  "attention_mask": mask(n, padded)},
+                                (8,), optimizer=opt, loss_fn=loss, target_at=lambda n: torch.randint(0, 256, (n, 64)))
+        ratio = rows[0]["ratio"]
+        assert (1.0 <= ratio <= 1.001) if padded else (1.02 <= ratio <= 1.1), (padded, ratio)
+
+
+@functools.lru_cache(maxsize=4)
+def position_table(k: int) -> torch.Tensor:
+    return torch.arange(k, dtype=torch.float32)
+
+
+class CachedPositions(nn.Module):
+    """Adds a table from a function cache, as transformers' BEiT does with its relative position index."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(12, 12)
+
+    def forward(self, x):
+        return self.proj(x + position_table(x.shape[-1]))
+
+
+class Memoised(CachedPositions):
+    """The same table from a dict memo and from a cache made per instance."""
+
+    def __init__(self):
+        super().__init__()
+        self.memo = {}
+        self.table = functools.lru_cache(maxsize=4)(lambda k: torch.arange(k, dtype=torch.float32))
+
+    def forward(self, x):
+        k = x.shape[-1]
+        if k not in self.memo:
+            self.memo[k] = torch.arange(k, dtype=torch.float32)
+        return self.proj(x + self.memo[k] + self.table(k) - position_table(k))
+
+
+@pytest.mark.parametrize("make", [CachedPositions, Memoised])
+def test_a_fake_run_leaves_no_fake_tensor_in_a_cache_the_model_uses(make):
+    position_table.cache_clear()
+    model = make()
+    memfit.memory_model(model, (12,), train=True, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    memfit.memory_model(model, (12,))
+    out = model(torch.zeros(2, 12))                    # the real forward after: real tensors throughout
+    assert type(out) is torch.Tensor and type(position_table(12)) is torch.Tensor
+    torch.testing.assert_close(out, model.proj(torch.arange(12.0).expand(2, 12)))
+
+
+def test_float16_autocast_is_refused_before_any_gradient():
+    """float16 needs loss scaling, which accumulate cannot do around its own optimizer.step(): refuse,
+    leaving the model untouched, rather than let small gradients flush to zero."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in mod.parameters()]
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="float16 autocast.*bfloat16"):
+        accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=2)
+    assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, mod.parameters(), strict=True))
+
+
+def test_held_bytes_of_a_view_counts_its_whole_storage():
+    from memfit.memory.measure import held_bytes
+    m = torch.nn.Module()
+    base = torch.zeros(100)
+    m.register_buffer("head", base[:10])           # a view holds its whole storage alive
+    m.register_buffer("tail", base[90:])
+    assert held_bytes(m) == base.nbytes
