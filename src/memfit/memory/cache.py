@@ -1,5 +1,6 @@
-"""Plans kept across calls: evaluating every epoch captures the model once, and the cache never
-keeps the model (or an arena) alive between calls.
+"""What is kept per model across calls, in one mechanism (`ModelCache`): plans (evaluating every epoch
+captures the model once), memory models, and accumulate's chosen micro-batch sizes. The cache never keeps
+the model (or an arena) alive between calls.
 
 An entry lives as long as its model (a weak key) and is dropped when anything a forward could depend on
 changes (`model_state`: a parameter, buffer or submodule replaced, a training flag, an attribute such as a
@@ -19,37 +20,88 @@ Example:
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from collections.abc import Callable
 
 import torch
 
 from memfit.memory.fingerprint import model_state
-from memfit.memory.inference import InferenceMemoryModel
-from memfit.memory.sizing import memory_model
 from memfit.memory.step import autocast_state
 from memfit.planner.capture import CaptureError
 from memfit.planner.planned import PlannedModule, plan
 
-__all__ = ["borrow_plan", "forward_memory_of", "give_back", "known_memory_model", "memory_model_of"]
+__all__ = ["ModelCache", "borrow_plan", "forward_memory_of", "give_back", "known_memory_model", "memory_model_of"]
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> (fingerprint, {key: value})
+
+class ModelCache:
+    """Values kept per model under a key: a weak key (an entry lives as long as its model), and, when
+    `fingerprinted`, dropped as soon as `model_state(model)` changes.
+
+    Example:
+        >>> cache = ModelCache()
+        >>> model = torch.nn.Linear(2, 2)
+        >>> cache.get(model, "k", lambda: 1), cache.get(model, "k", lambda: 2)
+        (1, 1)
+        >>> model.training = False                       # a flag a forward may read: the entry is dropped
+        >>> cache.peek(model, "k"), cache.get(model, "k", lambda: 2)
+        (None, 2)
+    """
+
+    def __init__(self, fingerprinted: bool = True):
+        self.fingerprinted = fingerprinted   # False where walking every module per call costs too much
+        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (fingerprint, {key: v})
+        self._lock = threading.Lock()        # the dicts only: `make` runs outside it
+
+    def values(self, model: torch.nn.Module) -> dict:
+        """The dict of values kept for `model` (a new empty one if none, or if its fingerprint changed)."""
+        return self._values(model, create=True)
+
+    def _values(self, model: torch.nn.Module, create: bool) -> dict | None:
+        fp = model_state(model) if self.fingerprinted else None
+        with self._lock:
+            entry = self._entries.get(model)
+            if entry is None or entry[0] != fp:
+                if not create:
+                    return None
+                entry = self._entries[model] = (fp, {})
+            return entry[1]
+
+    def peek(self, model: torch.nn.Module, key, default=None):
+        """The value kept under `key`, else `default`: nothing is made."""
+        values = self._values(model, create=False)
+        return default if values is None else values.get(key, default)
+
+    def get(self, model: torch.nn.Module, key, make: Callable):
+        """The value kept under `key`, made by `make()` (and kept) the first time."""
+        values = self._values(model, create=True)
+        if key not in values:
+            values[key] = make()
+        return values[key]
+
+    def put(self, model: torch.nn.Module, key, value) -> None:
+        self._values(model, create=True)[key] = value
+
+    def forget(self, model: torch.nn.Module) -> None:
+        """Drop everything kept for `model` (to time a prediction rather than a cache hit)."""
+        with self._lock:
+            self._entries.pop(model, None)
+
+
+_PLANS = ModelCache()     # plans and inference memory models (or the CaptureError that made one impossible)
 
 
 def _cached(model: torch.nn.Module, key: tuple, make: Callable):
     key = (*key, autocast_state())          # a capture or estimate under autocast holds only under it
-    fp = model_state(model)
-    entry = _CACHE.get(model)
-    if entry is None or entry[0] != fp:
-        entry = _CACHE[model] = (fp, {})
-    if key not in entry[1]:
+    values = _PLANS.values(model)          # one fingerprint per call (1-2 ms on a large model)
+    if key not in values:
         try:
-            entry[1][key] = make()
+            values[key] = make()
         except CaptureError as e:   # a model that cannot be captured fails fast next time (capture takes seconds);
-            entry[1][key] = _bare(e)    # other errors (a transient OutOfMemoryError) are not kept
+            values[key] = _bare(e)      # other errors (a transient OutOfMemoryError) are not kept
             raise                       # with its traceback the first time
-        return entry[1][key]
-    value = entry[1][key]
+        return values[key]
+    value = values[key]
     if isinstance(value, CaptureError):
         raise _bare(value)          # a fresh copy: the kept one never holds a traceback (nor the model via its frames)
     return value
@@ -65,8 +117,9 @@ def _bare(e: CaptureError) -> CaptureError:
     return c
 
 
-def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype) -> InferenceMemoryModel:
+def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype):
     """`memory_model(model, sample_shape, dtype)`, made once per model (raises CaptureError likewise)."""
+    from memfit.memory.sizing import memory_model
     return _cached(model, ("memory", tuple(sample_shape), dtype),
                    lambda: memory_model(model, sample_shape, dtype=dtype))
 
@@ -74,10 +127,7 @@ def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype
 def known_memory_model(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype):
     """The memory model `memory_model_of` already made for these inputs (or its error), else None: nothing
     is captured here."""
-    entry = _CACHE.get(model)
-    if entry is None or entry[0] != model_state(model):
-        return None
-    return entry[1].get(("memory", tuple(sample_shape), dtype, autocast_state()))
+    return _PLANS.peek(model, ("memory", tuple(sample_shape), dtype, autocast_state()))
 
 
 def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:

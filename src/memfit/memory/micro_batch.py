@@ -11,7 +11,6 @@ slow to repeat every step) and lowered there after an out-of-memory back-off (`l
 from __future__ import annotations
 
 import copy
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -27,6 +26,7 @@ from memfit.budget import (
     resolve_budget,
 )
 from memfit.memory.allocator import CUDA_BLOCK
+from memfit.memory.cache import ModelCache
 from memfit.memory.measure import held_bytes
 from memfit.memory.step import autocast_state
 from memfit.messages import first_line, whole_words
@@ -34,7 +34,7 @@ from memfit.messages import first_line, whole_words
 __all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
 
 # model -> {auto key: (micro-batch size, why)}, for the model's next steps
-_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHOSEN = ModelCache(fingerprinted=False)     # model -> {auto_key: (size, why)}: see auto_key for why not fingerprinted
 
 
 def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
@@ -151,10 +151,7 @@ def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> 
 def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tuple[int, str]:
     """(size, why): the size kept for the model under `key`, chosen by `choose_micro_batch` the first time;
     with world > 1 the smallest over the ranks."""
-    cache = _CHOSEN.setdefault(model, {})
-    if key not in cache:
-        cache[key] = choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device)
-    m, why = cache[key]
+    m, why = _CHOSEN.get(model, key, lambda: choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device))
     if world > 1:       # one size for all ranks, agreed every step: a rank's cache may hold what another's lacks
         from memfit.distributed import all_reduce
         agreed = int(all_reduce(torch.tensor([m], dtype=torch.int64), op=torch.distributed.ReduceOp.MIN,
@@ -170,6 +167,6 @@ def _signature(x) -> tuple:
 
 def lower_chosen(model, key: tuple, final: int) -> None:
     """After an out-of-memory back-off to `final`, the model's next steps start there."""
-    chosen = _CHOSEN.get(model, {})
-    if key in chosen:
-        chosen[key] = (final, f"{chosen[key][1]}; lowered to {final} after an out-of-memory error")
+    kept = _CHOSEN.peek(model, key)
+    if kept is not None:
+        _CHOSEN.put(model, key, (final, f"{kept[1]}; lowered to {final} after an out-of-memory error"))

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,8 +48,8 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cuda_margin
+from memfit.memory.cache import ModelCache
 from memfit.memory.fake_run import FakeRunError, _LoggingFakeMode, _Run, fake_run
-from memfit.memory.fingerprint import model_state
 from memfit.memory.fit import affine, envelope, gradient_line, proportional, quadratic, with_step
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
 from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
@@ -72,7 +71,7 @@ def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), 
     """
     import time
 
-    _CACHE.pop(model, None)                                     # time the prediction itself, not a cache hit
+    _STEP_MODELS.forget(model)                                  # time the prediction itself, not a cache hit
     t0 = time.perf_counter()
     mm = step_memory_model(model, example_at(2), train=True, optimizer=optimizer, loss_fn=loss_fn,
                            target=target_at(2) if target_at else None, autocast=autocast)
@@ -224,21 +223,14 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
            id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output)
-    fingerprint = model_state(model)       # a flag or attribute changed (checkpointing, dropout p): predict again
-    entry = _CACHE.get(model)
-    if entry is None or entry[0] != fingerprint:
-        entry = _CACHE[model] = (fingerprint, {})
-    if key not in entry[1]:
-        entry[1][key] = _fit(model, batch, tgt, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
-                             device=dev, why=why, grads_held=grads_held, keep_output=keep_output)
-    return entry[1][key]
+    # kept per model: predicting again for the same batch layout and optimizer (each evaluation) costs nothing;
+    # a new or reshaped parameter, a changed flag or attribute (checkpointing, dropout p) predicts again
+    return _STEP_MODELS.get(model, key, lambda: _fit(
+        model, batch, tgt, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast, device=dev, why=why,
+        grads_held=grads_held, keep_output=keep_output))
 
 
-# model -> (model_state, {key: model}): predicting again for the same model, batch layout and optimizer (each
-# evaluation) costs nothing; a new or reshaped parameter, a changed flag or attribute drops the entry
-
-
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STEP_MODELS = ModelCache()
 
 
 def _callable_key(f) -> object:
