@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memfit.batches import batch_slice, batch_tensors, batch_to, forward
-from memfit.budget import check_count, is_oom, release_cached
+from memfit.budget import check_count, halve_after_oom, is_oom
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 from memfit.messages import first_line
 
@@ -334,13 +334,9 @@ class _MicroStep:
             if err is None:
                 i += m
                 continue
-            release_cached(self.device)              # outside the except block: the failed part's frames are gone
-            self.retries += 1
-            self.oom_sizes.append(m)
-            if m == 1:
-                raise torch.OutOfMemoryError(f"a training step on a single sample does not fit in memory ({err}); "
-                                             "free memory, use a smaller model, input or optimizer state")
-            size = m // 2
+            self.retries += 1                        # outside the except block: the failed part's frames are gone
+            size = halve_after_oom(m, err, self.device, self.oom_sizes, single="a training step on a single sample "
+                                   "(free memory, use a smaller model, input or optimizer state)")
             log.info("accumulate: out of memory at a micro-batch of %d (%s); retrying it as %d", m, err, size)
             size = self.run_range(i, i + m, size, frozen | got)
             i += m

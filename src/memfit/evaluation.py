@@ -32,9 +32,9 @@ from memfit.batches import batch_len, batch_slice, batch_tensors, batch_to, forw
 from memfit.budget import (
     check_count,
     format_bytes,
+    halve_after_oom,
     is_oom,
     model_device,
-    release_cached,
     resolve_budget,
     resolve_device,
 )
@@ -416,16 +416,13 @@ def dtype_mistake(e: BaseException, x) -> TypeError | None:
 
 
 def _back_off(err: str, n: int, failed: set, limit: int, stats: dict, dev) -> tuple[int, int]:
-    release_cached(dev)
     stats["retries"] += 1
-    stats["oom_sizes"].append(n)
-    if n == 1:
-        raise torch.OutOfMemoryError(f"a single sample does not fit in memory ({err}); free memory on {dev}, "
-                                     "use a smaller model or input, or another device")
+    half = halve_after_oom(n, err, dev, stats["oom_sizes"], single=f"a single sample (free memory on {dev}, use a "
+                           "smaller model or input, or another device)")
     if n in failed:                 # failed twice at this size: stop growing back to it
-        limit = min(limit, n // 2)
+        limit = min(limit, half)
     failed.add(n)
-    return max(1, n // 2), limit
+    return half, limit
 
 
 def _split_run(run, metrics, x, y, stats, dev, failed, bar) -> None:
