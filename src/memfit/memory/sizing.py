@@ -29,22 +29,12 @@ import torch
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import GraphsDiffer, InferenceMemoryModel, planned_memory_model
-from memfit.memory.step import _is_shape, surrounding_autocast
+from memfit.memory.step import is_shape, sample_shape, surrounding_autocast
 from memfit.memory.step_model import StepMemoryModel, step_memory_model
 from memfit.messages import first_line, whole_words
 
 __all__ = ["InferenceMemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
            "plot_memory"]
-
-def _sample_shape(sample_shape) -> tuple[int, ...]:
-    if isinstance(sample_shape, int):
-        sample_shape = (sample_shape,)
-    try:
-        return tuple(check_count("sample_shape", s, 1) for s in sample_shape)   # numpy ints too
-    except (TypeError, ValueError):
-        raise ValueError(f"expected sample_shape as positive ints without the batch dimension, e.g. (3, 32, 32); "
-                         f"found {sample_shape!r}") from None
-
 
 def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
                  loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
@@ -89,12 +79,12 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     example = example_or_sample_shape
     if isinstance(example, torch.Tensor):
         example, dtype = tuple(example.shape[1:]), example.dtype
-    if not _is_shape(example):
+    if not is_shape(example):
         return fake("not planned: the planner takes one input tensor")
     if autocast is not None or (device is not None and torch.device(device) != model_device(model)):
         return fake("not planned: autocast or another device than the model's")
     try:
-        return planned_memory_model(model, _sample_shape(example), dtype, algorithm)
+        return planned_memory_model(model, sample_shape(example), dtype, algorithm)
     except CaptureError as e:
         reason = whole_words(first_line(e, with_type=False), 160)
         try:

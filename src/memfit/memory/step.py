@@ -40,9 +40,28 @@ def _integral(s) -> bool:
     return True
 
 
-def _is_shape(x) -> bool:
-    """A sample shape (ints without the batch dimension) rather than an example batch."""
+def is_shape(x) -> bool:
+    """A sample shape (ints without the batch dimension) rather than an example batch: the one test every
+    entry point that takes either uses."""
     return _integral(x) or (isinstance(x, (tuple, list)) and len(x) > 0 and all(_integral(s) for s in x))
+
+
+def sample_shape(x) -> tuple[int, ...]:
+    """`x` (an int or a sequence of ints, numpy ints too) as a sample shape of positive ints, or a ValueError.
+
+    Example:
+        >>> sample_shape(3), sample_shape([3, 32, 32])
+        ((3,), (3, 32, 32))
+    """
+    shape = (x,) if _integral(x) else x
+    try:
+        out = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        out = ()
+    if not out or any(s < 1 for s in out) or not is_shape(shape):
+        raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. (3, 32, 32); "
+                         f"found {x!r}")
+    return out
 
 
 @dataclass
@@ -58,11 +77,8 @@ class ExampleBatch:
         t = self.template
         if _integral(t):
             t = self.template = (operator.index(t),)
-        if _is_shape(t):
-            t = tuple(operator.index(s) for s in t)          # numpy ints too
-            if any(s < 1 for s in t):
-                raise ValueError(f"expected a sample shape of positive ints without the batch dimension, e.g. "
-                                 f"(3, 32, 32); found {t!r}")
+        if is_shape(t):
+            t = sample_shape(t)
             self.template = torch.empty((1, *t), dtype=self.dtype, device="meta")
         leaves = [x for x in tree_flatten(self.template)[0] if isinstance(x, torch.Tensor)]
         if not leaves or not isinstance(self.template, (torch.Tensor, tuple, list, dict)):
@@ -176,7 +192,7 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     """
     from memfit.memory.measure import track_memory
     dev = torch.device(device) if device is not None else model_device(model)
-    batch = example if isinstance(example, (torch.Tensor, tuple, list, dict)) and not _is_shape(example) \
+    batch = example if isinstance(example, (torch.Tensor, tuple, list, dict)) and not is_shape(example) \
         else ExampleBatch(example).at(1, dev)
     held = unique_bytes([*model.parameters(), *model.buffers(), *tree_flatten(batch)[0], *tree_flatten(target)[0]])
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)

@@ -256,7 +256,7 @@ def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
     what = "one training step" if train else "the forward"
     head = f"could not run {what} of {type(model).__name__} on fake tensors at batch {n} " \
            f"({whole_words(first_line(e), 300)})"
-    measure = "measure a real step instead with memfit.memory.step.measure_step"
+    measure = "measure a real step instead with memfit.measure_step"
     step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
     step_code = getattr(step, "__code__", None)
     frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
@@ -385,7 +385,7 @@ def _fit(model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimiz
         (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
-                      "pick with memfit.memory.step.measure_step", stacklevel=3)
+                      "pick with memfit.measure_step", stacklevel=3)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
                            runs[4].phase_ends, measured, c, gradient_line(runs),
                            {k: r.grad_bytes for k, r in runs.items()})
