@@ -23,4 +23,5 @@ def test_a_bad_sample_shape_is_refused_the_same_way_everywhere(x):
 
 
 def test_an_example_batch_is_not_a_shape():
-    assert not is_shape(torch.zeros(2, 3)) and not is_shape({"x": torch.zeros(2, 3)}) and not is_shape((torch.zeros(2),))
+    for batch in (torch.zeros(2, 3), {"x": torch.zeros(2, 3)}, (torch.zeros(2),)):
+        assert not is_shape(batch)
