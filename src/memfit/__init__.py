@@ -1,7 +1,7 @@
 """memfit: make deep-learning work fit in the accelerator memory you have.
 
 - `CompactDataset`: datasets stored compactly on the device (uint8, q8, q4, bits1, ...), decoded per batch.
-- `loader` / `Loader`: minibatches by the resident, stream or macro strategy, chosen from a memory budget.
+- `loader` / `Loader` / `LoaderConfig`: minibatches by the resident, stream or macro strategy, chosen from a memory budget.
 - `plan` / `PlannedModule`: every activation of a model in one arena; `memory_model`, `activation_bytes` and
   `max_batch_size` say what a batch (of inference or of a whole training step) needs and what fits,
   without running it at full size.
@@ -22,7 +22,7 @@ from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_byt
 from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed
 from memfit.evaluation import EvalResult, evaluate
-from memfit.loading.minibatches import Loader, loader
+from memfit.loading.minibatches import Loader, LoaderConfig, loader
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import InferenceMemoryModel
 from memfit.memory.kinds import MemoryKind, MemoryModel
@@ -43,6 +43,7 @@ __all__ = [
     "FakeRunError",
     "InferenceMemoryModel",
     "Loader",
+    "LoaderConfig",
     "MemoryKind",
     "MemoryModel",
     "PlannedModule",

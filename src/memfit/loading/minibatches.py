@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,6 +69,53 @@ def _same_on_every_rank(values: list[int], what: str, show, fix: str) -> None:
         raise ValueError(f"the ranks were given {what} ({ranks}); {fix}")
 
 
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How `loader` makes its minibatches: every option once, checked here (see `loader` for each in full).
+
+    Example:
+        >>> LoaderConfig(64, strategy="macro").prefetch
+        True
+        >>> LoaderConfig(64, shufle=True)
+        Traceback (most recent call last):
+        ...
+        TypeError: LoaderConfig.__init__() got an unexpected keyword argument 'shufle'
+        >>> LoaderConfig(0).checked()
+        Traceback (most recent call last):
+        ...
+        ValueError: expected batch_size to be an int >= 1; found 0
+    """
+    batch_size: int                          # samples per batch
+    strategy: str = "auto"                   # 'auto', 'resident', 'stream' or 'macro'
+    budget: int | str | None = None          # device bytes; None: the device's free memory minus a margin
+    device: object = None                    # where batches are decoded; None: the first CUDA device, else the CPU
+    shuffle: bool = True                     # a new permutation each epoch, from `seed` and the epoch
+    seed: int | None = None                  # None: drawn from torch's generator (rank 0's when distributed)
+    drop_last: bool = False                  # leave out the last incomplete batch
+    macro_batch: int | None = None           # samples per macro-batch; None: the largest that fits
+    prefetch: bool = True                    # copy the next block in the background
+    distributed: bool = False                # iterate this rank's shard
+    codec: str = "auto"                      # how (x, y) arrays are encoded (see CompactDataset.from_arrays)
+    normalize: object = None                 # ... normalised
+    dtype: torch.dtype | str | None = None   # ... and decoded
+    order: str = "auto"                      # 'auto', 'global' or 'blocks'
+
+    def __post_init__(self):
+        if not isinstance(self.distributed, bool):     # needed first: it decides whether errors are agreed on
+            raise TypeError(f"expected distributed to be True or False; found {self.distributed!r}")
+
+    def checked(self) -> LoaderConfig:
+        """This config with every value checked (numpy ints as ints), or a ValueError / TypeError naming the
+        option. (A `Loader` checks inside its construction, so that with `distributed` the ranks agree on
+        a rank's bad option instead of waiting for it.)"""
+        check_names(self.strategy, self.order)        # before the data is encoded (choose checks them again later)
+        for name in ("shuffle", "drop_last", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"expected {name} to be True or False; found {getattr(self, name)!r}")
+        return replace(self, batch_size=check_count("batch_size", self.batch_size, 1),
+                       seed=None if self.seed is None else check_count("seed", self.seed, 0))
+
+
 class Loader:
     """Minibatches `(x, y)` decoded on `device`; build with `memfit.loader(...)`.
 
@@ -80,13 +128,9 @@ class Loader:
         dataset: the CompactDataset that decodes the batches (codec, sample_shape, mean/std, num_classes).
     """
 
-    def __init__(self, data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None,
-                 device=None, shuffle: bool = True, seed: int | None = None, drop_last: bool = False,
-                 macro_batch: int | None = None, prefetch: bool = True, distributed: bool = False,
-                 codec: str = "auto", normalize=None, dtype: torch.dtype | str | None = None,
-                 order: str = "auto"):
-        if not isinstance(distributed, bool):
-            raise TypeError(f"expected distributed to be True or False; found {distributed!r}")
+    def __init__(self, data, config: LoaderConfig):
+        self.config = config
+        distributed = config.distributed
         if distributed and not is_distributed():
             raise ValueError("distributed=True needs an initialised torch.distributed process group; call "
                              "torch.distributed.init_process_group first (torchrun sets the environment)")
@@ -94,31 +138,28 @@ class Loader:
         # shares the seed and the data size; a rank that failed makes every rank raise, none hangs.
         error = None
         try:
-            self._build(data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch,
-                        prefetch, distributed, codec, normalize, dtype, order)
+            self._build(data, config)
         except Exception as e:
             if not distributed:
                 raise
             error = e
         if distributed:
             self.seed = _agreed_seed(error, getattr(self, "seed", None), getattr(self, "_n_total", 0))
-        elif seed is None:
+        elif config.seed is None:
             self.seed = int(torch.randint(0, 2**62, (1,)))
 
-    def _build(self, data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch, prefetch,
-               distributed, codec, normalize, dtype, order) -> None:
-        self.batch_size = check_count("batch_size", batch_size, 1)
-        check_names(strategy, order)        # before the data is encoded (choose checks them again later)
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"expected {name} to be True or False; found {flag!r}")
-        self.seed = None if seed is None else check_count("seed", seed, 0)
-        self.device = resolve_device(device)
-        self.shuffle, self.drop_last, self.prefetch, self.distributed = shuffle, drop_last, prefetch, distributed
+    def _build(self, data, cfg: LoaderConfig) -> None:
+        self.config = cfg = cfg.checked()
+        self.batch_size = cfg.batch_size
+        budget, macro_batch, strategy, order = cfg.budget, cfg.macro_batch, cfg.strategy, cfg.order
+        distributed, drop_last, prefetch = cfg.distributed, cfg.drop_last, cfg.prefetch
+        self.seed = cfg.seed
+        self.device = resolve_device(cfg.device)
+        self.shuffle, self.drop_last, self.prefetch, self.distributed = cfg.shuffle, drop_last, prefetch, distributed
         self.rank, self.world_size = 0, 1
         # the whole data is encoded (a file: its codec fitted, its statistics taken) before it is sharded:
         # every rank then decodes a sample as the whole decodes it, whichever shard holds it
-        self.source: Source = make_source(data, codec=codec, normalize=normalize, dtype=dtype)
+        self.source: Source = make_source(data, codec=cfg.codec, normalize=cfg.normalize, dtype=cfg.dtype)
         self._members, self._n_total = None, self.source.n
         if distributed:
             self.rank, self.world_size = rank_world()
@@ -266,10 +307,7 @@ def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[
         fetch.close()
 
 
-def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None, device=None,
-           shuffle: bool = True, seed: int | None = None, drop_last: bool = False, macro_batch: int | None = None,
-           prefetch: bool = True, distributed: bool = False, codec: str = "auto", normalize=None,
-           dtype: torch.dtype | str | None = None, order: str = "auto") -> Loader:
+def loader(data, batch_size: int, **options) -> Loader:
     """Minibatches of `data` decoded on `device`, by the strategy that fits `budget`.
 
     Args:
@@ -277,6 +315,7 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
             a memory-mapped x (`memfit.readers.load_array('big.npy')`) stays on disk and is read
             macro-batch by macro-batch, encoded on the way. y may be None.
         batch_size: samples per batch.
+        **options: the fields of `LoaderConfig` (an unknown name is refused):
         strategy: 'auto' (resident if it fits, else macro with the largest macro-batch, else stream),
             'resident', 'stream' or 'macro'.
         budget: device bytes (int or '2GiB'); default: the device's free memory minus a safety margin.
@@ -321,6 +360,4 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
         >>> ld.strategy, ld.macro_batch, len(ld), sum(len(y) for _, y in ld)
         ('macro', 300, 10, 1000)
     """
-    return Loader(data, batch_size, strategy=strategy, budget=budget, device=device, shuffle=shuffle, seed=seed,
-                  drop_last=drop_last, macro_batch=macro_batch, prefetch=prefetch, distributed=distributed,
-                  codec=codec, normalize=normalize, dtype=dtype, order=order)
+    return Loader(data, LoaderConfig(batch_size, **options))
