@@ -1,7 +1,8 @@
 """memfit: make deep-learning work fit in the accelerator memory you have.
 
 - `CompactDataset`: datasets stored compactly on the device (uint8, q8, q4, bits1, ...), decoded per batch.
-- `loader` / `Loader` / `LoaderConfig`: minibatches by the resident, stream or macro strategy, chosen from a memory budget.
+- `loader` / `Loader` / `LoaderConfig`: minibatches by the resident, stream or macro strategy, chosen from a
+  memory budget.
 - `plan` / `PlannedModule`: every activation of a model in one arena; `memory_model`, `activation_bytes` and
   `max_batch_size` say what a batch (of inference or of a whole training step) needs and what fits,
   without running it at full size.

@@ -161,61 +161,76 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
     for; every size is then exact at that batch (none: the graph's sizes are static). `eager` maps
     node names to the reason they run eagerly although they have an `out=` kernel.
     """
-    env = env or {}
-    eager = eager or {}
-    roots: dict[str, Root] = {}
-    root_of: dict[str, str] = {}
-    metas: dict[str, torch.Tensor] = {}
-    value_of: dict[Node, list[str]] = {}        # node -> names of its tensor output values
-    ops: list[OpRun] = []
-    inputs: list[str] = []
-    ints: dict[Node, object] = {}
-
-    def new_root(name: str, kind: str, meta, index: int) -> None:
-        nbytes = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset())
-        roots[name] = Root(name, kind if nbytes else "empty", tuple(meta.shape), tuple(meta.stride()), meta.dtype,
-                           nbytes, index, index)
-        root_of[name] = name
-        metas[name] = meta
-
-    index = 0
+    walk = _Walk(consts, env or {})
     output_node = None
     for node in ep.graph.nodes:
-        replacement = None
         if node.op == "placeholder":
-            meta = node.meta["val"]
-            if node.name in consts:
-                new_root(node.name, "const", consts[node.name], -1)
-            else:
-                if not isinstance(meta, torch.Tensor):
-                    raise TypeError(f"the planner takes tensor inputs only; input {node.name!r} is {meta!r}")
-                inputs.append(node.name)
-                new_root(node.name, "input", Meta.of(meta, env), -1)
-            value_of[node] = [node.name]
-            continue
-        if node.op == "output":
+            walk.placeholder(node)
+        elif node.op == "output":
             output_node = node
-            continue
-        if node.op != "call_function":
+        elif node.op == "call_function":
+            walk.call(node)
+        else:
             raise TypeError(f"unexpected node {node.op} {node.target} in the exported graph")
+    graph = Graph(walk.ops, walk.roots, walk.root_of, walk.metas, walk.inputs, consts, walk.outputs(output_node),
+                  walk.ints)
+    _decide_modes(graph, walk.value_of, device_type, inplace, eager or {})
+    return graph
+
+
+class _Walk:
+    """One pass over the graph's nodes in order: each tensor value's root (its storage), first write and last
+    read, and each op's run mode before lowering ('view', 'getitem' or 'call')."""
+
+    def __init__(self, consts: dict[str, torch.Tensor], env: dict):
+        self.consts, self.env = consts, env
+        self.roots: dict[str, Root] = {}
+        self.root_of: dict[str, str] = {}
+        self.metas: dict[str, torch.Tensor] = {}
+        self.value_of: dict[Node, list[str]] = {}        # node -> names of its tensor output values
+        self.ops: list[OpRun] = []
+        self.inputs: list[str] = []
+        self.ints: dict[Node, object] = {}
+
+    def new_root(self, name: str, kind: str, meta, index: int) -> None:
+        nbytes = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset())
+        self.roots[name] = Root(name, kind if nbytes else "empty", tuple(meta.shape), tuple(meta.stride()),
+                                meta.dtype, nbytes, index, index)
+        self.root_of[name] = name
+        self.metas[name] = meta
+
+    def placeholder(self, node: Node) -> None:
+        meta = node.meta["val"]
+        if node.name in self.consts:
+            self.new_root(node.name, "const", self.consts[node.name], -1)
+        else:
+            if not isinstance(meta, torch.Tensor):
+                raise TypeError(f"the planner takes tensor inputs only; input {node.name!r} is {meta!r}")
+            self.inputs.append(node.name)
+            self.new_root(node.name, "input", Meta.of(meta, self.env), -1)
+        self.value_of[node] = [node.name]
+
+    def call(self, node: Node) -> None:
         val = node.meta.get("val")
         if val is None or isinstance(val, (int, float, bool, torch.SymInt, torch.SymBool, torch.SymFloat)):
             # size arithmetic (sym_size, mul of sizes) is a number at this batch size; a None value is a
             # runtime assertion on sizes, which holds for every batch in the exported range
-            ints[node] = concrete(val, env)
-            continue
-        outs = _metas(node, env)
-        many = isinstance(node.meta.get("val"), (tuple, list))
+            self.ints[node] = concrete(val, self.env)
+            return
+        index = len(self.ops)
+        outs = _metas(node, self.env)
+        many = isinstance(val, (tuple, list))
         names = [_out_name(node, k, many) if isinstance(m, Meta) else "" for k, m in enumerate(outs)]
+        replacement = None
         if node.target is operator.getitem:
             src, k = node.args
-            names = [value_of[src][k]]
+            names = [self.value_of[src][k]]
             mode = "getitem"
-        elif is_view(node.target) or _copy_as_is(node, outs, metas, value_of, roots, root_of):
-            base = root_of[value_of[node.args[0]][0]]
+        elif is_view(node.target) or _copy_as_is(node, outs, self.metas, self.value_of, self.roots, self.root_of):
+            base = self.root_of[self.value_of[node.args[0]][0]]
             for name, m in zip(names, outs, strict=True):
                 if name:
-                    root_of[name], metas[name] = base, m
+                    self.root_of[name], self.metas[name] = base, m
             mode = "view"
             if not is_view(node.target):
                 replacement = _same_tensor
@@ -228,47 +243,54 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
                     replacement = fn
             for name, m in zip(names, outs, strict=True):
                 if name:
-                    new_root(name, "call", m, index)
+                    self.new_root(name, "call", m, index)
             mode = "call"
-        value_of[node] = names
+        self.value_of[node] = names
         for arg in _nodes_in((node.args, node.kwargs)):
-            for v in value_of.get(arg, ()):
+            for v in self.value_of.get(arg, ()):
                 if v:
-                    r = roots[root_of[v]]
+                    r = self.roots[self.root_of[v]]
                     r.last = max(r.last, index)
-        ops.append(OpRun(index, node, mode, names, replacement=replacement))
-        index += 1
+        self.ops.append(OpRun(index, node, mode, names, replacement=replacement))
 
-    # outputs: alive to the end, and fresh memory every call
-    flat_out = []
-    for item in output_node.args[0]:
-        if isinstance(item, Node):
-            name = value_of[item][0]
-            flat_out.append(name)
-            r = roots[root_of[name]]
-            r.last = index
-            if r.kind in ("call", "empty"):
-                r.kind = "output"
-        else:
-            flat_out.append(item)
+    def outputs(self, output_node: Node) -> list:
+        """The flat outputs: alive to the end, and fresh memory every call."""
+        flat_out = []
+        for item in output_node.args[0]:
+            if isinstance(item, Node):
+                name = self.value_of[item][0]
+                flat_out.append(name)
+                r = self.roots[self.root_of[name]]
+                r.last = len(self.ops)
+                if r.kind in ("call", "empty"):
+                    r.kind = "output"
+            else:
+                flat_out.append(item)
+        return flat_out
 
-    # decide how each compute op runs; in-place merges go in execution order
-    for op in ops:
+
+def _why_eager(op: OpRun, own: list[Root], eager: dict[str, str]) -> str:
+    """Why a compute op cannot write into the arena before lowering is tried ("" if nothing stops it)."""
+    if op.replacement:
+        return "an output nobody reads is skipped by running another kernel (as eager does)"
+    if not own or any(r.kind == "output" for r in own):
+        return "a model output: fresh memory every call, so the caller may keep it"
+    if not all(op.outputs):
+        return "some of its outputs are not tensors"
+    return eager.get(op.node.name, "")
+
+
+def _decide_modes(graph: Graph, value_of: dict, device_type: str, inplace: bool, eager: dict[str, str]) -> None:
+    """How each compute op runs: an `out=` kernel into the arena (in place where the rules allow) or eagerly,
+    with the reason. In-place merges go in execution order."""
+    roots, metas = graph.roots, graph.metas
+    for op in graph.ops:
         if op.mode != "call":
             continue
         node, names = op.node, op.outputs
         own = [roots[n] for n in names if n]
-        if op.replacement:
-            op.reason = "an output nobody reads is skipped by running another kernel (as eager does)"
-            continue
-        if not own or any(r.kind == "output" for r in own):
-            op.reason = "a model output: fresh memory every call, so the caller may keep it"
-            continue
-        if not all(names):
-            op.reason = "some of its outputs are not tensors"
-            continue
-        if node.name in eager:
-            op.reason = eager[node.name]
+        op.reason = _why_eager(op, own, eager)
+        if op.reason:
             continue
         lowered = lower(node.target, node.args, node.kwargs, [metas[n] for n in names], device_type)
         if lowered is None:
@@ -278,8 +300,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
         for r in own:
             r.kind = "arena" if r.nbytes else "empty"
         if inplace and own[0].kind == "arena" and all(r.kind == "empty" for r in own[1:]):
-            _try_inplace(op, own[0], roots, root_of, metas, value_of)
-    return Graph(ops, roots, root_of, metas, inputs, consts, flat_out, ints)
+            _try_inplace(op, own[0], roots, graph.root_of, metas, value_of)
 
 
 def _shares_storage(op: OpRun, pos: int, v: str, root_of, value_of) -> bool:
