@@ -529,19 +529,6 @@ def test_eval_token_data_and_dtype_mistake(tmp_path, capsys):
     assert "the model wants integer inputs" in capsys.readouterr().err
 
 
-def test_dtype_diagnosis_names_the_right_mistake():
-    """torch's 'should be the same' covers devices and float widths too: only dtype mistakes become a dtype
-    error, and a float-width mismatch says so (not 'the model wants float inputs')."""
-    from memfit.evaluation import dtype_mistake
-    x = torch.zeros(2, 3)
-    device = RuntimeError("Input type (torch.cuda.FloatTensor) and weight type (torch.FloatTensor) should be the same")
-    assert dtype_mistake(device, x) is None
-    half = RuntimeError("Input type (float) and bias type (c10::Half) should be the same")
-    assert "another float dtype" in str(dtype_mistake(half, x))
-    ids = RuntimeError("Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int")
-    assert "integer inputs" in str(dtype_mistake(ids, x))
-
-
 def test_an_extrapolated_chunk_estimate_says_it_is_approximate(monkeypatch, caplog):
     """When fake tensors cannot run the model the estimate comes from two small runs: labelled APPROXIMATE."""
     import logging

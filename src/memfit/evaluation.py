@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memfit import chunking
-from memfit.batches import batch_len, batch_slice, batch_tensors, batch_to, forward
+from memfit.batches import batch_len, batch_slice, batch_to, forward
 from memfit.budget import (
     check_count,
     format_bytes,
@@ -44,6 +44,7 @@ from memfit.chunking import (
     choose_chunk,
 )
 from memfit.compact import CompactDataset
+from memfit.input_mistakes import dtype_mistake
 from memfit.memory.measure import held_bytes
 from memfit.messages import first_line, plural, whole_words
 from memfit.metrics import Metric, logits_of, make_metric
@@ -388,31 +389,6 @@ def _attempt(run, metrics, fetch) -> str | None:
     for m, p in zip(metrics.values(), parts, strict=True):
         m.commit(p)
     return None
-
-
-def dtype_mistake(e: BaseException, x) -> TypeError | None:
-    """A TypeError saying the inputs have the wrong dtype for the model (and how to fix it), when torch's error
-    is one of its dtype mismatches; else None."""
-    text = str(e)
-    if not isinstance(e, RuntimeError) or x is None or not any(
-            k in text for k in ("scalar type", "scalar types", "same dtype", "should be the same", "expected both")):
-        return None
-    if "device" in text or "cuda" in text.lower():     # tensors on different devices: not a dtype mistake
-        return None
-    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in batch_tensors(x)})
-    floats = all(t.is_floating_point() for t in batch_tensors(x))
-    if floats and ("Long" in text or "Int" in text):
-        fix = ("the model wants integer inputs (token ids, e.g. an Embedding first); give integer arrays (they "
-               "decode to int64) or CompactDataset.from_arrays(..., dtype=torch.long); on the command line "
-               "--dtype int64")
-    elif floats:
-        fix = ("the model's parameters have another float dtype than the inputs (e.g. a .half() model); "
-               "build the data in the model's dtype (CompactDataset.from_arrays(..., dtype=...), --dtype on the "
-               "command line) or convert the model with model.float()")
-    else:
-        fix = ("the model wants float inputs; build the data with a float dtype, e.g. "
-               "CompactDataset.from_arrays(..., dtype=torch.float32); on the command line --dtype float32")
-    return TypeError(f"the inputs are {', '.join(dtypes)} but {fix} ({first_line(e)})")
 
 
 def _back_off(err: str, n: int, failed: set, limit: int, stats: dict, dev) -> tuple[int, int]:

@@ -19,6 +19,7 @@ import warnings
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from memfit.input_mistakes import input_hint
 from memfit.messages import first_line
 from memfit.planner.global_caches import function_caches_kept_real
 
@@ -64,23 +65,6 @@ def quiet_torch():
             lg.propagate, lg.disabled = propagate, disabled
 
 
-def _hint(message: str, inputs: tuple) -> str:
-    """How to fix a shape or dtype mistake that torch reported as `message`."""
-    found = ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for x in inputs)
-    m = message.lower()
-    if "indices" in m and ("long" in m or "int" in m):
-        return (f"the model looks up embeddings and needs integer token ids; found {found}: give torch.long "
-                "inputs (--dtype int64 in the CLI)")
-    if "channels" in m:
-        return f"the input's channel count differs from what the first layer expects; found {found}"
-    if "expected" in m and ("d (batched)" in m or "unbatched" in m or "dimension" in m or "dims" in m):
-        return (f"the input has a dimension too many or too few; found {found}: give the shape of one sample "
-                "with no batch (e.g. 3,32,32), the batch comes first")
-    if "shapes cannot be multiplied" in m or "size of tensor" in m or "must match" in m:
-        return f"the input's feature size differs from what the model expects; found {found}"
-    return f"check the example inputs' shapes and dtypes; found {found}"
-
-
 def _fails_eagerly(model: torch.nn.Module, inputs: tuple) -> BaseException | None:
     """Run the model eagerly on the example inputs (only after a failed capture); the error, or None.
     The whole example, not one sample: a model may be written for its batch size."""
@@ -99,7 +83,7 @@ def diagnose(model: torch.nn.Module, inputs: tuple, error: BaseException) -> Cap
     eager = _fails_eagerly(model, inputs)
     if eager is not None:
         return CaptureError(f"{name} fails on the example inputs, before any capture: "
-                            f"{first_line(eager, with_type=False)} ({_hint(str(eager), inputs)})", kind="inputs")
+                            f"{first_line(eager, with_type=False)} ({input_hint(str(eager), inputs)})", kind="inputs")
     text = first_line(error)
     if isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in text.lower() \
             or "data dependent" in text.lower():
