@@ -335,8 +335,8 @@ class _MicroStep:
                 i += m
                 continue
             self.retries += 1                        # outside the except block: the failed part's frames are gone
-            size = halve_after_oom(m, err, self.device, self.oom_sizes, single="a training step on a single sample "
-                                   "(free memory, use a smaller model, input or optimizer state)")
+            size = halve_after_oom(m, err, self.device, self.oom_sizes, single="a training step on a single sample",
+                                   fix="free memory, use a smaller model, input or optimizer state")
             log.info("accumulate: out of memory at a micro-batch of %d (%s); retrying it as %d", m, err, size)
             size = self.run_range(i, i + m, size, frozen | got)
             i += m

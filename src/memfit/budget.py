@@ -191,21 +191,21 @@ def release_cached(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def halve_after_oom(n: int, error: str, device: torch.device, sizes: list[int], *, single: str) -> int:
+def halve_after_oom(n: int, error: str, device: torch.device, sizes: list[int], *, single: str, fix: str) -> int:
     """The size to retry with after work on n samples ran out of memory: n // 2, once what the failure left
     behind is freed and n is recorded in `sizes`. At n == 1 nothing smaller exists: OutOfMemoryError, with
-    `single` saying what did not fit and how to make room. (evaluate's chunks and accumulate's micro-batches
+    `single` saying what did not fit and `fix` how to make room. (evaluate's chunks and accumulate's micro-batches
     back off through this one rule.)
 
     Example:
         >>> sizes = []
-        >>> halve_after_oom(9, "CUDA out of memory", torch.device("cpu"), sizes, single="a sample"), sizes
+        >>> halve_after_oom(9, "out of memory", torch.device("cpu"), sizes, single="a sample", fix="free memory"), sizes
         (4, [9])
     """
     release_cached(device)
     sizes.append(n)
     if n == 1:
-        raise torch.OutOfMemoryError(f"{single} does not fit in memory ({error})")
+        raise torch.OutOfMemoryError(f"{single} does not fit in memory ({error}); {fix}")
     return n // 2
 
 

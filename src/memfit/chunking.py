@@ -21,6 +21,7 @@ import torch
 from memfit.batches import batch_nbytes, forward
 from memfit.budget import BudgetExceeded, format_bytes, largest_fitting
 from memfit.compact import CompactDataset
+from memfit.memory.fit import line_through
 from memfit.memory.measure import held_bytes, track_memory
 from memfit.messages import first_line
 
@@ -106,13 +107,7 @@ def _measured_peak(model, runner, chunks: Chunks, sizes=(4, 16)) -> Callable[[in
             del out
         points.append((n, mem.peak + batch_nbytes(x)))
         del x
-    if len(points) == 1:
-        n, p = points[0]
-        b, a = p / n, 0.0
-    else:
-        (n1, p1), (n2, p2) = points
-        b = max((p2 - p1) / (n2 - n1), 0.0)
-        a = max(p1 - b * n1, 0.0)
+    a, b = line_through(points)
     base = held_bytes(model)
     # 10% head-room on the slope: extrapolating from small sizes tends to under-estimate
     return lambda n: int(base + a + 1.1 * b * n)

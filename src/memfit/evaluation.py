@@ -393,8 +393,8 @@ def _attempt(run, metrics, fetch) -> str | None:
 
 def _back_off(err: str, n: int, failed: set, limit: int, stats: dict, dev) -> tuple[int, int]:
     stats["retries"] += 1
-    half = halve_after_oom(n, err, dev, stats["oom_sizes"], single=f"a single sample (free memory on {dev}, use a "
-                           "smaller model or input, or another device)")
+    half = halve_after_oom(n, err, dev, stats["oom_sizes"], single="a single sample",
+                           fix=f"free memory on {dev}, use a smaller model or input, or another device")
     if n in failed:                 # failed twice at this size: stop growing back to it
         limit = min(limit, half)
     failed.add(n)

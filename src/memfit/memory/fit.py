@@ -1,5 +1,8 @@
-"""Fitting fake runs at a few batch sizes into bytes at any size, per op and kind of memory: the arithmetic
-of `memfit.memory.step_model`. A run is a `memfit.memory.fake_run._Run`: (ops, kinds) live bytes."""
+"""Fitting bytes measured at a few batch sizes into bytes at any size: the one home for those lines.
+
+Per op and kind of memory for fake runs (`memfit.memory.step_model`; a run is a `memfit.memory.fake_run._Run`,
+(ops, kinds) live bytes), per tensor for the planner's static captures (`exact_line_at`), and for a peak
+measured at two sizes (`line_through`, evaluate's measured estimate)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import numpy as np
 
 from memfit.memory.fake_run import _Run
 
-__all__ = ["affine", "envelope", "gradient_line", "proportional", "quadratic", "with_step"]
+__all__ = ["affine", "envelope", "exact_line_at", "gradient_line", "line_through", "proportional", "quadratic",
+           "with_step"]
 
 
 def proportional(r1: _Run, n1: int, r2: _Run, n2: int) -> bool:
@@ -70,3 +74,29 @@ def gradient_line(runs: dict[int, _Run]) -> tuple[float, float]:
     g = [runs[k].grad_bytes for k in probes]
     slope = max([0.0, *((g[i + 1] - g[i]) / (probes[i + 1] - probes[i]) for i in range(len(probes) - 1))])
     return max(gi - slope * k for gi, k in zip(g, probes, strict=True)), slope
+
+
+def exact_line_at(s1: int, s2: int, n1: int, n2: int, n: int) -> int:
+    """Bytes at n on the exact line through s1 bytes at n1 and s2 at n2 (rationals, rounded up, never negative).
+
+    Example:
+        >>> exact_line_at(100, 180, 2, 4, 3), exact_line_at(100, 180, 2, 4, 5)
+        (140, 220)
+    """
+    return max(0, -(-(s1 * (n2 - n1) + (s2 - s1) * (n - n1)) // (n2 - n1)))
+
+
+def line_through(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of bytes a + b*n through one or two measured (n, bytes) points, slope and intercept not
+    negative; one point gives the line through the origin.
+
+    Example:
+        >>> line_through([(4, 100.0), (16, 220.0)]), line_through([(4, 100.0)])
+        ((60.0, 10.0), (0.0, 25.0))
+    """
+    if len(points) == 1:
+        n, p = points[0]
+        return 0.0, p / n
+    (n1, p1), (n2, p2) = points
+    b = max((p2 - p1) / (n2 - n1), 0.0)
+    return max(p1 - b * n1, 0.0), b

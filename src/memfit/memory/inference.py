@@ -14,6 +14,7 @@ import torch
 
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.memory.allocator import CPU_ALIGNMENT, CUDA_MARGIN, CUDA_SEGMENT, cuda_margin
+from memfit.memory.fit import exact_line_at
 from memfit.memory.kinds import MemoryKind
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.planned import capture_model, place, place_at
@@ -96,9 +97,8 @@ class InferenceMemoryModel:
 
 
 def _size(s1: int, s2: int, n: int) -> int:
-    """Bytes at batch n of a tensor of s1 bytes at PROBES[0] and s2 at PROBES[1]: the exact line, rounded up."""
-    n1, n2 = PROBES
-    return max(0, -(-(s1 * (n2 - n1) + (s2 - s1) * (n - n1)) // (n2 - n1)))
+    """Bytes at batch n of a tensor of s1 bytes at PROBES[0] and s2 at PROBES[1]."""
+    return exact_line_at(s1, s2, *PROBES, n)
 
 
 class GraphsDiffer(Exception):
