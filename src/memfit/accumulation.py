@@ -39,6 +39,7 @@ import torch
 from memfit.batches import batch_slice, batch_tensors, batch_to, forward
 from memfit.budget import check_count, halve_after_oom, is_oom
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
+from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
 
 __all__ = ["BatchDependentError", "StepResult", "accumulate", "batch_dependent_modules"]
@@ -256,8 +257,9 @@ class _MicroStep:
     @staticmethod
     def _autocast_type():
         for dev in ("cuda", "cpu"):
-            if torch.is_autocast_enabled(dev):
-                if torch.get_autocast_dtype(dev) == torch.float16:
+            dtype = surrounding_autocast(dev)
+            if dtype is not None:
+                if dtype == torch.float16:
                     # small float16 gradients flush to zero without loss scaling, and accumulate calls
                     # optimizer.step() itself, so a GradScaler around it cannot unscale them
                     raise ValueError(f"accumulate runs under float16 autocast on {dev}, which needs loss scaling "
