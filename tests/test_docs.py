@@ -90,3 +90,18 @@ def test_readme_is_a_front_door():
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"docs/{page.name}" in text, f"README.md does not link docs/{page.name}"
     assert "benchmarks/README.md" in text
+
+
+def test_make_says_it_creates_the_venv(tmp_path):
+    """The first `make demo` spends minutes in a quiet pip install: it says so before it starts."""
+    import shutil
+    import subprocess
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    for name in ("Makefile", "pyproject.toml", "constraints-cpu.txt"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    out = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    venv = next(i for i, line in enumerate(lines) if "-m venv" in line)
+    assert any(line.startswith("echo ") and "a few minutes" in line for line in lines[:venv]), out.stdout
