@@ -8,6 +8,7 @@ PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c const
 .PHONY: demo test test-cuda lint bench clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
+	@echo "Creating $(VENV) and installing memfit, torch (CPU build) and the test tools: a few minutes, once (quiet pip)."
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $@
