@@ -126,10 +126,11 @@ def bombs(tmp_path_factory):
 @pytest.mark.parametrize("case, kind, match", [
     ("idx_bomb", "ValueError", r"expected 7840 bytes of uint8 data for shape \(10, 28, 28\), found more"),
     ("idx_real", "FileMemoryError", r"expected to find memory for 670040064 bytes of uint8 data .*found none left"),
-    ("cifar_bytes", "Refused", r"data_batch_1: expected at most the \d+ bytes left .*claim of 1099511627776 bytes"),
+    ("cifar_bytes", "Refused", r"data_batch_1: expected values within the file's 22 bytes, found a claim of "
+                                r"1099511627776 bytes"),
     ("cifar_array", "Refused", r"data_batch_1: expected arrays within the file's \d+ bytes, .*shape "
                                   r"\(1099511627776,\)"),
-    ("cifar_folder", "Refused", r"data_batch_1: expected at most .*claim of 1099511627776 bytes"),
+    ("cifar_folder", "Refused", r"data_batch_1: expected values within .* a claim of 1099511627776 bytes"),
     ("npz_claim", "Refused", r"member x\.npy: expected 1099511627776 bytes .* found 16; the file is truncated"),
 ])
 def test_a_bomb_is_refused_with_the_file_named(bombs, case, kind, match):
@@ -170,7 +171,7 @@ def test_a_gzip_idx_with_trailing_data_names_it_and_the_plain_one_counts_it(tmp_
     np.testing.assert_array_equal(load_idx(tmp_path / "a.gz"), a)  # exactly the promise: read, CRC checked
 
 
-def test_within_reads_in_chunks_and_refuses_past_the_end(monkeypatch):
+def test_a_claim_within_the_file_is_read_in_chunks_and_one_the_file_ends_in_is_eof(monkeypatch):
     monkeypatch.setattr(bounded, "CHUNK", 4)
     calls = []
 
@@ -179,20 +180,28 @@ def test_within_reads_in_chunks_and_refuses_past_the_end(monkeypatch):
             calls.append(n)
             return super().read(n)
 
-    r = bounded.Within(Spy(b"0123456789"), 10, "f")
-    assert r.read(9) == b"012345678" and calls == [4, 4, 1]   # never one read of the claim
-    with pytest.raises(bounded.Refused, match=r"f: expected at most the 1 bytes left of its 10, found a claim of 2"):
-        r.read(2)
-    short = bounded.Within(io.BytesIO(b"abc"), 100, "g")       # a size that says more than the stream has
-    with pytest.raises(EOFError, match=r"ends 3 bytes into a value of 50 bytes"):
-        short.read(50)
+    raw = b"\x80\x03B" + struct.pack("<I", 9) + b"012345678."        # BINBYTES of 9 bytes
+    assert bounded.BatchUnpickler(Spy(raw), len(raw), "f").load() == b"012345678"
+    assert calls == [1, 1, 1, 4, 4, 4, 1, 1]     # PROTO 3, B, its length, the 9 bytes as 4 + 4 + 1, STOP
+    cut = raw[:10]                                                      # the file ends 3 bytes into the value
+    with pytest.raises(EOFError, match=r"ends 3 bytes into a value of 9 bytes"):
+        bounded.BatchUnpickler(io.BytesIO(cut), 100, "g").load()         # a size that says more than it has
+    with pytest.raises(bounded.Refused, match=r"h: expected values within the file's 8 bytes, found a claim of 9"):
+        bounded.BatchUnpickler(io.BytesIO(raw), 8, "h").load()
+
+
+def test_a_long_text_line_is_refused(monkeypatch):
+    monkeypatch.setattr(bounded, "LINE_LIMIT", 64)
+    raw = b"c" + b"a" * 1000                               # GLOBAL with a module name that never ends
+    with pytest.raises(bounded.Refused, match=r"l: expected a pickle's short text lines, found a claim of a text line"):
+        bounded.BatchUnpickler(io.BytesIO(raw), len(raw), "l").load()
 
 
 @pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_the_batch_unpickler_reads_numpy_s_pickles(protocol):
     batch = {b"data": np.arange(3072 * 2, dtype=np.uint8).reshape(2, 3072) % 251, b"labels": [3, 1]}
     raw = pickle.dumps(batch, protocol=protocol)        # 5: the array in-band as a BYTEARRAY8
-    got = bounded.BatchUnpickler(bounded.Within(io.BytesIO(raw), len(raw), "b"), encoding="bytes").load()
+    got = bounded.BatchUnpickler(io.BytesIO(raw), len(raw), "b", encoding="bytes").load()
     np.testing.assert_array_equal(got[b"data"], batch[b"data"])
     assert got[b"labels"] == [3, 1]
 
@@ -201,7 +210,7 @@ def test_the_batch_unpickler_never_calls_ndarray():
     # REDUCE numpy.ndarray((2**40,)): an allocation of the claim; numpy's own pickles never call it
     raw = b"\x80\x02cnumpy\nndarray\n\x8a\x06" + (2**40).to_bytes(6, "little") + b"\x85R."
     with pytest.raises(pickle.UnpicklingError, match=r"refusing to call numpy\.ndarray"):
-        bounded.BatchUnpickler(bounded.Within(io.BytesIO(raw), len(raw), "b"), encoding="bytes").load()
+        bounded.BatchUnpickler(io.BytesIO(raw), len(raw), "b", encoding="bytes").load()
 
 
 def test_npy_and_npz_headers_must_match_their_sizes(tmp_path):

@@ -13,20 +13,19 @@ header says (bounded by the bytes really in the archive, not by anything memfit 
 
 Example:
     >>> import io
-    >>> r = Within(io.BytesIO(b"abc"), 3, "x.bin")
-    >>> r.read(2), r.left
-    (b'ab', 1)
+    >>> raw = b"\\x80\\x04\\x8e" + (2**40).to_bytes(8, "little") + b"."   # BINBYTES8 of 1 TiB, 12 bytes
     >>> try:
-    ...     r.read(5)
+    ...     BatchUnpickler(io.BytesIO(raw), len(raw), "x.pkl").load()
     ... except Refused as e:
     ...     print(str(e).split(";")[0])
-    x.bin: expected at most the 1 bytes left of its 3, found a claim of 5 bytes
+    x.pkl: expected values within the file's 12 bytes, found a claim of 1099511627776 bytes
 """
 
 from __future__ import annotations
 
 import math
 import pickle
+import struct
 from typing import IO
 
 import numpy as np
@@ -71,40 +70,14 @@ def read_into(f: IO[bytes], out: np.ndarray) -> int:
     return got
 
 
-class Within:
-    """`f`'s read and readline, refusing any read past the `size` bytes the file holds.
-
-    Large reads are made in chunks of `CHUNK`: even a claim within `size` (a tar header can say
-    anything) takes memory only as the bytes arrive. A read that the file ends in raises EOFError.
-    """
-
-    def __init__(self, f: IO[bytes], size: int, where: str):
-        self._f, self.size, self.left, self.where = f, size, size, where
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.left if n is None or n < 0 else n
-        if n > self.left:
-            raise refuse(self.where, f"{n} bytes", f"at most the {self.left} bytes left of its {self.size}")
-        if n <= CHUNK:
-            data = self._f.read(n)
-        else:
-            parts = []
-            todo = n
-            while todo > 0 and (part := self._f.read(min(todo, CHUNK))):
-                parts.append(part)
-                todo -= len(part)
-            data = b"".join(parts)
-        self.left -= len(data)
-        if data and len(data) < n:      # b'' is the end of the pickle (the unpickler's own EOFError)
-            raise EOFError(f"the file ends {len(data)} bytes into a value of {n} bytes")
-        return data
-
-    def readline(self, limit: int = -1) -> bytes:
-        line = self._f.readline(min(self.left, LINE_LIMIT))
-        self.left -= len(line)
-        if len(line) == LINE_LIMIT and not line.endswith(b"\n"):
-            raise refuse(self.where, f"a text line longer than {LINE_LIMIT} bytes", "a pickle's short text lines")
-        return line
+def read_chunked(f: IO[bytes], n: int) -> bytes:
+    """`n` bytes of `f`, read `CHUNK` at a time: memory follows the bytes that arrive, never the claim `n`
+    (one `f.read(n)` would allocate all of `n` first). Fewer at the end of the stream."""
+    parts = []
+    while n > 0 and (part := f.read(min(n, CHUNK))):
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
 
 
 # ------------------------------------------------------------------------------------- pickles
@@ -124,21 +97,52 @@ class _NdarrayName:
         raise pickle.UnpicklingError("refusing to call numpy.ndarray (numpy's pickles name it only for _reconstruct)")
 
 
-class BatchUnpickler(pickle._Unpickler):
-    """Unpickler for numpy data pickles (CIFAR batches) from a file of `size` bytes.
+def _counted(fmt: str, make):
+    """A loader for an opcode that gives a length (struct `fmt`) and then that many bytes."""
+    width = struct.calcsize(fmt)
 
-    Only numpy's array and dtype globals resolve. The pure-Python unpickler is used (as fast here: a
-    batch is a few large strings): it reads a length-prefixed value before it allocates it, so with a
-    `Within` file a claim beyond the file is refused, where the C unpickler allocates the claim first.
-    The two places that allocate from a claim before reading are checked against `size` too: BYTEARRAY8
-    and numpy's `_reconstruct` shape.
+    def load(self: BatchUnpickler) -> None:
+        (n,) = struct.unpack(fmt, self.read(width))
+        self.append(make(self, self.claimed(n)))
+    return load
+
+
+def _utf8(self, b: bytes) -> str:
+    return str(b, "utf-8", "surrogatepass")
+
+
+class BatchUnpickler(pickle._Unpickler):
+    """Unpickler for numpy data pickles (CIFAR batches) from `f`, a file of `size` bytes named `where`.
+
+    Only numpy's array and dtype globals resolve. It is the pure-Python unpickler (as fast here: a
+    batch is a few large strings) with every opcode that gives a length checked against `size` before
+    anything is allocated, and read in chunks (the C unpickler allocates a BINBYTES8 claim first);
+    numpy's `_reconstruct` shape is checked too, numpy.ndarray is never called, and text lines are
+    cut at `LINE_LIMIT`. A value the file ends in raises EOFError.
     """
 
     dispatch = pickle._Unpickler.dispatch.copy()
 
-    def __init__(self, f: Within, **kwargs):
+    def __init__(self, f: IO[bytes], size: int, where: str, **kwargs):
         super().__init__(f, **kwargs)
-        self.size, self.where = f.size, f.where
+        self._f, self.size, self.where = f, size, where
+        self._file_readline = self._readline
+
+    def claimed(self, n: int) -> bytes:
+        """The next `n` bytes, a length the file gave: refused beyond the file's size, never allocated whole."""
+        if not 0 <= n <= self.size:
+            raise refuse(self.where, f"{n} bytes", f"values within the file's {self.size} bytes")
+        in_frame = self._unframer.current_frame is not None       # a frame is in memory already
+        data = self.read(n) if n <= CHUNK or in_frame else read_chunked(self._f, n)
+        if len(data) != n:
+            raise EOFError(f"the file ends {len(data)} bytes into a value of {n} bytes")
+        return data
+
+    def _readline(self) -> bytes:
+        line = self._f.readline(LINE_LIMIT)
+        if len(line) == LINE_LIMIT and not line.endswith(b"\n"):
+            raise refuse(self.where, f"a text line longer than {LINE_LIMIT} bytes", "a pickle's short text lines")
+        return line
 
     def find_class(self, module: str, name: str):
         if (module, name) not in _SAFE_GLOBALS:
@@ -157,15 +161,20 @@ class BatchUnpickler(pickle._Unpickler):
             return found(np.ndarray if subtype is _NdarrayName else subtype, shape, dtype)
         return reconstruct
 
-    def _load_bytearray8(self):
-        n = int.from_bytes(self.read(8), "little")
+    def _load_frame(self) -> None:
+        (n,) = struct.unpack("<Q", self.read(8))
         if n > self.size:
-            raise refuse(self.where, f"a bytearray of {n} bytes", f"values within the file's {self.size} bytes")
-        b = bytearray(n)
-        self.readinto(b)
-        self.append(b)
+            raise refuse(self.where, f"a frame of {n} bytes", f"frames within the file's {self.size} bytes")
+        self._unframer.load_frame(n)
 
-    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
+    dispatch[pickle.BINSTRING[0]] = _counted("<i", lambda self, b: self._decode_string(b))
+    dispatch[pickle.BINBYTES[0]] = _counted("<I", lambda self, b: b)
+    dispatch[pickle.BINBYTES8[0]] = _counted("<Q", lambda self, b: b)
+    dispatch[pickle.BYTEARRAY8[0]] = _counted("<Q", lambda self, b: bytearray(b))
+    dispatch[pickle.BINUNICODE[0]] = _counted("<I", _utf8)
+    dispatch[pickle.BINUNICODE8[0]] = _counted("<Q", _utf8)
+    dispatch[pickle.LONG4[0]] = _counted("<i", lambda self, b: pickle.decode_long(b))
+    dispatch[pickle.FRAME[0]] = _load_frame
 
 
 # --------------------------------------------------------------------------------- numpy files

@@ -225,7 +225,7 @@ def _read_batch(f: IO[bytes], size: int, where: str) -> tuple[np.ndarray, np.nda
     No value the pickle claims is allocated beyond the `size` bytes the batch holds (`bounded`); a
     MemoryError all the same is raised again with the batch named."""
     try:   # Python 2 pickles: str -> bytes
-        batch = bounded.BatchUnpickler(bounded.Within(f, size, where), encoding="bytes").load()
+        batch = bounded.BatchUnpickler(f, size, where, encoding="bytes").load()
     except MemoryError as e:
         raise bounded.out_of_memory(where, f"a CIFAR-10 batch of {size} bytes", e) from e
     except (EOFError, zlib.error, gzip.BadGzipFile, tarfile.ReadError) as e:   # the bytes stop early
