@@ -682,3 +682,16 @@ def test_host_memory_stops_growing_after_the_first_epoch(tmp_path):
     flat, within, line = verdict(r)
     assert r["strategy"] == "macro" and r["nbytes"] <= r["budget"]
     assert flat and within, line
+
+
+def test_two_epochs_at_once_never_share_the_kept_block_buffers(file_data):
+    # the block buffers kept from the last epoch go to one epoch at a time: a second one running at the same
+    # time makes its own (sharing them, its blocks would overwrite the first one's under it)
+    ld = loader(file_data, 32, strategy="macro", macro_batch=64, device="cpu", seed=0)
+    ref = {e: [(x.clone(), y.clone()) for x, y in ld] for e in (0, 1)}   # kept after epoch 1
+    ld.set_epoch(0)
+    a, b = iter(ld), iter(ld)                                             # epochs 0 and 1, interleaved
+    for (xa, ya), (xb, yb), (ra, rb) in zip(a, b, zip(ref[0], ref[1], strict=True), strict=True):
+        assert torch.equal(xa, ra[0]) and torch.equal(ya, ra[1])
+        assert torch.equal(xb, rb[0]) and torch.equal(yb, rb[1])
+    assert len(ld._spare_slots) == 1                                      # one set kept for the next epoch
