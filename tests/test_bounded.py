@@ -78,7 +78,7 @@ for name, (fn, arg) in cases.items():
         out[name] = ["returned", f"{result} {err.getvalue()}"]
     except BaseException as e:
         out[name] = [type(e).__name__, str(e)]
-out["peak_growth_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+out["peak_growth_mib"] = (kib("VmHWM") - rss0) / 1024   # this process's peak (ru_maxrss may hold the parent's)
 print(json.dumps(out))
 """
 
