@@ -3,6 +3,9 @@
 Nothing here downloads anything: every reader takes a path to files on disk (or, for `digits`,
 data scikit-learn ships) and returns plain numpy arrays, images as uint8 `(N, C, H, W)` and labels
 as int64 `(N,)`, ready for `torch.from_numpy`. Each public function's docstring has an example.
+A file is never trusted for its sizes: what a header or a pickle claims is checked against the bytes
+the file holds before memory is taken for it (`memfit.bounded`), and a MemoryError is raised again
+with the file named.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import gzip
 import math
 import os
 import pickle
+import struct
 import tarfile
 import zipfile
 import zlib
@@ -20,6 +24,8 @@ from typing import IO
 
 import numpy as np
 
+from memfit import bounded
+from memfit.bounded import DEFLATE_MAX_RATIO
 from memfit.budget import check_count
 
 __all__ = ["cifar10", "digits", "load_array", "load_idx", "mnist", "synthetic", "write_idx"]
@@ -40,12 +46,6 @@ _MNIST_FILES = {  # role -> stem, with the dotted variant some mirrors use
 
 _CIFAR_DIR, _CIFAR_TAR = "cifar-10-batches-py", "cifar-10-python.tar.gz"
 _CIFAR_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
-# The only globals a CIFAR batch pickle needs (numpy array + dtype reconstruction); anything else,
-# e.g. os.system in a tampered file, is refused instead of executed.
-_SAFE_GLOBALS = {(f"numpy.{core}.{mod}", name) for core in ("core", "_core")
-                 for mod, name in (("multiarray", "_reconstruct"), ("multiarray", "scalar"),
-                                   ("numeric", "_frombuffer"))}
-_SAFE_GLOBALS |= {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
 _ARRAY_SUFFIXES = (".npy", ".npz")
 _CHUNK = 4096  # synthetic samples per chunk: float32 temporaries stay ~13 MB for MNIST shapes
@@ -76,34 +76,56 @@ def load_idx(path: str | os.PathLike) -> np.ndarray:
         array([3, 1, 4], dtype=uint8)
     """
     path = Path(path)
-    raw = path.read_bytes()
-    try:
-        if raw[:2] == _GZIP_MAGIC:  # by content, not suffix: misnamed files still read
-            raw = gzip.decompress(raw)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise ValueError(f"{path}: expected a readable gzip stream, found a damaged one ({e}); "
-                         f"download the file again") from e
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        magic = f"0x{raw[:4].hex().upper()}" if raw else "an empty file"
+    with open(path, "rb") as raw:
+        size = os.fstat(raw.fileno()).st_size
+        gz = raw.read(2) == _GZIP_MAGIC             # by content, not suffix: misnamed files still read
+        raw.seek(0)
+        try:
+            with gzip.GzipFile(fileobj=raw, mode="rb") if gz else contextlib.nullcontext(raw) as f:
+                return _read_idx(f, path, size, gz)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise ValueError(f"{path}: expected a readable gzip stream, found a damaged one ({e}); "
+                             f"download the file again") from e
+
+
+def _read_idx(f: IO[bytes], path: Path, size: int, gz: bool) -> np.ndarray:
+    """The IDX array in `f` (the file, or its gzip stream), read no further than its header promises
+    plus one byte: a 1 MB gzip file that inflates to 1 GiB is refused after ~8 KB, not inflated."""
+    head = f.read(4)
+    if len(head) < 4 or head[0] != 0 or head[1] != 0:
+        magic = f"0x{head.hex().upper()}" if head else "an empty file"
         raise ValueError(f"{path}: expected an IDX magic number 0x0000TTRR (two zero bytes, a type code, "
                          f"the rank), found {magic}; is this an IDX file (MNIST *-ubyte)?")
-    code, rank = raw[2], raw[3]
+    code, rank = head[2], head[3]
     if code not in _IDX_DTYPES:
         raise ValueError(f"{path}: expected an IDX type code among {_IDX_KNOWN}, found 0x{code:02X}")
     header = 4 + 4 * rank
-    if len(raw) < header:
-        raise ValueError(f"{path}: expected a {header}-byte header for rank {rank}, found {len(raw)} bytes; "
+    dims = f.read(4 * rank)
+    if len(dims) < 4 * rank:
+        raise ValueError(f"{path}: expected a {header}-byte header for rank {rank}, found {4 + len(dims)} bytes; "
                          f"the file is truncated, download it again")
-    shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=rank, offset=4))
+    shape = tuple(int(d) for d in np.frombuffer(dims, ">u4"))
     dtype = _IDX_DTYPES[code]
     need = math.prod(shape) * dtype.itemsize
-    found = len(raw) - header
-    if found != need:
-        what = "the file is truncated, download it again" if found < need else "trailing bytes after the data"
-        raise ValueError(f"{path}: expected {need} bytes of {dtype.name} data for shape {shape}, "
-                         f"found {found}; {what}")
-    data = np.frombuffer(raw, dtype, count=math.prod(shape), offset=header)
-    return data.astype(dtype.newbyteorder("="), copy=True).reshape(shape)  # copy: native and writable
+    what = f"{need} bytes of {dtype.name} data for shape {shape}"
+    if not gz and size - header != need:          # a plain file's data size is known before reading it
+        fix = "the file is truncated, download it again" if size - header < need else "trailing bytes after the data"
+        raise ValueError(f"{path}: expected {what}, found {size - header}; {fix}")
+    if gz and need > DEFLATE_MAX_RATIO * size:
+        raise bounded.refuse(str(path), f"{what} in its header",
+                             f"at most {DEFLATE_MAX_RATIO * size} bytes from a {size}-byte gzip file "
+                             f"(deflate expands at most {DEFLATE_MAX_RATIO}:1)")
+    try:
+        out = np.empty(shape, dtype)               # big-endian, as on disk; swapped in place below
+    except MemoryError as e:
+        raise bounded.out_of_memory(str(path), what, e) from e
+    found = bounded.read_into(f, out)
+    if found < need:
+        raise ValueError(f"{path}: expected {what}, found {found}; the file is truncated, download it again")
+    if f.read(1):                                  # one byte past the promise: not inflated any further
+        raise ValueError(f"{path}: expected {what}, found more: the data goes on past the shape its header "
+                         f"declares; trailing bytes after the data (the file is damaged or not an IDX file)")
+    return out.byteswap(inplace=True).view(dtype.newbyteorder("=")) if not dtype.isnative else out
 
 
 def write_idx(path: str | os.PathLike, array: np.ndarray) -> Path:
@@ -197,23 +219,24 @@ def mnist(folder: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 # ------------------------------------------------------------------------------------- CIFAR-10
-class _BatchUnpickler(pickle.Unpickler):
-    """Unpickler that resolves only the numpy globals a CIFAR batch holds."""
+def _read_batch(f: IO[bytes], size: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-10 batch pickle of `size` bytes -> images uint8 (N, 3, 32, 32), labels int64 (N,).
 
-    def find_class(self, module: str, name: str):
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
-
-
-def _read_batch(f: IO[bytes], where: str) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR-10 batch pickle -> images uint8 (N, 3, 32, 32), labels int64 (N,)."""
-    try:
-        batch = _BatchUnpickler(f, encoding="bytes").load()  # Python 2 pickles: str -> bytes
+    No value the pickle claims is allocated beyond the `size` bytes the batch holds (`bounded`); a
+    MemoryError all the same is raised again with the batch named."""
+    try:   # Python 2 pickles: str -> bytes
+        batch = bounded.BatchUnpickler(f, size, where, encoding="bytes").load()
+    except MemoryError as e:
+        raise bounded.out_of_memory(where, f"a CIFAR-10 batch of {size} bytes", e) from e
     except (EOFError, zlib.error, gzip.BadGzipFile, tarfile.ReadError) as e:   # the bytes stop early
         raise ValueError(f"{where}: the file is truncated or corrupt (it ends before this batch does: {e}); "
                          "download it again (a complete cifar-10-python.tar.gz is 170,498,071 bytes)") from e
-    except (pickle.UnpicklingError, ValueError, TypeError, AttributeError) as e:
+    except (pickle.UnpicklingError, TypeError, AttributeError, KeyError, IndexError, struct.error) as e:
+        raise ValueError(f"{where}: expected a CIFAR-10 batch pickle (a dict of numpy data and "
+                         f"labels), found one that does not load: {e}") from e
+    except bounded.Refused:                        # names the batch already
+        raise
+    except ValueError as e:
         raise ValueError(f"{where}: expected a CIFAR-10 batch pickle (a dict of numpy data and "
                          f"labels), found one that does not load: {e}") from e
     if not isinstance(batch, dict):
@@ -265,7 +288,7 @@ def cifar10(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray
                        f"(here, in {_CIFAR_DIR}/, or as {_CIFAR_TAR})")  # before reading ~180 MB
         for b in _CIFAR_BATCHES:
             with open(path / b, "rb") as f:
-                batches[b] = _read_batch(f, str(path / b))
+                batches[b] = _read_batch(f, os.fstat(f.fileno()).st_size, str(path / b))
     elif path.is_file():
         if not tarfile.is_tarfile(path):
             raise ValueError(f"{path}: expected a folder of CIFAR-10 batches or {_CIFAR_TAR}, "
@@ -276,7 +299,11 @@ def cifar10(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray
                 for member in tar:
                     name = member.name.rsplit("/", 1)[-1]
                     if member.isfile() and name in _CIFAR_BATCHES and name not in batches:
-                        batches[name] = _read_batch(tar.extractfile(member), f"{path}:{member.name}")
+                        batches[name] = _read_batch(tar.extractfile(member), member.size, f"{path}:{member.name}")
+        except bounded.FileMemoryError:
+            raise
+        except MemoryError as e:                 # tarfile's own reads (a long-name member is read whole)
+            raise bounded.out_of_memory(str(path), "the archive's tar headers", e) from e
         except (EOFError, zlib.error, gzip.BadGzipFile, tarfile.ReadError) as e:
             raise ValueError(f"{path}: the archive is truncated or corrupt ({e}); download it again "
                              "(a complete cifar-10-python.tar.gz is 170,498,071 bytes)") from e
@@ -323,9 +350,19 @@ def load_array(path: str | os.PathLike) -> np.ndarray | dict[str, np.ndarray]:
         _check_zip(path)
     try:
         if suffix == ".npy":
+            with open(path, "rb") as f:
+                bounded.check_npy(f, os.fstat(f.fileno()).st_size, str(path))
             return np.lib.format.open_memmap(path, mode="r")
+        with zipfile.ZipFile(path) as archive:      # every member's header against its size, before any is read
+            for info in archive.infolist():
+                with archive.open(info) as f:
+                    bounded.check_npy(f, info.file_size, f"{path}: member {info.filename}")
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
+    except bounded.Refused:
+        raise
+    except MemoryError as e:                    # a member whose header's size is real but does not fit
+        raise bounded.out_of_memory(str(path), "its arrays (a .npz is read whole; a .npy is memory-mapped)", e) from e
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # bad magic, object dtype, broken zip
         text = str(e)
         if "pickle" in text or "object" in text.lower():      # numpy's advice (allow_pickle) would be unsafe

@@ -191,6 +191,10 @@ class Loader:
         cpu = self.device.type == "cpu"
         self._rows = BatchPool(src.stored_shape, src.stored_dtype, self.device, self.batch_size, count=1) \
             if cpu and self.strategy == "resident" else None
+        # the block buffers (two macro-batches, or two batches) outlive an epoch: one epoch's, freed into
+        # malloc's heap (below glibc's 32 MiB mmap ceiling), had the labels and outputs the consumer keeps
+        # land in them, and the next epoch's were new heap: anonymous memory grew ~2 blocks an epoch
+        self._spare_slots: list[Slots] = []
         self._epoch = 0
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
@@ -253,7 +257,8 @@ class Loader:
                                  self._decode, self._rows)
         else:
             cap = self.macro_batch if self.strategy == "macro" else self.batch_size
-            it = _pipeline_epoch(self.source, pieces, self._sizes, cap, self.device, self.threaded, self._decode)
+            it = _pipeline_epoch(self.source, pieces, self._sizes, cap, self.device, self.threaded, self._decode,
+                                 self._spare_slots)
         self._live.add(it)
         return it
 
@@ -263,6 +268,7 @@ class Loader:
             it.close()
         self._live = weakref.WeakSet()
         self._resident = self._decode = self._rows = None
+        self._spare_slots.clear()
         self._closed = True
 
     def __enter__(self) -> Loader:
@@ -286,11 +292,14 @@ def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], d
 
 
 def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[int], capacity: int,
-                    device: torch.device, prefetch: bool, decode: Decoder) -> Iterator[LoadedBatch]:
+                    device: torch.device, prefetch: bool, decode: Decoder,
+                    spare: list[Slots]) -> Iterator[LoadedBatch]:
+    """One epoch of `stream` or `macro`; its slots come from `spare` (the loader's, left by the last epoch)
+    and go back there at the end: an epoch started while another runs makes its own."""
     blocks = order_mod.pack(sizes, capacity)
     totals = [sum(b) for b in blocks]
     idx = order_mod.rechunk(pieces, totals)          # made as the copies need them (on the copy thread)
-    slots = Slots(source, capacity, device, count=2 if prefetch else 1, decode=decode)
+    slots = spare.pop() if spare else Slots(source, capacity, device, count=2 if prefetch else 1, decode=decode)
     fetch = Prefetcher(slots, idx) if prefetch else Inline(slots, idx)
     try:
         for block, total in zip(blocks, totals, strict=True):
@@ -305,6 +314,8 @@ def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[
                 batch = None                     # hold no batch: its buffer is reused once the consumer drops it
     finally:                                     # break, consumer error, background error: stop the thread
         fetch.close()
+        if not spare:                            # the thread has stopped: nothing writes the slots now
+            spare.append(slots)
 
 
 def loader(data, batch_size: int, **options) -> Loader:

@@ -5,6 +5,8 @@ repeated, medians reported):
 - `torch.utils.data.DataLoader(TensorDataset(float32 x, y), batch_size, shuffle=True)`, num_workers=0;
 - a float32 tensor gathered with a random permutation (airbench), holding 4x the bytes of uint8.
 memfit's strategies run on the compact uint8 dataset over a grid of macro and micro batch sizes.
+Then (not with --quick) host memory over 5 epochs of a 502 MB memory-mapped file at a 64 MiB budget
+(`host_memory`): growth must stop after the first epoch and stay within the budget.
 
 Run:
     memfit bench loaders --quick
@@ -15,13 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from memfit import loader
 from memfit.budget import format_bytes, resolve_device
+from memfit.cli.bench import host_memory
 from memfit.cli.bench.codecs import images
 from memfit.cli.bench.common import machine_header, median, spread_warning, sync, table
 from memfit.compact import CompactDataset
@@ -102,7 +107,8 @@ def _reused_loop(ds: CompactDataset, b: int, device: torch.device):
 
 
 def run(n: int = 60_000, micro_sizes=(128, 512, 2048), macro_sizes=(2048, 8192, 32768), repeat: int = 5,
-        device=None, data: str | None = None, plot: str | None = None, as_json: bool = False) -> list[dict]:
+        device=None, data: str | None = None, plot: str | None = None, as_json: bool = False,
+        host_memory_mb: int = 502) -> list[dict]:
     """Measure the grid; print the table, the targets and the recommendation; return the rows."""
     dev = resolve_device(device)
     print(machine_header(dev))
@@ -150,6 +156,8 @@ def run(n: int = 60_000, micro_sizes=(128, 512, 2048), macro_sizes=(2048, 8192, 
     print(f"recommended here: '{best['strategy']}'" + (f" macro {best['macro']}" if best["macro"] else "")
           + f" at batch {best['micro']} ({best['samples/s']:,.0f} samples/s); memfit.loader(strategy='auto') picks "
           f"'resident' whenever the compact data fits the budget (here: {auto.strategy} for a small set)")
+    if host_memory_mb:
+        print(host_memory_line(host_memory_mb))
     if plot:
         _plot(rows, plot)
     if as_json:
@@ -186,6 +194,14 @@ def targets(rows: list[dict], dev: torch.device) -> str:
     return "\n".join(lines)
 
 
+def host_memory_line(mb: int, budget: str = "64MiB", epochs: int = 5) -> str:
+    """The PASS/MISS line of `host_memory` for a CIFAR-shaped file of `mb` MB (written to a temporary folder)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = host_memory.write_images(Path(d) / "images.npy", mb * 10**6 // 3072)
+        r = host_memory.run_child(str(path), budget, epochs)
+    return host_memory.verdict(r)[2] + f" [{mb} MB memory-mapped .npy, labels and outputs kept]"
+
+
 def _plot(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -218,12 +234,15 @@ def main(argv=None) -> int:
                    help="cpu, cuda, cuda:1 (default: first CUDA device, else cpu)")
     p.add_argument("--data", default=None, help="a .npy file of images (N, C, H, W) instead of synthetic data")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG bar chart of samples/s")
-    p.add_argument("--quick", action="store_true", help="batch 512 only, 2 macro sizes, 3 rounds (< 60 s)")
+    p.add_argument("--quick", action="store_true", help="batch 512 only, 2 macro sizes, 3 rounds, no host-memory "
+                   "check (< 60 s)")
+    p.add_argument("--host-memory", type=count_arg(0), default=502, metavar="MB",
+                   help="size of the file streamed for the host-memory check (default 502, as in issue 26; 0 skips)")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     a = p.parse_args(argv)
-    micro, macro, repeat = a.micro, a.macro, a.repeat
+    micro, macro, repeat, host = a.micro, a.macro, a.repeat, a.host_memory
     if a.quick:
-        micro, macro, repeat = (512,), (4096, 16384), 3
+        micro, macro, repeat, host = (512,), (4096, 16384), 3, 0
     run(n=a.n, micro_sizes=micro, macro_sizes=macro, repeat=repeat, device=a.device, data=a.data, plot=a.plot,
-        as_json=a.json)
+        as_json=a.json, host_memory_mb=host)
     return 0
