@@ -405,3 +405,41 @@ def test_ranks_given_different_sets_raise_and_own_parts_with_sharded_count_each_
 def test_sharded_needs_distributed():
     with pytest.raises(ValueError, match="sharded=True .* needs distributed=True"):
         evaluate(model(), data(), device="cpu", progress=False, sharded=True)
+
+
+def _parts_loader_rank(rank, world):
+    x, y = _set_of(200)
+    x[:, 0, 0, 0] = np.arange(200) % 256                  # the sample's id in its first value (200 < 256)
+    part = slice(0, 110) if rank == 0 else slice(110, 200)
+    out = {}
+    for name, kw in {"sharded": {"sharded": True}, "not said": {}, "dataset statistics": {
+            "sharded": True, "normalize": "dataset"}}.items():
+        try:
+            ld = memfit_loader((x[part], y[part]), 16, shuffle=True, seed=1, device="cpu", distributed=True, **kw)
+            epochs = [[(xb[:, 0, 0, 0].long().tolist(), yb.tolist()) for xb, yb in ld] for _ in range(2)]
+            out[name] = ("ok", len(ld), epochs)
+        except Exception as e:
+            out[name] = ("error", f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_loader_of_own_parts_with_sharded_sees_every_sample_once_per_epoch():
+    """Parts of 110 and 90 samples: with sharded=True each rank iterates all of its part, in the same number of
+    batches on both ranks; without it the loader raises naming both sizes (it always did) and says how."""
+    x, y = _set_of(200)
+    out = run_ranks(_parts_loader_rank, 2, timeout=90, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    (s0, n0, e0), (s1, n1, e1) = out[0][1]["sharded"], out[1][1]["sharded"]
+    assert s0 == s1 == "ok" and n0 == n1 == 7                     # ceil(110 / 16) batches on both ranks
+    for epoch in range(2):
+        ids = [i for ranks in (e0, e1) for xb, _ in ranks[epoch] for i in xb]
+        labels = [v for ranks in (e0, e1) for _, yb in ranks[epoch] for v in yb]
+        assert sorted(ids) == list(range(200))                    # every sample once, none twice
+        assert labels == [int(y[i]) for i in ids]
+        assert sorted(i for xb, _ in e0[epoch] for i in xb) == list(range(110))      # rank 0: its part only
+    assert [i for xb, _ in e0[0] for i in xb] != [i for xb, _ in e0[1] for i in xb]   # a new order each epoch
+    for rank in (0, 1):
+        status, msg = out[rank][1]["not said"]
+        assert status == "error" and "different sizes (rank 0: 110, rank 1: 90)" in msg and "sharded=True" in msg
+        status, msg = out[rank][1]["dataset statistics"]
+        assert status == "error" and "normalize='dataset' with sharded=True" in msg
