@@ -707,6 +707,21 @@ def test_nonfinite_skip_returns_the_reason_and_keeps_the_state():
         accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4, nonfinite="ignore")
 
 
+def test_the_micro_batch_named_counts_those_with_no_terms_too():
+    """A micro-batch that counts no terms adds nothing to the loss sum, but it is still micro-batch 1."""
+    ids, y = torch.randint(0, 20, (4, 6)), torch.randint(0, C, (4, 6))
+    y[:2] = -100
+    calls = {"n": 0}
+
+    def loss_fn(out, t):
+        calls["n"] += 1
+        return token_loss(out, t) * (float("nan") if calls["n"] == 2 else 1.0)
+    model = Tagger()
+    with pytest.raises(accumulation.NonFiniteLossError, match=r"in micro-batch 2 of 2 \(samples 2\.\.3 "):
+        accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, y), loss_fn, micro_batch=2,
+                   terms=lambda x, y: (y != -100).sum())
+
+
 def test_infinite_losses_of_opposite_sign_name_the_first():
     """+inf then -inf: the sum is NaN; the first micro-batch that was not finite is named."""
     mod = make("mlp")

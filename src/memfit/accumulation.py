@@ -261,10 +261,10 @@ class _Step:
         self.world, self.n_total = world, n_total
         self.device, self.sync_last = device, sync_last
         self.loss_sum: torch.Tensor | None = None
-        # the samples of each micro-batch, and how many running loss sums were finite: NaN and inf stay in a sum,
-        # so that count is the index of the first micro-batch whose loss was not (one scalar, no sync: read only
-        # when the sum, read anyway at the end, is not finite)
-        self.ranges: list[tuple[int, int]] = []
+        # (index, start, end) of each micro-batch that added to the loss sum, and how many running sums were
+        # finite: NaN and inf stay in a sum, so that count points at the first micro-batch whose loss was not (one
+        # scalar, no sync: read only when the sum, read anyway at the end, is not finite)
+        self.ranges: list[tuple[int, int, int]] = []
         self.finite: torch.Tensor | None = None
         self.before_sync: Callable | None = None     # called before the backward that all-reduces (distributed)
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
@@ -346,7 +346,7 @@ class _Step:
             self.finite = ok.long()
         else:
             self.finite += ok
-        self.ranges.append((s, e))
+        self.ranges.append((self.micro_batches, s, e))
         self.micro_batches += 1
 
     def _before_backward(self, e: int) -> None:
@@ -356,7 +356,7 @@ class _Step:
     def first_nonfinite(self) -> tuple[int, int, int] | None:
         """(index, start, end) of the first micro-batch whose loss was not finite, or None."""
         i = 0 if self.finite is None else int(self.finite)
-        return (i, *self.ranges[i]) if i < len(self.ranges) else None
+        return self.ranges[i] if i < len(self.ranges) else None
 
     def run_range(self, s: int, e: int, size: int, frozen: frozenset) -> int:
         """Accumulate samples [s, e) in micro-batches of `size`; returns the size that worked last.
