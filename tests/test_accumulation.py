@@ -1,4 +1,5 @@
 """accumulate: micro-batched steps against one plain full-batch step (eager PyTorch as the reference)."""
+import time
 import warnings
 
 import numpy as np
@@ -189,7 +190,7 @@ def test_padded_tokens_weighted_by_their_count_give_the_full_batch_step(n, micro
     if uneven and micro < n:
         with pytest.warns(UserWarning, match=r"terms=lambda x, y: \(y != -100\)\.sum\(\)"):
             accumulate(Tagger(), torch.optim.SGD(Tagger().parameters(), lr=0.1), (ids, y), token_loss,
-                       micro_batch=micro)
+                       micro_batch=micro, nonfinite="skip")      # a micro-batch of no terms has a NaN mean
 
 
 def test_terms_say_what_they_need():
@@ -621,14 +622,105 @@ def test_usage_errors_say_what_was_expected():
         accumulate(nn.Identity(), opt, (x, y), F.mse_loss, micro_batch=2)
 
 
-def test_infinite_losses_of_opposite_sign_give_a_nan_loss_not_an_error_after_the_step():
+# ---- a loss that is not finite ------------------------------------------------------------------------------
+def nan_on(call: int, value: float = float("nan")):
+    """cross_entropy, but `value` (NaN, inf) from the given call on (counted from 1): one micro-batch's loss."""
+    calls = {"n": 0}
+
+    def loss_fn(out, t):
+        calls["n"] += 1
+        loss = F.cross_entropy(out, t)
+        return loss * value if calls["n"] == call else loss
+    return loss_fn
+
+
+def state_of(model, opt):
+    """Parameters, gradients and optimizer state, copied (None where a gradient is None)."""
+    import copy
+    return ([p.detach().clone() for p in model.parameters()],
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            copy.deepcopy(opt.state_dict()))
+
+
+def assert_bitwise(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), (a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_bitwise(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b, strict=True):
+            assert_bitwise(u, v)
+    else:
+        assert a == b, (a, b)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_micro_batch_with_a_nan_loss_takes_no_step_and_names_it(value):
+    """It used to step: every weight NaN, silently. Now parameters and AdamW's state are bitwise as before (a
+    plain PyTorch step before, so the state is not empty), no gradient is left for a later opt.step(), and the
+    error names the micro-batch."""
+    ref, ref_opt, mod, opt = pair("mlp", "adamw")
+    x, y = data(10)
+    plain_step(ref, ref_opt, x, y)
+    plain_step(mod, opt, x, y)
+    mod.zero_grad(set_to_none=True)
+    before = state_of(mod, opt)
+    with pytest.raises(accumulation.NonFiniteLossError,
+                       match=r"not finite \((nan|inf)\) in micro-batch 2 of 3 \(samples 4\.\.7 of the batch\).*"
+                             r"nonfinite='skip'"):
+        accumulate(mod, opt, (x, y), nan_on(2, value), micro_batch=4)        # 4 + 4 + 2
+    assert_bitwise(state_of(mod, opt), before)
+    opt.step()                                          # no gradient left: the caller's own step changes nothing
+    assert_bitwise(state_of(mod, opt)[0], before[0])
+    # the next step starts from an intact state: it is the plain step
+    plain_step(ref, ref_opt, x, y)
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4)
+    assert r.skipped == "" and r.micro_batches == 3
+    assert_same_step(ref, mod)
+
+
+def test_nonfinite_skip_returns_the_reason_and_keeps_the_state():
+    ref, ref_opt, mod, opt = pair("mlp", "sgd")           # SGD with momentum: state after the first step
+    x, y = data(10)
+    plain_step(mod, opt, x, y)
+    before = state_of(mod, opt)
+    r = accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip")
+    assert r.loss != r.loss and "micro-batch 3 of 3 (samples 8..9 of the batch)" in r.skipped
+    assert str(r).startswith("no step on 10 samples: accumulate: the loss is not finite")
+    assert_bitwise(state_of(mod, opt)[0], before[0])
+    assert_bitwise(state_of(mod, opt)[2], before[2])
+    assert all(p.grad is None for p in mod.parameters())
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \('raise', 'skip'\); found 'ignore'"):
+        accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4, nonfinite="ignore")
+
+
+def test_the_micro_batch_named_counts_those_with_no_terms_too():
+    """A micro-batch that counts no terms adds nothing to the loss sum, but it is still micro-batch 1."""
+    ids, y = torch.randint(0, 20, (4, 6)), torch.randint(0, C, (4, 6))
+    y[:2] = -100
+    calls = {"n": 0}
+
+    def loss_fn(out, t):
+        calls["n"] += 1
+        return token_loss(out, t) * (float("nan") if calls["n"] == 2 else 1.0)
+    model = Tagger()
+    with pytest.raises(accumulation.NonFiniteLossError, match=r"in micro-batch 2 of 2 \(samples 2\.\.3 "):
+        accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, y), loss_fn, micro_batch=2,
+                   terms=lambda x, y: (y != -100).sum())
+
+
+def test_infinite_losses_of_opposite_sign_name_the_first():
+    """+inf then -inf: the sum is NaN; the first micro-batch that was not finite is named."""
     mod = make("mlp")
-    opt = torch.optim.SGD(mod.parameters(), lr=0.0)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     x, y = data(4)
     signs = iter([1.0, -1.0])
-    r = accumulate(mod, opt, (x, y), lambda o, t: F.cross_entropy(o, t) * 0 + next(signs) * float("inf"),
+    with pytest.raises(accumulation.NonFiniteLossError, match=r"\(nan\) in micro-batch 1 of 2 \(samples 0\.\.1 "):
+        accumulate(mod, opt, (x, y), lambda o, t: F.cross_entropy(o, t) * 0 + next(signs) * float("inf"),
                    micro_batch=2)
-    assert r.micro_batches == 2 and r.loss != r.loss          # nan: +inf and -inf, as a float sum gives
 
 
 # ---- two processes ------------------------------------------------------------------------------------------
@@ -745,3 +837,93 @@ def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_bud
     with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
         step.run_range(0, 10, 6, frozenset())              # [0, 6) runs under no_sync, the last 4 fail
     assert step.retries == 0 and step.micro_batches == 1
+
+
+# ---- a rank that fails, a rank whose loss is not finite -----------------------------------------------------
+FAIL_CALLS = {"a middle micro-batch": 2, "the last, before its all-reducing backward": 4}
+
+
+def _ddp_fails(rank, world, released):
+    """Rank 1's loss raises on its n-th micro-batch (of 4), in each case of FAIL_CALLS in a row, and rank 1 stays
+    alive afterwards (as a process that catches the error would) until rank 0 is done, or 30 s."""
+    out = {}
+    for (case, call), done in zip(FAIL_CALLS.items(), released, strict=True):
+        model = make("mlp")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x, y = data(8)
+        calls = {"n": 0}
+
+        def loss_fn(o, t, calls=calls, call=call):
+            calls["n"] += 1
+            if rank == 1 and calls["n"] == call:
+                raise RuntimeError("loss exploded on purpose")
+            return F.cross_entropy(o, t)
+        t0 = time.perf_counter()
+        try:
+            accumulate(ddp, opt, (x, y), loss_fn, micro_batch=2, distributed=True)
+            out[case] = ("no error", time.perf_counter() - t0)
+        except Exception as e:
+            out[case] = (f"{type(e).__name__}: {e}", time.perf_counter() - t0)
+        if rank == 0:
+            done.set()
+        else:
+            done.wait(30)
+    return out
+
+
+def test_a_rank_whose_loss_raises_makes_every_rank_raise_at_once_naming_it():
+    """Rank 0 used to wait in DDP's all-reduce until rank 1's process exited (here 30 s; with a rank that stays
+    alive, the process-group timeout), then got gloo's 'Connection closed by peer'."""
+    import multiprocessing as mp
+    released = [mp.get_context("spawn").Event() for _ in FAIL_CALLS]
+    out = run_ranks(_ddp_fails, 2, released, timeout=120, env={"MEMFIT_DIST_TIMEOUT": "60"})
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    for case in FAIL_CALLS:
+        (msg0, took0), (msg1, _) = out[0][1][case], out[1][1][case]
+        assert msg1 == "RuntimeError: loss exploded on purpose", case
+        assert msg0.startswith("RankFailed: memfit: memfit.accumulate") and \
+            "another rank failed (rank 1: RuntimeError: loss exploded on purpose)" in msg0, (case, msg0)
+        assert took0 < 5, f"{case}: rank 0 took {took0:.1f} s to learn that rank 1 failed"
+
+
+def _ddp_nan(rank, world):
+    model = make("mlp")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    x, y = data(sum(SIZES))
+    s = sum(SIZES[:rank])
+    part = (x[s:s + SIZES[rank]], y[s:s + SIZES[rank]])
+    before = state_of(model, opt)
+    out = {}
+    try:
+        accumulate(ddp, opt, part, nan_on(2) if rank == 1 else F.cross_entropy, micro_batch=3, distributed=True)
+        out["raise"] = "no error"
+    except Exception as e:
+        out["raise"] = f"{type(e).__name__}: {e}"
+    r = accumulate(ddp, opt, part, nan_on(2) if rank == 1 else F.cross_entropy, micro_batch=3, distributed=True,
+                   nonfinite="skip")
+    out["skip"] = r.skipped
+    after = state_of(model, opt)
+    assert_bitwise(after[0], before[0])                 # raised here: the driver reports it as this rank's error
+    assert_bitwise(after[2], before[2])
+    assert all(g is None for g in after[1])
+    accumulate(ddp, opt, part, F.cross_entropy, micro_batch=3, distributed=True)     # DDP and the group still work
+    out["params"] = [p.tolist() for p in model.parameters()]
+    return out
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping():
+    out = run_ranks(_ddp_nan, 2, timeout=60, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    ref = make("mlp")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x, y = data(sum(SIZES))
+    plain_step(ref, ref_opt, x, y)                      # the first step that was taken: from the initial state
+    for rank in (0, 1):
+        r = out[rank][1]
+        assert r["raise"].startswith("NonFiniteLossError: accumulate: the loss is not finite"), r["raise"]
+        assert "rank 1: micro-batch 2 of 2 (samples 3..3 of its batch)" in r["raise"]
+        assert "rank 1: micro-batch 2 of 2 (samples 3..3 of its batch)" in r["skip"]
+        for p, q in zip(ref.parameters(), r["params"], strict=True):
+            assert torch.allclose(p, torch.tensor(q), rtol=1e-5, atol=1e-7)

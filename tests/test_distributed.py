@@ -334,3 +334,112 @@ def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                               str(script)], capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, out.stderr[-1500:]
+
+
+# ---- ranks given different sets, or their own parts ------------------------------------------------------
+def _set_of(n, seed=4):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, 1, 4, 4), dtype=np.uint8), rng.integers(0, 10, n)
+
+
+GIVEN_METRICS = ("accuracy", "loss", "confusion")
+
+
+def _given_rank(rank, world):
+    """Each case on one process group, in a row: a case that raises must raise on every rank, none may hang."""
+    x, y = _set_of(2000)
+    part = slice(0, 1100) if rank == 0 else slice(1100, 2000)         # each rank's own part, split beforehand
+    other = _set_of(2000, seed=5 if rank else 4)                       # same size, other samples on rank 1
+    cases = {"whole sets of 2000 and 1700": ((x[:2000 - 300 * rank], y[:2000 - 300 * rank]), {}),
+             "own parts, not said": ((x[part], y[part]), {}),
+             "own parts, sharded=True": ((x[part], y[part]), {"sharded": True}),
+             "own parts as datasets, sharded=True": (CompactDataset.from_arrays(x[part], y[part], device="cpu"),
+                                                     {"sharded": True}),
+             "own parts in plain loaders, sharded=True": (memfit_loader((x[part], y[part]), 128, shuffle=False,
+                                                                        device="cpu"), {"sharded": True}),
+             "a plain loader over the whole set": (memfit_loader((x, y), 128, shuffle=False, device="cpu"), {}),
+             "different sets of one size": (other, {}),
+             "one rank sharded, one not": ((x[part], y[part]), {"sharded": rank == 0})}
+    out = {}
+    for name, (d, kw) in cases.items():
+        try:
+            out[name] = ("ok", _summary(evaluate(model(), d, metrics=GIVEN_METRICS, chunk_size=256, device="cpu",
+                                                 progress=False, distributed=True, **kw)))
+        except Exception as e:
+            out[name] = ("error", f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_ranks_given_different_sets_raise_and_own_parts_with_sharded_count_each_sample_once():
+    """Two whole sets of different sizes used to give n=1850 on both ranks (150 samples counted twice, 300 never
+    seen), and own parts of 1100 and 900 n=1000, silently. Now every rank raises naming both sizes, and with
+    sharded=True each rank evaluates all of its part: the single-process result over the union, exactly."""
+    x, y = _set_of(2000)
+    single = _summary(evaluate(model(), (x, y), metrics=GIVEN_METRICS, chunk_size=256, device="cpu", progress=False))
+    t0 = time.perf_counter()
+    out = run_ranks(_given_rank, 2, timeout=90, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), f"a rank hung or crashed: {out}"
+    assert time.perf_counter() - t0 < 90
+    for rank in (0, 1):
+        r = out[rank][1]
+        for name in ("own parts, sharded=True", "own parts as datasets, sharded=True",
+                     "own parts in plain loaders, sharded=True"):
+            assert r[name][0] == "ok", (rank, name, r[name])
+            metrics, n = r[name][1]
+            assert n == 2000 == single[1], (rank, name)
+            assert metrics["accuracy"] == single[0]["accuracy"] and metrics["confusion"] == single[0]["confusion"]
+            assert metrics["loss"] == pytest.approx(single[0]["loss"], rel=1e-6)
+        status, msg = r["whole sets of 2000 and 1700"]
+        assert status == "error" and "different sizes (rank 0: 2000, rank 1: 1700 samples)" in msg
+        assert "sharded=True" in msg
+        status, msg = r["own parts, not said"]
+        assert status == "error" and "(rank 0: 1100, rank 1: 900 samples)" in msg and "sharded=True" in msg
+        status, msg = r["a plain loader over the whole set"]
+        assert status == "error" and "Loader built without distributed=True" in msg
+        status, msg = r["different sets of one size"]
+        assert status == "error" and "different whole sets of the same size (2000 samples" in msg
+        status, msg = r["one rank sharded, one not"]
+        assert status == "error" and "rank 0: its own part (sharded=True), rank 1: the whole set" in msg
+
+
+def test_sharded_needs_distributed():
+    with pytest.raises(ValueError, match="sharded=True .* needs distributed=True"):
+        evaluate(model(), data(), device="cpu", progress=False, sharded=True)
+
+
+def _parts_loader_rank(rank, world):
+    x, y = _set_of(200)
+    x[:, 0, 0, 0] = np.arange(200) % 256                  # the sample's id in its first value (200 < 256)
+    part = slice(0, 110) if rank == 0 else slice(110, 200)
+    out = {}
+    for name, kw in {"sharded": {"sharded": True}, "not said": {}, "dataset statistics": {
+            "sharded": True, "normalize": "dataset"}}.items():
+        try:
+            ld = memfit_loader((x[part], y[part]), 16, shuffle=True, seed=1, device="cpu", distributed=True, **kw)
+            epochs = [[(xb[:, 0, 0, 0].long().tolist(), yb.tolist()) for xb, yb in ld] for _ in range(2)]
+            out[name] = ("ok", len(ld), epochs)
+        except Exception as e:
+            out[name] = ("error", f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_loader_of_own_parts_with_sharded_sees_every_sample_once_per_epoch():
+    """Parts of 110 and 90 samples: with sharded=True each rank iterates all of its part, in the same number of
+    batches on both ranks; without it the loader raises naming both sizes (it always did) and says how."""
+    x, y = _set_of(200)
+    out = run_ranks(_parts_loader_rank, 2, timeout=90, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    (s0, n0, e0), (s1, n1, e1) = out[0][1]["sharded"], out[1][1]["sharded"]
+    assert s0 == s1 == "ok" and n0 == n1 == 7                     # ceil(110 / 16) batches on both ranks
+    for epoch in range(2):
+        ids = [i for ranks in (e0, e1) for xb, _ in ranks[epoch] for i in xb]
+        labels = [v for ranks in (e0, e1) for _, yb in ranks[epoch] for v in yb]
+        assert sorted(ids) == list(range(200))                    # every sample once, none twice
+        assert labels == [int(y[i]) for i in ids]
+        assert sorted(i for xb, _ in e0[epoch] for i in xb) == list(range(110))      # rank 0: its part only
+    assert [i for xb, _ in e0[0] for i in xb] != [i for xb, _ in e0[1] for i in xb]   # a new order each epoch
+    for rank in (0, 1):
+        status, msg = out[rank][1]["not said"]
+        assert status == "error" and "different sizes (rank 0: 110, rank 1: 90)" in msg and "sharded=True" in msg
+        status, msg = out[rank][1]["dataset statistics"]
+        assert status == "error" and "normalize='dataset' with sharded=True" in msg

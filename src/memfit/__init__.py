@@ -18,7 +18,7 @@ digits, synthetic data), `memfit.metrics`, `memfit.distributed`, `memfit.loading
 """
 
 from memfit import codecs, metrics, readers
-from memfit.accumulation import BatchDependentError, StepResult, accumulate
+from memfit.accumulation import BatchDependentError, NonFiniteLossError, StepResult, accumulate
 from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
 from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed
@@ -47,6 +47,7 @@ __all__ = [
     "LoaderConfig",
     "MemoryKind",
     "MemoryModel",
+    "NonFiniteLossError",
     "PlannedModule",
     "RankFailed",
     "StepMemoryModel",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
 
-__all__ = ["BatchDependentError", "StepResult", "accumulate", "batch_dependent_modules"]
+__all__ = ["BatchDependentError", "NonFiniteLossError", "StepResult", "accumulate", "batch_dependent_modules"]
 
 log = logging.getLogger("memfit.accumulate")
 
@@ -51,11 +52,18 @@ class BatchDependentError(ValueError):
     micro-batches would not give the full-batch gradient."""
 
 
+class NonFiniteLossError(FloatingPointError):
+    """A micro-batch's loss was NaN or infinite: the optimizer did not step (`accumulate(nonfinite="raise")`)."""
+
+
+NONFINITE = ("raise", "skip")        # what accumulate does when a micro-batch's loss is not finite
+
+
 @dataclass
 class StepResult:
     """What `accumulate` did. `loss` is the sample-weighted mean over the whole logical batch (over
     every rank when distributed); `micro_batch` the size chosen, `final_micro_batch` the size after any
-    out-of-memory back-off."""
+    out-of-memory back-off; `skipped` why the optimizer did not step (nonfinite="skip"), '' when it did."""
     loss: float
     n: int
     micro_batch: int
@@ -65,8 +73,11 @@ class StepResult:
     reason: str
     seconds: float = 0.0
     oom_sizes: list = field(default_factory=list)
+    skipped: str = ""
 
     def __str__(self) -> str:
+        if self.skipped:
+            return f"no step on {self.n} samples: {self.skipped}"
         return (f"one step on {self.n} samples in {self.micro_batches} micro-batches of up to "
                 f"{self.final_micro_batch} ({self.retries} out-of-memory retries), loss {self.loss:.6g}, "
                 f"{self.seconds:.3f} s; micro-batch {self.micro_batch}: {self.reason}")
@@ -251,6 +262,12 @@ class _MicroStep:
         self.world, self.n_total = world, n_total
         self.device, self.sync_last = device, sync_last
         self.loss_sum: torch.Tensor | None = None
+        # (index, start, end) of each micro-batch that added to the loss sum, and how many running sums were
+        # finite: NaN and inf stay in a sum, so that count points at the first micro-batch whose loss was not (one
+        # scalar, no sync: read only when the sum, read anyway at the end, is not finite)
+        self.ranges: list[tuple[int, int, int]] = []
+        self.finite: torch.Tensor | None = None
+        self.before_sync: Callable | None = None     # called before the backward that all-reduces (distributed)
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
         self.autocast = self._autocast_type()
 
@@ -309,12 +326,15 @@ class _MicroStep:
             count = _count_terms(self.terms, xs, ys)
             if count == 0:                  # nothing counts in this part: its mean is 0 / 0, and it adds nothing
                 if self.sync_last and e == self.n:     # but DDP's all-reduce must run: a zero gradient for each
-                    (sum(p.sum() for p in self.params if p.requires_grad) * 0.0).backward()    # parameter
+                    zero = sum(p.sum() for p in self.params if p.requires_grad) * 0.0          # parameter
+                    self._before_backward(e)
+                    zero.backward()
                 self.micro_batches += 1
                 return
         if part.requires_grad:       # not when every parameter is frozen (they all hold this part already)
             weight = count * self.world / self.n_total
             weighted = part if weight == 1 else part * weight
+            self._before_backward(e)
             if self.autocast is not None:        # backward outside autocast, as torch.amp recommends
                 with torch.autocast(self.autocast, enabled=False):
                     weighted.backward()
@@ -323,7 +343,22 @@ class _MicroStep:
         # a float64 copy (a scalar loss may be a view of an input-sized buffer), summed on the device: read once
         share = part.detach().double() * count if count != 1 else part.detach().double()
         self.loss_sum = share if self.loss_sum is None else self.loss_sum + share
+        ok = torch.isfinite(self.loss_sum)
+        if self.finite is None:
+            self.finite = ok.long()
+        else:
+            self.finite += ok
+        self.ranges.append((self.micro_batches, s, e))
         self.micro_batches += 1
+
+    def _before_backward(self, e: int) -> None:
+        if self.before_sync is not None and self.sync_last and e == self.n:
+            self.before_sync()
+
+    def first_nonfinite(self) -> tuple[int, int, int] | None:
+        """(index, start, end) of the first micro-batch whose loss was not finite, or None."""
+        i = 0 if self.finite is None else int(self.finite)
+        return self.ranges[i] if i < len(self.ranges) else None
 
     def run_range(self, s: int, e: int, size: int, frozen: frozenset) -> int:
         """Accumulate samples [s, e) in micro-batches of `size`; returns the size that worked last.
@@ -347,7 +382,8 @@ class _MicroStep:
 
 def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable,
                budget: int | str | None = None, micro_batch: int | str = "auto", *, distributed: bool = False,
-               allow_batch_dependent: bool = False, terms: Callable | None = None) -> StepResult:
+               allow_batch_dependent: bool = False, terms: Callable | None = None,
+               nonfinite: str = "raise") -> StepResult:
     """One optimizer step on `batch`, run as micro-batches, with the full-batch gradient.
 
     Gradients are zeroed first (set to None), accumulated over the micro-batches (micro-batch i's mean
@@ -375,11 +411,22 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             except the last one, and each is weighted by world * m / N_total so that DDP's average is the
             gradient of the mean over every rank's samples, also with uneven batches. Out-of-memory back-off
             is local, except in the last micro-batch (an error there: the other ranks are in the all-reduce).
+            The ranks agree (one small all-gather with a timeout) after each micro-batch and before the
+            backward that all-reduces, so an error on one rank (its forward, loss or backward) makes every
+            rank raise within a micro-batch, the others `memfit.distributed.RankFailed` naming it, instead
+            of waiting in DDP's all-reduce. (A rank failing inside that last backward cannot be caught so:
+            the others wait for DDP's process-group timeout.)
         allow_batch_dependent: run a model with batch statistics anyway (a warning says the step differs).
         terms: terms(x, y) -> how many terms loss_fn's mean is over in a (micro-)batch, e.g.
             `lambda x, y: (y != -100).sum()` for a loss averaged over the tokens that are not ignored
             (`(y[:, 1:] != -100).sum()` for a causal LM that shifts its labels): each micro-batch is then
             weighted by its share of the terms, and `loss` is the mean over all of them.
+        nonfinite: when a micro-batch's loss is NaN or infinite (on any rank): 'raise' (default)
+            `NonFiniteLossError` naming the micro-batch and its samples, or 'skip': return with
+            `StepResult.skipped` saying why. Either way the optimizer does not step: parameters and
+            optimizer state are as they were, and `.grad` is None (this step's partial gradients are
+            dropped; the previous ones were freed when the step began, as always, so that the step has
+            the memory its budget counted). Checked from the loss sum that is read anyway: no extra sync.
 
     Precision: gradients accumulate in the parameters' dtype, as in any accumulation (bfloat16 parameters
     round each micro-batch's addition to bfloat16; under autocast the parameters, and so the sums, stay
@@ -392,45 +439,136 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         BatchDependentError: the model has BatchNorm (or similar) in training mode and no opt-in.
         BudgetExceeded: not even one sample fits the budget.
         torch.OutOfMemoryError: a single sample runs out of memory.
+        NonFiniteLossError: a micro-batch's loss is NaN or infinite (nonfinite='raise').
+        memfit.distributed.RankFailed: distributed, another rank failed (named in the message).
     """
     t0 = time.perf_counter()
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(f"batch must be (x, y); found {type(batch).__name__}"
                         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
     _check_micro(micro_batch)
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}; found {nonfinite!r}")
     world = _check_distributed(model, distributed)
     _check_batch_dependence(model, allow_batch_dependent)
     x, y = batch
-    n = _batch_size(x, y)
     params = list(model.parameters())
-    device = _trained_device(params)
-    n_total = n if terms is None else _count_terms(terms, x, y)
-    if world > 1:               # the global count weights every rank's micro-batches
-        from memfit.distributed import all_reduce
-        n_total = int(all_reduce(torch.tensor([n_total], dtype=torch.int64), what="accumulate sample count"))
+    # Distributed: every local step that can fail runs first, then one agreement shares the sample counts and
+    # sizes; a rank that failed makes every rank raise there, none waits in a collective
+    error, step, key = None, None, None
+    try:
+        n = _batch_size(x, y)
+        device = _trained_device(params)
+        n_total = n if terms is None else _count_terms(terms, x, y)
+        step = _MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1, terms=terms)
+        if micro_batch == "auto":
+            key = auto_key(step.params, optimizer, x, n, budget)
+            size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key)
+        else:
+            size, reason = min(micro_batch, n), "micro_batch given"
+    except Exception as e:
+        if world == 1:
+            raise
+        error = e
+    rounds = 0
+    if world > 1:
+        n_total, size, reason, rounds = _agree_start(error, step, size if error is None else 0,
+                                                     reason if error is None else "", micro_batch == "auto")
+        step.n_total = n_total
     if n_total == 0:
         raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on")
-    step = _MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1, terms=terms)
-    if micro_batch == "auto":
-        key = auto_key(step.params, optimizer, x, n, budget)
-        size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key)
-    else:
-        size, reason = min(micro_batch, n), "micro_batch given"
     optimizer.zero_grad(set_to_none=True)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
         if p.grad is not None:
             p.grad = None
-    final = step.run_range(0, n, size, frozenset())
-    optimizer.step()
+    final = _run_rounds(step, size, rounds) if world > 1 else step.run_range(0, n, size, frozenset())
     if terms is None and step.micro_batches > 1:
         _warn_if_terms_differ(x, y)
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
         lower_chosen(model, key, final)
     loss_sum = float(step.loss_sum) if step.loss_sum is not None else 0.0
-    if world > 1:
+    if world > 1:                    # before the step: one rank's NaN makes every rank's sum NaN, so none steps
         from memfit.distributed import all_reduce
         loss_sum = float(all_reduce(torch.tensor(loss_sum, dtype=torch.float64), what="accumulate loss"))
+    skipped = ""
+    if math.isfinite(loss_sum):
+        optimizer.step()
+    else:
+        skipped = _nonfinite(step, world)
+        if nonfinite == "raise":
+            raise NonFiniteLossError(skipped + "; pass nonfinite='skip' to skip such steps and go on "
+                                     "(StepResult.skipped says why)")
     res = StepResult(loss_sum / n_total, n, size, final, step.micro_batches, step.retries, reason,
-                     time.perf_counter() - t0, step.oom_sizes)
+                     time.perf_counter() - t0, step.oom_sizes, skipped)
     log.info("accumulate: micro-batch %d: %s", size, reason)
+    if skipped:
+        log.warning("%s", skipped)
     return res
+
+
+# ---- several ranks, and a loss that is not finite --------------------------------------------------------
+def _agree_start(error, step, size: int, reason: str, auto: bool) -> tuple[int, int, str, int]:
+    """(samples or terms over every rank, this rank's micro-batch size, why, rounds): one agreement, which
+    raises on every rank when one failed preparing its step. An 'auto' size is the smallest over the ranks
+    (one size for all, as when evaluating). Rounds: the most micro-batches any rank plans; every rank makes
+    one agreement per round, so each rank's last micro-batch (the one that all-reduces) is in the last."""
+    from memfit.distributed import agree
+    mine = (0, 0, 0, 0) if step is None else (step.n_total, step.n, size, int(auto))
+    ranks = agree(error, "memfit.accumulate start", mine)
+    autos = [v[2] for v in ranks if v[3]]
+    if auto and min(autos) != size:
+        size, reason = min(autos), f"{reason}; the smallest over ranks ({min(autos)}) is used"
+    sizes = [min(autos) if v[3] else v[2] for v in ranks]
+    rounds = max(-(-v[1] // m) for v, m in zip(ranks, sizes, strict=True))
+    return sum(v[0] for v in ranks), size, reason, rounds
+
+
+def _run_rounds(step: _MicroStep, size: int, rounds: int) -> int:
+    """This rank's micro-batches in `rounds` rounds, each closed by an agreement (a rank with fewer micro-batches
+    agrees idly before its last one); the last micro-batch agrees before its backward, whose DDP hooks
+    all-reduce. A rank that fails raises its own error and the others `RankFailed` at that agreement, not in
+    DDP's all-reduce. Returns the micro-batch size that worked last."""
+    from memfit.distributed import RankFailed, agree
+    starts = list(range(0, step.n, size))
+    for r in range(rounds - 1):
+        error = None
+        if r < len(starts) - 1:
+            try:
+                size = step.run_range(starts[r], starts[r + 1], size, frozenset())
+            except Exception as e:
+                error = e
+        agree(error, "memfit.accumulate micro-batch")
+    where, agreed = "memfit.accumulate before the all-reducing backward", []
+    step.before_sync = lambda: agreed.append(agree(None, where))
+    try:
+        return step.run_range(starts[-1], step.n, size, frozenset())
+    except RankFailed:
+        raise
+    except Exception as e:
+        if agreed:              # in or after the backward that all-reduces: the other ranks are in it already
+            raise
+        agree(e, where)         # raises e here, RankFailed on the others
+        raise
+    finally:
+        step.before_sync = None
+
+
+def _nonfinite(step: _MicroStep, world: int) -> str:
+    """Why no step was taken: which micro-batch's loss (on which rank) was not finite. The step's gradients
+    are dropped (`.grad` None), so an optimizer.step() by the caller cannot apply them either."""
+    for p in step.params:
+        p.grad = None
+    bad = step.first_nonfinite()
+    mine = (-1, 0, 0, 0) if bad is None else (bad[0], bad[1], bad[2], step.micro_batches)
+    if world > 1:
+        from memfit.distributed import agree
+        ranks = agree(None, "memfit.accumulate non-finite loss", mine)
+    else:
+        ranks = [mine]
+    where = "; ".join(f"{f'rank {r}: ' if world > 1 else ''}micro-batch {i + 1} of {k} (samples {s}..{e - 1} of "
+                      f"{'its' if world > 1 else 'the'} batch)" for r, (i, s, e, k) in enumerate(ranks) if i >= 0)
+    value = f" ({float(step.loss_sum)})" if bad is not None else ""
+    return (f"accumulate: the loss is not finite{value} in {where or 'the sum over the ranks'}: the optimizer did "
+            "not step (parameters and optimizer state are as they were; .grad is None). Check those samples, "
+            "the learning rate (diverging weights) or the loss (log of 0; a mean over no terms, e.g. labels all "
+            "-100, is 0/0: pass terms= to weight micro-batches by what counts)")

@@ -104,7 +104,8 @@ class NanWatch:
 def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss_fn: Callable | None = None,
              loss_reduction: str | None = None, output_fn: Callable | None = None,
              chunk_size: int | str = "auto", budget: int | str | None = None, device=None,
-             progress: bool | None = True, planned: bool | None = None, distributed: bool = False) -> EvalResult:
+             progress: bool | None = True, planned: bool | None = None, distributed: bool = False,
+             sharded: bool = False) -> EvalResult:
     """Evaluate `model` on `data` in chunks and return exact whole-set metrics.
 
     Args:
@@ -133,11 +134,18 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
             chunk_size 'auto', more than SMALL_SET samples, and the eager forward's estimate cannot fit
             the chunk in the budget (the planner's arena fits more); True: always; False: never.
             `EvalResult.reason` says which and why.
-        distributed: every rank of the initialised process group evaluates its shard (a whole
-            CompactDataset or arrays are sharded here; a Loader should be distributed already);
-            sums and counts are all-reduced, so every rank returns the single-process result.
-            The auto chunk size is the minimum over ranks; out-of-memory back-off stays local. A rank
-            with nothing to evaluate (fewer samples than ranks, its loader empty) adds nothing.
+        distributed: every rank of the initialised process group evaluates its shard and sums and counts
+            are all-reduced, so every rank returns the single-process result over the whole set. Every
+            rank passes the same whole set (a CompactDataset or arrays: sharded here; or this rank's
+            `CompactDataset.shard()`; or a `loader(..., distributed=True)`): before any work the ranks
+            compare its size and a fingerprint (layout, 16 sampled rows) and all raise, naming each rank's
+            size, when they differ. The auto chunk size is the minimum over ranks; out-of-memory back-off
+            stays local. A rank with nothing to evaluate (fewer samples than ranks, its loader empty)
+            adds nothing.
+        sharded: with `distributed`, `data` is this rank's own part, split beforehand (arrays, a
+            CompactDataset, a Loader built without distributed=True): each rank evaluates all of its
+            part, of any size, and the metrics and `n` are over the union of the parts. Any other
+            iterable of batches is always taken as this rank's own.
 
     Raises:
         ValueError/TypeError for bad input; BudgetExceeded when one sample does not fit; the
@@ -149,17 +157,21 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     mets = _metrics(metrics, loss_fn, loss_reduction)
     if not mets:
         raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
+    if not isinstance(sharded, bool) or (sharded and not distributed):
+        raise ValueError(f"sharded=True says each rank holds its own part, so it needs distributed=True; found "
+                         f"sharded={sharded!r}, distributed={distributed!r}")
     if distributed:
         from memfit import distributed as mdist
         if not mdist.is_distributed():
             raise ValueError("distributed=True needs an initialised torch.distributed process group "
                              "(start with torchrun, or call init_process_group first)")
+        data = _agreed_data(data, sharded)      # before any work: one whole set on every rank, or parts
     modes = [(m, m.training) for m in model.modules()]       # each module's own mode comes back afterwards
     if any(training for _, training in modes):
         model.eval()
     error, res, runner, runner_name = None, None, model, "eager"
     try:
-        chunks = _local_chunks(data, dev) if distributed else as_chunks(data, dev)
+        chunks = _local_chunks(data, dev, sharded) if distributed else as_chunks(data, dev)
         size, estimate, reason = _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned)
         if isinstance(chunks, Chunks) and _use_planner(chunks, planned, estimate):
             runner, why = _planned_runner(model, chunks, size, planned)
@@ -223,19 +235,28 @@ def _use_planner(chunks, planned, estimate) -> bool:
     return bool(planned) or (estimate is not None and estimate.planned)
 
 
-def _shard(data):
-    """This rank's part of whole data; this rank's shard and iterables (a distributed Loader) pass through.
-    Arrays are encoded whole first, so every rank decodes with the same codec and normalisation."""
+def _agreed_data(data, sharded: bool):
+    """The data as a CompactDataset (arrays are encoded whole, so every rank decodes with the same codec and
+    normalisation), after the ranks agreed that they hold one whole set of one size and content, or each its
+    own part (sharded=True). Raises on every rank when they do not, or when one failed preparing its data."""
+    from memfit import distributed as mdist
+    error, identity = None, (0, 0, 0, 0)
+    try:
+        if isinstance(data, tuple) and len(data) == 2:
+            data = CompactDataset.from_arrays(*data, device="cpu")
+        identity = mdist.data_identity(data, sharded)
+    except Exception as e:
+        error = e
+    mdist.check_same_data(mdist.agree(error, "memfit.evaluate data", identity), "evaluate")
+    return data
+
+
+def _local_chunks(data, dev, sharded: bool):
+    """This rank's chunks: its shard of a whole set; its own part (sharded) or batches as they are. An empty
+    shard (fewer samples than ranks) is no chunk at all: the rank still makes every agreement and reduction,
+    adding nothing."""
     from memfit.distributed import rank_world, shard_data
-    if isinstance(data, tuple) and len(data) == 2:
-        data = CompactDataset.from_arrays(*data, device="cpu")
-    return shard_data(data, *rank_world())[0]
-
-
-def _local_chunks(data, dev):
-    """This rank's chunks. An empty shard (fewer samples than ranks) is no chunk at all: the rank still
-    makes every agreement and reduction, adding nothing."""
-    part = _shard(data)
+    part = data if sharded else shard_data(data, *rank_world())[0]
     if isinstance(part, CompactDataset) and len(part) == 0:
         return ()
     return as_chunks(part, dev)

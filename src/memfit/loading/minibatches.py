@@ -35,7 +35,7 @@ import torch
 
 from memfit.budget import check_count, resolve_budget, resolve_device
 from memfit.compact import CompactDataset
-from memfit.distributed import agree, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
+from memfit.distributed import RankFailed, agree, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loading import order as order_mod
 from memfit.loading.pool import BatchPool, Decoder
 from memfit.loading.prefetch import Inline, Prefetcher, Slots
@@ -55,11 +55,24 @@ def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int) ->
     ranks = agree(error, "memfit.loader", (given, drawn, n_total))
     _same_on_every_rank([v[2] for v in ranks], "data of different sizes", str,
                         "with distributed=True pass every rank the whole dataset (or its own shard of the same "
-                        "whole): each keeps its part of one shared order")
+                        "whole): each keeps its part of one shared order; when each rank holds only its own part "
+                        "(split beforehand), pass sharded=True")
     _same_on_every_rank([v[0] for v in ranks], "different seeds", lambda s: "None" if s < 0 else str(s),
                         "pass the same seed on every rank (or None on all: rank 0's draw is shared), else samples "
                         "repeat or go missing")
     return ranks[0][1] if ranks[0][0] < 0 else ranks[0][0]
+
+
+def _agreed_parts(n: int, rank: int) -> tuple[range, int, int, int]:
+    """sharded=True: every rank's own part, in rank order, makes the whole. (this rank's positions in it, the
+    whole's size, the smallest and the largest part), from one agreement."""
+    sizes = [v[0] for v in agree(None, "memfit.loader parts", (n,))]
+    start = sum(sizes[:rank])
+    return range(start, start + n), sum(sizes), min(sizes), max(sizes)
+
+
+def _uses_dataset_statistics(normalize) -> bool:
+    return normalize == "dataset" or (isinstance(normalize, dict) and "dataset" in normalize.values())
 
 
 def _same_on_every_rank(values: list[int], what: str, show, fix: str) -> None:
@@ -99,10 +112,15 @@ class LoaderConfig:
     normalize: object = None                 # ... normalised
     dtype: torch.dtype | str | None = None   # ... and decoded
     order: str = "auto"                      # 'auto', 'global' or 'blocks'
+    sharded: bool = False                    # with distributed: data is this rank's own part, split beforehand
 
     def __post_init__(self):
-        if not isinstance(self.distributed, bool):     # needed first: it decides whether errors are agreed on
-            raise TypeError(f"expected distributed to be True or False; found {self.distributed!r}")
+        for name in ("distributed", "sharded"):        # needed first: they decide whether errors are agreed on
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"expected {name} to be True or False; found {getattr(self, name)!r}")
+        if self.sharded and not self.distributed:
+            raise ValueError("sharded=True says each rank holds its own part, so it needs distributed=True; found "
+                             "distributed=False")
 
     def checked(self) -> LoaderConfig:
         """This config with every value checked (numpy ints as ints), or a ValueError / TypeError naming the
@@ -140,7 +158,7 @@ class Loader:
         try:
             self._build(data, config)
         except Exception as e:
-            if not distributed:
+            if not distributed or isinstance(e, RankFailed):      # every rank already knows: agree no further
                 raise
             error = e
         if distributed:
@@ -159,14 +177,23 @@ class Loader:
         self.rank, self.world_size = 0, 1
         # the whole data is encoded (a file: its codec fitted, its statistics taken) before it is sharded:
         # every rank then decodes a sample as the whole decodes it, whichever shard holds it
+        sharded = cfg.sharded
+        if sharded and _uses_dataset_statistics(cfg.normalize):
+            raise ValueError("normalize='dataset' with sharded=True would normalise each rank's part by its own "
+                             "statistics, not the whole's; pass normalize=(mean, std) of the whole, or give every "
+                             "rank the whole set (without sharded=True) so that it is normalised as one")
         self.source: Source = make_source(data, codec=cfg.codec, normalize=cfg.normalize, dtype=cfg.dtype)
         self._members, self._n_total = None, self.source.n
         if distributed:
             self.rank, self.world_size = rank_world()
-            self.source, self._members, self._n_total = self.source.shard(self.rank, self.world_size)
+            if not sharded:
+                self.source, self._members, self._n_total = self.source.shard(self.rank, self.world_size)
         src = self.source
-        sizes = shard_sizes(self._n_total, self.world_size)
-        self._n_min, self._n_max = min(sizes), max(sizes)
+        if sharded:                     # the parts, in rank order, make the whole: one order over all of them
+            self._members, self._n_total, self._n_min, self._n_max = _agreed_parts(src.n, self.rank)
+        else:
+            sizes = shard_sizes(self._n_total, self.world_size)
+            self._n_min, self._n_max = min(sizes), max(sizes)
         # every rank yields the same number of batches; without shards n_min = n_max = n (full, then the rest)
         self._sizes = epoch_batch_sizes(src.n, self._n_min, self._n_max, self.batch_size, drop_last)
         on_device = isinstance(src, CompactSource) and src.original.device == self.device
@@ -346,6 +373,13 @@ def loader(data, batch_size: int, **options) -> Loader:
             smallest_shard // batch_size full batches. Arrays and files are encoded as a whole (codec
             range, normalisation, class count) before each rank keeps its shard, so a sample decodes
             the same on every rank (a file is read whole once for a q8/q4 range or normalize="dataset").
+            The ranks must be given the same whole set (or their `CompactDataset.shard()`): sizes that
+            differ raise on every rank.
+        sharded: with `distributed`, `data` is this rank's own part, split beforehand (parts of any
+            sizes): the parts in rank order make the whole, so the shared order, the equal batch counts
+            (with drop_last: smallest_part // batch_size full batches, a larger part leaves more out) and
+            "every sample once per epoch" hold over their union. Each rank encodes its own part:
+            normalize="dataset" is refused (pass the whole's (mean, std)).
         codec, normalize, dtype: how (x, y) arrays are encoded and decoded (see
             `CompactDataset.from_arrays`); a CompactDataset keeps its own.
         order: the epoch order. 'global': one permutation of all samples (4 bytes a sample on the host;
