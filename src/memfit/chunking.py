@@ -21,6 +21,7 @@ import torch
 from memfit.batches import batch_nbytes, forward
 from memfit.budget import BudgetExceeded, format_bytes, largest_fitting
 from memfit.compact import CompactDataset
+from memfit.memory.isolation import predicting
 from memfit.memory.measure import held_bytes, track_memory
 from memfit.messages import first_line
 
@@ -147,6 +148,7 @@ def _eager_peak(model, runner, chunks: Chunks, why: str) -> tuple[Callable[[int]
     return peak, how
 
 
+@predicting()          # one sizing at a time; every RNG as found (a measured run draws from it)
 def choose_chunk(model, chunks, budget: int, runner, use_plan: bool | None = True) -> tuple[int, Estimate, str]:
     """(chunk size, peak estimate, how it was chosen) for the largest chunk within the budget,
     at most MAX_AUTO_CHUNK samples.

@@ -29,6 +29,7 @@ import torch
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import GraphsDiffer, InferenceMemoryModel, planned_memory_model
+from memfit.memory.isolation import predicting
 from memfit.memory.step import _is_shape, surrounding_autocast
 from memfit.memory.step_model import StepMemoryModel, step_memory_model
 from memfit.messages import first_line, whole_words
@@ -46,6 +47,7 @@ def _sample_shape(sample_shape) -> tuple[int, ...]:
                          f"found {sample_shape!r}") from None
 
 
+@predicting()          # one prediction at a time; every RNG as found
 def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
                  loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, device=None,

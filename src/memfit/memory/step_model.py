@@ -52,6 +52,7 @@ from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cuda_
 from memfit.memory.fake_run import FakeRunError, _LoggingFakeMode, _Run, fake_run
 from memfit.memory.fingerprint import model_state
 from memfit.memory.fit import affine, envelope, gradient_line, proportional, quadratic, with_step
+from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
 from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
 from memfit.messages import first_line, whole_words
@@ -192,6 +193,7 @@ def _batch(n) -> int:
     return check_count("the batch size", n, 1)
 
 
+@predicting()          # one prediction at a time; every RNG as found
 def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, optimizer=None,
                       loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, device=None, why: str = "",
@@ -393,7 +395,7 @@ def _fit(model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimiz
         (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
-                      "pick with memfit.memory.step.measure_step", stacklevel=3)
+                      "pick with memfit.memory.step.measure_step", stacklevel=4)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
                            runs[4].phase_ends, measured, c, gradient_line(runs),
                            {k: r.grad_bytes for k, r in runs.items()})
