@@ -67,7 +67,9 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         train: the memory of one training step (forward, loss, backward, optimizer step, zero_grad).
         optimizer: the optimizer whose step and state are counted (train=True).
         loss_fn: `loss_fn(output, target)`; default the output's `.loss` or the sum of the outputs.
-        target: an example target batch (or its sample shape), for loss_fn.
+        target: an example target batch (or its sample shape), for loss_fn. None with a common loss
+            (cross-entropy, NLL, MSE, L1, smooth L1, BCE with logits): built from the model's output, and
+            `method` says which target was assumed; with any other loss, an error says what to pass.
         autocast: run forward and loss under `torch.autocast` with this dtype (e.g. torch.bfloat16); by default
             the dtype of the `torch.autocast` the call runs inside, if any.
         dtype: the input dtype when a sample shape is given.

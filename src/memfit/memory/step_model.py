@@ -55,6 +55,7 @@ from memfit.memory.fit import affine, envelope, gradient_line, proportional, qua
 from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
 from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
+from memfit.memory.targets import example_target, loss_target
 from memfit.messages import first_line, whole_words
 
 __all__ = ["StepMemoryModel", "check_prediction", "step_memory_model"]
@@ -206,7 +207,9 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         optimizer: its step and state are counted (a copy runs; the optimizer itself is not touched).
         loss_fn: `loss_fn(output, target)` (or `loss_fn(output)` without a target); by default the
             output's `.loss` (transformers) or the sum of the outputs.
-        target: an example target batch (or its sample shape) for loss_fn.
+        target: an example target batch (or its sample shape) for loss_fn. None with a common loss
+            (cross-entropy, NLL, MSE, L1, smooth L1, BCE with logits): built from the output
+            (`memfit.memory.targets`), and `method` says which target was assumed.
         autocast: run forward and loss under `torch.autocast` with this dtype (default: the dtype of the
             `torch.autocast` the call runs inside, if any).
         dtype: the input dtype when `example` is a shape.
@@ -231,6 +234,9 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     if entry is None or entry[0] != fingerprint:
         entry = _CACHE[model] = (fingerprint, {})
     if key not in entry[1]:
+        if train and tgt is None and loss_target(loss_fn) is not None:     # F.cross_entropy and no target
+            tgt, note = example_target(model, batch, loss_fn, dev)
+            why = f"{why}; {note}" if why else note
         entry[1][key] = _fit(model, batch, tgt, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
                              device=dev, why=why, grads_held=grads_held, keep_output=keep_output)
     return entry[1][key]
