@@ -6,6 +6,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,7 +65,7 @@ def test_a_forward_in_another_thread_sees_the_real_model_while_a_training_step_i
     model = mlp(0.0)                      # dropout 0: the forward is deterministic in training mode too
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Hammer(model, torch.randn(8, 16)) as h:
-        for _ in range(3):
+        for _ in range(2):
             forget(model)
             n = memfit.max_batch_size(model, (16,), "1MiB", train=True, optimizer=opt, loss_fn=lambda o: o.sum())
             mm = memfit.memory_model(model, (16,), train=True, optimizer=opt)
@@ -77,10 +78,8 @@ def test_a_forward_in_another_thread_sees_the_real_model_while_a_training_step_i
 def test_a_forward_in_another_thread_is_neither_changed_nor_traced_while_the_model_is_captured():
     model = mlp().eval()
     with Hammer(model, torch.randn(8, 16)) as h:
-        mm = memfit.memory_model(model, (16,))              # torch.export's capture, then the planner
-        pm = memfit.plan(model, torch.zeros(4, 16))
+        pm = memfit.plan(model, torch.zeros(4, 16))        # torch.export's capture: no trace takes the thread's calls
     assert h.failures == 0, (h.failures, h.runs, h.errors[:3])
-    assert type(mm).__name__ == "InferenceMemoryModel", mm.method     # captured: no trace took the thread's calls
     x = torch.randn(4, 16)
     assert torch.equal(pm(x), model(x))
 
@@ -136,6 +135,23 @@ def test_a_structural_copy_shares_every_tensor_and_changes_nothing_of_the_model(
     assert model.training and all(m.training for m in model.modules())
     assert model[0].weight.abs().sum() > 0 and model[0].memo == {}
     assert all(w is p for w, p in zip(model[1]._flat_weights, model[1].parameters(), strict=True))
+
+
+def test_a_hook_a_module_registered_as_its_own_method_runs_on_the_copy():
+    class Scaled(nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.register_forward_hook(self._scale)
+
+        def _scale(self, module, inputs, out):
+            return out * self.weight.sum()          # reads the weight of the module it is bound to
+
+    model = Scaled()
+    c = structural_copy(model)
+    c.weight = nn.Parameter(torch.ones(4, 4))
+    x = torch.ones(1, 4)
+    assert torch.equal(c(x), torch.nn.functional.linear(x, c.weight, c.bias) * 16)
+    assert not torch.equal(model(x), c(x))
 
 
 # ---- random generators ------------------------------------------------------------------------------
@@ -221,3 +237,30 @@ def test_kept_rng_restores_the_generator_after_an_error():
     except KeyError:
         pass
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_kept_rng_reads_and_restores_every_cuda_device_only_once_cuda_is_initialised(monkeypatch):
+    calls = []
+    states = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: calls.append("get") or states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: calls.append(("set", s)))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with kept_rng():
+        pass
+    assert calls == []                        # reading CUDA's RNG would initialise CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with kept_rng():
+        calls.append("inside")
+    assert calls == ["get", "inside", ("set", states)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_prediction_draws_from_the_cuda_generator():
+    model = mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = torch.cuda.get_rng_state_all()
+    memfit.memory_model(model, (16,), train=True, optimizer=opt, loss_fn=F.cross_entropy)
+    memfit.max_batch_size(model, (16,), "1MiB")
+    with kept_rng():
+        torch.rand(8, device="cuda")
+    assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all(), strict=True))

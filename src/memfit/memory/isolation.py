@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -71,16 +72,27 @@ def structural_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The module tree of `model` copied shallowly: a new object per module (a module registered twice stays
     one), with its own attribute dict, its own `_parameters`, `_buffers` and `_modules` dicts and its own copy of
     every dict or list attribute (a memo a forward fills, an LSTM's `_flat_weights`), all holding the same
-    tensors. Swapping a parameter, setting `training` or an attribute on the copy changes nothing of `model`."""
+    tensors. A method of a module of the tree kept in an attribute or a dict (a hook registered as
+    `self._hook`) is bound to that module's copy. Swapping a parameter, setting `training` or an attribute on
+    the copy changes nothing of `model`."""
     copies: dict[int, torch.nn.Module] = {}
     for m in model.modules():
         c = object.__new__(type(m))         # no __init__, no __setstate__: the attributes as they are
         c.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, list)) else v for k, v in vars(m).items()})
         copies[id(m)] = c
+    def rebound(v):          # a method of a module of the tree (a hook a module registered): the copy's
+        own = copies.get(id(v.__self__)) if isinstance(v, types.MethodType) else None
+        return types.MethodType(v.__func__, own) if own is not None else v
+
     for c in copies.values():
         for name, sub in c._modules.items():
             if sub is not None:
                 c._modules[name] = copies[id(sub)]
+        for k, v in vars(c).items():
+            if isinstance(v, dict) and k not in ("_parameters", "_buffers", "_modules"):
+                v.update({key: rebound(f) for key, f in v.items() if isinstance(f, types.MethodType)})
+            elif isinstance(v, types.MethodType):
+                c.__dict__[k] = rebound(v)
     return copies[id(model)]
 
 
