@@ -22,6 +22,7 @@ from memfit.batches import batch_nbytes, forward
 from memfit.budget import BudgetExceeded, format_bytes, largest_fitting
 from memfit.compact import CompactDataset
 from memfit.memory.fit import line_through
+from memfit.memory.isolation import predicting
 from memfit.memory.measure import held_bytes, track_memory
 from memfit.messages import first_line
 
@@ -142,6 +143,7 @@ def _eager_peak(model, runner, chunks: Chunks, why: str) -> tuple[Callable[[int]
     return peak, how
 
 
+@predicting()          # one sizing at a time; every RNG as found (a measured run draws from it)
 def choose_chunk(model, chunks, budget: int, runner, use_plan: bool | None = True) -> tuple[int, Estimate, str]:
     """(chunk size, peak estimate, how it was chosen) for the largest chunk within the budget,
     at most MAX_AUTO_CHUNK samples.

@@ -27,11 +27,16 @@ from collections.abc import Callable
 import torch
 
 from memfit.memory.fingerprint import model_state
+from memfit.memory.isolation import predicting
 from memfit.memory.step import autocast_state
 from memfit.planner.capture import CaptureError
-from memfit.planner.planned import PlannedModule, plan
+from memfit.planner.planned import PlannedModule, plan, plan_captured
 
-__all__ = ["ModelCache", "borrow_plan", "forward_memory_of", "give_back", "known_memory_model", "memory_model_of"]
+__all__ = ["ModelCache", "borrow_plan", "forget", "forward_memory_of", "give_back", "known_memory_model",
+           "memory_model_of"]
+
+
+_ALL: weakref.WeakSet = weakref.WeakSet()      # every ModelCache, for `forget`
 
 
 class ModelCache:
@@ -49,6 +54,7 @@ class ModelCache:
     """
 
     def __init__(self, fingerprinted: bool = True):
+        _ALL.add(self)
         self.fingerprinted = fingerprinted   # False where walking every module per call costs too much
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (fingerprint, {key: v})
         self._lock = threading.Lock()        # the dicts only: `make` runs outside it
@@ -88,11 +94,24 @@ class ModelCache:
             self._entries.pop(model, None)
 
 
+def forget(model: torch.nn.Module) -> None:
+    """Drop everything any cache keeps for `model`: the next call predicts (or captures) again."""
+    for c in list(_ALL):
+        c.forget(model)
+
+
 _PLANS = ModelCache()     # plans and inference memory models (or the CaptureError that made one impossible)
+_LENT: weakref.WeakSet = weakref.WeakSet()          # the cached plans borrowed now (each by one caller)
+_LENDING = threading.Lock()
 
 
 def _cached(model: torch.nn.Module, key: tuple, make: Callable):
     key = (*key, autocast_state())          # a capture or estimate under autocast holds only under it
+    with predicting():                      # a second thread finds the first one's entry, not a second capture
+        return _cached_locked(model, key, make)
+
+
+def _cached_locked(model: torch.nn.Module, key: tuple, make: Callable):
     values = _PLANS.values(model)          # one fingerprint per call (1-2 ms on a large model)
     if key not in values:
         try:
@@ -131,17 +150,29 @@ def known_memory_model(model: torch.nn.Module, sample_shape: tuple[int, ...], dt
 
 
 def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:
-    """The model's cached plan for inputs like `example` (made on first use); call `give_back` after."""
+    """The model's cached plan for inputs like `example` (made on first use), for this caller alone until
+    `give_back`: while another thread has it, a plan of its own from the same capture (no export; its own
+    arena, which is freed when given back)."""
     pm = _cached(model, ("plan", tuple(example.shape[1:]), example.dtype, example.device),
                  lambda: plan(model, (example,)))
-    pm.model = model                 # held only while borrowed: new shapes may need a new capture
+    with _LENDING:
+        lent = pm in _LENT
+        if not lent:
+            _LENT.add(pm)
+            pm.model = model         # held only while borrowed: new shapes may need a new capture
+    if lent:                         # in use by another thread, whose give_back would free its arena mid-call
+        pm = plan_captured(next((c for c in pm.captures if c.accepts((example,))), pm.captures[0]), (example,),
+                           model=model, algorithm=pm.algorithm, inplace=pm.inplace,
+                           eager_where_cheaper=pm.eager_where_cheaper)
     return pm
 
 
 def give_back(pm: PlannedModule) -> None:
     """Free the plan's arena and let go of its model (the placements stay for the next borrow)."""
     pm.release()
-    pm.model = None
+    with _LENDING:
+        pm.model = None
+        _LENT.discard(pm)
 
 
 def forward_memory_of(model: torch.nn.Module, example) -> object:

@@ -2,10 +2,11 @@
 op (`fake_run`): what the memory model counts.
 
 `fake_run` runs the real code (forward, loss, backward, `optimizer.step()`, `zero_grad()`) under
-`torch._subclasses.fake_tensor.FakeTensorMode` at one batch size: nothing is allocated. Parameters and
-buffers are swapped for fake copies for the run (`torch.func.functional_call`'s mechanism) and the optimizer
-is a shallow copy holding fake state, so the model, its buffers (BatchNorm running statistics), `.grad` and
-the optimizer are left exactly as they were. `memfit.memory.step_model` fits the runs at a few batch sizes
+`torch._subclasses.fake_tensor.FakeTensorMode` at one batch size: nothing is allocated. The run works on a
+`memfit.memory.isolation.structural_copy` of the module tree whose parameters and buffers are swapped for
+fake copies (`torch.func.functional_call`'s mechanism), and the optimizer is a shallow copy holding fake state,
+so the model (as any thread sees it, during the run too), its buffers (BatchNorm running statistics), `.grad`,
+the optimizer and every RNG are left exactly as they were. `memfit.memory.step_model` fits the runs at a few batch sizes
 into bytes at any size.
 """
 
@@ -27,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from memfit.batches import forward
 from memfit.memory.allocator import rounder
 from memfit.memory.fake_kernels import REAL_SIZE, real_bytes
+from memfit.memory.isolation import predicting, structural_copy
 from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
@@ -170,32 +172,6 @@ class _Run:
     #                                   of a larger buffer, a slice of torch.cat's, keeps all of it), or held
 
 
-def _snapshot(model):
-    """Every module's attributes, parameters and buffers, and the contents of its dict and list attributes (a
-    memo a forward fills in place)."""
-    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers),
-             [(v, type(v)(v)) for k, v in m.__dict__.items()
-              if type(v) in (dict, list) and k not in ("_parameters", "_buffers", "_modules")])
-            for m in model.modules()]
-
-
-def _restore(snap) -> None:
-    """Put back every module attribute, parameter and buffer, and what its dicts and lists held (a forward may
-    cache a fake tensor on a module)."""
-    for m, attrs, params, buffers, contents in snap:
-        for k in [k for k in m.__dict__ if k not in attrs]:
-            del m.__dict__[k]
-        m.__dict__.update(attrs)
-        m._parameters.clear(), m._parameters.update(params)
-        m._buffers.clear(), m._buffers.update(buffers)
-        for v, held in contents:
-            v.clear()
-            if isinstance(v, dict):
-                v.update(held)
-            else:
-                v.extend(held)
-
-
 def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
     """A shallow copy of `optimizer` over the fake parameters, with fake copies of its state.
 
@@ -245,8 +221,8 @@ def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss
     held = {"parameters": unique_bytes(named.values()),
             "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
             "optimizer state": unique_bytes(optimizer_state(optimizer))}
-    snap = _snapshot(model)
     caches = cache_misses(model)
+    run_model = structural_copy(model)               # the fake parameters go here: the user's module is untouched
     tracker = _StorageLog(device)
     log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
@@ -254,12 +230,12 @@ def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss
     rounded = rounder(device)  # blocks
     grad_bytes = 0                                      # `_Run.grad_bytes`
     try:
-        with torch.random.fork_rng(devices=[]):
+        with predicting():
             fake_named = {k: fake(v) for k, v in named.items()}
             opt = _fake_optimizer(optimizer, fake, mode) if optimizer is not None else None
             if train and not model.training:   # asked about training a model in eval mode: all of it trains;
-                model.train()                  # a training model's modules keep their modes (a frozen BatchNorm)
-            with mode, _reparametrize_module(model, fake_named, tie_weights=True, strict=False):
+                run_model.train()              # a training model's modules keep their modes (a frozen BatchNorm)
+            with mode, _reparametrize_module(run_model, fake_named, tie_weights=True, strict=False):
                 if grads_held:                 # made before the log starts: held, as the parameters are
                     trainable = {id(p): p for p in fake_named.values()
                                  if isinstance(p, torch.nn.Parameter) and p.requires_grad}.values()
@@ -283,20 +259,19 @@ def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss
 
                 with mode.logging_to(tracker), _no_cycle_collection():
                     if train:
-                        training_step(model, x, opt, loss_fn, y, autocast, mark, step, keep_output)
+                        training_step(run_model, x, opt, loss_fn, y, autocast, mark, step, keep_output)
                     else:
                         with torch.no_grad(), forward_autocast(device.type, autocast):
-                            out = forward(model, x)
+                            out = forward(run_model, x)
                         mark("forward")
                         del out
                 del x, y
                 # what the step keeps: optimizer state, gradients zero_grad did not drop, tensors cached on a
                 # module; anything else still alive is garbage in a reference cycle, freed by the next collection
                 kept = [*optimizer_state(opt), *(p.grad for p in fake_named.values() if p.grad is not None),
-                        *(v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
+                        *(v for m in run_model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
                 live_at_end = {k[0] for t in kept if (k := _storage_key(t)) and k[0] in tracker.live}
     finally:
-        _restore(snap)
         clear_filled(caches)
         for f in fakes.values():                       # gradients kept by zero_grad must not reach the next run
             f.grad = None

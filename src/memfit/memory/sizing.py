@@ -29,6 +29,7 @@ import torch
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import GraphsDiffer, InferenceMemoryModel, planned_memory_model
+from memfit.memory.isolation import predicting
 from memfit.memory.step import is_shape, sample_shape, surrounding_autocast
 from memfit.memory.step_model import StepMemoryModel, step_memory_model
 from memfit.messages import first_line, whole_words
@@ -36,6 +37,7 @@ from memfit.messages import first_line, whole_words
 __all__ = ["InferenceMemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
            "plot_memory"]
 
+@predicting()          # one prediction at a time; every RNG as found
 def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
                  loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, device=None,
@@ -55,7 +57,9 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         train: the memory of one training step (forward, loss, backward, optimizer step, zero_grad).
         optimizer: the optimizer whose step and state are counted (train=True).
         loss_fn: `loss_fn(output, target)`; default the output's `.loss` or the sum of the outputs.
-        target: an example target batch (or its sample shape), for loss_fn.
+        target: an example target batch (or its sample shape), for loss_fn. None with a common loss
+            (cross-entropy, NLL, MSE, L1, smooth L1, BCE with logits): built from the model's output, and
+            `method` says which target was assumed; with any other loss, an error says what to pass.
         autocast: run forward and loss under `torch.autocast` with this dtype (e.g. torch.bfloat16); by default
             the dtype of the `torch.autocast` the call runs inside, if any.
         dtype: the input dtype when a sample shape is given.

@@ -108,8 +108,8 @@ def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
         except TypeError as e:
             if "argument" not in str(e):
                 raise
-            raise TypeError(f"loss_fn(output) failed ({e}); a loss_fn(output, target) needs target=, an example "
-                            "target batch (e.g. target=y[:2])") from None
+            from memfit.memory.example_target import missing_target  # targets builds on this module's ExampleBatch
+            raise missing_target(loss_fn, f"loss_fn(output) failed: {e}") from None
     if target is not None:
         raise ValueError("a target was given but no loss_fn; pass loss_fn=torch.nn.functional.cross_entropy or similar")
     loss = getattr(out, "loss", None)                 # transformers outputs when labels are in the batch

@@ -49,8 +49,10 @@ from torch.utils._pytree import tree_flatten
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cuda_margin
 from memfit.memory.cache import ModelCache
+from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_run import FakeRunError, _LoggingFakeMode, _Run, fake_run
 from memfit.memory.fit import affine, envelope, gradient_line, proportional, quadratic, with_step
+from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
 from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
 from memfit.messages import first_line, whole_words
@@ -191,6 +193,7 @@ def _batch(n) -> int:
     return check_count("the batch size", n, 1)
 
 
+@predicting()          # one prediction at a time; every RNG as found
 def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, optimizer=None,
                       loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, device=None, why: str = "",
@@ -203,7 +206,9 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         optimizer: its step and state are counted (a copy runs; the optimizer itself is not touched).
         loss_fn: `loss_fn(output, target)` (or `loss_fn(output)` without a target); by default the
             output's `.loss` (transformers) or the sum of the outputs.
-        target: an example target batch (or its sample shape) for loss_fn.
+        target: an example target batch (or its sample shape) for loss_fn. None with a common loss
+            (cross-entropy, NLL, MSE, L1, smooth L1, BCE with logits): built from the output
+            (`memfit.memory.example_target`), and `method` says which target was assumed.
         autocast: run forward and loss under `torch.autocast` with this dtype (default: the dtype of the
             `torch.autocast` the call runs inside, if any).
         dtype: the input dtype when `example` is a shape.
@@ -223,11 +228,17 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
            id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output)
+    def fit() -> StepMemoryModel:
+        target, note = tgt, why
+        if train and target is None and loss_target(loss_fn) is not None:     # F.cross_entropy and no target
+            target, built = example_target(model, batch, loss_fn, dev)
+            note = f"{note}; {built}" if note else built
+        return _fit(model, batch, target, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
+                    device=dev, why=note, grads_held=grads_held, keep_output=keep_output)
+
     # kept per model: predicting again for the same batch layout and optimizer (each evaluation) costs nothing;
     # a new or reshaped parameter, a changed flag or attribute (checkpointing, dropout p) predicts again
-    return _STEP_MODELS.get(model, key, lambda: _fit(
-        model, batch, tgt, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast, device=dev, why=why,
-        grads_held=grads_held, keep_output=keep_output))
+    return _STEP_MODELS.get(model, key, fit)
 
 
 _STEP_MODELS = ModelCache()
@@ -385,7 +396,7 @@ def _fit(model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimiz
         (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
-                      "pick with memfit.measure_step", stacklevel=3)
+                      "pick with memfit.measure_step", stacklevel=4)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
                            runs[4].phase_ends, measured, c, gradient_line(runs),
                            {k: r.grad_bytes for k, r in runs.items()})

@@ -20,6 +20,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from memfit.input_mistakes import input_hint
+from memfit.memory.isolation import predicting, structural_copy, tracer_patches_this_thread_only
 from memfit.messages import first_line
 from memfit.planner.global_caches import function_caches_kept_real
 
@@ -146,12 +147,17 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None,
         with quiet_torch(), warnings.catch_warnings(), function_caches_kept_real(model):
             # torch 2.13's export warns about its own pytree internals (LeafSpec): not the user's concern
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
+            # a copy of the module tree: export swaps in fake parameters, which every thread would see on the
+            # model; its tracer's patches of Module.__call__ stay in this thread
+            with predicting(), tracer_patches_this_thread_only():
+                ep = torch.export.export(structural_copy(model), tuple(example_inputs),
+                                         dynamic_shapes=dynamic_shapes, strict=False)
             device = example_inputs[0].device.type if example_inputs else "cpu"
             ep = ep.run_decompositions(dict(decompositions(device)))
     except Exception as e:                     # export raises many types; all mean "cannot capture"
         debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
-        err = diagnose(model, example_inputs, e) if explain else CaptureError(first_line(e))
+        with predicting():                     # the diagnosis runs the model: its RNG draws are not the user's
+            err = diagnose(model, example_inputs, e) if explain else CaptureError(first_line(e))
         raise err from (e if debug else None)
     mutated = [s.target for s in ep.graph_signature.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
 from memfit.memory.allocator import CPU_ALIGNMENT
+from memfit.memory.isolation import predicting
 from memfit.memory.measure import unique_bytes
 from memfit.messages import first_line
 from memfit.planner.arena import (
@@ -137,7 +138,13 @@ def _batch_dims(example_inputs: tuple):
 
 def capture_model(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool = True) -> Captured:
     """Export `model` once, with the batch dimension symbolic where the model allows it (else at the
-    example's shapes, the reason kept in `static_reason`). Raises CaptureError, TypeError."""
+    example's shapes, the reason kept in `static_reason`). Raises CaptureError, TypeError. One capture at a
+    time in the process, every RNG left as found (`memfit.memory.isolation.predicting`)."""
+    with predicting():
+        return _capture_model(model, example_inputs, dynamic_batch)
+
+
+def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) -> Captured:
     example_inputs = as_inputs(example_inputs)
     device = example_inputs[0].device if len(example_inputs) else torch.device("cpu")
     n = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else None
@@ -445,15 +452,8 @@ class PlannedModule:
 
     def _forward_for(self, inputs: tuple, key: tuple) -> _ArenaForward:
         if key not in self.placements:
-            cap = next((c for c in self.captures if c.accepts(inputs)), None)
-            if cap is None:                       # another sample shape or strides, or a static capture
-                if self.model is None:
-                    raise RuntimeError("this PlannedModule was given back (its model released); borrow it again "
-                                       "to plan new input shapes")
-                cap = capture_model(self.model, inputs)
-                self.captures.append(cap)
-            self.placements[key] = place_captured(cap, inputs, algorithm=self.algorithm, inplace=self.inplace,
-                                                  eager_where_cheaper=self.eager_where_cheaper)
+            with predicting():                    # captures are shared by the plans `borrow_plan` lends out
+                self._place(inputs, key)
         placement = self.placements[key]
         need = max(pl.report.arena_bytes for pl in self.placements.values())     # placement is one of them
         if self._arena is None or self._arena.nbytes < need:
@@ -464,6 +464,17 @@ class PlannedModule:
         p = _ArenaForward(placement, self._arena)
         self.forwards[key] = p
         return p
+
+    def _place(self, inputs: tuple, key: tuple) -> None:
+        cap = next((c for c in self.captures if c.accepts(inputs)), None)
+        if cap is None:                           # another sample shape or strides, or a static capture
+            if self.model is None:
+                raise RuntimeError("this PlannedModule was given back (its model released); borrow it again "
+                                   "to plan new input shapes")
+            cap = capture_model(self.model, inputs)
+            self.captures.append(cap)
+        self.placements[key] = place_captured(cap, inputs, algorithm=self.algorithm, inplace=self.inplace,
+                                              eager_where_cheaper=self.eager_where_cheaper)
 
     @property
     def report(self) -> Report:
