@@ -254,3 +254,40 @@ def test_plan_and_eval_on_cuda(tmp_path, capsys):
     assert main(["eval", f"{tmp_path}/mlp.py:make", "--random-weights", "--data", "digits", "--device", "cuda",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 359
+
+
+def _lin_file(tmp_path):
+    (tmp_path / "lin.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(6, 3)\n")
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(6, 3)
+    torch.save(ref.state_dict(), tmp_path / "w.pt")
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 256, (500, 6), dtype=np.uint8)
+    y = rng.integers(0, 3, 500)
+    np.savez(tmp_path / "t.npz", x=x, y=y)
+    with torch.no_grad():
+        pred = ref(torch.from_numpy(x).float()).argmax(1).numpy()
+    return pred, y
+
+
+def test_eval_npz_of_x_y_evaluates_every_sample_and_says_so(tmp_path, capsys):
+    pred, y = _lin_file(tmp_path)
+    args = ["eval", f"{tmp_path}/lin.py:make", "--weights", str(tmp_path / "w.pt"), "--data", str(tmp_path / "t.npz"),
+            "--normalize", "none", "--json"]
+    assert main(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["n"] == 500 and "all 500 samples of x, y" in res["set"]
+    assert res["metrics"]["accuracy"] == pytest.approx((pred == y).mean(), abs=1e-12)
+    assert main(args[:-1]) == 0                              # the text output names the set too
+    assert "set: " in capsys.readouterr().out
+
+
+def test_eval_test_fraction_splits_an_npz_of_x_y_and_names_the_split(tmp_path, capsys):
+    _lin_file(tmp_path)
+    assert main(["eval", f"{tmp_path}/lin.py:make", "--weights", str(tmp_path / "w.pt"), "--data",
+                 str(tmp_path / "t.npz"), "--test-fraction", "0.2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["n"] == 100 and "20% test split (100 of 500 samples)" in res["set"]
+    assert main(["eval", f"{tmp_path}/lin.py:make", "--weights", str(tmp_path / "w.pt"), "--data",
+                 str(tmp_path / "t.npz"), "--test-fraction", "1.5"]) == 2
+    assert "--test-fraction" in capsys.readouterr().err

@@ -229,7 +229,7 @@ def test_flat_features_are_channels():
     (dict(x=np.zeros((4, 3, 2)), normalize=([1, 2], [1, 1])), ValueError,
      r"normalize mean has 2 values but x has 3 channels"),
     (dict(x=np.zeros((4, 2, 2)), normalize=([0, 0], [1, 0])), ValueError, r"std must be finite and non-zero"),
-    (dict(x=np.zeros((4, 2, 2)), normalize="imagenet"), ValueError, r"normalize must be None, 'dataset'"),
+    (dict(x=np.zeros((4, 2, 2)), normalize="imagenet"), ValueError, r"normalize must be None \(or 'none'\), 'dataset'"),
     (dict(x=np.zeros((4, 2, 2)), device="tpu"), ValueError, r"expected a device"),
 ])
 def test_bad_input_raises_clearly(kwargs, error, match):
@@ -448,3 +448,11 @@ def test_a_file_source_refuses_a_value_its_codec_cannot_hold_before_any_batch(tm
     np.save(tmp_path / "x.npy", x)
     with pytest.raises(ValueError, match=r"codec 'uint8' needs values in \[0, 255\], found 300 at sample 17"):
         make_source((np.load(tmp_path / "x.npy", mmap_mode="r"), None), codec="uint8")
+
+
+def test_normalize_none_is_spelled_as_on_the_command_line():
+    a = CompactDataset.from_arrays(IMAGES[:20], LABELS[:20], normalize="none", device="cpu")
+    b = CompactDataset.from_arrays(IMAGES[:20], LABELS[:20], normalize=None, device="cpu")
+    assert a.mean is None and torch.equal(a.batch(slice(None))[0], b.batch(slice(None))[0])
+    ids = CompactDataset.from_arrays(IMAGES[:20].astype(np.int64) * 100, normalize="none", device="cpu")
+    assert ids.dtype == torch.int64            # integer outputs accept 'none' as they accept None

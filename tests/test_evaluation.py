@@ -577,3 +577,13 @@ def test_a_chunk_sized_for_the_planner_is_sized_again_when_the_planner_cannot_ru
     r = evaluate(model, ds, budget=budget, device="cpu", progress=False)
     assert r.runner == "eager" and r.chunk_size == eager_size and "sized again" in r.reason
     assert r.metrics["accuracy"] == unchunked(model, x, y)["accuracy"]
+
+
+def test_eval_result_reads_as_a_mapping():
+    x, y = make_data(30)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 10))
+    res = evaluate(model, (x, y), chunk_size=7, device="cpu", progress=False)
+    assert res["accuracy"] == res.metrics["accuracy"] and list(res) == ["accuracy", "loss"]
+    assert dict(res) == res.metrics and len(res) == 2 and "loss" in res
+    with pytest.raises(KeyError, match=r"no metric 'mse' in this result; it has \['accuracy', 'loss'\]"):
+        res["mse"]

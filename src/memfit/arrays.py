@@ -162,18 +162,23 @@ def channel_mean_std(x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.
     return mean, (m2 / max(count, 1)).sqrt()
 
 
+def no_normalisation(normalize: object) -> bool:
+    """None and 'none' (the command line's spelling, accepted by the API too) both mean raw values."""
+    return normalize is None or (isinstance(normalize, str) and normalize == "none")
+
+
 def normalisation(normalize: object, x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Resolve `normalize` into per-channel float64 (mean, std) in raw units, or None."""
+    """Resolve `normalize` into per-channel float64 (mean, std) in raw units, or None (None or 'none')."""
     channels = x.shape[1]
-    if normalize is None:
+    if no_normalisation(normalize):
         return None
     if isinstance(normalize, str):
         if normalize != "dataset":
-            raise ValueError(f"normalize must be None, 'dataset' or (mean, std); found {normalize!r}")
+            raise ValueError(f"normalize must be None (or 'none'), 'dataset' or (mean, std); found {normalize!r}")
         mean, std = channel_mean_std(x)
         return mean, torch.where(std > 0, std, torch.ones_like(std))   # constant channels: no scaling
     if not (isinstance(normalize, (tuple, list)) and len(normalize) == 2):
-        raise ValueError(f"normalize must be None, 'dataset' or a pair (mean, std) of per-channel "
+        raise ValueError(f"normalize must be None (or 'none'), 'dataset' or a pair (mean, std) of per-channel "
                          f"sequences; found {normalize!r}")
     out = []
     for name, value in zip(("mean", "std"), normalize, strict=True):

@@ -29,6 +29,7 @@ from memfit.arrays import (
     as_array,
     encode_labels,
     iter_chunks,
+    no_normalisation,
     normalisation,
     resolve_dtype,
     to_tensor,
@@ -72,7 +73,7 @@ def check_integer_output(codec: Codec, dtype: torch.dtype, normalize: object) ->
     if codec.offset is None:
         raise ValueError(f"dtype {dtype} needs integer data and an integer codec (codec='auto'); found codec "
                          f"{codec.name!r}; use a float dtype (e.g. dtype=torch.float32) for float data")
-    if normalize is not None:
+    if not no_normalisation(normalize):
         raise ValueError(f"normalize applies to float outputs; dtype {dtype} yields the integers themselves "
                          "(token ids): pass normalize=None, or a float dtype to normalise")
 
@@ -212,7 +213,7 @@ class CompactDataset(torch.utils.data.Dataset):
                 images, fp16/bf16 only where every value is exact, else float32; `memfit.codecs.auto_codec`)
                 or a name in `memfit.codecs.CODECS`; a lossy one ('q8', 'q4', 'fp16' on float32 data)
                 reports its error bound in `codec.max_abs_error` and `explain()`.
-            normalize: None (raw values as float), 'dataset' (per-channel mean/std of x) or
+            normalize: None or 'none' (raw values), 'dataset' (per-channel mean/std of x) or
                 (mean, std), each one value per channel (axis 1), in the units of x.
             device: where to store; None = first CUDA device when there is one, else the CPU.
             dtype: decoded dtype: None (int64 for integer data such as token ids, float32 otherwise),

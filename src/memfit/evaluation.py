@@ -22,7 +22,7 @@ from __future__ import annotations
 import textwrap
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -50,9 +50,17 @@ from memfit.metrics import Metric, logits_of, make_metric
 from memfit.progress import progress_bar
 
 
-@dataclass
-class EvalResult:
-    """What `evaluate` measured. `metrics` maps each requested metric to its whole-set value."""
+@dataclass(eq=False)
+class EvalResult(Mapping):
+    """What `evaluate` measured. `metrics` maps each requested metric to its whole-set value, and the result
+    reads as that mapping too: `res["accuracy"]`, `for name in res`, `dict(res)`, `len(res)`.
+
+    Example:
+        >>> r = EvalResult({"accuracy": 0.5, "loss": 0.7}, n=4, chunk_size=4, chunks=1, retries=0,
+        ...                peak_bytes=None, seconds=0.0)
+        >>> r["accuracy"], list(r), dict(r) == r.metrics
+        (0.5, ['accuracy', 'loss'], True)
+    """
     metrics: dict
     n: int
     chunk_size: int
@@ -63,6 +71,18 @@ class EvalResult:
     runner: str = "eager"
     reason: str = ""                # how the chunk size and runner were chosen, whole sentences
     oom_sizes: list = field(default_factory=list)
+
+    def __getitem__(self, key: str):
+        if key not in self.metrics:
+            raise KeyError(f"no metric {key!r} in this result; it has {sorted(self.metrics)} (ask evaluate for it "
+                           f"with metrics=[..., {key!r}])")
+        return self.metrics[key]
+
+    def __iter__(self):
+        return iter(self.metrics)
+
+    def __len__(self) -> int:
+        return len(self.metrics)
 
     def __str__(self) -> str:
         vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {type(v).__name__}"

@@ -27,7 +27,7 @@ import threading
 import numpy as np
 import torch
 
-from memfit.arrays import as_array, release_pages, resolve_dtype
+from memfit.arrays import as_array, no_normalisation, release_pages, resolve_dtype
 from memfit.codecs import Codec
 from memfit.compact import (
     CompactDataset,
@@ -189,7 +189,7 @@ def make_source(data: object, *, codec: str | Codec = "auto", normalize: object 
                 dtype: torch.dtype | str | None = None) -> Source:
     """A Source for a CompactDataset or an (x, y) pair (a memmapped x stays on disk)."""
     if isinstance(data, CompactDataset):
-        if codec != "auto" or normalize is not None:
+        if codec != "auto" or not no_normalisation(normalize):
             raise ValueError("codec and normalize apply to (x, y) arrays; this CompactDataset is already encoded "
                              f"(codec {data.codec.name!r}); pass codec='auto', normalize=None, or the raw arrays")
         if dtype is not None and resolve_dtype(dtype) not in (torch.float32, data.dtype):
