@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memfit.arrays as arrays_mod
-from memfit.arrays import channel_mean_std, channel_min_max, label_dtype
+from memfit.arrays import channel_mean_std, channel_min_max
 from memfit.codecs import make_codec
 from memfit.compact import CompactDataset, as_words
 
@@ -73,8 +73,9 @@ def test_bytes_held_against_float32():
                                            ([0, 1000], torch.int16), ([0, 70000], torch.int32),
                                            ([0, 2**40], torch.int64)])
 def test_labels_in_smallest_dtype(labels, dtype):
-    assert label_dtype(min(labels), max(labels)) == dtype
-    ds = CompactDataset.from_arrays(np.zeros((2, 1), np.uint8), np.array(labels), device="cpu")
+    # a negative label is an ignore index, said so (a class id is >= 0)
+    ds = CompactDataset.from_arrays(np.zeros((2, 1), np.uint8), np.array(labels), device="cpu",
+                                    ignore_index=min(-1, min(labels)))
     assert ds.y.dtype == dtype and ds.batch([0, 1])[1].tolist() == labels
     assert ds.num_classes == max(labels) + 1
 
@@ -215,9 +216,12 @@ def test_flat_features_are_channels():
     (dict(x=np.full((4, 1, 2), 300.0), codec="int8"), ValueError, r"codec 'int8' needs values"),
     (dict(x=np.full((4, 1, 2), 2, np.uint8), codec="bits1"), ValueError, r"codec 'bits1' needs values in \[0, 1\]"),
     (dict(x=np.array([[[np.nan, 1.0]]] * 4)), ValueError, r"codec 'float64' needs finite values"),
-    (dict(x=np.zeros((4, 1, 2)), y=np.zeros(5)), ValueError, r"labels y have 5 entries but x has 4 samples"),
-    (dict(x=np.zeros((4, 1, 2)), y=np.zeros((4, 3))), ValueError, r"one class id per sample.*argmax"),
-    (dict(x=np.zeros((4, 1, 2)), y=np.full(4, 0.5)), ValueError, r"integer class ids"),
+    (dict(x=np.zeros((4, 1, 2)), y=np.zeros(5)), ValueError, r"x has 4 samples but y has 5 targets"),
+    (dict(x=np.zeros((4, 1, 2)), y=np.full(4, 0.5), y_dtype=torch.int64), ValueError,
+     r"y_dtype=torch.int64 asks for class ids, but y holds 0.5 \(sample 0\).*leave y_dtype=None"),
+    (dict(x=np.zeros((4, 1, 2)), y=np.array([0, 3, -1, 2])), ValueError,
+     r"y holds label -1, which is neither a class id \(>= 0\) nor ignore_index -100; pass ignore_index=-1"),
+    (dict(x=np.zeros((4, 1, 2)), y=np.array(["a"] * 4)), TypeError, r"y: expected integer class ids"),
     (dict(x=np.zeros(4)), ValueError, r"expected x of shape \(N, C, \.\.\.\).*found shape \(4,\)"),
     (dict(x=np.zeros((0, 3))), ValueError, r"x has no samples"),
     (dict(x="pixels"), TypeError, r"expected x as a numpy array or torch tensor"),

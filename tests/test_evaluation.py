@@ -262,7 +262,7 @@ def test_iterable_of_batches():
     (make_data(20), dict(), None, None),
     ((make_data(20)[0], make_data(20)[1] + 10), dict(), ValueError, r"label 1\d is out of range for a model with 10 "),
     ((np.zeros((0, 1, 4, 4), np.uint8), np.zeros(0)), dict(), ValueError, "empty"),
-    ((make_data(20)[0], make_data(19)[1]), dict(), ValueError, "x has 20 samples but y has 19 labels"),
+    ((make_data(20)[0], make_data(19)[1]), dict(), ValueError, "x has 20 samples but y has 19 targets"),
     (make_data(20), dict(metrics=("f1",)), ValueError, "unknown metric 'f1'"),
     (make_data(20), dict(metrics=()), ValueError, "metrics is empty"),
     (make_data(20), dict(chunk_size=0), ValueError, "chunk_size must be 'auto' or an int >= 1"),
@@ -483,9 +483,9 @@ def test_dict_inputs_are_passed_as_keywords():
 def test_float_inputs_to_a_token_model_are_a_dtype_mistake():
     model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Flatten(), torch.nn.Linear(12, 3)).eval()
     ids = np.random.default_rng(0).integers(0, 50, (20, 3))
-    r = evaluate(model, (ids, np.zeros(20)), device="cpu", progress=False)       # integer data stays int64
+    r = evaluate(model, (ids, np.zeros(20, np.int64)), device="cpu", progress=False)       # integer data stays int64
     assert r.n == 20
-    floats = CompactDataset.from_arrays(ids, np.zeros(20), dtype=torch.float32, device="cpu")
+    floats = CompactDataset.from_arrays(ids, np.zeros(20, np.int64), dtype=torch.float32, device="cpu")
     with pytest.raises(TypeError, match=r"inputs are float32 but the model wants integer inputs.*--dtype int64"):
         evaluate(model, floats, device="cpu", progress=False)
 

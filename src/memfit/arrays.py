@@ -1,11 +1,11 @@
 """Turning user arrays into what a CompactDataset stores: dtypes, bounded chunked reads (memory-mapped
-files are never read whole), labels in the smallest integer dtype, per-channel statistics and
-normalisation. Pure functions; `memfit.compact` and the loaders' file source use them.
+files are never read whole), per-channel statistics and normalisation. Pure functions; `memfit.compact`,
+`memfit.targets` and the loaders' file source use them.
 
 Example:
     >>> import numpy as np
-    >>> label_dtype(0, 9), encode_labels(np.arange(3), 3).dtype
-    (torch.uint8, torch.uint8)
+    >>> [(start, len(chunk)) for start, chunk in iter_chunks(np.zeros((5, 2)), rows=2)]
+    [(0, 2), (2, 2), (4, 1)]
 """
 
 from __future__ import annotations
@@ -94,35 +94,6 @@ def iter_chunks(x: np.ndarray | torch.Tensor, rows: int | None = None) -> Iterat
     for start in range(0, n, rows):
         yield start, to_tensor(x[start:start + rows])
         release_pages(x)
-
-
-def label_dtype(lo: int, hi: int) -> torch.dtype:
-    """The smallest integer dtype that holds every label in [lo, hi]."""
-    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
-        info = torch.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            return dtype
-    return torch.int64
-
-
-def encode_labels(y: object, n: int) -> torch.Tensor:
-    """Validate labels and store them in the smallest integer dtype (CPU)."""
-    y = to_tensor(as_array(y, "y"))
-    if y.dim() == 2 and y.shape[1] == 1:
-        y = y[:, 0]
-    if y.dim() != 1:
-        raise ValueError(f"expected labels y of shape (N,) with one class id per sample; found shape "
-                         f"{tuple(y.shape)} (one-hot labels: pass y.argmax(1))")
-    if y.shape[0] != n:
-        raise ValueError(f"labels y have {y.shape[0]} entries but x has {n} samples; they must match")
-    if y.is_floating_point():
-        if not torch.isfinite(y).all() or not torch.equal(y, y.round()):
-            raise ValueError("labels y must be integer class ids; found non-integer values "
-                             f"such as {y[y != y.round()].flatten()[:1].tolist()}")
-    if y.numel() == 0:
-        return y.to(torch.uint8)
-    lo, hi = int(y.min()), int(y.max())
-    return y.to(label_dtype(lo, hi))
 
 
 def by_channel(x: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from memfit.loading.pool import BatchPool, Decoder
 from memfit.loading.prefetch import Inline, Prefetcher, Slots
 from memfit.loading.sources import CompactSource, Source, make_source
 from memfit.loading.strategy import Needs, StrategyChoice, check_names, choose
+from memfit.targets import IGNORE_INDEX
 
 log = logging.getLogger("memfit.loader")
 
@@ -84,7 +85,7 @@ class Loader:
                  device=None, shuffle: bool = True, seed: int | None = None, drop_last: bool = False,
                  macro_batch: int | None = None, prefetch: bool = True, distributed: bool = False,
                  codec: str = "auto", normalize=None, dtype: torch.dtype | str | None = None,
-                 order: str = "auto"):
+                 order: str = "auto", y_dtype=None, ignore_index: int = IGNORE_INDEX):
         if not isinstance(distributed, bool):
             raise TypeError(f"expected distributed to be True or False; found {distributed!r}")
         if distributed and not is_distributed():
@@ -95,7 +96,7 @@ class Loader:
         error = None
         try:
             self._build(data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch,
-                        prefetch, distributed, codec, normalize, dtype, order)
+                        prefetch, distributed, codec, normalize, dtype, order, y_dtype, ignore_index)
         except Exception as e:
             if not distributed:
                 raise
@@ -106,7 +107,7 @@ class Loader:
             self.seed = int(torch.randint(0, 2**62, (1,)))
 
     def _build(self, data, batch_size, strategy, budget, device, shuffle, seed, drop_last, macro_batch, prefetch,
-               distributed, codec, normalize, dtype, order) -> None:
+               distributed, codec, normalize, dtype, order, y_dtype, ignore_index) -> None:
         self.batch_size = check_count("batch_size", batch_size, 1)
         check_names(strategy, order)        # before the data is encoded (choose checks them again later)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("prefetch", prefetch)):
@@ -118,7 +119,8 @@ class Loader:
         self.rank, self.world_size = 0, 1
         # the whole data is encoded (a file: its codec fitted, its statistics taken) before it is sharded:
         # every rank then decodes a sample as the whole decodes it, whichever shard holds it
-        self.source: Source = make_source(data, codec=codec, normalize=normalize, dtype=dtype)
+        self.source: Source = make_source(data, codec=codec, normalize=normalize, dtype=dtype, y_dtype=y_dtype,
+                                          ignore_index=ignore_index)
         self._members, self._n_total = None, self.source.n
         if distributed:
             self.rank, self.world_size = rank_world()
@@ -241,7 +243,7 @@ def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], d
     # and rank; each batch is then one gather + decode on the device (into reused buffers on the CPU)
     for idx in torch.split(order, sizes):
         x = decode(ds.rows(idx, out=None if rows is None else rows.take(len(idx))))
-        yield x, None if ds.y is None else ds.y.index_select(0, idx).long()
+        yield x, ds.targets_at(idx)
 
 
 def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[int], capacity: int,
@@ -269,7 +271,8 @@ def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[
 def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str | None = None, device=None,
            shuffle: bool = True, seed: int | None = None, drop_last: bool = False, macro_batch: int | None = None,
            prefetch: bool = True, distributed: bool = False, codec: str = "auto", normalize=None,
-           dtype: torch.dtype | str | None = None, order: str = "auto") -> Loader:
+           dtype: torch.dtype | str | None = None, order: str = "auto", y_dtype=None,
+           ignore_index: int = IGNORE_INDEX) -> Loader:
     """Minibatches of `data` decoded on `device`, by the strategy that fits `budget`.
 
     Args:
@@ -296,8 +299,9 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
             smallest_shard // batch_size full batches. Arrays and files are encoded as a whole (codec
             range, normalisation, class count) before each rank keeps its shard, so a sample decodes
             the same on every rank (a file is read whole once for a q8/q4 range or normalize="dataset").
-        codec, normalize, dtype: how (x, y) arrays are encoded and decoded (see
-            `CompactDataset.from_arrays`); a CompactDataset keeps its own.
+        codec, normalize, dtype, y_dtype, ignore_index: how (x, y) arrays are encoded and decoded (see
+            `CompactDataset.from_arrays`: y may be class ids, labels, float targets or a dict of them); a
+            CompactDataset keeps its own.
         order: the epoch order. 'global': one permutation of all samples (4 bytes a sample on the host;
             distributed, every rank draws the whole one: 9 bytes a sample of the whole while it is made).
             'blocks' (macro only): macro-batches of consecutive samples in a shuffled order, shuffled
@@ -306,7 +310,8 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
             else 'global'. `explain()` says which one is used.
 
     Returns:
-        A `Loader`: iterate it for `(x, y)` (x float (B, ...) normalised, y int64 (B,)); `len()` is the
+        A `Loader`: iterate it for `(x, y)` (x float (B, ...) normalised, y the decoded targets: int64 class
+            ids (B,) or labels (B, ...), float targets, or a dict of them); `len()` is the
         number of batches; `.strategy`, `.explain()`, `.nbytes` say what it chose and holds.
 
     Raises:
@@ -323,4 +328,5 @@ def loader(data, batch_size: int, *, strategy: str = "auto", budget: int | str |
     """
     return Loader(data, batch_size, strategy=strategy, budget=budget, device=device, shuffle=shuffle, seed=seed,
                   drop_last=drop_last, macro_batch=macro_batch, prefetch=prefetch, distributed=distributed,
-                  codec=codec, normalize=normalize, dtype=dtype, order=order)
+                  codec=codec, normalize=normalize, dtype=dtype, order=order, y_dtype=y_dtype,
+                  ignore_index=ignore_index)
