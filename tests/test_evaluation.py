@@ -281,8 +281,8 @@ def test_bad_input(data, kwargs, error, match):
 def test_output_that_is_not_n_by_classes():
     x, y = make_data(20)
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 10, 3))          # (N, 10, 2, 2)
-    with pytest.raises(ValueError, match=r"accuracy needs model outputs of shape \(N, classes\); found shape "
-                                         r"\(8, 10, 2, 2\)"):
+    with pytest.raises(ValueError, match=r"accuracy: found outputs of shape \(8, 10, 2, 2\) and targets of shape "
+                                         r"\(8,\); the output must have one more dimension than the targets"):
         evaluate(model, (x, y), metrics=("accuracy",), chunk_size=8, device="cpu", progress=False)
 
 

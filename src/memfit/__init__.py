@@ -10,8 +10,9 @@
   full-batch gradient and out-of-memory back-off.
 - `parse_bytes` / `format_bytes` / `device_memory`: sizes and the memory each device has.
 
-Submodules: `memfit.codecs` (the codecs), `memfit.targets` (class ids, labels, float targets, a dict of them), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz,
-digits, synthetic data), `memfit.metrics`, `memfit.distributed`, `memfit.loading`, `memfit.planner`. See README.md.
+Submodules: `memfit.codecs` (the codecs), `memfit.targets` (class ids, labels, float targets, a dict of
+them), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz, digits, synthetic data), `memfit.metrics`,
+`memfit.losses`, `memfit.distributed`, `memfit.loading`, `memfit.planner`. See README.md.
 """
 
 from memfit import codecs, metrics, readers

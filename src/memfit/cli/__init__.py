@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz (x_test, y_test "
                          "when it has them, else every sample of x, y; y: class ids, dense labels or float "
                          "targets); the output names the set and its size")
+    ev.add_argument("--ignore-index", default=-100, type=int,
+                    help="the label that marks a position without one in dense labels (default -100; 255 for many "
+                         "segmentation sets): counted by no metric")
     ev.add_argument("--test-fraction", default=None, type=float,
                     help="evaluate a seeded random split of this fraction of an .npz holding only x, y "
                          "(default: all of it)")

@@ -49,8 +49,9 @@ def run(args) -> int:
                  if not d.own_train else "")
         ref = CompactDataset.from_arrays(d.x_train[:10_000], normalize="dataset", device="cpu", dtype=torch.float32)
         norm = (ref.mean, ref.std)
-    test = CompactDataset.from_arrays(d.x_test, d.y_test, normalize=norm, device="cpu", dtype=dtype)
-    res = evaluate(model, test, metrics=metrics or ("accuracy", "loss"), budget=budget, device=dev, chunk_size=chunk,
+    test = CompactDataset.from_arrays(d.x_test, d.y_test, normalize=norm, device="cpu", dtype=dtype,
+                                      ignore_index=args.ignore_index)
+    res = evaluate(model, test, metrics=metrics or "auto", budget=budget, device=dev, chunk_size=chunk,
                    progress=not args.json)
     if args.json:
         vals = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in res.metrics.items()}
