@@ -460,3 +460,36 @@ def test_normalize_none_is_spelled_as_on_the_command_line():
     assert a.mean is None and torch.equal(a.batch(slice(None))[0], b.batch(slice(None))[0])
     ids = CompactDataset.from_arrays(IMAGES[:20].astype(np.int64) * 100, normalize="none", device="cpu")
     assert ids.dtype == torch.int64            # integer outputs accept 'none' as they accept None
+
+
+F64 = RNG.normal(size=(61, 3, 2)) * 1e3                    # float64 that float32 cannot hold
+
+
+def test_float64_data_is_stored_and_decoded_as_float64_by_default():
+    ds = CompactDataset.from_arrays(F64, device="cpu")
+    xb = ds.batch(slice(None))[0]
+    assert ds.x.dtype == xb.dtype == torch.float64 and torch.equal(xb, torch.from_numpy(F64))
+    assert "float64 (lossless)" in ds.explain() and ds.x.nbytes == ds.dense_nbytes      # as plain float64
+    norm = CompactDataset.from_arrays(F64, normalize="dataset", device="cpu").batch(slice(None))[0]
+    mean, std = F64.mean(axis=(0, 2), keepdims=True), F64.std(axis=(0, 2), keepdims=True)
+    np.testing.assert_allclose(norm.numpy(), (F64 - mean) / std, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("source", ["arrays", "file"])
+def test_float32_asked_for_float64_data_is_stored_as_float32_with_its_bound(source, tmp_path):
+    from memfit import loader
+    from memfit.readers import load_array
+    x = F64
+    if source == "file":
+        np.save(tmp_path / "x.npy", F64)
+        x = load_array(str(tmp_path / "x.npy"))
+    macro = {"strategy": "macro", "macro_batch": 32} if source == "file" else {"strategy": "resident"}
+    ld = loader((x, None), 16, dtype=torch.float32, device="cpu", shuffle=False, **macro)
+    got = torch.cat([xb for xb, _ in ld])
+    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(F64.astype(np.float32)))
+    err = float(np.abs(F64.astype(np.float32).astype(np.float64) - F64).max())
+    codec = ld.dataset.codec
+    assert codec.stored_dtype == torch.float32 and codec.max_abs_error == err > 0
+    assert f"LOSSY: |decoded - x| <= {err:.4g}" in ld.explain()
+    ds = CompactDataset.from_arrays(F64, dtype=torch.float32, device="cpu")
+    assert ds.x.dtype == torch.float32 and ds.nbytes < F64.nbytes / 2 + 64

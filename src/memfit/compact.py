@@ -34,7 +34,7 @@ from memfit.arrays import (
     to_tensor,
 )
 from memfit.budget import format_bytes, resolve_device
-from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
+from memfit.codecs import Codec, Float32Codec, QuantCodec, auto_codec, make_codec
 from memfit.fields import Field, PackedCodec, check_fields, pack, unpack
 from memfit.progress import progress_bar
 from memfit.targets import IGNORE_INDEX, Targets, check_count, encode_targets
@@ -112,8 +112,15 @@ def prepare_encoding(x: np.ndarray | torch.Tensor, y: object, codec: str | Codec
     if x.shape[0] == 0:
         raise ValueError("x has no samples (shape[0] == 0); pass at least one sample")
     auto = isinstance(codec, str) and codec == "auto"
-    dtype = resolve_dtype(dtype, x)
     codec = auto_codec(x) if auto else make_codec(codec)
+    if auto and codec.name == "float64":
+        # float64 data that float32 cannot hold: decoded as float64 by default (lossless, as stored); float32
+        # (or half) batches asked for are stored as float32, its worst rounding measured while encoding
+        if dtype is None:
+            dtype = torch.float64
+        elif resolve_dtype(dtype).is_floating_point and resolve_dtype(dtype) != torch.float64:
+            codec = Float32Codec()
+    dtype = resolve_dtype(dtype, x)
     if not dtype.is_floating_point:
         check_integer_output(codec, dtype, normalize)
     y_rows, targets = (None, None) if y is None else encode_targets(y, x.shape[0], y_dtype=y_dtype,
@@ -227,8 +234,10 @@ class CompactDataset(torch.utils.data.Dataset):
             normalize: None or 'none' (raw values), 'dataset' (per-channel mean/std of x) or
                 (mean, std), each one value per channel (axis 1), in the units of x.
             device: where to store; None = first CUDA device when there is one, else the CPU.
-            dtype: decoded dtype: None (int64 for integer data such as token ids, float32 otherwise),
-                float32, float16, bfloat16, float64, or int64/int32 (integer codecs, no normalize).
+            dtype: decoded dtype: None (int64 for integer data such as token ids; float64 for float64 data
+                that float32 cannot hold exactly, as codec='auto' stores it; float32 otherwise), float32,
+                float16, bfloat16, float64, or int64/int32 (integer codecs, no normalize). float32 (or half)
+                asked for such float64 data stores it as float32, with the rounding bound in `explain()`.
             progress: a progress bar counting encoded samples, for large inputs (over 2**28 values) and
                 only on a terminal; False never shows one.
             y_dtype: None (integers: int64, floats: float) or asked for: torch.int64 makes float targets
@@ -468,8 +477,9 @@ class CompactDataset(torch.utils.data.Dataset):
 
     @property
     def dense_nbytes_per_sample(self) -> int:
-        """Bytes of one sample as a plain tensor (float32, or int64 for integer data), no label."""
-        return (4 if self.dtype.is_floating_point else 8) * math.prod(self.sample_shape)
+        """Bytes of one sample as a plain tensor (float32, float64 for float64 batches, or int64 for integer
+        data), no target."""
+        return (max(4, self.dtype.itemsize) if self.dtype.is_floating_point else 8) * math.prod(self.sample_shape)
 
     @property
     def row_nbytes(self) -> int:

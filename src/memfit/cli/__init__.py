@@ -74,8 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--weights", default=None, help="a state_dict saved with torch.save(model.state_dict(), FILE)")
     ev.add_argument("--random-weights", action="store_true",
                     help="evaluate the factory's initial (random) weights on purpose, without --weights")
-    ev.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16", "int64"),
-                    help="what the model takes (default: int64 for integer data such as token ids, else float32)")
+    ev.add_argument("--dtype", default=None, choices=("float32", "float64", "float16", "bfloat16", "int64"),
+                    help="what the model takes (default: int64 for integer data such as token ids, float64 for "
+                         "float64 data float32 cannot hold exactly, else float32)")
     ev.add_argument("--data", default="digits", type=data_arg,
                     help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz (x_test, y_test "
                          "when it has them, else every sample of x, y; y: class ids, dense labels or float "
