@@ -202,3 +202,17 @@ def test_bad_targets_say_what_was_expected_and_found(y, kw, match):
 def test_encode_target_keeps_integer_targets_as_float_when_asked():
     stored, t = encode_target(np.array([1, 5, 7]), 3, y_dtype=torch.float32)
     assert t.kind == "float" and t.decode(stored).tolist() == [1.0, 5.0, 7.0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["mask, ignore 255", "float64 (N, 3)", "a dict"])
+@pytest.mark.parametrize("strategy", ["resident", "stream", "macro"])
+def test_cuda_loaders_decode_the_targets_as_the_cpu_does(name, strategy):
+    y, kw = CASES[name]
+    extra = {"macro_batch": 10} if strategy == "macro" else {}
+    ld = loader((X, y), 5, strategy=strategy, device="cuda", seed=2, **extra, **kw)     # pinned staging, side stream
+    order = ld.epoch_order(0)
+    got = cat([b for _, b in ld])
+    got = {k: v.cpu() for k, v in got.items()} if isinstance(got, dict) else got.cpu()
+    want = want_of(y)
+    same(got, {k: v[order] for k, v in want.items()} if isinstance(want, dict) else want[order])

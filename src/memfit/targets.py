@@ -163,7 +163,10 @@ class Targets:
             codec.lossless = True
             dtype = torch.float64 if y.dtype == torch.float64 else torch.float32
             return cls({None: Target("float", tuple(y.shape[1:]), codec, dtype)})
-        codec = next(c(offset=0) for c in CODECS.values() if issubclass(c, IntCodec) and c.dtype == y.dtype)
+        codec = next((c(offset=0) for c in CODECS.values() if issubclass(c, IntCodec) and c.dtype == y.dtype), None)
+        if codec is None:
+            raise TypeError(f"stored targets must be an integer or float tensor; found {y.dtype} (build the dataset "
+                            "with CompactDataset.from_arrays, which stores bool targets in bits)")
         kind = "class" if y.dim() == 1 else "labels"
         ignore = IGNORE_INDEX
         kept = y[y != ignore]
