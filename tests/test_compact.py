@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memfit.arrays as arrays_mod
-from memfit.arrays import channel_mean_std, channel_min_max, label_dtype
+from memfit.arrays import channel_mean_std, channel_min_max
 from memfit.codecs import make_codec
 from memfit.compact import CompactDataset, as_words
 
@@ -73,8 +73,9 @@ def test_bytes_held_against_float32():
                                            ([0, 1000], torch.int16), ([0, 70000], torch.int32),
                                            ([0, 2**40], torch.int64)])
 def test_labels_in_smallest_dtype(labels, dtype):
-    assert label_dtype(min(labels), max(labels)) == dtype
-    ds = CompactDataset.from_arrays(np.zeros((2, 1), np.uint8), np.array(labels), device="cpu")
+    # a negative label is an ignore index, said so (a class id is >= 0)
+    ds = CompactDataset.from_arrays(np.zeros((2, 1), np.uint8), np.array(labels), device="cpu",
+                                    ignore_index=min(-1, min(labels)))
     assert ds.y.dtype == dtype and ds.batch([0, 1])[1].tolist() == labels
     assert ds.num_classes == max(labels) + 1
 
@@ -215,9 +216,12 @@ def test_flat_features_are_channels():
     (dict(x=np.full((4, 1, 2), 300.0), codec="int8"), ValueError, r"codec 'int8' needs values"),
     (dict(x=np.full((4, 1, 2), 2, np.uint8), codec="bits1"), ValueError, r"codec 'bits1' needs values in \[0, 1\]"),
     (dict(x=np.array([[[np.nan, 1.0]]] * 4)), ValueError, r"codec 'float64' needs finite values"),
-    (dict(x=np.zeros((4, 1, 2)), y=np.zeros(5)), ValueError, r"labels y have 5 entries but x has 4 samples"),
-    (dict(x=np.zeros((4, 1, 2)), y=np.zeros((4, 3))), ValueError, r"one class id per sample.*argmax"),
-    (dict(x=np.zeros((4, 1, 2)), y=np.full(4, 0.5)), ValueError, r"integer class ids"),
+    (dict(x=np.zeros((4, 1, 2)), y=np.zeros(5)), ValueError, r"x has 4 samples but y has 5 targets"),
+    (dict(x=np.zeros((4, 1, 2)), y=np.full(4, 0.5), y_dtype=torch.int64), ValueError,
+     r"y_dtype=torch.int64 asks for class ids, but y holds 0.5 \(sample 0\).*leave y_dtype=None"),
+    (dict(x=np.zeros((4, 1, 2)), y=np.array([0, 3, -1, 2])), ValueError,
+     r"y holds label -1, which is neither a class id \(>= 0\) nor ignore_index -100; pass ignore_index=-1"),
+    (dict(x=np.zeros((4, 1, 2)), y=np.array(["a"] * 4)), TypeError, r"y: expected integer class ids"),
     (dict(x=np.zeros(4)), ValueError, r"expected x of shape \(N, C, \.\.\.\).*found shape \(4,\)"),
     (dict(x=np.zeros((0, 3))), ValueError, r"x has no samples"),
     (dict(x="pixels"), TypeError, r"expected x as a numpy array or torch tensor"),
@@ -229,7 +233,7 @@ def test_flat_features_are_channels():
     (dict(x=np.zeros((4, 3, 2)), normalize=([1, 2], [1, 1])), ValueError,
      r"normalize mean has 2 values but x has 3 channels"),
     (dict(x=np.zeros((4, 2, 2)), normalize=([0, 0], [1, 0])), ValueError, r"std must be finite and non-zero"),
-    (dict(x=np.zeros((4, 2, 2)), normalize="imagenet"), ValueError, r"normalize must be None, 'dataset'"),
+    (dict(x=np.zeros((4, 2, 2)), normalize="imagenet"), ValueError, r"normalize must be None \(or 'none'\), 'dataset'"),
     (dict(x=np.zeros((4, 2, 2)), device="tpu"), ValueError, r"expected a device"),
 ])
 def test_bad_input_raises_clearly(kwargs, error, match):
@@ -448,3 +452,44 @@ def test_a_file_source_refuses_a_value_its_codec_cannot_hold_before_any_batch(tm
     np.save(tmp_path / "x.npy", x)
     with pytest.raises(ValueError, match=r"codec 'uint8' needs values in \[0, 255\], found 300 at sample 17"):
         make_source((np.load(tmp_path / "x.npy", mmap_mode="r"), None), codec="uint8")
+
+
+def test_normalize_none_is_spelled_as_on_the_command_line():
+    a = CompactDataset.from_arrays(IMAGES[:20], LABELS[:20], normalize="none", device="cpu")
+    b = CompactDataset.from_arrays(IMAGES[:20], LABELS[:20], normalize=None, device="cpu")
+    assert a.mean is None and torch.equal(a.batch(slice(None))[0], b.batch(slice(None))[0])
+    ids = CompactDataset.from_arrays(IMAGES[:20].astype(np.int64) * 100, normalize="none", device="cpu")
+    assert ids.dtype == torch.int64            # integer outputs accept 'none' as they accept None
+
+
+F64 = RNG.normal(size=(61, 3, 2)) * 1e3                    # float64 that float32 cannot hold
+
+
+def test_float64_data_is_stored_and_decoded_as_float64_by_default():
+    ds = CompactDataset.from_arrays(F64, device="cpu")
+    xb = ds.batch(slice(None))[0]
+    assert ds.x.dtype == xb.dtype == torch.float64 and torch.equal(xb, torch.from_numpy(F64))
+    assert "float64 (lossless)" in ds.explain() and ds.x.nbytes == ds.dense_nbytes      # as plain float64
+    norm = CompactDataset.from_arrays(F64, normalize="dataset", device="cpu").batch(slice(None))[0]
+    mean, std = F64.mean(axis=(0, 2), keepdims=True), F64.std(axis=(0, 2), keepdims=True)
+    np.testing.assert_allclose(norm.numpy(), (F64 - mean) / std, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("source", ["arrays", "file"])
+def test_float32_asked_for_float64_data_is_stored_as_float32_with_its_bound(source, tmp_path):
+    from memfit import loader
+    from memfit.readers import load_array
+    x = F64
+    if source == "file":
+        np.save(tmp_path / "x.npy", F64)
+        x = load_array(str(tmp_path / "x.npy"))
+    macro = {"strategy": "macro", "macro_batch": 32} if source == "file" else {"strategy": "resident"}
+    ld = loader((x, None), 16, dtype=torch.float32, device="cpu", shuffle=False, **macro)
+    got = torch.cat([xb for xb, _ in ld])
+    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(F64.astype(np.float32)))
+    err = float(np.abs(F64.astype(np.float32).astype(np.float64) - F64).max())
+    codec = ld.dataset.codec
+    assert codec.stored_dtype == torch.float32 and codec.max_abs_error == err > 0
+    assert f"LOSSY: |decoded - x| <= {err:.4g}" in ld.explain()
+    ds = CompactDataset.from_arrays(F64, dtype=torch.float32, device="cpu")
+    assert ds.x.dtype == torch.float32 and ds.nbytes < F64.nbytes / 2 + 64

@@ -262,7 +262,7 @@ def test_iterable_of_batches():
     (make_data(20), dict(), None, None),
     ((make_data(20)[0], make_data(20)[1] + 10), dict(), ValueError, r"label 1\d is out of range for a model with 10 "),
     ((np.zeros((0, 1, 4, 4), np.uint8), np.zeros(0)), dict(), ValueError, "empty"),
-    ((make_data(20)[0], make_data(19)[1]), dict(), ValueError, "x has 20 samples but y has 19 labels"),
+    ((make_data(20)[0], make_data(19)[1]), dict(), ValueError, "x has 20 samples but y has 19 targets"),
     (make_data(20), dict(metrics=("f1",)), ValueError, "unknown metric 'f1'"),
     (make_data(20), dict(metrics=()), ValueError, "metrics is empty"),
     (make_data(20), dict(chunk_size=0), ValueError, "chunk_size must be 'auto' or an int >= 1"),
@@ -281,8 +281,8 @@ def test_bad_input(data, kwargs, error, match):
 def test_output_that_is_not_n_by_classes():
     x, y = make_data(20)
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 10, 3))          # (N, 10, 2, 2)
-    with pytest.raises(ValueError, match=r"accuracy needs model outputs of shape \(N, classes\); found shape "
-                                         r"\(8, 10, 2, 2\)"):
+    with pytest.raises(ValueError, match=r"accuracy: found outputs of shape \(8, 10, 2, 2\) and targets of shape "
+                                         r"\(8,\); the output must have one more dimension than the targets"):
         evaluate(model, (x, y), metrics=("accuracy",), chunk_size=8, device="cpu", progress=False)
 
 
@@ -483,9 +483,9 @@ def test_dict_inputs_are_passed_as_keywords():
 def test_float_inputs_to_a_token_model_are_a_dtype_mistake():
     model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Flatten(), torch.nn.Linear(12, 3)).eval()
     ids = np.random.default_rng(0).integers(0, 50, (20, 3))
-    r = evaluate(model, (ids, np.zeros(20)), device="cpu", progress=False)       # integer data stays int64
+    r = evaluate(model, (ids, np.zeros(20, np.int64)), device="cpu", progress=False)       # integer data stays int64
     assert r.n == 20
-    floats = CompactDataset.from_arrays(ids, np.zeros(20), dtype=torch.float32, device="cpu")
+    floats = CompactDataset.from_arrays(ids, np.zeros(20, np.int64), dtype=torch.float32, device="cpu")
     with pytest.raises(TypeError, match=r"inputs are float32 but the model wants integer inputs.*--dtype int64"):
         evaluate(model, floats, device="cpu", progress=False)
 
@@ -564,3 +564,13 @@ def test_a_chunk_sized_for_the_planner_is_sized_again_when_the_planner_cannot_ru
     r = evaluate(model, ds, budget=budget, device="cpu", progress=False)
     assert r.runner == "eager" and r.chunk_size == eager_size and "sized again" in r.reason
     assert r.metrics["accuracy"] == unchunked(model, x, y)["accuracy"]
+
+
+def test_eval_result_reads_as_a_mapping():
+    x, y = make_data(30)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 10))
+    res = evaluate(model, (x, y), chunk_size=7, device="cpu", progress=False)
+    assert res["accuracy"] == res.metrics["accuracy"] and list(res) == ["accuracy", "loss"]
+    assert dict(res) == res.metrics and len(res) == 2 and "loss" in res
+    with pytest.raises(KeyError, match=r"no metric 'mse' in this result; it has \['accuracy', 'loss'\]"):
+        res["mse"]

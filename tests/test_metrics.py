@@ -1,127 +1,284 @@
-"""The 'loss' metric against torch's own loss modules on the whole set: torch's mean is not always
-sum / numel (ignore_index, class weights, KLDivLoss 'batchmean'), and any chunking must give its value."""
-import functools
-
+"""Metrics for every task (dense accuracy and loss with an ignore index, perplexity, IoU, mse, mae) against a
+plain PyTorch reference computed in float64 on the dataset's own decoded batches: exact under any chunking
+(hypothesis draws the chunk size) and across 2 gloo ranks whose shards differ by one sample."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.evaluation import evaluate
-from memfit.metrics import Loss
+from distributed_util import run_ranks
+from memfit import CompactDataset, evaluate, metrics
 
-C, T = 5, 3
+N = 29                                     # odd: 2 ranks hold 15 and 14 samples
 
 
-class TokenModel(torch.nn.Module):
-    """(N, T, 4) -> (N, C, T) token logits, as CrossEntropyLoss wants them."""
-    def __init__(self):
+def seg_data():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (N, 3, 5, 6), dtype=np.uint8)
+    y = rng.integers(0, 4, (N, 5, 6))
+    y[rng.random((N, 5, 6)) < 0.2] = 255                      # void pixels
+    return x, y
+
+
+def seg_model():
+    torch.manual_seed(0)
+    return torch.nn.Conv2d(3, 4, 1)                           # (N, 4, 5, 6): classes on dimension 1
+
+
+class TokenLM(torch.nn.Module):
+    """(N, T) token ids -> (N, T, V) logits: classes last, as a language model's."""
+
+    def __init__(self, vocab=11):
         super().__init__()
-        self.lin = torch.nn.Linear(4, C)
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+def token_data():
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 11, (N, 7))
+    labels = np.roll(ids, -1, axis=1)                         # next token, aligned with the logits
+    labels[:, -1] = -100
+    labels[rng.random((N, 7)) < 0.25] = -100                  # padding
+    return ids, labels
+
+
+def reg_data(shape=(3,)):
+    rng = np.random.default_rng(3)
+    return rng.normal(size=(N, 6)).astype(np.float32), rng.normal(size=(N, *shape))     # float64 targets
+
+
+def reg_model(out=3):
+    torch.manual_seed(0)
+    return torch.nn.Linear(6, out)
+
+
+def decoded(ds):
+    """The whole set as the dataset decodes it, and the model's outputs in float64."""
+    return ds.batch(slice(None))
+
+
+def seg_reference(model, ds):
+    x, y = decoded(ds)
+    with torch.no_grad():
+        z = model(x).double()
+    keep = y != 255
+    pred = z.argmax(1)
+    iou = []
+    for c in range(4):
+        inter = ((pred == c) & (y == c) & keep).sum().item()
+        union = (((pred == c) | (y == c)) & keep).sum().item()
+        if union:
+            iou.append(inter / union)
+    return {"accuracy": (pred == y)[keep].double().mean().item(),
+            "loss": F.cross_entropy(z, y, ignore_index=255).item(), "iou": float(np.mean(iou))}
+
+
+def token_reference(model, ds):
+    x, y = decoded(ds)
+    with torch.no_grad():
+        z = model(x).double()
+    ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=-100).item()
+    keep = y != -100
+    return {"accuracy": (z.argmax(-1) == y)[keep].double().mean().item(), "loss": ce, "perplexity": np.exp(ce)}
+
+
+def reg_reference(model, ds):
+    x, y = decoded(ds)
+    with torch.no_grad():
+        z = model(x).double().reshape(y.shape)
+    return {"mse": ((z - y.double()) ** 2).mean().item(), "mae": (z - y.double()).abs().mean().item()}
+
+
+def check(res, ref):
+    """Counts (accuracy, IoU) exactly; sums of errors and losses to float32 rounding: the model's float32
+    outputs themselves change with the chunk size (another conv/matmul blocking).
+    `test_metric_sums_are_exact_for_any_partition` checks the metrics alone, on fixed float64 outputs, to
+    summation order."""
+    for k, v in ref.items():
+        if k in ("accuracy", "iou"):
+            assert res[k] == pytest.approx(v, rel=1e-15), k
+        else:
+            assert res[k] == pytest.approx(v, rel=1e-6), k
+
+
+@settings(max_examples=12, deadline=None)
+@given(chunk=st.integers(1, N))
+def test_segmentation_metrics_are_exact_under_any_chunking(chunk):
+    x, y = seg_data()
+    ds = CompactDataset.from_arrays(x, y, ignore_index=255, device="cpu")
+    model = seg_model()
+    res = evaluate(model, ds, metrics=("accuracy", "loss", "iou"), chunk_size=chunk, device="cpu", progress=False)
+    check(res, seg_reference(model, ds))
+
+
+@settings(max_examples=12, deadline=None)
+@given(chunk=st.integers(1, N))
+def test_token_metrics_with_ignored_padding_are_exact_under_any_chunking(chunk):
+    ids, labels = token_data()
+    model = TokenLM()
+    res = evaluate(model, (ids, labels), metrics=("accuracy", "loss", "perplexity"), chunk_size=chunk, device="cpu",
+                   progress=False)
+    check(res, token_reference(model, CompactDataset.from_arrays(ids, labels, device="cpu")))
+
+
+@settings(max_examples=12, deadline=None)
+@given(chunk=st.integers(1, N), shape=st.sampled_from([(), (3,)]))
+def test_regression_metrics_are_exact_under_any_chunking(chunk, shape):
+    x, y = reg_data(shape)
+    model = reg_model(3 if shape else 1)                           # a (N, 1) head meets (N,) targets
+    res = evaluate(model, (x, y), chunk_size=chunk, device="cpu", progress=False)
+    assert list(res) == ["mse", "mae"]                            # float targets: their default metrics
+    check(res, reg_reference(model, CompactDataset.from_arrays(x, y, device="cpu")))
+
+
+@settings(max_examples=30, deadline=None)
+@given(cuts=st.lists(st.integers(1, N - 1), max_size=8, unique=True), last=st.booleans())
+def test_metric_sums_are_exact_for_any_partition(cuts, last):
+    """Fixed float64 outputs cut into chunks anywhere: every metric equals its whole-set reference."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(N, 4, 3, generator=g, dtype=torch.float64)        # (N, C, T) or, moved, (N, T, C)
+    y = torch.randint(0, 4, (N, 3), generator=g)
+    y[torch.rand(N, 3, generator=g) < 0.3] = -100
+    if last:
+        logits = logits.transpose(1, 2).contiguous()                          # classes last
+    target, out = torch.randn(2, N, 3, generator=g, dtype=torch.float64)    # a regression's targets and outputs
+    made = {name: metrics.make_metric(name) for name in ("accuracy", "loss", "perplexity", "iou", "topk:2")}
+    errs = {name: metrics.make_metric(name) for name in ("mse", "mae")}
+    bounds = [0, *sorted(cuts), N]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        for m in made.values():
+            m.commit(m.contribution(logits[a:b], y[a:b]))
+        for m in errs.values():
+            m.commit(m.contribution(out[a:b], target[a:b]))
+    scores = logits.transpose(1, 2) if last else logits                       # (N, C, T)
+    keep = y != -100
+    ce = F.cross_entropy(scores, y, ignore_index=-100).item()
+    assert made["accuracy"].compute() == (scores.argmax(1) == y)[keep].double().mean().item()
+    top2 = (scores.topk(2, 1).indices == y[:, None]).any(1)
+    assert made["topk:2"].compute() == top2[keep].double().mean().item()
+    assert made["loss"].compute() == pytest.approx(ce, rel=1e-13)
+    assert made["perplexity"].compute() == pytest.approx(np.exp(ce), rel=1e-13)
+    pred = scores.argmax(1)
+    ious = [((pred == c) & (y == c) & keep).sum().item() / u for c in range(4)
+            if (u := (((pred == c) | (y == c)) & keep).sum().item())]
+    assert made["iou"].compute() == pytest.approx(np.mean(ious), rel=1e-15)
+    diff = out - target
+    assert errs["mse"].compute() == pytest.approx((diff ** 2).mean().item(), rel=1e-13)
+    assert errs["mae"].compute() == pytest.approx(diff.abs().mean().item(), rel=1e-13)
+
+
+def test_the_segmentation_ignore_index_comes_from_the_data():
+    x, y = seg_data()
+    model = seg_model()
+    ds = CompactDataset.from_arrays(x, y, ignore_index=255, device="cpu")
+    res = evaluate(model, ds, chunk_size=5, device="cpu", progress=False)        # default metrics, bound to 255
+    assert list(res) == ["accuracy", "loss"]
+    check(res, {k: v for k, v in seg_reference(model, ds).items() if k != "iou"})
+    iou = metrics.IoU()
+    evaluate(model, ds, metrics=[iou], chunk_size=4, device="cpu", progress=False)
+    per = iou.per_class()
+    assert per.shape == (4,) and float(per[~per.isnan()].mean()) == pytest.approx(seg_reference(model, ds)["iou"])
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self, as_tuple=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cls, self.box, self.as_tuple = torch.nn.Linear(6, 5), torch.nn.Linear(6, 2), as_tuple
 
     def forward(self, x):
-        return self.lin(x).permute(0, 2, 1)
+        out = {"label": self.cls(x), "box": self.box(x)}
+        return tuple(out.values()) if self.as_tuple else out
 
 
-class LogSoftmaxModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, C)
-
-    def forward(self, x):
-        return F.log_softmax(self.lin(x), dim=1)
-
-
-def problem(kind, n, seed):
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    if kind == "tokens":
-        x, model = torch.randn(n, T, 4, generator=g), TokenModel()
-        y = torch.randint(0, C, (n, T), generator=g)
-        y[torch.rand(n, T, generator=g) < 0.4] = -100           # padding
-        y[0, 0] = 1                                                # never all padding
-    elif kind == "kl":
-        x, model = torch.randn(n, 4, generator=g), LogSoftmaxModel()
-        y = torch.softmax(torch.randn(n, C, generator=g), dim=1)   # target probabilities
-    else:
-        x, model = torch.randn(n, 4, generator=g), torch.nn.Linear(4, C)
-        if kind == "logprobs":
-            model = LogSoftmaxModel()
-        y = torch.randint(0, C, (n,), generator=g)
-        if kind == "ignored":
-            y[torch.rand(n, generator=g) < 0.3] = 7                # the loss's ignore_index below
-            y[0] = 2
-        if kind == "padded":
-            y[torch.rand(n, generator=g) < 0.3] = -100
-            y[0] = 2
-    return model.eval(), x, y
-
-
-W = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25])
-CASES = {
-    "plain CE": ("classes", torch.nn.CrossEntropyLoss()),
-    "CE ignore_index": ("ignored", torch.nn.CrossEntropyLoss(ignore_index=7)),
-    "CE weight": ("classes", torch.nn.CrossEntropyLoss(weight=W)),
-    "CE weight + -100": ("padded", torch.nn.CrossEntropyLoss(weight=W)),
-    "CE weight + label_smoothing + -100": ("padded", torch.nn.CrossEntropyLoss(weight=W, label_smoothing=0.1)),
-    "CE tokens -100": ("tokens", torch.nn.CrossEntropyLoss()),
-    "CE tokens weight -100": ("tokens", torch.nn.CrossEntropyLoss(weight=W)),
-    "NLL weight": ("logprobs", torch.nn.NLLLoss(weight=W)),
-    "KL batchmean": ("kl", torch.nn.KLDivLoss(reduction="batchmean")),
-    "F.cross_entropy -100": ("padded", F.cross_entropy),
-    "partial CE weight": ("padded", functools.partial(F.cross_entropy, weight=W, reduction="mean")),
-    "partial kl batchmean": ("kl", functools.partial(F.kl_div, reduction="batchmean")),
-}
-
-
-def chunked(x, y, sizes):
-    """(x, y) batches cut by `sizes`, cycled: any chunking, ragged last chunk included."""
-    out, i, k = [], 0, 0
-    while i < len(x):
-        j = min(i + sizes[k % len(sizes)], len(x))
-        out.append((x[i:j], y[i:j]))
-        i, k = j, k + 1
-    return out
-
-
-@pytest.mark.parametrize("case", list(CASES))
-@settings(max_examples=8, deadline=None, derandomize=True)
-@given(n=st.integers(1, 40), sizes=st.lists(st.integers(1, 15), min_size=1, max_size=4))
-def test_loss_equals_torch_on_the_whole_set(case, n, sizes):
-    kind, loss_fn = CASES[case]
-    model, x, y = problem(kind, n, seed=n)
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_a_dict_of_targets_gets_each_its_own_metrics(as_tuple):
+    x, box = reg_data((2,))
+    label = np.random.default_rng(4).integers(0, 5, N)
+    model = TwoHeads(as_tuple)
+    ds = CompactDataset.from_arrays(x, {"label": label, "box": box}, device="cpu")
+    res = evaluate(model, ds, chunk_size=6, device="cpu", progress=False)
+    assert list(res) == ["accuracy@label", "loss@label", "mse@box", "mae@box"]
+    xb, yb = decoded(ds)
     with torch.no_grad():
-        ref = loss_fn(model(x), y).item()
-    r = evaluate(model, chunked(x, y, sizes), metrics=("loss",), loss_fn=loss_fn, device="cpu", progress=False)
-    assert r.metrics["loss"] == pytest.approx(ref, rel=1e-6)
+        z, b = model.cls(xb).double(), model.box(xb).double()
+    check({k.split("@")[0]: v for k, v in res.items()},
+          {"accuracy": (z.argmax(1) == yb["label"]).double().mean().item(),
+           "loss": F.cross_entropy(z, yb["label"]).item(), "mse": ((b - yb["box"]) ** 2).mean().item(),
+           "mae": (b - yb["box"]).abs().mean().item()})
 
 
-def test_loss_with_chunk_size_on_arrays_ignores_padding():
-    model, x, y = problem("padded", 101, seed=3)
-    loss_fn = torch.nn.CrossEntropyLoss(weight=W)
+@pytest.mark.parametrize("data, model, kwargs, match", [
+    (reg_data(()), reg_model(1), dict(metrics=("accuracy",)),
+     r"accuracy compares class ids, but the targets are float \(torch.float64, shape \(6,\)\): use metrics 'mse' "
+     r"and 'mae'"),
+    (reg_data(()), reg_model(1), dict(metrics=("loss",)),
+     r"loss without loss_fn is cross entropy, which needs class ids; the targets are float"),
+    ((seg_data()[0], seg_data()[1][:, :4]), seg_model(), dict(metrics=("accuracy",)),
+     r"accuracy: found outputs of shape \(6, 4, 5, 6\) and targets of shape \(6, 4, 6\); .*the shapes other than "
+     r"the classes must match"),
+    ((np.zeros((N, 6), np.float32), np.zeros((N, 4), np.float32)), reg_model(3), dict(),
+     r"mse compares outputs with targets of the same shape; found outputs \(6, 3\) and targets \(6, 4\)"),
+    ((np.zeros((N, 6), np.float32), np.zeros((N, 6), np.int64)),
+     torch.nn.Sequential(torch.nn.Linear(6, 36), torch.nn.Unflatten(1, (6, 6))), dict(metrics=("accuracy",)),
+     r"outputs \(6, 6, 6\) with targets \(6, 6\) fit classes on dimension 1 and on the last one; say which: "
+     r"metrics=\[memfit.metrics.Accuracy\(class_dim=1\)\]"),
+    ((np.zeros((N, 6), np.float32), np.full(N, 7)), reg_model(3), dict(),
+     r"label 7 is out of range for a model with 3 outputs \(labels must be in 0..2, or ignore_index -100"),
+    (reg_data(()), reg_model(1), dict(metrics=("mse@box",)), r"metric 'mse' reads target 'box', but the data has "
+     r"one target, not a dict"),
+    ((np.zeros((N, 6), np.float32), {"box": np.zeros((N, 2))}), reg_model(2), dict(metrics=("mse@box",)),
+     r"target 'box': expected the model to return a dict with a tensor 'box'"),
+])
+def test_bad_input_says_what_was_expected_and_found(data, model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        evaluate(model, data, chunk_size=6, device="cpu", progress=False, **kwargs)
+
+
+def test_an_ambiguous_class_dimension_is_said_and_given():
+    x = np.random.default_rng(5).normal(size=(N, 6)).astype(np.float32)
+    y = np.random.default_rng(6).integers(0, 6, (N, 6))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 36), torch.nn.Unflatten(1, (6, 6)))
+    res = evaluate(model, (x, y), metrics=[metrics.Accuracy(class_dim=-1)], chunk_size=7, device="cpu",
+                   progress=False)
+    xb = torch.from_numpy(x)
     with torch.no_grad():
-        ref = loss_fn(model(x), y).item()
-    for size in (1, 7, 50, 101):
-        r = evaluate(model, (x, y), metrics=("loss",), loss_fn=loss_fn, chunk_size=size, device="cpu",
-                     progress=False)
-        assert r.metrics["loss"] == pytest.approx(ref, rel=1e-6)
+        want = (model(xb).argmax(-1) == torch.from_numpy(y)).double().mean().item()
+    assert res["accuracy"] == want
 
 
-def test_the_denominator_is_state_that_adds_up():
-    """Distributed evaluate all-reduces every state key: the divisor must be one of them."""
-    m = Loss(torch.nn.CrossEntropyLoss(weight=W))
-    part = m.contribution(torch.randn(4, C), torch.tensor([0, -100, 3, 1]))
-    assert set(part) == {"sum", "count", "n"}
-    assert part["count"].dtype == torch.float64 and float(part["count"]) == pytest.approx(0.5 + 3.0 + 2.0)
+def _dist_rank(rank, world):
+    x, y = seg_data()
+    ds = CompactDataset.from_arrays(x, y, ignore_index=255, device="cpu")           # the whole set on each rank
+    res = evaluate(seg_model(), ds, metrics=("accuracy", "loss", "iou"), chunk_size=4, device="cpu",
+                   progress=False, distributed=True)
+    ids, labels = token_data()
+    tok = evaluate(TokenLM(), (ids, labels), metrics=("loss", "perplexity"), chunk_size=3, device="cpu",
+                   progress=False, distributed=True)
+    xr, yr = reg_data()
+    reg = evaluate(reg_model(), (xr, yr), chunk_size=5, device="cpu", progress=False, distributed=True)
+    return dict(res), dict(tok), dict(reg), res.n
 
 
-def test_all_targets_ignored_is_nan_as_in_torch():
-    m = Loss(torch.nn.CrossEntropyLoss())
-    m.commit(m.contribution(torch.randn(3, C), torch.full((3,), -100)))
-    assert m.compute() != m.compute()
-
-
-def test_a_loss_whose_mean_cannot_be_reproduced_is_refused():
-    with pytest.raises(ValueError, match=r"expected a loss whose mean.*found CTCLoss.*Fix: pass a plain function"):
-        Loss(torch.nn.CTCLoss())
+def test_two_gloo_ranks_with_shards_of_different_sizes_give_the_single_process_values():
+    out = run_ranks(_dist_rank, 2, timeout=120)
+    assert sorted(out) == [0, 1], out
+    x, y = seg_data()
+    seg = seg_reference(seg_model(), CompactDataset.from_arrays(x, y, ignore_index=255, device="cpu"))
+    ids, labels = token_data()
+    tok = token_reference(TokenLM(), CompactDataset.from_arrays(ids, labels, device="cpu"))
+    xr, yr = reg_data()
+    reg = reg_reference(reg_model(), CompactDataset.from_arrays(xr, yr, device="cpu"))
+    for status, value in out.values():
+        assert status == "ok", value
+        res, t, r, n = value
+        assert n == N
+        check(res, seg)
+        check(t, {k: tok[k] for k in ("loss", "perplexity")})
+        check(r, reg)

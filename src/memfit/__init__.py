@@ -13,8 +13,9 @@
 - `MemoryModel` (the interface of `InferenceMemoryModel` and `StepMemoryModel`), `MemoryKind`, `measure_step`,
   `check_prediction`: what memory models return, one real step's peak, and the prediction checked against it.
 
-Submodules: `memfit.codecs` (the codecs), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz,
-digits, synthetic data), `memfit.metrics`, `memfit.distributed`, `memfit.loading`, `memfit.planner`. See README.md.
+Submodules: `memfit.codecs` (the codecs), `memfit.targets` (class ids, labels, float targets, a dict of
+them), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz, digits, synthetic data), `memfit.metrics`,
+`memfit.losses`, `memfit.distributed`, `memfit.loading`, `memfit.planner`. See README.md.
 """
 
 from memfit import codecs, metrics, readers

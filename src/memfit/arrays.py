@@ -1,11 +1,11 @@
 """Turning user arrays into what a CompactDataset stores: dtypes, bounded chunked reads (memory-mapped
-files are never read whole), labels in the smallest integer dtype, per-channel statistics and
-normalisation. Pure functions; `memfit.compact` and the loaders' file source use them.
+files are never read whole), per-channel statistics and normalisation. Pure functions; `memfit.compact`,
+`memfit.targets` and the loaders' file source use them.
 
 Example:
     >>> import numpy as np
-    >>> label_dtype(0, 9), encode_labels(np.arange(3), 3).dtype
-    (torch.uint8, torch.uint8)
+    >>> [(start, len(chunk)) for start, chunk in iter_chunks(np.zeros((5, 2)), rows=2)]
+    [(0, 2), (2, 2), (4, 1)]
 """
 
 from __future__ import annotations
@@ -96,35 +96,6 @@ def iter_chunks(x: np.ndarray | torch.Tensor, rows: int | None = None) -> Iterat
         release_pages(x)
 
 
-def label_dtype(lo: int, hi: int) -> torch.dtype:
-    """The smallest integer dtype that holds every label in [lo, hi]."""
-    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
-        info = torch.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            return dtype
-    return torch.int64
-
-
-def encode_labels(y: object, n: int) -> torch.Tensor:
-    """Validate labels and store them in the smallest integer dtype (CPU)."""
-    y = to_tensor(as_array(y, "y"))
-    if y.dim() == 2 and y.shape[1] == 1:
-        y = y[:, 0]
-    if y.dim() != 1:
-        raise ValueError(f"expected labels y of shape (N,) with one class id per sample; found shape "
-                         f"{tuple(y.shape)} (one-hot labels: pass y.argmax(1))")
-    if y.shape[0] != n:
-        raise ValueError(f"labels y have {y.shape[0]} entries but x has {n} samples; they must match")
-    if y.is_floating_point():
-        if not torch.isfinite(y).all() or not torch.equal(y, y.round()):
-            raise ValueError("labels y must be integer class ids; found non-integer values "
-                             f"such as {y[y != y.round()].flatten()[:1].tolist()}")
-    if y.numel() == 0:
-        return y.to(torch.uint8)
-    lo, hi = int(y.min()), int(y.max())
-    return y.to(label_dtype(lo, hi))
-
-
 def by_channel(x: torch.Tensor) -> torch.Tensor:
     """(N, C, ...) -> (C, N * prod(...)): every value of channel c (axis 1) in row c."""
     return x.transpose(0, 1).reshape(x.shape[1], -1)
@@ -162,18 +133,23 @@ def channel_mean_std(x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.
     return mean, (m2 / max(count, 1)).sqrt()
 
 
+def no_normalisation(normalize: object) -> bool:
+    """None and 'none' (the command line's spelling, accepted by the API too) both mean raw values."""
+    return normalize is None or (isinstance(normalize, str) and normalize == "none")
+
+
 def normalisation(normalize: object, x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Resolve `normalize` into per-channel float64 (mean, std) in raw units, or None."""
+    """Resolve `normalize` into per-channel float64 (mean, std) in raw units, or None (None or 'none')."""
     channels = x.shape[1]
-    if normalize is None:
+    if no_normalisation(normalize):
         return None
     if isinstance(normalize, str):
         if normalize != "dataset":
-            raise ValueError(f"normalize must be None, 'dataset' or (mean, std); found {normalize!r}")
+            raise ValueError(f"normalize must be None (or 'none'), 'dataset' or (mean, std); found {normalize!r}")
         mean, std = channel_mean_std(x)
         return mean, torch.where(std > 0, std, torch.ones_like(std))   # constant channels: no scaling
     if not (isinstance(normalize, (tuple, list)) and len(normalize) == 2):
-        raise ValueError(f"normalize must be None, 'dataset' or a pair (mean, std) of per-channel "
+        raise ValueError(f"normalize must be None (or 'none'), 'dataset' or a pair (mean, std) of per-channel "
                          f"sequences; found {normalize!r}")
     out = []
     for name, value in zip(("mean", "std"), normalize, strict=True):

@@ -25,6 +25,7 @@ from memfit.memory.fit import line_through
 from memfit.memory.isolation import predicting
 from memfit.memory.measure import held_bytes, track_memory
 from memfit.messages import first_line
+from memfit.targets import check_count
 
 log = logging.getLogger("memfit.evaluate")
 
@@ -47,7 +48,7 @@ class Chunks:
         if self.ds.device != self.device:          # compact bytes cross the bus, not float32
             rows = rows.to(self.device, non_blocking=True)
             y = None if y is None else y.to(self.device, non_blocking=True)
-        return self.ds.decode(rows), (None if y is None else y.long())
+        return self.ds.decode(rows), (None if y is None else self.ds.targets.decode(y))
 
 
 def as_chunks(data, device: torch.device):
@@ -60,8 +61,8 @@ def as_chunks(data, device: torch.device):
         x, y = data
         if isinstance(x, dict):     # several inputs per sample; from_arrays checks every count
             return Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
-        if y is not None and len(y) != len(x):
-            raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels; they must match")
+        if y is not None:
+            check_count(y, len(x))
         if len(x) == 0:
             raise ValueError("the data is empty: nothing to evaluate")
         # stored compactly on the host; each chunk crosses to the device compact and is decoded there

@@ -27,16 +27,17 @@ import torch
 
 from memfit.arrays import (
     as_array,
-    encode_labels,
     iter_chunks,
+    no_normalisation,
     normalisation,
     resolve_dtype,
     to_tensor,
 )
 from memfit.budget import format_bytes, resolve_device
-from memfit.codecs import Codec, QuantCodec, auto_codec, make_codec
+from memfit.codecs import Codec, Float32Codec, QuantCodec, auto_codec, make_codec
 from memfit.fields import Field, PackedCodec, check_fields, pack, unpack
 from memfit.progress import progress_bar
+from memfit.targets import IGNORE_INDEX, Targets, check_count, encode_targets
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor | None:
@@ -51,20 +52,19 @@ def as_words(t: torch.Tensor) -> torch.Tensor | None:
     return t.view(t.shape[0], -1).view(torch.int64) if row % 8 == 0 and row > 0 else None
 
 
-def stored_row_nbytes(stored_shape: tuple[int, ...], stored_dtype: torch.dtype, label_dtype: torch.dtype | None) -> int:
-    """Stored bytes of one sample: its compact row plus its label (`label_dtype` None: no label)."""
-    label = 0 if label_dtype is None else label_dtype.itemsize
-    return math.prod(stored_shape) * stored_dtype.itemsize + label
+def stored_row_nbytes(stored_shape: tuple[int, ...], stored_dtype: torch.dtype, target_nbytes: int) -> int:
+    """Stored bytes of one sample: its compact row plus its stored targets (`target_nbytes`, 0: none)."""
+    return math.prod(stored_shape) * stored_dtype.itemsize + target_nbytes
 
 
-def decoded_batch_nbytes(n: int, sample_shape, dtype, labelled: bool) -> int:
+def decoded_batch_nbytes(n: int, sample_shape, dtype, target_nbytes: int) -> int:
     """Bytes of n decoded samples: x in `dtype` (per field for a dataset of fields: `sample_shape` and
-    `dtype` are then {name: ...}), labels as int64 when `labelled`."""
+    `dtype` are then {name: ...}) plus `target_nbytes` of decoded targets per sample (0: none)."""
     if isinstance(sample_shape, dict):
         x = sum(n * dtype[k].itemsize * math.prod(shape) for k, shape in sample_shape.items())
     else:
         x = n * dtype.itemsize * math.prod(sample_shape)
-    return x + (8 * n if labelled else 0)
+    return x + n * target_nbytes
 
 
 def check_integer_output(codec: Codec, dtype: torch.dtype, normalize: object) -> None:
@@ -72,7 +72,7 @@ def check_integer_output(codec: Codec, dtype: torch.dtype, normalize: object) ->
     if codec.offset is None:
         raise ValueError(f"dtype {dtype} needs integer data and an integer codec (codec='auto'); found codec "
                          f"{codec.name!r}; use a float dtype (e.g. dtype=torch.float32) for float data")
-    if normalize is not None:
+    if not no_normalisation(normalize):
         raise ValueError(f"normalize applies to float outputs; dtype {dtype} yields the integers themselves "
                          "(token ids): pass normalize=None, or a float dtype to normalise")
 
@@ -83,21 +83,23 @@ class Encoding:
     `CompactDataset.from_arrays` (in memory) and the loaders' file source (memory-mapped), so both store
     the same codes and decode them to the same values.
 
-    `codec` is fitted (q8/q4 know every channel's range); `labels` are CPU, in the smallest integer
-    dtype; `mean`/`std` are float64 (C,) in the units of x, or None."""
+    `codec` is fitted (q8/q4 know every channel's range); `y` are the stored targets on the CPU
+    (`memfit.targets`), `targets` how they decode; `mean`/`std` are float64 (C,) in the units of x, or None."""
     x: np.ndarray | torch.Tensor
     codec: Codec
     dtype: torch.dtype
     sample_shape: tuple[int, ...]
-    labels: torch.Tensor | None
+    y: torch.Tensor | None
+    targets: Targets | None
     mean: torch.Tensor | None
     std: torch.Tensor | None
     auto: bool                     # the codec was chosen by `auto_codec` (exact for every value of x)
 
 
 def prepare_encoding(x: np.ndarray | torch.Tensor, y: object, codec: str | Codec, normalize: object,
-                     dtype: torch.dtype | str | None, chunk_rows: int | None = None) -> Encoding:
-    """Check x (N, ...), choose and fit the codec, resolve the output dtype, encode the labels and
+                     dtype: torch.dtype | str | None, chunk_rows: int | None = None, y_dtype=None,
+                     ignore_index: int = IGNORE_INDEX) -> Encoding:
+    """Check x (N, ...), choose and fit the codec, resolve the output dtype, encode the targets and
     resolve the normalisation; reads x in chunks of `chunk_rows` rows (default about `CHUNK_BYTES`).
 
     Raises:
@@ -110,11 +112,19 @@ def prepare_encoding(x: np.ndarray | torch.Tensor, y: object, codec: str | Codec
     if x.shape[0] == 0:
         raise ValueError("x has no samples (shape[0] == 0); pass at least one sample")
     auto = isinstance(codec, str) and codec == "auto"
-    dtype = resolve_dtype(dtype, x)
     codec = auto_codec(x) if auto else make_codec(codec)
+    if auto and codec.name == "float64":
+        # float64 data that float32 cannot hold: decoded as float64 by default (lossless, as stored); float32
+        # (or half) batches asked for are stored as float32, its worst rounding measured while encoding
+        if dtype is None:
+            dtype = torch.float64
+        elif resolve_dtype(dtype).is_floating_point and resolve_dtype(dtype) != torch.float64:
+            codec = Float32Codec()
+    dtype = resolve_dtype(dtype, x)
     if not dtype.is_floating_point:
         check_integer_output(codec, dtype, normalize)
-    labels = None if y is None else encode_labels(y, x.shape[0])
+    y_rows, targets = (None, None) if y is None else encode_targets(y, x.shape[0], y_dtype=y_dtype,
+                                                                    ignore_index=ignore_index)
     stats = normalisation(normalize, x)                 # one streaming pass for normalize='dataset'
     if isinstance(codec, QuantCodec):                   # q8/q4 need the range of all the data first
         for _, chunk in iter_chunks(x, chunk_rows):
@@ -122,7 +132,7 @@ def prepare_encoding(x: np.ndarray | torch.Tensor, y: object, codec: str | Codec
     else:                                               # fixed codecs only learn the channel count
         codec.fit(to_tensor(x[:1]))
     mean, std = stats if stats is not None else (None, None)
-    return Encoding(x, codec, dtype, tuple(x.shape[1:]), labels, mean, std, auto)
+    return Encoding(x, codec, dtype, tuple(x.shape[1:]), y_rows, targets, mean, std, auto)
 
 
 def check_encoding(enc: Encoding, chunk_rows: int | None = None) -> None:
@@ -150,7 +160,7 @@ class ShardInfo:
 
 class Samples(Sequence):
     """A decoded batch seen as a sequence of samples: `[i]` is `(x[i], y[i])` (views; x alone without
-    labels, a dict of views for a dataset of fields). `x`, `y` hold the whole batch."""
+    targets, a dict of views for a dataset of fields or a dict of targets). `x`, `y` hold the whole batch."""
 
     def __init__(self, x, y) -> None:
         self.x, self.y = x, y
@@ -165,7 +175,9 @@ class Samples(Sequence):
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} is out of range for a batch of {len(self)}")
         x = {k: v[i] for k, v in self.x.items()} if isinstance(self.x, dict) else self.x[i]
-        return x if self.y is None else (x, self.y[i])
+        if self.y is None:
+            return x
+        return x, ({k: v[i] for k, v in self.y.items()} if isinstance(self.y, dict) else self.y[i])
 
 
 class SampleList(list):
@@ -179,14 +191,17 @@ class SampleList(list):
 class CompactDataset(torch.utils.data.Dataset):
     """Samples stored compactly on a device, decoded per batch. Build with `from_arrays`.
 
-    Attributes: `x` (stored rows, (N, *stored_shape)), `y` (labels in the smallest integer dtype, or
-    None), `codec`, `sample_shape`, `dtype` (decoded), `device`, `mean`/`std` (per-channel, raw units).
+    Attributes: `x` (stored rows, (N, *stored_shape)), `y` (stored targets (N, ...), or None; a dict of
+    targets is packed into uint8 rows), `targets` (how y decodes: kind, codec, dtype; `memfit.targets`),
+    `codec`, `sample_shape`, `dtype` (decoded), `device`, `mean`/`std` (per-channel, raw units).
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor | None, codec: Codec, sample_shape: tuple[int, ...],
                  dtype: torch.dtype, mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
-                 fields: dict[str, Field] | None = None):
+                 fields: dict[str, Field] | None = None, targets: Targets | None = None):
         self.x, self.y, self.codec = x, y, codec
+        # how the stored targets decode; rows made elsewhere (plain label tensors) decode as they are
+        self.targets = targets if targets is not None or y is None else Targets.plain(y)
         self.fields = fields        # several inputs per sample, packed in one byte row (memfit.fields)
         if fields is None:
             self.sample_shape, self.dtype = tuple(sample_shape), dtype
@@ -195,39 +210,53 @@ class CompactDataset(torch.utils.data.Dataset):
             self.dtype = {k: f.template.dtype for k, f in fields.items()}
         self.mean, self.std = mean, std
         self.shard_info: ShardInfo | None = None     # set by shard(): which part of which whole
-        self.num_classes = int(y.max()) + 1 if y is not None and len(y) else None
+        self.num_classes = None if self.targets is None else self.targets.num_classes
         self._x_words = as_words(x)     # the rows as 8-byte words, for gathers (None: as they are)
         self._set_affine()
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_arrays(cls, x, y=None, *, codec: str | Codec = "auto", normalize=None, device=None,
-                    dtype: torch.dtype | str | None = None, progress: bool | None = None) -> CompactDataset:
-        """Encode `x` (N, ...) with `codec` and store it with labels `y` on `device`.
+                    dtype: torch.dtype | str | None = None, progress: bool | None = None, y_dtype=None,
+                    ignore_index: int = IGNORE_INDEX) -> CompactDataset:
+        """Encode `x` (N, ...) with `codec` and store it with targets `y` on `device`.
 
         Args:
             x: numpy array, memmap or tensor of shape (N, C, ...) or (N, D); read in chunks.
-            y: optional class ids (N,), stored in the smallest integer dtype, returned as int64.
+            y: optional targets, stored with the lossless auto codec (`memfit.targets`): integer class ids
+                (N,) or labels (N, ...) (segmentation masks, token labels; `ignore_index` marks positions
+                without one), decoded to int64; float targets of any shape, decoded to float32 (float64
+                where float32 cannot hold them); or a dict of these, decoded to a dict.
             codec: 'auto' (lossless: the narrowest exact integer type for integer data, uint8 for 8-bit
                 images, fp16/bf16 only where every value is exact, else float32; `memfit.codecs.auto_codec`)
                 or a name in `memfit.codecs.CODECS`; a lossy one ('q8', 'q4', 'fp16' on float32 data)
                 reports its error bound in `codec.max_abs_error` and `explain()`.
-            normalize: None (raw values as float), 'dataset' (per-channel mean/std of x) or
+            normalize: None or 'none' (raw values), 'dataset' (per-channel mean/std of x) or
                 (mean, std), each one value per channel (axis 1), in the units of x.
             device: where to store; None = first CUDA device when there is one, else the CPU.
-            dtype: decoded dtype: None (int64 for integer data such as token ids, float32 otherwise),
-                float32, float16, bfloat16, float64, or int64/int32 (integer codecs, no normalize).
+            dtype: decoded dtype: None (int64 for integer data such as token ids; float64 for float64 data
+                that float32 cannot hold exactly, as codec='auto' stores it; float32 otherwise), float32,
+                float16, bfloat16, float64, or int64/int32 (integer codecs, no normalize). float32 (or half)
+                asked for such float64 data stores it as float32, with the rounding bound in `explain()`.
             progress: a progress bar counting encoded samples, for large inputs (over 2**28 values) and
                 only on a terminal; False never shows one.
+            y_dtype: None (integers: int64, floats: float) or asked for: torch.int64 makes float targets
+                class ids (each must be a whole number), torch.float32 stores float64 targets as float32
+                (the worst rounding is in `explain()`); a dict per target for a dict of targets.
+            ignore_index: the integer label meaning "no label here" (default -100, torch's; 255 for many
+                segmentation sets): not counted in `num_classes` nor by the metrics.
 
         Raises:
             ValueError / TypeError naming what was expected and found; nothing is kept on error.
         """
         if isinstance(x, dict):
             return cls._from_fields(x, y, codec=codec, normalize=normalize, device=device, dtype=dtype,
-                                    progress=progress)
+                                    progress=progress, y_dtype=y_dtype, ignore_index=ignore_index)
         dev = resolve_device(device)
-        prep = prepare_encoding(as_array(x, "x"), y, codec, normalize, dtype)
+        x = as_array(x, "x")
+        if y is not None and x.ndim >= 1:
+            check_count(y, x.shape[0])
+        prep = prepare_encoding(x, y, codec, normalize, dtype, y_dtype=y_dtype, ignore_index=ignore_index)
         x, codec, sample_shape = prep.x, prep.codec, prep.sample_shape
         n = x.shape[0]
         stored = torch.empty((n, *codec.stored_shape(sample_shape)), dtype=codec.stored_dtype, device=dev)
@@ -238,11 +267,12 @@ class CompactDataset(torch.utils.data.Dataset):
             stored[start:start + enc.shape[0]].copy_(enc)
             bar.update(enc.shape[0])
         bar.close()
-        labels = None if prep.labels is None else prep.labels.to(dev)
-        return cls(stored, labels, codec, sample_shape, prep.dtype, prep.mean, prep.std)
+        y_rows = None if prep.y is None else prep.y.to(dev)
+        return cls(stored, y_rows, codec, sample_shape, prep.dtype, prep.mean, prep.std, targets=prep.targets)
 
     @classmethod
-    def _from_fields(cls, x: dict, y, *, codec, normalize, device, dtype, progress) -> CompactDataset:
+    def _from_fields(cls, x: dict, y, *, codec, normalize, device, dtype, progress, y_dtype,
+                     ignore_index) -> CompactDataset:
         """Each field encoded on its own, then packed into one byte row per sample (memfit.fields)."""
         n = check_fields(x)
         per = lambda arg, name: arg.get(name, "auto" if arg is codec else None) if isinstance(arg, dict) else arg
@@ -258,9 +288,13 @@ class CompactDataset(torch.utils.data.Dataset):
             except (ValueError, TypeError) as e:
                 raise type(e)(f"field {name!r}: {e}") from None
         rows, fields = pack(parts, resolve_device(device))
-        labels = None if y is None else encode_labels(y, n).to(rows.device)
+        if y is not None:
+            check_count(y, n)
+        y_rows, targets = (None, None) if y is None else encode_targets(y, n, y_dtype=y_dtype,
+                                                                        ignore_index=ignore_index)
         packed = PackedCodec({k: p.codec for k, p in parts.items()})
-        return cls(rows, labels, packed, tuple(rows.shape[1:]), torch.uint8, fields=fields)
+        return cls(rows, None if y_rows is None else y_rows.to(rows.device), packed, tuple(rows.shape[1:]),
+                   torch.uint8, fields=fields, targets=targets)
 
     def _set_affine(self) -> None:
         """Fold the codec's dequantisation and the normalisation into one multiply-add per channel."""
@@ -355,9 +389,11 @@ class CompactDataset(torch.utils.data.Dataset):
 
     def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decoded batch for a LongTensor of valid indices already on `self.device` (no checks)."""
-        x = self.decode(self.rows(idx))
-        y = None if self.y is None else self.y.index_select(0, idx).long()
-        return x, y
+        return self.decode(self.rows(idx)), self.targets_at(idx)
+
+    def targets_at(self, idx: torch.Tensor):
+        """Decoded targets of valid indices on `self.device` (a tensor, a dict of them, or None)."""
+        return None if self.y is None else self.targets.decode(self.y.index_select(0, idx))
 
     def index(self, indices: object) -> torch.Tensor:
         """Indices (int list, numpy, tensor, slice, bool mask) -> checked LongTensor on the device."""
@@ -383,7 +419,8 @@ class CompactDataset(torch.utils.data.Dataset):
     def batch(self, indices: object) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decoded `(x, y)` for the given indices: one gather on the device, then decode.
 
-        `x` is (n, *sample_shape) in `self.dtype`; `y` is int64 (n,), or None without labels.
+        `x` is (n, *sample_shape) in `self.dtype`; `y` the decoded targets (int64 class ids (n,) or labels
+        (n, ...), float targets, a dict of them), or None without targets.
         """
         return self.gather(self.index(indices))
 
@@ -425,34 +462,38 @@ class CompactDataset(torch.utils.data.Dataset):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: stored rows, labels and the per-channel decode parameters."""
+        """Bytes held: stored rows, targets and the per-channel decode parameters."""
         return (self.x.nbytes + (0 if self.y is None else self.y.nbytes)
                 + self._scale.nbytes + self._shift.nbytes)
 
     @property
     def dense_nbytes(self) -> int:
-        """What the same data takes as plain tensors: float32 samples (int64 for integer data), int64 labels."""
-        labels = 0 if self.y is None else 8 * len(self)
+        """What the same data takes as plain tensors: float32 samples (int64 for integer data), int64 labels,
+        float32 (float64 where needed) float targets."""
+        labels = 0 if self.y is None else self.targets.dense_nbytes * len(self)
         if self.fields is not None:
             return sum(len(self) * f.template.dense_nbytes_per_sample for f in self.fields.values()) + labels
         return len(self) * self.dense_nbytes_per_sample + labels
 
     @property
     def dense_nbytes_per_sample(self) -> int:
-        """Bytes of one sample as a plain tensor (float32, or int64 for integer data), no label."""
-        return (4 if self.dtype.is_floating_point else 8) * math.prod(self.sample_shape)
+        """Bytes of one sample as a plain tensor (float32, float64 for float64 batches, or int64 for integer
+        data), no target."""
+        return (max(4, self.dtype.itemsize) if self.dtype.is_floating_point else 8) * math.prod(self.sample_shape)
 
     @property
     def row_nbytes(self) -> int:
-        """Stored bytes of one sample (its label included)."""
-        return stored_row_nbytes(self.x.shape[1:], self.x.dtype, None if self.y is None else self.y.dtype)
+        """Stored bytes of one sample (its targets included)."""
+        return stored_row_nbytes(self.x.shape[1:], self.x.dtype, 0 if self.y is None else self.targets.stored_nbytes)
 
     def batch_nbytes(self, n: int) -> int:
-        """Bytes of one decoded batch of n samples (x in `dtype`, y as int64)."""
-        return decoded_batch_nbytes(n, self.sample_shape, self.dtype, self.y is not None)
+        """Bytes of one decoded batch of n samples (x in `dtype`, targets decoded)."""
+        return decoded_batch_nbytes(n, self.sample_shape, self.dtype,
+                                    0 if self.targets is None else self.targets.decoded_nbytes)
 
     def _replace(self, x: torch.Tensor, y: torch.Tensor | None) -> CompactDataset:
-        out = type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std, self.fields)
+        out = type(self)(x, y, self.codec, self.sample_shape, self.dtype, self.mean, self.std, self.fields,
+                         self.targets)
         out.num_classes = self.num_classes           # a part keeps the whole's class count
         out.shard_info = self.shard_info
         return out
@@ -510,14 +551,16 @@ class CompactDataset(torch.utils.data.Dataset):
 
     def explain(self) -> str:
         """How the samples are stored and decoded, with the codec's error bound when it is lossy."""
+        targets = "" if self.targets is None else f"; targets: {self.targets.describe()}"
         if self.fields is not None:
             parts = "; ".join(f"{k}: {f.template.explain_sample()}" for k, f in self.fields.items())
             return (f"{len(self)} samples of {len(self.fields)} fields packed in {self.x.shape[1]}-byte rows, "
-                    f"{format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x plain tensors); {parts}")
+                    f"{format_bytes(self.nbytes)} ({self.nbytes / self.dense_nbytes:.3f}x plain tensors); "
+                    f"{parts}{targets}")
         if not len(self):              # a file source's template: the rows stay on disk
-            return f"samples of {self.explain_sample()}"
+            return f"samples of {self.explain_sample()}{targets}"
         return (f"{len(self)} samples of {self.explain_sample()}, {format_bytes(self.nbytes)} "
-                f"({self.nbytes / self.dense_nbytes:.3f}x plain tensors)")
+                f"({self.nbytes / self.dense_nbytes:.3f}x plain tensors){targets}")
 
     def explain_sample(self) -> str:
         norm = "" if self.mean is None else ", normalised per channel"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import textwrap
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -47,13 +47,21 @@ from memfit.compact import CompactDataset
 from memfit.input_mistakes import dtype_mistake
 from memfit.memory.measure import held_bytes
 from memfit.messages import first_line, plural, whole_words
-from memfit.metrics import Metric, logits_of, make_metric
+from memfit.metrics import Metric, default_metrics, logits_of, make_metric, output_for
 from memfit.progress import progress_bar
 
 
-@dataclass
-class EvalResult:
-    """What `evaluate` measured. `metrics` maps each requested metric to its whole-set value."""
+@dataclass(eq=False)
+class EvalResult(Mapping):
+    """What `evaluate` measured. `metrics` maps each requested metric to its whole-set value, and the result
+    reads as that mapping too: `res["accuracy"]`, `for name in res`, `dict(res)`, `len(res)`.
+
+    Example:
+        >>> r = EvalResult({"accuracy": 0.5, "loss": 0.7}, n=4, chunk_size=4, chunks=1, retries=0,
+        ...                peak_bytes=None, seconds=0.0)
+        >>> r["accuracy"], list(r), dict(r) == r.metrics
+        (0.5, ['accuracy', 'loss'], True)
+    """
     metrics: dict
     n: int
     chunk_size: int
@@ -64,6 +72,18 @@ class EvalResult:
     runner: str = "eager"
     reason: str = ""                # how the chunk size and runner were chosen, whole sentences
     oom_sizes: list = field(default_factory=list)
+
+    def __getitem__(self, key: str):
+        if key not in self.metrics:
+            raise KeyError(f"no metric {key!r} in this result; it has {sorted(self.metrics)} (ask evaluate for it "
+                           f"with metrics=[..., {key!r}])")
+        return self.metrics[key]
+
+    def __iter__(self):
+        return iter(self.metrics)
+
+    def __len__(self) -> int:
+        return len(self.metrics)
 
     def __str__(self) -> str:
         vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {type(v).__name__}"
@@ -81,10 +101,27 @@ class EvalResult:
 
 # ---- the loop --------------------------------------------------------------------------------------
 def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
-    """Forward one chunk and compute every metric's contribution; nothing is committed here."""
-    out = logits_of(forward(runner, x), output_fn)
-    watch(out)
-    return [m.contribution(out, y) for m in metrics.values()]
+    """Forward one chunk and compute every metric's contribution; nothing is committed here. A metric that
+    names a target of a dict of targets reads the model's output of that name (`metrics.output_for`)."""
+    out = forward(runner, x)
+    names = list(y) if isinstance(y, dict) else []
+    logits, parts, watched = None, [], set()
+    for m in metrics.values():
+        if m.target is None:
+            if logits is None:
+                logits = logits_of(out, output_fn)
+            pred, target = logits, y
+        elif m.target in names:
+            pred, target = output_for(out, m.target, names, output_fn), y[m.target]
+        else:
+            has = f"targets {names}" if names else "one target, not a dict of them"
+            raise ValueError(f"metric {m.name!r} reads target {m.target!r}, but the data has {has}; name one of "
+                             "its targets, or leave the target out")
+        if id(pred) not in watched:
+            watched.add(id(pred))
+            watch(pred)
+        parts.append(m.contribution(pred, target))
+    return parts
 
 
 class NanWatch:
@@ -101,7 +138,7 @@ class NanWatch:
                       "(check the weights, the input normalisation and the dtype)", RuntimeWarning, stacklevel=2)
 
 
-def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss_fn: Callable | None = None,
+def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable | None = None,
              loss_reduction: str | None = None, output_fn: Callable | None = None,
              chunk_size: int | str = "auto", budget: int | str | None = None, device=None,
              progress: bool | None = True, planned: bool | None = None, distributed: bool = False,
@@ -114,8 +151,12 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
         data: a CompactDataset, a memfit Loader (any iterable of (x, y) batches: x a tensor, a tuple
             passed as `model(*x)` or a dict passed as `model(**x)`), or (x, y) arrays, which are stored
             compactly (and losslessly) on the host on the way in.
-        metrics: names ('accuracy', 'topk:5', 'loss', 'confusion') or torchmetrics-style objects
-            (keyed by class name, '_2' added when repeated), or a dict {result key: either}.
+        metrics: 'auto' (from the targets: class ids and labels 'accuracy' and 'loss'; float targets 'mse'
+            and 'mae'; a dict of targets each its own, keyed 'accuracy@NAME'), or names ('accuracy', 'topk:5',
+            'loss', 'confusion', 'iou', 'perplexity', 'mse', 'mae'; 'NAME@TARGET' for one target of a dict),
+            `memfit.metrics.Metric` objects or torchmetrics-style objects (keyed by class name, '_2' added when
+            repeated), or a dict {result key: either}. Class scores may be (N, C), (N, C, *d) or (N, *d, C)
+            for labels (N,) or (N, *d); labels equal to the data's ignore_index (else -100) count nowhere.
         loss_fn: used by 'loss'; default cross entropy. torch losses, partials and functions with a
             `reduction` parameter are asked for per-sample values; a function that returns a scalar
             needs `loss_reduction`. The result is torch's mean over the whole set: targets equal to
@@ -154,8 +195,9 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     """
     t0 = time.perf_counter()
     dev = _model_device(model, device)
-    mets = _metrics(metrics, loss_fn, loss_reduction)
-    if not mets:
+    auto = isinstance(metrics, str) and metrics == "auto"
+    mets = {} if auto else _metrics(metrics, loss_fn, loss_reduction)     # a bad name is said before any work
+    if not auto and not mets:
         raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
     if not isinstance(sharded, bool) or (sharded and not distributed):
         raise ValueError(f"sharded=True says each rank holds its own part, so it needs distributed=True; found "
@@ -172,6 +214,12 @@ def evaluate(model: torch.nn.Module, data, *, metrics=("accuracy", "loss"), loss
     error, res, runner, runner_name = None, None, model, "eager"
     try:
         chunks = _local_chunks(data, dev, sharded) if distributed else as_chunks(data, dev)
+        targets = getattr(chunks.ds if isinstance(chunks, Chunks) else chunks, "targets", None)
+        if targets is None and hasattr(chunks, "dataset"):           # a memfit Loader
+            targets = chunks.dataset.targets
+        if auto:
+            mets.update(_metrics(default_metrics(None if targets is None else targets.kind), loss_fn, loss_reduction))
+        _bind(mets, targets)
         size, estimate, reason = _chunk_size(model, chunks, chunk_size, budget, dev, distributed, planned)
         if isinstance(chunks, Chunks) and _use_planner(chunks, planned, estimate):
             runner, why = _planned_runner(model, chunks, size, planned)
@@ -235,6 +283,18 @@ def _use_planner(chunks, planned, estimate) -> bool:
     return bool(planned) or (estimate is not None and estimate.planned)
 
 
+def _bind(mets: dict[str, Metric], targets) -> None:
+    """Each metric takes the ignore_index of the target it reads, unless it was given one."""
+    for m in mets.values():
+        part = None if targets is None else targets.parts.get(m.target)
+        m.bind(None if part is None else part.ignore_index)
+
+
+class _NoChunks(tuple):
+    """An empty shard's chunks: none, with the targets the other ranks have (their kind picks the metrics)."""
+    targets = None
+
+
 def _agreed_data(data, sharded: bool):
     """The data as a CompactDataset (arrays are encoded whole, so every rank decodes with the same codec and
     normalisation), after the ranks agreed that they hold one whole set of one size and content, or each its
@@ -258,7 +318,9 @@ def _local_chunks(data, dev, sharded: bool):
     from memfit.distributed import rank_world, shard_data
     part = data if sharded else shard_data(data, *rank_world())[0]
     if isinstance(part, CompactDataset) and len(part) == 0:
-        return ()
+        empty = _NoChunks()
+        empty.targets = part.targets
+        return empty
     return as_chunks(part, dev)
 
 

@@ -2,10 +2,24 @@
 
 Averaging per-chunk accuracies is wrong when the last chunk is smaller: with
 10,001 samples in chunks of 50 the last chunk of 1 sample weighs as much as a full one. Here each
-chunk contributes sums (correct predictions, summed losses, confusion counts) and the sample
-count; the value is computed once at the end. Contributions are computed first and committed
+chunk contributes sums (correct predictions, summed losses, squared errors, confusion counts) and
+counts; the value is computed once at the end. Contributions are computed first and committed
 only after the whole chunk succeeded, so a chunk retried after an out-of-memory error is never
 counted twice. States add up across processes too (`torch.distributed.all_reduce(SUM)`).
+
+| metric        | targets                                   | value                                            |
+|---------------|-------------------------------------------|--------------------------------------------------|
+| `accuracy`, `topk:K` | class ids (N,) or labels (N, *d)   | share of positions (not ignore_index) predicted  |
+| `loss`        | class ids / labels (default cross entropy), any with `loss_fn` | torch's mean over the whole set |
+| `perplexity`  | token labels (N, T)                       | exp of the token-mean cross entropy (non-ignored)|
+| `iou`         | labels (N, *d) (segmentation)             | mean over classes present of intersection / union |
+| `confusion`   | class ids / labels                        | (C, C) counts, rows true, columns predicted      |
+| `mse`, `mae`  | float targets of any shape                | mean squared / absolute error over every value   |
+
+Class scores may lie on dimension 1 (`(N, C, *d)`, torch's convention) or last (`(N, *d, C)`, a language
+model's logits); the shapes say which (`class_dim`). Labels equal to `ignore_index` (the data's, else -100)
+count nowhere. With a dict of targets a metric names its target, `"accuracy@label"`, and reads the model's
+output of that name (`output_for`).
 
 Example:
     >>> import torch
@@ -18,52 +32,124 @@ Example:
 
 from __future__ import annotations
 
-import copy
-import functools
-import inspect
+import math
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
+from memfit.losses import loss_sum, per_sample, torch_denominator
 from memfit.messages import plural
+from memfit.targets import IGNORE_INDEX
 
 
-def check_logits(logits: torch.Tensor, y: torch.Tensor, what: str) -> None:
-    """Raise a clear ValueError unless logits are (N, classes) and y holds class ids that fit."""
-    if logits.dim() != 2:
-        raise ValueError(f"{what} needs model outputs of shape (N, classes); found shape {tuple(logits.shape)} "
-                         "(flatten or pool the output, or pass a metric object that accepts this shape)")
+# ---- checks: what a metric compares ----------------------------------------------------------------
+def class_dim(logits: torch.Tensor, y: torch.Tensor, what: str, given: int | None = None) -> int:
+    """Where the class scores are: 1 for (N, C, *d) with labels (N, *d), -1 for (N, *d, C); raise otherwise."""
+    shape, ys = tuple(logits.shape), tuple(y.shape)
+    fix = ("the output must have one more dimension than the targets, the classes: (N, C, *d) or (N, *d, C) "
+           "for targets (N, *d)")
+    if logits.dim() != y.dim() + 1 or shape[0] != ys[0]:
+        raise ValueError(f"{what}: found outputs of shape {shape} and targets of shape {ys}; {fix} (flatten or "
+                         "pool the output, or check that the targets belong to this model)")
+    first, last = shape[2:] == ys[1:], shape[1:-1] == ys[1:]
+    if given is not None:
+        if (given == 1 and not first) or (given == -1 and not last):
+            raise ValueError(f"{what}: class_dim={given} needs outputs {'(N, C, *d)' if given == 1 else '(N, *d, C)'}"
+                             f" for targets {ys}; found outputs {shape}")
+        return given
+    if logits.dim() == 2 or (first and not last):
+        return 1
+    if last and not first:
+        return -1
+    if first and last:
+        raise ValueError(f"{what}: outputs {shape} with targets {ys} fit classes on dimension 1 and on the last "
+                         f"one; say which: metrics=[memfit.metrics.{type_name(what)}(class_dim=1)] (or -1)")
+    raise ValueError(f"{what}: found outputs of shape {shape} and targets of shape {ys}; {fix}: the shapes "
+                     "other than the classes must match")
+
+
+def type_name(what: str) -> str:
+    return {"accuracy": "Accuracy", "loss (cross entropy)": "Loss", "perplexity": "Perplexity",
+            "iou": "IoU", "confusion": "Confusion"}.get(what, "Accuracy")
+
+
+def class_targets(logits: torch.Tensor, y, what: str, ignore_index: int, given: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scores with classes on dimension 1 (N, C, *d): a view, targets (N, *d), mask of counted positions).
+
+    Raises a ValueError saying what was expected and found: no targets, float targets, shapes that do not
+    fit, a label outside 0..C-1 that is not ignore_index."""
     if y is None:
-        raise ValueError(f"{what} needs labels; the data has none (give y, or use metrics that need no labels)")
+        raise ValueError(f"{what} needs targets; the data has none (give y, or use metrics that need none)")
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"{what} compares with one target tensor; found {type(y).__name__} (a dict of targets: "
+                         f"name the target, e.g. '{what.split()[0]}@NAME')")
+    if y.is_floating_point():
+        raise ValueError(f"{what} compares class ids, but the targets are float ({y.dtype}, shape "
+                         f"{tuple(y.shape)}): use metrics 'mse' and 'mae' for float targets, or "
+                         "y_dtype=torch.int64 when building the data if they are class ids")
     if y.shape[0] != logits.shape[0]:
-        raise ValueError(f"{what}: {plural(logits.shape[0], 'output')} but {plural(y.shape[0], 'label')} in a chunk")
-    if y.numel():
-        lo, hi = int(y.min()), int(y.max())
-        if lo < 0 or hi >= logits.shape[1]:
-            bad = hi if hi >= logits.shape[1] else lo
-            raise ValueError(f"label {bad} is out of range for a model with {plural(logits.shape[1], 'output')} "
-                             f"(labels must be in 0..{logits.shape[1] - 1}); check the labels or the model's "
-                             "output size")
+        raise ValueError(f"{what}: {plural(logits.shape[0], 'output')} but {plural(y.shape[0], 'target')} in a "
+                         "chunk")
+    dim = class_dim(logits, y, what, given)
+    scores = logits if dim == 1 else logits.movedim(-1, 1)
+    keep = y != ignore_index
+    kept = y[keep]
+    if kept.numel():
+        lo, hi, c = int(kept.min()), int(kept.max()), scores.shape[1]
+        if lo < 0 or hi >= c:
+            bad = hi if hi >= c else lo
+            raise ValueError(f"label {bad} is out of range for a model with {plural(c, 'output')} (labels must be "
+                             f"in 0..{c - 1}, or ignore_index {ignore_index} where there is none); check the labels, "
+                             "their ignore_index or the model's output size")
+    return scores, y, keep
+
+
+def float_targets(pred: torch.Tensor, y, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(outputs, targets) of one shape for an error metric; (N, 1) outputs meet (N,) targets."""
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"{what} needs targets as one tensor; found {'none' if y is None else type(y).__name__} "
+                         f"(a dict of targets: name one, e.g. '{what}@NAME')")
+    if pred.shape != y.shape and pred.shape == (*y.shape, 1):
+        pred = pred.squeeze(-1)                 # a regression head (N, 1) for targets (N,)
+    if pred.shape != y.shape:
+        raise ValueError(f"{what} compares outputs with targets of the same shape; found outputs {tuple(pred.shape)} "
+                         f"and targets {tuple(y.shape)}; reshape the output (or the targets) to match")
+    return pred, y
 
 
 # ---- pure functions: one chunk's sums -----------------------------------------------------------
-def correct_topk(logits: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
-    """Number of samples whose label is among the k highest outputs (int64, 0-dim)."""
-    k = min(k, logits.shape[1])
-    top = logits.topk(k, dim=1).indices                  # (N, k)
-    return (top == y[:, None]).any(1).sum()
+def correct_topk(scores: torch.Tensor, y: torch.Tensor, keep: torch.Tensor, k: int) -> torch.Tensor:
+    """Counted positions whose label is among the k highest scores (classes on dimension 1) (int64, 0-dim)."""
+    top = scores.topk(min(k, scores.shape[1]), dim=1).indices       # (N, k, *d)
+    return ((top == y.unsqueeze(1)).any(1) & keep).sum()
 
 
-def correct(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Number of samples whose argmax is the label (ties go to the first index, as torch.argmax)."""
-    return (logits.argmax(1) == y).sum()
+def correct(scores: torch.Tensor, y: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Counted positions whose argmax is the label (ties go to the first index, as torch.argmax)."""
+    return ((scores.argmax(1) == y) & keep).sum()
 
 
-def confusion(logits: torch.Tensor, y: torch.Tensor, classes: int) -> torch.Tensor:
-    """(classes, classes) int64 counts: rows are true labels, columns predictions."""
-    pred = logits.argmax(1)
-    return torch.bincount(y * classes + pred, minlength=classes * classes).view(classes, classes)
+def confusion(scores: torch.Tensor, y: torch.Tensor, keep: torch.Tensor, classes: int) -> torch.Tensor:
+    """(classes, classes) int64 counts over counted positions: rows are true labels, columns predictions."""
+    pred = scores.argmax(1)[keep]
+    return torch.bincount(y[keep] * classes + pred, minlength=classes * classes).view(classes, classes)
+
+
+def intersection_union(scores, y, keep, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per class (classes,) int64: positions predicted and labelled c, and those predicted or labelled c."""
+    pred, true = scores.argmax(1)[keep], y[keep]
+    inter = torch.bincount(true[pred == true], minlength=classes)
+    return inter, torch.bincount(pred, minlength=classes) + torch.bincount(true, minlength=classes) - inter
+
+
+def cross_entropy_sum(scores, y, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 sum of cross entropy over counted positions, their count): torch's mean is sum / count."""
+    ignored = torch.where(keep, y, torch.full_like(y, IGNORE_INDEX))   # one value torch skips (gives 0)
+    wide = scores if scores.dtype == torch.float64 else scores.float()      # half types: in float32
+    losses = F.cross_entropy(wide, ignored, ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.double().sum(), keep.sum().double()
 
 
 def logits_of(out, output_fn: Callable | None = None) -> torch.Tensor:
@@ -91,137 +177,46 @@ def logits_of(out, output_fn: Callable | None = None) -> torch.Tensor:
                     "first), a dict or ModelOutput with 'logits', or pass output_fn= to pick them")
 
 
-REDUCTIONS = ("mean", "sum")
-
-# the torch functions whose mean is not sum / numel, recognised when given plainly or as a partial
-_INDEX_LOSSES = (F.cross_entropy, F.nll_loss)
-
-
-def _class_index_denominator(weight: torch.Tensor | None, ignore_index: int) -> Callable:
-    """torch's mean for cross entropy / NLL with class-index targets: the number of targets that are
-    not `ignore_index`, or with `weight` the sum of weight[y] over them. Probability targets
-    (floating y, cross entropy only) are averaged over every element, as torch does."""
-    def denominator(logits: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if y.is_floating_point():
-            return torch.tensor(float(out.numel()), dtype=torch.float64, device=out.device)
-        kept = y[y != ignore_index]
-        if weight is None:
-            return torch.tensor(float(kept.numel()), dtype=torch.float64, device=out.device)
-        return weight.to(kept.device)[kept].double().sum()
-    return denominator
-
-
-def _batch_denominator(logits: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """KL divergence with reduction='batchmean': the sum over the batch size, not over every element."""
-    return torch.tensor(float(logits.shape[0] if logits.dim() else 1), dtype=torch.float64, device=out.device)
-
-
-def _refuse(loss_fn, why: str) -> None:
-    raise ValueError(f"loss_fn {loss_fn!r}: expected a loss whose mean memfit can reproduce from per-element "
-                     f"values (the sum over the set divided by a count); found {why}. Fix: pass a plain function "
-                     "returning per-sample losses (reduction='none'), or one returning the chunk's scalar with "
-                     "loss_reduction='mean' or 'sum'")
-
-
-def torch_denominator(loss_fn: Callable) -> Callable | None:
-    """How torch's own mean divides the summed reduction='none' losses of `loss_fn`, as
-    `(logits, y, per_element_losses) -> float64 tensor`; None where it is the number of elements.
-
-    CrossEntropyLoss / NLLLoss (and F.cross_entropy / F.nll_loss, plainly or as a partial): targets
-    equal to ignore_index give 0 and are not counted; with a class weight the count is sum(weight[y]).
-    KLDivLoss(reduction='batchmean') (or F.kl_div with it): the batch size. CTCLoss (mean over target
-    lengths) is refused.
-    """
-    if isinstance(loss_fn, torch.nn.Module):
-        if isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)):
-            return _class_index_denominator(loss_fn.weight, loss_fn.ignore_index)
-        if isinstance(loss_fn, torch.nn.KLDivLoss):
-            return _batch_denominator if loss_fn.reduction == "batchmean" else None
-        if isinstance(loss_fn, torch.nn.CTCLoss):
-            _refuse(loss_fn, "CTCLoss, whose mean divides each sample's loss by its target length")
-        return None
-    func, kw = loss_fn, {}
-    if isinstance(loss_fn, functools.partial):
-        func, kw = loss_fn.func, dict(loss_fn.keywords)
-        if loss_fn.args and func in (*_INDEX_LOSSES, F.kl_div):
-            _refuse(loss_fn, f"a partial with positional arguments {loss_fn.args!r}")
-    if func in _INDEX_LOSSES:
-        return _class_index_denominator(kw.get("weight"), kw.get("ignore_index", -100))
-    if func is F.kl_div:
-        return _batch_denominator if kw.get("reduction") == "batchmean" else None
-    if func is F.ctc_loss:
-        _refuse(loss_fn, "ctc_loss, whose mean divides each sample's loss by its target length")
-    return None
-
-
-def per_sample(loss_fn: Callable, reduction: str | None) -> tuple[Callable, str]:
-    """(callable, how its result is summed): the loss asked for per-sample values where it can say.
-
-    torch losses (a `reduction` attribute), `functools.partial(..., reduction=...)` and functions with a
-    `reduction` parameter (F.cross_entropy) are called with reduction='none'; anything else is called
-    as it is and its scalar is read as `reduction` ('mean' or 'sum' over the chunk), which the user
-    must give: a guess would make a summing loss N times too large. How the per-element values are averaged
-    is `torch_denominator`'s business.
-    """
-    if reduction is not None and reduction not in REDUCTIONS:
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum' (what loss_fn does over a chunk); "
-                         f"found {reduction!r}")
-    if isinstance(getattr(loss_fn, "reduction", None), str) and isinstance(loss_fn, torch.nn.Module):
-        clone = copy.copy(loss_fn)               # the user's module keeps its own reduction
-        clone.reduction = "none"
-        return clone, "none"
-    if isinstance(loss_fn, functools.partial) and "reduction" in loss_fn.keywords:
-        return functools.partial(loss_fn, reduction="none"), "none"
-    try:
-        takes = "reduction" in inspect.signature(loss_fn).parameters
-    except (TypeError, ValueError):             # builtins without a signature
-        takes = False
-    if takes and reduction is None:
-        return functools.partial(loss_fn, reduction="none"), "none"
-    return loss_fn, reduction or "unknown"
-
-
-def loss_sum(logits: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None, reduction: str = "none",
-             denominator: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of the chunk's losses in float64, what the whole-set mean divides by, float64); default
-    cross entropy.
-
-    `loss_fn(outputs, y)` returns per-sample (or per-element) losses, or a scalar read as `reduction`.
-    The divisor is the number of samples for a scalar, `denominator(logits, y, losses)` where torch's
-    mean is not the plain one (ignored targets, class weights, 'batchmean'), else the number of values.
-    """
-    def count(k):
-        return torch.tensor(float(k), dtype=torch.float64, device=logits.device)
-    if loss_fn is None:
-        return F.cross_entropy(logits.float(), y, reduction="none").double().sum(), count(logits.shape[0])
-    out = loss_fn(logits, y)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"loss_fn must return a tensor; found {type(out).__name__}")
-    if out.dim() == 0:
-        if reduction == "sum":
-            return out.double(), count(logits.shape[0])
-        if reduction == "mean":
-            return out.double() * logits.shape[0], count(logits.shape[0])
-        raise ValueError("loss_fn returned a scalar, and memfit cannot tell whether it is the mean or the sum over "
-                         "the chunk; return per-sample losses (reduction='none'), or pass loss_reduction='mean' "
-                         "or 'sum' to evaluate")
-    if out.shape[0] != logits.shape[0]:
-        raise ValueError(f"loss_fn returned shape {tuple(out.shape)}; expected per-sample losses "
-                         f"({logits.shape[0]},) or a scalar")
-    return out.double().sum(), (count(out.numel()) if denominator is None else denominator(logits, y, out))
+def output_for(out, name: str, names: list[str], output_fn: Callable | None = None) -> torch.Tensor:
+    """The output compared with target `name` of a dict of targets `names`: the model's (or `output_fn`'s)
+    dict entry of that name, or the tuple/list element at the target's position."""
+    if output_fn is not None:
+        out = output_fn(out)
+    if isinstance(out, Mapping) and isinstance(out.get(name), torch.Tensor):
+        return out[name]
+    if isinstance(out, (tuple, list)) and len(out) == len(names):
+        return out[names.index(name)]
+    found = f"a dict with keys {list(out)}" if isinstance(out, Mapping) else (
+        f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__)
+    raise ValueError(f"target {name!r}: expected the model to return a dict with a tensor {name!r} (or a tuple of "
+                     f"{len(names)} outputs in the targets' order {names}); found {found}; pass output_fn= to "
+                     "make one")
 
 
 # ---- thin stateful classes ----------------------------------------------------------------------
 class Metric:
-    """A metric kept as a dict of summed tensors plus a sample count."""
+    """A metric kept as a dict of summed tensors plus a sample count.
+
+    `target`: with a dict of targets, the one this metric reads (None: the only one). `ignore_index`: the
+    label counted nowhere; None takes the data's (`bind`), else -100."""
     name = "?"
     reduce = True          # states are sums: all-reduce them across processes (SUM)
 
-    def __init__(self) -> None:
+    def __init__(self, *, target: str | None = None, ignore_index: int | None = None) -> None:
         self.state: dict[str, torch.Tensor] = {}
         self.n = 0
+        self.target, self.ignore_index = target, ignore_index
 
-    def contribution(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    def bind(self, ignore_index: int | None) -> None:
+        """Take the data's ignore_index unless one was given."""
+        if self.ignore_index is None:
+            self.ignore_index = ignore_index
+
+    @property
+    def ignored(self) -> int:
+        return IGNORE_INDEX if self.ignore_index is None else self.ignore_index
+
+    def contribution(self, logits: torch.Tensor, y) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def commit(self, part: dict[str, torch.Tensor]) -> None:
@@ -232,48 +227,67 @@ class Metric:
     def compute(self):
         raise NotImplementedError
 
+    @staticmethod
+    def _n(t: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(t.shape[0], device=t.device)
+
 
 class Accuracy(Metric):
+    """The share of counted positions (samples, or pixels and tokens not ignored) whose argmax is the label."""
     name = "accuracy"
 
+    def __init__(self, *, class_dim: int | None = None, **kw) -> None:
+        super().__init__(**kw)
+        self.class_dim = class_dim
+
     def contribution(self, logits, y):
-        check_logits(logits, y, "accuracy")
-        return {"correct": correct(logits, y), "n": torch.tensor(y.shape[0], device=y.device)}
+        scores, y, keep = class_targets(logits, y, self.name, self.ignored, self.class_dim)
+        return {"correct": correct(scores, y, keep), "count": keep.sum(), "n": self._n(y)}
 
     def compute(self):
-        return int(self.state["correct"]) / int(self.state["n"]) if self.n else float("nan")
+        return int(self.state["correct"]) / int(self.state["count"]) if self.n and int(self.state["count"]) \
+            else float("nan")
 
 
 class TopK(Accuracy):
-    """Top-k accuracy: the share of samples whose label is among the k highest outputs."""
+    """Top-k accuracy: the share of counted positions whose label is among the k highest outputs."""
 
-    def __init__(self, k: int) -> None:
-        super().__init__()
+    def __init__(self, k: int, **kw) -> None:
+        super().__init__(**kw)
         if k < 1:
             raise ValueError(f"top-k needs k >= 1; found {k}")
         self.k, self.name = k, f"top{k}"
 
     def contribution(self, logits, y):
-        check_logits(logits, y, f"topk:{self.k}")
-        return {"correct": correct_topk(logits, y, self.k), "n": torch.tensor(y.shape[0], device=y.device)}
+        scores, y, keep = class_targets(logits, y, self.name, self.ignored, self.class_dim)
+        return {"correct": correct_topk(scores, y, keep, self.k), "count": keep.sum(), "n": self._n(y)}
 
 
 class Loss(Metric):
     """The mean loss over the whole set: a float64 sum of per-sample (or per-element) losses and
     the float64 count torch's own mean divides by (non-ignored targets, their class weights, the batch
     size for 'batchmean'; else the number of values), so any chunking gives the value of the loss
-    applied to the whole set at once, to about 1e-15 relative. Both are state, summed across processes."""
+    applied to the whole set at once, to about 1e-15 relative. Both are state, summed across processes.
+    Default: cross entropy over the counted positions of class ids or labels (classes on dimension 1 or last)."""
     name = "loss"
 
-    def __init__(self, loss_fn: Callable | None = None, reduction: str | None = None) -> None:
-        super().__init__()
+    def __init__(self, loss_fn: Callable | None = None, reduction: str | None = None, *,
+                 class_dim: int | None = None, **kw) -> None:
+        super().__init__(**kw)
+        self.class_dim = class_dim
         self.denominator = None if loss_fn is None else torch_denominator(loss_fn)
         self.loss_fn, self.reduction = (None, "none") if loss_fn is None else per_sample(loss_fn, reduction)
 
     def contribution(self, logits, y):
         if self.loss_fn is None:
-            check_logits(logits, y, "loss (cross entropy)")
-        total, count = loss_sum(logits, y, self.loss_fn, self.reduction, self.denominator)
+            if isinstance(y, torch.Tensor) and y.is_floating_point():
+                raise ValueError(f"{self.name} without loss_fn is cross entropy, which needs class ids; the targets "
+                                 f"are float ({y.dtype}, shape {tuple(y.shape)}): pass loss_fn (e.g. "
+                                 "torch.nn.MSELoss()) or use metrics 'mse' and 'mae'")
+            scores, y, keep = class_targets(logits, y, f"{self.name} (cross entropy)", self.ignored, self.class_dim)
+            total, count = cross_entropy_sum(scores, y, keep)
+        else:
+            total, count = loss_sum(logits, y, self.loss_fn, self.reduction, self.denominator)
         return {"sum": total, "count": count, "n": torch.tensor(logits.shape[0], device=logits.device)}
 
     def compute(self):
@@ -282,15 +296,78 @@ class Loss(Metric):
         return float(self.state["sum"]) / float(self.state["count"])
 
 
+class Perplexity(Loss):
+    """exp of the mean cross entropy over every counted token (not over per-sequence perplexities)."""
+    name = "perplexity"
+
+    def __init__(self, **kw) -> None:
+        super().__init__(None, **kw)
+
+    def compute(self):
+        return math.exp(super().compute())
+
+
 class Confusion(Metric):
     name = "confusion"
 
+    def __init__(self, *, class_dim: int | None = None, **kw) -> None:
+        super().__init__(**kw)
+        self.class_dim = class_dim
+
     def contribution(self, logits, y):
-        check_logits(logits, y, "confusion")
-        return {"matrix": confusion(logits, y, logits.shape[1]), "n": torch.tensor(y.shape[0], device=y.device)}
+        scores, y, keep = class_targets(logits, y, self.name, self.ignored, self.class_dim)
+        return {"matrix": confusion(scores, y, keep, scores.shape[1]), "n": self._n(y)}
 
     def compute(self):
         return self.state["matrix"].cpu() if self.n else None
+
+
+class IoU(Confusion):
+    """Mean intersection over union: per class, positions predicted and labelled c over those predicted or
+    labelled c (counted over the whole set), averaged over the classes that occur; `per_class()` each one."""
+    name = "iou"
+
+    def contribution(self, logits, y):
+        scores, y, keep = class_targets(logits, y, self.name, self.ignored, self.class_dim)
+        inter, union = intersection_union(scores, y, keep, scores.shape[1])
+        return {"intersection": inter, "union": union, "n": self._n(y)}
+
+    def per_class(self) -> torch.Tensor:
+        """(C,) float64 IoU of each class; nan where a class is neither predicted nor labelled."""
+        inter, union = self.state["intersection"].double().cpu(), self.state["union"].double().cpu()
+        return torch.where(union > 0, inter / union.clamp(min=1), torch.full_like(union, float("nan")))
+
+    def compute(self):
+        if not self.n:
+            return float("nan")
+        iou = self.per_class()
+        present = ~torch.isnan(iou)
+        return float(iou[present].mean()) if bool(present.any()) else float("nan")
+
+
+class SquaredError(Metric):
+    """Mean squared error over every value of float targets (float64 sums)."""
+    name = "mse"
+
+    def error(self, pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (pred.double() - y.double()).square()
+
+    def contribution(self, pred, y):
+        pred, y = float_targets(pred, y, self.name)
+        return {"sum": self.error(pred, y).sum(), "count": torch.tensor(float(y.numel()), dtype=torch.float64,
+                                                                         device=y.device), "n": self._n(y)}
+
+    def compute(self):
+        return float(self.state["sum"]) / float(self.state["count"]) if self.n and float(self.state["count"]) \
+            else float("nan")
+
+
+class AbsoluteError(SquaredError):
+    """Mean absolute error over every value of float targets (float64 sums)."""
+    name = "mae"
+
+    def error(self, pred, y):
+        return (pred.double() - y.double()).abs()
 
 
 class External(Metric):
@@ -299,8 +376,8 @@ class External(Metric):
     torchmetrics synchronises its own states across processes in `compute()`."""
     reduce = False
 
-    def __init__(self, obj) -> None:
-        super().__init__()
+    def __init__(self, obj, target: str | None = None) -> None:
+        super().__init__(target=target)
         self.obj = obj
         self.name = type(obj).__name__
 
@@ -317,19 +394,38 @@ class External(Metric):
         return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
+NAMES = {"accuracy": Accuracy, "confusion": Confusion, "iou": IoU, "mse": SquaredError, "mae": AbsoluteError,
+         "perplexity": Perplexity}
+DEFAULTS = {"class": ("accuracy", "loss"), "labels": ("accuracy", "loss"), "float": ("mse", "mae")}
+
+
 def make_metric(spec, loss_fn: Callable | None = None, loss_reduction: str | None = None) -> Metric:
-    """'accuracy', 'topk:5', 'loss', 'confusion', or an object with update() and compute()."""
+    """A name ('accuracy', 'topk:5', 'loss', 'confusion', 'iou', 'perplexity', 'mse', 'mae'; 'NAME@TARGET' for
+    one target of a dict), a `Metric`, or an object with update() and compute() (torchmetrics)."""
+    if isinstance(spec, Metric):
+        return spec
     if isinstance(spec, str):
-        if spec == "accuracy":
-            return Accuracy()
-        if spec == "loss":
-            return Loss(loss_fn, loss_reduction)
-        if spec == "confusion":
-            return Confusion()
-        if spec.startswith("topk:") and spec[5:].isdigit():
-            return TopK(int(spec[5:]))
+        name, _, target = spec.partition("@")
+        kw = {"target": target} if target else {}
+        if name in NAMES:
+            return NAMES[name](**kw)
+        if name == "loss":
+            return Loss(loss_fn, loss_reduction, **kw)
+        if name.startswith("topk:") and name[5:].isdigit():
+            return TopK(int(name[5:]), **kw)
         raise ValueError(f"unknown metric {spec!r}; expected 'accuracy', 'topk:K' (e.g. 'topk:5'), 'loss', "
-                         "'confusion', or an object with update(preds, target) and compute() (torchmetrics)")
+                         "'confusion', 'iou', 'perplexity', 'mse', 'mae' (with '@TARGET' for one of a dict of "
+                         "targets), a memfit.metrics.Metric, or an object with update(preds, target) and compute() "
+                         "(torchmetrics)")
     if callable(getattr(spec, "update", None)) and callable(getattr(spec, "compute", None)):
         return External(spec)
     raise TypeError(f"a metric must be a name or an object with update() and compute(); found {type(spec).__name__}")
+
+
+def default_metrics(kind) -> tuple[str, ...]:
+    """The metrics a target kind gets by default: class ids and labels accuracy + loss, float targets mse + mae;
+    a dict of targets ({name: kind}) each its own, as 'NAME@TARGET'; no targets (None): accuracy + loss, which
+    then say that targets are needed."""
+    if isinstance(kind, dict):
+        return tuple(f"{m}@{name}" for name, k in kind.items() for m in DEFAULTS[k])
+    return DEFAULTS.get(kind, DEFAULTS["class"])

@@ -254,3 +254,80 @@ def test_plan_and_eval_on_cuda(tmp_path, capsys):
     assert main(["eval", f"{tmp_path}/mlp.py:make", "--random-weights", "--data", "digits", "--device", "cuda",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 359
+
+
+def _lin_file(tmp_path):
+    (tmp_path / "lin.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(6, 3)\n")
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(6, 3)
+    torch.save(ref.state_dict(), tmp_path / "w.pt")
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 256, (500, 6), dtype=np.uint8)
+    y = rng.integers(0, 3, 500)
+    np.savez(tmp_path / "t.npz", x=x, y=y)
+    with torch.no_grad():
+        pred = ref(torch.from_numpy(x).float()).argmax(1).numpy()
+    return pred, y
+
+
+def test_eval_npz_of_x_y_evaluates_every_sample_and_says_so(tmp_path, capsys):
+    pred, y = _lin_file(tmp_path)
+    args = ["eval", f"{tmp_path}/lin.py:make", "--weights", str(tmp_path / "w.pt"), "--data", str(tmp_path / "t.npz"),
+            "--normalize", "none", "--json"]
+    assert main(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["n"] == 500 and "all 500 samples of x, y" in res["set"]
+    assert res["metrics"]["accuracy"] == pytest.approx((pred == y).mean(), abs=1e-12)
+    assert main(args[:-1]) == 0                              # the text output names the set too
+    assert "set: " in capsys.readouterr().out
+
+
+def test_eval_test_fraction_splits_an_npz_of_x_y_and_names_the_split(tmp_path, capsys):
+    _lin_file(tmp_path)
+    assert main(["eval", f"{tmp_path}/lin.py:make", "--weights", str(tmp_path / "w.pt"), "--data",
+                 str(tmp_path / "t.npz"), "--test-fraction", "0.2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["n"] == 100 and "20% test split (100 of 500 samples)" in res["set"]
+    assert main(["eval", f"{tmp_path}/lin.py:make", "--weights", str(tmp_path / "w.pt"), "--data",
+                 str(tmp_path / "t.npz"), "--test-fraction", "1.5"]) == 2
+    assert "--test-fraction" in capsys.readouterr().err
+
+
+SEG_FILE = "import torch\n\ndef make():\n    return torch.nn.Conv2d(3, 4, 1)\n"
+
+
+def test_eval_dense_and_float_target_npz_files(tmp_path, capsys):
+    (tmp_path / "seg.py").write_text(SEG_FILE)
+    (tmp_path / "reg.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(5, 2)\n")
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 256, (41, 3, 4, 5), dtype=np.uint8)
+    mask = rng.integers(0, 4, (41, 4, 5))
+    mask[rng.random(mask.shape) < 0.2] = 255
+    np.savez(tmp_path / "seg.npz", x=x, y=mask)
+    torch.manual_seed(0)
+    seg = torch.nn.Conv2d(3, 4, 1)
+    torch.save(seg.state_dict(), tmp_path / "s.pt")
+    assert main(["eval", f"{tmp_path}/seg.py:make", "--weights", str(tmp_path / "s.pt"), "--data",
+                 str(tmp_path / "seg.npz"), "--normalize", "unit", "--ignore-index", "255", "--metrics", "accuracy,iou",
+                 "--chunk-size", "6", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    with torch.no_grad():
+        pred = seg(torch.from_numpy(x).float() / 255).argmax(1)
+    y, keep = torch.from_numpy(mask), torch.from_numpy(mask != 255)
+    assert res["n"] == 41 and set(res["metrics"]) == {"accuracy", "iou"}
+    assert res["metrics"]["accuracy"] == pytest.approx((pred == y)[keep].double().mean().item(), rel=1e-15)
+    xf = rng.normal(size=(30, 5)).astype(np.float32)
+    yf = rng.normal(size=(30, 2)).astype(np.float32)
+    np.savez(tmp_path / "reg.npz", x=xf, y=yf)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(5, 2)
+    torch.save(ref.state_dict(), tmp_path / "r.pt")
+    assert main(["eval", f"{tmp_path}/reg.py:make", "--weights", str(tmp_path / "r.pt"), "--data",
+                 str(tmp_path / "reg.npz"), "--normalize", "none", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    with torch.no_grad():
+        err = ref(torch.from_numpy(xf)).double() - torch.from_numpy(yf).double()
+    assert list(res["metrics"]) == ["mse", "mae"] and res["n"] == 30
+    assert res["metrics"]["mse"] == pytest.approx(float((err ** 2).mean()), rel=1e-12)
+    assert res["metrics"]["mae"] == pytest.approx(float(err.abs().mean()), rel=1e-12)
+    assert "float targets" in res["data"]

@@ -316,7 +316,7 @@ def test_bad_arguments_are_named(ds, kwargs, error, match):
 def test_bad_data_is_named():
     with pytest.raises(TypeError, match=r"expected data as a CompactDataset or an \(x, y\) tuple.*found list"):
         loader([1, 2, 3], 2, device="cpu")
-    with pytest.raises(ValueError, match="x has 3 samples but y has 2 labels"):
+    with pytest.raises(ValueError, match="x has 3 samples but y has 2 targets"):
         loader((np.zeros((3, 2), np.uint8), [0, 1]), 2, device="cpu")
 
 

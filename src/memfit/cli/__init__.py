@@ -74,15 +74,25 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--weights", default=None, help="a state_dict saved with torch.save(model.state_dict(), FILE)")
     ev.add_argument("--random-weights", action="store_true",
                     help="evaluate the factory's initial (random) weights on purpose, without --weights")
-    ev.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16", "int64"),
-                    help="what the model takes (default: int64 for integer data such as token ids, else float32)")
+    ev.add_argument("--dtype", default=None, choices=("float32", "float64", "float16", "bfloat16", "int64"),
+                    help="what the model takes (default: int64 for integer data such as token ids, float64 for "
+                         "float64 data float32 cannot hold exactly, else float32)")
     ev.add_argument("--data", default="digits", type=data_arg,
-                    help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz "
-                         "(its test split is evaluated)")
+                    help="digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz (x_test, y_test "
+                         "when it has them, else every sample of x, y; y: class ids, dense labels or float "
+                         "targets); the output names the set and its size")
+    ev.add_argument("--ignore-index", default=-100, type=int,
+                    help="the label that marks a position without one in dense labels (default -100; 255 for many "
+                         "segmentation sets): counted by no metric")
+    ev.add_argument("--test-fraction", default=None, type=float,
+                    help="evaluate a seeded random split of this fraction of an .npz holding only x, y "
+                         "(default: all of it)")
     ev.add_argument("--normalize", default="dataset", choices=("dataset", "none", "unit"),
                     help="inputs as the model was trained: per-channel mean/std of the training split "
                          "(dataset), raw 0..255 (none) or 0..1 (unit)")
-    ev.add_argument("--metrics", default="accuracy,loss", help="comma-separated: accuracy, topk:K, loss, confusion")
+    ev.add_argument("--metrics", default=None,
+                    help="comma-separated: accuracy, topk:K, loss, confusion, mse, mae, perplexity, iou "
+                         "(default: accuracy,loss for class ids and labels, mse,mae for float targets)")
     ev.add_argument("--budget", default=None, type=budget_arg,
                     help="memory budget, e.g. 1GiB (default: free memory minus a margin)")
     ev.add_argument("--device", default=None, type=device_arg,

@@ -5,14 +5,16 @@ Specs:
     synthetic[:N]       generated MNIST-shaped images (N samples, default 10,000)
     mnist:FOLDER        the four MNIST IDX files (gzip or not) in FOLDER
     cifar10:FOLDER      the CIFAR-10 python pickles (folder or .tar.gz)
-    FILE.npz            arrays x_train, y_train, x_test, y_test, or x, y (split here)
-    FILE.npy            images only is not enough: give an .npz with labels
+    FILE.npz            arrays x_train, y_train, x_test, y_test (the test set is x_test, y_test), or x, y: the
+                        whole of x, y is the test set unless a split is asked for (`test_fraction`); y may be
+                        class ids (N,), dense labels (N, ...) or float targets
+    FILE.npy            images only is not enough: give an .npz with targets
 
 Example:
     >>> from memfit.cli.data import open_data
     >>> d = open_data("synthetic:1000", seed=0)
-    >>> d.x_train.shape, d.x_test.shape
-    ((800, 1, 28, 28), (200, 1, 28, 28))
+    >>> d.x_train.shape, d.x_test.shape, d.test_name
+    ((800, 1, 28, 28), (200, 1, 28, 28), 'synthetic:1000: a seeded 20% test split (200 of 1000 samples)')
 """
 
 from __future__ import annotations
@@ -31,12 +33,18 @@ SPECS = "digits, synthetic[:N], mnist:FOLDER, cifar10:FOLDER or FILE.npz"
 
 @dataclass
 class Data:
-    """Train and test arrays of one source; images (N, C, H, W), labels int64 (N,)."""
+    """Train and test arrays of one source; images (N, C, H, W) (or features (N, D)); targets as the source
+    holds them: integers as int64 (class ids (N,), dense labels (N, ...)), floats unchanged.
+
+    `test_name` says which samples the test set is and how many; `own_train` is False when the source has no
+    training samples apart from the test set (an .npz of x, y evaluated whole: x_train is x_test)."""
     name: str
     x_train: np.ndarray
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
+    test_name: str = ""
+    own_train: bool = True
 
     @property
     def num_classes(self) -> int:
@@ -69,20 +77,37 @@ def _images(x: np.ndarray, where: str) -> np.ndarray:
     raise ValueError(f"{where}: expected images (N, H, W), (N, C, H, W) or (N, H, W, C); found shape {x.shape}")
 
 
-def _npz(path: str, seed: int):
+def _npz(path: str, seed: int, test_fraction: float | None):
+    """(x_train, y_train, x_test, y_test, test set's name, whether there are training samples of their own)."""
     arrays = readers.load_array(path)
     if not isinstance(arrays, dict):
         raise ValueError(f"{path}: a .npy file holds images only; save images and labels together with "
                          "np.savez(path, x=images, y=labels) (or x_train, y_train, x_test, y_test)")
     keys = set(arrays)
-    if {"x_train", "y_train", "x_test", "y_test"} <= keys:
-        parts = arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"]
-    elif {"x", "y"} <= keys:
-        parts = split(arrays["x"], arrays["y"], seed=seed)
+    if {"x_test", "y_test"} <= keys:
+        xte, yte = arrays["x_test"], arrays["y_test"]
+        own = {"x_train", "y_train"} <= keys
+        xtr, ytr = (arrays["x_train"], arrays["y_train"]) if own else (xte, yte)
+        return xtr, ytr, xte, yte, f"{path}: x_test, y_test ({len(xte)} samples)", own
+    if {"x", "y"} <= keys:
+        x, y = arrays["x"], arrays["y"]
+        if test_fraction is None:
+            return x, y, x, y, f"{path}: all {len(x)} samples of x, y", False
+        xtr, ytr, xte, yte = split(x, y, test_fraction, seed=seed)
+        return xtr, ytr, xte, yte, f"{path}: {_split_name(test_fraction, len(xte), len(x))} of x, y", True
     else:
         raise ValueError(f"{path}: expected arrays named x, y (or x_train, y_train, x_test, y_test); found "
                          f"{', '.join(sorted(keys)) or 'none'}; save with np.savez(path, x=images, y=labels)")
-    return parts
+
+
+def _split_name(test_fraction: float, k: int, n: int) -> str:
+    return f"a seeded {test_fraction:.0%} test split ({k} of {n} samples)"
+
+
+def _targets(y: np.ndarray) -> np.ndarray:
+    """Integer (and bool) targets as int64; float targets unchanged: never made class ids here."""
+    y = np.asarray(y)
+    return y.astype(np.int64) if y.dtype.kind in "iub" else y
 
 
 def check_spec(spec: str) -> str:
@@ -121,21 +146,30 @@ def check_spec(spec: str) -> str:
     raise ValueError(f"unknown data {spec!r}; expected one of {SPECS}")
 
 
-def open_data(spec: str = "digits", seed: int = 0) -> Data:
-    """Open `spec` (see the module docstring) as train/test arrays; a clear ValueError otherwise."""
+def open_data(spec: str = "digits", seed: int = 0, test_fraction: float | None = None) -> Data:
+    """Open `spec` (see the module docstring) as train/test arrays; a clear ValueError otherwise.
+
+    `test_fraction`: an .npz of x, y only is split into a seeded random test set of this fraction (the
+    rest trains); None evaluates all of it. Files with x_test, y_test and the built-in sets keep their own
+    test set (digits and synthetic: a seeded 20% split)."""
     name = spec
     spec = check_spec(spec)
+    if test_fraction is not None and not 0 < test_fraction < 1:
+        raise ValueError(f"expected a test fraction between 0 and 1 (e.g. 0.2); found {test_fraction!r}")
     kind, _, arg = spec.partition(":")
-    if spec == "digits":
-        parts = split(*readers.digits(), seed=seed)
-    elif kind == "synthetic":
-        parts = split(*readers.synthetic(int(arg) if arg else 10_000, seed=seed), seed=seed)
-    elif kind == "mnist":
-        parts = readers.mnist(arg)
-    elif kind == "cifar10":
-        parts = readers.cifar10(arg)
+    own = True
+    if spec == "digits" or kind == "synthetic":
+        x, y = readers.digits() if spec == "digits" else readers.synthetic(int(arg) if arg else 10_000, seed=seed)
+        xtr, ytr, xte, yte = split(x, y, seed=seed)
+        test_name = f"{name}: {_split_name(0.2, len(xte), len(x))}"
+    elif kind in ("mnist", "cifar10"):
+        xtr, ytr, xte, yte = readers.mnist(arg) if kind == "mnist" else readers.cifar10(arg)
+        test_name = f"{name}: the test set ({len(xte)} samples)"
     else:
-        parts = _npz(spec, seed)
-    xtr, ytr, xte, yte = parts
-    return Data(name, _images(xtr, spec), np.asarray(ytr).astype(np.int64),
-                _images(xte, spec), np.asarray(yte).astype(np.int64))
+        xtr, ytr, xte, yte, test_name, own = _npz(spec, seed, test_fraction)
+    if len(xte) != len(yte):
+        raise ValueError(f"{name}: expected one target per test sample; found {len(xte)} samples and {len(yte)} "
+                         "targets")
+    xtr_img = _images(xtr, spec)
+    xte_img = xtr_img if xte is xtr else _images(xte, spec)
+    return Data(name, xtr_img, _targets(ytr), xte_img, _targets(yte), test_name, own)

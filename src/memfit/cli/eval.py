@@ -23,7 +23,7 @@ def run(args) -> int:
         if not chunk.isdigit() or int(chunk) < 1:
             raise UsageError(f"--chunk-size: expected 'auto' or a whole number >= 1; found {chunk!r}")
         chunk = int(chunk)
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",") if m.strip()]
     model = load_factory(args.factory)()
     if not args.weights and not args.random_weights:
         raise UsageError(f"no --weights: {args.factory} would be evaluated with its initial random weights; pass "
@@ -35,24 +35,32 @@ def run(args) -> int:
         load_weights(model, args.weights, args.factory)
     dev = resolve_device(args.device)
     model = model.to(dev)
-    d = open_data(args.data)
+    if args.test_fraction is not None and not 0 < args.test_fraction < 1:
+        raise UsageError(f"--test-fraction: expected a fraction between 0 and 1 (e.g. 0.2); found {args.test_fraction}")
+    d = open_data(args.data, test_fraction=args.test_fraction)
     integers = is_integer_data(d.x_test)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    norm = {"dataset": "dataset", "none": None, "unit": (0.0, 255.0)}[args.normalize]
+    norm = {"dataset": "dataset", "none": "none", "unit": (0.0, 255.0)}[args.normalize]
     if integers and (dtype is None or not dtype.is_floating_point):
-        norm = None                     # token ids are passed as they are, never normalised
+        norm = "none"                   # token ids are passed as they are, never normalised
+    stats = ""
     if norm == "dataset":
+        stats = ("; normalised by the statistics of the evaluated set itself (the file has no training samples)"
+                 if not d.own_train else "")
         ref = CompactDataset.from_arrays(d.x_train[:10_000], normalize="dataset", device="cpu", dtype=torch.float32)
         norm = (ref.mean, ref.std)
-    test = CompactDataset.from_arrays(d.x_test, d.y_test, normalize=norm, device="cpu", dtype=dtype)
-    res = evaluate(model, test, metrics=metrics, budget=budget, device=dev, chunk_size=chunk,
+    test = CompactDataset.from_arrays(d.x_test, d.y_test, normalize=norm, device="cpu", dtype=dtype,
+                                      ignore_index=args.ignore_index)
+    res = evaluate(model, test, metrics=metrics or "auto", budget=budget, device=dev, chunk_size=chunk,
                    progress=not args.json)
     if args.json:
         vals = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in res.metrics.items()}
         print(json.dumps({"metrics": vals, "n": res.n, "chunk_size": res.chunk_size, "chunks": res.chunks,
                           "retries": res.retries, "peak_bytes": res.peak_bytes, "seconds": res.seconds,
-                          "runner": res.runner, "reason": res.reason, "data": test.explain()}))
+                          "runner": res.runner, "reason": res.reason, "set": d.test_name + stats,
+                          "data": test.explain()}))
     else:
+        print(f"set: {d.test_name}{stats}")
         print(f"data: {test.explain()}")
         print(res)
     return 0

@@ -41,6 +41,7 @@ from memfit.loading.pool import BatchPool, Decoder
 from memfit.loading.prefetch import Inline, Prefetcher, Slots
 from memfit.loading.sources import CompactSource, Source, make_source
 from memfit.loading.strategy import Needs, StrategyChoice, check_names, choose
+from memfit.targets import IGNORE_INDEX
 
 log = logging.getLogger("memfit.loader")
 
@@ -113,6 +114,8 @@ class LoaderConfig:
     dtype: torch.dtype | str | None = None   # ... and decoded
     order: str = "auto"                      # 'auto', 'global' or 'blocks'
     sharded: bool = False                    # with distributed: data is this rank's own part, split beforehand
+    y_dtype: torch.dtype | str | None = None  # how targets decode (None: from the array: class ids, labels, floats)
+    ignore_index: int = IGNORE_INDEX         # the label that counts nowhere (-100; 255 in many segmentation sets)
 
     def __post_init__(self):
         for name in ("distributed", "sharded"):        # needed first: they decide whether errors are agreed on
@@ -182,7 +185,8 @@ class Loader:
             raise ValueError("normalize='dataset' with sharded=True would normalise each rank's part by its own "
                              "statistics, not the whole's; pass normalize=(mean, std) of the whole, or give every "
                              "rank the whole set (without sharded=True) so that it is normalised as one")
-        self.source: Source = make_source(data, codec=cfg.codec, normalize=cfg.normalize, dtype=cfg.dtype)
+        self.source: Source = make_source(data, codec=cfg.codec, normalize=cfg.normalize, dtype=cfg.dtype,
+                                          y_dtype=cfg.y_dtype, ignore_index=cfg.ignore_index)
         self._members, self._n_total = None, self.source.n
         if distributed:
             self.rank, self.world_size = rank_world()
@@ -315,7 +319,7 @@ def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], d
     # and rank; each batch is then one gather + decode on the device (into reused buffers on the CPU)
     for idx in torch.split(order, sizes):
         x = decode(ds.rows(idx, out=None if rows is None else rows.take(len(idx))))
-        yield x, None if ds.y is None else ds.y.index_select(0, idx).long()
+        yield x, ds.targets_at(idx)
 
 
 def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[int], capacity: int,
@@ -380,8 +384,9 @@ def loader(data, batch_size: int, **options) -> Loader:
             (with drop_last: smallest_part // batch_size full batches, a larger part leaves more out) and
             "every sample once per epoch" hold over their union. Each rank encodes its own part:
             normalize="dataset" is refused (pass the whole's (mean, std)).
-        codec, normalize, dtype: how (x, y) arrays are encoded and decoded (see
-            `CompactDataset.from_arrays`); a CompactDataset keeps its own.
+        codec, normalize, dtype, y_dtype, ignore_index: how (x, y) arrays are encoded and decoded (see
+            `CompactDataset.from_arrays`: y may be class ids, labels, float targets or a dict of them); a
+            CompactDataset keeps its own.
         order: the epoch order. 'global': one permutation of all samples (4 bytes a sample on the host;
             distributed, every rank draws the whole one: 9 bytes a sample of the whole while it is made).
             'blocks' (macro only): macro-batches of consecutive samples in a shuffled order, shuffled
@@ -390,7 +395,8 @@ def loader(data, batch_size: int, **options) -> Loader:
             else 'global'. `explain()` says which one is used.
 
     Returns:
-        A `Loader`: iterate it for `(x, y)` (x float (B, ...) normalised, y int64 (B,)); `len()` is the
+        A `Loader`: iterate it for `(x, y)` (x float (B, ...) normalised, y the decoded targets: int64 class
+            ids (B,) or labels (B, ...), float targets, or a dict of them); `len()` is the
         number of batches; `.strategy`, `.explain()`, `.nbytes` say what it chose and holds.
 
     Raises:

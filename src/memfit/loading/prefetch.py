@@ -61,8 +61,9 @@ class Slots:
 
         def alloc(dev, pin=False):
             xs = [torch.empty(shape, dtype=source.stored_dtype, device=dev, pin_memory=pin) for _ in range(count)]
-            ys = [None if source.y_dtype is None
-                  else torch.empty(capacity, dtype=source.y_dtype, device=dev, pin_memory=pin) for _ in range(count)]
+            ys = [None if source.targets is None
+                  else torch.empty((capacity, *source.y_stored_shape), dtype=source.y_dtype, device=dev,
+                                   pin_memory=pin) for _ in range(count)]
             return xs, ys
 
         self.x, self.y = alloc(device)                       # what the consumer decodes from
@@ -107,11 +108,8 @@ class Slots:
         """Decoded micro-batch rows [start, start + m) of the slot (never a view of the slot itself)."""
         x = self.decode(self.x[slot][start:start + m])
         y = self.y[slot]
-        if y is None:
-            return x, None
-        view = y[start:start + m]
-        yl = view.long()
-        return x, (yl.clone() if yl.data_ptr() == view.data_ptr() else yl)   # never hand out the slot itself
+        # targets decode into new memory (`Target.decode`): the slot itself is never handed out
+        return x, None if y is None else self.source.targets.decode(y[start:start + m])
 
 
 def _openmp_libraries() -> list[str]:

@@ -13,7 +13,7 @@ source or strategy produced them.
 Example:
     >>> import numpy as np, torch
     >>> src = make_source((np.arange(40, dtype=np.uint8).reshape(10, 4), np.arange(10)))
-    >>> x, y = torch.empty(3, 4, dtype=torch.uint8), torch.empty(3, dtype=src.y_dtype)
+    >>> x, y = torch.empty(3, 4, dtype=torch.uint8), torch.empty(3, *src.y_stored_shape, dtype=src.y_dtype)
     >>> src.fill(torch.tensor([7, 0, 2]), x, y); x[:, 0].tolist(), y.tolist()
     ([28, 0, 8], [7, 0, 2])
 """
@@ -27,7 +27,7 @@ import threading
 import numpy as np
 import torch
 
-from memfit.arrays import as_array, release_pages, resolve_dtype
+from memfit.arrays import as_array, no_normalisation, release_pages, resolve_dtype
 from memfit.codecs import Codec
 from memfit.compact import (
     CompactDataset,
@@ -37,6 +37,7 @@ from memfit.compact import (
     stored_row_nbytes,
 )
 from memfit.distributed import shard_data, shard_sizes
+from memfit.targets import IGNORE_INDEX, Targets, check_count
 
 READ_BYTES = 2**20          # raw bytes per file read: bounds the host temporaries of a FileSource
 
@@ -47,21 +48,30 @@ class Source:
     n: int
     stored_shape: tuple[int, ...]
     stored_dtype: torch.dtype
-    y_dtype: torch.dtype | None   # None: no labels
+    targets: Targets | None       # how the stored targets decode; None: no targets
+    y_dtype: torch.dtype | None   # the stored targets' dtype; None: no targets
+    y_stored_shape: tuple[int, ...] = ()   # one sample's stored targets
     read_nbytes = 0               # host temporaries of one fill beyond the output buffers
     sequential = False            # True: reads are cheaper in contiguous blocks (a file)
 
     @property
     def row_nbytes(self) -> int:
-        """Stored bytes of one sample, its label included."""
-        return stored_row_nbytes(self.stored_shape, self.stored_dtype, self.y_dtype)
+        """Stored bytes of one sample, its targets included."""
+        return stored_row_nbytes(self.stored_shape, self.stored_dtype,
+                                 0 if self.targets is None else self.targets.stored_nbytes)
 
     def batch_nbytes(self, m: int) -> int:
-        """One decoded batch of m samples: x in the output dtype, y as int64."""
-        return decoded_batch_nbytes(m, self.template.sample_shape, self.template.dtype, self.y_dtype is not None)
+        """One decoded batch of m samples: x in the output dtype, the targets decoded."""
+        return decoded_batch_nbytes(m, self.template.sample_shape, self.template.dtype,
+                                    0 if self.targets is None else self.targets.decoded_nbytes)
+
+    def _set_targets(self, targets: Targets | None) -> None:
+        self.targets = targets
+        self.y_dtype = None if targets is None else targets.stored_dtype
+        self.y_stored_shape = () if targets is None else tuple(targets.stored_shape)
 
     def fill(self, idx: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor | None) -> None:
-        """Write the rows `idx` (CPU int64, (m,)) into x_out[:m] and their labels into y_out[:m]."""
+        """Write the rows `idx` (CPU int64, (m,)) into x_out[:m] and their stored targets into y_out[:m]."""
         raise NotImplementedError
 
     def dataset(self, device: torch.device) -> CompactDataset:
@@ -82,7 +92,7 @@ class CompactSource(Source):
         self.n = len(ds)
         self.stored_shape = tuple(ds.x.shape[1:])
         self.stored_dtype = ds.x.dtype
-        self.y_dtype = None if ds.y is None else ds.y.dtype
+        self._set_targets(None if ds.y is None else ds.targets)
         self._host: CompactDataset | None = None
 
     def host(self) -> CompactDataset:
@@ -106,23 +116,24 @@ class CompactSource(Source):
 
 
 class FileSource(Source):
-    """x memory-mapped on disk (never read whole), labels in memory; blocks are encoded as they are read."""
+    """x memory-mapped on disk (never read whole), targets in memory; blocks are encoded as they are read."""
     sequential = True
 
     def __init__(self, x: np.ndarray, y: object, codec: str | Codec, normalize: object,
-                 dtype: torch.dtype | str | None):
+                 dtype: torch.dtype | str | None, y_dtype=None, ignore_index: int = IGNORE_INDEX):
         row_raw = max(1, math.prod(x.shape[1:]) * x.dtype.itemsize)
         self.chunk_rows = max(1, READ_BYTES // row_raw)
         # the same set-up as CompactDataset.from_arrays: the same codes, values and explain()
-        prep = prepare_encoding(x, y, codec, normalize, dtype, self.chunk_rows)
+        prep = prepare_encoding(x, y, codec, normalize, dtype, self.chunk_rows, y_dtype, ignore_index)
         check_encoding(prep, self.chunk_rows)     # one streaming pass where a value could fail or a bound is due
-        self.x, self.n, self.codec, self.y = x, x.shape[0], prep.codec, prep.labels
+        self.x, self.n, self.codec, self.y = x, x.shape[0], prep.codec, prep.y
         self.stored_shape = tuple(self.codec.stored_shape(prep.sample_shape))
         self.stored_dtype = self.codec.stored_dtype
-        self.y_dtype = None if self.y is None else self.y.dtype
+        self._set_targets(prep.targets)
         empty = torch.empty((0, *self.stored_shape), dtype=self.stored_dtype)
-        self.template = CompactDataset(empty, None, self.codec, prep.sample_shape, prep.dtype, prep.mean, prep.std)
-        self.template.num_classes = None if self.y is None or not len(self.y) else int(self.y.max()) + 1
+        self.template = CompactDataset(empty, None, self.codec, prep.sample_shape, prep.dtype, prep.mean, prep.std,
+                                       targets=prep.targets)
+        self.template.num_classes = None if prep.targets is None else prep.targets.num_classes
         # the reused raw read buffer and one encoded chunk (uint8 codecs encode without a copy)
         enc = self.chunk_rows * math.prod(self.stored_shape) * self.stored_dtype.itemsize
         self.read_nbytes = self.chunk_rows * row_raw + enc
@@ -161,7 +172,7 @@ class FileSource(Source):
             x[a:a + len(idx)].copy_(buf[:len(idx)])
         y = None if self.y is None else self.y.to(device)
         t = self.template
-        return CompactDataset(x, y, self.codec, t.sample_shape, t.dtype, t.mean, t.std)
+        return CompactDataset(x, y, self.codec, t.sample_shape, t.dtype, t.mean, t.std, targets=self.targets)
 
 
     def shard(self, rank, world_size):
@@ -186,10 +197,11 @@ def is_file_backed(x: object) -> bool:
 
 
 def make_source(data: object, *, codec: str | Codec = "auto", normalize: object = None,
-                dtype: torch.dtype | str | None = None) -> Source:
-    """A Source for a CompactDataset or an (x, y) pair (a memmapped x stays on disk)."""
+                dtype: torch.dtype | str | None = None, y_dtype=None, ignore_index: int = IGNORE_INDEX) -> Source:
+    """A Source for a CompactDataset or an (x, y) pair (a memmapped x stays on disk); `y_dtype` and
+    `ignore_index` say how y's targets are kept (`CompactDataset.from_arrays`)."""
     if isinstance(data, CompactDataset):
-        if codec != "auto" or normalize is not None:
+        if codec != "auto" or not no_normalisation(normalize):
             raise ValueError("codec and normalize apply to (x, y) arrays; this CompactDataset is already encoded "
                              f"(codec {data.codec.name!r}); pass codec='auto', normalize=None, or the raw arrays")
         if dtype is not None and resolve_dtype(dtype) not in (torch.float32, data.dtype):
@@ -201,14 +213,15 @@ def make_source(data: object, *, codec: str | Codec = "auto", normalize: object 
     if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], dict):
         # several inputs per sample: packed into one byte row each, which every strategy moves as it is
         return CompactSource(CompactDataset.from_arrays(data[0], data[1], codec=codec, normalize=normalize,
-                                                        device="cpu", dtype=dtype))
+                                                        device="cpu", dtype=dtype, y_dtype=y_dtype,
+                                                        ignore_index=ignore_index))
     if isinstance(data, tuple) and len(data) == 2:
         x, y = as_array(data[0], "x"), data[1]
-        if y is not None and len(y) != len(x):
-            raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels; they must match")
+        if y is not None:
+            check_count(y, len(x))
         if is_file_backed(x):
-            return FileSource(x, y, codec, normalize, dtype)
+            return FileSource(x, y, codec, normalize, dtype, y_dtype, ignore_index)
         return CompactSource(CompactDataset.from_arrays(x, y, codec=codec, normalize=normalize, device="cpu",
-                                                        dtype=dtype))
+                                                        dtype=dtype, y_dtype=y_dtype, ignore_index=ignore_index))
     raise TypeError(f"expected data as a CompactDataset or an (x, y) tuple of arrays (x may be a memory-mapped "
                     f".npy: memfit.readers.load_array); found {type(data).__name__}")
