@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from distributed_util import run_ranks
-from memfit import plan
+from memfit import evaluate, plan
 from memfit.compact import CompactDataset
-from memfit.evaluation import evaluate
 from memfit.testing.zoo import MODELS, build
 
 pytestmark = pytest.mark.cuda

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from distributed_util import run_ranks
+from memfit import evaluate
 from memfit import loader as memfit_loader
 from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed, agree, epoch_batch_sizes, shard_indices, shard_sizes
-from memfit.evaluation import evaluate
 
 N = 1003                      # not a multiple of 2 or 3: uneven shards
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.evaluation import evaluate
+from memfit import evaluate
 from memfit.metrics import Loss
 
 C, T = 5, 3

@@ -23,7 +23,8 @@ from memfit.accumulation import BatchDependentError, NonFiniteLossError, StepRes
 from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
 from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed
-from memfit.evaluation import EvalResult, evaluate
+from memfit.evaluation.result import EvalResult
+from memfit.evaluation.run import evaluate
 from memfit.loading.minibatches import Loader, LoaderConfig, loader
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import InferenceMemoryModel

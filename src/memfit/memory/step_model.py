@@ -113,6 +113,7 @@ class StepMemoryModel:
     _c: np.ndarray | None = None                      # (ops, kinds): + c*n^2 where sizes grow faster than n
     _grads: tuple[float, float] = (0.0, 0.0)          # (a, b): bytes a + b*n of the gradients' storages
     _grads_probed: dict[int, int] = field(default_factory=dict)     # n -> the gradients' storages where probed
+    why: str = ""                                     # why this model and not the planner's (as the caller said)
 
     def gradient_bytes(self, n: int) -> int:
         """Bytes of the storages the gradients of a step on n samples sit in (with `grads_held`, the gradients
@@ -399,4 +400,4 @@ def _fit(model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimiz
                       "pick with memfit.measure_step", stacklevel=4)
     return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
                            runs[4].phase_ends, measured, c, gradient_line(runs),
-                           {k: r.grad_bytes for k, r in runs.items()})
+                           {k: r.grad_bytes for k, r in runs.items()}, why=why)

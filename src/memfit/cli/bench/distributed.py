@@ -41,10 +41,9 @@ def _rank(rank: int, world: int, port: int, n: int, batch: int, epochs: int, thr
             torch.cuda.set_device(dev)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world)
-        from memfit import loader
+        from memfit import evaluate, loader
         from memfit.cli.bench.evaluate import cnn
         from memfit.compact import CompactDataset
-        from memfit.evaluation import evaluate
         from memfit.readers import synthetic
         x, y = synthetic(n, seed=0)
         ds = CompactDataset.from_arrays(x, y, normalize="dataset", device="cpu").shard()   # this rank's part only

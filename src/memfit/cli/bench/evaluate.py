@@ -29,10 +29,10 @@ import time
 import numpy as np
 import torch
 
+from memfit import evaluate
 from memfit.budget import format_bytes, model_device, parse_bytes, resolve_device
 from memfit.cli.bench.common import alternating_medians, machine_header, paired_ratio, rounds_for, spread_warning, table
 from memfit.compact import CompactDataset
-from memfit.evaluation import evaluate
 from memfit.memory.measure import held_bytes, track_memory
 
 

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit import loader
+from memfit import evaluate, loader
 from memfit.budget import is_oom, largest_fitting
-from memfit.chunking import choose_chunk
 from memfit.compact import CompactDataset
-from memfit.evaluation import evaluate
+from memfit.evaluation.chunks import Chunks
+from memfit.evaluation.estimates import choose_chunk
 
 torch.manual_seed(0)
 RNG = np.random.default_rng(0)
@@ -145,7 +145,7 @@ def test_real_out_of_memory_on_cpu_backs_off(tmp_path):
     """RLIMIT_AS caps the address space so that the whole set cannot run in one chunk."""
     script = textwrap.dedent("""
         import resource, sys, numpy as np, torch
-        from memfit.evaluation import evaluate
+        from memfit import evaluate
         torch.manual_seed(0)
         n = 4000
         x = np.random.default_rng(0).integers(0, 256, (n, 1, 8, 8), dtype=np.uint8)
@@ -183,7 +183,7 @@ def test_auto_chunk_respects_the_budget_by_memfit_accounting():
     x, y = make_data(3000)
     model = make_model()
     ds = CompactDataset.from_arrays(x, y, device="cpu")
-    from memfit.chunking import MAX_AUTO_CHUNK, Chunks
+    from memfit.evaluation.estimates import MAX_AUTO_CHUNK
     chunks = Chunks(ds, torch.device("cpu"))
     for budget in (200_000, 1_000_000):
         n, estimate, reason = choose_chunk(model, chunks, budget, model)
@@ -326,7 +326,7 @@ def test_plans_are_reused_across_calls_and_do_not_keep_the_model_alive(monkeypat
 
 
 def test_auto_chunk_is_capped_where_larger_chunks_stop_paying(monkeypatch):
-    monkeypatch.setattr(sys.modules["memfit.chunking"], "MAX_AUTO_CHUNK", 64)
+    monkeypatch.setattr(sys.modules["memfit.evaluation.estimates"], "MAX_AUTO_CHUNK", 64)
     x, y = make_data(300)
     model = make_model()
     r = evaluate(model, (x, y), budget="1GiB", progress=False)
@@ -533,26 +533,25 @@ def test_an_extrapolated_chunk_estimate_says_it_is_approximate(monkeypatch, capl
     """When fake tensors cannot run the model the estimate comes from two small runs: labelled APPROXIMATE."""
     import logging
 
-    from memfit import chunking
+    from memfit.evaluation import estimates
     x, y = make_data(64)
     model = make_model()
-    monkeypatch.setattr(chunking, "_fake_peak", lambda model, chunks, why: (None, why))
-    chunks = chunking.Chunks(CompactDataset.from_arrays(x, y, device="cpu"), torch.device("cpu"))
+    monkeypatch.setattr(estimates, "_fake_peak", lambda model, chunks, why: (None, why))
+    chunks = Chunks(CompactDataset.from_arrays(x, y, device="cpu"), torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="memfit.evaluate"):
-        peak, how = chunking._eager_peak(model, model, chunks, "")
-    assert how.startswith("APPROXIMATE") and "APPROXIMATE" in caplog.text
+        peak, how, source = estimates.eager_peak(model, model, chunks, "")
+    assert how.startswith("APPROXIMATE") and "APPROXIMATE" in caplog.text and source is estimates.Source.MEASURED
     assert peak(16) >= peak(4) > 0
 
 
 def test_a_chunk_sized_for_the_planner_is_sized_again_when_the_planner_cannot_run(monkeypatch):
     """The planned forward holds less than the eager one: when the plan cannot be borrowed after all, the
     chunk is sized again for the eager forward instead of running a planner-sized chunk over the budget."""
-    from memfit import chunking
     from memfit.memory import cache
     x, y = make_data(3000)
     model = make_model()
     ds = CompactDataset.from_arrays(x, y, device="cpu")
-    chunks = chunking.Chunks(ds, torch.device("cpu"))
+    chunks = Chunks(ds, torch.device("cpu"))
     budget = 100_000
     planned_size, est, _ = choose_chunk(model, chunks, budget, model, use_plan=None)
     eager_size, _, _ = choose_chunk(model, chunks, budget, model, use_plan=False)

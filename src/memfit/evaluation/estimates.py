@@ -1,4 +1,4 @@
-"""Chunks of a dataset for evaluation, and the largest chunk that fits a memory budget.
+"""The peak bytes of an evaluation chunk of n samples, and the largest chunk that fits a memory budget.
 
 The peak bytes of a chunk of n samples come from the activation planner (`memfit.plan`'s memory
 model) when it can capture the model, else from a fake-tensor run of the eager forward
@@ -13,78 +13,44 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from memfit.batches import batch_nbytes, forward
 from memfit.budget import BudgetExceeded, format_bytes, largest_fitting
-from memfit.compact import CompactDataset
+from memfit.evaluation.chunks import Chunks
 from memfit.memory.fit import line_through
 from memfit.memory.isolation import predicting
 from memfit.memory.measure import held_bytes, track_memory
 from memfit.messages import first_line
-from memfit.targets import check_count
+
+__all__ = ["MAX_AUTO_CHUNK", "Estimate", "Source", "choose_chunk", "eager_peak"]
 
 log = logging.getLogger("memfit.evaluate")
 
 
-# ---- data -----------------------------------------------------------------------------------------
-class Chunks:
-    """Decoded chunks [s, e) of a CompactDataset, copied compact to `device` and decoded there."""
-
-    def __init__(self, ds: CompactDataset, device: torch.device):
-        self.ds, self.device, self.n = ds, device, len(ds)
-        self.sample_shape, self.dtype = ds.sample_shape, ds.dtype
-        self.fields = ds.fields is not None      # a dict of inputs: model(**x), not planned
-        self.compact_per_sample = ds.row_nbytes if ds.device != device else 0
-        self.decoded_per_sample = ds.batch_nbytes(1)
-
-    def get(self, s: int, e: int):
-        idx = torch.arange(s, e, device=self.ds.device)
-        rows = self.ds.rows(idx)
-        y = None if self.ds.y is None else self.ds.y[s:e]
-        if self.ds.device != self.device:          # compact bytes cross the bus, not float32
-            rows = rows.to(self.device, non_blocking=True)
-            y = None if y is None else y.to(self.device, non_blocking=True)
-        return self.ds.decode(rows), (None if y is None else self.ds.targets.decode(y))
+class Source(Enum):
+    """Where a chunk's peak estimate comes from."""
+    PLANNER = "the planner's arena"                      # exact; the planned forward runs
+    FAKE_FORWARD = "fake-tensor forward"                 # exact for the eager forward, nothing allocated
+    MEASURED = "measured runs at 2 sizes, APPROXIMATE"  # extrapolated, with 10% head-room
 
 
-def as_chunks(data, device: torch.device):
-    """A CompactDataset, a memfit Loader (any iterable of (x, y) batches) or (x, y) arrays."""
-    if isinstance(data, CompactDataset):
-        if len(data) == 0:
-            raise ValueError("the data is empty: nothing to evaluate")
-        return Chunks(data, device)
-    if isinstance(data, tuple) and len(data) == 2:
-        x, y = data
-        if isinstance(x, dict):     # several inputs per sample; from_arrays checks every count
-            return Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
-        if y is not None:
-            check_count(y, len(x))
-        if len(x) == 0:
-            raise ValueError("the data is empty: nothing to evaluate")
-        # stored compactly on the host; each chunk crosses to the device compact and is decoded there
-        return Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
-    if isinstance(data, Iterable) and not isinstance(data, (str, bytes, dict)):
-        return data
-    raise TypeError(f"data must be a CompactDataset, a memfit Loader (or iterable of (x, y) batches) or an "
-                    f"(x, y) tuple of arrays; found {type(data).__name__}")
-
-
-# ---- chunk size ------------------------------------------------------------------------------------
-def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | None, str]:
-    """(peak(n) from the activation planner, "planner"), or (None, why not) when it cannot capture the model."""
+def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | None, str, Source | None]:
+    """(peak(n) from the activation planner, "planner", PLANNER), or, when it cannot capture the model, the
+    fake-tensor forward memory_model fell back to, or (None, why not, None)."""
     try:
         from memfit.memory.cache import memory_model_of
         from memfit.memory.inference import InferenceMemoryModel
         mm = memory_model_of(model, sample_shape, dtype)
     except Exception:          # export failures are expected for some models; the runner says why
-        return None, ", as the planner could not capture the model"
+        return None, ", as the planner could not capture the model", None
     if not isinstance(mm, InferenceMemoryModel):      # memory_model fell back to a fake-tensor forward itself
-        return mm.total_bytes, "fake-tensor forward, as the planner could not capture the model"
-    return mm.total_bytes, "planner"
+        return mm.total_bytes, "fake-tensor forward, as the planner could not capture the model", Source.FAKE_FORWARD
+    return mm.total_bytes, "planner", Source.PLANNER
 
 
 def _fake_peak(model, chunks: Chunks, why: str) -> tuple[Callable[[int], int] | None, str]:
@@ -125,23 +91,30 @@ MAX_AUTO_CHUNK = 512
 
 @dataclass
 class Estimate:
-    """peak(n) + extra * n bytes for a chunk of n; `planned`: from the planner (the planned module runs)."""
+    """peak(n) + extra * n bytes for a chunk of n, and where peak(n) comes from."""
     peak: Callable[[int], int]
-    extra: int
-    planned: bool
+    extra: int                   # the compact rows of a chunk on the device, per sample
+    source: Source
+
+    @property
+    def planned(self) -> bool:
+        """Sized for the planned forward (which must then run)."""
+        return self.source is Source.PLANNER
 
     def __call__(self, n: int) -> int:
         return self.peak(n) + self.extra * n
 
 
-def _eager_peak(model, runner, chunks: Chunks, why: str) -> tuple[Callable[[int], int], str]:
+def eager_peak(model, runner, chunks: Chunks, why: str) -> tuple[Callable[[int], int], str, Source]:
+    """peak(n) of the eager forward: from fake tensors, else (APPROXIMATE, logged) from two measured runs."""
     peak, how = _fake_peak(model, chunks, why)
-    if peak is None:
-        # an extrapolation, not an exact count: say so where the user reads the choice
-        log.warning("memfit.evaluate: the chunk size is APPROXIMATE (extrapolated from runs at 4 and 16 "
-                    "samples with 10%% head-room): %s", how)
-        peak, how = _measured_peak(model, runner, chunks), f"APPROXIMATE, extrapolated from runs at 2 sizes{how}"
-    return peak, how
+    if peak is not None:
+        return peak, how, Source.FAKE_FORWARD
+    # an extrapolation, not an exact count: say so where the user reads the choice
+    log.warning("memfit.evaluate: the chunk size is APPROXIMATE (extrapolated from runs at 4 and 16 "
+                "samples with 10%% head-room): %s", how)
+    how = f"APPROXIMATE, extrapolated from runs at 2 sizes{how}"
+    return _measured_peak(model, runner, chunks), how, Source.MEASURED
 
 
 @predicting()          # one sizing at a time; every RNG as found (a measured run draws from it)
@@ -154,23 +127,22 @@ def choose_chunk(model, chunks, budget: int, runner, use_plan: bool | None = Tru
     since the planner's arena then fits more; False never captures.
     """
     extra, target = chunks.compact_per_sample, min(chunks.n, MAX_AUTO_CHUNK)
-    peak, how, planned, eager = None, "", False, None
+    peak, how, source, eager = None, "", None, None
     if chunks.fields:
         use_plan, how = False, ", as the planner takes one input tensor and this data has several fields"
     if use_plan is None:           # the eager estimate first: capture costs seconds, and pays only when memory binds
-        eager = _eager_peak(model, runner, chunks, "")
+        eager = eager_peak(model, runner, chunks, "")
         if eager[0](target) + extra * target <= budget:
-            peak, how = eager[0], eager[1] + f"; no capture: {target} samples fit eagerly"
+            peak, how, source = eager[0], eager[1] + f"; no capture: {target} samples fit eagerly", eager[2]
         else:
             use_plan = True
     if use_plan:
-        peak, how = _planned_peak(model, chunks.sample_shape, chunks.dtype)
-        planned = peak is not None and how == "planner"
+        peak, how, source = _planned_peak(model, chunks.sample_shape, chunks.dtype)
         if peak is None and eager is not None:      # no capture: the eager estimate it is
-            peak, how = eager[0], eager[1] + how
+            peak, how, source = eager[0], eager[1] + how, eager[2]
     if peak is None:
-        peak, how = _eager_peak(model, runner, chunks, how)
-    total = Estimate(peak, extra, planned)
+        peak, how, source = eager_peak(model, runner, chunks, how)
+    total = Estimate(peak, extra, source)
     n = largest_fitting(total, budget, chunks.n)
     if n == 0:
         raise BudgetExceeded(f"one sample needs {format_bytes(total(1))} ({how}: parameters "

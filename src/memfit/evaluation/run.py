@@ -1,0 +1,232 @@
+"""Evaluation in chunks: exact whole-set metrics, a chunk size from the budget, OOM back-off.
+
+A common work-around for evaluating MNIST on a 1 GB GPU splits the test set into chunks of 50 and
+averages the chunk accuracies, which is wrong when the last chunk is smaller. `evaluate` keeps
+metrics as sums and counts (`memfit.metrics`), picks the largest chunk whose peak memory fits
+the budget (from the activation planner when it can capture the model, else from two small
+measured runs), and when a chunk still runs out of memory it frees the chunk, halves it,
+retries only that chunk and grows back afterwards.
+
+Example:
+    >>> import torch, numpy as np
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    >>> x = np.random.default_rng(0).integers(0, 256, (100, 1, 4, 4), dtype=np.uint8)
+    >>> y = np.arange(100) % 3
+    >>> r = evaluate(model, (x, y), chunk_size=7, device="cpu", progress=False)
+    >>> r.n, r.chunks, sorted(r.metrics)
+    (100, 15, ['accuracy', 'loss'])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from memfit.budget import check_count, model_device, resolve_budget, resolve_device
+from memfit.evaluation import ranks
+from memfit.evaluation.chunks import Chunks, as_chunks
+from memfit.evaluation.decision import Ask, decide, without_plan
+from memfit.evaluation.estimates import choose_chunk
+from memfit.evaluation.loop import run_chunks
+from memfit.evaluation.result import EvalResult
+from memfit.memory.measure import held_bytes
+from memfit.messages import first_line, whole_words
+from memfit.metrics import Metric, default_metrics, make_metric
+
+
+def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable | None = None,
+             loss_reduction: str | None = None, output_fn: Callable | None = None,
+             chunk_size: int | str = "auto", budget: int | str | None = None, device=None,
+             progress: bool | None = True, planned: bool | None = None, distributed: bool = False,
+             sharded: bool = False) -> EvalResult:
+    """Evaluate `model` on `data` in chunks and return exact whole-set metrics.
+
+    Args:
+        model: a module that maps a batch (n, *sample_shape) to outputs (n, classes); a dataset of
+            fields (`from_arrays({"input_ids": ..., "attention_mask": ...}, y)`) is passed as `model(**x)`.
+        data: a CompactDataset, a memfit Loader (any iterable of (x, y) batches: x a tensor, a tuple
+            passed as `model(*x)` or a dict passed as `model(**x)`), or (x, y) arrays, which are stored
+            compactly (and losslessly) on the host on the way in.
+        metrics: 'auto' (from the targets: class ids and labels 'accuracy' and 'loss'; float targets 'mse'
+            and 'mae'; a dict of targets each its own, keyed 'accuracy@NAME'), or names ('accuracy', 'topk:5',
+            'loss', 'confusion', 'iou', 'perplexity', 'mse', 'mae'; 'NAME@TARGET' for one target of a dict),
+            `memfit.metrics.Metric` objects or torchmetrics-style objects (keyed by class name, '_2' added when
+            repeated), or a dict {result key: either}. Class scores may be (N, C), (N, C, *d) or (N, *d, C)
+            for labels (N,) or (N, *d); labels equal to the data's ignore_index (else -100) count nowhere.
+        loss_fn: used by 'loss'; default cross entropy. torch losses, partials and functions with a
+            `reduction` parameter are asked for per-sample values; a function that returns a scalar
+            needs `loss_reduction`. The result is torch's mean over the whole set: targets equal to
+            `ignore_index` are not counted, class weights divide by sum(weight[y]) (CrossEntropyLoss,
+            NLLLoss), KLDivLoss 'batchmean' divides by the number of samples; CTCLoss is refused.
+        loss_reduction: 'mean' or 'sum': what a scalar-returning `loss_fn` does over a chunk.
+        output_fn: picks the logits from the model's output; default rule (`memfit.metrics.logits_of`):
+            a tensor; `.logits` of a ModelOutput; `["logits"]` of a dict; the first element of a tuple/list.
+        chunk_size: 'auto' (the largest that fits `budget`, at most MAX_AUTO_CHUNK = 512 samples:
+            larger chunks run no faster) or an int.
+        budget: bytes or a string like '1GiB': parameters, activations, the decoded chunk and outputs
+            must fit. Default: the device's free memory minus a margin, plus the model's own bytes.
+        device: where to evaluate; default the model's device.
+        progress: a progress bar counting samples (only on a terminal).
+        planned: run through the activation planner (`memfit.plan`). None: only where capture pays, i.e.
+            chunk_size 'auto', more than SMALL_SET samples, and the eager forward's estimate cannot fit
+            the chunk in the budget (the planner's arena fits more); True: always; False: never.
+            `EvalResult.reason` says which and why.
+        distributed: every rank of the initialised process group evaluates its shard and sums and counts
+            are all-reduced, so every rank returns the single-process result over the whole set. Every
+            rank passes the same whole set (a CompactDataset or arrays: sharded here; or this rank's
+            `CompactDataset.shard()`; or a `loader(..., distributed=True)`): before any work the ranks
+            compare its size and a fingerprint (layout, 16 sampled rows) and all raise, naming each rank's
+            size, when they differ. The auto chunk size is the minimum over ranks; out-of-memory back-off
+            stays local. A rank with nothing to evaluate (fewer samples than ranks, its loader empty)
+            adds nothing.
+        sharded: with `distributed`, `data` is this rank's own part, split beforehand (arrays, a
+            CompactDataset, a Loader built without distributed=True): each rank evaluates all of its
+            part, of any size, and the metrics and `n` are over the union of the parts. Any other
+            iterable of batches is always taken as this rank's own.
+
+    Raises:
+        ValueError/TypeError for bad input; BudgetExceeded when one sample does not fit; the
+        original error when a single sample runs out of memory; with `distributed`, an error on
+        every rank naming the rank that failed.
+    """
+    t0 = time.perf_counter()
+    # resolve: the device, the metrics, the data (on several ranks: agreed on before any work)
+    dev = _model_device(model, device)
+    auto = isinstance(metrics, str) and metrics == "auto"
+    mets = {} if auto else _metrics(metrics, loss_fn, loss_reduction)     # a bad name is said before any work
+    if not auto and not mets:
+        raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
+    if not isinstance(sharded, bool) or (sharded and not distributed):
+        raise ValueError(f"sharded=True says each rank holds its own part, so it needs distributed=True; found "
+                         f"sharded={sharded!r}, distributed={distributed!r}")
+    if chunk_size != "auto":
+        chunk_size = _forced(chunk_size)
+    if distributed:
+        from memfit import distributed as mdist
+        if not mdist.is_distributed():
+            raise ValueError("distributed=True needs an initialised torch.distributed process group "
+                             "(start with torchrun, or call init_process_group first)")
+        data = ranks.agreed_data(data, sharded)      # before any work: one whole set on every rank, or parts
+    modes = [(m, m.training) for m in model.modules()]       # each module's own mode comes back afterwards
+    if any(training for _, training in modes):
+        model.eval()
+    error, res, runner, decision = None, None, model, None
+    try:
+        chunks = ranks.local_chunks(data, dev, sharded) if distributed else as_chunks(data, dev)
+        _resolve_metrics(mets, chunks, auto, loss_fn, loss_reduction)
+        # decide: chunk size and runner, in one place
+        whole = isinstance(chunks, Chunks)
+        ask = Ask(chunks.n if whole else None, chunk_size, planned, budget is not None, distributed,
+                  whole and chunks.fields)
+        size_for = lambda use_plan: choose_chunk(model, chunks, _limit(model, budget, dev), model, use_plan=use_plan)
+        decision = decide(ask, size_for)
+        if distributed and chunk_size == "auto":
+            decision = ranks.agreed_chunk_size(decision)
+        if decision.runner == "planned":
+            runner, why = _planned_runner(model, chunks, decision.chunk_size, planned)
+            if runner is model:
+                decision = without_plan(decision, why, ask, size_for)
+        # loop
+        res = run_chunks(runner, chunks, mets, decision.chunk_size, dev, progress, output_fn,
+                         allow_empty=distributed)
+    except Exception as e:
+        if not distributed or isinstance(e, mdist.RankFailed):    # every rank already knows: agree no further
+            raise
+        error = e
+    finally:
+        if any(training for _, training in modes):
+            model.train(modes[0][1])                      # an overridden train() undoes what its eval() did
+            for m, training in modes:                     # then each module's own mode (a frozen submodule)
+                if m.training != training:
+                    m.training = training
+        if runner is not model:
+            from memfit.memory.cache import give_back
+            give_back(runner)       # the arena is freed now; the plans stay for the next call
+    # reduce: over the ranks, then each metric's whole-set value
+    if distributed:
+        ranks.reduce_results(error, mets, res)
+    peak = _peak(dev, decision.estimate, res["max_n"])
+    values = {k: m.compute() for k, m in mets.items()}
+    return EvalResult(values, res["n"], decision.chunk_size or res["max_n"], res["chunks"], res["retries"], peak,
+                      time.perf_counter() - t0, decision.runner, decision.reason, res["oom_sizes"])
+
+
+def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, loss_fn, loss_reduction) -> None:
+    """With metrics='auto', the metrics the targets' kind asks for; then each metric's ignore index."""
+    targets = getattr(chunks.ds if isinstance(chunks, Chunks) else chunks, "targets", None)
+    if targets is None and hasattr(chunks, "dataset"):           # a memfit Loader
+        targets = chunks.dataset.targets
+    if auto:
+        mets.update(_metrics(default_metrics(None if targets is None else targets.kind), loss_fn, loss_reduction))
+    _bind(mets, targets)
+
+
+def _bind(mets: dict[str, Metric], targets) -> None:
+    """Each metric takes the ignore_index of the target it reads, unless it was given one."""
+    for m in mets.values():
+        part = None if targets is None else targets.parts.get(m.target)
+        m.bind(None if part is None else part.ignore_index)
+
+
+def _limit(model, budget, dev) -> int:
+    """The bytes a chunk may use: the budget, or the free memory plus what the model already holds."""
+    return resolve_budget(budget, dev) + (held_bytes(model) if budget is None else 0)
+
+
+def _metrics(specs, loss_fn, loss_reduction=None) -> dict[str, Metric]:
+    """{result key: metric}: names key themselves, objects their class name (suffixed when repeated);
+    a dict names its own keys."""
+    items = specs.items() if isinstance(specs, dict) else ((None, s) for s in specs)
+    out: dict[str, Metric] = {}
+    for key, spec in items:
+        metric = make_metric(spec, loss_fn, loss_reduction)
+        key = key or (spec if isinstance(spec, str) else metric.name)
+        base, i = key, 2
+        while key in out:
+            key, i = f"{base}_{i}", i + 1
+        out[key] = metric
+    return out
+
+
+def _forced(chunk_size) -> int:
+    try:
+        return check_count("chunk_size", chunk_size, 1)
+    except (TypeError, ValueError):                   # 'auto' is the other valid value: say so
+        raise ValueError(f"chunk_size must be 'auto' or an int >= 1; found {chunk_size!r}") from None
+
+
+def _model_device(model, device) -> torch.device:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; found {type(model).__name__}")
+    have = model_device(model, default=None)
+    dev = resolve_device(device if device is not None else have)
+    if have is not None and have != dev and not (have.type == dev.type == "cuda" and have.index == dev.index):
+        raise ValueError(f"the model is on {have} but device={str(dev)!r}; move it with model.to('{dev}') "
+                         f"or pass device='{have}'")
+    return dev
+
+
+def _planned_runner(model, chunks: Chunks, size: int, required: bool | None):
+    """(the borrowed planned module, "") or (model, why it runs eagerly); with planned=True a failure raises."""
+    try:
+        from memfit.memory.cache import borrow_plan, known_memory_model
+        from memfit.memory.inference import InferenceMemoryModel
+        mm = known_memory_model(model, chunks.sample_shape, chunks.dtype)      # made when sizing the chunk
+        if mm is not None and not isinstance(mm, (InferenceMemoryModel, Exception)):   # capture failed: don't pay again
+            return model, f"run eagerly: {whole_words(mm.why, 200)}"
+        # zeros, not empty: integer inputs (token ids) must be valid indices
+        example = torch.zeros((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
+        return borrow_plan(model, example), ""      # captured once per model, given back below
+    except Exception as e:
+        if required:
+            raise
+        return model, f"run eagerly: the planner could not capture the model ({first_line(e)})"
+
+
+def _peak(dev: torch.device, estimate, max_n: int) -> int | None:
+    """The device's measured peak on CUDA; else the estimate the chunk was sized by; None: not measured."""
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev)
+    return int(estimate(max_n)) if estimate is not None else None
