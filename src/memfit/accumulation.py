@@ -252,6 +252,7 @@ class _MicroStep:
         self.loss_sum: torch.Tensor | None = None
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
         self.autocast = self._autocast_type()
+        self.splittable = True           # an out-of-memory error may split a micro-batch
 
     @staticmethod
     def _autocast_type():
@@ -337,6 +338,10 @@ class _MicroStep:
             release_cached(self.device)              # outside the except block: the failed part's frames are gone
             self.retries += 1
             self.oom_sizes.append(m)
+            if not self.splittable:
+                raise torch.OutOfMemoryError(f"out of memory in the step on the whole batch ({err}); the model has "
+                                             "batch statistics (BatchNorm in training mode), so it is not split into "
+                                             "micro-batches without allow_batch_dependent=True")
             if m == 1:
                 raise torch.OutOfMemoryError(f"a training step on a single sample does not fit in memory ({err}); "
                                              "free memory, use a smaller model, input or optimizer state")
@@ -401,9 +406,11 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
                         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
     _check_micro(micro_batch)
     world = _check_distributed(model, distributed)
-    _check_batch_dependence(model, allow_batch_dependent)
     x, y = batch
     n = _batch_size(x, y)
+    whole = micro_batch != "auto" and micro_batch >= n       # one micro-batch of the whole batch: the plain step
+    if not whole:
+        _check_batch_dependence(model, allow_batch_dependent)
     params = list(model.parameters())
     device = _trained_device(params)
     n_total = n if terms is None else _count_terms(terms, x, y)
@@ -413,6 +420,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     if n_total == 0:
         raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on")
     step = _MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1, terms=terms)
+    # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
+    step.splittable = not whole or allow_batch_dependent or not batch_dependent_modules(model)
     if micro_batch == "auto":
         key = auto_key(step.params, optimizer, x, n, budget)
         size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key)
