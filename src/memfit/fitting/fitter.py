@@ -251,7 +251,8 @@ def _nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, lever
     more = [f"{d} devices sharding parameters, gradients and optimizer state (FSDP / ZeRO) need about "
             f"{format_bytes(static // d + max(0, need - static))} each" for d in (2, 4, 8)
             if static // d + max(0, need - static) <= budget][:1]
-    fixes = more + ([] if "bf16" in levers else ["levers=('bf16',) (bf16 autocast: fewer activation bytes)"]) + \
+    cast = [] if "bf16" in levers or static > budget else ["levers=('bf16',) (bf16 autocast: fewer activation bytes)"]
+    fixes = more + cast + \
         ["an optimizer with less state (SGD: none; AdamW: 2x the parameters)", "a larger budget"]
     return BudgetExceeded(f"{head} ({what}). What would fit: {'; or '.join(fixes)}", needed=need, budget=budget,
                           items=items)
