@@ -90,6 +90,10 @@ class FitPlan:
     how_time: str = field(repr=False, default="")
     seconds: float = field(repr=False, default=0.0)
     _run: Callable = field(repr=False, default=None)
+    _module: torch.nn.Module = field(repr=False, default=None)
+    _installed: list = field(repr=False, default_factory=list)
+    _terms: bool = field(repr=False, default=False)          # fit was given terms= (a loss over terms, not samples)
+    _marked: tuple | None = field(repr=False, default=None)   # (module, its accepts_loss_kwargs before the Trainer)
 
     @property
     def micro_batches(self) -> int:
@@ -102,6 +106,13 @@ class FitPlan:
         `distributed=` as given to `fit`), the modules in `checkpoint` checkpointed only while it runs, under
         bf16 autocast when the plan says so. Returns accumulate's `StepResult`."""
         return self._run(batch, self)
+
+    def trainer_arguments(self, args):
+        """transformers' `TrainingArguments` that train with this plan (per-device batch, gradient accumulation
+        keeping the effective batch) and the plan's layers checkpointed on the model: see
+        `memfit.fitting.trainer.trainer_arguments`."""
+        from memfit.fitting.trainer import trainer_arguments
+        return trainer_arguments(self, args)
 
     def explain(self) -> str:
         """The choice, why, how bytes and time were predicted, and every alternative considered."""
@@ -355,4 +366,5 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         return res
 
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
-                   found.alternatives, found.candidates, found.how_bytes, found.how_time, found.seconds, run)
+                   found.alternatives, found.candidates, found.how_bytes, found.how_time, found.seconds, run, module,
+                   _terms=terms is not None)
