@@ -41,3 +41,16 @@ def test_fit_usage_errors(tmp_path, capsys, argv, match):
     (tmp_path / "nets.py").write_text(BLOCKS_FILE)
     assert main(["plan", f"{tmp_path}/nets.py:make", "--input", "4,16", *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_bench_fit_budgets_are_the_three_the_issue_names():
+    from memfit.cli.bench.fit import budgets
+    from memfit.fitting.search import Alternative, Setting
+    # bytes = 100 + m * (10 - 2 * checkpointed blocks), batch 8, two blocks
+    alts = [Alternative(m, Setting(tuple("ab"[:k])), 1.0, 100 + m * (10 - 2 * k))
+            for m in (1, 2, 4, 8) for k in (0, 1, 2)]
+    plan = type("P", (), {"alternatives": alts})()
+    b = budgets(plan, 8)
+    assert b["plain fits"] == 180                            # m = 8, nothing checkpointed
+    assert b["micro-batching fits"] == 140                   # m = 4 without checkpointing: the whole batch does not fit
+    assert b["only checkpointing"] == (106 + 110) // 2       # below m = 1 without checkpointing, above m = 1 with both
