@@ -201,3 +201,39 @@ def test_accumulate_runs_a_batchnorm_model_whole_without_opt_in():
     assert max_rel_error(grads(model), grads(ref)) < 1e-6
     with pytest.raises(memfit.BatchDependentError):
         memfit.accumulate(model, opt, (x, y), F.mse_loss, micro_batch=N // 2)
+
+
+def _fit_rank(rank, world):
+    model = mlp()
+    x, y = data()
+    part = (x[rank::world], y[rank::world])                 # 12 samples a rank
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    # rank 1's budget misses its plain step; rank 0's fits anything: both must take the same (rank 1's) plan
+    buckets = sum(p.nbytes for p in model.parameters())     # DDP's gradient buckets, which fit counts under DDP
+    budget = "1GiB" if rank == 0 else memfit.fit(model, opt, part, F.mse_loss, "1GiB").peak_bytes + buckets - 1
+    plan = memfit.fit(ddp, opt, part, F.mse_loss, budget, distributed=True)
+    r = plan.step(part)
+    try:                           # rank 1's budget fits nothing: every rank stops, none waits for it
+        memfit.fit(ddp, opt, part, F.mse_loss, "1GiB" if rank == 0 else "1KiB", distributed=True)
+        stopped = "no error"
+    except Exception as e:
+        stopped = type(e).__name__
+    return plan.micro_batch, plan.checkpoint, r.loss, [p.grad.tolist() for p in model.parameters()], stopped
+
+
+def test_every_rank_gets_the_same_plan_and_the_global_batch_gradient():
+    from distributed_util import run_ranks
+    out = run_ranks(_fit_rank, 2, timeout=90)
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    (m0, c0, loss0, g0, stop0), (m1, c1, _, g1, stop1) = out[0][1], out[1][1]
+    assert (stop0, stop1) == ("RankFailed", "BudgetExceeded")
+    assert (m0, c0) == (m1, c1) and (m0 < N // 2 or c0)
+    ref = mlp()
+    x, y = data()
+    loss = F.mse_loss(ref(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]]))
+    loss.backward()
+    assert abs(loss0 - float(loss.detach())) < 1e-5
+    for p, a, b in zip(ref.parameters(), g0, g1, strict=True):
+        torch.testing.assert_close(torch.tensor(a), p.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(b), p.grad, rtol=1e-5, atol=1e-6)

@@ -82,8 +82,14 @@ def _count(model, x, y, loss_fn, blocks, autocast, device) -> _Counter:
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
         named = {**dict(model.named_parameters(remove_duplicate=False)),
                  **dict(model.named_buffers(remove_duplicate=False))}
-        fake = {k: (torch.nn.Parameter(mode.from_tensor(v), v.requires_grad) if isinstance(v, torch.nn.Parameter)
-                    else mode.from_tensor(v)) for k, v in named.items()}
+        made: dict[int, torch.Tensor] = {}            # one fake per tensor: tied weights stay tied
+
+        def fake_of(v):
+            if id(v) not in made:
+                f = mode.from_tensor(v)
+                made[id(v)] = torch.nn.Parameter(f, v.requires_grad) if isinstance(v, torch.nn.Parameter) else f
+            return made[id(v)]
+        fake = {k: fake_of(v) for k, v in named.items()}
         stack.enter_context(mode)
         stack.enter_context(_reparametrize_module(model, fake, tie_weights=True, strict=False))
         xs = ExampleBatch(x).at(_len(x), device)

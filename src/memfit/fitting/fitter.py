@@ -345,13 +345,23 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     entry = _PLANS.get(module)
     if entry is None or entry[0] != fingerprint:
         entry = _PLANS[module] = (fingerprint, {})
-    if key not in entry[1] or (exhaustive and any(a.bytes is None for a in entry[1][key].alternatives)):
+    found, error = entry[1].get(key), None
+    if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
         devices = [model_device(module)] if model_device(module).type == "cuda" else []
         with torch.random.fork_rng(devices=devices):      # nothing drawn here reaches the caller's RNG
-            found = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
-                            allow_batch_dependent, exhaustive)
-        entry[1][key] = _agree(found, world)
-    found = entry[1][key]
+            try:
+                found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
+                                                allow_batch_dependent, exhaustive)
+            except Exception as e:
+                if world == 1:
+                    raise
+                error = e
+    if world > 1:
+        # every call, kept plan or not: a rank whose search failed stops every rank (none waits in the gather),
+        # then the ranks take one plan
+        from memfit.distributed import agree
+        agree(error, "memfit.fit search")
+        found = _agree(found, world)
     best = found.best
     dtype = next((LEVERS[v] for v in levers if _name(LEVERS[v]) == best.setting.autocast), None)
 
