@@ -237,3 +237,20 @@ def test_every_rank_gets_the_same_plan_and_the_global_batch_gradient():
     for p, a, b in zip(ref.parameters(), g0, g1, strict=True):
         torch.testing.assert_close(torch.tensor(a), p.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(b), p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_plans_are_kept_per_model_and_dropped_when_it_changes(monkeypatch):
+    from memfit.fitting import fitter
+    calls = []
+    search = fitter._search
+    monkeypatch.setattr(fitter, "_search", lambda *a, **k: calls.append(1) or search(*a, **k))
+    model = mlp(blocks=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
+    b = memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
+    assert len(calls) == 1
+    assert (a.micro_batch, a.checkpoint, a.peak_bytes) == (b.micro_batch, b.checkpoint, b.peak_bytes)
+    memfit.fit(model, opt, data(), F.mse_loss, "2GiB")                   # another budget: another search
+    model[0][3].p = 0.5                                                  # the model changed: searched again
+    memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
+    assert len(calls) == 3

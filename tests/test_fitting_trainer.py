@@ -7,7 +7,6 @@ import memfit
 from memfit.fitting.trainer import per_device_split, remove_checkpointing
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (the dev extra installs it)")
 N, SEQ, VOCAB = 16, 16, 100
 
 
@@ -40,6 +39,7 @@ def test_split_keeps_the_effective_batch():
 
 
 def test_trainer_gets_the_plan_and_trains_as_the_plain_arguments(tmp_path):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (the dev extra installs it)")
     ds = dataset()
     model = tiny_bert()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -396,7 +396,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         StepResult: the loss over the whole batch, the micro-batch size chosen and why, retries.
 
     Raises:
-        BatchDependentError: the model has BatchNorm (or similar) in training mode and no opt-in.
+        BatchDependentError: the model has BatchNorm (or similar) in training mode, micro-batches smaller than
+            the batch and no opt-in (one micro-batch of the whole batch is the plain step: allowed).
         BudgetExceeded: not even one sample fits the budget.
         torch.OutOfMemoryError: a single sample runs out of memory.
     """

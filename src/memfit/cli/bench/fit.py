@@ -144,7 +144,8 @@ def rows_for(case: Case, n: int, repeat: int) -> list[dict]:
     for what, budget in budgets(plan_all, n).items():
         if budget is None:
             rows.append({"model": case.name, "budget": what, "plan": "n/a: " + (
-                "batch statistics (BatchNorm): no micro-batches" if "micro" in what else "no such budget")})
+                "batch statistics (BatchNorm): no micro-batches" if "micro" in what else
+                "micro-batch 1 alone needs less than any checkpointed alternative")})
             continue
         model, opt = _fresh(case)
         t0 = time.perf_counter()
