@@ -254,3 +254,13 @@ def test_plans_are_kept_per_model_and_dropped_when_it_changes(monkeypatch):
     model[0][3].p = 0.5                                                  # the model changed: searched again
     memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
     assert len(calls) == 3
+
+
+def test_machine_rates_are_measured_without_touching_the_rng():
+    from memfit.fitting import costs
+    costs._MACHINES.clear()
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    m = costs.machine(torch.device("cpu"))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert 0 < m.op_seconds < 1e-2 and m.flop_rate > 1e6 and m.byte_rate > 1e6
