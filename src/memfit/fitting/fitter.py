@@ -188,13 +188,16 @@ def _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidat
                                                        for f in costs[p][0].flops)) for p in precisions}
     blocks = costs[None][1]
     how: list[str] = []
+    tables: dict[Setting, dict[int, int]] = {}      # each setting's memory model once, across both searches
 
     def bytes_of(setting: Setting) -> Callable[[int], int]:
+        if setting in tables:
+            return tables[setting].__getitem__
         dtype = next(p for p in precisions if _name(p) == setting.autocast)
         cast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with checkpointed(module, setting.checkpoint), cast:
             peak, what = training_peak(model, optimizer, loss_fn, x, y)
-            table = {m: peak(m) for m in sizes}       # now, while the modules are checkpointed
+            table = tables[setting] = {m: peak(m) for m in sizes}       # now, while the modules are checkpointed
         how.append(what)
         return table.__getitem__
 
