@@ -38,7 +38,7 @@ lint: $(VENV)/.installed
 
 # Every benchmark, full size; each prints its table (save it under benchmarks/results/ with tee).
 bench: $(VENV)/.installed
-	for b in codecs loaders planner evaluate distributed train; do $(VENV)/bin/memfit bench $$b || exit 1; done
+	for b in codecs loaders planner evaluate distributed train fit; do $(VENV)/bin/memfit bench $$b || exit 1; done
 	$(VENV)/bin/memfit bench planner --real
 	$(VENV)/bin/memfit bench train --architectures
 

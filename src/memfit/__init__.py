@@ -9,6 +9,8 @@
 - `evaluate`: exact whole-set metrics in chunks sized to a memory budget, with out-of-memory back-off.
 - `accumulate`: one optimizer step on a batch too large for the budget, as micro-batches, with the
   full-batch gradient and out-of-memory back-off.
+- `fit` / `FitPlan`: the micro-batch and the modules to checkpoint that make a training step fit a budget
+  fastest, chosen from bytes before anything runs, with the alternatives and why; `plan.step(batch)` runs it.
 - `parse_bytes` / `format_bytes` / `device_memory`: sizes and the memory each device has.
 - `MemoryModel` (the interface of `InferenceMemoryModel` and `StepMemoryModel`), `MemoryKind`, `measure_step`,
   `check_prediction`: what memory models return, one real step's peak, and the prediction checked against it.
@@ -25,6 +27,7 @@ from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed
 from memfit.evaluation.result import EvalResult
 from memfit.evaluation.run import evaluate
+from memfit.fitting.fitter import FitPlan, fit
 from memfit.loading.minibatches import Loader, LoaderConfig, loader
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import InferenceMemoryModel
@@ -43,6 +46,7 @@ __all__ = [
     "CaptureError",
     "CompactDataset",
     "EvalResult",
+    "FitPlan",
     "FakeRunError",
     "InferenceMemoryModel",
     "Loader",
@@ -61,6 +65,7 @@ __all__ = [
     "readers",
     "device_memory",
     "evaluate",
+    "fit",
     "format_bytes",
     "loader",
     "max_batch_size",

@@ -270,6 +270,7 @@ class _MicroStep:
         self.before_sync: Callable | None = None     # called before the backward that all-reduces (distributed)
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
         self.autocast = self._autocast_type()
+        self.splittable = True           # an out-of-memory error may split a micro-batch
 
     @staticmethod
     def _autocast_type():
@@ -372,6 +373,11 @@ class _MicroStep:
                 i += m
                 continue
             self.retries += 1                        # outside the except block: the failed part's frames are gone
+            if not self.splittable:
+                self.oom_sizes.append(m)
+                raise torch.OutOfMemoryError(f"out of memory in the step on the whole batch ({err}); the model has "
+                                             "batch statistics (BatchNorm in training mode), so it is not split into "
+                                             "micro-batches without allow_batch_dependent=True")
             size = halve_after_oom(m, err, self.device, self.oom_sizes, single="a training step on a single sample",
                                    fix="free memory, use a smaller model, input or optimizer state")
             log.info("accumulate: out of memory at a micro-batch of %d (%s); retrying it as %d", m, err, size)
@@ -436,7 +442,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         StepResult: the loss over the whole batch, the micro-batch size chosen and why, retries.
 
     Raises:
-        BatchDependentError: the model has BatchNorm (or similar) in training mode and no opt-in.
+        BatchDependentError: the model has BatchNorm (or similar) in training mode, micro-batches smaller than
+            the batch and no opt-in (one micro-batch of the whole batch is the plain step: allowed).
         BudgetExceeded: not even one sample fits the budget.
         torch.OutOfMemoryError: a single sample runs out of memory.
         NonFiniteLossError: a micro-batch's loss is NaN or infinite (nonfinite='raise').
@@ -450,7 +457,6 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}; found {nonfinite!r}")
     world = _check_distributed(model, distributed)
-    _check_batch_dependence(model, allow_batch_dependent)
     x, y = batch
     params = list(model.parameters())
     # Distributed: every local step that can fail runs first, then one agreement shares the sample counts and
@@ -458,9 +464,14 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     error, step, key = None, None, None
     try:
         n = _batch_size(x, y)
+        whole = micro_batch != "auto" and micro_batch >= n       # one micro-batch of the whole batch: the plain step
+        if not whole:
+            _check_batch_dependence(model, allow_batch_dependent)
         device = _trained_device(params)
         n_total = n if terms is None else _count_terms(terms, x, y)
         step = _MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1, terms=terms)
+        # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
+        step.splittable = not whole or allow_batch_dependent or not batch_dependent_modules(model)
         if micro_batch == "auto":
             key = auto_key(step.params, optimizer, x, n, budget)
             size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key)

@@ -11,7 +11,8 @@ import torch
 from memfit.cli import main
 
 SUBCOMMANDS = [["info"], ["demo"], ["bench"], ["bench", "codecs"], ["bench", "loaders"], ["bench", "planner"],
-               ["bench", "evaluate"], ["bench", "distributed"], ["bench", "train"], ["plan"], ["eval"]]
+               ["bench", "evaluate"], ["bench", "distributed"], ["bench", "train"], ["bench", "fit"], ["plan"],
+               ["eval"]]
 
 
 @pytest.mark.parametrize("cmd", SUBCOMMANDS, ids=" ".join)

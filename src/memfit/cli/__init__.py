@@ -32,6 +32,7 @@ BENCHMARKS = {
     "evaluate": "auto chunk size vs the largest that fits, OOMs, throughput vs unchunked",
     "distributed": "resident loader and exact evaluation with 1 and 2 processes (torch.distributed)",
     "train": "training-step memory model vs real steps; accumulate's gradient and step time vs a plain step",
+    "fit": "memfit.fit's plans (micro-batch x checkpointing) vs a measured grid at three budgets per model",
 }
 
 

@@ -4,6 +4,7 @@ Run:
     memfit plan mymodels.py:make_net --input 1,3,224,224 --plot arena.png
     memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json
     memfit plan pkg.models:resnet --input 32,3,64,64 --train --optimizer adamw --budget 8GiB --plot train.png
+    memfit plan pkg.models:resnet --input 32,3,64,64 --train --budget 8GiB --fit --plot fit.png
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ __all__ = ["cli_plan", "load_factory"]
 
 EXAMPLE = ("example:\n  memfit plan mymodels.py:make_net --input 1,3,224,224 --plot arena.png\n"
            "  memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json\n"
-           "  memfit plan my_module:make_net --input 8,3,32,32 --all --device cuda")
+           "  memfit plan my_module:make_net --input 8,3,32,32 --all --device cuda\n"
+           "  memfit plan my_module:make_net --input 64,3,32,32 --train --budget 8GiB --fit --plot fit.png")
 
 
 def load_factory(spec: str) -> Callable:
@@ -108,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default=None, metavar="SIZE", type=budget_arg,
                    help="with --train: the largest batch within it, "
                    "and a line on the plot (e.g. 8GiB)")
+    p.add_argument("--fit", action="store_true",
+                   help="with --train --budget: the micro-batch and activation checkpointing that make one step on "
+                        "the --input batch fit the budget fastest (memfit.fit), with its alternatives; --plot draws "
+                        "their bytes and time against the budget")
+    p.add_argument("--bf16", action="store_true", help="with --fit: allow bf16 autocast (levers=('bf16',))")
     p.add_argument("--all", action="store_true", help="list every tensor (default: the first 60)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
@@ -124,6 +131,36 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def _fit_report(args, model: torch.nn.Module, shapes, dtype) -> int:
+    """`memfit plan --train --budget SIZE --fit`: the plan that makes the step fit, its alternatives, a plot."""
+    from memfit.fitting.fitter import fit
+    from memfit.fitting.plot import plot_fit
+    from memfit.memory.step import _loss
+    model.train().to(args.device)
+    opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
+    x = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
+    x = x[0] if len(x) == 1 else x
+    loss = lambda out, y: _loss(out, None, None)        # the output's .loss, or the sum of the outputs
+    plan = fit(model, opt, (x, None), loss, args.budget, levers=("bf16",) if args.bf16 else (),
+               exhaustive=bool(args.plot))
+    path = plot_fit(plan, args.plot, name=args.factory) if args.plot else None
+    if args.json:
+        print(json.dumps({"micro_batch": plan.micro_batch, "checkpoint": list(plan.checkpoint),
+                          "autocast": str(plan.autocast) if plan.autocast else None, "peak_bytes": plan.peak_bytes,
+                          "relative_time": plan.relative_time, "budget": plan.budget, "reason": plan.reason,
+                          "alternatives": [{"micro_batch": a.micro_batch, "checkpoint": list(a.setting.checkpoint),
+                                            "autocast": a.setting.autocast, "bytes": a.bytes, "time": a.time,
+                                            "fits": a.fits(plan.budget)} for a in plan.alternatives],
+                          "plot": str(path) if path else None}))
+        return 0
+    print(f"{args.factory}: one training step with {args.optimizer} on input "
+          f"{' and '.join(str(list(s)) for s in shapes)}, loss = the output's .loss or the sum of the outputs")
+    print(plan.explain())
+    if path:
+        print(f"wrote {path}")
+    return 0
 
 
 def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
@@ -164,6 +201,11 @@ def cli_plan(argv: list[str]) -> int:
     model = load_factory(args.factory)()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{args.factory} returned {type(model).__name__}; expected a torch.nn.Module")
+    if (args.fit or args.bf16) and not (args.train and args.budget):
+        raise UsageError("--fit goes with --train and --budget (the plan that makes the step fit that budget)"
+                         if args.fit else "--bf16 goes with --fit")
+    if args.train and args.fit:
+        return _fit_report(args, model, shapes, dtype)
     if args.train:
         return _train_report(args, model, shapes, dtype)
     if args.budget:

@@ -1,0 +1,139 @@
+"""Activation checkpointing of chosen modules, only while a step runs: which modules are candidates
+(`candidate_blocks`), and `checkpointed(model, names)`, which runs their forward under non-reentrant
+`torch.utils.checkpoint` inside the `with` block and restores them after, even on error.
+
+A checkpointed module keeps only its inputs for backward and runs its forward again there. Non-reentrant
+checkpointing saves and restores the RNG state around the recomputation (`preserve_rng_state=True`), so dropout
+draws the same masks as the plain step and the RNG ends where the plain step leaves it. A recomputed BatchNorm in
+training mode would update its running statistics a second time: the recomputation runs with the module's
+buffers put back as they were after the first forward, so the step changes them exactly as a plain step does.
+
+Known limitations: a module whose forward mutates state besides its buffers (a key/value cache it appends to,
+as transformers' decoders do with `use_cache=True`) sees that mutation twice; turn the cache off for training.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()),
+    ...                             torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    >>> candidate_blocks(model)
+    ['0', '1']
+    >>> with checkpointed(model, ["1"]):
+    ...     "forward" in vars(model[1])
+    True
+    >>> "forward" in vars(model[1])
+    False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["candidate_blocks", "checkpointed", "install", "uninstall"]
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
+
+
+def candidate_blocks(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the modules worth checkpointing, in forward order: the repeated blocks of a
+    `ModuleList` or `Sequential` (children that hold submodules of their own, at least two in the container),
+    the innermost where containers nest (a stage's layers rather than the stage); else the root's children that
+    hold submodules. A leaf (one Linear, one Conv) is never a candidate: its input is saved anyway."""
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, _CONTAINERS):
+            continue
+        kids = [(f"{name}.{k}" if name else k, c) for k, c in m.named_children()]
+        blocks = [(k, c) for k, c in kids if any(True for _ in c.children())]
+        if len(blocks) >= 2:
+            found += [k for k, _ in blocks]
+    found = [b for b in dict.fromkeys(found) if not any(o.startswith(b + ".") for o in found)]
+    if not found:
+        found = [k for k, c in model.named_children() if any(True for _ in c.children())]
+        found = found if len(found) >= 2 else []
+    return found
+
+
+class _BuffersKept:
+    """Around a recomputation: the block's floating and counting buffers (BatchNorm's running statistics and
+    batch count) put back afterwards as they were before it, so a module in training mode updates them once."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __enter__(self):
+        self.saved = [(b, b.detach().clone()) for b in self.module.buffers()]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, v in self.saved:
+                b.copy_(v)
+        self.saved = []
+        return False
+
+
+def _context(module: torch.nn.Module):
+    has_buffers = any(True for _ in module.buffers())
+    return contextlib.nullcontext(), (_BuffersKept(module) if has_buffers else contextlib.nullcontext())
+
+
+def _checkpointed(cls_forward):
+    """The class's forward run under non-reentrant checkpointing, as a function to bind to one module (its
+    signature is the class forward's, for code that inspects it)."""
+    @functools.wraps(cls_forward)
+    def forward(self, *args, **kwargs):
+        plain = functools.partial(cls_forward, self)
+        if not torch.is_grad_enabled():     # under no_grad nothing is saved: checkpointing has no use
+            return plain(*args, **kwargs)
+        return checkpoint(plain, *args, use_reentrant=False, context_fn=functools.partial(_context, self), **kwargs)
+    return forward
+
+
+def install(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
+    """Make the forward of each named module run under non-reentrant checkpointing (an instance attribute
+    `forward` over the class's); returns the modules changed, for `uninstall`. Refuses a module whose
+    `forward` is already replaced on the instance (someone else's wrapper: ours would hide it)."""
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise ValueError(f"no module named {missing[:3]} in {type(model).__name__}; expected qualified names as "
+                         f"model.named_modules() gives them, e.g. {candidate_blocks(model)[:2] or ['0']}")
+    changed = []
+    try:
+        for n in names:
+            m = modules[n]
+            if "forward" in vars(m):
+                raise ValueError(f"module {n!r} ({type(m).__name__}) already has its forward replaced on the "
+                                 "instance; memfit will not wrap another's wrapper. Remove it, or leave this module "
+                                 "out of the checkpoint set")
+            # a method of the module, not a closure over it: a structural copy of the model (a fake run's) binds
+            # it to the copy, whose parameters are the fake ones
+            m.forward = types.MethodType(_checkpointed(type(m).forward), m)
+            changed.append(m)
+    except BaseException:
+        uninstall(changed)
+        raise
+    return changed
+
+
+def uninstall(modules: Sequence[torch.nn.Module]) -> None:
+    """Give each module back its class's forward."""
+    for m in modules:
+        vars(m).pop("forward", None)
+
+
+@contextlib.contextmanager
+def checkpointed(model: torch.nn.Module, names: Sequence[str]) -> Iterator[torch.nn.Module]:
+    """Inside the block, the named modules' forwards run under non-reentrant `torch.utils.checkpoint`; after it
+    (also after an error) they are as they were."""
+    changed = install(model, names) if names else []
+    try:
+        yield model
+    finally:
+        uninstall(changed)

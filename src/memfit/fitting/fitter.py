@@ -1,0 +1,383 @@
+"""`memfit.fit`: choose a training step's micro-batch and activation checkpointing together, from bytes, before
+running anything; `FitPlan` holds the choice, says why, and runs steps with it.
+
+The alternatives are every micro-batch 1, 2, 4, ..., N crossed with checkpointing 0, 1/4, 1/2, 3/4 or all of
+the candidate blocks (`memfit.fitting.checkpointing.candidate_blocks`, ranked by the activation bytes their
+forward writes per second of recomputation) and, with `levers=("bf16",)`, bf16 autocast. Bytes come from the
+fake-tensor memory model of `accumulate`'s step with those modules checkpointed (`training_peak`, which
+counts what `torch.utils.checkpoint` saves and recomputes); time from the cost model of
+`memfit.fitting.costs`. The search (`memfit.fitting.search`) takes the fastest alternative that fits and
+computes a checkpoint set's bytes only when it needs them. Plans are kept per model (dropped when the model
+changes, as memory models are).
+
+Example:
+    >>> import torch, memfit
+    >>> torch.manual_seed(0) and None
+    >>> blocks = [torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    ...           for _ in range(4)]
+    >>> model = torch.nn.Sequential(*blocks)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> batch = (torch.randn(32, 16), torch.randn(32, 16))
+    >>> plan = memfit.fit(model, opt, batch, torch.nn.functional.mse_loss, budget="1MiB")
+    >>> plan.micro_batch, plan.checkpoint
+    (32, ())
+    >>> plan.step(batch).n
+    32
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from memfit.accumulation import (
+    StepResult,
+    _batch_size,
+    _check_distributed,
+    accumulate,
+    batch_dependent_modules,
+)
+from memfit.budget import BudgetExceeded, format_bytes, model_device, parse_bytes
+from memfit.fitting.checkpointing import candidate_blocks, checkpointed
+from memfit.fitting.costs import machine, step_costs
+from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
+from memfit.memory.fingerprint import model_state
+from memfit.memory.micro_batch import _signature, training_peak
+
+__all__ = ["FitPlan", "fit"]
+
+LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> (model_state, {key: _Found})
+
+
+@dataclass
+class _Found:
+    """What a search found, kept per model (no references to the model or optimizer)."""
+    best: Alternative
+    alternatives: list[Alternative]
+    reason: str
+    candidates: list[str]
+    how_bytes: str
+    how_time: str
+    seconds: float
+
+
+@dataclass
+class FitPlan:
+    """How one training step on a batch fits a budget: `micro_batch`, `checkpoint` (qualified names of the
+    modules whose forward runs under non-reentrant `torch.utils.checkpoint`, empty when none), `autocast` (None,
+    or torch.bfloat16 when `levers=("bf16",)` allowed it and it was chosen), `peak_bytes` (the predicted peak
+    of the step), `relative_time` (predicted step time over the plain step's: the whole batch at once, nothing
+    checkpointed). `step(batch)` runs one optimizer step with the plan; `explain()` lists the alternatives and
+    why this one won."""
+    micro_batch: int
+    checkpoint: tuple[str, ...]
+    autocast: torch.dtype | None
+    peak_bytes: int
+    relative_time: float
+    budget: int
+    n: int
+    reason: str
+    alternatives: list[Alternative] = field(repr=False)
+    candidates: list[str] = field(repr=False)
+    how_bytes: str = field(repr=False, default="")
+    how_time: str = field(repr=False, default="")
+    seconds: float = field(repr=False, default=0.0)
+    _run: Callable = field(repr=False, default=None)
+    _module: torch.nn.Module = field(repr=False, default=None)
+    _installed: list = field(repr=False, default_factory=list)
+    _terms: bool = field(repr=False, default=False)          # fit was given terms= (a loss over terms, not samples)
+    _marked: tuple | None = field(repr=False, default=None)   # (module, its accepts_loss_kwargs before the Trainer)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step on the batch the plan was made for."""
+        return math.ceil(self.n / self.micro_batch)
+
+    def step(self, batch) -> StepResult:
+        """One optimizer step on `batch` (x, y) with this plan: `memfit.accumulate` in micro-batches of
+        `micro_batch` (the full-batch gradient, an uneven last micro-batch weighted right, `terms=` and
+        `distributed=` as given to `fit`), the modules in `checkpoint` checkpointed only while it runs, under
+        bf16 autocast when the plan says so. Returns accumulate's `StepResult`."""
+        return self._run(batch, self)
+
+    def trainer_arguments(self, args):
+        """transformers' `TrainingArguments` that train with this plan (per-device batch, gradient accumulation
+        keeping the effective batch) and the plan's layers checkpointed on the model: see
+        `memfit.fitting.trainer.trainer_arguments`."""
+        from memfit.fitting.trainer import trainer_arguments
+        return trainer_arguments(self, args)
+
+    def explain(self) -> str:
+        """The choice, why, how bytes and time were predicted, and every alternative considered."""
+        sets = sorted({a.setting for a in self.alternatives}, key=lambda s: (s.autocast or "", len(s.checkpoint)))
+        lines = [f"fit: one optimizer step on {self.n} samples within {format_bytes(self.budget)}: micro-batch "
+                 f"{self.micro_batch} ({self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}), "
+                 f"{len(self.checkpoint)} of {len(self.candidates)} candidate blocks checkpointed"
+                 + (f" ({', '.join(self.checkpoint)})" if self.checkpoint else "")
+                 + (f", {str(self.autocast).removeprefix('torch.')} autocast (asked for by levers=)"
+                    if self.autocast else "")
+                 + f"; predicted peak {format_bytes(self.peak_bytes)}, predicted time "
+                 f"{self.relative_time:.2f}x the plain step.",
+                 f"why: {self.reason}.",
+                 f"bytes: {self.how_bytes}.",
+                 f"time: {self.how_time}.",
+                 f"candidate blocks (ranked: activation bytes written per second of recomputation): "
+                 f"{', '.join(self.candidates) if self.candidates else 'none (no repeated blocks found)'}.",
+                 f"checkpoint sets tried: {'; '.join(s.describe(len(self.candidates)) for s in sets)}.",
+                 f"search: {self.seconds:.2f} s. Alternatives, fastest first (bytes not computed where a faster one "
+                 "fits and no faster alternative needed that checkpoint set's memory model):",
+                 f"  {'micro-batch':>11} {'checkpointed':>12} {'autocast':>9} {'predicted':>12} {'time':>6}  fits"]
+        for a in self.alternatives:
+            fits = {True: "yes", False: "no", None: "-"}[a.fits(self.budget)]
+            mark = "  <- chosen" if (a.micro_batch, a.setting) == (self.micro_batch, self._setting()) else ""
+            lines.append(f"  {a.micro_batch:>11} {len(a.setting.checkpoint):>12} {a.setting.autocast or '-':>9} "
+                         f"{format_bytes(a.bytes) if a.bytes is not None else '-':>12} {a.time:>5.2f}x  {fits}{mark}")
+        return "\n".join(lines)
+
+    def _setting(self) -> Setting:
+        return Setting(self.checkpoint, str(self.autocast).removeprefix("torch.") if self.autocast else None)
+
+    def __str__(self) -> str:
+        return self.explain().splitlines()[0]
+
+
+def _check_levers(levers) -> tuple[str, ...]:
+    levers = tuple(levers)
+    unknown = [v for v in levers if v not in LEVERS]
+    if unknown:
+        raise ValueError(f"unknown lever(s) {unknown}; expected a subset of {sorted(LEVERS)} (levers that change "
+                         "numerics are used only when named)")
+    return levers
+
+
+def _key(model, optimizer, x, n, budget, levers, candidates, loss_fn, terms, allow, world) -> tuple:
+    from memfit.memory.step import autocast_state
+    from memfit.memory.step_model import _callable_key
+    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")) for g in optimizer.param_groups)
+    return (id(optimizer), type(optimizer).__name__, groups, _signature(x), n, budget, levers, tuple(candidates),
+            _callable_key(loss_fn), terms is None, allow, world, autocast_state())
+
+
+def _ranked(blocks: dict, machine_now) -> list[str]:
+    """Blocks by activation bytes written per second of recomputation, most first (forward order on ties)."""
+    worth = {b: c.bytes[1] / max(c.at(1, machine_now), 1e-12) for b, c in blocks.items()}
+    return sorted(blocks, key=lambda b: -worth[b])
+
+
+def _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive) -> _Found:
+    t0 = time.perf_counter()
+    device = model_device(module)
+    dependent = batch_dependent_modules(module)
+    sizes = micro_batch_sizes(n) if not dependent or allow else [n]
+    precisions = [None] + [LEVERS[v] for v in levers]
+    costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p) for p in precisions}
+    rates = {p: machine(device, p or torch.float32) for p in precisions}
+    ranked = _ranked(costs[None][1], rates[None])
+    # bf16 autocast is not combined with checkpointing: the memory model undercounts that pair (predicted about
+    # half the real peak on the CPU, torch 2.13), and a plan must never be below the real peak
+    settings = [Setting(s, _name(p)) for p in precisions for s in (checkpoint_sets(ranked) if p is None else [()])]
+    # a setting's step at its own precision's matmul rate (the search prices every FLOP at the plain rate)
+    step = {_name(p): replace(costs[p][0], flops=tuple(f * rates[None].flop_rate / rates[p].flop_rate
+                                                       for f in costs[p][0].flops)) for p in precisions}
+    blocks = costs[None][1]
+    how: list[str] = []
+    tables: dict[Setting, dict[int, int]] = {}      # each setting's memory model once, across both searches
+
+    def bytes_of(setting: Setting) -> Callable[[int], int]:
+        if setting in tables:
+            return tables[setting].__getitem__
+        dtype = next(p for p in precisions if _name(p) == setting.autocast)
+        cast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with checkpointed(module, setting.checkpoint), cast:
+            peak, what = training_peak(model, optimizer, loss_fn, x, y)
+            table = tables[setting] = {m: peak(m) for m in sizes}       # now, while the modules are checkpointed
+        how.append(what)
+        return table.__getitem__
+
+    # levers change numerics: their settings are searched only when nothing at the step's own precision fits
+    choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates[None], bytes_of,
+                    budget, exhaustive=exhaustive)
+    if levers and (choice.best is None or exhaustive):
+        cast = search(settings, sizes, n, step, blocks, rates[None], bytes_of, budget, exhaustive=exhaustive)
+        if choice.best is None and cast.best is not None:
+            cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
+                           f"{cast.reason}")
+            choice = cast
+        else:
+            choice.alternatives = cast.alternatives
+    r = rates[None]
+    how_time = (f"kernel launches, FLOPs (torch.utils.flop_counter's formulas) and bytes written, counted on fake "
+                f"tensors for the step (forward, loss, backward; the optimizer step, the same in every alternative, "
+                f"left out) and for each block's forward (its recomputation) at micro-batches 2 and 4, at this "
+                f"machine's measured rates ({r.op_seconds * 1e6:.1f} us a launch, {r.flop_rate / 1e9:.1f} GFLOP/s, "
+                f"{r.byte_rate / 1e9:.1f} GB/s)")
+    how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
+    if dependent and not allow:
+        choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
+                          "allow_batch_dependent=True allows them)")
+    if choice.best is None:
+        raise _nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers)
+    return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
+                  time.perf_counter() - t0)
+
+
+def _cast_loss(loss_fn: Callable) -> Callable:
+    """loss_fn, then autocast's cached weight casts dropped, as when the autocast around a forward ends: the
+    memory model counts them until the loss (`memfit.memory.step.forward_autocast`); an autocast around the whole
+    accumulation would keep them through every backward."""
+    def loss(out, y):
+        value = loss_fn(out, y)
+        torch.clear_autocast_cache()
+        return value
+    return loss
+
+
+def _name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers) -> BudgetExceeded:
+    """BudgetExceeded with the breakdown of the least any alternative needs, and what would fit."""
+    params = sum(p.nbytes for p in {id(p): p for p in module.parameters()}.values())
+    grads = sum(p.nbytes for p in {id(p): p for p in module.parameters() if p.requires_grad}.values())
+    least = min((a for a in choice.alternatives if a.bytes is not None), key=lambda a: a.bytes)
+    with checkpointed(module, least.setting.checkpoint):
+        peak, _ = training_peak(model, optimizer, loss_fn, x, y)
+        need = peak(least.micro_batch)
+    state = _optimizer_state_bytes(optimizer, module)
+    static = params + grads + state
+    items = [("parameters", params), ("gradients", grads), ("optimizer state", state),
+             ("activations and the rest at micro-batch 1", max(0, need - static))]
+    what = ", ".join(f"{k} {format_bytes(v)}" for k, v in items)
+    if static > budget:
+        head = (f"nothing fits: parameters + gradients + optimizer state alone need {format_bytes(static)} > budget "
+                f"{format_bytes(budget)}")
+    else:
+        head = (f"nothing fits: the least any alternative needs (micro-batch {least.micro_batch}, "
+                f"{least.setting.describe()}) is {format_bytes(need)} > budget {format_bytes(budget)}")
+    more = [f"{d} devices sharding parameters, gradients and optimizer state (FSDP / ZeRO) need about "
+            f"{format_bytes(static // d + max(0, need - static))} each" for d in (2, 4, 8)
+            if static // d + max(0, need - static) <= budget][:1]
+    cast = [] if "bf16" in levers or static > budget else ["levers=('bf16',) (bf16 autocast: fewer activation bytes)"]
+    fixes = more + cast + \
+        ["an optimizer with less state (SGD: none; AdamW: 2x the parameters)", "a larger budget"]
+    return BudgetExceeded(f"{head} ({what}). What would fit: {'; or '.join(fixes)}", needed=need, budget=budget,
+                          items=items)
+
+
+def _optimizer_state_bytes(optimizer, module) -> int:
+    """Bytes of the optimizer's state once it has stepped: what it holds, else its kind's per-parameter state
+    (Adam/AdamW: two tensors like each parameter; SGD with momentum: one)."""
+    held = sum(v.nbytes for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    if held:
+        return held
+    trainable = sum(p.nbytes for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    name = type(optimizer).__name__.lower()
+    per = 2 if "adam" in name else 1 if any(g.get("momentum") for g in optimizer.param_groups) else 0
+    return per * trainable
+
+
+def _agree(found: _Found, world: int) -> _Found:
+    """Under torch.distributed, every rank takes the same plan: the ranks' choices gathered, the slowest
+    (the one that spends most time to save memory) taken, so that each rank's budget, equal or not, is respected
+    as far as any rank's own choice did."""
+    if world <= 1:
+        return found
+    import json
+
+    from memfit.distributed import all_gather_text
+    mine = json.dumps([found.best.micro_batch, list(found.best.setting.checkpoint), found.best.setting.autocast,
+                       found.best.time])
+    choices = [json.loads(t) for t in all_gather_text(mine, "fit plan")]
+    m, ckpt, cast, _ = max(choices, key=lambda c: c[3])
+    pick = next(a for a in found.alternatives if a.micro_batch == m and a.setting == Setting(tuple(ckpt), cast))
+    if pick is not found.best:
+        found = _Found(pick, found.alternatives, found.reason + f"; the slowest plan over {world} ranks is used",
+                       found.candidates, found.how_bytes, found.how_time, found.seconds)
+    return found
+
+
+def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, budget: int | str, *,
+        levers: Sequence[str] = (), candidates: Sequence[str] | None = None, terms: Callable | None = None,
+        distributed: bool = False, allow_batch_dependent: bool = False, exhaustive: bool = False) -> FitPlan:
+    """Choose the micro-batch and the modules to checkpoint that make one training step on `batch` fit `budget`
+    fastest; returns a `FitPlan` (nothing runs for real: fake tensors and a few tiny timing kernels).
+
+    Args:
+        model: the module (DistributedDataParallel when `distributed`), as for `memfit.accumulate`.
+        optimizer: the optimizer `plan.step` steps (its state is counted, as once it has stepped).
+        batch: (x, y), as for `accumulate`; the plan is for batches of this size and layout.
+        loss_fn: loss_fn(output, y) -> the mean loss (or one per sample).
+        budget: bytes or a size such as "8GiB" that the step's peak must fit.
+        levers: opt-in levers that change numerics: ("bf16",) lets the plan run forward and loss under bf16
+            autocast (the plan says so); none by default.
+        candidates: the modules that may be checkpointed (qualified names); default `candidate_blocks(model)`.
+        terms, distributed, allow_batch_dependent: as for `accumulate` (with BatchNorm in training mode and no
+            opt-in, only the whole batch is considered: checkpointing alone must make it fit).
+        exhaustive: compute the bytes of every alternative (for `explain()` and plots), not only those needed.
+
+    Returns:
+        FitPlan: micro_batch, checkpoint, peak_bytes, relative_time, explain(), step(batch).
+
+    Raises:
+        BudgetExceeded: no alternative fits; the message has the breakdown (parameters, gradients, optimizer
+            state, the rest) and what would fit.
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"batch must be (x, y); found {type(batch).__name__}")
+    budget = parse_bytes(budget)
+    levers = _check_levers(levers)
+    world = _check_distributed(model, distributed)
+    module = model.module if distributed else model
+    x, y = batch
+    n = _batch_size(x, y)
+    blocks = candidate_blocks(module) if candidates is None else list(candidates)
+    known = dict(module.named_modules())
+    if any(c not in known for c in blocks):
+        raise ValueError(f"candidates {[c for c in blocks if c not in known][:3]} are not modules of "
+                         f"{type(module).__name__}; expected names from model.named_modules()")
+    key = _key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world)
+    fingerprint = model_state(module)
+    entry = _PLANS.get(module)
+    if entry is None or entry[0] != fingerprint:
+        entry = _PLANS[module] = (fingerprint, {})
+    found, error = entry[1].get(key), None
+    if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
+        devices = [model_device(module)] if model_device(module).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):      # nothing drawn here reaches the caller's RNG
+            try:
+                found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
+                                                allow_batch_dependent, exhaustive)
+            except Exception as e:
+                if world == 1:
+                    raise
+                error = e
+    if world > 1:
+        # every call, kept plan or not: a rank whose search failed stops every rank (none waits in the gather),
+        # then the ranks take one plan
+        from memfit.distributed import agree
+        agree(error, "memfit.fit search")
+        found = _agree(found, world)
+    best = found.best
+    dtype = next((LEVERS[v] for v in levers if _name(LEVERS[v]) == best.setting.autocast), None)
+
+    def run(step_batch, plan: FitPlan) -> StepResult:
+        dev = model_device(module).type
+        cast = torch.autocast(dev, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
+        with checkpointed(module, plan.checkpoint), cast:
+            res = accumulate(model, optimizer, step_batch, loss_fn if plan.autocast is None else _cast_loss(loss_fn),
+                             micro_batch=plan.micro_batch, terms=terms,
+                             distributed=distributed, allow_batch_dependent=allow_batch_dependent)
+        res.reason = f"memfit.fit: {plan.reason}"
+        return res
+
+    return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
+                   found.alternatives, found.candidates, found.how_bytes, found.how_time, found.seconds, run, module,
+                   _terms=terms is not None)

@@ -1,0 +1,56 @@
+"""`memfit plan --train --budget SIZE --fit`: the plan, its alternatives, JSON and the plot, as memfit.fit has them."""
+import json
+
+import pytest
+import torch
+
+import memfit
+from memfit.cli import main
+
+BLOCKS_FILE = '''
+import torch
+def make():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+                                 for _ in range(3)])
+'''
+
+
+def test_fit_prints_the_plan_of_the_python_api(tmp_path, capsys):
+    (tmp_path / "nets.py").write_text(BLOCKS_FILE)
+    spec = f"{tmp_path}/nets.py:make"
+    assert main(["plan", spec, "--input", "32,16", "--train", "--budget", "1GiB", "--fit", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["micro_batch"] == 32 and got["checkpoint"] == [] and "plain step fits" in got["reason"]
+    model = memfit.cli.plan.load_factory(spec)()
+    least = min(a["bytes"] for a in got["alternatives"] if a["bytes"] is not None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = memfit.fit(model, opt, (torch.zeros(32, 16), None), lambda out, y: out.sum(), got["peak_bytes"] - 1)
+    code = main(["plan", spec, "--input", "32,16", "--train", "--budget", str(got["peak_bytes"] - 1), "--fit",
+                 "--plot", str(tmp_path / "fit.png")])
+    out = capsys.readouterr().out
+    assert code == 0 and (tmp_path / "fit.png").stat().st_size > 1000
+    assert f"micro-batch {ref.micro_batch} (" in out and "<- chosen" in out and "why: " in out
+    assert ref.peak_bytes < got["peak_bytes"] and least <= ref.peak_bytes
+
+
+@pytest.mark.parametrize("argv, match", [(["--fit"], "--fit goes with --train and --budget"),
+                                         (["--train", "--fit"], "--fit goes with --train and --budget"),
+                                         (["--bf16"], "--bf16 goes with --fit")])
+def test_fit_usage_errors(tmp_path, capsys, argv, match):
+    (tmp_path / "nets.py").write_text(BLOCKS_FILE)
+    assert main(["plan", f"{tmp_path}/nets.py:make", "--input", "4,16", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bench_fit_budgets_are_the_three_the_issue_names():
+    from memfit.cli.bench.fit import budgets
+    from memfit.fitting.search import Alternative, Setting
+    # bytes = 100 + m * (10 - 2 * checkpointed blocks), batch 8, two blocks
+    alts = [Alternative(m, Setting(tuple("ab"[:k])), 1.0, 100 + m * (10 - 2 * k))
+            for m in (1, 2, 4, 8) for k in (0, 1, 2)]
+    plan = type("P", (), {"alternatives": alts})()
+    b = budgets(plan, 8)
+    assert b["plain fits"] == 180                            # m = 8, nothing checkpointed
+    assert b["micro-batching fits"] == 140                   # m = 4 without checkpointing: the whole batch does not fit
+    assert b["only checkpointing"] == (106 + 110) // 2       # below m = 1 without checkpointing, above m = 1 with both

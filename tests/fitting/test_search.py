@@ -1,0 +1,103 @@
+"""memfit.fitting.search: the pure search core, on made-up costs and peaks (no model)."""
+import itertools
+
+import pytest
+
+from memfit.fitting.search import (
+    Cost,
+    Machine,
+    Setting,
+    checkpoint_sets,
+    micro_batch_sizes,
+    search,
+    step_seconds,
+)
+
+MACHINE = Machine(op_seconds=1e-5, flop_rate=1e9, byte_rate=1e10)
+STEP = Cost(ops=200, flops=(0.0, 3e6), bytes=(0.0, 3e4))
+BLOCK = Cost(ops=20, flops=(0.0, 2e5), bytes=(0.0, 2e3))
+BLOCKS = {f"b{i}": BLOCK for i in range(4)}
+SETS = [Setting(s) for s in checkpoint_sets(list(BLOCKS))]
+
+
+def peaks(fixed=1000, per_sample=100, saved_per_block=20):
+    """Peak bytes: fixed + m * (per_sample - saved per checkpointed block); calls counted."""
+    calls = []
+
+    def bytes_of(setting):
+        calls.append(setting)
+        return lambda m: fixed + m * (per_sample - saved_per_block * len(setting.checkpoint))
+    return bytes_of, calls
+
+
+def brute_force(n, budget, bytes_of):
+    """The reference: every alternative's time and bytes, the fastest that fits."""
+    best = None
+    for s, m in itertools.product(SETS, micro_batch_sizes(n)):
+        t = step_seconds(n, m, STEP, BLOCKS, s, MACHINE)
+        if bytes_of(s)(m) <= budget and (best is None or t < best[0]):
+            best = (t, m, s)
+    return best
+
+
+def test_sizes_and_sets():
+    assert micro_batch_sizes(1) == [1]
+    assert micro_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert micro_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert checkpoint_sets(["a", "b"]) == [(), ("a",), ("a", "b")]        # 1/4 and 1/2 of 2 round alike
+    assert checkpoint_sets([]) == [()]
+    with pytest.raises(ValueError, match="at least 1"):
+        micro_batch_sizes(0)
+
+
+def test_step_seconds_counts_micro_batches_and_recompute():
+    plain = step_seconds(10, 10, STEP, BLOCKS, Setting(), MACHINE)
+    # 4 + 4 + 2: three launches of every op, the same arithmetic
+    assert step_seconds(10, 4, STEP, BLOCKS, Setting(), MACHINE) == pytest.approx(plain + 2 * 200 * 1e-5)
+    ckpt = step_seconds(10, 10, STEP, BLOCKS, Setting(("b0",)), MACHINE)
+    assert ckpt == pytest.approx(plain + BLOCK.at(10, MACHINE))
+    with pytest.raises(ValueError, match="micro-batch in"):
+        step_seconds(10, 11, STEP, BLOCKS, Setting(), MACHINE)
+
+
+@pytest.mark.parametrize("budget", [500, 1300, 1600, 2000, 2100, 3000, 10**6])
+def test_search_finds_the_fastest_that_fits_as_brute_force_does(budget):
+    n = 16
+    bytes_of, calls = peaks()
+    choice = search(SETS, micro_batch_sizes(n), n, STEP, BLOCKS, MACHINE, bytes_of, budget)
+    ref = brute_force(n, budget, peaks()[0])
+    if ref is None:
+        assert choice.best is None and "nothing fits" in choice.reason
+        return
+    assert (choice.best.micro_batch, choice.best.setting) == (ref[1], ref[2])
+    assert choice.best.bytes <= budget
+    assert len(calls) == len(set(calls))                       # each setting's bytes at most once
+
+
+def test_lazy_search_skips_bytes_it_does_not_need():
+    bytes_of, calls = peaks()
+    choice = search(SETS, micro_batch_sizes(16), 16, STEP, BLOCKS, MACHINE, bytes_of, budget=10**6)
+    assert calls == [Setting()]                                # the plain step fits: nothing else computed
+    assert choice.best.micro_batch == 16 and choice.reason.startswith("the plain step fits")
+    assert sum(a.bytes is not None for a in choice.alternatives) == len(micro_batch_sizes(16))
+    bytes_of, calls = peaks()
+    full = search(SETS, micro_batch_sizes(16), 16, STEP, BLOCKS, MACHINE, bytes_of, budget=10**6, exhaustive=True)
+    assert len(calls) == len(SETS) and all(a.bytes is not None for a in full.alternatives)
+    assert full.best.micro_batch == 16 and full.best.setting == Setting()
+
+
+def test_checkpointing_wins_where_micro_batching_would_crawl():
+    # per micro-batch overhead dominates: checkpointing every block at m = n beats micro-batches of 4
+    n, budget = 16, 1000 + 16 * 20
+    bytes_of, _ = peaks()
+    slow_launch = Machine(op_seconds=1e-3, flop_rate=1e9, byte_rate=1e10)
+    choice = search(SETS, micro_batch_sizes(n), n, STEP, BLOCKS, slow_launch, bytes_of, budget)
+    assert choice.best.micro_batch == 16 and len(choice.best.setting.checkpoint) == 4
+    assert "every faster alternative needs more" in choice.reason
+
+
+def test_nothing_fits_names_the_least():
+    bytes_of, _ = peaks()
+    choice = search(SETS, micro_batch_sizes(8), 8, STEP, BLOCKS, MACHINE, bytes_of, budget=100)
+    assert choice.best is None
+    assert "the least any needs is" in choice.reason and "micro-batch 1" in choice.reason
