@@ -26,6 +26,8 @@ from memfit.loading.minibatches import Loader, loader
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import InferenceMemoryModel
 from memfit.memory.kinds import MemoryKind, MemoryModel
+from memfit.memory.rank_measure import measure_rank_step
+from memfit.memory.ranks import RankMemoryModel, ranks_needed
 from memfit.memory.sizing import activation_bytes, max_batch_size, memory_model
 from memfit.memory.step import measure_step
 from memfit.memory.step_model import StepMemoryModel, check_prediction
@@ -47,6 +49,7 @@ __all__ = [
     "MemoryModel",
     "PlannedModule",
     "RankFailed",
+    "RankMemoryModel",
     "StepMemoryModel",
     "StepResult",
     "accumulate",
@@ -59,9 +62,11 @@ __all__ = [
     "format_bytes",
     "loader",
     "max_batch_size",
+    "measure_rank_step",
     "measure_step",
     "memory_model",
     "metrics",
     "parse_bytes",
     "plan",
+    "ranks_needed",
 ]

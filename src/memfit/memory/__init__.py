@@ -16,7 +16,9 @@ kernels give where fake ones differ), `fit` (fake runs at a few sizes fitted int
 `step_model` (`StepMemoryModel`), `inference` (`InferenceMemoryModel`, from the planner's arena),
 `sizing` (`memory_model`, `max_batch_size`, `activation_bytes`, `plot_memory`), `micro_batch` (the micro-batch
 size `accumulate` picks), `fingerprint` (what kept plans and predictions depend on), `cache` (plans and
-models kept per model), `measure` (live bytes of real runs).
+models kept per model), `measure` (live bytes of real runs), `ranks` (`RankMemoryModel`: one rank of DDP or
+FSDP2, `ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group),
+`rank_measure` (a rank's real peak, counted at the CPU allocator).
 
 Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA; kernels that allocate inside
 (mkldnn convolution's `out=` copies on the CPU) are invisible to `measure`'s op-output count.

@@ -1,0 +1,111 @@
+"""Per-rank memory of DDP and FSDP2 training steps: predicted in one process, checked against 2 gloo ranks."""
+import math
+
+import pytest
+import torch
+
+import rank_cases
+from distributed_util import run_ranks
+from memfit import memory_model
+from memfit.memory.ranks import ddp_bucket_bytes, rank_memory_model, ranks_needed
+
+
+@pytest.fixture(scope="module")
+def fsdp2():
+    m = rank_cases.mlp()
+    return m, rank_memory_model(m, (64,), optimizer=torch.optim.AdamW(m.parameters()), parallel="fsdp",
+                                world_size=2, backend="gloo")
+
+
+def test_ddp_buckets_hold_every_trainable_parameter_once():
+    m = rank_cases.mlp()
+    m[0].weight.requires_grad_(False)
+    assert ddp_bucket_bytes(m) == sum(p.numel() * 4 for p in m.parameters() if p.requires_grad)
+    mm = memory_model(m, (64,), train=True, optimizer=torch.optim.AdamW(m.parameters()), parallel="ddp",
+                      world_size=4)
+    single = memory_model(m, (64,), train=True, optimizer=torch.optim.AdamW(m.parameters()))
+    assert mm.total_bytes(16) == single.total_bytes(16) + ddp_bucket_bytes(m)
+    assert sum(mm.breakdown(16).values()) == mm.total_bytes(16)
+
+
+def test_fsdp_rank0_holds_padded_shards_and_its_rows_of_state(fsdp2):
+    m, mm = fsdp2
+    # FSDP2 shards dim 0 with torch.chunk: ceil(rows / 2) rows each, padded; rank 0 has the full chunk
+    shard = sum(math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) * 4 for p in m.parameters())
+    b = mm.breakdown(8)
+    assert b["parameters (sharded)"] == mm.param_bytes == shard
+    assert b["optimizer state"] == 2 * shard + 4 * len(list(m.parameters()))     # exp_avg, exp_avg_sq, step
+    assert sum(b.values()) == mm.total_bytes(8)
+    assert "exact at 8" in mm.method
+    assert mm.total_bytes(64) > mm.total_bytes(8)
+
+
+def test_fsdp_model_leaves_no_process_group_and_refuses_a_live_one(fsdp2):
+    assert not torch.distributed.is_initialized()
+    out = run_ranks(_predict_inside_group, 1, timeout=60)
+    assert out[0][0] == "ok" and "already initialised" in out[0][1]
+
+
+def _predict_inside_group(rank, world):
+    m = rank_cases.mlp()
+    try:
+        rank_memory_model(m, (64,), optimizer=torch.optim.AdamW(m.parameters()), parallel="fsdp", world_size=2)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_options_are_checked():
+    m = rank_cases.mlp()
+    with pytest.raises(ValueError, match="expected parallel in"):
+        rank_memory_model(m, (64,), parallel="zero3")
+    with pytest.raises(ValueError, match="FSDP2 options"):
+        rank_memory_model(m, (64,), parallel="ddp", reshard_after_forward=False)
+    with pytest.raises(ValueError, match="pass train=True"):
+        memory_model(m, (64,), parallel="ddp", world_size=2)
+
+
+def test_ranks_needed_is_the_fewest_that_fit():
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    opt = torch.optim.AdamW(m.parameters())
+    need = {w: rank_memory_model(m, (256,), optimizer=opt, world_size=w).total_bytes(4) for w in (1, 2)}
+    assert need[1] > need[2]
+    assert ranks_needed(m, (256,), need[2], 4, optimizer=opt) == 2
+    assert ranks_needed(m, (256,), need[1], 4, optimizer=opt) == 1
+
+
+CASES = (("ddp", 32), ("fsdp", 16), ("fsdp", 128))
+
+
+def test_prediction_against_two_gloo_ranks(fsdp2):
+    m = rank_cases.mlp()
+    ddp = rank_memory_model(m, (64,), optimizer=torch.optim.AdamW(m.parameters()), parallel="ddp", world_size=2)
+    out = run_ranks(rank_cases.measure_cases, 2, CASES, timeout=120)
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    for parallel, n in CASES:
+        mm = fsdp2[1] if parallel == "fsdp" else ddp
+        worst = max(v[(parallel, n)] for _, v in out.values())
+        # within 1e-4 below (kernels' 0-d scalars, 12-24 bytes here, that no op outputs) to 5% above
+        assert 1 - 1e-4 <= mm.total_bytes(n) / worst <= 1.05, (parallel, n, mm.total_bytes(n), worst)
+
+
+def test_a_failing_rank_does_not_hang_the_others():
+    out = run_ranks(rank_cases.fail_on_rank_1, 2, "ddp", 8, timeout=30, env={"MEMFIT_DIST_TIMEOUT": "10"})
+    assert out.get(1, ("", ""))[0] == "error" and "rank 1 fails" in out[1][1]
+    assert out.get(0, ("error",))[0] == "error" or 0 not in out      # rank 0 errored or was killed, not hung
+
+
+def test_gloo_copies_are_logged_where_its_collectives_run_and_nccl_has_none():
+    from memfit.memory.fsdp_run import RANK_KINDS, fsdp_fake_run
+    from memfit.memory.kinds import MemoryKind
+    from memfit.memory.step import ExampleBatch
+    m = rank_cases.mlp()
+    runs = {b: fsdp_fake_run(m, ExampleBatch((64,)), 4, world_size=2, rank=0,
+                             optimizer=torch.optim.AdamW(m.parameters()), loss_fn=None, target=None, backend=b)
+            for b in ("gloo", "nccl")}
+    copies = [i for i, op in enumerate(runs["gloo"].ops) if str(op).startswith("<gloo's copy in all_gather")]
+    assert copies and not any("gloo" in str(op) for op in runs["nccl"].ops)
+    comm = RANK_KINDS.index(MemoryKind.COMMUNICATION)
+    # the copy holds the whole all-gather output: the first unit's padded, unsharded parameters
+    first = 2 * sum(math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) * 4 for p in m[0].parameters())
+    assert runs["gloo"].live[copies[0], comm] - runs["gloo"].live[copies[0] - 1, comm] == first
