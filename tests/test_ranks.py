@@ -109,3 +109,20 @@ def test_gloo_copies_are_logged_where_its_collectives_run_and_nccl_has_none():
     # the copy holds the whole all-gather output: the first unit's padded, unsharded parameters
     first = 2 * sum(math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) * 4 for p in m[0].parameters())
     assert runs["gloo"].live[copies[0], comm] - runs["gloo"].live[copies[0] - 1, comm] == first
+
+
+def test_plan_cli_prints_the_per_rank_breakdown(capsys):
+    import json
+
+    from memfit.cli.plan import cli_plan
+    argv = ["memfit.cli.bench.zoo:lenet", "--input", "8,1,28,28", "--train", "--parallel", "fsdp", "--world-size", "8"]
+    assert cli_plan([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from memfit.cli.bench.zoo import lenet
+    model = lenet()
+    mm = rank_memory_model(model, (1, 28, 28), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                           parallel="fsdp", world_size=8)
+    assert out["breakdown"] == mm.breakdown(8) and out["world_size"] == 8
+    assert cli_plan(argv) == 0
+    text = capsys.readouterr().out
+    assert "FSDP training step on 8 ranks" in text and "parameters (unsharded, in flight)" in text
