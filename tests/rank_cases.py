@@ -10,6 +10,15 @@ def mlp():
                                torch.nn.Linear(255, 7))         # odd rows: padded shards
 
 
+def encoder():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+FACTORIES = {"mlp": (mlp, (64,)), "encoder": (encoder, (8, 32))}
+
+
 def build(parallel: str, factory=mlp):
     m = factory()
     if parallel == "ddp":
@@ -23,19 +32,22 @@ def build(parallel: str, factory=mlp):
     return fully_shard(m)
 
 
-def measure(rank, world, parallel, n):
-    """This rank's real peak of one AdamW step of the MLP at a batch of n per rank."""
+def measure(rank, world, parallel, n, name="mlp"):
+    """This rank's real peak of one AdamW step of a model of `FACTORIES` at a batch of n per rank."""
     from memfit.memory.rank_measure import measure_rank_step
-    return measure_rank_step(functools.partial(build, parallel), (64,), torch.optim.AdamW, n=n)
+    factory, example = FACTORIES[name]
+    return measure_rank_step(functools.partial(build, parallel, factory), example, torch.optim.AdamW, n=n)
 
 
 def measure_cases(rank, world, cases):
-    """`measure` for each (parallel, n) of `cases`, in one process: one spawn for them all."""
+    """`measure` for each (parallel, n, model name) of `cases`, in one process: one spawn for them all."""
     return {case: measure(rank, world, *case) for case in cases}
 
 
-def fail_on_rank_1(rank, world, parallel, n):
-    """Rank 1 raises before its step; rank 0 must not hang in a collective waiting for it."""
+def fail_or_wait(rank, world):
+    """Rank 1 raises; rank 0 waits for it in a barrier that never completes (gloo's own timeout is 30 min)."""
+    import torch.distributed as dist
     if rank == 1:
         raise RuntimeError("rank 1 fails while measuring")
-    return measure(rank, world, parallel, n)
+    dist.barrier()
+    return "passed a barrier rank 1 never reached"
