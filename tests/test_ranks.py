@@ -130,3 +130,27 @@ def test_plan_cli_prints_the_per_rank_breakdown(capsys):
     assert cli_plan(argv) == 0
     text = capsys.readouterr().out
     assert "FSDP training step on 8 ranks" in text and "parameters (unsharded, in flight)" in text
+
+
+def test_wrapping_options_reach_fully_shard():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from memfit.memory.fsdp_run import RANK_KINDS, fsdp_fake_run
+    from memfit.memory.kinds import MemoryKind
+    from memfit.memory.step import ExampleBatch
+    m = rank_cases.mlp()
+    opt = torch.optim.AdamW(m.parameters())
+    unsharded = RANK_KINDS.index(MemoryKind.UNSHARDED_PARAMETERS)
+    most = {}
+    for dtype in (None, torch.bfloat16):
+        run = fsdp_fake_run(m, ExampleBatch((64,)), 4, world_size=2, rank=0, optimizer=opt, loss_fn=None,
+                            target=None, mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
+        most[dtype] = run.live[:, unsharded].max()
+    # the all-gathered parameters are bf16 under the policy: half the bytes at every op
+    assert 2 * most[torch.bfloat16] == most[None] > 0
+    mm = memory_model(m, (64,), train=True, optimizer=opt, parallel="fsdp", world_size=2, reshard_after_forward=False)
+    assert "reshard_after_forward=False" in mm.method
+    with pytest.raises(ValueError, match="options of parallel"):
+        memory_model(m, (64,), train=True, optimizer=opt, reshard_after_forward=False)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        memory_model(m, (64,), train=True, optimizer=opt, parallel="fsdp", reshard=False)

@@ -51,7 +51,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
                  loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, device=None,
                  algorithm: str = "greedy_by_size", parallel: str | None = None,
-                 world_size: int = 1) -> InferenceMemoryModel | StepMemoryModel | RankMemoryModel:
+                 world_size: int = 1, **parallel_options) -> InferenceMemoryModel | StepMemoryModel | RankMemoryModel:
     """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
 
     Inference (train=False) of a model torch.export captures, with one input tensor: from the planner's
@@ -76,6 +76,8 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         parallel: "ddp" or "fsdp" (train=True): the bytes one of `world_size` ranks holds, n being the batch per
             rank (`memfit.memory.ranks.rank_memory_model`, a `RankMemoryModel`).
         world_size: the number of ranks, with parallel.
+        parallel_options: with parallel="fsdp", the wrapping (`units`, `reshard_after_forward`, `mp_policy`) and
+            `backend` of `rank_memory_model`.
 
     Example:
         >>> import torch
@@ -84,12 +86,15 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         (144, 96)
     """
     from memfit.planner.capture import CaptureError
+    if parallel_options and parallel is None:
+        raise ValueError(f"{sorted(parallel_options)} are options of parallel='ddp' or 'fsdp'; found them without "
+                         "parallel (memory_model takes no other keyword arguments)")
     if parallel is not None:
         if not train:
             raise ValueError(f"parallel={parallel!r} models a training step; pass train=True")
         return rank_memory_model(model, example_or_sample_shape, optimizer=optimizer, loss_fn=loss_fn,
                                  target=target, parallel=parallel, world_size=world_size, autocast=autocast,
-                                 dtype=dtype)
+                                 dtype=dtype, **parallel_options)
     if autocast is None:             # the forward runs under the autocast around the call: count that one
         autocast = surrounding_autocast(torch.device(device).type if device is not None else model_device(model).type)
     fake = lambda why: step_memory_model(model, example_or_sample_shape, train=train, optimizer=optimizer,
