@@ -154,3 +154,13 @@ def test_wrapping_options_reach_fully_shard():
         memory_model(m, (64,), train=True, optimizer=opt, reshard_after_forward=False)
     with pytest.raises(TypeError, match="unexpected keyword"):
         memory_model(m, (64,), train=True, optimizer=opt, parallel="fsdp", reshard=False)
+
+
+def test_max_batch_size_per_rank(fsdp2):
+    from memfit import max_batch_size
+    m, _ = fsdp2
+    opt = torch.optim.AdamW(m.parameters())
+    mm = rank_memory_model(m, (64,), optimizer=opt, parallel="fsdp", world_size=2)
+    budget = mm.total_bytes(100)
+    n = max_batch_size(m, (64,), budget, train=True, optimizer=opt, parallel="fsdp", world_size=2)
+    assert mm.total_bytes(n) <= budget < mm.total_bytes(n + 1) and n >= 100
