@@ -32,6 +32,8 @@ from memfit.loading.minibatches import Loader, LoaderConfig, loader
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import InferenceMemoryModel
 from memfit.memory.kinds import MemoryKind, MemoryModel
+from memfit.memory.rank_measure import measure_rank_step
+from memfit.memory.ranks import RankMemoryModel, ranks_needed
 from memfit.memory.sizing import activation_bytes, max_batch_size, memory_model
 from memfit.memory.step import measure_step
 from memfit.memory.step_model import StepMemoryModel, check_prediction
@@ -56,6 +58,7 @@ __all__ = [
     "NonFiniteLossError",
     "PlannedModule",
     "RankFailed",
+    "RankMemoryModel",
     "StepMemoryModel",
     "StepResult",
     "accumulate",
@@ -69,9 +72,11 @@ __all__ = [
     "format_bytes",
     "loader",
     "max_batch_size",
+    "measure_rank_step",
     "measure_step",
     "memory_model",
     "metrics",
     "parse_bytes",
     "plan",
+    "ranks_needed",
 ]

@@ -5,6 +5,7 @@ Run:
     memfit plan pkg.models:resnet --input 8,3,64,64 --algorithm best --json
     memfit plan pkg.models:resnet --input 32,3,64,64 --train --optimizer adamw --budget 8GiB --plot train.png
     memfit plan pkg.models:resnet --input 32,3,64,64 --train --budget 8GiB --fit --plot fit.png
+    memfit plan pkg.models:gpt --input 4,128 --dtype int64 --train --parallel fsdp --world-size 8
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ def _parser() -> argparse.ArgumentParser:
                         "the --input batch fit the budget fastest (memfit.fit), with its alternatives; --plot draws "
                         "their bytes and time against the budget")
     p.add_argument("--bf16", action="store_true", help="with --fit: allow bf16 autocast (levers=('bf16',))")
+    p.add_argument("--parallel", default=None, choices=["ddp", "fsdp"],
+                   help="with --train: the bytes one rank holds under DDP or FSDP2 (fully_shard on every block of a "
+                        "ModuleList or Sequential, and the root); the batch is per rank")
+    p.add_argument("--world-size", default=2, type=int, metavar="N", help="with --parallel: the ranks (default 2)")
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"],
+                   help="with --parallel fsdp: gloo's collectives copy their buffers, NCCL's do not (default nccl)")
     p.add_argument("--all", action="store_true", help="list every tensor (default: the first 60)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
@@ -170,14 +177,22 @@ def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
     model.train().to(args.device)
     opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
     example = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
-    mm = memory_model(model, example, train=True, optimizer=opt)
+    if args.parallel:
+        from memfit.memory.ranks import rank_memory_model
+        if torch.device(args.device).type != "cpu":
+            raise UsageError("--parallel predicts from a CPU copy of the model; leave out --device")
+        mm = rank_memory_model(model, example, optimizer=opt, parallel=args.parallel, world_size=args.world_size,
+                               backend=args.backend)
+    else:
+        mm = memory_model(model, example, train=True, optimizer=opt)
     n = shapes[0][0]
     budget = parse_bytes(args.budget) if args.budget else None
     largest = largest_fitting(mm.total_bytes, budget, 2**31) if budget is not None else None
     path = plot_memory(mm, args.plot, max(2 * n, 2 * (largest or 0), 8), budget, name=args.factory,
                        largest=largest) if args.plot else None
     if args.json:
-        print(json.dumps({"batch": n, "total_bytes": mm.total_bytes(n), "breakdown": mm.breakdown(n),
+        print(json.dumps({"batch": n, "parallel": args.parallel, "world_size": args.world_size if args.parallel else 1,
+                          "total_bytes": mm.total_bytes(n), "breakdown": mm.breakdown(n),
                           "method": mm.method, "largest_batch": largest, "plot": str(path) if path else None}))
         return 0
     print(f"{args.factory}: one training step with {args.optimizer}, loss = the output's .loss or the sum of "
@@ -208,8 +223,8 @@ def cli_plan(argv: list[str]) -> int:
         return _fit_report(args, model, shapes, dtype)
     if args.train:
         return _train_report(args, model, shapes, dtype)
-    if args.budget:
-        raise UsageError("--budget goes with --train")
+    if args.budget or args.parallel:
+        raise UsageError("--budget and --parallel go with --train")
     model.eval().to(args.device)
     pm = plan(model, tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes),
               algorithm=args.algorithm, inplace=not args.no_inplace, eager_where_cheaper=not args.all_in_arena)

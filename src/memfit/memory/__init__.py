@@ -9,16 +9,17 @@
 Every public name lives on `memfit` (`memfit.memory_model`, `memfit.MemoryModel`, ...); this package
 exports nothing of its own.
 
-Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `allocator` (what the allocators add:
-CUDA blocks and margin, CPU alignment), `step` (what one training step is; measuring it for real),
-`fake_run` (that step or a forward on fake tensors, every storage logged), `fake_kernels` (the bytes real
-kernels give where fake ones differ), `fit` (fake runs at a few sizes fitted into lines per op),
-`step_model` (`StepMemoryModel`), `inference` (`InferenceMemoryModel`, from the planner's arena),
-`sizing` (`memory_model`, `max_batch_size`, `activation_bytes`, `plot_memory`), `micro_batch` (the micro-batch
-size `accumulate` picks), `fingerprint` (what kept plans and predictions depend on), `cache` (plans and
-models kept per model), `measure` (live bytes of real runs), `isolation` (what a prediction leaves alone: the
-user's module as other threads see it, every RNG), `targets` (the example target of a common loss, built from
-the output).
+Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `allocator` (what the allocators add: CUDA
+blocks and margin, CPU alignment), `step` (what one training step is; measuring it for real), `fake_run` (that step
+or a forward on fake tensors, every storage logged), `fake_kernels` (the bytes real kernels give where fake ones
+differ), `fit` (fake runs at a few sizes fitted into lines per op), `step_model` (`StepMemoryModel`), `inference`
+(`InferenceMemoryModel`, from the planner's arena), `sizing` (`memory_model`, `max_batch_size`, `activation_bytes`,
+`plot_memory`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept plans and
+predictions depend on), `cache` (plans and models kept per model), `measure` (live bytes of real runs), `isolation`
+(what a prediction leaves alone: the user's module as other threads see it, every RNG), `example_target` (the
+example target of a common loss, built from the output), `ranks` (`RankMemoryModel`: one rank of DDP or FSDP2,
+`ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group), `rank_measure` (a
+rank's real peak, counted at the CPU allocator).
 
 Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA; kernels that allocate inside
 (mkldnn convolution's `out=` copies on the CPU) are invisible to `measure`'s op-output count.

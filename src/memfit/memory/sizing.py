@@ -30,6 +30,7 @@ from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fit
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import GraphsDiffer, InferenceMemoryModel, planned_memory_model
 from memfit.memory.isolation import predicting
+from memfit.memory.ranks import RankMemoryModel, rank_memory_model
 from memfit.memory.step import is_shape, sample_shape, surrounding_autocast
 from memfit.memory.step_model import StepMemoryModel, step_memory_model
 from memfit.messages import first_line, whole_words
@@ -41,7 +42,8 @@ __all__ = ["InferenceMemoryModel", "StepMemoryModel", "activation_bytes", "max_b
 def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
                  loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, device=None,
-                 algorithm: str = "greedy_by_size") -> InferenceMemoryModel | StepMemoryModel:
+                 algorithm: str = "greedy_by_size", parallel: str | None = None,
+                 world_size: int = 1, **parallel_options) -> InferenceMemoryModel | StepMemoryModel | RankMemoryModel:
     """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
 
     Inference (train=False) of a model torch.export captures, with one input tensor: from the planner's
@@ -65,6 +67,11 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         dtype: the input dtype when a sample shape is given.
         device: the device to predict for (default: the model's).
         algorithm: the planner's offset algorithm.
+        parallel: "ddp" or "fsdp" (train=True): the bytes one of `world_size` ranks holds, n being the batch per
+            rank (`memfit.memory.ranks.rank_memory_model`, a `RankMemoryModel`).
+        world_size: the number of ranks, with parallel.
+        parallel_options: with parallel="fsdp", the wrapping (`units`, `reshard_after_forward`, `mp_policy`) and
+            `backend` of `rank_memory_model`.
 
     Example:
         >>> import torch
@@ -73,6 +80,15 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         (144, 96)
     """
     from memfit.planner.capture import CaptureError
+    if parallel_options and parallel is None:
+        raise ValueError(f"{sorted(parallel_options)} are options of parallel='ddp' or 'fsdp'; found them without "
+                         "parallel (memory_model takes no other keyword arguments)")
+    if parallel is not None:
+        if not train:
+            raise ValueError(f"parallel={parallel!r} models a training step; pass train=True")
+        return rank_memory_model(model, example_or_sample_shape, optimizer=optimizer, loss_fn=loss_fn,
+                                 target=target, parallel=parallel, world_size=world_size, autocast=autocast,
+                                 dtype=dtype, **parallel_options)
     if autocast is None:             # the forward runs under the autocast around the call: count that one
         autocast = surrounding_autocast(torch.device(device).type if device is not None else model_device(model).type)
     fake = lambda why: step_memory_model(model, example_or_sample_shape, train=train, optimizer=optimizer,
@@ -116,7 +132,7 @@ def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence
 def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, train: bool = False,
                    optimizer=None, loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                    dtype: torch.dtype = torch.float32, device=None, extra_bytes_per_sample: int = 0,
-                   limit: int = 2**31) -> int:
+                   limit: int = 2**31, parallel: str | None = None, world_size: int = 1) -> int:
     """The largest batch n whose `memory_model(...).total_bytes(n)` + `extra_bytes_per_sample * n` fit `budget`.
 
     With train=True (and optimizer, loss_fn, target) it is the largest batch one training step fits.
@@ -126,6 +142,7 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
         budget: bytes, or a string such as "64MiB".
         extra_bytes_per_sample: anything else held per sample (a compact copy of the batch, say).
         limit: the largest batch considered.
+        parallel, world_size: "ddp" or "fsdp" on that many ranks (train=True): the largest batch per rank.
 
     Raises:
         BudgetExceeded: not even one sample fits; the message lists what one sample needs.
@@ -138,7 +155,7 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
     budget = parse_bytes(budget)
     extra_bytes_per_sample = check_count("extra_bytes_per_sample", extra_bytes_per_sample, 0)
     mm = memory_model(model, sample_shape, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
-                      autocast=autocast, dtype=dtype, device=device)
+                      autocast=autocast, dtype=dtype, device=device, parallel=parallel, world_size=world_size)
     need = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n
     n = largest_fitting(need, budget, limit)
     if n == 0:

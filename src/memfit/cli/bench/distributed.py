@@ -7,6 +7,7 @@ so that every configuration uses the same cores. On CUDA each rank takes its own
 
 Run:
     memfit bench distributed
+    memfit bench distributed --memory --quick     (per-rank memory of DDP and FSDP2: memfit.cli.bench.rank_memory)
     memfit bench distributed --worlds 1,2 --n 60000
 """
 
@@ -145,9 +146,18 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="cpu (gloo) or cuda (nccl, one GPU per process); default: cuda when every process gets "
                         "a GPU, else cpu")
-    p.add_argument("--quick", action="store_true", help="6,000 samples, one epoch")
+    p.add_argument("--quick", action="store_true", help="6,000 samples, one epoch (with --memory: batches 4 and 16)")
+    p.add_argument("--memory", action="store_true",
+                   help="instead: per-rank memory of DDP and FSDP2 training steps, predicted in one process against "
+                        "2 and 4 gloo ranks (memfit.cli.bench.rank_memory)")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     a = p.parse_args(argv)
+    if a.memory:
+        from memfit.cli.bench.rank_memory import run as run_memory
+        rows = run_memory(quick=a.quick)
+        if a.json:
+            print(json.dumps(rows))
+        return 0
     run(a.worlds, n=6_000 if a.quick else a.n, batch=a.batch, epochs=1 if a.quick else a.epochs, as_json=a.json,
         device=a.device)
     return 0

@@ -1,0 +1,207 @@
+"""Per-rank memory benchmark: DDP and FSDP2 training steps predicted in one process against real gloo ranks.
+
+For each model (an MLP, a CNN, a transformer encoder, a causal LM from a `transformers` config), world size
+(2 and 4 processes on 127.0.0.1) and wrapping (DDP; FSDP2 with `fully_shard` on every block and the root),
+`rank_memory_model(..., backend="gloo")` predicts one rank's peak at two batch sizes per rank, and each
+rank measures one real AdamW step at the allocator (`measure_rank_step`). Target: predicted / the worst
+rank's real peak in [1.00, 1.05] on every row. Then the FSDP2 prediction at world size 8 is set beside
+torch's `FSDPMemTracker` run on the same model in one process under a fake process group (its tests accept
++-10% of CUDA's bytes; here it counts CPU tensors).
+
+Run:
+    memfit bench distributed --memory --quick
+    memfit bench distributed --memory
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import pickle
+import socket
+import traceback
+
+import torch
+
+from memfit.cli.bench.common import machine_header, table
+
+TARGET = (1.00, 1.05)
+DIGITS = 4      # the ratio is judged to 4 decimals: kernels wrap Python scalars in 0-d tensors of 4-8 bytes
+#                 (12-24 bytes live at a peak here) that no op outputs and no fake run can see
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 255), torch.nn.ReLU(),
+                               torch.nn.Linear(255, 7))
+
+
+def cnn():
+    from memfit.testing.zoo import lenet
+    torch.manual_seed(0)
+    return lenet()
+
+
+def encoder():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def causal_lm():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+
+
+def _lm_example():
+    ids = torch.zeros(1, 32, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+CASES = {"mlp": (mlp, (64,)), "cnn": (cnn, (1, 28, 28)), "encoder": (encoder, (16, 64)), "causal-lm": (causal_lm, None)}
+
+
+def _example(name):
+    return _lm_example() if CASES[name][1] is None else CASES[name][1]
+
+
+def _build(name: str, parallel: str):
+    model = CASES[name][0]()
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    from memfit.memory.fsdp_run import default_units
+    for unit in default_units(model):
+        fully_shard(unit)
+    return fully_shard(model)
+
+
+def _rank_job(rank: int, world: int, name: str, parallel: str, sizes) -> dict:
+    from memfit.memory.rank_measure import measure_rank_step
+    return {n: measure_rank_step(functools.partial(_build, name, parallel), _example(name), torch.optim.AdamW, n=n)
+            for n in sizes}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world, port, args, queue):
+    import os
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+    except BaseException as e:
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, timeout: float = 300.0) -> dict:
+    """{rank: value} from `fn(rank, world, *args)` in `world` gloo processes; a rank that fails or does not
+    answer within `timeout` seconds raises here, and every process is killed (none is left waiting)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                out[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}: {value}")
+                break                                  # the others may wait on it in a collective: kill them
+    except Exception:
+        errors.append(f"ranks {sorted(set(range(world)) - set(out))} gave no answer within {timeout:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError(f"a rank failed: {errors[0]}")
+    return out
+
+
+def _predict(name: str, parallel: str, world: int, backend: str = "gloo"):
+    from memfit.memory.ranks import rank_memory_model
+    model = CASES[name][0]()
+    return rank_memory_model(model, _example(name), optimizer=torch.optim.AdamW(model.parameters()),
+                             parallel=parallel, world_size=world, backend=backend)
+
+
+def _tracker_peak(name: str, n: int, world: int) -> int:
+    """FSDPMemTracker's peak total for one AdamW step (after a warm-up step) of rank 0 of `world` ranks, on
+    real CPU tensors under a fake process group (initialised by the caller)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from memfit.memory.step import ExampleBatch, training_step
+    model = _build(name, "fsdp")
+    opt = torch.optim.AdamW(model.parameters())
+    batch = ExampleBatch(_example(name)).at(n, torch.device("cpu"))
+    training_step(model, batch, opt)
+    tracker = FSDPMemTracker(model, opt)
+    with tracker:
+        training_step(model, batch, opt)
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def run(quick: bool = False, worlds=(2, 4)) -> list[dict]:
+    names = list(CASES)
+    sizes = (4, 16) if quick else (8, 32)
+    print(machine_header("cpu"))
+    rows = []
+    for world in worlds:
+        for parallel in ("ddp", "fsdp"):
+            for name in names:
+                real = spawn(_rank_job, world, name, parallel, sizes)
+                mm = _predict(name, parallel, world)
+                for n in sizes:
+                    worst = max(r[n] for r in real.values())
+                    ratio = mm.total_bytes(n) / worst
+                    rows.append({"model": name, "parallel": parallel, "ranks": world, "batch/rank": n,
+                                 "predicted": mm.total_bytes(n), "real (worst rank)": worst, "ratio": f"{ratio:.5f}",
+                                 "": "PASS" if TARGET[0] <= round(ratio, DIGITS) <= TARGET[1] else "MISS"})
+                print(table(rows[-len(sizes):], bytes_columns={"predicted", "real (worst rank)"}), flush=True)
+    print(f"# predicted / real per-rank peak (gloo, 127.0.0.1, AdamW, allocator bytes), target {TARGET[0]:.2f}-"
+          f"{TARGET[1]:.2f} to {DIGITS} decimals")
+    print(table(rows, bytes_columns={"predicted", "real (worst rank)"}))
+    missed = [r for r in rows if r[""] == "MISS"]
+    print(f"{'PASS' if not missed else 'MISS'}  predicted / real in [{TARGET[0]:.2f}, {TARGET[1]:.2f}] on every row "
+          f"({len(rows) - len(missed)} of {len(rows)})")
+    rows += _against_tracker(names, sizes[-1], 8)
+    return rows
+
+
+def _against_tracker(names, n: int, world: int) -> list[dict]:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    predicted = {name: _predict(name, "fsdp", world, backend="nccl").total_bytes(n) for name in names}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        rows = []
+        for name in names:
+            tracked = _tracker_peak(name, n, world)
+            rows.append({"model": name, "ranks": world, "batch/rank": n, "memfit": predicted[name],
+                         "FSDPMemTracker": tracked, "memfit / tracker": f"{predicted[name] / tracked:.4f}"})
+    finally:
+        dist.destroy_process_group()
+    print(f"# FSDP2 at world size {world}, one process: memfit's prediction (no collective copies: NCCL) beside "
+          "torch's FSDPMemTracker (real CPU tensors, fake process group); its own tests accept +-10%")
+    print(table(rows, bytes_columns={"memfit", "FSDPMemTracker"}))
+    near = all(0.9 <= float(r["memfit / tracker"]) <= 1.1 for r in rows)
+    print(f"{'PASS' if near else 'MISS'}  memfit within +-10% of FSDPMemTracker on every model")
+    return rows

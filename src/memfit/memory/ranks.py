@@ -1,0 +1,198 @@
+"""The bytes one rank holds at the peak of a DDP or FSDP2 training step, predicted in one process.
+
+`rank_memory_model(model, example, optimizer=opt, parallel="ddp" | "fsdp", world_size=N)` (what
+`memfit.memory_model(..., train=True, parallel=..., world_size=N)` returns) answers per rank, at any batch
+size per rank n:
+- DDP: every rank holds the whole model, its gradients and optimizer state: the single-process step of
+  `memfit.memory.step_model` at n, plus DDP's gradient buckets, one flat buffer per bucket that every
+  gradient is copied into for the all-reduce (`gradient_as_bucket_view=False`, torch's default: the buckets
+  hold the trainable parameters' bytes once more, whatever `bucket_cap_mb`, and live as long as the model).
+- FSDP2: the real `fully_shard` code runs on fake tensors under a fake process group of `world_size` ranks
+  (`memfit.memory.fsdp_run`), for rank 0, which holds the largest shards (`torch.chunk` on dim 0 gives the
+  first ranks the padded rows). Runs at n = 2 and 4 give each op's bytes by kind as `a + b * n`, checked
+  exactly at n = 8; where the check fails, each n asked for is its own run (`method` says which).
+`ranks_needed(...)` is the fewest FSDP2 ranks whose per-rank peak fits a budget.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    >>> opt = torch.optim.AdamW(model.parameters())
+    >>> ddp = rank_memory_model(model, (32,), optimizer=opt, parallel="ddp", world_size=2)
+    >>> ddp.breakdown(8)["gradient buckets (DDP)"] == ddp.param_bytes
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from memfit.budget import check_count, format_bytes, parse_bytes
+from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
+from memfit.memory.kinds import MemoryKind
+from memfit.memory.step import ExampleBatch
+from memfit.memory.step_model import StepMemoryModel, step_memory_model
+
+__all__ = ["RankMemoryModel", "ddp_bucket_bytes", "rank_memory_model", "ranks_needed"]
+
+PARALLEL = ("ddp", "fsdp")
+
+
+def ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """Bytes of DDP's gradient buckets for `model`: every trainable parameter's bytes once (each storage once).
+
+    Example:
+        >>> ddp_bucket_bytes(torch.nn.Linear(8, 4))      # (32 + 4) float32
+        144
+    """
+    seen = {id(p): p for p in model.parameters() if p.requires_grad}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+@dataclass
+class RankMemoryModel:
+    """Bytes one rank holds at the peak of a DDP or FSDP2 training step, at any per-rank batch n.
+
+    Attributes:
+        method: how the figures are computed.
+        param_bytes: the parameters (and buffers) one rank holds between steps: all of them under DDP, its
+            shards (padded) and the buffers under FSDP2.
+        parallel: "ddp" or "fsdp". world_size: the ranks.
+    """
+    method: str
+    param_bytes: int
+    device: torch.device
+    train: bool
+    parallel: str
+    world_size: int
+    _single: StepMemoryModel | None = None            # DDP: the single-process step
+    _buckets: int = 0
+    _a: np.ndarray | None = None                      # FSDP: (ops, kinds) bytes a + b*n after each op
+    _b: np.ndarray | None = None
+    _exact: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) of a run at n
+    _run_at: Callable[[int], RankRun] | None = None   # a run at n, where the line is not exact
+
+    def _live(self, n: int) -> np.ndarray:
+        if n not in self._exact and self._a is None:
+            self._exact[n] = self._run_at(n).live
+        return self._exact[n] if n in self._exact else self._a + self._b * n
+
+    def breakdown(self, n: int) -> dict[str, int]:
+        """Bytes at this rank's peak for a per-rank batch of n, by kind (they sum to `total_bytes(n)`)."""
+        n = check_count("the batch size per rank", n, 1)
+        if self._single is not None:
+            return {**self._single.breakdown(n), MemoryKind.GRADIENT_BUCKETS.value: self._buckets}
+        live = self._live(n)
+        k = int(np.argmax(live.sum(axis=1)))
+        return {kind.value: int(v) for kind, v in zip(RANK_KINDS, np.ceil(live[k]).tolist(), strict=True)}
+
+    def total_bytes(self, n: int) -> int:
+        """Bytes at this rank's peak for a per-rank batch of n."""
+        return sum(self.breakdown(n).values())
+
+    def explain(self, n: int = 1) -> str:
+        """What the figure is, how it was computed, and the bytes by kind at a per-rank batch of n."""
+        lines = [f"per-rank memory of one {self.parallel.upper()} training step on {self.world_size} ranks, by "
+                 f"{self.method}.", f"batch {n} per rank: {format_bytes(self.total_bytes(n))} at the peak:"]
+        lines += [f"  {k:<34} {format_bytes(v):>12}" for k, v in self.breakdown(n).items() if v]
+        lines.append("CPU: bytes the allocator holds for tensors (memfit.memory.rank_measure counts the same).")
+        return "\n".join(lines)
+
+
+def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_fn=None, target=None,
+                      parallel: str = "fsdp", world_size: int = 2, units=None, reshard_after_forward: bool = True,
+                      mp_policy=None, autocast: torch.dtype | None = None,
+                      dtype: torch.dtype = torch.float32, backend: str = "nccl") -> RankMemoryModel:
+    """The per-rank memory of a DDP or FSDP2 training step of `model` (see the module docstring).
+
+    Args:
+        example: a sample shape or an example batch (its leading dimension is the per-rank batch).
+        parallel: "ddp" (`DistributedDataParallel` with its defaults) or "fsdp" (`fully_shard`).
+        world_size: the number of ranks.
+        units: FSDP2 only: `units(model)` -> the modules `fully_shard` wraps besides the root, innermost first
+            (default `memfit.memory.fsdp_run.default_units`: the children of every ModuleList and Sequential).
+        reshard_after_forward, mp_policy: FSDP2 only, passed to every `fully_shard` call.
+        backend: "nccl" (collectives in place) or "gloo" (its all-gather and reduce-scatter copy the whole
+            buffer while they run: counted under FSDP2; DDP's all-reduce is in place on both).
+    """
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"expected backend 'nccl' or 'gloo'; found {backend!r}")
+    if parallel not in PARALLEL:
+        raise ValueError(f"expected parallel in {PARALLEL}; found {parallel!r}")
+    world_size = check_count("world_size", world_size, 1)
+    dev = torch.device("cpu")
+    if any(t.device.type != "cpu" for t in model.parameters()):
+        raise ValueError("the per-rank memory model runs for a model on the CPU (its fake mesh is a CPU mesh); "
+                         "found parameters elsewhere: predict with model.cpu()")
+    if parallel == "ddp":
+        if units is not None or mp_policy is not None or not reshard_after_forward:
+            raise ValueError("units, reshard_after_forward and mp_policy are FSDP2 options; found them with "
+                             "parallel='ddp'")
+        single = step_memory_model(model, example, train=True, optimizer=optimizer, loss_fn=loss_fn,
+                                   target=target, autocast=autocast, dtype=dtype)
+        buckets = ddp_bucket_bytes(model)
+        return RankMemoryModel(f"the single-process step ({single.method}) plus DDP's gradient buckets (every "
+                               "trainable parameter's bytes once, gradient_as_bucket_view=False)",
+                               single.param_bytes, dev, True, "ddp", world_size, single, buckets)
+    batch = ExampleBatch(example, dtype)
+    tgt = ExampleBatch(target, dtype) if target is not None else None
+    run = lambda n: fsdp_fake_run(model, batch, n, world_size=world_size, rank=0, optimizer=optimizer,
+                                  loss_fn=loss_fn, target=tgt, units=units,
+                                  reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                                  autocast=autocast, backend=backend)
+    runs = {n: run(n) for n in (2, 4, 8)}
+    params = int(runs[2].live[0, RANK_KINDS.index(MemoryKind.SHARDED_PARAMETERS)]
+                 + runs[2].live[0, RANK_KINDS.index(MemoryKind.PARAMETERS)])
+    how = (f"fully_shard run on fake tensors under a fake process group of {world_size} ranks (rank 0, the "
+           f"largest shards; reshard_after_forward={reshard_after_forward}, {backend}")
+    mm = RankMemoryModel("", params, dev, True, "fsdp", world_size, _exact={n: r.live for n, r in runs.items()},
+                         _run_at=run)
+    if all(r.ops == runs[2].ops for r in runs.values()):
+        a = 2 * runs[2].live - runs[4].live
+        b = (runs[4].live - runs[2].live) / 2
+        if np.array_equal(a + 8 * b, runs[8].live):
+            mm._a, mm._b = a.astype(np.float64), b
+            mm.method = how + "), per op and kind a + b*n from n = 2 and 4, exact at 8"
+            return mm
+    mm.method = how + "), one run per batch size (the bytes are not a line in n)"
+    return mm
+
+
+def ranks_needed(model: torch.nn.Module, example, budget: int | str, batch_per_rank: int, *,
+                 max_world: int = 1024, **options) -> int:
+    """The fewest FSDP2 ranks (1, 2, 4, ... doubling, then the smallest between) whose per-rank peak at
+    `batch_per_rank` fits `budget`; `options` go to `rank_memory_model`. Raises ValueError if even
+    `max_world` ranks do not fit (activations do not shard).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        >>> opt = torch.optim.AdamW(m.parameters())
+        >>> ranks_needed(m, (256,), "2MiB", 4, optimizer=opt)
+        2
+    """
+    budget = parse_bytes(budget)
+    need = lambda w: rank_memory_model(model, example, parallel="fsdp", world_size=w, **options) \
+        .total_bytes(batch_per_rank)
+    w = 1
+    while need(w) > budget:
+        if w >= max_world:
+            raise ValueError(f"expected some world size <= {max_world} to fit {format_bytes(budget)} per rank at "
+                             f"a batch of {batch_per_rank} per rank; found {format_bytes(need(w))} at {w} ranks; "
+                             "lower the batch per rank or raise the budget")
+        w *= 2
+    return w if w == 1 else _smallest(need, budget, w // 2 + 1, w)
+
+
+def _smallest(need, budget: int, lo: int, hi: int) -> int:
+    """The smallest w in [lo, hi] with need(w) <= budget, need(hi) <= budget (bisection)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if need(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi

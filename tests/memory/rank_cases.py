@@ -1,0 +1,53 @@
+"""Models and wrappings for the per-rank memory tests, importable by spawned rank processes."""
+import functools
+
+import torch
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 255), torch.nn.ReLU(),
+                               torch.nn.Linear(255, 7))         # odd rows: padded shards
+
+
+def encoder():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+FACTORIES = {"mlp": (mlp, (64,)), "encoder": (encoder, (8, 32))}
+
+
+def build(parallel: str, factory=mlp):
+    m = factory()
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(m)
+    from torch.distributed.fsdp import fully_shard
+
+    from memfit.memory.fsdp_run import default_units
+    for u in default_units(m):
+        fully_shard(u)
+    return fully_shard(m)
+
+
+def measure(rank, world, parallel, n, name="mlp"):
+    """This rank's real peak of one AdamW step of a model of `FACTORIES` at a batch of n per rank."""
+    from memfit.memory.rank_measure import measure_rank_step
+    factory, example = FACTORIES[name]
+    return measure_rank_step(functools.partial(build, parallel, factory), example, torch.optim.AdamW, n=n)
+
+
+def measure_cases(rank, world, cases):
+    """`measure` for each (parallel, n, model name) of `cases`, in one process: one spawn for them all."""
+    return {case: measure(rank, world, *case) for case in cases}
+
+
+def fail_or_wait(rank, world):
+    """Rank 1 raises; rank 0 waits for it in a barrier that never completes (gloo's own timeout is 30 min)."""
+    import torch.distributed as dist
+    if rank == 1:
+        raise RuntimeError("rank 1 fails while measuring")
+    dist.barrier()
+    return "passed a barrier rank 1 never reached"
