@@ -631,3 +631,38 @@ def test_an_attention_mask_a_fake_run_cannot_read_counts_the_padded_batch():
                                 (8,), optimizer=opt, loss_fn=loss, target_at=lambda n: torch.randint(0, 256, (n, 64)))
         ratio = rows[0]["ratio"]
         assert (1.0 <= ratio <= 1.001) if padded else (1.02 <= ratio <= 1.1), (padded, ratio)
+
+
+# ---- what real CPU kernels allocate inside, and what autograd saves above the ops ------------------------------
+def test_the_convolution_workspace_is_measured_and_split_into_a_constant_and_a_batch_part():
+    from memfit.memory.fake_kernels import workspace_bytes
+    from memfit.memory.measure import track_memory
+    conv = torch.ops.aten.convolution.default
+    w = torch.randn(32, 16, 3, 3)
+
+    def real_extra(n):                                 # the allocator's peak inside the op, above its output
+        x = torch.randn(n, 16, 12, 12)
+        with torch.no_grad(), track_memory() as mem:
+            out = conv(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        return mem.peak - out.nbytes
+    c, p = workspace_bytes(conv, (torch.empty(4, 16, 12, 12), w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {})
+    assert c + p == real_extra(4) > 0                  # oneDNN's result copied into the output, its weights reordered
+    assert c + p * 3 == real_extra(12)                 # affine in the batch: the split predicts another size
+
+
+def test_a_python_number_autograd_saves_is_counted_through_backward():
+    class Scaled(nn.Module):                           # x * 0.5 saves the wrapped 0.5 (8 bytes) for backward
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            for _ in range(8):
+                x = self.lin(x) * 0.5
+            return x
+    torch.manual_seed(0)
+    model = Scaled()
+    mm = memfit.memory_model(model, (16,), train=True, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    for n in (1, 5):
+        real = measure_step(copy.deepcopy(model), torch.randn(n, 16), torch.optim.SGD(model.parameters(), lr=0.1))
+        assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real)

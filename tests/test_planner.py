@@ -213,13 +213,15 @@ def test_algorithms_agree_on_outputs(algorithm):
 
 
 def test_memory_model_matches_a_plan_at_full_size_without_running_it():
+    from memfit.memory.allocator import cpu_margin
     model, shape = build("lenet")
     mm = memory_model(model, shape)
     for n in (7, 33):
         rep = plan(model, (torch.empty(n, *shape),)).report
         assert mm.arena_bytes(n) == rep.arena_bytes
         assert mm.unplanned_bytes(n) == rep.unplanned_bytes
-        assert mm.total_bytes(n) == rep.total_bytes
+        # the model adds the CPU's head-room for a Python number an op wraps, which the plan's report leaves out
+        assert mm.total_bytes(n) == rep.total_bytes + cpu_margin()
 
 
 def test_max_batch_size_matches_a_bisection_of_activation_bytes():

@@ -18,8 +18,9 @@ kernels give where fake ones differ), `fit` (fake runs at a few sizes fitted int
 size `accumulate` picks), `fingerprint` (what kept plans and predictions depend on), `cache` (plans and
 models kept per model), `measure` (live bytes of real runs).
 
-Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA; kernels that allocate inside
-(mkldnn convolution's `out=` copies on the CPU) are invisible to `measure`'s op-output count.
+Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA. On the CPU, what kernels
+allocate inside is measured from the real kernels for the ops `fake_kernels.WORKSPACE` lists (found by
+measuring); a kernel not listed that allocates inside is seen by `measure` (the allocator's events) only.
 
 Example:
     >>> import torch

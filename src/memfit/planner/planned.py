@@ -40,6 +40,7 @@ from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.codegen import generate
 from memfit.planner.graph import DataDependentSize, Graph, Meta, analyze
 from memfit.planner.report import Report, Row
+from memfit.planner.workspaces import workspaces
 
 __all__ = ["ALIGNMENT", "Captured", "Placement", "PlannedModule", "capture_model", "place", "place_at",
            "place_captured", "plan", "plan_captured"]
@@ -59,6 +60,7 @@ class Placement:
     report: Report
     out_spec: object
     batch: int | None = None
+    workspaces: list[Buffer] = field(default_factory=list)   # what kernels allocate inside (`planner.workspaces`)
 
 
 def _check_args(algorithm: str, inplace: bool, eager_where_cheaper: bool = True) -> None:
@@ -288,7 +290,8 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     verify(buffers, offs, ALIGNMENT)
     offsets = dict(zip((b.name for b in buffers), offs, strict=True))
     n_ops = len(graph.ops)
-    outside = _outside(graph)
+    inside = workspaces(graph, cap.env(batch), cap.device.type)
+    outside = _outside(graph) + inside
     params = unique_bytes(graph.consts[r.name] for r in graph.roots.values() if r.kind == "const")
     rows = sorted((Row(r.name, r.shape, str(r.dtype).removeprefix("torch."), r.nbytes, (max(r.first, 0), r.last),
                        offsets.get(r.name), r.kind, tuple(r.members))
@@ -307,7 +310,7 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
         unplanned_ops=dict(unplanned), unplanned_reasons=reasons)
     report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'}]" if cap.dynamic
                       else f"static capture at batch {cap.example_batch} ({cap.static_reason})")
-    return Placement(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch)
+    return Placement(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch, inside)
 
 
 def _outside(graph: Graph) -> list[Buffer]:
