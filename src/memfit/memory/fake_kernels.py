@@ -114,7 +114,7 @@ WORKSPACE = {op: _BATCH_ARGS[f"aten.{op._schema.name[6:]}.{op._overloadname}"]
 _WORKSPACE_BYTES: dict = {}      # (op, argument shapes, strides, dtypes and values) -> (constant, batch part)
 _ROUNDED = _overloads("aten.mkldnn_rnn_layer.default")       # workspace parts rounded up: not affine in the batch
 _RATE_BATCH = 8
-_LINE = (2, 8)                   # the batches whose workspaces give the line (constant, bytes per sample)
+_LINE = (2, 4, 8)                # the batches whose workspaces give the line (constant, bytes per sample)
 _MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured on real arguments of those shapes
 
 
@@ -145,8 +145,8 @@ def _measured(func, args, kwargs) -> int:
 def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
     """(constant, batch part): bytes a real CPU kernel of `WORKSPACE` allocates beyond its outputs while it
     runs, (0, 0) for other ops. Measured once per argument shapes by running the real kernel on zeros of those
-    shapes, strides and dtypes under the allocator's events, and at batches 2 and 8: the line through those
-    (slope rounded up, raised to the bytes at b where they lie above it) splits it into a part the same at
+    shapes, strides and dtypes under the allocator's events, and at batches 2, 4 and 8: the least line above
+    those with their steepest slope (raised to the bytes at b where they lie above it) splits it into a part the same at
     every batch (reordered weights) and one that grows with it (at batch 1, all of it: a kernel may take
     another path there). Runs at two batch sizes then see sizes constant or proportional, as an exact line
     needs (`memfit.memory.fit.proportional`; where they do not, more sizes run, batch 1 its own exact run).
@@ -165,14 +165,22 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
                 return a
             return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_()
 
-        def at(r_args, r_kwargs, k):             # the batch made k by repeating the first sample
+        def grow(a: torch.Tensor, d: int, k: int) -> torch.Tensor:
+            """`a` with k along dimension d: its own strides where d is outermost (a slice of a larger buffer
+            keeps its layout, which the kernel's bytes may depend on), else k copies of its first entry."""
+            if a.dim() and a.stride(d) == max(a.stride()):
+                shape = list(a.shape)
+                shape[d] = k
+                return torch.empty_strided(shape, a.stride(), dtype=a.dtype).zero_()
+            return torch.cat([a.narrow(d, 0, 1)] * k, d)
+
+        def at(r_args, r_kwargs, k):             # the batch made k
             b = r_args[0].shape[dims[0]]
-            grow = lambda a, d: torch.cat([a.narrow(d, 0, 1)] * k, d)
-            r_args = [a if i not in dims else k if dims[i] is None else grow(a, dims[i])
+            r_args = [a if i not in dims else k if dims[i] is None else grow(a, dims[i], k)
                       for i, a in enumerate(r_args)]
             mask = r_kwargs.get("attn_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() and mask.shape[0] == b > 1:
-                r_kwargs = {**r_kwargs, "attn_mask": grow(mask, 0)}
+                r_kwargs = {**r_kwargs, "attn_mask": grow(mask, 0, k)}
             return r_args, r_kwargs
         with unset_fake_temporarily(), torch.no_grad():
             r_args, r_kwargs = tree_map(real, (args, kwargs))
@@ -197,11 +205,12 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
                 # 22 KiB at 2 for a small layer): its own bytes, which a line through larger batches would not give
                 _WORKSPACE_BYTES[key] = (0, w(1))
                 return _WORKSPACE_BYTES[key]
-            # the line through batches 2 and 8, its slope rounded up to whole bytes: the same at every batch
-            # size, so runs at two sizes see each part constant or proportional; raised where batch b lies above
-            # it (a kernel's alignment), which makes the runs differ and more sizes run
-            lo, hi = w(_LINE[0]), w(_LINE[1])
-            rate = max(0, -(-(hi - lo) // (_LINE[1] - _LINE[0])))
-            constant = max(0, lo - rate * _LINE[0], hi - rate * _LINE[1], w(b) - rate * b)
+            # the least line above the bytes at batches 2, 4 and 8 with the steepest slope between them (whole
+            # bytes): the same at every batch size, so runs at two sizes see each part constant or proportional
+            # (oneDNN picks its algorithm by size: the bytes need not be affine); raised where batch b lies
+            # above it, which makes the runs differ and more sizes run
+            ws = {k: w(k) for k in _LINE}
+            rate = max(0, *(-(-(ws[q] - ws[p]) // (q - p)) for p, q in zip(_LINE, _LINE[1:], strict=False)))
+            constant = max(0, *(ws[k] - rate * k for k in _LINE), w(b) - rate * b)
         _WORKSPACE_BYTES[key] = (constant, rate * b)
     return _WORKSPACE_BYTES[key]
