@@ -102,6 +102,7 @@ _BATCH_ARGS = {
     "aten.convolution.default": {0: 0},
     "aten.convolution_backward.default": {0: 0, 1: 0},
     "aten.native_batch_norm_backward.default": {0: 0, 1: 0},
+    "aten._native_batch_norm_legit_no_training.default": {0: 0},   # eval: statistics made inside, 0-size outputs
     "aten.native_group_norm_backward.default": {0: 0, 1: 0, 2: 0, 3: 0, 5: None},     # 5: N, the batch
     "aten._scaled_dot_product_flash_attention_for_cpu.default": {0: 0, 1: 0, 2: 0},
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0},

@@ -274,7 +274,8 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     try:
         layouts = dict(cap.kernel_layouts)
         graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch), eager=layouts)
-        eager = _eager_where_cheaper(graph) if eager_where_cheaper else {}
+        eager = _eager_where_cheaper(graph, workspaces(graph, cap.env(batch), cap.device.type)) \
+            if eager_where_cheaper else {}
         if eager:
             graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch),
                             eager={**layouts, **eager})
@@ -324,10 +325,12 @@ EAGER_CHEAPER = ("runs eagerly: the arena is held at its peak for the whole call
                  "the peak of the tensors outside it, so arena + unplanned bytes are lower with it outside")
 
 
-def _eager_where_cheaper(graph: Graph) -> dict[str, str]:
+def _eager_where_cheaper(graph: Graph, inside: list[Buffer]) -> dict[str, str]:
     """Node name -> reason for the ops whose outputs cost less memory outside the arena than in it
     (`arena.cheaper_outside`): an arena tensor moves out with the ops that write over it in place
-    (they then write a copy), where each of those ops has one output to place."""
+    (they then write a copy), where each of those ops has one output to place. `inside`: what kernels
+    allocate inside (`planner.workspaces`), outside the arena at their ops: a convolution's copy of its
+    result lifts the outside peak, under which arena tensors then fit for free."""
     writer = {v: s for s in graph.ops if s.mode == "out" for v in s.outputs if v}   # value -> the op writing it
     arena = [r for r in graph.roots.values() if r.kind == "arena"]
 
@@ -337,8 +340,8 @@ def _eager_where_cheaper(graph: Graph) -> dict[str, str]:
 
     movable = {r.name: tuple(writer[m].index for m in r.members) for r in arena
                if single(writer[r.name]) and all(single(writer[m]) for m in r.members)}
-    moved = cheaper_outside([Buffer(r.name, r.nbytes, r.first, r.last) for r in arena], _outside(graph), movable,
-                            ALIGNMENT)
+    moved = cheaper_outside([Buffer(r.name, r.nbytes, r.first, r.last) for r in arena], _outside(graph) + inside,
+                            movable, ALIGNMENT)
     return {writer[v].node.name: EAGER_CHEAPER for name in moved for v in (name, *graph.roots[name].members)}
 
 
