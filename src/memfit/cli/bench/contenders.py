@@ -33,8 +33,9 @@ def _peak(fn, x) -> int:
 
 
 def compiled_columns(model, x: torch.Tensor, planned_total: int, plan_s: float, repeat: int) -> dict:
-    """`torch.compile(model)` (inductor, static shapes) on x: its compile time (the first call; inductor's
-    caches off, so cold), its peak by the allocator, and its latency against eager (called in turn), with the
+    """`torch.compile(model)` (inductor, static shapes) on x: its compile time (the first call, inductor's FX
+    graph and autotune caches off; its C++ kernel cache on disk stays, so only a machine's first compile of a
+    model is fully cold), its peak by the allocator, and its latency against eager (called in turn), with the
     planned forward's figures over them. `compiled` says "unavailable: why" where inductor cannot build."""
     if x.device.type == "cpu" and shutil.which("cc") is None and shutil.which("gcc") is None:
         return {"compiled": "unavailable: inductor's CPU code needs a C compiler (cc or gcc) on the PATH"}
@@ -42,7 +43,7 @@ def compiled_columns(model, x: torch.Tensor, planned_total: int, plan_s: float, 
     import torch._inductor.config as inductor
     torch._dynamo.reset()
     try:
-        with inductor.patch(fx_graph_cache=False, autotune_local_cache=False):   # cold: what a first run costs
+        with inductor.patch(fx_graph_cache=False, autotune_local_cache=False):   # near cold: what a first run costs
             compiled = torch.compile(model, backend="inductor", dynamic=False)
             t0 = time.perf_counter()
             with torch.inference_mode():

@@ -243,8 +243,8 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
         print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned"}))
         vs = [r for r in rows if "compiled" in r]
         if vs:
-            print("# torch.compile (inductor, static shapes, caches off: a cold compile), peaks by the allocator; "
-                  "planned = arena + unplanned")
+            print("# torch.compile (inductor, static shapes, FX graph cache off; its C++ kernel cache on disk stays), "
+                  "peaks by the allocator; planned = arena + unplanned")
             print(table(vs, ["model", "batch", "planned_total", "compiled_peak", "planned/compiled", "compiled_ms",
                              "compiled_latency", "compile_s", "capture/compile", "compiled"],
                         bytes_columns={"planned_total", "compiled_peak"}))
