@@ -203,10 +203,12 @@ def _count_terms(terms: Callable, x, y) -> int:
     return c
 
 
-def _warn_if_terms_differ(x, y) -> None:
-    """Labels (y, or x['labels']) that ignore (-100) a different number of positions per sample (or some samples,
-    one label each): a loss averaged over what counts weighs samples unequally, so weighting micro-batches by
-    samples is not the full-batch step. Said, not refused: a loss that is a mean over samples is exact."""
+def _terms_differ(x, y) -> str | None:
+    """The warning to give when labels (y, or x['labels']) ignore (-100) a different number of positions per
+    sample (or some samples, one label each): a loss averaged over what counts weighs samples unequally, so
+    weighting micro-batches by samples is not the full-batch step; None when they do not. Said, not refused:
+    a loss that is a mean over samples is exact. Run before the step, when no gradient is held: its
+    temporaries (a bool per label, an int64 per sample) then sit below the step's peak."""
     labels = [t for t in (y, x.get("labels") if isinstance(x, dict) else None)
               if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.numel() and not t.is_floating_point()]
     for t in labels:
@@ -214,14 +216,13 @@ def _warn_if_terms_differ(x, y) -> None:
         if bool(ignored.min() != ignored.max()):
             where = "y" if t is y else "x['labels']"
             expr = "y" if t is y else 'x["labels"]'
-            warnings.warn(f"accumulate: {where} ignores (-100) a different number of positions per sample; if "
-                          "loss_fn averages over the positions that count (cross_entropy and transformers' losses do), "
-                          "micro-batches weighted by samples do not give the full-batch gradient. Pass "
-                          f"terms=lambda x, y: ({expr} != -100).sum() to weight them by the positions that count "
-                          f"(({expr}[:, 1:] != -100).sum() for a causal LM that shifts its labels), or ignore this for "
-                          "a loss that is a mean over samples",
-                          stacklevel=3)
-            return
+            return (f"accumulate: {where} ignores (-100) a different number of positions per sample; if "
+                    "loss_fn averages over the positions that count (cross_entropy and transformers' losses do), "
+                    "micro-batches weighted by samples do not give the full-batch gradient. Pass "
+                    f"terms=lambda x, y: ({expr} != -100).sum() to weight them by the positions that count "
+                    f"(({expr}[:, 1:] != -100).sum() for a causal LM that shifts its labels), or ignore this for "
+                    "a loss that is a mean over samples")
+    return None
 
 
 # ---- the step ------------------------------------------------------------------------------------------
@@ -492,9 +493,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
         if p.grad is not None:
             p.grad = None
-    final = _run_rounds(step, size, rounds) if world > 1 else step.run_range(0, n, size, frozenset())
-    if terms is None and step.micro_batches > 1:
-        _warn_if_terms_differ(x, y)
+    differ = _terms_differ(x, y) if terms is None else None     # before the step: its temporaries never sit on
+    final = _run_rounds(step, size, rounds) if world > 1 else step.run_range(0, n, size, frozenset())  # the grads
+    if differ is not None and step.micro_batches > 1:
+        warnings.warn(differ, stacklevel=2)
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
         lower_chosen(model, key, final)
     loss_sum = float(step.loss_sum) if step.loss_sum is not None else 0.0

@@ -1,15 +1,15 @@
 import pytest
 import torch
 
-from memfit.memory.measure import track_memory
+from memfit.memory.measure import track_memory, track_op_outputs
 
 
 def test_counts_each_new_buffer_and_its_free():
     with track_memory("cpu") as mem:
         a = torch.ones(1000)                       # 4000 B
-        b = a * 2                                  # +4000 B
+        b = a.exp()                                # +4000 B
         del a                                      # -4000 B
-        c = b + 1                                  # +4000 B: peak stays 8000
+        c = b.neg()                                # +4000 B: peak stays 8000
     assert mem.peak == 8000
     assert mem.current == 8000                     # b and c still alive
     del b, c
@@ -19,10 +19,21 @@ def test_views_and_inplace_writes_are_not_new_memory():
     x = torch.ones(256, 256)
     with track_memory("cpu") as mem:
         v = x.view(-1)[:100]
-        x.mul_(2)
+        x.neg_()
         t = x.t()
     assert mem.peak == 0
     del v, t
+
+
+def test_counts_what_op_outputs_miss_a_wrapped_python_scalar():
+    a = torch.ones(1000)
+    with track_op_outputs() as outputs:
+        b = a * 2
+    with track_memory() as mem:
+        c = a * 2                                  # 2 becomes a 0-d tensor, then float: the allocator serves it
+    assert outputs.peak == 4000 < mem.peak < 4000 + 64
+    assert mem.current == 4000
+    del b, c
 
 
 def test_matches_hand_count_for_an_mlp():
@@ -37,9 +48,121 @@ def test_matches_hand_count_for_an_mlp():
 
 @pytest.mark.cuda
 def test_cuda_uses_the_allocator_statistics():
+    a = torch.ones(1 << 20, device="cuda")            # 4 MiB held before: not counted
     with track_memory("cuda") as mem:
-        a = torch.ones(1 << 20, device="cuda")
-    assert mem.peak >= a.nbytes
+        b = torch.ones(1 << 20, device="cuda")         # a large block: its own segment
+        c = b * 2
+        del c
+    assert mem.peak == 2 * b.nbytes                    # 4 MiB requests are 512-byte multiples: no rounding
+    assert mem.current == b.nbytes
+    assert mem.reserved_peak >= mem.peak               # the segments the allocator took for them
+    assert mem.reserved_peak - 2 * b.nbytes < (20 << 20)
+    del a, b
+
+
+@pytest.mark.cuda
+def test_cuda_reserved_counts_a_segment_cached_before_as_zero():
+    b = torch.ones(1 << 20, device="cuda")
+    del b                                              # its segment stays reserved in the cache
+    with track_memory("cuda") as mem:
+        b = torch.ones(1 << 20, device="cuda")         # served from the cached segment: nothing newly reserved
+    assert mem.peak == b.nbytes and mem.reserved_peak == 0
+
+
+# ---- the allocator's events, not op outputs ---------------------------------------------------------------------
+def _conv_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                               torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU()).eval()
+
+
+def test_sees_what_mkldnn_convolution_allocates_inside():
+    m, x = _conv_net(), torch.randn(8, 3, 32, 32)
+    with torch.inference_mode(), track_op_outputs() as outputs:
+        m(x)
+    with torch.inference_mode(), track_memory() as mem:
+        m(x)
+    # the op outputs at the last ReLU: its input and output, (8, 32, 32, 32) float32 each
+    assert outputs.peak == 4 * 8 * 32 * 32 * 32 * 2
+    # the allocator, at the second conv: its input (8, 16, 32, 32), its result in oneDNN's buffer and the
+    # output that result is copied into, (8, 32, 32, 32) each
+    assert mem.peak >= 4 * 8 * 32 * 32 * (16 + 32 + 32) > outputs.peak
+    assert "aten::mkldnn_convolution" in mem.peak_op
+    assert sum(mem.peak_by_op().values()) == mem.peak
+    assert set(mem.peak_by_op()) == {"aten::conv2d", "aten::relu"}
+
+
+def _allocator_totals(step):
+    """(peak, current) from the allocator's own running total in the profiler's events: the reference."""
+    from torch.autograd.profiler import profile
+
+    from memfit.memory.measure import allocator_events
+    with profile(use_cpu=True, profile_memory=True, use_kineto=True) as prof:
+        step()
+    ev = allocator_events(prof.kineto_results)
+    base = ev[0][2] - ev[0][1]
+    return max(e[2] for e in ev) - base, ev[-1][2] - base
+
+
+def _tiny_gpt():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    return torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.TransformerEncoder(layer, 2),
+                               torch.nn.Linear(32, 100))
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv", "transformer"])
+def test_peak_equals_the_allocators_running_total(name):
+    torch.manual_seed(0)
+    m, x = {"mlp": (torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)),
+                    torch.randn(16, 64)),
+            "conv": (_conv_net().train(), torch.randn(4, 3, 16, 16)),
+            "transformer": (_tiny_gpt(), torch.randint(0, 100, (4, 12)))}[name]
+    opt = torch.optim.AdamW(m.parameters())
+
+    def step():
+        m(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    step()                                             # AdamW's state exists before the measured steps
+    with track_memory() as mem:
+        step()
+    assert (mem.peak, mem.current) == _allocator_totals(step)
+    assert mem.peak > 0 and mem.allocations > 0
+
+
+def test_mlp_allocator_peak_equals_the_op_output_count():
+    # an MLP's kernels allocate nothing but their outputs: the two counts agree to the byte
+    m = torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.GELU(), torch.nn.Linear(200, 50))
+    x = torch.randn(32, 100)
+    with torch.inference_mode(), track_op_outputs() as outputs:
+        m(x)
+    with torch.inference_mode(), track_memory() as mem:
+        m(x)
+    assert mem.peak == outputs.peak == 2 * 32 * 200 * 4
+
+
+def test_nested_trackers_each_count_their_block_and_the_outer_one_all():
+    with track_memory() as outer:
+        a = torch.ones(1000)                           # 4000 B
+        with track_memory() as inner:
+            b = torch.ones(2000)                       # 8000 B
+            del b
+        c = torch.ones(500)                            # 2000 B
+    assert (inner.peak, inner.current) == (8000, 0)
+    assert (outer.peak, outer.current) == (4000 + 8000, 4000 + 2000)
+    with track_memory() as mem:                        # usable again once the outer one ended
+        torch.ones(10)
+    assert mem.peak == 40
+    del a, c
+
+
+def test_refuses_to_run_inside_a_users_profiler():
+    from torch.autograd.profiler import profile
+    with profile(use_cpu=True, use_kineto=True):
+        with pytest.raises(RuntimeError, match="already running"):
+            with track_memory():
+                pass
 
 
 # ---- held bytes: each storage once ------------------------------------------------------------------------------

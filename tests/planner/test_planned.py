@@ -201,7 +201,9 @@ def test_bad_arguments():
 def test_algorithms_agree_on_outputs(algorithm):
     model, shape = build("lenet")
     x = torch.randn(1, *shape)
-    pm = plan(model, (x,), algorithm=algorithm)
+    # every tensor that can in the arena: at batch 1 LeNet's convolutions (their copies inside included) peak
+    # above all its other tensors together, so the cheaper-outside rule would leave the arena empty
+    pm = plan(model, (x,), algorithm=algorithm, eager_where_cheaper=False)
     torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
     rep = pm.report
     if algorithm == "naive":     # one region per arena tensor: the naive figure less the outputs written in place
@@ -213,13 +215,15 @@ def test_algorithms_agree_on_outputs(algorithm):
 
 
 def test_memory_model_matches_a_plan_at_full_size_without_running_it():
+    from memfit.memory.allocator import cpu_margin
     model, shape = build("lenet")
     mm = memory_model(model, shape)
     for n in (7, 33):
         rep = plan(model, (torch.empty(n, *shape),)).report
         assert mm.arena_bytes(n) == rep.arena_bytes
         assert mm.unplanned_bytes(n) == rep.unplanned_bytes
-        assert mm.total_bytes(n) == rep.total_bytes
+        # the model adds the CPU's head-room for a Python number an op wraps, which the plan's report leaves out
+        assert mm.total_bytes(n) == rep.total_bytes + cpu_margin()
 
 
 def test_max_batch_size_matches_a_bisection_of_activation_bytes():
@@ -658,3 +662,22 @@ def test_an_op_whose_kernel_gives_other_strides_than_the_graph_runs_eagerly(monk
     with torch.no_grad():
         assert torch.equal(pm(x), net(x))
     assert "add" in pm.report.unplanned_ops and "strides" in pm.report.unplanned_reasons["add"]
+
+
+def test_a_conv_net_planned_holds_no_more_than_eager_by_the_allocator():
+    """oneDNN's convolution allocates its result and copies it into the output (and reorders its weights):
+    bytes outside the arena at every convolution. Counted in the cheaper-outside decision, the planned call
+    (arena + what the allocator serves during it) stays at or below eager's allocator peak; counted nowhere,
+    the arena sat on top of them (1.2x eager on ResNet-18 at 64x64, batch 8)."""
+    from memfit.memory.measure import track_memory
+    model, shape = build("resnet18", image=32)
+    x = torch.randn(2, *shape)
+    pm = plan(model, (x,))
+    with torch.inference_mode():
+        torch.testing.assert_close(pm(x), model(x))
+        with track_memory() as eager:
+            model(x)
+        with track_memory() as planned:
+            pm(x)
+    assert pm.report.arena_bytes + planned.peak <= eager.peak
+    assert pm.report.unplanned_bytes >= planned.peak          # the report counts the copies inside

@@ -21,8 +21,9 @@ example target of a common loss, built from the output), `ranks` (`RankMemoryMod
 `ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group), `rank_measure` (a
 rank's real peak, counted at the CPU allocator).
 
-Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA; kernels that allocate inside
-(mkldnn convolution's `out=` copies on the CPU) are invisible to `measure`'s op-output count.
+Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA. On the CPU, what kernels
+allocate inside is measured from the real kernels for the ops `fake_kernels.WORKSPACE` lists (found by
+measuring); a kernel not listed that allocates inside is seen by `measure` (the allocator's events) only.
 
 Example:
     >>> import torch

@@ -3,7 +3,9 @@
 CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp, `kMinBlockSize = 512`, `kSmallBuffer = 2 MiB`)
 rounds every block up to 512 bytes and serves small blocks from 2 MiB segments; on top of that memfit adds a
 stated margin for fragmentation of its segments. The CPU allocator (c10/core/alignment.h, `gAlignment = 64`)
-aligns every allocation to 64 bytes, which the planner's arena also uses between its tensors.
+aligns every allocation to 64 bytes, which the planner's arena also uses between its tensors. An op given a
+Python number wraps it in a 0-d tensor (8 bytes) and casts it to the op's dtype (up to 8 more), freed when
+the op returns: at most `CPU_SCALAR` bytes at any moment, which no op's outputs show.
 
 Known limitations: library workspaces (cuBLAS, cuDNN: 8.5 MiB, up to 32 MiB on Hopper) are not counted.
 """
@@ -12,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CPU_ALIGNMENT", "CUDA_BLOCK", "CUDA_MARGIN", "CUDA_SEGMENT", "cuda_margin", "rounder"]
+__all__ = ["CPU_ALIGNMENT", "CPU_SCALAR", "CUDA_BLOCK", "CUDA_MARGIN", "CUDA_SEGMENT", "cpu_margin", "cuda_margin",
+           "rounder"]
 
 CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 CUDA_SEGMENT = 2 << 20      # one partly used 2 MiB small-allocation segment
 CUDA_MARGIN = 0.05          # stated head-room for fragmentation of the allocator's segments on CUDA
 CPU_ALIGNMENT = 64          # bytes: a cache line, and enough for any dtype's vector loads
+CPU_SCALAR = 16             # a Python number wrapped as a 0-d double or int64 (8 bytes) and its cast (<= 8)
 
 
 def rounder(device: torch.device):
@@ -40,3 +44,14 @@ def cuda_margin(total: int) -> int:
         True
     """
     return int(CUDA_MARGIN * total) + CUDA_SEGMENT
+
+
+def cpu_margin() -> int:
+    """The head-room added on the CPU to a prediction: one Python number wrapped by the op running (as
+    `aten::div(t, 2.0)` does: 8 bytes, and 4 for its float32 cast), which the allocator serves inside the op.
+
+    Example:
+        >>> cpu_margin()
+        16
+    """
+    return CPU_SCALAR

@@ -1,15 +1,17 @@
 """Where torch's fake (meta) kernels give an op's outputs other bytes than the real kernels do, and the bytes
-the real ones give (`real_bytes`): what a fake run (`memfit.memory.fake_run`) logs instead.
+the real ones give (`real_bytes`): what a fake run (`memfit.memory.fake_run`) logs instead; and the bytes real
+CPU kernels allocate inside beyond their outputs, freed before they return (`workspace_bytes`): oneDNN's
+reordered weights, its result before the copy into the output, a temporary of an input's size.
 
-Each entry was found by comparing a fake run with `memfit.memory.measure`'s live bytes of the real step; a test in
-tests/memory/test_step_model.py guards each.
+Each entry was found by comparing a fake run with the allocator's bytes of the real step
+(`memfit.memory.measure.track_memory`); a test in tests/memory/test_step_model.py guards each.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["REAL_SIZE", "real_bytes"]
+__all__ = ["REAL_SIZE", "WORKSPACE", "real_bytes", "workspace_bytes"]
 
 
 def _overloads(*names: str) -> frozenset:
@@ -88,3 +90,128 @@ def real_bytes(func, index: int, t: torch.Tensor, nbytes: int, args, kwargs) -> 
     if real is not None and real[0] == index and t.device.type == "cpu":
         return max(nbytes, real[1](args, kwargs or {}))
     return nbytes
+
+
+# CPU kernels that allocate inside beyond their outputs (found by running every op of training steps of an MLP,
+# ResNet-18, ConvNeXt, ViT, GPT-2 and a transformer encoder under the allocator's events): oneDNN convolution
+# (weights reordered to its blocked layout; its result copied into the output), its backward (gradients in
+# the blocked layout, then reordered), batch and group norm's backward (a temporary of the input's size), flash
+# attention on the CPU (per-thread buffers), layer norm's backward, max pooling, oneDNN's LSTM layer. Each
+# with its arguments that carry the batch: {position: dimension, or None for an int that is the batch}.
+_BATCH_ARGS = {
+    "aten.convolution.default": {0: 0},
+    "aten.convolution_backward.default": {0: 0, 1: 0},
+    "aten.native_batch_norm_backward.default": {0: 0, 1: 0},
+    "aten._native_batch_norm_legit_no_training.default": {0: 0},   # eval: statistics made inside, 0-size outputs
+    "aten.native_group_norm_backward.default": {0: 0, 1: 0, 2: 0, 3: 0, 5: None},     # 5: N, the batch
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": {0: 0, 1: 0, 2: 0},
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0},
+    "aten.native_layer_norm_backward.default": {0: 0, 1: 0, 3: 0, 4: 0},
+    "aten.max_pool2d_with_indices.default": {0: 0},
+    "aten.mkldnn_rnn_layer.default": {0: 1, 5: 0, 6: 0},        # the input comes sequence first
+}
+WORKSPACE = {op: _BATCH_ARGS[f"aten.{op._schema.name[6:]}.{op._overloadname}"]
+             for op in _overloads(*_BATCH_ARGS)}
+_WORKSPACE_BYTES: dict = {}      # (op, argument shapes, strides, dtypes and values) -> (constant, batch part)
+_ROUNDED = _overloads("aten.mkldnn_rnn_layer.default")       # workspace parts rounded up: not affine in the batch
+_RATE_BATCH = 8
+_LINE = (2, 4, 8)                # the batches whose workspaces give the line (constant, bytes per sample)
+_MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured on real arguments of those shapes
+
+
+def _key(func, args, kwargs) -> tuple:
+    from torch.utils._pytree import tree_flatten
+    leaves = tree_flatten((args, kwargs))[0]
+    return (func, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves))
+
+
+def _measured(func, args, kwargs) -> int:
+    """Bytes the real kernel allocates beyond its outputs' storages, run on these real arguments (once per
+    their shapes)."""
+    from torch.utils._pytree import tree_flatten
+    key = _key(func, args, kwargs)
+    if key in _MEASURED:
+        return _MEASURED[key]
+
+    from memfit.memory.measure import track_memory
+    func(*args, **kwargs)            # once untracked: what a kernel sets up on its first call (caches) is not per call
+    with track_memory("cpu") as mem:
+        out = func(*args, **kwargs)
+    outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+            for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+    _MEASURED[key] = max(0, mem.peak - sum(outs.values()))
+    return _MEASURED[key]
+
+
+def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
+    """(constant, batch part): bytes a real CPU kernel of `WORKSPACE` allocates beyond its outputs while it
+    runs, (0, 0) for other ops. Measured once per argument shapes by running the real kernel on zeros of those
+    shapes, strides and dtypes under the allocator's events, and at batches 2, 4 and 8: the least line above
+    those with their steepest slope (raised to the bytes at b where they lie above it) splits it into a part the same at
+    every batch (reordered weights) and one that grows with it (at batch 1, all of it: a kernel may take
+    another path there). Runs at two batch sizes then see sizes constant or proportional, as an exact line
+    needs (`memfit.memory.fit.proportional`; where they do not, more sizes run, batch 1 its own exact run).
+    Counted at the op beside its inputs and outputs, it errs high by what the kernel frees before its outputs
+    are made, never low."""
+    dims = WORKSPACE.get(func)
+    if dims is None:
+        return 0, 0
+    key = _key(func, args, kwargs)
+    if key not in _WORKSPACE_BYTES:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._pytree import tree_map
+
+        def real(a):
+            if not isinstance(a, torch.Tensor):
+                return a
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_()
+
+        def grow(a: torch.Tensor, d: int, k: int) -> torch.Tensor:
+            """`a` with k along dimension d: its own strides where d is outermost (a slice of a larger buffer
+            keeps its layout, which the kernel's bytes may depend on), else k copies of its first entry."""
+            if a.dim() and a.stride(d) == max(a.stride()):
+                shape = list(a.shape)
+                shape[d] = k
+                return torch.empty_strided(shape, a.stride(), dtype=a.dtype).zero_()
+            return torch.cat([a.narrow(d, 0, 1)] * k, d)
+
+        def at(r_args, r_kwargs, k):             # the batch made k
+            b = r_args[0].shape[dims[0]]
+            r_args = [a if i not in dims else k if dims[i] is None else grow(a, dims[i], k)
+                      for i, a in enumerate(r_args)]
+            mask = r_kwargs.get("attn_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() and mask.shape[0] == b > 1:
+                r_kwargs = {**r_kwargs, "attn_mask": grow(mask, 0, k)}
+            return r_args, r_kwargs
+        with unset_fake_temporarily(), torch.no_grad():
+            r_args, r_kwargs = tree_map(real, (args, kwargs))
+            if func is torch.ops.aten.native_batch_norm_backward.default and r_args[1].dtype in (
+                    torch.float16, torch.bfloat16) and r_args[2] is not None and r_args[2].dtype == torch.float32:
+                # the real forward saved its statistics in float32 (see `real_bytes`), the fake one in the
+                # input's dtype: with float32 weights, the real kernel takes float32 ones
+                r_args = [a.float() if i in (5, 6) and isinstance(a, torch.Tensor) else a
+                          for i, a in enumerate(r_args)]
+            b = r_args[0].shape[dims[0]]
+            if func in _ROUNDED:
+                # oneDNN's RNN sizes its buffers as parts each rounded up to an alignment: w(b) <= s*b + w(1)
+                # for the per-sample rate s, and w(m)/m >= s (see `_lstm_workspace_bytes`); m fixed, so the
+                # rate is the same in every run
+                one = _measured(func, *at(r_args, r_kwargs, 1))
+                rate = -(-_measured(func, *at(r_args, r_kwargs, _RATE_BATCH)) // _RATE_BATCH)
+                _WORKSPACE_BYTES[key] = (one, rate * b)
+                return _WORKSPACE_BYTES[key]
+            w = lambda k: _measured(func, *at(r_args, r_kwargs, k)) if k != b else _measured(func, r_args, r_kwargs)
+            if b == 1:
+                # a kernel may take another path at batch 1 (oneDNN's convolution backward does: 192 bytes there,
+                # 22 KiB at 2 for a small layer): its own bytes, which a line through larger batches would not give
+                _WORKSPACE_BYTES[key] = (0, w(1))
+                return _WORKSPACE_BYTES[key]
+            # the least line above the bytes at batches 2, 4 and 8 with the steepest slope between them (whole
+            # bytes): the same at every batch size, so runs at two sizes see each part constant or proportional
+            # (oneDNN picks its algorithm by size: the bytes need not be affine); raised where batch b lies
+            # above it, which makes the runs differ and more sizes run
+            ws = {k: w(k) for k in _LINE}
+            rate = max(0, *(-(-(ws[q] - ws[p]) // (q - p)) for p, q in zip(_LINE, _LINE[1:], strict=False)))
+            constant = max(0, *(ws[k] - rate * k for k in _LINE), w(b) - rate * b)
+        _WORKSPACE_BYTES[key] = (constant, rate * b)
+    return _WORKSPACE_BYTES[key]

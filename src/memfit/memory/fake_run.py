@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Number
 
 import numpy as np
 import torch
@@ -27,15 +28,17 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
 from memfit.memory.allocator import rounder
-from memfit.memory.fake_kernels import REAL_SIZE, real_bytes
+from memfit.memory.fake_kernels import REAL_SIZE, WORKSPACE, real_bytes, workspace_bytes
 from memfit.memory.isolation import predicting, structural_copy
 from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
 from memfit.planner.global_caches import cache_misses, clear_filled
 
-__all__ = ["FakeRunError", "fake_run"]
+__all__ = ["SAVES_SCALAR", "FakeRunError", "fake_run"]
 COLUMN = {k.value: i for i, k in enumerate(STEP_KINDS)}     # a kind's value -> its column in a run's arrays
+# ops whose backward keeps their second argument: given a Python number, a 0-d tensor autograd wraps and saves
+SAVES_SCALAR = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
 
 
 
@@ -76,6 +79,13 @@ class _StorageLog:
         self.log: list[tuple[int, int, int]] = []
         self.live: dict[int, int] = {}                # storage key -> bytes, for storages allocated here
         self.refs: dict[int, _StorageRef] = {}        # storage key -> its weak reference (kept so it calls back)
+        self.workspaces = 0                           # kernel workspaces logged, counted down as their keys
+        self.saved_scalars: list[int] = []            # keys of the wrapped Python numbers autograd holds
+
+    def free_saved_scalars(self) -> None:
+        """Backward has ended: the Python numbers autograd saved are freed."""
+        self.log += [(len(self.ops), k, -8) for k in self.saved_scalars]
+        self.saved_scalars = []
 
     def _freed(self, ref: _StorageRef) -> None:
         nbytes = self.live.pop(ref.key, None)
@@ -127,6 +137,20 @@ class _StorageLog:
             self.live[key] = nbytes
             self.log.append((op, key, nbytes))
             self._watch(s, key)
+        if func in SAVES_SCALAR and self.device.type == "cpu" and len(args) > 1 and isinstance(args[1], Number) \
+                and isinstance(args[0], torch.Tensor) and args[0].requires_grad and torch.is_grad_enabled():
+            # the Python number, wrapped in a 0-d tensor (8 bytes), is saved for backward by autograd, above
+            # this dispatch level where no op returns it: held until backward ends (an upper bound)
+            self.workspaces -= 1
+            self.log.append((op, self.workspaces, 8))
+            self.saved_scalars.append(self.workspaces)
+        if func in WORKSPACE and self.device.type == "cpu":
+            # what the real kernel allocates inside and frees before it returns: live at this op only, as a part
+            # the same at every batch and one that grows with it
+            for extra in workspace_bytes(func, args, kwargs):
+                if extra:
+                    self.workspaces -= 1                  # a key no storage has
+                    self.log += [(op, self.workspaces, extra), (op + 1, self.workspaces, -extra)]
 
 
 class _LoggingFakeMode(FakeTensorMode):
@@ -247,6 +271,8 @@ def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss
 
                 def mark(phase):
                     nonlocal grad_bytes
+                    if phase == "backward":
+                        tracker.free_saved_scalars()
                     tracker.ops.append(f"<end of {phase}>")   # what is freed before the mark is freed in it
                     marks[phase] = (len(tracker.ops), len(log))
                     if phase == "backward":

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memfit.budget import check_count, format_bytes, model_device
-from memfit.memory.allocator import CPU_ALIGNMENT, CUDA_MARGIN, CUDA_SEGMENT, cuda_margin
+from memfit.memory.allocator import CPU_ALIGNMENT, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
 from memfit.memory.fit import exact_line_at
 from memfit.memory.kinds import MemoryKind
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
@@ -79,6 +79,8 @@ class InferenceMemoryModel:
                MemoryKind.ARENA.value: arena, MemoryKind.OUTSIDE_ARENA.value: outside}
         if self.device.type == "cuda":       # one arena block; the tensors outside it are rounded like any
             out[MemoryKind.ALLOCATOR_MARGIN.value] = cuda_margin(sum(out.values()))
+        else:                                # the CPU (a model on meta runs there too)
+            out[MemoryKind.ALLOCATOR_MARGIN.value] = cpu_margin()
         return out
 
     def total_bytes(self, n: int) -> int:
@@ -130,6 +132,9 @@ def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algo
             arena.append(item)
         elif r.kind in ("call", "output"):
             outside.append(item)
+    if [w.name for w in l1.workspaces] != [w.name for w in l2.workspaces]:
+        raise GraphsDiffer
+    outside += [(w.size, q.size, w.first, w.last) for w, q in zip(l1.workspaces, l2.workspaces, strict=True)]
     how = f"planned arena: sizes per tensor affine from placements at batch 2 and 4 (the capture is static: " \
           f"{cap.static_reason})"
     return InferenceMemoryModel(params, per_sample, how, algorithm, arena, outside, dev)

@@ -1,38 +1,76 @@
-"""Measure the live tensor bytes of running code: the figure the planner and `evaluate` compare with.
+"""Measure the bytes the allocator holds while code runs: the one figure predictions are compared with.
 
-On CUDA this is the caching allocator's own count (`torch.cuda.max_memory_allocated` above the
-start). On CPU there is no allocator statistic, so a `TorchDispatchMode` sees every ATen op's
-outputs, counts each new storage once and subtracts it when the last tensor on it is freed.
+On the CPU the allocator's own events: memory profiling of `torch.profiler` reports every allocation and free
+the CPU allocator (c10's `ProfiledCPUMemoryReporter`) serves on this thread, with its running total; inside a
+kernel too (mkldnn convolution's `out=` variant allocates its result and copies it out, oneDNN's weight
+reorders and scratchpads), which no count of op outputs sees. On CUDA the caching allocator's statistics:
+`torch.cuda.max_memory_allocated` above the start, and `max_memory_reserved` (its segments) above the start.
+
+`track_op_outputs` keeps the other count, each ATen op's new output storages through a dispatch mode, for
+where it is the point: which op's outputs hold what (it misses what a kernel allocates inside).
+
+Known limitations: on the CPU, allocations on other threads (a data loader's workers) are not counted, and the
+profiler cannot run twice at once: `track_memory` inside another `track_memory` or inside a user's
+`torch.profiler.profile` raises. A block allocated before the first profiled block of the process and freed
+inside is not seen freed (c10 prints a warning once): the peak then errs high, never low.
 
 Example:
     >>> import torch
     >>> from memfit.memory.measure import track_memory
     >>> with track_memory("cpu") as mem:
-    ...     y = torch.ones(1000) * 2        # two float32 buffers of 4000 bytes, both live at once
+    ...     y = torch.ones(1000).exp()      # two float32 buffers of 4000 bytes, both live at once
     >>> mem.peak
     8000
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import weakref
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTrace", "held_bytes", "track_memory", "unique_bytes"]
+__all__ = ["MemoryTrace", "held_bytes", "track_memory", "track_op_outputs", "unique_bytes"]
 
 
 @dataclass
 class MemoryTrace:
-    """Bytes allocated above the start of the `with` block: `peak` is the most live at once."""
+    """Bytes allocated above the start of the `with` block: `peak` is the most live at once.
+
+    Attributes:
+        current: bytes allocated inside and still held at the end.
+        allocations: allocations counted.
+        peak_op: on the CPU, the ops running when the peak was reached, outermost first
+            ("aten::conv2d > ... > aten::mkldnn_convolution > aten::empty"; "" outside any op).
+        reserved_peak: on CUDA, the caching allocator's reserved bytes (its segments) above the start at most.
+        events: on the CPU, (ops that allocated the block, bytes allocated (> 0) or freed (< 0), bytes live
+            after) per allocator event.
+    """
     device: torch.device
     current: int = 0
     peak: int = 0
     allocations: int = 0
+    peak_op: str | None = None
+    reserved_peak: int | None = None
+    events: list[tuple[str, int, int]] = field(default_factory=list, repr=False)
 
-
+    def peak_by_op(self) -> dict[str, int]:
+        """Bytes each outermost op (by name) had allocated and still held at the peak, largest first (CPU):
+        where the peak's bytes come from."""
+        held: dict[str, int] = {}
+        for ops, delta, live in self.events:
+            op = ops.split(" > ")[0]
+            held[op] = held.get(op, 0) + delta
+            if live == self.peak:
+                at_peak = dict(held)
+        if not self.events or self.peak == 0:
+            return {}
+        return dict(sorted(((k, v) for k, v in at_peak.items() if v > 0), key=lambda kv: -kv[1]))
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     try:
         s = t.untyped_storage()
@@ -78,7 +116,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tenso
     return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
-class _Tracker(TorchDispatchMode):
+class _OutputCounter(TorchDispatchMode):
     """Counts live storages: each new storage once, and its bytes off when the last tensor on it is freed."""
 
     def __init__(self, trace: MemoryTrace):
@@ -119,8 +157,103 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
+
+class track_op_outputs:  # noqa: N801  (used as a context manager, reads like a function)
+    """Context manager counting the storages ATen ops return on `device` while they live: which op's outputs
+    hold what. Not the allocator's figure: what a kernel allocates inside is not an output (see
+    `track_memory`).
+
+    Example:
+        >>> import torch
+        >>> with track_op_outputs("cpu") as mem:
+        ...     y = torch.ones(1000).exp()
+        >>> mem.peak
+        8000
+    """
+
+    def __init__(self, device="cpu"):
+        self.trace = MemoryTrace(torch.device(device))
+        self._mode: _OutputCounter | None = None
+
+    def __enter__(self) -> MemoryTrace:
+        self._mode = _OutputCounter(self.trace)
+        self._mode.__enter__()
+        return self.trace
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+
+
+@contextmanager
+def _quiet_stderr():
+    """Kineto prints two lines (`USDT ... profiler_start`, `profiler_stop`) to the C-level stderr at every
+    profiler start and stop, whatever its log level: silenced for those two calls only (no user code runs)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+_active = threading.local()          # `.stack`: the CPU trackers running on this thread, innermost last
+
+
+def _op_path(e) -> str:
+    """The ops an event happened in, outermost first: "aten::conv2d > ... > aten::mkldnn_convolution"."""
+    names = []
+    while e is not None:
+        names.append(e.name)
+        e = e.parent
+    return " > ".join(reversed(names))
+
+
+def _raw_events(result) -> list[tuple[int, int, int, str, int]]:
+    """(time ns, bytes, allocator total after, ops, address) of the CPU allocator's events, in time order."""
+    from torch._C._profiler import _EventType
+    out = []
+    stack = list(reversed(result.experimental_event_tree()))
+    while stack:                                      # depth first, in recorded order
+        e = stack.pop()
+        kind, extra = e.typed
+        if kind == _EventType.Allocation:
+            if extra.device.type == "cpu":
+                out.append((e.start_time_ns, extra.alloc_size, extra.total_allocated, _op_path(e.parent), extra.ptr))
+        else:
+            stack.extend(reversed(e.children))
+    out.sort(key=lambda ev: ev[0])                    # stable: events at one ns keep the recorded order
+    return out
+
+
+def _attributed(raw) -> list[tuple[int, int, int, str]]:
+    """`raw` events with each free given the ops that allocated its block (when that was seen)."""
+    made: dict[int, str] = {}                         # address -> the ops that allocated the block there
+    out = []
+    for ns, nbytes, total, ops, ptr in raw:
+        if nbytes > 0:
+            made[ptr] = ops
+        out.append((ns, nbytes, total, made.pop(ptr, ops) if nbytes < 0 else ops))
+    return out
+
+
+def allocator_events(result) -> list[tuple[int, int, int, str]]:
+    """The CPU allocator's events in a profiler result: (time ns, bytes (+ allocated, - freed), the allocator's
+    running total after it, the ops it happened in (outermost first, "" outside any op; for a free, the ops that
+    allocated the block when that was seen)), in time order."""
+    return _attributed(_raw_events(result))
+
+
 class track_memory:  # noqa: N801  (used as a context manager, reads like a function)
-    """Context manager measuring the live tensor bytes allocated inside it on `device`.
+    """Context manager measuring the bytes the allocator serves inside it on `device`, above the start.
+
+    On the CPU one may run inside another (a prediction that measures a kernel, inside a measured step): the
+    outer one's profiler pauses while the inner one runs, and the outer one counts the inner one's events too.
 
     Args:
         device: where to measure ("cpu", "cuda", "cuda:1", a torch.device).
@@ -130,26 +263,62 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
         self.trace = MemoryTrace(torch.device(device))
         if self.trace.device.type == "cuda" and self.trace.device.index is None:
             self.trace.device = torch.device("cuda", torch.cuda.current_device())
-        self._mode: _Tracker | None = None
-        self._base = 0
+        self._prof = None
+        self._raw: list = []
+        self._base = (0, 0)
+
+    def _start(self) -> None:
+        self._prof = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
+        with _quiet_stderr():
+            self._prof.__enter__()
+
+    def _stop(self, *exc) -> None:
+        with _quiet_stderr():
+            self._prof.__exit__(*(exc or (None, None, None)))
+        self._raw += _raw_events(self._prof.kineto_results)
+        self._prof = None
 
     def __enter__(self) -> MemoryTrace:
         dev = self.trace.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
-            self._base = torch.cuda.memory_allocated(dev)
-        else:
-            self._mode = _Tracker(self.trace)
-            self._mode.__enter__()
+            self._base = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev))
+            return self.trace
+        if dev.type != "cpu":
+            raise ValueError(f"track_memory measures 'cpu' or 'cuda', found device {dev}; "
+                             "use track_op_outputs for an op-output count on other devices")
+        stack = _active.__dict__.setdefault("stack", [])
+        if stack:
+            stack[-1]._stop()                         # paused: the profiler runs once at a time
+        elif torch._C._autograd._profiler_enabled():
+            raise RuntimeError("track_memory on the CPU needs the profiler, which is already running (a "
+                               "torch.profiler.profile around it); measure outside the profiled block")
+        self._start()
+        stack.append(self)
         return self.trace
 
     def __exit__(self, *exc) -> None:
-        dev = self.trace.device
+        dev, t = self.trace.device, self.trace
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-            self.trace.peak = torch.cuda.max_memory_allocated(dev) - self._base
-            self.trace.current = torch.cuda.memory_allocated(dev) - self._base
-        elif self._mode is not None:
-            self._mode.__exit__(*exc)
-            self._mode = None
+            t.peak = torch.cuda.max_memory_allocated(dev) - self._base[0]
+            t.current = torch.cuda.memory_allocated(dev) - self._base[0]
+            t.reserved_peak = torch.cuda.max_memory_reserved(dev) - self._base[1]
+            return
+        if self._prof is None:
+            return
+        self._stop(*exc)
+        stack = _active.stack
+        stack.pop()
+        if stack:                                     # the outer one counts these events too, and goes on
+            stack[-1]._raw += self._raw
+            stack[-1]._start()
+        live, t.peak, t.peak_op = 0, 0, ""
+        for _, nbytes, _, op in _attributed(self._raw):
+            live += nbytes
+            t.events.append((op, nbytes, live))
+            t.allocations += nbytes > 0
+            if live > t.peak:
+                t.peak, t.peak_op = live, op
+        t.current = live

@@ -76,8 +76,8 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     Example:
         >>> import torch
         >>> mm = memory_model(torch.nn.Linear(8, 4), (8,))
-        >>> mm.param_bytes, mm.total_bytes(2) - mm.param_bytes      # inputs 64 + output 32
-        (144, 96)
+        >>> mm.param_bytes, mm.total_bytes(2) - mm.param_bytes      # inputs 64 + output 32 + the CPU's margin 16
+        (144, 112)
     """
     from memfit.planner.capture import CaptureError
     if parallel_options and parallel is None:
@@ -149,7 +149,7 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
 
     Example:
         >>> import torch
-        >>> max_batch_size(torch.nn.Linear(8, 4), (8,), 144 + 48 * 10)      # params + 48 bytes a sample
+        >>> max_batch_size(torch.nn.Linear(8, 4), (8,), 144 + 16 + 48 * 10)  # params, CPU margin, 48 B a sample
         10
     """
     budget = parse_bytes(budget)

@@ -32,8 +32,8 @@ Example:
     >>> b = mm.breakdown(64)
     >>> b["optimizer state"] == 2 * b["parameters"] + 4 * 4        # exp_avg, exp_avg_sq, a 4-byte step per tensor
     True
-    >>> mm.total_bytes(64) == measure_step(model, torch.randn(64, 32), opt)
-    True
+    >>> mm.total_bytes(64) - measure_step(model, torch.randn(64, 32), opt)   # the CPU's margin for a wrapped number
+    16
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from memfit.budget import check_count, format_bytes, model_device
-from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cuda_margin
+from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
 from memfit.memory.cache import ModelCache
 from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_run import FakeRunError, _LoggingFakeMode, _Run, fake_run
@@ -147,6 +147,8 @@ class StepMemoryModel:
                 out[kind] = out.get(kind, 0) + v
         if self.device.type == "cuda":
             out[MemoryKind.ALLOCATOR_MARGIN.value] = cuda_margin(sum(out.values()))
+        else:                                  # the CPU (a model on meta runs there too)
+            out[MemoryKind.ALLOCATOR_MARGIN.value] = cpu_margin()
         return out
 
     def saved_activation_bytes(self, n: int) -> int:
@@ -366,11 +368,17 @@ def _fit(model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimiz
             if c is not None and np.allclose(a + b * check + c * check * check, runs[check].live, rtol=0, atol=0.5):
                 how = f"quadratic per op and kind from sizes 2, 4 and 8, exact at {check}"
             else:
-                sizes = sorted(n for n in runs if runs[n].ops == runs[2].ops)
+                # batch 1 is its own exact run, not a point of the envelope: a kernel may take another path
+                # there (oneDNN's convolution: 9x the bytes inside at batch 1 for a small layer), which would
+                # steepen the slope at every size
+                sizes = sorted(n for n in runs if n > 1 and runs[n].ops == runs[2].ops)
                 a, b = envelope(runs, sizes)
                 c = None
                 how = (f"APPROXIMATE: upper envelope of the sizes {sizes} (neither affine nor quadratic in the "
                        "batch: steepest slope per op)")
+                if one is not None:
+                    measured[1] = one.live
+                    how += "; batch 1 is its own exact run"
         if one is not None and one.ops != runs[2].ops:
             how += "; batch 1 runs other ops and is its own exact run"
     else:

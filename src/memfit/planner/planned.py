@@ -41,6 +41,7 @@ from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.codegen import generate
 from memfit.planner.graph import DataDependentSize, Graph, Meta, analyze
 from memfit.planner.report import Report, Row
+from memfit.planner.workspaces import workspaces
 
 __all__ = ["ALIGNMENT", "Captured", "Placement", "PlannedModule", "capture_model", "place", "place_at",
            "place_captured", "plan", "plan_captured"]
@@ -60,6 +61,7 @@ class Placement:
     report: Report
     out_spec: object
     batch: int | None = None
+    workspaces: list[Buffer] = field(default_factory=list)   # what kernels allocate inside (`planner.workspaces`)
 
 
 def _check_args(algorithm: str, inplace: bool, eager_where_cheaper: bool = True) -> None:
@@ -279,7 +281,8 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     try:
         layouts = dict(cap.kernel_layouts)
         graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch), eager=layouts)
-        eager = _eager_where_cheaper(graph) if eager_where_cheaper else {}
+        eager = _eager_where_cheaper(graph, workspaces(graph, cap.env(batch), cap.device.type)) \
+            if eager_where_cheaper else {}
         if eager:
             graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch),
                             eager={**layouts, **eager})
@@ -295,7 +298,8 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     verify(buffers, offs, ALIGNMENT)
     offsets = dict(zip((b.name for b in buffers), offs, strict=True))
     n_ops = len(graph.ops)
-    outside = _outside(graph)
+    inside = workspaces(graph, cap.env(batch), cap.device.type)
+    outside = _outside(graph) + inside
     params = unique_bytes(graph.consts[r.name] for r in graph.roots.values() if r.kind == "const")
     rows = sorted((Row(r.name, r.shape, str(r.dtype).removeprefix("torch."), r.nbytes, (max(r.first, 0), r.last),
                        offsets.get(r.name), r.kind, tuple(r.members))
@@ -314,7 +318,7 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
         unplanned_ops=dict(unplanned), unplanned_reasons=reasons)
     report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'}]" if cap.dynamic
                       else f"static capture at batch {cap.example_batch} ({cap.static_reason})")
-    return Placement(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch)
+    return Placement(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch, inside)
 
 
 def _outside(graph: Graph) -> list[Buffer]:
@@ -328,10 +332,12 @@ EAGER_CHEAPER = ("runs eagerly: the arena is held at its peak for the whole call
                  "the peak of the tensors outside it, so arena + unplanned bytes are lower with it outside")
 
 
-def _eager_where_cheaper(graph: Graph) -> dict[str, str]:
+def _eager_where_cheaper(graph: Graph, inside: list[Buffer]) -> dict[str, str]:
     """Node name -> reason for the ops whose outputs cost less memory outside the arena than in it
     (`arena.cheaper_outside`): an arena tensor moves out with the ops that write over it in place
-    (they then write a copy), where each of those ops has one output to place."""
+    (they then write a copy), where each of those ops has one output to place. `inside`: what kernels
+    allocate inside (`planner.workspaces`), outside the arena at their ops: a convolution's copy of its
+    result lifts the outside peak, under which arena tensors then fit for free."""
     writer = {v: s for s in graph.ops if s.mode == "out" for v in s.outputs if v}   # value -> the op writing it
     arena = [r for r in graph.roots.values() if r.kind == "arena"]
 
@@ -341,8 +347,8 @@ def _eager_where_cheaper(graph: Graph) -> dict[str, str]:
 
     movable = {r.name: tuple(writer[m].index for m in r.members) for r in arena
                if single(writer[r.name]) and all(single(writer[m]) for m in r.members)}
-    moved = cheaper_outside([Buffer(r.name, r.nbytes, r.first, r.last) for r in arena], _outside(graph), movable,
-                            ALIGNMENT)
+    moved = cheaper_outside([Buffer(r.name, r.nbytes, r.first, r.last) for r in arena], _outside(graph) + inside,
+                            movable, ALIGNMENT)
     return {writer[v].node.name: EAGER_CHEAPER for name in moved for v in (name, *graph.roots[name].members)}
 
 

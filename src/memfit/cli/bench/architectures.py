@@ -4,7 +4,7 @@
 (nothing is downloaded) and trained the way its task is. GPT-2, Llama and T5 are in the test suite too; the
 others were not used while the memory model was written. Causal LMs and seq2seq models train on `labels` in the
 batch (`out.loss`), classifiers on cross-entropy of `out.logits`, a vision encoder on a made-up loss of its
-last hidden state. For each, `memfit.memory_model(train=True)` (AdamW) is checked against the live bytes of
+last hidden state. For each, `memfit.memory_model(train=True)` (AdamW) is checked against the allocator's bytes of
 real steps at two batch sizes that are not among the sizes it probes (`check_prediction`), so the figures
 are predictions, not fits. Needs `transformers` (an optional dev dependency).
 
@@ -192,7 +192,7 @@ def run(names=None, sizes: tuple[int, ...] = (3, 6), as_json: bool = False) -> l
         rows.append(row)
         print(f"# {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     print(f"# training-step memory of {len(rows)} transformers architectures (small configs, random weights), "
-          f"AdamW: memfit.memory_model(train=True) against the live bytes of real steps at batch {sizes[0]} and "
+          f"AdamW: memfit.memory_model(train=True) against the allocator's bytes of real steps at batch {sizes[0]} and "
           f"{sizes[1]} (sizes it does not probe); predict / step: one prediction against one real step at "
           f"{sizes[-1]} (these models are tiny: see the predict-cost rows of `memfit bench train`)")
     columns = ("model", "task", *[f"{w} {n}" for n in sizes for w in ("measured", "pred/meas")], "predict s",

@@ -2,15 +2,18 @@
 model zoo and on real architectures from `transformers` configs; and a long differential fuzz run.
 
 For every model and batch size: naive bytes (every planned tensor its own region), the eager
-peak (live tensor bytes of eager PyTorch under `torch.inference_mode`, tracked op by op), the
-planned arena, the lower bound (most bytes live at one op), the unplanned bytes the planned run
-still allocates (measured the same way as eager), and the latency of both, side by side in one
+peak (bytes the allocator serves to eager PyTorch under `torch.inference_mode`, inside kernels
+too: `memfit.memory.measure.track_memory`), the planned arena, the lower bound (most bytes live at
+one op), the unplanned bytes the planned run still allocates (measured the same way as eager), and
+the latency of both, side by side in one
 process (eager and planned called in turn, medians after warm-up). Real models are captured once and planned at both
-batch sizes from that one capture.
+batch sizes from that one capture, and `torch.compile` (inductor) runs beside them: its peak by the
+allocator, latency and cold compile time (`memfit.cli.bench.contenders`).
 
 Run:
     memfit bench planner --quick        # zoo images at 64x64, batch 1 and 8 (about a minute on 2 cores)
-    memfit bench planner --real --quick # 14 transformers architectures, tiny configs, batch 2 and 8
+    memfit bench planner --real --quick # 14 transformers architectures, tiny configs, batch 2 and 8; torch.compile
+                                        # (inductor) beside them at batch 8 (--no-compile leaves it out)
     memfit bench planner --real         # moderate configs (BERT hidden 256, images 128x128), batch 1 and 8
     memfit bench planner --fuzz 500     # 500 random graphs, every algorithm, bit for bit against eager
     memfit bench planner  # zoo images at full size, batch 1 and 32
@@ -91,8 +94,10 @@ def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> d
 REAL_TARGETS = {"latency": 1.00, "latency_geo": 0.95, "total/eager": 1.00, "arena/bound": 1.02}
 
 
-def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int) -> list[dict]:
-    """Rows of one `transformers` architecture: one capture (at the first batch), every batch planned from it."""
+def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int, compiled: bool = True) -> list[dict]:
+    """Rows of one `transformers` architecture: one capture (at the first batch), every batch planned from it;
+    with `compiled`, torch.compile beside it (quick: at the largest batch only, a cold compile takes long)."""
+    from memfit.cli.bench.contenders import compiled_columns
     from memfit.testing.zoo import build_real
     model, make_input = build_real(name, quick)
     t0 = time.perf_counter()
@@ -100,7 +105,10 @@ def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int) 
     plan_s = time.perf_counter() - t0
     rows = []
     for b in batches:
-        row = _row(name, model, pm, make_input(b), repeat, plan_s if b == batches[0] else 0.0)
+        x = make_input(b)
+        row = _row(name, model, pm, x, repeat, plan_s if b == batches[0] else 0.0)
+        if compiled and (not quick or b == batches[-1]):
+            row.update(compiled_columns(model, x, row["planned_total"], plan_s, repeat))
         row["PASS/MISS"] = " ".join(
             f"{key}:{'PASS' if row[col] <= REAL_TARGETS[key] else 'MISS'}"
             for key, col in (("latency", "latency_ratio"), ("total/eager", "total/eager"),
@@ -205,22 +213,24 @@ def _in_own_process(fn, *args):
 
 
 def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: str | None = None,
-             as_json: bool = False) -> list[dict]:
+             as_json: bool = False, compiled: bool = True) -> list[dict]:
     """Measure every real architecture at every batch size; print the table and the target lines."""
     if not as_json:
         print(machine_header("cpu"))
     rows = []
     for name in models:
         try:
-            new = _in_own_process(measure_real, name, tuple(batches), quick, repeat)
+            new = _in_own_process(measure_real, name, tuple(batches), quick, repeat, compiled)
         except Exception as e:              # a model that fails is a row of the table, not the end of the run
             print(f"# {name}: FAILED {whole_words(first_line(e), 200)}", flush=True)
             continue
         rows += new
         if not as_json:
             for r in new:
+                vs = f", planned / compiled peak {r['planned/compiled']:.2f}, compile {r['compile_s']:.1f} s" \
+                    if "planned/compiled" in r else (f", compiled {r['compiled']}" if "compiled" in r else "")
                 print(f"# {name} batch {r['batch']}: arena/bound {r['arena/bound']:.3f}, (arena + unplanned) / eager "
-                      f"{r['total/eager']:.2f}, latency {r['latency_ratio']:.2f}x eager", flush=True)
+                      f"{r['total/eager']:.2f}, latency {r['latency_ratio']:.2f}x eager{vs}", flush=True)
     lines = verdicts_real(rows) if rows else ["no model ran"]
     warning = spread_warning()
     if warning:
@@ -231,6 +241,13 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
         cols = ["model", "batch", "eager_peak", "arena", "bound", "arena/bound", "unplanned", "total/eager",
                 "eager_ms", "planned_ms", "latency_ratio", "PASS/MISS"]
         print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned"}))
+        vs = [r for r in rows if "compiled" in r]
+        if vs:
+            print("# torch.compile (inductor, static shapes, FX graph cache off; its C++ kernel cache on disk stays), "
+                  "peaks by the allocator; planned = arena + unplanned")
+            print(table(vs, ["model", "batch", "planned_total", "compiled_peak", "planned/compiled", "compiled_ms",
+                             "compiled_latency", "compile_s", "capture/compile", "compiled"],
+                        bytes_columns={"planned_total", "compiled_peak"}))
         print("\n".join(lines))
         print("unplanned ops (run by torch, outside the arena; reasons in pm.report.unplanned_reasons):")
         for r in rows[::len(batches)]:
@@ -267,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "  memfit bench planner --quick --device cuda",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller inputs and configs, fewer repeats")
+    p.add_argument("--no-compile", action="store_true",
+                   help="with --real, leave out torch.compile (a cold inductor compile takes tens of seconds a model)")
     p.add_argument("--real", action="store_true",
                    help=f"real architectures from transformers configs ({', '.join(REAL)}); needs transformers")
     p.add_argument("--fuzz", type=count_arg(1), default=None, metavar="N",
@@ -298,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             import transformers  # noqa: F401
         except ImportError:
             p.error("--real needs transformers (pip install transformers; an optional bench dependency)")
-        run_real(models, args.batches or ((2, 8) if args.quick else (1, 8)), args.quick, repeat, args.csv, args.json)
+        run_real(models, args.batches or ((2, 8) if args.quick else (1, 8)), args.quick, repeat, args.csv, args.json,
+                 compiled=not args.no_compile)
         return 0
     batches = args.batches or ((1, 8) if args.quick else (1, 32))
     image = args.image if args.image is not None else (64 if args.quick else None)

@@ -4,10 +4,12 @@ Ten models: memfit's zoo (MLP, LeNet, ResNet-18, MobileNetV2, U-Net, a transform
 `transformers` models built from configs with random weights (BERT, GPT-2, which torch.export cannot
 capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, two batch sizes each.
 
-1. peak: `memfit.memory_model(train=True)` against the live bytes of real training steps
-   (`memfit.memory.measure.track_memory` on the CPU: parameters, gradients, AdamW state, the batch, and the
-   peak of zero_grad + forward + loss + backward + step, the larger of the first two steps). Target:
-   predicted / measured in [1.00, 1.05] on every row (below 1 would be an out-of-memory error).
+1. peak: `memfit.memory_model(train=True)` against the bytes the allocator serves to real training steps
+   (`memfit.memory.measure.track_memory`, on the CPU from its allocation events, inside kernels too:
+   parameters, gradients, AdamW state, the batch, and the peak of zero_grad + forward + loss + backward +
+   step, the larger of the first two steps). Target: predicted / measured in [1.00, 1.05] on every row
+   (below 1 would be an out-of-memory error). Beside it, PyTorch's `MemTracker` on fake tensors (one run
+   per batch size), its predicted / measured and its cost (`memfit.cli.bench.contenders`).
 2. max batch: `memfit.max_batch_size(train=True)` for an emulated device of 1.5x the measured peak at
    the larger size, against the largest batch whose real step fits it (bisection on the measured
    figure). Target >= 0.9, and the predicted size really fits (0 out-of-memory errors).
@@ -50,6 +52,7 @@ from memfit.budget import format_bytes
 from memfit.cli.bench.architectures import ARCHITECTURES
 from memfit.cli.bench.architectures import run as run_architectures
 from memfit.cli.bench.common import machine_header, median_time, paired_ratio, rounds_for, spread_warning, table
+from memfit.cli.bench.contenders import memtracker_columns
 from memfit.cli.bench.train_cases import Case, hf_cases, on_device, realistic_cases, zoo_cases
 from memfit.cli.options import device_arg
 from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
@@ -93,8 +96,8 @@ def _held(model, opt, x, y) -> int:
 
 
 def measured_peak(case: Case, n: int) -> int:
-    """Live bytes of the first two real training steps on n samples (the larger), from a fresh model: on the
-    CPU `memfit.memory.measure`'s live tensor bytes, on CUDA the caching allocator's peak above what the step holds."""
+    """Bytes of the first two real training steps on n samples (the larger), from a fresh model: the
+    allocator's peak above what the step holds (`memfit.memory.measure.track_memory`) plus what it holds."""
     model = case.make()
     device = next(model.parameters()).device
     opt = _optimizer(model)
@@ -177,7 +180,7 @@ def predicted_max_batch(case: Case, mm, budget: int) -> tuple[int, str]:
 
 
 # ---- rows ---------------------------------------------------------------------------------------------------
-def memory_rows(case: Case, sizes, room: float = 1.5, repeat: int = 3) -> list[dict]:
+def memory_rows(case: Case, sizes, room: float = 1.5, repeat: int = 3, contenders: bool = True) -> list[dict]:
     measured = [measured_peak(case, n) for n in sizes]
     mm, pred_s = predict(case)
     budget = int(room * measured[-1])
@@ -191,7 +194,8 @@ def memory_rows(case: Case, sizes, room: float = 1.5, repeat: int = 3) -> list[d
     return [{"model": case.name, "batch": n, "measured": format_bytes(m), "predicted": format_bytes(mm.total_bytes(n)),
              "pred/meas": mm.total_bytes(n) / m, "peak in": mm.peak_phase(n) if hasattr(mm, "peak_phase") else "",
              "budget": format_bytes(budget), "max batch": mbs, "largest fits": best, "max/largest": mbs / max(best, 1),
-             "OOM at max": 0 if fits else 1, "predict s": pred_s, "step s": step_s, "predict/step": pred_s / step_s}
+             "OOM at max": 0 if fits else 1, "predict s": pred_s, "step s": step_s, "predict/step": pred_s / step_s,
+             **(memtracker_columns(case, n, _optimizer, m) if contenders else {})}
             for n, m in zip(sizes, measured, strict=True)]
 
 
@@ -340,6 +344,15 @@ def _verdicts(mem_rows, acc_rows, have_mm, cost_rows=()) -> None:
             cost = max(r["predict/step"] for r in cost_rows)
             _line(cost < t["predict_cost"], f"predicting / one real step at the widths people train: worst "
                                             f"{cost:.2f}x (target < 2x)")
+        tracked = [r for r in mem_rows if "MemTracker/meas" in r]
+        if tracked:                    # the contender, side by side: not a target, a comparison
+            lo, hi = min(r["MemTracker/meas"] for r in tracked), max(r["MemTracker/meas"] for r in tracked)
+            mine = [r["pred/meas"] for r in tracked]
+            cost = sorted(r["MemTracker s"] / r["predict s"] for r in tracked)[len(tracked) // 2]
+            print(f"INFO  PyTorch's MemTracker (fake tensors, one run per batch size): predicted / measured in "
+                  f"[{lo:.3f}, {hi:.3f}] where memfit's is in [{min(mine):.3f}, {max(mine):.3f}] on the same rows; "
+                  f"one MemTracker prediction / memfit's model (every size): median {cost:.2f}x; "
+                  f"{sum('MemTracker/meas' not in r for r in mem_rows)} rows it could not run")
     else:
         for what in ("predicted / measured step peak", "max_batch_size(train=True) / largest that fits",
                      "out-of-memory errors at the predicted size", "predicting / one real step"):

@@ -1,0 +1,95 @@
+"""What memfit is measured against, side by side in the benchmarks: `torch.compile` (inductor, CPU) beside the
+planned forward (`bench planner --real`), PyTorch's `MemTracker` beside the training-step memory model
+(`bench train`). Both measured as memfit is: bytes by the allocator (`memfit.memory.measure.track_memory`).
+
+A contender that cannot run here (no C compiler for inductor, a model `MemTracker` cannot run on fake tensors)
+is a row saying why, not a failed benchmark.
+
+Run:
+    memfit bench planner --real --quick   # the compiled columns at the largest batch
+    memfit bench train --quick            # the MemTracker columns
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import torch
+
+from memfit.batches import batch_tensors, forward
+from memfit.cli.bench.common import paired_ratio, rounds_for
+from memfit.memory.measure import track_memory
+from memfit.messages import first_line, whole_words
+
+__all__ = ["compiled_columns", "memtracker_columns"]
+
+
+def _peak(fn, x) -> int:
+    with torch.inference_mode(), track_memory(x.device) as mem:
+        out = fn(x)
+        del out
+    return mem.peak
+
+
+def compiled_columns(model, x: torch.Tensor, planned_total: int, plan_s: float, repeat: int) -> dict:
+    """`torch.compile(model)` (inductor, static shapes) on x: its compile time (the first call, inductor's FX
+    graph and autotune caches off; its C++ kernel cache on disk stays, so only a machine's first compile of a
+    model is fully cold), its peak by the allocator, and its latency against eager (called in turn), with the
+    planned forward's figures over them. `compiled` says "unavailable: why" where inductor cannot build."""
+    if x.device.type == "cpu" and shutil.which("cc") is None and shutil.which("gcc") is None:
+        return {"compiled": "unavailable: inductor's CPU code needs a C compiler (cc or gcc) on the PATH"}
+    import torch._dynamo
+    import torch._inductor.config as inductor
+    torch._dynamo.reset()
+    try:
+        with inductor.patch(fx_graph_cache=False, autotune_local_cache=False):   # near cold: what a first run costs
+            compiled = torch.compile(model, backend="inductor", dynamic=False)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                compiled(x)
+            compile_s = time.perf_counter() - t0
+    except Exception as e:              # a contender that cannot run here is a row that says why
+        return {"compiled": f"unavailable: {whole_words(first_line(e), 120)}"}
+    peak = _peak(compiled, x)
+    with torch.inference_mode():
+        reps = rounds_for(lambda: compiled(x), seconds=0.5, at_least=3 * repeat, at_most=1000, device=x.device)
+        _, t_compiled, ratio = paired_ratio(lambda: model(x), lambda: compiled(x), repeat=reps, warmup=2,
+                                            device=x.device, what="compiled / eager")
+    return {"compiled": "inductor", "compiled_peak": peak, "planned/compiled": planned_total / max(peak, 1),
+            "compile_s": compile_s, "capture/compile": plan_s / compile_s if plan_s else None,
+            "compiled_ms": 1e3 * t_compiled, "compiled_latency": ratio}
+
+
+def step(case, model, opt, x, y) -> None:
+    """One training step as `bench train` measures it (gradients dropped first)."""
+    opt.zero_grad(set_to_none=True)
+    out = forward(model, x)
+    loss = case.loss(out, y)
+    loss.backward()
+    opt.step()
+    del out, loss
+
+
+def memtracker_columns(case, n: int, optimizer_of, measured: int) -> dict:
+    """PyTorch's `MemTracker` (torch.distributed._tools.mem_tracker) predicting the peak of the training
+    step at batch n as it is meant to: the model, optimizer and batch made under `FakeTensorMode`, one step
+    run untracked (it makes AdamW's state), the next tracked: its peak of every tensor it saw. One prediction
+    per batch size (memfit's model answers every size from one call). `measured` is the real step's peak."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    t0 = time.perf_counter()
+    try:
+        with FakeTensorMode():
+            model = case.make()
+            opt = optimizer_of(model)
+            x, y = case.batch(n)
+            step(case, model, opt, x, y)          # untracked: AdamW's state exists, as at the real second step
+            tracker = MemTracker()                # it tracks one iteration per instance
+            tracker.track_external(model, opt, *batch_tensors(x), *batch_tensors(y))
+            with tracker:
+                step(case, model, opt, x, y)
+            peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    except Exception as e:              # a contender that cannot run this model is a row that says why
+        return {"MemTracker": f"unavailable: {whole_words(first_line(e), 100)}"}
+    return {"MemTracker": "fake tensors", "MemTracker/meas": peak / measured, "MemTracker s": time.perf_counter() - t0}

@@ -1,0 +1,55 @@
+"""What the planned forward's kernels allocate inside, beyond their outputs: oneDNN convolution's reordered
+weights and the result it copies into its output, max pooling's indices, flash attention's buffers
+(`memfit.memory.fake_kernels.WORKSPACE`, measured from the real kernels). Live at their op only: the planner
+counts them with the tensors outside the arena, so its report, and the memory model built on it, are never
+below what the allocator serves.
+
+Example:
+    >>> import torch
+    >>> from memfit.planner.planned import capture_model, place_at
+    >>> conv = torch.nn.Conv2d(3, 8, 3).eval()
+    >>> cap = capture_model(conv, torch.zeros(2, 3, 16, 16))
+    >>> len(workspaces(place_at(cap, 4).graph, cap.env(4), "cpu")) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from memfit.planner.arena import Buffer
+from memfit.planner.graph import Graph, Meta, concrete
+
+__all__ = ["workspaces"]
+
+
+def _arg(a, env: dict):
+    """An fx argument at this batch: a meta tensor for a tensor value, a concrete size for a symbolic one."""
+    if isinstance(a, Node):
+        val = a.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            m = Meta.of(val, env)
+            return torch.empty_strided(m.shape, m.strides, dtype=m.dtype, device="meta")
+        return concrete(val, env)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_arg(x, env) for x in a)
+    return concrete(a, env)
+
+
+def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
+    """One buffer per op of `graph` whose real kernel allocates inside (on the CPU), alive at that op only."""
+    if device_type != "cpu":
+        return []                           # CUDA library workspaces: a known limitation (memory.allocator)
+    from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
+    out = []
+    for op in graph.ops:
+        target = op.node.target
+        if target not in WORKSPACE:
+            continue
+        args = tuple(_arg(a, env) for a in op.node.args)
+        kwargs = {k: _arg(v, env) for k, v in op.node.kwargs.items()}
+        size = sum(workspace_bytes(target, args, kwargs))
+        if size:
+            out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
+    return out
