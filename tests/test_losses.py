@@ -125,3 +125,18 @@ def test_all_targets_ignored_is_nan_as_in_torch():
 def test_a_loss_whose_mean_cannot_be_reproduced_is_refused():
     with pytest.raises(ValueError, match=r"expected a loss whose mean.*found CTCLoss.*Fix: pass a plain function"):
         Loss(torch.nn.CTCLoss())
+
+
+@pytest.mark.parametrize("n", [4, 12])       # 4: as many samples as classes, where a mask would not even raise
+def test_class_weights_with_uint8_class_ids_divide_as_torch(n):
+    """uint8 class ids from a loader with CrossEntropyLoss(weight=...): the count is sum(weight[y]), as torch's
+    mean (old: weight[y] with uint8 y indexed as a mask, a crash or a wrong count)."""
+    torch.manual_seed(0)
+    model, w = torch.nn.Linear(3, 4), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    x, y = torch.randn(n, 3), torch.randint(0, 4, (n,))
+    y[0] = 3                                        # a mask of all ones would not tell
+    with torch.no_grad():
+        ref = F.cross_entropy(model(x).double(), y, weight=w.double())
+    res = evaluate(model, [(x, y.to(torch.uint8))], metrics=["loss"], loss_fn=torch.nn.CrossEntropyLoss(weight=w),
+                   progress=False)
+    assert res["loss"] == pytest.approx(float(ref), rel=1e-6)

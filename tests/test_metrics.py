@@ -282,3 +282,27 @@ def test_two_gloo_ranks_with_shards_of_different_sizes_give_the_single_process_v
         check(res, seg)
         check(t, {k: tok[k] for k in ("loss", "perplexity")})
         check(r, reg)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_narrow_integer_labels_from_batches_give_the_int64_values(dtype):
+    """A loader's uint8 masks (void 255) or int32 labels: the default loss, perplexity and the confusion matrix
+    equal torch's on int64 labels (old: uint8 labels overflowed y * classes in the confusion matrix, the
+    ignored positions were filled with -100 wrapped to 156 and counted as class 156; int16/int32 crashed)."""
+    torch.manual_seed(0)
+    classes = 200
+    model = torch.nn.Linear(3, classes)
+    x, y = torch.randn(24, 3), torch.randint(0, classes, (24,))
+    y[:5] = 255
+    batches = [(x[:10], y[:10].to(dtype)), (x[10:], y[10:].to(dtype))]
+    with torch.no_grad():
+        logits = model(x)
+    keep = y != 255
+    ref_loss = F.cross_entropy(logits.double(), y, ignore_index=255)
+    ref_conf = torch.bincount(y[keep] * classes + logits.argmax(1)[keep], minlength=classes ** 2).view(classes, -1)
+    res = evaluate(model, batches, progress=False,
+                   metrics={"loss": metrics.Loss(ignore_index=255), "ppl": metrics.Perplexity(ignore_index=255),
+                            "confusion": metrics.Confusion(ignore_index=255)})
+    assert res["loss"] == pytest.approx(float(ref_loss), rel=1e-6)
+    assert res["ppl"] == pytest.approx(float(ref_loss.exp()), rel=1e-6)
+    assert torch.equal(res["confusion"], ref_conf)

@@ -204,6 +204,17 @@ def test_encode_target_keeps_integer_targets_as_float_when_asked():
     assert t.kind == "float" and t.decode(stored).tolist() == [1.0, 5.0, 7.0]
 
 
+def test_integer_targets_up_to_2_24_are_float32_when_asked_and_beyond_are_refused_naming_the_value():
+    """Counts or prices above 65,535 (stored in int32) are exact in float32 up to 2**24 (old: refused as 'beyond
+    2**24' whatever their size)."""
+    y = np.array([70_000, 2**24, -3, 0])
+    stored, t = encode_target(y, 4, y_dtype=torch.float32)
+    out = t.decode(stored)
+    assert out.dtype == torch.float32 and out.tolist() == y.tolist()
+    with pytest.raises(ValueError, match=r"holds the integer 16777217, beyond 2\*\*24.*y_dtype=torch.float64"):
+        encode_target(np.array([1, 2**24 + 1]), 2, y_dtype=torch.float32)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["mask, ignore 255", "float64 (N, 3)", "a dict"])
 @pytest.mark.parametrize("strategy", ["resident", "stream", "macro"])

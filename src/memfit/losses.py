@@ -39,7 +39,7 @@ def _class_index_denominator(weight: torch.Tensor | None, ignore_index: int) -> 
         kept = y[y != ignore_index]
         if weight is None:
             return torch.tensor(float(kept.numel()), dtype=torch.float64, device=out.device)
-        return weight.to(kept.device)[kept].double().sum()
+        return weight.to(kept.device)[kept.long()].double().sum()     # uint8 ids would index as a mask
     return denominator
 
 

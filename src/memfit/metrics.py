@@ -76,7 +76,7 @@ def type_name(what: str) -> str:
 
 def class_targets(logits: torch.Tensor, y, what: str, ignore_index: int, given: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(scores with classes on dimension 1 (N, C, *d): a view, targets (N, *d), mask of counted positions).
+    """(scores with classes on dimension 1 (N, C, *d): a view, targets (N, *d) as int64, mask of counted positions).
 
     Raises a ValueError saying what was expected and found: no targets, float targets, shapes that do not
     fit, a label outside 0..C-1 that is not ignore_index."""
@@ -94,6 +94,7 @@ def class_targets(logits: torch.Tensor, y, what: str, ignore_index: int, given: 
                          "chunk")
     dim = class_dim(logits, y, what, given)
     scores = logits if dim == 1 else logits.movedim(-1, 1)
+    y = y.long()        # uint8/int16/int32 labels (a loader's masks): y * classes and torch's losses need int64
     keep = y != ignore_index
     kept = y[keep]
     if kept.numel():

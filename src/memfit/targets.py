@@ -231,8 +231,11 @@ def encode_target(y: object, n: int, *, y_dtype=None, ignore_index: int = IGNORE
         out = asked or (torch.float64 if codec.name == "float64" else torch.float32)
         if out == torch.float32 and codec.name == "float64":
             codec = Float32Codec()             # asked for: stored as float32, its worst rounding measured
-        if out == torch.float32 and codec.name in ("int32", "int64"):
-            raise ValueError(f"{what}: integers beyond 2**24 are not exact in float32; pass y_dtype=torch.float64")
+        if out == torch.float32 and codec.name in ("int32", "int64"):     # stored wider than 16 bits: look
+            big = max((int(c.abs().max()) for _, c in iter_chunks(arr) if c.numel()), default=0)
+            if big > 2**24:
+                raise ValueError(f"{what}: y_dtype=torch.float32 asked for, but y holds the integer {big}, beyond "
+                                 "2**24 (16777216), which float32 cannot hold exactly; pass y_dtype=torch.float64")
         target = Target("float", tuple(arr.shape[1:]), codec, out)
     stored = torch.empty((n, *target.stored_shape), dtype=target.stored_dtype)
     try:

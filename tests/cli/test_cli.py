@@ -112,6 +112,22 @@ def test_eval_a_user_model_file_equals_the_reference(tmp_path, capsys):
     assert res["metrics"]["accuracy"] == pytest.approx(expect)
 
 
+def test_eval_normalises_by_every_training_sample(tmp_path, capsys):
+    """--normalize dataset takes the statistics of the whole training split, as demo trains (old: of its first
+    10,000 samples only, which for a set sorted by class, or any set above 10,000, differ)."""
+    (tmp_path / "reg.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(1, 1)\n")
+    torch.save({"weight": torch.ones(1, 1), "bias": torch.zeros(1)}, tmp_path / "w.pt")   # the normalised x
+    x = np.concatenate([np.zeros(10_000), np.full(2_000, 6.0)]).astype(np.float32).reshape(-1, 1)
+    xt, yt = np.array([[0.0], [6.0]], np.float32), np.array([0.0, 1.0], np.float32)
+    np.savez(tmp_path / "d.npz", x_train=x, y_train=np.zeros(len(x), np.float32), x_test=xt, y_test=yt)
+    assert main(["eval", f"{tmp_path}/reg.py:make", "--weights", str(tmp_path / "w.pt"), "--data",
+                 str(tmp_path / "d.npz"), "--metrics", "mae", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    mean, std = float(x.mean(dtype=np.float64)), float(x.std(dtype=np.float64))
+    expect = np.abs((xt[:, 0] - mean) / std - yt).mean()
+    assert res["metrics"]["mae"] == pytest.approx(expect, rel=1e-6)
+
+
 def test_eval_weights_that_do_not_match_are_a_clear_error(tmp_path, capsys):
     (tmp_path / "net.py").write_text(MODEL_FILE)
     torch.save(torch.nn.Linear(3, 2).state_dict(), tmp_path / "w.pt")

@@ -490,6 +490,17 @@ def test_float_inputs_to_a_token_model_are_a_dtype_mistake():
         evaluate(model, floats, device="cpu", progress=False)
 
 
+def test_a_loss_fns_own_dtype_error_is_not_blamed_on_the_inputs():
+    """torch's 'expected scalar type Long' raised by loss_fn on uint8 masks is the loss's error, not a dtype
+    mistake of the (float) inputs (old: 'the inputs are float32 but the model wants integer inputs')."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 5, 1)
+    x, y = torch.randn(4, 3, 2, 2), torch.randint(0, 5, (4, 2, 2), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="Long") as err:
+        evaluate(model, [(x, y)], metrics=["loss"], loss_fn=torch.nn.CrossEntropyLoss(), progress=False)
+    assert "inputs" not in str(err.value)
+
+
 EVAL_NET = "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n"
 TOKEN_NET = ("import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Embedding(100, 4), torch.nn.Flatten(),"
              " torch.nn.Linear(24, 3))\n")

@@ -8,7 +8,7 @@ import pickle
 import torch
 
 from memfit import CompactDataset, evaluate
-from memfit.arrays import is_integer_data
+from memfit.arrays import is_integer_data, normalisation
 from memfit.budget import parse_bytes, resolve_device
 from memfit.cli.data import open_data
 from memfit.cli.options import UsageError
@@ -47,8 +47,7 @@ def run(args) -> int:
     if norm == "dataset":
         stats = ("; normalised by the statistics of the evaluated set itself (the file has no training samples)"
                  if not d.own_train else "")
-        ref = CompactDataset.from_arrays(d.x_train[:10_000], normalize="dataset", device="cpu", dtype=torch.float32)
-        norm = (ref.mean, ref.std)
+        norm = normalisation("dataset", d.x_train)     # every training sample (a streaming pass), as demo trains
     test = CompactDataset.from_arrays(d.x_test, d.y_test, normalize=norm, device="cpu", dtype=dtype,
                                       ignore_index=args.ignore_index)
     res = evaluate(model, test, metrics=metrics or "auto", budget=budget, device=dev, chunk_size=chunk,

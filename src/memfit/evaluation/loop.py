@@ -21,7 +21,13 @@ __all__ = ["NanWatch", "run_chunks"]
 def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
     """Forward one chunk and compute every metric's contribution; nothing is committed here. A metric that
     names a target of a dict of targets reads the model's output of that name (`metrics.output_for`)."""
-    out = forward(runner, x)
+    try:
+        out = forward(runner, x)
+    except Exception as e:       # the forward's dtype mistakes only: a metric's or loss_fn's own error stays its own
+        mistake = None if is_oom(e) else dtype_mistake(e, x)
+        if mistake is not None:
+            raise mistake from e
+        raise
     names = list(y) if isinstance(y, dict) else []
     logits, parts, watched = None, [], set()
     for m in metrics.values():
@@ -97,9 +103,6 @@ def _attempt(run, metrics, fetch) -> str | None:
         parts = run(x, y)
     except Exception as e:
         if not is_oom(e):
-            mistake = dtype_mistake(e, locals().get("x"))
-            if mistake is not None:
-                raise mistake from e
             raise
         return first_line(e)
     for m, p in zip(metrics.values(), parts, strict=True):
