@@ -17,6 +17,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+__all__ = ["CHUNK_BYTES", "DTYPES", "as_array", "by_channel", "channel_mean_std", "channel_min_max",
+           "is_integer_data", "iter_chunks", "no_normalisation", "normalisation", "release_pages", "resolve_dtype",
+           "to_tensor"]
+
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64, "double": torch.float64,

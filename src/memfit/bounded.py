@@ -30,6 +30,9 @@ from typing import IO
 
 import numpy as np
 
+__all__ = ["BatchUnpickler", "CHUNK", "DEFLATE_MAX_RATIO", "FileMemoryError", "LINE_LIMIT", "Refused", "check_npy",
+           "npy_claim", "out_of_memory", "read_chunked", "read_into", "refuse"]
+
 # zlib's limit: deflate never expands more than 1032:1 (https://zlib.net/zlib_tech.html, "Maximum
 # Compression Factor"); a gzip file of S bytes cannot hold more than 1032 * S bytes of data.
 DEFLATE_MAX_RATIO = 1032

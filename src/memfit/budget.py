@@ -25,6 +25,11 @@ from fractions import Fraction
 
 import torch
 
+__all__ = ["BudgetExceeded", "Ledger", "MemoryInfo", "OOM_MESSAGES", "SAFETY_FRACTION", "SAFETY_MIN", "check_count",
+           "cpu_memory", "cpu_name", "default_budget", "device_memory", "devices", "format_bytes", "halve_after_oom",
+           "is_oom", "largest_fitting", "model_device", "parse_bytes", "process_rss", "release_cached",
+           "resolve_budget", "resolve_device"]
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

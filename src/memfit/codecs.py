@@ -38,6 +38,10 @@ import torch
 
 from memfit.arrays import by_channel, channel_min_max, iter_chunks
 
+__all__ = ["Array", "BFloat16Codec", "Bits1Codec", "CODECS", "CastCodec", "Codec", "Float16Codec", "Float32Codec",
+           "Float64Codec", "Int16Codec", "Int32Codec", "Int64Codec", "Int8Codec", "IntCodec", "Q4Codec", "Q8Codec",
+           "QuantCodec", "UInt8Codec", "auto_codec", "available", "check_finite", "check_range", "make_codec"]
+
 Array = torch.Tensor | np.ndarray
 
 

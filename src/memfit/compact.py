@@ -39,6 +39,9 @@ from memfit.fields import Field, PackedCodec, check_fields, pack, unpack
 from memfit.progress import progress_bar
 from memfit.targets import IGNORE_INDEX, Targets, check_count, encode_targets
 
+__all__ = ["CompactDataset", "Encoding", "SampleList", "Samples", "ShardInfo", "as_words", "check_encoding",
+           "check_integer_output", "decoded_batch_nbytes", "prepare_encoding", "stored_row_nbytes"]
+
 
 def as_words(t: torch.Tensor) -> torch.Tensor | None:
     """Rows of `t` (N, ...) as int64 words (N, row_bytes / 8), a view, when their layout allows it; else None.

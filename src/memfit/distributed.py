@@ -23,6 +23,10 @@ import torch.distributed as dist
 
 from memfit.messages import first_line
 
+__all__ = ["KIND_NAMES", "MESSAGE_BYTES", "RankFailed", "SAMPLED_ROWS", "TIMEOUT_S", "VALUES", "agree", "all_gather",
+           "all_gather_text", "all_reduce", "check_same_data", "data_identity", "epoch_batch_sizes",
+           "is_distributed", "rank_world", "reduce_states", "shard_data", "shard_indices", "shard_sizes", "smallest"]
+
 TIMEOUT_S = float(os.environ.get("MEMFIT_DIST_TIMEOUT", "120"))
 
 

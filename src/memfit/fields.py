@@ -28,6 +28,8 @@ import torch
 
 from memfit.codecs import Codec
 
+__all__ = ["Field", "PackedCodec", "check_fields", "field_offsets", "pack", "unpack"]
+
 
 @dataclass(frozen=True)
 class Field:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+__all__ = ["REDUCTIONS", "loss_sum", "per_sample", "torch_denominator"]
+
 REDUCTIONS = ("mean", "sum")
 
 # the torch functions whose mean is not sum / numel, recognised when given plainly or as a partial

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["first_line", "plural", "whole_words"]
+
 
 def plural(n: int, noun: str, many: str | None = None) -> str:
     """'1 tensor', '3 tensors': a count and its noun, for messages (`many` for an irregular plural).

@@ -42,6 +42,11 @@ from memfit.losses import loss_sum, per_sample, torch_denominator
 from memfit.messages import plural
 from memfit.targets import IGNORE_INDEX
 
+__all__ = ["AbsoluteError", "Accuracy", "Confusion", "DEFAULTS", "External", "IoU", "Loss", "Metric", "NAMES",
+           "Perplexity", "SquaredError", "TopK", "class_dim", "class_targets", "confusion", "correct",
+           "correct_topk", "cross_entropy_sum", "default_metrics", "float_targets", "intersection_union",
+           "logits_of", "make_metric", "output_for", "type_name"]
+
 
 # ---- checks: what a metric compares ----------------------------------------------------------------
 def class_dim(logits: torch.Tensor, y: torch.Tensor, what: str, given: int | None = None) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+__all__ = ["progress_bar"]
+
 
 class _Silent:
     def __init__(self, *args, **kwargs):

@@ -37,6 +37,8 @@ import torch
 from memfit.arrays import as_array, iter_chunks, resolve_dtype
 from memfit.codecs import CODECS, Codec, Float32Codec, IntCodec, auto_codec
 
+__all__ = ["IGNORE_INDEX", "KINDS", "Target", "Targets", "check_count", "encode_target", "encode_targets"]
+
 KINDS = ("class", "labels", "float")
 IGNORE_INDEX = -100          # torch's cross_entropy default: a position without a label
 

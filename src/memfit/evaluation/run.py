@@ -35,6 +35,8 @@ from memfit.memory.measure import held_bytes
 from memfit.messages import first_line, whole_words
 from memfit.metrics import Metric, default_metrics, make_metric
 
+__all__ = ["evaluate"]
+
 
 def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable | None = None,
              loss_reduction: str | None = None, output_fn: Callable | None = None,

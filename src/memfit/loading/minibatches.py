@@ -43,6 +43,8 @@ from memfit.loading.sources import CompactSource, Source, make_source
 from memfit.loading.strategy import Needs, StrategyChoice, check_names, choose
 from memfit.targets import IGNORE_INDEX
 
+__all__ = ["LoadedBatch", "Loader", "LoaderConfig", "loader"]
+
 log = logging.getLogger("memfit.loader")
 
 LoadedBatch = tuple[torch.Tensor, torch.Tensor | None]

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+__all__ = ["blocks", "epoch_seed", "generator", "index_dtype", "pack", "permutation", "rechunk", "restrict"]
+
 _MIX = 0x9E3779B97F4A7C15    # golden-ratio constant: neighbouring (seed, epoch) pairs get unrelated streams
 
 

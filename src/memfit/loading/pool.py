@@ -30,6 +30,8 @@ import torch
 
 from memfit.compact import CompactDataset
 
+__all__ = ["BatchPool", "Decoder"]
+
 _use_count = getattr(torch._C, "_storage_Use_Count", None)     # private, present since torch 2.0
 
 

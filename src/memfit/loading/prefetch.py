@@ -46,6 +46,8 @@ import torch
 
 from memfit.loading.sources import Source
 
+__all__ = ["Inline", "JOIN_TIMEOUT_S", "Prefetcher", "Slots", "one_openmp_thread"]
+
 JOIN_TIMEOUT_S = 60.0
 
 

@@ -39,6 +39,8 @@ from memfit.compact import (
 from memfit.distributed import shard_data, shard_sizes
 from memfit.targets import IGNORE_INDEX, Targets, check_count
 
+__all__ = ["CompactSource", "FileSource", "READ_BYTES", "Source", "is_file_backed", "make_source"]
+
 READ_BYTES = 2**20          # raw bytes per file read: bounds the host temporaries of a FileSource
 
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass, replace
 from memfit.budget import Ledger, check_count, format_bytes
 from memfit.loading.order import index_dtype
 
+__all__ = ["Needs", "ORDERS", "STRATEGIES", "StrategyChoice", "Tried", "block_ledger", "check_names", "choose",
+           "largest_macro", "order_bytes", "resident_ledger"]
+
 STRATEGIES = ("auto", "resident", "stream", "macro")
 ORDERS = ("auto", "global", "blocks")
 
