@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from memfit.batches import forward
-from memfit.memory.fake_run import FakeRunError
+from memfit.memory.fake_run import FakeRunError, fake_maker
 from memfit.memory.isolation import predicting, structural_copy
 from memfit.memory.step import ExampleBatch
 from memfit.messages import first_line
@@ -77,16 +77,7 @@ def _output(model: nn.Module, batch: ExampleBatch, device: torch.device, train: 
     """The model's output at batch 2 on fake tensors (no_grad, the modes training would run in), on a copy of
     the module tree: the model is not touched."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict[int, torch.Tensor] = {}
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in memo:
-            f = mode.from_tensor(t)
-            if t.device != device:
-                with mode:
-                    f = f.to(device)
-            memo[id(t)] = nn.Parameter(f, t.requires_grad) if isinstance(t, nn.Parameter) else f
-        return memo[id(t)]
+    fake = fake_maker(mode, device, {})
     named = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False))}
     with predicting(), function_caches_kept_real(model):

@@ -220,6 +220,20 @@ def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
     return opt
 
 
+def fake_maker(mode: FakeTensorMode, device: torch.device, memo: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function giving each real tensor its fake on `device` (one per tensor, kept in `memo` by id: tied weights
+    stay tied; a Parameter stays a Parameter with its requires_grad)."""
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            f = mode.from_tensor(t)
+            if t.device != device:
+                with mode:
+                    f = f.to(device)
+            memo[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
+        return memo[id(t)]
+    return fake
+
+
 def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss_fn, target: ExampleBatch | None,
              autocast, device: torch.device, mode: FakeTensorMode, fakes: dict, step: bool = True,
              grads_held: bool = False, keep_output: bool = True) -> _Run:
@@ -231,14 +245,7 @@ def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss
     mode's op cache then serves the ops whose shapes do not depend on the batch."""
     from torch.nn.utils.stateless import _reparametrize_module
 
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in fakes:
-            f = mode.from_tensor(t)
-            if t.device != device:
-                with mode:
-                    f = f.to(device)
-            fakes[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
-        return fakes[id(t)]
+    fake = fake_maker(mode, device, fakes)
 
     named = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False))}
