@@ -584,3 +584,19 @@ def test_eval_result_reads_as_a_mapping():
     assert dict(res) == res.metrics and len(res) == 2 and "loss" in res
     with pytest.raises(KeyError, match=r"no metric 'mse' in this result; it has \['accuracy', 'loss'\]"):
         res["mse"]
+
+
+def test_a_drop_last_loader_is_said_to_leave_samples_out():
+    """A loader built with drop_last=True scores only its full batches: the result says n and a warning says why,
+    never a silent part of the set."""
+    import warnings
+
+    import memfit
+    x, y = make_data(10)
+    model = make_model()
+    with pytest.warns(UserWarning, match="drop_last=True.*not over the whole set"):
+        r = evaluate(model, memfit.loader((x, y), 4, drop_last=True, device="cpu", seed=0), progress=False)
+    assert r.n == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert evaluate(model, memfit.loader((x, y), 4, device="cpu", seed=0), progress=False).n == 10

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -157,6 +158,11 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
 
 def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, loss_fn, loss_reduction) -> None:
     """With metrics='auto', the metrics the targets' kind asks for; then each metric's ignore index."""
+    if getattr(chunks, "drop_last", False):        # a memfit Loader that leaves its last batch out: not the whole set
+        warnings.warn("evaluating a loader built with drop_last=True: its last incomplete batch is left out, so the "
+                      "metrics are not over the whole set (EvalResult.n says how many); build the loader with "
+                      "drop_last=False, or pass the CompactDataset itself, to evaluate every sample",
+                      UserWarning, stacklevel=4)
     targets = getattr(chunks.ds if isinstance(chunks, Chunks) else chunks, "targets", None)
     if targets is None and hasattr(chunks, "dataset"):           # a memfit Loader
         targets = chunks.dataset.targets
