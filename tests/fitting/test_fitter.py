@@ -274,3 +274,19 @@ def test_machine_rates_are_measured_without_touching_the_rng():
     m = costs.machine(torch.device("cpu"))
     assert torch.equal(rng, torch.get_rng_state())
     assert 0 < m.op_seconds < 1e-2 and m.flop_rate > 1e6 and m.byte_rate > 1e6
+
+
+def test_a_checkpointed_plan_says_its_peak_may_be_below_the_allocators(table):
+    """The open gap above is never silent: a plan that checkpoints warns and its explain() says so; a plain plan
+    does not."""
+    import warnings
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="APPROXIMATE.*checkpoints"):
+        plan = memfit.fit(model, opt, data(), F.mse_loss, table[(N, 4)])
+    assert plan.checkpoint and "APPROXIMATE" in plan.explain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        other = mlp()
+        plain = memfit.fit(other, torch.optim.SGD(other.parameters(), lr=0.1), data(), F.mse_loss, table[(N, 0)])
+    assert not plain.checkpoint and "APPROXIMATE" not in plain.explain()
