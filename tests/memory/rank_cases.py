@@ -21,9 +21,9 @@ FACTORIES = {"mlp": (mlp, (64,)), "encoder": (encoder, (8, 32))}
 
 def build(parallel: str, factory=mlp):
     m = factory()
-    if parallel == "ddp":
+    if parallel in ("ddp", "ddp-view"):
         from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(m)
+        return DistributedDataParallel(m, gradient_as_bucket_view=parallel == "ddp-view")
     from torch.distributed.fsdp import fully_shard
 
     from memfit.memory.fsdp_run import default_units

@@ -71,31 +71,111 @@ def test_ranks_needed_is_the_fewest_that_fit():
     assert ranks_needed(m, (256,), need[2], 4, optimizer=opt) == 2
 
 
-CASES = (("ddp", 32, "mlp"), ("fsdp", 16, "mlp"), ("fsdp", 128, "mlp"), ("ddp", 8, "encoder"), ("fsdp", 8, "encoder"))
-# Known gap, not hidden: on the FSDP2 encoder, gloo holds one more communication buffer (27,536 bytes, 7% of the
-# step) in some runs (2 of 3 here), which the prediction does not count; its row is checked on its own below.
-GLOO_HELD = {("fsdp", 8, "encoder")}
+CASES = (("ddp", 32, "mlp"), ("ddp-view", 32, "mlp"), ("fsdp", 16, "mlp"), ("fsdp", 128, "mlp"),
+         ("ddp", 8, "encoder"), ("ddp-view", 8, "encoder"), ("fsdp", 8, "encoder"))
 
 
 def test_prediction_against_two_gloo_ranks(fsdp2):
+    from memfit.memory.fsdp_run import fsdp_fake_run
+    from memfit.memory.step import ExampleBatch
+
     def predict(parallel, name):
         factory, example = rank_cases.FACTORIES[name]
         m = factory()
-        return rank_memory_model(m, example, optimizer=torch.optim.AdamW(m.parameters()), parallel=parallel,
-                                 world_size=2, backend="gloo")
+        opt = torch.optim.AdamW(m.parameters())
+        if parallel == "ddp-view":
+            return rank_memory_model(m, example, optimizer=opt, parallel="ddp", world_size=2,
+                                     gradient_as_bucket_view=True)
+        return rank_memory_model(m, example, optimizer=opt, parallel=parallel, world_size=2, backend="gloo")
+
+    def kept(n, name, works):
+        """the FSDP2 peak with gloo's works kept until `works` more collectives return (0: the race's lower case)"""
+        factory, example = rank_cases.FACTORIES[name]
+        m = factory()
+        run = fsdp_fake_run(m, ExampleBatch(example), n, world_size=2, rank=0, loss_fn=None, target=None,
+                            optimizer=torch.optim.AdamW(m.parameters()), backend="gloo", gloo_works_kept=works)
+        return int(run.live.sum(axis=1).max())
     models = {("fsdp", "mlp"): fsdp2[1], **{(p, k): predict(p, k) for p, _, k in CASES if (p, k) != ("fsdp", "mlp")}}
     out = run_ranks(rank_cases.measure_cases, 2, CASES, timeout=120)
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    # the gradients as views into the buckets save bytes, on the real ranks as in the prediction (the same
+    # bytes to 1e-3 of the step: how many depends on where the peak is)
+    for name, n in (("mlp", 32), ("encoder", 8)):
+        real = {p: max(v[(p, n, name)] for _, v in out.values()) for p in ("ddp", "ddp-view")}
+        saved = models["ddp", name].total_bytes(n) - models["ddp-view", name].total_bytes(n)
+        assert 0 < saved and abs(real["ddp"] - real["ddp-view"] - saved) <= 1e-3 * real["ddp"], (name, real, saved)
     for parallel, n, name in CASES:
         predicted = models[parallel, name].total_bytes(n)
         worst = max(v[(parallel, n, name)] for _, v in out.values())
-        if (parallel, n, name) in GLOO_HELD:      # the open gap above: within one held buffer, never more
-            assert 0.9 <= predicted / worst <= 1.05, (parallel, n, name, predicted, worst)
-            continue
         # from 5e-4 below to 5% above. Below: kernels' 0-d scalars that no op outputs (12-24 bytes), and on the
         # encoder under DDP 100 bytes of the reducer's own state not yet modelled (the single-process step
         # matches it exactly): an open gap, 2e-4 of this small model
+        if parallel == "fsdp" and not 1 - 5e-4 <= predicted / worst <= 1.05:
+            # gloo's race (fsdp_run._gloo_copies): the prediction is its upper case as taken (each collective's
+            # tensors kept by gloo's worker thread until the next collective returns: 27,520 bytes more on the
+            # encoder, 7%). A run with the lower case must hold what no work kept gives; the rare deeper case
+            # (1 of 8 runs) no more than works kept until two more collectives return
+            lower, deeper = kept(n, name, 0), kept(n, name, 2)
+            assert 1 - 5e-4 <= lower / worst <= 1.05 or predicted < worst <= deeper, \
+                (parallel, n, name, predicted, lower, deeper, worst)
+            continue
         assert 1 - 5e-4 <= predicted / worst <= 1.05, (parallel, n, name, predicted, worst)
+
+
+def test_gloo_race_upper_case_keeps_the_last_collectives_tensors():
+    """Each work kept longer holds more: kept until the next collective returns, the encoder's first block's
+    all-gather output (gloo's work keeps it) is live while the second block's all-gather runs in forward, no
+    more than one block's unsharded parameters above the lower case."""
+    from memfit.memory.fsdp_run import fsdp_fake_run
+    from memfit.memory.step import ExampleBatch
+    factory, example = rank_cases.FACTORIES["encoder"]
+    m = factory()
+    peak = {kept: int(fsdp_fake_run(m, ExampleBatch(example), 8, world_size=2, rank=0, loss_fn=None, target=None,
+                                    optimizer=torch.optim.AdamW(m.parameters()), backend="gloo",
+                                    gloo_works_kept=kept).live.sum(axis=1).max()) for kept in (0, 1, 2)}
+    block = sum(p.numel() * 4 for p in m.layers[0].parameters())          # world 2: the whole block gathered
+    assert peak[0] < peak[1] < peak[2] and peak[1] - peak[0] <= block
+    nccl = fsdp_fake_run(m, ExampleBatch(example), 8, world_size=2, rank=0, loss_fn=None, target=None,
+                         optimizer=torch.optim.AdamW(m.parameters()))
+    assert int(nccl.live.sum(axis=1).max()) <= peak[0]
+
+
+def test_ddp_bucket_view_is_the_step_with_gradients_held():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    m = rank_cases.mlp()
+    opt = torch.optim.AdamW(m.parameters())
+    view = rank_memory_model(m, (64,), optimizer=opt, parallel="ddp", world_size=2, gradient_as_bucket_view=True)
+    plain = rank_memory_model(m, (64,), optimizer=opt, parallel="ddp", world_size=2)
+    b = view.breakdown(32)
+    assert b["gradient buckets (DDP)"] == ddp_bucket_bytes(m) and b["gradients"] == 0
+    assert view.total_bytes(32) < plain.total_bytes(32) and sum(b.values()) == view.total_bytes(32)
+    with pytest.raises(ValueError, match="a DDP option"):
+        rank_memory_model(m, (64,), optimizer=opt, parallel="fsdp", gradient_as_bucket_view=True)
+    with pytest.raises(ValueError, match="CPU offload is not modelled"):
+        rank_memory_model(m, (64,), optimizer=opt, parallel="fsdp", offload_policy=CPUOffloadPolicy())
+
+
+def test_a_wrapped_model_gives_its_flag_or_says_what_is_not_modelled():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    m, wrapped = rank_cases.mlp(), rank_cases.mlp()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        ddp = DistributedDataParallel(m, gradient_as_bucket_view=True)
+        fully_shard(wrapped, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+        # (CPU offload needs an accelerator to wrap with: its error is checked by offload_policy= above)
+    finally:
+        dist.destroy_process_group()
+    opt = torch.optim.AdamW(m.parameters())
+    mm = rank_memory_model(ddp, (64,), optimizer=opt, parallel="ddp", world_size=2)
+    assert mm._bucket_view and mm.breakdown(8)["gradients"] == 0
+    with pytest.raises(ValueError, match="the DDP module's"):
+        rank_memory_model(ddp, (64,), optimizer=opt, parallel="ddp", gradient_as_bucket_view=False)
+    with pytest.raises(ValueError, match="HSDP .a 2-D mesh: replicate x shard., which is not modelled"):
+        rank_memory_model(wrapped, (64,), parallel="fsdp")
 
 
 def test_a_failing_rank_does_not_hang_the_others():

@@ -71,6 +71,16 @@ class MemoryTrace:
         if not self.events or self.peak == 0:
             return {}
         return dict(sorted(((k, v) for k, v in at_peak.items() if v > 0), key=lambda kv: -kv[1]))
+
+    def peak_within(self, name: str) -> int:
+        """(CPU) The most bytes live, above the start of the `with` block, from the first to the last allocation
+        made inside the `torch.profiler.record_function(name)` range (the bytes live as it began included):
+        the peak of one part of the measured code, counted with what the code before it left."""
+        inside = [i for i, (ops, delta, _) in enumerate(self.events) if delta > 0 and ops.split(" > ")[0] == name]
+        if not inside:
+            raise ValueError(f"expected allocations inside a record_function({name!r}) range of the measured "
+                             f"code; found none among {len(self.events)} allocator events")
+        return max(live for _, _, live in self.events[max(inside[0] - 1, 0):inside[-1] + 1])
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     try:
         s = t.untyped_storage()
@@ -249,6 +259,21 @@ def allocator_events(result) -> list[tuple[int, int, int, str]]:
     return _attributed(_raw_events(result))
 
 
+@contextmanager
+def _every_thread_counted():
+    """Have the CPU allocator's reporter keep its running total for every thread, not only the profiled one
+    (c10's flag `caffe2_report_cpu_memory_usage`): another thread frees tensors this one allocated (gloo's
+    worker drops a collective's tensors), or allocates its own, and the total then counts them."""
+    import ctypes
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    before, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
 class track_memory:  # noqa: N801  (used as a context manager, reads like a function)
     """Context manager measuring the bytes the allocator serves inside it on `device`, above the start.
 
@@ -257,10 +282,15 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
 
     Args:
         device: where to measure ("cpu", "cuda", "cuda:1", a torch.device).
+        every_thread: CPU only. False: the bytes this thread's allocations and frees add up to. True: the
+            allocator's running total of every thread (read at this thread's events), above the start: what a
+            process holds when other threads allocate or free its tensors (a process group's worker threads).
     """
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device="cpu", *, every_thread: bool = False):
         self.trace = MemoryTrace(torch.device(device))
+        self.every_thread = every_thread
+        self._flag = None
         if self.trace.device.type == "cuda" and self.trace.device.index is None:
             self.trace.device = torch.device("cuda", torch.cuda.current_device())
         self._prof = None
@@ -294,6 +324,9 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
         elif torch._C._autograd._profiler_enabled():
             raise RuntimeError("track_memory on the CPU needs the profiler, which is already running (a "
                                "torch.profiler.profile around it); measure outside the profiled block")
+        if self.every_thread:
+            self._flag = _every_thread_counted()
+            self._flag.__enter__()
         self._start()
         stack.append(self)
         return self.trace
@@ -309,14 +342,18 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
         if self._prof is None:
             return
         self._stop(*exc)
+        if self._flag is not None:
+            self._flag.__exit__(None, None, None)
+            self._flag = None
         stack = _active.stack
         stack.pop()
         if stack:                                     # the outer one counts these events too, and goes on
             stack[-1]._raw += self._raw
             stack[-1]._start()
         live, t.peak, t.peak_op = 0, 0, ""
-        for _, nbytes, _, op in _attributed(self._raw):
-            live += nbytes
+        base = self._raw[0][2] - self._raw[0][1] if self._raw else 0   # every thread's total before the first
+        for _, nbytes, total, op in _attributed(self._raw):
+            live = total - base if self.every_thread else live + nbytes
             t.events.append((op, nbytes, live))
             t.allocations += nbytes > 0
             if live > t.peak:

@@ -7,12 +7,11 @@ state and the wrappers' lazy state exist after it: DDP rebuilds its buckets, FSD
 returns the most bytes live during a second step, counted from before the model was built: everything the
 rank holds at that moment (parameters, shards, optimizer state, DDP's buckets, FSDP's buffers) is in it.
 
-Why the allocator and not `memfit.memory.measure.track_memory`'s op-output count: FSDP2 frees and
-re-allocates its unsharded parameters by resizing storages (no op output), and DDP's reducer keeps its
-buckets in C++ (their Python tensors die while the storage lives), so counting op outputs misses both. The
-CPU allocator reports every allocation and free, resizes included, with its running total, to
-`torch.profiler` (profile_memory); this module reads that total. Once `track_memory` counts what the
-allocator counts, this can call it.
+The bytes are `memfit.memory.measure.track_memory`'s, with every_thread=True: the allocator's running total
+of every thread, since gloo's worker threads free tensors the rank's thread allocated (a collective's
+tensors, held by its work object) and a count of this thread's events alone would only grow. Op outputs are
+not enough here: FSDP2 frees and re-allocates its unsharded parameters by resizing storages (no op output),
+and DDP's reducer keeps its buckets in C++.
 
 Known limitations: the total is read at the rank thread's allocations and frees, so a peak reached inside
 gloo's threads between two of them is missed; gloo's own scratch buffers (not torch tensors) are not counted.
@@ -20,57 +19,17 @@ gloo's threads between two of them is missed; gloo's own scratch buffers (not to
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import os
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 
+from memfit.memory.measure import track_memory
 from memfit.memory.step import ExampleBatch, training_step
 
 __all__ = ["measure_rank_step"]
 
 _MARK = "memfit::measured_step"
-
-
-@contextmanager
-def _every_thread_counted():
-    """Have the CPU allocator's reporter keep its running total for every thread, not only the profiled one
-    (c10's flag `caffe2_report_cpu_memory_usage`): gloo's threads free tensors the rank's thread allocated (a
-    collective's input held by its work object), and a total that missed those frees would only grow."""
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
-    before, flag.value = flag.value, True
-    try:
-        yield
-    finally:
-        flag.value = before
-
-
-def _walk(events):
-    for e in events:
-        yield e
-        yield from _walk(e.children)
-
-
-def _peak_in(prof) -> int:
-    """The allocator's most bytes (above the profile's start) at any allocation or free during the `_MARK`
-    range of a finished profile."""
-    events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    span = [(e.start_time_ns, e.end_time_ns) for e in events if e.name == _MARK]
-    if len(span) != 1:
-        raise RuntimeError(f"expected one '{_MARK}' range in the profile; found {len(span)}")
-    allocs = sorted((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size)
-                    for e in events if type(e.extra_fields).__name__ == "_ExtraFields_Allocation")
-    if not allocs:
-        raise RuntimeError("the profile holds no allocation: was profile_memory on?")
-    base = allocs[0][1] - allocs[0][2]               # the total before the first allocation profiled
-    t0, t1 = span[0]
-    inside = [total for t, total, _ in allocs if t0 <= t <= t1]
-    before = [total for t, total, _ in allocs if t < t0]
-    return max(inside + before[-1:]) - base
 
 
 def measure_rank_step(build: Callable[[], torch.nn.Module], example, make_optimizer: Callable,
@@ -83,9 +42,9 @@ def measure_rank_step(build: Callable[[], torch.nn.Module], example, make_optimi
         make_optimizer: `make_optimizer(params)` -> the optimizer.
         n: the batch size when `example` is a sample shape.
     """
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
     gc.collect()
-    with _every_thread_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with track_memory("cpu", every_thread=True) as mem:
         batch = ExampleBatch(example).at(n, torch.device("cpu")) if n is not None else example
         model = build()
         opt = make_optimizer(model.parameters())
@@ -99,4 +58,4 @@ def measure_rank_step(build: Callable[[], torch.nn.Module], example, make_optimi
         finally:
             if enabled:
                 gc.enable()
-    return _peak_in(prof)
+    return mem.peak_within(_MARK)

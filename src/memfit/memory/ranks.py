@@ -7,6 +7,9 @@ size per rank n:
   `memfit.memory.step_model` at n, plus DDP's gradient buckets, one flat buffer per bucket that every
   gradient is copied into for the all-reduce (`gradient_as_bucket_view=False`, torch's default: the buckets
   hold the trainable parameters' bytes once more, whatever `bucket_cap_mb`, and live as long as the model).
+  With `gradient_as_bucket_view=True` the gradients are views into the buckets: the buckets are held from
+  the start and backward's gradients are copied into them and freed, which is the single-process step with
+  every gradient held before it (`step_memory_model(grads_held=True)`), its held gradients being the buckets.
 - FSDP2: the real `fully_shard` code runs on fake tensors under a fake process group of `world_size` ranks
   (`memfit.memory.fsdp_run`), for rank 0, which holds the largest shards (`torch.chunk` on dim 0 gives the
   first ranks the padded rows). Runs at n = 2 and 4 give each op's bytes by kind as `a + b * n`, checked
@@ -70,6 +73,7 @@ class RankMemoryModel:
     world_size: int
     _single: StepMemoryModel | None = None            # DDP: the single-process step
     _buckets: int = 0
+    _bucket_view: bool = False                        # DDP: the gradients are views into the buckets
     _a: np.ndarray | None = None                      # FSDP: (ops, kinds) bytes a + b*n after each op
     _b: np.ndarray | None = None
     _exact: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) of a run at n
@@ -84,7 +88,11 @@ class RankMemoryModel:
         """Bytes at this rank's peak for a per-rank batch of n, by kind (they sum to `total_bytes(n)`)."""
         n = check_count("the batch size per rank", n, 1)
         if self._single is not None:
-            return {**self._single.breakdown(n), MemoryKind.GRADIENT_BUCKETS.value: self._buckets}
+            parts = self._single.breakdown(n)
+            if self._bucket_view:                     # the held gradients are the buckets
+                return {**parts, MemoryKind.GRADIENTS.value: 0,
+                        MemoryKind.GRADIENT_BUCKETS.value: parts[MemoryKind.GRADIENTS.value]}
+            return {**parts, MemoryKind.GRADIENT_BUCKETS.value: self._buckets}
         live = self._live(n)
         k = int(np.argmax(live.sum(axis=1)))
         return {kind.value: int(v) for kind, v in zip(RANK_KINDS, np.ceil(live[k]).tolist(), strict=True)}
@@ -105,10 +113,13 @@ class RankMemoryModel:
 def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_fn=None, target=None,
                       parallel: str = "fsdp", world_size: int = 2, units=None, reshard_after_forward: bool = True,
                       mp_policy=None, autocast: torch.dtype | None = None,
-                      dtype: torch.dtype = torch.float32, backend: str = "nccl") -> RankMemoryModel:
+                      dtype: torch.dtype = torch.float32, backend: str = "nccl",
+                      gradient_as_bucket_view: bool | None = None, offload_policy=None) -> RankMemoryModel:
     """The per-rank memory of a DDP or FSDP2 training step of `model` (see the module docstring).
 
     Args:
+        model: the model on the CPU, before wrapping; or, with parallel="ddp", its `DistributedDataParallel`
+            (whose `gradient_as_bucket_view` is read).
         example: a sample shape or an example batch (its leading dimension is the per-rank batch).
         parallel: "ddp" (`DistributedDataParallel` with its defaults) or "fsdp" (`fully_shard`).
         world_size: the number of ranks.
@@ -116,27 +127,42 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
             (default `memfit.memory.fsdp_run.default_units`: the children of every ModuleList and Sequential).
         reshard_after_forward, mp_policy: FSDP2 only, passed to every `fully_shard` call.
         backend: "nccl" (collectives in place) or "gloo" (its all-gather and reduce-scatter copy the whole
-            buffer while they run: counted under FSDP2; DDP's all-reduce is in place on both).
+            buffer while they run, and its worker threads may keep a collective's tensors a while after it
+            returns: counted under FSDP2, in the upper case of that race; DDP's all-reduce is in place on both).
+        gradient_as_bucket_view: DDP only: the gradients are views into the buckets (default: the DDP
+            module's flag, or torch's default False).
+        offload_policy: FSDP2's `CPUOffloadPolicy` is not modelled: anything but None or a plain
+            `OffloadPolicy()` raises. HSDP (a 2-D mesh) is not modelled either: a model already wrapped by
+            `fully_shard` raises, saying which.
     """
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"expected backend 'nccl' or 'gloo'; found {backend!r}")
     if parallel not in PARALLEL:
         raise ValueError(f"expected parallel in {PARALLEL}; found {parallel!r}")
     world_size = check_count("world_size", world_size, 1)
+    model, gradient_as_bucket_view = _unwrapped(model, parallel, gradient_as_bucket_view)
+    _check_not_offloaded(offload_policy)
     dev = torch.device("cpu")
     if any(t.device.type != "cpu" for t in model.parameters()):
         raise ValueError("the per-rank memory model runs for a model on the CPU (its fake mesh is a CPU mesh); "
                          "found parameters elsewhere: predict with model.cpu()")
     if parallel == "ddp":
-        if units is not None or mp_policy is not None or not reshard_after_forward:
-            raise ValueError("units, reshard_after_forward and mp_policy are FSDP2 options; found them with "
-                             "parallel='ddp'")
+        if units is not None or mp_policy is not None or not reshard_after_forward or offload_policy is not None:
+            raise ValueError("units, reshard_after_forward, mp_policy and offload_policy are FSDP2 options; found "
+                             "them with parallel='ddp'")
         single = step_memory_model(model, example, train=True, optimizer=optimizer, loss_fn=loss_fn,
-                                   target=target, autocast=autocast, dtype=dtype)
+                                   target=target, autocast=autocast, dtype=dtype,
+                                   grads_held=gradient_as_bucket_view)
+        if gradient_as_bucket_view:
+            return RankMemoryModel(f"the single-process step ({single.method}), its held gradients being DDP's "
+                                   "buckets (gradient_as_bucket_view=True: the gradients are views into them)",
+                                   single.param_bytes, dev, True, "ddp", world_size, single, _bucket_view=True)
         buckets = ddp_bucket_bytes(model)
         return RankMemoryModel(f"the single-process step ({single.method}) plus DDP's gradient buckets (every "
                                "trainable parameter's bytes once, gradient_as_bucket_view=False)",
                                single.param_bytes, dev, True, "ddp", world_size, single, buckets)
+    if gradient_as_bucket_view is not None:
+        raise ValueError("gradient_as_bucket_view is a DDP option; found it with parallel='fsdp'")
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
     run = lambda n: fsdp_fake_run(model, batch, n, world_size=world_size, rank=0, optimizer=optimizer,
@@ -159,6 +185,42 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
             return mm
     mm.method = how + "), one run per batch size (the bytes are not a line in n)"
     return mm
+
+
+def _unwrapped(model: torch.nn.Module, parallel: str, bucket_view: bool | None):
+    """(the model to predict for, gradient_as_bucket_view): a DDP module gives its module and its flag; a model
+    that `fully_shard` has wrapped raises (it cannot be copied onto fake tensors), naming what is not modelled."""
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(model, DistributedDataParallel):
+        if parallel != "ddp":
+            raise ValueError(f"expected a model before wrapping with parallel={parallel!r}; found a "
+                             "DistributedDataParallel module: pass its .module")
+        if bucket_view is not None and bucket_view != model.gradient_as_bucket_view:
+            raise ValueError(f"expected gradient_as_bucket_view to be the DDP module's "
+                             f"({model.gradient_as_bucket_view}); found {bucket_view}: leave it out")
+        return model.module, model.gradient_as_bucket_view
+    from torch.distributed.fsdp import FSDPModule
+    wrapped = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if wrapped:
+        groups = [g for m in wrapped for g in m._get_fsdp_state()._fsdp_param_groups]
+        offload = any(p.offload_to_cpu for g in groups for p in g.fsdp_params)
+        hsdp = any(g._is_hsdp for g in groups)
+        what = ("CPU offload (CPUOffloadPolicy), which is not modelled" if offload else
+                "HSDP (a 2-D mesh: replicate x shard), which is not modelled" if hsdp
+                else "the wrapping already applied")
+        raise ValueError(f"expected the model before fully_shard (the per-rank model applies it to a fake copy); "
+                         f"found a model fully_shard has wrapped, with {what}: predict with the unwrapped model "
+                         "(units= for your wrapping); offload and HSDP have no per-rank model yet")
+    return model, (bool(bucket_view) if parallel == "ddp" else bucket_view)
+
+
+def _check_not_offloaded(offload_policy) -> None:
+    from torch.distributed.fsdp import OffloadPolicy
+    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
+        raise ValueError(f"expected offload_policy None or OffloadPolicy() (no offload); found "
+                         f"{type(offload_policy).__name__}: FSDP2's CPU offload is not modelled (parameters, "
+                         "gradients and optimizer state would move to host memory, which this model does not "
+                         "count apart); predict without it for the device's bytes with everything on it")
 
 
 def ranks_needed(model: torch.nn.Module, example, budget: int | str, batch_per_rank: int, *,
