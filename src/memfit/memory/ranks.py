@@ -114,7 +114,8 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                       parallel: str = "fsdp", world_size: int = 2, units=None, reshard_after_forward: bool = True,
                       mp_policy=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, backend: str = "nccl",
-                      gradient_as_bucket_view: bool | None = None, offload_policy=None) -> RankMemoryModel:
+                      gradient_as_bucket_view: bool | None = None, offload_policy=None,
+                      gloo_works_kept: int = 1) -> RankMemoryModel:
     """The per-rank memory of a DDP or FSDP2 training step of `model` (see the module docstring).
 
     Args:
@@ -129,6 +130,9 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
         backend: "nccl" (collectives in place) or "gloo" (its all-gather and reduce-scatter copy the whole
             buffer while they run, and its worker threads may keep a collective's tensors a while after it
             returns: counted under FSDP2, in the upper case of that race; DDP's all-reduce is in place on both).
+        gloo_works_kept: FSDP2 on gloo: how many later collectives a collective's work (and its tensors) is
+            taken to outlive in gloo's race (`memfit.memory.fsdp_run._gloo_copies`): 1, the upper case seen; 0,
+            the lower case.
         gradient_as_bucket_view: DDP only: the gradients are views into the buckets (default: the DDP
             module's flag, or torch's default False).
         offload_policy: FSDP2's `CPUOffloadPolicy` is not modelled: anything but None or a plain
@@ -168,7 +172,7 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
     run = lambda n: fsdp_fake_run(model, batch, n, world_size=world_size, rank=0, optimizer=optimizer,
                                   loss_fn=loss_fn, target=tgt, units=units,
                                   reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                  autocast=autocast, backend=backend)
+                                  autocast=autocast, backend=backend, gloo_works_kept=gloo_works_kept)
     runs = {n: run(n) for n in (2, 4, 8)}
     params = int(runs[2].live[0, RANK_KINDS.index(MemoryKind.SHARDED_PARAMETERS)]
                  + runs[2].live[0, RANK_KINDS.index(MemoryKind.PARAMETERS)])
