@@ -50,7 +50,7 @@ from memfit.budget import check_count, format_bytes, model_device
 from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
 from memfit.memory.cache import ModelCache
 from memfit.memory.example_target import example_target, loss_target
-from memfit.memory.fake_run import FakeRunError, _LoggingFakeMode, _Run, fake_run
+from memfit.memory.fake_run import FakeRunError, StepSpec, _LoggingFakeMode, _Run, fake_run
 from memfit.memory.fit import gradient_line, with_step
 from memfit.memory.fit_ladder import fit_runs
 from memfit.memory.isolation import predicting
@@ -237,8 +237,8 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         if train and target is None and loss_target(loss_fn) is not None:     # F.cross_entropy and no target
             target, built = example_target(model, batch, loss_fn, dev)
             note = f"{note}; {built}" if note else built
-        return _fit(model, batch, target, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
-                    device=dev, why=note, grads_held=grads_held, keep_output=keep_output)
+        return _fit(StepSpec(model, batch, dev, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
+                             autocast=autocast, grads_held=grads_held, keep_output=keep_output), why=note)
 
     # kept per model: predicting again for the same batch layout and optimizer (each evaluation) costs nothing;
     # a new or reshaped parameter, a changed flag or attribute (checkpointing, dropout p) predicts again
@@ -295,18 +295,15 @@ class _Probes:
     """The fake runs of one prediction by batch size (`fit_ladder.Probes`): batch 4, which alone runs the
     optimizer step (the others get its step put in), and batch 1, or 2 where batch 1 cannot train."""
 
-    def __init__(self, model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimizer, loss_fn, autocast,
-                 device, grads_held, keep_output):
-        self.model, self.batch, self.tgt, self.train, self.optimizer = model, batch, tgt, train, optimizer
-        self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
-        self.grads_held, self.keep_output = grads_held, keep_output
-        self.once = train and optimizer is not None   # the optimizer step runs at batch 4 only
+    def __init__(self, spec: StepSpec):
+        self.spec = spec
+        self.once = spec.train and spec.optimizer is not None     # the optimizer step runs at batch 4 only
         self.single = ""                              # why there is no run at 1, for `method`
         self._start()
         try:
             self.at(1)
         except ValueError as e:        # BatchNorm training on one sample: the real step fails the same way
-            if not train or "more than 1 value per channel" not in str(e):
+            if not spec.train or "more than 1 value per channel" not in str(e):
                 raise
             self._start()              # afresh: the failed run left fakes behind
             self.at(2)
@@ -325,42 +322,38 @@ class _Probes:
 
     def _run(self, n: int) -> _Run:
         try:
-            r = fake_run(self.model, self.batch, n, train=self.train, optimizer=self.optimizer, loss_fn=self.loss_fn,
-                         target=self.tgt, autocast=self.autocast, device=self.device, mode=self.mode,
-                         fakes=self.fakes, step=not self.once or n == 4, grads_held=self.grads_held,
-                         keep_output=self.keep_output)
+            r = fake_run(self.spec, n, mode=self.mode, fakes=self.fakes, optimizer_step=not self.once or n == 4)
         except (ValueError, TypeError):                # our own argument errors, and the user's
             raise
         except Exception as e:
-            raise FakeRunError(_fake_failure(e, self.model, self.optimizer, self.train, n)) from e
+            raise FakeRunError(_fake_failure(e, self.spec.model, self.spec.optimizer, self.spec.train, n)) from e
         return with_step(r, self.runs[4]) if self.once and n != 4 else r
 
 
-def _fit(model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimizer, loss_fn, autocast, device, why,
-         grads_held, keep_output) -> StepMemoryModel:
+def _fit(spec: StepSpec, why: str) -> StepMemoryModel:
     """Fake runs at the fewest batch sizes the ladder of fitters needs (`memfit.memory.fit_ladder`), and what
     they say: the memory model, its `method` in words (with a warning where it is approximate)."""
-    probes = _Probes(model, batch, tgt, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
-                     device=device, grads_held=grads_held, keep_output=keep_output)
+    probes = _Probes(spec)
+    train, autocast, tgt = spec.train, spec.autocast, spec.target
     fit = fit_runs(probes)
     runs = probes.runs
     how = fit.how + probes.single
     if probes.once:
         how += ("; the optimizer step ran once, at batch 4: it reads and writes parameters, gradients and its "
                 "state, none of which depends on the batch")
-    held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
+    held = {"inputs": (0, spec.batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
     if train:
         held["optimizer state"] = (runs[4].held["optimizer state"], 0)
-    if grads_held:
+    if spec.grads_held:
         held["gradients"] = (runs[4].held["gradients"], 0)
     what = ("one training step" if train else "one forward") + \
-        (" with every gradient held before it (backward adds into them)" if grads_held else "") + \
+        (" with every gradient held before it (backward adds into them)" if spec.grads_held else "") + \
         (f" (forward under torch.autocast({str(autocast).removeprefix('torch.')}))" if autocast is not None else "") + \
-        (" (no optimizer: no step)" if train and optimizer is None else "")
+        (" (no optimizer: no step)" if train and spec.optimizer is None else "")
     method = f"fake-tensor run of {what} at batch sizes {sorted(runs)}, {how}" + (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
-        warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
-                      "pick with memfit.measure_step", stacklevel=4)
-    return StepMemoryModel(method, runs[4].held["parameters"], device, train, held, fit.a, fit.b, runs[4].ops,
+        warnings.warn(f"the memory of {type(spec.model).__name__} is estimated, not exact: {method}. Check the size "
+                      "you pick with memfit.measure_step", stacklevel=4)
+    return StepMemoryModel(method, runs[4].held["parameters"], spec.device, train, held, fit.a, fit.b, runs[4].ops,
                            runs[4].phase_ends, fit.measured, fit.c, gradient_line(runs),
                            {k: r.grad_bytes for k, r in runs.items()}, why=why)
