@@ -365,7 +365,8 @@ def test_two_threads_share_a_planned_module():
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread calling the planned module did not finish in 120 s"
     assert not errors
 
 
