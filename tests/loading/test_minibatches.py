@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distributed_util import run_ranks
 from memfit import Loader, loader
 from memfit.budget import BudgetExceeded, format_bytes
 from memfit.cli.bench.host_memory import run_child, verdict, write_images
 from memfit.compact import CompactDataset
 from memfit.loading.strategy import Needs, block_ledger, choose, largest_macro, resident_ledger
+from memfit.testing.ranks import run_ranks
 
 N = 1003                                   # not a multiple of any batch size used here: an uneven last batch
 CONFIGS = [("resident", {}), ("stream", {}), ("stream", {"prefetch": False}),
