@@ -132,12 +132,9 @@ def test_gloo_race_upper_case_keeps_the_last_collectives_tensors():
     m = factory()
     peak = {kept: int(fsdp_fake_run(m, ExampleBatch(example), 8, world_size=2, rank=0, loss_fn=None, target=None,
                                     optimizer=torch.optim.AdamW(m.parameters()), backend="gloo",
-                                    gloo_works_kept=kept).live.sum(axis=1).max()) for kept in (0, 1, 2)}
+                                    gloo_works_kept=kept).live.sum(axis=1).max()) for kept in (0, 1)}
     block = sum(p.numel() * 4 for p in m.layers[0].parameters())          # world 2: the whole block gathered
-    assert peak[0] < peak[1] < peak[2] and peak[1] - peak[0] <= block
-    nccl = fsdp_fake_run(m, ExampleBatch(example), 8, world_size=2, rank=0, loss_fn=None, target=None,
-                         optimizer=torch.optim.AdamW(m.parameters()))
-    assert int(nccl.live.sum(axis=1).max()) <= peak[0]
+    assert peak[0] < peak[1] <= peak[0] + block
 
 
 def test_ddp_bucket_view_is_the_step_with_gradients_held():
