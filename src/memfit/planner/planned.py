@@ -279,13 +279,7 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
         raise ValueError(f"this capture is static at batch {cap.example_batch} ({cap.static_reason}); "
                          f"found batch {batch!r}: capture again with inputs of that batch")
     try:
-        layouts = dict(cap.kernel_layouts)
-        graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch), eager=layouts)
-        eager = _eager_where_cheaper(graph, workspaces(graph, cap.env(batch), cap.device.type)) \
-            if eager_where_cheaper else {}
-        if eager:
-            graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=cap.env(batch),
-                            eager={**layouts, **eager})
+        graph = _graph_at(cap, batch, inplace, eager_where_cheaper)
     except (GuardOnDataDependentSymNode, DataDependentSize) as e:       # a size known only when the model runs
         why = first_line(e, with_type=False)
         raise CaptureError(f"the model's graph has tensor sizes that depend on values ({why}): "
@@ -321,6 +315,40 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     return Placement(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch, inside)
 
 
+CHEAPER_ROUNDS = 4      # analyses with more ops run eagerly, at most: each moves ops out of the arena, none back
+
+
+def _graph_at(cap: Captured, batch: int | None, inplace: bool, eager_where_cheaper: bool) -> Graph:
+    """The analysed graph at `batch`, with the ops whose outputs cost less outside the arena run eagerly.
+    Moving ops out changes which ops can write in place (over a tensor torch allocated, now), so the choice is
+    made again on the new graph, up to `CHEAPER_ROUNDS` times; the graph of the fewest peak bytes (arena bound +
+    outside peak, kernels' own allocations included) wins."""
+    env = cap.env(batch)
+    layouts = dict(cap.kernel_layouts)
+    graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=env, eager=layouts)
+    if not eager_where_cheaper:
+        return graph
+    inside = workspaces(graph, env, cap.device.type)        # per op: the same whichever way it runs
+    best, best_cost, eager = graph, _peak_cost(graph, inside), {}
+    for _ in range(CHEAPER_ROUNDS):
+        more = _eager_where_cheaper(graph, inside, inplace)
+        if not more.keys() - eager.keys():
+            break
+        eager.update(more)
+        graph = analyze(cap.ep, cap.consts, cap.device.type, inplace=inplace, env=env, eager={**layouts, **eager})
+        cost = _peak_cost(graph, inside)
+        if cost < best_cost:
+            best, best_cost = graph, cost
+    return best
+
+
+def _peak_cost(graph: Graph, inside: list[Buffer]) -> int:
+    """The arena's lower bound + the peak of what torch allocates outside it (the planned call's peak bytes, as
+    the report counts them, with the arena at its bound)."""
+    arena = [Buffer(r.name, r.nbytes, r.first, r.last) for r in graph.roots.values() if r.kind == "arena"]
+    return lower_bound(arena, ALIGNMENT) + max(live_profile(_outside(graph) + inside, 1), default=0)
+
+
 def _outside(graph: Graph) -> list[Buffer]:
     """The tensors torch allocates (op outputs without an arena place, the model's outputs), alive to the last op."""
     n_ops = len(graph.ops)
@@ -332,10 +360,11 @@ EAGER_CHEAPER = ("runs eagerly: the arena is held at its peak for the whole call
                  "the peak of the tensors outside it, so arena + unplanned bytes are lower with it outside")
 
 
-def _eager_where_cheaper(graph: Graph, inside: list[Buffer]) -> dict[str, str]:
+def _eager_where_cheaper(graph: Graph, inside: list[Buffer], inplace: bool = True) -> dict[str, str]:
     """Node name -> reason for the ops whose outputs cost less memory outside the arena than in it
     (`arena.cheaper_outside`): an arena tensor moves out with the ops that write over it in place
-    (they then write a copy), where each of those ops has one output to place. `inside`: what kernels
+    (with `inplace`, over the tensor torch allocated: `graph._try_inplace` allows it there as in the arena;
+    else they write a copy), where each of those ops has one output to place. `inside`: what kernels
     allocate inside (`planner.workspaces`), outside the arena at their ops: a convolution's copy of its
     result lifts the outside peak, under which arena tensors then fit for free."""
     writer = {v: s for s in graph.ops if s.mode == "out" for v in s.outputs if v}   # value -> the op writing it
@@ -345,7 +374,7 @@ def _eager_where_cheaper(graph: Graph, inside: list[Buffer]) -> dict[str, str]:
         return all(not v or v == step.outputs[0] or graph.roots[graph.root_of[v]].kind == "empty"
                    for v in step.outputs)
 
-    movable = {r.name: tuple(writer[m].index for m in r.members) for r in arena
+    movable = {r.name: () if inplace else tuple(writer[m].index for m in r.members) for r in arena
                if single(writer[r.name]) and all(single(writer[m]) for m in r.members)}
     moved = cheaper_outside([Buffer(r.name, r.nbytes, r.first, r.last) for r in arena], _outside(graph) + inside,
                             movable, ALIGNMENT)
