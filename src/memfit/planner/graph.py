@@ -154,12 +154,14 @@ def _out_name(node: Node, k: int, many: bool) -> str:
 
 
 def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool = True,
-            env: dict | None = None, eager: dict[str, str] | None = None) -> Graph:
+            env: dict | None = None, eager: dict[str, str] | None = None,
+            own_layout: frozenset[str] = frozenset()) -> Graph:
     """Lifetimes, aliases and the run mode of every op of an exported, decomposed graph.
 
     `env` maps the batch symbol of a graph exported with a dynamic batch to the batch size to plan
     for; every size is then exact at that batch (none: the graph's sizes are static). `eager` maps
-    node names to the reason they run eagerly although they have an `out=` kernel.
+    node names to the reason they run eagerly although they have an `out=` kernel; those in `own_layout`
+    (their kernels give other strides than the graph's) also never write over another tensor.
     """
     walk = _Walk(consts, env or {})
     output_node = None
@@ -174,7 +176,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             raise TypeError(f"unexpected node {node.op} {node.target} in the exported graph")
     graph = Graph(walk.ops, walk.roots, walk.root_of, walk.metas, walk.inputs, consts, walk.outputs(output_node),
                   walk.ints)
-    _decide_modes(graph, walk.value_of, device_type, inplace, eager or {})
+    _decide_modes(graph, walk.value_of, device_type, inplace, eager or {}, own_layout)
     return graph
 
 
@@ -284,7 +286,8 @@ def _why_eager(op: OpRun, own: list[Root], eager: dict[str, str]) -> str:
     return eager.get(op.node.name, "")
 
 
-def _decide_modes(graph: Graph, value_of: dict, device_type: str, inplace: bool, eager: dict[str, str]) -> None:
+def _decide_modes(graph: Graph, value_of: dict, device_type: str, inplace: bool, eager: dict[str, str],
+                  own_layout: frozenset[str]) -> None:
     """How each compute op runs: an `out=` kernel into the arena (in place where the rules allow) or eagerly,
     with the reason. In-place merges go in execution order."""
     roots, metas = graph.roots, graph.metas
@@ -298,7 +301,7 @@ def _decide_modes(graph: Graph, value_of: dict, device_type: str, inplace: bool,
             continue
         lowered = lower(node.target, node.args, node.kwargs, [metas[n] for n in names], device_type)
         # over a dead input torch allocated (a convolution's output, an op run eagerly): no new bytes at all
-        if (inplace and lowered is not None and all(r.kind == "empty" for r in own[1:])
+        if (inplace and lowered is not None and node.name not in own_layout and all(r.kind == "empty" for r in own[1:])
                 and _try_inplace(op, own[0], roots, graph.root_of, metas, value_of, "call")):
             op.mode, op.lowered, op.reason = "out", lowered, ""
             continue

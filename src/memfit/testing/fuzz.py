@@ -137,9 +137,9 @@ def check_programs(programs: list[list[tuple]], n: int, algorithms=None) -> None
     with torch.no_grad():
         refs = [model(x) for x in xs]
     cap = capture_model(model, (xs[0],))
-    # every op run by torch (as if its kernel's layout were another): in-place writes go over torch's tensors
-    outside = dataclasses.replace(cap, kernel_layouts={n.name: "fuzz: every op outside the arena"
-                                                       for n in cap.ep.graph.nodes if n.op == "call_function"})
+    # every op run by torch: in-place writes go over torch's tensors
+    outside = dataclasses.replace(cap, run_eagerly={n.name: "fuzz: every op outside the arena"
+                                                    for n in cap.ep.graph.nodes if n.op == "call_function"})
     settings = [(cap, a, False) for a in algorithms or ALGORITHMS] + [(cap, "greedy_by_size", True),
                                                                         (outside, "greedy_by_size", False)]
     for c, algorithm, eager_where_cheaper in settings:
