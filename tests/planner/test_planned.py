@@ -792,7 +792,9 @@ def test_every_op_eagerly_where_one_pool_peaks_lower():
     model, x = TwoStages().eval(), torch.randn(4, 3, 32, 32)
     pm, all_in = plan(model, (x,)), plan(model, (x,), eager_where_cheaper=False)
     rep, full = pm.report, all_in.report
+    from memfit.planner.placement import EAGER_ONE_POOL
     assert rep.arena_bytes == 0 and rep.unplanned_ops               # one pool: torch's
+    assert rep.unplanned_reasons["addmm"] == EAGER_ONE_POOL
     assert rep.unplanned_bytes < full.arena_bytes + full.unplanned_bytes
     assert _measured_outside(pm, x) == rep.unplanned_bytes < _measured_outside(model, x)
     with torch.no_grad():

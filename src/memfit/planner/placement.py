@@ -37,7 +37,8 @@ from memfit.planner.graph import DataDependentSize, Graph, analyze
 from memfit.planner.report import Report, Row
 from memfit.planner.workspaces import workspaces
 
-__all__ = ["ALIGNMENT", "EAGER_CHEAPER", "Placement", "check_args", "place", "place_at", "place_captured"]
+__all__ = ["ALIGNMENT", "EAGER_CHEAPER", "EAGER_ONE_POOL", "Placement", "check_args", "place", "place_at",
+           "place_captured"]
 
 ALIGNMENT = CPU_ALIGNMENT     # between the arena's tensors: the CPU allocator's alignment
 
@@ -157,8 +158,8 @@ CHEAPER_ROUNDS = 4      # analyses with more ops run eagerly, at most: each move
 def _graph_at(cap: Captured, batch: int | None, inplace: bool, eager_where_cheaper: bool) -> Graph:
     """The analysed graph at `batch`, with the ops whose outputs cost less outside the arena run eagerly.
     Moving ops out changes which ops can write in place (over a tensor torch allocated, now), so the choice is
-    made again on the new graph, up to `CHEAPER_ROUNDS` times; the graph of the fewest peak bytes (arena bound +
-    outside peak, kernels' own allocations included) wins."""
+    made again on the new graph, up to `CHEAPER_ROUNDS` times; every op run eagerly is one more candidate; the
+    graph of the fewest peak bytes (arena bound + outside peak, kernels' own allocations included) wins."""
     env = cap.env(batch)
     layouts = {**cap.kernel_layouts, **cap.run_eagerly}
     keep = frozenset(cap.kernel_layouts)
@@ -174,7 +175,7 @@ def _graph_at(cap: Captured, batch: int | None, inplace: bool, eager_where_cheap
     # every op eagerly, writing in place over torch's tensors where the rules allow: one pool, torch's; where the
     # outside peak comes early (a stem of convolutions and layer norms) and the arena's later, their sum is above
     # the one pool's peak, and no single move out of the arena lowers it (the greedy's local minimum)
-    everything = {op.node.name: EAGER_CHEAPER for op in graph.ops if op.mode == "out"}
+    everything = {op.node.name: EAGER_ONE_POOL for op in graph.ops if op.mode == "out"}
     for _ in range(CHEAPER_ROUNDS):
         more = _eager_where_cheaper(graph, inside, inplace)
         if not more.keys() - eager.keys():
@@ -207,6 +208,10 @@ def _outside(graph: Graph) -> list[Buffer]:
 
 EAGER_CHEAPER = ("runs eagerly: the arena is held at its peak for the whole call, and this output fits under "
                  "the peak of the tensors outside it, so arena + unplanned bytes are lower with it outside")
+
+
+EAGER_ONE_POOL = ("runs eagerly: with every op run by torch (in place where the rules allow) the call peaks lower "
+                  "than with an arena beside the tensors torch allocates")
 
 
 def _eager_where_cheaper(graph: Graph, inside: list[Buffer], inplace: bool = True) -> dict[str, str]:
