@@ -157,9 +157,10 @@ class Targets:
         return "; ".join(f"{k!r}: {t.describe()}" for k, t in self.parts.items())
 
     @classmethod
-    def plain(cls, y: torch.Tensor) -> Targets:
+    def plain(cls, y: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> Targets:
         """The targets of stored rows made elsewhere (a CompactDataset built from tensors): integer rows are
-        class ids or labels decoded to int64, float rows float targets in their own float dtype."""
+        class ids or labels decoded to int64 (`ignore_index` marks positions without a label), float rows float
+        targets in their own float dtype."""
         if y.is_floating_point():
             codec = next(c() for c in CODECS.values() if getattr(c, "dtype", None) == y.dtype and
                          c.name.startswith(("f", "b")))
@@ -171,7 +172,7 @@ class Targets:
             raise TypeError(f"stored targets must be an integer or float tensor; found {y.dtype} (build the dataset "
                             "with CompactDataset.from_arrays, which stores bool targets in bits)")
         kind = "class" if y.dim() == 1 else "labels"
-        ignore = IGNORE_INDEX
+        ignore = ignore_index
         kept = y[y != ignore]
         classes = int(kept.max()) + 1 if kept.numel() else None
         return cls({None: Target(kind, tuple(y.shape[1:]), codec, torch.int64, ignore, classes)})

@@ -44,7 +44,7 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
         if id(pred) not in watched:
             watched.add(id(pred))
             watch(pred)
-        parts.append(m.contribution(pred, target))
+        parts.append(m.contribution(pred, target, x) if m.reads_inputs else m.contribution(pred, target))
     return parts
 
 

@@ -81,12 +81,15 @@ def class_targets(logits: torch.Tensor, y, what: str, ignore_index: int, given: 
 
 
 def float_targets(pred: torch.Tensor, y, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(outputs, targets) of one shape for an error metric; (N, 1) outputs meet (N,) targets."""
+    """(outputs, targets) of one shape for an error metric; (N, 1) outputs meet (N,) targets and (N,) outputs
+    (N, 1) targets, value for value (never broadcast into (N, N))."""
     if not isinstance(y, torch.Tensor):
         raise ValueError(f"{what} needs targets as one tensor; found {'none' if y is None else type(y).__name__} "
                          f"(a dict of targets: name one, e.g. '{what}@NAME')")
     if pred.shape != y.shape and pred.shape == (*y.shape, 1):
         pred = pred.squeeze(-1)                 # a regression head (N, 1) for targets (N,)
+    elif pred.shape != y.shape and y.shape == (*pred.shape, 1):
+        y = y.squeeze(-1)                       # (N,) outputs for targets stored (N, 1)
     if pred.shape != y.shape:
         raise ValueError(f"{what} compares outputs with targets of the same shape; found outputs {tuple(pred.shape)} "
                          f"and targets {tuple(y.shape)}; reshape the output (or the targets) to match")

@@ -31,9 +31,11 @@ NAMES = {"accuracy": Accuracy, "confusion": Confusion, "iou": IoU, "mse": Square
 DEFAULTS = {"class": ("accuracy", "loss"), "labels": ("accuracy", "loss"), "float": ("mse", "mae")}
 
 
-def make_metric(spec, loss_fn: Callable | None = None, loss_reduction: str | None = None) -> Metric:
+def make_metric(spec, loss_fn: Callable | None = None, loss_reduction: str | None = None,
+                terms: Callable | None = None) -> Metric:
     """A name ('accuracy', 'topk:5', 'loss', 'confusion', 'iou', 'perplexity', 'mse', 'mae'; 'NAME@TARGET' for
-    one target of a dict), a `Metric`, or an object with update() and compute() (torchmetrics)."""
+    one target of a dict), a `Metric`, or an object with update() and compute() (torchmetrics). `loss_fn`,
+    `loss_reduction` and `terms` make the 'loss' (`Loss`)."""
     if isinstance(spec, Metric):
         return spec
     if isinstance(spec, str):
@@ -42,7 +44,7 @@ def make_metric(spec, loss_fn: Callable | None = None, loss_reduction: str | Non
         if name in NAMES:
             return NAMES[name](**kw)
         if name == "loss":
-            return Loss(loss_fn, loss_reduction, **kw)
+            return Loss(loss_fn, loss_reduction, terms=terms, **kw)
         if name.startswith("topk:") and name[5:].isdigit():
             return TopK(int(name[5:]), **kw)
         raise ValueError(f"unknown metric {spec!r}; expected 'accuracy', 'topk:K' (e.g. 'topk:5'), 'loss', "

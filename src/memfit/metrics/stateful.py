@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.losses import loss_sum, per_sample, torch_denominator
+from memfit.losses import count_terms, loss_sum, per_sample, torch_denominator
 from memfit.metrics.checks import class_targets, float_targets
 from memfit.metrics.sums import confusion, correct, correct_topk, cross_entropy_sum, intersection_union
 from memfit.targets import IGNORE_INDEX
@@ -32,6 +32,7 @@ class Metric:
     label counted nowhere; None takes the data's (`bind`), else -100."""
     name = "?"
     reduce = True          # states are sums: all-reduce them across processes (SUM)
+    reads_inputs = False   # True: `contribution(logits, y, x)` also takes the chunk's inputs
 
     def __init__(self, *, target: str | None = None, ignore_index: int | None = None) -> None:
         self.state: dict[str, torch.Tensor] = {}
@@ -39,7 +40,7 @@ class Metric:
         self.target, self.ignore_index = target, ignore_index
 
     def bind(self, ignore_index: int | None) -> None:
-        """Take the data's ignore_index unless one was given."""
+        """Take evaluate's ignore index (given to it, the loss's own, else the data's) unless one was given."""
         if self.ignore_index is None:
             self.ignore_index = ignore_index
 
@@ -99,27 +100,65 @@ class Loss(Metric):
     the float64 count torch's own mean divides by (non-ignored targets, their class weights, the batch
     size for 'batchmean'; else the number of values), so any chunking gives the value of the loss
     applied to the whole set at once, to about 1e-15 relative. Both are state, summed across processes.
-    Default: cross entropy over the counted positions of class ids or labels (classes on dimension 1 or last)."""
+    Default: cross entropy over the counted positions of class ids or labels (classes on dimension 1 or last).
+
+    `terms(x, y)`: how many terms loss_fn's mean (or sum) is over in a chunk (`(y != -100).sum()` for a mean
+    over the tokens that count); the count is then their total. Without it, a loss_fn that returns the chunk's
+    mean is weighted by samples, which is the whole-set mean only when every sample has as many terms: on
+    integer targets whose ignored positions (ignore_index) differ per sample that is refused, as is a mean over
+    per-position values that counts ignored positions."""
     name = "loss"
 
     def __init__(self, loss_fn: Callable | None = None, reduction: str | None = None, *,
-                 class_dim: int | None = None, **kw) -> None:
+                 class_dim: int | None = None, terms: Callable | None = None, **kw) -> None:
         super().__init__(**kw)
         self.class_dim = class_dim
+        if terms is not None and loss_fn is None:
+            raise ValueError("terms= weights a loss_fn's mean by the terms it is over; found terms without "
+                             "loss_fn (the default loss, cross entropy, counts the positions not ignored itself): "
+                             "pass loss_fn too, or leave terms out")
         self.denominator = None if loss_fn is None else torch_denominator(loss_fn)
         self.loss_fn, self.reduction = (None, "none") if loss_fn is None else per_sample(loss_fn, reduction)
+        self.terms, self.reads_inputs = terms, terms is not None
+        self.per_sample_terms: int | None = None      # the counted positions per sample of the chunks so far
 
-    def contribution(self, logits, y):
+    def contribution(self, logits, y, x=None):
         if self.loss_fn is None:
             if isinstance(y, torch.Tensor) and y.is_floating_point():
                 raise ValueError(f"{self.name} without loss_fn is cross entropy, which needs class ids; the targets "
-                                 f"are float ({y.dtype}, shape {tuple(y.shape)}): pass loss_fn (e.g. "
-                                 "torch.nn.MSELoss()) or use metrics 'mse' and 'mae'")
+                                 f"are float ({y.dtype}, shape {tuple(y.shape)}): pass loss_fn, e.g. "
+                                 "torch.nn.MSELoss() for values, torch.nn.CrossEntropyLoss() for class "
+                                 "probabilities, or use metrics 'mse' and 'mae'")
             scores, y, keep = class_targets(logits, y, f"{self.name} (cross entropy)", self.ignored, self.class_dim)
             total, count = cross_entropy_sum(scores, y, keep)
         else:
-            total, count = loss_sum(logits, y, self.loss_fn, self.reduction, self.denominator)
+            terms = None if self.terms is None else count_terms(self.terms, x, y)
+            if terms is None and self.denominator is None:
+                self._check_weighting(y)
+            total, count = loss_sum(logits, y, self.loss_fn, self.reduction, self.denominator, terms,
+                                    None if terms is not None or self.denominator is not None else self.ignored)
         return {"sum": total, "count": count, "n": torch.tensor(logits.shape[0], device=logits.device)}
+
+    def _check_weighting(self, y) -> None:
+        """A loss_fn returning the chunk's mean is weighted by samples: refuse integer targets whose counted
+        positions (not ignore_index) differ per sample, in this chunk or from earlier ones."""
+        if self.reduction != "mean" or not isinstance(y, torch.Tensor) or y.is_floating_point() or \
+                y.dtype == torch.bool or y.dim() == 0 or not y.numel():
+            return
+        counted = (y != self.ignored).reshape(y.shape[0], -1).sum(1)       # (n,) positions that count per sample
+        lo, hi = int(counted.min()), int(counted.max())
+        first = lo if self.per_sample_terms is None else self.per_sample_terms
+        if lo == hi == first:
+            self.per_sample_terms = first
+            return
+        found = sorted({first, lo, hi})
+        raise ValueError(
+            f"{self.name}: loss_fn returns the mean over a chunk (loss_reduction='mean'), and the targets count a "
+            f"different number of positions per sample (found {found[0]} and {found[-1]} not equal to ignore_index "
+            f"{self.ignored}), so weighting chunks by samples would not give the whole-set mean. Fix: pass "
+            f"terms=lambda x, y: (y != {self.ignored}).sum() if loss_fn averages over the positions that count "
+            "(cross entropy does) or terms=lambda x, y: len(y) if it averages over samples; or leave loss_fn out "
+            "(the default loss is cross entropy over the positions not ignored)")
 
     def compute(self):
         if not self.n or float(self.state["count"]) == 0:   # torch's mean of nothing (all ignored) is nan too
