@@ -191,6 +191,19 @@ def test_outputs_and_targets_torch_would_broadcast_are_refused_in_evaluate_and_a
     assert r["mse"] == pytest.approx(ref, rel=1e-6)
 
 
+def test_max_batch_size_refuses_a_target_the_loss_would_broadcast():
+    """A training-step memory model whose loss broadcast (N, 1) outputs against an (N,) example target held an
+    (N, N) tensor: max_batch_size said 359 where 21,843 fit (the loss itself was wrong too). Refused, as in
+    accumulate; the target built from the output (none given) still works."""
+    import memfit
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"need one shape; found outputs \(\d+, 1\) and targets \(\d+,\)"):
+        memfit.max_batch_size(model, (8,), "1MiB", train=True, optimizer=opt, loss_fn=torch.nn.MSELoss(),
+                              target=torch.zeros(1))
+    assert memfit.max_batch_size(model, (8,), "1MiB", train=True, optimizer=opt, loss_fn=torch.nn.MSELoss()) > 10_000
+
+
 def test_matching_shapes_still_give_torchs_loss_and_no_warning_is_made_an_error_elsewhere():
     """The check only refuses broadcasting: (N, 1) against (N, 1) is torch's loss, and torch's warning is an
     error only inside memfit's call (the user's own mse_loss after it still just warns)."""

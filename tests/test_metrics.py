@@ -235,6 +235,15 @@ def test_a_dict_of_targets_gets_each_its_own_metrics(as_tuple):
      r"one target, not a dict"),
     ((np.zeros((N, 6), np.float32), {"box": np.zeros((N, 2))}), reg_model(2), dict(metrics=("mse@box",)),
      r"target 'box': expected the model to return a dict with a tensor 'box'"),
+    # integer values to regress, and class ids stored as floats: the error says how to give each (a new user's
+    # first try; the messages spoke of labels and shapes only)
+    ((np.zeros((N, 6), np.float32), np.arange(N) - 10), reg_model(1), dict(),
+     r"holds label -10.*or y_dtype=torch.float32 if y holds values to regress"),
+    ((np.zeros((N, 6), np.float32), np.arange(N)), reg_model(1), dict(),
+     r"label \d+ is out of range for a model with 1 output .*one output regresses a value.*y.astype\(np.float32\)"),
+    ((np.zeros((N, 6), np.float32), (np.arange(N) % 3).astype(np.float32)), reg_model(3), dict(),
+     r"found outputs \(6, 3\) and targets \(6,\).*class ids stored as floats, give them as integers, "
+     r"y.astype\(np.int64\)"),
 ])
 def test_bad_input_says_what_was_expected_and_found(data, model, kwargs, match):
     with pytest.raises(ValueError, match=match):

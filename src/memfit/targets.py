@@ -188,7 +188,8 @@ def _integer_stats(arr, ignore_index: int, what: str) -> int | None:
         lo = int(kept.min())
         if lo < 0:
             raise ValueError(f"{what} holds label {lo}, which is neither a class id (>= 0) nor ignore_index "
-                             f"{ignore_index}; pass ignore_index={lo} if it marks positions without a label")
+                             f"{ignore_index}; pass ignore_index={lo} if it marks positions without a label, or "
+                             "y_dtype=torch.float32 if y holds values to regress, not class ids")
         hi = max(hi or 0, int(kept.max()))
     return None if hi is None else hi + 1
 

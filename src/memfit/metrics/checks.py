@@ -74,9 +74,12 @@ def class_targets(logits: torch.Tensor, y, what: str, ignore_index: int, given: 
         lo, hi, c = int(kept.min()), int(kept.max()), scores.shape[1]
         if lo < 0 or hi >= c:
             bad = hi if hi >= c else lo
+            regress = (" (one output regresses a value: give integer targets to regress as floats, "
+                       "y.astype(np.float32) or from_arrays(..., y_dtype=torch.float32); their metrics are 'mse' "
+                       "and 'mae')") if c == 1 else ""
             raise ValueError(f"label {bad} is out of range for a model with {plural(c, 'output')} (labels must be "
                              f"in 0..{c - 1}, or ignore_index {ignore_index} where there is none); check the labels, "
-                             "their ignore_index or the model's output size")
+                             f"their ignore_index or the model's output size{regress}")
     return scores, y, keep
 
 
@@ -91,7 +94,10 @@ def float_targets(pred: torch.Tensor, y, what: str) -> tuple[torch.Tensor, torch
     elif pred.shape != y.shape and y.shape == (*pred.shape, 1):
         y = y.squeeze(-1)                       # (N,) outputs for targets stored (N, 1)
     if pred.shape != y.shape:
+        ids = (" (if the targets are class ids stored as floats, give them as integers, y.astype(np.int64) or "
+               "from_arrays(..., y_dtype=torch.int64): class ids get 'accuracy' and 'loss')") \
+            if pred.dim() == y.dim() + 1 and pred.shape[0] == y.shape[0] else ""
         raise ValueError(f"{what} compares outputs with targets of the same shape; found outputs {tuple(pred.shape)} "
-                         f"and targets {tuple(y.shape)}; reshape the output (or the targets) to match")
+                         f"and targets {tuple(y.shape)}; reshape the output (or the targets) to match{ids}")
     return pred, y
 
