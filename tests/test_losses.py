@@ -175,7 +175,7 @@ def test_outputs_and_targets_torch_would_broadcast_are_refused_in_evaluate_and_a
     x, y = torch.randn(40, 3), torch.randn(40)
     model = torch.nn.Linear(3, 1) if head.startswith("(N, 1)") else Squeezed()
     targets = y if head.startswith("(N, 1)") else y[:, None]
-    fix = r"squeeze the output \(out.squeeze\(-1\)" if head.startswith("(N, 1)") else r"squeeze the targets"
+    fix = r"squeeze the output \(out.squeeze\(1\)" if head.startswith("(N, 1)") else r"squeeze the targets"
     with pytest.raises(ValueError, match=r"need one shape; found outputs \(7, ?1?\) and targets \(7, ?1?\).*"
                                          r"every pair.*Fix: " + fix):
         evaluate(model, (x, targets), metrics=("loss",), loss_fn=loss_fn, loss_reduction=reduction, chunk_size=7,
@@ -305,3 +305,30 @@ def test_accumulate_warns_about_uneven_padding_with_the_losses_ignore_index(igno
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=ignore)
     with pytest.warns(UserWarning, match=rf"ignores \({ignore}\) a different number.*\(y != {ignore}\).sum\(\)"):
         accumulate(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=3)
+
+
+def test_a_loss_that_would_count_the_datas_ignored_positions_is_refused():
+    """Data built with ignore_index=0 (padding 0) and CrossEntropyLoss() (ignoring -100, torch's default): the loss
+    counted every pad as class 0 while accuracy left them out, silently; now an error names both indices. With
+    255 (segmentation) the old error was torch's 'Target 255 is out of bounds'."""
+    from memfit import CompactDataset
+    model, x, y = padded_tokens(0)
+    ds = CompactDataset.from_arrays(x.numpy(), y.numpy(), ignore_index=0, device="cpu")
+    with pytest.raises(ValueError, match=r"marks positions without a label with 0 \(its ignore_index\), but loss_fn "
+                                         r"ignores -100 \(torch's default\).*CrossEntropyLoss\(ignore_index=0\)"):
+        evaluate(model, ds, metrics=("loss", "accuracy"), loss_fn=torch.nn.CrossEntropyLoss(), progress=False)
+    with torch.no_grad():
+        ref = F.cross_entropy(model(x), y, ignore_index=0).item()
+    r = evaluate(model, ds, metrics=("loss",), loss_fn=torch.nn.CrossEntropyLoss(ignore_index=0), chunk_size=7,
+                 progress=False)
+    assert r["loss"] == pytest.approx(ref, rel=1e-6)
+
+
+def test_a_loss_fn_written_for_the_whole_output_says_evaluate_gives_it_the_logits():
+    """accumulate's loss_fn(out, y) reads out.logits; evaluate gives loss_fn the logits: the error said only
+    "'Tensor' object has no attribute 'logits'"."""
+    model, x, y = padded_tokens(-100)
+    with pytest.raises(TypeError, match=r"loss_fn reads .logits of what it is given, but evaluate gives it the "
+                                        r"logits \(a tensor of shape \(7, 5, 6\)"):
+        evaluate(model, (x, y), metrics=("loss",), loss_fn=lambda out, t: F.cross_entropy(out.logits, t),
+                 loss_reduction="mean", terms=lambda x, t: (t != -100).sum(), chunk_size=7, progress=False)

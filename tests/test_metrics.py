@@ -241,6 +241,9 @@ def test_a_dict_of_targets_gets_each_its_own_metrics(as_tuple):
      r"holds label -10.*or y_dtype=torch.float32 if y holds values to regress"),
     ((np.zeros((N, 6), np.float32), np.arange(N)), reg_model(1), dict(),
      r"label \d+ is out of range for a model with 1 output .*one output regresses a value.*y.astype\(np.float32\)"),
+    ((seg_data()[0], np.where(seg_data()[1] == 255, 255, 0)), seg_model(), dict(),
+     r"label 255 is out of range for a model with 4 outputs .*; if 255 marks positions without a label, pass "
+     r"ignore_index=255"),
     ((np.zeros((N, 6), np.float32), (np.arange(N) % 3).astype(np.float32)), reg_model(3), dict(),
      r"found outputs \(6, 3\) and targets \(6,\).*class ids stored as floats, give them as integers, "
      r"y.astype\(np.int64\)"),
@@ -315,3 +318,20 @@ def test_narrow_integer_labels_from_batches_give_the_int64_values(dtype):
     assert res["loss"] == pytest.approx(float(ref_loss), rel=1e-6)
     assert res["ppl"] == pytest.approx(float(ref_loss.exp()), rel=1e-6)
     assert torch.equal(res["confusion"], ref_conf)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, N])
+def test_a_one_channel_output_meets_masks_without_it_value_for_value(chunk):
+    """A binary-segmentation head (N, 1, H, W) against float masks (N, H, W), or the other way round: 'mse' and
+    'mae' compare pixel for pixel, as torch on matching shapes (old: refused as a shape mismatch)."""
+    rng = np.random.default_rng(7)
+    x, masks = rng.normal(size=(N, 3, 4, 5)).astype(np.float32), (rng.random((N, 4, 5)) > 0.5).astype(np.float32)
+    torch.manual_seed(0)
+    head = torch.nn.Conv2d(3, 1, 1)
+    with torch.no_grad():
+        out = head(torch.from_numpy(x)).double()[:, 0]
+    ref = {"mse": ((out - torch.from_numpy(masks)) ** 2).mean().item(),
+           "mae": (out - torch.from_numpy(masks)).abs().mean().item()}
+    check(evaluate(head, (x, masks), chunk_size=chunk, progress=False).metrics, ref)
+    squeezed = torch.nn.Sequential(head, torch.nn.Flatten(1, 2))          # (N, 4, 5) outputs, (N, 1, 4, 5) masks
+    check(evaluate(squeezed, (x, masks[:, None]), chunk_size=chunk, progress=False).metrics, ref)

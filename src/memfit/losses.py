@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["REDUCTIONS", "call_loss", "count_terms", "loss_ignore_index", "loss_sum", "per_sample",
-           "torch_denominator"]
+           "torch_denominator", "unit_dim"]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -157,20 +157,37 @@ def _elementwise(loss_fn: Callable) -> bool:
     return isinstance(func, _ELEMENTWISE_MODULES) or func in _ELEMENTWISE_FUNCTIONS
 
 
+def unit_dim(longer: tuple, shorter: tuple) -> int | None:
+    """The dimension of size 1, never the batch's (0), whose removal turns shape `longer` into `shorter`; None if
+    there is none. Example: unit_dim((8, 1, 4, 4), (8, 4, 4)) == 1."""
+    if len(longer) != len(shorter) + 1 or len(longer) < 2:
+        return None
+    for d in range(1, len(longer)):
+        if longer[d] == 1 and longer[:d] + longer[d + 1:] == shorter:
+            return d
+    return None
+
+
 def _broadcast_error(out_shape, y_shape, torch_says: str = "") -> ValueError:
     out_shape, y_shape = tuple(out_shape), tuple(y_shape)
-    if out_shape == (*y_shape, 1):
-        fix = ("squeeze the output (out.squeeze(-1), e.g. lambda out, y: F.mse_loss(out.squeeze(-1), y)) or give "
-               "targets of the output's shape (y.unsqueeze(-1), y.reshape(-1, 1) for an array)")
-    elif y_shape == (*out_shape, 1):
-        fix = ("squeeze the targets (y.squeeze(-1), y.reshape(-1) for an array) or give outputs of the targets' "
-               "shape (out.unsqueeze(-1))")
+    d_out, d_y = unit_dim(out_shape, y_shape), unit_dim(y_shape, out_shape)
+    if d_out is not None:
+        fix = (f"squeeze the output (out.squeeze({d_out}), e.g. lambda out, y: F.mse_loss(out.squeeze({d_out}), y)) "
+               f"or give targets of the output's shape (y.unsqueeze({d_out}); for an array np.expand_dims(y, "
+               f"{d_out}))")
+    elif d_y is not None:
+        fix = (f"squeeze the targets (y.squeeze({d_y}); for an array y.squeeze({d_y})) or give outputs of the "
+               f"targets' shape (out.unsqueeze({d_y}))")
     else:
         fix = "reshape the output or the targets so that they match"
+    try:
+        both = (f"an elementwise loss broadcasts them to {tuple(torch.broadcast_shapes(out_shape, y_shape))} and "
+                "averages over every pair, a wrong loss (torch's mse_loss and l1_loss only warn)")
+    except (RuntimeError, TypeError):
+        both = "they do not even broadcast"
     said = f" (torch: {torch_says.split('. ')[0]})" if torch_says else ""
     return ValueError(f"loss_fn compares outputs and targets value by value, so they need one shape; found outputs "
-                      f"{out_shape} and targets {y_shape}, which torch broadcasts into each other and averages over "
-                      f"every pair: a wrong loss, with only a warning{said}. Fix: {fix}")
+                      f"{out_shape} and targets {y_shape}: {both}{said}. Fix: {fix}")
 
 
 def call_loss(loss_fn: Callable, out, y):

@@ -35,7 +35,7 @@ from memfit.evaluation.result import EvalResult
 from memfit.losses import loss_ignore_index
 from memfit.memory.measure import held_bytes
 from memfit.messages import first_line, whole_words
-from memfit.metrics import Metric, default_metrics, make_metric
+from memfit.metrics import Loss, Metric, default_metrics, make_metric
 from memfit.targets import IGNORE_INDEX
 
 __all__ = ["evaluate"]
@@ -133,7 +133,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
     error, res, runner, decision = None, None, model, None
     try:
         chunks = ranks.local_chunks(data, dev, sharded) if distributed else as_chunks(data, dev, asked)
-        _resolve_metrics(mets, chunks, auto, make, asked)
+        _resolve_metrics(mets, chunks, auto, make, asked, loss_ignore_index(loss_fn))
         # decide: chunk size and runner, in one place
         whole = isinstance(chunks, Chunks)
         ask = Ask(chunks.n if whole else None, chunk_size, planned, budget is not None, distributed,
@@ -171,7 +171,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
                       time.perf_counter() - t0, decision.runner, decision.reason, res["oom_sizes"])
 
 
-def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, make, asked: tuple[int, str] | None) -> None:
+def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, make, asked: tuple[int, str] | None,
+                     loss_index: int | None) -> None:
     """With metrics='auto', the metrics the targets' kind asks for; then each metric's ignore index."""
     if getattr(chunks, "drop_last", False):        # a memfit Loader that leaves its last batch out: not the whole set
         warnings.warn("evaluating a loader built with drop_last=True: its last incomplete batch is left out, so the "
@@ -183,7 +184,7 @@ def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, make, asked: t
         targets = chunks.dataset.targets
     if auto:
         mets.update(_metrics(default_metrics(None if targets is None else targets.kind), make))
-    _bind(mets, targets, asked)
+    _bind(mets, targets, asked, loss_index)
 
 
 def _asked_ignore_index(given, loss_fn) -> tuple[int, str] | None:
@@ -202,16 +203,20 @@ def _asked_ignore_index(given, loss_fn) -> tuple[int, str] | None:
     return given, "ignore_index"
 
 
-def _bind(mets: dict[str, Metric], targets, asked: tuple[int, str] | None) -> None:
+def _bind(mets: dict[str, Metric], targets, asked: tuple[int, str] | None, loss_index: int | None) -> None:
     """Each metric (unless it was given its own) takes the ignore index asked for, else the data's of the target
-    it reads, else -100. The loss's own index and the data's, both other than -100 and different, raise."""
+    it reads, else -100. Unless evaluate was given one, a loss_fn whose own index (`loss_index`, torch's -100
+    by default) is not the data's (other than -100) raises: it would count those positions as a class."""
     for m in mets.values():
         part = None if targets is None else targets.parts.get(m.target)
         data = None if part is None else part.ignore_index
-        if asked is not None and asked[1] == "loss_fn" and data not in (None, IGNORE_INDEX, asked[0]):
+        if (isinstance(m, Loss) and m.loss_fn is not None and loss_index is not None and data not in
+                (None, IGNORE_INDEX, loss_index) and (asked is None or asked[1] == "loss_fn")):
+            default = " (torch's default)" if loss_index == IGNORE_INDEX else ""
             raise ValueError(f"the data marks positions without a label with {data} (its ignore_index), but loss_fn "
-                             f"ignores {asked[0]}; give both the same one (from_arrays(..., ignore_index=), or the "
-                             f"loss's ignore_index), or pass evaluate(ignore_index=) to say which the metrics use")
+                             f"ignores {loss_index}{default}, so the loss would count them as class {data}; give the "
+                             f"loss the same one (e.g. torch.nn.CrossEntropyLoss(ignore_index={data})), or build the "
+                             "data with the loss's (from_arrays(..., ignore_index=))")
         m.bind(data if asked is None else asked[0])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from memfit.losses import unit_dim
 from memfit.messages import plural
 
 __all__ = ["class_dim", "class_targets", "float_targets", "type_name"]
@@ -74,29 +75,32 @@ def class_targets(logits: torch.Tensor, y, what: str, ignore_index: int, given: 
         lo, hi, c = int(kept.min()), int(kept.max()), scores.shape[1]
         if lo < 0 or hi >= c:
             bad = hi if hi >= c else lo
+            void = f"; if {bad} marks positions without a label, pass ignore_index={bad}" if bad >= c > 1 else ""
             regress = (" (one output regresses a value: give integer targets to regress as floats, "
                        "y.astype(np.float32) or from_arrays(..., y_dtype=torch.float32); their metrics are 'mse' "
                        "and 'mae')") if c == 1 else ""
             raise ValueError(f"label {bad} is out of range for a model with {plural(c, 'output')} (labels must be "
                              f"in 0..{c - 1}, or ignore_index {ignore_index} where there is none); check the labels, "
-                             f"their ignore_index or the model's output size{regress}")
+                             f"their ignore_index or the model's output size{regress}{void}")
     return scores, y, keep
 
 
 def float_targets(pred: torch.Tensor, y, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(outputs, targets) of one shape for an error metric; (N, 1) outputs meet (N,) targets and (N,) outputs
-    (N, 1) targets, value for value (never broadcast into (N, N))."""
+    """(outputs, targets) of one shape for an error metric; outputs with one more dimension of size 1 than the
+    targets ((N, 1) for (N,), (N, 1, H, W) for (N, H, W)), or the other way round, meet them value for value
+    (never broadcast into (N, N))."""
     if not isinstance(y, torch.Tensor):
         raise ValueError(f"{what} needs targets as one tensor; found {'none' if y is None else type(y).__name__} "
                          f"(a dict of targets: name one, e.g. '{what}@NAME')")
-    if pred.shape != y.shape and pred.shape == (*y.shape, 1):
-        pred = pred.squeeze(-1)                 # a regression head (N, 1) for targets (N,)
-    elif pred.shape != y.shape and y.shape == (*pred.shape, 1):
-        y = y.squeeze(-1)                       # (N,) outputs for targets stored (N, 1)
+    if pred.shape != y.shape:                   # (N, 1) heads for (N,) targets, (N, 1, H, W) for (N, H, W), or
+        d = unit_dim(tuple(pred.shape), tuple(y.shape))              # the other way round: value for value
+        pred = pred if d is None else pred.squeeze(d)
+        d = unit_dim(tuple(y.shape), tuple(pred.shape))
+        y = y if d is None else y.squeeze(d)
     if pred.shape != y.shape:
         ids = (" (if the targets are class ids stored as floats, give them as integers, y.astype(np.int64) or "
                "from_arrays(..., y_dtype=torch.int64): class ids get 'accuracy' and 'loss')") \
-            if pred.dim() == y.dim() + 1 and pred.shape[0] == y.shape[0] else ""
+            if pred.dim() == y.dim() + 1 and pred.shape[0] == y.shape[0] and pred.shape[1] > 1 else ""
         raise ValueError(f"{what} compares outputs with targets of the same shape; found outputs {tuple(pred.shape)} "
                          f"and targets {tuple(y.shape)}; reshape the output (or the targets) to match{ids}")
     return pred, y

@@ -135,8 +135,17 @@ class Loss(Metric):
             terms = None if self.terms is None else count_terms(self.terms, x, y)
             if terms is None and self.denominator is None:
                 self._check_weighting(y)
-            total, count = loss_sum(logits, y, self.loss_fn, self.reduction, self.denominator, terms,
-                                    None if terms is not None or self.denominator is not None else self.ignored)
+            try:
+                total, count = loss_sum(logits, y, self.loss_fn, self.reduction, self.denominator, terms,
+                                        None if terms is not None or self.denominator is not None else self.ignored)
+            except AttributeError as e:       # out.logits / out.loss of a tensor: a loss_fn written for accumulate
+                if getattr(e, "obj", None) is not logits:
+                    raise
+                raise TypeError(f"loss_fn reads .{e.name} of what it is given, but evaluate gives it the logits (a "
+                                f"tensor of shape {tuple(logits.shape)}, taken from the model's output by "
+                                "memfit.metrics.logits_of or output_fn), not the whole output as accumulate does; "
+                                "write it for the logits, e.g. lambda logits, y: F.cross_entropy(logits.transpose(1, "
+                                "2), y)") from None
         return {"sum": total, "count": count, "n": torch.tensor(logits.shape[0], device=logits.device)}
 
     def _check_weighting(self, y) -> None:
