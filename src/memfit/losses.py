@@ -198,9 +198,13 @@ def call_loss(loss_fn: Callable, out, y):
     warning ("Using a target size ... different to the input size") made an error, so a lambda around
     F.mse_loss is refused too. Raises ValueError saying the two shapes and the fix.
     """
-    if (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor) and out.shape != y.shape
-            and _elementwise(loss_fn)):
+    tensors = isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)
+    if tensors and out.shape != y.shape and _elementwise(loss_fn):
         raise _broadcast_error(out.shape, y.shape)
+    func, _ = _unwrapped(loss_fn)
+    if (tensors and out.shape == y.shape) or type(func).__module__ == "torch.nn.modules.loss" or \
+            func in (*_ELEMENTWISE_FUNCTIONS, *_INDEX_LOSSES):
+        return loss_fn(out, y)          # nothing to broadcast, or a torch loss checked above: no warning to catch
     with _BROADCAST_LOCK, warnings.catch_warnings():
         warnings.filterwarnings("error", message=_BROADCAST, category=UserWarning)
         try:
