@@ -17,9 +17,9 @@ counted twice. States add up across processes too (`torch.distributed.all_reduce
 | `mse`, `mae`  | float targets of any shape                | mean squared / absolute error over every value   |
 
 Class scores may lie on dimension 1 (`(N, C, *d)`, torch's convention) or last (`(N, *d, C)`, a language
-model's logits); the shapes say which (`class_dim`). Labels equal to `ignore_index` (the data's, else -100)
-count nowhere. With a dict of targets a metric names its target, `"accuracy@label"`, and reads the model's
-output of that name (`output_for`).
+model's logits); the shapes say which (`class_dim`). Labels equal to `ignore_index` (evaluate's, the loss's, the
+data's, else -100) count nowhere. With a dict of targets a metric names its target, `"accuracy@label"`, and
+reads the model's output of that name (`output_for`).
 
 The package: `checks` (what a metric compares, checked) → `sums` (pure functions: one chunk's sums) →
 `stateful` (the `Metric` classes, thin, holding those sums) → `specs` (metrics by name, the defaults of each
