@@ -332,3 +332,4 @@ def test_a_loss_fn_written_for_the_whole_output_says_evaluate_gives_it_the_logit
                                         r"logits \(a tensor of shape \(7, 5, 6\)"):
         evaluate(model, (x, y), metrics=("loss",), loss_fn=lambda out, t: F.cross_entropy(out.logits, t),
                  loss_reduction="mean", terms=lambda x, t: (t != -100).sum(), chunk_size=7, progress=False)
+

@@ -275,7 +275,32 @@ def _dist_rank(rank, world):
                    progress=False, distributed=True)
     xr, yr = reg_data()
     reg = evaluate(reg_model(), (xr, yr), chunk_size=5, device="cpu", progress=False, distributed=True)
-    return dict(res), dict(tok), dict(reg), res.n
+    return dict(res), dict(tok), dict(reg), res.n, _even_per_rank(rank)
+
+
+def even_per_rank_data():
+    """Token labels whose samples count 2 tokens each in the first half (rank 0's part), 4 in the second."""
+    ids, labels = token_data()
+    labels = np.clip(labels[:12], 0, None)
+    labels[:6, 2:], labels[6:, 4:] = -100, -100
+    return ids[:12], labels
+
+
+def _even_per_rank(rank):
+    """A loss_fn returning the chunk's mean, each rank's samples even on their own but not together: refused on
+    every rank (the sums of the counts and of their squares are state); with terms= the one-batch value."""
+    ids, labels = even_per_rank_data()
+    part = (ids[rank * 6:(rank + 1) * 6], labels[rank * 6:(rank + 1) * 6])
+    mean = lambda out, t: F.cross_entropy(out.transpose(1, 2), t)
+    refused = ""
+    try:
+        evaluate(TokenLM(), part, metrics=("loss",), loss_fn=mean, loss_reduction="mean", distributed=True,
+                 sharded=True, progress=False)
+    except ValueError as e:
+        refused = str(e)
+    r = evaluate(TokenLM(), part, metrics=("loss",), loss_fn=mean, loss_reduction="mean",
+                 terms=lambda x, t: (t != -100).sum(), distributed=True, sharded=True, progress=False)
+    return refused, r["loss"]
 
 
 def test_two_gloo_ranks_with_shards_of_different_sizes_give_the_single_process_values():
@@ -287,13 +312,19 @@ def test_two_gloo_ranks_with_shards_of_different_sizes_give_the_single_process_v
     tok = token_reference(TokenLM(), CompactDataset.from_arrays(ids, labels, device="cpu"))
     xr, yr = reg_data()
     reg = reg_reference(reg_model(), CompactDataset.from_arrays(xr, yr, device="cpu"))
+    ids, labels = even_per_rank_data()
+    with torch.no_grad():
+        uneven = F.cross_entropy(TokenLM()(torch.from_numpy(ids)).transpose(1, 2), torch.from_numpy(labels)).item()
     for status, value in out.values():
         assert status == "ok", value
-        res, t, r, n = value
+        res, t, r, n, (refused, loss) = value
         assert n == N
         check(res, seg)
         check(t, {k: tok[k] for k in ("loss", "perplexity")})
         check(r, reg)
+        # a chunk mean whose samples count 2 tokens on rank 0 and 4 on rank 1: each rank alone could not tell
+        assert "counts that differ between ranks" in refused and "terms=lambda x, y: (y != -100).sum()" in refused
+        assert loss == pytest.approx(uneven, rel=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])

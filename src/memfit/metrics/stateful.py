@@ -123,6 +123,7 @@ class Loss(Metric):
         self.per_sample_terms: int | None = None      # the counted positions per sample of the chunks so far
 
     def contribution(self, logits, y, x=None):
+        spread: dict[str, torch.Tensor] = {}        # a chunk mean's counted positions per sample (_check_weighting)
         if self.loss_fn is None:
             if isinstance(y, torch.Tensor) and y.is_floating_point():
                 raise ValueError(f"{self.name} without loss_fn is cross entropy, which needs class ids; the targets "
@@ -133,8 +134,7 @@ class Loss(Metric):
             total, count = cross_entropy_sum(scores, y, keep)
         else:
             terms = None if self.terms is None else count_terms(self.terms, x, y)
-            if terms is None and self.denominator is None:
-                self._check_weighting(y)
+            spread = self._check_weighting(y) if terms is None and self.denominator is None else {}
             try:
                 total, count = loss_sum(logits, y, self.loss_fn, self.reduction, self.denominator, terms,
                                         None if terms is not None or self.denominator is not None else self.ignored)
@@ -146,25 +146,34 @@ class Loss(Metric):
                                 "memfit.metrics.logits_of or output_fn), not the whole output as accumulate does; "
                                 "write it for the logits, e.g. lambda logits, y: F.cross_entropy(logits.transpose(1, "
                                 "2), y)") from None
-        return {"sum": total, "count": count, "n": torch.tensor(logits.shape[0], device=logits.device)}
+        return {"sum": total, "count": count, "n": torch.tensor(logits.shape[0], device=logits.device), **spread}
 
-    def _check_weighting(self, y) -> None:
+    def _check_weighting(self, y) -> dict[str, torch.Tensor]:
         """A loss_fn returning the chunk's mean is weighted by samples: refuse integer targets whose counted
-        positions (not ignore_index) differ per sample, in this chunk or from earlier ones."""
-        if self.reduction != "mean" or not isinstance(y, torch.Tensor) or y.is_floating_point() or \
-                y.dtype == torch.bool or y.dim() == 0 or not y.numel():
-            return
+        positions (not ignore_index) differ per sample, in this chunk or from earlier ones; the sums of the counts
+        and of their squares become state, so `compute` sees a difference between ranks too."""
+        if self.reduction != "mean":
+            return {}
+        dev = y.device if isinstance(y, torch.Tensor) else None
+        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.dtype == torch.bool or y.dim() == 0 \
+                or not y.numel():          # float or dict targets: every sample one term, as far as memfit can say
+            zero = torch.zeros((), dtype=torch.float64, device=dev)
+            return {"terms": zero, "terms_sq": zero}
         counted = (y != self.ignored).reshape(y.shape[0], -1).sum(1)       # (n,) positions that count per sample
         lo, hi = int(counted.min()), int(counted.max())
         first = lo if self.per_sample_terms is None else self.per_sample_terms
-        if lo == hi == first:
-            self.per_sample_terms = first
-            return
-        found = sorted({first, lo, hi})
-        raise ValueError(
+        if lo != hi or lo != first:
+            found = sorted({first, lo, hi})
+            raise self._uneven(f"{found[0]} and {found[-1]}")
+        self.per_sample_terms = first
+        c = counted.double()
+        return {"terms": c.sum(), "terms_sq": c.square().sum()}
+
+    def _uneven(self, found: str) -> ValueError:
+        return ValueError(
             f"{self.name}: loss_fn returns the mean over a chunk (loss_reduction='mean'), and the targets count a "
-            f"different number of positions per sample (found {found[0]} and {found[-1]} not equal to ignore_index "
-            f"{self.ignored}), so weighting chunks by samples would not give the whole-set mean. Fix: pass "
+            f"different number of positions per sample (found {found} not equal to ignore_index {self.ignored}), so "
+            "weighting chunks by samples would not give the whole-set mean. Fix: pass "
             f"terms=lambda x, y: (y != {self.ignored}).sum() if loss_fn averages over the positions that count "
             "(cross entropy does) or terms=lambda x, y: len(y) if it averages over samples; or leave loss_fn out "
             "(the default loss is cross entropy over the positions not ignored)")
@@ -172,6 +181,10 @@ class Loss(Metric):
     def compute(self):
         if not self.n or float(self.state["count"]) == 0:   # torch's mean of nothing (all ignored) is nan too
             return float("nan")
+        if "terms_sq" in self.state:       # several ranks, each even on its own: n * sum(c^2) == sum(c)^2 iff all equal
+            t, sq, n = float(self.state["terms"]), float(self.state["terms_sq"]), float(self.state["n"])
+            if n * sq != t * t:
+                raise self._uneven("counts that differ between ranks")
         return float(self.state["sum"]) / float(self.state["count"])
 
 
