@@ -175,7 +175,7 @@ def _key(model, optimizer, x, n, budget, levers, candidates, loss_fn, terms, all
     from memfit.memory.step_model import _callable_key
     groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")) for g in optimizer.param_groups)
     return (id(optimizer), type(optimizer).__name__, groups, _signature(x), n, budget, levers, tuple(candidates),
-            _callable_key(loss_fn), terms is None, allow, world, autocast_state())
+            _callable_key(loss_fn), terms is None, allow, world, autocast_state(), torch.get_num_threads())
 
 
 def _ranked(blocks: dict, machine_now) -> list[str]:

@@ -50,7 +50,7 @@ def _lstm_workspace_bytes(args, kwargs: dict) -> int:
     n, steps, width = x.shape[1], x.shape[0], x.shape[2]         # the input comes sequence first
     key = (steps, width, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
                                for i, a in enumerate(args) if i not in (0, 5, 6) and not isinstance(a, list)),
-           tuple(sorted(kwargs)))                             # not the batch: the same (rate, w(1)) at every n
+           tuple(sorted(kwargs)), torch.get_num_threads())    # not the batch: the same (rate, w(1)) at every n
     if key not in _REAL_BYTES:
         m = int(min(256, max(2, 2e8 / (8 * steps * hidden * (width + hidden)))))
 
@@ -128,7 +128,10 @@ _MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured 
 def _key(func, args, kwargs) -> tuple:
     from torch.utils._pytree import tree_flatten
     leaves = tree_flatten((args, kwargs))[0]
-    return (func, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves))
+    # the intra-op thread count too: oneDNN sizes its scratch per thread (a convolution's backward: 22 KiB more at
+    # 2 threads than at 1 on a small layer), so bytes measured at one count do not hold at another
+    return (func, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves),
+            torch.get_num_threads())
 
 
 def _measured(func, args, kwargs) -> int:
