@@ -44,9 +44,10 @@ from memfit.accumulation import (
     accumulate,
     batch_dependent_modules,
 )
-from memfit.budget import BudgetExceeded, format_bytes, model_device, parse_bytes
+from memfit.budget import format_bytes, model_device, parse_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.costs import machine, step_costs
+from memfit.fitting.nothing_fits import nothing_fits
 from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
 from memfit.memory.fingerprint import model_state
 from memfit.memory.micro_batch import _signature, training_peak
@@ -236,7 +237,7 @@ def _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidat
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
                           "allow_batch_dependent=True allows them)")
     if choice.best is None:
-        raise _nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers)
+        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers)
     return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
                   time.perf_counter() - t0)
 
@@ -254,47 +255,6 @@ def _cast_loss(loss_fn: Callable) -> Callable:
 
 def _name(dtype) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def _nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers) -> BudgetExceeded:
-    """BudgetExceeded with the breakdown of the least any alternative needs, and what would fit."""
-    params = sum(p.nbytes for p in {id(p): p for p in module.parameters()}.values())
-    grads = sum(p.nbytes for p in {id(p): p for p in module.parameters() if p.requires_grad}.values())
-    least = min((a for a in choice.alternatives if a.bytes is not None), key=lambda a: a.bytes)
-    with checkpointed(module, least.setting.checkpoint):
-        peak, _ = training_peak(model, optimizer, loss_fn, x, y)
-        need = peak(least.micro_batch)
-    state = _optimizer_state_bytes(optimizer, module)
-    static = params + grads + state
-    items = [("parameters", params), ("gradients", grads), ("optimizer state", state),
-             ("activations and the rest at micro-batch 1", max(0, need - static))]
-    what = ", ".join(f"{k} {format_bytes(v)}" for k, v in items)
-    if static > budget:
-        head = (f"nothing fits: parameters + gradients + optimizer state alone need {format_bytes(static)} > budget "
-                f"{format_bytes(budget)}")
-    else:
-        head = (f"nothing fits: the least any alternative needs (micro-batch {least.micro_batch}, "
-                f"{least.setting.describe()}) is {format_bytes(need)} > budget {format_bytes(budget)}")
-    more = [f"{d} devices sharding parameters, gradients and optimizer state (FSDP / ZeRO) need about "
-            f"{format_bytes(static // d + max(0, need - static))} each" for d in (2, 4, 8)
-            if static // d + max(0, need - static) <= budget][:1]
-    cast = [] if "bf16" in levers or static > budget else ["levers=('bf16',) (bf16 autocast: fewer activation bytes)"]
-    fixes = more + cast + \
-        ["an optimizer with less state (SGD: none; AdamW: 2x the parameters)", "a larger budget"]
-    return BudgetExceeded(f"{head} ({what}). What would fit: {'; or '.join(fixes)}", needed=need, budget=budget,
-                          items=items)
-
-
-def _optimizer_state_bytes(optimizer, module) -> int:
-    """Bytes of the optimizer's state once it has stepped: what it holds, else its kind's per-parameter state
-    (Adam/AdamW: two tensors like each parameter; SGD with momentum: one)."""
-    held = sum(v.nbytes for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-    if held:
-        return held
-    trainable = sum(p.nbytes for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
-    name = type(optimizer).__name__.lower()
-    per = 2 if "adam" in name else 1 if any(g.get("momentum") for g in optimizer.param_groups) else 0
-    return per * trainable
 
 
 def _agree(found: _Found, world: int) -> _Found:
@@ -430,4 +390,3 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
                    _terms=terms is not None)
-
