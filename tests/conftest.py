@@ -1,9 +1,10 @@
 """Tests marked `@pytest.mark.cuda` need a CUDA device and are skipped without one (`pytest -m cuda`).
 
 One intra-op thread unless the caller set OMP_NUM_THREADS: what oneDNN kernels allocate inside (per-thread
-scratch) depends on the thread count, so the byte figures the tests compare are pinned to one setting. Known
-gap, open: at 2 threads a bf16-autocast training step peaked 3% above its prediction and a small CNN's
-micro-batch-1 step 5x below it (tests/memory/test_step_model.py, tests/test_accumulation.py).
+scratch) depends on the thread count, so the byte figures the tests compare are pinned to one setting. The
+memory models measure it at the prediction's thread count (tests/fitting/test_fitter.py checks 2 threads); known
+gap, open: at 2 threads a bf16-autocast training step peaked 3% above its prediction (oneDNN's bf16 matmul
+scratch, not counted at any thread count: docs/memory-models.md).
 """
 import os
 

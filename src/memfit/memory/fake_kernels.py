@@ -1,7 +1,9 @@
 """Where torch's fake (meta) kernels give an op's outputs other bytes than the real kernels do, and the bytes
 the real ones give (`real_bytes`): what a fake run (`memfit.memory.fake_run`) logs instead; and the bytes real
 CPU kernels allocate inside beyond their outputs, freed before they return (`workspace_bytes`): oneDNN's
-reordered weights, its result before the copy into the output, a temporary of an input's size.
+reordered weights, its result before the copy into the output, a temporary of an input's size; and the
+tensors made outside any op that the fake mode never sees (`host_tensors_logged`: the RNG states
+`torch.utils.checkpoint` keeps).
 
 Each entry was found by comparing a fake run with the allocator's bytes of the real step
 (`memfit.memory.measure.track_memory`); a test in tests/memory/test_step_model.py guards each.
@@ -9,9 +11,13 @@ Each entry was found by comparing a fake run with the allocator's bytes of the r
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 
-__all__ = ["REAL_SIZE", "WORKSPACE", "real_bytes", "workspace_bytes"]
+__all__ = ["REAL_SIZE", "WORKSPACE", "host_tensors_logged", "real_bytes", "workspace_bytes"]
 
 
 def _overloads(*names: str) -> frozenset:
@@ -44,7 +50,7 @@ def _lstm_workspace_bytes(args, kwargs: dict) -> int:
     n, steps, width = x.shape[1], x.shape[0], x.shape[2]         # the input comes sequence first
     key = (steps, width, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
                                for i, a in enumerate(args) if i not in (0, 5, 6) and not isinstance(a, list)),
-           tuple(sorted(kwargs)))                             # not the batch: the same (rate, w(1)) at every n
+           tuple(sorted(kwargs)), torch.get_num_threads())    # not the batch: the same (rate, w(1)) at every n
     if key not in _REAL_BYTES:
         m = int(min(256, max(2, 2e8 / (8 * steps * hidden * (width + hidden)))))
 
@@ -122,7 +128,10 @@ _MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured 
 def _key(func, args, kwargs) -> tuple:
     from torch.utils._pytree import tree_flatten
     leaves = tree_flatten((args, kwargs))[0]
-    return (func, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves))
+    # the intra-op thread count too: oneDNN sizes its scratch per thread (a convolution's backward: 22 KiB more at
+    # 2 threads than at 1 on a small layer), so bytes measured at one count do not hold at another
+    return (func, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves),
+            torch.get_num_threads())
 
 
 def _measured(func, args, kwargs) -> int:
@@ -215,3 +224,42 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
             constant = max(0, *(ws[k] - rate * k for k in _LINE), w(b) - rate * b)
         _WORKSPACE_BYTES[key] = (constant, rate * b)
     return _WORKSPACE_BYTES[key]
+
+
+# torch.get_rng_state makes a real tensor (the CPU generator's state: 5056 bytes) through no ATen op, so a fake
+# mode never sees it; torch.utils.checkpoint takes one per checkpointed call when its forward runs (kept until
+# the block's backward is done) and one more around each recomputation (`fork_rng`). On the CPU they are the
+# device's bytes: a plan checkpointing 2 blocks of a small MLP peaked 5 KiB (5.4%) above its prediction.
+_HOST = threading.local()           # `.record`: where this thread's fake run logs them (None: not logged)
+_PATCH = {"users": 0, "original": None}
+_PATCH_LOCK = threading.Lock()
+
+
+def _get_rng_state() -> torch.Tensor:
+    state = _PATCH["original"]()
+    record = getattr(_HOST, "record", None)
+    if record is not None:
+        record("<torch.get_rng_state>", state)
+    return state
+
+
+@contextmanager
+def host_tensors_logged(record: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+    """Inside the block, every `torch.get_rng_state()` on this thread is handed to record(name, state) as it is
+    made: a fake run logs it as an op's output (freed when the last reference to it goes, as for real).
+    `torch.get_rng_state` is wrapped while any thread is inside such a block; other threads' calls pass
+    through unlogged."""
+    with _PATCH_LOCK:
+        if _PATCH["users"] == 0:
+            _PATCH["original"] = torch.get_rng_state
+            torch.get_rng_state = _get_rng_state
+        _PATCH["users"] += 1
+    outer, _HOST.record = getattr(_HOST, "record", None), record
+    try:
+        yield
+    finally:
+        _HOST.record = outer
+        with _PATCH_LOCK:
+            _PATCH["users"] -= 1
+            if _PATCH["users"] == 0:
+                torch.get_rng_state = _PATCH["original"]

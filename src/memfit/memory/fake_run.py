@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
 from memfit.memory.allocator import rounder
-from memfit.memory.fake_kernels import REAL_SIZE, WORKSPACE, real_bytes, workspace_bytes
+from memfit.memory.fake_kernels import REAL_SIZE, WORKSPACE, host_tensors_logged, real_bytes, workspace_bytes
 from memfit.memory.isolation import predicting, structural_copy
 from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
@@ -306,7 +306,9 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                     if phase == "step":
                         samples["optimizer state"] = {k[0] for t in optimizer_state(opt) if (k := _storage_key(t))}
 
-                with mode.logging_to(tracker), _no_cycle_collection():
+                # the RNG states torch.utils.checkpoint keeps are made through no op: logged as one
+                host = host_tensors_logged(lambda name, t: tracker.record(name, t, (), {}))
+                with mode.logging_to(tracker), _no_cycle_collection(), host:
                     if train:
                         training_step(run_model, x, opt, spec.loss_fn, y, spec.autocast, mark, optimizer_step,
                                       spec.keep_output)

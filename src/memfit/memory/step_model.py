@@ -129,10 +129,8 @@ class StepMemoryModel:
 
     def _peak(self, n: int) -> tuple[int, np.ndarray]:
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
-        if n in self._measured and self._measured[n].shape == live.shape:
-            live = np.maximum(live, self._measured[n])
-        elif n in self._measured:                     # batch 1 runs other ops: its own run is exact
-            live = self._measured[n]
+        if n in self._measured:       # a size run on its own (batch 1) is exact there: a kernel may take another
+            live = self._measured[n]  # path at it (oneDNN's convolution backward: 192 B inside, 22 KiB from batch 2)
         k = int(np.argmax(live.sum(axis=1)))
         return k, np.ceil(live[k]).astype(np.int64)
 
@@ -231,7 +229,8 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
-           id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output)
+           id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output,
+           torch.get_num_threads() if dev.type == "cpu" else None)     # kernels' scratch is per thread
     def fit() -> StepMemoryModel:
         target, note = tgt, why
         if train and target is None and loss_target(loss_fn) is not None:     # F.cross_entropy and no target
