@@ -153,12 +153,14 @@ def check_encoding(enc: Encoding, chunk_rows: int | None = None) -> None:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """Which part of a whole dataset a shard holds: `indices` are positions in the whole (CPU)."""
+    """Which part of a whole dataset a shard holds: `indices` are positions in the whole (CPU); `checksums`
+    the whole's (`memfit.rank_data.whole_checksums`), so that ranks holding shards can check one whole."""
     rank: int
     world_size: int
     mode: str
     n_total: int
     indices: torch.Tensor
+    checksums: tuple[int, int] = (0, 0)
 
 
 class Samples(Sequence):
@@ -530,7 +532,9 @@ class CompactDataset(torch.utils.data.Dataset):
 
     def shard(self, rank: int | None = None, world_size: int | None = None, *,
               mode: str = "contiguous") -> CompactDataset:
-        """Only this rank's part of the data (a copy; `nbytes` shrinks to about 1/world_size).
+        """Only this rank's part of the data (a copy; `nbytes` shrinks to about 1/world_size). It keeps the
+        whole's checksums (`shard_info.checksums`): `evaluate` and `loader` with distributed=True check that every
+        rank's shard comes from the same whole.
 
         `rank`/`world_size` default to the initialised process group. `mode` 'contiguous' keeps a
         balanced block of consecutive samples, 'strided' every world_size-th sample.
@@ -546,10 +550,12 @@ class CompactDataset(torch.utils.data.Dataset):
         if self.shard_info is not None:
             raise ValueError(f"this dataset is already shard {self.shard_info.rank} of "
                              f"{self.shard_info.world_size}; shard the whole dataset instead")
+        from memfit.rank_data import whole_checksums
         r, w = rank_world(rank, world_size)
         idx = shard_indices(len(self), r, w, mode)
         part = self.subset(idx.to(self.device))
-        part.shard_info = ShardInfo(r, w, mode, len(self), idx)
+        # the whole's checksums, taken now (one read of its stored bytes): ranks holding shards compare them
+        part.shard_info = ShardInfo(r, w, mode, len(self), idx, whole_checksums(self))
         return part
 
     def explain(self) -> str:

@@ -66,9 +66,24 @@ def kept_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _draws(func) -> bool:
-    """An aten op that draws from a generator (it takes one: rand, bernoulli_, normal_, randperm, ...)."""
-    return any(a.name == "generator" for a in func._schema.arguments)
+_DROPOUT = "native_dropout"       # draws, but takes no generator: replaced by what aten does, with one
+_RANDOM: dict = {}                # aten op -> the overload to call with a generator, or None: it draws nothing
+
+
+def _with_generator(func):
+    """The overload of `func` that draws from a given generator (rand.default -> rand.generator), `func` itself
+    when it takes one (bernoulli_, normal_, ...), `_DROPOUT` for native_dropout, None when it draws nothing.
+    Worked out once per op: every op of a prediction passes here."""
+    if func not in _RANDOM:
+        if func.overloadpacket is torch.ops.aten.native_dropout:
+            found = _DROPOUT
+        elif any(a.name == "generator" for a in func._schema.arguments):
+            found = func
+        else:
+            name = "generator" if func._overloadname == "default" else f"{func._overloadname}_generator"
+            found = getattr(func.overloadpacket, name) if name in func.overloadpacket.overloads() else None
+        _RANDOM[func] = found
+    return _RANDOM[func]
 
 
 class _OwnGenerators(TorchDispatchMode):
@@ -87,25 +102,23 @@ class _OwnGenerators(TorchDispatchMode):
         return self.generators[device]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs, orig = kwargs or {}, func
+        kwargs = kwargs or {}
+        random = _with_generator(func)
+        if random is None:                   # most ops: as they are
+            return func(*args, **kwargs)
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensors):
-            return func(*args, **kwargs)
-        if func is torch.ops.aten.native_dropout.default:        # draws, but takes no generator: as aten does it
+            return func(*args, **kwargs)     # fake and meta tensors draw nothing
+        if random == _DROPOUT:
             x, p, train = args[0], args[1], (args[2] if len(args) > 2 else kwargs.get("train"))
             if not train or p == 0:
                 return x.clone(), torch.ones_like(x, dtype=torch.bool)
             mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p, generator=self._generator(x.device))
             return x * mask * (1.0 / (1 - p)), mask
-        if not _draws(func):                  # rand, randn, randint, randperm: their overload that takes one
-            name = "generator" if func._overloadname == "default" else f"{func._overloadname}_generator"
-            func = getattr(func.overloadpacket, name, None) if name in func.overloadpacket.overloads() else None
-            if func is None:
-                return orig(*args, **kwargs)
         if kwargs.get("generator") is None:
             device = tensors[0].device if tensors else kwargs.get("device") or "cpu"
             kwargs = {**kwargs, "generator": self._generator(device)}
-        return func(*args, **kwargs)
+        return random(*args, **kwargs)
 
 
 _THIS_THREAD = threading.local()      # .own: this thread is inside own_rng
