@@ -11,8 +11,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from distributed_util import run_ranks
-from memfit import accumulation
-from memfit.accumulation import BatchDependentError, accumulate, batch_dependent_modules
+from memfit.accumulation.checks import batch_dependent_modules
+from memfit.accumulation.result import BatchDependentError, NonFiniteLossError
+from memfit.accumulation.run import accumulate
 from memfit.budget import format_bytes
 from memfit.memory import micro_batch as micro_batch_size
 
@@ -673,7 +674,7 @@ def test_a_micro_batch_with_a_nan_loss_takes_no_step_and_names_it(value):
     plain_step(mod, opt, x, y)
     mod.zero_grad(set_to_none=True)
     before = state_of(mod, opt)
-    with pytest.raises(accumulation.NonFiniteLossError,
+    with pytest.raises(NonFiniteLossError,
                        match=r"not finite \((nan|inf)\) in micro-batch 2 of 3 \(samples 4\.\.7 of the batch\).*"
                              r"nonfinite='skip'"):
         accumulate(mod, opt, (x, y), nan_on(2, value), micro_batch=4)        # 4 + 4 + 2
@@ -728,7 +729,7 @@ def test_no_step_gives_back_the_gradients_held_before_the_call(how):
         with pytest.raises(RuntimeError, match="broken on purpose"):
             accumulate(mod, opt, (x, y), loss_fn, micro_batch=4)
     elif how == "raise":
-        with pytest.raises(accumulation.NonFiniteLossError, match=r"gradients and optimizer state are as they were"):
+        with pytest.raises(NonFiniteLossError, match=r"gradients and optimizer state are as they were"):
             accumulate(mod, opt, (x, y), nan_on(2), micro_batch=4)
     else:
         assert accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip").skipped
@@ -746,7 +747,7 @@ def test_the_micro_batch_named_counts_those_with_no_terms_too():
         calls["n"] += 1
         return token_loss(out, t) * (float("nan") if calls["n"] == 2 else 1.0)
     model = Tagger()
-    with pytest.raises(accumulation.NonFiniteLossError, match=r"in micro-batch 2 of 2 \(samples 2\.\.3 "):
+    with pytest.raises(NonFiniteLossError, match=r"in micro-batch 2 of 2 \(samples 2\.\.3 "):
         accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, y), loss_fn, micro_batch=2,
                    terms=lambda x, y: (y != -100).sum())
 
@@ -757,7 +758,7 @@ def test_infinite_losses_of_opposite_sign_name_the_first():
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     x, y = data(4)
     signs = iter([1.0, -1.0])
-    with pytest.raises(accumulation.NonFiniteLossError, match=r"\(nan\) in micro-batch 1 of 2 \(samples 0\.\.1 "):
+    with pytest.raises(NonFiniteLossError, match=r"\(nan\) in micro-batch 1 of 2 \(samples 0\.\.1 "):
         accumulate(mod, opt, (x, y), lambda o, t: F.cross_entropy(o, t) * 0 + next(signs) * float("inf"),
                    micro_batch=2)
 

@@ -17,15 +17,13 @@ Example:
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> x, y = torch.randn(10, 4), torch.randint(0, 2, (10,))
+    >>> from memfit import accumulate
     >>> r = accumulate(model, opt, (x, y), torch.nn.functional.cross_entropy, micro_batch=4)
     >>> r.micro_batches, r.micro_batch, r.retries       # 4 + 4 + 2 samples
     (3, 4, 0)
+
+Every public name lives on `memfit` (`memfit.accumulate`, `memfit.StepResult`, `memfit.NonFiniteLossError`,
+`memfit.BatchDependentError`); `batch_dependent_modules` is in `checks`.
 """
 
-from memfit.accumulation.checks import batch_dependent_modules
-from memfit.accumulation.checks import batch_size as _batch_size  # noqa: F401  (memfit.fitting)
-from memfit.accumulation.checks import check_distributed as _check_distributed  # noqa: F401  (memfit.fitting)
-from memfit.accumulation.result import BatchDependentError, NonFiniteLossError, StepResult
-from memfit.accumulation.run import accumulate
-
-__all__ = ["BatchDependentError", "NonFiniteLossError", "StepResult", "accumulate", "batch_dependent_modules"]
+__all__: list[str] = []
