@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from distributed_util import run_ranks
 from memfit.accumulation.checks import batch_dependent_modules
 from memfit.accumulation.result import BatchDependentError, NonFiniteLossError
 from memfit.accumulation.run import accumulate
 from memfit.budget import format_bytes
 from memfit.memory import micro_batch as micro_batch_size
+from memfit.testing.ranks import run_ranks
 
 D, C = 6, 3
 

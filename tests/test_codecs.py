@@ -264,3 +264,11 @@ def test_quantised_bound_holds_for_the_float32_decode(channels, loc, max_scale, 
 def test_unfitted_quantiser_says_so():
     with pytest.raises(ValueError, match="not fitted"):
         make_codec("q8").encode(torch.zeros(1, 1))
+
+
+@pytest.mark.parametrize("name, value, found, wider", [("int16", 40_000, "40000", "int32"),
+                                                      ("int32", 3_000_000_000, r"3e\+09", "int64")])
+def test_an_integer_out_of_range_names_the_next_wider_codec(name, value, found, wider):
+    x = torch.tensor([[0, value]], dtype=torch.int64)
+    with pytest.raises(ValueError, match=rf"codec '{name}' needs values in .*found {found} .*use codec='{wider}'"):
+        make_codec(name).encode(x)

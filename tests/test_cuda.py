@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from distributed_util import run_ranks
 from memfit import evaluate, plan
 from memfit.compact import CompactDataset
+from memfit.testing.ranks import run_ranks
 from memfit.testing.zoo import MODELS, build
 
 pytestmark = pytest.mark.cuda

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from distributed_util import run_ranks
 from memfit import evaluate
 from memfit import loader as memfit_loader
 from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed, agree, epoch_batch_sizes, shard_indices, shard_sizes
+from memfit.testing.ranks import run_ranks
 
 N = 1003                      # not a multiple of 2 or 3: uneven shards
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distributed_util import run_ranks
 from memfit import CompactDataset, evaluate, metrics
+from memfit.testing.ranks import run_ranks
 
 N = 29                                     # odd: 2 ranks hold 15 and 14 samples
 

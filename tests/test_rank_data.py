@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from distributed_util import run_ranks
 from memfit import evaluate
 from memfit import loader as memfit_loader
 from memfit.compact import CompactDataset
 from memfit.rank_data import check_same_data, content_checksum, data_identity, layout_of
+from memfit.testing.ranks import run_ranks
 
 
 def _set(n=2000, seed=4, y=None):

@@ -233,7 +233,7 @@ def _fit_rank(rank, world):
 
 
 def test_every_rank_gets_the_same_plan_and_the_global_batch_gradient():
-    from distributed_util import run_ranks
+    from memfit.testing.ranks import run_ranks
     out = run_ranks(_fit_rank, 2, timeout=90)
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     (m0, c0, loss0, g0, stop0), (m1, c1, _, g1, stop1) = out[0][1], out[1][1]

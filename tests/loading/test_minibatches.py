@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distributed_util import run_ranks
 from memfit import Loader, loader
 from memfit.budget import BudgetExceeded, format_bytes
 from memfit.cli.bench.host_memory import run_child, verdict, write_images
 from memfit.compact import CompactDataset
 from memfit.loading.strategy import Needs, block_ledger, choose, largest_macro, resident_ledger
+from memfit.testing.ranks import run_ranks
 
 N = 1003                                   # not a multiple of any batch size used here: an uneven last batch
 CONFIGS = [("resident", {}), ("stream", {}), ("stream", {"prefetch": False}),
@@ -399,7 +399,8 @@ def test_the_copy_thread_changes_no_other_threads_count(file_data):
             got = []
             t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
             t.start()
-            t.join()
+            t.join(timeout=30)
+            assert not t.is_alive(), "the thread reading torch.get_num_threads() did not finish in 30 s"
             return got[0]
         assert count_in_new_thread() == 2
         ld = loader(file_data, 64, strategy="stream", seed=0, device="cpu")
@@ -412,7 +413,8 @@ def test_the_copy_thread_changes_no_other_threads_count(file_data):
         # in the copy thread made this 1: it also stores the count every new thread takes)
         limited = threading.Thread(target=lambda: inside.append(("limited", one_openmp_thread())))
         limited.start()
-        limited.join()
+        limited.join(timeout=30)
+        assert not limited.is_alive(), "the thread calling one_openmp_thread() did not finish in 30 s"
         if inside[-1][1]:                                        # the OpenMP runtime was found: the copy ran on 1
             assert set(inside[:-1]) == {1}
     finally:

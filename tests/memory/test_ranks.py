@@ -5,9 +5,9 @@ import pytest
 import rank_cases
 import torch
 
-from distributed_util import run_ranks
 from memfit import memory_model
 from memfit.memory.ranks import ddp_bucket_bytes, rank_memory_model, ranks_needed
+from memfit.testing.ranks import run_ranks
 
 
 @pytest.fixture(scope="module")

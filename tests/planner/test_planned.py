@@ -175,19 +175,8 @@ def test_shape_and_dtype_mistakes_are_reported_as_such(model, x, match):
     assert e.value.kind == "inputs" and "control flow" not in str(e.value)
 
 
-def test_capture_restores_torch_logging():
-    import logging
-    lg = logging.getLogger("torch._subclasses.fake_tensor")
-    before = (lg.level, lg.disabled)
-    with pytest.raises(CaptureError):
-        plan(DataDependent(), (torch.randn(2, 3),))
-    assert (lg.level, lg.disabled) == before
-
-
-def test_training_mode_batch_norm_asks_for_eval():
-    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).train()
-    with pytest.raises(CaptureError, match=r"model.eval\(\)"):
-        plan(model, (torch.randn(2, 1, 8, 8),))
+# capture's own contract (every failure's kind and message, logging and the RNG left as found, a BatchNorm in
+# training mode asked to eval()) is tested directly in test_capture.py
 
 
 def test_bad_arguments():
@@ -365,7 +354,8 @@ def test_two_threads_share_a_planned_module():
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread calling the planned module did not finish in 120 s"
     assert not errors
 
 

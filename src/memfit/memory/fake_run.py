@@ -35,7 +35,7 @@ from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
 from memfit.planner.global_caches import cache_misses, clear_filled
 
-__all__ = ["SAVES_SCALAR", "FakeRunError", "fake_run"]
+__all__ = ["SAVES_SCALAR", "FakeRunError", "StepSpec", "fake_run"]
 COLUMN = {k.value: i for i, k in enumerate(STEP_KINDS)}     # a kind's value -> its column in a run's arrays
 # ops whose backward keeps their second argument: given a Python number, a 0-d tensor autograd wraps and saves
 SAVES_SCALAR = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
@@ -234,17 +234,33 @@ def fake_maker(mode: FakeTensorMode, device: torch.device, memo: dict) -> Callab
     return fake
 
 
-def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss_fn, target: ExampleBatch | None,
-             autocast, device: torch.device, mode: FakeTensorMode, fakes: dict, step: bool = True,
-             grads_held: bool = False, keep_output: bool = True) -> _Run:
-    """One fake run at batch n (with step=False the optimizer step is skipped: `_with_step` puts it in).
-    With `grads_held` every trainable parameter has a gradient before the step, as in a later micro-batch of
-    an accumulation: backward adds into it, and its bytes are held from the start. With keep_output=False the
-    output is dropped once the loss is computed (`memfit.accumulate`'s step).
+@dataclass(frozen=True, eq=False)
+class StepSpec:
+    """What a fake run runs: the same in every run of one prediction (only the batch size changes)."""
+    model: torch.nn.Module                # left untouched: the run works on a structural copy over fake tensors
+    batch: ExampleBatch                   # the input, rebuilt at each batch size
+    device: torch.device                  # the device the run is for (fakes are made there)
+    train: bool = True                    # a training step (forward, loss, backward, step, zero_grad), else a
+    #                                       forward under no_grad
+    optimizer: torch.optim.Optimizer | None = None   # its step and state count (a shallow copy with fake state)
+    loss_fn: Callable | None = None       # `loss_fn(output, target)`; None: `training_step`'s default
+    target: ExampleBatch | None = None    # the target, rebuilt at each batch size
+    autocast: torch.dtype | None = None   # forward and loss under `torch.autocast` with this dtype
+    grads_held: bool = False              # every trainable parameter has a gradient before the step (a later
+    #                                       micro-batch of an accumulation): backward adds into it, held from the start
+    keep_output: bool = True              # False: the output is dropped once the loss is computed
+    #                                       (`memfit.accumulate`'s step)
+
+
+def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optimizer_step: bool = True) -> _Run:
+    """One fake run of `spec` at batch n (with optimizer_step=False the optimizer step is skipped:
+    `memfit.memory.fit.with_step` puts it in).
     `mode` and `fakes` (id of a real tensor -> its fake) are shared by the runs of one prediction: the fake
     mode's op cache then serves the ops whose shapes do not depend on the batch."""
     from torch.nn.utils.stateless import _reparametrize_module
 
+    model, batch, target, optimizer, device = spec.model, spec.batch, spec.target, spec.optimizer, spec.device
+    train, grads_held = spec.train, spec.grads_held
     fake = fake_maker(mode, device, fakes)
 
     named = {**dict(model.named_parameters(remove_duplicate=False)),
@@ -292,9 +308,10 @@ def fake_run(model, batch: ExampleBatch, n: int, *, train: bool, optimizer, loss
 
                 with mode.logging_to(tracker), _no_cycle_collection():
                     if train:
-                        training_step(run_model, x, opt, loss_fn, y, autocast, mark, step, keep_output)
+                        training_step(run_model, x, opt, spec.loss_fn, y, spec.autocast, mark, optimizer_step,
+                                      spec.keep_output)
                     else:
-                        with torch.no_grad(), forward_autocast(device.type, autocast):
+                        with torch.no_grad(), forward_autocast(device.type, spec.autocast):
                             out = forward(run_model, x)
                         mark("forward")
                         del out

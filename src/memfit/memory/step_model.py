@@ -50,8 +50,9 @@ from memfit.budget import check_count, format_bytes, model_device
 from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
 from memfit.memory.cache import ModelCache
 from memfit.memory.example_target import example_target, loss_target
-from memfit.memory.fake_run import FakeRunError, _LoggingFakeMode, _Run, fake_run
-from memfit.memory.fit import affine, envelope, gradient_line, proportional, quadratic, with_step
+from memfit.memory.fake_run import FakeRunError, StepSpec, _LoggingFakeMode, _Run, fake_run
+from memfit.memory.fit import gradient_line, with_step
+from memfit.memory.fit_ladder import fit_runs
 from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
 from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
@@ -236,8 +237,8 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         if train and target is None and loss_target(loss_fn) is not None:     # F.cross_entropy and no target
             target, built = example_target(model, batch, loss_fn, dev)
             note = f"{note}; {built}" if note else built
-        return _fit(model, batch, target, train=train, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast,
-                    device=dev, why=note, grads_held=grads_held, keep_output=keep_output)
+        return _fit(StepSpec(model, batch, dev, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
+                             autocast=autocast, grads_held=grads_held, keep_output=keep_output), why=note)
 
     # kept per model: predicting again for the same batch layout and optimizer (each evaluation) costs nothing;
     # a new or reshaped parameter, a changed flag or attribute (checkpointing, dropout p) predicts again
@@ -290,122 +291,69 @@ def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
             f"that op; {measure}, or use another implementation of that layer")
 
 
-def _fit(model, batch: ExampleBatch, tgt: ExampleBatch | None, *, train, optimizer, loss_fn, autocast, device, why,
-         grads_held, keep_output):
-    dev = device
-    optimizer_note = " (no optimizer: no step)" if train and optimizer is None else ""
-    mode = _LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
-    fakes: dict[int, torch.Tensor] = {}
+class _Probes:
+    """The fake runs of one prediction by batch size (`fit_ladder.Probes`): batch 4, which alone runs the
+    optimizer step (the others get its step put in), and batch 1, or 2 where batch 1 cannot train."""
 
-    once = train and optimizer is not None            # the optimizer step runs at batch 4 only
-
-    def run(n: int) -> _Run:
+    def __init__(self, spec: StepSpec):
+        self.spec = spec
+        self.once = spec.train and spec.optimizer is not None     # the optimizer step runs at batch 4 only
+        self.single = ""                              # why there is no run at 1, for `method`
+        self._start()
         try:
-            r = fake_run(model, batch, n, train=train, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
-                     autocast=autocast, device=dev, mode=mode, fakes=fakes, step=not once or n == 4,
-                     grads_held=grads_held, keep_output=keep_output)
+            self.at(1)
+        except ValueError as e:        # BatchNorm training on one sample: the real step fails the same way
+            if not spec.train or "more than 1 value per channel" not in str(e):
+                raise
+            self._start()              # afresh: the failed run left fakes behind
+            self.at(2)
+            self.single = "; batch 1 cannot train (batch statistics need 2 samples): no run at 1"
+
+    def _start(self) -> None:
+        self.mode = _LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
+        self.fakes: dict[int, torch.Tensor] = {}      # shared by the runs: the fake mode's op cache serves them
+        self.runs: dict[int, _Run] = {}
+        self.at(4)
+
+    def at(self, n: int) -> _Run:
+        if n not in self.runs:
+            self.runs[n] = self._run(n)
+        return self.runs[n]
+
+    def _run(self, n: int) -> _Run:
+        try:
+            r = fake_run(self.spec, n, mode=self.mode, fakes=self.fakes, optimizer_step=not self.once or n == 4)
         except (ValueError, TypeError):                # our own argument errors, and the user's
             raise
         except Exception as e:
-            raise FakeRunError(_fake_failure(e, model, optimizer, train, n)) from e
-        return with_step(r, runs[4]) if once and n != 4 else r
+            raise FakeRunError(_fake_failure(e, self.spec.model, self.spec.optimizer, self.spec.train, n)) from e
+        return with_step(r, self.runs[4]) if self.once and n != 4 else r
 
-    runs = {4: run(4)}
-    single = ""
-    try:
-        runs[1] = run(1)
-    except ValueError as e:            # BatchNorm training on one sample: the real step fails the same way
-        if not train or "more than 1 value per channel" not in str(e):
-            raise
-        mode = _LoggingFakeMode(allow_non_fake_inputs=True)      # afresh: the failed run left fakes behind
-        fakes.clear()
-        runs = {4: run(4)}
-        runs[2] = run(2)
-        single = "; batch 1 cannot train (batch statistics need 2 samples): no run at 1"
-    what = ("one training step" if train else "one forward") + \
-        (" with every gradient held before it (backward adds into them)" if grads_held else "") + \
-        (f" (forward under torch.autocast({str(autocast).removeprefix('torch.')}))" if autocast is not None else "")
-    measured = {}
-    c = None
-    one = runs.get(1)                                  # None when batch 1 cannot train
-    cheap = one is not None and proportional(one, 1, runs[4], 4)   # every storage the same size in both or 4x
-    if not cheap and 2 not in runs:
-        runs[2] = run(2)
-    if cheap:
-        a, b = affine(runs, 1, 4)
-        how = "affine per op and kind from sizes 1 and 4 (every storage the same size in both, or 4 times as large)"
-    elif runs[2].ops == runs[4].ops and proportional(runs[2], 2, runs[4], 4):
-        a, b = affine(runs, 2, 4)
-        how = "affine per op and kind from sizes 2 and 4 (every storage the same size in both, or twice as large)"
-        if one is None:
-            pass
-        elif one.ops != runs[2].ops:
-            measured[1] = one.live
-            how += "; batch 1 runs other ops and is its own exact run"
-        elif not np.array_equal(a + b, one.live):
-            measured[1] = one.live
-            how += "; batch 1 is its own exact run"
-        else:
-            how += ", exact at 1"
-    elif runs[2].ops == runs[4].ops:
-        a, b = affine(runs, 2, 4)
-        check = 1 if one is not None and one.ops == runs[2].ops else 8
-        if check == 8:
-            runs[8] = run(8)
-            if one is not None:
-                measured[1] = one.live
-        same = runs[check].ops == runs[2].ops
-        if same and np.array_equal(a + b * check, runs[check].live):
-            how = f"affine per op and kind from sizes 2 and 4, exact at {check}"
-        else:
-            # some size grows faster than the batch (an n x n similarity matrix, say): a quadratic per op from
-            # 2, 4 and 8, checked at a fourth size
-            for n in (8, 16):
-                runs[n] = runs[n] if n in runs else run(n)
-            check = 1 if one is not None and one.ops == runs[2].ops else 16
-            if all(runs[n].ops == runs[2].ops for n in (4, 8, check)):
-                a, b, c = quadratic(runs, 2, 4, 8)
-            if c is not None and np.allclose(a + b * check + c * check * check, runs[check].live, rtol=0, atol=0.5):
-                how = f"quadratic per op and kind from sizes 2, 4 and 8, exact at {check}"
-            else:
-                # batch 1 is its own exact run, not a point of the envelope: a kernel may take another path
-                # there (oneDNN's convolution: 9x the bytes inside at batch 1 for a small layer), which would
-                # steepen the slope at every size
-                sizes = sorted(n for n in runs if n > 1 and runs[n].ops == runs[2].ops)
-                a, b = envelope(runs, sizes)
-                c = None
-                how = (f"APPROXIMATE: upper envelope of the sizes {sizes} (neither affine nor quadratic in the "
-                       "batch: steepest slope per op)")
-                if one is not None:
-                    measured[1] = one.live
-                    how += "; batch 1 is its own exact run"
-        if one is not None and one.ops != runs[2].ops:
-            how += "; batch 1 runs other ops and is its own exact run"
-    else:
-        runs[8] = run(8)
-        peaks = [(n, runs[n].live.sum(axis=1).max()) for n in sorted(runs)]
-        slope = max(max((p2 - p1) / (n2 - n1) for (n1, p1), (n2, p2) in zip(peaks, peaks[1:], strict=False)), 0)
-        top = max(p - slope * n for n, p in peaks)
-        # the op sequence changes with the batch: one line through the measured peaks
-        a = np.zeros((1, len(STEP_KINDS)))
-        b = np.zeros((1, len(STEP_KINDS)))
-        a[0, 0], b[0, 0] = top, slope
-        how = (f"APPROXIMATE: line above the peaks at sizes {sorted(runs)} with the steepest slope (the ops change "
-               "with the batch size)")
-    how += single
-    if once:
+
+def _fit(spec: StepSpec, why: str) -> StepMemoryModel:
+    """Fake runs at the fewest batch sizes the ladder of fitters needs (`memfit.memory.fit_ladder`), and what
+    they say: the memory model, its `method` in words (with a warning where it is approximate)."""
+    probes = _Probes(spec)
+    train, autocast, tgt = spec.train, spec.autocast, spec.target
+    fit = fit_runs(probes)
+    runs = probes.runs
+    how = fit.how + probes.single
+    if probes.once:
         how += ("; the optimizer step ran once, at batch 4: it reads and writes parameters, gradients and its "
                 "state, none of which depends on the batch")
-    held = {"inputs": (0, batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
+    held = {"inputs": (0, spec.batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
     if train:
         held["optimizer state"] = (runs[4].held["optimizer state"], 0)
-    if grads_held:
+    if spec.grads_held:
         held["gradients"] = (runs[4].held["gradients"], 0)
-    method = f"fake-tensor run of {what}{optimizer_note} at batch sizes {sorted(runs)}, {how}" + \
-        (f" ({why})" if why else "")
+    what = ("one training step" if train else "one forward") + \
+        (" with every gradient held before it (backward adds into them)" if spec.grads_held else "") + \
+        (f" (forward under torch.autocast({str(autocast).removeprefix('torch.')}))" if autocast is not None else "") + \
+        (" (no optimizer: no step)" if train and spec.optimizer is None else "")
+    method = f"fake-tensor run of {what} at batch sizes {sorted(runs)}, {how}" + (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
-        warnings.warn(f"the memory of {type(model).__name__} is estimated, not exact: {method}. Check the size you "
-                      "pick with memfit.measure_step", stacklevel=4)
-    return StepMemoryModel(method, runs[4].held["parameters"], dev, train, held, a, b, runs[4].ops,
-                           runs[4].phase_ends, measured, c, gradient_line(runs),
+        warnings.warn(f"the memory of {type(spec.model).__name__} is estimated, not exact: {method}. Check the size "
+                      "you pick with memfit.measure_step", stacklevel=4)
+    return StepMemoryModel(method, runs[4].held["parameters"], spec.device, train, held, fit.a, fit.b, runs[4].ops,
+                           runs[4].phase_ends, fit.measured, fit.c, gradient_line(runs),
                            {k: r.grad_bytes for k, r in runs.items()}, why=why)

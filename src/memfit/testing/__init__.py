@@ -3,6 +3,7 @@
 - `zoo`: a zoo of models written without torchvision (MLP, CNNs, ResNet and MobileNet layer plans, transformer
   blocks) and of `transformers` architectures built from configs with random weights (`build_real`).
 - `fuzz`: random programs for differential fuzzing of the planner (views, broadcasts and in-place candidates).
+- `ranks`: the one rank spawner: N gloo (or nccl) processes on 127.0.0.1, results or errors, bounded waits.
 """
 
 __all__: list[str] = []

@@ -15,91 +15,54 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import time
-import traceback
 
 from memfit.cli.bench.common import machine_header, table
+from memfit.testing.ranks import spawn
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, n: int, batch: int, epochs: int, threads: int, queue,
-          device: str = "cpu") -> None:
+def _rank(rank: int, world: int, n: int, batch: int, epochs: int, device: str = "cpu") -> dict:
+    """One rank's loader and evaluation figures (run by `memfit.testing.ranks.spawn` in a process group)."""
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(threads)
-    try:
-        cuda = device == "cuda"
-        dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world)
-        from memfit import evaluate, loader
-        from memfit.cli.bench.evaluate import cnn
-        from memfit.compact import CompactDataset
-        from memfit.readers import synthetic
-        x, y = synthetic(n, seed=0)
-        ds = CompactDataset.from_arrays(x, y, normalize="dataset", device="cpu").shard()   # this rank's part only
-        del x, y
-        ld = loader(ds, batch, strategy="resident", device=dev, seed=0, distributed=True, budget="4GiB")
-        for _batch in ld:                                  # warm-up epoch: allocations, first touches
-            pass
-        dist.barrier()
-        t0 = time.perf_counter()
-        seen = 0
-        for _ in range(epochs):
-            for xb, _ in ld:
-                seen += xb.shape[0]
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t_load = time.perf_counter() - t0
-        torch.manual_seed(0)                               # the same weights in every process and world size
-        model = cnn().to(dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        res = evaluate(model, ds, metrics=("accuracy",), chunk_size=1024, device=dev, progress=False,
-                       distributed=True, planned=False)
-        t_eval = time.perf_counter() - t0
-        held = ds.nbytes
-        queue.put((rank, {"seen": seen, "load_s": t_load, "eval_s": t_eval, "held": held,
-                          "accuracy": res.metrics["accuracy"], "n": res.n}))
-    except BaseException as e:
-        queue.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    from memfit import evaluate, loader
+    from memfit.cli.bench.evaluate import cnn
+    from memfit.compact import CompactDataset
+    from memfit.readers import synthetic
+    x, y = synthetic(n, seed=0)
+    ds = CompactDataset.from_arrays(x, y, normalize="dataset", device="cpu").shard()   # this rank's part only
+    del x, y
+    ld = loader(ds, batch, strategy="resident", device=dev, seed=0, distributed=True, budget="4GiB")
+    for _batch in ld:                                  # warm-up epoch: allocations, first touches
+        pass
+    dist.barrier()
+    t0 = time.perf_counter()
+    seen = 0
+    for _ in range(epochs):
+        for xb, _ in ld:
+            seen += xb.shape[0]
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t_load = time.perf_counter() - t0
+    torch.manual_seed(0)                               # the same weights in every process and world size
+    model = cnn().to(dev)
+    dist.barrier()
+    t0 = time.perf_counter()
+    res = evaluate(model, ds, metrics=("accuracy",), chunk_size=1024, device=dev, progress=False,
+                   distributed=True, planned=False)
+    t_eval = time.perf_counter() - t0
+    return {"seen": seen, "load_s": t_load, "eval_s": t_eval, "held": ds.nbytes,
+            "accuracy": res.metrics["accuracy"], "n": res.n}
 
 
 def measure(world: int, n: int, batch: int, epochs: int, timeout: float = 600, device: str = "cpu") -> dict:
     """Start `world` processes (on `device`: 'cpu' with gloo, 'cuda' with nccl, one GPU per rank) and
     return the slowest rank's times and the per-rank figures."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // world)
-    procs = [ctx.Process(target=_rank, args=(r, world, port, n, batch, epochs, threads, queue, device),
-                         daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        out = dict(queue.get(timeout=timeout) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [v["error"] for v in out.values() if "error" in v]
-    if errors:
-        raise RuntimeError(f"a rank failed: {errors[0]}")
+    out = spawn(_rank, world, n, batch, epochs, device, timeout=timeout, threads=threads,
+                backend="nccl" if device == "cuda" else "gloo")
     load_s = max(v["load_s"] for v in out.values())
     return {"processes": world, "threads each": threads,
             "loader samples/s": sum(v["seen"] for v in out.values()) / load_s,

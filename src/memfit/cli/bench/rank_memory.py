@@ -16,14 +16,11 @@ Run:
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
-import pickle
-import socket
-import traceback
 
 import torch
 
 from memfit.cli.bench.common import machine_header, table
+from memfit.testing.ranks import spawn
 
 TARGET = (1.00, 1.05)
 DIGITS = 4      # the ratio is judged to 4 decimals: kernels wrap Python scalars in 0-d tensors of 4-8 bytes
@@ -83,57 +80,6 @@ def _rank_job(rank: int, world: int, name: str, parallel: str, sizes) -> dict:
     from memfit.memory.rank_measure import measure_rank_step
     return {n: measure_rank_step(functools.partial(_build, name, parallel), _example(name), torch.optim.AdamW, n=n)
             for n in sizes}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn, rank, world, port, args, queue):
-    import os
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
-    except BaseException as e:
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(fn, world: int, *args, timeout: float = 300.0) -> dict:
-    """{rank: value} from `fn(rank, world, *args)` in `world` gloo processes; a rank that fails or does not
-    answer within `timeout` seconds raises here, and every process is killed (none is left waiting)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "ok":
-                out[rank] = pickle.loads(value)
-            else:
-                errors.append(f"rank {rank}: {value}")
-                break                                  # the others may wait on it in a collective: kill them
-    except Exception:
-        errors.append(f"ranks {sorted(set(range(world)) - set(out))} gave no answer within {timeout:.0f} s")
-    finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 30)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError(f"a rank failed: {errors[0]}")
-    return out
 
 
 def _predict(name: str, parallel: str, world: int, backend: str = "gloo"):

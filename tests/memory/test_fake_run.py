@@ -1,0 +1,57 @@
+"""One step on fake tensors (`memfit.memory.fake_run.fake_run`) from its `StepSpec`: the optimizer step left
+out and put back in gives the run with it, gradients held count from the start, and nothing real is touched."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from memfit.memory.fake_run import COLUMN, StepSpec, _LoggingFakeMode, fake_run
+from memfit.memory.fit import with_step
+from memfit.memory.step import ExampleBatch
+
+
+def spec(**kw) -> StepSpec:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return StepSpec(model, ExampleBatch((16,)), torch.device("cpu"), optimizer=opt, **kw)
+
+
+def runs(s: StepSpec, *calls):
+    mode, fakes = _LoggingFakeMode(allow_non_fake_inputs=True), {}
+    return [fake_run(s, n, mode=mode, fakes=fakes, optimizer_step=step) for n, step in calls]
+
+
+def test_the_optimizer_step_left_out_and_put_back_is_the_run_with_it():
+    s = spec()
+    skipped, full4, full2 = runs(s, (2, False), (4, True), (2, True))
+    b = skipped.phase_ends["backward"]
+    assert skipped.phase_ends["step"] == b + 1                 # the step's marker alone
+    assert full2.phase_ends["step"] > full2.phase_ends["backward"] + 1
+    put_back = with_step(skipped, full4)
+    assert put_back.ops == full2.ops and put_back.phase_ends == full2.phase_ends
+    np.testing.assert_array_equal(put_back.live, full2.live)
+
+
+def test_a_spec_is_frozen_and_nothing_real_is_touched():
+    s = spec()
+    before = [p.detach().clone() for p in s.model.parameters()]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.train = False
+    run, = runs(s, (3, True))
+    assert run.held["inputs"] == 3 * 16 * 4 and run.held["optimizer state"] == 0     # momentum made lazily
+    assert all(p.grad is None for p in s.model.parameters()) and not s.optimizer.state
+    assert all(torch.equal(p, q) for p, q in zip(s.model.parameters(), before, strict=True))
+
+
+def test_gradients_held_before_the_step_are_held_from_the_start():
+    plain, = runs(spec(), (4, True))
+    held, = runs(spec(grads_held=True), (4, True))
+    params = plain.held["parameters"]
+    assert "gradients" not in plain.held and held.held["gradients"] >= params      # rounded up to blocks
+    assert held.grad_bytes == held.held["gradients"]
+    g = COLUMN["gradients"]
+    assert plain.live[:, g].max() == plain.grad_bytes == params      # made in backward
+    assert held.live[:, g].max() == 0                  # backward adds into the held ones: no gradient storage made
