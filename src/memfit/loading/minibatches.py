@@ -76,6 +76,7 @@ def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int, id
 def _identity(src: Source, whole: bool) -> tuple[int, ...]:
     """(layout hash, checksums of the whole's stored x and y) of a source (`memfit.rank_data`): what every rank
     must share; (layout hash,) for a rank's own part (whole=False)."""
+    from memfit.arrays import release_pages
     from memfit.rank_data import content_checksum, layout_hash, whole_checksums
     layout = layout_hash(src.template)
     if not whole:
@@ -84,7 +85,9 @@ def _identity(src: Source, whole: bool) -> tuple[int, ...]:
     if isinstance(ds, CompactDataset):
         return layout, *(ds.shard_info.checksums if ds.shard_info is not None else whole_checksums(ds))
     mask = (1 << 63) - 1          # a file: its values as read (one more read of the file), its stored targets
-    return layout, content_checksum(src.x) & mask, content_checksum(src.y) & mask
+    sums = layout, content_checksum(src.x) & mask, content_checksum(src.y) & mask
+    release_pages(src.x)          # the pages read stay in the OS cache, not in this process's memory
+    return sums
 
 
 def _agreed_parts(n: int, rank: int, layout: int) -> tuple[range, int, int, int]:
