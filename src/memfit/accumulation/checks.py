@@ -136,25 +136,23 @@ def count_terms(terms: Callable, x, y) -> int:
     return c
 
 
-def terms_differ(x, y) -> str | None:
-    """The warning to give when labels (y, or x['labels']) ignore (-100) a different number of positions per
-    sample (or some samples, one label each): a loss averaged over what counts weighs samples unequally, so
-    weighting micro-batches by samples is not the full-batch step; None when they do not. Said, not refused:
-    a loss that is a mean over samples is exact. Run before the step, when no gradient is held: its
-    temporaries (a bool per label, an int64 per sample) then sit below the step's peak."""
+def terms_differ(x, y, ignore: int = -100) -> str | None:
+    """The warning to give when labels (y, or x['labels']) ignore (`ignore`: the loss's ignore_index, else -100) a
+    different number of positions per sample (or some samples, one label each): a loss averaged over what counts
+    weighs samples unequally, so weighting micro-batches by samples is not the full-batch step; None when they do
+    not. Said, not refused: a loss that is a mean over samples is exact. Run before the step, when no gradient is
+    held: its temporaries (a bool per label, an int64 per sample) then sit below the step's peak."""
     labels = [t for t in (y, x.get("labels") if isinstance(x, dict) else None)
               if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.numel() and not t.is_floating_point()]
     for t in labels:
-        ignored = (t == -100).reshape(t.shape[0], -1).sum(1)      # per sample (one label each: 0 or 1)
+        ignored = (t == ignore).reshape(t.shape[0], -1).sum(1)      # per sample (one label each: 0 or 1)
         if bool(ignored.min() != ignored.max()):
             where = "y" if t is y else "x['labels']"
             expr = "y" if t is y else 'x["labels"]'
-            return (f"accumulate: {where} ignores (-100) a different number of positions per sample; if "
+            return (f"accumulate: {where} ignores ({ignore}) a different number of positions per sample; if "
                     "loss_fn averages over the positions that count (cross_entropy and transformers' losses do), "
                     "micro-batches weighted by samples do not give the full-batch gradient. Pass "
-                    f"terms=lambda x, y: ({expr} != -100).sum() to weight them by the positions that count "
-                    f"(({expr}[:, 1:] != -100).sum() for a causal LM that shifts its labels), or ignore this for "
-                    "a loss that is a mean over samples")
+                    f"terms=lambda x, y: ({expr} != {ignore}).sum() to weight them by the positions that count "
+                    f"(({expr}[:, 1:] != {ignore}).sum() for a causal LM that shifts its labels), or ignore this "
+                    "for a loss that is a mean over samples")
     return None
-
-

@@ -23,6 +23,7 @@ import torch
 from memfit.accumulation.checks import count_terms, part_of
 from memfit.batches import batch_to, forward
 from memfit.budget import halve_after_oom, is_oom
+from memfit.losses import call_loss
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
 
@@ -126,7 +127,7 @@ class MicroStep:
         whole = s == 0 and e == self.n          # the batch itself: no views to make
         xs = batch_to(self.x, self.device) if whole else part_of(self.x, s, e, self.device)
         ys = batch_to(self.y, self.device) if whole else part_of(self.y, s, e, self.device)
-        loss = self.loss_fn(forward(self.model, xs), ys)
+        loss = call_loss(self.loss_fn, forward(self.model, xs), ys)      # refuses (N, 1) against (N,) targets
         m = e - s
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
         if not isinstance(loss, torch.Tensor) or not (loss.numel() == 1 or per_sample):

@@ -28,6 +28,7 @@ from memfit.accumulation.checks import (
 from memfit.accumulation.micro_step import KeptGrads, MicroStep
 from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
 from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
+from memfit.losses import loss_ignore_index
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 
 __all__ = ["accumulate"]
@@ -139,8 +140,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         step.n_total = n_total
     if n_total == 0:
         raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on")
-    differ = terms_differ(x, y) if terms is None else None     # before the step: its temporaries never sit on
-    kept = KeptGrads(_trained_and_stepped(params, optimizer))   # the grads
+    ignore = loss_ignore_index(loss_fn)             # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
+    # before the step: its temporaries never sit on the grads
+    differ = terms_differ(x, y, -100 if ignore is None else ignore) if terms is None else None
+    kept = KeptGrads(_trained_and_stepped(params, optimizer))
     optimizer.zero_grad(set_to_none=True)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
         if p.grad is not None:
