@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from memfit import accumulation
-from memfit.accumulation import BatchDependentError, accumulate, batch_dependent_modules
+from memfit.accumulation.checks import batch_dependent_modules
+from memfit.accumulation.result import BatchDependentError, NonFiniteLossError
+from memfit.accumulation.run import accumulate
 from memfit.budget import format_bytes
 from memfit.memory import micro_batch as micro_batch_size
 from memfit.testing.ranks import run_ranks
@@ -459,18 +460,19 @@ def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch)
     monkeypatch.setattr(micro_batch_size, "training_peak", fake)
     ref, ref_opt, mod, opt = pair("mlp")
     x, y = data(20)
-    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
+    grads = sum(p.nbytes for p in mod.parameters())        # the gradients held on entry stay held: counted
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + grads + 999)
     assert r.micro_batch == 6 and r.micro_batches == 4
     assert f"predicted step {format_bytes(peak(6))} within the budget" in r.reason
     assert f"7 samples would need {format_bytes(peak(7))}" in r.reason
     plain_step(ref, ref_opt, x, y)
     assert_same_step(ref, mod)
-    accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
+    accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + grads + 999)
     assert len(calls) == 1                                    # kept for the next step
     r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(40))
     assert r.micro_batch == 20 and "whole batch fits" in r.reason
     with pytest.raises(MemoryError, match="one sample needs"):
-        accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(0))
+        accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(0) + grads)
 
 
 @pytest.mark.parametrize("kind, opt", [("mlp", "adamw"), ("attn", "sgd")])
@@ -491,7 +493,8 @@ def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypat
     with track_memory("cpu") as mem:
         r = accumulate(mod, mod_opt, (x, y), F.cross_entropy, budget=budget)
     assert 1 <= r.micro_batch < 64 and r.micro_batches > 1 and "fake-tensor" in r.reason
-    assert peak(r.micro_batch) <= budget < peak(r.micro_batch + 1)
+    kept = sum(p.nbytes for p in mod.parameters())     # room for the gradients a later step keeps through it
+    assert peak(r.micro_batch) <= budget - kept < peak(r.micro_batch + 1)
     assert held + mem.peak <= budget, f"{held + mem.peak} > {budget}: the prediction fell below the real step"
     assert_same_step(ref, mod, rtol=1e-4)
 
@@ -671,7 +674,7 @@ def test_a_micro_batch_with_a_nan_loss_takes_no_step_and_names_it(value):
     plain_step(mod, opt, x, y)
     mod.zero_grad(set_to_none=True)
     before = state_of(mod, opt)
-    with pytest.raises(accumulation.NonFiniteLossError,
+    with pytest.raises(NonFiniteLossError,
                        match=r"not finite \((nan|inf)\) in micro-batch 2 of 3 \(samples 4\.\.7 of the batch\).*"
                              r"nonfinite='skip'"):
         accumulate(mod, opt, (x, y), nan_on(2, value), micro_batch=4)        # 4 + 4 + 2
@@ -693,11 +696,45 @@ def test_nonfinite_skip_returns_the_reason_and_keeps_the_state():
     r = accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip")
     assert r.loss != r.loss and "micro-batch 3 of 3 (samples 8..9 of the batch)" in r.skipped
     assert str(r).startswith("no step on 10 samples: accumulate: the loss is not finite")
-    assert_bitwise(state_of(mod, opt)[0], before[0])
-    assert_bitwise(state_of(mod, opt)[2], before[2])
-    assert all(p.grad is None for p in mod.parameters())
+    assert_bitwise(state_of(mod, opt), before)              # the gradients of the plain step too
     with pytest.raises(ValueError, match=r"nonfinite must be one of \('raise', 'skip'\); found 'ignore'"):
         accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4, nonfinite="ignore")
+
+
+def held_grads(params):
+    """Gradients of every kind a caller may hold: None, a zero tensor, values, another dtype's shape kept."""
+    for i, p in enumerate(params):
+        p.grad = [None, torch.zeros_like(p), torch.full_like(p, 0.25), torch.randn_like(p)][i % 4]
+    return [p.grad for p in params]
+
+
+@pytest.mark.parametrize("how", ["raise", "skip", "error"])
+def test_no_step_gives_back_the_gradients_held_before_the_call(how):
+    """They used to end as None (dropped, the previous ones freed when the step began): a caller that
+    accumulates over several calls, or inspects .grad, silently lost them. Now the same tensors (None stays
+    None, a zero tensor stays one) with the same values, after a non-finite loss or an error mid-step."""
+    mod = make("mlp")
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
+    x, y = data(10)
+    plain_step(mod, opt, x, y)
+    params = list(mod.parameters())
+    grads = held_grads(params)
+    before = state_of(mod, opt)
+    if how == "error":
+        def loss_fn(o, t, calls=[]):               # noqa: B006  (counts calls)
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("broken on purpose")
+            return F.cross_entropy(o, t)
+        with pytest.raises(RuntimeError, match="broken on purpose"):
+            accumulate(mod, opt, (x, y), loss_fn, micro_batch=4)
+    elif how == "raise":
+        with pytest.raises(NonFiniteLossError, match=r"gradients and optimizer state are as they were"):
+            accumulate(mod, opt, (x, y), nan_on(2), micro_batch=4)
+    else:
+        assert accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip").skipped
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    assert_bitwise(state_of(mod, opt), before)
 
 
 def test_the_micro_batch_named_counts_those_with_no_terms_too():
@@ -710,7 +747,7 @@ def test_the_micro_batch_named_counts_those_with_no_terms_too():
         calls["n"] += 1
         return token_loss(out, t) * (float("nan") if calls["n"] == 2 else 1.0)
     model = Tagger()
-    with pytest.raises(accumulation.NonFiniteLossError, match=r"in micro-batch 2 of 2 \(samples 2\.\.3 "):
+    with pytest.raises(NonFiniteLossError, match=r"in micro-batch 2 of 2 \(samples 2\.\.3 "):
         accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), (ids, y), loss_fn, micro_batch=2,
                    terms=lambda x, y: (y != -100).sum())
 
@@ -721,7 +758,7 @@ def test_infinite_losses_of_opposite_sign_name_the_first():
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     x, y = data(4)
     signs = iter([1.0, -1.0])
-    with pytest.raises(accumulation.NonFiniteLossError, match=r"\(nan\) in micro-batch 1 of 2 \(samples 0\.\.1 "):
+    with pytest.raises(NonFiniteLossError, match=r"\(nan\) in micro-batch 1 of 2 \(samples 0\.\.1 "):
         accumulate(mod, opt, (x, y), lambda o, t: F.cross_entropy(o, t) * 0 + next(signs) * float("inf"),
                    micro_batch=2)
 
@@ -825,25 +862,39 @@ def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
     assert r["max_difference"] < 1e-5
 
 
-def test_an_oom_in_the_synchronising_micro_batch_is_an_error_not_a_retry(oom_budget):
-    """With DDP the last micro-batch all-reduces inside backward: a retry there would leave the other ranks
-    waiting in the collective, so it stops with a message (earlier micro-batches back off locally)."""
-    class Synced(Gated):
+def test_an_oom_in_the_last_micro_batch_backs_off_locally_under_no_sync(oom_budget):
+    """With DDP every micro-batch, the last too, runs under no_sync (its backward is local), so an out-of-memory
+    error in the last one backs off like any other (it used to be an error: the last backward all-reduced)."""
+    from memfit.accumulation.micro_step import MicroStep
+    entered = []
+
+    class Local(Gated):
         def no_sync(self):
             import contextlib
+            entered.append(1)
             return contextlib.nullcontext()
-    mod = Synced()
+    mod = Local()
     x, y = data(10)
     oom_budget.budget = staticmethod(lambda n: n != 4)
-    step = accumulation._MicroStep(mod, list(mod.parameters()), F.cross_entropy, x, y, 10, 10, 1, torch.device("cpu"),
-                              sync_last=True)
-    with pytest.raises(RuntimeError, match=r"last micro-batch \(4 samples\).*cannot be retried"):
-        step.run_range(0, 10, 6, frozenset())              # [0, 6) runs under no_sync, the last 4 fail
-    assert step.retries == 0 and step.micro_batches == 1
+    step = MicroStep(mod, list(mod.parameters()), F.cross_entropy, x, y, 10, 20, 2, torch.device("cpu"))
+    assert step.run_range(0, 10, 6, frozenset()) == 2            # [0, 6), then the last 4 fail and run as 2 + 2
+    assert step.retries == 1 and step.micro_batches == 3 and len(entered) == 4
 
 
 # ---- a rank that fails, a rank whose loss is not finite -----------------------------------------------------
-FAIL_CALLS = {"a middle micro-batch": 2, "the last, before its all-reducing backward": 4}
+FAIL_CALLS = {"a middle micro-batch": 2, "the last, before its backward": 4, "inside the last backward": -4}
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    """The loss as it is, whose backward raises (as a failing backward hook would)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("loss exploded on purpose")
 
 
 def _ddp_fails(rank, world, released):
@@ -861,6 +912,8 @@ def _ddp_fails(rank, world, released):
             calls["n"] += 1
             if rank == 1 and calls["n"] == call:
                 raise RuntimeError("loss exploded on purpose")
+            if rank == 1 and calls["n"] == -call:        # DDP all-reduced inside this backward: rank 0 waited
+                return _RaisesInBackward.apply(F.cross_entropy(o, t))
             return F.cross_entropy(o, t)
         t0 = time.perf_counter()
         try:
@@ -877,7 +930,8 @@ def _ddp_fails(rank, world, released):
 
 def test_a_rank_whose_loss_raises_makes_every_rank_raise_at_once_naming_it():
     """Rank 0 used to wait in DDP's all-reduce until rank 1's process exited (here 30 s; with a rank that stays
-    alive, the process-group timeout), then got gloo's 'Connection closed by peer'."""
+    alive, the process-group timeout), then got gloo's 'Connection closed by peer'; inside the last backward
+    (which all-reduced) it still did. Every backward is local now, and the ranks agree after each."""
     import multiprocessing as mp
     released = [mp.get_context("spawn").Event() for _ in FAIL_CALLS]
     out = run_ranks(_ddp_fails, 2, released, timeout=120, env={"MEMFIT_DIST_TIMEOUT": "60"})
@@ -890,13 +944,20 @@ def test_a_rank_whose_loss_raises_makes_every_rank_raise_at_once_naming_it():
         assert took0 < 5, f"{case}: rank 0 took {took0:.1f} s to learn that rank 1 failed"
 
 
-def _ddp_nan(rank, world):
+def _ddp_nan(rank, world, bucket_view=False):
     model = make("mlp")
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     x, y = data(sum(SIZES))
     s = sum(SIZES[:rank])
     part = (x[s:s + SIZES[rank]], y[s:s + SIZES[rank]])
+    if bucket_view:         # a step that changes nothing leaves DDP's bucket views as the gradients
+        accumulate(ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), part, F.cross_entropy, micro_batch=3,
+                   distributed=True)
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    else:
+        held_grads(list(model.parameters()))
+    grads = [p.grad for p in model.parameters()]
     before = state_of(model, opt)
     out = {}
     try:
@@ -910,14 +971,19 @@ def _ddp_nan(rank, world):
     after = state_of(model, opt)
     assert_bitwise(after[0], before[0])                 # raised here: the driver reports it as this rank's error
     assert_bitwise(after[2], before[2])
-    assert all(g is None for g in after[1])
+    assert_bitwise(after[1], before[1])                 # the gradients held before, given back on every rank
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+    model.zero_grad(set_to_none=True)
     accumulate(ddp, opt, part, F.cross_entropy, micro_batch=3, distributed=True)     # DDP and the group still work
     out["params"] = [p.tolist() for p in model.parameters()]
     return out
 
 
-def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping():
-    out = run_ranks(_ddp_nan, 2, timeout=60, env={"MEMFIT_DIST_TIMEOUT": "30"})
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping(bucket_view):
+    """No rank steps, every rank's gradients are given back (also when DDP keeps them as views of its buckets,
+    which its all-reduce would overwrite: none runs), and the next step is the plain one."""
+    out = run_ranks(_ddp_nan, 2, bucket_view, timeout=60, env={"MEMFIT_DIST_TIMEOUT": "30"})
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     ref = make("mlp")
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.accumulation import accumulate
+from memfit.accumulation.run import accumulate
 from memfit.memory.step import measure_step
 
 

@@ -21,7 +21,8 @@ them), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz, digits, synthet
 """
 
 from memfit import codecs, metrics, readers
-from memfit.accumulation import BatchDependentError, NonFiniteLossError, StepResult, accumulate
+from memfit.accumulation.result import BatchDependentError, NonFiniteLossError, StepResult
+from memfit.accumulation.run import accumulate
 from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
 from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from memfit.messages import first_line
+from memfit.rank_data import KIND_NAMES, check_same_data, data_identity  # noqa: F401  (their home was here)
 
-__all__ = ["KIND_NAMES", "MESSAGE_BYTES", "RankFailed", "SAMPLED_ROWS", "TIMEOUT_S", "VALUES", "agree", "all_gather",
+__all__ = ["KIND_NAMES", "MESSAGE_BYTES", "RankFailed", "TIMEOUT_S", "VALUES", "agree", "all_gather",
            "all_gather_text", "all_reduce", "check_same_data", "data_identity", "epoch_batch_sizes",
            "is_distributed", "rank_world", "reduce_states", "shard_data", "shard_indices", "shard_sizes", "smallest"]
 
@@ -170,7 +171,7 @@ class RankFailed(RuntimeError):
     """Raised on the ranks that did not fail when another one did (every rank knows: agree no further)."""
 
 
-VALUES = 4                  # int64 values a rank can share in an agreement
+VALUES = 6                  # int64 values a rank can share in an agreement
 MESSAGE_BYTES = 512         # the first bytes of a failed rank's error message
 
 
@@ -277,81 +278,3 @@ def all_gather_text(text: str, what: str, timeout_s: float | None = None) -> lis
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     parts = all_gather(buf, what, timeout_s)
     return [bytes(p[:int(n)].tolist()).decode() for p, n in zip(parts, lengths, strict=True)]
-
-
-# ---- the data every rank was given -------------------------------------------------------------------
-# What a rank holds (`data_identity`): one whole set (each rank evaluates its shard of it), this rank's shard of
-# a whole (`CompactDataset.shard()`), this rank's own part (sharded=True), or batches of its own (an iterable).
-WHOLE, SHARD, PART, BATCHES = 0, 1, 2, 3
-KIND_NAMES = {WHOLE: "the whole set", SHARD: "its shard of a whole set", PART: "its own part (sharded=True)",
-              BATCHES: "its own batches (an iterable)"}
-SAMPLED_ROWS = 16           # rows read to fingerprint a whole set: enough to tell two sets apart, a few KB at most
-
-
-def data_identity(data: object, sharded: bool) -> tuple[int, int, int, int]:
-    """(kind, samples, layout hash, content hash) of what this rank was given, for `check_same_data`.
-
-    Samples: the whole set's for a whole set or a shard of one, this rank's own for a part, 0 for batches
-    (unknown). Layout: a crc32 of the sample shape, dtypes, codec and stored row shape (0 for batches).
-    Content (a whole set only): a crc32 of `SAMPLED_ROWS` stored rows spread over the set, their labels and
-    the normalisation, so two different sets of one size differ too. Cost: a gather of 16 rows.
-
-    Example:
-        >>> import numpy as np
-        >>> from memfit.compact import CompactDataset
-        >>> ds = CompactDataset.from_arrays(np.arange(40, dtype=np.uint8).reshape(10, 4), device="cpu")
-        >>> data_identity(ds, False)[:2], data_identity(ds.subset(range(5)), True)[:2]
-        ((0, 10), (2, 5))
-    """
-    if not (hasattr(data, "shard_info") and hasattr(data, "x")):        # batches: nothing to compare
-        if getattr(data, "distributed", True) is False and not sharded:   # a memfit Loader over the whole set
-            raise ValueError("evaluate(distributed=True) was given a Loader built without distributed=True: every "
-                             "rank would count all of its samples. Build it with loader(..., distributed=True) "
-                             "(each rank iterates its shard), or pass sharded=True when each rank's loader holds "
-                             "only that rank's own part")
-        return BATCHES, 0, 0, 0
-    stored = (tuple(data.x.shape[1:]), str(data.x.dtype), data.codec.name, str(data.sample_shape), str(data.dtype),
-              data.y is None)
-    layout = zlib.crc32(repr(stored).encode())
-    if sharded:
-        return PART, len(data), layout, 0
-    if data.shard_info is not None:
-        return SHARD, data.shard_info.n_total, layout, 0
-    n = len(data)
-    idx = torch.linspace(0, n - 1, min(n, SAMPLED_ROWS)).round().long().to(data.x.device)
-    crc = 0
-    for t in (data.x.index_select(0, idx), None if data.y is None else data.y.index_select(0, idx.to(data.y.device)),
-              data.mean, data.std):
-        if t is not None:
-            crc = zlib.crc32(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
-    return WHOLE, n, layout, crc
-
-
-def check_same_data(ranks: list[tuple[int, ...]], call: str) -> None:
-    """Raise ValueError (the same one on every rank: it reads every rank's `data_identity`) unless the ranks
-    hold one whole set (whole, or shards of it) of one size, encoded alike, or each its own part."""
-    kinds = [v[0] for v in ranks]
-    listed = lambda i: ", ".join(f"rank {r}: {v[i]}" for r, v in enumerate(ranks))    # noqa: E731
-    how = (f"pass every rank the same whole set (each {call}s its shard of it), or, when each rank holds only its "
-           f"own part (split beforehand), pass sharded=True: each {call}s all of its part and the result is over "
-           "the union of the parts")
-    own = {PART, BATCHES}
-    if any(k in own for k in kinds) and not all(k in own for k in kinds):
-        found = ", ".join(f"rank {r}: {KIND_NAMES[k]}" for r, k in enumerate(kinds))
-        raise ValueError(f"{call}(distributed=True): some ranks were given their own part and others a whole set "
-                         f"({found}); {how}")
-    layouts = {v[2] for v in ranks if v[0] != BATCHES}
-    if len(layouts) > 1:
-        raise ValueError(f"{call}(distributed=True): the ranks were given data of different layouts (sample shape, "
-                         f"dtype or codec differ; layout hashes {listed(2)}); every rank must hold the same kind of "
-                         "samples, encoded alike")
-    if kinds and kinds[0] in own:
-        return
-    if len({v[1] for v in ranks}) > 1:
-        raise ValueError(f"{call}(distributed=True): the ranks were given whole sets of different sizes "
-                         f"({listed(1)} samples); {how}")
-    contents = {v[3] for v in ranks if v[0] == WHOLE}
-    if len(contents) > 1:
-        raise ValueError(f"{call}(distributed=True): the ranks were given different whole sets of the same size "
-                         f"({ranks[0][1]} samples; {SAMPLED_ROWS} sampled rows differ: fingerprints {listed(3)}); "
-                         f"{how}")

@@ -263,3 +263,48 @@ def test_no_prediction_draws_from_the_cuda_generator():
     with kept_rng():
         torch.rand(8, device="cuda")
     assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all(), strict=True))
+
+
+def test_another_threads_draws_are_neither_taken_nor_rewound_by_a_prediction():
+    """kept_rng saved torch's global generator around a prediction and restored it after: a thread that drew in
+    between had its stream rewound, and drew the same numbers again (silently). Predictions now draw from
+    generators of their own: the drawing thread sees exactly the seeded sequence."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    drawn, stop, started = [], threading.Event(), threading.Event()
+
+    def draw():
+        while not stop.is_set() or len(drawn) < 50:
+            drawn.append(torch.rand(1).item())
+            started.set()
+            time.sleep(0.0002)
+    torch.manual_seed(7)
+    t = threading.Thread(target=draw)
+    t.start()
+    started.wait(10)
+    try:
+        for _ in range(3):
+            forget(model)
+            model.train()
+            memfit.memory_model(model, (16,), train=True, optimizer=opt, loss_fn=F.cross_entropy)
+            memfit.max_batch_size(model, (16,), "1MiB")
+    finally:
+        stop.set()
+        t.join(30)
+    assert not t.is_alive()
+    torch.manual_seed(7)
+    assert drawn == torch.rand(len(drawn)).tolist()
+
+
+def test_a_predictions_own_dropout_draws_and_real_ops_under_it_still_run():
+    """own_rng: a real dropout inside draws from its own generator (same result every time, global untouched)."""
+    from memfit.memory.isolation import own_rng
+    x = torch.ones(1000)
+    before = torch.get_rng_state()
+    with own_rng():
+        a = F.dropout(x, 0.5, training=True)
+        r = torch.rand(3)
+    with own_rng():
+        b = F.dropout(x, 0.5, training=True)
+    assert torch.equal(before, torch.get_rng_state()) and torch.equal(a, b) and r.shape == (3,)
+    assert set(a.unique().tolist()) == {0.0, 2.0} and 400 < int((a == 0).sum()) < 600

@@ -165,7 +165,7 @@ def train_under_budget(train: CompactDataset, classes: int, dev: torch.device, s
     """
     import copy
 
-    from memfit.accumulation import accumulate
+    from memfit.accumulation.run import accumulate
     from memfit.memory.micro_batch import training_peak
     torch.manual_seed(seed)
     sample_shape = tuple(train.sample_shape)

@@ -26,15 +26,16 @@ def agreed_data(data, sharded: bool, asked: tuple[int, str] | None = None):
     own part (sharded=True); arrays get the ignore index asked for (`asked[0]`, else -100). Raises on every
     rank when they do not, or when one failed preparing its data."""
     from memfit import distributed as mdist
-    error, identity = None, (0, 0, 0, 0)
+    from memfit.rank_data import check_same_data, data_identity, gathered_layouts
+    error, identity = None, (0, 0, 0, 0, 0)
     try:
         if isinstance(data, tuple) and len(data) == 2:
             data = CompactDataset.from_arrays(*data, device="cpu",
                                               ignore_index=IGNORE_INDEX if asked is None else asked[0])
-        identity = mdist.data_identity(data, sharded)
+        identity = data_identity(data, sharded)
     except Exception as e:
         error = e
-    mdist.check_same_data(mdist.agree(error, "memfit.evaluate data", identity), "evaluate")
+    check_same_data(mdist.agree(error, "memfit.evaluate data", identity), "evaluate", gathered_layouts(data))
     return data
 
 

@@ -37,13 +37,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from memfit.accumulation import (
-    StepResult,
-    _batch_size,
-    _check_distributed,
-    accumulate,
-    batch_dependent_modules,
-)
+from memfit.accumulation.checks import batch_dependent_modules
+from memfit.accumulation.checks import batch_size as _batch_size
+from memfit.accumulation.checks import check_distributed as _check_distributed
+from memfit.accumulation.result import StepResult
+from memfit.accumulation.run import accumulate
 from memfit.budget import format_bytes, model_device, parse_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.costs import machine, step_costs

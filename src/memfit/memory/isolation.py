@@ -5,9 +5,10 @@ A memory model runs the user's code on fake tensors (`memfit.memory.fake_run`) o
 user's module, every thread would see for the length of the run: a plain forward in another thread failed
 (5,117 of 8,779 times during `max_batch_size(train=True)`). So the runs here work on a `structural_copy` (the
 module tree copied shallowly, every tensor shared, nothing copied in memory) and never touch the user's module.
-`predicting()` is around every prediction, plan and capture: it keeps torch's CPU RNG and every initialised
-CUDA device's RNG as found (a dropout in a fake or diagnosing run would otherwise draw from them), and it
-runs one prediction at a time in the process (torch's tracing machinery keeps global state).
+`predicting()` is around every prediction, plan and capture: its random ops (a dropout in a diagnosing run)
+draw from generators of their own (`own_rng`, a dispatch mode of this thread), so torch's CPU and CUDA
+generators are neither advanced nor saved and restored (restoring them rewound what another thread drew
+meanwhile), and it runs one prediction at a time in the process (torch's tracing machinery keeps global state).
 `tracer_patches_this_thread_only()` is around `torch.export`: its fx tracer replaces `torch.nn.Module.__call__`
 and `__getattr__` for the whole process while it traces, which would route another thread's plain forward of
 any model into the trace.
@@ -31,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import threading
@@ -39,8 +41,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["kept_rng", "predicting", "structural_copy", "tracer_patches_this_thread_only"]
+__all__ = ["kept_rng", "own_rng", "predicting", "structural_copy", "tracer_patches_this_thread_only"]
 
 # One prediction at a time in the process: torch.export's tracer and the fake-tensor runs keep global state
 # (patched Module methods, gc switched off). Re-entrant: a prediction may capture, a capture may diagnose.
@@ -50,7 +54,8 @@ _ONE_AT_A_TIME = threading.RLock()
 @contextmanager
 def kept_rng() -> Iterator[None]:
     """Torch's CPU RNG and the RNG of every CUDA device are as found afterwards (CUDA's only when CUDA is
-    initialised: reading them would initialise it)."""
+    initialised: reading them would initialise it). Saves and restores the global state: a draw another thread
+    makes inside is rewound too, so predictions use `own_rng` instead."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
@@ -61,10 +66,97 @@ def kept_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+_DROPOUT = "native_dropout"       # draws, but takes no generator: replaced by what aten does, with one
+_RANDOM: dict = {}                # aten op -> the overload to call with a generator, or None: it draws nothing
+
+
+def _with_generator(func):
+    """The overload of `func` that draws from a given generator (rand.default -> rand.generator), `func` itself
+    when it takes one (bernoulli_, normal_, ...), `_DROPOUT` for native_dropout, None when it draws nothing.
+    Worked out once per op: every op of a prediction passes here."""
+    if func not in _RANDOM:
+        if func.overloadpacket is torch.ops.aten.native_dropout:
+            found = _DROPOUT
+        elif any(a.name == "generator" for a in func._schema.arguments):
+            found = func
+        else:
+            name = "generator" if func._overloadname == "default" else f"{func._overloadname}_generator"
+            found = getattr(func.overloadpacket, name) if name in func.overloadpacket.overloads() else None
+        _RANDOM[func] = found
+    return _RANDOM[func]
+
+
+class _OwnGenerators(TorchDispatchMode):
+    """Every random op on real tensors in this thread draws from generators of its own (one per device, seeded
+    0), never from torch's default ones: another thread's draws are neither taken nor rewound. Ops on fake
+    tensors draw nothing and pass as they are. Dispatch modes are per thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device) -> torch.Generator:
+        device = torch.device(device)
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device).manual_seed(0)
+        return self.generators[device]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        random = _with_generator(func)
+        if random is None:                   # most ops: as they are
+            return func(*args, **kwargs)
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensors):
+            return func(*args, **kwargs)     # fake and meta tensors draw nothing
+        if random == _DROPOUT:
+            x, p, train = args[0], args[1], (args[2] if len(args) > 2 else kwargs.get("train"))
+            if not train or p == 0:
+                return x.clone(), torch.ones_like(x, dtype=torch.bool)
+            mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p, generator=self._generator(x.device))
+            return x * mask * (1.0 / (1 - p)), mask
+        if kwargs.get("generator") is None:
+            device = tensors[0].device if tensors else kwargs.get("device") or "cpu"
+            kwargs = {**kwargs, "generator": self._generator(device)}
+        return random(*args, **kwargs)
+
+
+_THIS_THREAD = threading.local()      # .own: this thread is inside own_rng
+
+
+def _not_rewound_here():
+    """torch.export's AOT tracing saves torch's global generator and restores it afterwards
+    (`preserve_rng_state`), which rewinds what other threads drew meanwhile. Inside own_rng, where nothing draws
+    from it, that save and restore is skipped (in this thread only; elsewhere it is torch's)."""
+    from torch._functorch import aot_autograd
+    original = aot_autograd.preserve_rng_state
+    if getattr(original, "_memfit", False):
+        return
+
+    def preserve_rng_state():
+        return contextlib.nullcontext() if getattr(_THIS_THREAD, "own", False) else original()
+    preserve_rng_state._memfit = True
+    aot_autograd.preserve_rng_state = preserve_rng_state
+
+
+@contextmanager
+def own_rng() -> Iterator[None]:
+    """Inside, this thread's random ops draw from generators of their own (`_OwnGenerators`): torch's CPU and
+    CUDA generators are neither advanced nor restored, so what any other thread draws is unchanged."""
+    _not_rewound_here()
+    outer = getattr(_THIS_THREAD, "own", False)
+    _THIS_THREAD.own = True
+    try:
+        with _OwnGenerators():
+            yield
+    finally:
+        _THIS_THREAD.own = outer
+
+
 @contextmanager
 def predicting() -> Iterator[None]:
-    """Around a prediction, plan or capture: one at a time in the process, every RNG kept as found."""
-    with _ONE_AT_A_TIME, kept_rng():
+    """Around a prediction, plan or capture: one at a time in the process, its draws from generators of its own."""
+    with _ONE_AT_A_TIME, own_rng():
         yield
 
 

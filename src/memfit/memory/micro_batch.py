@@ -119,6 +119,9 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
         limit += held_bytes(model, optimizer, grads=True)
+    # the gradients held on entry (the previous step's, after the first) stay held through the step: accumulate
+    # gives them back when it takes none. Counted whether held now or not, so that one size is kept for every step
+    limit -= sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     try:                        # the run with the gradients held is made in the search, so it is in here too
         peak, how = training_peak(model, optimizer, loss_fn, x, y)
         whole = peak(n)
@@ -140,8 +143,8 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
 
 
 def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:
-    """What a kept size depends on: the optimizer, the trainable parameters, the batch's size and layout, the
-    budget, the surrounding autocast. (Not the model's other state, which would cost a walk of every module
+    """What a kept size depends on: the optimizer, the trainable parameters, the batch's size and layout,
+    the budget, the surrounding autocast. (Not the model's other state, which would cost a walk of every module
     each step: a size kept after, say, checkpointing is switched off backs off at the first out-of-memory.)"""
     trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
     return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),

@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.accumulation import accumulate
+from memfit.accumulation.run import accumulate
 from memfit.batches import batch_tensors, forward
 from memfit.budget import format_bytes
 from memfit.cli.bench.architectures import ARCHITECTURES

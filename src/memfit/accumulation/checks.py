@@ -1,0 +1,158 @@
+"""Checks `memfit.accumulate` makes before a step: the batch, the model (batch statistics, DDP), the sizes and
+the loss's terms. Each raises (or warns) saying what was expected, what was found and how to fix it."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from memfit.accumulation.result import BatchDependentError
+from memfit.batches import batch_slice, batch_tensors, batch_to
+from memfit.budget import check_count
+
+__all__ = ["batch_dependent_modules", "batch_size", "check_batch_dependence", "check_distributed", "check_micro",
+           "count_terms", "part_of", "terms_differ", "trained_device"]
+
+
+# ---- the batch -------------------------------------------------------------------------------------
+def batch_size(x, y) -> int:
+    """N, the samples in (x, y): dim 0 of every tensor, which must agree."""
+    ts = batch_tensors(x)
+    if not ts:
+        raise TypeError(f"batch x must be a tensor, a dict of tensors (e.g. tokenizer output) or a tuple of "
+                        f"tensors; found {type(x).__name__}")
+    sizes = {t.shape[0] if t.dim() else None for t in ts + batch_tensors(y)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"every tensor of the batch needs the same first (batch) dimension; found sizes "
+                         f"{sorted(map(str, sizes))}")
+    n = sizes.pop()
+    if n == 0:
+        raise ValueError("the batch is empty: nothing to accumulate")
+    return n
+
+
+def part_of(v, s: int, e: int, device: torch.device):
+    """Samples [s, e) of v on `device` (a view when v is there already; non-tensor values pass through)."""
+    return batch_to(batch_slice(v, s, e), device)
+
+
+# ---- checks ------------------------------------------------------------------------------------------
+def batch_dependent_modules(model: torch.nn.Module) -> list[str]:
+    """'name (Type): why' for each module in training mode whose result depends on the rest of the batch.
+
+    BatchNorm (any dimension, SyncBatchNorm, lazy) normalises by the statistics of the batch it sees, so a
+    micro-batch's gradient differs from the full batch's; its running statistics and those of an
+    InstanceNorm with `track_running_stats` take one momentum update per micro-batch instead of one.
+
+    Example:
+        >>> batch_dependent_modules(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)))
+        ['1 (BatchNorm1d): normalises by the statistics of the batch it sees']
+    """
+    kinds = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+    stack = [model]                   # the usual case, once a step: a plain walk, no names built
+    while stack:
+        m = stack.pop()
+        if m.training and isinstance(m, kinds):
+            break
+        stack.extend(c for c in m._modules.values() if c is not None)
+    else:
+        return []
+    out = []
+    for name, m in model.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            out.append(f"{name or 'model'} ({type(m).__name__}): normalises by the statistics of the batch it sees")
+        elif isinstance(m, torch.nn.modules.instancenorm._InstanceNorm) and m.track_running_stats:
+            out.append(f"{name or 'model'} ({type(m).__name__}): its running statistics take one update per "
+                       "micro-batch instead of one per batch")
+    return out
+
+
+def check_batch_dependence(model, allow: bool) -> None:
+    found = batch_dependent_modules(model)
+    if not found:
+        return
+    listed = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+    if not allow:
+        raise BatchDependentError(
+            f"micro-batches would not give the full-batch step: {listed}. Expected a model whose training "
+            "output for a sample does not depend on the other samples. Fix: replace BatchNorm by GroupNorm or "
+            "LayerNorm, put those modules in eval mode, or pass allow_batch_dependent=True to accept "
+            "micro-batch statistics")
+    warnings.warn(f"accumulate: allow_batch_dependent=True: the step is not the full-batch step ({listed})",
+                  stacklevel=3)
+
+
+def check_micro(micro_batch) -> None:
+    if micro_batch == "auto":
+        return
+    try:
+        check_count("micro_batch", micro_batch, 1)      # numpy ints too
+    except (TypeError, ValueError):
+        raise ValueError(f"micro_batch must be 'auto' or an int >= 1; found {micro_batch!r}") from None
+
+
+def _ddp_class():
+    return torch.nn.parallel.DistributedDataParallel
+
+
+def check_distributed(model, distributed: bool) -> int:
+    """World size when distributed (the model must be DDP-wrapped), else 1."""
+    is_ddp = isinstance(model, _ddp_class())
+    if not distributed:
+        if is_ddp:
+            raise ValueError("the model is DistributedDataParallel but distributed=False; pass distributed=True "
+                             "so that micro-batches skip the gradient all-reduce (no_sync) and every rank's share "
+                             "of the global batch is weighted right")
+        return 1
+    if not is_ddp:
+        raise ValueError(f"distributed=True needs the model wrapped in DistributedDataParallel; found "
+                         f"{type(model).__name__}: wrap it with torch.nn.parallel.DistributedDataParallel(model)")
+    return torch.distributed.get_world_size()
+
+
+def trained_device(params: list[torch.nn.Parameter]) -> torch.device:
+    """The device of the first parameter (as `memfit.budget.model_device`); a model without any is an error."""
+    if not params:
+        raise ValueError("the model has no parameters: there is nothing to train. Expected a module with "
+                         "parameters (found none in model.parameters()); pass the module that holds the weights the "
+                         "optimizer steps")
+    return params[0].device
+
+
+def count_terms(terms: Callable, x, y) -> int:
+    """terms(x, y) as an int >= 0, or a clear error."""
+    c = terms(x, y)
+    try:
+        c = int(c)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"terms(x, y) must return the number of terms loss_fn averages over (an int or a 0-d tensor); "
+                        f"found {type(c).__name__}") from None
+    if c < 0:
+        raise ValueError(f"terms(x, y) must count terms (>= 0); found {c}")
+    return c
+
+
+def terms_differ(x, y, ignore: int = -100) -> str | None:
+    """The warning to give when labels (y, or x['labels']) ignore (`ignore`: the loss's ignore_index, else -100) a
+    different number of positions per sample (or some samples, one label each): a loss averaged over what counts
+    weighs samples unequally, so weighting micro-batches by samples is not the full-batch step; None when they do
+    not. Said, not refused: a loss that is a mean over samples is exact. Run before the step, when no gradient is
+    held: its temporaries (a bool per label, an int64 per sample) then sit below the step's peak."""
+    labels = [t for t in (y, x.get("labels") if isinstance(x, dict) else None)
+              if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.numel() and not t.is_floating_point()]
+    for t in labels:
+        ignored = (t == ignore).reshape(t.shape[0], -1).sum(1)      # per sample (one label each: 0 or 1)
+        if bool(ignored.min() != ignored.max()):
+            where = "y" if t is y else "x['labels']"
+            expr = "y" if t is y else 'x["labels"]'
+            return (f"accumulate: {where} ignores ({ignore}) a different number of positions per sample; if "
+                    "loss_fn averages over the positions that count (cross_entropy and transformers' losses do), "
+                    "micro-batches weighted by samples do not give the full-batch gradient. Pass "
+                    f"terms=lambda x, y: ({expr} != {ignore}).sum() to weight them by the positions that count "
+                    f"(({expr}[:, 1:] != {ignore}).sum() for a causal LM that shifts its labels), or ignore this "
+                    "for a loss that is a mean over samples")
+    return None

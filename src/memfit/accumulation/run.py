@@ -1,0 +1,209 @@
+"""`accumulate`: one optimizer step on a logical batch that does not fit, run as micro-batches that do.
+
+The driver: checks (`checks`), the micro-batches (`micro_step.MicroStep`), the agreements between ranks
+(`ranks`), then one optimizer step, or none when a loss is not finite (the gradients held before the call
+given back, `micro_step.KeptGrads`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from memfit.accumulation.checks import (
+    batch_dependent_modules,
+    batch_size,
+    check_batch_dependence,
+    check_distributed,
+    check_micro,
+    count_terms,
+    terms_differ,
+    trained_device,
+)
+from memfit.accumulation.micro_step import KeptGrads, MicroStep
+from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
+from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
+from memfit.losses import loss_ignore_index
+from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
+
+__all__ = ["accumulate"]
+
+log = logging.getLogger("memfit.accumulate")
+
+
+def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable,
+               budget: int | str | None = None, micro_batch: int | str = "auto", *, distributed: bool = False,
+               allow_batch_dependent: bool = False, terms: Callable | None = None,
+               nonfinite: str = "raise") -> StepResult:
+    """One optimizer step on `batch`, run as micro-batches, with the full-batch gradient.
+
+    Gradients are set to None first, accumulated over the micro-batches (micro-batch i's mean loss
+    weighted by m_i / N), then `optimizer.step()` runs once; `.grad` keeps the step's gradient. When no step
+    is taken (a loss that is not finite, an error before the step) `.grad` is given back as it was: the
+    gradients held on entry stay referenced until the step ends, so they take memory during it (counted
+    by micro_batch='auto'); call `optimizer.zero_grad()` before to free them first.
+    Forward and loss run under the caller's `torch.autocast`; backward runs outside it.
+
+    Args:
+        model: the module (a DistributedDataParallel one when `distributed`). Its result for a sample must
+            not depend on the other samples (BatchNorm in training mode does: refused, see below). Dropout
+            draws other masks than one full-batch pass would: the gradient is as valid, not bitwise equal.
+        optimizer: steps once.
+        batch: (x, y): x a tensor, a dict of tensors (passed as keyword arguments, e.g. tokenizer output)
+            or a tuple (positional); first dimension the samples. A batch on the host is copied to the
+            model's device a micro-batch at a time. A memfit loader's batches work as they are.
+        loss_fn: loss_fn(output, y) -> the mean loss over the samples (a scalar), or one loss per sample (summed
+            and freed before backward, as the memory model counts it: a loss_fn that keeps the vector itself
+            holds m floats more).
+            Weighting is by samples: a loss averaged over tokens is exact when every sample has as many;
+            otherwise pass `terms` (a warning says so when labels ignore a different number of positions).
+        budget: bytes or '8GiB' the step must fit (default: free device memory minus a margin, plus what
+            the model and optimizer hold already). Used by micro_batch='auto'.
+        micro_batch: 'auto' (the largest whose predicted step fits the budget, kept for the model's later
+            steps) or an int.
+        distributed: every rank steps on its own batch; every micro-batch runs under DDP's `no_sync` (its
+            backward is local) and is weighted by world * m / N_total, so that DDP's average is the gradient
+            of the mean over every rank's samples, also with uneven batches. The ranks agree (one small
+            all-gather with a timeout) after each micro-batch, the last one's backward included, so an error
+            on one rank (its forward, loss or backward) makes every rank raise within a micro-batch, the
+            others `memfit.distributed.RankFailed` naming it; none waits in an all-reduce. Only then, with
+            every loss finite, DDP all-reduces the gradients once (`accumulation.ranks.synchronise`: its
+            buckets and communication hook; it no longer overlaps the last backward). Out-of-memory back-off
+            is local in every micro-batch.
+        allow_batch_dependent: run a model with batch statistics anyway (a warning says the step differs).
+        terms: terms(x, y) -> how many terms loss_fn's mean is over in a (micro-)batch, e.g.
+            `lambda x, y: (y != -100).sum()` for a loss averaged over the tokens that are not ignored
+            (`(y[:, 1:] != -100).sum()` for a causal LM that shifts its labels): each micro-batch is then
+            weighted by its share of the terms, and `loss` is the mean over all of them.
+        nonfinite: when a micro-batch's loss is NaN or infinite (on any rank): 'raise' (default)
+            `NonFiniteLossError` naming the micro-batch and its samples, or 'skip': return with
+            `StepResult.skipped` saying why. Either way the optimizer does not step, nor DDP all-reduce:
+            parameters, gradients (the same `.grad` tensors, or None, as before the call) and optimizer state
+            are as they were. Checked from the loss sum that is read anyway: no extra sync.
+
+    Precision: gradients accumulate in the parameters' dtype, as in any accumulation (bfloat16 parameters
+    round each micro-batch's addition to bfloat16; under autocast the parameters, and so the sums, stay
+    float32).
+
+    Returns:
+        StepResult: the loss over the whole batch, the micro-batch size chosen and why, retries.
+
+    Raises:
+        BatchDependentError: the model has BatchNorm (or similar) in training mode, micro-batches smaller than
+            the batch and no opt-in (one micro-batch of the whole batch is the plain step: allowed).
+        BudgetExceeded: not even one sample fits the budget.
+        torch.OutOfMemoryError: a single sample runs out of memory.
+        NonFiniteLossError: a micro-batch's loss is NaN or infinite (nonfinite='raise').
+        memfit.distributed.RankFailed: distributed, another rank failed (named in the message).
+    """
+    t0 = time.perf_counter()
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"batch must be (x, y); found {type(batch).__name__}"
+                        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+    check_micro(micro_batch)
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}; found {nonfinite!r}")
+    world = check_distributed(model, distributed)
+    x, y = batch
+    params = list(model.parameters())
+    # Distributed: every local step that can fail runs first, then one agreement shares the sample counts and
+    # sizes; a rank that failed makes every rank raise there, none waits in a collective
+    error, step, key = None, None, None
+    try:
+        n = batch_size(x, y)
+        whole = micro_batch != "auto" and micro_batch >= n       # one micro-batch of the whole batch: the plain step
+        if not whole:
+            check_batch_dependence(model, allow_batch_dependent)
+        device = trained_device(params)
+        n_total = n if terms is None else count_terms(terms, x, y)
+        step = MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, terms=terms)
+        # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
+        step.splittable = not whole or allow_batch_dependent or not batch_dependent_modules(model)
+        if micro_batch == "auto":
+            key = auto_key(step.params, optimizer, x, n, budget)
+            size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key)
+        else:
+            size, reason = min(micro_batch, n), "micro_batch given"
+    except Exception as e:
+        if world == 1:
+            raise
+        error = e
+    rounds = 0
+    if world > 1:
+        n_total, size, reason, rounds = agree_start(error, step, size if error is None else 0,
+                                                    reason if error is None else "", micro_batch == "auto")
+        step.n_total = n_total
+    if n_total == 0:
+        raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on")
+    ignore = loss_ignore_index(loss_fn)             # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
+    # before the step: its temporaries never sit on the grads
+    differ = terms_differ(x, y, -100 if ignore is None else ignore) if terms is None else None
+    kept = KeptGrads(_trained_and_stepped(params, optimizer))
+    optimizer.zero_grad(set_to_none=True)
+    for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
+        if p.grad is not None:
+            p.grad = None
+    try:
+        final = run_rounds(step, size, rounds) if world > 1 else step.run_range(0, n, size, frozenset())
+        loss_sum = float(step.loss_sum) if step.loss_sum is not None else 0.0
+        if world > 1:                # before the step: one rank's NaN makes every rank's sum NaN, so none steps
+            from memfit.distributed import all_reduce
+            loss_sum = float(all_reduce(torch.tensor(loss_sum, dtype=torch.float64), what="accumulate loss"))
+        skipped = "" if math.isfinite(loss_sum) else _nonfinite(step, world)
+    except BaseException:
+        kept.restore()               # no step follows: the gradients are as they were
+        raise
+    if skipped:
+        kept.restore()
+        if nonfinite == "raise":
+            raise NonFiniteLossError(skipped + "; pass nonfinite='skip' to skip such steps and go on "
+                                     "(StepResult.skipped says why)")
+    else:
+        kept.release()               # freed before the optimizer's step, which may need the memory
+        if world > 1:                # every rank finished with a finite loss: DDP all-reduces, once
+            synchronise(model, step.params)
+        optimizer.step()
+    if differ is not None and step.micro_batches > 1:
+        warnings.warn(differ, stacklevel=2)
+    if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
+        lower_chosen(model, key, final)
+    res = StepResult(loss_sum / n_total, n, size, final, step.micro_batches, step.retries, reason,
+                     time.perf_counter() - t0, step.oom_sizes, skipped)
+    log.info("accumulate: micro-batch %d: %s", size, reason)
+    if skipped:
+        log.warning("%s", skipped)
+    return res
+
+
+def _trained_and_stepped(params: list[torch.nn.Parameter], optimizer) -> list[torch.nn.Parameter]:
+    """The parameters whose `.grad` the step sets to None: the model's that require a gradient and the
+    optimizer's (`zero_grad`), each once."""
+    seen, out = set(), []
+    for p in [*params, *(q for g in optimizer.param_groups for q in g["params"])]:
+        if id(p) not in seen and (p.requires_grad or p.grad is not None):
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _nonfinite(step: MicroStep, world: int) -> str:
+    """Why no step was taken: which micro-batch's loss (on which rank) was not finite."""
+    bad = step.first_nonfinite()
+    mine = (-1, 0, 0, 0) if bad is None else (bad[0], bad[1], bad[2], step.micro_batches)
+    if world > 1:
+        from memfit.distributed import agree
+        ranks = agree(None, "memfit.accumulate non-finite loss", mine)
+    else:
+        ranks = [mine]
+    where = "; ".join(f"{f'rank {r}: ' if world > 1 else ''}micro-batch {i + 1} of {k} (samples {s}..{e - 1} of "
+                      f"{'its' if world > 1 else 'the'} batch)" for r, (i, s, e, k) in enumerate(ranks) if i >= 0)
+    value = f" ({float(step.loss_sum)})" if bad is not None else ""
+    return (f"accumulate: the loss is not finite{value} in {where or 'the sum over the ranks'}: the optimizer did "
+            "not step (parameters, gradients and optimizer state are as they were before the call). Check those "
+            "samples, the learning rate (diverging weights) or the loss (log of 0; a mean over no terms, e.g. "
+            "labels all -100, is 0/0: pass terms= to weight micro-batches by what counts)")
