@@ -23,3 +23,23 @@ def test_a_shape_mistake_names_what_was_found_and_the_fix():
     assert "integer token ids" in input_hint("Expected tensor for argument #1 'indices' to have scalar type Long",
                                              inputs)
     assert "dimension too many or too few" in input_hint("Expected 3D (unbatched) or 4D (batched) input", inputs)
+
+
+def test_float64_arrays_for_a_float32_model_say_what_was_found_and_the_conversion():
+    """numpy's default float64 given to a float32 model: the error names both dtypes and the conversion (it
+    used to speak of 'a .half() model')."""
+    import numpy as np
+    import pytest
+
+    import memfit
+    x, y = np.random.default_rng(0).normal(size=(10, 3)), np.arange(10) % 2          # x float64
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(TypeError, match=r"inputs are float64 but the model's parameters are float32: .*"
+                                        r"x\.astype\(np\.float32\).*torch\.from_numpy\(x\)\.float\(\)") as err:
+        memfit.evaluate(model, (x, y), progress=False)
+    assert ".half()" not in str(err.value)
+    r = memfit.evaluate(model, (x.astype(np.float32), y), progress=False)          # the fix it names works
+    assert r.n == 10
+    half = RuntimeError("Input type (float) and bias type (c10::Half) should be the same")
+    assert "parameters are float16: give float16 inputs" in str(dtype_mistake(half, torch.zeros(2, 3),
+                                                                              torch.nn.Linear(3, 2).half()))

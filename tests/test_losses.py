@@ -1,6 +1,7 @@
 """The 'loss' metric against torch's own loss modules on the whole set: torch's mean is not always
 sum / numel (ignore_index, class weights, KLDivLoss 'batchmean'), and any chunking must give its value."""
 import functools
+import math
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit import evaluate
+from memfit import accumulate, evaluate
 from memfit.metrics import Loss
+from memfit.targets import Targets
 
 C, T = 5, 3
 
@@ -140,3 +142,194 @@ def test_class_weights_with_uint8_class_ids_divide_as_torch(n):
     res = evaluate(model, [(x, y.to(torch.uint8))], metrics=["loss"], loss_fn=torch.nn.CrossEntropyLoss(weight=w),
                    progress=False)
     assert res["loss"] == pytest.approx(float(ref), rel=1e-6)
+
+
+# ---- outputs and targets that torch would broadcast: (N, 1) against (N,) -------------------------------------
+class Squeezed(torch.nn.Module):
+    """A regression head that returns (N,) (old habit: .squeeze(1) in forward)."""
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.lin(x).squeeze(1)
+
+
+BROADCASTING = {
+    "MSELoss": (torch.nn.MSELoss(), None),
+    "F.mse_loss": (F.mse_loss, None),
+    "partial l1": (functools.partial(F.l1_loss, reduction="mean"), None),
+    "SmoothL1Loss": (torch.nn.SmoothL1Loss(), None),
+    "a lambda around F.mse_loss": (lambda out, y: F.mse_loss(out, y), "mean"),
+}
+
+
+@pytest.mark.parametrize("head", ["(N, 1) outputs, (N,) targets", "(N,) outputs, (N, 1) targets"])
+@pytest.mark.parametrize("case", list(BROADCASTING))
+def test_outputs_and_targets_torch_would_broadcast_are_refused_in_evaluate_and_accumulate(case, head):
+    """torch's mse_loss of (N, 1) against (N,) averages all N * N pairs and only warns: evaluate gave that number
+    (1.94 for a true 1.88) and accumulate stepped on it. Both refuse, naming the shapes and the fix; the 'mse'
+    metric compares value for value in either orientation, as torch does on matching shapes."""
+    loss_fn, reduction = BROADCASTING[case]
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 3), torch.randn(40)
+    model = torch.nn.Linear(3, 1) if head.startswith("(N, 1)") else Squeezed()
+    targets = y if head.startswith("(N, 1)") else y[:, None]
+    fix = r"squeeze the output \(out.squeeze\(1\)" if head.startswith("(N, 1)") else r"squeeze the targets"
+    with pytest.raises(ValueError, match=r"need one shape; found outputs \(7, ?1?\) and targets \(7, ?1?\).*"
+                                         r"every pair.*Fix: " + fix):
+        evaluate(model, (x, targets), metrics=("loss",), loss_fn=loss_fn, loss_reduction=reduction, chunk_size=7,
+                 progress=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"need one shape; found outputs .*Fix: " + fix):
+        accumulate(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, targets), loss_fn, micro_batch=8)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))      # no step
+    with torch.no_grad():
+        out = model(x)
+    ref = F.mse_loss(out.reshape(-1).double(), y.double()).item()
+    r = evaluate(model, (x, targets), metrics=("mse",), chunk_size=7, progress=False)
+    assert r["mse"] == pytest.approx(ref, rel=1e-6)
+
+
+def test_max_batch_size_refuses_a_target_the_loss_would_broadcast():
+    """A training-step memory model whose loss broadcast (N, 1) outputs against an (N,) example target held an
+    (N, N) tensor: max_batch_size said 359 where 21,843 fit (the loss itself was wrong too). Refused, as in
+    accumulate; the target built from the output (none given) still works."""
+    import memfit
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"need one shape; found outputs \(\d+, 1\) and targets \(\d+,\)"):
+        memfit.max_batch_size(model, (8,), "1MiB", train=True, optimizer=opt, loss_fn=torch.nn.MSELoss(),
+                              target=torch.zeros(1))
+    assert memfit.max_batch_size(model, (8,), "1MiB", train=True, optimizer=opt, loss_fn=torch.nn.MSELoss()) > 10_000
+
+
+def test_matching_shapes_still_give_torchs_loss_and_no_warning_is_made_an_error_elsewhere():
+    """The check only refuses broadcasting: (N, 1) against (N, 1) is torch's loss, and torch's warning is an
+    error only inside memfit's call (the user's own mse_loss after it still just warns)."""
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(3, 1), torch.randn(20, 3), torch.randn(20, 1)
+    with torch.no_grad():
+        ref = F.mse_loss(model(x), y).item()
+    r = evaluate(model, (x, y), metrics=("loss",), loss_fn=lambda o, t: F.mse_loss(o, t), loss_reduction="mean",
+                 chunk_size=6, progress=False)
+    assert r["loss"] == pytest.approx(ref, rel=1e-6)
+    with pytest.warns(UserWarning, match="Using a target size"):
+        F.mse_loss(torch.zeros(3, 1), torch.zeros(3))
+
+
+# ---- a loss that returns the chunk's mean over tokens: weighted by the terms it is over -------------------------
+def padded_tokens(ignore: int, n: int = 30, seed: int = 0):
+    """A token model (N, T, 4) -> (N, C, T) and labels (N, T) padded on the right with `ignore`, 1..T tokens
+    each, so chunks hold different numbers of counted tokens."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    x, y = torch.randn(n, T + 3, 4, generator=g), torch.randint(1, C, (n, T + 3), generator=g)
+    lengths = torch.randint(1, T + 4, (n,), generator=g)
+    y[torch.arange(T + 3)[None] >= lengths[:, None]] = ignore
+    return TokenModel().eval(), x, y
+
+
+def test_a_mean_over_tokens_is_weighted_by_tokens_with_terms_and_refused_without():
+    """loss_reduction='mean' on padded token labels: chunks weighted by samples gave 2.668 for a whole-set 2.670
+    (any chunking differed). With terms= (as accumulate takes it) every chunking gives the one-batch value;
+    without it evaluate refuses and says how to fix it."""
+    model, x, y = padded_tokens(-100)
+    mean = lambda out, t: F.cross_entropy(out, t)                  # the mean over the tokens that count
+    with torch.no_grad():
+        ref = mean(model(x), y).item()
+    for size in (1, 4, 7, 30):
+        r = evaluate(model, (x, y), metrics=("loss",), loss_fn=mean, loss_reduction="mean", chunk_size=size,
+                     terms=lambda x, t: (t != -100).sum(), progress=False)
+        assert r["loss"] == pytest.approx(ref, rel=1e-6)
+    with pytest.raises(ValueError, match=r"different number of positions per sample .*ignore_index -100.*Fix: pass "
+                                         r"terms=lambda x, y: \(y != -100\).sum\(\)"):
+        evaluate(model, (x, y), metrics=("loss",), loss_fn=mean, loss_reduction="mean", chunk_size=7, progress=False)
+    per_token = lambda out, t: F.cross_entropy(out, t, reduction="none")     # (N, T), 0 where ignored
+    with pytest.raises(ValueError, match=r"one loss per target position.*would count the ignored ones"):
+        evaluate(model, (x, y), metrics=("loss",), loss_fn=per_token, chunk_size=7, progress=False)
+    r = evaluate(model, (x, y), metrics=("loss",), loss_fn=per_token, chunk_size=7,
+                 terms=lambda x, t: (t != -100).sum(), progress=False)
+    assert r["loss"] == pytest.approx(ref, rel=1e-6)
+    summed = lambda out, t: F.cross_entropy(out, t, reduction="sum")
+    r = evaluate(model, (x, y), metrics=("loss",), loss_fn=summed, loss_reduction="sum", chunk_size=7,
+                 terms=lambda x, t: (t != -100).sum(), progress=False)
+    assert r["loss"] == pytest.approx(ref, rel=1e-6)
+
+
+def test_a_mean_over_samples_with_as_many_terms_each_is_not_refused():
+    """Every sample counting as many positions: weighting by samples is exact, nothing to refuse."""
+    model, x, y = padded_tokens(-100)
+    y[:, -2:] = -100                                   # the same two ignored positions in every sample
+    y[:, :-2] = y[:, :-2].clamp(min=0)
+    mean = lambda out, t: F.cross_entropy(out, t)
+    with torch.no_grad():
+        ref = mean(model(x), y).item()
+    r = evaluate(model, (x, y), metrics=("loss",), loss_fn=mean, loss_reduction="mean", chunk_size=7, progress=False)
+    assert r["loss"] == pytest.approx(ref, rel=1e-6)
+
+
+# ---- the user's ignore index, everywhere ---------------------------------------------------------------------------
+@pytest.mark.parametrize("ignore", [0, -1])
+def test_the_loss_ignore_index_is_every_metrics_ignore_index(ignore):
+    """CrossEntropyLoss(ignore_index=0 or -1): loss, accuracy and perplexity all leave those positions out, as
+    torch on the whole set (old: -1 labels were refused as negative, 0 labels counted as a class by accuracy and
+    perplexity); evaluate(ignore_index=) says the same without a loss_fn; the two differing raise."""
+    model, x, y = padded_tokens(ignore)
+    with torch.no_grad():
+        logits = model(x)
+    keep = y != ignore
+    ce = F.cross_entropy(logits.double(), y, ignore_index=ignore).item()
+    acc = ((logits.argmax(1) == y) & keep).sum().item() / keep.sum().item()
+    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=ignore)
+    r = evaluate(model, (x, y), metrics=("loss", "accuracy", "perplexity"), loss_fn=loss_fn, chunk_size=7,
+                 progress=False)
+    assert r["loss"] == pytest.approx(ce, rel=1e-6) and r["accuracy"] == acc
+    assert r["perplexity"] == pytest.approx(math.exp(ce), rel=1e-6)
+    r = evaluate(model, (x, y), metrics=("loss", "accuracy"), ignore_index=ignore, chunk_size=7, progress=False)
+    assert r["loss"] == pytest.approx(ce, rel=1e-6) and r["accuracy"] == acc
+    with pytest.raises(ValueError, match=rf"ignore_index={ignore}, but loss_fn ignores -100.*"
+                                         rf"CrossEntropyLoss\(ignore_index={ignore}\)"):
+        evaluate(model, (x, y), metrics=("loss",), loss_fn=torch.nn.CrossEntropyLoss(), ignore_index=ignore,
+                 progress=False)
+    stored = Targets.plain(y.to(torch.int8), ignore_index=ignore)
+    assert stored.ignore_index == ignore and stored.num_classes == int(y[keep].max()) + 1
+
+
+@pytest.mark.parametrize("ignore", [0, -1])
+def test_accumulate_warns_about_uneven_padding_with_the_losses_ignore_index(ignore):
+    """accumulate's warning that samples hold different numbers of counted tokens looked for -100 only: padding
+    marked 0 (or -1) for CrossEntropyLoss(ignore_index=0) went unsaid, and the micro-batch gradient was not the
+    full-batch one. It now reads the loss's ignore index and names it in the fix."""
+    model, x, y = padded_tokens(ignore, n=8)
+    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=ignore)
+    with pytest.warns(UserWarning, match=rf"ignores \({ignore}\) a different number.*\(y != {ignore}\).sum\(\)"):
+        accumulate(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=3)
+
+
+def test_a_loss_that_would_count_the_datas_ignored_positions_is_refused():
+    """Data built with ignore_index=0 (padding 0) and CrossEntropyLoss() (ignoring -100, torch's default): the loss
+    counted every pad as class 0 while accuracy left them out, silently; now an error names both indices. With
+    255 (segmentation) the old error was torch's 'Target 255 is out of bounds'."""
+    from memfit import CompactDataset
+    model, x, y = padded_tokens(0)
+    ds = CompactDataset.from_arrays(x.numpy(), y.numpy(), ignore_index=0, device="cpu")
+    with pytest.raises(ValueError, match=r"marks positions without a label with 0 \(its ignore_index\), but loss_fn "
+                                         r"ignores -100 \(torch's default\).*CrossEntropyLoss\(ignore_index=0\)"):
+        evaluate(model, ds, metrics=("loss", "accuracy"), loss_fn=torch.nn.CrossEntropyLoss(), progress=False)
+    with torch.no_grad():
+        ref = F.cross_entropy(model(x), y, ignore_index=0).item()
+    r = evaluate(model, ds, metrics=("loss",), loss_fn=torch.nn.CrossEntropyLoss(ignore_index=0), chunk_size=7,
+                 progress=False)
+    assert r["loss"] == pytest.approx(ref, rel=1e-6)
+
+
+def test_a_loss_fn_written_for_the_whole_output_says_evaluate_gives_it_the_logits():
+    """accumulate's loss_fn(out, y) reads out.logits; evaluate gives loss_fn the logits: the error said only
+    "'Tensor' object has no attribute 'logits'"."""
+    model, x, y = padded_tokens(-100)
+    with pytest.raises(TypeError, match=r"loss_fn reads .logits of what it is given, but evaluate gives it the "
+                                        r"logits \(a tensor of shape \(7, 5, 6\)"):
+        evaluate(model, (x, y), metrics=("loss",), loss_fn=lambda out, t: F.cross_entropy(out.logits, t),
+                 loss_reduction="mean", terms=lambda x, t: (t != -100).sum(), chunk_size=7, progress=False)
+

@@ -235,6 +235,18 @@ def test_a_dict_of_targets_gets_each_its_own_metrics(as_tuple):
      r"one target, not a dict"),
     ((np.zeros((N, 6), np.float32), {"box": np.zeros((N, 2))}), reg_model(2), dict(metrics=("mse@box",)),
      r"target 'box': expected the model to return a dict with a tensor 'box'"),
+    # integer values to regress, and class ids stored as floats: the error says how to give each (a new user's
+    # first try; the messages spoke of labels and shapes only)
+    ((np.zeros((N, 6), np.float32), np.arange(N) - 10), reg_model(1), dict(),
+     r"holds label -10.*or y_dtype=torch.float32 if y holds values to regress"),
+    ((np.zeros((N, 6), np.float32), np.arange(N)), reg_model(1), dict(),
+     r"label \d+ is out of range for a model with 1 output .*one output regresses a value.*y.astype\(np.float32\)"),
+    ((seg_data()[0], np.where(seg_data()[1] == 255, 255, 0)), seg_model(), dict(),
+     r"label 255 is out of range for a model with 4 outputs .*; if 255 marks positions without a label, pass "
+     r"ignore_index=255"),
+    ((np.zeros((N, 6), np.float32), (np.arange(N) % 3).astype(np.float32)), reg_model(3), dict(),
+     r"found outputs \(6, 3\) and targets \(6,\).*class ids stored as floats, give them as integers, "
+     r"y.astype\(np.int64\)"),
 ])
 def test_bad_input_says_what_was_expected_and_found(data, model, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -263,7 +275,32 @@ def _dist_rank(rank, world):
                    progress=False, distributed=True)
     xr, yr = reg_data()
     reg = evaluate(reg_model(), (xr, yr), chunk_size=5, device="cpu", progress=False, distributed=True)
-    return dict(res), dict(tok), dict(reg), res.n
+    return dict(res), dict(tok), dict(reg), res.n, _even_per_rank(rank)
+
+
+def even_per_rank_data():
+    """Token labels whose samples count 2 tokens each in the first half (rank 0's part), 4 in the second."""
+    ids, labels = token_data()
+    labels = np.clip(labels[:12], 0, None)
+    labels[:6, 2:], labels[6:, 4:] = -100, -100
+    return ids[:12], labels
+
+
+def _even_per_rank(rank):
+    """A loss_fn returning the chunk's mean, each rank's samples even on their own but not together: refused on
+    every rank (the sums of the counts and of their squares are state); with terms= the one-batch value."""
+    ids, labels = even_per_rank_data()
+    part = (ids[rank * 6:(rank + 1) * 6], labels[rank * 6:(rank + 1) * 6])
+    mean = lambda out, t: F.cross_entropy(out.transpose(1, 2), t)
+    refused = ""
+    try:
+        evaluate(TokenLM(), part, metrics=("loss",), loss_fn=mean, loss_reduction="mean", distributed=True,
+                 sharded=True, progress=False)
+    except ValueError as e:
+        refused = str(e)
+    r = evaluate(TokenLM(), part, metrics=("loss",), loss_fn=mean, loss_reduction="mean",
+                 terms=lambda x, t: (t != -100).sum(), distributed=True, sharded=True, progress=False)
+    return refused, r["loss"]
 
 
 def test_two_gloo_ranks_with_shards_of_different_sizes_give_the_single_process_values():
@@ -275,13 +312,19 @@ def test_two_gloo_ranks_with_shards_of_different_sizes_give_the_single_process_v
     tok = token_reference(TokenLM(), CompactDataset.from_arrays(ids, labels, device="cpu"))
     xr, yr = reg_data()
     reg = reg_reference(reg_model(), CompactDataset.from_arrays(xr, yr, device="cpu"))
+    ids, labels = even_per_rank_data()
+    with torch.no_grad():
+        uneven = F.cross_entropy(TokenLM()(torch.from_numpy(ids)).transpose(1, 2), torch.from_numpy(labels)).item()
     for status, value in out.values():
         assert status == "ok", value
-        res, t, r, n = value
+        res, t, r, n, (refused, loss) = value
         assert n == N
         check(res, seg)
         check(t, {k: tok[k] for k in ("loss", "perplexity")})
         check(r, reg)
+        # a chunk mean whose samples count 2 tokens on rank 0 and 4 on rank 1: each rank alone could not tell
+        assert "counts that differ between ranks" in refused and "terms=lambda x, y: (y != -100).sum()" in refused
+        assert loss == pytest.approx(uneven, rel=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
@@ -306,3 +349,20 @@ def test_narrow_integer_labels_from_batches_give_the_int64_values(dtype):
     assert res["loss"] == pytest.approx(float(ref_loss), rel=1e-6)
     assert res["ppl"] == pytest.approx(float(ref_loss.exp()), rel=1e-6)
     assert torch.equal(res["confusion"], ref_conf)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, N])
+def test_a_one_channel_output_meets_masks_without_it_value_for_value(chunk):
+    """A binary-segmentation head (N, 1, H, W) against float masks (N, H, W), or the other way round: 'mse' and
+    'mae' compare pixel for pixel, as torch on matching shapes (old: refused as a shape mismatch)."""
+    rng = np.random.default_rng(7)
+    x, masks = rng.normal(size=(N, 3, 4, 5)).astype(np.float32), (rng.random((N, 4, 5)) > 0.5).astype(np.float32)
+    torch.manual_seed(0)
+    head = torch.nn.Conv2d(3, 1, 1)
+    with torch.no_grad():
+        out = head(torch.from_numpy(x)).double()[:, 0]
+    ref = {"mse": ((out - torch.from_numpy(masks)) ** 2).mean().item(),
+           "mae": (out - torch.from_numpy(masks)).abs().mean().item()}
+    check(evaluate(head, (x, masks), chunk_size=chunk, progress=False).metrics, ref)
+    squeezed = torch.nn.Sequential(head, torch.nn.Flatten(1, 2))          # (N, 4, 5) outputs, (N, 1, 4, 5) masks
+    check(evaluate(squeezed, (x, masks[:, None]), chunk_size=chunk, progress=False).metrics, ref)

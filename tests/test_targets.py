@@ -199,6 +199,24 @@ def test_bad_targets_say_what_was_expected_and_found(y, kw, match):
         CompactDataset.from_arrays(X, y, device="cpu", **kw)
 
 
+def test_bfloat16_targets_are_kept_exactly_and_what_is_refused_says_expected_found_fix():
+    """bfloat16 targets (a bf16 model's labels) are stored exactly and decode to float32; asking for a decoded
+    dtype that is not offered, or giving a float8 target, says what was expected and found and how to fix it
+    (it used to stop at 'is not offered', and float8 raised torch's NotImplementedError about isfinite)."""
+    y = (torch.arange(6, dtype=torch.float32) * 1.25 - 2e30 * (torch.arange(6) == 5)).bfloat16()   # one beyond fp16
+    stored, t = encode_target(y, 6)
+    assert t.kind == "float" and torch.equal(t.decode(stored), y.float())
+    with pytest.raises(ValueError, match=r"y_dtype torch.bfloat16 is not offered: targets decode to int64 .*float32 "
+                                         r"or float64.*found y_dtype=torch.bfloat16 for torch.bfloat16 targets; leave "
+                                         r"y_dtype=None: torch.bfloat16 targets are then stored exactly"):
+        encode_target(y, 6, y_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"float targets \(float16, bfloat16, float32 or float64\); found dtype "
+                                        r"torch.float8_e4m3fn; convert them first, e.g. y.float\(\)"):
+        encode_target(torch.zeros(3).to(torch.float8_e4m3fn), 3)
+    with pytest.raises(TypeError, match=r"found dtype <U1; convert them first, e.g. np.asarray\(y, dtype=np.float32"):
+        encode_target(np.array(["a", "b"]), 2)
+
+
 def test_encode_target_keeps_integer_targets_as_float_when_asked():
     stored, t = encode_target(np.array([1, 5, 7]), 3, y_dtype=torch.float32)
     assert t.kind == "float" and t.decode(stored).tolist() == [1.0, 5.0, 7.0]

@@ -39,6 +39,7 @@ import torch
 
 from memfit.batches import batch_slice, batch_tensors, batch_to, forward
 from memfit.budget import check_count, halve_after_oom, is_oom
+from memfit.losses import call_loss, loss_ignore_index
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
@@ -203,25 +204,25 @@ def _count_terms(terms: Callable, x, y) -> int:
     return c
 
 
-def _terms_differ(x, y) -> str | None:
-    """The warning to give when labels (y, or x['labels']) ignore (-100) a different number of positions per
-    sample (or some samples, one label each): a loss averaged over what counts weighs samples unequally, so
-    weighting micro-batches by samples is not the full-batch step; None when they do not. Said, not refused:
-    a loss that is a mean over samples is exact. Run before the step, when no gradient is held: its
-    temporaries (a bool per label, an int64 per sample) then sit below the step's peak."""
+def _terms_differ(x, y, ignore: int = -100) -> str | None:
+    """The warning to give when labels (y, or x['labels']) ignore (`ignore`: the loss's ignore_index, else -100) a
+    different number of positions per sample (or some samples, one label each): a loss averaged over what counts
+    weighs samples unequally, so weighting micro-batches by samples is not the full-batch step; None when they do
+    not. Said, not refused: a loss that is a mean over samples is exact. Run before the step, when no gradient is
+    held: its temporaries (a bool per label, an int64 per sample) then sit below the step's peak."""
     labels = [t for t in (y, x.get("labels") if isinstance(x, dict) else None)
               if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.numel() and not t.is_floating_point()]
     for t in labels:
-        ignored = (t == -100).reshape(t.shape[0], -1).sum(1)      # per sample (one label each: 0 or 1)
+        ignored = (t == ignore).reshape(t.shape[0], -1).sum(1)      # per sample (one label each: 0 or 1)
         if bool(ignored.min() != ignored.max()):
             where = "y" if t is y else "x['labels']"
             expr = "y" if t is y else 'x["labels"]'
-            return (f"accumulate: {where} ignores (-100) a different number of positions per sample; if "
+            return (f"accumulate: {where} ignores ({ignore}) a different number of positions per sample; if "
                     "loss_fn averages over the positions that count (cross_entropy and transformers' losses do), "
                     "micro-batches weighted by samples do not give the full-batch gradient. Pass "
-                    f"terms=lambda x, y: ({expr} != -100).sum() to weight them by the positions that count "
-                    f"(({expr}[:, 1:] != -100).sum() for a causal LM that shifts its labels), or ignore this for "
-                    "a loss that is a mean over samples")
+                    f"terms=lambda x, y: ({expr} != {ignore}).sum() to weight them by the positions that count "
+                    f"(({expr}[:, 1:] != {ignore}).sum() for a causal LM that shifts its labels), or ignore this "
+                    "for a loss that is a mean over samples")
     return None
 
 
@@ -310,7 +311,7 @@ class _MicroStep:
         whole = s == 0 and e == self.n          # the batch itself: no views to make
         xs = batch_to(self.x, self.device) if whole else _slice(self.x, s, e, self.device)
         ys = batch_to(self.y, self.device) if whole else _slice(self.y, s, e, self.device)
-        loss = self.loss_fn(forward(self.model, xs), ys)
+        loss = call_loss(self.loss_fn, forward(self.model, xs), ys)      # refuses (N, 1) against (N,) targets
         m = e - s
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
         if not isinstance(loss, torch.Tensor) or not (loss.numel() == 1 or per_sample):
@@ -493,8 +494,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
         if p.grad is not None:
             p.grad = None
-    differ = _terms_differ(x, y) if terms is None else None     # before the step: its temporaries never sit on
-    final = _run_rounds(step, size, rounds) if world > 1 else step.run_range(0, n, size, frozenset())  # the grads
+    ignore = loss_ignore_index(loss_fn)             # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
+    # before the step: its temporaries never sit on the grads
+    differ = _terms_differ(x, y, -100 if ignore is None else ignore) if terms is None else None
+    final = _run_rounds(step, size, rounds) if world > 1 else step.run_range(0, n, size, frozenset())
     if differ is not None and step.micro_batches > 1:
         warnings.warn(differ, stacklevel=2)
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded

@@ -2,7 +2,12 @@
 
 A loss is asked for per-sample (or per-element) values where it can say (`per_sample`); their float64
 sum and the count torch's own mean divides by (`torch_denominator`: non-ignored targets, class weights,
-'batchmean') add up over chunks and ranks to the loss of the whole set at once (`loss_sum`).
+'batchmean') add up over chunks and ranks to the loss of the whole set at once (`loss_sum`). A loss that
+returns the chunk's mean is weighted by the terms it averages over (`terms`, else by samples).
+
+Outputs and targets that torch would broadcast into each other (a regression head's (N, 1) against targets
+(N,): torch's mse_loss then averages all N * N pairs, and only warns) are refused (`call_loss`), and the label a
+loss ignores is read from it where it says (`loss_ignore_index`).
 
 Example:
     >>> import torch
@@ -18,17 +23,28 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import threading
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["REDUCTIONS", "loss_sum", "per_sample", "torch_denominator"]
+__all__ = ["REDUCTIONS", "call_loss", "count_terms", "loss_ignore_index", "loss_sum", "per_sample",
+           "torch_denominator", "unit_dim"]
 
 REDUCTIONS = ("mean", "sum")
 
 # the torch functions whose mean is not sum / numel, recognised when given plainly or as a partial
 _INDEX_LOSSES = (F.cross_entropy, F.nll_loss)
+# losses that compare outputs and targets value by value: the two must have one shape (torch broadcasts them)
+_ELEMENTWISE_MODULES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss, torch.nn.BCELoss,
+                        torch.nn.BCEWithLogitsLoss, torch.nn.SoftMarginLoss, torch.nn.PoissonNLLLoss,
+                        torch.nn.KLDivLoss)
+_ELEMENTWISE_FUNCTIONS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+                          F.binary_cross_entropy_with_logits, F.soft_margin_loss, F.poisson_nll_loss, F.kl_div)
+_BROADCAST = "Using a target size"        # the start of torch's warning when an elementwise loss broadcasts
+_BROADCAST_LOCK = threading.RLock()       # warnings.catch_warnings changes process-wide state: one at a time
 
 
 def _class_index_denominator(weight: torch.Tensor | None, ignore_index: int) -> Callable:
@@ -115,28 +131,143 @@ def per_sample(loss_fn: Callable, reduction: str | None) -> tuple[Callable, str]
     return loss_fn, reduction or "unknown"
 
 
+def _unwrapped(loss_fn: Callable) -> tuple[Callable, dict]:
+    """(the function or module, its partial's keywords)."""
+    if isinstance(loss_fn, functools.partial):
+        return loss_fn.func, dict(loss_fn.keywords)
+    return loss_fn, {}
+
+
+def loss_ignore_index(loss_fn: Callable | None) -> int | None:
+    """The target value `loss_fn` ignores, where it says: CrossEntropyLoss / NLLLoss (their `ignore_index`),
+    F.cross_entropy / F.nll_loss plainly (-100) or as a partial; None for any other loss (or none).
+
+    Example:
+        >>> loss_ignore_index(torch.nn.CrossEntropyLoss(ignore_index=0)), loss_ignore_index(torch.nn.MSELoss())
+        (0, None)
+    """
+    if isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)):
+        return loss_fn.ignore_index
+    func, kw = _unwrapped(loss_fn) if loss_fn is not None else (None, {})
+    return kw.get("ignore_index", -100) if func in _INDEX_LOSSES else None
+
+
+def _elementwise(loss_fn: Callable) -> bool:
+    func, _ = _unwrapped(loss_fn)
+    return isinstance(func, _ELEMENTWISE_MODULES) or func in _ELEMENTWISE_FUNCTIONS
+
+
+def unit_dim(longer: tuple, shorter: tuple) -> int | None:
+    """The dimension of size 1, never the batch's (0), whose removal turns shape `longer` into `shorter`; None if
+    there is none. Example: unit_dim((8, 1, 4, 4), (8, 4, 4)) == 1."""
+    if len(longer) != len(shorter) + 1 or len(longer) < 2:
+        return None
+    for d in range(1, len(longer)):
+        if longer[d] == 1 and longer[:d] + longer[d + 1:] == shorter:
+            return d
+    return None
+
+
+def _broadcast_error(out_shape, y_shape, torch_says: str = "") -> ValueError:
+    out_shape, y_shape = tuple(out_shape), tuple(y_shape)
+    d_out, d_y = unit_dim(out_shape, y_shape), unit_dim(y_shape, out_shape)
+    if d_out is not None:
+        fix = (f"squeeze the output (out.squeeze({d_out}), e.g. lambda out, y: F.mse_loss(out.squeeze({d_out}), y)) "
+               f"or give targets of the output's shape (y.unsqueeze({d_out}); for an array np.expand_dims(y, "
+               f"{d_out}))")
+    elif d_y is not None:
+        fix = (f"squeeze the targets (y.squeeze({d_y}); for an array y.squeeze({d_y})) or give outputs of the "
+               f"targets' shape (out.unsqueeze({d_y}))")
+    else:
+        fix = "reshape the output or the targets so that they match"
+    try:
+        both = (f"an elementwise loss broadcasts them to {tuple(torch.broadcast_shapes(out_shape, y_shape))} and "
+                "averages over every pair, a wrong loss (torch's mse_loss and l1_loss only warn)")
+    except (RuntimeError, TypeError):
+        both = "they do not even broadcast"
+    said = f" (torch: {torch_says.split('. ')[0]})" if torch_says else ""
+    return ValueError(f"loss_fn compares outputs and targets value by value, so they need one shape; found outputs "
+                      f"{out_shape} and targets {y_shape}: {both}{said}. Fix: {fix}")
+
+
+def call_loss(loss_fn: Callable, out, y):
+    """loss_fn(out, y), refusing outputs and targets that an elementwise loss would broadcast into each other.
+
+    A torch elementwise loss (MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCE, ..., or its F function) is checked
+    before it runs: outputs and targets must have one shape. Any other callable runs with torch's broadcasting
+    warning ("Using a target size ... different to the input size") made an error, so a lambda around
+    F.mse_loss is refused too. Raises ValueError saying the two shapes and the fix.
+    """
+    tensors = isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)
+    if tensors and out.shape != y.shape and _elementwise(loss_fn):
+        raise _broadcast_error(out.shape, y.shape)
+    func, _ = _unwrapped(loss_fn)
+    if (tensors and out.shape == y.shape) or type(func).__module__ == "torch.nn.modules.loss" or \
+            func in (*_ELEMENTWISE_FUNCTIONS, *_INDEX_LOSSES):
+        return loss_fn(out, y)          # nothing to broadcast, or a torch loss checked above: no warning to catch
+    with _BROADCAST_LOCK, warnings.catch_warnings():
+        warnings.filterwarnings("error", message=_BROADCAST, category=UserWarning)
+        try:
+            return loss_fn(out, y)
+        except UserWarning as w:
+            if not str(w).startswith(_BROADCAST):
+                raise
+            shapes = (getattr(out, "shape", "?"), getattr(y, "shape", "?"))
+            raise _broadcast_error(*shapes, str(w)) from None
+
+
+def count_terms(terms: Callable, x, y) -> int:
+    """terms(x, y): how many terms a loss's mean is over in a batch, as an int >= 0, or a clear error."""
+    c = terms(x, y)
+    try:
+        c = int(c)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"terms(x, y) must return the number of terms loss_fn averages over (an int or a 0-d "
+                        f"tensor), e.g. lambda x, y: (y != -100).sum(); found {type(c).__name__}") from None
+    if c < 0:
+        raise ValueError(f"terms(x, y) must count terms (>= 0); found {c}")
+    return c
+
+
 def loss_sum(logits: torch.Tensor, y, loss_fn: Callable, reduction: str = "none",
-             denominator: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             denominator: Callable | None = None, terms: int | None = None,
+             ignore_index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the chunk's losses in float64, what the whole-set mean divides by, float64).
 
-    `loss_fn(outputs, y)` returns per-sample (or per-element) losses, or a scalar read as `reduction`.
-    The divisor is the number of samples for a scalar, `denominator(logits, y, losses)` where torch's
-    mean is not the plain one (ignored targets, class weights, 'batchmean'), else the number of values.
+    `loss_fn(outputs, y)` returns per-sample (or per-element) losses, or a scalar read as `reduction`
+    ('mean': times the terms it is over). The divisor is `terms` (the terms the loss averages over in this
+    chunk) when given; else the number of samples for a scalar, `denominator(logits, y, losses)` where torch's
+    mean is not the plain one (ignored targets, class weights, 'batchmean'), else the number of values, which
+    is refused when those are per-position values of integer targets holding `ignore_index` (the mean would
+    count the ignored positions: say `terms`).
     """
     def count(k):
         return torch.tensor(float(k), dtype=torch.float64, device=logits.device)
-    out = loss_fn(logits, y)
+    out = call_loss(loss_fn, logits, y)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"loss_fn must return a tensor; found {type(out).__name__}")
     if out.dim() == 0:
+        k = logits.shape[0] if terms is None else terms
         if reduction == "sum":
-            return out.double(), count(logits.shape[0])
-        if reduction == "mean":
-            return out.double() * logits.shape[0], count(logits.shape[0])
+            return out.double(), count(k)
+        if reduction == "mean" or terms is not None:
+            return out.double() * k, count(k)
         raise ValueError("loss_fn returned a scalar, and memfit cannot tell whether it is the mean or the sum over "
                          "the chunk; return per-sample losses (reduction='none'), or pass loss_reduction='mean' "
                          "or 'sum' to evaluate")
     if out.shape[0] != logits.shape[0]:
         raise ValueError(f"loss_fn returned shape {tuple(out.shape)}; expected per-sample losses "
                          f"({logits.shape[0]},) or a scalar")
-    return out.double().sum(), (count(out.numel()) if denominator is None else denominator(logits, y, out))
+    if terms is not None:
+        return out.double().sum(), count(terms)
+    if denominator is not None:
+        return out.double().sum(), denominator(logits, y, out)
+    if (ignore_index is not None and isinstance(y, torch.Tensor) and out.shape == y.shape
+            and not y.is_floating_point() and y.dtype != torch.bool and bool((y == ignore_index).any())):
+        raise ValueError(f"loss_fn returned one loss per target position, {tuple(out.shape)}, and some targets are "
+                         f"ignore_index {ignore_index}: their mean over every position would count the ignored "
+                         f"ones. Fix: pass terms=lambda x, y: (y != {ignore_index}).sum() to average over the "
+                         "positions that count (terms=lambda x, y: y.numel() to count them all), or give "
+                         "loss_fn as a torch loss (torch.nn.CrossEntropyLoss(), F.cross_entropy), whose mean "
+                         "memfit knows")
+    return out.double().sum(), count(out.numel())

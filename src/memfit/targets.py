@@ -41,6 +41,7 @@ __all__ = ["IGNORE_INDEX", "KINDS", "Target", "Targets", "check_count", "encode_
 
 KINDS = ("class", "labels", "float")
 IGNORE_INDEX = -100          # torch's cross_entropy default: a position without a label
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)     # float targets stored (float8: not)
 
 
 @dataclass
@@ -156,9 +157,10 @@ class Targets:
         return "; ".join(f"{k!r}: {t.describe()}" for k, t in self.parts.items())
 
     @classmethod
-    def plain(cls, y: torch.Tensor) -> Targets:
+    def plain(cls, y: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> Targets:
         """The targets of stored rows made elsewhere (a CompactDataset built from tensors): integer rows are
-        class ids or labels decoded to int64, float rows float targets in their own float dtype."""
+        class ids or labels decoded to int64 (`ignore_index` marks positions without a label), float rows float
+        targets in their own float dtype."""
         if y.is_floating_point():
             codec = next(c() for c in CODECS.values() if getattr(c, "dtype", None) == y.dtype and
                          c.name.startswith(("f", "b")))
@@ -170,7 +172,7 @@ class Targets:
             raise TypeError(f"stored targets must be an integer or float tensor; found {y.dtype} (build the dataset "
                             "with CompactDataset.from_arrays, which stores bool targets in bits)")
         kind = "class" if y.dim() == 1 else "labels"
-        ignore = IGNORE_INDEX
+        ignore = ignore_index
         kept = y[y != ignore]
         classes = int(kept.max()) + 1 if kept.numel() else None
         return cls({None: Target(kind, tuple(y.shape[1:]), codec, torch.int64, ignore, classes)})
@@ -186,7 +188,8 @@ def _integer_stats(arr, ignore_index: int, what: str) -> int | None:
         lo = int(kept.min())
         if lo < 0:
             raise ValueError(f"{what} holds label {lo}, which is neither a class id (>= 0) nor ignore_index "
-                             f"{ignore_index}; pass ignore_index={lo} if it marks positions without a label")
+                             f"{ignore_index}; pass ignore_index={lo} if it marks positions without a label, or "
+                             "y_dtype=torch.float32 if y holds values to regress, not class ids")
         hi = max(hi or 0, int(kept.max()))
     return None if hi is None else hi + 1
 
@@ -211,14 +214,19 @@ def encode_target(y: object, n: int, *, y_dtype=None, ignore_index: int = IGNORE
         found = "a scalar" if arr.ndim == 0 else f"{arr.shape[0]} entries"
         raise ValueError(f"{what} needs one target per sample ({n}, ...); found {found} (shape {tuple(arr.shape)})")
     if isinstance(arr, np.ndarray) and arr.dtype.kind not in "iubf":
-        raise TypeError(f"{what}: expected integer class ids or labels, or float targets; found dtype {arr.dtype}")
+        raise TypeError(f"{what}: expected integer class ids or labels, or float targets; found dtype {arr.dtype}; "
+                        "convert them first, e.g. np.asarray(y, dtype=np.float32) (np.int64 for class ids)")
     dtype = torch.from_numpy(np.empty(0, arr.dtype)).dtype if isinstance(arr, np.ndarray) else arr.dtype
-    if dtype.is_complex:
-        raise TypeError(f"{what}: expected integer class ids or labels, or float targets; found dtype {dtype}")
+    if dtype.is_complex or (dtype.is_floating_point and dtype not in _FLOATS):
+        raise TypeError(f"{what}: expected integer class ids or labels, or float targets (float16, bfloat16, "
+                        f"float32 or float64); found dtype {dtype}; convert them first, e.g. y.float()")
     asked = None if y_dtype is None else resolve_dtype(y_dtype)
     if asked is not None and asked not in (torch.int64, torch.float32, torch.float64):
-        raise ValueError(f"{what}: y_dtype {asked} is not offered; targets decode to int64 (class ids, labels), "
-                         "float32 or float64")
+        keep = (f"leave y_dtype=None: {dtype} targets are then stored exactly and decoded to float32" if dtype in
+                (torch.float16, torch.bfloat16) else "pass y_dtype=torch.float32 for float targets")
+        raise ValueError(f"{what}: y_dtype {asked} is not offered: targets decode to int64 (class ids, labels), "
+                         f"float32 or float64 (losses and metrics compare in those); found y_dtype={asked} for "
+                         f"{dtype} targets; {keep}, or y_dtype=torch.int64 for class ids")
     integer = not dtype.is_floating_point and dtype != torch.bool
     if asked == torch.int64 and not integer:
         arr, integer = _whole_numbers(arr, what), True

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from memfit.compact import CompactDataset
-from memfit.targets import check_count
+from memfit.targets import IGNORE_INDEX, check_count
 
 __all__ = ["Chunks", "as_chunks"]
 
@@ -32,8 +32,10 @@ class Chunks:
         return self.ds.decode(rows), (None if y is None else self.ds.targets.decode(y))
 
 
-def as_chunks(data, device: torch.device):
-    """A CompactDataset, a memfit Loader (any iterable of (x, y) batches) or (x, y) arrays."""
+def as_chunks(data, device: torch.device, asked: tuple[int, str] | None = None):
+    """A CompactDataset, a memfit Loader (any iterable of (x, y) batches) or (x, y) arrays (stored with the ignore
+    index asked for, `asked[0]`, else -100)."""
+    ignore = IGNORE_INDEX if asked is None else asked[0]
     if isinstance(data, CompactDataset):
         if len(data) == 0:
             raise ValueError("the data is empty: nothing to evaluate")
@@ -41,13 +43,13 @@ def as_chunks(data, device: torch.device):
     if isinstance(data, tuple) and len(data) == 2:
         x, y = data
         if isinstance(x, dict):     # several inputs per sample; from_arrays checks every count
-            return Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
+            return Chunks(CompactDataset.from_arrays(x, y, device="cpu", ignore_index=ignore), device)
         if y is not None:
             check_count(y, len(x))
         if len(x) == 0:
             raise ValueError("the data is empty: nothing to evaluate")
         # stored compactly on the host; each chunk crosses to the device compact and is decoded there
-        return Chunks(CompactDataset.from_arrays(x, y, device="cpu"), device)
+        return Chunks(CompactDataset.from_arrays(x, y, device="cpu", ignore_index=ignore), device)
     if isinstance(data, Iterable) and not isinstance(data, (str, bytes, dict)):
         return data
     raise TypeError(f"data must be a CompactDataset, a memfit Loader (or iterable of (x, y) batches) or an "

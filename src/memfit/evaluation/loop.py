@@ -24,7 +24,7 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
     try:
         out = forward(runner, x)
     except Exception as e:       # the forward's dtype mistakes only: a metric's or loss_fn's own error stays its own
-        mistake = None if is_oom(e) else dtype_mistake(e, x)
+        mistake = None if is_oom(e) else dtype_mistake(e, x, runner if isinstance(runner, torch.nn.Module) else None)
         if mistake is not None:
             raise mistake from e
         raise
@@ -44,7 +44,7 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
         if id(pred) not in watched:
             watched.add(id(pred))
             watch(pred)
-        parts.append(m.contribution(pred, target))
+        parts.append(m.contribution(pred, target, x) if m.reads_inputs else m.contribution(pred, target))
     return parts
 
 

@@ -10,6 +10,7 @@ import torch
 from memfit.compact import CompactDataset
 from memfit.evaluation.chunks import as_chunks
 from memfit.evaluation.decision import Decision
+from memfit.targets import IGNORE_INDEX
 
 __all__ = ["agreed_chunk_size", "agreed_data", "local_chunks", "reduce_results"]
 
@@ -19,15 +20,17 @@ class _NoChunks(tuple):
     targets = None
 
 
-def agreed_data(data, sharded: bool):
+def agreed_data(data, sharded: bool, asked: tuple[int, str] | None = None):
     """The data as a CompactDataset (arrays are encoded whole, so every rank decodes with the same codec and
     normalisation), after the ranks agreed that they hold one whole set of one size and content, or each its
-    own part (sharded=True). Raises on every rank when they do not, or when one failed preparing its data."""
+    own part (sharded=True); arrays get the ignore index asked for (`asked[0]`, else -100). Raises on every
+    rank when they do not, or when one failed preparing its data."""
     from memfit import distributed as mdist
     error, identity = None, (0, 0, 0, 0)
     try:
         if isinstance(data, tuple) and len(data) == 2:
-            data = CompactDataset.from_arrays(*data, device="cpu")
+            data = CompactDataset.from_arrays(*data, device="cpu",
+                                              ignore_index=IGNORE_INDEX if asked is None else asked[0])
         identity = mdist.data_identity(data, sharded)
     except Exception as e:
         error = e

@@ -32,15 +32,18 @@ from memfit.evaluation.decision import Ask, decide, without_plan
 from memfit.evaluation.estimates import choose_chunk
 from memfit.evaluation.loop import run_chunks
 from memfit.evaluation.result import EvalResult
+from memfit.losses import loss_ignore_index
 from memfit.memory.measure import held_bytes
 from memfit.messages import first_line, whole_words
-from memfit.metrics import Metric, default_metrics, make_metric
+from memfit.metrics import Loss, Metric, default_metrics, make_metric
+from memfit.targets import IGNORE_INDEX
 
 __all__ = ["evaluate"]
 
 
 def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable | None = None,
-             loss_reduction: str | None = None, output_fn: Callable | None = None,
+             loss_reduction: str | None = None, terms: Callable | None = None, ignore_index: int | None = None,
+             output_fn: Callable | None = None,
              chunk_size: int | str = "auto", budget: int | str | None = None, device=None,
              progress: bool | None = True, planned: bool | None = None, distributed: bool = False,
              sharded: bool = False) -> EvalResult:
@@ -57,13 +60,23 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
             'loss', 'confusion', 'iou', 'perplexity', 'mse', 'mae'; 'NAME@TARGET' for one target of a dict),
             `memfit.metrics.Metric` objects or torchmetrics-style objects (keyed by class name, '_2' added when
             repeated), or a dict {result key: either}. Class scores may be (N, C), (N, C, *d) or (N, *d, C)
-            for labels (N,) or (N, *d); labels equal to the data's ignore_index (else -100) count nowhere.
+            for labels (N,) or (N, *d); labels equal to the ignore index (`ignore_index`) count nowhere.
         loss_fn: used by 'loss'; default cross entropy. torch losses, partials and functions with a
             `reduction` parameter are asked for per-sample values; a function that returns a scalar
-            needs `loss_reduction`. The result is torch's mean over the whole set: targets equal to
-            `ignore_index` are not counted, class weights divide by sum(weight[y]) (CrossEntropyLoss,
-            NLLLoss), KLDivLoss 'batchmean' divides by the number of samples; CTCLoss is refused.
-        loss_reduction: 'mean' or 'sum': what a scalar-returning `loss_fn` does over a chunk.
+            needs `loss_reduction` (or `terms`). The result is torch's mean over the whole set: targets equal
+            to `ignore_index` are not counted, class weights divide by sum(weight[y]) (CrossEntropyLoss,
+            NLLLoss), KLDivLoss 'batchmean' divides by the number of samples; CTCLoss is refused. Outputs and
+            targets that an elementwise loss would broadcast into each other ((N, 1) against (N,)) are refused.
+        loss_reduction: 'mean' or 'sum': what a scalar-returning `loss_fn` does over a chunk ('sum': the loss
+            is then per sample). A 'mean' is weighted by samples: refused on integer targets whose ignored
+            positions differ per sample, unless `terms` says what it is over.
+        terms: terms(x, y) -> how many terms loss_fn's mean (or sum) is over in a chunk, as in `accumulate`:
+            `lambda x, y: (y != -100).sum()` for a loss averaged over the tokens that count; 'loss' is then the
+            sum over the set divided by the total of terms.
+        ignore_index: the label that marks a position without one, for every metric (and for arrays stored on
+            the way in). Default: the loss's own (CrossEntropyLoss(ignore_index=0), a partial of
+            F.cross_entropy), else the data's (`from_arrays(..., ignore_index=)`, a loader's), else -100. Raises
+            when `loss_fn` says another one (the loss would count what the metrics ignore).
         output_fn: picks the logits from the model's output; default rule (`memfit.metrics.logits_of`):
             a tensor; `.logits` of a ModelOutput; `["logits"]` of a dict; the first element of a tuple/list.
         chunk_size: 'auto' (the largest that fits `budget`, at most MAX_AUTO_CHUNK = 512 samples:
@@ -98,7 +111,9 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
     # resolve: the device, the metrics, the data (on several ranks: agreed on before any work)
     dev = _model_device(model, device)
     auto = isinstance(metrics, str) and metrics == "auto"
-    mets = {} if auto else _metrics(metrics, loss_fn, loss_reduction)     # a bad name is said before any work
+    make = lambda spec: make_metric(spec, loss_fn, loss_reduction, terms)
+    mets = {} if auto else _metrics(metrics, make)     # a bad name is said before any work
+    asked = _asked_ignore_index(ignore_index, loss_fn)
     if not auto and not mets:
         raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
     if not isinstance(sharded, bool) or (sharded and not distributed):
@@ -111,14 +126,14 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
         if not mdist.is_distributed():
             raise ValueError("distributed=True needs an initialised torch.distributed process group "
                              "(start with torchrun, or call init_process_group first)")
-        data = ranks.agreed_data(data, sharded)      # before any work: one whole set on every rank, or parts
+        data = ranks.agreed_data(data, sharded, asked)      # before any work: one whole set on every rank, or parts
     modes = [(m, m.training) for m in model.modules()]       # each module's own mode comes back afterwards
     if any(training for _, training in modes):
         model.eval()
     error, res, runner, decision = None, None, model, None
     try:
-        chunks = ranks.local_chunks(data, dev, sharded) if distributed else as_chunks(data, dev)
-        _resolve_metrics(mets, chunks, auto, loss_fn, loss_reduction)
+        chunks = ranks.local_chunks(data, dev, sharded) if distributed else as_chunks(data, dev, asked)
+        _resolve_metrics(mets, chunks, auto, make, asked, loss_ignore_index(loss_fn))
         # decide: chunk size and runner, in one place
         whole = isinstance(chunks, Chunks)
         ask = Ask(chunks.n if whole else None, chunk_size, planned, budget is not None, distributed,
@@ -156,7 +171,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
                       time.perf_counter() - t0, decision.runner, decision.reason, res["oom_sizes"])
 
 
-def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, loss_fn, loss_reduction) -> None:
+def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, make, asked: tuple[int, str] | None,
+                     loss_index: int | None) -> None:
     """With metrics='auto', the metrics the targets' kind asks for; then each metric's ignore index."""
     if getattr(chunks, "drop_last", False):        # a memfit Loader that leaves its last batch out: not the whole set
         warnings.warn("evaluating a loader built with drop_last=True: its last incomplete batch is left out, so the "
@@ -167,15 +183,41 @@ def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, loss_fn, loss_
     if targets is None and hasattr(chunks, "dataset"):           # a memfit Loader
         targets = chunks.dataset.targets
     if auto:
-        mets.update(_metrics(default_metrics(None if targets is None else targets.kind), loss_fn, loss_reduction))
-    _bind(mets, targets)
+        mets.update(_metrics(default_metrics(None if targets is None else targets.kind), make))
+    _bind(mets, targets, asked, loss_index)
 
 
-def _bind(mets: dict[str, Metric], targets) -> None:
-    """Each metric takes the ignore_index of the target it reads, unless it was given one."""
+def _asked_ignore_index(given, loss_fn) -> tuple[int, str] | None:
+    """(the ignore index asked for, who asked): `ignore_index` given to evaluate, else the loss's own when it is
+    not torch's default (CrossEntropyLoss(ignore_index=0)); None: neither (the data's, else -100)."""
+    from_loss = loss_ignore_index(loss_fn)
+    if given is None:
+        return None if from_loss in (None, IGNORE_INDEX) else (from_loss, "loss_fn")
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise TypeError(f"ignore_index must be an int (the label that marks a position without one, e.g. -100 or "
+                        f"255); found {type(given).__name__} {given!r}")
+    if from_loss is not None and from_loss != given:
+        raise ValueError(f"ignore_index={given}, but loss_fn ignores {from_loss}: the loss would count the labels "
+                         f"the other metrics leave out. Fix: give the loss the same one (e.g. "
+                         f"torch.nn.CrossEntropyLoss(ignore_index={given})), or leave ignore_index out")
+    return given, "ignore_index"
+
+
+def _bind(mets: dict[str, Metric], targets, asked: tuple[int, str] | None, loss_index: int | None) -> None:
+    """Each metric (unless it was given its own) takes the ignore index asked for, else the data's of the target
+    it reads, else -100. Unless evaluate was given one, a loss_fn whose own index (`loss_index`, torch's -100
+    by default) is not the data's (other than -100) raises: it would count those positions as a class."""
     for m in mets.values():
         part = None if targets is None else targets.parts.get(m.target)
-        m.bind(None if part is None else part.ignore_index)
+        data = None if part is None else part.ignore_index
+        if (isinstance(m, Loss) and m.loss_fn is not None and loss_index is not None and data not in
+                (None, IGNORE_INDEX, loss_index) and (asked is None or asked[1] == "loss_fn")):
+            default = " (torch's default)" if loss_index == IGNORE_INDEX else ""
+            raise ValueError(f"the data marks positions without a label with {data} (its ignore_index), but loss_fn "
+                             f"ignores {loss_index}{default}, so the loss would count them as class {data}; give the "
+                             f"loss the same one (e.g. torch.nn.CrossEntropyLoss(ignore_index={data})), or build the "
+                             "data with the loss's (from_arrays(..., ignore_index=))")
+        m.bind(data if asked is None else asked[0])
 
 
 def _limit(model, budget, dev) -> int:
@@ -183,13 +225,13 @@ def _limit(model, budget, dev) -> int:
     return resolve_budget(budget, dev) + (held_bytes(model) if budget is None else 0)
 
 
-def _metrics(specs, loss_fn, loss_reduction=None) -> dict[str, Metric]:
+def _metrics(specs, make: Callable) -> dict[str, Metric]:
     """{result key: metric}: names key themselves, objects their class name (suffixed when repeated);
     a dict names its own keys."""
     items = specs.items() if isinstance(specs, dict) else ((None, s) for s in specs)
     out: dict[str, Metric] = {}
     for key, spec in items:
-        metric = make_metric(spec, loss_fn, loss_reduction)
+        metric = make(spec)
         key = key or (spec if isinstance(spec, str) else metric.name)
         base, i = key, 2
         while key in out:

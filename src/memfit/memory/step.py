@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.batches import forward
 from memfit.budget import model_device
+from memfit.losses import call_loss
 from memfit.memory.measure import optimizer_state, unique_bytes
 
 __all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "measure_step", "surrounding_autocast",
@@ -101,7 +102,7 @@ class ExampleBatch:
 
 def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
     if loss_fn is not None and target is not None:
-        return loss_fn(out, target)
+        return call_loss(loss_fn, out, target)      # (N, 1) outputs against (N,) targets: refused, as accumulate does
     if loss_fn is not None:
         try:
             return loss_fn(out)
