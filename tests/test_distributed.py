@@ -329,7 +329,7 @@ def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
     import sys
     script = tmp_path / "ends.py"
     script.write_text(ENDS_AFTER_A_COLLECTIVE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}   # this checkout's memfit
     for _ in range(6):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                               str(script)], capture_output=True, text=True, timeout=120, env=env)

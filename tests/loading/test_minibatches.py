@@ -570,10 +570,27 @@ def _dist_epochs(rank, world):
 BLOCKS = {"strategy": "macro", "macro_batch": 128, "order": "blocks"}
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One spawn of 2 ranks for both checks at world size 2 (starting the processes is most of each check's
+    time): {rank: (status, {"epochs": ..., "decodes": ...}) or (status, error)}."""
+    path = tmp_path_factory.mktemp("ranks") / "x.npy"
+    np.save(path, skewed()[0])
+    return run_ranks(_dist_two_checks, 2, str(path))
+
+
+def _dist_two_checks(rank, world, path):
+    return {"epochs": _dist_epochs(rank, world), "decodes": _dist_decodes_like_the_whole(rank, world, path)}
+
+
+def _part(out: dict, key: str) -> dict:
+    return {r: (s, v[key] if s == "ok" else v) for r, (s, v) in out.items()}
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_distributed_ranks_partition_every_epoch(world):
+def test_distributed_ranks_partition_every_epoch(world, request):
     from memfit.distributed import shard_sizes
-    out = run_ranks(_dist_epochs, world)
+    out = _part(request.getfixturevalue("two_ranks"), "epochs") if world == 2 else run_ranks(_dist_epochs, world)
     assert sorted(out) == list(range(world)) and all(s == "ok" for s, _ in out.values()), out
     ranks = [out[r][1] for r in range(world)]
     whole = loader(arrays(), 64, seed=5, device="cpu")
@@ -663,12 +680,10 @@ def skewed():
     return x, np.arange(N)
 
 
-def test_distributed_ranks_encode_and_normalise_as_the_whole(tmp_path):
+def test_distributed_ranks_encode_and_normalise_as_the_whole(two_ranks):
     # every rank decodes a sample as the whole data decodes it: one codec range, one mean/std, one class
     # count, whichever shard it holds (each rank encoding only its own shard would decode differently)
-    path = tmp_path / "x.npy"
-    np.save(path, skewed()[0])
-    out = run_ranks(_dist_decodes_like_the_whole, 2, str(path))
+    out = _part(two_ranks, "decodes")
     assert all(s == "ok" for s, _ in out.values()), out
     for rank in range(2):
         for name, (worst, classes) in out[rank][1].items():
