@@ -218,6 +218,38 @@ def test_matching_shapes_still_give_torchs_loss_and_no_warning_is_made_an_error_
         F.mse_loss(torch.zeros(3, 1), torch.zeros(3))
 
 
+def test_the_broadcast_check_leaves_other_threads_and_the_warnings_filters_alone():
+    """The check of a user's loss callable made torch's broadcast warning an error process-wide while it ran:
+    another thread's own F.mse_loss on (4, 1) against (4,) raised instead of warning. Now it still warns there,
+    while the callable in flight is refused."""
+    import threading
+    import warnings
+
+    from memfit.losses import call_loss
+    inside, seen = threading.Event(), []
+
+    def slow(out, y):
+        inside.set()
+        assert other.join(timeout=30) is None and not other.is_alive()     # the other thread ran meanwhile
+        return F.mse_loss(out, y)
+
+    def elsewhere():
+        assert inside.wait(timeout=30)
+        try:
+            F.mse_loss(torch.zeros(4, 1), torch.zeros(4))
+            seen.append("ran")
+        except Exception as e:          # noqa: BLE001 - what the other thread saw is the assertion
+            seen.append(type(e).__name__)
+
+    other = threading.Thread(target=elsewhere, daemon=True)
+    other.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # the other thread's warning is not this test's output
+        with pytest.raises(ValueError, match=r"found outputs \(4, 1\) and targets \(4,\)"):
+            call_loss(slow, torch.zeros(4, 1), torch.zeros(4))
+    assert seen == ["ran"]
+
+
 # ---- a loss that returns the chunk's mean over tokens: weighted by the terms it is over -------------------------
 def padded_tokens(ignore: int, n: int = 30, seed: int = 0):
     """A token model (N, T, 4) -> (N, C, T) and labels (N, T) padded on the right with `ignore`, 1..T tokens
