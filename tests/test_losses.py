@@ -365,3 +365,28 @@ def test_a_loss_fn_written_for_the_whole_output_says_evaluate_gives_it_the_logit
         evaluate(model, (x, y), metrics=("loss",), loss_fn=lambda out, t: F.cross_entropy(out.logits, t),
                  loss_reduction="mean", terms=lambda x, t: (t != -100).sum(), chunk_size=7, progress=False)
 
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_loss_fn_ignoring_a_label_memfit_was_not_told_is_refused(reduction):
+    """lambda o, t: F.cross_entropy(o, t, ignore_index=255) on masks with 255 voids, no ignore_index given: memfit
+    counted positions by -100, so a chunk mean weighted by samples gave 1.4726 for 1.4692 and per-position values
+    averaged over every position 1.035, silently. A label outside the output's classes that the loss ran on is one
+    it ignores: refused, saying to pass ignore_index=255; with it (and terms=) the whole-set value comes back."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Conv2d(3, 4, 1).eval(), torch.randn(23, 3, 5, 5)
+    y = torch.randint(0, 4, (23, 5, 5))
+    y[torch.rand(23, 5, 5) < 0.3] = 255
+    loss_fn = lambda o, t: F.cross_entropy(o, t, ignore_index=255, reduction=reduction)    # noqa: E731
+    with torch.no_grad():
+        ref = F.cross_entropy(model(x).double(), y, ignore_index=255).item()
+    kw = dict(metrics=("loss",), loss_fn=loss_fn, loss_reduction=reduction if reduction == "mean" else None,
+              chunk_size=5, progress=False)
+    with pytest.raises(ValueError, match=r"label 255, outside the 4 classes.*pass ignore_index=255"):
+        evaluate(model, (x, y), **kw)
+    r = evaluate(model, (x, y), ignore_index=255, terms=lambda x, t: (t != 255).sum(), **kw)
+    assert r["loss"] == pytest.approx(ref, rel=1e-6)
+    r = evaluate(model, (x, torch.where(y == 255, 0, y)), **kw)     # labels in range: run as before
+    with torch.no_grad():
+        plain = F.cross_entropy(model(x).double(), torch.where(y == 255, 0, y)).item()
+    assert r["loss"] == pytest.approx(plain, rel=1e-6)
