@@ -39,7 +39,7 @@ import torch
 
 from memfit.batches import batch_slice, batch_tensors, batch_to, forward
 from memfit.budget import check_count, halve_after_oom, is_oom
-from memfit.losses import call_loss, loss_ignore_index
+from memfit.losses import call_loss, count_terms, loss_ignore_index
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
@@ -191,19 +191,6 @@ def _trained_device(params: list[torch.nn.Parameter]) -> torch.device:
     return params[0].device
 
 
-def _count_terms(terms: Callable, x, y) -> int:
-    """terms(x, y) as an int >= 0, or a clear error."""
-    c = terms(x, y)
-    try:
-        c = int(c)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"terms(x, y) must return the number of terms loss_fn averages over (an int or a 0-d tensor); "
-                        f"found {type(c).__name__}") from None
-    if c < 0:
-        raise ValueError(f"terms(x, y) must count terms (>= 0); found {c}")
-    return c
-
-
 def _terms_differ(x, y, ignore: int = -100) -> str | None:
     """The warning to give when labels (y, or x['labels']) ignore (`ignore`: the loss's ignore_index, else -100) a
     different number of positions per sample (or some samples, one label each): a loss averaged over what counts
@@ -326,7 +313,7 @@ class _MicroStep:
             if per_sample:
                 raise ValueError(f"terms= needs loss_fn to return the mean over those terms (a scalar); found one "
                                  f"loss per sample (shape ({m},)): return their mean, or drop terms=")
-            count = _count_terms(self.terms, xs, ys)
+            count = count_terms(self.terms, xs, ys)
             if count == 0:                  # nothing counts in this part: its mean is 0 / 0, and it adds nothing
                 if self.sync_last and e == self.n:     # but DDP's all-reduce must run: a zero gradient for each
                     zero = sum(p.sum() for p in self.params if p.requires_grad) * 0.0          # parameter
@@ -470,7 +457,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         if not whole:
             _check_batch_dependence(model, allow_batch_dependent)
         device = _trained_device(params)
-        n_total = n if terms is None else _count_terms(terms, x, y)
+        n_total = n if terms is None else count_terms(terms, x, y)
         step = _MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, sync_last=world > 1, terms=terms)
         # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
         step.splittable = not whole or allow_batch_dependent or not batch_dependent_modules(model)
