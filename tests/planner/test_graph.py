@@ -145,7 +145,10 @@ def test_ops_named_eager_run_outside_the_arena_with_the_reason():
     graph, ops = analysed(Mixed, torch.randn(4, 8), eager={"addmm": "measured: cheaper outside"})
     assert ops["addmm"].mode == "call" and ops["addmm"].reason == "measured: cheaper outside"
     assert graph.roots["addmm"].kind == "call"
-    assert ops["add"].mode == "out" and ops["add"].inplace_arg is None      # never over a torch-made tensor
+    # add writes over addmm's output (dead after it) although torch allocated it: the chain stays outside the arena
+    assert ops["add"].mode == "out" and ops["add"].inplace_arg == 0 and ops["add"].reason == ""
+    assert graph.root_of["add"] == "addmm" and graph.roots["addmm"].kind == "call"
+    assert graph.root_of["relu"] == "addmm"
 
 
 def test_a_copy_in_the_same_layout_is_a_view_unless_it_is_an_output():

@@ -115,7 +115,8 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     rep = pm.report
     largest = max_batch_size(model, sample_shape, limit, extra_bytes_per_sample=train.row_nbytes)
     _say(quiet, f"plan     batch {batch_size}: naive {format_bytes(rep.naive_bytes)}, planned "
-                f"{format_bytes(rep.arena_bytes)} ({rep.naive_bytes / max(rep.arena_bytes, 1):.1f}x less), "
+                f"{format_bytes(rep.arena_bytes)} ({rep.naive_bytes / max(rep.arena_bytes, 1):.1f}x less) + "
+                f"{format_bytes(rep.unplanned_bytes)} outside the arena, "
                 f"lower bound {format_bytes(rep.lower_bound)}, parameters {format_bytes(rep.param_bytes)}")
     _say(quiet, f"         largest evaluation batch within {format_bytes(limit)}: {largest}")
 

@@ -106,6 +106,9 @@ def _emit_out(src: _Source, op: OpRun) -> None:
     """`f(args, out=arena view)`: the op writes into its planned place."""
     low = op.lowered
     f = src.stash(low.variant.fn, "f")
+    if op.inplace_arg is not None and op.outputs[0] not in src.values:
+        # over a tensor torch allocated (a local of this call): the output is that local, written in place
+        src.values[op.outputs[0]] = src.value_of(op.node.args[op.inplace_arg])
     outs = ", ".join(f"{k}={src.values[v].expr}" for k, v in zip(low.variant.outs, op.outputs, strict=True))
     note = " (in place)" if op.inplace_arg is not None else ""
     src.lines.append(f"{f}({src.call_args(low.args, low.kwargs)}, {outs})  # {op.node.name}{note}")

@@ -154,12 +154,14 @@ def _out_name(node: Node, k: int, many: bool) -> str:
 
 
 def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool = True,
-            env: dict | None = None, eager: dict[str, str] | None = None) -> Graph:
+            env: dict | None = None, eager: dict[str, str] | None = None,
+            own_layout: frozenset[str] = frozenset()) -> Graph:
     """Lifetimes, aliases and the run mode of every op of an exported, decomposed graph.
 
     `env` maps the batch symbol of a graph exported with a dynamic batch to the batch size to plan
     for; every size is then exact at that batch (none: the graph's sizes are static). `eager` maps
-    node names to the reason they run eagerly although they have an `out=` kernel.
+    node names to the reason they run eagerly although they have an `out=` kernel; those in `own_layout`
+    (their kernels give other strides than the graph's) also never write over another tensor.
     """
     walk = _Walk(consts, env or {})
     output_node = None
@@ -174,7 +176,7 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
             raise TypeError(f"unexpected node {node.op} {node.target} in the exported graph")
     graph = Graph(walk.ops, walk.roots, walk.root_of, walk.metas, walk.inputs, consts, walk.outputs(output_node),
                   walk.ints)
-    _decide_modes(graph, walk.value_of, device_type, inplace, eager or {})
+    _decide_modes(graph, walk.value_of, device_type, inplace, eager or {}, own_layout)
     return graph
 
 
@@ -269,18 +271,23 @@ class _Walk:
         return flat_out
 
 
+_OUTPUT = "a model output: fresh memory every call, so the caller may keep it"
+_NOT_TENSORS = "some of its outputs are not tensors"
+
+
 def _why_eager(op: OpRun, own: list[Root], eager: dict[str, str]) -> str:
     """Why a compute op cannot write into the arena before lowering is tried ("" if nothing stops it)."""
     if op.replacement:
         return "an output nobody reads is skipped by running another kernel (as eager does)"
     if not own or any(r.kind == "output" for r in own):
-        return "a model output: fresh memory every call, so the caller may keep it"
+        return _OUTPUT
     if not all(op.outputs):
-        return "some of its outputs are not tensors"
+        return _NOT_TENSORS
     return eager.get(op.node.name, "")
 
 
-def _decide_modes(graph: Graph, value_of: dict, device_type: str, inplace: bool, eager: dict[str, str]) -> None:
+def _decide_modes(graph: Graph, value_of: dict, device_type: str, inplace: bool, eager: dict[str, str],
+                  own_layout: frozenset[str]) -> None:
     """How each compute op runs: an `out=` kernel into the arena (in place where the rules allow) or eagerly,
     with the reason. In-place merges go in execution order."""
     roots, metas = graph.roots, graph.metas
@@ -290,9 +297,16 @@ def _decide_modes(graph: Graph, value_of: dict, device_type: str, inplace: bool,
         node, names = op.node, op.outputs
         own = [roots[n] for n in names if n]
         op.reason = _why_eager(op, own, eager)
-        if op.reason:
+        if op.reason in (_OUTPUT, _NOT_TENSORS) or op.replacement:
             continue
         lowered = lower(node.target, node.args, node.kwargs, [metas[n] for n in names], device_type)
+        # over a dead input torch allocated (a convolution's output, an op run eagerly): no new bytes at all
+        if (inplace and lowered is not None and node.name not in own_layout and all(r.kind == "empty" for r in own[1:])
+                and _try_inplace(op, own[0], roots, graph.root_of, metas, value_of, "call")):
+            op.mode, op.lowered, op.reason = "out", lowered, ""
+            continue
+        if op.reason:
+            continue
         if lowered is None:
             op.reason = why_not_lowered(node.target, device_type)
             continue
@@ -318,10 +332,11 @@ def _shares_storage(op: OpRun, pos: int, v: str, root_of, value_of) -> bool:
     return False
 
 
-def _try_inplace(op: OpRun, out: Root, roots, root_of, metas, value_of) -> None:
-    """Write `out` over an input when the rules allow: allowlisted elementwise op, input in the arena
-    with no later reader, covering all of its allocation, same shape, strides and dtype as `out`, and
-    no other operand of the op sharing its memory."""
+def _try_inplace(op: OpRun, out: Root, roots, root_of, metas, value_of, kind: str = "arena") -> bool:
+    """Write `out` over an input when the rules allow: allowlisted elementwise op, input of root kind `kind`
+    (`arena`, or `call`: torch allocated it, so the op then writes over it with its `out=` kernel) with no later
+    reader, covering all of its allocation, same shape, strides and dtype as `out`, and no other operand of the
+    op sharing its memory. True when it does."""
     args = op.node.args
     for pos in inplace_candidates(op.node.target, args):
         arg = args[pos]
@@ -335,7 +350,7 @@ def _try_inplace(op: OpRun, out: Root, roots, root_of, metas, value_of) -> None:
         # the whole allocation, or a view of all of it (a linear's 2-D output viewed as 3-D): each element is read
         # and written at the same address, as for the root itself
         whole = span_bytes(meta.shape, meta.stride(), meta.dtype, meta.storage_offset()) == base.nbytes
-        if (base.kind != "arena" or base.last != op.index or not whole
+        if (base.kind != kind or base.last != op.index or not whole
                 or _shares_storage(op, pos, v, root_of, value_of)
                 or tuple(meta.shape) != out.shape or tuple(meta.stride()) != out.stride or meta.dtype != out.dtype
                 or meta.storage_offset() != 0 or base.nbytes != out.nbytes):
@@ -347,4 +362,5 @@ def _try_inplace(op: OpRun, out: Root, roots, root_of, metas, value_of) -> None:
                 root_of[name] = base.name
         del roots[out.name]
         op.inplace_arg = pos
-        return
+        return True
+    return False

@@ -6,7 +6,7 @@ below what the allocator serves.
 
 Example:
     >>> import torch
-    >>> from memfit.planner.planned import capture_model, place_at
+    >>> from memfit.planner.placement import capture_model, place_at
     >>> conv = torch.nn.Conv2d(3, 8, 3).eval()
     >>> cap = capture_model(conv, torch.zeros(2, 3, 16, 16))
     >>> len(workspaces(place_at(cap, 4).graph, cap.env(4), "cpu")) > 0

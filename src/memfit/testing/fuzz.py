@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -122,8 +124,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_programs(programs: list[list[tuple]], n: int, algorithms=None) -> None:
     """Plan the programs' model with every algorithm, every op in the arena where it has an `out=`
-    kernel, and once more with the default of running ops eagerly where that costs less memory (one
-    capture); outputs must equal eager bit for bit on two inputs, called twice each, and the inputs
+    kernel, once more with the default of running ops eagerly where that costs less memory, and once
+    with every op run by torch (in-place writes then go over tensors torch allocated), all from one
+    capture; outputs must equal eager bit for bit on two inputs, called twice each, and the inputs
     must be left untouched. Raises AssertionError."""
     from memfit.planner.arena import ALGORITHMS
     from memfit.planner.planned import capture_model, plan_captured
@@ -134,9 +137,13 @@ def check_programs(programs: list[list[tuple]], n: int, algorithms=None) -> None
     with torch.no_grad():
         refs = [model(x) for x in xs]
     cap = capture_model(model, (xs[0],))
-    settings = [(a, False) for a in algorithms or ALGORITHMS] + [("greedy_by_size", True)]
-    for algorithm, eager_where_cheaper in settings:
-        pm = plan_captured(cap, (xs[0],), algorithm=algorithm, eager_where_cheaper=eager_where_cheaper)
+    # every op run by torch: in-place writes go over torch's tensors
+    outside = dataclasses.replace(cap, run_eagerly={n.name: "fuzz: every op outside the arena"
+                                                    for n in cap.ep.graph.nodes if n.op == "call_function"})
+    settings = [(cap, a, False) for a in algorithms or ALGORITHMS] + [(cap, "greedy_by_size", True),
+                                                                        (outside, "greedy_by_size", False)]
+    for c, algorithm, eager_where_cheaper in settings:
+        pm = plan_captured(c, (xs[0],), algorithm=algorithm, eager_where_cheaper=eager_where_cheaper)
         for x, ref in [*zip(xs, refs, strict=True), (xs[0], refs[0])]:
             before = x.clone()
             with torch.no_grad():
