@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.accumulation.checks import count_terms, part_of
+from memfit.accumulation.checks import part_of
 from memfit.batches import batch_to, forward
 from memfit.budget import halve_after_oom, is_oom
-from memfit.losses import call_loss
+from memfit.losses import call_loss, count_terms
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
 

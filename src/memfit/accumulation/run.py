@@ -21,14 +21,13 @@ from memfit.accumulation.checks import (
     check_batch_dependence,
     check_distributed,
     check_micro,
-    count_terms,
     terms_differ,
     trained_device,
 )
 from memfit.accumulation.micro_step import KeptGrads, MicroStep
 from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
 from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
-from memfit.losses import loss_ignore_index
+from memfit.losses import count_terms, loss_ignore_index
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 
 __all__ = ["accumulate"]
