@@ -1,4 +1,5 @@
 """accumulate: micro-batched steps against one plain full-batch step (eager PyTorch as the reference)."""
+import copy
 import time
 import warnings
 
@@ -998,3 +999,33 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping(bucket_view):
         assert "rank 1: micro-batch 2 of 2 (samples 3..3 of its batch)" in r["skip"]
         for p, q in zip(ref.parameters(), r["params"], strict=True):
             assert torch.allclose(p, torch.tensor(q), rtol=1e-5, atol=1e-7)
+
+
+def test_a_class_id_the_loss_ignores_unsaid_is_refused_and_terms_give_the_full_batch_gradient():
+    # a lambda's own ignore_index (255 marks void pixels) is invisible to accumulate: weighting micro-batches by
+    # samples gave a gradient 7.9e-3 off the full-batch step, silently
+    torch.manual_seed(0)
+    x = torch.randn(12, 3, 5, 5)
+    y = torch.randint(0, 4, (12, 5, 5))
+    y[torch.rand(12, 5, 5) < 0.5] = 255
+
+    def loss_fn(o, t):
+        return F.cross_entropy(o, t, ignore_index=255)
+
+    ref = torch.nn.Conv2d(3, 4, 1)
+    m = copy.deepcopy(ref)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"label 255, outside the output's 4 classes.*terms=lambda x, y: \(y != 255\)"):
+        accumulate(m, opt, (x, y), loss_fn, micro_batch=4)
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))      # no step taken
+    accumulate(m, opt, (x, y), loss_fn, micro_batch=4, terms=lambda x, y: (y != 255).sum())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss_fn(ref(x), y).backward()
+    ref_opt.step()
+    for a, b in zip(m.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # labels all in range, or the same number of void pixels in every sample: runs as before
+    y_even = torch.randint(0, 4, (12, 5, 5))
+    y_even[:, 0, 0] = 255
+    accumulate(m, opt, (x, y_even), loss_fn, micro_batch=4)

@@ -142,6 +142,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     ignore = loss_ignore_index(loss_fn)             # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
     # before the step: its temporaries never sit on the grads
     differ = terms_differ(x, y, -100 if ignore is None else ignore) if terms is None else None
+    step.ignore = -100 if ignore is None else ignore
     kept = KeptGrads(_trained_and_stepped(params, optimizer))
     optimizer.zero_grad(set_to_none=True)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
