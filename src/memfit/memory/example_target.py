@@ -30,7 +30,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from memfit.batches import forward
 from memfit.memory.fake_run import FakeRunError, fake_maker
-from memfit.memory.isolation import predicting, structural_copy
+from memfit.memory.isolation import fake_section, predicting, structural_copy
 from memfit.memory.step import ExampleBatch
 from memfit.messages import first_line
 from memfit.planner.global_caches import function_caches_kept_real
@@ -85,7 +85,8 @@ def _output(model: nn.Module, batch: ExampleBatch, device: torch.device, train: 
         if train and not model.training:
             run_model.train()
         fake_named = {k: fake(v) for k, v in named.items()}
-        with mode, _reparametrize_module(run_model, fake_named, tie_weights=True, strict=False), torch.no_grad():
+        with fake_section(mode), _reparametrize_module(run_model, fake_named, tie_weights=True, strict=False), \
+                torch.no_grad():
             return forward(run_model, batch.at(2, device))
 
 

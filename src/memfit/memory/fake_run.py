@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from memfit.batches import forward
 from memfit.memory.allocator import rounder
 from memfit.memory.fake_kernels import REAL_SIZE, WORKSPACE, host_tensors_logged, real_bytes, workspace_bytes
-from memfit.memory.isolation import predicting, structural_copy
+from memfit.memory.isolation import fake_section, predicting, structural_copy
 from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
@@ -227,7 +227,7 @@ def fake_maker(mode: FakeTensorMode, device: torch.device, memo: dict) -> Callab
         if id(t) not in memo:
             f = mode.from_tensor(t)
             if t.device != device:
-                with mode:
+                with fake_section(mode):
                     f = f.to(device)
             memo[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
         return memo[id(t)]
@@ -282,7 +282,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
             opt = _fake_optimizer(optimizer, fake, mode) if optimizer is not None else None
             if train and not model.training:   # asked about training a model in eval mode: all of it trains;
                 run_model.train()              # a training model's modules keep their modes (a frozen BatchNorm)
-            with mode, _reparametrize_module(run_model, fake_named, tie_weights=True, strict=False):
+            with fake_section(mode), _reparametrize_module(run_model, fake_named, tie_weights=True, strict=False):
                 if grads_held:                 # made before the log starts: held, as the parameters are
                     trainable = {id(p): p for p in fake_named.values()
                                  if isinstance(p, torch.nn.Parameter) and p.requires_grad}.values()

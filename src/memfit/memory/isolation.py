@@ -6,9 +6,10 @@ user's module, every thread would see for the length of the run: a plain forward
 (5,117 of 8,779 times during `max_batch_size(train=True)`). So the runs here work on a `structural_copy` (the
 module tree copied shallowly, every tensor shared, nothing copied in memory) and never touch the user's module.
 `predicting()` is around every prediction, plan and capture: its random ops (a dropout in a diagnosing run)
-draw from generators of their own (`own_rng`, a dispatch mode of this thread), so torch's CPU and CUDA
-generators are neither advanced nor saved and restored (restoring them rewound what another thread drew
-meanwhile), and it runs one prediction at a time in the process (torch's tracing machinery keeps global state).
+draw from generators of their own (`own_rng`, a dispatch mode of this thread, stepped aside in fake sections:
+`fake_section`), so torch's CPU and CUDA generators are neither advanced nor saved and restored (restoring them
+rewound what another thread drew meanwhile), and it runs one prediction at a time in the process (torch's
+tracing machinery keeps global state).
 `tracer_patches_this_thread_only()` is around `torch.export`: its fx tracer replaces `torch.nn.Module.__call__`
 and `__getattr__` for the whole process while it traces, which would route another thread's plain forward of
 any model into the trace.
@@ -41,10 +42,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["kept_rng", "own_rng", "predicting", "structural_copy", "tracer_patches_this_thread_only"]
+__all__ = ["fake_section", "kept_rng", "own_rng", "predicting", "structural_copy", "tracer_patches_this_thread_only"]
 
 # One prediction at a time in the process: torch.export's tracer and the fake-tensor runs keep global state
 # (patched Module methods, gc switched off). Re-entrant: a prediction may capture, a capture may diagnose.
@@ -144,13 +145,31 @@ def own_rng() -> Iterator[None]:
     """Inside, this thread's random ops draw from generators of their own (`_OwnGenerators`): torch's CPU and
     CUDA generators are neither advanced nor restored, so what any other thread draws is unchanged."""
     _not_rewound_here()
-    outer = getattr(_THIS_THREAD, "own", False)
+    if getattr(_THIS_THREAD, "own", False):   # nested (a prediction's fake run): the outer mode serves it; a
+        yield                                 # second one would pass every op through Python once more
+        return
     _THIS_THREAD.own = True
     try:
         with _OwnGenerators():
             yield
     finally:
-        _THIS_THREAD.own = outer
+        _THIS_THREAD.own = False
+
+
+@contextmanager
+def fake_section(mode: FakeTensorMode) -> Iterator[FakeTensorMode]:
+    """`with mode:` for a section of a prediction that runs on fake tensors: own_rng's mode, when it is the
+    innermost, steps aside until the section ends. Nothing inside can draw: under a FakeTensorMode a random op
+    on real tensors runs on their fakes, and no random op is constant-folded (`nondeterministic_seeded`). The
+    ops then pass through one Python dispatch mode, not two (own_rng made a training prediction a third
+    slower)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    if not isinstance(_get_current_dispatch_mode(), _OwnGenerators):
+        with mode:
+            yield mode
+        return
+    with _pop_mode_temporarily(), mode:
+        yield mode
 
 
 @contextmanager
