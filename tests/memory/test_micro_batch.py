@@ -169,3 +169,27 @@ def test_a_back_off_lowers_the_size_kept_for_the_next_step(monkeypatch, oom_budg
     r = accumulate(mod, opt, data(16), F.cross_entropy, budget=10**9)
     assert (r.micro_batch, r.retries) == (4, 0) and "lowered to 4" in r.reason
 
+
+def test_a_size_chosen_at_one_thread_count_is_chosen_again_at_another(monkeypatch):
+    """The training memory model's kernel scratch is measured per intra-op thread count: a size kept at one
+    count must not be reused at another (it used to: auto_key left the count out)."""
+    calls = []
+
+    def fake(model, optimizer, loss_fn, x, y):
+        calls.append(torch.get_num_threads())
+        return (lambda m: 10_000 + 1_000 * m), "a stand-in model"
+    monkeypatch.setattr(micro_batch_size, "training_peak", fake)
+    mod = make("mlp")
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        accumulate(mod, opt, data(20), F.cross_entropy, budget=10**6)
+        accumulate(mod, opt, data(20), F.cross_entropy, budget=10**6)     # kept: not chosen again
+        torch.set_num_threads(2)
+        accumulate(mod, opt, data(20), F.cross_entropy, budget=10**6)
+        torch.set_num_threads(1)
+        accumulate(mod, opt, data(20), F.cross_entropy, budget=10**6)     # the size kept at one thread
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1, 2]
