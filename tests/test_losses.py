@@ -218,6 +218,38 @@ def test_matching_shapes_still_give_torchs_loss_and_no_warning_is_made_an_error_
         F.mse_loss(torch.zeros(3, 1), torch.zeros(3))
 
 
+def test_the_broadcast_check_leaves_other_threads_and_the_warnings_filters_alone():
+    """The check of a user's loss callable made torch's broadcast warning an error process-wide while it ran:
+    another thread's own F.mse_loss on (4, 1) against (4,) raised instead of warning. Now it still warns there,
+    while the callable in flight is refused."""
+    import threading
+    import warnings
+
+    from memfit.losses import call_loss
+    inside, seen = threading.Event(), []
+
+    def slow(out, y):
+        inside.set()
+        assert other.join(timeout=30) is None and not other.is_alive()     # the other thread ran meanwhile
+        return F.mse_loss(out, y)
+
+    def elsewhere():
+        assert inside.wait(timeout=30)
+        try:
+            F.mse_loss(torch.zeros(4, 1), torch.zeros(4))
+            seen.append("ran")
+        except Exception as e:          # noqa: BLE001 - what the other thread saw is the assertion
+            seen.append(type(e).__name__)
+
+    other = threading.Thread(target=elsewhere, daemon=True)
+    other.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # the other thread's warning is not this test's output
+        with pytest.raises(ValueError, match=r"found outputs \(4, 1\) and targets \(4,\)"):
+            call_loss(slow, torch.zeros(4, 1), torch.zeros(4))
+    assert seen == ["ran"]
+
+
 # ---- a loss that returns the chunk's mean over tokens: weighted by the terms it is over -------------------------
 def padded_tokens(ignore: int, n: int = 30, seed: int = 0):
     """A token model (N, T, 4) -> (N, C, T) and labels (N, T) padded on the right with `ignore`, 1..T tokens
@@ -333,3 +365,28 @@ def test_a_loss_fn_written_for_the_whole_output_says_evaluate_gives_it_the_logit
         evaluate(model, (x, y), metrics=("loss",), loss_fn=lambda out, t: F.cross_entropy(out.logits, t),
                  loss_reduction="mean", terms=lambda x, t: (t != -100).sum(), chunk_size=7, progress=False)
 
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_loss_fn_ignoring_a_label_memfit_was_not_told_is_refused(reduction):
+    """lambda o, t: F.cross_entropy(o, t, ignore_index=255) on masks with 255 voids, no ignore_index given: memfit
+    counted positions by -100, so a chunk mean weighted by samples gave 1.4726 for 1.4692 and per-position values
+    averaged over every position 1.035, silently. A label outside the output's classes that the loss ran on is one
+    it ignores: refused, saying to pass ignore_index=255; with it (and terms=) the whole-set value comes back."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Conv2d(3, 4, 1).eval(), torch.randn(23, 3, 5, 5)
+    y = torch.randint(0, 4, (23, 5, 5))
+    y[torch.rand(23, 5, 5) < 0.3] = 255
+    loss_fn = lambda o, t: F.cross_entropy(o, t, ignore_index=255, reduction=reduction)    # noqa: E731
+    with torch.no_grad():
+        ref = F.cross_entropy(model(x).double(), y, ignore_index=255).item()
+    kw = dict(metrics=("loss",), loss_fn=loss_fn, loss_reduction=reduction if reduction == "mean" else None,
+              chunk_size=5, progress=False)
+    with pytest.raises(ValueError, match=r"label 255, outside the 4 classes.*pass ignore_index=255"):
+        evaluate(model, (x, y), **kw)
+    r = evaluate(model, (x, y), ignore_index=255, terms=lambda x, t: (t != 255).sum(), **kw)
+    assert r["loss"] == pytest.approx(ref, rel=1e-6)
+    r = evaluate(model, (x, torch.where(y == 255, 0, y)), **kw)     # labels in range: run as before
+    with torch.no_grad():
+        plain = F.cross_entropy(model(x).double(), torch.where(y == 255, 0, y)).item()
+    assert r["loss"] == pytest.approx(plain, rel=1e-6)

@@ -23,8 +23,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import threading
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -43,8 +41,8 @@ _ELEMENTWISE_MODULES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss
                         torch.nn.KLDivLoss)
 _ELEMENTWISE_FUNCTIONS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
                           F.binary_cross_entropy_with_logits, F.soft_margin_loss, F.poisson_nll_loss, F.kl_div)
-_BROADCAST = "Using a target size"        # the start of torch's warning when an elementwise loss broadcasts
-_BROADCAST_LOCK = threading.RLock()       # warnings.catch_warnings changes process-wide state: one at a time
+# the elementwise losses torch lets broadcast with only a warning ("Using a target size ... different to the input")
+_WARNING_LOSSES = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
 
 
 def _class_index_denominator(weight: torch.Tensor | None, ignore_index: int) -> Callable:
@@ -168,7 +166,7 @@ def unit_dim(longer: tuple, shorter: tuple) -> int | None:
     return None
 
 
-def _broadcast_error(out_shape, y_shape, torch_says: str = "") -> ValueError:
+def _broadcast_error(out_shape, y_shape, where: str = "") -> ValueError:
     out_shape, y_shape = tuple(out_shape), tuple(y_shape)
     d_out, d_y = unit_dim(out_shape, y_shape), unit_dim(y_shape, out_shape)
     if d_out is not None:
@@ -185,18 +183,34 @@ def _broadcast_error(out_shape, y_shape, torch_says: str = "") -> ValueError:
                 "averages over every pair, a wrong loss (torch's mse_loss and l1_loss only warn)")
     except (RuntimeError, TypeError):
         both = "they do not even broadcast"
-    said = f" (torch: {torch_says.split('. ')[0]})" if torch_says else ""
+    said = f" ({where})" if where else ""
     return ValueError(f"loss_fn compares outputs and targets value by value, so they need one shape; found outputs "
                       f"{out_shape} and targets {y_shape}: {both}{said}. Fix: {fix}")
+
+
+class _RefuseBroadcast(torch.overrides.TorchFunctionMode):
+    """Inside a user's loss callable: torch's elementwise losses that only warn when they broadcast (mse, l1,
+    smooth_l1, huber) refuse outputs and targets of different shapes before they run. A torch function mode is
+    this thread's alone: other threads' losses, and the process's warnings filters, are left as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _WARNING_LOSSES:
+            a = args[0] if args else kwargs.get("input")
+            b = args[1] if len(args) > 1 else kwargs.get("target")
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
+                raise _broadcast_error(a.shape, b.shape, where=f"F.{func.__name__} inside loss_fn")
+        return func(*args, **kwargs)
 
 
 def call_loss(loss_fn: Callable, out, y):
     """loss_fn(out, y), refusing outputs and targets that an elementwise loss would broadcast into each other.
 
     A torch elementwise loss (MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCE, ..., or its F function) is checked
-    before it runs: outputs and targets must have one shape. Any other callable runs with torch's broadcasting
-    warning ("Using a target size ... different to the input size") made an error, so a lambda around
-    F.mse_loss is refused too. Raises ValueError saying the two shapes and the fix.
+    before it runs: outputs and targets must have one shape. Any other callable runs with torch's losses that
+    broadcast with only a warning (mse_loss, l1_loss, smooth_l1_loss, huber_loss) refusing shapes that differ, so a
+    lambda around F.mse_loss is refused too (by a torch function mode of this thread: no warnings filter is
+    changed). Raises ValueError saying the two shapes and the fix.
     """
     tensors = isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)
     if tensors and out.shape != y.shape and _elementwise(loss_fn):
@@ -204,16 +218,9 @@ def call_loss(loss_fn: Callable, out, y):
     func, _ = _unwrapped(loss_fn)
     if (tensors and out.shape == y.shape) or type(func).__module__ == "torch.nn.modules.loss" or \
             func in (*_ELEMENTWISE_FUNCTIONS, *_INDEX_LOSSES):
-        return loss_fn(out, y)          # nothing to broadcast, or a torch loss checked above: no warning to catch
-    with _BROADCAST_LOCK, warnings.catch_warnings():
-        warnings.filterwarnings("error", message=_BROADCAST, category=UserWarning)
-        try:
-            return loss_fn(out, y)
-        except UserWarning as w:
-            if not str(w).startswith(_BROADCAST):
-                raise
-            shapes = (getattr(out, "shape", "?"), getattr(y, "shape", "?"))
-            raise _broadcast_error(*shapes, str(w)) from None
+        return loss_fn(out, y)          # nothing to broadcast, or a torch loss checked above
+    with _RefuseBroadcast():
+        return loss_fn(out, y)
 
 
 def count_terms(terms: Callable, x, y) -> int:

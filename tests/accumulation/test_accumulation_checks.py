@@ -18,8 +18,10 @@ def test_terms_say_what_they_need():
     ids, y = torch.randint(0, 20, (4, 6)), torch.full((4, 6), -100)
     with pytest.raises(ValueError, match="counts no terms in the whole batch"):
         accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: (y != -100).sum())
-    with pytest.raises(TypeError, match="number of terms"):
-        accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: "many")
+    with pytest.raises(TypeError, match=r"number of terms.*e.g. lambda x, y: \(y != -100\).sum\(\); found str"):
+        accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: "many")     # as evaluate says
+    with pytest.raises(ValueError, match=r"must count terms \(>= 0\); found -1"):
+        accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: -1)
     x1, y1 = data(6)
     y1[:2] = -100                                  # one label per sample, two ignored: a mean over four
     with pytest.warns(UserWarning, match="ignores"):

@@ -600,3 +600,20 @@ def test_a_drop_last_loader_is_said_to_leave_samples_out():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         assert evaluate(model, memfit.loader((x, y), 4, device="cpu", seed=0), progress=False).n == 10
+
+
+def test_an_ignore_index_that_is_not_the_datas_is_refused():
+    # ignore_index=0 replaced the data's 255 silently: torch's raw "Target 255 is out of bounds", or 255s counted
+    x = np.random.default_rng(0).standard_normal((20, 3, 5, 5)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 4, (20, 5, 5)).astype(np.uint8)
+    y[:, 0, 0] = 255
+    ds = CompactDataset.from_arrays(x, y, ignore_index=255)
+    m = torch.nn.Conv2d(3, 4, 1)
+    with pytest.raises(ValueError, match=r"ignore_index=0, but the data marks .* with 255.*pass ignore_index=255"):
+        evaluate(m, ds, ignore_index=0, loss_fn=torch.nn.CrossEntropyLoss(ignore_index=0))
+    said = evaluate(m, ds, ignore_index=255, loss_fn=torch.nn.CrossEntropyLoss(ignore_index=255))
+    with torch.no_grad():
+        out, t = m(torch.from_numpy(x)), torch.from_numpy(y).long()
+    ref = torch.nn.functional.cross_entropy(out, t, ignore_index=255)
+    assert said.metrics["loss"] == pytest.approx(float(ref), rel=1e-5)
+    assert said.metrics["loss"] == pytest.approx(evaluate(m, ds).metrics["loss"], rel=1e-6)

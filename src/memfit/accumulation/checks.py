@@ -4,7 +4,6 @@ the loss's terms. Each raises (or warns) saying what was expected, what was foun
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 
@@ -13,7 +12,7 @@ from memfit.batches import batch_slice, batch_tensors, batch_to
 from memfit.budget import check_count
 
 __all__ = ["batch_dependent_modules", "batch_size", "check_batch_dependence", "check_distributed", "check_micro",
-           "count_terms", "part_of", "terms_differ", "trained_device"]
+           "part_of", "terms_differ", "trained_device"]
 
 
 # ---- the batch -------------------------------------------------------------------------------------
@@ -121,19 +120,6 @@ def trained_device(params: list[torch.nn.Parameter]) -> torch.device:
                          "parameters (found none in model.parameters()); pass the module that holds the weights the "
                          "optimizer steps")
     return params[0].device
-
-
-def count_terms(terms: Callable, x, y) -> int:
-    """terms(x, y) as an int >= 0, or a clear error."""
-    c = terms(x, y)
-    try:
-        c = int(c)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"terms(x, y) must return the number of terms loss_fn averages over (an int or a 0-d tensor); "
-                        f"found {type(c).__name__}") from None
-    if c < 0:
-        raise ValueError(f"terms(x, y) must count terms (>= 0); found {c}")
-    return c
 
 
 def terms_differ(x, y, ignore: int = -100) -> str | None:

@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.accumulation.checks import count_terms, part_of
+from memfit.accumulation.checks import part_of
 from memfit.batches import batch_to, forward
 from memfit.budget import halve_after_oom, is_oom
-from memfit.losses import call_loss
+from memfit.losses import call_loss, count_terms
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
 
@@ -93,6 +93,8 @@ class MicroStep:
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
         self.autocast = self._autocast_type()
         self.splittable = True           # an out-of-memory error may split a micro-batch
+        self.ignore = -100               # the ignore index accumulate knows of (the loss's own, else -100)
+        self.labels_checked = False      # class ids the loss ignores unsaid: looked for at the first micro-batch
 
     @staticmethod
     def _autocast_type():
@@ -127,9 +129,15 @@ class MicroStep:
         whole = s == 0 and e == self.n          # the batch itself: no views to make
         xs = batch_to(self.x, self.device) if whole else part_of(self.x, s, e, self.device)
         ys = batch_to(self.y, self.device) if whole else part_of(self.y, s, e, self.device)
-        loss = call_loss(self.loss_fn, forward(self.model, xs), ys)      # refuses (N, 1) against (N,) targets
+        out = forward(self.model, xs)
+        loss = call_loss(self.loss_fn, out, ys)      # refuses (N, 1) against (N,) targets
         m = e - s
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
+        if not self.labels_checked:
+            self.labels_checked = True
+            if self.terms is None and not per_sample and m < self.n:
+                unsaid_ignored_labels(out, self.y, self.ignore)
+        del out
         if not isinstance(loss, torch.Tensor) or not (loss.numel() == 1 or per_sample):
             raise ValueError(f"loss_fn must return the mean loss over the micro-batch (a scalar tensor) or one loss "
                              f"per sample (shape ({m},)); found "
@@ -193,3 +201,27 @@ class MicroStep:
             size = self.run_range(i, i + m, size, frozen | got)
             i += m
         return size
+
+
+def unsaid_ignored_labels(out, y, said: int) -> None:
+    """Refuse class ids outside the output's classes that a mean loss ran on without failing (it must ignore
+    them, e.g. cross_entropy(..., ignore_index=255) in a lambda) when samples hold different numbers of them:
+    micro-batches weighted by samples would then not give the full-batch gradient, silently. `said` is the
+    ignore index accumulate already knows of (it warns about that one)."""
+    if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor) and not y.is_floating_point()
+            and y.dim() >= 2 and out.dim() == y.dim() + 1 and y.numel()):
+        return
+    classes = out.shape[1]
+    outside = (y < 0) | (y >= classes)
+    outside &= y != said
+    if not bool(outside.any()):
+        return
+    label = int(y[outside].flatten()[0])
+    per_sample = (y == label).reshape(y.shape[0], -1).sum(1)
+    if bool(per_sample.min() != per_sample.max()):
+        raise ValueError(f"accumulate: y holds label {label}, outside the output's {classes} classes, and loss_fn "
+                         f"ran on it without failing, so it ignores it; samples hold different numbers of it "
+                         f"({int(per_sample.min())} to {int(per_sample.max())}), so micro-batches weighted by samples "
+                         f"would not give the full-batch gradient. Pass terms=lambda x, y: (y != {label}).sum() "
+                         f"(the positions the loss averages over), or have loss_fn return one loss per sample")
+

@@ -21,14 +21,13 @@ from memfit.accumulation.checks import (
     check_batch_dependence,
     check_distributed,
     check_micro,
-    count_terms,
     terms_differ,
     trained_device,
 )
 from memfit.accumulation.micro_step import KeptGrads, MicroStep
 from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
 from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
-from memfit.losses import loss_ignore_index
+from memfit.losses import count_terms, loss_ignore_index
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 
 __all__ = ["accumulate"]
@@ -143,6 +142,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     ignore = loss_ignore_index(loss_fn)             # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
     # before the step: its temporaries never sit on the grads
     differ = terms_differ(x, y, -100 if ignore is None else ignore) if terms is None else None
+    step.ignore = -100 if ignore is None else ignore
     kept = KeptGrads(_trained_and_stepped(params, optimizer))
     optimizer.zero_grad(set_to_none=True)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient

@@ -75,7 +75,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
             sum over the set divided by the total of terms.
         ignore_index: the label that marks a position without one, for every metric (and for arrays stored on
             the way in). Default: the loss's own (CrossEntropyLoss(ignore_index=0), a partial of
-            F.cross_entropy), else the data's (`from_arrays(..., ignore_index=)`, a loader's), else -100. Raises
+            F.cross_entropy), else the data's (`memfit.CompactDataset.from_arrays(..., ignore_index=)`, a
+            loader's), else -100. Raises
             when `loss_fn` says another one (the loss would count what the metrics ignore).
         output_fn: picks the logits from the model's output; default rule (`memfit.metrics.logits_of`):
             a tensor; `.logits` of a ModelOutput; `["logits"]` of a dict; the first element of a tuple/list.
@@ -216,7 +217,11 @@ def _bind(mets: dict[str, Metric], targets, asked: tuple[int, str] | None, loss_
             raise ValueError(f"the data marks positions without a label with {data} (its ignore_index), but loss_fn "
                              f"ignores {loss_index}{default}, so the loss would count them as class {data}; give the "
                              f"loss the same one (e.g. torch.nn.CrossEntropyLoss(ignore_index={data})), or build the "
-                             "data with the loss's (from_arrays(..., ignore_index=))")
+                             "data with the loss's (memfit.CompactDataset.from_arrays(..., ignore_index=))")
+        if asked is not None and asked[1] == "ignore_index" and data not in (None, IGNORE_INDEX, asked[0]):
+            raise ValueError(f"ignore_index={asked[0]}, but the data marks positions without a label with {data} "
+                             f"(its ignore_index): the metrics would not leave those positions out. Fix: "
+                             f"leave ignore_index out (the data's is used), or pass ignore_index={data}")
         m.bind(data if asked is None else asked[0])
 
 

@@ -77,7 +77,8 @@ def class_targets(logits: torch.Tensor, y, what: str, ignore_index: int, given: 
             bad = hi if hi >= c else lo
             void = f"; if {bad} marks positions without a label, pass ignore_index={bad}" if bad >= c > 1 else ""
             regress = (" (one output regresses a value: give integer targets to regress as floats, "
-                       "y.astype(np.float32) or from_arrays(..., y_dtype=torch.float32); their metrics are 'mse' "
+                       "y.astype(np.float32) or memfit.CompactDataset.from_arrays(..., y_dtype=torch.float32); "
+                       "their metrics are 'mse' "
                        "and 'mae')") if c == 1 else ""
             raise ValueError(f"label {bad} is out of range for a model with {plural(c, 'output')} (labels must be "
                              f"in 0..{c - 1}, or ignore_index {ignore_index} where there is none); check the labels, "
@@ -99,7 +100,7 @@ def float_targets(pred: torch.Tensor, y, what: str) -> tuple[torch.Tensor, torch
         y = y if d is None else y.squeeze(d)
     if pred.shape != y.shape:
         ids = (" (if the targets are class ids stored as floats, give them as integers, y.astype(np.int64) or "
-               "from_arrays(..., y_dtype=torch.int64): class ids get 'accuracy' and 'loss')") \
+               "memfit.CompactDataset.from_arrays(..., y_dtype=torch.int64): class ids get 'accuracy' and 'loss')") \
             if pred.dim() == y.dim() + 1 and pred.shape[0] == y.shape[0] and pred.shape[1] > 1 else ""
         raise ValueError(f"{what} compares outputs with targets of the same shape; found outputs {tuple(pred.shape)} "
                          f"and targets {tuple(y.shape)}; reshape the output (or the targets) to match{ids}")

@@ -146,6 +146,8 @@ class Loss(Metric):
                                 "memfit.metrics.logits_of or output_fn), not the whole output as accumulate does; "
                                 "write it for the logits, e.g. lambda logits, y: F.cross_entropy(logits.transpose(1, "
                                 "2), y)") from None
+            if terms is None and self.denominator is None and self.reduction != "sum":    # a mean over samples or
+                self._refuse_unknown_index(y, logits)       # positions: the loss may ignore no label unknown here
         return {"sum": total, "count": count, "n": torch.tensor(logits.shape[0], device=logits.device), **spread}
 
     def _check_weighting(self, y) -> dict[str, torch.Tensor]:
@@ -168,6 +170,27 @@ class Loss(Metric):
         self.per_sample_terms = first
         c = counted.double()
         return {"terms": c.sum(), "terms_sq": c.square().sum()}
+
+    def _refuse_unknown_index(self, y, logits) -> None:
+        """Class scores (N, C, *d) or (N, *d, C) for integer labels (N, *d) with a label outside 0..C-1 that is not
+        ignore_index: loss_fn ran, so it ignores that label (lambda o, t: F.cross_entropy(o, t, ignore_index=255)),
+        and a chunk mean weighted by samples, or a mean over every position, would count it, silently."""
+        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.dtype == torch.bool or \
+                not isinstance(logits, torch.Tensor) or logits.dim() != y.dim() + 1 or logits.shape[0] != y.shape[0]:
+            return
+        shape, ys = tuple(logits.shape), tuple(y.shape)
+        sizes = [c for c, fits in ((shape[1], shape[2:] == ys[1:]), (shape[-1], shape[1:-1] == ys[1:])) if fits]
+        if not sizes:
+            return
+        kept = y[y != self.ignored]
+        out = kept[(kept < 0) | (kept >= max(sizes))]
+        if out.numel():
+            v = int(out[0])
+            raise ValueError(f"{self.name}: the targets hold label {v}, outside the {max(sizes)} classes of the "
+                             f"output, and loss_fn ran on them, so it ignores them; memfit counts the positions not "
+                             f"equal to ignore_index {self.ignored}, and would count those in the mean. Fix: "
+                             f"pass ignore_index={v} (with terms=lambda x, y: (y != {v}).sum() if loss_fn averages "
+                             "over the positions that count)")
 
     def _uneven(self, found: str) -> ValueError:
         return ValueError(
