@@ -26,6 +26,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+
+@pytest.fixture
+def oom_budget():
+    """The emulated device of the accumulate tests (tests/accumulation/cases.py: OOMInBackward), reset after."""
+    from accumulation.cases import OOMInBackward
+    yield OOMInBackward
+    OOMInBackward.budget = staticmethod(lambda n: True)
+
+
 try:        # the same examples on every run: a red CI then always means a regression, never bad luck
     from hypothesis import settings
     settings.register_profile("memfit", derandomize=True, deadline=None, print_blob=True)

@@ -119,3 +119,31 @@ def test_a_plan_is_kept_per_input_layout_and_a_memory_model_per_sample_shape():
     assert cache.known_memory_model(model, (16,), torch.float32) is mm
     assert cache.memory_model_of(model, (16,), torch.float32) is mm
     assert cache.known_memory_model(model, (32,), torch.float32) is None
+
+
+def test_plans_and_memory_models_made_at_another_thread_count_are_not_reused():
+    """The kernels' workspaces a placement and a memory model count (oneDNN's scratch) are measured per
+    intra-op thread count: what was made at one count must not answer at another (it used to)."""
+    model = nn.Sequential(nn.ReLU()).eval()
+    x = torch.empty(2, 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        pm1 = borrow_plan(model, x)
+        give_back(pm1)
+        mm1 = cache.memory_model_of(model, (16,), torch.float32)
+        fm1 = cache.forward_memory_of(model, x)
+        torch.set_num_threads(2)
+        assert cache.known_memory_model(model, (16,), torch.float32) is None
+        pm2 = borrow_plan(model, x)
+        give_back(pm2)
+        assert pm2 is not pm1
+        assert cache.memory_model_of(model, (16,), torch.float32) is not mm1
+        assert cache.forward_memory_of(model, x) is not fm1
+        torch.set_num_threads(1)                        # back at one thread: the values made there, kept
+        pm = borrow_plan(model, x)
+        give_back(pm)
+        assert pm is pm1 and cache.known_memory_model(model, (16,), torch.float32) is mm1
+        assert cache.forward_memory_of(model, x) is fm1
+    finally:
+        torch.set_num_threads(threads)

@@ -105,8 +105,15 @@ _LENT: weakref.WeakSet = weakref.WeakSet()          # the cached plans borrowed 
 _LENDING = threading.Lock()
 
 
+def _context() -> tuple:
+    """What every kept plan or memory model also depends on: the surrounding autocast (a capture or estimate
+    under autocast holds only under it) and the intra-op thread count (the kernels' workspaces the placements
+    and memory models count, oneDNN's scratch, are measured per thread count: `fake_kernels.WORKSPACE`)."""
+    return autocast_state(), torch.get_num_threads()
+
+
 def _cached(model: torch.nn.Module, key: tuple, make: Callable):
-    key = (*key, autocast_state())          # a capture or estimate under autocast holds only under it
+    key = (*key, *_context())
     with predicting():                      # a second thread finds the first one's entry, not a second capture
         return _cached_locked(model, key, make)
 
@@ -146,7 +153,7 @@ def memory_model_of(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype
 def known_memory_model(model: torch.nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype):
     """The memory model `memory_model_of` already made for these inputs (or its error), else None: nothing
     is captured here."""
-    return _PLANS.peek(model, ("memory", tuple(sample_shape), dtype, autocast_state()))
+    return _PLANS.peek(model, ("memory", tuple(sample_shape), dtype, *_context()))
 
 
 def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:

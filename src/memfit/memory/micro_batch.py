@@ -144,11 +144,13 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
 
 def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:
     """What a kept size depends on: the optimizer, the trainable parameters, the batch's size and layout,
-    the budget, the surrounding autocast. (Not the model's other state, which would cost a walk of every module
-    each step: a size kept after, say, checkpointing is switched off backs off at the first out-of-memory.)"""
+    the budget, the surrounding autocast, the intra-op thread count (the memory model's kernel scratch is
+    measured per thread count, as `step_memory_model` keys it). (Not the model's other state, which would
+    cost a walk of every module each step: a size kept after, say, checkpointing is switched off backs off at
+    the first out-of-memory.)"""
     trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
     return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
-            _signature(x), autocast_state())
+            _signature(x), autocast_state(), torch.get_num_threads())
 
 
 def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tuple[int, str]:

@@ -1,0 +1,193 @@
+"""accumulate (memfit.accumulation.run): micro-batched steps against one plain full-batch step (eager PyTorch as
+the reference)."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+from accumulation.cases import (
+    C,
+    Tagger,
+    assert_same_step,
+    data,
+    pair,
+    plain_step,
+    token_loss,
+)
+from memfit.accumulation.run import accumulate
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(n=st.integers(1, 13), micro=st.integers(1, 15),
+       kind=st.sampled_from(["mlp", "cnn", "tied", "attn", "frozen_cat", "batch_cat", "cls_token"]))
+def test_gradient_and_step_equal_the_full_batch(n, micro, kind):
+    ref, ref_opt, mod, opt = pair(kind)
+    x, y = data(n)
+    loss = plain_step(ref, ref_opt, x, y)
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=micro)
+    assert r.micro_batches == -(-n // min(micro, n)) and r.retries == 0 and r.n == n
+    assert abs(r.loss - loss) <= 1e-5 * max(1.0, abs(loss))
+    assert_same_step(ref, mod)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(n=st.integers(2, 9), micro=st.integers(1, 8), seed=st.integers(0, 100))
+def test_padded_tokens_weighted_by_their_count_give_the_full_batch_step(n, micro, seed):
+    """Labels ignoring a different number of positions per sample: weighted by samples the step is off (and a
+    warning says so); with terms= counting the positions it is the full-batch step, whole-mean loss included."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 20, (n, 6), generator=g)
+    y = torch.randint(0, C, (n, 6), generator=g)
+    y[torch.arange(6) >= torch.randint(0, 7, (n, 1), generator=g)] = -100      # 0 to 6 positions count
+    assume((y != -100).any())
+    ref, mod = Tagger(), Tagger()
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    loss = plain_step(ref, ref_opt, ids, y, token_loss)
+    r = accumulate(mod, opt, (ids, y), token_loss, micro_batch=micro, terms=lambda x, y: (y != -100).sum())
+    assert abs(r.loss - loss) <= 1e-5 * max(1.0, abs(loss))
+    assert_same_step(ref, mod)
+    uneven = len(set((y != -100).sum(1).tolist())) > 1
+    if uneven and micro < n:
+        with pytest.warns(UserWarning, match=r"terms=lambda x, y: \(y != -100\)\.sum\(\)"):
+            accumulate(Tagger(), torch.optim.SGD(Tagger().parameters(), lr=0.1), (ids, y), token_loss,
+                       micro_batch=micro, nonfinite="skip")      # a micro-batch of no terms has a NaN mean
+
+
+def test_several_steps_with_adamw_follow_the_plain_run():
+    # not "attn": its key bias has a zero true gradient, so Adam's first steps are +-lr on float noise
+    ref, ref_opt, mod, opt = pair("tied", "adamw")
+    for step in range(4):
+        x, y = data(11, seed=step)
+        plain_step(ref, ref_opt, x, y)
+        accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4)     # 4 + 4 + 3
+    # Adam divides by sqrt(v): a gradient element near 0 turns a 1e-7 reassociation difference into a
+    # visible fraction of lr (1e-3) per step, so parameters agree to a few percent of one step's size
+    for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+        assert (p - q).abs().max() <= 5e-5
+
+
+def test_per_sample_losses_are_summed_not_averaged_per_micro_batch():
+    ref, ref_opt, mod, opt = pair("mlp")
+    x, y = data(10)
+    plain_step(ref, ref_opt, x, y)
+    r = accumulate(mod, opt, (x, y), lambda out, t: F.cross_entropy(out, t, reduction="none"), micro_batch=3)
+    assert r.micro_batches == 4
+    assert_same_step(ref, mod)
+
+
+def test_a_micro_batch_mean_weighted_equally_would_fail_this_test():
+    """The uneven last micro-batch: averaging the micro-batch means (equal weights, unequal parts) is wrong."""
+    ref, ref_opt, mod, _ = pair("mlp")
+    x, y = data(9)
+    plain_step(ref, ref_opt, x, y)
+    mod.zero_grad()
+    for s in range(0, 9, 4):                         # 4 + 4 + 1, each weighted 1/3
+        (F.cross_entropy(mod(x[s:s + 4]), y[s:s + 4]) / 3).backward()
+    with pytest.raises(AssertionError):
+        for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4)
+
+
+# ---- inputs, precision, loaders -------------------------------------------------------------------------
+class KwModel(nn.Module):
+    """Takes tokenizer-style keyword inputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, C)
+
+    def forward(self, input_ids, attention_mask, scale=1.0):
+        m = attention_mask.unsqueeze(-1).float()                          # (N, T, 1)
+        return self.head((self.emb(input_ids) * m).sum(1) / m.sum(1) * scale)
+
+
+def test_dict_inputs_are_split_per_tensor():
+    g = torch.Generator().manual_seed(0)
+    x = {"input_ids": torch.randint(0, 20, (9, 5), generator=g), "attention_mask": torch.ones(9, 5, dtype=torch.long),
+         "scale": 2.0}
+    x["attention_mask"][::2, 3:] = 0
+    y = torch.randint(0, C, (9,), generator=g)
+    ref, mod = KwModel(), KwModel()
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    F.cross_entropy(ref(**x), y).backward()
+    ref_opt.step()
+    accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4)
+    assert_same_step(ref, mod)
+
+
+def test_transformers_bert_from_a_tiny_config():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=16, num_labels=C,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    ref = transformers.BertForSequenceClassification(cfg)
+    mod = transformers.BertForSequenceClassification(cfg)
+    mod.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(0)
+    x = {"input_ids": torch.randint(0, 50, (7, 6), generator=g), "attention_mask": torch.ones(7, 6, dtype=torch.long)}
+    y = torch.randint(0, C, (7,), generator=g)
+    loss_fn = lambda out, t: F.cross_entropy(out.logits, t)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    loss_fn(ref(**x), y).backward()
+    ref_opt.step()
+    accumulate(mod, opt, (x, y), loss_fn, micro_batch=3)
+    assert_same_step(ref, mod, rtol=1e-4)
+
+
+def test_bf16_autocast_on_cpu_matches_the_plain_autocast_step():
+    ref, ref_opt, mod, opt = pair("attn")
+    x, y = data(10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_step(ref, ref_opt, x, y)
+        r = accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4)
+    assert r.micro_batches == 3
+    # bf16 keeps 8 bits of mantissa; per-micro-batch rounding of the bf16 products differs from the full batch's
+    for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+        assert q.grad.dtype == torch.float32
+        assert (p.grad - q.grad).norm() <= 2e-2 * p.grad.norm() + 1e-6
+
+
+def test_bf16_parameters_without_a_grad_scaler():
+    ref, ref_opt, mod, opt = pair("mlp")
+    ref.to(torch.bfloat16)
+    mod.to(torch.bfloat16)
+    x, y = data(12)
+    plain_step(ref, ref_opt, x.bfloat16(), y)
+    accumulate(mod, opt, (x.bfloat16(), y), F.cross_entropy, micro_batch=5)
+    for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+        assert q.grad.dtype == torch.bfloat16
+        assert (p.grad.float() - q.grad.float()).norm() <= 2e-2 * p.grad.float().norm() + 1e-6
+
+
+def test_memfit_loader_batches_train_like_plain_steps():
+    from memfit import loader
+    rng = np.random.default_rng(0)
+    xs, ys = rng.integers(0, 256, (50, 1, 2, 3), dtype=np.uint8), rng.integers(0, C, 50)
+    ld = loader((xs, ys), 16, device="cpu", seed=0, budget="64MiB")          # 16, 16, 16, 2
+    ref, ref_opt, mod, opt = pair("cnn")
+    sizes = []
+    for xb, yb in ld:
+        plain_step(ref, ref_opt, xb.flatten(1), yb)
+        sizes.append(accumulate(mod, opt, (xb.flatten(1), yb), F.cross_entropy, micro_batch=5).micro_batches)
+    assert sizes == [4, 4, 4, 1]
+    for p, q in zip(ref.parameters(), mod.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
+    from memfit.cli.demo import train_under_budget
+    from memfit.compact import CompactDataset
+    rng = np.random.default_rng(0)
+    ds = CompactDataset.from_arrays(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8), rng.integers(0, 4, 100),
+                                    normalize="dataset", device="cpu")
+    r = train_under_budget(ds, 4, torch.device("cpu"), seed=0, batch=48, lr=3e-3, quiet=True, steps=3)
+    assert r["needs"] > r["budget"] and 1 <= r["micro_batch"] < 48 and r["micro_batches"] >= 2
+    assert len(r["plain"]) == len(r["accumulated"]) == 3 and r["plain"][-1] < r["plain"][0]
+    assert r["max_difference"] < 1e-5
