@@ -59,8 +59,8 @@ def _ddp_rank(rank, world):
     return [_ddp_step(rank, None), _ddp_step(rank, 1)]
 
 
-def test_two_gloo_ranks_step_like_one_process_on_the_whole_batch():
-    out = run_ranks(_ddp_rank, 2, timeout=60)
+def test_two_gloo_ranks_step_like_one_process_on_the_whole_batch(ddp_checks):
+    out = ddp_checks["step"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     ref, ref_opt, _, _ = pair("mlp")
     x, y = data(sum(SIZES))
@@ -96,10 +96,10 @@ def _ddp_terms(rank, world):
     return r.loss, [p.grad.tolist() for p in model.parameters()]
 
 
-def test_terms_across_two_ranks_give_the_token_mean_step_even_when_a_last_micro_batch_counts_none():
+def test_terms_across_two_ranks_give_the_token_mean_step_even_when_a_last_micro_batch_counts_none(ddp_checks):
     """A rank whose last micro-batch (the one that all-reduces) counts no terms still joins the all-reduce
     with a zero gradient, instead of leaving the other rank waiting."""
-    out = run_ranks(_ddp_terms, 2, timeout=60)
+    out = ddp_checks["terms"]
     assert sorted(out) == [0, 1] and all(st == "ok" for st, _ in out.values()), out
     ref = Tagger()
     ids, y = _token_set()
@@ -229,10 +229,10 @@ def _ddp_nan(rank, world, bucket_view=False):
 
 
 @pytest.mark.parametrize("bucket_view", [False, True])
-def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping(bucket_view):
+def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping(bucket_view, ddp_checks):
     """No rank steps, every rank's gradients are given back (also when DDP keeps them as views of its buckets,
     which its all-reduce would overwrite: none runs), and the next step is the plain one."""
-    out = run_ranks(_ddp_nan, 2, bucket_view, timeout=60, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    out = ddp_checks["nan_bucket_view" if bucket_view else "nan"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     ref = make("mlp")
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -245,3 +245,24 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping(bucket_view):
         assert "rank 1: micro-batch 2 of 2 (samples 3..3 of its batch)" in r["skip"]
         for p, q in zip(ref.parameters(), r["params"], strict=True):
             assert torch.allclose(p, torch.tensor(q), rtol=1e-5, atol=1e-7)
+
+
+def _ddp_checks(rank, world):
+    """The 2-rank checks that end cleanly, in one process group one after the other (starting the processes
+    was most of each check's time): {check: its value, or the error that check raised}."""
+    out = {}
+    for name, check in (("step", _ddp_rank), ("terms", _ddp_terms), ("nan", lambda r, w: _ddp_nan(r, w, False)),
+                        ("nan_bucket_view", lambda r, w: _ddp_nan(r, w, True))):
+        try:
+            out[name] = ("ok", check(rank, world))
+        except Exception as e:          # one check's failure must not hide the others' results
+            out[name] = ("error", f"{type(e).__name__}: {e}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_checks():
+    """{check: {rank: (status, value)}} from one spawn of 2 gloo ranks."""
+    out = run_ranks(_ddp_checks, 2, timeout=120, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
+    return {name: {rank: value[name] for rank, (_, value) in out.items()} for name in out[0][1]}
