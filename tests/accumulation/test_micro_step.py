@@ -131,3 +131,19 @@ def test_a_class_id_the_loss_ignores_unsaid_is_refused_and_terms_give_the_full_b
     y_even = torch.randint(0, 4, (12, 5, 5))
     y_even[:, 0, 0] = 255
     accumulate(m, opt, (x, y_even), loss_fn, micro_batch=4)
+
+
+def test_class_ids_ignored_unsaid_are_looked_for_when_an_out_of_memory_retry_splits_the_whole_batch(oom_budget):
+    # the whole batch at once is exact; its retry in halves is weighted by samples: the check must still run
+    torch.manual_seed(0)
+    x = torch.randn(12, 3, 5, 5)
+    y = torch.randint(0, 4, (12, 5, 5))
+    y[torch.rand(12, 5, 5) < 0.5] = 255
+    m = torch.nn.Conv2d(3, 4, 1)
+    seen = []
+    oom_budget.budget = staticmethod(lambda n: seen.append(n) or n < 12)     # the whole batch does not fit
+    m.register_forward_hook(lambda mod, i, o: oom_budget.apply(o))
+    with pytest.raises(ValueError, match="label 255, outside the output's 4 classes"):
+        accumulate(m, torch.optim.SGD(m.parameters(), lr=0.1), (x, y),
+                   lambda o, t: F.cross_entropy(o, t, ignore_index=255), micro_batch=12)
+    assert seen[0] == 12 and seen[1] < 12      # the whole batch ran out of memory once, then a part ran

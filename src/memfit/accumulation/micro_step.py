@@ -133,10 +133,15 @@ class MicroStep:
         loss = call_loss(self.loss_fn, out, ys)      # refuses (N, 1) against (N,) targets
         m = e - s
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
-        if not self.labels_checked:
+        # the classes the output holds, for the check after this backward (not now: its temporaries, a bool per
+        # label, would sit on this micro-batch's activations at the step's peak). Looked for at the first part
+        # smaller than the batch (an out-of-memory retry of a whole batch included): the whole batch is exact
+        check_classes = None
+        if not self.labels_checked and m < self.n_total:          # several ranks weigh by samples too
             self.labels_checked = True
-            if self.terms is None and not per_sample and m < self.n:
-                unsaid_ignored_labels(out, self.y, self.ignore)
+            if (self.terms is None and not per_sample and isinstance(out, torch.Tensor)
+                    and isinstance(ys, torch.Tensor) and out.dim() == ys.dim() + 1):
+                check_classes = out.shape[1]
         del out
         if not isinstance(loss, torch.Tensor) or not (loss.numel() == 1 or per_sample):
             raise ValueError(f"loss_fn must return the mean loss over the micro-batch (a scalar tensor) or one loss "
@@ -172,6 +177,8 @@ class MicroStep:
             self.finite += ok
         self.ranges.append((self.micro_batches, s, e))
         self.micro_batches += 1
+        if check_classes is not None:       # raising here takes no step: the gradients held before come back
+            unsaid_ignored_labels(check_classes, self.y, self.ignore)
 
     def first_nonfinite(self) -> tuple[int, int, int] | None:
         """(index, start, end) of the first micro-batch whose loss was not finite, or None."""
@@ -203,16 +210,14 @@ class MicroStep:
         return size
 
 
-def unsaid_ignored_labels(out, y, said: int) -> None:
+def unsaid_ignored_labels(classes: int, y, said: int) -> None:
     """Refuse class ids outside the output's classes that a mean loss ran on without failing (it must ignore
     them, e.g. cross_entropy(..., ignore_index=255) in a lambda) when samples hold different numbers of them:
     micro-batches weighted by samples would then not give the full-batch gradient, silently. `said` is the
     ignore index accumulate already knows of (it warns about that one)."""
-    if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor) and not y.is_floating_point()
-            and y.dim() >= 2 and out.dim() == y.dim() + 1 and y.numel()):
+    if not (isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() >= 2 and y.numel()):
         return
-    classes = out.shape[1]
-    outside = (y < 0) | (y >= classes)
+    outside = (y < 0) | (y >= classes)        # class ids sit on the output's dimension 1 (as cross_entropy's)
     outside &= y != said
     if not bool(outside.any()):
         return
