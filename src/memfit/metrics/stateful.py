@@ -182,11 +182,15 @@ class Loss(Metric):
         sizes = [c for c, fits in ((shape[1], shape[2:] == ys[1:]), (shape[-1], shape[1:-1] == ys[1:])) if fits]
         if not sizes:
             return
-        kept = y[y != self.ignored]
-        out = kept[(kept < 0) | (kept >= max(sizes))]
-        if out.numel():
-            v = int(out[0])
-            raise ValueError(f"{self.name}: the targets hold label {v}, outside the {max(sizes)} classes of the "
+        classes = max(sizes)
+        lo, hi = torch.aminmax(y)                   # every label in range: no temporary the size of y
+        if int(lo) >= 0 and int(hi) < classes:
+            return
+        bad = (y < 0) | (y >= classes)              # a bool per label (not a copy of the labels), on this chunk
+        bad &= y != self.ignored
+        if bool(bad.any()):
+            v = int(y[bad].flatten()[0])
+            raise ValueError(f"{self.name}: the targets hold label {v}, outside the {classes} classes of the "
                              f"output, and loss_fn ran on them, so it ignores them; memfit counts the positions not "
                              f"equal to ignore_index {self.ignored}, and would count those in the mean. Fix: "
                              f"pass ignore_index={v} (with terms=lambda x, y: (y != {v}).sum() if loss_fn averages "
