@@ -43,8 +43,13 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
         return []                           # CUDA library workspaces: a known limitation (memory.allocator)
     from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
     out = []
+    from memfit.planner.slicing import SlicedSegment
     for op in graph.ops:
         target = op.node.target
+        if isinstance(target, SlicedSegment):        # one slice's intermediates, beside the segment's input and output
+            n = _arg(op.node.args[0], env).shape[0]
+            out.append(Buffer(f"slices of {op.node.name}", target.slice_bytes(env, n), op.index, op.index))
+            continue
         if target not in WORKSPACE:
             continue
         args = tuple(_arg(a, env) for a in op.node.args)
