@@ -19,6 +19,7 @@ from memfit.memory.isolation import predicting
 from memfit.messages import first_line
 from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.graph import Meta
+from memfit.planner.remat import recompute_at_readers
 from memfit.planner.slicing import slice_segments
 
 __all__ = ["Captured", "capture_model", "input_key"]
@@ -130,6 +131,7 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
                 cap = Captured(ep, constants(ep, model), device, sym, (int(vr.lower) if vr else 2, hi), "", n, key)
                 if cap.accepts(example_inputs):
                     cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.env(n))
+                    recompute_at_readers(cap.ep, cap.consts, cap.env(n))
                     cap.kernel_layouts = _kernel_layouts(cap, example_inputs)
                     return cap
                 reason = (f"the symbolic graph holds for batch sizes in [{cap.batch_range[0]}, "
@@ -139,6 +141,7 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
     ep = capture(model, example_inputs)
     cap = Captured(ep, constants(ep, model), device, None, (n, n), reason, n, key)
     cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.env(n))
+    recompute_at_readers(cap.ep, cap.consts, cap.env(n))
     cap.kernel_layouts = _kernel_layouts(cap, example_inputs)
     return cap
 
