@@ -35,3 +35,14 @@ def test_an_input_free_mask_is_recomputed_at_each_reader():
     assert len(masks) == 2                                   # one per reader
     assert all(r.last - r.first <= 2 for r in masks)         # made, (viewed,) read: never across the wide layer
     assert pm.report.arena_bytes + pm.report.unplanned_bytes >= mem.peak
+
+
+
+def test_random_draws_and_uninitialised_memory_are_never_recomputed():
+    """A second `rand` would draw other values, a second `empty` hold other garbage: neither is recomputed (export
+    refuses a model that draws, so the rule is checked on the ops)."""
+    from memfit.planner.remat import _deterministic
+    aten = torch.ops.aten
+    assert _deterministic(aten.arange.start_step) and _deterministic(aten.ge.Scalar)
+    assert not any(_deterministic(op) for op in (aten.rand.default, aten.bernoulli.p, aten.randint.low,
+                                                 aten.empty.memory_format, aten.empty_strided.default))

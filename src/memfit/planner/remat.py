@@ -32,11 +32,19 @@ __all__ = ["MAX_BYTES", "recompute_at_readers"]
 MAX_BYTES = 4096        # the most bytes of one recomputed closure (tensors made, all of them)
 
 
+def _deterministic(target) -> bool:
+    """An ATen op that gives the same values every time: not a random draw (`rand`, `bernoulli`, ...) and not
+    uninitialised memory (`empty`)."""
+    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded not in target.tags
+            and not target.overloadpacket.__name__.startswith(("empty", "new_empty")))
+
+
 def _free(node: Node, consts: dict, memo: dict) -> bool:
-    """True when `node` is computed from no placeholder (input, parameter or buffer), only from literals."""
+    """True when `node` is computed from no placeholder (input, parameter or buffer), only from literals, by
+    deterministic ops."""
     if node not in memo:
-        memo[node] = node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor) and all(
-            _free(a, consts, memo) for a in node.all_input_nodes)
+        memo[node] = (node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
+                      and _deterministic(node.target) and all(_free(a, consts, memo) for a in node.all_input_nodes))
     return memo[node]
 
 

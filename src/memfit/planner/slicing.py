@@ -237,7 +237,7 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     segment node name -> what it replaced and why (for the report)."""
     graph = ep.graph
     batch = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
-    if batch < 2:
+    if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
     found = []
     for start, steps in _chains(graph, consts):
