@@ -77,3 +77,18 @@ def test_a_small_convolution_is_not_sliced():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 4096)).eval()
     cap = capture_model(model, torch.randn(2, 3, 8, 8))
     assert cap.sliced == {}
+
+
+def test_an_op_not_exact_in_slices_is_left_out_and_the_exact_run_before_it_sliced(monkeypatch):
+    """Exactness is checked per op: an op whose slices differ (here max pooling, as if its kernel moved with the
+    batch) runs on the whole batch, and the exact run before it (convolution, batch norm, ReLU) still in slices."""
+    exact = slicing._exact
+    monkeypatch.setattr(slicing, "_exact", lambda seg, x, p: exact(seg, x, p) and not any(
+        s.target is torch.ops.aten.max_pool2d_with_indices.default for s in seg.steps))
+    model = stem_net()
+    pm = plan(model, (torch.randn(8, 3, 64, 64),))      # a run of 3 ops saves 1/4 of its peak at 8
+    assert pm.report.unplanned_ops.get("batch_slices") == 1
+    assert "max_pool2d_with_indices" in pm.report.unplanned_ops
+    x = torch.randn(5, 3, 64, 64)
+    with torch.inference_mode():
+        assert torch.equal(pm(x), model(x))

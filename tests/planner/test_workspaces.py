@@ -36,3 +36,14 @@ def test_layer_norm_copying_a_permuted_input_inside_is_counted():
     copy = x.nbytes                                         # the contiguous copy of the permuted input
     assert real >= copy + x.nbytes                          # the copy and the normalised output, live together
     assert pm.report.arena_bytes + pm.report.unplanned_bytes >= real
+
+
+def test_max_pooling_run_without_indices_counts_the_indices_its_kernel_still_makes():
+    """The planner runs max pooling whose indices nobody reads as `torch.max_pool2d`, which on the CPU still makes
+    the int64 indices (twice the values' bytes) inside: counted, so the report is not below the allocator."""
+    model = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Flatten(), nn.Linear(8 * 14 * 14, 4)).eval()
+    x = torch.randn(4, 8, 14, 14)
+    pm = plan(model, (x,))
+    with torch.inference_mode():
+        assert torch.equal(pm(x), model(x))
+    assert pm.report.arena_bytes + pm.report.unplanned_bytes >= _allocator_peak(pm, x)

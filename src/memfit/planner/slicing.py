@@ -64,6 +64,7 @@ class _Step:
     kwargs: dict
     item: int | None          # the output taken (multi-output ops)
     val: object               # the graph's value of its (taken) output, for sizes at any batch
+    outputs: tuple = ()       # the graph's values of all its tensor outputs
 
 
 class SlicedSegment:
@@ -106,7 +107,10 @@ class SlicedSegment:
         prev, most = _at(self.input_val, env, s), 0
         for i, st in enumerate(self.steps):
             m = _at(st.val, env, s)
-            out = span_bytes(m.shape, m.strides, m.dtype)
+            # every output the op makes at the slice's size (max pooling's indices too, which nothing reads)
+            out = sum(span_bytes(o.shape, o.strides, o.dtype) for o in (_at(v, env, s) if Meta.of(v, env).shape[:1]
+                                                                          == Meta.of(st.val, env).shape[:1]
+                                                                          else Meta.of(v, env) for v in st.outputs))
             inside = 0
             if st.target in WORKSPACE:
                 args = [_meta(prev) if a == "x" else _meta(Meta.of(self.param_vals[a[1]], env)) if _is_param(a)
@@ -212,7 +216,9 @@ def _build(start: Node, steps: list, k: int) -> tuple[SlicedSegment, list[Node]]
                 args.append(("const", params.index(a)))
             else:
                 args.append(a)
-        out.append(_Step(node.target, tuple(args), dict(node.kwargs), SLICEABLE[node.target], value.meta["val"]))
+        vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+        out.append(_Step(node.target, tuple(args), dict(node.kwargs), SLICEABLE[node.target], value.meta["val"],
+                         tuple(v for v in vals if isinstance(v, torch.Tensor) and v.dim())))  # (0-dim: no batch)
     seg = SlicedSegment(tuple(out), k, start.meta["val"], tuple(p.meta["val"] for p in params))
     return seg, params
 
@@ -232,49 +238,93 @@ def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple) -> bool:
 
 
 def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[str, str]:
-    """Replace, in `ep`'s graph, each chain of per-sample ops whose peak falls by `MIN_SAVING` or more when run in
-    slices of the batch with one `SlicedSegment` node, where the example shows it bit-identical. Returns
-    segment node name -> what it replaced and why (for the report)."""
+    """Replace, in `ep`'s graph, each run of per-sample ops whose peak falls by `MIN_SAVING` or more when run in
+    slices of the batch with one `SlicedSegment` node, where the example shows every op of it bit-identical
+    sliced (an op exact on slices of exact inputs gives exact slices, so the run is). Returns segment node
+    name -> what it replaced and why (for the report)."""
     graph = ep.graph
     batch = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
     if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
-    found = []
+    chains = []
     for start, steps in _chains(graph, consts):
-        choice = _segment(start, steps, env, batch)
-        if choice is not None and choice[2] >= MIN_SAVING and choice[1] > _elsewhere(graph, consts, steps, env):
-            found.append((start, steps[:choice[0]]))
-    if not found:
+        choice = _segment(start, steps, env, batch)      # no part of a chain peaks above the whole chain
+        if choice is not None and choice[1] > _elsewhere(graph, consts, steps, env):
+            chains.append((start, steps))
+    if not chains:
         return {}
-    inputs = _values_of(ep, consts, example_inputs, {s for s, _ in found})
+    inputs = _values_of(ep, consts, example_inputs, {s for s, _ in chains})
+    found = []
+    for start, steps in chains:
+        if start in inputs:
+            found += _chosen(graph, consts, env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts))
     done, replaced = {}, {}
-    for start, steps in found:
-        if start not in inputs:
-            continue
-        x = inputs[start]
+    for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
         start = replaced.get(start, start)        # the output of a segment sliced before it
-        for k in SLICE_SIZES:
-            seg, params = _build(start, steps, k)
-            with torch.no_grad():
-                ok = _exact(seg, x, tuple(consts[p.name] for p in params))
-            if not ok:
-                continue
-            last = steps[-1][1]
-            with graph.inserting_before(steps[-1][0]):
-                new = graph.call_function(seg, (start, *params))
-            new.meta["val"] = last.meta["val"]
-            last.replace_all_uses_with(new)
-            replaced[last] = new
-            for node, value in reversed(steps):
-                if value is not node:
-                    graph.erase_node(value)
-                graph.erase_node(node)
-            done[new.name] = (f"runs in slices of {k} sample{'s' if k > 1 else ''} of the batch "
-                              f"({', '.join(n.name for n, _ in steps)}; checked bit-identical on the example)")
-            break
+        seg, params = _build(start, steps, k)
+        last = steps[-1][1]
+        with graph.inserting_before(steps[-1][0]):
+            new = graph.call_function(seg, (start, *params))
+        new.meta["val"] = last.meta["val"]
+        last.replace_all_uses_with(new)
+        replaced[last] = new
+        for node, value in reversed(steps):
+            if value is not node:
+                graph.erase_node(value)
+            graph.erase_node(node)
+        done[new.name] = (f"runs in slices of {k} sample{'s' if k > 1 else ''} of the batch "
+                          f"({', '.join(n.name for n, _ in steps)}; checked bit-identical on the example)")
     if done:
         ep.graph_module.recompile()
     return done
+
+
+def _order(graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dict[int, list[bool]]:
+    """Slice size -> whether each step, run on the example's values whole and in slices of that size, is
+    bit-identical (one step's input held at a time)."""
+    ok: dict[int, list[bool]] = {k: [] for k in SLICE_SIZES}
+    v = x
+    with torch.no_grad():
+        for i, step in enumerate(steps):
+            node_in = start if i == 0 else steps[i - 1][1]
+            for k in SLICE_SIZES:
+                seg, params = _build(node_in, [step], k)
+                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params)))
+            seg, params = _build(node_in, [step], 1)
+            v = seg.run_slice(v, tuple(consts[p.name] for p in params))       # the whole batch, as eager
+    return ok
+
+
+def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list,
+            ok: dict[int, list[bool]]) -> list[tuple[Node, list, int]]:
+    """(input, steps, slice size) of the runs of exact steps worth slicing: for each slice size in turn, each run of
+    steps exact at that size and not taken yet, cut where `_segment` says, kept where it saves `MIN_SAVING` of its
+    peak and peaks above every op outside it."""
+    taken: set[int] = set()
+    out = []
+    for k in SLICE_SIZES:
+        i = 0
+        while i < len(steps):
+            if not ok[k][i] or i in taken:
+                i += 1
+                continue
+            j = i
+            while j < len(steps) and ok[k][j] and j not in taken:
+                j += 1
+            sub, first = steps[i:j], start if i == 0 else steps[i - 1][1]
+            choice = _segment(first, sub, env, batch)
+            if (choice is not None and choice[2] >= MIN_SAVING
+                    and choice[1] > _elsewhere(graph, consts, sub, env)):
+                out.append((first, sub[:choice[0]], k))
+                taken.update(range(i, i + choice[0]))
+                i += choice[0]
+            else:
+                i = j
+    return out
 
 
 def _values_of(ep, consts: dict, example_inputs: tuple, wanted: set[Node]) -> dict[Node, torch.Tensor]:
