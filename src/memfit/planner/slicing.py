@@ -174,31 +174,44 @@ def _chains(graph: torch.fx.Graph, consts: dict) -> list[tuple[Node, list[tuple[
 
 def _segment(start: Node, steps: list, env: dict, n: int) -> tuple[int, int, float] | None:
     """(steps to slice, the segment's peak run whole, the fraction of it slices of one sample save) or None: the
-    prefix that ends at the smallest output after the largest one, where it contains a convolution."""
-    outs = [_bytes(v.meta["val"], env) for _, v in steps]
-    if not any(n.target is aten.convolution.default for n, _ in steps):
+    prefix that ends at the smallest output after the largest one, where it contains a convolution. Each op holds
+    its input, its output and what its kernel allocates inside (a convolution on NCHW: its result in oneDNN's
+    layout, maybe its input reordered too)."""
+    if not any(node.target is aten.convolution.default for node, _ in steps):
         return None
-    top = max(range(len(outs)), key=lambda i: outs[i])
+    outs = [_bytes(v.meta["val"], env) for _, v in steps]
+    inside = [_inside(node, env) for node, _ in steps]
+    top = max(range(len(outs)), key=lambda i: outs[i] + inside[i])
     end = min(range(top, len(outs)), key=lambda i: (outs[i], -i))
     ins = [_bytes(start.meta["val"], env), *outs[:end]]
-    # whole: a convolution on NCHW holds its output twice (its copy out of oneDNN's layout); counted alike sliced
-    conv = [2 if n.target is aten.convolution.default else 1 for n, _ in steps[:end + 1]]
-    whole = max(i + o * c for i, o, c in zip(ins, outs, conv, strict=False))
-    sliced = ins[0] + outs[end] + max((i * (j > 0) + o * c) / n for j, (i, o, c) in enumerate(zip(ins, outs, conv,
-                                                                                                   strict=False)))
+    whole = max(i + o + w for i, o, w in zip(ins, outs, inside, strict=False))
+    sliced = ins[0] + outs[end] + max((i * (j > 0) + o + w) / n
+                                      for j, (i, o, w) in enumerate(zip(ins, outs, inside, strict=False)))
     return end + 1, whole, 1 - sliced / whole
 
 
+def _inside(node: Node, env: dict) -> int:
+    """Bytes the op's real kernel allocates beyond its outputs at this batch (`fake_kernels.workspace_bytes`)."""
+    from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
+    from memfit.planner.workspaces import _arg
+    if node.target not in WORKSPACE:
+        return 0
+    return sum(workspace_bytes(node.target, tuple(_arg(a, env) for a in node.args),
+                               {k: _arg(v, env) for k, v in node.kwargs.items()}))
+
+
 def _elsewhere(graph, consts: dict, steps: list, env: dict) -> int:
-    """The most bytes any op outside the chain reads and writes at once (its tensor inputs and outputs): the rest
-    of the graph peaks at least that high; a segment below it is not where the call peaks."""
+    """The most bytes any op outside the chain holds at once (its tensor inputs, outputs and what its kernel
+    allocates inside): the rest of the graph peaks at least that high; a segment below it is not where the call
+    peaks."""
     inside = {n for pair in steps for n in pair}
     most = 0
     for node in graph.nodes:
         if node.op != "call_function" or node in inside or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         ins = {a for a in node.all_input_nodes if a.name not in consts and isinstance(a.meta.get("val"), torch.Tensor)}
-        most = max(most, _bytes(node.meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins))
+        most = max(most, _bytes(node.meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
+                   + _inside(node, env))
     return most
 
 
