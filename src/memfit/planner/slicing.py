@@ -172,8 +172,8 @@ def _chains(graph: torch.fx.Graph, consts: dict) -> list[tuple[Node, list[tuple[
     return list(chains.values())
 
 
-def _segment(start: Node, steps: list, env: dict, n: int) -> tuple[int, int, float] | None:
-    """(steps to slice, the segment's peak run whole, the fraction of it slices of one sample save) or None: the
+def _segment(start: Node, steps: list, env: dict) -> tuple[int, int, float] | None:
+    """(steps to slice, the segment's peak run whole, the fraction of it slicing saves) or None: the
     prefix that ends at the smallest output after the largest one, where it contains a convolution. Each op holds
     its input, its output and what its kernel allocates inside (a convolution on NCHW: its result in oneDNN's
     layout, maybe its input reordered too)."""
@@ -185,9 +185,9 @@ def _segment(start: Node, steps: list, env: dict, n: int) -> tuple[int, int, flo
     end = min(range(top, len(outs)), key=lambda i: (outs[i], -i))
     ins = [_bytes(start.meta["val"], env), *outs[:end]]
     whole = max(i + o + w for i, o, w in zip(ins, outs, inside, strict=False))
-    sliced = ins[0] + outs[end] + max((i * (j > 0) + o + w) / n
-                                      for j, (i, o, w) in enumerate(zip(ins, outs, inside, strict=False)))
-    return end + 1, whole, 1 - sliced / whole
+    # sliced: the input and the output whole, a slice's bytes beside them (left out: they shrink as the batch grows,
+    # and the choice must not depend on the example's batch, since one capture plans every batch size)
+    return end + 1, whole, 1 - (ins[0] + outs[end]) / whole
 
 
 def _inside(node: Node, env: dict) -> int:
@@ -261,7 +261,7 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
         return {}
     chains = []
     for start, steps in _chains(graph, consts):
-        choice = _segment(start, steps, env, batch)      # no part of a chain peaks above the whole chain
+        choice = _segment(start, steps, env)      # no part of a chain peaks above the whole chain
         if choice is not None and choice[1] > _elsewhere(graph, consts, steps, env):
             chains.append((start, steps))
     if not chains:
@@ -329,7 +329,7 @@ def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list
             while j < len(steps) and ok[k][j] and j not in taken:
                 j += 1
             sub, first = steps[i:j], start if i == 0 else steps[i - 1][1]
-            choice = _segment(first, sub, env, batch)
+            choice = _segment(first, sub, env)
             if (choice is not None and choice[2] >= MIN_SAVING
                     and choice[1] > _elsewhere(graph, consts, sub, env)):
                 out.append((first, sub[:choice[0]], k))
