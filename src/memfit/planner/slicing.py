@@ -180,24 +180,31 @@ def _segment(start: Node, steps: list, env: dict) -> tuple[int, int, float] | No
     if not any(node.target is aten.convolution.default for node, _ in steps):
         return None
     outs = [_bytes(v.meta["val"], env) for _, v in steps]
-    inside = [_inside(node, env) for node, _ in steps]
+    parts = [_inside_parts(node, env) for node, _ in steps]
+    inside = [sum(p) for p in parts]
     top = max(range(len(outs)), key=lambda i: outs[i] + inside[i])
     end = min(range(top, len(outs)), key=lambda i: (outs[i], -i))
     ins = [_bytes(start.meta["val"], env), *outs[:end]]
     whole = max(i + o + w for i, o, w in zip(ins, outs, inside, strict=False))
     # sliced: the input and the output whole, a slice's bytes beside them (left out: they shrink as the batch grows,
     # and the choice must not depend on the example's batch, since one capture plans every batch size)
-    return end + 1, whole, 1 - (ins[0] + outs[end]) / whole
+    # what a kernel allocates whatever the batch (weights reordered) stays, in every slice
+    return end + 1, whole, 1 - (ins[0] + outs[end] + max(p[0] for p in parts[:end + 1])) / whole
 
 
-def _inside(node: Node, env: dict) -> int:
-    """Bytes the op's real kernel allocates beyond its outputs at this batch (`fake_kernels.workspace_bytes`)."""
+def _inside_parts(node: Node, env: dict) -> tuple[int, int]:
+    """(the same at every batch, the part that grows with it): bytes the op's real kernel allocates beyond its
+    outputs at this batch (`fake_kernels.workspace_bytes`)."""
     from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
     from memfit.planner.workspaces import _arg
     if node.target not in WORKSPACE:
-        return 0
-    return sum(workspace_bytes(node.target, tuple(_arg(a, env) for a in node.args),
-                               {k: _arg(v, env) for k, v in node.kwargs.items()}))
+        return 0, 0
+    return workspace_bytes(node.target, tuple(_arg(a, env) for a in node.args),
+                           {k: _arg(v, env) for k, v in node.kwargs.items()})
+
+
+def _inside(node: Node, env: dict) -> int:
+    return sum(_inside_parts(node, env))
 
 
 def _elsewhere(graph, consts: dict, steps: list, env: dict) -> int:
