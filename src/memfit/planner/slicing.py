@@ -214,12 +214,21 @@ def _elsewhere(graph, consts: dict, steps: list, env: dict) -> int:
     inside = {n for pair in steps for n in pair}
     most = 0
     for node in graph.nodes:
-        if node.op != "call_function" or node in inside or not isinstance(node.meta.get("val"), torch.Tensor):
+        if (node.op != "call_function" or node in inside or not isinstance(node.meta.get("val"), torch.Tensor)
+                or _param(node, consts)):          # a view of a parameter allocates nothing
             continue
-        ins = {a for a in node.all_input_nodes if a.name not in consts and isinstance(a.meta.get("val"), torch.Tensor)}
+        ins = {a for a in node.all_input_nodes if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)}
         most = max(most, _bytes(node.meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
                    + _inside(node, env))
     return most
+
+
+def _param(node: Node, consts: dict) -> bool:
+    """A parameter or a view of one (a linear's transposed weight): held whatever the batch, not an activation."""
+    from memfit.planner.ops import is_view
+    while node.op == "call_function" and is_view(node.target) and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node.op == "placeholder" and node.name in consts
 
 
 def _build(start: Node, steps: list, k: int) -> tuple[SlicedSegment, list[Node]]:
