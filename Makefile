@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/memfit demo
 
+# Two pytest worker processes (pytest-xdist), a whole test file to each at a time: a file's module fixtures
+# (one spawn of ranks shared by its checks) run once. TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The CUDA-marked tests, then every benchmark on the GPU (--quick). .venv holds the CPU build of torch:
 # run it with a CUDA build, e.g. `make test-cuda CUDA_PY=python` in an environment that has one.
