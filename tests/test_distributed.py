@@ -156,6 +156,24 @@ def test_a_loader_mistake_on_one_rank_stops_every_rank_with_its_reason(clean_che
     assert "different agreement points ('another step' here on rank 1)" in r1["points"][1]
 
 
+def _rank_and_world(rank, world):
+    return rank, world
+
+
+def test_ranks_start_while_another_process_holds_the_port_free_port_found(monkeypatch):
+    """Ranks spawned from two pytest-xdist workers at once: a port found free, then bound by rank 0 seconds
+    later, could be taken in between (here: at once). The caller's store binds its port as it picks it."""
+    import socket
+
+    import memfit.testing.ranks as ranks
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(ranks, "free_port", lambda: taken.getsockname()[1])
+        out = run_ranks(_rank_and_world, 2, timeout=30)
+    assert out == {0: ("ok", (0, 2)), 1: ("ok", (1, 2))}, out
+
+
 def test_distributed_needs_a_process_group():
     x, y = data()
     with pytest.raises(ValueError, match="needs an initialised torch.distributed process group"):

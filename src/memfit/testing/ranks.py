@@ -36,6 +36,7 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world, port, args, queue, env, backend, threads):
+    """One rank: join the group through the caller's store on 127.0.0.1:`port`, run `fn`, put its answer."""
     import os
 
     os.environ.update(env or {})
@@ -46,7 +47,8 @@ def _worker(fn, rank, world, port, args, queue, env, backend, threads):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)       # the caller's: already listening
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         # pickled here: a tensor put on the queue as is travels as a file descriptor that dies with this process
         queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException as e:
@@ -70,9 +72,14 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
         stop_at_first_error: stop collecting at the first rank that raises and kill the others (which may
             wait for it in a collective); otherwise every rank's answer is awaited until `timeout`.
     """
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # The group's store listens here, on a port the system picks as it binds: no rank can lose its port to
+    # another process between a free_port() and its bind (runs in parallel, e.g. pytest-xdist workers)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, env, backend, threads), daemon=True)
              for r in range(world)]
     for p in procs:
@@ -94,6 +101,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
             if p.is_alive():
                 p.kill()
                 p.join(timeout=grace)
+        del store                   # after every rank has exited or been killed
     for rank, (status, value) in out.items():
         try:
             out[rank] = (status, pickle.loads(value) if status == "ok" else value)
