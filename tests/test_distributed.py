@@ -170,7 +170,7 @@ def test_ranks_start_while_another_process_holds_the_port_free_port_found(monkey
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         monkeypatch.setattr(ranks, "free_port", lambda: taken.getsockname()[1])
-        out = run_ranks(_rank_and_world, 2, timeout=30)
+        out = run_ranks(_rank_and_world, 2, timeout=120)
     assert out == {0: ("ok", (0, 2)), 1: ("ok", (1, 2))}, out
 
 
