@@ -45,6 +45,7 @@ from memfit.accumulation.run import accumulate
 from memfit.budget import format_bytes, model_device, parse_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.costs import machine, step_costs
+from memfit.fitting.layout import layout, layout_error
 from memfit.fitting.nothing_fits import nothing_fits
 from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
 from memfit.memory.fingerprint import model_state
@@ -105,6 +106,7 @@ class FitPlan:
     _installed: list = field(repr=False, default_factory=list)
     _terms: bool = field(repr=False, default=False)          # fit was given terms= (a loss over terms, not samples)
     _marked: tuple | None = field(repr=False, default=None)   # (module, its accepts_loss_kwargs before the Trainer)
+    _layout: tuple | None = field(repr=False, default=None)   # the planned batch's (fitting.layout.layout)
 
     @property
     def micro_batches(self) -> int:
@@ -115,7 +117,8 @@ class FitPlan:
         """One optimizer step on `batch` (x, y) with this plan: `memfit.accumulate` in micro-batches of
         `micro_batch` (the full-batch gradient, an uneven last micro-batch weighted right, `terms=` and
         `distributed=` as given to `fit`), the modules in `checkpoint` checkpointed only while it runs, under
-        bf16 autocast when the plan says so. Returns accumulate's `StepResult`."""
+        bf16 autocast when the plan says so. Returns accumulate's `StepResult`. A batch larger than the plan's
+        in any dimension, or of other dtypes, raises ValueError (`memfit.fitting.layout`)."""
         return self._run(batch, self)
 
     def trainer_arguments(self, args):
@@ -373,6 +376,16 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     dtype = next((LEVERS[v] for v in levers if _name(LEVERS[v]) == best.setting.autocast), None)
 
     def run(step_batch, plan: FitPlan) -> StepResult:
+        # its bytes are the planned batch's: one larger in any dimension could exceed the budget (every rank says)
+        error = None
+        if plan._layout is not None and isinstance(step_batch, (tuple, list)) and len(step_batch) == 2:
+            part = tuple(step_batch) if pair else (step_batch[0],)
+            error = layout_error(plan._layout, plan.n, part, model_device(module))
+        if world > 1:
+            from memfit.distributed import agree
+            agree(error, "memfit.fit plan.step batch")
+        elif error is not None:
+            raise error
         dev = model_device(module).type
         cast = torch.autocast(dev, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
         with checkpointed(module, plan.checkpoint), cast:
@@ -387,4 +400,4 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
-                   _terms=terms is not None)
+                   _terms=terms is not None, _layout=layout(tuple(batch) if pair else (x,)))
