@@ -8,6 +8,9 @@ draws the same masks as the plain step and the RNG ends where the plain step lea
 training mode would update its running statistics a second time: the recomputation runs with the module's
 buffers put back as they were after the first forward, so the step changes them exactly as a plain step does.
 
+Inside `checkpointed` only the thread that entered it checkpoints: another thread's forward of the same module
+(or a memory model predicted there) runs plainly.
+
 Known limitations: a module whose forward mutates state besides its buffers (a key/value cache it appends to,
 as transformers' decoders do with `use_cache=True`) sees that mutation twice; turn the cache off for training.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 from collections.abc import Iterator, Sequence
 
@@ -83,22 +87,27 @@ def _context(module: torch.nn.Module):
     return contextlib.nullcontext(), (_BuffersKept(module) if has_buffers else contextlib.nullcontext())
 
 
-def _checkpointed(cls_forward):
-    """The class's forward run under non-reentrant checkpointing, as a function to bind to one module (its
-    signature is the class forward's, for code that inspects it)."""
+def _checkpointed(cls_forward, owner: int | None):
+    """The class's forward run under non-reentrant checkpointing (in thread `owner` only, the one running the
+    step, unless None), as a function to bind to one module (its signature is the class forward's, for code that
+    inspects it)."""
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
         plain = functools.partial(cls_forward, self)
-        if not torch.is_grad_enabled():     # under no_grad nothing is saved: checkpointing has no use
+        # under no_grad nothing is saved: checkpointing has no use. Another thread (a memory model predicted there
+        # on a structural copy, which keeps this method; a forward of its own) sees the module as it is without
+        # the plan: such a prediction counted the checkpointed step, up to half the plain one's bytes
+        if not torch.is_grad_enabled() or owner not in (None, threading.get_ident()):
             return plain(*args, **kwargs)
         return checkpoint(plain, *args, use_reentrant=False, context_fn=functools.partial(_context, self), **kwargs)
     return forward
 
 
-def install(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
+def install(model: torch.nn.Module, names: Sequence[str], this_thread_only: bool = False) -> list[torch.nn.Module]:
     """Make the forward of each named module run under non-reentrant checkpointing (an instance attribute
-    `forward` over the class's); returns the modules changed, for `uninstall`. Refuses a module whose
-    `forward` is already replaced on the instance (someone else's wrapper: ours would hide it)."""
+    `forward` over the class's; with this_thread_only, in the calling thread only); returns the modules changed,
+    for `uninstall`. Refuses a module whose `forward` is already replaced on the instance (someone else's
+    wrapper: ours would hide it)."""
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
@@ -114,7 +123,8 @@ def install(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Modul
                                  "out of the checkpoint set")
             # a method of the module, not a closure over it: a structural copy of the model (a fake run's) binds
             # it to the copy, whose parameters are the fake ones
-            m.forward = types.MethodType(_checkpointed(type(m).forward), m)
+            owner = threading.get_ident() if this_thread_only else None
+            m.forward = types.MethodType(_checkpointed(type(m).forward, owner), m)
             changed.append(m)
     except BaseException:
         uninstall(changed)
@@ -130,9 +140,9 @@ def uninstall(modules: Sequence[torch.nn.Module]) -> None:
 
 @contextlib.contextmanager
 def checkpointed(model: torch.nn.Module, names: Sequence[str]) -> Iterator[torch.nn.Module]:
-    """Inside the block, the named modules' forwards run under non-reentrant `torch.utils.checkpoint`; after it
-    (also after an error) they are as they were."""
-    changed = install(model, names) if names else []
+    """Inside the block, the named modules' forwards run under non-reentrant `torch.utils.checkpoint` in this
+    thread (another thread's forward of them runs plainly); after it (also after an error) they are as they were."""
+    changed = install(model, names, this_thread_only=True) if names else []
     try:
         yield model
     finally:
