@@ -233,14 +233,20 @@ def _fit_rank(rank, world):
         stopped = "no error"
     except Exception as e:
         stopped = type(e).__name__
-    return plan.micro_batch, plan.checkpoint, r.loss, [p.grad.tolist() for p in model.parameters()], stopped
+    first = plan.micro_batch, plan.checkpoint, r.loss, [p.grad.tolist() for p in model.parameters()], stopped
+    # ranks holding 48 and 40 samples: one plan, made for the larger (rank 1 raised a bare StopIteration before)
+    uneven = part if rank == 0 else (part[0][:40], part[1][:40])
+    other = memfit.fit(ddp, opt, uneven, F.mse_loss, "1GiB", distributed=True)
+    r = other.step(uneven)
+    return (*first, (other.micro_batch, other.checkpoint, other.n, r.n, [p.grad.tolist() for p in model.parameters()]))
 
 
 def test_every_rank_gets_the_same_plan_and_the_global_batch_gradient():
     from memfit.testing.ranks import run_ranks
     out = run_ranks(_fit_rank, 2, timeout=90)
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
-    (m0, c0, loss0, g0, stop0), (m1, c1, _, g1, stop1) = out[0][1], out[1][1]
+    (m0, c0, loss0, g0, stop0, uneven0), (m1, c1, _, g1, stop1, uneven1) = out[0][1], out[1][1]
+    assert uneven0[:3] == uneven1[:3] and uneven0[2] == RANKED // 2 and (uneven0[3], uneven1[3]) == (48, 40)
     assert (stop0, stop1) == ("RankFailed", "BudgetExceeded")
     assert (m0, c0) == (m1, c1) and (m0 < RANKED // 2 or c0)
     ref = mlp()
@@ -251,6 +257,16 @@ def test_every_rank_gets_the_same_plan_and_the_global_batch_gradient():
     for p, a, b in zip(ref.parameters(), g0, g1, strict=True):
         torch.testing.assert_close(torch.tensor(a), p.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(b), p.grad, rtol=1e-5, atol=1e-6)
+    # the uneven step, after the first one's SGD update (lr 0.1, the same on both ranks): the gradient of the mean
+    # over all 88 samples
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    ref.zero_grad()
+    F.mse_loss(ref(torch.cat([x[0::2], x[1::2][:40]])), torch.cat([y[0::2], y[1::2][:40]])).backward()
+    for p, a, b in zip(ref.parameters(), uneven0[4], uneven1[4], strict=True):
+        torch.testing.assert_close(torch.tensor(a), p.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(b), p.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_plans_are_kept_per_model_and_dropped_when_it_changes(monkeypatch):

@@ -298,6 +298,12 @@ def _targets(module, x, n: int, loss_fn: Callable, target) -> tuple[object, str]
     return tree_map(grow, tgt.template), note
 
 
+def _grown(batch, n: int):
+    """The batch's first sample broadcast to n samples (no bytes allocated; counted as n: the search reads shapes)."""
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
+
+
 def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, budget: int | str, *,
         target=None, levers: Sequence[str] = (), candidates: Sequence[str] | None = None,
         terms: Callable | None = None, distributed: bool = False, allow_batch_dependent: bool = False,
@@ -320,7 +326,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             autocast (the plan says so); none by default.
         candidates: the modules that may be checkpointed (qualified names); default `candidate_blocks(model)`.
         terms, distributed, allow_batch_dependent: as for `accumulate` (with BatchNorm in training mode and no
-            opt-in, only the whole batch is considered: checkpointing alone must make it fit).
+            opt-in, only the whole batch is considered: checkpointing alone must make it fit). Distributed, every
+            rank plans for the most samples any rank holds, and takes the same plan.
         exhaustive: compute the bytes of every alternative (for `explain()` and plots), not only those needed.
 
     Returns:
@@ -344,6 +351,10 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         from memfit.batches import batch_len
         y, note = _targets(module, x, batch_len(x), loss_fn, target)
     n = _batch_size(x, y)
+    if world > 1:     # ranks holding fewer samples plan for the most any holds: the same alternatives on all
+        from memfit.distributed import agree
+        most = max(v[0] for v in agree(None, "memfit.fit batch sizes", (n,)))
+        x, y, n = _grown(x, most), _grown(y, most), most
     blocks = candidate_blocks(module) if candidates is None else list(candidates)
     known = dict(module.named_modules())
     if any(c not in known for c in blocks):
