@@ -238,14 +238,16 @@ def _fit_rank(rank, world):
     uneven = part if rank == 0 else (part[0][:40], part[1][:40])
     other = memfit.fit(ddp, opt, uneven, F.mse_loss, "1GiB", distributed=True)
     r = other.step(uneven)
-    return (*first, (other.micro_batch, other.checkpoint, other.n, r.n, [p.grad.tolist() for p in model.parameters()]))
+    return (*first, (other.micro_batch, other.checkpoint, other.n, r.n, [p.grad.tolist() for p in model.parameters()]),
+            plan.peak_bytes)
 
 
 def test_every_rank_gets_the_same_plan_and_the_global_batch_gradient():
     from memfit.testing.ranks import run_ranks
     out = run_ranks(_fit_rank, 2, timeout=90)
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
-    (m0, c0, loss0, g0, stop0, uneven0), (m1, c1, _, g1, stop1, uneven1) = out[0][1], out[1][1]
+    (m0, c0, loss0, g0, stop0, uneven0, peak0), (m1, c1, _, g1, stop1, uneven1, peak1) = out[0][1], out[1][1]
+    assert peak0 == peak1 is not None      # rank 0 takes rank 1's choice: its bytes here too (None before)
     assert uneven0[:3] == uneven1[:3] and uneven0[2] == RANKED // 2 and (uneven0[3], uneven1[3]) == (48, 40)
     assert (stop0, stop1) == ("RankFailed", "BudgetExceeded")
     assert (m0, c0) == (m1, c1) and (m0 < RANKED // 2 or c0)

@@ -42,7 +42,7 @@ from memfit.accumulation.checks import batch_size as _batch_size
 from memfit.accumulation.checks import check_distributed as _check_distributed
 from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import accumulate
-from memfit.budget import format_bytes, model_device, parse_bytes
+from memfit.budget import BudgetExceeded, format_bytes, model_device, parse_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.costs import machine, step_costs
 from memfit.fitting.layout import layout, layout_error
@@ -278,6 +278,28 @@ def _agree(found: _Found, world: int) -> _Found:
     return found
 
 
+def _fits_here(found: _Found, model, module, optimizer, loss_fn, x, y, budget: int) -> tuple[_Found, Exception | None]:
+    """(found with the agreed plan's bytes on this rank, an error when they miss this rank's budget): another
+    rank's choice may have no bytes here (a faster one fitted) or more (this rank's batch may differ)."""
+    best = found.best
+    if best.bytes is None:
+        try:
+            dtype = next((d for d in LEVERS.values() if _name(d) == best.setting.autocast), None)
+            cast = torch.autocast(model_device(module).type, dtype=dtype) if dtype else contextlib.nullcontext()
+            devices = [model_device(module)] if model_device(module).type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), checkpointed(module, best.setting.checkpoint), cast:
+                best = replace(best, bytes=training_peak(model, optimizer, loss_fn, x, y)[0](best.micro_batch))
+        except Exception as e:
+            return found, e
+        found = replace(found, best=best)
+    if best.bytes > budget:
+        return found, BudgetExceeded(f"memfit.fit: the plan the ranks agreed on (micro-batch {best.micro_batch}, "
+                                     f"{len(best.setting.checkpoint)} blocks checkpointed) needs "
+                                     f"{format_bytes(best.bytes)} on this rank > its budget {format_bytes(budget)}; "
+                                     "give every rank the same budget and batches of one layout", best.bytes, budget)
+    return found, None
+
+
 def _targets(module, x, n: int, loss_fn: Callable, target) -> tuple[object, str]:
     """(y at the batch's size n, a note): `target` rebuilt at n (an example target batch, or one target's sample
     shape for float targets), or for a common loss built from the model's output as `memory_model` does. Only
@@ -383,6 +405,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         from memfit.distributed import agree
         agree(error, "memfit.fit search")
         found = _agree(found, world)
+        found, error = _fits_here(found, model, module, optimizer, loss_fn, x, y, budget)
+        agree(error, "memfit.fit agreed plan")     # every rank raises when the agreed plan misses one's budget
     best = found.best
     dtype = next((LEVERS[v] for v in levers if _name(LEVERS[v]) == best.setting.autocast), None)
 
