@@ -19,8 +19,8 @@ fit, and which runs: the ladder of fitters), `step_model` (`StepMemoryModel`), `
 predictions depend on), `cache` (plans and models kept per model), `measure` (live bytes of real runs), `isolation`
 (what a prediction leaves alone: the user's module as other threads see it, every RNG), `example_target` (the
 example target of a common loss, built from the output), `ranks` (`RankMemoryModel`: one rank of DDP or FSDP2,
-`ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group), `rank_measure` (a
-rank's real peak, counted at the CPU allocator).
+`ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group); a rank's real peak is
+`step.measure_rank_step`, counted at the CPU allocator by `measure.track_memory`.
 
 Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA. On the CPU, what kernels
 allocate inside is measured from the real kernels for the ops `fake_kernels.WORKSPACE` lists (found by

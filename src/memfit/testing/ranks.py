@@ -21,8 +21,9 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 
-__all__ = ["free_port", "run_ranks", "spawn"]
+__all__ = ["free_port", "run_ranks", "settled_gloo", "spawn"]
 
 EXIT_GRACE_S = 10.0     # after the answers: time each process gets to leave its process group and exit
 FAILED_GRACE_S = 5.0    # the same when a rank failed or did not answer (the others may be stuck: kill them)
@@ -33,6 +34,60 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SETTLE_TIMEOUT_S = 10.0  # how long a collective's return waits for gloo's worker thread to drop its tensors
+
+
+@contextmanager
+def settled_gloo(timeout: float = SETTLE_TIMEOUT_S):
+    """Within the block, each all-gather and reduce-scatter FSDP2 makes (`dist.all_gather_single`,
+    `dist.reduce_scatter_single`) returns only once gloo's worker thread has dropped the work that holds its
+    tensors: one schedule of gloo's race out of many, chosen so that a measured peak is not a random variable.
+
+    A gloo collective's work object keeps the tensors it was given until the worker thread that ran it lets it
+    go, some time after the call has returned (`memfit.memory.fsdp_run._gloo_copies`); the rank goes on
+    meanwhile, so one collective's tensors may outlive FSDP2's own reference to them, or not. Settled, they
+    never do: the rank waits (at most `timeout` seconds, then raises) until the storages of the call's output
+    and input have no more references than before the call. `rank_memory_model(backend="gloo", gloo_race=False)`
+    predicts this schedule. Counted in `settled_gloo.waits`: the calls that had to wait (the race, seen).
+    """
+    import torch
+    import torch.distributed as dist
+    uses = lambda t: torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    names = {"all_gather_single": ("output_tensor", "input_tensor"), "reduce_scatter_single": ("output", "input")}
+    originals = {k: getattr(dist, k) for k in names}
+
+    def settling(name, fn):
+        def run(*args, **kwargs):
+            if kwargs.get("async_op"):
+                raise RuntimeError(f"expected {name} with async_op=False under settled_gloo (FSDP2's default); "
+                                   "found async_op=True, whose work the caller holds with its tensors: measure "
+                                   "without settled_gloo")
+            tensors = [args[i] if len(args) > i else kwargs[k] for i, k in enumerate(names[name])]
+            before = [uses(t) for t in tensors]
+            out = fn(*args, **kwargs)
+            deadline, waited = time.monotonic() + timeout, False
+            while any(uses(t) > b for t, b in zip(tensors, before, strict=True)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"expected gloo's worker thread to drop the tensors of {name} within "
+                                       f"{timeout:.0f} s of its return; found them still held")
+                waited = True
+                time.sleep(0)
+            settled_gloo.waits += waited
+            return out
+        return run
+
+    for k, fn in originals.items():
+        setattr(dist, k, settling(k, fn))
+    try:
+        yield
+    finally:
+        for k, fn in originals.items():
+            setattr(dist, k, fn)
+
+
+settled_gloo.waits = 0
 
 
 def _worker(fn, rank, world, port, args, queue, env, backend, threads):

@@ -77,7 +77,7 @@ def _build(name: str, parallel: str):
 
 
 def _rank_job(rank: int, world: int, name: str, parallel: str, sizes) -> dict:
-    from memfit.memory.rank_measure import measure_rank_step
+    from memfit.memory.step import measure_rank_step
     return {n: measure_rank_step(functools.partial(_build, name, parallel), _example(name), torch.optim.AdamW, n=n)
             for n in sizes}
 
