@@ -299,6 +299,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 for m in chosen:
                     fully_shard(m, **kw)
                 fully_shard(fake, **kw)
+                meshes = sum(1 for m in [*chosen, fake] if m._get_fsdp_state()._fsdp_param_groups)
                 log.tag = None
                 if not fake.training:
                     fake.train()
@@ -325,12 +326,16 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 gc.enable()
             del opt, fake
             gc.collect()
-    return RankRun(log.ops[start:], _timeline(log, start, marks, model), marks, log.gathered)
+    # `fully_shard(m)` without a mesh makes one per call (`init_device_mesh`), whose rank tensor (world_size
+    # int32, on the CPU) the unit keeps while it holds parameters; this run passes one mesh made unlogged
+    mesh_bytes = meshes * world_size * torch.empty((), dtype=torch.int32).element_size()
+    return RankRun(log.ops[start:], _timeline(log, start, marks, model, mesh_bytes), marks, log.gathered)
 
 
-def _timeline(log: _RankLog, start: int, marks: dict[str, int], model) -> np.ndarray:
+def _timeline(log: _RankLog, start: int, marks: dict[str, int], model, mesh_bytes: int = 0) -> np.ndarray:
     """(ops, kinds) bytes live after each op from `start` on: everything logged before counts as held, plus
-    what was never logged (the fake copies of buffers and of parameters `fully_shard` did not take)."""
+    what was never logged (the fake copies of buffers and of parameters `fully_shard` did not take, and the
+    device meshes' rank tensors, `mesh_bytes`, as communication buffers)."""
     n_ops = len(log.ops) - start
     ends = (marks.get("forward", n_ops), marks.get("backward", n_ops))
 
@@ -348,4 +353,5 @@ def _timeline(log: _RankLog, start: int, marks: dict[str, int], model) -> np.nda
         delta[min(max(op - start, 0), n_ops), column(aid)] += d
     live = np.cumsum(delta, axis=0)[:n_ops]
     live[:, _COL[K.PARAMETERS]] += sum(b.nbytes for b in model.buffers())   # buffers are not sharded
+    live[:, _COL[K.COMMUNICATION]] += mesh_bytes
     return live
