@@ -46,8 +46,17 @@ def measure(rank, world, parallel, n, name="mlp", settled=True):
 
 def measure_cases(rank, world, cases):
     """`measure` for each (parallel, n, model name[, "unsettled", run]) of `cases`, in one process: one spawn
-    for them all."""
-    return {case: measure(rank, world, *case[:3], settled=len(case) == 3) for case in cases}
+    for them all; under "reduce_scatter", one reduce-scatter as gloo runs it and as `settled_gloo` runs it."""
+    import torch.distributed as dist
+
+    from memfit.testing.ranks import settled_gloo
+    x = torch.arange(12.0) * (rank + 1) - 5
+    out = [torch.empty(12 // world) for _ in range(2)]
+    dist.reduce_scatter_single(out[0], x)
+    with settled_gloo():
+        dist.reduce_scatter_single(out[1], x)
+    return {"reduce_scatter": out, **{case: measure(rank, world, *case[:3], settled=len(case) == 3)
+                                      for case in cases}}
 
 
 def fail_or_wait(rank, world):

@@ -52,7 +52,7 @@ class RankRun:
     ops: list                  # the logged step's ops in order (OpOverloads, phase markers)
     live: np.ndarray           # (ops, kinds): bytes live after each op of the logged step, held bytes included
     phase_ends: dict[str, int]
-    gathered: int = 0          # with backend="gloo": the largest all-gather output, what gloo's race may keep
+    race_bytes: int = 0        # with backend="gloo": the largest buffer a collective's work holds (gloo's race)
 
 
 def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -75,7 +75,7 @@ class _RankLog(_StorageLog):
         self.kind: list[K | None] = []               # allocation id -> tag at allocation (None: by phase)
         self.first_op: list[int] = []                # allocation id -> op index it was allocated at
         self.events: list[tuple[int, int, int]] = []  # (op, allocation id, +-bytes)
-        self.gathered = 0                            # the largest all-gather output (gloo's race)
+        self.race_bytes = 0                          # the largest buffer a collective's work holds
         self._seen = 0
 
     def _sync(self) -> None:
@@ -156,10 +156,11 @@ def _gloo_copies(log: _RankLog):
     as the OS leaves that thread asleep. Seen on the allocator of 2 gloo ranks of a 2-block encoder (tests'
     width 32, 8 samples; settled it peaks at 396,152 bytes in every run): one block's all-gather output (34,176
     bytes) kept by the worker past FSDP2's drop, either through the next all-gather (+27,520 at the peak) or
-    into the block's backward (+34,176); never two at once. `log.gathered` records the largest all-gather
-    output of the step: `rank_memory_model(gloo_race=True)` adds it at the peak, a bound of every run seen
-    (not of every schedule: two sleeping workers could keep two). NCCL works in place and keeps nothing after
-    the call."""
+    into the block's backward (+34,176); on the bench's encoder (width 64) a block's reduce-scatter clone kept
+    through the next block's all-gather copy-out; never two at once. `log.race_bytes` records the largest
+    buffer one work holds (an all-gather output, a reduce-scatter clone): `rank_memory_model(gloo_race=True)`
+    adds it at the peak, a bound of every run seen (not of every schedule: two sleeping workers could keep
+    two). NCCL works in place and keeps nothing after the call."""
     names = {"all_gather_single": (0, "output_tensor"), "reduce_scatter_single": (1, "input")}   # the whole buffer
     originals = {k: getattr(dist, k) for k in names}
 
@@ -170,9 +171,9 @@ def _gloo_copies(log: _RankLog):
             whole = args[i] if len(args) > i else kwargs[key]
             if name.startswith("all_gather"):
                 _transient(log, whole.nbytes, f"gloo's copy in {name}")
-                log.gathered = max(log.gathered, whole.nbytes)
             else:
                 _transient(log, whole.nbytes, f"gloo's clone in {name}")
+            log.race_bytes = max(log.race_bytes, whole.nbytes)
             return out
         return run
 
@@ -277,7 +278,8 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                   backend: str = "nccl") -> RankRun:
     """One rank's logged training step (see the module docstring) at a per-rank batch of n. With
     backend="gloo", the buffers gloo's collectives copy into while they run (`_gloo_copies`) are counted, and
-    the largest all-gather output is recorded (`RankRun.gathered`, what gloo's race may keep)."""
+    the largest buffer a collective's work holds is recorded (`RankRun.race_bytes`, what gloo's race may
+    keep)."""
     from contextlib import nullcontext
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -329,7 +331,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
     # `fully_shard(m)` without a mesh makes one per call (`init_device_mesh`), whose rank tensor (world_size
     # int32, on the CPU) the unit keeps while it holds parameters; this run passes one mesh made unlogged
     mesh_bytes = meshes * world_size * torch.empty((), dtype=torch.int32).element_size()
-    return RankRun(log.ops[start:], _timeline(log, start, marks, model, mesh_bytes), marks, log.gathered)
+    return RankRun(log.ops[start:], _timeline(log, start, marks, model, mesh_bytes), marks, log.race_bytes)
 
 
 def _timeline(log: _RankLog, start: int, marks: dict[str, int], model, mesh_bytes: int = 0) -> np.ndarray:

@@ -134,7 +134,8 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
             buffer while they run; DDP's all-reduce is in place on both).
         gloo_race: FSDP2 on gloo: gloo's worker thread may keep a collective's tensors after the call returns
             (`memfit.memory.fsdp_run._gloo_copies`), a race whose outcome varies run to run. True: add the
-            largest all-gather output at the peak, a bound of every run seen; False: the schedule where each
+            largest buffer one collective holds (an all-gather output, a reduce-scatter input) at the peak, a
+            bound of every run seen; False: the schedule where each
             collective's tensors are dropped as its call returns (what `memfit.testing.ranks.settled_gloo` makes
             the ranks run, and the common case on an idle machine).
         gradient_as_bucket_view: DDP only: the gradients are views into the buckets (default: the DDP
@@ -180,10 +181,10 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
     runs = {n: run(n) for n in (2, 4, 8)}
     params = int(runs[2].live[0, RANK_KINDS.index(MemoryKind.SHARDED_PARAMETERS)]
                  + runs[2].live[0, RANK_KINDS.index(MemoryKind.PARAMETERS)])
-    race = runs[2].gathered if backend == "gloo" and gloo_race else 0
+    race = runs[2].race_bytes if backend == "gloo" and gloo_race else 0
     how = (f"fully_shard run on fake tensors under a fake process group of {world_size} ranks (rank 0, the "
            f"largest shards; reshard_after_forward={reshard_after_forward}, {backend}"
-           + (f", plus {race} bytes at the peak: the largest all-gather output, which gloo's race may keep"
+           + (f", plus {race} bytes at the peak: the largest collective buffer, which gloo's race may keep"
               if race else ""))
     mm = RankMemoryModel("", params, dev, True, "fsdp", world_size, _exact={n: r.live for n, r in runs.items()},
                          _run_at=run, _race=race)

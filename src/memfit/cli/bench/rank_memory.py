@@ -165,9 +165,9 @@ def _run(names, sizes, worlds) -> list[dict]:
           f"{SETTLED_RUNS} runs settled), target {TARGET[0]:.2f}-{TARGET[1]:.2f} to {DIGITS} decimals. Settled "
           "(memfit.testing.ranks.settled_gloo): each FSDP2 collective returns once gloo's worker thread has "
           "dropped its tensors, predicted with gloo_race=False. Left to chance (free, the worst rank of "
-          f"{FREE_RUNS} runs; spread: max - min bytes over the runs) gloo's race may keep one all-gather output "
-          "longer: the peak is a random variable, and the race bound (gloo_race=True, FSDP2: the largest "
-          "all-gather output added) must never be below its worst run")
+          f"{FREE_RUNS} runs; spread: max - min bytes over the runs) gloo's race may keep one collective's "
+          "buffers longer: the peak is a random variable, and the race bound (gloo_race=True, FSDP2: the largest "
+          "buffer one collective holds added) must never be below its worst run")
     print(table(rows, bytes_columns=BYTES))
     missed = [r for r in rows if r[""] == "MISS"]
     below = [r for r in rows if r["never below"] == "NO"]
