@@ -1,4 +1,5 @@
 """Per-rank memory of DDP and FSDP2 training steps: predicted in one process, checked against 2 gloo ranks."""
+import functools
 import math
 
 import pytest
@@ -83,6 +84,7 @@ def gloo_ranks():
     return run_ranks(rank_cases.measure_cases, 2, CASES + RACE_RUNS, timeout=150)
 
 
+@functools.cache                      # shared by the tests below: each prediction of the encoder is 3 fake runs
 def _predict(parallel, name, **options):
     factory, example = rank_cases.FACTORIES[name]
     m = factory()
