@@ -94,8 +94,9 @@ def real_bytes(func, index: int, t: torch.Tensor, nbytes: int, args, kwargs) -> 
     """Bytes the real kernel gives output `index` of `func` where the fake kernel's `nbytes` differ from them."""
     if index in (1, 2) and func in BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
         return nbytes * 2
-    if index in (1, 2) and func in LAYER_NORM and t.dtype in (torch.float16, torch.bfloat16) and t.device.type == "cpu" \
-            and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[2:4]):
+    if index in (1, 2) and func in LAYER_NORM and t.dtype in (torch.float16, torch.bfloat16) \
+            and t.device.type == "cpu" and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32
+                                               for a in args[2:4]):
         return nbytes * 2
     if index == 0 and func in CPU_LOSS_VIEWS and t.device.type == "cpu" and t.dim() == 0 and args:
         return max(nbytes, args[0].numel() * t.element_size())

@@ -12,14 +12,19 @@ the prediction without them. The same ops on float32 arguments allocate nothing 
 `memfit.memory.fake_kernels.WORKSPACE`).
 
 So every op with a float16 or bfloat16 tensor among its arguments (or floating tensors of two dtypes), other
-than views and the ops of `WORKSPACE`, is run for real on zeros of its arguments' shapes, strides and dtypes at
-this intra-op thread count (`scratch_bytes`, once per shapes). Which dimensions carry the batch differs per call
-(a matmul's rows in forward, its reduced dimension in a weight's gradient), so it is read off two fake runs at
-different batch sizes: the sizes that differ between the same op of both (`batch_sizes`). `scratch_line` then
-measures the kernel at batches 2, 4 and 8 and splits its bytes as `fake_kernels.workspace_bytes` does (a part the
-same at every batch, one that grows with it; batch 1 its own exact run). Known limitations: zeros stand in for
-values (a kernel whose scratch depends on the values, an index, is measured on zeros), and a seeded random op
-runs under a saved and restored RNG (`memfit.memory.isolation.kept_rng`).
+than views, in-place ops and the ops of `WORKSPACE`, is noted by the fake run with its arguments' shapes, strides
+and dtypes (`spec_of`), and run for real on zeros of those at this intra-op thread count (`scratch_bytes`, once
+per shapes). The bytes are not a line in the batch (oneDNN picks its algorithm and pads by size: a weight
+gradient's packing takes 17.1 KiB at every even batch up to 32 rows, 25.2 KiB at odd ones, then grows with the
+rows), so the memory model measures them at each batch size it is asked about (`ScratchOp.bytes_at`), on
+arguments of that batch's shapes: which dimensions carry the batch differs per call (a matmul's rows in
+forward, its reduced dimension in a weight's gradient) and is read off two fake runs at different batch sizes,
+as the sizes that differ between the same op of both (`batch_sizes`).
+
+Known limitations: zeros stand in for values (a kernel whose scratch depends on values, an index, is measured
+on zeros); a seeded random op (dropout) runs the real kernel under a saved and restored RNG
+(`memfit.memory.isolation.kept_rng`: another thread's draw in that instant would be rewound); the first
+question about a batch size runs each measured kernel twice at that size (about 0.1 s for a two-layer BERT).
 """
 
 from __future__ import annotations
@@ -56,7 +61,11 @@ def measured_here(func, args, kwargs) -> bool:
     op of the optimizer allocates nothing)."""
     if not isinstance(func, torch._ops.OpOverload):
         return False
-    dtypes = {a.dtype for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_floating_point()}
+    dtypes = set()
+    for a in (*args, *(kwargs or {}).values()):   # flat: every op of every fake run passes here
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                dtypes.add(t.dtype)
     if not dtypes or (dtypes.isdisjoint(_HALF) and len(dtypes) < 2):
         return False
     if func not in _CHOSEN:
@@ -66,12 +75,14 @@ def measured_here(func, args, kwargs) -> bool:
     return _CHOSEN[func]
 
 
-def _real(leaf, shape=None):
-    """A real tensor of zeros for a ("t", shape, stride, dtype) leaf: at `shape` (another batch) with the same
-    layout (the order of the strides, and the gaps between dimensions where the tensor is a slice of a larger
-    one, as q, k and v of one projection are), else the leaf itself."""
-    if not (isinstance(leaf, tuple) and len(leaf) == 4 and leaf[0] == "t"):
-        return leaf
+def _is_tensor(leaf) -> bool:
+    return isinstance(leaf, tuple) and len(leaf) == 4 and leaf[0] == "t"
+
+
+def _real(leaf: tuple, shape: tuple | None = None) -> torch.Tensor:
+    """A real tensor of zeros for a ("t", shape, stride, dtype) leaf: at its own strides, or at `shape` (another
+    batch) with the same layout (the order of the strides, and the gaps between dimensions where the tensor is a
+    slice of a larger one, as q, k and v of one projection are)."""
     _, old, stride, dtype = leaf
     shape = tuple(old if shape is None else shape)
     if shape == old:
@@ -89,24 +100,19 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
     """Bytes the real kernel of `func` allocates beyond its outputs' storages, run on zeros of `spec`'s arguments
     (`shapes`: leaf index -> another shape, or another int, for another batch), once per arguments and thread
     count."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
 
     from memfit.memory.isolation import kept_rng
     from memfit.memory.measure import track_memory
-    leaves = list(spec.leaves)
-    for i, s in (shapes or {}).items():
-        leaves[i] = (*leaves[i][:1], s, *leaves[i][2:]) if isinstance(leaves[i], tuple) and leaves[i][:1] == ("t",) \
-            else s
-    key = (func, spec.tree, tuple((lf[0], lf[1], lf[3]) if isinstance(lf, tuple) and lf[:1] == ("t",) else lf
-                                  for lf in leaves), tuple(spec.leaves), torch.get_num_threads())
+    shapes = shapes or {}
+    key = (func, spec, tuple(sorted(shapes.items())), torch.get_num_threads())
     if key in _BYTES:
         return _BYTES[key]
     seeded = torch.Tag.nondeterministic_seeded in func.tags
-    with unset_fake_temporarily(), torch.no_grad(), torch.autocast("cpu", enabled=False), \
+    # every dispatch mode off (the fake one, own_rng's generators): the real kernel, whoever asks
+    with _disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False), \
             kept_rng() if seeded else nullcontext():
-        real = [_real(orig, lf[1] if isinstance(lf, tuple) and lf[:1] == ("t",) and lf != orig else None)
-                if isinstance(orig, tuple) and orig[:1] == ("t",) else lf
-                for orig, lf in zip(spec.leaves, leaves, strict=True)]
+        real = [_real(lf, shapes.get(i)) if _is_tensor(lf) else shapes.get(i, lf) for i, lf in enumerate(spec.leaves)]
         args, kwargs = tree_unflatten(real, spec.tree)
         func(*args, **kwargs)       # once untracked: what a kernel sets up on its first call (caches) is not per call
         with track_memory("cpu") as mem:
@@ -120,14 +126,14 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
 def batch_sizes(spec: ArgSpec, n: int, other: ArgSpec, m: int) -> dict | None:
     """The leaves of `spec` (at batch n) that carry the batch, read off the same op at batch m: leaf index ->
     (base, per sample) per dimension (a tensor) or for the int; None where the two are not the same op on
-    affine sizes (then its scratch is counted as measured at each batch, constant)."""
+    affine sizes (then `ScratchOp.bytes_at` scales the bytes at n up with the batch)."""
     if spec.tree != other.tree or len(spec.leaves) != len(other.leaves):
         return None
     found = {}
     for i, (a, b) in enumerate(zip(spec.leaves, other.leaves, strict=True)):
         if a == b:
             continue
-        if isinstance(a, tuple) and a[:1] == ("t",) and isinstance(b, tuple) and b[:1] == ("t",):
+        if _is_tensor(a) and _is_tensor(b):
             if a[3] != b[3] or len(a[1]) != len(b[1]):
                 return None
             pairs = list(zip(a[1], b[1], strict=True))
@@ -148,7 +154,7 @@ def batch_sizes(spec: ArgSpec, n: int, other: ArgSpec, m: int) -> dict | None:
 
 def _at(spec: ArgSpec, lines: dict, k: int) -> dict:
     """leaf index -> its shape (or int) at batch k."""
-    return {i: (tuple(b + s * k for b, s in ls) if isinstance(spec.leaves[i], tuple) else ls[0][0] + ls[0][1] * k)
+    return {i: (tuple(b + s * k for b, s in ls) if _is_tensor(spec.leaves[i]) else ls[0][0] + ls[0][1] * k)
             for i, ls in lines.items()}
 
 
