@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -66,17 +65,6 @@ class _Found:
     how_bytes: str
     how_time: str
     seconds: float
-
-
-# Open gap, said wherever such a plan is made: measured by the allocator, steps under bf16 autocast peaked above the
-# step memory model's figure on small CPU models (up to 22% on a 2-block MLP; the extra is the scratch oneDNN's bf16
-# matmuls allocate inside, which the memory model does not count). Checkpointed plans at the step's own precision
-# hold (1.000-1.006 on an MLP, CNNs with and without BatchNorm, a transformer encoder, BERT, GPT-2, ViT, ConvNeXt).
-# tests/fitting/test_fitter.py marks the case.
-BELOW_ALLOCATOR = ("APPROXIMATE: a plan that runs under bf16 autocast has peaked up to 22% above peak_bytes by the "
-                   "allocator's count on the CPU (the scratch oneDNN's bf16 matrix multiplications allocate inside is "
-                   "not counted: an open gap of the step memory model): leave that much head-room under the device's "
-                   "memory")
 
 
 @dataclass
@@ -137,7 +125,6 @@ class FitPlan:
                  + f"; predicted peak {format_bytes(self.peak_bytes)}, predicted time "
                  f"{self.relative_time:.2f}x the plain step.",
                  f"why: {self.reason}.",
-                 *([f"{BELOW_ALLOCATOR}."] if self.autocast else []),
                  f"bytes: {self.how_bytes}.",
                  f"time: {self.how_time}.",
                  f"candidate blocks (ranked: activation bytes written per second of recomputation): "
@@ -382,8 +369,6 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         res.reason = f"memfit.fit: {plan.reason}"
         return res
 
-    if dtype is not None:      # never silently: see BELOW_ALLOCATOR
-        warnings.warn(f"memfit.fit: {BELOW_ALLOCATOR}", RuntimeWarning, stacklevel=2)
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
