@@ -135,7 +135,12 @@ class StepMemoryModel:
         if n in self._measured:       # a size run on its own (batch 1) is exact there: a kernel may take another
             live = self._measured[n]  # path at it (oneDNN's convolution backward: 192 B inside, 22 KiB from batch 2)
         if self._scratch:
-            live = live + self._scratch_bytes(n)
+            extra = self._scratch_bytes(n)
+            if extra.shape == live.shape:
+                live = live + extra
+            else:                     # batch n's own run, whose ops differ: the largest scratch at every op
+                live = live.astype(np.float64)
+                live[:, 0] += extra.sum(axis=1).max()
         k = int(np.argmax(live.sum(axis=1)))
         return k, np.ceil(live[k]).astype(np.int64)
 

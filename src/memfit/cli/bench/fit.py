@@ -18,6 +18,7 @@ Run:
     memfit bench fit --quick        # batch 8, three timing repeats (a few minutes on 2 busy cores)
     memfit bench fit                # batch 16, seven repeats
     memfit bench fit --models cnn,gpt2
+    memfit bench fit --quick --bf16 # also the bf16 lever's alternatives and plans (`fit_bf16`)
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def _line(ok: bool, text: str) -> None:
     print(f"{'PASS' if ok else 'MISS'}  {text}")
 
 
-def run(names, n: int, repeat: int, as_json: bool) -> list[dict]:
+def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[dict]:
     print(machine_header("cpu"))
     print(f"# memfit bench fit: batch {n}, AdamW, {repeat} timing repeats; peaks from memfit.memory.measure "
           "(live tensor bytes: the emulated device)")
@@ -227,11 +228,32 @@ def run(names, n: int, repeat: int, as_json: bool) -> list[dict]:
               f"({sum(r['auto/plan'] == 'refused' for r in done)} rows where accumulate alone refuses)")
     print(f"INFO  fit's cost / one real plain step: {min(r['fit/step'] for r in done):.1f}x to "
           f"{max(r['fit/step'] for r in done):.1f}x")
+    if bf16:
+        rows += _bf16(names, n)
     warn = spread_warning()
     if warn:
         print(warn)
     if as_json:
         print(json.dumps(rows))
+    return rows
+
+
+def _bf16(names, n: int) -> list[dict]:
+    from memfit.cli.bench.fit_bf16 import bf16_rows
+    rows = []
+    for case in cases():
+        if case.name in names:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows += bf16_rows(case, n, _fresh, real_peak)
+    print(table(rows, ["model", "what", "bytes", "predicted", "real", "pred/real", "OOM"],
+                bytes_columns=("bytes", "predicted", "real")))
+    done = [r for r in rows if "real" in r]
+    lo, hi = min(r["pred/real"] for r in done), max(r["pred/real"] for r in done)
+    _line(TARGETS["peak_low"] <= lo and hi <= TARGETS["peak_high"],
+          f"bf16: predicted / real peak in [{lo:.3f}, {hi:.3f}] over {len(done)} rows (target within [1.00, 1.05])")
+    _line(all(r.get("OOM", 0) == 0 for r in done), "bf16: real peak <= budget where only bf16 fits: "
+                                                   f"{sum(r.get('OOM', 0) for r in done)} out-of-memory errors")
     return rows
 
 
@@ -241,9 +263,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="batch 8, three timing repeats")
     p.add_argument("--models", default=None, help=f"comma-separated subset of {','.join(NAMES)}")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.add_argument("--bf16", action="store_true", help="also the bf16 lever: its alternatives' predicted and real "
+                                                       "peaks, and the plan where only bf16 fits")
     a = p.parse_args(argv)
     names = NAMES if a.models is None else a.models.split(",")
     if set(names) - set(NAMES):
         p.error(f"--models: unknown {sorted(set(names) - set(NAMES))}; expected some of {NAMES}")
-    run(names, 8 if a.quick else 16, 3 if a.quick else 7, a.json)
+    run(names, 8 if a.quick else 16, 3 if a.quick else 7, a.json, a.bf16)
     return 0
