@@ -24,7 +24,10 @@ as the sizes that differ between the same op of both (`batch_sizes`).
 Known limitations: zeros stand in for values (a kernel whose scratch depends on values, an index, is measured
 on zeros); a seeded random op (dropout) runs the real kernel under a saved and restored RNG
 (`memfit.memory.isolation.kept_rng`: another thread's draw in that instant would be rewound); the first
-question about a batch size runs each measured kernel twice at that size (about 0.1 s for a two-layer BERT).
+question about a batch size runs each measured kernel twice at that size, on arguments allocated for real at that
+size (about 0.1 s for a two-layer BERT; for a large model about two forward and backward passes of those ops);
+where the two fake runs do not show an op's sizes as affine in the batch, its bytes at batch 4 are scaled with
+the batch and the model's `method` says APPROXIMATE.
 """
 
 from __future__ import annotations
