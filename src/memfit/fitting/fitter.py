@@ -354,15 +354,16 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         entry = _PLANS[module] = (fingerprint, {})
     found, error = entry[1].get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
-        devices = [model_device(module)] if model_device(module).type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):      # nothing drawn here reaches the caller's RNG
-            try:
-                found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
-                                                allow_batch_dependent, exhaustive)
-            except Exception as e:
-                if world == 1:
-                    raise
-                error = e
+        # torch's generators are neither drawn from nor saved and restored (which would rewind another thread's
+        # draws): the fake runs and the cost counts run under `predicting` (generators of their own), the
+        # machine's timing kernels make their weights under `own_rng`
+        try:
+            found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
+                                            allow_batch_dependent, exhaustive)
+        except Exception as e:
+            if world == 1:
+                raise
+            error = e
     if world > 1:
         # every call, kept plan or not: a rank whose search failed stops every rank (none waits in the gather),
         # then the ranks take one plan
