@@ -106,6 +106,15 @@ def paired_ratio(base: Callable[[], object], other: Callable[[], object], *, rep
     return statistics.median(times["base"]), statistics.median(times["other"]), median(ratios, what or "a ratio")
 
 
+def paired_ratios(base: Callable[[], object], other: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
+                  device: torch.device | str | None = None, what: str = "") -> list[float]:
+    """Every round's other / base of `paired_ratio` (its median and spread are noted the same way)."""
+    times = _in_turn({"base": base, "other": other}, repeat, warmup, device)
+    ratios = [o / b for b, o in zip(times["base"], times["other"], strict=True)]
+    median(ratios, what or "a ratio")
+    return ratios
+
+
 def rounds_for(fn: Callable[[], object], *, seconds: float, at_least: int, at_most: int,
                device: torch.device | str | None = None) -> int:
     """How many timed rounds give about `seconds` of calls of `fn` (one warm call timed), within
