@@ -56,3 +56,11 @@ def test_bench_fit_budgets_are_the_three_the_issue_names():
     assert b["plain fits"] == 180                            # m = 8, nothing checkpointed
     assert b["micro-batching fits"] == 140                   # m = 4 without checkpointing: the whole batch does not fit
     assert b["only checkpointing"] == (106 + 110) // 2       # below m = 1 without checkpointing, above m = 1 with both
+
+
+def test_bench_fit_calls_a_shortfall_the_time_models_only_beyond_the_noise():
+    from memfit.cli.bench.fit import shortfall_is_the_models
+    row = lambda fastest, own, spread: {"fastest/plan": fastest, "self/plan": own, "spread": spread}
+    assert shortfall_is_the_models(row(0.85, 1.00, 0.05))        # 15% faster; identical steps agree within 5%
+    assert not shortfall_is_the_models(row(0.85, 0.88, 0.10))    # identical steps measured 12% apart too
+    assert not shortfall_is_the_models(row(0.90, 1.00, 0.20))    # the rounds spread wider than the gap

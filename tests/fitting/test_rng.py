@@ -3,6 +3,7 @@ would rewind what another thread drew meanwhile), also where a memory model runs
 tensors (torch.utils.checkpoint would set the global generator back around the recomputation)."""
 import sys
 import threading
+import time
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ def test_another_threads_draws_are_neither_taken_nor_rewound_and_the_plan_is_unc
     def draw():                            # the other thread: draws from torch's generator all along
         while not done.is_set() or len(draws) < 3:
             draws.append(torch.rand(4))
+            time.sleep(1e-4)               # lets go of the GIL: fit runs near its own speed between draws
     other = threading.Thread(target=draw, daemon=True)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)            # the threads take turns often: draws fall inside fit's every phase
