@@ -91,7 +91,8 @@ class Report:
         ] + [f"    {op}: {why}" for op, why in sorted(self.unplanned_reasons.items())]
           + ([f"  capture: {self.capture}"] if self.capture else [])
           + ([f"  op order: {self.order} (arena + unplanned {format_bytes(self.arena_bytes + self.unplanned_bytes)}, "
-               f"{format_bytes(self.graph_order_bytes)} in the graph's order)"] if self.order != "graph" else []))
+               f"{format_bytes(self.graph_order_bytes)} in the graph's order)"]
+             if not self.order.startswith("graph") else []))
 
     def table(self, limit: int | None = 60) -> str:
         head = f"  {'tensor':<28} {'shape':<20} {'dtype':<9} {'bytes':>11} {'lifetime':>11} {'offset':>11}  kind"
