@@ -16,15 +16,6 @@ def test_compiled_columns_say_why_without_a_c_compiler(monkeypatch, tmp_path):
     assert contenders.compile_seconds(build, 2, str(tmp_path)) == why
 
 
-def test_the_capture_target_is_judged_on_the_cold_compile():
-    from memfit.cli.bench.planner import verdicts_real
-    row = {"model": "m", "batch": 8, "latency_ratio": 0.9, "total/eager": 0.9, "arena/bound": 1.0, "captures": 1}
-    fast = verdicts_real([{**row, "plan/cold": 0.2, "plan/warm": 0.6}])[-1]
-    assert fast.startswith("first plan <= 0.33 of a fully cold compile") and fast.endswith("PASS")
-    assert "0.60-0.60 of one with the C++ kernel cache warm" in fast
-    assert verdicts_real([{**row, "plan/cold": 0.4, "plan/warm": 0.9}])[-1].endswith("MISS m (0.40)")
-
-
 def _mlp_case():
     def make():
         torch.manual_seed(0)

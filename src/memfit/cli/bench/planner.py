@@ -8,7 +8,8 @@ one op), the unplanned bytes the planned run still allocates (measured the same 
 the latency of both, side by side in one
 process (eager and planned called in turn, medians after warm-up). Real models are captured once and planned at both
 batch sizes from that one capture, and `torch.compile` (inductor) runs beside them: its peak by the
-allocator, latency and cold compile time (`memfit.cli.bench.contenders`).
+allocator, latency, and its compile time in fresh processes, fully cold and with its C++ kernels on disk, against
+the first plan of a fresh process (`memfit.cli.bench.contenders`).
 
 Run:
     memfit bench planner --quick        # zoo images at 64x64, batch 1 and 8 (about a minute on 2 cores)
