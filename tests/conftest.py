@@ -8,7 +8,7 @@ scratch, not counted at any thread count: docs/memory-models.md).
 """
 import os
 
-if "OMP_NUM_THREADS" not in os.environ:       # before torch is imported; spawned ranks inherit it
+if not os.environ.get("OMP_NUM_THREADS", "").strip():   # unset or empty; before torch is imported; ranks inherit it
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402

@@ -82,11 +82,11 @@ def _eval_rank(rank, world, chunk_size, fail_rank):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_distributed_evaluation_equals_single_process(world):
+def test_distributed_evaluation_equals_single_process(world, request):
     x, y = data()
     single = evaluate(model(), (x, y), metrics=("accuracy", "loss", "confusion"), chunk_size=64, device="cpu",
                       progress=False)
-    out = run_ranks(_eval_rank, world, 64, -1)
+    out = request.getfixturevalue(f"clean_checks_{world}")["eval"]
     assert sorted(out) == list(range(world)), out
     for status, (acc, loss, conf, n) in out.values():
         assert status == "ok"
@@ -142,8 +142,8 @@ def _loader_mistakes(rank, world):
     return out
 
 
-def test_a_loader_mistake_on_one_rank_stops_every_rank_with_its_reason():
-    out = run_ranks(_loader_mistakes, 2, timeout=90)
+def test_a_loader_mistake_on_one_rank_stops_every_rank_with_its_reason(clean_checks_2):
+    out = clean_checks_2["mistakes"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     r0, r1 = out[0][1], out[1][1]
     assert r1["labels"][0] == "error" and "1002" in r1["labels"][1]                  # its own error
@@ -154,6 +154,24 @@ def test_a_loader_mistake_on_one_rank_stops_every_rank_with_its_reason():
     assert r0["fine"][0] == r1["fine"][0] == "ok" and r0["fine"][2] == r1["fine"][2]   # rank 0's seed, shared
     assert "different agreement points ('one step' here on rank 0)" in r0["points"][1]
     assert "different agreement points ('another step' here on rank 1)" in r1["points"][1]
+
+
+def _rank_and_world(rank, world):
+    return rank, world
+
+
+def test_ranks_start_while_another_process_holds_the_port_free_port_found(monkeypatch):
+    """Ranks spawned from two pytest-xdist workers at once: a port found free, then bound by rank 0 seconds
+    later, could be taken in between (here: at once). The caller's store binds its port as it picks it."""
+    import socket
+
+    import memfit.testing.ranks as ranks
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(ranks, "free_port", lambda: taken.getsockname()[1])
+        out = run_ranks(_rank_and_world, 2, timeout=120)
+    assert out == {0: ("ok", (0, 2)), 1: ("ok", (1, 2))}, out
 
 
 def test_distributed_needs_a_process_group():
@@ -181,12 +199,12 @@ def _weighted_loss_rank(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_distributed_loss_divides_by_the_summed_torch_denominator(world):
+def test_distributed_loss_divides_by_the_summed_torch_denominator(world, request):
     """Ignored targets and class weights make ranks' divisors differ: the divisor is all-reduced state."""
     x, y = _padded()
     with torch.no_grad():
         ref = torch.nn.CrossEntropyLoss(weight=WEIGHT)(model()(torch.from_numpy(x).float()), torch.from_numpy(y))
-    out = run_ranks(_weighted_loss_rank, world)
+    out = request.getfixturevalue(f"clean_checks_{world}")["loss"]
     assert sorted(out) == list(range(world)), out
     for status, loss in out.values():
         assert status == "ok", loss
@@ -226,12 +244,12 @@ def _fields_loader_rank(rank, world):
     return out
 
 
-def test_a_distributed_loader_of_fields_gives_each_rank_its_shard_decoded_as_the_whole():
+def test_a_distributed_loader_of_fields_gives_each_rank_its_shard_decoded_as_the_whole(clean_checks_2):
     """Each rank holds a contiguous shard; together the ranks see every sample once, decoded bit for bit as
     a single-process loader decodes it (the q8 range and the mean/std of the whole, not of a shard)."""
     x, y = _fields()
     ref_x, ref_y, _ = _epoch(memfit_loader((x, y), 8, shuffle=False, **FIELD_OPTIONS))
-    out = run_ranks(_fields_loader_rank, 2)
+    out = clean_checks_2["fields"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     for strategy in ("resident", "stream"):
         parts = [out[r][1][strategy] for r in range(2)]
@@ -270,7 +288,7 @@ def _empty_rank_eval(rank, world):
     return out
 
 
-def test_a_rank_with_nothing_to_evaluate_neither_hangs_nor_changes_the_result():
+def test_a_rank_with_nothing_to_evaluate_neither_hangs_nor_changes_the_result(clean_checks_2):
     """Every rank returns the single-process result over the union; a collective one rank skipped would
     hang (the collective timeout is short here, so a hang fails the test instead of blocking)."""
     x, y = data()
@@ -279,10 +297,9 @@ def test_a_rank_with_nothing_to_evaluate_neither_hangs_nor_changes_the_result():
     single = {case: _summary(evaluate(model(), batches if case == "loader" else ds.subset(range(1)),
                                       metrics=EMPTY_METRICS, device="cpu", progress=False))
               for case in EMPTY_CASES}
-    t0 = time.perf_counter()
-    out = run_ranks(_empty_rank_eval, 2, timeout=60, env={"MEMFIT_DIST_TIMEOUT": "20"})
+    out = clean_checks_2["empty"]
     assert sorted(out) == [0, 1], f"a rank hung: {out}"
-    assert time.perf_counter() - t0 < 60
+    assert max(clean_checks_2.took["empty"].values()) < 60
     for rank, (status, value) in out.items():
         assert status == "ok", (rank, value)
         for case, (metrics, n) in value.items():
@@ -323,17 +340,28 @@ def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
     """gloo's worker thread used to drop the last reference to a finished collective while the interpreter shut
     down; freeing its tensors then needed the GIL and the process aborted (SIGABRT, 2-4 runs in 10). The abort
     is a race, so six clean launches alone would miss a regression some of the time: the script also checks,
-    every time, that memfit holds the last work (what prevents it)."""
+    every time, that memfit holds the last work (what prevents it). The launches run three at a time (each has
+    its own rendezvous port, which torchrun's --standalone picks): a launch is mostly interpreter start-up."""
     import os
     import subprocess
     import sys
     script = tmp_path / "ends.py"
     script.write_text(ENDS_AFTER_A_COLLECTIVE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}   # this checkout's memfit
-    for _ in range(6):
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                              str(script)], capture_output=True, text=True, timeout=120, env=env)
-        assert out.returncode == 0, out.stderr[-1500:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    for _ in range(2):
+        launches = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                    for _ in range(3)]
+        try:
+            deadline = time.monotonic() + 120
+            for p in launches:
+                _, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                assert p.returncode == 0, err[-1500:]
+        finally:                            # a failed or hung launch: none is left running
+            for p in launches:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
 
 
 # ---- ranks given different sets, or their own parts ------------------------------------------------------
@@ -370,16 +398,15 @@ def _given_rank(rank, world):
     return out
 
 
-def test_ranks_given_different_sets_raise_and_own_parts_with_sharded_count_each_sample_once():
+def test_ranks_given_different_sets_raise_and_own_parts_with_sharded_count_each_sample_once(clean_checks_2):
     """Two whole sets of different sizes used to give n=1850 on both ranks (150 samples counted twice, 300 never
     seen), and own parts of 1100 and 900 n=1000, silently. Now every rank raises naming both sizes, and with
     sharded=True each rank evaluates all of its part: the single-process result over the union, exactly."""
     x, y = _set_of(2000)
     single = _summary(evaluate(model(), (x, y), metrics=GIVEN_METRICS, chunk_size=256, device="cpu", progress=False))
-    t0 = time.perf_counter()
-    out = run_ranks(_given_rank, 2, timeout=90, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    out = clean_checks_2["given"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), f"a rank hung or crashed: {out}"
-    assert time.perf_counter() - t0 < 90
+    assert max(clean_checks_2.took["given"].values()) < 90
     for rank in (0, 1):
         r = out[rank][1]
         for name in ("own parts, sharded=True", "own parts as datasets, sharded=True",
@@ -423,11 +450,11 @@ def _parts_loader_rank(rank, world):
     return out
 
 
-def test_a_loader_of_own_parts_with_sharded_sees_every_sample_once_per_epoch():
+def test_a_loader_of_own_parts_with_sharded_sees_every_sample_once_per_epoch(clean_checks_2):
     """Parts of 110 and 90 samples: with sharded=True each rank iterates all of its part, in the same number of
     batches on both ranks; without it the loader raises naming both sizes (it always did) and says how."""
     x, y = _set_of(200)
-    out = run_ranks(_parts_loader_rank, 2, timeout=90, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    out = clean_checks_2["parts"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     (s0, n0, e0), (s1, n1, e1) = out[0][1]["sharded"], out[1][1]["sharded"]
     assert s0 == s1 == "ok" and n0 == n1 == 7                     # ceil(110 / 16) batches on both ranks
@@ -443,3 +470,58 @@ def test_a_loader_of_own_parts_with_sharded_sees_every_sample_once_per_epoch():
         assert status == "error" and "different sizes (rank 0: 110, rank 1: 90)" in msg and "sharded=True" in msg
         status, msg = out[rank][1]["dataset statistics"]
         assert status == "error" and "normalize='dataset' with sharded=True" in msg
+
+
+# ---- the checks that end cleanly, in one spawn per world size ------------------------------------------------
+CLEAN_CHECKS = {   # name: (rank function, its extra arguments, worlds, collective timeout its test set, s)
+    "eval": (_eval_rank, (64, -1), (2, 3), None),
+    "loss": (_weighted_loss_rank, (), (2, 3), None),
+    "fields": (_fields_loader_rank, (), (2,), None),
+    "empty": (_empty_rank_eval, (), (2,), 20.0),
+    "parts": (_parts_loader_rank, (), (2,), 30.0),
+    "given": (_given_rank, (), (2,), 30.0),
+    "mistakes": (_loader_mistakes, (), (2,), None),    # a rank raises and the group must stay usable: last
+}
+
+
+def _clean_checks(rank, world):
+    """The checks of CLEAN_CHECKS for this world size, on one process group one after the other (starting the
+    processes was most of each check's time): {check: (status, its value or the error it raised, seconds)}.
+    Each check runs with the collective timeout its own spawn had (MEMFIT_DIST_TIMEOUT, read at each wait)."""
+    import memfit.distributed as md
+    default = md.TIMEOUT_S
+    out = {}
+    for name, (fn, args, worlds, timeout_s) in CLEAN_CHECKS.items():
+        if world not in worlds:
+            continue
+        md.TIMEOUT_S = timeout_s or default
+        t0 = time.perf_counter()
+        try:
+            out[name] = ("ok", fn(rank, world, *args), time.perf_counter() - t0)
+        except Exception as e:          # one check's failure must not hide the others' results
+            out[name] = ("error", f"{type(e).__name__}: {e}", time.perf_counter() - t0)
+    md.TIMEOUT_S = default
+    return out
+
+
+class Checks(dict):
+    """{check: {rank: (status, value)}}, and `took`: {check: {rank: seconds that rank spent in it}}."""
+    took: dict
+
+
+def _spawn_clean_checks(world):
+    out = run_ranks(_clean_checks, world, timeout=300)
+    assert sorted(out) == list(range(world)) and all(s == "ok" for s, _ in out.values()), out
+    checks = Checks({name: {rank: value[name][:2] for rank, (_, value) in out.items()} for name in out[0][1]})
+    checks.took = {name: {rank: value[name][2] for rank, (_, value) in out.items()} for name in out[0][1]}
+    return checks
+
+
+@pytest.fixture(scope="module")
+def clean_checks_2():
+    return _spawn_clean_checks(2)
+
+
+@pytest.fixture(scope="module")
+def clean_checks_3():
+    return _spawn_clean_checks(3)

@@ -32,16 +32,31 @@ def build(parallel: str, factory=mlp):
     return fully_shard(m)
 
 
-def measure(rank, world, parallel, n, name="mlp"):
-    """This rank's real peak of one AdamW step of a model of `FACTORIES` at a batch of n per rank."""
-    from memfit.memory.rank_measure import measure_rank_step
+def measure(rank, world, parallel, n, name="mlp", settled=True):
+    """This rank's real peak of one AdamW step of a model of `FACTORIES` at a batch of n per rank; `settled`:
+    under `memfit.testing.ranks.settled_gloo` (each collective's tensors dropped by gloo as its call returns)."""
+    from contextlib import nullcontext
+
+    from memfit.memory.step import measure_rank_step
+    from memfit.testing.ranks import settled_gloo
     factory, example = FACTORIES[name]
-    return measure_rank_step(functools.partial(build, parallel, factory), example, torch.optim.AdamW, n=n)
+    with settled_gloo() if settled else nullcontext():
+        return measure_rank_step(functools.partial(build, parallel, factory), example, torch.optim.AdamW, n=n)
 
 
 def measure_cases(rank, world, cases):
-    """`measure` for each (parallel, n, model name) of `cases`, in one process: one spawn for them all."""
-    return {case: measure(rank, world, *case) for case in cases}
+    """`measure` for each (parallel, n, model name[, "unsettled", run]) of `cases`, in one process: one spawn
+    for them all; under "reduce_scatter", one reduce-scatter as gloo runs it and as `settled_gloo` runs it."""
+    import torch.distributed as dist
+
+    from memfit.testing.ranks import settled_gloo
+    x = torch.arange(12.0) * (rank + 1) - 5
+    out = [torch.empty(12 // world) for _ in range(2)]
+    dist.reduce_scatter_single(out[0], x)
+    with settled_gloo():
+        dist.reduce_scatter_single(out[1], x)
+    return {"reduce_scatter": out, **{case: measure(rank, world, *case[:3], settled=len(case) == 3)
+                                      for case in cases}}
 
 
 def fail_or_wait(rank, world):

@@ -173,3 +173,36 @@ def test_capture_model_makes_the_batch_symbolic_or_says_why_not():
 
     static = capture_model(mlp, torch.randn(3, 8), dynamic_batch=False)
     assert not static.dynamic and static.static_reason == "a static capture was asked for"
+
+
+def test_quiet_torch_restores_levels_without_clearing_every_loggers_cache(monkeypatch):
+    """Restoring ~290 torch loggers with setLevel cleared every logger's cache each time (0.1 s a capture): only
+    a level that changed inside is set back."""
+    from memfit.planner.capture import quiet_torch
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    lg = logging.getLogger("torch.export")
+    before = (lg.level, lg.disabled, lg.propagate)
+    clears = []
+    real_clear = logging.Manager._clear_cache
+    monkeypatch.setattr(logging.Manager, "_clear_cache", lambda self: clears.append(1) or real_clear(self))
+    with quiet_torch():
+        assert lg.disabled
+    assert (lg.level, lg.disabled, lg.propagate) == before and clears == []
+    with quiet_torch():
+        lg.setLevel(logging.CRITICAL)                 # torch changes a level inside: set back
+    assert (lg.level, lg.disabled, lg.propagate) == before
+
+
+def test_the_kernel_layout_check_runs_the_captured_graph_without_unlifting_it(monkeypatch):
+    """The check of kernel strides runs the lifted graph on the model's own tensors; `ep.module()` first copied
+    the graph into a new module and recompiled it (twice the run itself on ResNet)."""
+    unlifted = []
+    real_module = torch.export.ExportedProgram.module
+    monkeypatch.setattr(torch.export.ExportedProgram, "module",
+                        lambda self, *a, **k: unlifted.append(self) or real_module(self, *a, **k))
+    model = Consts()
+    x = torch.randn(4, 3)
+    cap = capture_model(model, x)
+    assert cap.kernel_layouts == {} and all(ep is not cap.ep for ep in unlifted)
+    with torch.no_grad():                              # the graph it ran gives the model's outputs
+        torch.testing.assert_close(cap.ep.module()(x), model(x))

@@ -4,12 +4,23 @@
 
 A checkpointed module keeps only its inputs for backward and runs its forward again there. Non-reentrant
 checkpointing saves and restores the RNG state around the recomputation (`preserve_rng_state=True`), so dropout
-draws the same masks as the plain step and the RNG ends where the plain step leaves it. A recomputed BatchNorm in
-training mode would update its running statistics a second time: the recomputation runs with the module's
-buffers put back as they were after the first forward, so the step changes them exactly as a plain step does.
+draws the same masks as the plain step and the RNG ends where the plain step leaves it. On fake tensors (a memory
+model's run of the step) nothing draws, so torch's save and restore of the global generator, which would rewind
+what another thread drew meanwhile, is skipped there; the two generator states it takes (one kept until the
+block's backward, one around the recomputation) are still taken, so the memory model counts their bytes. A
+recomputed BatchNorm in training mode would update its running statistics a second time: the recomputation runs
+with the module's buffers put back as they were after the first forward, so the step changes them exactly as a
+plain step does.
+
+Inside `checkpointed` only the thread that entered it checkpoints: another thread's forward of the same module
+(or a memory model predicted there) runs plainly.
 
 Known limitations: a module whose forward mutates state besides its buffers (a key/value cache it appends to,
-as transformers' decoders do with `use_cache=True`) sees that mutation twice; turn the cache off for training.
+as transformers' decoders do with `use_cache=True`) sees that mutation twice; turn the cache off for training. A
+real recomputation sets torch's global generator back to the forward's state and restores it after (torch's
+`preserve_rng_state`, as every user of `torch.utils.checkpoint` gets): a random op another thread runs on the
+global generator meanwhile draws repeated values and is rewound. Give such threads a `torch.Generator` of their
+own.
 
 Example:
     >>> import torch
@@ -28,10 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["candidate_blocks", "checkpointed", "install", "uninstall"]
@@ -78,27 +92,75 @@ class _BuffersKept:
         return False
 
 
-def _context(module: torch.nn.Module):
-    has_buffers = any(True for _ in module.buffers())
-    return contextlib.nullcontext(), (_BuffersKept(module) if has_buffers else contextlib.nullcontext())
+class _StatesTaken:
+    """On fake tensors, in place of `preserve_rng_state`: the generator states torch.utils.checkpoint takes,
+    taken (a memory model's run logs `torch.get_rng_state`'s tensor) but never set back. One is taken when the
+    contexts are made (as torch takes the forward's, kept with the recomputation until the block's backward) and
+    one for the length of the recomputation (fork_rng's)."""
+
+    def __init__(self):
+        self.forward_state = torch.get_rng_state()
+
+    def __enter__(self):
+        self.around = torch.get_rng_state()
+        return self
+
+    def __exit__(self, *exc):
+        self.around = None
+        return False
 
 
-def _checkpointed(cls_forward):
-    """The class's forward run under non-reentrant checkpointing, as a function to bind to one module (its
-    signature is the class forward's, for code that inspects it)."""
+def _context(module: torch.nn.Module, fake: bool):
+    recompute = [_StatesTaken()] if fake else []         # made now: where torch takes the forward's state
+    if any(True for _ in module.buffers()):
+        recompute.append(_BuffersKept(module))
+    return contextlib.nullcontext(), _Both(recompute)
+
+
+class _Both(contextlib.ExitStack):
+    """The recomputation's contexts, entered in order."""
+
+    def __init__(self, contexts):
+        super().__init__()
+        self.contexts = contexts
+
+    def __enter__(self):
+        super().__enter__()
+        for c in self.contexts:
+            self.enter_context(c)
+        return self
+
+
+def _is_fake(module: torch.nn.Module, args, kwargs) -> bool:
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    tensors += [next(module.parameters(), None)]
+    return any(isinstance(t, FakeTensor) for t in tensors)
+
+
+def _checkpointed(cls_forward, owner: int | None):
+    """The class's forward run under non-reentrant checkpointing (in thread `owner` only, the one running the
+    step, unless None), as a function to bind to one module (its signature is the class forward's, for code that
+    inspects it)."""
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
         plain = functools.partial(cls_forward, self)
-        if not torch.is_grad_enabled():     # under no_grad nothing is saved: checkpointing has no use
+        # under no_grad nothing is saved: checkpointing has no use. Another thread (a memory model predicted there
+        # on a structural copy, which keeps this method; a forward of its own) sees the module as it is without
+        # the plan: such a prediction counted the checkpointed step, up to half the plain one's bytes
+        if not torch.is_grad_enabled() or owner not in (None, threading.get_ident()):
             return plain(*args, **kwargs)
-        return checkpoint(plain, *args, use_reentrant=False, context_fn=functools.partial(_context, self), **kwargs)
+        # on fake tensors nothing draws: the global generator is not set back (another thread's draws stay)
+        fake = _is_fake(self, args, kwargs)
+        return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=not fake,
+                          context_fn=functools.partial(_context, self, fake), **kwargs)
     return forward
 
 
-def install(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
+def install(model: torch.nn.Module, names: Sequence[str], this_thread_only: bool = False) -> list[torch.nn.Module]:
     """Make the forward of each named module run under non-reentrant checkpointing (an instance attribute
-    `forward` over the class's); returns the modules changed, for `uninstall`. Refuses a module whose
-    `forward` is already replaced on the instance (someone else's wrapper: ours would hide it)."""
+    `forward` over the class's; with this_thread_only, in the calling thread only); returns the modules changed,
+    for `uninstall`. Refuses a module whose `forward` is already replaced on the instance (someone else's
+    wrapper: ours would hide it)."""
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
@@ -114,7 +176,8 @@ def install(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Modul
                                  "out of the checkpoint set")
             # a method of the module, not a closure over it: a structural copy of the model (a fake run's) binds
             # it to the copy, whose parameters are the fake ones
-            m.forward = types.MethodType(_checkpointed(type(m).forward), m)
+            owner = threading.get_ident() if this_thread_only else None
+            m.forward = types.MethodType(_checkpointed(type(m).forward, owner), m)
             changed.append(m)
     except BaseException:
         uninstall(changed)
@@ -130,9 +193,9 @@ def uninstall(modules: Sequence[torch.nn.Module]) -> None:
 
 @contextlib.contextmanager
 def checkpointed(model: torch.nn.Module, names: Sequence[str]) -> Iterator[torch.nn.Module]:
-    """Inside the block, the named modules' forwards run under non-reentrant `torch.utils.checkpoint`; after it
-    (also after an error) they are as they were."""
-    changed = install(model, names) if names else []
+    """Inside the block, the named modules' forwards run under non-reentrant `torch.utils.checkpoint` in this
+    thread (another thread's forward of them runs plainly); after it (also after an error) they are as they were."""
+    changed = install(model, names, this_thread_only=True) if names else []
     try:
         yield model
     finally:

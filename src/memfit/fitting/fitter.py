@@ -29,54 +29,29 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from memfit.accumulation.checks import batch_dependent_modules
 from memfit.accumulation.checks import batch_size as _batch_size
 from memfit.accumulation.checks import check_distributed as _check_distributed
 from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import accumulate
-from memfit.budget import format_bytes, model_device, parse_bytes
+from memfit.budget import BudgetExceeded, format_bytes, model_device, parse_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
-from memfit.fitting.costs import machine, step_costs
-from memfit.fitting.nothing_fits import nothing_fits
-from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
+from memfit.fitting.finder import LEVERS, Peaks, _name
+from memfit.fitting.finder import agree as _agree
+from memfit.fitting.finder import find as _search
+from memfit.fitting.layout import layout, layout_error
+from memfit.fitting.search import Alternative, Setting
 from memfit.memory.fingerprint import model_state
-from memfit.memory.micro_batch import _signature, training_peak
+from memfit.memory.micro_batch import _signature
 
 __all__ = ["FitPlan", "fit"]
 
-LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> (model_state, {key: _Found})
-
-
-@dataclass
-class _Found:
-    """What a search found, kept per model (no references to the model or optimizer)."""
-    best: Alternative
-    alternatives: list[Alternative]
-    reason: str
-    candidates: list[str]
-    how_bytes: str
-    how_time: str
-    seconds: float
-
-
-# Open gap, said wherever such a plan is made: measured by the allocator, steps under bf16 autocast peaked above the
-# step memory model's figure on small CPU models (up to 22% on a 2-block MLP; the extra is the scratch oneDNN's bf16
-# matmuls allocate inside, which the memory model does not count). Checkpointed plans at the step's own precision
-# hold (1.000-1.006 on an MLP, CNNs with and without BatchNorm, a transformer encoder, BERT, GPT-2, ViT, ConvNeXt).
-# tests/fitting/test_fitter.py marks the case.
-BELOW_ALLOCATOR = ("APPROXIMATE: a plan that runs under bf16 autocast has peaked up to 22% above peak_bytes by the "
-                   "allocator's count on the CPU (the scratch oneDNN's bf16 matrix multiplications allocate inside is "
-                   "not counted: an open gap of the step memory model): leave that much head-room under the device's "
-                   "memory")
 
 
 @dataclass
@@ -105,6 +80,7 @@ class FitPlan:
     _installed: list = field(repr=False, default_factory=list)
     _terms: bool = field(repr=False, default=False)          # fit was given terms= (a loss over terms, not samples)
     _marked: tuple | None = field(repr=False, default=None)   # (module, its accepts_loss_kwargs before the Trainer)
+    _layout: tuple | None = field(repr=False, default=None)   # the planned batch's (fitting.layout.layout)
 
     @property
     def micro_batches(self) -> int:
@@ -115,7 +91,8 @@ class FitPlan:
         """One optimizer step on `batch` (x, y) with this plan: `memfit.accumulate` in micro-batches of
         `micro_batch` (the full-batch gradient, an uneven last micro-batch weighted right, `terms=` and
         `distributed=` as given to `fit`), the modules in `checkpoint` checkpointed only while it runs, under
-        bf16 autocast when the plan says so. Returns accumulate's `StepResult`."""
+        bf16 autocast when the plan says so. Returns accumulate's `StepResult`. A batch larger than the plan's
+        in any dimension, or of other dtypes, raises ValueError (`memfit.fitting.layout`)."""
         return self._run(batch, self)
 
     def trainer_arguments(self, args):
@@ -137,14 +114,14 @@ class FitPlan:
                  + f"; predicted peak {format_bytes(self.peak_bytes)}, predicted time "
                  f"{self.relative_time:.2f}x the plain step.",
                  f"why: {self.reason}.",
-                 *([f"{BELOW_ALLOCATOR}."] if self.autocast else []),
                  f"bytes: {self.how_bytes}.",
                  f"time: {self.how_time}.",
                  f"candidate blocks (ranked: activation bytes written per second of recomputation): "
                  f"{', '.join(self.candidates) if self.candidates else 'none (no repeated blocks found)'}.",
                  f"checkpoint sets tried: {'; '.join(s.describe(len(self.candidates)) for s in sets)}.",
                  f"search: {self.seconds:.2f} s. Alternatives, fastest first (bytes not computed where a faster one "
-                 "fits and no faster alternative needed that checkpoint set's memory model):",
+                 "fits and they would need a memory model no faster alternative needed; exhaustive=True computes "
+                 "them):",
                  f"  {'micro-batch':>11} {'checkpointed':>12} {'autocast':>9} {'predicted':>12} {'time':>6}  fits"]
         for a in self.alternatives:
             fits = {True: "yes", False: "no", None: "-"}[a.fits(self.budget)]
@@ -177,69 +154,6 @@ def _key(model, optimizer, x, n, budget, levers, candidates, loss_fn, terms, all
             _callable_key(loss_fn), terms is None, allow, world, autocast_state(), torch.get_num_threads())
 
 
-def _ranked(blocks: dict, machine_now) -> list[str]:
-    """Blocks by activation bytes written per second of recomputation, most first (forward order on ties)."""
-    worth = {b: c.bytes[1] / max(c.at(1, machine_now), 1e-12) for b, c in blocks.items()}
-    return sorted(blocks, key=lambda b: -worth[b])
-
-
-def _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive) -> _Found:
-    t0 = time.perf_counter()
-    device = model_device(module)
-    dependent = batch_dependent_modules(module)
-    sizes = micro_batch_sizes(n) if not dependent or allow else [n]
-    precisions = [None] + [LEVERS[v] for v in levers]
-    costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p) for p in precisions}
-    rates = {p: machine(device, p or torch.float32) for p in precisions}
-    ranked = _ranked(costs[None][1], rates[None])
-    # bf16 autocast is not combined with checkpointing: the memory model undercounts that pair (predicted about
-    # half the real peak on the CPU, torch 2.13), and a plan must never be below the real peak
-    settings = [Setting(s, _name(p)) for p in precisions for s in (checkpoint_sets(ranked) if p is None else [()])]
-    # a setting's step at its own precision's matmul rate (the search prices every FLOP at the plain rate)
-    step = {_name(p): replace(costs[p][0], flops=tuple(f * rates[None].flop_rate / rates[p].flop_rate
-                                                       for f in costs[p][0].flops)) for p in precisions}
-    blocks = costs[None][1]
-    how: list[str] = []
-    tables: dict[Setting, dict[int, int]] = {}      # each setting's memory model once, across both searches
-
-    def bytes_of(setting: Setting) -> Callable[[int], int]:
-        if setting in tables:
-            return tables[setting].__getitem__
-        dtype = next(p for p in precisions if _name(p) == setting.autocast)
-        cast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with checkpointed(module, setting.checkpoint), cast:
-            peak, what = training_peak(model, optimizer, loss_fn, x, y)
-            table = tables[setting] = {m: peak(m) for m in sizes}       # now, while the modules are checkpointed
-        how.append(what)
-        return table.__getitem__
-
-    # levers change numerics: their settings are searched only when nothing at the step's own precision fits
-    choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates[None], bytes_of,
-                    budget, exhaustive=exhaustive)
-    if levers and (choice.best is None or exhaustive):
-        cast = search(settings, sizes, n, step, blocks, rates[None], bytes_of, budget, exhaustive=exhaustive)
-        if choice.best is None and cast.best is not None:
-            cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
-                           f"{cast.reason}")
-            choice = cast
-        else:
-            choice.alternatives = cast.alternatives
-    r = rates[None]
-    how_time = (f"kernel launches, FLOPs (torch.utils.flop_counter's formulas) and bytes written, counted on fake "
-                f"tensors for the step (forward, loss, backward; the optimizer step, the same in every alternative, "
-                f"left out) and for each block's forward (its recomputation) at micro-batches 2 and 4, at this "
-                f"machine's measured rates ({r.op_seconds * 1e6:.1f} us a launch, {r.flop_rate / 1e9:.1f} GFLOP/s, "
-                f"{r.byte_rate / 1e9:.1f} GB/s)")
-    how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
-    if dependent and not allow:
-        choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
-                          "allow_batch_dependent=True allows them)")
-    if choice.best is None:
-        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers)
-    return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
-                  time.perf_counter() - t0)
-
-
 def _cast_loss(loss_fn: Callable) -> Callable:
     """loss_fn, then autocast's cached weight casts dropped, as when the autocast around a forward ends: the
     memory model counts them until the loss (`memfit.memory.step.forward_autocast`); an autocast around the whole
@@ -249,30 +163,6 @@ def _cast_loss(loss_fn: Callable) -> Callable:
         torch.clear_autocast_cache()
         return value
     return loss
-
-
-def _name(dtype) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def _agree(found: _Found, world: int) -> _Found:
-    """Under torch.distributed, every rank takes the same plan: the ranks' choices gathered, the slowest
-    (the one that spends most time to save memory) taken, so that each rank's budget, equal or not, is respected
-    as far as any rank's own choice did."""
-    if world <= 1:
-        return found
-    import json
-
-    from memfit.distributed import all_gather_text
-    mine = json.dumps([found.best.micro_batch, list(found.best.setting.checkpoint), found.best.setting.autocast,
-                       found.best.time])
-    choices = [json.loads(t) for t in all_gather_text(mine, "fit plan")]
-    m, ckpt, cast, _ = max(choices, key=lambda c: c[3])
-    pick = next(a for a in found.alternatives if a.micro_batch == m and a.setting == Setting(tuple(ckpt), cast))
-    if pick is not found.best:
-        found = _Found(pick, found.alternatives, found.reason + f"; the slowest plan over {world} ranks is used",
-                       found.candidates, found.how_bytes, found.how_time, found.seconds)
-    return found
 
 
 def _targets(module, x, n: int, loss_fn: Callable, target) -> tuple[object, str]:
@@ -293,6 +183,12 @@ def _targets(module, x, n: int, loss_fn: Callable, target) -> tuple[object, str]
     grow = lambda t: torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=device).expand(n, *t.shape[1:]) \
         if isinstance(t, torch.Tensor) else t
     return tree_map(grow, tgt.template), note
+
+
+def _grown(batch, n: int):
+    """The batch's first sample broadcast to n samples (no bytes allocated; counted as n: the search reads shapes)."""
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
 
 
 def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, budget: int | str, *,
@@ -317,7 +213,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             autocast (the plan says so); none by default.
         candidates: the modules that may be checkpointed (qualified names); default `candidate_blocks(model)`.
         terms, distributed, allow_batch_dependent: as for `accumulate` (with BatchNorm in training mode and no
-            opt-in, only the whole batch is considered: checkpointing alone must make it fit).
+            opt-in, only the whole batch is considered: checkpointing alone must make it fit). Distributed, every
+            rank plans for the most samples any rank holds, and takes the same plan.
         exhaustive: compute the bytes of every alternative (for `explain()` and plots), not only those needed.
 
     Returns:
@@ -341,6 +238,10 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         from memfit.batches import batch_len
         y, note = _targets(module, x, batch_len(x), loss_fn, target)
     n = _batch_size(x, y)
+    if world > 1:     # ranks holding fewer samples plan for the most any holds: the same alternatives on all
+        from memfit.distributed import agree
+        most = max(v[0] for v in agree(None, "memfit.fit batch sizes", (n,)))
+        x, y, n = _grown(x, most), _grown(y, most), most
     blocks = candidate_blocks(module) if candidates is None else list(candidates)
     known = dict(module.named_modules())
     if any(c not in known for c in blocks):
@@ -354,25 +255,45 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         entry = _PLANS[module] = (fingerprint, {})
     found, error = entry[1].get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
-        devices = [model_device(module)] if model_device(module).type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):      # nothing drawn here reaches the caller's RNG
-            try:
-                found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
-                                                allow_batch_dependent, exhaustive)
-            except Exception as e:
-                if world == 1:
-                    raise
-                error = e
+        # torch's generators are neither drawn from nor saved and restored (which would rewind another thread's
+        # draws): the fake runs and the cost counts run under `predicting` (generators of their own), the
+        # machine's timing kernels make their weights under `own_rng`
+        try:
+            found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
+                                            allow_batch_dependent, exhaustive)
+        except Exception as e:
+            if world == 1:
+                raise
+            error = e
     if world > 1:
         # every call, kept plan or not: a rank whose search failed stops every rank (none waits in the gather),
         # then the ranks take one plan
         from memfit.distributed import agree
         agree(error, "memfit.fit search")
         found = _agree(found, world)
+        if found.best.bytes is None:     # another rank's slower choice: this rank's search did not need its bytes
+            peaks = Peaks(model, module, optimizer, loss_fn, x, y, found.best.setting)
+            found.best.bytes = peaks(found.best.micro_batch)
+        error = None if found.best.bytes <= budget else BudgetExceeded(
+            f"memfit.fit: the plan the ranks agreed on (micro-batch {found.best.micro_batch}, "
+            f"{len(found.best.setting.checkpoint)} blocks checkpointed) needs {format_bytes(found.best.bytes)} on this "
+            f"rank > its budget {format_bytes(budget)}; give every rank the same budget and batches of one layout",
+            found.best.bytes, budget)
+        agree(error, "memfit.fit agreed plan")     # every rank raises when the agreed plan misses one's budget
     best = found.best
     dtype = next((LEVERS[v] for v in levers if _name(LEVERS[v]) == best.setting.autocast), None)
 
     def run(step_batch, plan: FitPlan) -> StepResult:
+        # its bytes are the planned batch's: one larger in any dimension could exceed the budget (every rank says)
+        error = None
+        if plan._layout is not None and isinstance(step_batch, (tuple, list)) and len(step_batch) == 2:
+            part = tuple(step_batch) if pair else (step_batch[0],)
+            error = layout_error(plan._layout, plan.n, part, model_device(module))
+        if world > 1:
+            from memfit.distributed import agree
+            agree(error, "memfit.fit plan.step batch")
+        elif error is not None:
+            raise error
         dev = model_device(module).type
         cast = torch.autocast(dev, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
         with checkpointed(module, plan.checkpoint), cast:
@@ -382,9 +303,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         res.reason = f"memfit.fit: {plan.reason}"
         return res
 
-    if dtype is not None:      # never silently: see BELOW_ALLOCATOR
-        warnings.warn(f"memfit.fit: {BELOW_ALLOCATOR}", RuntimeWarning, stacklevel=2)
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
-                   _terms=terms is not None)
+                   _terms=terms is not None, _layout=layout(tuple(batch) if pair else (x,)))

@@ -12,19 +12,21 @@ exports nothing of its own.
 Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `allocator` (what the allocators add: CUDA
 blocks and margin, CPU alignment), `step` (what one training step is; measuring it for real), `fake_run` (that step
 or a forward on fake tensors, every storage logged), `fake_kernels` (the bytes real kernels give where fake ones
-differ), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which
+differ), `kernel_scratch` (the scratch kernels on half-precision arguments allocate inside, measured at each batch
+size asked about), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which
 fit, and which runs: the ladder of fitters), `step_model` (`StepMemoryModel`), `inference`
 (`InferenceMemoryModel`, from the planner's arena), `sizing` (`memory_model`, `max_batch_size`, `activation_bytes`,
 `plot_memory`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept plans and
 predictions depend on), `cache` (plans and models kept per model), `measure` (live bytes of real runs), `isolation`
 (what a prediction leaves alone: the user's module as other threads see it, every RNG), `example_target` (the
 example target of a common loss, built from the output), `ranks` (`RankMemoryModel`: one rank of DDP or FSDP2,
-`ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group), `rank_measure` (a
-rank's real peak, counted at the CPU allocator).
+`ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group); a rank's real peak is
+`step.measure_rank_step`, counted at the CPU allocator by `measure.track_memory`.
 
 Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA. On the CPU, what kernels
 allocate inside is measured from the real kernels for the ops `fake_kernels.WORKSPACE` lists (found by
-measuring); a kernel not listed that allocates inside is seen by `measure` (the allocator's events) only.
+measuring) and for every op on half-precision arguments (`kernel_scratch`); any other kernel that allocates
+inside is seen by `measure` (the allocator's events) only.
 
 Example:
     >>> import torch

@@ -78,6 +78,10 @@ def _lstm_workspace_bytes(args, kwargs: dict) -> int:
 BATCH_NORM = _overloads("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
                        "aten._native_batch_norm_legit_functional.default",
                        "aten._native_batch_norm_legit.no_stats")
+# layer norm on a half or bfloat16 input with float32 weights (a bf16 activation under autocast, whose layer norm
+# keeps its float32 parameters): the real CPU kernel keeps the mean and inverse std in float32, the meta kernel
+# in the input's dtype (with half-precision weights both give the input's dtype)
+LAYER_NORM = _overloads("aten.native_layer_norm.default")
 # these CPU losses return the reduced scalar as a view of an input-sized buffer, which it keeps alive
 CPU_LOSS_VIEWS = _overloads("aten.mse_loss.default", "aten.smooth_l1_loss.default",
                             "aten.binary_cross_entropy.default", "aten.soft_margin_loss.default")
@@ -89,6 +93,10 @@ REAL_SIZE = {op: (3, _lstm_workspace_bytes) for op in _overloads("aten.mkldnn_rn
 def real_bytes(func, index: int, t: torch.Tensor, nbytes: int, args, kwargs) -> int:
     """Bytes the real kernel gives output `index` of `func` where the fake kernel's `nbytes` differ from them."""
     if index in (1, 2) and func in BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
+        return nbytes * 2
+    if index in (1, 2) and func in LAYER_NORM and t.dtype in (torch.float16, torch.bfloat16) \
+            and t.device.type == "cpu" and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32
+                                               for a in args[2:4]):
         return nbytes * 2
     if index == 0 and func in CPU_LOSS_VIEWS and t.device.type == "cpu" and t.dim() == 0 and args:
         return max(nbytes, args[0].numel() * t.element_size())
@@ -202,6 +210,11 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
                 # input's dtype: with float32 weights, the real kernel takes float32 ones
                 r_args = [a.float() if i in (5, 6) and isinstance(a, torch.Tensor) else a
                           for i, a in enumerate(r_args)]
+            if func is torch.ops.aten.native_layer_norm_backward.default and r_args[1].dtype in (
+                    torch.float16, torch.bfloat16) and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32
+                                                           for a in r_args[5:7]):
+                # the same for layer norm with float32 weights (see `LAYER_NORM`)
+                r_args = [a.float() if i in (3, 4) else a for i, a in enumerate(r_args)]
             b = r_args[0].shape[dims[0]]
             if func in _ROUNDED:
                 # oneDNN's RNN sizes its buffers as parts each rounded up to an alignment: w(b) <= s*b + w(1)

@@ -18,7 +18,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Number
 
 import numpy as np
@@ -30,6 +30,7 @@ from memfit.batches import forward
 from memfit.memory.allocator import rounder
 from memfit.memory.fake_kernels import REAL_SIZE, WORKSPACE, host_tensors_logged, real_bytes, workspace_bytes
 from memfit.memory.isolation import fake_section, predicting, structural_copy
+from memfit.memory.kernel_scratch import measured_here, spec_of
 from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
@@ -73,8 +74,10 @@ class _StorageLog:
 
     FRESH: dict = {}                                  # op -> whether its outputs are always new storages
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, scratch: bool = False):
         self.device = device
+        self.scratch = scratch and device.type == "cpu"   # note the ops whose kernels' scratch is measured
+        self.scratch_ops: list[tuple[int, object, object]] = []   # (op index, op, ArgSpec): `_Run.scratch`
         self.ops: list = []                           # the OpOverload of every op, in order
         self.log: list[tuple[int, int, int]] = []
         self.live: dict[int, int] = {}                # storage key -> bytes, for storages allocated here
@@ -151,6 +154,10 @@ class _StorageLog:
                 if extra:
                     self.workspaces -= 1                  # a key no storage has
                     self.log += [(op, self.workspaces, extra), (op + 1, self.workspaces, -extra)]
+        elif self.scratch and measured_here(func, args, kwargs):
+            # kernels on half-precision arguments (`kernel_scratch`): their scratch is not a line in the batch, so
+            # it is not logged here: the memory model measures it at each batch it is asked about
+            self.scratch_ops.append((op, func, spec_of(args, kwargs)))
 
 
 class _LoggingFakeMode(FakeTensorMode):
@@ -194,6 +201,7 @@ class _Run:
     step_kept: np.ndarray | None = None   # (kinds,) bytes the optimizer step allocates and keeps (its state)
     grad_bytes: int = 0               # the storages of the gradients backward leaves (a gradient that is a view
     #                                   of a larger buffer, a slice of torch.cat's, keeps all of it), or held
+    scratch: list = field(default_factory=list)   # (op index, op, ArgSpec) of ops whose scratch is measured
 
 
 def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
@@ -270,7 +278,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
             "optimizer state": unique_bytes(optimizer_state(optimizer))}
     caches = cache_misses(model)
     run_model = structural_copy(model)               # the fake parameters go here: the user's module is untouched
-    tracker = _StorageLog(device)
+    tracker = _StorageLog(device, scratch=True)
     log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
     samples: dict[str, set] = {}                        # storages that are gradients / optimizer state
@@ -329,7 +337,8 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
             f.grad = None
     pad = rounder(device)(1) - 1
     live, events, sizes, step_kept = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
-    return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes)
+    return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes,
+                tracker.scratch_ops)
 
 
 @contextmanager

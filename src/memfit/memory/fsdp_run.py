@@ -52,6 +52,7 @@ class RankRun:
     ops: list                  # the logged step's ops in order (OpOverloads, phase markers)
     live: np.ndarray           # (ops, kinds): bytes live after each op of the logged step, held bytes included
     phase_ends: dict[str, int]
+    race_bytes: int = 0        # with backend="gloo": the largest buffer a collective's work holds (gloo's race)
 
 
 def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -74,7 +75,7 @@ class _RankLog(_StorageLog):
         self.kind: list[K | None] = []               # allocation id -> tag at allocation (None: by phase)
         self.first_op: list[int] = []                # allocation id -> op index it was allocated at
         self.events: list[tuple[int, int, int]] = []  # (op, allocation id, +-bytes)
-        self.sizes: dict[int, int] = {}              # allocation id -> bytes, of the pseudo-allocations
+        self.race_bytes = 0                          # the largest buffer a collective's work holds
         self._seen = 0
 
     def _sync(self) -> None:
@@ -142,63 +143,37 @@ def _transient(log: _RankLog, nbytes: int, what: str) -> None:
     log.ops.append(f"<{what} freed>")
 
 
-def _allocated(log: _RankLog, nbytes: int, what: str) -> int:
-    """Log `nbytes` allocated at a pseudo-op (a buffer no op outputs) as communication; its allocation id."""
-    aid = len(log.kind)
-    log.kind.append(K.COMMUNICATION)
-    log.first_op.append(len(log.ops))
-    log.events.append((len(log.ops), aid, nbytes))
-    log.sizes[aid] = nbytes
-    log.ops.append(f"<{what}: {nbytes} bytes>")
-    return aid
-
-
 @contextmanager
-def _gloo_copies(log: _RankLog, works_kept: int = 1):
-    """What gloo's all-gather and reduce-scatter of one tensor (`all_gather_single` / `all_gather_into_tensor`,
-    `reduce_scatter_single` / `reduce_scatter_tensor`, what FSDP2 calls) hold beyond NCCL, logged:
+def _gloo_copies(log: _RankLog):
+    """What gloo's all-gather and reduce-scatter of one tensor (`all_gather_single`, `reduce_scatter_single`:
+    what FSDP2 calls) hold beyond NCCL, logged: the all-gather copies the whole output into a buffer of its own
+    while it runs, the reduce-scatter clones its whole input; both freed by the time the call returns (the
+    schedule `memfit.testing.ranks.settled_gloo` makes deterministic).
 
-    - the all-gather copies the whole output into a buffer of its own while it runs (freed inside);
-    - the reduce-scatter clones its whole input, and its work object keeps the clone after the call returns;
-    - each call's work object keeps the tensors it was given (the all-gather's output, the reduce-scatter's
-      output) and the clone until the gloo worker thread that ran it drops it, after the call has returned:
-      usually before the rank drops them (the bytes then go with the rank's tensors, as a fake run sees them),
-      but on a busy machine after. It is a race, seen on the allocator of 2 and 4 CPU ranks: on a LeNet (4
-      ranks) one unit's all-gather output (40,656 bytes) freed by gloo's thread after the next unit's
-      all-gather had begun, in 1 of 4 runs; on a 2-block encoder (2 ranks) the first block's all-gather output
-      kept through the second's all-gather in forward (+27,536 bytes, 7% of the step, in 2 of 3 runs on one
-      day), and once in 8 runs the second block's, gathered in backward, kept past the next all-gather (run by
-      gloo's other worker thread) into the block's backward (+34,176 bytes).
-
-    `works_kept` is how many later collectives a work outlives: 0, the lower case (each work dropped as its
-    call returns); k > 0, kept until k more collectives of this rank have returned. The prediction takes 1:
-    every case seen but one (1 of 8 runs of the encoder) lies at or below it. No k bounds every schedule (a
-    worker thread the OS leaves asleep keeps its work), and k = 2 is far above what is seen (it keeps the last
-    step's reduce-scatter clone through the next forward: 16% above the lower case on the encoder), so the
-    rare deeper case is an open gap, stated in docs/distributed.md. NCCL works in place and keeps nothing after
-    the call. Measured with `memfit.memory.measure.track_memory`'s every_thread=True."""
-    from collections import deque
-    names = {"all_gather_single": (0, "output_tensor"), "all_gather_into_tensor": (0, "output_tensor"),
-             "reduce_scatter_single": (1, "input"), "reduce_scatter_tensor": (1, "input")}   # the whole buffer
-    originals = {k: getattr(dist, k) for k in names if hasattr(dist, k)}
-    held: deque = deque()                             # (tensors, clone allocation ids) of the works kept
+    gloo's race: each call's work object keeps the tensors it was given (and the clone) until the gloo worker
+    thread that ran it drops it, after the call has returned: usually before the rank drops them (the bytes
+    then go with the rank's tensors, as this run sees them), but on a busy machine after, and then for as long
+    as the OS leaves that thread asleep. Seen on the allocator of 2 gloo ranks of a 2-block encoder (tests'
+    width 32, 8 samples; settled it peaks at 396,152 bytes in every run): one block's all-gather output (34,176
+    bytes) kept by the worker past FSDP2's drop, either through the next all-gather (+27,520 at the peak) or
+    into the block's backward (+34,176); on the bench's encoder (width 64) a block's reduce-scatter clone kept
+    through the next block's all-gather copy-out; never two at once. `log.race_bytes` records the largest
+    buffer one work holds (an all-gather output, a reduce-scatter clone): `rank_memory_model(gloo_race=True)`
+    adds it at the peak, a bound of every run seen (not of every schedule: two sleeping workers could keep
+    two). NCCL works in place and keeps nothing after the call."""
+    names = {"all_gather_single": (0, "output_tensor"), "reduce_scatter_single": (1, "input")}   # the whole buffer
+    originals = {k: getattr(dist, k) for k in names}
 
     def copying(name, fn):
         def run(*args, **kwargs):
             out = fn(*args, **kwargs)
             i, key = names[name]
             whole = args[i] if len(args) > i else kwargs[key]
-            given = args[0] if args else kwargs.get("output_tensor", kwargs.get("output"))
             if name.startswith("all_gather"):
                 _transient(log, whole.nbytes, f"gloo's copy in {name}")
-                clones = []
             else:
-                clones = [_allocated(log, whole.nbytes, f"gloo's clone in {name}, kept by its work")]
-            held.append(([given], clones))
-            while len(held) > works_kept:              # the oldest work is dropped once this call has returned
-                for aid in held.popleft()[1]:
-                    log.events.append((len(log.ops), aid, -log.sizes[aid]))
-            log.ops.append(f"<{name}: {len(held)} works kept>")
+                _transient(log, whole.nbytes, f"gloo's clone in {name}")
+            log.race_bytes = max(log.race_bytes, whole.nbytes)
             return out
         return run
 
@@ -207,7 +182,6 @@ def _gloo_copies(log: _RankLog, works_kept: int = 1):
     try:
         yield
     finally:
-        held.clear()
         for k, fn in originals.items():
             setattr(dist, k, fn)
 
@@ -301,11 +275,11 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                   optimizer, loss_fn: Callable | None, target: ExampleBatch | None,
                   units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None,
                   reshard_after_forward: bool = True, mp_policy=None, autocast=None,
-                  backend: str = "nccl", gloo_works_kept: int = 1) -> RankRun:
+                  backend: str = "nccl") -> RankRun:
     """One rank's logged training step (see the module docstring) at a per-rank batch of n. With
-    backend="gloo", the buffers gloo's collectives copy into and keep (`_gloo_copies`) are counted: in the
-    upper case of its race (each collective's work kept until `gloo_works_kept` more have returned; 0: the
-    lower case, each dropped as its call returns)."""
+    backend="gloo", the buffers gloo's collectives copy into while they run (`_gloo_copies`) are counted, and
+    the largest buffer a collective's work holds is recorded (`RankRun.race_bytes`, what gloo's race may
+    keep)."""
     from contextlib import nullcontext
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -315,7 +289,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
     marks: dict[str, int] = {}
     enabled = gc.isenabled()
     with _fake_group(world_size, rank) as mesh, _tagging(log), \
-            _gloo_copies(log, gloo_works_kept) if backend == "gloo" else nullcontext():
+            _gloo_copies(log) if backend == "gloo" else nullcontext():
         fake = _fake_copy(model, mode)
         opt = None
         try:
@@ -327,6 +301,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 for m in chosen:
                     fully_shard(m, **kw)
                 fully_shard(fake, **kw)
+                meshes = sum(1 for m in [*chosen, fake] if m._get_fsdp_state()._fsdp_param_groups)
                 log.tag = None
                 if not fake.training:
                     fake.train()
@@ -353,12 +328,16 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 gc.enable()
             del opt, fake
             gc.collect()
-    return RankRun(log.ops[start:], _timeline(log, start, marks, model), marks)
+    # `fully_shard(m)` without a mesh makes one per call (`init_device_mesh`), whose rank tensor (world_size
+    # int32, on the CPU) the unit keeps while it holds parameters; this run passes one mesh made unlogged
+    mesh_bytes = meshes * world_size * torch.empty((), dtype=torch.int32).element_size()
+    return RankRun(log.ops[start:], _timeline(log, start, marks, model, mesh_bytes), marks, log.race_bytes)
 
 
-def _timeline(log: _RankLog, start: int, marks: dict[str, int], model) -> np.ndarray:
+def _timeline(log: _RankLog, start: int, marks: dict[str, int], model, mesh_bytes: int = 0) -> np.ndarray:
     """(ops, kinds) bytes live after each op from `start` on: everything logged before counts as held, plus
-    what was never logged (the fake copies of buffers and of parameters `fully_shard` did not take)."""
+    what was never logged (the fake copies of buffers and of parameters `fully_shard` did not take, and the
+    device meshes' rank tensors, `mesh_bytes`, as communication buffers)."""
     n_ops = len(log.ops) - start
     ends = (marks.get("forward", n_ops), marks.get("backward", n_ops))
 
@@ -376,4 +355,5 @@ def _timeline(log: _RankLog, start: int, marks: dict[str, int], model) -> np.nda
         delta[min(max(op - start, 0), n_ops), column(aid)] += d
     live = np.cumsum(delta, axis=0)[:n_ops]
     live[:, _COL[K.PARAMETERS]] += sum(b.nbytes for b in model.buffers())   # buffers are not sharded
+    live[:, _COL[K.COMMUNICATION]] += mesh_bytes
     return live

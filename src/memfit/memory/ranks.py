@@ -78,6 +78,7 @@ class RankMemoryModel:
     _b: np.ndarray | None = None
     _exact: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) of a run at n
     _run_at: Callable[[int], RankRun] | None = None   # a run at n, where the line is not exact
+    _race: int = 0                                    # FSDP on gloo: bytes gloo's race may keep, added at the peak
 
     def _live(self, n: int) -> np.ndarray:
         if n not in self._exact and self._a is None:
@@ -95,7 +96,9 @@ class RankMemoryModel:
             return {**parts, MemoryKind.GRADIENT_BUCKETS.value: self._buckets}
         live = self._live(n)
         k = int(np.argmax(live.sum(axis=1)))
-        return {kind.value: int(v) for kind, v in zip(RANK_KINDS, np.ceil(live[k]).tolist(), strict=True)}
+        parts = {kind.value: int(v) for kind, v in zip(RANK_KINDS, np.ceil(live[k]).tolist(), strict=True)}
+        parts[MemoryKind.COMMUNICATION.value] += self._race
+        return parts
 
     def total_bytes(self, n: int) -> int:
         """Bytes at this rank's peak for a per-rank batch of n."""
@@ -106,7 +109,7 @@ class RankMemoryModel:
         lines = [f"per-rank memory of one {self.parallel.upper()} training step on {self.world_size} ranks, by "
                  f"{self.method}.", f"batch {n} per rank: {format_bytes(self.total_bytes(n))} at the peak:"]
         lines += [f"  {k:<34} {format_bytes(v):>12}" for k, v in self.breakdown(n).items() if v]
-        lines.append("CPU: bytes the allocator holds for tensors (memfit.memory.rank_measure counts the same).")
+        lines.append("CPU: bytes the allocator holds for tensors (memfit.measure_rank_step counts the same).")
         return "\n".join(lines)
 
 
@@ -115,7 +118,7 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                       mp_policy=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, backend: str = "nccl",
                       gradient_as_bucket_view: bool | None = None, offload_policy=None,
-                      gloo_works_kept: int = 1) -> RankMemoryModel:
+                      gloo_race: bool = True) -> RankMemoryModel:
     """The per-rank memory of a DDP or FSDP2 training step of `model` (see the module docstring).
 
     Args:
@@ -128,11 +131,13 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
             (default `memfit.memory.fsdp_run.default_units`: the children of every ModuleList and Sequential).
         reshard_after_forward, mp_policy: FSDP2 only, passed to every `fully_shard` call.
         backend: "nccl" (collectives in place) or "gloo" (its all-gather and reduce-scatter copy the whole
-            buffer while they run, and its worker threads may keep a collective's tensors a while after it
-            returns: counted under FSDP2, in the upper case of that race; DDP's all-reduce is in place on both).
-        gloo_works_kept: FSDP2 on gloo: how many later collectives a collective's work (and its tensors) is
-            taken to outlive in gloo's race (`memfit.memory.fsdp_run._gloo_copies`): 1, the upper case seen; 0,
-            the lower case.
+            buffer while they run; DDP's all-reduce is in place on both).
+        gloo_race: FSDP2 on gloo: gloo's worker thread may keep a collective's tensors after the call returns
+            (`memfit.memory.fsdp_run._gloo_copies`), a race whose outcome varies run to run. True: add the
+            largest buffer one collective holds (an all-gather output, a reduce-scatter input) at the peak, a
+            bound of every run seen; False: the schedule where each
+            collective's tensors are dropped as its call returns (what `memfit.testing.ranks.settled_gloo` makes
+            the ranks run, and the common case on an idle machine).
         gradient_as_bucket_view: DDP only: the gradients are views into the buckets (default: the DDP
             module's flag, or torch's default False).
         offload_policy: FSDP2's `CPUOffloadPolicy` is not modelled: anything but None or a plain
@@ -172,14 +177,17 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
     run = lambda n: fsdp_fake_run(model, batch, n, world_size=world_size, rank=0, optimizer=optimizer,
                                   loss_fn=loss_fn, target=tgt, units=units,
                                   reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                  autocast=autocast, backend=backend, gloo_works_kept=gloo_works_kept)
+                                  autocast=autocast, backend=backend)
     runs = {n: run(n) for n in (2, 4, 8)}
     params = int(runs[2].live[0, RANK_KINDS.index(MemoryKind.SHARDED_PARAMETERS)]
                  + runs[2].live[0, RANK_KINDS.index(MemoryKind.PARAMETERS)])
+    race = runs[2].race_bytes if backend == "gloo" and gloo_race else 0
     how = (f"fully_shard run on fake tensors under a fake process group of {world_size} ranks (rank 0, the "
-           f"largest shards; reshard_after_forward={reshard_after_forward}, {backend}")
+           f"largest shards; reshard_after_forward={reshard_after_forward}, {backend}"
+           + (f", plus {race} bytes at the peak: the largest collective buffer, which gloo's race may keep"
+              if race else ""))
     mm = RankMemoryModel("", params, dev, True, "fsdp", world_size, _exact={n: r.live for n, r in runs.items()},
-                         _run_at=run)
+                         _run_at=run, _race=race)
     if all(r.ops == runs[2].ops for r in runs.values()):
         a = 2 * runs[2].live - runs[4].live
         b = (runs[4].live - runs[2].live) / 2

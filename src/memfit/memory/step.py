@@ -3,7 +3,8 @@
 `ExampleBatch` rebuilds an example batch (a sample shape, a tensor, a tuple or a dict of tensors) at any batch
 size; `training_step` is the step itself (forward and loss, backward, `optimizer.step()`, `zero_grad()`),
 run on fake tensors by `memfit.memory.fake_run` and for real by `measure_step`, which returns the live
-bytes at its peak (`memfit.memory.measure` on the CPU, the caching allocator on CUDA).
+bytes at its peak (`memfit.memory.measure` on the CPU, the caching allocator on CUDA), and by
+`measure_rank_step`, the same on one rank of a running process group (DDP or FSDP2).
 
 Example:
     >>> import torch
@@ -13,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import operator
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -26,8 +28,8 @@ from memfit.budget import model_device
 from memfit.losses import call_loss
 from memfit.memory.measure import optimizer_state, unique_bytes
 
-__all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "measure_step", "surrounding_autocast",
-           "training_step"]
+__all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "measure_rank_step", "measure_step",
+           "surrounding_autocast", "training_step"]
 
 
 def _integral(s) -> bool:
@@ -205,3 +207,52 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     with track_memory(dev) as mem:
         training_step(model, batch, optimizer, loss_fn, target, autocast)
     return held + mem.peak
+
+
+_MARK = "memfit::measured_step"
+
+
+def measure_rank_step(build: Callable[[], torch.nn.Module], example, make_optimizer: Callable,
+                      loss_fn: Callable | None = None, target=None, *, n: int | None = None) -> int:
+    """Bytes live at this rank's peak of one training step in a running process group (DDP or FSDP2), on the
+    CPU, counted at the allocator from before `build()`: what `memfit.memory.ranks` is checked against.
+
+    `build` makes the model and its wrapping (the `DistributedDataParallel` or `fully_shard`-ed module); one
+    step runs unmeasured (optimizer state and the wrappers' lazy state exist after it: DDP rebuilds its
+    buckets, FSDP2 initialises its root), then the peak of a second step is returned, with everything the rank
+    holds at that moment (parameters, shards, optimizer state, DDP's buckets, FSDP's buffers): unlike
+    `measure_step` the held bytes are not summed from tensors, since DDP's reducer keeps its buckets in C++.
+
+    The bytes are `memfit.memory.measure.track_memory(every_thread=True)`'s: the allocator's running total of
+    every thread, since gloo's worker threads free tensors the rank's thread allocated (a collective's tensors,
+    held by its work object). Op outputs are not enough: FSDP2 frees and re-allocates its unsharded parameters
+    by resizing storages (no op output).
+
+    Known limitations: the total is read at the rank thread's allocations and frees, so a peak reached inside
+    gloo's threads between two of them is missed; gloo's own scratch buffers (not torch tensors) are not counted.
+
+    Args:
+        build: makes the model and wraps it (DDP, fully_shard), on the CPU.
+        example: a batch (or a sample shape, with n).
+        make_optimizer: `make_optimizer(params)` -> the optimizer.
+        n: the batch size when `example` is a sample shape.
+    """
+    from torch.profiler import record_function
+
+    from memfit.memory.measure import track_memory
+    gc.collect()
+    with track_memory("cpu", every_thread=True) as mem:
+        batch = ExampleBatch(example).at(n, torch.device("cpu")) if n is not None else example
+        model = build()
+        opt = make_optimizer(model.parameters())
+        training_step(model, batch, opt, loss_fn, target)
+        gc.collect()                           # garbage of the first step, as a running loop's collector would
+        enabled = gc.isenabled()
+        gc.disable()                           # as the prediction: cycles freed at the step's end, not mid-step
+        try:
+            with record_function(_MARK):
+                training_step(model, batch, opt, loss_fn, target)
+        finally:
+            if enabled:
+                gc.enable()
+    return mem.peak_within(_MARK)

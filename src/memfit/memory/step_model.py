@@ -50,10 +50,11 @@ from memfit.budget import check_count, format_bytes, model_device
 from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
 from memfit.memory.cache import ModelCache
 from memfit.memory.example_target import example_target, loss_target
-from memfit.memory.fake_run import FakeRunError, StepSpec, _LoggingFakeMode, _Run, fake_run
+from memfit.memory.fake_run import COLUMN, FakeRunError, StepSpec, _LoggingFakeMode, _Run, fake_run
 from memfit.memory.fit import gradient_line, with_step
 from memfit.memory.fit_ladder import fit_runs
 from memfit.memory.isolation import predicting
+from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
 from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
 from memfit.messages import first_line, whole_words
@@ -115,6 +116,9 @@ class StepMemoryModel:
     _grads: tuple[float, float] = (0.0, 0.0)          # (a, b): bytes a + b*n of the gradients' storages
     _grads_probed: dict[int, int] = field(default_factory=dict)     # n -> the gradients' storages where probed
     why: str = ""                                     # why this model and not the planner's (as the caller said)
+    _scratch: dict = field(default_factory=dict)      # 4, and each n in _measured -> `kernel_scratch.ScratchOp`s
+    #                                                   of that run: measured at each n asked about
+    _scratch_at: dict = field(default_factory=dict, repr=False)     # n -> (ops, kinds) of their bytes
 
     def gradient_bytes(self, n: int) -> int:
         """Bytes of the storages the gradients of a step on n samples sit in (with `grads_held`, the gradients
@@ -131,8 +135,26 @@ class StepMemoryModel:
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
         if n in self._measured:       # a size run on its own (batch 1) is exact there: a kernel may take another
             live = self._measured[n]  # path at it (oneDNN's convolution backward: 192 B inside, 22 KiB from batch 2)
+        if self._scratch:
+            live = live + self._scratch_bytes(n, live)
         k = int(np.argmax(live.sum(axis=1)))
         return k, np.ceil(live[k]).astype(np.int64)
+
+    def _scratch_bytes(self, n: int, live: np.ndarray) -> np.ndarray:
+        """(ops, kinds) like `live`: the scratch the half-precision kernels allocate inside at batch n, measured by
+        the real kernels at that batch's shapes (`memfit.memory.kernel_scratch`; not a line in the batch: oneDNN
+        picks its algorithm by size), at its op's row: batch 4's ops, or batch n's own where it ran other ops (its
+        own exact run); where the rows are one line above the peaks, the largest."""
+        if n not in self._scratch_at:
+            ops = self._scratch.get(n, self._scratch[4]) if n in self._measured else self._scratch[4]
+            extra = np.zeros(live.shape)
+            for s in ops:
+                if extra.shape[0] == 1:
+                    extra[0, 0] = max(extra[0, 0], s.bytes_at(n))
+                else:
+                    extra[s.row, s.column] += s.bytes_at(n)
+            self._scratch_at[n] = extra
+        return self._scratch_at[n]
 
     def breakdown(self, n: int) -> dict[str, int]:
         """Bytes at the step's peak for a batch of n, by kind (they sum to `total_bytes(n)`)."""
@@ -349,10 +371,36 @@ def _fit(spec: StepSpec, why: str) -> StepMemoryModel:
         (" with every gradient held before it (backward adds into them)" if spec.grads_held else "") + \
         (f" (forward under torch.autocast({str(autocast).removeprefix('torch.')}))" if autocast is not None else "") + \
         (" (no optimizer: no step)" if train and spec.optimizer is None else "")
+    scratch = _scratch_ops(runs, fit.measured)
+    if scratch[4]:
+        how += (f"; the scratch {len(scratch[4])} kernels on half-precision arguments allocate inside measured from "
+                "the real kernels at each batch size asked about")
+        if any(s.lines is None for s in scratch[4]):
+            how += ("; APPROXIMATE: the scratch of ops whose argument sizes are not affine in the batch scaled up "
+                    "from batch 4")
     method = f"fake-tensor run of {what} at batch sizes {sorted(runs)}, {how}" + (f" ({why})" if why else "")
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(spec.model).__name__} is estimated, not exact: {method}. Check the size "
                       "you pick with memfit.measure_step", stacklevel=4)
     return StepMemoryModel(method, runs[4].held["parameters"], spec.device, train, held, fit.a, fit.b, runs[4].ops,
                            runs[4].phase_ends, fit.measured, fit.c, gradient_line(runs),
-                           {k: r.grad_bytes for k, r in runs.items()}, why=why)
+                           {k: r.grad_bytes for k, r in runs.items()}, why=why,
+                           _scratch=scratch if scratch[4] else {})
+
+
+def _scratch_ops(runs: dict[int, _Run], measured) -> dict[int, list]:
+    """The measured ops of the run at 4, which dimensions carry the batch read off the run at 2 (else 1); and of
+    each size that is its own exact run (`Fit.measured`) where it runs other ops, at their own arguments."""
+    def ops(n: int, other: int | None) -> list:
+        ends = runs[n].phase_ends
+
+        def column(row: int) -> int:
+            if row < ends.get("forward", len(runs[n].ops)):
+                return COLUMN["activations"]
+            return COLUMN["backward transient" if row < ends.get("backward", len(runs[n].ops)) else "step transient"]
+        return scratch_ops(runs[n], n, runs.get(other), other, column)
+    out = {4: ops(4, next((k for k in (2, 1, 8) if k in runs), None))}
+    for n in measured:
+        if runs[n].ops != runs[4].ops:
+            out[n] = [s for s in ops(n, None) if s.row < runs[n].phase_ends.get("backward", len(runs[n].ops))]
+    return out

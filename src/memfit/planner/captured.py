@@ -174,9 +174,14 @@ def _kernel_layouts(cap: Captured, example_inputs: tuple) -> dict[str, str]:
                     found[node.name] = (f"its kernel gives strides {tuple(real.stride())} where the graph says "
                                         f"{m.strides}: written into an arena view it would go through its own layout")
             return out
+    # the lifted graph itself, its parameters, buffers and constants passed as the inputs they are: `ep.module()`
+    # would first unlift them into a new module (a copy of the graph, recompiled: 2x the run itself on ResNet)
+    inputs = iter(example_inputs)
+    args = [cap.consts[p.name] if p.name in cap.consts else next(inputs)
+            for p in cap.ep.graph.nodes if p.op == "placeholder"]
     try:
         with torch.no_grad():            # no buffer is written: capture refuses a forward that writes one
-            Layouts(cap.ep.module()).run(*example_inputs)
+            Layouts(cap.ep.graph_module).run(*args, enable_io_processing=False)
     except Exception as e:               # only a speed rule: a graph that does not run here runs as planned
         log.info("the check that kernels give the strides of the graph did not run (%s): ops run as planned",
                  first_line(e))

@@ -21,8 +21,9 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 
-__all__ = ["free_port", "run_ranks", "spawn"]
+__all__ = ["free_port", "run_ranks", "settled_gloo", "spawn"]
 
 EXIT_GRACE_S = 10.0     # after the answers: time each process gets to leave its process group and exit
 FAILED_GRACE_S = 5.0    # the same when a rank failed or did not answer (the others may be stuck: kill them)
@@ -35,7 +36,71 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SETTLE_TIMEOUT_S = 10.0  # how long a collective's return waits for gloo's worker thread to drop its tensors
+
+
+@contextmanager
+def settled_gloo(timeout: float = SETTLE_TIMEOUT_S):
+    """Within the block, each all-gather and reduce-scatter FSDP2 makes (`dist.all_gather_single`,
+    `dist.reduce_scatter_single`) returns only once gloo's worker thread has dropped the work that holds its
+    tensors: one schedule of gloo's race out of many, chosen so that a measured peak is not a random variable.
+
+    A gloo collective's work object keeps the tensors it was given until the worker thread that ran it lets it
+    go, some time after the call has returned (`memfit.memory.fsdp_run._gloo_copies`); the rank goes on
+    meanwhile, so one collective's tensors may outlive FSDP2's own reference to them, or not. Settled, they
+    never do: the rank waits (at most `timeout` seconds, then raises) until the storages the work holds have no
+    more references than before the call. gloo's reduce-scatter holds a clone of its input that the caller
+    cannot see; settled, it runs as gloo runs it (clone the input, all-reduce the clone, keep this rank's
+    chunk) with the clone made here, so that its release is seen too. `rank_memory_model(backend="gloo",
+    gloo_race=False)` predicts this schedule. `settled_gloo.waits` counts the calls that had to wait.
+    """
+    import torch
+    import torch.distributed as dist
+    uses = lambda t: torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    originals = {k: getattr(dist, k) for k in ("all_gather_single", "reduce_scatter_single")}
+
+    def settle(name, tensors, call):
+        before = [uses(t) for t in tensors]
+        out = call()
+        deadline, waited = time.monotonic() + timeout, False
+        while any(uses(t) > b for t, b in zip(tensors, before, strict=True)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"expected gloo's worker thread to drop the tensors of {name} within "
+                                   f"{timeout:.0f} s of its return; found them still held")
+            waited = True
+            time.sleep(0)
+        settled_gloo.waits += waited
+        return out
+
+    def synchronous(name, async_op):
+        if async_op:
+            raise RuntimeError(f"expected {name} with async_op=False under settled_gloo (FSDP2's default); found "
+                               "async_op=True, whose work the caller holds with its tensors: measure without it")
+
+    def all_gather(output_tensor, input_tensor, group=None, async_op=False):
+        synchronous("all_gather_single", async_op)
+        return settle("all_gather_single", [output_tensor, input_tensor],
+                      lambda: originals["all_gather_single"](output_tensor, input_tensor, group=group))
+
+    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        synchronous("reduce_scatter_single", async_op)
+        whole = input.clone()                       # as c10d::_reduce_scatter_base_ on gloo: a clone of the input
+        settle("reduce_scatter_single", [whole], lambda: dist.all_reduce(whole, op=op, group=group))
+        output.copy_(whole.chunk(dist.get_world_size(group))[dist.get_rank(group)].view_as(output))
+
+    dist.all_gather_single, dist.reduce_scatter_single = all_gather, reduce_scatter
+    try:
+        yield
+    finally:
+        for k, fn in originals.items():
+            setattr(dist, k, fn)
+
+
+settled_gloo.waits = 0
+
+
 def _worker(fn, rank, world, port, args, queue, env, backend, threads):
+    """One rank: join the group through the caller's store on 127.0.0.1:`port`, run `fn`, put its answer."""
     import os
 
     os.environ.update(env or {})
@@ -46,7 +111,8 @@ def _worker(fn, rank, world, port, args, queue, env, backend, threads):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)       # the caller's: already listening
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         # pickled here: a tensor put on the queue as is travels as a file descriptor that dies with this process
         queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException as e:
@@ -70,9 +136,14 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
         stop_at_first_error: stop collecting at the first rank that raises and kill the others (which may
             wait for it in a collective); otherwise every rank's answer is awaited until `timeout`.
     """
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # The group's store listens here, on a port the system picks as it binds: no rank can lose its port to
+    # another process between a free_port() and its bind (runs in parallel, e.g. pytest-xdist workers)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, env, backend, threads), daemon=True)
              for r in range(world)]
     for p in procs:
@@ -94,6 +165,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
             if p.is_alive():
                 p.kill()
                 p.join(timeout=grace)
+        del store                   # after every rank has exited or been killed
     for rank, (status, value) in out.items():
         try:
             out[rank] = (status, pickle.loads(value) if status == "ok" else value)

@@ -6,10 +6,14 @@ from memfit.cli.bench import contenders
 from memfit.cli.bench.train_cases import Case
 
 
-def test_compiled_columns_say_why_without_a_c_compiler(monkeypatch):
+def test_compiled_columns_say_why_without_a_c_compiler(monkeypatch, tmp_path):
     monkeypatch.setattr(contenders.shutil, "which", lambda name: None)
-    out = contenders.compiled_columns(torch.nn.Linear(4, 4), torch.zeros(2, 4), 100, 1.0, repeat=1)
-    assert out == {"compiled": "unavailable: inductor's CPU code needs a C compiler (cc or gcc) on the PATH"}
+    why = {"compiled": "unavailable: inductor's CPU code needs a C compiler (cc or gcc) on the PATH"}
+    assert contenders.compiled_columns(torch.nn.Linear(4, 4), torch.zeros(2, 4), 100, repeat=1) == why
+    for key in ("TORCHINDUCTOR_CACHE_DIR", *contenders._NO_GRAPH_CACHES):    # compile_seconds sets them
+        monkeypatch.setenv(key, "")
+    build = lambda: (torch.nn.Linear(4, 4), lambda n: torch.zeros(n, 4))     # noqa: E731
+    assert contenders.compile_seconds(build, 2, str(tmp_path)) == why
 
 
 def _mlp_case():

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from memfit import plan
-from memfit.cli.bench.planner import _row, verdicts
+from memfit.cli.bench.planner import _row, verdicts, verdicts_real
 
 
 def test_a_plan_without_an_arena_is_at_its_bound_and_the_verdicts_take_it():
@@ -17,3 +17,11 @@ def test_a_plan_without_an_arena_is_at_its_bound_and_the_verdicts_take_it():
     assert row["arena/bound"] == 1.0
     lines = verdicts([row])
     assert lines[0].startswith("arena / lower bound, geometric mean 1.000")
+
+
+def test_the_capture_target_is_judged_on_the_cold_compile():
+    row = {"model": "m", "batch": 8, "latency_ratio": 0.9, "total/eager": 0.9, "arena/bound": 1.0, "captures": 1}
+    fast = verdicts_real([{**row, "plan/cold": 0.2, "plan/warm": 0.6}])[-1]
+    assert fast.startswith("first plan <= 0.33 of a fully cold compile") and fast.endswith("PASS")
+    assert "0.60-0.60 of one with the C++ kernel cache warm" in fast
+    assert verdicts_real([{**row, "plan/cold": 0.4, "plan/warm": 0.9}])[-1].endswith("MISS m (0.40)")

@@ -12,6 +12,7 @@ Run:
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 
@@ -22,7 +23,7 @@ from memfit.cli.bench.common import paired_ratio, rounds_for
 from memfit.memory.measure import track_memory
 from memfit.messages import first_line, whole_words
 
-__all__ = ["compiled_columns", "memtracker_columns"]
+__all__ = ["compile_seconds", "compiled_columns", "memtracker_columns"]
 
 
 def _peak(fn, x) -> int:
@@ -32,23 +33,29 @@ def _peak(fn, x) -> int:
     return mem.peak
 
 
-def compiled_columns(model, x: torch.Tensor, planned_total: int, plan_s: float, repeat: int) -> dict:
-    """`torch.compile(model)` (inductor, static shapes) on x: its compile time (the first call, inductor's FX
-    graph and autotune caches off; its C++ kernel cache on disk stays, so only a machine's first compile of a
-    model is fully cold), its peak by the allocator, and its latency against eager (called in turn), with the
-    planned forward's figures over them. `compiled` says "unavailable: why" where inductor cannot build."""
+def _no_compiler(x: torch.Tensor) -> str:
+    """Why inductor cannot build here ("" when it can)."""
     if x.device.type == "cpu" and shutil.which("cc") is None and shutil.which("gcc") is None:
-        return {"compiled": "unavailable: inductor's CPU code needs a C compiler (cc or gcc) on the PATH"}
+        return "unavailable: inductor's CPU code needs a C compiler (cc or gcc) on the PATH"
+    return ""
+
+
+def compiled_columns(model, x: torch.Tensor, planned_total: int, repeat: int) -> dict:
+    """`torch.compile(model)` (inductor, static shapes) on x: its peak by the allocator and its latency against
+    eager (called in turn), with the planned forward's peak over it. Its compile time is not taken here (this
+    process has planned and measured before: its imports and caches are warm): `compile_seconds` takes it, in a
+    fresh process. `compiled` says "unavailable: why" where inductor cannot build."""
+    why = _no_compiler(x)
+    if why:
+        return {"compiled": why}
     import torch._dynamo
     import torch._inductor.config as inductor
     torch._dynamo.reset()
     try:
-        with inductor.patch(fx_graph_cache=False, autotune_local_cache=False):   # near cold: what a first run costs
+        with inductor.patch(fx_graph_cache=False, autotune_local_cache=False):
             compiled = torch.compile(model, backend="inductor", dynamic=False)
-            t0 = time.perf_counter()
             with torch.inference_mode():
                 compiled(x)
-            compile_s = time.perf_counter() - t0
     except Exception as e:              # a contender that cannot run here is a row that says why
         return {"compiled": f"unavailable: {whole_words(first_line(e), 120)}"}
     peak = _peak(compiled, x)
@@ -57,8 +64,34 @@ def compiled_columns(model, x: torch.Tensor, planned_total: int, plan_s: float, 
         _, t_compiled, ratio = paired_ratio(lambda: model(x), lambda: compiled(x), repeat=reps, warmup=2,
                                             device=x.device, what="compiled / eager")
     return {"compiled": "inductor", "compiled_peak": peak, "planned/compiled": planned_total / max(peak, 1),
-            "compile_s": compile_s, "capture/compile": plan_s / compile_s if plan_s else None,
             "compiled_ms": 1e3 * t_compiled, "compiled_latency": ratio}
+
+
+# inductor's caches of whole compiled graphs, off: the time is that of compiling, not of loading a past result
+_NO_GRAPH_CACHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+
+
+def compile_seconds(build, batch: int, cache_dir: str) -> dict:
+    """Seconds of a user's first `torch.compile(model)(x)` (inductor, static shapes), to be called in a fresh
+    process (`build()` -> (model, make_input)): torch's lazy imports and inductor's first-use set-up are in it,
+    as they are in a first `plan`. inductor's C++ kernels are built into, or loaded from, `cache_dir`: an empty
+    folder gives a fully cold compile (what a user's first run meets), one a compile has filled gives a compile
+    with its C++ kernel cache warm. Its FX graph and AOT autograd caches are off either way. {"compile_s": s},
+    or {"compiled": "unavailable: why"}."""
+    os.environ.update({"TORCHINDUCTOR_CACHE_DIR": cache_dir, **_NO_GRAPH_CACHES})   # read when inductor first runs
+    model, make_input = build()
+    x = make_input(batch)
+    why = _no_compiler(x)
+    if why:
+        return {"compiled": why}
+    t0 = time.perf_counter()
+    try:
+        compiled = torch.compile(model, backend="inductor", dynamic=False)
+        with torch.inference_mode():
+            compiled(x)
+    except Exception as e:              # a contender that cannot run here is a row that says why
+        return {"compiled": f"unavailable: {whole_words(first_line(e), 120)}"}
+    return {"compile_s": time.perf_counter() - t0}
 
 
 def step(case, model, opt, x, y) -> None:

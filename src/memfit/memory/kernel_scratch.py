@@ -1,0 +1,193 @@
+"""The scratch real CPU kernels allocate inside on half-precision arguments, beyond their outputs, and free
+before they return: measured from the real kernels, sized along the batch from two fake runs.
+
+Found by running every op of bf16-autocast training steps (an MLP, CNNs with BatchNorm, a ConvNeXt-style block,
+a transformer encoder, BERT, GPT-2, ViT) under the allocator's events (`memfit.memory.measure.track_memory`):
+oneDNN's bf16 matrix multiplications (mm, addmm, bmm, baddbmm) pack their operands into its blocked layout
+(7-52 KiB on layers of 32-128 features, growing with the rows when the batch is the reduced dimension, as in
+a weight's gradient), and ops on bfloat16 or float16 inputs that compute in float32 keep a float32 copy of an
+input (layer norm, `mean`, an add of a bfloat16 and a float32 tensor: a residual under autocast). No op output
+shows these bytes, so a fake run, which logs outputs, never sees them: a bf16-autocast step peaked up to 22% above
+the prediction without them. The same ops on float32 arguments allocate nothing inside (or are in
+`memfit.memory.fake_kernels.WORKSPACE`).
+
+So every op with a float16 or bfloat16 tensor among its arguments (or floating tensors of two dtypes), other
+than views, in-place ops and the ops of `WORKSPACE`, is noted by the fake run with its arguments' shapes, strides
+and dtypes (`spec_of`), and run for real on zeros of those at this intra-op thread count (`scratch_bytes`, once
+per shapes). The bytes are not a line in the batch (oneDNN picks its algorithm and pads by size: a weight
+gradient's packing takes 17.1 KiB at every even batch up to 32 rows, 25.2 KiB at odd ones, then grows with the
+rows), so the memory model measures them at each batch size it is asked about (`ScratchOp.bytes_at`), on
+arguments of that batch's shapes: which dimensions carry the batch differs per call (a matmul's rows in
+forward, its reduced dimension in a weight's gradient) and is read off two fake runs at different batch sizes,
+as the sizes that differ between the same op of both (`batch_sizes`).
+
+Known limitations: zeros stand in for values (a kernel whose scratch depends on values, an index, is measured
+on zeros); a seeded random op (dropout) runs the real kernel under a saved and restored RNG
+(`memfit.memory.isolation.kept_rng`: another thread's draw in that instant would be rewound); the first
+question about a batch size runs each measured kernel twice at that size, on arguments allocated for real at that
+size (about 0.1 s for a two-layer BERT; for a large model about two forward and backward passes of those ops);
+where the two fake runs do not show an op's sizes as affine in the batch, its bytes at batch 4 are scaled with
+the batch and the model's `method` says APPROXIMATE.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "measured_here", "scratch_bytes", "scratch_ops", "spec_of"]
+
+_HALF = (torch.float16, torch.bfloat16)
+_BYTES: dict = {}               # (op, ArgSpec, threads) -> bytes measured beyond the outputs
+_CHOSEN: dict = {}              # op -> whether its outputs are new storages (not a view, not in place)
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """An op's arguments without their values: each tensor as (shape, strides, dtype), other leaves as they are."""
+    tree: object                      # the pytree spec of (args, kwargs)
+    leaves: tuple                     # ("t", shape, stride, dtype) or the value
+
+
+def spec_of(args, kwargs) -> ArgSpec:
+    leaves, tree = tree_flatten((args, kwargs))
+    return ArgSpec(tree, tuple(("t", tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                               for a in leaves))
+
+
+def measured_here(func, args, kwargs) -> bool:
+    """Whether `func` on these arguments is one whose scratch is measured: a half-precision floating tensor among
+    them, or floating tensors of more than one dtype; and outputs that are new storages (a view or an in-place
+    op of the optimizer allocates nothing)."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    dtypes = set()
+    for a in (*args, *(kwargs or {}).values()):   # flat: every op of every fake run passes here
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                dtypes.add(t.dtype)
+    if not dtypes or (dtypes.isdisjoint(_HALF) and len(dtypes) < 2):
+        return False
+    if func not in _CHOSEN:
+        schema = func._schema
+        _CHOSEN[func] = not schema.is_mutable and all(r.alias_info is None for r in schema.returns) \
+            and any("Tensor" in str(r.type) for r in schema.returns)
+    return _CHOSEN[func]
+
+
+def _is_tensor(leaf) -> bool:
+    return isinstance(leaf, tuple) and len(leaf) == 4 and leaf[0] == "t"
+
+
+def _real(leaf: tuple, shape: tuple | None = None) -> torch.Tensor:
+    """A real tensor of zeros for a ("t", shape, stride, dtype) leaf: at its own strides, or at `shape` (another
+    batch) with the same layout (the order of the strides, and the gaps between dimensions where the tensor is a
+    slice of a larger one, as q, k and v of one projection are)."""
+    _, old, stride, dtype = leaf
+    shape = tuple(old if shape is None else shape)
+    if shape == old:
+        return torch.empty_strided(old, stride, dtype=dtype).zero_()
+    new = [0] * len(shape)
+    step, prev = 1, None
+    for d in sorted((d for d in range(len(shape)) if stride[d]), key=lambda d: (stride[d], old[d])):
+        gap = stride[d] // (stride[prev] * old[prev]) if prev is not None and stride[prev] * old[prev] else 1
+        new[d] = step * max(gap, 1) if prev is not None else stride[d]
+        step, prev = new[d] * shape[d], d
+    return torch.empty_strided(shape, new, dtype=dtype).zero_()
+
+
+def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
+    """Bytes the real kernel of `func` allocates beyond its outputs' storages, run on zeros of `spec`'s arguments
+    (`shapes`: leaf index -> another shape, or another int, for another batch), once per arguments and thread
+    count."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memfit.memory.isolation import kept_rng
+    from memfit.memory.measure import track_memory
+    shapes = shapes or {}
+    key = (func, spec, tuple(sorted(shapes.items())), torch.get_num_threads())
+    if key in _BYTES:
+        return _BYTES[key]
+    seeded = torch.Tag.nondeterministic_seeded in func.tags
+    # every dispatch mode off (the fake one, own_rng's generators): the real kernel, whoever asks
+    with _disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False), \
+            kept_rng() if seeded else nullcontext():
+        real = [_real(lf, shapes.get(i)) if _is_tensor(lf) else shapes.get(i, lf) for i, lf in enumerate(spec.leaves)]
+        args, kwargs = tree_unflatten(real, spec.tree)
+        func(*args, **kwargs)       # once untracked: what a kernel sets up on its first call (caches) is not per call
+        with track_memory("cpu") as mem:
+            out = func(*args, **kwargs)
+        outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+    _BYTES[key] = max(0, mem.peak - sum(outs.values()))
+    return _BYTES[key]
+
+
+def batch_sizes(spec: ArgSpec, n: int, other: ArgSpec, m: int) -> dict | None:
+    """The leaves of `spec` (at batch n) that carry the batch, read off the same op at batch m: leaf index ->
+    (base, per sample) per dimension (a tensor) or for the int; None where the two are not the same op on
+    affine sizes (then `ScratchOp.bytes_at` scales the bytes at n up with the batch)."""
+    if spec.tree != other.tree or len(spec.leaves) != len(other.leaves):
+        return None
+    found = {}
+    for i, (a, b) in enumerate(zip(spec.leaves, other.leaves, strict=True)):
+        if a == b:
+            continue
+        if _is_tensor(a) and _is_tensor(b):
+            if a[3] != b[3] or len(a[1]) != len(b[1]):
+                return None
+            pairs = list(zip(a[1], b[1], strict=True))
+        elif isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool):
+            pairs = [(a, b)]
+        else:
+            return None
+        lines = []
+        for sa, sb in pairs:
+            slope, rest = divmod(sa - sb, n - m)
+            if rest or sa - slope * n + slope < 1:           # >= 1 at batch 1
+                return None
+            lines.append((sa - slope * n, slope))
+        if any(slope for _, slope in lines):
+            found[i] = lines
+    return found
+
+
+def _at(spec: ArgSpec, lines: dict, k: int) -> dict:
+    """leaf index -> its shape (or int) at batch k."""
+    return {i: (tuple(b + s * k for b, s in ls) if _is_tensor(spec.leaves[i]) else ls[0][0] + ls[0][1] * k)
+            for i, ls in lines.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class ScratchOp:
+    """One op of a step whose scratch is measured: where it sits in the memory model, and its arguments."""
+    row: int                          # the op's row in the memory model (its index in the run at batch `n`)
+    column: int                       # the kind of memory it counts as (activations in forward, else transient)
+    func: object
+    spec: ArgSpec                     # its arguments at batch n
+    n: int
+    lines: dict | None                # `batch_sizes`; None: not affine in the batch (sized from batch n up)
+
+    def bytes_at(self, k: int) -> int:
+        """The scratch at batch k, measured by the real kernel on arguments of that batch's shapes."""
+        if self.lines is None:                   # not affine: the bytes at n, scaled up with the batch
+            return -(-scratch_bytes(self.func, self.spec) * max(k, self.n) // self.n)
+        return scratch_bytes(self.func, self.spec, _at(self.spec, self.lines, k) if k != self.n else None)
+
+
+def scratch_ops(run, n: int, other, m: int, column: callable) -> list[ScratchOp]:
+    """The measured ops of `run` (a fake run at batch n, `memfit.memory.fake_run._Run`), which dimensions carry the
+    batch read off the same ops of `other` (at batch m). Ops past the end of backward (the optimizer step, which
+    does not depend on the batch) are constant; where the runs differ, every op is sized from batch n up.
+    `column(row)` gives the kind of memory of an op's row."""
+    def ends(r):
+        return r.phase_ends.get("backward", r.phase_ends.get("forward", len(r.ops)))
+    e = ends(run)
+    same = other is not None and ends(other) == e and run.ops[:e] == other.ops[:e]
+    theirs = {op: spec for op, _, spec in other.scratch} if same else {}
+    return [ScratchOp(op, column(op), func, spec, n,
+                      {} if op >= e else batch_sizes(spec, n, theirs[op], m) if op in theirs else None)
+            for op, func, spec in run.scratch]

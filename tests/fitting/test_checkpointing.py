@@ -1,0 +1,56 @@
+"""Checkpointing installed by a plan's step holds only in the thread running that step: another thread's
+forward of the same modules, and a memory model predicted there, see the model as it is without the plan."""
+import threading
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import memfit
+from memfit.fitting.checkpointing import checkpointed
+
+
+class Counted(nn.Sequential):
+    """A block that counts its forwards (a checkpointed one runs again in backward)."""
+    calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return super().forward(x)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[Counted(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 16)) for _ in range(3)])
+
+
+def _in_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(timeout=120)
+    assert out, "the thread did not finish"
+    return out[0]
+
+
+def test_another_threads_forward_and_prediction_do_not_see_the_steps_checkpointing():
+    model = _model()
+    x, y = torch.randn(64, 16), torch.randn(64, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def predict():
+        mm = memfit.memory_model(model, x[:8], train=True, optimizer=opt, loss_fn=F.mse_loss, target=y[:8])
+        return mm.total_bytes(64)
+
+    def forward_backward():
+        Counted.calls = 0
+        F.mse_loss(model(x), y).backward()
+        return Counted.calls
+    plain = predict()
+    with checkpointed(model, ["0", "1", "2"]):       # as while plan.step runs in this thread
+        mine = forward_backward()
+        theirs = _in_thread(forward_backward)
+        predicted = _in_thread(predict)
+    assert mine == 6                                  # here: each block's forward, then its recomputation
+    assert theirs == 3                                # there: the plain forward (it recomputed before)
+    assert predicted == plain                         # there: the plain step's bytes (it was below them before)

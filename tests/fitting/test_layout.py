@@ -1,0 +1,66 @@
+"""plan.step refuses a batch larger than the plan's in any dimension (its step could exceed the plan silently),
+and runs smaller ones; checked against the real peak of the same step at the allocator."""
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import memfit
+from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(2)])
+
+
+def _real_peak(model, opt, batch, micro_batch) -> int:
+    """Live bytes at the peak of accumulate's step (what plan.step runs), held bytes included."""
+    opt.zero_grad(set_to_none=True)
+    held = unique_bytes([*model.parameters(), *optimizer_state(opt), *batch])
+    with track_memory("cpu") as mem:
+        memfit.accumulate(model, opt, batch, F.mse_loss, micro_batch=micro_batch)
+    return held + mem.peak
+
+
+def test_step_refuses_a_batch_larger_than_the_plans_and_runs_smaller_ones():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+    wider = (torch.randn(24, 3, 16, generator=g), torch.randn(24, 3, 16, generator=g))    # 3 rows per sample
+    more = (torch.randn(48, 16, generator=g), torch.randn(48, 16, generator=g))
+    for batch in (wider, more):            # each would run above the plan's peak: it ran before, silently
+        assert _real_peak(model, opt, batch, plan.micro_batch) > plan.peak_bytes
+    with pytest.raises(ValueError, match=r"x is \(3, 16\) per sample .* made for \(16,\) per sample"):
+        plan.step(wider)
+    with pytest.raises(ValueError, match="holds 48 samples on the model's device; the plan was made for 24"):
+        plan.step(more)
+    with pytest.raises(ValueError, match=r"y is \(16,\) per sample \(torch.float64\)"):
+        plan.step((x, y.double()))
+    assert plan.step((x[:10], y[:10])).n == 10             # a shorter last batch runs
+    assert plan.step([x, y]).n == 24                         # a list is the same layout as the tuple fit saw
+
+
+def test_step_lets_shorter_sequences_through_a_plan_for_dict_inputs():
+    torch.manual_seed(0)
+    lm = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids):
+            return self.lm(input_ids)
+    model = Tokens()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = lambda out, y: F.cross_entropy(out.transpose(1, 2), y)
+    ids = torch.randint(0, 50, (8, 12))
+    plan = memfit.fit(model, opt, ({"input_ids": ids}, ids), loss, "1GiB")
+    assert plan.step(({"input_ids": ids[:, :6]}, ids[:, :6])).n == 8
+    with pytest.raises(ValueError, match=r"x\['input_ids'\] is \(24,\) per sample"):
+        plan.step(({"input_ids": ids.repeat(1, 2)}, ids.repeat(1, 2)))
+    with pytest.raises(ValueError, match="laid out as"):
+        plan.step(({"ids": ids}, ids))
