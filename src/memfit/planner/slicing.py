@@ -10,8 +10,9 @@ intermediates.
 
 Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
 convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
-whole and sliced on the capture's example (at the example's batch, and at twice that plus one, the example's
-samples repeated) and kept only where every output is bit-identical (`torch.equal`) with the same strides; a
+whole and sliced on stand-ins for the capture's example (normal draws of its shape and dtype from a seeded
+generator of our own, so that the choice never depends on the example's values: zeros would pass any check; at
+the example's batch, and at twice that plus one, the samples repeated) and kept only where every output is bit-identical (`torch.equal`) with the same strides; a
 slice size of 1 is tried first, then 2 (the last slice of an odd batch takes 3).
 
 Known limitations: the check runs at two batch sizes and the process's intra-op thread count; a batch size
@@ -282,7 +283,7 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
             chains.append((start, steps))
     if not chains:
         return {}
-    inputs = _values_of(ep, consts, example_inputs, {s for s, _ in chains})
+    inputs = _values_of(ep, consts, tuple(_stand_in(t) for t in example_inputs), {s for s, _ in chains})
     found = []
     for start, steps in chains:
         if start in inputs:
@@ -354,6 +355,17 @@ def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list
             else:
                 i = j
     return out
+
+
+def _stand_in(t):
+    """The values the exactness check runs on: for a floating example, normal draws of its shape, dtype and
+    strides from a generator of our own (seeded: the same choice for every example of that shape, whatever its
+    values; an example of zeros would pass any check, one of uninitialised memory may hold NaN, which never
+    compares equal); other inputs (indices, masks) as they are."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return t
+    g = torch.Generator(device=t.device).manual_seed(0)
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).normal_(generator=g)
 
 
 def _values_of(ep, consts: dict, example_inputs: tuple, wanted: set[Node]) -> dict[Node, torch.Tensor]:
