@@ -12,8 +12,9 @@ Exactness is checked, never assumed: oneDNN may pick another algorithm for anoth
 convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
 whole and sliced on stand-ins for the capture's example (normal draws of its shape and dtype from a seeded
 generator of our own, so that the choice never depends on the example's values: zeros would pass any check; at
-the example's batch, and at twice that plus one, the samples repeated) and kept only where every output is bit-identical (`torch.equal`) with the same strides; a
-slice size of 1 is tried first, then 2 (the last slice of an odd batch takes 3).
+the example's batch, and at twice that plus one, the samples repeated) and kept only where every output is
+bit-identical (`torch.equal`) with the same strides; a slice size of 1 is tried first, then 2 (the last slice of
+an odd batch takes 3).
 
 Known limitations: the check runs at two batch sizes and the process's intra-op thread count; a batch size
 or thread count at which oneDNN picks yet another algorithm for the whole batch is not checked.
