@@ -79,7 +79,7 @@ def test_demo_runs_on_two_processes_with_torchrun():
     assert r["loader"]["batches_per_epoch"] == -(-719 // 64)  # a rank iterates its half of the 1438
 
 
-def test_arena_picture_agrees_with_the_table():
+def test_arena_picture_agrees_with_the_table(monkeypatch):
     """The picture the demo writes: each arena tensor's rectangle spans exactly the ops of its lifetime
     in the table (cells centred on op indices) at its offset; the arena and the lower bound are two
     visible lines (the bound dashed, drawn on top); the largest tensor is labelled."""
@@ -90,7 +90,8 @@ def test_arena_picture_agrees_with_the_table():
     from memfit import plan
     from memfit.cli.demo import small_cnn
     # every op with an out= kernel in the arena, none in place (by default this CNN needs no arena: its ReLUs write
-    # over the convolutions' outputs)
+    # over the convolutions' outputs), no stem run in batch slices (planner.slicing)
+    monkeypatch.setattr("memfit.planner.slicing.MIN_SAVING", 2.0)
     rep = plan(small_cnn(1, 10, 8).eval(), (torch.empty(64, 1, 8, 8),), inplace=False,
                eager_where_cheaper=False).report
     fig = rep.figure()

@@ -31,7 +31,9 @@ def test_fit_prints_the_plan_of_the_python_api(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and (tmp_path / "fit.png").stat().st_size > 1000
     assert f"micro-batch {ref.micro_batch} (" in out and "<- chosen" in out and "why: " in out
-    assert ref.peak_bytes < got["peak_bytes"] and least <= ref.peak_bytes
+    assert ref.peak_bytes < got["peak_bytes"]
+    # the plain step fits: no other alternative's memory model was needed (their bytes null), the plain one's known
+    assert least == got["peak_bytes"] and any(a["bytes"] is None for a in got["alternatives"])
 
 
 @pytest.mark.parametrize("argv, match", [(["--fit"], "--fit goes with --train and --budget"),
@@ -54,3 +56,11 @@ def test_bench_fit_budgets_are_the_three_the_issue_names():
     assert b["plain fits"] == 180                            # m = 8, nothing checkpointed
     assert b["micro-batching fits"] == 140                   # m = 4 without checkpointing: the whole batch does not fit
     assert b["only checkpointing"] == (106 + 110) // 2       # below m = 1 without checkpointing, above m = 1 with both
+
+
+def test_bench_fit_calls_a_shortfall_the_time_models_only_beyond_the_noise():
+    from memfit.cli.bench.fit import shortfall_is_the_models
+    row = lambda fastest, own, spread: {"fastest/plan": fastest, "self/plan": own, "spread": spread}
+    assert shortfall_is_the_models(row(0.85, 1.00, 0.05))        # 15% faster; identical steps agree within 5%
+    assert not shortfall_is_the_models(row(0.85, 0.88, 0.10))    # identical steps measured 12% apart too
+    assert not shortfall_is_the_models(row(0.90, 1.00, 0.20))    # the rounds spread wider than the gap

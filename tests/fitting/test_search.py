@@ -101,3 +101,67 @@ def test_nothing_fits_names_the_least():
     choice = search(SETS, micro_batch_sizes(8), 8, STEP, BLOCKS, MACHINE, bytes_of, budget=100)
     assert choice.best is None
     assert "the least any needs is" in choice.reason and "micro-batch 1" in choice.reason
+
+
+def _best(step, blocks, machine, bytes_of, budget, n=8):
+    settings = [Setting(s) for s in checkpoint_sets(list(blocks))]
+    return search(settings, micro_batch_sizes(n), n, step, blocks, machine, bytes_of, budget).best
+
+
+def test_ranking_takes_the_cheaper_of_recomputing_and_splitting_as_the_costs_say():
+    """The same bytes (checkpointing both blocks at m = 8 and m = 4 without it both fit, m = 8 without it does
+    not): the costs alone decide which is faster, both ways."""
+    bytes_of = lambda s: lambda m: 100 * m - 300 * len(s.checkpoint)      # m=8: 800, ckpt 2 -> 200; m=4: 400
+    budget = 450
+    launches = Machine(op_seconds=1e-3, flop_rate=1e12, byte_rate=1e12)   # a micro-batch costs 200 launches
+    cheap_block = Cost(ops=5, flops=(0.0, 1e3), bytes=(0.0, 1e2))
+    best = _best(STEP, {"b0": cheap_block, "b1": cheap_block}, launches, bytes_of, budget)
+    assert (best.micro_batch, len(best.setting.checkpoint)) == (8, 2)      # recomputing 10 launches < 200
+    arithmetic = Machine(op_seconds=1e-9, flop_rate=1e9, byte_rate=1e12)  # launches free, FLOPs per sample
+    heavy_block = Cost(ops=5, flops=(0.0, 2e6), bytes=(0.0, 1e2))         # each block 2/3 of the step's FLOPs
+    best = _best(STEP, {"b0": heavy_block, "b1": heavy_block}, arithmetic, bytes_of, budget)
+    assert (best.micro_batch, best.setting.checkpoint) == (4, ())          # splitting costs nothing extra
+
+
+def test_ranking_uses_each_micro_batch_size_and_the_uneven_last_one():
+    """A fake clock: the step costs a fixed 1 s per micro-batch plus 0.1 s per sample; of micro-batches 4 and 6
+    on 10 samples (3 and 2 parts: 4 + 4 + 2, 6 + 4), 6 is faster (2.0 + 1.0 s against 3.0 + 1.0 s)."""
+    clock = Machine(op_seconds=1.0, flop_rate=1.0, byte_rate=float("inf"))
+    step = Cost(ops=1, flops=(0.0, 0.1), bytes=(0.0, 0.0))
+    assert step_seconds(10, 4, step, {}, Setting(), clock) == pytest.approx(4.0)
+    assert step_seconds(10, 6, step, {}, Setting(), clock) == pytest.approx(3.0)
+    choice = search([Setting()], [1, 2, 4, 6], 10, step, {}, clock, lambda s: lambda m: m, budget=6)
+    assert choice.best.micro_batch == 6
+
+
+def test_ties_go_to_fewer_recomputations_then_the_larger_micro_batch():
+    """Costs per sample only and free blocks: every alternative takes the same predicted time."""
+    flat = Cost(ops=0, flops=(0.0, 1e6), bytes=(0.0, 0.0))
+    free = Cost(ops=0, flops=(0.0, 0.0), bytes=(0.0, 0.0))
+    machine = Machine(op_seconds=1e-6, flop_rate=1e9, byte_rate=1e9)
+    blocks = {"b0": free, "b1": free}
+    everything_fits = lambda s: lambda m: 1
+    best = _best(flat, blocks, machine, everything_fits, budget=10)
+    assert (best.micro_batch, best.setting.checkpoint) == (8, ())
+    small_only = lambda s: lambda m: m * (1 if s.checkpoint else 10)       # m = 8 fits only checkpointed
+    best = _best(flat, blocks, machine, small_only, budget=8)
+    assert (best.micro_batch, best.setting.checkpoint) == (8, ("b0",))    # the fewest that make it fit
+
+
+def test_a_fitting_alternatives_slower_ones_are_filled_only_where_ready():
+    """Once one fits, a slower alternative's bytes are filled in only where bytes_of says no fake run is needed."""
+    asked = []
+
+    class Lazy:
+        def __init__(self, s):
+            self.s = s
+
+        def __call__(self, m):
+            asked.append((self.s.checkpoint, m))
+            return m
+
+        def ready(self, m):
+            return m == 8
+    choice = search(SETS, micro_batch_sizes(8), 8, STEP, BLOCKS, MACHINE, Lazy, budget=10**6)
+    assert choice.best.micro_batch == 8 and asked == [((), 8)]
+    assert [a.micro_batch for a in choice.alternatives if a.bytes is not None] == [8]

@@ -100,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--all-in-arena", action="store_true",
                    help="every op with an out= kernel writes into the arena, even where running it eagerly "
                         "costs less memory (arena + unplanned)")
+    p.add_argument("--graph-order", action="store_true",
+                   help="run the ops in the exported graph's order, not the order of fewest bytes (planner.order)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a picture of the arena over time")
     p.add_argument("--device", default="cpu", type=device_arg,
                    help="plan on cpu, cuda, cuda:1 (default cpu: a plan's bytes do not depend on the device, "
@@ -227,7 +229,8 @@ def cli_plan(argv: list[str]) -> int:
         raise UsageError("--budget and --parallel go with --train")
     model.eval().to(args.device)
     pm = plan(model, tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes),
-              algorithm=args.algorithm, inplace=not args.no_inplace, eager_where_cheaper=not args.all_in_arena)
+              algorithm=args.algorithm, inplace=not args.no_inplace, eager_where_cheaper=not args.all_in_arena,
+              reorder=not args.graph_order)
     rep = pm.report
     path = rep.plot(args.plot) if args.plot else None
     if args.json:

@@ -4,8 +4,9 @@ Modules: `search` (pure: the alternatives, their predicted time from a cost mode
 `costs` (the cost model's inputs, counted on fake tensors: kernel launches, FLOPs and bytes written per
 block and per step; the machine's rates, measured once on small kernels), `checkpointing` (which modules are
 candidates; running chosen ones under non-reentrant `torch.utils.checkpoint` only while a step runs),
-`fitter` (`fit` and `FitPlan`), `trainer` (the hand-off to transformers' `Trainer`), `plot` (the
-alternatives against the budget).
+`finder` (the search wired to a model: the settings, their costs and their bytes, each micro-batch size's
+computed when first needed), `fitter` (`fit` and `FitPlan`), `trainer` (the hand-off to transformers'
+`Trainer`), `plot` (the alternatives against the budget).
 
 Every public name lives on `memfit` (`memfit.fit`, `memfit.FitPlan`); this package exports nothing of its own.
 """

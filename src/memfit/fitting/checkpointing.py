@@ -4,12 +4,20 @@
 
 A checkpointed module keeps only its inputs for backward and runs its forward again there. Non-reentrant
 checkpointing saves and restores the RNG state around the recomputation (`preserve_rng_state=True`), so dropout
-draws the same masks as the plain step and the RNG ends where the plain step leaves it. A recomputed BatchNorm in
-training mode would update its running statistics a second time: the recomputation runs with the module's
-buffers put back as they were after the first forward, so the step changes them exactly as a plain step does.
+draws the same masks as the plain step and the RNG ends where the plain step leaves it. On fake tensors (a memory
+model's run of the step) nothing draws, so torch's save and restore of the global generator, which would rewind
+what another thread drew meanwhile, is skipped there; the two generator states it takes (one kept until the
+block's backward, one around the recomputation) are still taken, so the memory model counts their bytes. A
+recomputed BatchNorm in training mode would update its running statistics a second time: the recomputation runs
+with the module's buffers put back as they were after the first forward, so the step changes them exactly as a
+plain step does.
 
 Known limitations: a module whose forward mutates state besides its buffers (a key/value cache it appends to,
-as transformers' decoders do with `use_cache=True`) sees that mutation twice; turn the cache off for training.
+as transformers' decoders do with `use_cache=True`) sees that mutation twice; turn the cache off for training. A
+real recomputation sets torch's global generator back to the forward's state and restores it after (torch's
+`preserve_rng_state`, as every user of `torch.utils.checkpoint` gets): a random op another thread runs on the
+global generator meanwhile draws repeated values and is rewound. Give such threads a `torch.Generator` of their
+own.
 
 Example:
     >>> import torch
@@ -32,6 +40,8 @@ import types
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["candidate_blocks", "checkpointed", "install", "uninstall"]
@@ -78,9 +88,49 @@ class _BuffersKept:
         return False
 
 
-def _context(module: torch.nn.Module):
-    has_buffers = any(True for _ in module.buffers())
-    return contextlib.nullcontext(), (_BuffersKept(module) if has_buffers else contextlib.nullcontext())
+class _StatesTaken:
+    """On fake tensors, in place of `preserve_rng_state`: the generator states torch.utils.checkpoint takes,
+    taken (a memory model's run logs `torch.get_rng_state`'s tensor) but never set back. One is taken when the
+    contexts are made (as torch takes the forward's, kept with the recomputation until the block's backward) and
+    one for the length of the recomputation (fork_rng's)."""
+
+    def __init__(self):
+        self.forward_state = torch.get_rng_state()
+
+    def __enter__(self):
+        self.around = torch.get_rng_state()
+        return self
+
+    def __exit__(self, *exc):
+        self.around = None
+        return False
+
+
+def _context(module: torch.nn.Module, fake: bool):
+    recompute = [_StatesTaken()] if fake else []         # made now: where torch takes the forward's state
+    if any(True for _ in module.buffers()):
+        recompute.append(_BuffersKept(module))
+    return contextlib.nullcontext(), _Both(recompute)
+
+
+class _Both(contextlib.ExitStack):
+    """The recomputation's contexts, entered in order."""
+
+    def __init__(self, contexts):
+        super().__init__()
+        self.contexts = contexts
+
+    def __enter__(self):
+        super().__enter__()
+        for c in self.contexts:
+            self.enter_context(c)
+        return self
+
+
+def _is_fake(module: torch.nn.Module, args, kwargs) -> bool:
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    tensors += [next(module.parameters(), None)]
+    return any(isinstance(t, FakeTensor) for t in tensors)
 
 
 def _checkpointed(cls_forward):
@@ -91,7 +141,10 @@ def _checkpointed(cls_forward):
         plain = functools.partial(cls_forward, self)
         if not torch.is_grad_enabled():     # under no_grad nothing is saved: checkpointing has no use
             return plain(*args, **kwargs)
-        return checkpoint(plain, *args, use_reentrant=False, context_fn=functools.partial(_context, self), **kwargs)
+        # on fake tensors nothing draws: the global generator is not set back (another thread's draws stay)
+        fake = _is_fake(self, args, kwargs)
+        return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=not fake,
+                          context_fn=functools.partial(_context, self, fake), **kwargs)
     return forward
 
 

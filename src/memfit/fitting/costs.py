@@ -6,7 +6,8 @@ step and for the forward of each candidate block, the kernels launched, the FLOP
 formulas: matmuls, convolutions, attention) and the bytes the kernels write: a `Cost` line a + b * m each.
 `machine` measures once per device and precision what a launch, a FLOP and a byte cost there (a launch as
 a training step pays it: a small stack of Linear + GELU modules forward and backward, over the kernels it ran;
-a square matmul; a copy), a few milliseconds of kernels on freshly made tensors (the caller's RNG untouched).
+a square matmul; a copy), a few milliseconds of kernels on freshly made tensors (torch's generators neither
+drawn from nor reset).
 
 Known limitations: FLOPs of ops without a formula (elementwise, normalisation) count only as bytes written;
 the optimizer step is left out (the same in every alternative, so it only dilutes the ratios).
@@ -69,18 +70,17 @@ class _Counter(TorchDispatchMode):
 def _count(model, x, y, loss_fn, blocks, autocast, device) -> _Counter:
     from torch.nn.utils.stateless import _reparametrize_module
 
-    from memfit.memory.isolation import predicting, structural_copy
+    from memfit.memory.isolation import fake_section, predicting, structural_copy
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     counter = _Counter()
     counter.blocks = {b: [0, 0.0, 0.0] for b in blocks}
     model = structural_copy(model)      # hooks and fake parameters go on the copy: no other thread sees them
     modules = dict(model.named_modules())
     with ExitStack() as stack:
-        stack.enter_context(predicting())
+        stack.enter_context(predicting())      # any draw goes to generators of its own, none to torch's
         for b in blocks:          # which blocks' forwards are running (a block called twice is counted twice)
             stack.enter_context(modules[b].register_forward_pre_hook(lambda m, a, _b=b: counter.open.append(_b)))
             stack.enter_context(modules[b].register_forward_hook(lambda m, a, o: counter.close(), always_call=True))
-        stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
         named = {**dict(model.named_parameters(remove_duplicate=False)),
                  **dict(model.named_buffers(remove_duplicate=False))}
         made: dict[int, torch.Tensor] = {}            # one fake per tensor: tied weights stay tied
@@ -91,7 +91,7 @@ def _count(model, x, y, loss_fn, blocks, autocast, device) -> _Counter:
                 made[id(v)] = torch.nn.Parameter(f, v.requires_grad) if isinstance(v, torch.nn.Parameter) else f
             return made[id(v)]
         fake = {k: fake_of(v) for k, v in named.items()}
-        stack.enter_context(mode)
+        stack.enter_context(fake_section(mode))    # own_rng's mode steps aside: nothing draws on fake tensors
         stack.enter_context(_reparametrize_module(model, fake, tie_weights=True, strict=False))
         xs = ExampleBatch(x).at(_len(x), device)
         ys = ExampleBatch(y).at(_len(y), device) if y is not None else None
@@ -162,7 +162,8 @@ def machine(device: torch.device, dtype: torch.dtype = torch.float32) -> Machine
 
     # a launch as a training step pays it: module calls, autograd recording, the backward, over the kernels
     # that ran (a bare add in a loop costs a fraction of that: 0.8 against 2.3 to 5 us here)
-    with torch.random.fork_rng(devices=[]):              # Linear's initialisation draws: not from the caller's RNG
+    from memfit.memory.isolation import own_rng
+    with own_rng():       # Linear's initialisation draws from a generator of its own: torch's is neither used nor reset
         stack = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
                                       for _ in range(4)]).to(dev)
     tiny = torch.ones(2, 8, device=dev)

@@ -29,42 +29,28 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from memfit.accumulation.checks import batch_dependent_modules
 from memfit.accumulation.checks import batch_size as _batch_size
 from memfit.accumulation.checks import check_distributed as _check_distributed
 from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import accumulate
 from memfit.budget import format_bytes, model_device, parse_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
-from memfit.fitting.costs import machine, step_costs
-from memfit.fitting.nothing_fits import nothing_fits
-from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
+from memfit.fitting.finder import LEVERS, Peaks, _name
+from memfit.fitting.finder import agree as _agree
+from memfit.fitting.finder import find as _search
+from memfit.fitting.search import Alternative, Setting
 from memfit.memory.fingerprint import model_state
-from memfit.memory.micro_batch import _signature, training_peak
+from memfit.memory.micro_batch import _signature
 
 __all__ = ["FitPlan", "fit"]
 
-LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> (model_state, {key: _Found})
-
-
-@dataclass
-class _Found:
-    """What a search found, kept per model (no references to the model or optimizer)."""
-    best: Alternative
-    alternatives: list[Alternative]
-    reason: str
-    candidates: list[str]
-    how_bytes: str
-    how_time: str
-    seconds: float
 
 
 @dataclass
@@ -131,7 +117,8 @@ class FitPlan:
                  f"{', '.join(self.candidates) if self.candidates else 'none (no repeated blocks found)'}.",
                  f"checkpoint sets tried: {'; '.join(s.describe(len(self.candidates)) for s in sets)}.",
                  f"search: {self.seconds:.2f} s. Alternatives, fastest first (bytes not computed where a faster one "
-                 "fits and no faster alternative needed that checkpoint set's memory model):",
+                 "fits and they would need a memory model no faster alternative needed; exhaustive=True computes "
+                 "them):",
                  f"  {'micro-batch':>11} {'checkpointed':>12} {'autocast':>9} {'predicted':>12} {'time':>6}  fits"]
         for a in self.alternatives:
             fits = {True: "yes", False: "no", None: "-"}[a.fits(self.budget)]
@@ -164,69 +151,6 @@ def _key(model, optimizer, x, n, budget, levers, candidates, loss_fn, terms, all
             _callable_key(loss_fn), terms is None, allow, world, autocast_state(), torch.get_num_threads())
 
 
-def _ranked(blocks: dict, machine_now) -> list[str]:
-    """Blocks by activation bytes written per second of recomputation, most first (forward order on ties)."""
-    worth = {b: c.bytes[1] / max(c.at(1, machine_now), 1e-12) for b, c in blocks.items()}
-    return sorted(blocks, key=lambda b: -worth[b])
-
-
-def _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive) -> _Found:
-    t0 = time.perf_counter()
-    device = model_device(module)
-    dependent = batch_dependent_modules(module)
-    sizes = micro_batch_sizes(n) if not dependent or allow else [n]
-    precisions = [None] + [LEVERS[v] for v in levers]
-    costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p) for p in precisions}
-    rates = {p: machine(device, p or torch.float32) for p in precisions}
-    ranked = _ranked(costs[None][1], rates[None])
-    # bf16 autocast is not combined with checkpointing: the memory model undercounts that pair (predicted about
-    # half the real peak on the CPU, torch 2.13), and a plan must never be below the real peak
-    settings = [Setting(s, _name(p)) for p in precisions for s in (checkpoint_sets(ranked) if p is None else [()])]
-    # a setting's step at its own precision's matmul rate (the search prices every FLOP at the plain rate)
-    step = {_name(p): replace(costs[p][0], flops=tuple(f * rates[None].flop_rate / rates[p].flop_rate
-                                                       for f in costs[p][0].flops)) for p in precisions}
-    blocks = costs[None][1]
-    how: list[str] = []
-    tables: dict[Setting, dict[int, int]] = {}      # each setting's memory model once, across both searches
-
-    def bytes_of(setting: Setting) -> Callable[[int], int]:
-        if setting in tables:
-            return tables[setting].__getitem__
-        dtype = next(p for p in precisions if _name(p) == setting.autocast)
-        cast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with checkpointed(module, setting.checkpoint), cast:
-            peak, what = training_peak(model, optimizer, loss_fn, x, y)
-            table = tables[setting] = {m: peak(m) for m in sizes}       # now, while the modules are checkpointed
-        how.append(what)
-        return table.__getitem__
-
-    # levers change numerics: their settings are searched only when nothing at the step's own precision fits
-    choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates[None], bytes_of,
-                    budget, exhaustive=exhaustive)
-    if levers and (choice.best is None or exhaustive):
-        cast = search(settings, sizes, n, step, blocks, rates[None], bytes_of, budget, exhaustive=exhaustive)
-        if choice.best is None and cast.best is not None:
-            cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
-                           f"{cast.reason}")
-            choice = cast
-        else:
-            choice.alternatives = cast.alternatives
-    r = rates[None]
-    how_time = (f"kernel launches, FLOPs (torch.utils.flop_counter's formulas) and bytes written, counted on fake "
-                f"tensors for the step (forward, loss, backward; the optimizer step, the same in every alternative, "
-                f"left out) and for each block's forward (its recomputation) at micro-batches 2 and 4, at this "
-                f"machine's measured rates ({r.op_seconds * 1e6:.1f} us a launch, {r.flop_rate / 1e9:.1f} GFLOP/s, "
-                f"{r.byte_rate / 1e9:.1f} GB/s)")
-    how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
-    if dependent and not allow:
-        choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
-                          "allow_batch_dependent=True allows them)")
-    if choice.best is None:
-        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers)
-    return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
-                  time.perf_counter() - t0)
-
-
 def _cast_loss(loss_fn: Callable) -> Callable:
     """loss_fn, then autocast's cached weight casts dropped, as when the autocast around a forward ends: the
     memory model counts them until the loss (`memfit.memory.step.forward_autocast`); an autocast around the whole
@@ -236,30 +160,6 @@ def _cast_loss(loss_fn: Callable) -> Callable:
         torch.clear_autocast_cache()
         return value
     return loss
-
-
-def _name(dtype) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def _agree(found: _Found, world: int) -> _Found:
-    """Under torch.distributed, every rank takes the same plan: the ranks' choices gathered, the slowest
-    (the one that spends most time to save memory) taken, so that each rank's budget, equal or not, is respected
-    as far as any rank's own choice did."""
-    if world <= 1:
-        return found
-    import json
-
-    from memfit.distributed import all_gather_text
-    mine = json.dumps([found.best.micro_batch, list(found.best.setting.checkpoint), found.best.setting.autocast,
-                       found.best.time])
-    choices = [json.loads(t) for t in all_gather_text(mine, "fit plan")]
-    m, ckpt, cast, _ = max(choices, key=lambda c: c[3])
-    pick = next(a for a in found.alternatives if a.micro_batch == m and a.setting == Setting(tuple(ckpt), cast))
-    if pick is not found.best:
-        found = _Found(pick, found.alternatives, found.reason + f"; the slowest plan over {world} ranks is used",
-                       found.candidates, found.how_bytes, found.how_time, found.seconds)
-    return found
 
 
 def _targets(module, x, n: int, loss_fn: Callable, target) -> tuple[object, str]:
@@ -341,21 +241,25 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         entry = _PLANS[module] = (fingerprint, {})
     found, error = entry[1].get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
-        devices = [model_device(module)] if model_device(module).type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):      # nothing drawn here reaches the caller's RNG
-            try:
-                found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
-                                                allow_batch_dependent, exhaustive)
-            except Exception as e:
-                if world == 1:
-                    raise
-                error = e
+        # torch's generators are neither drawn from nor saved and restored (which would rewind another thread's
+        # draws): the fake runs and the cost counts run under `predicting` (generators of their own), the
+        # machine's timing kernels make their weights under `own_rng`
+        try:
+            found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
+                                            allow_batch_dependent, exhaustive)
+        except Exception as e:
+            if world == 1:
+                raise
+            error = e
     if world > 1:
         # every call, kept plan or not: a rank whose search failed stops every rank (none waits in the gather),
         # then the ranks take one plan
         from memfit.distributed import agree
         agree(error, "memfit.fit search")
         found = _agree(found, world)
+        if found.best.bytes is None:     # another rank's slower choice: this rank's search did not need its bytes
+            peaks = Peaks(model, module, optimizer, loss_fn, x, y, found.best.setting)
+            found.best.bytes = peaks(found.best.micro_batch)
     best = found.best
     dtype = next((LEVERS[v] for v in levers if _name(LEVERS[v]) == best.setting.autocast), None)
 

@@ -135,7 +135,9 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
 
     Times come first (cheap); `bytes_of(setting)` is called at most once per setting, in the order of the
     fastest alternative not yet ruled out, and never for a setting whose every alternative is slower than one
-    that fits (unless `exhaustive`). Ties in time go to fewer checkpointed modules, then the larger micro-batch.
+    that fits (unless `exhaustive`). Once one fits, a slower alternative's bytes are filled in (for `explain`)
+    only where `bytes_of(setting).ready(m)` says they need no further fake run (a function without `ready` is
+    always ready). Ties in time go to fewer checkpointed modules, then the larger micro-batch.
     """
     base = step_seconds(n, n, step, blocks, Setting(), machine)
     alts = [Alternative(m, s, step_seconds(n, m, step, blocks, s, machine) / base) for s in settings for m in sizes]
@@ -143,14 +145,20 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     peaks: dict[Setting, Callable[[int], int]] = {}
     best = None
     for a in alts:
-        if best is not None and not exhaustive and a.setting not in peaks:
-            continue                      # slower than the choice and its bytes were never needed
+        if best is not None and not exhaustive and not (a.setting in peaks and _ready(peaks[a.setting], a.micro_batch)):
+            continue                      # slower than the choice and its bytes would need fake runs of their own
         if a.setting not in peaks:
             peaks[a.setting] = bytes_of(a.setting)
         a.bytes = int(peaks[a.setting](a.micro_batch))
         if best is None and a.bytes <= budget:
             best = a                      # the first that fits in time order is the fastest that fits
     return Choice(best, alts, _reason(best, alts, budget, n))
+
+
+def _ready(peak: Callable[[int], int], m: int) -> bool:
+    """Whether peak(m) is at hand without a fake run that has not run (`peak.ready(m)` where it says so)."""
+    ready = getattr(peak, "ready", None)
+    return True if ready is None else bool(ready(m))
 
 
 def _reason(best: Alternative | None, alts: list[Alternative], budget: int, n: int) -> str:

@@ -170,7 +170,7 @@ def borrow_plan(model: torch.nn.Module, example: torch.Tensor) -> PlannedModule:
     if lent:                         # in use by another thread, whose give_back would free its arena mid-call
         pm = plan_captured(next((c for c in pm.captures if c.accepts((example,))), pm.captures[0]), (example,),
                            model=model, algorithm=pm.algorithm, inplace=pm.inplace,
-                           eager_where_cheaper=pm.eager_where_cheaper)
+                           eager_where_cheaper=pm.eager_where_cheaper, reorder=pm.reorder)
     return pm
 
 

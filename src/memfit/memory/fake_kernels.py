@@ -110,7 +110,8 @@ def real_bytes(func, index: int, t: torch.Tensor, nbytes: int, args, kwargs) -> 
 # ResNet-18, ConvNeXt, ViT, GPT-2 and a transformer encoder under the allocator's events): oneDNN convolution
 # (weights reordered to its blocked layout; its result copied into the output), its backward (gradients in
 # the blocked layout, then reordered), batch and group norm's backward (a temporary of the input's size), flash
-# attention on the CPU (per-thread buffers), layer norm's backward, max pooling, oneDNN's LSTM layer. Each
+# attention on the CPU (per-thread buffers), layer norm on a non-contiguous input (a contiguous copy) and its
+# backward, max pooling, oneDNN's LSTM layer. Each
 # with its arguments that carry the batch: {position: dimension, or None for an int that is the batch}.
 _BATCH_ARGS = {
     "aten.convolution.default": {0: 0},
@@ -121,6 +122,7 @@ _BATCH_ARGS = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": {0: 0, 1: 0, 2: 0},
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0},
     "aten.native_layer_norm_backward.default": {0: 0, 1: 0, 3: 0, 4: 0},
+    "aten.native_layer_norm.default": {0: 0},      # a permuted (non-contiguous) input: copied contiguous inside
     "aten.max_pool2d_with_indices.default": {0: 0},
     "aten.mkldnn_rnn_layer.default": {0: 1, 5: 0, 6: 0},        # the input comes sequence first
 }

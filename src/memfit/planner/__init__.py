@@ -11,9 +11,11 @@
 
 Modules: `arena` (lifetimes, offsets, verifier: pure functions), `ops` (out= kernels, views,
 in-place allowlist), `capture` (torch.export, error diagnosis), `graph` (aliases, lifetimes, sizes
-at a batch size), `captured` (`capture_model`: one capture for every batch size), `placement`
-(`place_at(capture, n)`: exact sizes at any batch, which ops run eagerly, offsets), `codegen` (the
-generated forward), `planned` (`plan`, `PlannedModule`), `report`,
+at a batch size), `order` (the op order of the fewest peak bytes), `captured` (`capture_model`: one
+capture for every batch size), `placement` (`place_at(capture, n)`: exact sizes at any batch, which ops
+run eagerly, offsets), `codegen` (the generated forward), `planned` (`plan`, `PlannedModule`), `report`,
+`slicing` (a memory-heavy stem run in slices of the batch, checked bit-identical on the example), `remat`
+(input-free tensors recomputed at each reader),
 `global_caches` (function caches a fake run or an export must leave without fake tensors).
 
 The public entry points live on `memfit` (`memfit.plan`, `memfit.CaptureError`, ...); this package

@@ -19,6 +19,8 @@ from memfit.memory.isolation import predicting
 from memfit.messages import first_line
 from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.graph import Meta
+from memfit.planner.remat import recompute_at_readers
+from memfit.planner.slicing import slice_segments
 
 __all__ = ["Captured", "capture_model", "input_key"]
 
@@ -56,6 +58,7 @@ class Captured:
     example_key: tuple = ()
     kernel_layouts: dict = field(default_factory=dict)   # node name -> why it runs eagerly (see _kernel_layouts)
     run_eagerly: dict = field(default_factory=dict)      # node name -> why: run by torch whatever the bytes (tests)
+    sliced: dict = field(default_factory=dict)           # node name -> the segment it runs in batch slices (slicing)
 
     @property
     def dynamic(self) -> bool:
@@ -127,6 +130,8 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
                 hi = None if vr is None or vr.upper.is_infinite or str(vr.upper) == "int_oo" else int(vr.upper)
                 cap = Captured(ep, constants(ep, model), device, sym, (int(vr.lower) if vr else 2, hi), "", n, key)
                 if cap.accepts(example_inputs):
+                    cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.env(n))
+                    recompute_at_readers(cap.ep, cap.consts, cap.env(n))
                     cap.kernel_layouts = _kernel_layouts(cap, example_inputs)
                     return cap
                 reason = (f"the symbolic graph holds for batch sizes in [{cap.batch_range[0]}, "
@@ -135,6 +140,8 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
                 reason = "export made the batch size a constant (the model specialises on it)"
     ep = capture(model, example_inputs)
     cap = Captured(ep, constants(ep, model), device, None, (n, n), reason, n, key)
+    cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.env(n))
+    recompute_at_readers(cap.ep, cap.consts, cap.env(n))
     cap.kernel_layouts = _kernel_layouts(cap, example_inputs)
     return cap
 

@@ -155,17 +155,19 @@ def _out_name(node: Node, k: int, many: bool) -> str:
 
 def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool = True,
             env: dict | None = None, eager: dict[str, str] | None = None,
-            own_layout: frozenset[str] = frozenset()) -> Graph:
+            own_layout: frozenset[str] = frozenset(), order: list[Node] | None = None) -> Graph:
     """Lifetimes, aliases and the run mode of every op of an exported, decomposed graph.
 
     `env` maps the batch symbol of a graph exported with a dynamic batch to the batch size to plan
     for; every size is then exact at that batch (none: the graph's sizes are static). `eager` maps
     node names to the reason they run eagerly although they have an `out=` kernel; those in `own_layout`
-    (their kernels give other strides than the graph's) also never write over another tensor.
+    (their kernels give other strides than the graph's) also never write over another tensor. `order`: the
+    graph's call_function nodes in the order to run them (a topological order, `planner.order`; none: the
+    graph's); lifetimes, in-place writes and everything else follow it.
     """
     walk = _Walk(consts, env or {})
     output_node = None
-    for node in ep.graph.nodes:
+    for node in _in_order(ep.graph, order):
         if node.op == "placeholder":
             walk.placeholder(node)
         elif node.op == "output":
@@ -178,6 +180,26 @@ def analyze(ep, consts: dict[str, torch.Tensor], device_type: str, inplace: bool
                   walk.ints)
     _decide_modes(graph, walk.value_of, device_type, inplace, eager or {}, own_layout)
     return graph
+
+
+def _in_order(fx_graph, order: list[Node] | None) -> list[Node]:
+    """The graph's nodes with its call_function nodes in `order`; ValueError unless that is a topological
+    order of all of them."""
+    nodes = list(fx_graph.nodes)
+    if order is None:
+        return nodes
+    calls = [n for n in nodes if n.op == "call_function"]
+    if len(order) != len(calls) or set(order) != set(calls):
+        raise ValueError(f"order must hold each of the {len(calls)} call_function nodes once; found "
+                         f"{len(order)} ({len(set(order) ^ set(calls))} differ); a planner bug: please report it")
+    done = {n for n in nodes if n.op == "placeholder"}
+    for node in order:
+        early = [a.name for a in _nodes_in((node.args, node.kwargs)) if a not in done]
+        if early:
+            raise ValueError(f"order runs {node.name} before its inputs {early}: not a topological order; "
+                             "a planner bug, please report it")
+        done.add(node)
+    return [n for n in nodes if n.op == "placeholder"] + list(order) + [n for n in nodes if n.op == "output"]
 
 
 class _Walk:

@@ -103,9 +103,9 @@ class PlannedModule:
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, algorithm: str, inplace: bool,
-                 captured: Captured | None = None, eager_where_cheaper: bool = True):
+                 captured: Captured | None = None, eager_where_cheaper: bool = True, reorder: bool = True):
         self.model, self.algorithm, self.inplace = model, algorithm, inplace
-        self.eager_where_cheaper = eager_where_cheaper
+        self.eager_where_cheaper, self.reorder = eager_where_cheaper, reorder
         self.dtypes = [x.dtype for x in example_inputs]
         self.device = example_inputs[0].device if example_inputs else torch.device("cpu")
         self.placements: dict[tuple, Placement] = {}
@@ -113,7 +113,7 @@ class PlannedModule:
         self._arena: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._last_key = self._key(example_inputs)
-        check_args(algorithm, inplace, eager_where_cheaper)
+        check_args(algorithm, inplace, eager_where_cheaper, reorder)
         # one capture, batch symbolic where the model allows: new batch sizes are planned from it
         self.captures = [captured if captured is not None else capture_model(model, example_inputs)]
         self._forward_for(tuple(example_inputs), self._last_key)
@@ -154,7 +154,7 @@ class PlannedModule:
             cap = capture_model(self.model, inputs)
             self.captures.append(cap)
         self.placements[key] = place_captured(cap, inputs, algorithm=self.algorithm, inplace=self.inplace,
-                                              eager_where_cheaper=self.eager_where_cheaper)
+                                              eager_where_cheaper=self.eager_where_cheaper, reorder=self.reorder)
 
     @property
     def report(self) -> Report:
@@ -218,7 +218,7 @@ class PlannedModule:
 
 
 def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_size",
-         inplace: bool = True, eager_where_cheaper: bool = True) -> PlannedModule:
+         inplace: bool = True, eager_where_cheaper: bool = True, reorder: bool = True) -> PlannedModule:
     """Plan the activation memory of `model` for inputs shaped like `example_inputs` and return a
     module that runs inside that plan.
 
@@ -233,6 +233,11 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
             call, so tensors that fit under the peak of those outside it (a large model output, a
             stem of ops without `out=` kernels) cost nothing there. False: every op with an `out=`
             kernel writes into the arena. `pm.report.unplanned_reasons` says which ran eagerly.
+        reorder: run the ops in the topological order of the fewest arena + unplanned bytes among the
+            graph's and a few others (`memfit.planner.order`: least peak memory first, breadth and depth
+            first, and the optimum on small graphs); every order computes the same values with the
+            same kernels, so outputs stay bit-identical to eager. `pm.report.order` says which order
+            runs, `pm.report.graph_order_bytes` the bytes in the graph's order. False: the graph's order.
 
     Returns:
         A `PlannedModule`: `pm(*inputs)` equals `model(*inputs)`; `pm.report` has the bytes.
@@ -249,12 +254,12 @@ def plan(model: torch.nn.Module, example_inputs, *, algorithm: str = "greedy_by_
     """
     # the model, algorithm and inplace are checked by `place_at`, which the first call plans with
     return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace,
-                         eager_where_cheaper=eager_where_cheaper)
+                         eager_where_cheaper=eager_where_cheaper, reorder=reorder)
 
 
 def plan_captured(cap: Captured, example_inputs, *, model: torch.nn.Module | None = None,
                   algorithm: str = "greedy_by_size", inplace: bool = True,
-                  eager_where_cheaper: bool = True) -> PlannedModule:
+                  eager_where_cheaper: bool = True, reorder: bool = True) -> PlannedModule:
     """`plan` from a capture made before: several algorithms or settings, one export."""
     return PlannedModule(model, as_inputs(example_inputs), algorithm, inplace, captured=cap,
-                         eager_where_cheaper=eager_where_cheaper)
+                         eager_where_cheaper=eager_where_cheaper, reorder=reorder)

@@ -49,6 +49,10 @@ class Report:
         unplanned_reasons: op name -> why it runs outside the arena (no out= variant, an out= variant
             that allocates and copies, ...).
         capture: how the graph was captured ("one capture, batch symbolic in [2, inf]", or static and why).
+        order: the op order that runs: "graph" (the exported graph's), or the `planner.order` candidate
+            that needs fewer bytes ("lpmf", "bfs", "dfs", "optimal"); `plan(..., reorder=False)` keeps the graph's.
+        graph_order_bytes: arena + unplanned bytes with the graph's order (what reordering bought:
+            `graph_order_bytes - (arena_bytes + unplanned_bytes)`).
     """
     naive_bytes: int
     arena_bytes: int
@@ -62,6 +66,8 @@ class Report:
     unplanned_ops: dict[str, int] = field(default_factory=dict)
     capture: str = ""
     unplanned_reasons: dict[str, str] = field(default_factory=dict)
+    order: str = "graph"
+    graph_order_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -83,7 +89,10 @@ class Report:
             f"  parameters                     {format_bytes(self.param_bytes):>12}",
             f"  total with inputs              {format_bytes(self.total_bytes):>12}",
         ] + [f"    {op}: {why}" for op, why in sorted(self.unplanned_reasons.items())]
-          + ([f"  capture: {self.capture}"] if self.capture else []))
+          + ([f"  capture: {self.capture}"] if self.capture else [])
+          + ([f"  op order: {self.order} (arena + unplanned {format_bytes(self.arena_bytes + self.unplanned_bytes)}, "
+               f"{format_bytes(self.graph_order_bytes)} in the graph's order)"]
+             if not self.order.startswith("graph") else []))
 
     def table(self, limit: int | None = 60) -> str:
         head = f"  {'tensor':<28} {'shape':<20} {'dtype':<9} {'bytes':>11} {'lifetime':>11} {'offset':>11}  kind"
@@ -107,7 +116,7 @@ class Report:
                 "unplanned_bytes": self.unplanned_bytes, "param_bytes": self.param_bytes,
                 "input_bytes": self.input_bytes, "algorithm": self.algorithm, "n_ops": self.n_ops,
                 "unplanned_ops": dict(self.unplanned_ops), "unplanned_reasons": dict(self.unplanned_reasons),
-                "capture": self.capture,
+                "capture": self.capture, "order": self.order, "graph_order_bytes": self.graph_order_bytes,
                 "rows": [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.bytes,
                           "lifetime": list(r.lifetime), "offset": r.offset, "kind": r.kind,
                           "inplace": list(r.inplace)} for r in self.rows]}

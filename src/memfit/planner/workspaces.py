@@ -37,14 +37,54 @@ def _arg(a, env: dict):
     return concrete(a, env)
 
 
+_REPLACEMENT_BYTES: dict = {}      # (function, argument shapes, strides, dtypes, values, threads) -> bytes
+
+
+def _replacement_bytes(fn, args: tuple, kwargs: dict) -> int:
+    """Bytes `fn` (a kernel run instead of the graph's op, `ops.WHEN_UNREAD`) allocates beyond its outputs, measured
+    once per argument shapes on zeros of them: on the CPU `torch.max_pool2d` under inference mode still goes
+    through `max_pool2d_with_indices` and makes the int64 indices (twice the values' bytes) inside."""
+    from torch.utils._pytree import tree_flatten
+
+    from memfit.memory.measure import track_memory
+    leaves = tree_flatten((args, kwargs))[0]
+    key = (fn, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves),
+           torch.get_num_threads())
+    if key not in _REPLACEMENT_BYTES:
+        def real(a):
+            return torch.zeros_like(a, device="cpu") if isinstance(a, torch.Tensor) else a
+        r_args, r_kwargs = tuple(real(a) for a in args), {k: real(v) for k, v in kwargs.items()}
+        with torch.inference_mode():
+            fn(*r_args, **r_kwargs)                  # once untracked: first-call set-up is not per call
+            with track_memory("cpu") as mem:
+                out = fn(*r_args, **r_kwargs)
+            outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+            del out
+        _REPLACEMENT_BYTES[key] = max(0, mem.peak - sum(outs.values()))
+    return _REPLACEMENT_BYTES[key]
+
+
 def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
     """One buffer per op of `graph` whose real kernel allocates inside (on the CPU), alive at that op only."""
     if device_type != "cpu":
         return []                           # CUDA library workspaces: a known limitation (memory.allocator)
     from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
     out = []
+    from memfit.planner.slicing import SlicedSegment
     for op in graph.ops:
         target = op.node.target
+        if isinstance(target, SlicedSegment):        # one slice's intermediates, beside the segment's input and output
+            n = _arg(op.node.args[0], env).shape[0]
+            out.append(Buffer(f"slices of {op.node.name}", target.slice_bytes(env, n), op.index, op.index))
+            continue
+        if op.replacement is not None and op.mode == "call":
+            # another kernel runs it (max pooling without indices): what that one allocates inside
+            size = _replacement_bytes(op.replacement, tuple(_arg(a, env) for a in op.node.args),
+                                      {k: _arg(v, env) for k, v in op.node.kwargs.items()})
+            if size:
+                out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
+            continue
         if target not in WORKSPACE:
             continue
         args = tuple(_arg(a, env) for a in op.node.args)

@@ -106,6 +106,20 @@ def paired_ratio(base: Callable[[], object], other: Callable[[], object], *, rep
     return statistics.median(times["base"]), statistics.median(times["other"]), median(ratios, what or "a ratio")
 
 
+def paired_ratios(base: Callable[[], object], other: Callable[[], object], *, repeat: int = 6, warmup: int = 1,
+                  device: torch.device | str | None = None, what: str = "") -> list[float]:
+    """other / base over each ABBA pair of rounds (`repeat` rounds, rounded up to whole pairs): the two rounds of
+    a pair run the two in opposite orders, so the advantage of running second cancels inside each ratio. (One
+    ratio per round, as `paired_ratio` takes them, leaves it in: with an odd number of rounds the median lands
+    on the order that came up more often; a plan against the same plan measured 1.06 that way.) The ratios'
+    median and spread are noted as `median` notes them."""
+    times = _in_turn({"base": base, "other": other}, repeat + repeat % 2, warmup, device)
+    b, o = times["base"], times["other"]
+    ratios = [(o[i] + o[i + 1]) / (b[i] + b[i + 1]) for i in range(0, len(b), 2)]
+    median(ratios, what or "a ratio")
+    return ratios
+
+
 def rounds_for(fn: Callable[[], object], *, seconds: float, at_least: int, at_most: int,
                device: torch.device | str | None = None) -> int:
     """How many timed rounds give about `seconds` of calls of `fn` (one warm call timed), within

@@ -41,6 +41,7 @@ from memfit.cli.bench.common import (
 )
 from memfit.memory.measure import track_memory
 from memfit.messages import first_line, whole_words
+from memfit.planner.planned import plan_captured
 from memfit.testing.zoo import MODELS, build
 
 TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "latency": 1.10}
@@ -80,7 +81,14 @@ def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> d
         t_eager, t_planned, ratio = paired_ratio(lambda: model(x), lambda: pm(x), repeat=reps, warmup=2,
                                                  device=dev, what=f"{name} batch {batch} planned / eager")
     planned_total = rep.arena_bytes + outside
+    # the graph's order beside the chosen one (`planner.order`): same capture, measured the same way
+    kept = plan_captured(next(c for c in pm.captures if c.accepts((x,))), (x,), algorithm=pm.algorithm,
+                         inplace=pm.inplace, eager_where_cheaper=pm.eager_where_cheaper, reorder=False)
+    with torch.inference_mode():
+        graph_order_total = kept.report.arena_bytes + _peak(kept, x)
     return {
+        "order": rep.order, "graph_order_total": graph_order_total,
+        "reorder_saved": graph_order_total - planned_total,
         "model": name, "batch": batch, "naive": rep.naive_bytes, "eager_peak": eager_peak,
         # no arena (every op run by torch) is the bound, 0 of 0
         "arena": rep.arena_bytes, "bound": rep.lower_bound,
@@ -187,8 +195,10 @@ def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat:
         print(json.dumps({"machine": machine_header(device), "rows": rows, "targets": lines}))
     else:
         cols = ["model", "batch", "naive", "eager_peak", "arena", "bound", "arena/bound", "naive/arena",
-                "unplanned", "total/eager", "eager_ms", "planned_ms", "latency_ratio"]
-        print(table(rows, cols, bytes_columns={"naive", "eager_peak", "arena", "bound", "unplanned"}))
+                "unplanned", "total/eager", "order", "graph_order_total", "reorder_saved", "eager_ms", "planned_ms",
+                "latency_ratio"]
+        print(table(rows, cols, bytes_columns={"naive", "eager_peak", "arena", "bound", "unplanned",
+                                               "graph_order_total", "reorder_saved"}))
         print("\n".join(lines))
     if csv:
         to_csv(rows, csv)
@@ -241,8 +251,9 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
         print(json.dumps({"machine": machine_header("cpu"), "rows": rows, "targets": lines}))
     else:
         cols = ["model", "batch", "eager_peak", "arena", "bound", "arena/bound", "unplanned", "total/eager",
-                "eager_ms", "planned_ms", "latency_ratio", "PASS/MISS"]
-        print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned"}))
+                "order", "graph_order_total", "reorder_saved", "eager_ms", "planned_ms", "latency_ratio", "PASS/MISS"]
+        print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned", "graph_order_total",
+                                               "reorder_saved"}))
         vs = [r for r in rows if "compiled" in r]
         if vs:
             print("# torch.compile (inductor, static shapes, FX graph cache off; its C++ kernel cache on disk stays), "

@@ -1,0 +1,169 @@
+"""The search behind `memfit.fit` wired to a model: the cost model's inputs (`memfit.fitting.costs`), the
+candidate blocks ranked, the checkpoint sets and precisions, and each setting's bytes from the fake-tensor memory
+model of accumulate's step with those modules checkpointed (`Peaks`: each micro-batch size computed only when the
+search asks for it); `find` returns what was found, `agree` makes every rank take one plan.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()),
+    ...                             torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> x, y = torch.randn(4, 8), torch.randn(4, 8)
+    >>> peaks = Peaks(model, model, opt, torch.nn.functional.mse_loss, x, y, Setting(("1",)))
+    >>> peaks.ready(2), peaks(4) > 0, peaks.ready(2)      # micro-batches of 2 need the memory model of a later one
+    (False, True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from memfit.accumulation.checks import batch_dependent_modules
+from memfit.budget import model_device
+from memfit.fitting.checkpointing import checkpointed
+from memfit.fitting.costs import machine, step_costs
+from memfit.fitting.nothing_fits import nothing_fits
+from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
+from memfit.memory.micro_batch import training_peak
+
+__all__ = ["LEVERS", "Peaks", "agree", "find"]
+
+LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
+
+
+class Peaks:
+    """peak(m) of one setting's step (`training_peak` with the setting's modules checkpointed, under its autocast):
+    each size computed when first asked for, with the modules checkpointed again (the memory models of a later
+    micro-batch run only then), and kept. `ready(m)`: m is known or needs no fake run that has not run (the whole
+    batch needs the first micro-batch's model, built here; a smaller m a later one's, built on the first m < n)."""
+
+    def __init__(self, model, module, optimizer, loss_fn, x, y, setting: Setting):
+        from memfit.batches import batch_len
+        self.module, self.setting = module, setting
+        self.dtype = next((d for d in LEVERS.values() if _name(d) == setting.autocast), None)
+        self.n = batch_len(x)
+        with self._on():
+            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y)
+        self.known: dict[int, int] = {}
+
+    def _on(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(checkpointed(self.module, self.setting.checkpoint))
+        if self.dtype is not None:
+            stack.enter_context(torch.autocast(model_device(self.module).type, dtype=self.dtype))
+        return stack
+
+    def __call__(self, m: int) -> int:
+        if m not in self.known:
+            with self._on():            # the memory models run lazily: with the modules checkpointed
+                self.known[m] = int(self.peak(m))
+        return self.known[m]
+
+    def ready(self, m: int) -> bool:
+        return m in self.known or m >= self.n or any(k < self.n for k in self.known)
+
+
+@dataclass
+class _Found:
+    """What a search found, kept per model (no references to the model or optimizer)."""
+    best: Alternative
+    alternatives: list[Alternative]
+    reason: str
+    candidates: list[str]
+    how_bytes: str
+    how_time: str
+    seconds: float
+
+
+
+
+def _ranked(blocks: dict, machine_now) -> list[str]:
+    """Blocks by activation bytes written per second of recomputation, most first (forward order on ties)."""
+    worth = {b: c.bytes[1] / max(c.at(1, machine_now), 1e-12) for b, c in blocks.items()}
+    return sorted(blocks, key=lambda b: -worth[b])
+
+
+def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive) -> _Found:
+    """The fastest alternative that fits `budget` (`memfit.fitting.search.search` over this model's settings, its
+    costs and its memory models); raises BudgetExceeded (`nothing_fits`) when none does."""
+    t0 = time.perf_counter()
+    device = model_device(module)
+    dependent = batch_dependent_modules(module)
+    sizes = micro_batch_sizes(n) if not dependent or allow else [n]
+    precisions = [None] + [LEVERS[v] for v in levers]
+    costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p) for p in precisions}
+    rates = {p: machine(device, p or torch.float32) for p in precisions}
+    ranked = _ranked(costs[None][1], rates[None])
+    # bf16 autocast is not combined with checkpointing: the memory model undercounts that pair (predicted about
+    # half the real peak on the CPU, torch 2.13), and a plan must never be below the real peak
+    settings = [Setting(s, _name(p)) for p in precisions for s in (checkpoint_sets(ranked) if p is None else [()])]
+    # a setting's step at its own precision's matmul rate (the search prices every FLOP at the plain rate)
+    step = {_name(p): replace(costs[p][0], flops=tuple(f * rates[None].flop_rate / rates[p].flop_rate
+                                                       for f in costs[p][0].flops)) for p in precisions}
+    blocks = costs[None][1]
+    how: list[str] = []
+    tables: dict[Setting, Peaks] = {}      # each setting's memory models once, across both searches
+
+    def bytes_of(setting: Setting) -> Peaks:
+        if setting not in tables:
+            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting)
+            how.append(tables[setting].what)
+        return tables[setting]
+
+    # levers change numerics: their settings are searched only when nothing at the step's own precision fits
+    choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates[None], bytes_of,
+                    budget, exhaustive=exhaustive)
+    if levers and (choice.best is None or exhaustive):
+        cast = search(settings, sizes, n, step, blocks, rates[None], bytes_of, budget, exhaustive=exhaustive)
+        if choice.best is None and cast.best is not None:
+            cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
+                           f"{cast.reason}")
+            choice = cast
+        else:
+            choice.alternatives = cast.alternatives
+    r = rates[None]
+    how_time = (f"kernel launches, FLOPs (torch.utils.flop_counter's formulas) and bytes written, counted on fake "
+                f"tensors for the step (forward, loss, backward; the optimizer step, the same in every alternative, "
+                f"left out) and for each block's forward (its recomputation) at micro-batches 2 and 4, at this "
+                f"machine's measured rates ({r.op_seconds * 1e6:.1f} us a launch, {r.flop_rate / 1e9:.1f} GFLOP/s, "
+                f"{r.byte_rate / 1e9:.1f} GB/s)")
+    how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
+    if dependent and not allow:
+        choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
+                          "allow_batch_dependent=True allows them)")
+    if choice.best is None:
+        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers)
+    return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
+                  time.perf_counter() - t0)
+
+
+
+
+def _name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+
+
+def agree(found: _Found, world: int) -> _Found:
+    """Under torch.distributed, every rank takes the same plan: the ranks' choices gathered, the slowest
+    (the one that spends most time to save memory) taken, so that each rank's budget, equal or not, is respected
+    as far as any rank's own choice did."""
+    if world <= 1:
+        return found
+    import json
+
+    from memfit.distributed import all_gather_text
+    mine = json.dumps([found.best.micro_batch, list(found.best.setting.checkpoint), found.best.setting.autocast,
+                       found.best.time])
+    choices = [json.loads(t) for t in all_gather_text(mine, "fit plan")]
+    m, ckpt, cast, _ = max(choices, key=lambda c: c[3])
+    pick = next(a for a in found.alternatives if a.micro_batch == m and a.setting == Setting(tuple(ckpt), cast))
+    if pick is not found.best:
+        found = _Found(pick, found.alternatives, found.reason + f"; the slowest plan over {world} ranks is used",
+                       found.candidates, found.how_bytes, found.how_time, found.seconds)
+    return found
