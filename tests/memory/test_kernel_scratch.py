@@ -72,8 +72,12 @@ def check_bf16_step(name):
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mm = memfit.memory_model(model, batch(2), train=True, optimizer=opt, loss_fn=loss_fn,
-                             target=target(2) if target else None, autocast=torch.bfloat16)
+    example, example_target = batch(2), target(2) if target else None
+    rng = torch.get_rng_state()
+    mm = memfit.memory_model(model, example, train=True, optimizer=opt, loss_fn=loss_fn, target=example_target,
+                             autocast=torch.bfloat16)
+    [mm.total_bytes(n) for n in sizes]            # the real kernels run: none may leave a draw behind
+    assert torch.equal(rng, torch.get_rng_state())
     assert "half-precision" in mm.method and "APPROXIMATE" not in mm.method, mm.method
     for n in sizes:
         m = copy.deepcopy(model)
@@ -141,3 +145,15 @@ def test_a_layer_norm_of_bf16_activations_with_float32_weights_keeps_float32_sta
     assert real_bytes(ln, 1, fake_mean, fake_mean.nbytes, (x, [16], w, b, 1e-5), {}) == mean.nbytes
     assert real_bytes(ln, 1, fake_mean, fake_mean.nbytes, (x, [16], w.bfloat16(), b.bfloat16(), 1e-5), {}) \
         == fake_mean.nbytes == ln(x, [16], w.bfloat16(), b.bfloat16(), 1e-5)[1].nbytes
+
+
+def test_a_seeded_op_is_measured_on_its_real_kernel_and_leaves_the_rng_as_it_was():
+    drop = torch.ops.aten.native_dropout.default
+    x = torch.zeros(64, 128, dtype=torch.bfloat16)
+    rng = torch.get_rng_state()
+    measured = scratch_bytes(drop, spec_of((x, 0.1, True), {}))
+    assert torch.equal(rng, torch.get_rng_state())
+    drop(x, 0.1, True)
+    with track_memory("cpu") as mem:
+        out = drop(x, 0.1, True)
+    assert measured == mem.peak - sum(t.untyped_storage().nbytes() for t in out) > 0
