@@ -16,10 +16,10 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/memfit demo
 
-# TEST_WORKERS=2: two pytest worker processes (pytest-xdist, in the dev extra), a whole test file to each at a
-# time so that a file's module fixtures (one spawn of ranks shared by its checks) run once. Off by default
-# until the suite has passed 3 times in a row with it (1 of 2 full runs so far; see the h-tests report).
-TEST_WORKERS ?= 0
+# Two pytest worker processes (pytest-xdist, in the dev extra), a whole test file to each at a time so that a
+# file's module fixtures (one spawn of ranks shared by its checks) run once; `make test TEST_WORKERS=0` runs one.
+# Ranks' ports are bound by the system as each group's store starts (memfit.testing.ranks), so workers never race.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
