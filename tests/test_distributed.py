@@ -174,6 +174,23 @@ def test_ranks_start_while_another_process_holds_the_port_free_port_found(monkey
     assert out == {0: ("ok", (0, 2)), 1: ("ok", (1, 2))}, out
 
 
+def _rank_1_dies(rank, world):
+    if rank == 1:
+        import os
+        os._exit(3)                 # no answer, no exception: as a rank killed or crashing while it starts
+    return rank
+
+
+def test_a_rank_that_dies_without_an_answer_is_reported_at_once_not_at_the_timeout():
+    import time
+    start = time.monotonic()
+    out = run_ranks(_rank_1_dies, 2, timeout=120)
+    took = time.monotonic() - start
+    assert out[0] == ("ok", 0), out
+    assert out[1][0] == "error" and "exited with code 3 before answering" in out[1][1], out
+    assert took < 60, took          # the old wait lasted the whole 120 s timeout
+
+
 def test_distributed_needs_a_process_group():
     x, y = data()
     with pytest.raises(ValueError, match="needs an initialised torch.distributed process group"):

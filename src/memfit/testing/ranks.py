@@ -27,6 +27,7 @@ __all__ = ["free_port", "run_ranks", "settled_gloo", "spawn"]
 
 EXIT_GRACE_S = 10.0     # after the answers: time each process gets to leave its process group and exit
 FAILED_GRACE_S = 5.0    # the same when a rank failed or did not answer (the others may be stuck: kill them)
+POLL_S = 0.5            # how often the wait for answers looks for a rank whose process died without one
 
 
 def free_port() -> int:
@@ -122,6 +123,19 @@ def _worker(fn, rank, world, port, args, queue, env, backend, threads):
             dist.destroy_process_group()
 
 
+def _died_silently(procs, out: dict, queue) -> tuple | None:
+    """(rank, "error", why) for a rank whose process exited without an answer (killed, `os._exit`, a crash while
+    starting: it put nothing, so waiting on would last the whole timeout), else None. What a process put before
+    exiting is in the pipe: one more short read takes it first."""
+    for rank, p in enumerate(procs):
+        if rank not in out and not p.is_alive():
+            try:
+                return queue.get(timeout=POLL_S)
+            except queue_module.Empty:
+                return rank, "error", f"its process exited with code {p.exitcode} before answering"
+    return None
+
+
 def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict | None = None,
               backend: str = "gloo", threads: int = 1, stop_at_first_error: bool = False) -> dict:
     """`fn(rank, world, *args)` in `world` processes of one process group; {rank: ("ok", value) or
@@ -151,13 +165,17 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
     deadline = time.monotonic() + timeout
     out: dict = {}
     try:
-        while len(out) < world:
-            rank, status, value = queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        while len(out) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+            except queue_module.Empty:
+                dead = _died_silently(procs, out, queue)
+                if dead is None:
+                    continue                # still running, or a rank hung: the caller sees it missing at the end
+                rank, status, value = dead
             out[rank] = (status, value)
             if status == "error" and stop_at_first_error:
                 break
-    except queue_module.Empty:      # a rank hung: the caller sees it missing
-        pass
     finally:
         grace = EXIT_GRACE_S if len(out) == world and all(s == "ok" for s, _ in out.values()) else FAILED_GRACE_S
         for p in procs:
