@@ -147,19 +147,27 @@ def _key(func, args, kwargs) -> tuple:
 def _measured(func, args, kwargs) -> int:
     """Bytes the real kernel allocates beyond its outputs' storages, run on these real arguments (once per
     their shapes)."""
-    from torch.utils._pytree import tree_flatten
     key = _key(func, args, kwargs)
     if key in _MEASURED:
         return _MEASURED[key]
 
+    _MEASURED[key] = inside_bytes(func, args, kwargs)
+    return _MEASURED[key]
+
+
+def inside_bytes(func, args, kwargs) -> int:
+    """Bytes the real CPU kernel `func` allocates beyond its outputs' storages while it runs on these real
+    arguments, by the allocator's events (run once untracked first: what a kernel sets up on its first call,
+    its caches, is not per call)."""
+    from torch.utils._pytree import tree_flatten
+
     from memfit.memory.measure import track_memory
-    func(*args, **kwargs)            # once untracked: what a kernel sets up on its first call (caches) is not per call
+    func(*args, **kwargs)
     with track_memory("cpu") as mem:
         out = func(*args, **kwargs)
     outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
             for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-    _MEASURED[key] = max(0, mem.peak - sum(outs.values()))
-    return _MEASURED[key]
+    return max(0, mem.peak - sum(outs.values()))
 
 
 def workspace_bytes(func, args, kwargs) -> tuple[int, int]:

@@ -105,8 +105,8 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
     count."""
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from memfit.memory.fake_kernels import inside_bytes
     from memfit.memory.isolation import kept_rng
-    from memfit.memory.measure import track_memory
     shapes = shapes or {}
     key = (func, spec, tuple(sorted(shapes.items())), torch.get_num_threads())
     if key in _BYTES:
@@ -117,12 +117,7 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
             kept_rng() if seeded else nullcontext():
         real = [_real(lf, shapes.get(i)) if _is_tensor(lf) else shapes.get(i, lf) for i, lf in enumerate(spec.leaves)]
         args, kwargs = tree_unflatten(real, spec.tree)
-        func(*args, **kwargs)       # once untracked: what a kernel sets up on its first call (caches) is not per call
-        with track_memory("cpu") as mem:
-            out = func(*args, **kwargs)
-        outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-    _BYTES[key] = max(0, mem.peak - sum(outs.values()))
+        _BYTES[key] = inside_bytes(func, args, kwargs)
     return _BYTES[key]
 
 

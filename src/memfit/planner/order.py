@@ -127,13 +127,18 @@ def peak(dag: Dag, order: Sequence[int]) -> int:
     left = [len(r) for r in dag.readers]
     live = top = 0
     for v in order:
-        reuse = dag.reuse(v, left.__getitem__)
-        alloc = dag.alloc(v, reuse)
-        top = max(top, live + alloc + dag.temp_of(v))
-        for b in dag.reads[v]:
-            left[b] -= 1
-        live += alloc - dag.freed(v, reuse, left.__getitem__)
+        live, top = _run(dag, v, left, live, top)
     return top
+
+
+def _run(dag: Dag, v: int, left: list[int], live: int, top: int) -> tuple[int, int]:
+    """(live bytes, peak so far) after op v runs; `left` (readers left of each allocation) updated in place."""
+    reuse = dag.reuse(v, left.__getitem__)
+    alloc = dag.alloc(v, reuse)
+    top = max(top, live + alloc + dag.temp_of(v))
+    for b in dag.reads[v]:
+        left[b] -= 1
+    return live + alloc - dag.freed(v, reuse, left.__getitem__), top
 
 
 def _succs(dag: Dag) -> list[list[int]]:
@@ -157,12 +162,7 @@ def _list_schedule(dag: Dag, key: Callable[[int, Callable[[int], int], int, int]
         v = min(ready, key=lambda u: key(u, left.__getitem__, live, top))
         ready.remove(v)
         order.append(v)
-        reuse = dag.reuse(v, left.__getitem__)
-        alloc = dag.alloc(v, reuse)
-        top = max(top, live + alloc + dag.temp_of(v))
-        for b in dag.reads[v]:
-            left[b] -= 1
-        live += alloc - dag.freed(v, reuse, left.__getitem__)
+        live, top = _run(dag, v, left, live, top)
         for s in succs[v]:
             waiting[s] -= 1
             if not waiting[s]:
