@@ -257,6 +257,9 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
             budget = max(budget, training_peak(mod, opt, case.loss, x, y)[0](quarter))
         row.update({"tight budget": format_bytes(budget), "micro fits": quarter})
         try:
+            # as measured: no gradients on entry (gradients held on entry stay referenced through the step, which
+            # the choice counts: with them, no micro-batch fits this budget, rightly)
+            mod.zero_grad(set_to_none=True)
             accumulate(mod, opt, (x, y), case.loss, budget=budget)       # chooses (the fake runs: not measured)
             peak, r = accumulate_peak(mod, opt, x, y, case.loss, budget=budget)
         except MemoryError as e:                                  # refused: a row that says so, and a MISS
