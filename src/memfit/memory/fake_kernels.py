@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["REAL_SIZE", "WORKSPACE", "host_tensors_logged", "real_bytes", "workspace_bytes"]
+__all__ = ["BOUNDED_IN_BATCH", "REAL_SIZE", "WORKSPACE", "as_real_kernel_takes", "host_tensors_logged", "real_bytes", "workspace_bytes"]
 
 
 def _overloads(*names: str) -> frozenset:
@@ -125,11 +125,20 @@ _BATCH_ARGS = {
     "aten.native_layer_norm.default": {0: 0},      # a permuted (non-contiguous) input: copied contiguous inside
     "aten.max_pool2d_with_indices.default": {0: 0},
     "aten.mkldnn_rnn_layer.default": {0: 1, 5: 0, 6: 0},        # the input comes sequence first
+    # its backward allocates its scratch inside (an LSTM step at batch 40 peaked there, 0.5% above the prediction
+    # without it); input, output and their gradient sequence first, the states and theirs batch first
+    "aten.mkldnn_rnn_layer_backward.default": {0: 1, 5: 0, 6: 0, 7: 1, 8: 0, 9: 0, 10: 1, 11: 0, 12: 0},
 }
 WORKSPACE = {op: _BATCH_ARGS[f"aten.{op._schema.name[6:]}.{op._overloadname}"]
              for op in _overloads(*_BATCH_ARGS)}
 _WORKSPACE_BYTES: dict = {}      # (op, argument shapes, strides, dtypes and values) -> (constant, batch part)
 _ROUNDED = _overloads("aten.mkldnn_rnn_layer.default")       # workspace parts rounded up: not affine in the batch
+# ops of WORKSPACE whose bytes `workspace_bytes` bounds at every batch (w(1) + the rate at a large batch, which the
+# rounding keeps above): a fake run logs them as that line. The bytes of every other op of WORKSPACE are oneDNN's
+# choice per size (a 1x1 convolution 0 B up to batch 13, 1.4 MiB at 16; a transposed one's grows faster from 8): a
+# line through a few batches held below the allocator beyond them (a U-Net's step at batch 37: 0.975), so the
+# training memory model measures them at each batch it is asked about (`memfit.memory.kernel_scratch`)
+BOUNDED_IN_BATCH = _ROUNDED
 _RATE_BATCH = 8
 _LINE = (2, 4, 8)                # the batches whose workspaces give the line (constant, bytes per sample)
 _MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured on real arguments of those shapes
@@ -170,6 +179,32 @@ def inside_bytes(func, args, kwargs) -> int:
     return max(0, mem.peak - sum(outs.values()))
 
 
+def as_real_kernel_takes(func, args, kwargs: dict) -> tuple[list, dict]:
+    """(args, kwargs): real arguments made from a fake run's, as the real kernel gets them where the two differ: the
+    real forward of batch norm (and of layer norm with float32 weights) on half-precision inputs saved its
+    statistics in float32 (see `real_bytes`), the fake one in the input's dtype; the fake LSTM forward made no
+    workspace for its backward (`REAL_SIZE`)."""
+    half = (torch.float16, torch.bfloat16)
+    args = list(args)
+    if func is torch.ops.aten.native_batch_norm_backward.default and args[1].dtype in half \
+            and args[2] is not None and args[2].dtype == torch.float32:
+        return [a.float() if i in (5, 6) and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)], kwargs
+    if func is torch.ops.aten.native_layer_norm_backward.default and args[1].dtype in half \
+            and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[5:7]):
+        return [a.float() if i in (3, 4) else a for i, a in enumerate(args)], kwargs
+    if func is torch.ops.aten.mkldnn_rnn_layer_backward.default:
+        # the real backward reads the workspace the real forward makes: made by that forward on these arguments
+        names = [a.name for a in func._schema.arguments]
+        full = args + [kwargs[k] for k in names[len(args):]]        # autograd passes some of them by name
+        (x, w1, w2, w3, w4, hx, cx), (reverse, mode, hidden, layers, biases, train, bidirectional, sizes, first) = \
+            full[:7], full[13:22]
+        with torch.enable_grad():               # under no_grad the forward keeps no workspace (None)
+            made = torch.ops.aten.mkldnn_rnn_layer.default(x, w1, w2, w3, w4, hx, cx, reverse, sizes, mode, hidden,
+                                                           layers, biases, bidirectional, first, train)
+        return [*full[:22], made[3].detach()], {}
+    return args, kwargs
+
+
 def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
     """(constant, batch part): bytes a real CPU kernel of `WORKSPACE` allocates beyond its outputs while it
     runs, (0, 0) for other ops. Measured once per argument shapes by running the real kernel on zeros of those
@@ -204,25 +239,14 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
 
         def at(r_args, r_kwargs, k):             # the batch made k
             b = r_args[0].shape[dims[0]]
-            r_args = [a if i not in dims else k if dims[i] is None else grow(a, dims[i], k)
+            r_args = [a if i not in dims or a is None else k if dims[i] is None else grow(a, dims[i], k)
                       for i, a in enumerate(r_args)]
             mask = r_kwargs.get("attn_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() and mask.shape[0] == b > 1:
                 r_kwargs = {**r_kwargs, "attn_mask": grow(mask, 0, k)}
-            return r_args, r_kwargs
+            return as_real_kernel_takes(func, r_args, r_kwargs)
         with unset_fake_temporarily(), torch.no_grad():
             r_args, r_kwargs = tree_map(real, (args, kwargs))
-            if func is torch.ops.aten.native_batch_norm_backward.default and r_args[1].dtype in (
-                    torch.float16, torch.bfloat16) and r_args[2] is not None and r_args[2].dtype == torch.float32:
-                # the real forward saved its statistics in float32 (see `real_bytes`), the fake one in the
-                # input's dtype: with float32 weights, the real kernel takes float32 ones
-                r_args = [a.float() if i in (5, 6) and isinstance(a, torch.Tensor) else a
-                          for i, a in enumerate(r_args)]
-            if func is torch.ops.aten.native_layer_norm_backward.default and r_args[1].dtype in (
-                    torch.float16, torch.bfloat16) and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32
-                                                           for a in r_args[5:7]):
-                # the same for layer norm with float32 weights (see `LAYER_NORM`)
-                r_args = [a.float() if i in (3, 4) else a for i, a in enumerate(r_args)]
             b = r_args[0].shape[dims[0]]
             if func in _ROUNDED:
                 # oneDNN's RNN sizes its buffers as parts each rounded up to an alignment: w(b) <= s*b + w(1)
@@ -232,7 +256,8 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
                 rate = -(-_measured(func, *at(r_args, r_kwargs, _RATE_BATCH)) // _RATE_BATCH)
                 _WORKSPACE_BYTES[key] = (one, rate * b)
                 return _WORKSPACE_BYTES[key]
-            w = lambda k: _measured(func, *at(r_args, r_kwargs, k)) if k != b else _measured(func, r_args, r_kwargs)
+            w = lambda k: _measured(func, *at(r_args, r_kwargs, k)) if k != b else \
+                _measured(func, *as_real_kernel_takes(func, r_args, r_kwargs))
             if b == 1:
                 # a kernel may take another path at batch 1 (oneDNN's convolution backward does: 192 bytes there,
                 # 22 KiB at 2 for a small layer): its own bytes, which a line through larger batches would not give
