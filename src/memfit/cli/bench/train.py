@@ -219,9 +219,11 @@ def grad_rel_error(ref, mod) -> float:
     return max(((g - h).abs().max() / max(g.abs().max().item(), 1e-3 * top, 1e-30)).item() for g, h in pairs)
 
 
-def accumulate_peak(model, opt, x, y, loss, **kw):
-    """(live bytes at the peak of one real accumulate step, its StepResult), what it holds before included."""
-    model.zero_grad(set_to_none=True)
+def accumulate_peak(model, opt, x, y, loss, grads_held: bool = False, **kw):
+    """(live bytes at the peak of one real accumulate step, its StepResult), what it holds before included; with
+    `grads_held`, the gradients of the step before are held on entry (else dropped first)."""
+    if not grads_held:
+        model.zero_grad(set_to_none=True)
     base = _held(model, opt, x, y)
     with track_memory(next(model.parameters()).device) as mem:
         r = accumulate(model, opt, (x, y), loss, **kw)
@@ -254,18 +256,17 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
            "auto micro": r.micro_batch if auto else f"{n} (given: no memory model)", "plain s": t_plain,
            "accumulate s": t_acc, "plain/accumulate": ratio}
     if auto:
+        # measured in the steady state the choice is made for: the gradients of the step before held on entry
+        # (accumulate keeps them referenced through the step and counts them, held now or not)
         quarter = max(1, math.ceil(n / 4))
-        budget, _ = accumulate_peak(mod, opt, x, y, case.loss, micro_batch=quarter)
+        budget, _ = accumulate_peak(mod, opt, x, y, case.loss, grads_held=True, micro_batch=quarter)
         budget += 4096          # room for accumulate's own scalars, which the prediction counts at their largest
         if dev.type == "cuda":  # predictions there add the allocator's stated margin: a measured budget is below
             budget = max(budget, training_peak(mod, opt, case.loss, x, y)[0](quarter))
         row.update({"tight budget": format_bytes(budget), "micro fits": quarter})
         try:
-            # as measured: no gradients on entry (gradients held on entry stay referenced through the step, which
-            # the choice counts: with them, no micro-batch fits this budget, rightly)
-            mod.zero_grad(set_to_none=True)
             accumulate(mod, opt, (x, y), case.loss, budget=budget)       # chooses (the fake runs: not measured)
-            peak, r = accumulate_peak(mod, opt, x, y, case.loss, budget=budget)
+            peak, r = accumulate_peak(mod, opt, x, y, case.loss, grads_held=True, budget=budget)
         except MemoryError as e:                                  # refused: a row that says so, and a MISS
             row.update({"auto picks": f"refused ({type(e).__name__})", "real/budget": math.inf})
             return row
@@ -316,7 +317,8 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
         print(f"not available: {mm_name}; the peak, max-batch and predict-cost targets are not measured")
     print(f"# accumulation at batch {sizes[-1]}: gradient vs one plain step; step time at the auto micro-batch "
           "(budget 1TiB: the whole batch fits) vs the plain step; tight budget: the measured peak of accumulate "
-          "in micro-batches of a quarter (micro fits) + 4 KiB, the size auto picks there and its real peak")
+          "in micro-batches of a quarter (micro fits) + 4 KiB, the previous step's gradients held on entry (the "
+          "steady state auto's choice counts), the size auto picks there and its real peak")
     print(table(acc_rows))
     _verdicts(mem_rows, acc_rows, have_mm, cost_rows)
     warning = spread_warning()
