@@ -105,7 +105,7 @@ def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> d
 
 REAL_TARGETS = {"latency": 1.00, "latency_geo": 0.95, "total/eager": 1.00, "arena/bound": 1.02}
 MODEL_RANGE = (1.00, 1.05)      # memory_model's planned bytes / the allocator's: never below, at most 5% above
-_HELD = {MemoryKind.PARAMETERS.value, MemoryKind.INPUTS.value, MemoryKind.ALLOCATOR_MARGIN.value}
+_HELD = {MemoryKind.PARAMETERS.value, MemoryKind.INPUTS.value}
 
 
 def _model_ok(ratio: float) -> bool:
@@ -132,8 +132,9 @@ def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int, 
     for b in batches:
         x = make_input(b)
         row = _row(name, model, pm, x, repeat, plan_s if b == batches[0] else 0.0)
-        # the memory model's bytes beyond parameters, inputs and its stated margin (arena + unplanned, for the
-        # planned forward) against the planned call's by the allocator (its arena + its peak beyond it)
+        # the memory model's bytes beyond parameters and inputs (arena + unplanned + its stated margin: 16 B on the
+        # CPU for a Python number an op wraps, as GPT-2's `mul` does, 12 B) against the planned call's by the
+        # allocator (its arena + its peak beyond it)
         row["predicted"] = sum(v for k, v in mm.breakdown(b).items() if k not in _HELD)
         row["model/real"] = row["predicted"] / max(row["planned_total"], 1)
         if compiled and (not quick or b == batches[-1]):
@@ -175,7 +176,8 @@ def verdicts_real(rows: list[dict]) -> list[str]:
         miss = [f"{r['model']}/{r['batch']} ({r[col]:.3f})" for r in rows if r[col] > REAL_TARGETS[key]]
         out.append(f"{col} <= {REAL_TARGETS[key]:.2f} for every model: "
                    f"{'PASS' if not miss else 'MISS ' + ', '.join(miss)}")
-    off = [f"{r['model']}/{r['batch']} ({r['model/real']:.4f})" for r in rows if not _model_ok(r["model/real"])]
+    off = [f"{r['model']}/{r['batch']} ({r['predicted'] - r['planned_total']:+d} B)" for r in rows
+           if not _model_ok(r["model/real"])]
     ratios = [r["model/real"] for r in rows]
     out.append(f"memory_model / allocator, the planned call's arena + unplanned, in [{min(ratios):.4f}, "
                f"{max(ratios):.4f}] (target every row in [{MODEL_RANGE[0]:.2f}, {MODEL_RANGE[1]:.2f}]): "
@@ -319,8 +321,8 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
         cols = ["model", "batch", "eager_peak", "arena", "bound", "arena/bound", "unplanned", "total/eager",
                 "predicted", "model/real", "order", "graph_order_total", "reorder_saved", "eager_ms", "planned_ms",
                 "latency_ratio", "PASS/MISS"]
-        print("# predicted: memfit.memory_model(model, example) at this batch, its arena + unplanned bytes; "
-              "model/real: that / (arena + unplanned by the allocator)")
+        print("# predicted: memfit.memory_model(model, example) at this batch, its arena + unplanned bytes + its "
+              "stated margin (16 B on the CPU); model/real: that / (arena + unplanned by the allocator)")
         print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned", "graph_order_total",
                                                "reorder_saved", "predicted"}))
         vs = [r for r in rows if "compiled" in r]
