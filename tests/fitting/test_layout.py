@@ -64,3 +64,56 @@ def test_step_lets_shorter_sequences_through_a_plan_for_dict_inputs():
         plan.step(({"input_ids": ids.repeat(1, 2)}, ids.repeat(1, 2)))
     with pytest.raises(ValueError, match="laid out as"):
         plan.step(({"ids": ids}, ids))
+
+
+def _frozen_first():
+    model = _model()
+    model[0].requires_grad_(False)
+    return model
+
+
+def test_step_refuses_a_model_changed_since_fit():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    changes = {
+        r"parameter '0.0.weight' now requires grad": lambda m, o: m[0][0].weight.requires_grad_(True),
+        r"module '1' was replaced by another module": lambda m, o: m.__setitem__(1, nn.Sequential(
+            nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16))),
+        r"attribute 'forward' of module '1.1' changed": lambda m, o: setattr(m[1][1], "forward", torch.sin),
+    }
+    for said, change in changes.items():
+        model = _frozen_first()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+        plan.step((x, y))                                  # the model as planned steps
+        change(model, opt)
+        if "requires grad" in said:                        # its gradient and AdamW state: above the plan, silently
+            assert _real_peak(model, opt, (x, y), plan.micro_batch) > plan.peak_bytes
+        with pytest.raises(ValueError, match=f"the model changed since memfit.fit made this plan \\({said}\\).*call "
+                                             "memfit.fit again"):
+            plan.step((x, y))
+
+
+def test_step_refuses_an_optimizer_given_other_parameters_or_state_and_lets_a_schedule_through():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    model = _frozen_first()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(2):                                     # lr moves: no byte changes
+        plan.step((x, y))
+        schedule.step()
+    model.eval()
+    model.train()                                          # a round trip through eval mode: the model as planned
+    plan.step((x, y))
+    opt.param_groups[0]["momentum"] = 0.9                  # a momentum buffer per parameter, never counted
+    memfit.accumulate(model, opt, (x, y), F.mse_loss, micro_batch=plan.micro_batch)      # the buffers made
+    assert _real_peak(model, opt, (x, y), plan.micro_batch) > plan.peak_bytes
+    with pytest.raises(ValueError, match="optimizer's parameter groups changed.*momentum"):
+        plan.step((x, y))
+    opt.param_groups[0]["momentum"] = 0
+    plan.step((x, y))
+    opt.add_param_group({"params": list(model[0].parameters())})      # a group the plan never saw
+    with pytest.raises(ValueError, match=r"1 group\(s\) of \[4\] parameters then, 2 of \[4, 4\] now"):
+        plan.step((x, y))
