@@ -18,9 +18,12 @@ from memfit.progress import progress_bar
 __all__ = ["NanWatch", "run_chunks"]
 
 
-def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
+def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch, labels=None):
     """Forward one chunk and compute every metric's contribution; nothing is committed here. A metric that
-    names a target of a dict of targets reads the model's output of that name (`metrics.output_for`)."""
+    names a target of a dict of targets reads the model's output of that name (`metrics.output_for`).
+    `labels(x, y)`: the labels to score against (a causal LM's shifted ones, `evaluation.causal`), or raises."""
+    if labels is not None:
+        y = labels(x, y)
     try:
         out = forward(runner, x)
     except Exception as e:       # the forward's dtype mistakes only: a metric's or loss_fn's own error stays its own
@@ -63,14 +66,14 @@ class NanWatch:
 
 
 def run_chunks(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch.device, show, output_fn=None,
-          allow_empty: bool = False) -> dict:
+               allow_empty: bool = False, labels=None) -> dict:
     total = chunks.n if isinstance(chunks, Chunks) else None
     bar = progress_bar(total, "evaluating", unit="sample", enabled=show)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     stats = {"n": 0, "chunks": 0, "retries": 0, "max_n": 0, "oom_sizes": []}
     limit, failed, watch = size, set(), NanWatch()
-    run = lambda x, y: _run_chunk(runner, metrics, x, y, output_fn, watch)
+    run = lambda x, y: _run_chunk(runner, metrics, x, y, output_fn, watch, labels)
     with torch.inference_mode():
         if isinstance(chunks, Chunks):
             s, cur = 0, size
