@@ -1,7 +1,9 @@
 """The 'loss' metric against torch's own loss modules on the whole set: torch's mean is not always
 sum / numel (ignore_index, class weights, KLDivLoss 'batchmean'), and any chunking must give its value."""
+import copy
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -329,14 +331,21 @@ def test_the_loss_ignore_index_is_every_metrics_ignore_index(ignore):
 
 
 @pytest.mark.parametrize("ignore", [0, -1])
-def test_accumulate_warns_about_uneven_padding_with_the_losses_ignore_index(ignore):
+def test_accumulate_weighs_uneven_padding_by_the_losses_ignore_index(ignore):
     """accumulate's warning that samples hold different numbers of counted tokens looked for -100 only: padding
     marked 0 (or -1) for CrossEntropyLoss(ignore_index=0) went unsaid, and the micro-batch gradient was not the
-    full-batch one. It now reads the loss's ignore index and names it in the fix."""
+    full-batch one. A torch cross entropy says what its mean is over: its micro-batches are now weighted by the
+    tokens it counts (its own ignore index): the full-batch step, with nothing to warn about."""
     model, x, y = padded_tokens(ignore, n=8)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=ignore)
-    with pytest.warns(UserWarning, match=rf"ignores \({ignore}\) a different number.*\(y != {ignore}\).sum\(\)"):
-        accumulate(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=3)
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = accumulate(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=3)
+    assert r.loss == pytest.approx(loss_fn(ref(x), y).item(), rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_a_loss_that_would_count_the_datas_ignored_positions_is_refused():

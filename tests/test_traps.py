@@ -10,6 +10,8 @@ the smallest model that shows it and checks the promise still holds. Add a trap 
   labels equal to the input ids of a causal LM are refused unless `shift_labels` says how to score them.
 - A plan is for the model it was made on: a parameter unfrozen after `fit` adds a gradient and optimizer
   state `plan.step` never counted: refused.
+- A class-weighted cross entropy's mean divides by its micro-batch's sum of weights, a reduction='sum' loss is
+  no mean at all: weighted by samples, accumulate's gradient was 36% and 85% off; both are now the full batch's.
 """
 import copy
 import functools
@@ -161,3 +163,18 @@ def test_a_parameter_unfrozen_after_fit_is_refused_by_plan_step():
     model[0].requires_grad_(True)
     with pytest.raises(ValueError, match="parameter '0.weight' now requires grad.*call memfit.fit again"):
         plan.step(batch)
+
+
+@pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 0.1])),
+                                     nn.CrossEntropyLoss(reduction="sum")], ids=["class-weights", "sum"])
+def test_accumulate_with_a_loss_that_is_not_a_mean_over_samples_is_the_full_batch_step(loss_fn):
+    """CrossEntropyLoss(weight=...) divides by the weights of the targets in its batch and reduction='sum' does not
+    divide: micro-batches weighted by their share of the samples gave another gradient (36%, 85% off), silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(10, 4), torch.tensor([0, 1, 1, 2, 0, 2, 1, 1, 1, 0])
+    loss_fn(ref(x), y).backward()
+    accumulate(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=3)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["REDUCTIONS", "call_loss", "count_terms", "loss_ignore_index", "loss_sum", "per_sample",
-           "torch_denominator", "unit_dim"]
+__all__ = ["REDUCTIONS", "batch_terms", "call_loss", "count_terms", "loss_ignore_index", "loss_sum", "per_sample",
+           "said_reduction", "torch_denominator", "unit_dim"]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -223,17 +223,55 @@ def call_loss(loss_fn: Callable, out, y):
         return loss_fn(out, y)
 
 
-def count_terms(terms: Callable, x, y) -> int:
-    """terms(x, y): how many terms a loss's mean is over in a batch, as an int >= 0, or a clear error."""
+def count_terms(terms: Callable, x, y) -> int | float:
+    """terms(x, y): how many terms a loss's mean is over in a batch, as an int >= 0 (a float where the terms are
+    weighted: a class-weighted loss's sum of weights, never rounded), or a clear error."""
     c = terms(x, y)
     try:
-        c = int(c)
+        f = float(c)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"terms(x, y) must return the number of terms loss_fn averages over (an int or a 0-d "
                         f"tensor), e.g. lambda x, y: (y != -100).sum(); found {type(c).__name__}") from None
-    if c < 0:
+    c = int(f) if f.is_integer() else f
+    if not f >= 0 or f == float("inf"):
         raise ValueError(f"terms(x, y) must count terms (>= 0); found {c}")
     return c
+
+
+def said_reduction(loss_fn: Callable) -> str | None:
+    """The reduction over the batch a torch loss says it does: a loss module's `reduction`, a partial's
+    `reduction=`, a torch loss function's default ('mean'); None where the loss does not say (a lambda)."""
+    if isinstance(loss_fn, torch.nn.Module):
+        r = getattr(loss_fn, "reduction", None)
+        return r if isinstance(r, str) else None
+    func, kw = _unwrapped(loss_fn)
+    if "reduction" in kw:
+        return kw["reduction"]
+    if func in (*_INDEX_LOSSES, *_ELEMENTWISE_FUNCTIONS):
+        return "mean"
+    return None
+
+
+def batch_terms(loss_fn: Callable, y) -> Callable | None:
+    """terms(x, y) for a loss whose mean over a batch is not one term per sample, where the loss says so:
+    CrossEntropyLoss / NLLLoss (or F.cross_entropy / F.nll_loss, plainly or as a partial) with reduction 'mean'
+    on integer targets divide by the targets not ignored, each counted as its class weight. Weighting
+    micro-batches by samples is then not the full-batch mean unless no target of `y` is ignored and the classes
+    are unweighted (then None: samples are the terms). None for any other loss."""
+    if said_reduction(loss_fn) != "mean" or not isinstance(y, torch.Tensor) or y.is_floating_point() \
+            or y.dtype == torch.bool or not y.numel():
+        return None
+    if isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)):
+        weight, ignore = loss_fn.weight, loss_fn.ignore_index
+    else:
+        func, kw = _unwrapped(loss_fn)
+        if func not in _INDEX_LOSSES:
+            return None
+        weight, ignore = kw.get("weight"), kw.get("ignore_index", -100)
+    if weight is None and not bool((y == ignore).any()):
+        return None
+    denominator = _class_index_denominator(weight, ignore)
+    return lambda x, t: denominator(None, t, t)
 
 
 def loss_sum(logits: torch.Tensor, y, loss_fn: Callable, reduction: str = "none",

@@ -94,6 +94,7 @@ class MicroStep:
         self.autocast = self._autocast_type()
         self.splittable = True           # an out-of-memory error may split a micro-batch
         self.ignore = -100               # the ignore index accumulate knows of (the loss's own, else -100)
+        self.summed = False              # loss_fn sums over its batch (reduction='sum'): every part weighs 1
         self.labels_checked = False      # class ids the loss ignores unsaid: looked for at the first micro-batch
 
     @staticmethod
@@ -129,6 +130,8 @@ class MicroStep:
         whole = s == 0 and e == self.n          # the batch itself: no views to make
         xs = batch_to(self.x, self.device) if whole else part_of(self.x, s, e, self.device)
         ys = batch_to(self.y, self.device) if whole else part_of(self.y, s, e, self.device)
+        # counted before the forward: a count's temporaries (a bool per label) never sit on the activations
+        terms = None if self.terms is None else count_terms(self.terms, xs, ys)
         out = forward(self.model, xs)
         loss = call_loss(self.loss_fn, out, ys)      # refuses (N, 1) against (N,) targets
         m = e - s
@@ -151,16 +154,18 @@ class MicroStep:
         # part's share of the batch, scaled in one multiplication (none when the part is the whole batch)
         part, count = (loss.sum(), 1) if per_sample else (loss if loss.dim() == 0 else loss.reshape(()), m)
         del loss                    # per-sample losses: the vector is not needed in backward (sum saves no input)
-        if self.terms is not None:
+        if self.summed:             # the full batch's sum is the sum of the parts' sums (DDP averages the ranks')
+            count = 1
+        if terms is not None:
             if per_sample:
                 raise ValueError(f"terms= needs loss_fn to return the mean over those terms (a scalar); found one "
                                  f"loss per sample (shape ({m},)): return their mean, or drop terms=")
-            count = count_terms(self.terms, xs, ys)
+            count = terms
             if count == 0:                  # nothing counts in this part: its mean is 0 / 0, and it adds nothing
                 self.micro_batches += 1
                 return
         if part.requires_grad:       # not when every parameter is frozen (they all hold this part already)
-            weight = count * self.world / self.n_total
+            weight = 1 if self.summed else count * self.world / self.n_total
             weighted = part if weight == 1 else part * weight
             if self.autocast is not None:        # backward outside autocast, as torch.amp recommends
                 with torch.autocast(self.autocast, enabled=False):
