@@ -191,10 +191,19 @@ def _broadcast_error(out_shape, y_shape, where: str = "") -> ValueError:
 class _RefuseBroadcast(torch.overrides.TorchFunctionMode):
     """Inside a user's loss callable: torch's elementwise losses that only warn when they broadcast (mse, l1,
     smooth_l1, huber) refuse outputs and targets of different shapes before they run. A torch function mode is
-    this thread's alone: other threads' losses, and the process's warnings filters, are left as they are."""
+    this thread's alone: other threads' losses, and the process's warnings filters, are left as they are.
+    With `weighted`, a list: the class weights of every cross entropy / NLL averaged inside are put there."""
+
+    def __init__(self, weighted: list | None = None):
+        super().__init__()
+        self.weighted = weighted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.weighted is not None and func in _INDEX_LOSSES:
+            weight = args[2] if len(args) > 2 else kwargs.get("weight")
+            if weight is not None and kwargs.get("reduction", "mean") == "mean" and len(args) < 7:
+                self.weighted.append(weight)
         if func in _WARNING_LOSSES:
             a = args[0] if args else kwargs.get("input")
             b = args[1] if len(args) > 1 else kwargs.get("target")
@@ -203,24 +212,38 @@ class _RefuseBroadcast(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def call_loss(loss_fn: Callable, out, y):
+def call_loss(loss_fn: Callable, out, y, weighted: list | None = None):
     """loss_fn(out, y), refusing outputs and targets that an elementwise loss would broadcast into each other.
 
     A torch elementwise loss (MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCE, ..., or its F function) is checked
     before it runs: outputs and targets must have one shape. Any other callable runs with torch's losses that
     broadcast with only a warning (mse_loss, l1_loss, smooth_l1_loss, huber_loss) refusing shapes that differ, so a
     lambda around F.mse_loss is refused too (by a torch function mode of this thread: no warnings filter is
-    changed). Raises ValueError saying the two shapes and the fix.
+    changed). Raises ValueError saying the two shapes and the fix. With `weighted` (a list), the class weights of
+    the cross entropies a callable averages inside are appended to it (`class_weighted_mean`).
     """
     tensors = isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)
     if tensors and out.shape != y.shape and _elementwise(loss_fn):
         raise _broadcast_error(out.shape, y.shape)
     func, _ = _unwrapped(loss_fn)
-    if (tensors and out.shape == y.shape) or type(func).__module__ == "torch.nn.modules.loss" or \
-            func in (*_ELEMENTWISE_FUNCTIONS, *_INDEX_LOSSES):
+    if type(func).__module__ == "torch.nn.modules.loss" or func in (*_ELEMENTWISE_FUNCTIONS, *_INDEX_LOSSES) or \
+            (tensors and out.shape == y.shape and weighted is None):
         return loss_fn(out, y)          # nothing to broadcast, or a torch loss checked above
-    with _RefuseBroadcast():
+    with _RefuseBroadcast(weighted):
         return loss_fn(out, y)
+
+
+def class_weighted_mean(weighted: list) -> str | None:
+    """The warning to give when a loss callable averaged a class-weighted cross entropy inside (`call_loss`'s
+    `weighted`): its mean divides by its batch's sum of target weights, which differs between micro-batches, so
+    weighting them by samples is not the full-batch gradient; None when it did not."""
+    if not weighted:
+        return None
+    return ("accumulate: loss_fn averages a cross entropy with class weights inside, whose mean divides by the sum "
+            "of its targets' weights: micro-batches weighted by samples do not give the full-batch gradient. Pass "
+            "terms=lambda x, y: w[y[y != -100]].sum() (w the weights, -100 the ignore index), or give the loss as "
+            "torch.nn.CrossEntropyLoss(weight=w) or functools.partial(F.cross_entropy, weight=w), whose "
+            "micro-batches memfit weighs itself")
 
 
 def count_terms(terms: Callable, x, y) -> int | float:

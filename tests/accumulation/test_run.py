@@ -16,6 +16,7 @@ from accumulation.cases import (
     Tagger,
     assert_same_step,
     data,
+    make,
     pair,
     plain_step,
     token_loss,
@@ -237,5 +238,24 @@ def test_class_weights_and_ignored_targets_weigh_each_micro_batch_as_torchs_mean
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # exact: nothing to warn about
         r = accumulate(mod, opt, (x, y), loss_fn, micro_batch=micro)
+    assert r.loss == pytest.approx(loss, rel=1e-5)
+    assert_same_step(ref, mod)
+
+
+def test_a_class_weighted_mean_inside_a_lambda_is_warned_about_and_exact_with_terms():
+    """A lambda (what a transformers model's output needs: out.logits) around a class-weighted cross entropy cannot
+    say what its mean is over: warned about (it was silent), and terms= counting the weights gives the full batch."""
+    x, y = data(10)
+    lam = lambda out, t: F.cross_entropy(out, t, weight=WEIGHTS)
+    ref, ref_opt, mod, opt = pair("mlp")
+    loss = plain_step(ref, ref_opt, x, y, lam)
+    with pytest.warns(UserWarning, match=r"class weights inside.*terms=lambda x, y: w\[y\[y != -100\]\]\.sum\(\)"):
+        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y), lam, micro_batch=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = accumulate(mod, opt, (x, y), lam, micro_batch=3, terms=lambda x, t: WEIGHTS[t].sum())
+        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y), lam, micro_batch=10)
+        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y),
+                   lambda out, t: F.cross_entropy(out, t), micro_batch=3)        # unweighted: samples are the terms
     assert r.loss == pytest.approx(loss, rel=1e-5)
     assert_same_step(ref, mod)

@@ -23,7 +23,7 @@ import torch
 from memfit.accumulation.checks import part_of
 from memfit.batches import batch_to, forward
 from memfit.budget import halve_after_oom, is_oom
-from memfit.losses import call_loss, count_terms
+from memfit.losses import call_loss, class_weighted_mean, count_terms
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
 
@@ -95,6 +95,7 @@ class MicroStep:
         self.splittable = True           # an out-of-memory error may split a micro-batch
         self.ignore = -100               # the ignore index accumulate knows of (the loss's own, else -100)
         self.summed = False              # loss_fn sums over its batch (reduction='sum'): every part weighs 1
+        self.warning: str | None = None  # said after the step: a class-weighted mean inside loss_fn, unweighted
         self.labels_checked = False      # class ids the loss ignores unsaid: looked for at the first micro-batch
 
     @staticmethod
@@ -133,8 +134,12 @@ class MicroStep:
         # counted before the forward: a count's temporaries (a bool per label) never sit on the activations
         terms = None if self.terms is None else count_terms(self.terms, xs, ys)
         out = forward(self.model, xs)
-        loss = call_loss(self.loss_fn, out, ys)      # refuses (N, 1) against (N,) targets
         m = e - s
+        # the class weights of a cross entropy loss_fn averages inside, looked at once, where the weighting is ours
+        weighted = [] if not self.labels_checked and terms is None and not self.summed and m < self.n_total else None
+        loss = call_loss(self.loss_fn, out, ys, weighted)      # refuses (N, 1) against (N,) targets
+        if weighted is not None:
+            self.warning = class_weighted_mean(weighted)
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
         # the classes the output holds, for the check after this backward (not now: its temporaries, a bool per
         # label, would sit on this micro-batch's activations at the step's peak). Looked for at the first part

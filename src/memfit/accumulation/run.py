@@ -182,8 +182,9 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         if world > 1:                # every rank finished with a finite loss: DDP all-reduces, once
             synchronise(model, step.params)
         optimizer.step()
-    if differ is not None and step.micro_batches > 1:
-        warnings.warn(differ, stacklevel=2)
+    for said in (differ, step.warning):
+        if said is not None and step.micro_batches > 1:
+            warnings.warn(said, stacklevel=2)
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
         lower_chosen(model, key, final)
     res = StepResult(loss_sum if step.summed else loss_sum / n_total, n, size, final, step.micro_batches,
