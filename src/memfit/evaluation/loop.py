@@ -12,7 +12,7 @@ from memfit.budget import halve_after_oom, is_oom
 from memfit.evaluation.chunks import Chunks
 from memfit.input_mistakes import dtype_mistake
 from memfit.messages import first_line
-from memfit.metrics import Metric, logits_of, output_for
+from memfit.metrics import Metric, logits_of, order_error, output_for
 from memfit.progress import progress_bar
 
 __all__ = ["NanWatch", "run_chunks"]
@@ -32,6 +32,11 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch, label
             raise mistake from e
         raise
     names = list(y) if isinstance(y, dict) else []
+    if names and not watch.order_checked:          # a tuple of outputs matched to the targets by their order
+        watch.order_checked = True
+        error = order_error(out, y, {m.target: m.ignored for m in metrics.values()}, output_fn)
+        if error is not None:
+            raise error
     logits, parts, watched = None, [], set()
     for m in metrics.values():
         if m.target is None:
@@ -52,10 +57,11 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch, label
 
 
 class NanWatch:
-    """Warns once when a chunk's outputs are all NaN (a broken model then scores chance, silently)."""
+    """Warns once when a chunk's outputs are all NaN (a broken model then scores chance, silently). Also holds
+    whether the order of a tuple of outputs against a dict of targets was checked (`metrics.order_error`)."""
 
     def __init__(self) -> None:
-        self.where, self.warned = "", False
+        self.where, self.warned, self.order_checked = "", False, False
 
     def __call__(self, out: torch.Tensor) -> None:
         if self.warned or not out.is_floating_point() or not out.numel() or not bool(torch.isnan(out).all()):
