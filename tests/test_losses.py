@@ -399,3 +399,22 @@ def test_a_loss_fn_ignoring_a_label_memfit_was_not_told_is_refused(reduction):
     with torch.no_grad():
         plain = F.cross_entropy(model(x).double(), torch.where(y == 255, 0, y)).item()
     assert r["loss"] == pytest.approx(plain, rel=1e-6)
+
+
+def test_a_class_weighted_mean_inside_a_lambda_is_refused_and_exact_with_terms():
+    """evaluate(loss_fn=lambda: F.cross_entropy(..., weight=w), loss_reduction='mean') weighted each chunk's mean by
+    its samples: 1.539 for the whole set's 1.485, silently. Refused now; terms= summing the weights is exact (a
+    float, never rounded)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).eval()
+    x, y = torch.randn(30, 6), torch.randint(0, 4, (30,))
+    w = torch.tensor([1.0, 5.0, 0.1, 2.0])
+    lam = lambda out, t: F.cross_entropy(out, t, weight=w)
+    with torch.no_grad():
+        whole = lam(model(x), y).item()
+    with pytest.raises(ValueError, match=r"class weights inside.*terms=lambda x, y: w\[y\[y != -100\]\]\.sum\(\)"):
+        evaluate(model, (x.numpy(), y.numpy()), metrics=("loss",), loss_fn=lam, loss_reduction="mean", chunk_size=7,
+                 progress=False)
+    r = evaluate(model, (x.numpy(), y.numpy()), metrics=("loss",), loss_fn=lam, loss_reduction="mean",
+                 terms=lambda x, t: w[t].sum(), chunk_size=7, progress=False)
+    assert r["loss"] == pytest.approx(whole, rel=1e-6)

@@ -13,7 +13,8 @@ the smallest model that shows it and checks the promise still holds. Add a trap 
 - A class-weighted cross entropy's mean divides by its micro-batch's sum of weights, a reduction='sum' loss is
   no mean at all: weighted by samples, accumulate's gradient was 36% and 85% off; both are now the full batch's.
 - A tuple of outputs meets a dict of targets by position: a 2-class head beside a 2-value box fits either
-  order, and a dict written in the other order swapped every metric silently; now refused.
+  order, and a dict written in the other order swapped every metric silently; now refused
+  (tests/metrics/test_outputs.py).
 """
 import copy
 import functools

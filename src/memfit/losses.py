@@ -311,7 +311,15 @@ def loss_sum(logits: torch.Tensor, y, loss_fn: Callable, reduction: str = "none"
     """
     def count(k):
         return torch.tensor(float(k), dtype=torch.float64, device=logits.device)
-    out = call_loss(loss_fn, logits, y)
+    # a chunk mean weighted by samples: a class-weighted cross entropy averaged inside loss_fn divides by its
+    # chunk's sum of weights instead (evaluate cannot see that mean's terms: refused below)
+    weighted = [] if reduction == "mean" and terms is None and denominator is None else None
+    out = call_loss(loss_fn, logits, y, weighted)
+    if weighted:
+        raise ValueError("loss_fn averages a cross entropy with class weights inside (loss_reduction='mean'), whose "
+                         "mean divides by the sum of its targets' weights: chunks weighted by samples would not give "
+                         "the whole-set mean. Fix: pass terms=lambda x, y: w[y[y != -100]].sum() (w the weights), or "
+                         "give the loss as torch.nn.CrossEntropyLoss(weight=w), whose mean memfit knows")
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"loss_fn must return a tensor; found {type(out).__name__}")
     if out.dim() == 0:
