@@ -149,7 +149,11 @@ class MicroStep:
             self.labels_checked = True
             if (self.terms is None and not per_sample and isinstance(out, torch.Tensor)
                     and isinstance(ys, torch.Tensor) and out.dim() == ys.dim() + 1):
-                check_classes = out.shape[1]
+                # the classes on dimension 1 (N, C, *d) or last (N, *d, C), where the rest matches the labels: a
+                # token model's (N, T, V) logits, transposed in loss_fn, have V classes, not T
+                sizes = [c for c, rest in ((out.shape[1], out.shape[2:]), (out.shape[-1], out.shape[1:-1]))
+                         if rest == ys.shape[1:]]
+                check_classes = max(sizes) if sizes else None
         del out
         if not isinstance(loss, torch.Tensor) or not (loss.numel() == 1 or per_sample):
             raise ValueError(f"loss_fn must return the mean loss over the micro-batch (a scalar tensor) or one loss "
