@@ -117,3 +117,26 @@ def test_step_refuses_an_optimizer_given_other_parameters_or_state_and_lets_a_sc
     opt.add_param_group({"params": list(model[0].parameters())})      # a group the plan never saw
     with pytest.raises(ValueError, match=r"1 group\(s\) of \[4\] parameters then, 2 of \[4, 4\] now"):
         plan.step((x, y))
+
+
+def test_what_a_models_own_forward_sets_is_not_a_change_and_a_change_between_steps_is():
+    """transformers' Swin sets an attribute (`shift_size`) in its first forward: checked against the model as fit
+    saw it, every step after the first was refused. Each step is checked against the model as the last one left it."""
+    class SetsInForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.width = _model(), None
+
+        def forward(self, x):
+            self.width = x.shape[1]                   # a plain attribute, set by the forward itself
+            return self.body(x)
+    model = SetsInForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+    for _ in range(3):
+        plan.step((x, y))
+    model.body[1] = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16))
+    with pytest.raises(ValueError, match=r"module 'body.1' was replaced"):
+        plan.step((x, y))

@@ -310,6 +310,9 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                              micro_batch=plan.micro_batch, terms=terms,
                              distributed=distributed, allow_batch_dependent=allow_batch_dependent)
         res.reason = f"memfit.fit: {plan.reason}"
+        # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
+        # fake runs saw the same): the next step is checked against the model as this one left it
+        plan._held = held(module, optimizer)
         return res
 
     how_bytes = found.how_bytes + (f"; {note}" if note else "")

@@ -11,7 +11,9 @@ samples pass only when the batch is held off the model's device (accumulate copi
 A model changed after `fit` (a parameter unfrozen: its gradient and optimizer state were not counted; a module
 replaced; another forward) or an optimizer given other parameters or options that decide its state (momentum
 switched on, amsgrad) is refused too (`held_error`): the plan's bytes are the old model's. A learning-rate
-schedule moving `lr`, `momentum` or `betas` between non-zero values changes no byte and passes.
+schedule moving `lr`, `momentum` or `betas` between non-zero values changes no byte and passes. Each step is
+checked against the model as the previous step left it (as `fit` left it, for the first): what a model's own
+forward sets (Swin's `shift_size`, a lazy module's weights) is not a change by the caller.
 
 Example:
     >>> import torch
