@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import enum
 import weakref
 
@@ -47,9 +48,24 @@ def model_state(model: torch.nn.Module) -> State:
     held.entries = tuple((_held(m, held), m.training,
                           tuple(_tensor(t, held) for t in (*m._parameters.values(), *m._buffers.values())
                                 if t is not None),
-                          tuple((k, _value(v, 0, seen, held)) for k, v in vars(m).items() if k not in _OWN))
+                          _attributes(vars(m), seen, held))
                          for m in model.modules())
     return held
+
+
+def _attributes(fields: dict, seen: dict, held: State) -> tuple:
+    """A module's attributes but its own (`_OWN`), as `_value` gives them; the common ones (None, plain values,
+    the empty hook dicts: most of a module's) without a call, since `plan.step` walks every module twice a step."""
+    out = []
+    for k, v in fields.items():
+        t = type(v)
+        if v is None or t in _EXACT:
+            out.append((k, v))
+        elif t in _EMPTY and not v:
+            out.append((k, _EMPTY[t]))
+        elif k not in _OWN:
+            out.append((k, _value(v, 0, seen, held)))
+    return tuple(out)
 
 
 class State:
@@ -84,6 +100,7 @@ def _held(obj, held: State) -> int:
 
 _EXACT = frozenset({bool, int, float, str, torch.dtype, torch.device})     # the common cases, by a set lookup
 _CONTAINERS = (tuple, list, dict, set, frozenset)
+_EMPTY = {t: (t.__name__, ()) for t in (*_CONTAINERS, collections.OrderedDict)}   # an empty one, as `_value` says
 
 
 def _tensor(t: torch.Tensor, held: State) -> tuple:
