@@ -11,9 +11,9 @@ samples pass only when the batch is held off the model's device (accumulate copi
 A model changed after `fit` (a parameter unfrozen: its gradient and optimizer state were not counted; a module
 replaced; another forward) or an optimizer given other parameters or options that decide its state (momentum
 switched on, amsgrad) is refused too (`held_error`): the plan's bytes are the old model's. A learning-rate
-schedule moving `lr`, `momentum` or `betas` between non-zero values changes no byte and passes. Each step is
-checked against the model as the previous step left it (as `fit` left it, for the first): what a model's own
-forward sets (Swin's `shift_size`, a lazy module's weights) is not a change by the caller.
+schedule (`lr` from 0 in a warm-up, `betas`; `momentum` between non-zero values) changes no byte and passes.
+Each step is checked against the model as the previous step left it (as `fit` left it, for the first): what a
+model's own forward sets (Swin's `shift_size`, a lazy module's weights) is not a change by the caller.
 
 Example:
     >>> import torch
@@ -37,6 +37,7 @@ from memfit.memory.fingerprint import describe_change, model_state
 
 __all__ = ["held", "held_error", "layout", "layout_error"]
 
+_MISSING = object()
 _AGAIN = "call memfit.fit again with the model and optimizer as they are now (it plans for them)"
 
 
@@ -54,30 +55,40 @@ def held_error(planned: tuple, module: torch.nn.Module, optimizer) -> ValueError
                           f"unfrozen adds its gradient and optimizer state; a module replaced, its own); {_AGAIN}")
     now = _groups(optimizer)
     if not _same_groups(now, groups):
+        changed = sorted({k for g, w in zip(now, groups, strict=False) for k, v in w[1].items()
+                          if g[1].get(k, _MISSING) != v})
+        what = (f"option {', '.join(changed)} changed" if changed else
+                f"{len(groups)} group(s) of {[len(g[0]) for g in groups]} parameters then, {len(now)} of "
+                f"{[len(g[0]) for g in now]} now, or other parameters")
         return ValueError(f"plan.step: the optimizer's parameter groups changed since memfit.fit made this plan "
-                          f"({len(groups)} group(s) of {[len(g[0]) for g in groups]} parameters then, {len(now)} of "
-                          f"{[len(g[0]) for g in now]} now, or an option that decides its state such as momentum, "
-                          f"amsgrad or foreach): the gradients and state it keeps were not counted; {_AGAIN}")
+                          f"({what}): the gradients and state it keeps were not counted; {_AGAIN}")
     return None
+
+
+# numbers whose being 0 decides what an optimizer keeps or makes: SGD keeps a momentum buffer only for momentum != 0,
+# and adds the weight decay into a new gradient only for weight_decay != 0; any other number (lr, betas, eps: what a
+# schedule moves, from 0 too in a warm-up) changes no byte
+_ZERO_DECIDES = frozenset({"momentum", "weight_decay"})
 
 
 def _groups(optimizer) -> tuple:
     """Per param group (weak references to its parameters, its options reduced to what decides the optimizer's state
-    and temporaries: None, flags and strings as they are; a number by whether it is 0 (momentum 0 keeps no buffer, a
-    schedule moving lr or betas changes no byte); a tuple item by item; a tensor by shape and dtype)."""
-    return tuple((tuple(weakref.ref(p) for p in g["params"]), {k: _option(v) for k, v in g.items() if k != "params"})
+    and temporaries: None, flags and strings as they are; momentum and weight_decay by whether they are 0, other
+    numbers not at all; a tensor by shape and dtype)."""
+    return tuple((tuple(weakref.ref(p) for p in g["params"]),
+                  {k: _option(v, k in _ZERO_DECIDES) for k, v in g.items() if k != "params"})
                  for g in optimizer.param_groups)
 
 
-def _option(v):
+def _option(v, zero_decides: bool):
     if v is None or isinstance(v, (bool, str)):
         return v
     if isinstance(v, (int, float)):
-        return v != 0
+        return v != 0 if zero_decides else "number"
     if isinstance(v, torch.Tensor):
         return "tensor", tuple(v.shape), v.dtype, v.device
     if isinstance(v, (tuple, list)):
-        return tuple(_option(x) for x in v)
+        return tuple(_option(x, zero_decides) for x in v)
     return type(v).__name__
 
 
