@@ -288,6 +288,9 @@ def test_plans_are_kept_per_model_and_dropped_when_it_changes(monkeypatch):
     b = memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
     assert len(calls) == 1
     assert (a.micro_batch, a.checkpoint, a.peak_bytes) == (b.micro_batch, b.checkpoint, b.peak_bytes)
+    opt.param_groups[0]["lr"] = 0.01                                     # a schedule moved lr: no byte changes
+    memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
+    assert len(calls) == 1
     memfit.fit(model, opt, data(), F.mse_loss, "2GiB")                   # another budget: another search
     model[0][3].p = 0.5                                                  # the model changed: searched again
     memfit.fit(model, opt, data(), F.mse_loss, "1GiB")

@@ -44,7 +44,7 @@ from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.finder import LEVERS, Peaks, _name
 from memfit.fitting.finder import agree as _agree
 from memfit.fitting.finder import find as _search
-from memfit.fitting.layout import held, held_error, layout, layout_error
+from memfit.fitting.layout import held, held_error, layout, layout_error, optimizer_options
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.fingerprint import model_state
 from memfit.memory.micro_batch import _signature
@@ -152,7 +152,7 @@ def _check_levers(levers) -> tuple[str, ...]:
 def _key(model, optimizer, x, n, budget, levers, candidates, loss_fn, terms, allow, world) -> tuple:
     from memfit.memory.step import autocast_state
     from memfit.memory.step_model import _callable_key
-    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")) for g in optimizer.param_groups)
+    groups = optimizer_options(optimizer)         # a schedule moving lr keeps the plan: its bytes are the same
     # the DDP wrapper's bucket layout: with gradient_as_bucket_view=False the buckets are a second copy of the
     # gradients (`memory.micro_batch`); plans are kept per inner module, which several wrappings may share
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)

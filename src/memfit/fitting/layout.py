@@ -35,7 +35,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from memfit.memory.fingerprint import describe_change, model_state
 
-__all__ = ["held", "held_error", "layout", "layout_error"]
+__all__ = ["held", "held_error", "layout", "layout_error", "optimizer_options"]
 
 _MISSING = object()
 _AGAIN = "call memfit.fit again with the model and optimizer as they are now (it plans for them)"
@@ -69,6 +69,12 @@ def held_error(planned: tuple, module: torch.nn.Module, optimizer) -> ValueError
 # and adds the weight decay into a new gradient only for weight_decay != 0; any other number (lr, betas, eps: what a
 # schedule moves, from 0 too in a warm-up) changes no byte
 _ZERO_DECIDES = frozenset({"momentum", "weight_decay"})
+
+
+def optimizer_options(optimizer) -> tuple:
+    """Per param group, its options as far as they decide the optimizer's bytes (see `_groups`), hashable: what a
+    kept plan depends on (a schedule moving lr keeps it)."""
+    return tuple(tuple(sorted(options.items())) for _, options in _groups(optimizer))
 
 
 def _groups(optimizer) -> tuple:
