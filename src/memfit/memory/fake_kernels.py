@@ -17,7 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["BOUNDED_IN_BATCH", "REAL_SIZE", "WORKSPACE", "as_real_kernel_takes", "host_tensors_logged", "real_bytes", "workspace_bytes"]
+__all__ = ["BOUNDED_IN_BATCH", "REAL_SIZE", "WORKSPACE", "as_real_kernel_takes", "host_tensors_logged", "real_bytes",
+           "workspace_bytes"]
 
 
 def _overloads(*names: str) -> frozenset:
@@ -32,6 +33,13 @@ def _overloads(*names: str) -> frozenset:
 
 
 _REAL_BYTES: dict = {}          # (argument shapes) -> bytes the bound below gives
+
+
+def _rnn_rate_batch(steps: int, width: int, hidden: int) -> int:
+    """The batch m at which an RNN layer's bytes are measured to bound its per-sample rate by w(m) / m: the larger
+    m, the closer that is to the true rate (the parts' rounding spread over more samples), capped at about
+    0.2 GFLOP of one forward of the layer (2 to 256)."""
+    return int(min(256, max(2, 2e8 / (8 * steps * hidden * (width + hidden)))))
 
 
 def _lstm_workspace_bytes(args, kwargs: dict) -> int:
@@ -52,7 +60,7 @@ def _lstm_workspace_bytes(args, kwargs: dict) -> int:
                                for i, a in enumerate(args) if i not in (0, 5, 6) and not isinstance(a, list)),
            tuple(sorted(kwargs)), torch.get_num_threads())    # not the batch: the same (rate, w(1)) at every n
     if key not in _REAL_BYTES:
-        m = int(min(256, max(2, 2e8 / (8 * steps * hidden * (width + hidden)))))
+        m = _rnn_rate_batch(steps, width, hidden)
 
         def workspace(b: int) -> int:
             def at(a, i):
@@ -125,21 +133,23 @@ _BATCH_ARGS = {
     "aten.native_layer_norm.default": {0: 0},      # a permuted (non-contiguous) input: copied contiguous inside
     "aten.max_pool2d_with_indices.default": {0: 0},
     "aten.mkldnn_rnn_layer.default": {0: 1, 5: 0, 6: 0},        # the input comes sequence first
-    # its backward allocates its scratch inside (an LSTM step at batch 40 peaked there, 0.5% above the prediction
-    # without it); input, output and their gradient sequence first, the states and theirs batch first
+    # its backward: input, hx, cx, output, hy, cy and their gradients (the workspace, 22, is the forward's at that
+    # batch: made again by the forward, `_rnn_backward_at`); on an AVX2 CPU 75 KiB + 24 KiB a sample for a 2-layer
+    # 48-wide LSTM over 32 steps, uncounted until a step at batch 40 peaked 0.5% above its prediction
     "aten.mkldnn_rnn_layer_backward.default": {0: 1, 5: 0, 6: 0, 7: 1, 8: 0, 9: 0, 10: 1, 11: 0, 12: 0},
 }
 WORKSPACE = {op: _BATCH_ARGS[f"aten.{op._schema.name[6:]}.{op._overloadname}"]
              for op in _overloads(*_BATCH_ARGS)}
 _WORKSPACE_BYTES: dict = {}      # (op, argument shapes, strides, dtypes and values) -> (constant, batch part)
-_ROUNDED = _overloads("aten.mkldnn_rnn_layer.default")       # workspace parts rounded up: not affine in the batch
+# oneDNN's RNN: workspace parts rounded up, not affine in the batch
+_ROUNDED = _overloads("aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer_backward.default")
+_RNN_BACKWARD = _overloads("aten.mkldnn_rnn_layer_backward.default")
 # ops of WORKSPACE whose bytes `workspace_bytes` bounds at every batch (w(1) + the rate at a large batch, which the
 # rounding keeps above): a fake run logs them as that line. The bytes of every other op of WORKSPACE are oneDNN's
 # choice per size (a 1x1 convolution 0 B up to batch 13, 1.4 MiB at 16; a transposed one's grows faster from 8): a
 # line through a few batches held below the allocator beyond them (a U-Net's step at batch 37: 0.975), so the
 # training memory model measures them at each batch it is asked about (`memfit.memory.kernel_scratch`)
 BOUNDED_IN_BATCH = _ROUNDED
-_RATE_BATCH = 8
 _LINE = (2, 4, 8)                # the batches whose workspaces give the line (constant, bytes per sample)
 _MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured on real arguments of those shapes
 
@@ -182,8 +192,7 @@ def inside_bytes(func, args, kwargs) -> int:
 def as_real_kernel_takes(func, args, kwargs: dict) -> tuple[list, dict]:
     """(args, kwargs): real arguments made from a fake run's, as the real kernel gets them where the two differ: the
     real forward of batch norm (and of layer norm with float32 weights) on half-precision inputs saved its
-    statistics in float32 (see `real_bytes`), the fake one in the input's dtype; the fake LSTM forward made no
-    workspace for its backward (`REAL_SIZE`)."""
+    statistics in float32 (see `real_bytes`), the fake one in the input's dtype."""
     half = (torch.float16, torch.bfloat16)
     args = list(args)
     if func is torch.ops.aten.native_batch_norm_backward.default and args[1].dtype in half \
@@ -192,16 +201,6 @@ def as_real_kernel_takes(func, args, kwargs: dict) -> tuple[list, dict]:
     if func is torch.ops.aten.native_layer_norm_backward.default and args[1].dtype in half \
             and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[5:7]):
         return [a.float() if i in (3, 4) else a for i, a in enumerate(args)], kwargs
-    if func is torch.ops.aten.mkldnn_rnn_layer_backward.default:
-        # the real backward reads the workspace the real forward makes: made by that forward on these arguments
-        names = [a.name for a in func._schema.arguments]
-        full = args + [kwargs[k] for k in names[len(args):]]        # autograd passes some of them by name
-        (x, w1, w2, w3, w4, hx, cx), (reverse, mode, hidden, layers, biases, train, bidirectional, sizes, first) = \
-            full[:7], full[13:22]
-        with torch.enable_grad():               # under no_grad the forward keeps no workspace (None)
-            made = torch.ops.aten.mkldnn_rnn_layer.default(x, w1, w2, w3, w4, hx, cx, reverse, sizes, mode, hidden,
-                                                           layers, biases, bidirectional, first, train)
-        return [*full[:22], made[3].detach()], {}
     return args, kwargs
 
 
@@ -241,6 +240,8 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
             b = r_args[0].shape[dims[0]]
             r_args = [a if i not in dims or a is None else k if dims[i] is None else grow(a, dims[i], k)
                       for i, a in enumerate(r_args)]
+            if func in _RNN_BACKWARD:
+                r_args = _rnn_backward_at(r_args)
             mask = r_kwargs.get("attn_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() and mask.shape[0] == b > 1:
                 r_kwargs = {**r_kwargs, "attn_mask": grow(mask, 0, k)}
@@ -252,8 +253,10 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
                 # oneDNN's RNN sizes its buffers as parts each rounded up to an alignment: w(b) <= s*b + w(1)
                 # for the per-sample rate s, and w(m)/m >= s (see `_lstm_workspace_bytes`); m fixed, so the
                 # rate is the same in every run
+                x = r_args[0]                          # (steps, batch, width); hidden: an int argument
+                m = _rnn_rate_batch(x.shape[0], x.shape[2], r_args[15 if func in _RNN_BACKWARD else 10])
                 one = _measured(func, *at(r_args, r_kwargs, 1))
-                rate = -(-_measured(func, *at(r_args, r_kwargs, _RATE_BATCH)) // _RATE_BATCH)
+                rate = -(-_measured(func, *at(r_args, r_kwargs, m)) // m)
                 _WORKSPACE_BYTES[key] = (one, rate * b)
                 return _WORKSPACE_BYTES[key]
             w = lambda k: _measured(func, *at(r_args, r_kwargs, k)) if k != b else \
@@ -272,6 +275,20 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
             constant = max(0, *(ws[k] - rate * k for k in _LINE), w(b) - rate * b)
         _WORKSPACE_BYTES[key] = (constant, rate * b)
     return _WORKSPACE_BYTES[key]
+
+
+def _rnn_backward_at(args: list) -> list:
+    """The arguments of oneDNN's RNN layer backward with what its forward gives at this batch (output, hy, cy and
+    the workspace, whose size is oneDNN's own and not a line in the batch) made by running that forward; the
+    other arguments as given."""
+    (x, w0, w1, w2, w3, hx, cx, _, _, _, _, _, _, reverse, mode, hidden, layers, biases, train, bidirectional,
+     batch_sizes, batch_first, _) = args
+    with torch.enable_grad():                   # under no_grad the forward keeps no workspace (None)
+        out, hy, cy, ws = torch.ops.aten.mkldnn_rnn_layer.default(
+            x, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden, layers, biases, bidirectional,
+            batch_first, train)
+    return [*args[:7], out, hy, cy, *args[10:22], ws]     # the gradients keep their layout (a transposed one is
+    #                                                         copied inside the kernel)
 
 
 # torch.get_rng_state makes a real tensor (the CPU generator's state: 5056 bytes) through no ATen op, so a fake
