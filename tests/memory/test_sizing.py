@@ -108,6 +108,9 @@ def test_max_batch_size_for_training_fits_a_real_step_and_one_more_does_not():
     assert real(int(n / 0.9) + 1) > budget                         # and at least 0.9 of the largest that fits
     mm = memfit.memory_model(model, (1, 8, 8), train=True, optimizer=opt, loss_fn=F.cross_entropy, target=target)
     assert mm.total_bytes(n) <= budget < mm.total_bytes(n + 1)
+    # the search started from the model without its measured workspaces, a bound from below at every size
+    assert all(mm.lower_bytes(k) <= mm.total_bytes(k) for k in (1, 2, 3, 8, 13, n, n + 1))
+    assert n == largest_fitting(mm.total_bytes, budget, 2**31)       # what the plain doubling search finds
 
 
 @pytest.mark.cuda

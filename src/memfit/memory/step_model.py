@@ -131,11 +131,11 @@ class StepMemoryModel:
         a, b = self._grads
         return int(np.ceil(a + b * n))
 
-    def _peak(self, n: int) -> tuple[int, np.ndarray]:
+    def _peak(self, n: int, inside: bool = True) -> tuple[int, np.ndarray]:
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
         if n in self._measured:       # a size run on its own (batch 1) is exact there: a kernel may take another
             live = self._measured[n]  # path at it (oneDNN's convolution backward: 192 B inside, 22 KiB from batch 2)
-        if self._scratch:
+        if self._scratch and inside:
             live = live + self._scratch_bytes(n, live)
         k = int(np.argmax(live.sum(axis=1)))
         return k, np.ceil(live[k]).astype(np.int64)
@@ -157,10 +157,12 @@ class StepMemoryModel:
             self._scratch_at[n] = extra
         return self._scratch_at[n]
 
-    def breakdown(self, n: int) -> dict[str, int]:
-        """Bytes at the step's peak for a batch of n, by kind (they sum to `total_bytes(n)`)."""
+    def breakdown(self, n: int, *, inside: bool = True) -> dict[str, int]:
+        """Bytes at the step's peak for a batch of n, by kind (they sum to `total_bytes(n)`); inside=False leaves
+        out what kernels allocate inside that is measured by running them at each size asked about (see
+        `lower_bytes`)."""
         n = _batch(n)
-        _, parts = self._peak(n)
+        _, parts = self._peak(n, inside)
         out = {"parameters": self.param_bytes, "inputs": 0}
         for kind, (a, b) in self._held.items():
             out[kind] = out.get(kind, 0) + a + b * n
@@ -184,6 +186,13 @@ class StepMemoryModel:
     def total_bytes(self, n: int) -> int:
         """Bytes held at the peak of the step (or forward) for a batch of n."""
         return sum(self.breakdown(n).values())
+
+    def lower_bytes(self, n: int) -> int:
+        """`total_bytes(n)` without what kernels allocate inside that is measured by running them at batch n
+        (oneDNN's workspaces, half-precision scratch): never above `total_bytes(n)`, and free at any n. Searches
+        for the largest batch that fits start below its answer (`memfit.budget.largest_fitting(below=...)`), so
+        the real kernels run only near the answer."""
+        return sum(self.breakdown(n, inside=False).values())
 
     def peak_phase(self, n: int) -> str:
         """Where the peak falls for a batch of n: 'forward', 'backward', 'step' or 'zero_grad'."""
