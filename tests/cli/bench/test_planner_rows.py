@@ -20,8 +20,19 @@ def test_a_plan_without_an_arena_is_at_its_bound_and_the_verdicts_take_it():
 
 
 def test_the_capture_target_is_judged_on_the_cold_compile():
-    row = {"model": "m", "batch": 8, "latency_ratio": 0.9, "total/eager": 0.9, "arena/bound": 1.0, "captures": 1}
+    row = {"model": "m", "batch": 8, "latency_ratio": 0.9, "total/eager": 0.9, "arena/bound": 1.0, "captures": 1,
+           "model/real": 1.0, "predicted": 100, "planned_total": 100}
     fast = verdicts_real([{**row, "plan/cold": 0.2, "plan/warm": 0.6}])[-1]
     assert fast.startswith("first plan <= 0.33 of a fully cold compile") and fast.endswith("PASS")
     assert "0.60-0.60 of one with the C++ kernel cache warm" in fast
     assert verdicts_real([{**row, "plan/cold": 0.4, "plan/warm": 0.9}])[-1].endswith("MISS m (0.40)")
+
+
+def test_a_memory_model_below_the_allocator_is_a_miss_naming_the_bytes():
+    row = {"model": "m", "batch": 8, "latency_ratio": 0.9, "total/eager": 0.9, "arena/bound": 1.0, "captures": 1,
+           "model/real": 1.0, "predicted": 100, "planned_total": 100}
+    ok = [line for line in verdicts_real([row]) if line.startswith("memory_model / allocator")]
+    assert ok[0].endswith("PASS")
+    below = [line for line in verdicts_real([{**row, "model/real": 0.9, "predicted": 90}])
+             if line.startswith("memory_model / allocator")]
+    assert below[0].endswith("MISS m/8 (-10 B)")
