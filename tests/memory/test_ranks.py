@@ -457,3 +457,9 @@ def test_ddp_mixed_precision_and_comm_hooks_are_refused_not_predicted_wrong():
             predict(ddp)
         with pytest.raises(ValueError, match="expected a DistributedDataParallel"):      # accumulate's "auto"
             training_peak(ddp, torch.optim.AdamW(ddp.parameters()), None, torch.zeros(8, 64), None)
+
+
+def test_reshard_after_forward_to_a_smaller_mesh_is_refused():
+    m = rank_cases.mlp()
+    with pytest.raises(ValueError, match="an int. is not modelled"):      # was the fake mode's internal assertion
+        rank_memory_model(m, (64,), optimizer=torch.optim.AdamW(m.parameters()), world_size=4, reshard_after_forward=2)

@@ -193,6 +193,11 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                                single.param_bytes, dev, True, "ddp", world_size, single, buckets)
     if gradient_as_bucket_view is not None:
         raise ValueError("gradient_as_bucket_view is a DDP option; found it with parallel='fsdp'")
+    if reshard_after_forward not in (None, True, False) or isinstance(reshard_after_forward, int) and \
+            not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"expected reshard_after_forward None, True or False; found {reshard_after_forward!r}: "
+                         "resharding to a smaller mesh after forward (an int) is not modelled; predict True or "
+                         "False and check the int's step with memfit.measure_rank_step")
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
     run = lambda n: fsdp_fake_run(model, batch, n, world_size=world_size, rank=0, optimizer=optimizer,
