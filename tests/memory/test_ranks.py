@@ -85,7 +85,7 @@ RACE_RUNS = tuple(("fsdp", 8, "encoder", "unsettled", i) for i in range(3))    #
 def gloo_ranks():
     """Every real measurement of this file from one spawn of 2 gloo ranks: the CASES settled
     (`memfit.testing.ranks.settled_gloo`), then the encoder's FSDP2 step thrice as gloo runs it by itself."""
-    return run_ranks(rank_cases.measure_cases, 2, CASES + RACE_RUNS, timeout=240)
+    return run_ranks(rank_cases.measure_cases, 2, CASES + RACE_RUNS, timeout=300)
 
 
 @functools.cache                      # shared by the tests below: each prediction of the encoder is 3 fake runs
