@@ -130,8 +130,8 @@ class RankMemoryModel:
 
 
 def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_fn=None, target=None,
-                      parallel: str = "fsdp", world_size: int = 2, units=None, reshard_after_forward: bool | None = None,
-                      mp_policy=None, autocast: torch.dtype | None = None,
+                      parallel: str = "fsdp", world_size: int = 2, units=None,
+                      reshard_after_forward: bool | None = None, mp_policy=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, backend: str = "nccl",
                       gradient_as_bucket_view: bool | None = None, offload_policy=None,
                       gloo_race: bool = True) -> RankMemoryModel:
@@ -193,8 +193,7 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                                single.param_bytes, dev, True, "ddp", world_size, single, buckets)
     if gradient_as_bucket_view is not None:
         raise ValueError("gradient_as_bucket_view is a DDP option; found it with parallel='fsdp'")
-    if reshard_after_forward not in (None, True, False) or isinstance(reshard_after_forward, int) and \
-            not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"expected reshard_after_forward None, True or False; found {reshard_after_forward!r}: "
                          "resharding to a smaller mesh after forward (an int) is not modelled; predict True or "
                          "False and check the int's step with memfit.measure_rank_step")
