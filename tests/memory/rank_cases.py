@@ -17,10 +17,27 @@ def encoder():
 
 
 FACTORIES = {"mlp": (mlp, (64,)), "encoder": (encoder, (8, 32))}
+FROZEN = {"mlp": "0.weight", "encoder": "layers.0."}     # "fsdp-frozen": a weight beside a trainable bias; a unit
+
+
+def fsdp_options(parallel: str) -> dict:
+    """The `fully_shard` options of an FSDP2 wrapping of these tests (as `rank_memory_model` takes them)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return {"fsdp-no-reshard": {"reshard_after_forward": False},
+            "fsdp-bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+            }.get(parallel, {})
+
+
+def model(parallel: str, factory=mlp):
+    m = factory()
+    if parallel == "fsdp-frozen":
+        for k, p in m.named_parameters():
+            p.requires_grad_(not k.startswith(FROZEN[factory.__name__]))
+    return m
 
 
 def build(parallel: str, factory=mlp):
-    m = factory()
+    m = model(parallel, factory)
     if parallel in ("ddp", "ddp-view"):
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(m, gradient_as_bucket_view=parallel == "ddp-view")
@@ -28,8 +45,8 @@ def build(parallel: str, factory=mlp):
 
     from memfit.memory.fsdp_run import default_units
     for u in default_units(m):
-        fully_shard(u)
-    return fully_shard(m)
+        fully_shard(u, **fsdp_options(parallel))
+    return fully_shard(m, **fsdp_options(parallel))
 
 
 def measure(rank, world, parallel, n, name="mlp", settled=True):

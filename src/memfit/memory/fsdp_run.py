@@ -27,7 +27,7 @@ import copy
 import gc
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from memfit.memory.kinds import MemoryKind
 from memfit.memory.measure import optimizer_state
 from memfit.memory.step import ExampleBatch, training_step
 
-__all__ = ["RANK_KINDS", "RankRun", "default_units", "fsdp_fake_run"]
+__all__ = ["RANK_KINDS", "RankRun", "chunk_cat_scratch", "default_units", "fsdp_fake_run"]
 
 K = MemoryKind
 # the columns of a rank's run, in order
@@ -53,6 +53,8 @@ class RankRun:
     live: np.ndarray           # (ops, kinds): bytes live after each op of the logged step, held bytes included
     phase_ends: dict[str, int]
     race_bytes: int = 0        # with backend="gloo": the largest buffer a collective's work holds (gloo's race)
+    scratch: list = field(default_factory=list)   # (op, OpOverload, ArgSpec) of the ops on half-precision
+    #                                               arguments whose kernels' scratch is measured (`kernel_scratch`)
 
 
 def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -69,7 +71,7 @@ class _RankLog(_StorageLog):
     """A `_StorageLog` that also logs storage resizes and gives every allocation an id and a tag."""
 
     def __init__(self, device):
-        super().__init__(device)
+        super().__init__(device, scratch=True)        # a bf16 MixedPrecisionPolicy runs bf16 kernels
         self.tag: K | None = None
         self.alloc_of: dict[int, int] = {}           # storage key -> the id of its live allocation
         self.kind: list[K | None] = []               # allocation id -> tag at allocation (None: by phase)
@@ -91,7 +93,12 @@ class _RankLog(_StorageLog):
         self._seen = len(self.log)
 
     def record(self, func, out, args, kwargs) -> None:
+        noted = len(self.scratch_ops)
         super().record(func, out, args, kwargs)
+        if len(self.scratch_ops) > noted and func.namespace != "aten":
+            # a kernel whose scratch would be measured by running it for real: never a collective (c10d) nor
+            # FSDP's own copy ops (fsdp.*, which allocate only their outputs)
+            self.scratch_ops.pop()
         self._sync()
 
     def _freed(self, ref) -> None:
@@ -222,14 +229,10 @@ def _tagging(log: _RankLog):
     copy_in = collectives.foreach_reduce_scatter_copy_in
 
     def padded_copy_in(unsharded_grads, reduce_scatter_input, world_size):
-        # the CPU kernel of fsdp.chunk_cat pads every gradient whose rows do not split evenly into a copy of
-        # its own (rows rounded up to a multiple of world_size), all alive while it concatenates; no op
-        # outputs them, so a fake run cannot see them (the allocator can)
-        scratch = sum(-(-g.shape[0] // world_size) * world_size * (g.numel() // max(g.shape[0], 1)) * g.element_size()
-                      for g in unsharded_grads if g.dim() and g.shape[0] % world_size)
+        scratch = chunk_cat_scratch(unsharded_grads, reduce_scatter_input.dtype, world_size)
         out = copy_in(unsharded_grads, reduce_scatter_input, world_size)
         if scratch:
-            _transient(log, scratch, "fsdp.chunk_cat's padded copies of uneven gradients")
+            _transient(log, scratch, "fsdp.chunk_cat's padded and converted copies of the gradients")
         return out
 
     for n, fn in originals.items():
@@ -243,6 +246,23 @@ def _tagging(log: _RankLog):
         collectives.foreach_reduce_scatter_copy_in = copy_in
         for n, fn in originals.items():
             setattr(group, n, fn)
+
+
+def chunk_cat_scratch(grads, out_dtype: torch.dtype, world_size: int) -> int:
+    """Bytes the CPU kernel of `fsdp.chunk_cat(grads, 0, world_size, out=...)` (FSDP2's reduce-scatter copy-in)
+    allocates inside, all freed before it returns; no op outputs them, so a fake run cannot see them (the
+    allocator can). It copies every gradient whose rows do not split evenly into a padded copy of its own (rows
+    rounded up to a multiple of world_size, in the gradients' dtype), all alive while it concatenates; and where
+    the output's dtype is not the gradients' (a `MixedPrecisionPolicy` whose reduce_dtype differs from its
+    param_dtype), `cat` copies each (padded) gradient once more in the gradients' dtype before converting it,
+    one at a time: the largest of those on top. Checked against the real kernel's allocator events
+    (`memfit.memory.fake_kernels.inside_bytes`) in tests/memory/test_ranks.py."""
+    def padded(g) -> int:
+        rows = g.shape[0] if g.dim() else 1
+        return -(-rows // world_size) * world_size * (g.numel() // max(rows, 1)) * g.element_size()
+    pads = sum(padded(g) for g in grads if g.dim() and g.shape[0] % world_size)
+    converted = max((padded(g) for g in grads), default=0) if grads and grads[0].dtype != out_dtype else 0
+    return pads + converted
 
 
 def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:
@@ -331,7 +351,8 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
     # `fully_shard(m)` without a mesh makes one per call (`init_device_mesh`), whose rank tensor (world_size
     # int32, on the CPU) the unit keeps while it holds parameters; this run passes one mesh made unlogged
     mesh_bytes = meshes * world_size * torch.empty((), dtype=torch.int32).element_size()
-    return RankRun(log.ops[start:], _timeline(log, start, marks, model, mesh_bytes), marks, log.race_bytes)
+    return RankRun(log.ops[start:], _timeline(log, start, marks, model, mesh_bytes), marks, log.race_bytes,
+                   [(op - start, func, spec) for op, func, spec in log.scratch_ops if op >= start])
 
 
 def _timeline(log: _RankLog, start: int, marks: dict[str, int], model, mesh_bytes: int = 0) -> np.ndarray:

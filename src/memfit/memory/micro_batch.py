@@ -62,6 +62,9 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     """
     from memfit.memory.step_model import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    if ddp:
+        from memfit.memory.ranks import check_ddp_wrapping
+        check_ddp_wrapping(model)        # mixed_precision= and comm hooks hold bytes this model does not count
     module = model.module if ddp else model
     device, n = model_device(model), batch_len(x)
     k = min(2, n)

@@ -35,11 +35,12 @@ import torch
 
 from memfit.budget import check_count, format_bytes, parse_bytes
 from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
+from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import MemoryKind
 from memfit.memory.step import ExampleBatch
 from memfit.memory.step_model import StepMemoryModel, step_memory_model
 
-__all__ = ["RankMemoryModel", "ddp_bucket_bytes", "rank_memory_model", "ranks_needed"]
+__all__ = ["RankMemoryModel", "check_ddp_wrapping", "ddp_bucket_bytes", "rank_memory_model", "ranks_needed"]
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -79,11 +80,26 @@ class RankMemoryModel:
     _exact: dict[int, np.ndarray] = field(default_factory=dict)   # n -> (ops, kinds) of a run at n
     _run_at: Callable[[int], RankRun] | None = None   # a run at n, where the line is not exact
     _race: int = 0                                    # FSDP on gloo: bytes gloo's race may keep, added at the peak
+    _scratch: dict = field(default_factory=dict)      # FSDP: n -> `kernel_scratch.ScratchOp`s of its own run;
+    #                                                   with the line, 4 -> those of every n (batch dims read off 2)
+    _scratch_at: dict = field(default_factory=dict, repr=False)    # n -> (ops, kinds) of their bytes
 
     def _live(self, n: int) -> np.ndarray:
         if n not in self._exact and self._a is None:
-            self._exact[n] = self._run_at(n).live
-        return self._exact[n] if n in self._exact else self._a + self._b * n
+            run = self._run_at(n)
+            self._exact[n], self._scratch[n] = run.live, _scratch_of(run, n)
+        live = self._exact[n] if n in self._exact else self._a + self._b * n
+        ops = self._scratch.get(4 if self._a is not None else n)
+        if not ops:
+            return live
+        if n not in self._scratch_at:
+            # what kernels on half-precision arguments (a bf16 MixedPrecisionPolicy) allocate inside, measured
+            # by the real kernels at batch n's shapes (not a line in n), at each op's row
+            extra = np.zeros(live.shape)
+            for op in ops:
+                extra[op.row, op.column] += op.bytes_at(n)
+            self._scratch_at[n] = extra
+        return live + self._scratch_at[n]
 
     def breakdown(self, n: int) -> dict[str, int]:
         """Bytes at this rank's peak for a per-rank batch of n, by kind (they sum to `total_bytes(n)`)."""
@@ -114,8 +130,8 @@ class RankMemoryModel:
 
 
 def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_fn=None, target=None,
-                      parallel: str = "fsdp", world_size: int = 2, units=None, reshard_after_forward: bool = True,
-                      mp_policy=None, autocast: torch.dtype | None = None,
+                      parallel: str = "fsdp", world_size: int = 2, units=None,
+                      reshard_after_forward: bool | None = None, mp_policy=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, backend: str = "nccl",
                       gradient_as_bucket_view: bool | None = None, offload_policy=None,
                       gloo_race: bool = True) -> RankMemoryModel:
@@ -123,13 +139,17 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
 
     Args:
         model: the model on the CPU, before wrapping; or, with parallel="ddp", its `DistributedDataParallel`
-            (whose `gradient_as_bucket_view` is read).
+            (whose `gradient_as_bucket_view` is read). A plain model with parallel="ddp" is predicted for
+            `DistributedDataParallel(model)` with DDP's defaults: no `mixed_precision=`, no comm hook; a DDP module
+            with either raises (not modelled: `check_ddp_wrapping`).
         example: a sample shape or an example batch (its leading dimension is the per-rank batch).
         parallel: "ddp" (`DistributedDataParallel` with its defaults) or "fsdp" (`fully_shard`).
         world_size: the number of ranks.
         units: FSDP2 only: `units(model)` -> the modules `fully_shard` wraps besides the root, innermost first
             (default `memfit.memory.fsdp_run.default_units`: the children of every ModuleList and Sequential).
-        reshard_after_forward, mp_policy: FSDP2 only, passed to every `fully_shard` call.
+        reshard_after_forward, mp_policy: FSDP2 only, passed to every `fully_shard` call. reshard_after_forward=None
+            is `fully_shard`'s own default: every unit reshards after forward but the root, which keeps its
+            parameters gathered for backward (torch's heuristic); True or False apply to the root as well.
         backend: "nccl" (collectives in place) or "gloo" (its all-gather and reduce-scatter copy the whole
             buffer while they run; DDP's all-reduce is in place on both).
         gloo_race: FSDP2 on gloo: gloo's worker thread may keep a collective's tensors after the call returns
@@ -156,7 +176,8 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
         raise ValueError("the per-rank memory model runs for a model on the CPU (its fake mesh is a CPU mesh); "
                          "found parameters elsewhere: predict with model.cpu()")
     if parallel == "ddp":
-        if units is not None or mp_policy is not None or not reshard_after_forward or offload_policy is not None:
+        if units is not None or mp_policy is not None or reshard_after_forward is not None or \
+                offload_policy is not None:
             raise ValueError("units, reshard_after_forward, mp_policy and offload_policy are FSDP2 options; found "
                              "them with parallel='ddp'")
         single = step_memory_model(model, example, train=True, optimizer=optimizer, loss_fn=loss_fn,
@@ -172,6 +193,10 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                                single.param_bytes, dev, True, "ddp", world_size, single, buckets)
     if gradient_as_bucket_view is not None:
         raise ValueError("gradient_as_bucket_view is a DDP option; found it with parallel='fsdp'")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"expected reshard_after_forward None, True or False; found {reshard_after_forward!r}: "
+                         "resharding to a smaller mesh after forward (an int) is not modelled; predict True or "
+                         "False and check the int's step with memfit.measure_rank_step")
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
     run = lambda n: fsdp_fake_run(model, batch, n, world_size=world_size, rank=0, optimizer=optimizer,
@@ -183,9 +208,14 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                  + runs[2].live[0, RANK_KINDS.index(MemoryKind.PARAMETERS)])
     race = runs[2].race_bytes if backend == "gloo" and gloo_race else 0
     how = (f"fully_shard run on fake tensors under a fake process group of {world_size} ranks (rank 0, the "
-           f"largest shards; reshard_after_forward={reshard_after_forward}, {backend}"
+           f"largest shards; reshard_after_forward={reshard_after_forward}"
+           + (" (fully_shard's default: every unit but the root)" if reshard_after_forward is None else "")
+           + f", {backend}"
            + (f", plus {race} bytes at the peak: the largest collective buffer, which gloo's race may keep"
               if race else ""))
+    if runs[4].scratch:
+        how += (f", the scratch {len(runs[4].scratch)} kernels on half-precision arguments allocate inside measured "
+                "from the real kernels at each batch size asked about")
     mm = RankMemoryModel("", params, dev, True, "fsdp", world_size, _exact={n: r.live for n, r in runs.items()},
                          _run_at=run, _race=race)
     if all(r.ops == runs[2].ops for r in runs.values()):
@@ -193,10 +223,24 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
         b = (runs[4].live - runs[2].live) / 2
         if np.array_equal(a + 8 * b, runs[8].live):
             mm._a, mm._b = a.astype(np.float64), b
+            mm._scratch = {4: _scratch_of(runs[4], 4, runs[2], 2)}
             mm.method = how + "), per op and kind a + b*n from n = 2 and 4, exact at 8"
             return mm
+    mm._scratch = {n: _scratch_of(r, n) for n, r in runs.items()}
     mm.method = how + "), one run per batch size (the bytes are not a line in n)"
     return mm
+
+
+def _scratch_of(run: RankRun, n: int, other: RankRun | None = None, m: int | None = None) -> list:
+    """The ops of an FSDP2 run at batch n whose kernels' scratch is measured (`memfit.memory.kernel_scratch`),
+    which dimensions carry the batch read off the same ops of `other` (at batch m); without it, exact at n."""
+    ends = run.phase_ends
+
+    def column(row: int) -> int:
+        kind = MemoryKind.ACTIVATIONS if row < ends.get("forward", len(run.ops)) else \
+            MemoryKind.BACKWARD_TRANSIENT if row < ends.get("backward", len(run.ops)) else MemoryKind.STEP_TRANSIENT
+        return RANK_KINDS.index(kind)
+    return scratch_ops(run, n, other, m, column)
 
 
 def _unwrapped(model: torch.nn.Module, parallel: str, bucket_view: bool | None):
@@ -210,6 +254,7 @@ def _unwrapped(model: torch.nn.Module, parallel: str, bucket_view: bool | None):
         if bucket_view is not None and bucket_view != model.gradient_as_bucket_view:
             raise ValueError(f"expected gradient_as_bucket_view to be the DDP module's "
                              f"({model.gradient_as_bucket_view}); found {bucket_view}: leave it out")
+        check_ddp_wrapping(model)
         return model.module, model.gradient_as_bucket_view
     from torch.distributed.fsdp import FSDPModule
     wrapped = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -224,6 +269,28 @@ def _unwrapped(model: torch.nn.Module, parallel: str, bucket_view: bool | None):
                          f"found a model fully_shard has wrapped, with {what}: predict with the unwrapped model "
                          "(units= for your wrapping); offload and HSDP have no per-rank model yet")
     return model, (bool(bucket_view) if parallel == "ddp" else bucket_view)
+
+
+def check_ddp_wrapping(ddp) -> None:
+    """Raise ValueError for a `DistributedDataParallel` module whose wrapping the per-rank model does not count:
+    `mixed_precision=` (DDP keeps a low-precision copy of every parameter and casts gradients back in a comm hook
+    of its own) and any comm hook (`register_comm_hook`, a built-in one, `_register_fused_optim`), whose buffers
+    (compressed copies of the buckets, PowerSGD's matrices and error feedback) are the hook's own. A prediction
+    of DDP's default all-reduce would be returned for a step that holds other bytes, unsaid."""
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise ValueError(f"expected a DistributedDataParallel without mixed_precision= (not modelled: DDP keeps a "
+                         f"low-precision copy of every parameter and upcasts gradients in a hook of its own); found "
+                         f"mixed_precision={ddp.mixed_precision}: for lower-precision compute train under "
+                         "torch.autocast (predicted with autocast=torch.bfloat16), or use FSDP2 with a "
+                         "MixedPrecisionPolicy (parallel='fsdp', mp_policy=)")
+    hook = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
+    if hook or getattr(ddp, "_comm_hooks", None):
+        name = hook or getattr(ddp._comm_hooks[0][0], "__qualname__", "a hook")
+        raise ValueError(f"expected a DistributedDataParallel with its default all-reduce; found the comm hook "
+                         f"{name}, which is not modelled (what it allocates, e.g. compressed copies of the buckets or "
+                         "PowerSGD's state, is not counted): predict the DDP module before register_comm_hook for "
+                         "the default all-reduce and check the hooked step with memfit.measure_rank_step (with "
+                         "memfit.accumulate, give micro_batch= a size instead of 'auto')")
 
 
 def _check_not_offloaded(offload_policy) -> None:

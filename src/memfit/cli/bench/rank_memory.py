@@ -1,7 +1,9 @@
 """Per-rank memory benchmark: DDP and FSDP2 training steps predicted in one process against real gloo ranks.
 
 For each model (an MLP, a CNN, a transformer encoder, a causal LM from a `transformers` config), world size
-(2 and 4 processes on 127.0.0.1) and wrapping (DDP; FSDP2 with `fully_shard` on every block and the root),
+(2 and 4 processes on 127.0.0.1) and wrapping (DDP; FSDP2 with `fully_shard` on every block and the root, with
+its defaults, with some parameters frozen, with reshard_after_forward=False, and with a bf16 MixedPrecisionPolicy
+reducing in float32: `WRAPPINGS`),
 `rank_memory_model(..., backend="gloo")` predicts one rank's peak at two batch sizes per rank, and each
 rank measures one real AdamW step at the allocator (`measure_rank_step`). Target: predicted / the worst
 rank's real peak in [1.00, 1.05] on every row, the ranks settled (`memfit.testing.ranks.settled_gloo`: no
@@ -66,8 +68,38 @@ def _example(name):
     return _lm_example() if CASES[name][1] is None else CASES[name][1]
 
 
-def _build(name: str, parallel: str):
+def _bf16():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+# the wrappings each model is measured under: (parallel, options of fully_shard: values or makers of them);
+# "fsdp frozen" freezes FROZEN's parameters (requires_grad=False) before wrapping, as fine-tuning does; "fsdp
+# bf16" all-gathers and computes in bfloat16 and reduce-scatters in float32 (torch's usual mixed precision)
+WRAPPINGS = {"ddp": ("ddp", {}), "fsdp": ("fsdp", {}), "fsdp frozen": ("fsdp", {}),
+             "fsdp no-reshard": ("fsdp", {"reshard_after_forward": False}), "fsdp bf16": ("fsdp", {"mp_policy": _bf16})}
+
+
+def _options(wrapping: str) -> dict:
+    return {k: v() if callable(v) else v for k, v in WRAPPINGS[wrapping][1].items()}
+# what "fsdp frozen" freezes, by parameter name prefix: a weight whose unit keeps its bias trainable (the MLP), a
+# whole unit (the CNN's first convolution, the encoder's first layer), the embeddings in the root's unit beside
+# the trainable final norm (GPT-2: wte, tied to the output layer, and wpe)
+FROZEN = {"mlp": "0.weight", "cnn": "0.", "encoder": "layers.0.", "causal-lm": "transformer.w"}
+
+
+def _model(name: str, wrapping: str = "fsdp") -> torch.nn.Module:
     model = CASES[name][0]()
+    if wrapping == "fsdp frozen":
+        for k, p in model.named_parameters():
+            if k.startswith(FROZEN[name]):
+                p.requires_grad_(False)
+    return model
+
+
+def _build(name: str, wrapping: str):
+    model = _model(name, wrapping)
+    parallel, options = WRAPPINGS[wrapping][0], _options(wrapping)
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model)
@@ -75,19 +107,19 @@ def _build(name: str, parallel: str):
 
     from memfit.memory.fsdp_run import default_units
     for unit in default_units(model):
-        fully_shard(unit)
-    return fully_shard(model)
+        fully_shard(unit, **options)
+    return fully_shard(model, **options)
 
 
 SETTLED_RUNS = 2    # runs under settled_gloo: one figure each time (the spread printed shows it)
 FREE_RUNS = 3       # runs as gloo runs by itself: its race makes the peak a random variable; the worst is kept
 
 
-def _rank_job(rank: int, world: int, name: str, parallel: str, sizes, free_runs: int = FREE_RUNS) -> dict:
+def _rank_job(rank: int, world: int, name: str, wrapping: str, sizes, free_runs: int = FREE_RUNS) -> dict:
     """{n: ([settled peaks], [unsettled peaks])} of this rank: each a real AdamW step measured at the allocator."""
     from memfit.memory.step import measure_rank_step
     from memfit.testing.ranks import settled_gloo
-    measure = lambda n: measure_rank_step(functools.partial(_build, name, parallel), _example(name),
+    measure = lambda n: measure_rank_step(functools.partial(_build, name, wrapping), _example(name),
                                           torch.optim.AdamW, n=n)
     out = {}
     for n in sizes:
@@ -97,11 +129,12 @@ def _rank_job(rank: int, world: int, name: str, parallel: str, sizes, free_runs:
     return out
 
 
-def _predict(name: str, parallel: str, world: int, backend: str = "gloo", **options):
+def _predict(name: str, wrapping: str, world: int, backend: str = "gloo", **options):
     from memfit.memory.ranks import rank_memory_model
-    model = CASES[name][0]()
+    model = _model(name, wrapping)
     return rank_memory_model(model, _example(name), optimizer=torch.optim.AdamW(model.parameters()),
-                             parallel=parallel, world_size=world, backend=backend, **options)
+                             parallel=WRAPPINGS[wrapping][0], world_size=world, backend=backend,
+                             **_options(wrapping), **options)
 
 
 def _tracker_peak(name: str, n: int, world: int) -> int:
@@ -120,13 +153,13 @@ def _tracker_peak(name: str, n: int, world: int) -> int:
     return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
 
 
-def run(quick: bool = False, worlds=(2, 4)) -> list[dict]:
+def run(quick: bool = False, worlds=(2, 4), wrappings=tuple(WRAPPINGS)) -> list[dict]:
     names = list(CASES)
     sizes = (4, 16) if quick else (8, 32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)            # as each rank runs (`_worker`): oneDNN's scratch depends on the threads
     try:
-        return _run(names, sizes, worlds)
+        return _run(names, sizes, worlds, wrappings)
     finally:
         torch.set_num_threads(threads)
 
@@ -140,20 +173,20 @@ def _spread(peaks: list[int]) -> str:
     return f"+{max(peaks) - min(peaks)}" if peaks else ""
 
 
-def _run(names, sizes, worlds) -> list[dict]:
+def _run(names, sizes, worlds, wrappings) -> list[dict]:
     print(machine_header("cpu"))
     rows = []
     for world in worlds:
-        for parallel in ("ddp", "fsdp"):
+        for wrapping in wrappings:
             for name in names:
-                real = spawn(_rank_job, world, name, parallel, sizes)
-                settled = _predict(name, parallel, world, gloo_race=False)
-                bound = _predict(name, parallel, world) if parallel == "fsdp" else settled
+                real = spawn(_rank_job, world, name, wrapping, sizes)
+                settled = _predict(name, wrapping, world, gloo_race=False)
+                bound = _predict(name, wrapping, world) if WRAPPINGS[wrapping][0] == "fsdp" else settled
                 for n in sizes:
                     fixed, free = _worst(real, n, 0), _worst(real, n, 1)
                     ratio = settled.total_bytes(n) / max(fixed)
                     race = bound.total_bytes(n) / max(free)
-                    rows.append({"model": name, "parallel": parallel, "ranks": world, "batch/rank": n,
+                    rows.append({"model": name, "wrapping": wrapping, "ranks": world, "batch/rank": n,
                                  "predicted": settled.total_bytes(n), "real settled": max(fixed),
                                  "spread": _spread(fixed), "ratio": f"{ratio:.5f}",
                                  "": "PASS" if TARGET[0] <= round(ratio, DIGITS) <= TARGET[1] else "MISS",
