@@ -256,10 +256,11 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                          f"{type(module).__name__}; expected names from model.named_modules()")
     key = (*_key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world),
            _signature(y), note)
-    fingerprint = model_state(module)
     entry = _PLANS.get(module)
-    if entry is None or entry[0] != fingerprint:
-        entry = _PLANS[module] = (fingerprint, {})
+    if entry is None or not entry[0].holds(module):
+        fingerprint = model_state(module)
+        if entry is None or entry[0] != fingerprint:
+            entry = _PLANS[module] = (fingerprint, {})
     found, error = entry[1].get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
         # torch's generators are neither drawn from nor saved and restored (which would rewind another thread's
@@ -312,7 +313,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         res.reason = f"memfit.fit: {plan.reason}"
         # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
         # fake runs saw the same): the next step is checked against the model as this one left it
-        plan._held = held(module, optimizer)
+        plan._held = held(module, optimizer, plan._held)
         return res
 
     how_bytes = found.how_bytes + (f"; {note}" if note else "")

@@ -41,15 +41,18 @@ _MISSING = object()
 _AGAIN = "call memfit.fit again with the model and optimizer as they are now (it plans for them)"
 
 
-def held(module: torch.nn.Module, optimizer) -> tuple:
-    """What of the model and optimizer a plan's bytes depend on, for `held_error`."""
-    return model_state(module), _groups(optimizer)
+def held(module: torch.nn.Module, optimizer, planned: tuple | None = None) -> tuple:
+    """What of the model and optimizer a plan's bytes depend on, for `held_error`; `planned`'s model state again
+    where the model still holds it (`State.holds`: a fraction of a new `model_state`, which walks every attribute of
+    every module; `plan.step` takes this after every step)."""
+    same = planned is not None and planned[0].holds(module)
+    return planned[0] if same else model_state(module), _groups(optimizer)
 
 
 def held_error(planned: tuple, module: torch.nn.Module, optimizer) -> ValueError | None:
     """Why the model or optimizer may now need more than the plan made when they were `planned` (`held`), or None."""
     state, groups = planned
-    if model_state(module) != state:
+    if not state.holds(module) and model_state(module) != state:
         return ValueError(f"plan.step: the model changed since memfit.fit made this plan "
                           f"({describe_change(state, module)}): its bytes are the model's as it was (a parameter "
                           f"unfrozen adds its gradient and optimizer state; a module replaced, its own); {_AGAIN}")
