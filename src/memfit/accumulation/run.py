@@ -21,10 +21,11 @@ from memfit.accumulation.checks import (
     check_batch_dependence,
     check_distributed,
     check_micro,
+    ignored_per_sample,
     terms_differ,
     trained_device,
 )
-from memfit.accumulation.micro_step import KeptGrads, MicroStep
+from memfit.accumulation.micro_step import KeptGrads, LossSum, MicroStep
 from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
 from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
 from memfit.losses import batch_terms, count_terms, loss_ignore_index, said_reduction
@@ -127,10 +128,16 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             raise ValueError(f"terms= weights a loss_fn's mean by the terms it is over; loss_fn sums "
                              f"({loss_fn!r}, reduction='sum'), and the full batch's sum is the sum of the "
                              "micro-batches' sums: drop terms=, or give the loss reduction='mean'")
+        # per sample, the labels the loss ignores (its ignore_index, else -100): one read of y, which both the
+        # weighting by terms and the warning about unequal samples answer from
+        ignore = loss_ignore_index(loss_fn)         # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
+        ignore = -100 if ignore is None else ignore
+        ignored = ignored_per_sample(y, ignore) if terms is None else None
         # a cross entropy whose mean divides by the targets not ignored, or by their class weights: weighted by
         # those, micro-batches give the full-batch mean (by samples they would not, silently)
-        terms = terms if terms is not None else batch_terms(loss_fn, y)
-        n_total = n if terms is None else count_terms(terms, x, y)
+        terms = terms if terms is not None else batch_terms(loss_fn, y, ignored)
+        counts = getattr(terms, "per_sample", None)       # each sample's terms, on the host
+        n_total = n if terms is None else sum(counts) if counts is not None else count_terms(terms, x, y)
         step = MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, terms=terms)
         step.summed = summed
         # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
@@ -153,10 +160,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on"
                          if given is not None else f"every target of the batch is the ignore index of {loss_fn!r}: "
                          "there is no loss to take a step on (its full-batch mean is 0 / 0)")
-    ignore = loss_ignore_index(loss_fn)             # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
     # before the step: its temporaries never sit on the grads
-    differ = terms_differ(x, y, -100 if ignore is None else ignore) if terms is None else None
-    step.ignore = -100 if ignore is None else ignore
+    differ = terms_differ(x, y, ignore, ignored) if terms is None else None
+    step.ignore = ignore
+    step.losses = LossSum(-(-n // size))
     kept = KeptGrads(_trained_and_stepped(params, optimizer))
     optimizer.zero_grad(set_to_none=True)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
@@ -164,7 +171,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             p.grad = None
     try:
         final = run_rounds(step, size, rounds) if world > 1 else step.run_range(0, n, size, frozenset())
-        loss_sum = float(step.loss_sum) if step.loss_sum is not None else 0.0
+        loss_sum = step.finish()     # the one read of the losses (a sync on a GPU), needed before the step
         if world > 1:                # before the step: one rank's NaN makes every rank's sum NaN, so none steps
             from memfit.distributed import all_reduce
             loss_sum = float(all_reduce(torch.tensor(loss_sum, dtype=torch.float64), what="accumulate loss"))
@@ -217,7 +224,7 @@ def _nonfinite(step: MicroStep, world: int) -> str:
         ranks = [mine]
     where = "; ".join(f"{f'rank {r}: ' if world > 1 else ''}micro-batch {i + 1} of {k} (samples {s}..{e - 1} of "
                       f"{'its' if world > 1 else 'the'} batch)" for r, (i, s, e, k) in enumerate(ranks) if i >= 0)
-    value = f" ({float(step.loss_sum)})" if bad is not None else ""
+    value = f" ({step.loss_sum})" if bad is not None else ""
     return (f"accumulate: the loss is not finite{value} in {where or 'the sum over the ranks'}: the optimizer did "
             "not step (parameters, gradients and optimizer state are as they were before the call). Check those "
             "samples, the learning rate (diverging weights) or the loss (log of 0; a mean over no terms, e.g. "
