@@ -22,6 +22,7 @@ from accumulation.cases import (
     token_loss,
 )
 from memfit.accumulation.run import accumulate
+from memfit.testing.reads import counted_reads
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -306,32 +307,6 @@ def test_every_bit_of_the_step_is_the_hand_written_loops(micro, padded):
             assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
 
 
-class _Reads:
-    """Counts the reads of a tensor's value on the host (each a device sync on a GPU): item, tolist, bool, float,
-    int and a boolean mask's indexing (nonzero), while patched in."""
-
-    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero")
-
-    def __init__(self, monkeypatch):
-        self.calls = []
-        for name in self.NAMES:
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._counted(name, original))
-        getitem = torch.Tensor.__getitem__
-
-        def masked(t, index):
-            if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
-                self.calls.append("mask")
-            return getitem(t, index)
-        monkeypatch.setattr(torch.Tensor, "__getitem__", masked)
-
-    def _counted(self, name, original):
-        def read(t, *args, **kwargs):
-            self.calls.append(name)
-            return original(t, *args, **kwargs)
-        return read
-
-
 class _ClassesFirst(nn.Module):
     """A Tagger whose scores are (n, C, T), as F.cross_entropy takes them with (n, T) labels."""
 
@@ -344,7 +319,7 @@ class _ClassesFirst(nn.Module):
 
 
 @pytest.mark.parametrize("micro", [2, 5])
-def test_a_step_reads_the_device_twice_whatever_the_micro_batches(monkeypatch, micro):
+def test_a_step_reads_the_device_twice_whatever_the_micro_batches(micro):
     """The labels once (which targets the loss ignores: the weighting by terms and the warning about unequal samples
     answer from one read) and the loss sum once (needed before the optimizer's step, which a loss that is not finite
     skips); none per micro-batch. Before: 3 reads a step with class labels or a lambda over token labels, and
@@ -360,7 +335,6 @@ def test_a_step_reads_the_device_twice_whatever_the_micro_batches(monkeypatch, m
     for what, (model, batch, loss_fn) in cases.items():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         accumulate(model, opt, batch, loss_fn, micro_batch=micro)          # warm: lazy state made
-        reads = _Reads(monkeypatch)
-        accumulate(model, opt, batch, loss_fn, micro_batch=micro)
-        monkeypatch.undo()
-        assert len(reads.calls) == 2, (what, reads.calls)
+        with counted_reads() as reads:
+            accumulate(model, opt, batch, loss_fn, micro_batch=micro)
+        assert len(reads) == 2, (what, reads)

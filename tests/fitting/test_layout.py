@@ -6,6 +6,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
+from memfit.accumulation.run import Walked
 from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
 
 
@@ -169,9 +170,12 @@ def test_steps_check_the_model_without_building_its_fingerprint_and_every_change
         plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
         built, walk = [], layout_module.model_state
         monkeypatch.setattr(layout_module, "model_state", lambda m, built=built, walk=walk: built.append(1) or walk(m))
+        walked, of = [], Walked.of
+        monkeypatch.setattr(Walked, "of", classmethod(lambda cls, m, walked=walked, of=of: walked.append(1) or of(m)))
         for _ in range(3):
             plan.step((x, y))
         assert built == [], what                         # checked three times before and after: no walk built
+        assert walked == [1], what                       # parameters and batch statistics walked at the first only
         change(model)
         with pytest.raises(ValueError, match="the model changed since memfit.fit made this plan"):
             plan.step((x, y))

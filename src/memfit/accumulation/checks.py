@@ -70,8 +70,9 @@ def batch_dependent_modules(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def check_batch_dependence(model, allow: bool) -> None:
-    found = batch_dependent_modules(model)
+def check_batch_dependence(model, allow: bool, found: list[str] | None = None) -> None:
+    """Refuse (or with `allow`, warn about) `batch_dependent_modules(model)` (`found`: known already)."""
+    found = batch_dependent_modules(model) if found is None else found
     if not found:
         return
     listed = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")

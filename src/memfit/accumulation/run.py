@@ -12,6 +12,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +32,7 @@ from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
 from memfit.losses import batch_terms, count_terms, loss_ignore_index, said_reduction
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 
-__all__ = ["accumulate"]
+__all__ = ["Walked", "accumulate", "run_step"]
 
 log = logging.getLogger("memfit.accumulate")
 
@@ -104,6 +105,26 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         NonFiniteLossError: a micro-batch's loss is NaN or infinite (nonfinite='raise').
         memfit.distributed.RankFailed: distributed, another rank failed (named in the message).
     """
+    return run_step(model, optimizer, batch, loss_fn, budget, micro_batch, distributed=distributed,
+                    allow_batch_dependent=allow_batch_dependent, terms=terms, nonfinite=nonfinite)
+
+
+@dataclass
+class Walked:
+    """What `accumulate` reads off the model by walking every module: its parameters (`model.parameters()`) and the
+    modules whose result depends on the rest of the batch (`batch_dependent_modules`). `plan.step` keeps them while
+    the model is as its last step left it (`memfit.memory.fingerprint.State.holds`), saving two walks a step."""
+    params: list[torch.nn.Parameter]
+    dependent: list[str]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Walked:
+        return cls(list(model.parameters()), batch_dependent_modules(model))
+
+
+def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", *, distributed=False,
+             allow_batch_dependent=False, terms=None, nonfinite="raise", walked: Walked | None = None) -> StepResult:
+    """`accumulate`; `walked`: the model's `Walked`, known to hold (else walked here)."""
     t0 = time.perf_counter()
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(f"batch must be (x, y); found {type(batch).__name__}"
@@ -113,15 +134,16 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         raise ValueError(f"nonfinite must be one of {NONFINITE}; found {nonfinite!r}")
     world = check_distributed(model, distributed)
     x, y = batch
-    params = list(model.parameters())
+    params = walked.params if walked is not None else list(model.parameters())
     # Distributed: every local step that can fail runs first, then one agreement shares the sample counts and
     # sizes; a rank that failed makes every rank raise there, none waits in a collective
     error, step, key, given = None, None, None, terms
     try:
         n = batch_size(x, y)
         whole = micro_batch != "auto" and micro_batch >= n       # one micro-batch of the whole batch: the plain step
+        dependent = walked.dependent if walked is not None else None
         if not whole:
-            check_batch_dependence(model, allow_batch_dependent)
+            check_batch_dependence(model, allow_batch_dependent, dependent)
         device = trained_device(params)
         summed = said_reduction(loss_fn) == "sum"
         if summed and terms is not None:
@@ -141,7 +163,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         step = MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, terms=terms)
         step.summed = summed
         # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
-        step.splittable = not whole or allow_batch_dependent or not batch_dependent_modules(model)
+        step.splittable = not whole or allow_batch_dependent or not (
+            dependent if dependent is not None else batch_dependent_modules(model))
         if micro_batch == "auto":
             key = auto_key(step.params, optimizer, x, n, budget)
             size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key)

@@ -51,10 +51,11 @@ def held(module: torch.nn.Module, optimizer, planned: tuple | None = None) -> tu
     return planned[0] if planned[0].holds(module) else model_state(module), planned[1]
 
 
-def held_error(planned: tuple, module: torch.nn.Module, optimizer) -> ValueError | None:
-    """Why the model or optimizer may now need more than the plan made when they were `planned` (`held`), or None."""
+def held_error(planned: tuple, module: torch.nn.Module, optimizer, holds: bool | None = None) -> ValueError | None:
+    """Why the model or optimizer may now need more than the plan made when they were `planned` (`held`), or None.
+    `holds`: `planned[0].holds(module)`, already asked."""
     state, groups = planned
-    if not state.holds(module) and model_state(module) != state:
+    if not (state.holds(module) if holds is None else holds) and model_state(module) != state:
         return ValueError(f"plan.step: the model changed since memfit.fit made this plan "
                           f"({describe_change(state, module)}): its bytes are the model's as it was (a parameter "
                           f"unfrozen adds its gradient and optimizer state; a module replaced, its own); {_AGAIN}")
