@@ -15,7 +15,7 @@ median. Also counted, exactly: reads of the device per step (each a
 sync on a GPU, `memfit.testing.reads`), for the loop and for memfit.
 
 Run:
-    OMP_NUM_THREADS=1 memfit bench train --overhead          # six models, batch 32 in micro-batches of 8
+    OMP_NUM_THREADS=1 memfit bench train --overhead          # six models, batch 32 in micro-batches of 8 (20 min)
     memfit bench train --overhead --quick                     # batch 16 in micro-batches of 4, no ResNet-18
 """
 
@@ -134,7 +134,7 @@ def _abba(a, b, rounds: int) -> tuple[list[float], list[float]]:
 
 
 def run(names=None, quick: bool = False, as_json: bool = False) -> list[dict]:
-    n, m, seconds = (16, 4, 2.0) if quick else (32, 8, 5.0)
+    n, m, seconds = (16, 4, 2.0) if quick else (32, 8, 10.0)
     print(machine_header("cpu"))
     print(f"# memfit's per-step cost against a hand-written micro-batch loop: batch {n}, micro-batches of {m} "
           f"({math.ceil(n / m)}), AdamW; loop/x = the loop's step time / memfit's (process CPU time), the median over "
