@@ -10,12 +10,12 @@ at the same micro-batch size and on copies of the same model (AdamW, BatchNorm i
   gradients of the previous step, held until its step ends: `plan.step` does not).
 Each is timed against the loop in ABBA pairs of rounds, in process CPU time (on a shared VM wall time counts other
 processes' slices); the speed ratio loop / memfit is the median over pairs (target >= 0.95x on every model but the
-MLP, whose 20 ms step shows fixed costs), and memfit's host time per step is that ratio's excess times the loop's
-median. Also counted, exactly: reads of the device per step (each a
-sync on a GPU, `memfit.testing.reads`), for the loop and for memfit.
+MLP, whose 10 ms step shows fixed costs), and memfit's host time per step is that ratio's excess times the loop's
+median. The loop against itself on a fresh copy of the model ("loop/loop") is the noise floor. Also counted,
+exactly: memfit's reads of the device per step beyond the loop's (each a sync on a GPU, `memfit.testing.reads`).
 
 Run:
-    OMP_NUM_THREADS=1 memfit bench train --overhead          # six models, batch 32 in micro-batches of 8 (20 min)
+    OMP_NUM_THREADS=1 memfit bench train --overhead          # six models, batch 32 in micro-batches of 8 (25 min)
     memfit bench train --overhead --quick                     # batch 16 in micro-batches of 4, no ResNet-18
 """
 
@@ -94,6 +94,8 @@ def rows_for(case: Case, n: int, m: int, seconds: float) -> dict:
                                                              budget=budget + grads)),
     }
     row = {"model": case.name.split()[0], "batch": n}
+    floor_model, floor_opt = _fresh(case)              # the noise floor: the loop against itself, on another copy
+    contenders = {"loop": (m, lambda: hand_loop(floor_model, floor_opt, batch, case.loss, m)), **contenders}
     for what, (size, run) in contenders.items():
         ref_model, ref_opt = _fresh(case)
         hand = lambda ref_model=ref_model, ref_opt=ref_opt, size=size: hand_loop(ref_model, ref_opt, batch,
@@ -110,10 +112,11 @@ def rows_for(case: Case, n: int, m: int, seconds: float) -> dict:
             hand()
         with counted_reads() as reads:
             run()
+        if what == "loop":
+            row.update({"loop s": hand_s, "loop/loop": ratio})
+            continue
         row.update({f"{what} m": size, f"loop/{what}": ratio, f"{what} ms/step": 1e3 * hand_s * (1 / ratio - 1),
                     f"{what} reads": len(reads) - len(loop_reads)})
-        if what == "accumulate":
-            row["loop s"] = hand_s
     return row
 
 
@@ -149,7 +152,7 @@ def run(names=None, quick: bool = False, as_json: bool = False) -> list[dict]:
                 continue
             rows.append(rows_for(case, n, m, seconds))
     what = ("accumulate", "plan.step", "auto")
-    print(table(rows, ["model", "batch", "loop s",
+    print(table(rows, ["model", "batch", "loop s", "loop/loop",
                        *[c for w in what for c in (f"{w} m", f"loop/{w}", f"{w} ms/step", f"{w} reads")]]))
     judged = [r for r in rows if r["model"] not in TINY]
     for w in what:
@@ -160,6 +163,9 @@ def run(names=None, quick: bool = False, as_json: bool = False) -> list[dict]:
                   f"{worst[f'loop/{w}']:.3f}x ({worst['model']}; target >= {TARGET}x on every model but "
                   f"{', '.join(TINY)}); memfit's host time {min(r[f'{w} ms/step'] for r in rows):.2f} to "
                   f"{max(r[f'{w} ms/step'] for r in rows):.2f} ms a step")
+    floor = [r["loop/loop"] for r in rows]
+    print(f"INFO  noise floor: the loop against itself on another copy of the model {min(floor):.3f}x to "
+          f"{max(floor):.3f}x (a ratio within that of 1 is no measured difference)")
     reads = sorted({r[f"{w} reads"] for r in rows for w in what})
     print(f"INFO  memfit's reads of the device per step beyond the loop's: {reads} (the labels once, the loss sum "
           "once)")
