@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["REDUCTIONS", "batch_terms", "call_loss", "count_terms", "loss_ignore_index", "loss_sum", "per_sample",
-           "said_reduction", "torch_denominator", "unit_dim"]
+__all__ = ["REDUCTIONS", "IndexTerms", "batch_terms", "call_loss", "count_terms", "loss_ignore_index", "loss_sum",
+           "per_sample", "said_reduction", "torch_denominator", "unit_dim"]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -275,12 +275,25 @@ def said_reduction(loss_fn: Callable) -> str | None:
     return None
 
 
-def batch_terms(loss_fn: Callable, y) -> Callable | None:
+class IndexTerms:
+    """terms(x, y) of a class-index loss's mean (`batch_terms`): its targets not ignored, each counted as its class
+    weight. `per_sample`: without class weights, each sample's count, known on the host (then a micro-batch's
+    count is a sum of Python ints: no read of the device per micro-batch); None with class weights."""
+
+    def __init__(self, denominator: Callable, per_sample: list[int] | None):
+        self.denominator, self.per_sample = denominator, per_sample
+
+    def __call__(self, x, t):
+        return self.denominator(None, t, t)
+
+
+def batch_terms(loss_fn: Callable, y, ignored: list[int] | None = None) -> IndexTerms | None:
     """terms(x, y) for a loss whose mean over a batch is not one term per sample, where the loss says so:
     CrossEntropyLoss / NLLLoss (or F.cross_entropy / F.nll_loss, plainly or as a partial) with reduction 'mean'
     on integer targets divide by the targets not ignored, each counted as its class weight. Weighting
     micro-batches by samples is then not the full-batch mean unless no target of `y` is ignored and the classes
-    are unweighted (then None: samples are the terms). None for any other loss."""
+    are unweighted (then None: samples are the terms). None for any other loss. `ignored`: per sample, the targets
+    of `y` equal to the loss's ignore index (`loss_ignore_index`), already read (else read here)."""
     if said_reduction(loss_fn) != "mean" or not isinstance(y, torch.Tensor) or y.is_floating_point() \
             or y.dtype == torch.bool or not y.numel():
         return None
@@ -291,10 +304,13 @@ def batch_terms(loss_fn: Callable, y) -> Callable | None:
         if func not in _INDEX_LOSSES:
             return None
         weight, ignore = kw.get("weight"), kw.get("ignore_index", -100)
-    if weight is None and not bool((y == ignore).any()):
+    if ignored is None:
+        ignored = (y == ignore).reshape(y.shape[0], -1).sum(1).tolist()
+    if weight is None and not any(ignored):
         return None
-    denominator = _class_index_denominator(weight, ignore)
-    return lambda x, t: denominator(None, t, t)
+    positions = y.numel() // y.shape[0]           # targets per sample
+    return IndexTerms(_class_index_denominator(weight, ignore),
+                      None if weight is not None else [positions - k for k in ignored])
 
 
 def loss_sum(logits: torch.Tensor, y, loss_fn: Callable, reduction: str = "none",

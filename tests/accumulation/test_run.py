@@ -22,6 +22,7 @@ from accumulation.cases import (
     token_loss,
 )
 from memfit.accumulation.run import accumulate
+from memfit.testing.reads import counted_reads
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -259,3 +260,81 @@ def test_a_class_weighted_mean_inside_a_lambda_is_warned_about_and_exact_with_te
                    lambda out, t: F.cross_entropy(out, t), micro_batch=3)        # unweighted: samples are the terms
     assert r.loss == pytest.approx(loss, rel=1e-5)
     assert_same_step(ref, mod)
+
+
+def _hand_loop(model, opt, x, y, loss_fn, micro: int, counts=None):
+    """The reference: forward, the loss scaled by the micro-batch's share (its samples, or its `counts` of terms,
+    over the batch's), backward, then one optimizer step; and the loss as a float64 running sum of each
+    micro-batch's loss times its share's count, over the total (what accumulate reports)."""
+    n = len(y)
+    counts = counts or [1] * n
+    total = sum(counts)
+    opt.zero_grad(set_to_none=True)
+    loss_sum = None
+    for s in range(0, n, micro):
+        e = min(n, s + micro)
+        c = sum(counts[s:e])
+        part = loss_fn(model(x[s:e]), y[s:e])
+        weight = c / total
+        (part if weight == 1 else part * weight).backward()
+        share = part.detach().double() * c if c != 1 else part.detach().double()
+        loss_sum = share if loss_sum is None else loss_sum + share
+    opt.step()
+    return float(loss_sum) / total
+
+
+@pytest.mark.parametrize("micro", [1, 3, 4, 10])
+@pytest.mark.parametrize("padded", [False, True])
+def test_every_bit_of_the_step_is_the_hand_written_loops(micro, padded):
+    """Loss, gradients and parameters exactly equal (not within a tolerance) to a plain micro-batch loop doing the same
+    arithmetic, over three AdamW steps: what accumulate adds (the counts, a loss sum read once, checks) changes no
+    bit. Padded: labels of ignored positions, weighted by the positions each micro-batch counts."""
+    g = torch.Generator().manual_seed(3)
+    model, ref = Tagger(), Tagger()
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss_fn = functools.partial(F.cross_entropy, ignore_index=-100)
+    loss = lambda out, y: loss_fn(out.transpose(1, 2), y)
+    for _ in range(3):
+        ids, y = torch.randint(0, 20, (10, 6), generator=g), torch.randint(0, C, (10, 6), generator=g)
+        if padded:
+            y[torch.arange(6) >= torch.randint(1, 7, (10, 1), generator=g)] = -100
+        counts = (y != -100).sum(1).tolist()
+        terms = lambda x, y: (y != -100).sum()
+        r = accumulate(model, opt, (ids, y), loss, micro_batch=micro, terms=terms)
+        assert r.loss == _hand_loop(ref, ref_opt, ids, y, loss, micro, counts)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+class _ClassesFirst(nn.Module):
+    """A Tagger whose scores are (n, C, T), as F.cross_entropy takes them with (n, T) labels."""
+
+    def __init__(self):
+        super().__init__()
+        self.tagger = Tagger()
+
+    def forward(self, ids):
+        return self.tagger(ids).transpose(1, 2)
+
+
+@pytest.mark.parametrize("micro", [2, 5])
+def test_a_step_reads_the_device_twice_whatever_the_micro_batches(micro):
+    """The labels once (which targets the loss ignores: the weighting by terms and the warning about unequal samples
+    answer from one read) and the loss sum once (needed before the optimizer's step, which a loss that is not finite
+    skips); none per micro-batch. Before: 3 reads a step with class labels or a lambda over token labels, and
+    2 + 2 per micro-batch with padded token labels (14 at 5 micro-batches)."""
+    g = torch.Generator().manual_seed(0)
+    ids, tags = torch.randint(0, 20, (10, 6), generator=g), torch.randint(0, C, (10, 6), generator=g)
+    padded = tags.clone()
+    padded[:, 4:] = -100
+    padded[0, 1:] = -100
+    cases = {"class labels": (make("mlp"), data(10), F.cross_entropy),
+             "padded token labels, F.cross_entropy": (_ClassesFirst(), (ids, padded), F.cross_entropy),
+             "token labels, a lambda": (Tagger(), (ids, tags), token_loss)}
+    for what, (model, batch, loss_fn) in cases.items():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        accumulate(model, opt, batch, loss_fn, micro_batch=micro)          # warm: lazy state made
+        with counted_reads() as reads:
+            accumulate(model, opt, batch, loss_fn, micro_batch=micro)
+        assert len(reads) == 2, (what, reads)

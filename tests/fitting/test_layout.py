@@ -6,6 +6,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
+from memfit.accumulation.run import Walked
 from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
 
 
@@ -144,3 +145,38 @@ def test_what_a_models_own_forward_sets_is_not_a_change_and_a_change_between_ste
     model.body[1] = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16))
     with pytest.raises(ValueError, match=r"module 'body.1' was replaced"):
         plan.step((x, y))
+
+
+def test_steps_check_the_model_without_building_its_fingerprint_and_every_change_is_still_refused(monkeypatch):
+    """plan.step checks the model before and after every step by `State.holds` (no `model_state` walk while nothing
+    changed: counted here); a change made after any number of steps is refused as before: a hook, a flag, a field
+    changed in place, a parameter's storage or requires_grad, a module replaced."""
+    from memfit.fitting import layout as layout_module
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    changes = {
+        "forward hook": lambda m: m[1][1].register_forward_hook(lambda *a: None),
+        "a submodule's training flag": lambda m: m[0].eval(),
+        "an attribute set in place on a shared object": lambda m: setattr(m.cfg, "scale", 2.0),
+        "a parameter's storage": lambda m: setattr(m[0][0].weight, "data", torch.zeros(64, 32)),
+        "requires_grad": lambda m: m[0][0].weight.requires_grad_(True),
+        "a module replaced": lambda m: m[1].__setitem__(0, nn.Linear(16, 64)),
+    }
+    for what, change in changes.items():
+        model = _frozen_first()
+        model.cfg = type("Config", (), {})()
+        model.cfg.scale = 1.0
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+        built, walk = [], layout_module.model_state
+        monkeypatch.setattr(layout_module, "model_state", lambda m, built=built, walk=walk: built.append(1) or walk(m))
+        walked, of = [], Walked.of
+        monkeypatch.setattr(Walked, "of", classmethod(lambda cls, m, walked=walked, of=of: walked.append(1) or of(m)))
+        for _ in range(3):
+            plan.step((x, y))
+        assert built == [], what                         # checked three times before and after: no walk built
+        assert walked == [1], what                       # parameters and batch statistics walked at the first only
+        change(model)
+        with pytest.raises(ValueError, match="the model changed since memfit.fit made this plan"):
+            plan.step((x, y))
+        monkeypatch.undo()

@@ -43,8 +43,7 @@ def test_two_models_of_the_same_structure_are_told_apart():
     assert model_state(fresh()) != model_state(fresh())
 
 
-def test_every_change_a_forward_may_read_gives_a_new_value():
-    changes = {
+CHANGES = {
         "dropout p": lambda m: setattr(m[2], "p", 0.5),
         "training flag": lambda m: m.eval(),
         "one submodule's training flag": lambda m: m[1].eval(),
@@ -66,12 +65,97 @@ def test_every_change_a_forward_may_read_gives_a_new_value():
         "an empty list attribute filled": lambda m: m.names.append("a"),
         "a set attribute grows": lambda m: m.tags.add("c"),
         "an int attribute": lambda m: setattr(m[1], "num_features", 5),
-    }
-    for what, change in changes.items():
+        "a tuple attribute": lambda m: setattr(m[1], "shape", (2, 3)),
+        "a config field in place, a non-plain one": lambda m: setattr(m.cfg, "scale", [1.0]),
+        "a submodule moved into another": lambda m: (m[0].add_module("inner", m[2]), m.__delitem__(2)),
+        "a parameter moved to another module": lambda m: (m[2].register_parameter("bias", m[0].bias),
+                                                          m[0].register_parameter("bias", None)),
+        "a parameter set to None": lambda m: m[0].register_parameter("bias", None),
+        "an attribute deleted": lambda m: delattr(m, "names"),
+        "an attribute renamed, same value": lambda m: (setattr(m, "other", m.names), delattr(m, "names")),
+        "a hook on a submodule": lambda m: m[2].register_forward_pre_hook(lambda *a: None),
+}
+
+
+def test_every_change_a_forward_may_read_gives_a_new_value():
+    for what, change in CHANGES.items():
         m = fresh()
         before = model_state(m)
         change(m)
         assert model_state(m) != before, what
+
+
+def test_holds_is_true_only_where_a_new_value_would_be_equal():
+    """`State.holds` (plan.step's check before and after every step) against the value it stands for, `model_state`:
+    never True where that differs (every change above), True after what keeps it (a training step, eval and back)."""
+    for what, change in CHANGES.items():
+        m = fresh()
+        before = model_state(m)
+        assert before.quick is not None and before.holds(m), what
+        change(m)
+        assert not before.holds(m), what
+        assert model_state(m).holds(m), what             # the new value is quick too
+    m = fresh()
+    before = model_state(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        m(torch.randn(4, 4)).sum().backward()
+        opt.step()
+    m.eval()
+    m.train()
+    assert before.holds(m) and model_state(m) == before
+    m.cfg.scale = float("1.0")                            # another object of the same value: not quick, still equal
+    m[2].p = 0.1 * 1
+    assert model_state(m) == before
+
+
+def test_holds_sees_an_attribute_at_a_deleted_objects_id_and_keeps_nothing_alive():
+    import gc
+    import weakref
+    m = nn.Linear(2, 2)
+    m.table = torch.zeros(3)
+    before, first = model_state(m), id(m.table)
+    del m.table                                        # the only reference: collected, its id free again
+    made = []
+    for _ in range(10_000):
+        t = torch.zeros(3)
+        if id(t) == first:
+            break
+        made.append(t)
+    assert id(t) == first                              # the precondition: CPython reused the address
+    m.table = t
+    assert not before.holds(m) and model_state(m) != before
+    m.table = torch.zeros(3)                           # a tensor attribute replaced: the old one is not kept
+    kept, table = model_state(m), weakref.ref(m.table)
+    m.table = torch.zeros(3)
+    gc.collect()
+    assert table() is None and not kept.holds(m)
+
+
+def test_real_models_are_checked_quickly_and_a_training_step_keeps_them():
+    from memfit.testing.zoo import build
+    resnet, shape = build("resnet18", image=32)
+    models = [(resnet, torch.randn(2, *shape))]
+    try:
+        import transformers
+        cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=32)
+        models.append((transformers.BertForSequenceClassification(cfg), torch.randint(0, 50, (2, 5))))
+    except ImportError:
+        pass
+    for m, x in models:
+        before = model_state(m)
+        assert before.quick is not None and before.holds(m), type(m).__name__       # else every check is slow
+        opt = torch.optim.AdamW(m.parameters())
+        out = m(x)
+        (out if isinstance(out, torch.Tensor) else out.logits).sum().backward()
+        opt.step()                        # BatchNorm's running statistics and the weights updated in place
+        assert before.holds(m) and model_state(m) == before, type(m).__name__
+    if len(models) > 1:
+        bert = models[1][0]
+        before = model_state(bert)
+        bert.config.use_cache = not bert.config.use_cache      # a field of the config every layer holds, in place
+        assert not before.holds(bert) and model_state(bert) != before
 
 
 def test_a_config_shared_by_modules_is_seen_through_each_and_a_lazy_module_is_fingerprinted():
@@ -81,7 +165,7 @@ def test_a_config_shared_by_modules_is_seen_through_each_and_a_lazy_module_is_fi
     m[0].cfg = m[1].cfg = shared
     before = model_state(m)
     shared.scale = 3.0
-    assert model_state(m) != before
+    assert model_state(m) != before and not before.holds(m)
     lazy = nn.Sequential(nn.LazyLinear(4))            # no data before its first forward: still fingerprinted
     before = model_state(lazy)
     lazy(torch.randn(2, 3))
@@ -93,11 +177,11 @@ def test_long_containers_are_compared_by_identity_and_length():
     m.history = list(range(1000))                     # longer than fingerprint._LONG: not walked item by item
     before = model_state(m)
     m.history[5] = -1                                  # a documented limit: an item of a long list is not seen
-    assert model_state(m) == before
+    assert model_state(m) == before and before.holds(m)
     m.history.append(0)                                # its length is
-    assert model_state(m) != before
+    assert model_state(m) != before and not before.holds(m)
     m.history = list(m.history)                        # so is a new list
-    assert model_state(m) != before
+    assert model_state(m) != before and not before.holds(m)
 
 
 def test_a_forward_installed_at_a_deleted_forwards_id_is_another_forward():
@@ -115,7 +199,7 @@ def test_a_forward_installed_at_a_deleted_forwards_id_is_another_forward():
         made.append(f)                                 # kept alive, so the next one takes another address
     assert id(f) == first                              # the precondition: CPython reused the address
     m.forward = f
-    assert model_state(m) != before
+    assert model_state(m) != before and not before.holds(m)
 
 
 def test_a_kept_value_does_not_keep_a_replaced_forward_or_the_model_alive():

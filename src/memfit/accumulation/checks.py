@@ -12,7 +12,7 @@ from memfit.batches import batch_slice, batch_tensors, batch_to
 from memfit.budget import check_count
 
 __all__ = ["batch_dependent_modules", "batch_size", "check_batch_dependence", "check_distributed", "check_micro",
-           "part_of", "terms_differ", "trained_device"]
+           "ignored_per_sample", "part_of", "terms_differ", "trained_device"]
 
 
 # ---- the batch -------------------------------------------------------------------------------------
@@ -70,8 +70,9 @@ def batch_dependent_modules(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def check_batch_dependence(model, allow: bool) -> None:
-    found = batch_dependent_modules(model)
+def check_batch_dependence(model, allow: bool, found: list[str] | None = None) -> None:
+    """Refuse (or with `allow`, warn about) `batch_dependent_modules(model)` (`found`: known already)."""
+    found = batch_dependent_modules(model) if found is None else found
     if not found:
         return
     listed = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
@@ -122,17 +123,25 @@ def trained_device(params: list[torch.nn.Parameter]) -> torch.device:
     return params[0].device
 
 
-def terms_differ(x, y, ignore: int = -100) -> str | None:
+def ignored_per_sample(y, ignore: int) -> list[int] | None:
+    """Per sample, how many labels of y equal `ignore` (the loss's ignore_index, else -100), read in one transfer
+    (one sync where y is on a GPU; `batch_terms` and `terms_differ` both answer from it); None where y is not
+    integer labels. Its temporaries (a bool per label, an int64 per sample) are freed before the step."""
+    if not (isinstance(y, torch.Tensor) and y.dim() >= 1 and y.numel() and not y.is_floating_point()):
+        return None
+    return (y == ignore).reshape(y.shape[0], -1).sum(1).tolist()
+
+
+def terms_differ(x, y, ignore: int = -100, ignored: list[int] | None = None) -> str | None:
     """The warning to give when labels (y, or x['labels']) ignore (`ignore`: the loss's ignore_index, else -100) a
     different number of positions per sample (or some samples, one label each): a loss averaged over what counts
     weighs samples unequally, so weighting micro-batches by samples is not the full-batch step; None when they do
     not. Said, not refused: a loss that is a mean over samples is exact. Run before the step, when no gradient is
-    held: its temporaries (a bool per label, an int64 per sample) then sit below the step's peak."""
-    labels = [t for t in (y, x.get("labels") if isinstance(x, dict) else None)
-              if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.numel() and not t.is_floating_point()]
-    for t in labels:
-        ignored = (t == ignore).reshape(t.shape[0], -1).sum(1)      # per sample (one label each: 0 or 1)
-        if bool(ignored.min() != ignored.max()):
+    held: its temporaries (a bool per label, an int64 per sample) then sit below the step's peak. `ignored`: y's
+    counts per sample (`ignored_per_sample`), already read."""
+    for t in (y, x.get("labels") if isinstance(x, dict) else None):
+        counts = ignored if t is y and ignored is not None else ignored_per_sample(t, ignore)
+        if counts is not None and min(counts) != max(counts):
             where = "y" if t is y else "x['labels']"
             expr = "y" if t is y else 'x["labels"]'
             return (f"accumulate: {where} ignores ({ignore}) a different number of positions per sample; if "

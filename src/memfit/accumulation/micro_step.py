@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import operator
 from collections.abc import Callable
 
 import torch
@@ -49,16 +51,65 @@ class KeptGrads:
         self.held = []
 
 
-def _grad_marks(params: list[torch.nn.Parameter]) -> list[tuple]:
+class LossSum:
+    """The micro-batches' losses, each times its count (samples or terms), summed in float64 as `accumulate`
+    reports it, read once at the end instead of once per micro-batch. Each micro-batch's loss is copied into its
+    slot of a float64 buffer beside it (one small copy, no sync; a copy, since a scalar loss may be a view of an
+    input-sized buffer that a reference would keep); `read` brings the buffer to the host in one transfer and sums
+    there exactly as a running float64 sum on the device did (float64(loss_i) * count_i, added in order: IEEE
+    products and sums, the same bits), and finds the first micro-batch after which the sum was not finite. Slot 0
+    holds a flag `note`d on the way (a check's answer, read with the sums). The buffer (8 bytes a micro-batch,
+    and the flag's) is counted by `memfit.memory.micro_batch.training_peak`."""
+
+    def __init__(self, parts: int):
+        self.parts = max(1, parts)          # the micro-batches planned (more after an out-of-memory back-off)
+        self.buffer: torch.Tensor | None = None
+        self.counts: list = []
+        self.noted = False
+
+    def add(self, loss: torch.Tensor, count) -> None:
+        i = len(self.counts) + 1
+        if self.buffer is None:
+            self.buffer = torch.empty(self.parts + 1, dtype=torch.float64, device=loss.device)
+        elif i == self.buffer.numel():      # more micro-batches than planned (a back-off): a larger buffer
+            self.buffer = torch.cat([self.buffer, torch.empty_like(self.buffer)])
+        self.buffer[i] = loss.detach()
+        self.counts.append(count)
+
+    def note(self, flag: torch.Tensor) -> None:
+        """Keep a 0-d bool for `read` (after the first `add`)."""
+        self.buffer[0] = flag
+        self.noted = True
+
+    def read(self) -> tuple[float, int | None, bool]:
+        """(the sum, 0.0 when nothing was added; the index of the first running sum that was not finite, or None;
+        the flag noted, False if none). The buffer stays until the step ends (through the optimizer's step too,
+        where `training_peak` counts it as everywhere else)."""
+        values = [0.0] if self.buffer is None else self.buffer[:len(self.counts) + 1].tolist()    # the one sync
+        total, first = 0.0, None
+        for i, (v, c) in enumerate(zip(values[1:], self.counts, strict=True)):
+            share = v * c if c != 1 else v
+            total = share if i == 0 else total + share
+            if first is None and not math.isfinite(total):
+                first = i
+        return total, first, self.noted and values[0] != 0
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _grad_marks(params: list[torch.nn.Parameter]) -> tuple[list, list]:
     """Each parameter's gradient tensor and its version: AccumulateGrad either sets a new tensor or adds in
     place (which bumps the version), so a changed mark means the parameter received a gradient. (Cheaper
     than hooks: adding and removing one costs about 2.5 us per parameter and step, this 0.15 us.)"""
-    return [(p.grad, -1 if p.grad is None else p.grad._version) for p in params]
+    grads = list(map(_GRAD, params))
+    return grads, [-1 if g is None else g._version for g in grads]
 
 
 def _received(params, marks) -> frozenset:
     """ids of the parameters whose gradient changed since `marks`."""
-    return frozenset(id(p) for p, (g, v) in zip(params, marks, strict=True)
+    grads, versions = marks
+    return frozenset(id(p) for p, g, v in zip(params, grads, versions, strict=True)
                      if p.grad is not g or (g is not None and g._version != v))
 
 
@@ -84,12 +135,17 @@ class MicroStep:
         self.params = [p for p in params if p.requires_grad]
         # the samples (or the loss's terms) over every rank; DDP averages over ranks: world * m / N_total is m / N_total
         self.world, self.n_total, self.device = world, n_total, device
-        self.loss_sum: torch.Tensor | None = None
-        # (index, start, end) of each micro-batch that added to the loss sum, and how many running sums were
-        # finite: NaN and inf stay in a sum, so that count points at the first micro-batch whose loss was not (one
-        # scalar, no sync: read only when the sum, read anyway at the end, is not finite)
+        self.losses = LossSum(1)          # the loss sum, read once after the last micro-batch (`finish`)
+        self.loss_sum = 0.0               # ... as read; and the first micro-batch after which it was not finite
+        self.first_bad: int | None = None
+        # (index, start, end) of each micro-batch that added to the loss sum (NaN and inf stay in a sum, so the
+        # first running sum that is not finite points at the first micro-batch whose loss was not)
         self.ranges: list[tuple[int, int, int]] = []
-        self.finite: torch.Tensor | None = None
+        # per sample, the terms of a class-index loss without class weights, known on the host: a micro-batch's
+        # count is a sum, not a read of the device
+        self.counts: list[int] | None = getattr(terms, "per_sample", None)
+        self.defer = world == 1           # the label check read with the loss sum (ranks must agree at once)
+        self.deferred: int | None = None  # the classes it looked at, when deferred
         self.micro_batches, self.retries, self.oom_sizes = 0, 0, []
         self.autocast = self._autocast_type()
         self.splittable = True           # an out-of-memory error may split a micro-batch
@@ -119,7 +175,7 @@ class MicroStep:
         # DDP: every backward is local; the one all-reduce comes after the ranks agreed (ranks.synchronise)
         local = self.model.no_sync() if self.world > 1 else contextlib.nullcontext()
         try:
-            with local, _frozen(self.params, frozen):
+            with local, _frozen(self.params, frozen) if frozen else contextlib.nullcontext():
                 self._run(s, e)
         except Exception as err:
             if not is_oom(err):
@@ -132,7 +188,8 @@ class MicroStep:
         xs = batch_to(self.x, self.device) if whole else part_of(self.x, s, e, self.device)
         ys = batch_to(self.y, self.device) if whole else part_of(self.y, s, e, self.device)
         # counted before the forward: a count's temporaries (a bool per label) never sit on the activations
-        terms = None if self.terms is None else count_terms(self.terms, xs, ys)
+        terms = None if self.terms is None else \
+            sum(self.counts[s:e]) if self.counts is not None else count_terms(self.terms, xs, ys)
         out = forward(self.model, xs)
         m = e - s
         # the class weights of a cross entropy loss_fn averages inside, looked at once, where the weighting is ours
@@ -181,23 +238,27 @@ class MicroStep:
                     weighted.backward()
             else:
                 weighted.backward()
-        # a float64 copy (a scalar loss may be a view of an input-sized buffer), summed on the device: read once
-        share = part.detach().double() * count if count != 1 else part.detach().double()
-        self.loss_sum = share if self.loss_sum is None else self.loss_sum + share
-        ok = torch.isfinite(self.loss_sum)
-        if self.finite is None:
-            self.finite = ok.long()
-        else:
-            self.finite += ok
+        self.losses.add(part, count)
         self.ranges.append((self.micro_batches, s, e))
         self.micro_batches += 1
-        if check_classes is not None:       # raising here takes no step: the gradients held before come back
-            unsaid_ignored_labels(check_classes, self.y, self.ignore)
+        if check_classes is not None and _class_ids(self.y):     # raising takes no step: the gradients held come back
+            if self.defer:                  # whether any label is outside: read with the loss sum, no sync now
+                self.losses.note(_outside(check_classes, self.y, self.ignore).any())
+                self.deferred = check_classes
+            else:
+                unsaid_ignored_labels(check_classes, self.y, self.ignore)
+
+    def finish(self) -> float:
+        """The loss sum (of every micro-batch's loss times its count), read from the device once; raises where the
+        deferred label check finds labels the loss ignores unsaid."""
+        self.loss_sum, self.first_bad, outside = self.losses.read()
+        if outside:
+            unsaid_ignored_labels(self.deferred, self.y, self.ignore)
+        return self.loss_sum
 
     def first_nonfinite(self) -> tuple[int, int, int] | None:
-        """(index, start, end) of the first micro-batch whose loss was not finite, or None."""
-        i = 0 if self.finite is None else int(self.finite)
-        return self.ranges[i] if i < len(self.ranges) else None
+        """(index, start, end) of the first micro-batch whose loss was not finite, or None (after `finish`)."""
+        return None if self.first_bad is None else self.ranges[self.first_bad]
 
     def run_range(self, s: int, e: int, size: int, frozen: frozenset) -> int:
         """Accumulate samples [s, e) in micro-batches of `size`; returns the size that worked last.
@@ -229,10 +290,9 @@ def unsaid_ignored_labels(classes: int, y, said: int) -> None:
     them, e.g. cross_entropy(..., ignore_index=255) in a lambda) when samples hold different numbers of them:
     micro-batches weighted by samples would then not give the full-batch gradient, silently. `said` is the
     ignore index accumulate already knows of (it warns about that one)."""
-    if not (isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() >= 2 and y.numel()):
+    if not _class_ids(y):
         return
-    outside = (y < 0) | (y >= classes)        # class ids sit on the output's dimension 1 (as cross_entropy's)
-    outside &= y != said
+    outside = _outside(classes, y, said)
     if not bool(outside.any()):
         return
     label = int(y[outside].flatten()[0])
@@ -244,3 +304,16 @@ def unsaid_ignored_labels(classes: int, y, said: int) -> None:
                          f"would not give the full-batch gradient. Pass terms=lambda x, y: (y != {label}).sum() "
                          f"(the positions the loss averages over), or have loss_fn return one loss per sample")
 
+
+
+def _class_ids(y) -> bool:
+    """y holds class ids in more than one dimension (a label per token or per pixel): what `unsaid_ignored_labels`
+    looks at."""
+    return isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() >= 2 and y.numel() > 0
+
+
+def _outside(classes: int, y: torch.Tensor, said: int) -> torch.Tensor:
+    """Where the class ids y are outside [0, classes) and not `said`."""
+    outside = (y < 0) | (y >= classes)        # class ids sit on the output's dimension 1 (as cross_entropy's)
+    outside &= y != said
+    return outside

@@ -12,6 +12,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,16 +22,17 @@ from memfit.accumulation.checks import (
     check_batch_dependence,
     check_distributed,
     check_micro,
+    ignored_per_sample,
     terms_differ,
     trained_device,
 )
-from memfit.accumulation.micro_step import KeptGrads, MicroStep
+from memfit.accumulation.micro_step import KeptGrads, LossSum, MicroStep
 from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
 from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
 from memfit.losses import batch_terms, count_terms, loss_ignore_index, said_reduction
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 
-__all__ = ["accumulate"]
+__all__ = ["Walked", "accumulate", "run_step"]
 
 log = logging.getLogger("memfit.accumulate")
 
@@ -103,6 +105,26 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         NonFiniteLossError: a micro-batch's loss is NaN or infinite (nonfinite='raise').
         memfit.distributed.RankFailed: distributed, another rank failed (named in the message).
     """
+    return run_step(model, optimizer, batch, loss_fn, budget, micro_batch, distributed=distributed,
+                    allow_batch_dependent=allow_batch_dependent, terms=terms, nonfinite=nonfinite)
+
+
+@dataclass
+class Walked:
+    """What `accumulate` reads off the model by walking every module: its parameters (`model.parameters()`) and the
+    modules whose result depends on the rest of the batch (`batch_dependent_modules`). `plan.step` keeps them while
+    the model is as its last step left it (`memfit.memory.fingerprint.State.holds`), saving two walks a step."""
+    params: list[torch.nn.Parameter]
+    dependent: list[str]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Walked:
+        return cls(list(model.parameters()), batch_dependent_modules(model))
+
+
+def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", *, distributed=False,
+             allow_batch_dependent=False, terms=None, nonfinite="raise", walked: Walked | None = None) -> StepResult:
+    """`accumulate`; `walked`: the model's `Walked`, known to hold (else walked here)."""
     t0 = time.perf_counter()
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(f"batch must be (x, y); found {type(batch).__name__}"
@@ -112,29 +134,37 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         raise ValueError(f"nonfinite must be one of {NONFINITE}; found {nonfinite!r}")
     world = check_distributed(model, distributed)
     x, y = batch
-    params = list(model.parameters())
+    params = walked.params if walked is not None else list(model.parameters())
     # Distributed: every local step that can fail runs first, then one agreement shares the sample counts and
     # sizes; a rank that failed makes every rank raise there, none waits in a collective
     error, step, key, given = None, None, None, terms
     try:
         n = batch_size(x, y)
         whole = micro_batch != "auto" and micro_batch >= n       # one micro-batch of the whole batch: the plain step
+        dependent = walked.dependent if walked is not None else None
         if not whole:
-            check_batch_dependence(model, allow_batch_dependent)
+            check_batch_dependence(model, allow_batch_dependent, dependent)
         device = trained_device(params)
         summed = said_reduction(loss_fn) == "sum"
         if summed and terms is not None:
             raise ValueError(f"terms= weights a loss_fn's mean by the terms it is over; loss_fn sums "
                              f"({loss_fn!r}, reduction='sum'), and the full batch's sum is the sum of the "
                              "micro-batches' sums: drop terms=, or give the loss reduction='mean'")
+        # per sample, the labels the loss ignores (its ignore_index, else -100): one read of y, which both the
+        # weighting by terms and the warning about unequal samples answer from
+        ignore = loss_ignore_index(loss_fn)         # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
+        ignore = -100 if ignore is None else ignore
+        ignored = ignored_per_sample(y, ignore) if terms is None else None
         # a cross entropy whose mean divides by the targets not ignored, or by their class weights: weighted by
         # those, micro-batches give the full-batch mean (by samples they would not, silently)
-        terms = terms if terms is not None else batch_terms(loss_fn, y)
-        n_total = n if terms is None else count_terms(terms, x, y)
+        terms = terms if terms is not None else batch_terms(loss_fn, y, ignored)
+        counts = getattr(terms, "per_sample", None)       # each sample's terms, on the host
+        n_total = n if terms is None else sum(counts) if counts is not None else count_terms(terms, x, y)
         step = MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, terms=terms)
         step.summed = summed
         # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
-        step.splittable = not whole or allow_batch_dependent or not batch_dependent_modules(model)
+        step.splittable = not whole or allow_batch_dependent or not (
+            dependent if dependent is not None else batch_dependent_modules(model))
         if micro_batch == "auto":
             key = auto_key(step.params, optimizer, x, n, budget)
             size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key)
@@ -153,10 +183,10 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on"
                          if given is not None else f"every target of the batch is the ignore index of {loss_fn!r}: "
                          "there is no loss to take a step on (its full-batch mean is 0 / 0)")
-    ignore = loss_ignore_index(loss_fn)             # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
     # before the step: its temporaries never sit on the grads
-    differ = terms_differ(x, y, -100 if ignore is None else ignore) if terms is None else None
-    step.ignore = -100 if ignore is None else ignore
+    differ = terms_differ(x, y, ignore, ignored) if terms is None else None
+    step.ignore = ignore
+    step.losses = LossSum(-(-n // size))
     kept = KeptGrads(_trained_and_stepped(params, optimizer))
     optimizer.zero_grad(set_to_none=True)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
@@ -164,7 +194,7 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             p.grad = None
     try:
         final = run_rounds(step, size, rounds) if world > 1 else step.run_range(0, n, size, frozenset())
-        loss_sum = float(step.loss_sum) if step.loss_sum is not None else 0.0
+        loss_sum = step.finish()     # the one read of the losses (a sync on a GPU), needed before the step
         if world > 1:                # before the step: one rank's NaN makes every rank's sum NaN, so none steps
             from memfit.distributed import all_reduce
             loss_sum = float(all_reduce(torch.tensor(loss_sum, dtype=torch.float64), what="accumulate loss"))
@@ -217,7 +247,7 @@ def _nonfinite(step: MicroStep, world: int) -> str:
         ranks = [mine]
     where = "; ".join(f"{f'rank {r}: ' if world > 1 else ''}micro-batch {i + 1} of {k} (samples {s}..{e - 1} of "
                       f"{'its' if world > 1 else 'the'} batch)" for r, (i, s, e, k) in enumerate(ranks) if i >= 0)
-    value = f" ({float(step.loss_sum)})" if bad is not None else ""
+    value = f" ({step.loss_sum})" if bad is not None else ""
     return (f"accumulate: the loss is not finite{value} in {where or 'the sum over the ranks'}: the optimizer did "
             "not step (parameters, gradients and optimizer state are as they were before the call). Check those "
             "samples, the learning rate (diverging weights) or the loss (log of 0; a mean over no terms, e.g. "

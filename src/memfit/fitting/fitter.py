@@ -38,7 +38,7 @@ import torch
 from memfit.accumulation.checks import batch_size as _batch_size
 from memfit.accumulation.checks import check_distributed as _check_distributed
 from memfit.accumulation.result import StepResult
-from memfit.accumulation.run import accumulate
+from memfit.accumulation.run import Walked, run_step
 from memfit.budget import BudgetExceeded, format_bytes, model_device, parse_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.finder import LEVERS, Peaks, _name
@@ -82,6 +82,7 @@ class FitPlan:
     _marked: tuple | None = field(repr=False, default=None)   # (module, its accepts_loss_kwargs before the Trainer)
     _layout: tuple | None = field(repr=False, default=None)   # the planned batch's (fitting.layout.layout)
     _held: tuple | None = field(repr=False, default=None)     # the model and optimizer as planned (layout.held)
+    _walked: tuple | None = field(repr=False, default=None)   # (the _held state it is for, accumulation's Walked)
 
     @property
     def micro_batches(self) -> int:
@@ -256,10 +257,11 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                          f"{type(module).__name__}; expected names from model.named_modules()")
     key = (*_key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world),
            _signature(y), note)
-    fingerprint = model_state(module)
     entry = _PLANS.get(module)
-    if entry is None or entry[0] != fingerprint:
-        entry = _PLANS[module] = (fingerprint, {})
+    if entry is None or not entry[0].holds(module):
+        fingerprint = model_state(module)
+        if entry is None or entry[0] != fingerprint:
+            entry = _PLANS[module] = (fingerprint, {})
     found, error = entry[1].get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
         # torch's generators are neither drawn from nor saved and restored (which would rewind another thread's
@@ -293,7 +295,10 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     def run(step_batch, plan: FitPlan) -> StepResult:
         # its bytes are the planned batch's and model's: a batch larger in any dimension, a parameter unfrozen
         # since, could exceed the budget (every rank says)
-        error = None if plan._held is None else held_error(plan._held, module, optimizer)
+        # the model as the last step left it (`State.holds`, no new fingerprint): its parameters and batch-dependent
+        # modules as they were then too (`Walked`: two walks of every module a step fewer)
+        unchanged = plan._held is not None and plan._held[0].holds(module)
+        error = None if plan._held is None else held_error(plan._held, module, optimizer, unchanged)
         pair_given = isinstance(step_batch, (tuple, list)) and len(step_batch) == 2
         if error is None and plan._layout is not None and pair_given:
             part = tuple(step_batch) if pair else (step_batch[0],)
@@ -305,14 +310,16 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             raise error
         dev = model_device(module).type
         cast = torch.autocast(dev, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
+        if not (unchanged and plan._walked is not None and plan._walked[0] is plan._held[0]):
+            plan._walked = (None if plan._held is None else plan._held[0], Walked.of(model))
         with checkpointed(module, plan.checkpoint), cast:
-            res = accumulate(model, optimizer, step_batch, loss_fn if plan.autocast is None else _cast_loss(loss_fn),
-                             micro_batch=plan.micro_batch, terms=terms,
-                             distributed=distributed, allow_batch_dependent=allow_batch_dependent)
+            res = run_step(model, optimizer, step_batch, loss_fn if plan.autocast is None else _cast_loss(loss_fn),
+                           micro_batch=plan.micro_batch, terms=terms, distributed=distributed,
+                           allow_batch_dependent=allow_batch_dependent, walked=plan._walked[1])
         res.reason = f"memfit.fit: {plan.reason}"
         # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
         # fake runs saw the same): the next step is checked against the model as this one left it
-        plan._held = held(module, optimizer)
+        plan._held = held(module, optimizer, plan._held)
         return res
 
     how_bytes = found.how_bytes + (f"; {note}" if note else "")

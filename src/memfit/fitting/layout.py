@@ -31,7 +31,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from memfit.memory.fingerprint import describe_change, model_state
 
@@ -41,15 +41,21 @@ _MISSING = object()
 _AGAIN = "call memfit.fit again with the model and optimizer as they are now (it plans for them)"
 
 
-def held(module: torch.nn.Module, optimizer) -> tuple:
-    """What of the model and optimizer a plan's bytes depend on, for `held_error`."""
-    return model_state(module), _groups(optimizer)
+def held(module: torch.nn.Module, optimizer, planned: tuple | None = None) -> tuple:
+    """What of the model and optimizer a plan's bytes depend on, for `held_error`. After a step (`planned`: what the
+    step was checked against), the model as the step left it: `planned`'s state again where the model still holds it
+    (`State.holds`: a fraction of a new `model_state`, which walks every attribute of every module), and the
+    parameter groups as planned (a step changes none; a schedule's numbers are not compared)."""
+    if planned is None:
+        return model_state(module), _groups(optimizer)
+    return planned[0] if planned[0].holds(module) else model_state(module), planned[1]
 
 
-def held_error(planned: tuple, module: torch.nn.Module, optimizer) -> ValueError | None:
-    """Why the model or optimizer may now need more than the plan made when they were `planned` (`held`), or None."""
+def held_error(planned: tuple, module: torch.nn.Module, optimizer, holds: bool | None = None) -> ValueError | None:
+    """Why the model or optimizer may now need more than the plan made when they were `planned` (`held`), or None.
+    `holds`: `planned[0].holds(module)`, already asked."""
     state, groups = planned
-    if model_state(module) != state:
+    if not (state.holds(module) if holds is None else holds) and model_state(module) != state:
         return ValueError(f"plan.step: the model changed since memfit.fit made this plan "
                           f"({describe_change(state, module)}): its bytes are the model's as it was (a parameter "
                           f"unfrozen adds its gradient and optimizer state; a module replaced, its own); {_AGAIN}")
@@ -122,7 +128,22 @@ def _where(path) -> str:
 
 
 def layout_error(planned: tuple, n: int, batch, device: torch.device) -> ValueError | None:
-    """Why `batch` may need more than the plan made for `planned` (a `layout`) at n samples, or None."""
+    """Why `batch` may need more than the plan made for `planned` (a `layout`) at n samples, or None. (Checked every
+    `plan.step`: the batch is flattened without the names of its places, which only an error message needs.)"""
+    leaves, spec = tree_flatten(batch)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    fits = lambda t, was, dtype: (t.dtype == dtype and len(t.shape[1:]) == len(was)
+                                  and all(a <= b for a, b in zip(t.shape[1:], was, strict=True)))
+    if spec == planned[0] and len(tensors) == len(planned[1]) and all(
+            fits(t, was, dtype) for t, (_, was, dtype) in zip(tensors, planned[1], strict=True)):
+        m = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
+        if not (m > n and any(t.device == device for t in tensors)):
+            return None
+    return _said(planned, n, batch, device)
+
+
+def _said(planned: tuple, n: int, batch, device: torch.device) -> ValueError | None:
+    """`layout_error`, with the places named."""
     spec, tensors = layout(batch)
     fix = ("fit the plan on the largest batch you will step on (pad shorter ones up to it: smaller batches and "
            "shorter samples pass), or call memfit.fit with this batch (plans are kept per layout)")

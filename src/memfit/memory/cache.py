@@ -64,6 +64,11 @@ class ModelCache:
         return self._values(model, create=True)
 
     def _values(self, model: torch.nn.Module, create: bool) -> dict | None:
+        if self.fingerprinted:
+            with self._lock:
+                entry = self._entries.get(model)
+            if entry is not None and entry[0].holds(model):       # unchanged: no new value built
+                return entry[1]
         fp = model_state(model) if self.fingerprinted else None
         with self._lock:
             entry = self._entries.get(model)
@@ -71,6 +76,8 @@ class ModelCache:
                 if not create:
                     return None
                 entry = self._entries[model] = (fp, {})
+            elif fp is not None:            # equal, by other objects of the same value: quick from now on
+                self._entries[model] = (fp, entry[1])
             return entry[1]
 
     def peek(self, model: torch.nn.Module, key, default=None):

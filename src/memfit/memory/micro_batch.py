@@ -25,7 +25,7 @@ from memfit.budget import (
     parse_bytes,
     resolve_budget,
 )
-from memfit.memory.allocator import CUDA_BLOCK
+from memfit.memory.allocator import rounder
 from memfit.memory.cache import ModelCache
 from memfit.memory.measure import held_bytes
 from memfit.memory.step import autocast_state
@@ -90,19 +90,21 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     # Micro-batches of tensors already on the device (x, y or both) are views: their bytes are in batch_bytes,
     # not new; those on the host are copied per micro-batch, and counted
 
-    # accumulate's own scalars: a micro-batch's weighted loss alive in backward, the float64 loss sum and its
-    # parts (each a block of its own on CUDA)
-    scalars = 4 * (CUDA_BLOCK if device.type == "cuda" else 8)
+    # accumulate's own: a micro-batch's weighted loss alive in backward (a block of its own on CUDA) and the
+    # float64 buffer of the micro-batches' losses and a flag (`accumulation.micro_step.LossSum`), for k micro-batches
+    rounded = rounder(device)
+    scalars = lambda k: rounded(8) + rounded(8 * (k + 1))
 
     def step_at(m: int, first: int | None = None) -> int:
         """A micro-batch of m: the first (first=None), or a later one after a first of `first` samples."""
         held = first is not None
+        k = -(-n // (first or m))                # micro-batches of the step (a later one's size need not be m)
         parts = fit(held).breakdown(m)
         inputs = min(parts.get("inputs", 0), batch_bytes * m // n)   # rounded down: never below reality
         # the gradients a later micro-batch adds into are those the first one's backward left: where one is a
         # view of a larger buffer (a slice of torch.cat's), all of that buffer stays, not the parameter's bytes
         views = max(0, fit(False).gradient_bytes(first) - fit(True).gradient_bytes(m)) if held else 0
-        return sum(parts.values()) - inputs + batch_bytes + buckets + scalars + views
+        return sum(parts.values()) - inputs + batch_bytes + buckets + scalars(k) + views
 
     def peak(m: int) -> int:
         if m >= n:

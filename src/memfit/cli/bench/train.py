@@ -27,10 +27,12 @@ capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, tw
    BatchNorm is put in eval mode for this row (accumulate refuses batch statistics), dropout is 0.
 
 A broad sweep of the memory model alone, on `transformers` architectures of every common kind:
-`--architectures` (`memfit.cli.bench.architectures`).
+`--architectures` (`memfit.cli.bench.architectures`). memfit's per-step cost against a hand-written micro-batch
+loop: `--overhead` (`memfit.cli.bench.step_overhead`).
 
 Run:
     memfit bench train --architectures   # the memory model on 19 transformers architectures (about 30 s)
+    memfit bench train --overhead        # accumulate and plan.step against a hand-written loop (minutes)
     memfit bench train --quick           # eight light models, small sizes (a few minutes on 2 busy cores)
     memfit bench train     # batch 8 and 32
     memfit bench train --quick --device cuda
@@ -54,6 +56,8 @@ from memfit.cli.bench.architectures import ARCHITECTURES
 from memfit.cli.bench.architectures import run as run_architectures
 from memfit.cli.bench.common import machine_header, median_time, paired_ratio, rounds_for, spread_warning, table
 from memfit.cli.bench.contenders import memtracker_columns
+from memfit.cli.bench.step_overhead import NAMES as OVERHEAD_NAMES
+from memfit.cli.bench.step_overhead import run as run_overhead
 from memfit.cli.bench.train_cases import Case, hf_cases, on_device, realistic_cases, zoo_cases
 from memfit.cli.options import device_arg
 from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
@@ -391,6 +395,9 @@ def main(argv=None) -> int:
                    help=f"instead: the memory model against real steps on {len(ARCHITECTURES)} transformers "
                         "architectures (causal LMs, seq2seq, speech, text, audio and image classifiers), or the "
                         "comma-separated ones named; on the CPU, no other option but --json")
+    p.add_argument("--overhead", nargs="?", const="all", default=None, metavar="NAMES",
+                   help="instead: memfit's per-step cost (accumulate, plan.step) against a hand-written micro-batch "
+                        f"loop on {', '.join(OVERHEAD_NAMES)} (or the comma-separated ones named); --quick, --json")
     p.add_argument("--device", default="cpu", type=device_arg,
                    help="cpu (default; peaks from memfit.memory.measure's live bytes), cuda, cuda:1 (the caching "
                         "allocator's peak; predictions add its rounding and margin)")
@@ -405,6 +412,13 @@ def main(argv=None) -> int:
             run_architectures(None if a.architectures == "all" else a.architectures.split(","), as_json=a.json)
         except ValueError as e:
             p.error(f"--architectures: {e}")
+        return 0
+    if a.overhead is not None:
+        chosen = None if a.overhead == "all" else a.overhead.split(",")
+        if chosen and set(chosen) - set(OVERHEAD_NAMES):
+            p.error(f"--overhead: unknown {sorted(set(chosen) - set(OVERHEAD_NAMES))}; expected some of "
+                    f"{OVERHEAD_NAMES}")
+        run_overhead(chosen, quick=a.quick, as_json=a.json)
         return 0
     names = ["mlp", "lenet", "resnet18", "mobilenet_v2", "unet", "transformer", "bert", "gpt2", "vit", "convnext"]
     models = None if a.models is None else a.models.split(",")
