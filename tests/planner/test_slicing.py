@@ -106,3 +106,40 @@ def test_the_choice_does_not_depend_on_the_examples_values():
         chosen[name] = (rep.unplanned_ops.get("batch_slices"), rep.unplanned_bytes)
     assert chosen["randn"][0] == 1
     assert chosen["zeros"] == chosen["randn"] == chosen["nan"], chosen
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's / MobileViT's block: expand (1x1), depthwise 3x3, project (1x1), each with batch norm, and a
+    residual: its expanded tensors (4x the input) are where it peaks."""
+
+    def __init__(self, c: int = 16, expand: int = 4):
+        super().__init__()
+        w = c * expand
+        self.body = nn.Sequential(nn.Conv2d(c, w, 1, bias=False), nn.BatchNorm2d(w), nn.SiLU(),
+                                  nn.Conv2d(w, w, 3, padding=1, groups=w, bias=False), nn.BatchNorm2d(w), nn.SiLU(),
+                                  nn.Conv2d(w, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+def test_equal_blocks_are_sliced_together():
+    """Two equal blocks each peak where the other does: weighed one at a time, each found the other's peak
+    "elsewhere" and neither was sliced (MobileViT's second and third blocks); weighed together, both are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(InvertedResidual(), InvertedResidual(), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(8, 16, 32, 32)
+    pm = plan(model, (x,))
+    assert pm.report.unplanned_ops.get("batch_slices") == 2
+    with torch.inference_mode():
+        for n in (8, 5):
+            xb = torch.randn(n, 16, 32, 32)
+            assert torch.equal(pm(xb), model(xb))
+    planned = pm.report.arena_bytes + _peak(pm, x)
+    expanded = 8 * 64 * 32 * 32 * 4                  # one block's expanded tensor at batch 8
+    assert planned < expanded < _peak(model, x)      # sliced: never a whole expanded tensor
+    assert pm.report.arena_bytes + pm.report.unplanned_bytes >= planned

@@ -209,20 +209,21 @@ def _inside(node: Node, env: dict) -> int:
     return sum(_inside_parts(node, env))
 
 
+def _op_peak(node: Node, consts: dict, env: dict, out: Node | None = None) -> int:
+    """The bytes one op holds at once: its tensor inputs (parameters aside), its output (`out`'s value: the one a
+    multi-output op gives on) and what its kernel allocates inside."""
+    ins = {a for a in node.all_input_nodes if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)}
+    return (_bytes((out or node).meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
+            + _inside(node, env))
+
+
 def _elsewhere(graph, consts: dict, steps: list, env: dict) -> int:
-    """The most bytes any op outside the chain holds at once (its tensor inputs, outputs and what its kernel
-    allocates inside): the rest of the graph peaks at least that high; a segment below it is not where the call
-    peaks."""
+    """The most bytes any op outside `steps` holds at once (`_op_peak`): the rest of the graph peaks at least that
+    high; a segment below it is not where the call peaks."""
     inside = {n for pair in steps for n in pair}
-    most = 0
-    for node in graph.nodes:
-        if (node.op != "call_function" or node in inside or not isinstance(node.meta.get("val"), torch.Tensor)
-                or _param(node, consts)):          # a view of a parameter allocates nothing
-            continue
-        ins = {a for a in node.all_input_nodes if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)}
-        most = max(most, _bytes(node.meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
-                   + _inside(node, env))
-    return most
+    return max((_op_peak(node, consts, env) for node in graph.nodes
+                if node.op == "call_function" and node not in inside and isinstance(node.meta.get("val"), torch.Tensor)
+                and not _param(node, consts)), default=0)         # a view of a parameter allocates nothing
 
 
 def _param(node: Node, consts: dict) -> bool:
@@ -277,18 +278,17 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     batch = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
     if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
-    chains = []
-    for start, steps in _chains(graph, consts):
-        choice = _segment(start, steps, env)      # no part of a chain peaks above the whole chain
-        if choice is not None and choice[1] > _elsewhere(graph, consts, steps, env):
-            chains.append((start, steps))
+    chains = [(start, steps) for start, steps in _chains(graph, consts) if _segment(start, steps, env) is not None]
+    # the chains are weighed together, against the rest of the graph: two equal blocks would each find the other's
+    # peak "elsewhere", and neither would be sliced (MobileViT's inverted residual blocks)
+    rest = _elsewhere(graph, consts, [p for _, steps in chains for p in steps], env)
+    chains = [(start, steps) for start, steps in chains if _segment(start, steps, env)[1] > rest]
     if not chains:
         return {}
     inputs = _values_of(ep, consts, tuple(_stand_in(t) for t in example_inputs), {s for s, _ in chains})
-    found = []
-    for start, steps in chains:
-        if start in inputs:
-            found += _chosen(graph, consts, env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts))
+    found = [f for start, steps in chains if start in inputs
+             for f in _chosen(env, start, steps, _exact_steps(start, steps, inputs[start], consts))]
+    found = _lowering_the_peak(found, chains, rest, consts, env)
     done, replaced = {}, {}
     for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
         start = replaced.get(start, start)        # the output of a segment sliced before it
@@ -330,11 +330,10 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dic
     return ok
 
 
-def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list,
-            ok: dict[int, list[bool]]) -> list[tuple[Node, list, int]]:
+def _chosen(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> list[tuple[Node, list, int]]:
     """(input, steps, slice size) of the runs of exact steps worth slicing: for each slice size in turn, each run of
     steps exact at that size and not taken yet, cut where `_segment` says, kept where it saves `MIN_SAVING` of its
-    peak and peaks above every op outside it."""
+    peak."""
     taken: set[int] = set()
     out = []
     for k in SLICE_SIZES:
@@ -348,14 +347,27 @@ def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list
                 j += 1
             sub, first = steps[i:j], start if i == 0 else steps[i - 1][1]
             choice = _segment(first, sub, env)
-            if (choice is not None and choice[2] >= MIN_SAVING
-                    and choice[1] > _elsewhere(graph, consts, sub, env)):
+            if choice is not None and choice[2] >= MIN_SAVING:
                 out.append((first, sub[:choice[0]], k))
                 taken.update(range(i, i + choice[0]))
                 i += choice[0]
             else:
                 i = j
     return out
+
+
+def _lowering_the_peak(found: list, chains: list, rest: int, consts: dict, env: dict) -> list:
+    """The segments of `found` (input, steps, slice size) whose peak run whole is above the level the call keeps with
+    every one of them sliced: the rest of the graph (`rest`), each sliced segment's own peak and each chain op left
+    whole. Slicing one below that level would cost its loop's time and lower no peak. (Dropping such a segment adds
+    its peak, at most the level, so the level holds: one pass.)"""
+    chosen = {node for _, steps, _ in found for node, _ in steps}
+    level = max([rest, *(_op_peak(node, consts, env, value) for _, steps in chains for node, value in steps
+                          if node not in chosen)])
+    for first, steps, _ in found:
+        _, whole, saving = _segment(first, steps, env)
+        level = max(level, round(whole * (1 - saving)))
+    return [f for f in found if _segment(f[0], f[1], env)[1] > level]
 
 
 def _stand_in(t):
