@@ -70,16 +70,19 @@ def test_a_mask_broadcast_over_the_batch_is_made_once_bit_identical_and_fewer_by
 
 @pytest.mark.parametrize("shape", [(8, 4, 32, 16, 32), (3, 2, 17, 8, 40), (2, 1, 129, 32, 65)])
 def test_flash_attention_reads_a_broadcast_mask_as_the_full_one(shape):
-    """The kernel property the rewrite rests on: flash attention (CPU) with a mask of batch 1 gives the bits it gives
-    with that mask repeated over the batch, at sizes that are and are not multiples of its blocks."""
+    """The kernel property the rewrite rests on: flash attention (CPU) with a mask of size 1 in some dimensions gives
+    the bits it gives with that mask repeated to the full shape, at sizes that are and are not multiples of its
+    blocks."""
     b, h, lq, d, lk = shape
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, generator=g) for n in (lq, lk, lk))
-    small = torch.randn(1, h, lq, lk, generator=g).masked_fill(torch.rand(1, 1, lq, lk, generator=g) < 0.2, -1e30)
-    with torch.inference_mode():
-        out = flash(q, k, v, attn_mask=small, scale=0.3)
-        ref = flash(q, k, v, attn_mask=small.expand(b, -1, -1, -1).contiguous(), scale=0.3)
-    assert all(torch.equal(a, r) for a, r in zip(out, ref, strict=True))
+    for small in [(1, h, lq, lk), (b, 1, lq, lk), (1, 1, lq, 1), (1, 1, 1, lk), (lq, 1), (1, lk)]:
+        mask = torch.randn(small, generator=g).masked_fill(torch.rand(small, generator=g) < 0.2, -1e30)
+        full = (b, h, lq, lk) if mask.dim() == 4 else (lq, lk)          # the kernel takes masks of 2 or 4 dims
+        with torch.inference_mode():
+            out = flash(q, k, v, attn_mask=mask, scale=0.3)
+            ref = flash(q, k, v, attn_mask=mask.expand(full).contiguous(), scale=0.3)
+        assert all(torch.equal(a, r) for a, r in zip(out, ref, strict=True)), small
 
 
 def test_a_mask_chain_with_an_inexact_op_is_left_as_it_is():
