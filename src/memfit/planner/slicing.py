@@ -275,6 +275,8 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
     chains = [(start, steps) for start, steps in _chains(graph, consts) if _segment(start, steps, env) is not None]
+    if not chains:
+        return {}
     # the chains are weighed together, against the rest of the graph: two equal blocks would each find the other's
     # peak "elsewhere", and neither would be sliced (MobileViT's inverted residual blocks)
     rest = _elsewhere(graph, consts, [p for _, steps in chains for p in steps], env)
