@@ -7,7 +7,7 @@ from torch import nn
 
 from memfit import plan
 from memfit.memory.measure import track_memory
-from memfit.planner import slicing
+from memfit.planner import captured, slicing
 from memfit.planner.captured import capture_model
 
 
@@ -124,3 +124,67 @@ def test_the_memory_model_counts_the_whole_output_after_the_first_slice_only(mon
     real = params + x.nbytes + pm.arena_bytes + _peak(pm, x)
     assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (mm.total_bytes(n), real)
     assert pm.report.arena_bytes + pm.report.unplanned_bytes >= _peak(pm, x)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's / MobileViT's block: expand (1x1), depthwise 3x3, project (1x1), each with batch norm, and a
+    residual: its expanded tensors (4x the input) are where it peaks."""
+
+    def __init__(self, c: int = 16, expand: int = 4):
+        super().__init__()
+        w = c * expand
+        self.body = nn.Sequential(nn.Conv2d(c, w, 1, bias=False), nn.BatchNorm2d(w), nn.SiLU(),
+                                  nn.Conv2d(w, w, 3, padding=1, groups=w, bias=False), nn.BatchNorm2d(w), nn.SiLU(),
+                                  nn.Conv2d(w, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+def test_equal_blocks_are_sliced_together(monkeypatch):
+    """Two equal blocks each peak where the other does: weighed one at a time, each found the other's peak
+    "elsewhere" and neither was sliced (MobileViT's second and third blocks); weighed together, both are (in slices
+    of 2: fewer rounds of kernel calls)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(InvertedResidual(), InvertedResidual(), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(8, 16, 32, 32)
+    pm = plan(model, (x,))
+    assert pm.report.unplanned_ops.get("batch_slices") == 2
+    with torch.inference_mode():
+        for n in (8, 5):
+            xb = torch.randn(n, 16, 32, 32)
+            assert torch.equal(pm(xb), model(xb))
+    planned = pm.report.arena_bytes + _peak(pm, x)
+    assert pm.report.arena_bytes + pm.report.unplanned_bytes >= planned
+    expanded = 8 * 64 * 32 * 32 * 4                  # one block's expanded tensor at batch 8
+    monkeypatch.setattr(captured, "slice_segments", lambda *a: {})
+    whole = plan(model, (x,))
+    unsliced = whole.report.arena_bytes + _peak(whole, x)
+    assert unsliced >= 3 * expanded                  # expanded, the depthwise result and oneDNN's copy of it
+    assert planned < unsliced - expanded             # sliced: at most half of each at once
+
+
+def test_more_segments_are_sliced_only_where_they_lower_the_peak_by_a_quarter():
+    """After the largest block is sliced, the next one peaks a little above the rest of the graph (a repeat, which
+    no slicing touches): slicing it too would buy about a tenth of the call's peak for a round of slower per-sample
+    kernels (RegNet's case), so it runs whole."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = InvertedResidual(16, 4), InvertedResidual(16, 3)
+
+        def forward(self, x):                        # (N, 16, 32, 32)
+            return self.b(self.a(x)).repeat(1, 8, 1, 1)     # 8x the input's bytes: the rest of the graph's peak
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randn(8, 16, 32, 32)
+    cap = capture_model(model, x)
+    assert len(cap.sliced) == 1                      # block a only
+    sliced = next(n.target for n in cap.ep.graph.nodes if isinstance(n.target, slicing.SlicedSegment))
+    assert sliced.steps[1].val.shape[1] == 64        # a's expanded width
+    pm = plan(model, (x,))
+    with torch.inference_mode():
+        assert torch.equal(pm(x), model(x))

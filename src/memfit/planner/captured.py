@@ -19,6 +19,7 @@ from memfit.memory.isolation import predicting
 from memfit.messages import first_line
 from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.graph import Meta
+from memfit.planner.masks import broadcast_masks
 from memfit.planner.remat import recompute_at_readers
 from memfit.planner.slicing import slice_segments
 
@@ -132,6 +133,7 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
                 if cap.accepts(example_inputs):
                     cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.env(n))
                     recompute_at_readers(cap.ep, cap.consts, cap.env(n))
+                    broadcast_masks(cap.ep)
                     cap.kernel_layouts = _kernel_layouts(cap, example_inputs)
                     return cap
                 reason = (f"the symbolic graph holds for batch sizes in [{cap.batch_range[0]}, "
@@ -142,6 +144,7 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
     cap = Captured(ep, constants(ep, model), device, None, (n, n), reason, n, key)
     cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.env(n))
     recompute_at_readers(cap.ep, cap.consts, cap.env(n))
+    broadcast_masks(cap.ep)
     cap.kernel_layouts = _kernel_layouts(cap, example_inputs)
     return cap
 

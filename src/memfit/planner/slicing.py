@@ -216,24 +216,21 @@ def _inside_parts(node: Node, env: dict) -> tuple[int, int]:
                         {k: _arg(v, env) for k, v in node.kwargs.items()})
 
 
-def _inside(node: Node, env: dict) -> int:
-    return sum(_inside_parts(node, env))
+def _op_peak(node: Node, consts: dict, env: dict, out: Node | None = None) -> int:
+    """The bytes one op holds at once: its tensor inputs (parameters aside), its output (`out`'s value: the one a
+    multi-output op gives on) and what its kernel allocates inside."""
+    ins = {a for a in node.all_input_nodes if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)}
+    return (_bytes((out or node).meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
+            + sum(_inside_parts(node, env)))
 
 
 def _elsewhere(graph, consts: dict, steps: list, env: dict) -> int:
-    """The most bytes any op outside the chain holds at once (its tensor inputs, outputs and what its kernel
-    allocates inside): the rest of the graph peaks at least that high; a segment below it is not where the call
-    peaks."""
+    """The most bytes any op outside `steps` holds at once (`_op_peak`): the rest of the graph peaks at least that
+    high; a segment below it is not where the call peaks."""
     inside = {n for pair in steps for n in pair}
-    most = 0
-    for node in graph.nodes:
-        if (node.op != "call_function" or node in inside or not isinstance(node.meta.get("val"), torch.Tensor)
-                or _param(node, consts)):          # a view of a parameter allocates nothing
-            continue
-        ins = {a for a in node.all_input_nodes if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)}
-        most = max(most, _bytes(node.meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
-                   + _inside(node, env))
-    return most
+    return max((_op_peak(node, consts, env) for node in graph.nodes
+                if node.op == "call_function" and node not in inside and isinstance(node.meta.get("val"), torch.Tensor)
+                and not _param(node, consts)), default=0)         # a view of a parameter allocates nothing
 
 
 def _param(node: Node, consts: dict) -> bool:
@@ -288,18 +285,19 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     batch = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
     if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
-    chains = []
-    for start, steps in _chains(graph, consts):
-        choice = _segment(start, steps, env)      # no part of a chain peaks above the whole chain
-        if choice is not None and choice[1] > _elsewhere(graph, consts, steps, env):
-            chains.append((start, steps))
+    chains = [(start, steps) for start, steps in _chains(graph, consts) if _segment(start, steps, env) is not None]
+    if not chains:
+        return {}
+    # the chains are weighed together, against the rest of the graph: two equal blocks would each find the other's
+    # peak "elsewhere", and neither would be sliced (MobileViT's inverted residual blocks)
+    rest = _elsewhere(graph, consts, [p for _, steps in chains for p in steps], env)
+    chains = [(start, steps) for start, steps in chains if _segment(start, steps, env)[1] > rest]
     if not chains:
         return {}
     inputs = _values_of(ep, consts, tuple(_stand_in(t) for t in example_inputs), {s for s, _ in chains})
-    found = []
-    for start, steps in chains:
-        if start in inputs:
-            found += _chosen(graph, consts, env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts))
+    found = [f for start, steps in chains if start in inputs
+             for f in _chosen(env, start, steps, _exact_steps(start, steps, inputs[start], consts))]
+    found = _lowering_the_peak(graph, found, chains, rest, consts, env, batch)
     done, replaced = {}, {}
     for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
         start = replaced.get(start, start)        # the output of a segment sliced before it
@@ -341,11 +339,10 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dic
     return ok
 
 
-def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list,
-            ok: dict[int, list[bool]]) -> list[tuple[Node, list, int]]:
-    """(input, steps, slice size) of the runs of exact steps worth slicing: for each slice size in turn, each run of
-    steps exact at that size and not taken yet, cut where `_segment` says, kept where it saves `MIN_SAVING` of its
-    peak and peaks above every op outside it."""
+def _chosen(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> list[tuple[Node, list, int, tuple]]:
+    """(input, steps, slice size, the larger sizes every step is exact at too) of the runs of exact steps worth
+    slicing: for each slice size in turn, each run of steps exact at that size and not taken yet, cut where
+    `_segment` says, kept where it saves `MIN_SAVING` of its peak."""
     taken: set[int] = set()
     out = []
     for k in SLICE_SIZES:
@@ -359,14 +356,46 @@ def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list
                 j += 1
             sub, first = steps[i:j], start if i == 0 else steps[i - 1][1]
             choice = _segment(first, sub, env)
-            if (choice is not None and choice[2] >= MIN_SAVING
-                    and choice[1] > _elsewhere(graph, consts, sub, env)):
-                out.append((first, sub[:choice[0]], k))
+            if choice is not None and choice[2] >= MIN_SAVING:
+                coarser = tuple(c for c in SLICE_SIZES if c > k and all(ok[c][i:i + choice[0]]))
+                out.append((first, sub[:choice[0]], k, coarser))
                 taken.update(range(i, i + choice[0]))
                 i += choice[0]
             else:
                 i = j
     return out
+
+
+def _lowering_the_peak(graph, found: list, chains: list, rest: int, consts: dict, env: dict, batch: int) -> list:
+    """(input, steps, slice size) of the segments of `found` to slice. First those that peak above every op outside
+    them (other chains included), each in its smallest exact slices. Then the others above the level that leaves
+    (two equal blocks each peak at the other's level, so neither is above it: MobileViT's), together and each in
+    its largest exact slices, only where together they lower the call's level by `MIN_SAVING`: every slice is a
+    round of kernel calls, slower per sample at small sizes (MobileViT's depthwise convolutions), so a few percent
+    of memory is not worth it (RegNet's next segments would buy 18%). The level: the most bytes of the rest of the
+    graph, of each chain op left whole and of each sliced segment (its input and output, one slice)."""
+    def level(sliced: list) -> int:
+        inside = {node for _, steps, _ in sliced for node, _ in steps}
+        return max([rest, *(_op_peak(node, consts, env, value) for _, steps in chains for node, value in steps
+                             if node not in inside), *(_sliced_peak(*f, env, batch) for f in sliced)])
+    chain_of = {node: (start, steps) for start, steps in chains for node, _ in steps}
+
+    def alone(f) -> bool:
+        start, steps = chain_of[f[1][0][0]]
+        return (_segment(start, steps, env)[1] > _elsewhere(graph, consts, steps, env)
+                and _segment(f[0], f[1], env)[1] > _elsewhere(graph, consts, f[1], env))
+    first = [f[:3] for f in found if alone(f)]
+    more = [(f[0], f[1], max((f[2], *f[3]))) for f in found if not alone(f)]
+    joint = level(first + more)
+    if more and joint <= (1 - MIN_SAVING) * level(first):
+        return first + [f for f in more if _segment(f[0], f[1], env)[1] > joint]
+    return first
+
+
+def _sliced_peak(first: Node, steps: list, k: int, env: dict, batch: int) -> int:
+    """The segment's peak in slices of k at the example's batch: its input and output whole, one slice's bytes."""
+    return _bytes(first.meta["val"], env) + _bytes(steps[-1][1].meta["val"], env) + \
+        _build(first, steps, k)[0].slice_bytes(env, batch)
 
 
 def _stand_in(t):

@@ -49,7 +49,7 @@ BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": lambda a, b: a / (b.abs() + 1),
     "maximum": torch.maximum,
 }
-OPS = (*UNARY, *BINARY, "mm", "linear", "cat0", "cat1")
+OPS = (*UNARY, *BINARY, "mm", "linear", "cat0", "cat1", "attn")
 
 
 class FuzzModel(nn.Module):
@@ -78,6 +78,11 @@ class FuzzModel(nn.Module):
             return self._full(a) @ self._full(b)
         if op == "linear":
             return self._full(a) @ self.weight
+        if op == "attn":        # flash attention, its mask made from b (`planner.masks` makes a broadcast one smaller)
+            # the query contiguous: export picks the kernel when it traces, eager when it runs, and on a query of stride
+            # 0 they pick differently (export the math decomposition, eager flash attention: other bits)
+            q, m = self._full(a).contiguous()[None, None], self._full(b)
+            return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.where(m > 0, m, -1e4))[0, 0]
         if op == "cat0":
             return torch.cat([self._full(a)[: n // 2], self._full(b)[n // 2:]], 0)
         return torch.cat([self._full(a)[:, ::2], self._full(b)[:, 1::2]], 1)   # cat1: even cols of a, odd of b
