@@ -106,3 +106,58 @@ def test_the_choice_does_not_depend_on_the_examples_values():
         chosen[name] = (rep.unplanned_ops.get("batch_slices"), rep.unplanned_bytes)
     assert chosen["randn"][0] == 1
     assert chosen["zeros"] == chosen["randn"] == chosen["nan"], chosen
+
+
+class TwoBlockNet(nn.Module):
+    """RegNet's stem and first block (`transformers` RegNetYLayer without its squeeze-excitation): the stem's output
+    (32 channels at 32x32) is read by a 1x1 stride-2 shortcut and by a 1x1 -> 3x3 stride-2 branch; oneDNN copies the
+    3x3's 32x32 input into its blocked layout, so that block peaks just below the stem."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+
+        def cbr(i, o, k, s, relu=True):
+            return nn.Sequential(nn.Conv2d(i, o, k, s, k // 2, bias=False), nn.BatchNorm2d(o),
+                                 *([nn.ReLU()] if relu else []))
+        self.stem = cbr(3, 32, 3, 2)
+        self.short = cbr(32, 32, 1, 2, relu=False)
+        self.main = nn.Sequential(cbr(32, 32, 1, 1), cbr(32, 32, 3, 2))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+        self.eval()
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.head(torch.relu(self.short(h) + self.main(h)))
+
+
+def test_the_block_that_peaks_once_the_stem_is_sliced_is_sliced_too():
+    """Slicing the stem leaves the next block where the call peaks (RegNet, planned / torch.compile 1.09 with the
+    stem alone sliced): that block is sliced as well, still bit-identical to eager."""
+    model = TwoBlockNet()
+    pm = plan(model, (torch.randn(8, 3, 64, 64),))
+    assert pm.report.unplanned_ops.get("batch_slices", 0) >= 2
+    for n in (8, 5):
+        x = torch.randn(n, 3, 64, 64)
+        with torch.inference_mode():
+            assert torch.equal(pm(x), model(x))
+    x = torch.randn(8, 3, 64, 64)
+    stem_out = 8 * 32 * 32 * 32 * 4
+    planned = pm.report.arena_bytes + _peak(pm, x)
+    assert planned < 2 * stem_out                 # the stem alone sliced: 2.54x (its output, the block's copy of it)
+    assert pm.report.arena_bytes + pm.report.unplanned_bytes >= planned
+
+
+def test_slices_hold_enough_bytes_to_pay_for_their_calls():
+    """A slice's largest tensor holds at least `MIN_SLICE_BYTES` (a convolution call costs tens of microseconds
+    beyond its work): the stem of 128 KiB a sample runs in slices of 2, a LeNet-sized one (19 KiB a sample) whole."""
+    model = stem_net()
+    cap = capture_model(model, torch.randn(8, 3, 64, 64))
+    assert [why.split(" of the batch")[0] for why in cap.sliced.values()] == ["runs in slices of 2 samples"]
+    lenet = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                          nn.Linear(6 * 14 * 14, 10)).eval()
+    assert capture_model(lenet, torch.randn(8, 1, 28, 28)).sliced == {}

@@ -55,8 +55,13 @@ SLICEABLE = {
     aten.max_pool2d_with_indices.default: 0,
     aten.avg_pool2d.default: None,
 }
-SLICE_SIZES = (1, 2)            # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
+SLICE_SIZES = (1, 2, 4)         # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
 MIN_SAVING = 0.25               # slice where the segment's peak falls by at least this fraction (a loop costs time)
+# the fewest bytes a slice's largest tensor holds: a CPU convolution costs a fixed 15-90 us a call beyond its work
+# (oneDNN on 1 thread, 32 channels at 32x32: 49-152 us a sample at batch 1, 26-79 at batch 8), so slices of a few
+# small samples cost more time than they save bytes (ResNet's stem, 128 KiB a sample, in slices of 1: 1.22x the
+# unsliced plan's time, 1.03x eager's; LeNet's 19 KiB: 2.7x eager's)
+MIN_SLICE_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -277,18 +282,19 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     batch = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
     if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
-    chains = []
-    for start, steps in _chains(graph, consts):
-        choice = _segment(start, steps, env)      # no part of a chain peaks above the whole chain
-        if choice is not None and choice[1] > _elsewhere(graph, consts, steps, env):
-            chains.append((start, steps))
+    scored = [(start, steps, c) for start, steps in _chains(graph, consts)
+              if (c := _segment(start, steps, env)) is not None]
+    # ops in no chain are never sliced: a chain that peaks no higher than one of them is not worth checking
+    floor = _elsewhere(graph, consts, [s for _, steps, _ in scored for s in steps], env)
+    chains = [(start, steps) for start, steps, c in scored if c[1] > floor]
     if not chains:
         return {}
     inputs = _values_of(ep, consts, tuple(_stand_in(t) for t in example_inputs), {s for s, _ in chains})
-    found = []
+    options = []
     for start, steps in chains:
         if start in inputs:
-            found += _chosen(graph, consts, env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts))
+            options += _options(env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts))
+    found = _worth_slicing(graph, consts, env, batch, options)
     done, replaced = {}, {}
     for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
         start = replaced.get(start, start)        # the output of a segment sliced before it
@@ -330,11 +336,12 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dic
     return ok
 
 
-def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list,
-            ok: dict[int, list[bool]]) -> list[tuple[Node, list, int]]:
-    """(input, steps, slice size) of the runs of exact steps worth slicing: for each slice size in turn, each run of
-    steps exact at that size and not taken yet, cut where `_segment` says, kept where it saves `MIN_SAVING` of its
-    peak and peaks above every op outside it."""
+def _options(env: dict, batch: int, start: Node, steps: list,
+             ok: dict[int, list[bool]]) -> list[tuple[Node, list, int]]:
+    """(input, steps, slice size) of the runs of exact steps that could be sliced: for each slice size in turn, each
+    run of steps exact at that size and not taken yet, cut where `_segment` says, kept where it saves `MIN_SAVING`
+    of its peak, its slices hold `MIN_SLICE_BYTES` or more in their largest tensor and the example's batch makes two
+    slices or more."""
     taken: set[int] = set()
     out = []
     for k in SLICE_SIZES:
@@ -348,14 +355,39 @@ def _chosen(graph, consts: dict, env: dict, batch: int, start: Node, steps: list
                 j += 1
             sub, first = steps[i:j], start if i == 0 else steps[i - 1][1]
             choice = _segment(first, sub, env)
-            if (choice is not None and choice[2] >= MIN_SAVING
-                    and choice[1] > _elsewhere(graph, consts, sub, env)):
+            if (choice is not None and choice[2] >= MIN_SAVING and batch >= 2 * k
+                    and _largest(first, sub[:choice[0]], env, k) >= MIN_SLICE_BYTES):
                 out.append((first, sub[:choice[0]], k))
                 taken.update(range(i, i + choice[0]))
                 i += choice[0]
             else:
                 i = j
     return out
+
+
+def _largest(first: Node, steps: list, env: dict, k: int) -> int:
+    """Bytes of the largest tensor a slice of k samples reads or makes (its input, any step's output)."""
+    return max(span_bytes(m.shape, m.strides, m.dtype) for m in
+               (_at(v.meta["val"], env, k) for v in (first, *(value for _, value in steps))))
+
+
+def _worth_slicing(graph, consts: dict, env: dict, batch: int, options: list) -> list[tuple[Node, list, int]]:
+    """The options that lower the call's peak, largest first: one is taken while it peaks, run whole, above every op
+    outside the options taken and it (the other options' ops counted whole) and above what each option taken still
+    holds sliced (its input and output whole, one slice's bytes). Slicing a stem can leave the next block (which
+    peaked just below it) where the call peaks: that block is taken next (RegNet: the stem, then the first stage's
+    shortcut and its 1x1 -> 3x3 convolutions)."""
+    whole = {id(o): _segment(o[0], o[1], env)[1] for o in options}
+    taken, held = [], []
+    for opt in sorted(options, key=lambda o: -whole[id(o)]):
+        first, steps, k = opt
+        rest = max([_elsewhere(graph, consts, [s for o in (*taken, opt) for s in o[1]], env), *held])
+        if whole[id(opt)] <= rest:
+            break                 # the rest peaks at least as high: this option, and every smaller one, buys nothing
+        seg, _ = _build(first, steps, k)
+        held.append(_bytes(first.meta["val"], env) + _bytes(steps[-1][1].meta["val"], env) + seg.slice_bytes(env, batch))
+        taken.append(opt)
+    return taken
 
 
 def _stand_in(t):
