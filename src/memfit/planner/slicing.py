@@ -8,22 +8,30 @@ there (ResNet: 2x the stem's output; torch.compile's channels-last convolution h
 convolution is not bit-identical to eager's). Sliced, the stem holds its input, its whole output and one slice's
 intermediates.
 
+Where: a chain whose peak run whole is above every op outside the chains (`_elsewhere`) and falls by `MIN_SAVING`
+sliced is a candidate; candidates are taken largest first while each peaks above the rest of the call, so that
+once a stem is sliced the block that peaked just below it is sliced too (RegNet). Slices hold at least
+`MIN_SLICE_BYTES` in their largest tensor (a convolution call costs a fixed time beyond its work: slices of a
+few small samples cost more time than they save), and each segment runs in the largest exact slices (1, 2 or 4
+samples) that peak no higher than the rest of the call (fewer calls for the same peak).
+
 Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
 convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
 whole and sliced on stand-ins for the capture's example (normal draws of its shape and dtype from a seeded
 generator of our own, so that the choice never depends on the example's values: zeros would pass any check; at
 the example's batch, and at twice that plus one, the samples repeated) and kept only where every output is
-bit-identical (`torch.equal`) with the same strides; a slice size of 1 is tried first, then 2 (the last slice of
-an odd batch takes 3).
+bit-identical (`torch.equal`) with the same strides, at each slice size in `SLICE_SIZES` (the last slice of a
+batch takes the rest: k to 2k-1 samples).
 
 Known limitations: the check runs at two batch sizes and the process's intra-op thread count; a batch size
-or thread count at which oneDNN picks yet another algorithm for the whole batch is not checked.
+or thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. The choice is
+made at the capture's batch: at a small one the weights weigh more against the activations, and less is sliced.
 
 Example:
     >>> import torch
-    >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 7, 2, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+    >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 7, 2, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
     >>> from memfit.planner.captured import capture_model
-    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 32, 32))
+    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 128, 128))    # 512 KiB a sample out of the convolution
     >>> [n.target.__name__ for n in cap.ep.graph.nodes if n.op == "call_function"]
     ['batch_slices']
 """
@@ -31,30 +39,17 @@ Example:
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import Meta, span_bytes
+from memfit.planner.graph import span_bytes
+from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, _bytes, _Step, build_segment  # noqa: F401
 
 __all__ = ["SLICEABLE", "SlicedSegment", "slice_segments"]
 
 aten = torch.ops.aten
 
-# ops that compute each sample from that sample alone (argument 0 and output 0 carry the batch in dimension 0; the
-# other tensor arguments are parameters): -> the output positions read after it (getitem), None: one output
-SLICEABLE = {
-    aten.convolution.default: None,
-    aten._native_batch_norm_legit_no_training.default: 0,
-    aten.relu.default: None,
-    aten.hardtanh.default: None,
-    aten.clamp_min.default: None,
-    aten.silu.default: None,
-    aten.gelu.default: None,
-    aten.max_pool2d_with_indices.default: 0,
-    aten.avg_pool2d.default: None,
-}
 SLICE_SIZES = (1, 2, 4)         # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
 MIN_SAVING = 0.25               # slice where the segment's peak falls by at least this fraction (a loop costs time)
 # the fewest bytes a slice's largest tensor holds: a CPU convolution costs a fixed 15-90 us a call beyond its work
@@ -62,90 +57,6 @@ MIN_SAVING = 0.25               # slice where the segment's peak falls by at lea
 # small samples cost more time than they save bytes (ResNet's stem, 128 KiB a sample, in slices of 1: 1.22x the
 # unsliced plan's time, 1.03x eager's; LeNet's 19 KiB: 2.7x eager's)
 MIN_SLICE_BYTES = 256 * 1024
-
-
-@dataclass(frozen=True)
-class _Step:
-    target: object
-    args: tuple               # "x" for the running value, ("const", i) for the i-th parameter, else literals
-    kwargs: dict
-    item: int | None          # the output taken (multi-output ops)
-    val: object               # the graph's value of its (taken) output, for sizes at any batch
-    outputs: tuple = ()       # the graph's values of all its tensor outputs
-
-
-class SlicedSegment:
-    """The callable that replaces a segment's nodes: `segment(x, *params)` runs the steps on slices of `k` samples
-    of x (the last slice takes the rest) and writes each slice's result into the whole output."""
-
-    __name__ = "batch_slices"
-
-    def __init__(self, steps: tuple[_Step, ...], k: int, input_val, param_vals: tuple):
-        self.steps, self.k, self.input_val, self.param_vals = steps, k, input_val, param_vals
-
-    def slices(self, n: int) -> list[tuple[int, int]]:
-        """(start, stop) of each slice of a batch of n: k samples each, the last one k to 2k-1."""
-        cuts = list(range(0, n - self.k + 1, self.k)) if n >= self.k else [0]
-        return [(a, cuts[i + 1] if i + 1 < len(cuts) else n) for i, a in enumerate(cuts)]
-
-    def run_slice(self, x: torch.Tensor, params: tuple) -> torch.Tensor:
-        v = x
-        for st in self.steps:
-            v = st.target(*[v if a == "x" else params[a[1]] if _is_param(a) else a for a in st.args], **st.kwargs)
-            if st.item is not None:
-                v = v[st.item]
-        return v
-
-    def __call__(self, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        out = None
-        for a, b in self.slices(x.shape[0]):
-            part = self.run_slice(x[a:b], params)
-            if out is None:      # the slice's strides hold for the whole batch (batch outermost; checked at capture)
-                out = part.new_empty_strided((x.shape[0], *part.shape[1:]), part.stride())
-            out[a:b].copy_(part)
-            del part
-        return out
-
-    def slice_bytes(self, env: dict, n: int) -> int:
-        """The most bytes one slice holds at once beyond the segment's input and output, for a batch of n: a
-        step's input and output at the slice's size and what its kernel allocates inside."""
-        from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
-        s = max(b - a for a, b in self.slices(n))
-        prev, most = _at(self.input_val, env, s), 0
-        for i, st in enumerate(self.steps):
-            m = _at(st.val, env, s)
-            # every output the op makes at the slice's size (max pooling's indices too, which nothing reads)
-            out = sum(span_bytes(o.shape, o.strides, o.dtype) for o in (_at(v, env, s) if Meta.of(v, env).shape[:1]
-                                                                          == Meta.of(st.val, env).shape[:1]
-                                                                          else Meta.of(v, env) for v in st.outputs))
-            inside = 0
-            if st.target in WORKSPACE:
-                args = [_meta(prev) if a == "x" else _meta(Meta.of(self.param_vals[a[1]], env)) if _is_param(a)
-                        else a for a in st.args]
-                inside = sum(workspace_bytes(st.target, tuple(args), st.kwargs))
-            held = out + (0 if i == 0 else span_bytes(prev.shape, prev.strides, prev.dtype))   # slice 0: a view
-            most = max(most, held + inside)
-            prev = m
-        return most
-
-
-def _is_param(a) -> bool:
-    return isinstance(a, tuple) and len(a) == 2 and a[0] == "const"
-
-
-def _at(val, env: dict, s: int) -> Meta:
-    """A batch-outermost value's meta at a batch of s (dimension 0 replaced; the strides do not depend on it)."""
-    m = Meta.of(val, env)
-    return Meta((s, *m.shape[1:]), m.strides, m.dtype, 0)
-
-
-def _meta(m: Meta) -> torch.Tensor:
-    return torch.empty_strided(m.shape, m.strides, dtype=m.dtype, device="meta")
-
-
-def _bytes(val, env: dict) -> int:
-    m = Meta.of(val, env)
-    return span_bytes(m.shape, m.strides, m.dtype, m.offset)
 
 
 def _chains(graph: torch.fx.Graph, consts: dict) -> list[tuple[Node, list[tuple[Node, Node]]]]:
@@ -238,27 +149,6 @@ def _param(node: Node, consts: dict) -> bool:
     return node.op == "placeholder" and node.name in consts
 
 
-def _build(start: Node, steps: list, k: int) -> tuple[SlicedSegment, list[Node]]:
-    params: list[Node] = []
-    out = []
-    for node, value in steps:
-        args = []
-        for j, a in enumerate(node.args):
-            if j == 0:
-                args.append("x")
-            elif isinstance(a, Node):
-                if a not in params:
-                    params.append(a)
-                args.append(("const", params.index(a)))
-            else:
-                args.append(a)
-        vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-        out.append(_Step(node.target, tuple(args), dict(node.kwargs), SLICEABLE[node.target], value.meta["val"],
-                         tuple(v for v in vals if isinstance(v, torch.Tensor) and v.dim())))  # (0-dim: no batch)
-    seg = SlicedSegment(tuple(out), k, start.meta["val"], tuple(p.meta["val"] for p in params))
-    return seg, params
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)
 
@@ -298,7 +188,7 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     done, replaced = {}, {}
     for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
         start = replaced.get(start, start)        # the output of a segment sliced before it
-        seg, params = _build(start, steps, k)
+        seg, params = build_segment(start, steps, k)
         last = steps[-1][1]
         with graph.inserting_before(steps[-1][0]):
             new = graph.call_function(seg, (start, *params))
@@ -329,19 +219,19 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dic
         for i, step in enumerate(steps):
             node_in = start if i == 0 else steps[i - 1][1]
             for k in SLICE_SIZES:
-                seg, params = _build(node_in, [step], k)
+                seg, params = build_segment(node_in, [step], k)
                 ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params)))
-            seg, params = _build(node_in, [step], 1)
+            seg, params = build_segment(node_in, [step], 1)
             v = seg.run_slice(v, tuple(consts[p.name] for p in params))       # the whole batch, as eager
     return ok
 
 
 def _options(env: dict, batch: int, start: Node, steps: list,
-             ok: dict[int, list[bool]]) -> list[tuple[Node, list, int]]:
-    """(input, steps, slice size) of the runs of exact steps that could be sliced: for each slice size in turn, each
-    run of steps exact at that size and not taken yet, cut where `_segment` says, kept where it saves `MIN_SAVING`
-    of its peak, its slices hold `MIN_SLICE_BYTES` or more in their largest tensor and the example's batch makes two
-    slices or more."""
+             ok: dict[int, list[bool]]) -> list[tuple[Node, list, int, tuple[int, ...]]]:
+    """(input, steps, slice size, the larger sizes every step is exact at) of the runs of exact steps that could be
+    sliced: for each slice size in turn, each run of steps exact at that size and not taken yet, cut where `_segment`
+    says, kept where it saves `MIN_SAVING` of its peak, its slices hold `MIN_SLICE_BYTES` or more in their largest
+    tensor and the example's batch makes two slices or more."""
     taken: set[int] = set()
     out = []
     for k in SLICE_SIZES:
@@ -357,7 +247,9 @@ def _options(env: dict, batch: int, start: Node, steps: list,
             choice = _segment(first, sub, env)
             if (choice is not None and choice[2] >= MIN_SAVING and batch >= 2 * k
                     and _largest(first, sub[:choice[0]], env, k) >= MIN_SLICE_BYTES):
-                out.append((first, sub[:choice[0]], k))
+                wider = tuple(w for w in SLICE_SIZES if w > k and batch >= 2 * w
+                              and all(ok[w][i:i + choice[0]]))
+                out.append((first, sub[:choice[0]], k, wider))
                 taken.update(range(i, i + choice[0]))
                 i += choice[0]
             else:
@@ -372,22 +264,33 @@ def _largest(first: Node, steps: list, env: dict, k: int) -> int:
 
 
 def _worth_slicing(graph, consts: dict, env: dict, batch: int, options: list) -> list[tuple[Node, list, int]]:
-    """The options that lower the call's peak, largest first: one is taken while it peaks, run whole, above every op
-    outside the options taken and it (the other options' ops counted whole) and above what each option taken still
-    holds sliced (its input and output whole, one slice's bytes). Slicing a stem can leave the next block (which
-    peaked just below it) where the call peaks: that block is taken next (RegNet: the stem, then the first stage's
-    shortcut and its 1x1 -> 3x3 convolutions)."""
+    """(input, steps, slice size) of the options that lower the call's peak, largest first: one is taken while it
+    peaks, run whole, above every op outside the options taken and it (the other options' ops counted whole) and above
+    what each option taken still holds sliced (its input and output whole, one slice's bytes). Slicing a stem can
+    leave the next block (which peaked just below it) where the call peaks: that block is taken next (RegNet: the
+    stem, then the first stage's shortcut and its 1x1 -> 3x3 convolutions). Then each option taken runs in the
+    largest slices it is exact at that hold no more than where the call then peaks: fewer slices, fewer calls
+    (UNet's merge: slices of 2 peak as low as slices of 1)."""
     whole = {id(o): _segment(o[0], o[1], env)[1] for o in options}
     taken, held = [], []
     for opt in sorted(options, key=lambda o: -whole[id(o)]):
-        first, steps, k = opt
+        first, steps, k, _ = opt
         rest = max([_elsewhere(graph, consts, [s for o in (*taken, opt) for s in o[1]], env), *held])
         if whole[id(opt)] <= rest:
             break                 # the rest peaks at least as high: this option, and every smaller one, buys nothing
-        seg, _ = _build(first, steps, k)
-        held.append(_bytes(first.meta["val"], env) + _bytes(steps[-1][1].meta["val"], env) + seg.slice_bytes(env, batch))
+        held.append(_held(first, steps, k, env, batch))
         taken.append(opt)
-    return taken
+    if not taken:
+        return []
+    peak = max([_elsewhere(graph, consts, [s for o in taken for s in o[1]], env), *held])
+    return [(first, steps, max([k, *(w for w in wider if _held(first, steps, w, env, batch) <= peak)]))
+            for first, steps, k, wider in taken]
+
+
+def _held(first: Node, steps: list, k: int, env: dict, batch: int) -> int:
+    """The most bytes a segment holds run in slices of k: its input and output whole, one slice's bytes."""
+    seg, _ = build_segment(first, steps, k)
+    return _bytes(first.meta["val"], env) + _bytes(steps[-1][1].meta["val"], env) + seg.slice_bytes(env, batch)
 
 
 def _stand_in(t):
