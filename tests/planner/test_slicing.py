@@ -161,3 +161,32 @@ def test_slices_hold_enough_bytes_to_pay_for_their_calls():
     lenet = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                           nn.Linear(6 * 14 * 14, 10)).eval()
     assert capture_model(lenet, torch.randn(8, 1, 28, 28)).sliced == {}
+
+
+class StemThenWideHead(nn.Module):
+    """A stem (7x7 convolution: 512 KiB a sample, exact in slices of 1 on this CPU's oneDNN) whose pooled output is
+    upsampled and read by a wide 1x1 convolution: once the stem is sliced, the head is where the call peaks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 7, 1, 3), nn.ReLU(), nn.MaxPool2d(4))
+        self.head = nn.Conv2d(32, 64, 1)
+        self.eval()
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.interpolate(self.stem(x), scale_factor=2.0, mode="nearest"))
+
+
+def test_a_segment_runs_in_the_largest_slices_that_peak_no_higher(monkeypatch):
+    """Slices of 2 peak no higher than slices of 1 where the rest of the call peaks above both: half the calls."""
+    model = StemThenWideHead()
+    x = torch.randn(8, 3, 64, 64)
+    pm = plan(model, (x,))
+    assert [why.split(" of the batch")[0] for why in pm.captures[0].sliced.values()] == ["runs in slices of 2 samples"]
+    with torch.inference_mode():
+        assert torch.equal(pm(x), model(x))
+    monkeypatch.setattr(slicing, "SLICE_SIZES", (1,))
+    ones = plan(model, (x,))
+    assert [why.split(" of the batch")[0] for why in ones.captures[0].sliced.values()] == ["runs in slices of 1 sample"]
+    assert pm.report.arena_bytes + _peak(pm, x) == ones.report.arena_bytes + _peak(ones, x)     # by the allocator
