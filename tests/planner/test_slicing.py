@@ -190,3 +190,23 @@ def test_a_segment_runs_in_the_largest_slices_that_peak_no_higher(monkeypatch):
     ones = plan(model, (x,))
     assert [why.split(" of the batch")[0] for why in ones.captures[0].sliced.values()] == ["runs in slices of 1 sample"]
     assert pm.report.arena_bytes + _peak(pm, x) == ones.report.arena_bytes + _peak(ones, x)     # by the allocator
+
+
+class StemThenMask(nn.Module):
+    """A sliceable stem, then a size known only when the model runs (boolean-mask indexing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 7, 2, 3), nn.ReLU())
+
+    def forward(self, x):
+        h = self.stem(x)
+        return h[h > 0].sum()
+
+
+def test_a_size_that_depends_on_values_stops_no_capture_with_a_stem():
+    """Where the rest of the graph peaks is unknown (a boolean mask's size): nothing is sliced, and the capture says
+    what it says without a stem (the planner's CaptureError, not slicing's internal DataDependentSize)."""
+    from memfit.planner.capture import CaptureError
+    with pytest.raises(CaptureError, match="sizes that depend on values"):
+        plan(StemThenMask().eval(), (torch.randn(4, 3, 64, 64),))

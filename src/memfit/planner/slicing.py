@@ -43,7 +43,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import span_bytes
+from memfit.planner.graph import DataDependentSize, span_bytes
 from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, _bytes, _Step, build_segment  # noqa: F401
 
 __all__ = ["SLICEABLE", "SlicedSegment", "slice_segments"]
@@ -174,8 +174,13 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
         return {}
     scored = [(start, steps, c) for start, steps in _chains(graph, consts)
               if (c := _segment(start, steps, env)) is not None]
+    if not scored:
+        return {}
     # ops in no chain are never sliced: a chain that peaks no higher than one of them is not worth checking
-    floor = _elsewhere(graph, consts, [s for _, steps, _ in scored for s in steps], env)
+    try:
+        floor = _elsewhere(graph, consts, [s for _, steps, _ in scored for s in steps], env)
+    except DataDependentSize:         # sizes known only when the model runs: where it peaks is unknown, no slicing
+        return {}
     chains = [(start, steps) for start, steps, c in scored if c[1] > floor]
     if not chains:
         return {}
