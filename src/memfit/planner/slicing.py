@@ -8,22 +8,31 @@ there (ResNet: 2x the stem's output; torch.compile's channels-last convolution h
 convolution is not bit-identical to eager's). Sliced, the stem holds its input, its whole output and one slice's
 intermediates.
 
+Where: a chain whose peak run whole is above every op outside the chains (`_elsewhere`) and falls by `MIN_SAVING`
+sliced is a candidate; a candidate above every op outside it is sliced (a stem); the others are weighed together
+(the block that peaked just below a stem, RegNet's; equal blocks that each peak at the other's level, MobileViT's)
+and sliced where together they lower the call's peak by `MIN_JOINT_SAVING`. Slices hold at least
+`MIN_SLICE_BYTES` in their largest tensor (a convolution call costs a fixed time beyond its work: slices of a
+few small samples cost more time than they save), and each segment runs in the largest exact slices (1, 2 or 4
+samples) that peak no higher than the rest of the call (fewer calls for the same peak).
+
 Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
 convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
 whole and sliced on stand-ins for the capture's example (normal draws of its shape and dtype from a seeded
 generator of our own, so that the choice never depends on the example's values: zeros would pass any check; at
 the example's batch, and at twice that plus one, the samples repeated) and kept only where every output is
-bit-identical (`torch.equal`) with the same strides; a slice size of 1 is tried first, then 2 (the last slice of
-an odd batch takes 3).
+bit-identical (`torch.equal`) with the same strides, at each slice size in `SLICE_SIZES` (the last slice of a
+batch takes the rest: k to 2k-1 samples).
 
 Known limitations: the check runs at two batch sizes and the process's intra-op thread count; a batch size
-or thread count at which oneDNN picks yet another algorithm for the whole batch is not checked.
+or thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. The choice is
+made at the capture's batch: at a small one the weights weigh more against the activations, and less is sliced.
 
 Example:
     >>> import torch
-    >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 7, 2, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+    >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 7, 2, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
     >>> from memfit.planner.captured import capture_model
-    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 32, 32))
+    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 128, 128))    # 512 KiB a sample out of the convolution
     >>> [n.target.__name__ for n in cap.ep.graph.nodes if n.op == "call_function"]
     ['batch_slices']
 """
@@ -31,128 +40,28 @@ Example:
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import Meta, span_bytes
+from memfit.planner.graph import DataDependentSize, span_bytes
+from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, _bytes, _Step, build_segment  # noqa: F401
 
 __all__ = ["SLICEABLE", "SlicedSegment", "slice_segments"]
 
 aten = torch.ops.aten
 
-# ops that compute each sample from that sample alone (argument 0 and output 0 carry the batch in dimension 0; the
-# other tensor arguments are parameters): -> the output positions read after it (getitem), None: one output
-SLICEABLE = {
-    aten.convolution.default: None,
-    aten._native_batch_norm_legit_no_training.default: 0,
-    aten.relu.default: None,
-    aten.hardtanh.default: None,
-    aten.clamp_min.default: None,
-    aten.silu.default: None,
-    aten.gelu.default: None,
-    aten.max_pool2d_with_indices.default: 0,
-    aten.avg_pool2d.default: None,
-}
-SLICE_SIZES = (1, 2)            # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
+SLICE_SIZES = (1, 2, 4)         # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
 MIN_SAVING = 0.25               # slice where the segment's peak falls by at least this fraction (a loop costs time)
-
-
-@dataclass(frozen=True)
-class _Step:
-    target: object
-    args: tuple               # "x" for the running value, ("const", i) for the i-th parameter, else literals
-    kwargs: dict
-    item: int | None          # the output taken (multi-output ops)
-    val: object               # the graph's value of its (taken) output, for sizes at any batch
-    outputs: tuple = ()       # the graph's values of all its tensor outputs
-
-
-class SlicedSegment:
-    """The callable that replaces a segment's nodes: `segment(x, *params)` runs the steps on slices of `k` samples
-    of x (the last slice takes the rest) and writes each slice's result into the whole output."""
-
-    __name__ = "batch_slices"
-
-    def __init__(self, steps: tuple[_Step, ...], k: int, input_val, param_vals: tuple):
-        self.steps, self.k, self.input_val, self.param_vals = steps, k, input_val, param_vals
-
-    def slices(self, n: int) -> list[tuple[int, int]]:
-        """(start, stop) of each slice of a batch of n: k samples each, the last one k to 2k-1."""
-        cuts = list(range(0, n - self.k + 1, self.k)) if n >= self.k else [0]
-        return [(a, cuts[i + 1] if i + 1 < len(cuts) else n) for i, a in enumerate(cuts)]
-
-    def run_slice(self, x: torch.Tensor, params: tuple) -> torch.Tensor:
-        v = x
-        for st in self.steps:
-            v = st.target(*[v if a == "x" else params[a[1]] if _is_param(a) else a for a in st.args], **st.kwargs)
-            if st.item is not None:
-                v = v[st.item]
-        return v
-
-    def __call__(self, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        out = None
-        for a, b in self.slices(x.shape[0]):
-            part = self.run_slice(x[a:b], params)
-            if out is None:      # the slice's strides hold for the whole batch (batch outermost; checked at capture)
-                out = part.new_empty_strided((x.shape[0], *part.shape[1:]), part.stride())
-            out[a:b].copy_(part)
-            del part
-        return out
-
-    def slice_bytes(self, env: dict, n: int) -> int:
-        """The most bytes the segment holds at once beyond its input and its whole output (both counted beside
-        this), for a batch of n. The whole output is allocated after the first slice (`__call__`: from that slice's
-        strides), so the first slice's peak holds it in none of its bytes: where the batch is one slice (a batch of
-        3 in slices of 2), the figure is that slice's peak less the output, else the output was counted twice (a
-        CNN's planned call predicted 1.11x its allocator peak at batch 3). Each later slice runs beside the output;
-        the copy of a later slice's result into it is in that slice's peak (its last step's output), the copy of the
-        first slice's result is beside the output (twice the output's bytes where the batch is one slice)."""
-        cuts = self.slices(n)
-        k = cuts[0][1] - cuts[0][0]
-        nbytes = lambda m: span_bytes(m.shape, m.strides, m.dtype)
-        first, part = self._slice_peak(env, k), nbytes(_at(self.steps[-1].val, env, k))
-        later = max((self._slice_peak(env, size) for size in {b - a for a, b in cuts[1:]}), default=0)
-        return max(first - nbytes(_at(self.steps[-1].val, env, n)), part, later)
-
-    def _slice_peak(self, env: dict, s: int) -> int:
-        """The most bytes one slice of s samples holds at once: a step's input and output at the slice's size and
-        what its kernel allocates inside."""
-        from memfit.planner.workspaces import inside_parts
-        prev, most = _at(self.input_val, env, s), 0
-        for i, st in enumerate(self.steps):
-            m = _at(st.val, env, s)
-            # every output the op makes at the slice's size (max pooling's indices too, which nothing reads)
-            out = sum(span_bytes(o.shape, o.strides, o.dtype) for o in (_at(v, env, s) if Meta.of(v, env).shape[:1]
-                                                                          == Meta.of(st.val, env).shape[:1]
-                                                                          else Meta.of(v, env) for v in st.outputs))
-            args = [_meta(prev) if a == "x" else _meta(Meta.of(self.param_vals[a[1]], env)) if _is_param(a)
-                    else a for a in st.args]
-            inside = sum(inside_parts(st.target, tuple(args), st.kwargs))
-            held = out + (0 if i == 0 else span_bytes(prev.shape, prev.strides, prev.dtype))   # step 0: x's view
-            most = max(most, held + inside)
-            prev = m
-        return most
-
-
-def _is_param(a) -> bool:
-    return isinstance(a, tuple) and len(a) == 2 and a[0] == "const"
-
-
-def _at(val, env: dict, s: int) -> Meta:
-    """A batch-outermost value's meta at a batch of s (dimension 0 replaced; the strides do not depend on it)."""
-    m = Meta.of(val, env)
-    return Meta((s, *m.shape[1:]), m.strides, m.dtype, 0)
-
-
-def _meta(m: Meta) -> torch.Tensor:
-    return torch.empty_strided(m.shape, m.strides, dtype=m.dtype, device="meta")
-
-
-def _bytes(val, env: dict) -> int:
-    m = Meta.of(val, env)
-    return span_bytes(m.shape, m.strides, m.dtype, m.offset)
+# segments beyond those above every other op: sliced together where they lower the call's peak by this fraction.
+# RegNet's first block and shortcut once its stem is sliced: 21% (2.49 -> 1.97 MiB, below torch.compile's 2.44) for
+# about 15% of latency (0.86 -> 1.01 of eager's); a block that buys a tenth runs whole
+MIN_JOINT_SAVING = 0.15
+# the fewest bytes a slice's largest tensor holds: a CPU convolution costs a fixed 15-90 us a call beyond its work
+# (oneDNN on 1 thread, 32 channels at 32x32: 49-152 us a sample at batch 1, 26-79 at batch 8), so slices of a few
+# small samples cost more time than they save bytes (ResNet's stem, 128 KiB a sample, in slices of 1: 1.22x the
+# unsliced plan's time, 1.03x eager's; LeNet's 19 KiB: 2.7x eager's)
+MIN_SLICE_BYTES = 256 * 1024
 
 
 def _chains(graph: torch.fx.Graph, consts: dict) -> list[tuple[Node, list[tuple[Node, Node]]]]:
@@ -241,27 +150,6 @@ def _param(node: Node, consts: dict) -> bool:
     return node.op == "placeholder" and node.name in consts
 
 
-def _build(start: Node, steps: list, k: int) -> tuple[SlicedSegment, list[Node]]:
-    params: list[Node] = []
-    out = []
-    for node, value in steps:
-        args = []
-        for j, a in enumerate(node.args):
-            if j == 0:
-                args.append("x")
-            elif isinstance(a, Node):
-                if a not in params:
-                    params.append(a)
-                args.append(("const", params.index(a)))
-            else:
-                args.append(a)
-        vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-        out.append(_Step(node.target, tuple(args), dict(node.kwargs), SLICEABLE[node.target], value.meta["val"],
-                         tuple(v for v in vals if isinstance(v, torch.Tensor) and v.dim())))  # (0-dim: no batch)
-    seg = SlicedSegment(tuple(out), k, start.meta["val"], tuple(p.meta["val"] for p in params))
-    return seg, params
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)
 
@@ -285,23 +173,28 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     batch = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
     if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
-    chains = [(start, steps) for start, steps in _chains(graph, consts) if _segment(start, steps, env) is not None]
-    if not chains:
+    scored = [(start, steps, c) for start, steps in _chains(graph, consts)
+              if (c := _segment(start, steps, env)) is not None]
+    if not scored:
         return {}
-    # the chains are weighed together, against the rest of the graph: two equal blocks would each find the other's
-    # peak "elsewhere", and neither would be sliced (MobileViT's inverted residual blocks)
-    rest = _elsewhere(graph, consts, [p for _, steps in chains for p in steps], env)
-    chains = [(start, steps) for start, steps in chains if _segment(start, steps, env)[1] > rest]
+    # ops in no chain are never sliced: a chain that peaks no higher than one of them is not worth checking
+    try:
+        floor = _elsewhere(graph, consts, [s for _, steps, _ in scored for s in steps], env)
+    except DataDependentSize:         # sizes known only when the model runs: where it peaks is unknown, no slicing
+        return {}
+    chains = [(start, steps) for start, steps, c in scored if c[1] > floor]
     if not chains:
         return {}
     inputs = _values_of(ep, consts, tuple(_stand_in(t) for t in example_inputs), {s for s, _ in chains})
-    found = [f for start, steps in chains if start in inputs
-             for f in _chosen(env, start, steps, _exact_steps(start, steps, inputs[start], consts))]
-    found = _lowering_the_peak(graph, found, chains, rest, consts, env, batch)
+    options = []
+    for start, steps in chains:
+        if start in inputs:
+            options += _options(env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts))
+    found = _worth_slicing(graph, consts, env, batch, options)
     done, replaced = {}, {}
     for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
         start = replaced.get(start, start)        # the output of a segment sliced before it
-        seg, params = _build(start, steps, k)
+        seg, params = build_segment(start, steps, k)
         last = steps[-1][1]
         with graph.inserting_before(steps[-1][0]):
             new = graph.call_function(seg, (start, *params))
@@ -332,17 +225,19 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dic
         for i, step in enumerate(steps):
             node_in = start if i == 0 else steps[i - 1][1]
             for k in SLICE_SIZES:
-                seg, params = _build(node_in, [step], k)
+                seg, params = build_segment(node_in, [step], k)
                 ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params)))
-            seg, params = _build(node_in, [step], 1)
+            seg, params = build_segment(node_in, [step], 1)
             v = seg.run_slice(v, tuple(consts[p.name] for p in params))       # the whole batch, as eager
     return ok
 
 
-def _chosen(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> list[tuple[Node, list, int, tuple]]:
-    """(input, steps, slice size, the larger sizes every step is exact at too) of the runs of exact steps worth
-    slicing: for each slice size in turn, each run of steps exact at that size and not taken yet, cut where
-    `_segment` says, kept where it saves `MIN_SAVING` of its peak."""
+def _options(env: dict, batch: int, start: Node, steps: list,
+             ok: dict[int, list[bool]]) -> list[tuple[Node, list, int, tuple[int, ...]]]:
+    """(input, steps, slice size, the larger sizes every step is exact at) of the runs of exact steps that could be
+    sliced: for each slice size in turn, each run of steps exact at that size and not taken yet, cut where `_segment`
+    says, kept where it saves `MIN_SAVING` of its peak, its slices hold `MIN_SLICE_BYTES` or more in their largest
+    tensor and the example's batch makes two slices or more."""
     taken: set[int] = set()
     out = []
     for k in SLICE_SIZES:
@@ -356,9 +251,11 @@ def _chosen(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> l
                 j += 1
             sub, first = steps[i:j], start if i == 0 else steps[i - 1][1]
             choice = _segment(first, sub, env)
-            if choice is not None and choice[2] >= MIN_SAVING:
-                coarser = tuple(c for c in SLICE_SIZES if c > k and all(ok[c][i:i + choice[0]]))
-                out.append((first, sub[:choice[0]], k, coarser))
+            if (choice is not None and choice[2] >= MIN_SAVING and batch >= 2 * k
+                    and _largest(first, sub[:choice[0]], env, k) >= MIN_SLICE_BYTES):
+                wider = tuple(w for w in SLICE_SIZES if w > k and batch >= 2 * w
+                              and all(ok[w][i:i + choice[0]]))
+                out.append((first, sub[:choice[0]], k, wider))
                 taken.update(range(i, i + choice[0]))
                 i += choice[0]
             else:
@@ -366,36 +263,45 @@ def _chosen(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> l
     return out
 
 
-def _lowering_the_peak(graph, found: list, chains: list, rest: int, consts: dict, env: dict, batch: int) -> list:
-    """(input, steps, slice size) of the segments of `found` to slice. First those that peak above every op outside
-    them (other chains included), each in its smallest exact slices. Then the others above the level that leaves
-    (two equal blocks each peak at the other's level, so neither is above it: MobileViT's), together and each in
-    its largest exact slices, only where together they lower the call's level by `MIN_SAVING`: every slice is a
-    round of kernel calls, slower per sample at small sizes (MobileViT's depthwise convolutions), so a few percent
-    of memory is not worth it (RegNet's next segments would buy 18%). The level: the most bytes of the rest of the
-    graph, of each chain op left whole and of each sliced segment (its input and output, one slice)."""
-    def level(sliced: list) -> int:
-        inside = {node for _, steps, _ in sliced for node, _ in steps}
-        return max([rest, *(_op_peak(node, consts, env, value) for _, steps in chains for node, value in steps
-                             if node not in inside), *(_sliced_peak(*f, env, batch) for f in sliced)])
-    chain_of = {node: (start, steps) for start, steps in chains for node, _ in steps}
+def _largest(first: Node, steps: list, env: dict, k: int) -> int:
+    """Bytes of the largest tensor a slice of k samples reads or makes (its input, any step's output)."""
+    return max(span_bytes(m.shape, m.strides, m.dtype) for m in
+               (_at(v.meta["val"], env, k) for v in (first, *(value for _, value in steps))))
 
-    def alone(f) -> bool:
-        start, steps = chain_of[f[1][0][0]]
-        return (_segment(start, steps, env)[1] > _elsewhere(graph, consts, steps, env)
-                and _segment(f[0], f[1], env)[1] > _elsewhere(graph, consts, f[1], env))
-    first = [f[:3] for f in found if alone(f)]
-    more = [(f[0], f[1], max((f[2], *f[3]))) for f in found if not alone(f)]
+
+def _worth_slicing(graph, consts: dict, env: dict, batch: int, options: list) -> list[tuple[Node, list, int]]:
+    """(input, steps, slice size) of the options to slice. First those that peak, run whole, above every op outside
+    them (the other options' ops counted whole): a stem. Then the others, weighed together: slicing a stem can leave
+    the block that peaked just below it where the call peaks (RegNet: the first stage's shortcut and its 1x1 -> 3x3
+    convolutions), and two equal blocks each peak at the other's level, so neither is above it alone (MobileViT's
+    inverted residual blocks). They are sliced, those of them that peak above the level they leave, only where
+    together they lower the call's peak by `MIN_JOINT_SAVING`: every slice is a round of kernel calls, and a few
+    percent of memory is not worth it. The level: the most bytes of any op outside the options taken (the others counted
+    whole) and of each option taken (its input and output whole, one slice's bytes). Then each option taken runs
+    in the largest slices it is exact at that hold no more than where the call then peaks: fewer slices, fewer
+    calls (UNet's merge: slices of 2 peak as low as slices of 1)."""
+    whole = {id(o): _segment(o[0], o[1], env)[1] for o in options}
+    held = {id(o): _held(o[0], o[1], o[2], env, batch) for o in options}
+
+    def level(taken: list) -> int:
+        return max([_elsewhere(graph, consts, [s for o in taken for s in o[1]], env), *(held[id(o)] for o in taken)])
+    first = [o for o in options if whole[id(o)] > _elsewhere(graph, consts, o[1], env)]
+    more = [o for o in options if o not in first]
     joint = level(first + more)
-    if more and joint <= (1 - MIN_SAVING) * level(first):
-        return first + [f for f in more if _segment(f[0], f[1], env)[1] > joint]
-    return first
+    taken = first
+    if more and joint <= (1 - MIN_JOINT_SAVING) * level(first):
+        taken = first + [o for o in more if whole[id(o)] > joint]
+    if not taken:
+        return []
+    peak = level(taken)
+    return [(first, steps, max([k, *(w for w in wider if _held(first, steps, w, env, batch) <= peak)]))
+            for first, steps, k, wider in taken]
 
 
-def _sliced_peak(first: Node, steps: list, k: int, env: dict, batch: int) -> int:
-    """The segment's peak in slices of k at the example's batch: its input and output whole, one slice's bytes."""
-    return _bytes(first.meta["val"], env) + _bytes(steps[-1][1].meta["val"], env) + \
-        _build(first, steps, k)[0].slice_bytes(env, batch)
+def _held(first: Node, steps: list, k: int, env: dict, batch: int) -> int:
+    """The most bytes a segment holds run in slices of k: its input and output whole, one slice's bytes."""
+    seg, _ = build_segment(first, steps, k)
+    return _bytes(first.meta["val"], env) + _bytes(steps[-1][1].meta["val"], env) + seg.slice_bytes(env, batch)
 
 
 def _stand_in(t):

@@ -89,9 +89,8 @@ def test_paired_ratio_divides_calls_made_back_to_back(monkeypatch):
 
 def test_a_model_measured_in_its_own_process_brings_its_timing_spreads_back():
     from memfit.cli.bench import common
-    from memfit.cli.bench.planner import _in_own_process
     spread_warning()
-    assert _in_own_process(common.median, [1.0, 3.0], "a child timing") == 2.0      # spread (3 - 1) / 2
+    assert common.in_own_process(common.median, [1.0, 3.0], "a child timing") == 2.0      # spread (3 - 1) / 2
     warning = spread_warning()
     assert warning and "a child timing" in warning
 
@@ -107,3 +106,17 @@ def test_rounds_for_times_a_warm_call_and_clamps(monkeypatch):
     assert common.rounds_for(call, seconds=1.0, at_least=3, at_most=1000) == 100
     assert common.rounds_for(lambda: clock.__setitem__(0, clock[0] + 2.0), seconds=1.0, at_least=3, at_most=9) == 3
     assert common.rounds_for(lambda: None, seconds=1.0, at_least=3, at_most=9) == 9
+
+
+def test_csv_rows_with_a_column_only_some_have(tmp_path):
+    """A contender measured at the largest batch only adds columns to that row: the CSV holds every column, empty
+    where a row has none (csv.DictWriter raised on the first row's columns before)."""
+    import csv
+
+    from memfit.cli.bench.common import to_csv
+    path = tmp_path / "rows.csv"
+    to_csv([{"model": "m", "batch": 2}, {"model": "m", "batch": 8, "compiled_peak": 100}], str(path))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [{"model": "m", "batch": "2", "compiled_peak": ""},
+                    {"model": "m", "batch": "8", "compiled_peak": "100"}]

@@ -36,3 +36,39 @@ def test_a_memory_model_below_the_allocator_is_a_miss_naming_the_bytes():
     below = [line for line in verdicts_real([{**row, "model/real": 0.9, "predicted": 90}])
              if line.startswith("memory_model / allocator")]
     assert below[0].endswith("MISS m/8 (-10 B)")
+
+
+def test_zoo_rows_carry_torch_compile_beside_the_plan(monkeypatch):
+    """The zoo's rows measure torch.compile as `--real` does (`contenders.compiled_columns`), at the batches asked:
+    its peak by the allocator over the planned one, PASS where planned <= compiled. A stand-in compiler that gives
+    the model back keeps the test fast: its peak is eager's, which the plan stays under."""
+    from memfit.cli.bench import contenders
+    from memfit.cli.bench.planner import measure_zoo
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+    rows = measure_zoo("lenet", (2, 4), None, 1, "cpu", compiled_at=(4,))
+    assert "compiled" not in rows[0]
+    row = rows[1]
+    assert row["compiled"] == "inductor" and row["compiled_peak"] == row["eager_peak"]
+    assert row["planned/compiled"] == row["planned_total"] / row["eager_peak"] <= 1
+    assert row["vs compiled"] == "PASS"
+    assert "planned peak <= torch.compile's for every model (1 rows): PASS" in verdicts(rows)
+    assert "vs compiled" in contenders.compiled_table(rows)
+    monkeypatch.setattr(contenders.shutil, "which", lambda name: None)       # no C compiler: a row saying why
+    assert measure_zoo("mlp", (2,), None, 1, "cpu", compiled_at=(2,))[0]["compiled"].startswith("unavailable: ")
+
+
+def test_planned_over_compiled_is_judged_per_row():
+    from memfit.cli.bench.contenders import compiled_verdicts
+    rows = [{"model": "a", "batch": 8, "planned/compiled": 0.5}, {"model": "b", "batch": 8, "planned/compiled": 1.2},
+            {"model": "c", "batch": 8}]
+    assert compiled_verdicts(rows) == ["planned peak <= torch.compile's for every model (2 rows): MISS b/8 (1.200)"]
+    assert compiled_verdicts(rows[2:]) == []
+
+
+def test_the_zoo_without_compile_has_no_compiled_columns(capsys):
+    from memfit.cli.bench.planner import main
+    assert main(["--quick", "--models", "mlp", "--batches", "2", "--no-compile", "--repeat", "1", "--json"]) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert [r["batch"] for r in out["rows"]] == [2] and not any("compile" in k for k in out["rows"][0])
+    assert not any("torch.compile" in line for line in out["targets"])

@@ -6,12 +6,14 @@ A contender that cannot run here (no C compiler for inductor, a model `MemTracke
 is a row saying why, not a failed benchmark.
 
 Run:
-    memfit bench planner --real --quick   # the compiled columns at the largest batch
+    memfit bench planner --quick          # the compiled columns beside memfit's zoo, at the largest batch
+    memfit bench planner --real --quick   # the same beside the `transformers` architectures
     memfit bench train --quick            # the MemTracker columns
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -19,11 +21,14 @@ import time
 import torch
 
 from memfit.batches import batch_tensors, forward
-from memfit.cli.bench.common import paired_ratio, rounds_for
+from memfit.cli.bench.common import in_own_process, paired_ratio, rounds_for, table
 from memfit.memory.measure import track_memory
 from memfit.messages import first_line, whole_words
 
-__all__ = ["compile_seconds", "compiled_columns", "memtracker_columns"]
+__all__ = ["CAPTURE_TARGET", "compile_seconds", "compile_times", "compiled_columns", "compiled_table",
+           "compiled_verdicts", "memtracker_columns", "with_compile_times"]
+
+CAPTURE_TARGET = 1 / 3          # the first plan (capture + placement) at most a third of a user's first compile
 
 
 def _peak(fn, x) -> int:
@@ -64,7 +69,8 @@ def compiled_columns(model, x: torch.Tensor, planned_total: int, repeat: int) ->
         _, t_compiled, ratio = paired_ratio(lambda: model(x), lambda: compiled(x), repeat=reps, warmup=2,
                                             device=x.device, what="compiled / eager")
     return {"compiled": "inductor", "compiled_peak": peak, "planned/compiled": planned_total / max(peak, 1),
-            "compiled_ms": 1e3 * t_compiled, "compiled_latency": ratio}
+            "vs compiled": "PASS" if planned_total <= peak else "MISS", "compiled_ms": 1e3 * t_compiled,
+            "compiled_latency": ratio}
 
 
 # inductor's caches of whole compiled graphs, off: the time is that of compiling, not of loading a past result
@@ -92,6 +98,64 @@ def compile_seconds(build, batch: int, cache_dir: str) -> dict:
     except Exception as e:              # a contender that cannot run here is a row that says why
         return {"compiled": f"unavailable: {whole_words(first_line(e), 120)}"}
     return {"compile_s": time.perf_counter() - t0}
+
+
+def compile_times(build, batch: int, inductor_dir: str) -> dict:
+    """torch.compile's first call at `batch`, each in a fresh process as a user's first run is (as a row's `plan_s`
+    is the first plan of its process): fully cold (an empty inductor cache in `inductor_dir`, so its C++ kernels are
+    built) and then again with those C++ kernels on disk (FX graph and AOT autograd caches off in both). `build`:
+    a picklable `() -> (model, make_input)` (a `functools.partial` of a module-level builder)."""
+    cold = in_own_process(compile_seconds, build, batch, inductor_dir)
+    if "compile_s" not in cold:
+        return cold
+    warm = in_own_process(compile_seconds, build, batch, inductor_dir)
+    return {"compile_cold_s": cold["compile_s"], "compile_warm_s": warm.get("compile_s", math.nan)}
+
+
+def with_compile_times(rows: list[dict], times: dict) -> None:
+    """Put `compile_times`' figures on the last of one model's rows (the batch they were taken at), with the first
+    plan of its process (`plan_s` of its first row) over them."""
+    if "compile_cold_s" in times:
+        plan_s = rows[0]["plan_s"]
+        rows[-1].update(times, first_plan_s=plan_s, **{"plan/cold": plan_s / times["compile_cold_s"],
+                                                       "plan/warm": plan_s / times["compile_warm_s"]})
+    elif times:
+        rows[-1].update(times)
+
+
+def compiled_verdicts(rows: list[dict]) -> list[str]:
+    """The targets against torch.compile, each PASS or MISS with the rows that miss it: planned peak <= compiled
+    peak (the rows it ran on), and the first plan <= `CAPTURE_TARGET` of a fully cold compile (the models timed).
+    [] where torch.compile did not run."""
+    out = []
+    vs = [r for r in rows if "planned/compiled" in r]
+    if vs:
+        miss = [f"{r['model']}/{r['batch']} ({r['planned/compiled']:.3f})" for r in vs if r["planned/compiled"] > 1]
+        out.append(f"planned peak <= torch.compile's for every model ({len(vs)} rows): "
+                   f"{'PASS' if not miss else 'MISS ' + ', '.join(miss)}")
+    timed = [r for r in rows if "plan/cold" in r]
+    if timed:
+        slow = [f"{r['model']} ({r['plan/cold']:.2f})" for r in timed if r["plan/cold"] > CAPTURE_TARGET]
+        warm = f"{min(r['plan/warm'] for r in timed):.2f}-{max(r['plan/warm'] for r in timed):.2f}"
+        out.append(f"first plan <= {CAPTURE_TARGET:.2f} of a fully cold compile (a user's first; {warm} of one with "
+                   f"the C++ kernel cache warm) for every model: {'PASS' if not slow else 'MISS ' + ', '.join(slow)}")
+    return out
+
+
+def compiled_table(rows: list[dict]) -> str:
+    """The rows torch.compile ran beside, its columns side by side with the planned ones ("" where none)."""
+    vs = [r for r in rows if "compiled" in r]
+    if not vs:
+        return ""
+    return ("# torch.compile (inductor, static shapes), peaks by the allocator; planned = arena + unplanned.\n"
+            "# first_plan_s: the first plan (capture at the first batch + placement) in a fresh process;\n"
+            "# compile: the first compiled call in a fresh process, FX graph and AOT autograd caches off;\n"
+            "#   compile_cold_s: inductor's cache empty, its C++ kernels built (what a user's first run meets);\n"
+            "#   compile_warm_s: the same with those C++ kernels on disk (a later run, FX graph cache off);\n"
+            f"# target plan/cold <= {CAPTURE_TARGET:.2f}: judged on the cold compile, the one a user meets first\n"
+            + table(vs, ["model", "batch", "planned_total", "compiled_peak", "planned/compiled", "vs compiled",
+                         "compiled_ms", "compiled_latency", "first_plan_s", "compile_cold_s", "compile_warm_s",
+                         "plan/cold", "plan/warm", "compiled"], bytes_columns={"planned_total", "compiled_peak"}))
 
 
 def step(case, model, opt, x, y) -> None:

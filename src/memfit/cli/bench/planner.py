@@ -6,15 +6,17 @@ peak (bytes the allocator serves to eager PyTorch under `torch.inference_mode`, 
 too: `memfit.memory.measure.track_memory`), the planned arena, the lower bound (most bytes live at
 one op), the unplanned bytes the planned run still allocates (measured the same way as eager), and
 the latency of both, side by side in one
-process (eager and planned called in turn, medians after warm-up). Real models are captured once and planned at both
-batch sizes from that one capture, and `torch.compile` (inductor) runs beside them: its peak by the
-allocator, latency, and its compile time in fresh processes, fully cold and with its C++ kernels on disk, against
-the first plan of a fresh process (`memfit.cli.bench.contenders`).
+process (eager and planned called in turn, medians after warm-up), each model in a process of its own. Real models
+are captured once and planned at both batch sizes from that one capture. `torch.compile` (inductor) runs beside
+the zoo and the real models alike: its peak by the allocator (planned <= compiled: PASS or MISS per row),
+latency, and its compile time in fresh processes, fully cold and with its C++ kernels on disk, against the first
+plan of a fresh process (`memfit.cli.bench.contenders`); `--no-compile` leaves it out.
 
 Run:
-    memfit bench planner --quick        # zoo images at 64x64, batch 1 and 8 (about a minute on 2 cores)
+    memfit bench planner --quick        # zoo images at 64x64, batch 1 and 8; torch.compile beside them at batch 8
+                                        # (minutes a model on 2 cores: its cold compiles; --no-compile: seconds)
     memfit bench planner --real --quick # 14 transformers architectures, tiny configs, batch 2 and 8; torch.compile
-                                        # (inductor) beside them at batch 8 (--no-compile leaves it out)
+                                        # (inductor) beside them at batch 8
     memfit bench planner --real         # moderate configs (BERT hidden 256, images 128x128), batch 1 and 8
     memfit bench planner --fuzz 500     # 500 random graphs, every algorithm, bit for bit against eager
     memfit bench planner  # zoo images at full size, batch 1 and 32
@@ -23,8 +25,12 @@ Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import os
+import shutil
+import tempfile
 import time
 
 import torch
@@ -32,6 +38,7 @@ import torch
 from memfit import memory_model, plan
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import (
+    in_own_process,
     machine_header,
     paired_ratio,
     rounds_for,
@@ -39,6 +46,13 @@ from memfit.cli.bench.common import (
     sync,
     table,
     to_csv,
+)
+from memfit.cli.bench.contenders import (
+    compile_times,
+    compiled_columns,
+    compiled_table,
+    compiled_verdicts,
+    with_compile_times,
 )
 from memfit.memory.kinds import MemoryKind
 from memfit.memory.measure import track_memory
@@ -56,16 +70,34 @@ def _peak(fn, x) -> int:
     return mem.peak
 
 
-def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu") -> dict:
-    """One row of the zoo table: bytes and latency of one model at one batch size."""
-    dev = torch.device(device)
+def zoo_model(name: str, image: int | None, device="cpu"):
+    """(model, make_input(batch)) of a zoo entry on `device`: what `measure` and a compile in a fresh process build."""
     model, shape = build(name, image=image)
-    model = model.to(dev)
-    x = torch.randn(batch, *shape, device=dev)
+    dev = torch.device(device)
+    return model.to(dev), lambda n: torch.randn(n, *shape, device=dev)
+
+
+def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu", compiled: bool = False) -> dict:
+    """One row of the zoo table: bytes and latency of one model at one batch size; with `compiled`, torch.compile's
+    beside them."""
+    model, make_input = zoo_model(name, image, device)
+    x = make_input(batch)
     t0 = time.perf_counter()
     pm = plan(model, (x,))
-    sync(dev)
-    return _row(name, model, pm, x, repeat, time.perf_counter() - t0)
+    sync(x.device)
+    row = _row(name, model, pm, x, repeat, time.perf_counter() - t0)
+    if compiled:
+        row.update(compiled_columns(model, x, row["planned_total"], repeat))
+    return row
+
+
+def measure_zoo(name: str, batches: tuple[int, ...], image: int | None, repeat: int, device="cpu",
+                compiled_at: tuple[int, ...] = (), inductor_dir: str | None = None) -> list[dict]:
+    """The zoo rows of one model (planned afresh at each batch: the first is the first plan of this process), with
+    torch.compile beside them at the batches in `compiled_at`, its C++ kernels in `inductor_dir`."""
+    if inductor_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
+    return [measure(name, b, image, repeat, device, b in compiled_at) for b in batches]
 
 
 def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> dict:
@@ -117,9 +149,6 @@ def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int, 
     """Rows of one `transformers` architecture: one capture (at the first batch, the first plan of this process,
     timed as `plan_s`), every batch planned from it; with `compiled`, torch.compile's peak and latency beside it
     (quick: at the largest batch only), its C++ kernels in `inductor_dir` (its compile times: `compile_times`)."""
-    import os
-
-    from memfit.cli.bench.contenders import compiled_columns
     from memfit.testing.zoo import build_real
     if inductor_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
@@ -148,23 +177,18 @@ def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int, 
     return rows
 
 
-CAPTURE_TARGET = 1 / 3          # the first plan (capture + placement) at most a third of a user's first compile
-
-
-def compile_times(name: str, quick: bool, batch: int, inductor_dir: str) -> dict:
-    """torch.compile's first call at `batch`, each in a fresh process as a user's first run is (as `plan_s` is
-    the first plan of its process): fully cold (an empty inductor cache in `inductor_dir`, so its C++ kernels are
-    built) and then again with those C++ kernels on disk (FX graph and AOT autograd caches off in both)."""
-    import functools
-
-    from memfit.cli.bench.contenders import compile_seconds
-    from memfit.testing.zoo import build_real
-    build = functools.partial(build_real, name, quick)
-    cold = _in_own_process(compile_seconds, build, batch, inductor_dir)
-    if "compile_s" not in cold:
-        return cold
-    warm = _in_own_process(compile_seconds, build, batch, inductor_dir)
-    return {"compile_cold_s": cold["compile_s"], "compile_warm_s": warm.get("compile_s", math.nan)}
+def _with_compiler(measure_rows, build, batch: int | None, *args) -> list[dict]:
+    """One model's rows, measured in a process of its own by `measure_rows(*args, inductor_dir)`; with `batch`
+    (not None), torch.compile's compile times at that batch first, each in a fresh process (`compile_times`), all
+    three sharing one inductor cache folder, empty at first (the first compile is fully cold)."""
+    inductor_dir = tempfile.mkdtemp(prefix="memfit-inductor-")
+    try:
+        times = compile_times(build, batch, inductor_dir) if batch is not None else {}
+        rows = in_own_process(measure_rows, *args, inductor_dir)
+    finally:
+        shutil.rmtree(inductor_dir, ignore_errors=True)
+    with_compile_times(rows, times)
+    return rows
 
 
 def verdicts_real(rows: list[dict]) -> list[str]:
@@ -190,13 +214,7 @@ def verdicts_real(rows: list[dict]) -> list[str]:
     one = sorted({r["model"] for r in rows if r["captures"] > allowed[r["model"]]})
     out.append(f"one capture per model for every batch size >= 2 (batch 1 has its own): "
                f"{'PASS' if not one else 'MISS ' + ', '.join(one)}")
-    timed = [r for r in rows if "plan/cold" in r]
-    if timed:
-        slow = [f"{r['model']} ({r['plan/cold']:.2f})" for r in timed if r["plan/cold"] > CAPTURE_TARGET]
-        warm = f"{min(r['plan/warm'] for r in timed):.2f}-{max(r['plan/warm'] for r in timed):.2f}"
-        out.append(f"first plan <= {CAPTURE_TARGET:.2f} of a fully cold compile (a user's first; {warm} of one with "
-                   f"the C++ kernel cache warm) for every model: {'PASS' if not slow else 'MISS ' + ', '.join(slow)}")
-    return out
+    return out + compiled_verdicts(rows)
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -223,22 +241,28 @@ def verdicts(rows: list[dict]) -> list[str]:
             if r["latency_ratio"] > TARGETS["latency"]]
     out.append(f"planned latency <= {TARGETS['latency']:.2f}x eager for every model: "
                f"{'PASS' if not slow else 'MISS ' + ', '.join(slow)}")
-    return out
+    return out + compiled_verdicts(rows)
 
 
 def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat: int = 5,
-        csv: str | None = None, as_json: bool = False, device="cpu") -> list[dict]:
-    """Measure every model at every batch size; print the table and the target lines; return the rows."""
+        csv: str | None = None, as_json: bool = False, device="cpu", compiled: bool = True,
+        quick: bool = False) -> list[dict]:
+    """Measure every model at every batch size, each model in a process of its own; with `compiled`, torch.compile
+    beside it (quick: at the largest batch only; its compile times at the largest batch); print the table and the
+    target lines; return the rows."""
     if not as_json:
         print(machine_header(device))
     rows = []
     for name in models:
-        for b in batches:
-            rows.append(measure(name, b, image, repeat, device))
-            if not as_json:
-                r = rows[-1]
-                print(f"# {name} batch {b}: arena {format_bytes(r['arena'])}, eager peak "
-                      f"{format_bytes(r['eager_peak'])}, {r['latency_ratio']:.2f}x eager latency", flush=True)
+        at = () if not compiled else tuple(batches[-1:] if quick else batches)
+        new = _with_compiler(measure_zoo, functools.partial(zoo_model, name, image, device),
+                             batches[-1] if compiled else None, name, tuple(batches), image, repeat, device, at)
+        rows += new
+        if not as_json:
+            for r in new:
+                print(f"# {name} batch {r['batch']}: arena {format_bytes(r['arena'])}, eager peak "
+                      f"{format_bytes(r['eager_peak'])}, {r['latency_ratio']:.2f}x eager latency{_vs(r, new)}",
+                      flush=True)
     lines = verdicts(rows)
     warning = spread_warning()
     if warning:
@@ -251,29 +275,23 @@ def run(models=tuple(MODELS), batches=(1, 32), image: int | None = None, repeat:
                 "latency_ratio"]
         print(table(rows, cols, bytes_columns={"naive", "eager_peak", "arena", "bound", "unplanned",
                                                "graph_order_total", "reorder_saved"}))
+        vs = compiled_table(rows)
+        if vs:
+            print(vs)
         print("\n".join(lines))
     if csv:
         to_csv(rows, csv)
     return rows
 
 
-def _measured_with_spreads(fn, *args):
-    from memfit.cli.bench import common
-    return fn(*args), list(common._spreads)
-
-
-def _in_own_process(fn, *args):
-    """fn(*args) in a fresh process, with the spreads of its timings noted here. A model measured after
-    others in one process inherits their allocator state: after GPT-2, eager ViT at batch 8 ran 10% faster
-    and planned ViT 15% slower (1.02x eager), with the same per-op times under the profiler; a user's
-    process runs its own model."""
-    import multiprocessing
-
-    from memfit.cli.bench import common
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        out, spreads = pool.apply(_measured_with_spreads, (fn, *args))
-    common._spreads.extend(spreads)
-    return out
+def _vs(r: dict, rows: list[dict]) -> str:
+    """The progress line's words on torch.compile for row r of one model's rows."""
+    vs = f", planned / compiled peak {r['planned/compiled']:.2f}" if "planned/compiled" in r else \
+        (f", compiled {r['compiled']}" if "compiled" in r else "")
+    if "compile_cold_s" in r:
+        vs += (f", compile {r['compile_cold_s']:.1f} s cold / {r['compile_warm_s']:.1f} s warm C++ cache, "
+               f"plan {rows[0]['plan_s']:.1f} s")
+    return vs
 
 
 def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: str | None = None,
@@ -281,36 +299,21 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
     """Measure every real architecture at every batch size; print the table and the target lines."""
     if not as_json:
         print(machine_header("cpu"))
-    import shutil
-    import tempfile
+    from memfit.testing.zoo import build_real
     rows = []
     for name in models:
-        inductor_dir = tempfile.mkdtemp(prefix="memfit-inductor-")     # empty: the first compile is fully cold
         try:
-            times = compile_times(name, quick, batches[-1], inductor_dir) if compiled else {}
-            new = _in_own_process(measure_real, name, tuple(batches), quick, repeat, compiled, inductor_dir)
+            new = _with_compiler(measure_real, functools.partial(build_real, name, quick),
+                                 batches[-1] if compiled else None, name, tuple(batches), quick, repeat, compiled)
         except Exception as e:              # a model that fails is a row of the table, not the end of the run
             print(f"# {name}: FAILED {whole_words(first_line(e), 200)}", flush=True)
             continue
-        finally:
-            shutil.rmtree(inductor_dir, ignore_errors=True)
-        if "compile_cold_s" in times:
-            plan_s = new[0]["plan_s"]
-            new[-1].update(times, **{"first_plan_s": plan_s, "plan/cold": plan_s / times["compile_cold_s"],
-                                     "plan/warm": plan_s / times["compile_warm_s"]})
-        elif times:
-            new[-1].update(times)
         rows += new
         if not as_json:
             for r in new:
-                vs = f", planned / compiled peak {r['planned/compiled']:.2f}" if "planned/compiled" in r else \
-                    (f", compiled {r['compiled']}" if "compiled" in r else "")
-                if "compile_cold_s" in r:
-                    vs += (f", compile {r['compile_cold_s']:.1f} s cold / {r['compile_warm_s']:.1f} s warm C++ cache, "
-                           f"plan {new[0]['plan_s']:.1f} s")
                 print(f"# {name} batch {r['batch']}: arena/bound {r['arena/bound']:.3f}, (arena + unplanned) / eager "
                       f"{r['total/eager']:.2f}, memory model / allocator {r['model/real']:.4f}, latency "
-                      f"{r['latency_ratio']:.2f}x eager{vs}", flush=True)
+                      f"{r['latency_ratio']:.2f}x eager{_vs(r, new)}", flush=True)
     lines = verdicts_real(rows) if rows else ["no model ran"]
     warning = spread_warning()
     if warning:
@@ -325,18 +328,9 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
               "stated margin (16 B on the CPU); model/real: that / (arena + unplanned by the allocator)")
         print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned", "graph_order_total",
                                                "reorder_saved", "predicted"}))
-        vs = [r for r in rows if "compiled" in r]
+        vs = compiled_table(rows)
         if vs:
-            print("# torch.compile (inductor, static shapes), peaks by the allocator; planned = arena + unplanned.\n"
-                  "# first_plan_s: the first plan (capture at the first batch + placement) in a fresh process;\n"
-                  "# compile: the first compiled call in a fresh process, FX graph and AOT autograd caches off;\n"
-                  "#   compile_cold_s: inductor's cache empty, its C++ kernels built (what a user's first run meets);\n"
-                  "#   compile_warm_s: the same with those C++ kernels on disk (a later run, FX graph cache off);\n"
-                  f"# target plan/cold <= {CAPTURE_TARGET:.2f}: judged on the cold compile, the one a user meets first")
-            print(table(vs, ["model", "batch", "planned_total", "compiled_peak", "planned/compiled", "compiled_ms",
-                             "compiled_latency", "first_plan_s", "compile_cold_s", "compile_warm_s", "plan/cold",
-                             "plan/warm", "compiled"],
-                        bytes_columns={"planned_total", "compiled_peak"}))
+            print(vs)
         print("\n".join(lines))
         print("unplanned ops (run by torch, outside the arena; reasons in pm.report.unplanned_reasons):")
         for r in rows[::len(batches)]:
@@ -374,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller inputs and configs, fewer repeats")
     p.add_argument("--no-compile", action="store_true",
-                   help="with --real, leave out torch.compile (a cold inductor compile takes tens of seconds a model)")
+                   help="leave out torch.compile (a cold inductor compile takes tens of seconds a model)")
     p.add_argument("--real", action="store_true",
                    help=f"real architectures from transformers configs ({', '.join(REAL)}); needs transformers")
     p.add_argument("--fuzz", type=count_arg(1), default=None, metavar="N",
@@ -411,5 +405,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     batches = args.batches or ((1, 8) if args.quick else (1, 32))
     image = args.image if args.image is not None else (64 if args.quick else None)
-    run(models, batches, image, repeat, args.csv, args.json, args.device)
+    run(models, batches, image, repeat, args.csv, args.json, args.device, compiled=not args.no_compile,
+        quick=args.quick)
     return 0
