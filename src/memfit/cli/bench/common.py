@@ -66,7 +66,7 @@ def spread_warning(limit: float = SPREAD_LIMIT) -> str | None:
             "quiet machine")
 
 
-def _in_turn(fns: dict[str, Callable[[], object]], repeat: int, warmup: int,
+def in_turn(fns: dict[str, Callable[[], object]], repeat: int, warmup: int,
              device: torch.device | str | None, clock: Callable[[], float] | None = None) -> dict[str, list[float]]:
     """Seconds of every timed call of each `fns[k]()`, the contenders run in turn in every round, in the
     reverse order every other round: on a shared VM the call made second in a round ran up to 6% faster
@@ -91,7 +91,7 @@ def alternating_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 5
     """Median seconds of each `fns[k]()`, the contenders run in turn in every round (after `warmup` rounds):
     drift on a shared machine, and whatever one run leaves behind for the next (allocator state, caches,
     clock boost), then hit all of them alike instead of whichever was timed second."""
-    times = _in_turn(fns, repeat, warmup, device)
+    times = in_turn(fns, repeat, warmup, device)
     return {k: median(ts, f"{k} {what}".strip()) for k, ts in times.items()}
 
 
@@ -110,7 +110,7 @@ def paired_ratios(base: Callable[[], object], other: Callable[[], object], *, re
     same machine: a busy phase that slows a whole stretch of rounds (another process, a clock change) cancels out
     of each pair's ratio, where it shifts the two medians by different amounts when it falls on more calls of one
     than of the other. The ratios' median and spread are noted as `median` notes them."""
-    times = _in_turn({"base": base, "other": other}, repeat + repeat % 2, warmup, device, clock)
+    times = in_turn({"base": base, "other": other}, repeat + repeat % 2, warmup, device, clock)
     ratios = _pairs(times["base"], times["other"])
     median(ratios, what or "a ratio")
     return ratios
@@ -122,7 +122,7 @@ def paired_ratio(base: Callable[[], object], other: Callable[[], object], *, rep
     """(median seconds of base, of other, median over ABBA pairs of rounds of other / base): `paired_ratios`
     (`repeat` rounded up to whole pairs), with the two medians beside it. Only the ratio's spread is noted: the
     medians may spread in a busy stretch that the ratio cancels."""
-    times = _in_turn({"base": base, "other": other}, repeat + repeat % 2, warmup, device, clock)
+    times = in_turn({"base": base, "other": other}, repeat + repeat % 2, warmup, device, clock)
     ratio = median(_pairs(times["base"], times["other"]), what or "a ratio")
     return statistics.median(times["base"]), statistics.median(times["other"]), ratio
 
