@@ -83,6 +83,7 @@ class _Counter(TorchDispatchMode):
         self.phase = "step"
         self.ops: list[_Op] = []
         self.saved = {b: 0 for b in blocks}
+        self.unpacked = None
 
     def close(self) -> None:          # a forward hook: returns None, so the output stays the module's
         self.open.pop()
@@ -92,10 +93,17 @@ class _Counter(TorchDispatchMode):
             self.saved[b] += 1
         return t
 
+    def unpack(self, t):             # autograd detaches what an unpack hook gives back: not an op of a real step
+        self.unpacked = t
+        return t
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.namespace == "prim":
+            return out
+        if func is torch.ops.aten.detach.default and args and args[0] is self.unpacked:
+            self.unpacked = None
             return out
         formula = flop_registry.get(func._overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
@@ -140,7 +148,7 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None) -> _C
         ys = ExampleBatch(y).at(_len(y), device) if y is not None else None
         with counter:
             with forward_autocast(device.type, autocast), \
-                    torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                    torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 loss = loss_fn(forward(model, xs), ys)
                 loss = loss.sum() if loss.dim() else loss
             with torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) \
@@ -334,7 +342,7 @@ def _chain(depth: int, dev: torch.device) -> dict:
         for name, b in zip(names, blocks, strict=True):
             stack.enter_context(b.register_forward_pre_hook(lambda m, a, _n=name: counter.open.append(_n)))
             stack.enter_context(b.register_forward_hook(lambda m, a, o: counter.close()))
-        with counter, torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        with counter, torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             plain(tiny).sum().backward()
             counter.phase = "first optimizer step"        # momentum buffers made: not counted
             sgd.step()
