@@ -1,27 +1,32 @@
 """The inputs of `memfit.fit`'s time model: what a step's ops are, counted on fake tensors, and what they cost
-here, measured (nothing of the model runs for real).
+here, measured (the model does not run for real).
 
-`step_costs` runs one step (forward, loss, backward, the optimizer step on a copy holding fake state) on fake
-tensors (the parameters swapped for fake copies as the memory model does, `memfit.memory.fake_run`) at two
-micro-batch sizes and notes every op: its arguments' shapes (`memfit.memory.kernel_scratch.spec_of`), whether it
-is a view (no kernel), whether it ran inside a candidate block's forward, and per block the tensors its forward
-saves for backward. Which dimensions carry the batch is read off the two runs (`kernel_scratch.batch_sizes`), so
-each op's arguments are known at every micro-batch size; each distinct kernel is then run for real on zeros of
-those shapes and timed (`memfit.fitting.timing.kernel_seconds`). The result: a `Cost` for the step, for each
-block's forward (its recomputation) and for the optimizer step, each with its ops (host work) and its kernels'
-seconds at every micro-batch size asked for.
+`step_costs` runs one step (forward, loss, backward, the optimizer step on a copy holding fake state; an optimizer
+without state yet steps twice, the first step, which makes the state, not counted) on fake tensors (the
+parameters swapped for fake copies as the memory model does, `memfit.memory.fake_run`) at two micro-batch sizes
+and notes every op (those a real step dispatches, in the same order: tested): its arguments' shapes
+(`memfit.memory.kernel_scratch.spec_of`), whether it is a view (no kernel), its phase (forward, backward,
+optimizer), whether it ran inside a candidate block's forward, and per block the tensors its forward saves for
+backward. Which dimensions carry the batch is read off the two runs (`kernel_scratch.batch_sizes`), so each op's
+arguments are known at every micro-batch size; each distinct kernel is then run for real on zeros of those shapes
+and timed (`memfit.fitting.timing.kernel_seconds`). The result: a `Cost` for the step, for each block's forward
+(its recomputation) and for the optimizer step, each with its ops by phase (host work) and its kernels' seconds at
+every micro-batch size asked for.
 
 `machine` measures once per device what the host pays besides kernels, on a chain of four small blocks (Linear +
-GELU, one or three per block) run forward and backward, plain and with every block checkpointed, by the same
-clock: per op dispatched (the chain's time less its timed kernels, over its ops: Python, the dispatcher,
-autograd), and per checkpointed call and per tensor it saves (the extra of the checkpointed chain less the blocks'
-forwards again, from the two block sizes). torch's generators are neither drawn from nor reset.
+GELU, one or three per block) run forward and backward, plain and with every block checkpointed, and an SGD step
+on its parameters, by the same clock: per op of each phase (that phase's time less its timed kernels, over its
+ops: Python, module calls, the dispatcher and autograd in forward; autograd's engine in backward; the optimizer's
+Python calling kernels), and per checkpointed call and per tensor it saves (the extra of the checkpointed chain
+less the blocks' forwards again, from the two block sizes). torch's generators are neither drawn from nor reset.
 
-Known limitations: a kernel whose arguments at a micro-batch size exceed `CAP` is timed at the largest halving
-of that size within it and scaled up in proportion (one with no batch dimension, or over `CAP` at one sample,
-and one that fails on zeros, is priced by the larger of its FLOPs at a large matmul's rate and its bytes at a
-copy's); kernels are timed warm and alone (in a step, data that a previous op left in cache is not always
-there); accumulate's own bookkeeping per micro-batch (tenths of a millisecond) is left out.
+Known limitations: the chain's host work per forward op is a floor: the forwards of the six models of `memfit bench
+fit` (transformers' and plain torch.nn code) cost 1.2-2x its figure per op, so splitting a batch is predicted a
+little cheaper than it is; kernels are timed warm and alone (in a step their data is not always in cache: 7-35%
+slower for the larger ones measured); a kernel whose arguments at a micro-batch size exceed `CAP` is timed at
+the largest halving of that size within it and scaled up in proportion (one with no batch dimension, or over
+`CAP` at one sample, and one that fails on zeros, is priced by the larger of its FLOPs at a large matmul's rate
+and its bytes at a copy's); accumulate's own bookkeeping per micro-batch (about 0.1 ms) is left out.
 
 Example:
     >>> import torch

@@ -3,11 +3,12 @@ run recorded (`kernel_seconds`: run on zeros of those shapes, timed once per sha
 timed by (`clock`), and the bytes per second of a plain copy (`copy_rate`: the price of a kernel that is not timed).
 
 Why kernels are timed rather than priced from FLOPs at one matmul's rate: the kernels of a training step at the
-sizes people split batches into are far from any one rate. On a 2-core Xeon VM, one thread: a matmul of 1 GFLOP
-runs at 80 GFLOP/s, a 32-row one at 24; ConvNeXt's depthwise convolutions' backward takes 4.4 of its 6.8 ms of
-kernels at batch 8 with a few percent of its FLOPs; GPT-2's tanh and softmax cost 10x what their bytes at copy
-speed say. The sum of the timed kernels plus the host's work per op (`memfit.fitting.costs.machine`) came within
-10% of the real forward and backward on six models (matmuls alone within 5% of a rate table by FLOPs).
+sizes people split batches into are far from any one rate. On a 2-core VM, one thread: a 512-square matmul ran at
+87 GFLOP/s, a 32-square one at 24, an 8-square one at under 1; ConvNeXt's convolutions' backward took 4.4 of its
+6.8 ms of kernels at batch 8; GPT-2's tanh cost over 10x what its bytes at copy speed say. Timed kernels plus
+the host's work per op (`memfit.fitting.costs.machine`) came 2-18% below a real forward and backward at
+micro-batch 2 of the six models of `memfit bench fit` (their forwards' Python costs 1.2-2x the measuring chain's
+per op, and kernels run slower in a step than alone: their data is not in cache).
 
 The clock: on the CPU with one intra-op thread, the calling thread's CPU time (`time.thread_time`): the kernel
 and the host work run on that thread, and CPU time leaves out the time other processes hold the core (on a VM
@@ -85,7 +86,7 @@ def _per_sample(fn: Callable[[], object], now: Callable[[], float]) -> int:
     return max(1, min(50, int(SAMPLE * done / max(now() - t0, 1e-9))))
 
 
-def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_bytes: int = 256 << 20) -> dict:
+def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_bytes: int = 64 << 20) -> dict:
     """{(func, spec, shapes): seconds} for each kernel asked for: the real kernel of `func` on zeros of `spec`'s
     arguments (`memfit.memory.kernel_scratch.ArgSpec`; `shapes`: a tuple of (leaf index, another shape) for
     another batch, or ()) on `device`, under no_grad; None where it fails on zeros (the caller prices it otherwise).

@@ -56,6 +56,9 @@ from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
 
 TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "time": 0.95, "grad_rel": 1e-4}
 SHORTLIST = 1.30      # grid points within this factor of the fastest fitting grid median are timed against the plan
+GRID_SECONDS = 8.0    # CPU seconds of grid rounds per model (within 4 to 12 rounds)
+PAIR_SECONDS = 3.0    # CPU seconds of ABBA rounds per comparison against the plan (within `repeat` to 48 rounds):
+#                       pairs of steps on a busy 2-core VM spread 10-25%, so the median needs a few dozen
 NAMES = ["cnn", "cnn_bn", "bert", "gpt2", "vit", "convnext"]
 
 
@@ -117,9 +120,10 @@ def _clock():
 
 def grid(case: Case, plan_all, batch, rounds: int) -> dict:
     """(micro-batch, checkpoint set) -> (real peak, step time relative to the plain step) for every alternative of
-    the exhaustive plan, each on a fresh copy: all points timed in turn in each of `rounds` rounds (ABBA order),
-    each round's times over that round's plain step, the median over rounds."""
-    runs, peaks = {}, {}
+    the exhaustive plan, each on a fresh copy: all points timed in turn in each round (ABBA order; at least
+    `rounds`, more up to 12 where a round is short), each round's times over that round's plain step, the median
+    over rounds."""
+    runs, peaks, once = {}, {}, 0.0
     for a in plan_all.alternatives:
         if a.setting.autocast is not None:
             continue
@@ -127,6 +131,8 @@ def grid(case: Case, plan_all, batch, rounds: int) -> dict:
         k = (a.micro_batch, a.setting.checkpoint)
         runs[k] = lambda model=model, opt=opt, k=k: _step(model, opt, batch, case.loss, *k)
         peaks[k] = real_peak(model, opt, batch, runs[k])
+        once += _once(runs[k], _clock())
+    rounds = max(rounds, min(12, int(GRID_SECONDS / once)))
     times = in_turn(runs, rounds, 1, None, _clock())
     plain = times[(plan_all.n, ())]
     return {k: (peaks[k], median([t / p for t, p in zip(ts, plain, strict=True)], f"{case.name} grid"))
@@ -201,18 +207,20 @@ def rows_for(case: Case, n: int, repeat: int) -> tuple[list[dict], dict]:
         # noise floor) are timed against the plan in ABBA rounds, ratios taken back to back
         shortlist = [k for t, k in fitting if t <= SHORTLIST * fitting[0][0] and k != mine][:3] if fitting else []
         run()
-        ratios = {k: _paired(run, _step_of(case, batch, k), repeat, f"{case.name} {what} {_label(k)}")
+        pairs = max(repeat, min(48, int(PAIR_SECONDS / (2 * _once(run, now)))))
+        ratios = {k: _paired(run, _step_of(case, batch, k), pairs, f"{case.name} {what} {_label(k)}")
                   for k in [mine, *shortlist]}
         self_ratio, self_spread = ratios.pop(mine)
         best_k, (best_r, best_spread) = min(ratios.items(), key=lambda kv: kv[1][0], default=(mine, (1.0, 0.0)))
         auto = _auto(case, batch, budget)
-        auto_r = _paired(run, auto, repeat, f"{case.name} {what} auto")[0] if auto is not None else None
+        auto_r = _paired(run, auto, pairs, f"{case.name} {what} auto")[0] if auto is not None else None
         predicted = {(a.micro_batch, a.setting.checkpoint): a.time for a in plan_all.alternatives}
         # the plan's choice on a fresh copy (plan.step is bound to the model it was made for, stepped above)
         rel = grad_rel_error(case, batch, lambda m, o, p=plan: _step(m, o, batch, case.loss, p.micro_batch,
                                                                      p.checkpoint))
         rows.append({"model": case.name, "budget": what, "bytes": budget,
                      "plan": f"m={plan.micro_batch} ckpt {len(plan.checkpoint)}/{len(plan.candidates)}",
+                     "rounds": pairs + pairs % 2,
                      "predicted": plan.peak_bytes, "real": peak, "pred/real": plan.peak_bytes / peak,
                      "OOM": int(peak > budget), "fastest": _label(best_k) if best_r < 1 else "plan",
                      "fastest/plan": min(1.0, best_r), "spread": max(best_spread, self_spread),
@@ -271,9 +279,10 @@ def _line(ok: bool, text: str) -> None:
 def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[dict]:
     print(machine_header("cpu"))
     what_clock = "the thread's CPU time" if _clock() is time.thread_time else "wall time"
-    print(f"# memfit bench fit: batch {n}, AdamW; times by {what_clock}; the grid in {max(4, repeat // 2)} rounds "
-          f"(every point in turn, over the plain step), then {repeat + repeat % 2} rounds (ABBA pairs) against the "
-          "plan; peaks from memfit.memory.measure (live tensor bytes: the emulated device)")
+    print(f"# memfit bench fit: batch {n}, AdamW; times by {what_clock}; the grid in {max(4, repeat // 2)} to 12 "
+          f"rounds (every point in turn, over the plain step; about {GRID_SECONDS:.0f} s a model), then "
+          f"{repeat + repeat % 2} to 48 rounds (ABBA pairs, about {PAIR_SECONDS:.0f} s each; column 'rounds') against "
+          "the plan; peaks from memfit.memory.measure (live tensor bytes: the emulated device)")
     rows, errors = [], []
     for case in cases():
         if case.name not in names:
@@ -283,7 +292,7 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[d
             got, err = rows_for(case, n, repeat)
             rows += got
             errors.append(err)
-    print(table(rows, ["model", "budget", "bytes", "plan", "predicted", "real", "pred/real", "OOM", "fastest",
+    print(table(rows, ["model", "budget", "bytes", "plan", "rounds", "predicted", "real", "pred/real", "OOM", "fastest",
                        "fastest/plan", "spread", "self/plan", "fastest/self", "its pred", "auto/plan", "grad rel",
                        "fit s", "fit/step"],
                 bytes_columns=("bytes", "predicted", "real")))
