@@ -174,6 +174,22 @@ def test_ranks_start_while_another_process_holds_the_port_free_port_found(monkey
     assert out == {0: ("ok", (0, 2)), 1: ("ok", (1, 2))}, out
 
 
+def test_ranks_leave_together_and_never_wait_past_the_bound_for_a_rank_that_died():
+    """A rank done early waits for the others before closing its connections (closing at once failed a slower rank
+    still in gloo's connectFullMesh: "Connection closed by peer", seen under load), but not past its bound."""
+    import torch.distributed as dist
+
+    from memfit.testing.ranks import _leave_together
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.add("memfit/done", 1)                     # the other rank, done first
+    start = time.monotonic()
+    _leave_together(store, 2, wait_s=30)
+    assert time.monotonic() - start < 5              # both done: no wait
+    start = time.monotonic()
+    _leave_together(store, 4, wait_s=0.5)            # rank 4 of 4 never comes
+    assert 0.5 <= time.monotonic() - start < 5
+
+
 def _rank_1_dies(rank, world):
     if rank == 1:
         import os

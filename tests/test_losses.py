@@ -1,7 +1,9 @@
 """The 'loss' metric against torch's own loss modules on the whole set: torch's mean is not always
 sum / numel (ignore_index, class weights, KLDivLoss 'batchmean'), and any chunking must give its value."""
+import copy
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -329,14 +331,21 @@ def test_the_loss_ignore_index_is_every_metrics_ignore_index(ignore):
 
 
 @pytest.mark.parametrize("ignore", [0, -1])
-def test_accumulate_warns_about_uneven_padding_with_the_losses_ignore_index(ignore):
+def test_accumulate_weighs_uneven_padding_by_the_losses_ignore_index(ignore):
     """accumulate's warning that samples hold different numbers of counted tokens looked for -100 only: padding
     marked 0 (or -1) for CrossEntropyLoss(ignore_index=0) went unsaid, and the micro-batch gradient was not the
-    full-batch one. It now reads the loss's ignore index and names it in the fix."""
+    full-batch one. A torch cross entropy says what its mean is over: its micro-batches are now weighted by the
+    tokens it counts (its own ignore index): the full-batch step, with nothing to warn about."""
     model, x, y = padded_tokens(ignore, n=8)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=ignore)
-    with pytest.warns(UserWarning, match=rf"ignores \({ignore}\) a different number.*\(y != {ignore}\).sum\(\)"):
-        accumulate(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=3)
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = accumulate(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=3)
+    assert r.loss == pytest.approx(loss_fn(ref(x), y).item(), rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_a_loss_that_would_count_the_datas_ignored_positions_is_refused():
@@ -390,3 +399,22 @@ def test_a_loss_fn_ignoring_a_label_memfit_was_not_told_is_refused(reduction):
     with torch.no_grad():
         plain = F.cross_entropy(model(x).double(), torch.where(y == 255, 0, y)).item()
     assert r["loss"] == pytest.approx(plain, rel=1e-6)
+
+
+def test_a_class_weighted_mean_inside_a_lambda_is_refused_and_exact_with_terms():
+    """evaluate(loss_fn=lambda: F.cross_entropy(..., weight=w), loss_reduction='mean') weighted each chunk's mean by
+    its samples: 1.539 for the whole set's 1.485, silently. Refused now; terms= summing the weights is exact (a
+    float, never rounded)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).eval()
+    x, y = torch.randn(30, 6), torch.randint(0, 4, (30,))
+    w = torch.tensor([1.0, 5.0, 0.1, 2.0])
+    lam = lambda out, t: F.cross_entropy(out, t, weight=w)
+    with torch.no_grad():
+        whole = lam(model(x), y).item()
+    with pytest.raises(ValueError, match=r"class weights inside.*terms=lambda x, y: w\[y\[y != -100\]\]\.sum\(\)"):
+        evaluate(model, (x.numpy(), y.numpy()), metrics=("loss",), loss_fn=lam, loss_reduction="mean", chunk_size=7,
+                 progress=False)
+    r = evaluate(model, (x.numpy(), y.numpy()), metrics=("loss",), loss_fn=lam, loss_reduction="mean",
+                 terms=lambda x, t: w[t].sum(), chunk_size=7, progress=False)
+    assert r["loss"] == pytest.approx(whole, rel=1e-6)

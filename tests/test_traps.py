@@ -6,6 +6,15 @@ the smallest model that shows it and checks the promise still holds. Add a trap 
 - A `functools.lru_cache` or a memo dict that a fake run fills would hand fake tensors to every real forward after.
 - float16 autocast needs loss scaling that accumulate cannot do around its own optimizer.step(): refused.
 - A view keeps its whole storage alive: a slice is counted at its base's size.
+- transformers' causal LMs shift `labels=input_ids` inside their own loss; evaluate scores positions as given:
+  labels equal to the input ids of a causal LM are refused unless `shift_labels` says how to score them.
+- A plan is for the model it was made on: a parameter unfrozen after `fit` adds a gradient and optimizer
+  state `plan.step` never counted: refused.
+- A class-weighted cross entropy's mean divides by its micro-batch's sum of weights, a reduction='sum' loss is
+  no mean at all: weighted by samples, accumulate's gradient was 36% and 85% off; both are now the full batch's.
+- A tuple of outputs meets a dict of targets by position: a 2-class head beside a 2-value box fits either
+  order, and a dict written in the other order swapped every metric silently; now refused
+  (tests/metrics/test_outputs.py).
 """
 import copy
 import functools
@@ -126,3 +135,49 @@ def test_held_bytes_of_a_view_counts_its_whole_storage():
     m.register_buffer("head", base[:10])           # a view holds its whole storage alive
     m.register_buffer("tail", base[90:])
     assert held_bytes(m) == base.nbytes
+
+
+def test_a_causal_lms_labels_given_the_transformers_way_are_refused_or_shifted_as_its_own_loss_does():
+    """GPT-2 (any *ForCausalLM) evaluated the transformers way, labels=input_ids: its own loss shifts them, evaluate
+    scored them as given (perplexity 34.4 against the model's 50.2, silently). Refused; shift_labels=True is the
+    model's own loss."""
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=50, n_positions=12, n_embd=16, n_layer=1, n_head=2)).eval()
+    ids = torch.randint(0, 50, (6, 12))
+    with pytest.raises(ValueError, match="labels equal the input ids"):
+        memfit.evaluate(model, ({"input_ids": ids}, ids), metrics=("perplexity",), progress=False)
+    res = memfit.evaluate(model, ({"input_ids": ids}, ids), metrics=("loss",), shift_labels=True, progress=False)
+    with torch.no_grad():
+        assert res["loss"] == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+
+
+def test_a_parameter_unfrozen_after_fit_is_refused_by_plan_step():
+    """Fine-tuning that unfreezes a layer after memfit.fit: the step ran with the new gradient and optimizer state,
+    above the plan's bytes, silently. plan.step now refuses and names the parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters())
+    batch = (torch.randn(16, 8), torch.randn(16, 8))
+    plan = memfit.fit(model, opt, batch, F.mse_loss, "1GiB")
+    plan.step(batch)
+    model[0].requires_grad_(True)
+    with pytest.raises(ValueError, match="parameter '0.weight' now requires grad.*call memfit.fit again"):
+        plan.step(batch)
+
+
+@pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 0.1])),
+                                     nn.CrossEntropyLoss(reduction="sum")], ids=["class-weights", "sum"])
+def test_accumulate_with_a_loss_that_is_not_a_mean_over_samples_is_the_full_batch_step(loss_fn):
+    """CrossEntropyLoss(weight=...) divides by the weights of the targets in its batch and reduction='sum' does not
+    divide: micro-batches weighted by their share of the samples gave another gradient (36%, 85% off), silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(10, 4), torch.tensor([0, 1, 1, 2, 0, 2, 1, 1, 1, 0])
+    loss_fn(ref(x), y).backward()
+    accumulate(model, torch.optim.SGD(model.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=3)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["REDUCTIONS", "call_loss", "count_terms", "loss_ignore_index", "loss_sum", "per_sample",
-           "torch_denominator", "unit_dim"]
+__all__ = ["REDUCTIONS", "batch_terms", "call_loss", "count_terms", "loss_ignore_index", "loss_sum", "per_sample",
+           "said_reduction", "torch_denominator", "unit_dim"]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -191,10 +191,19 @@ def _broadcast_error(out_shape, y_shape, where: str = "") -> ValueError:
 class _RefuseBroadcast(torch.overrides.TorchFunctionMode):
     """Inside a user's loss callable: torch's elementwise losses that only warn when they broadcast (mse, l1,
     smooth_l1, huber) refuse outputs and targets of different shapes before they run. A torch function mode is
-    this thread's alone: other threads' losses, and the process's warnings filters, are left as they are."""
+    this thread's alone: other threads' losses, and the process's warnings filters, are left as they are.
+    With `weighted`, a list: the class weights of every cross entropy / NLL averaged inside are put there."""
+
+    def __init__(self, weighted: list | None = None):
+        super().__init__()
+        self.weighted = weighted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.weighted is not None and func in _INDEX_LOSSES:
+            weight = args[2] if len(args) > 2 else kwargs.get("weight")
+            if weight is not None and kwargs.get("reduction", "mean") == "mean" and len(args) < 7:
+                self.weighted.append(weight)
         if func in _WARNING_LOSSES:
             a = args[0] if args else kwargs.get("input")
             b = args[1] if len(args) > 1 else kwargs.get("target")
@@ -203,37 +212,89 @@ class _RefuseBroadcast(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def call_loss(loss_fn: Callable, out, y):
+def call_loss(loss_fn: Callable, out, y, weighted: list | None = None):
     """loss_fn(out, y), refusing outputs and targets that an elementwise loss would broadcast into each other.
 
     A torch elementwise loss (MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCE, ..., or its F function) is checked
     before it runs: outputs and targets must have one shape. Any other callable runs with torch's losses that
     broadcast with only a warning (mse_loss, l1_loss, smooth_l1_loss, huber_loss) refusing shapes that differ, so a
     lambda around F.mse_loss is refused too (by a torch function mode of this thread: no warnings filter is
-    changed). Raises ValueError saying the two shapes and the fix.
+    changed). Raises ValueError saying the two shapes and the fix. With `weighted` (a list), the class weights of
+    the cross entropies a callable averages inside are appended to it (`class_weighted_mean`).
     """
     tensors = isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)
     if tensors and out.shape != y.shape and _elementwise(loss_fn):
         raise _broadcast_error(out.shape, y.shape)
     func, _ = _unwrapped(loss_fn)
-    if (tensors and out.shape == y.shape) or type(func).__module__ == "torch.nn.modules.loss" or \
-            func in (*_ELEMENTWISE_FUNCTIONS, *_INDEX_LOSSES):
+    if type(func).__module__ == "torch.nn.modules.loss" or func in (*_ELEMENTWISE_FUNCTIONS, *_INDEX_LOSSES) or \
+            (tensors and out.shape == y.shape and weighted is None):
         return loss_fn(out, y)          # nothing to broadcast, or a torch loss checked above
-    with _RefuseBroadcast():
+    with _RefuseBroadcast(weighted):
         return loss_fn(out, y)
 
 
-def count_terms(terms: Callable, x, y) -> int:
-    """terms(x, y): how many terms a loss's mean is over in a batch, as an int >= 0, or a clear error."""
+def class_weighted_mean(weighted: list) -> str | None:
+    """The warning to give when a loss callable averaged a class-weighted cross entropy inside (`call_loss`'s
+    `weighted`): its mean divides by its batch's sum of target weights, which differs between micro-batches, so
+    weighting them by samples is not the full-batch gradient; None when it did not."""
+    if not weighted:
+        return None
+    return ("accumulate: loss_fn averages a cross entropy with class weights inside, whose mean divides by the sum "
+            "of its targets' weights: micro-batches weighted by samples do not give the full-batch gradient. Pass "
+            "terms=lambda x, y: w[y[y != -100]].sum() (w the weights, -100 the ignore index), or give the loss as "
+            "torch.nn.CrossEntropyLoss(weight=w) or functools.partial(F.cross_entropy, weight=w), whose "
+            "micro-batches memfit weighs itself")
+
+
+def count_terms(terms: Callable, x, y) -> int | float:
+    """terms(x, y): how many terms a loss's mean is over in a batch, as an int >= 0 (a float where the terms are
+    weighted: a class-weighted loss's sum of weights, never rounded), or a clear error."""
     c = terms(x, y)
     try:
-        c = int(c)
+        f = float(c)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"terms(x, y) must return the number of terms loss_fn averages over (an int or a 0-d "
                         f"tensor), e.g. lambda x, y: (y != -100).sum(); found {type(c).__name__}") from None
-    if c < 0:
+    c = int(f) if f.is_integer() else f
+    if not f >= 0 or f == float("inf"):
         raise ValueError(f"terms(x, y) must count terms (>= 0); found {c}")
     return c
+
+
+def said_reduction(loss_fn: Callable) -> str | None:
+    """The reduction over the batch a torch loss says it does: a loss module's `reduction`, a partial's
+    `reduction=`, a torch loss function's default ('mean'); None where the loss does not say (a lambda)."""
+    if isinstance(loss_fn, torch.nn.Module):
+        r = getattr(loss_fn, "reduction", None)
+        return r if isinstance(r, str) else None
+    func, kw = _unwrapped(loss_fn)
+    if "reduction" in kw:
+        return kw["reduction"]
+    if func in (*_INDEX_LOSSES, *_ELEMENTWISE_FUNCTIONS):
+        return "mean"
+    return None
+
+
+def batch_terms(loss_fn: Callable, y) -> Callable | None:
+    """terms(x, y) for a loss whose mean over a batch is not one term per sample, where the loss says so:
+    CrossEntropyLoss / NLLLoss (or F.cross_entropy / F.nll_loss, plainly or as a partial) with reduction 'mean'
+    on integer targets divide by the targets not ignored, each counted as its class weight. Weighting
+    micro-batches by samples is then not the full-batch mean unless no target of `y` is ignored and the classes
+    are unweighted (then None: samples are the terms). None for any other loss."""
+    if said_reduction(loss_fn) != "mean" or not isinstance(y, torch.Tensor) or y.is_floating_point() \
+            or y.dtype == torch.bool or not y.numel():
+        return None
+    if isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)):
+        weight, ignore = loss_fn.weight, loss_fn.ignore_index
+    else:
+        func, kw = _unwrapped(loss_fn)
+        if func not in _INDEX_LOSSES:
+            return None
+        weight, ignore = kw.get("weight"), kw.get("ignore_index", -100)
+    if weight is None and not bool((y == ignore).any()):
+        return None
+    denominator = _class_index_denominator(weight, ignore)
+    return lambda x, t: denominator(None, t, t)
 
 
 def loss_sum(logits: torch.Tensor, y, loss_fn: Callable, reduction: str = "none",
@@ -250,7 +311,15 @@ def loss_sum(logits: torch.Tensor, y, loss_fn: Callable, reduction: str = "none"
     """
     def count(k):
         return torch.tensor(float(k), dtype=torch.float64, device=logits.device)
-    out = call_loss(loss_fn, logits, y)
+    # a chunk mean weighted by samples: a class-weighted cross entropy averaged inside loss_fn divides by its
+    # chunk's sum of weights instead (evaluate cannot see that mean's terms: refused below)
+    weighted = [] if reduction == "mean" and terms is None and denominator is None else None
+    out = call_loss(loss_fn, logits, y, weighted)
+    if weighted:
+        raise ValueError("loss_fn averages a cross entropy with class weights inside (loss_reduction='mean'), whose "
+                         "mean divides by the sum of its targets' weights: chunks weighted by samples would not give "
+                         "the whole-set mean. Fix: pass terms=lambda x, y: w[y[y != -100]].sum() (w the weights), or "
+                         "give the loss as torch.nn.CrossEntropyLoss(weight=w), whose mean memfit knows")
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"loss_fn must return a tensor; found {type(out).__name__}")
     if out.dim() == 0:

@@ -24,9 +24,9 @@ def test_terms_say_what_they_need():
         accumulate(model, opt, (ids, y), token_loss, micro_batch=2, terms=lambda x, y: -1)
     x1, y1 = data(6)
     y1[:2] = -100                                  # one label per sample, two ignored: a mean over four
-    with pytest.warns(UserWarning, match="ignores"):
-        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x1, y1), F.cross_entropy,
-                   micro_batch=3)
+    with pytest.warns(UserWarning, match="ignores"):       # a lambda does not say what its mean is over
+        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x1, y1),
+                   lambda out, t: F.cross_entropy(out, t), micro_batch=3)
     per_sample = lambda out, y: F.cross_entropy(out.transpose(1, 2), y.clamp(min=0), reduction="none").mean(1)
     with pytest.raises(ValueError, match="terms= needs loss_fn to return the mean"):
         accumulate(model, opt, (ids, y.clamp(min=0)), per_sample, micro_batch=2, terms=lambda x, y: y.numel())

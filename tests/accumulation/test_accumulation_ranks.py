@@ -266,3 +266,22 @@ def ddp_checks():
     out = run_ranks(_ddp_checks, 2, timeout=120, env={"MEMFIT_DIST_TIMEOUT": "30"})
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     return {name: {rank: value[name] for rank, (_, value) in out.items()} for name in out[0][1]}
+
+
+def test_the_start_agreement_keeps_a_class_weighted_sum_of_terms_exact(tmp_path):
+    """A class-weighted loss's terms are a float (the sum of its targets' weights): the agreement shares ints, and
+    rounded the sum to one, so every micro-batch's weight was off. It shares the float's bits."""
+    import types
+
+    import torch.distributed as dist
+
+    from memfit.accumulation.ranks import agree_start
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        step = types.SimpleNamespace(n_total=7.35, n=5)
+        assert agree_start(None, step, 2, "given", False) == (7.35, 2, "given", 3)
+        step.n_total = 12
+        total = agree_start(None, step, 2, "given", False)[0]
+        assert total == 12 and isinstance(total, int)
+    finally:
+        dist.destroy_process_group()

@@ -147,3 +147,22 @@ def test_class_ids_ignored_unsaid_are_looked_for_when_an_out_of_memory_retry_spl
         accumulate(m, torch.optim.SGD(m.parameters(), lr=0.1), (x, y),
                    lambda o, t: F.cross_entropy(o, t, ignore_index=255), micro_batch=12)
     assert seen[0] == 12 and seen[1] < 12      # the whole batch ran out of memory once, then a part ran
+
+
+def test_token_logits_with_the_classes_last_are_not_taken_for_labels_outside_the_classes():
+    """A token model's (N, T, V) logits, transposed inside loss_fn: the check for labels the loss ignores unsaid read
+    the classes on dimension 1 (T = 20), took every token id >= 20 for an ignored label and refused the step. The
+    classes are on the dimension whose rest matches the labels (V = 50): the full-batch step, no error; a label
+    outside all 50 (255, ignored by the lambda) is still refused."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))       # (N, T) -> (N, T, 50)
+    m = copy.deepcopy(ref)
+    x, y = torch.randint(0, 50, (12, 20)), torch.randint(0, 50, (12, 20))
+    loss_fn = lambda o, t: F.cross_entropy(o.transpose(1, 2), t, ignore_index=255)
+    accumulate(m, torch.optim.SGD(m.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=5)
+    loss_fn(ref(x), y).backward()
+    for a, b in zip(m.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    y[:3, :7] = 255
+    with pytest.raises(ValueError, match=r"label 255, outside the output's 50 classes"):
+        accumulate(m, torch.optim.SGD(m.parameters(), lr=0.0), (x, y), loss_fn, micro_batch=5)

@@ -1,5 +1,8 @@
 """accumulate (memfit.accumulation.run): micro-batched steps against one plain full-batch step (eager PyTorch as
 the reference)."""
+import functools
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +16,7 @@ from accumulation.cases import (
     Tagger,
     assert_same_step,
     data,
+    make,
     pair,
     plain_step,
     token_loss,
@@ -191,3 +195,67 @@ def test_demo_section_trains_under_a_small_budget_on_the_plain_curve():
     assert r["needs"] > r["budget"] and 1 <= r["micro_batch"] < 48 and r["micro_batches"] >= 2
     assert len(r["plain"]) == len(r["accumulated"]) == 3 and r["plain"][-1] < r["plain"][0]
     assert r["max_difference"] < 1e-5
+
+
+# ---- losses whose mean is not one term per sample -------------------------------------------------------------
+WEIGHTS = torch.tensor([1.0, 5.0, 0.1, 2.0, 0.7])[:C]
+
+
+@pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(reduction="sum"),
+                                     functools.partial(F.cross_entropy, reduction="sum"),
+                                     nn.MSELoss(reduction="sum")], ids=["module", "partial", "mse"])
+def test_a_summing_loss_gets_the_gradient_of_the_full_batchs_sum(loss_fn):
+    """reduction='sum': each micro-batch's sum was weighted by its share of the samples, 85% off the full-batch
+    gradient, silently. The full batch's sum is the sum of the parts' sums; the loss reported is that sum."""
+    ref, ref_opt, mod, opt = pair("mlp")
+    x, y = data(11)
+    if isinstance(loss_fn, nn.MSELoss):
+        y = torch.randn(11, C, generator=torch.Generator().manual_seed(2))
+    loss = plain_step(ref, ref_opt, x, y, loss_fn)
+    r = accumulate(mod, opt, (x, y), loss_fn, micro_batch=4)
+    assert r.micro_batches == 3 and r.loss == pytest.approx(loss, rel=1e-5)
+    assert_same_step(ref, mod)
+    with pytest.raises(ValueError, match="terms= weights a loss_fn's mean.*reduction='sum'"):
+        accumulate(mod, opt, (x, y), loss_fn, micro_batch=4, terms=lambda x, y: len(y))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(n=st.integers(2, 12), micro=st.integers(1, 6), ignored=st.integers(0, 4),
+       how=st.sampled_from(["module", "partial", "nll"]))
+def test_class_weights_and_ignored_targets_weigh_each_micro_batch_as_torchs_mean_does(n, micro, ignored, how):
+    """A class-weighted cross entropy divides by the sum of the weights of the targets it counts, which differs
+    between micro-batches: weighted by samples the step was 36% off, silently. Weighted by those sums (and by the
+    targets not ignored), it is the full-batch step."""
+    x, y = data(n, seed=n)
+    y[:min(ignored, n - 1)] = 3 if how == "nll" else -100               # the first samples ignored
+    loss_fn = {"module": nn.CrossEntropyLoss(weight=WEIGHTS),
+               "partial": functools.partial(F.cross_entropy, weight=WEIGHTS),
+               "nll": functools.partial(F.nll_loss, weight=WEIGHTS, ignore_index=3)}[how]
+    ref, ref_opt, mod, opt = pair("mlp")
+    if how == "nll":
+        ref, mod = nn.Sequential(ref, nn.LogSoftmax(1)), nn.Sequential(mod, nn.LogSoftmax(1))
+    loss = plain_step(ref, ref_opt, x, y, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # exact: nothing to warn about
+        r = accumulate(mod, opt, (x, y), loss_fn, micro_batch=micro)
+    assert r.loss == pytest.approx(loss, rel=1e-5)
+    assert_same_step(ref, mod)
+
+
+def test_a_class_weighted_mean_inside_a_lambda_is_warned_about_and_exact_with_terms():
+    """A lambda (what a transformers model's output needs: out.logits) around a class-weighted cross entropy cannot
+    say what its mean is over: warned about (it was silent), and terms= counting the weights gives the full batch."""
+    x, y = data(10)
+    lam = lambda out, t: F.cross_entropy(out, t, weight=WEIGHTS)
+    ref, ref_opt, mod, opt = pair("mlp")
+    loss = plain_step(ref, ref_opt, x, y, lam)
+    with pytest.warns(UserWarning, match=r"class weights inside.*terms=lambda x, y: w\[y\[y != -100\]\]\.sum\(\)"):
+        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y), lam, micro_batch=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = accumulate(mod, opt, (x, y), lam, micro_batch=3, terms=lambda x, t: WEIGHTS[t].sum())
+        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y), lam, micro_batch=10)
+        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y),
+                   lambda out, t: F.cross_entropy(out, t), micro_batch=3)        # unweighted: samples are the terms
+    assert r.loss == pytest.approx(loss, rel=1e-5)
+    assert_same_step(ref, mod)

@@ -31,6 +31,7 @@ def test_demo_reports_every_figure(demo_json):
     assert len(r["losses"]) == 4 and r["losses"][-1] < r["losses"][0]
     p = r["plan"]
     assert p["lower_bound"] <= p["planned"] <= p["naive"]
+    assert 0 < p["planned_peak"] <= p["eager_peak"]     # the plan never holds more than eager (by the allocator)
     assert r["max_eval_batch"] >= 1
     e = r["evaluate"]
     assert e["n"] == r["test"] and e["chunk_size"] >= 1

@@ -288,6 +288,9 @@ def test_plans_are_kept_per_model_and_dropped_when_it_changes(monkeypatch):
     b = memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
     assert len(calls) == 1
     assert (a.micro_batch, a.checkpoint, a.peak_bytes) == (b.micro_batch, b.checkpoint, b.peak_bytes)
+    opt.param_groups[0]["lr"] = 0.01                                     # a schedule moved lr: no byte changes
+    memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
+    assert len(calls) == 1
     memfit.fit(model, opt, data(), F.mse_loss, "2GiB")                   # another budget: another search
     model[0][3].p = 0.5                                                  # the model changed: searched again
     memfit.fit(model, opt, data(), F.mse_loss, "1GiB")
@@ -379,3 +382,23 @@ def test_target_keyword_gives_the_plan_of_the_inputs_and_targets_as_memory_model
     assert table(memfit.fit(model, opt, x, F.mse_loss, "40KiB", target=(10,))) == table(mse)
     with pytest.raises(TypeError, match="target="):
         memfit.fit(model, opt, x, lambda out, y: (out - y).abs().mean(), "40KiB")
+
+
+def test_a_plan_kept_for_one_ddp_wrapping_is_not_reused_for_another_bucket_layout(tmp_path):
+    # plans are kept per inner module: a wrapping with gradient_as_bucket_view=True (the gradients are views into the
+    # buckets) was planned first, and one with False (the buckets a second copy) got the first one's bytes
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        inner = mlp(blocks=2)
+        opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+        peaks = {}
+        for view in (True, False):
+            plan = memfit.fit(DDP(inner, gradient_as_bucket_view=view), opt, data(), F.mse_loss, "1GiB",
+                              distributed=True)
+            peaks[view] = plan.peak_bytes
+        grads = sum(p.numel() * p.element_size() for p in inner.parameters())
+        assert peaks[False] - peaks[True] == grads          # the buckets, a second copy of the gradients
+    finally:
+        dist.destroy_process_group()

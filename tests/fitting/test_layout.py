@@ -64,3 +64,83 @@ def test_step_lets_shorter_sequences_through_a_plan_for_dict_inputs():
         plan.step(({"input_ids": ids.repeat(1, 2)}, ids.repeat(1, 2)))
     with pytest.raises(ValueError, match="laid out as"):
         plan.step(({"ids": ids}, ids))
+
+
+def _frozen_first():
+    model = _model()
+    model[0].requires_grad_(False)
+    return model
+
+
+def test_step_refuses_a_model_changed_since_fit():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    changes = {
+        r"parameter '0.0.weight' now requires grad": lambda m, o: m[0][0].weight.requires_grad_(True),
+        r"module '1' was replaced by another module": lambda m, o: m.__setitem__(1, nn.Sequential(
+            nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16))),
+        r"attribute 'forward' of module '1.1' changed": lambda m, o: setattr(m[1][1], "forward", torch.sin),
+    }
+    for said, change in changes.items():
+        model = _frozen_first()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+        plan.step((x, y))                                  # the model as planned steps
+        change(model, opt)
+        if "requires grad" in said:                        # its gradient and AdamW state: above the plan, silently
+            assert _real_peak(model, opt, (x, y), plan.micro_batch) > plan.peak_bytes
+        with pytest.raises(ValueError, match=f"the model changed since memfit.fit made this plan \\({said}\\).*call "
+                                             "memfit.fit again"):
+            plan.step((x, y))
+
+
+def test_step_refuses_an_optimizer_given_other_parameters_or_state_and_lets_a_schedule_through():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    model = _frozen_first()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 2))      # lr 0 at the first step
+    plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):                                     # lr moves (from 0): no byte changes
+        plan.step((x, y))
+        warmup.step()
+    for _ in range(2):
+        plan.step((x, y))
+        schedule.step()
+    model.eval()
+    model.train()                                          # a round trip through eval mode: the model as planned
+    plan.step((x, y))
+    opt.param_groups[0]["momentum"] = 0.9                  # a momentum buffer per parameter, never counted
+    memfit.accumulate(model, opt, (x, y), F.mse_loss, micro_batch=plan.micro_batch)      # the buffers made
+    assert _real_peak(model, opt, (x, y), plan.micro_batch) > plan.peak_bytes
+    with pytest.raises(ValueError, match=r"optimizer's parameter groups changed .*\(option momentum changed\)"):
+        plan.step((x, y))
+    opt.param_groups[0]["momentum"] = 0
+    plan.step((x, y))
+    opt.add_param_group({"params": list(model[0].parameters())})      # a group the plan never saw
+    with pytest.raises(ValueError, match=r"1 group\(s\) of \[4\] parameters then, 2 of \[4, 4\] now"):
+        plan.step((x, y))
+
+
+def test_what_a_models_own_forward_sets_is_not_a_change_and_a_change_between_steps_is():
+    """transformers' Swin sets an attribute (`shift_size`) in its first forward: checked against the model as fit
+    saw it, every step after the first was refused. Each step is checked against the model as the last one left it."""
+    class SetsInForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.width = _model(), None
+
+        def forward(self, x):
+            self.width = x.shape[1]                   # a plain attribute, set by the forward itself
+            return self.body(x)
+    model = SetsInForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+    for _ in range(3):
+        plan.step((x, y))
+    model.body[1] = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16))
+    with pytest.raises(ValueError, match=r"module 'body.1' was replaced"):
+        plan.step((x, y))

@@ -98,3 +98,53 @@ def test_long_containers_are_compared_by_identity_and_length():
     assert model_state(m) != before
     m.history = list(m.history)                        # so is a new list
     assert model_state(m) != before
+
+
+def test_a_forward_installed_at_a_deleted_forwards_id_is_another_forward():
+    # ids are reused after collection: a kept value naming the first forward by id alone would take a second one,
+    # made at the same address, for the same forward
+    m = nn.Linear(2, 2)
+    m.forward = lambda x: x
+    before, first = model_state(m), id(m.forward)
+    del m.forward                                      # the only reference: the first forward is collected
+    made = []
+    for _ in range(10_000):
+        f = (lambda x: 2 * x)
+        if id(f) == first:
+            break
+        made.append(f)                                 # kept alive, so the next one takes another address
+    assert id(f) == first                              # the precondition: CPython reused the address
+    m.forward = f
+    assert model_state(m) != before
+
+
+def test_a_kept_value_does_not_keep_a_replaced_forward_or_the_model_alive():
+    import gc
+    import types
+    import weakref
+    m = nn.Linear(2, 2)
+    m.forward = types.MethodType(lambda self, x: x, m)   # a bound forward holds the model
+    kept = model_state(m)
+    forward, model = weakref.ref(m.forward), weakref.ref(m)
+    del m
+    gc.collect()
+    assert forward() is None and model() is None and kept != kept
+
+
+def test_describe_change_names_what_changed():
+    from memfit.memory.fingerprint import describe_change
+    cases = {
+        "parameter '0.bias' no longer requires grad": lambda m: m[0].bias.requires_grad_(False),
+        "parameter '0.weight' was replaced": lambda m: setattr(m[0], "weight", nn.Parameter(torch.zeros(4, 4))),
+        "module '2' was replaced by another module": lambda m: m.__setitem__(2, nn.Dropout(0.1)),
+        "module '1' was switched to eval mode": lambda m: m[1].eval(),
+        "attribute 'p' of module '2' changed": lambda m: setattr(m[2], "p", 0.5),
+        "attribute 'forward' of module '0' changed": lambda m: setattr(m[0], "forward", lambda x: x),
+        "modules were added or removed (4 modules then, 5 now)": lambda m: m.append(nn.ReLU()),
+    }
+    for said, change in cases.items():
+        m = fresh()
+        before = model_state(m)
+        assert describe_change(before, m) is None
+        change(m)
+        assert describe_change(before, m) == said

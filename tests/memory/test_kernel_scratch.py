@@ -119,11 +119,18 @@ def test_the_batch_of_a_weight_gradient_is_its_reduced_dimension_and_its_bytes_a
     lines = batch_sizes(spec(4), 4, spec(2), 2)
     assert lines == {0: [(128, 0), (0, 1)], 1: [(0, 1), (32, 0)]}           # (128, n) @ (n, 32)
     op = ScratchOp(0, 0, mm, spec(4), 4, lines)
+    real = {}
     for n in (3, 11, 64, 100):
         g, x = torch.zeros(n, 128, dtype=bf), torch.zeros(n, 32, dtype=bf)
-        assert op.bytes_at(n) == real_scratch(mm, g.t(), x) > 0, n
-    assert op.bytes_at(3) != op.bytes_at(4)                                 # not constant
+        real[n] = real_scratch(mm, g.t(), x)
+        assert op.bytes_at(n) == real[n], n
     assert scratch_bytes(mm, spec(4)) == op.bytes_at(4)
+    if not any(real.values()):
+        # an AVX2 CPU (no AVX-512 BF16) converts without packing: 0 bytes at every batch, which the lines above
+        # checked; the batch dependence below exists only where oneDNN packs (seen on an AVX-512 Xeon)
+        pytest.skip(f"this CPU's bf16 matmul allocates nothing inside ({torch.backends.cpu.get_cpu_capability()})")
+    assert all(real.values())
+    assert op.bytes_at(3) != op.bytes_at(4)                                 # not constant
 
 
 def test_the_same_op_at_sizes_not_affine_in_the_batch_is_said_to_be():

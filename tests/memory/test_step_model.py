@@ -318,14 +318,16 @@ class LSTMClassifier(nn.Module):
 
 def test_the_cpu_lstm_workspace_the_meta_kernel_leaves_out_is_counted_and_never_below():
     """oneDNN's LSTM keeps a workspace for backward that its meta kernel gives 0 bytes (the step was predicted
-    at 0.2-0.7x); memfit bounds it from the real kernel's: never below, at most its one-sample size above."""
+    at 0.2-0.7x); memfit bounds it from the real kernel's: never below, at most its one-sample size above. Its
+    backward allocates inside too (75 KiB + 24 KiB a sample on an AVX2 CPU, with a copy of the transposed output
+    gradient): uncounted, the step at batch 40-64 was predicted 0.5% below the allocator there."""
     torch.manual_seed(0)
     model = LSTMClassifier()
     data = lambda n: (torch.randn(n, 32, 32), torch.randint(0, 10, (n,)))
     mm = memfit.memory_model(model, data(2)[0], train=True, optimizer=torch.optim.AdamW(model.parameters()),
                              loss_fn=F.cross_entropy, target=data(2)[1])
     assert "APPROXIMATE" not in mm.method
-    for n in (2, 5, 16, 40):
+    for n in (2, 5, 16, 40, 64, 128):
         m = copy.deepcopy(model)
         real = measure_step(m, data(n)[0], torch.optim.AdamW(m.parameters()), F.cross_entropy, data(n)[1])
         assert 1.0 <= mm.total_bytes(n) / real <= 1.25, (n, mm.total_bytes(n), real)

@@ -23,7 +23,7 @@ import torch
 from memfit.accumulation.checks import part_of
 from memfit.batches import batch_to, forward
 from memfit.budget import halve_after_oom, is_oom
-from memfit.losses import call_loss, count_terms
+from memfit.losses import call_loss, class_weighted_mean, count_terms
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
 
@@ -94,6 +94,8 @@ class MicroStep:
         self.autocast = self._autocast_type()
         self.splittable = True           # an out-of-memory error may split a micro-batch
         self.ignore = -100               # the ignore index accumulate knows of (the loss's own, else -100)
+        self.summed = False              # loss_fn sums over its batch (reduction='sum'): every part weighs 1
+        self.warning: str | None = None  # said after the step: a class-weighted mean inside loss_fn, unweighted
         self.labels_checked = False      # class ids the loss ignores unsaid: looked for at the first micro-batch
 
     @staticmethod
@@ -129,9 +131,15 @@ class MicroStep:
         whole = s == 0 and e == self.n          # the batch itself: no views to make
         xs = batch_to(self.x, self.device) if whole else part_of(self.x, s, e, self.device)
         ys = batch_to(self.y, self.device) if whole else part_of(self.y, s, e, self.device)
+        # counted before the forward: a count's temporaries (a bool per label) never sit on the activations
+        terms = None if self.terms is None else count_terms(self.terms, xs, ys)
         out = forward(self.model, xs)
-        loss = call_loss(self.loss_fn, out, ys)      # refuses (N, 1) against (N,) targets
         m = e - s
+        # the class weights of a cross entropy loss_fn averages inside, looked at once, where the weighting is ours
+        weighted = [] if not self.labels_checked and terms is None and not self.summed and m < self.n_total else None
+        loss = call_loss(self.loss_fn, out, ys, weighted)      # refuses (N, 1) against (N,) targets
+        if weighted is not None:
+            self.warning = class_weighted_mean(weighted)
         per_sample = isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == m
         # the classes the output holds, for the check after this backward (not now: its temporaries, a bool per
         # label, would sit on this micro-batch's activations at the step's peak). Looked for at the first part
@@ -141,7 +149,11 @@ class MicroStep:
             self.labels_checked = True
             if (self.terms is None and not per_sample and isinstance(out, torch.Tensor)
                     and isinstance(ys, torch.Tensor) and out.dim() == ys.dim() + 1):
-                check_classes = out.shape[1]
+                # the classes on dimension 1 (N, C, *d) or last (N, *d, C), where the rest matches the labels: a
+                # token model's (N, T, V) logits, transposed in loss_fn, have V classes, not T
+                sizes = [c for c, rest in ((out.shape[1], out.shape[2:]), (out.shape[-1], out.shape[1:-1]))
+                         if rest == ys.shape[1:]]
+                check_classes = max(sizes) if sizes else None
         del out
         if not isinstance(loss, torch.Tensor) or not (loss.numel() == 1 or per_sample):
             raise ValueError(f"loss_fn must return the mean loss over the micro-batch (a scalar tensor) or one loss "
@@ -151,16 +163,18 @@ class MicroStep:
         # part's share of the batch, scaled in one multiplication (none when the part is the whole batch)
         part, count = (loss.sum(), 1) if per_sample else (loss if loss.dim() == 0 else loss.reshape(()), m)
         del loss                    # per-sample losses: the vector is not needed in backward (sum saves no input)
-        if self.terms is not None:
+        if self.summed:             # the full batch's sum is the sum of the parts' sums (DDP averages the ranks')
+            count = 1
+        if terms is not None:
             if per_sample:
                 raise ValueError(f"terms= needs loss_fn to return the mean over those terms (a scalar); found one "
                                  f"loss per sample (shape ({m},)): return their mean, or drop terms=")
-            count = count_terms(self.terms, xs, ys)
+            count = terms
             if count == 0:                  # nothing counts in this part: its mean is 0 / 0, and it adds nothing
                 self.micro_batches += 1
                 return
         if part.requires_grad:       # not when every parameter is frozen (they all hold this part already)
-            weight = count * self.world / self.n_total
+            weight = 1 if self.summed else count * self.world / self.n_total
             weighted = part if weight == 1 else part * weight
             if self.autocast is not None:        # backward outside autocast, as torch.amp recommends
                 with torch.autocast(self.autocast, enabled=False):

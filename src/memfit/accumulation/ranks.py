@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from memfit.accumulation.micro_step import MicroStep
@@ -26,14 +28,17 @@ def agree_start(error, step, size: int, reason: str, auto: bool) -> tuple[int, i
     (one size for all, as when evaluating). Rounds: the most micro-batches any rank plans; every rank makes
     one agreement per round."""
     from memfit.distributed import agree
-    mine = (0, 0, 0, 0) if step is None else (step.n_total, step.n, size, int(auto))
+    # the terms may be a class-weighted sum (a float): shared as the bits of a float64, never rounded to an int
+    terms = struct.unpack("<q", struct.pack("<d", float(step.n_total if step is not None else 0)))[0]
+    mine = (0, 0, 0, 0) if step is None else (terms, step.n, size, int(auto))
     ranks = agree(error, "memfit.accumulate start", mine)
     autos = [v[2] for v in ranks if v[3]]
     if auto and min(autos) != size:
         size, reason = min(autos), f"{reason}; the smallest over ranks ({min(autos)}) is used"
     sizes = [min(autos) if v[3] else v[2] for v in ranks]
     rounds = max(-(-v[1] // m) for v, m in zip(ranks, sizes, strict=True))
-    return sum(v[0] for v in ranks), size, reason, rounds
+    total = sum(struct.unpack("<d", struct.pack("<q", v[0]))[0] for v in ranks)
+    return int(total) if total.is_integer() else total, size, reason, rounds
 
 
 def run_rounds(step: MicroStep, size: int, rounds: int) -> int:

@@ -27,7 +27,7 @@ from memfit.accumulation.checks import (
 from memfit.accumulation.micro_step import KeptGrads, MicroStep
 from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
 from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
-from memfit.losses import count_terms, loss_ignore_index
+from memfit.losses import batch_terms, count_terms, loss_ignore_index, said_reduction
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 
 __all__ = ["accumulate"]
@@ -61,6 +61,9 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             holds m floats more).
             Weighting is by samples: a loss averaged over tokens is exact when every sample has as many;
             otherwise pass `terms` (a warning says so when labels ignore a different number of positions).
+            A torch cross entropy or NLL loss (module, F function or partial) says what its mean is over: its
+            micro-batches are weighted by the targets it does not ignore times their class weights
+            (`memfit.losses.batch_terms`); a torch loss with reduction='sum' gets the gradient of the batch's sum.
         budget: bytes or '8GiB' the step must fit (default: free device memory minus a margin, plus what
             the model and optimizer hold already). Used by micro_batch='auto'.
         micro_batch: 'auto' (the largest whose predicted step fits the budget, kept for the model's later
@@ -112,15 +115,24 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     params = list(model.parameters())
     # Distributed: every local step that can fail runs first, then one agreement shares the sample counts and
     # sizes; a rank that failed makes every rank raise there, none waits in a collective
-    error, step, key = None, None, None
+    error, step, key, given = None, None, None, terms
     try:
         n = batch_size(x, y)
         whole = micro_batch != "auto" and micro_batch >= n       # one micro-batch of the whole batch: the plain step
         if not whole:
             check_batch_dependence(model, allow_batch_dependent)
         device = trained_device(params)
+        summed = said_reduction(loss_fn) == "sum"
+        if summed and terms is not None:
+            raise ValueError(f"terms= weights a loss_fn's mean by the terms it is over; loss_fn sums "
+                             f"({loss_fn!r}, reduction='sum'), and the full batch's sum is the sum of the "
+                             "micro-batches' sums: drop terms=, or give the loss reduction='mean'")
+        # a cross entropy whose mean divides by the targets not ignored, or by their class weights: weighted by
+        # those, micro-batches give the full-batch mean (by samples they would not, silently)
+        terms = terms if terms is not None else batch_terms(loss_fn, y)
         n_total = n if terms is None else count_terms(terms, x, y)
         step = MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, terms=terms)
+        step.summed = summed
         # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
         step.splittable = not whole or allow_batch_dependent or not batch_dependent_modules(model)
         if micro_batch == "auto":
@@ -138,7 +150,9 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
                                                     reason if error is None else "", micro_batch == "auto")
         step.n_total = n_total
     if n_total == 0:
-        raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on")
+        raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on"
+                         if given is not None else f"every target of the batch is the ignore index of {loss_fn!r}: "
+                         "there is no loss to take a step on (its full-batch mean is 0 / 0)")
     ignore = loss_ignore_index(loss_fn)             # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
     # before the step: its temporaries never sit on the grads
     differ = terms_differ(x, y, -100 if ignore is None else ignore) if terms is None else None
@@ -168,12 +182,13 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         if world > 1:                # every rank finished with a finite loss: DDP all-reduces, once
             synchronise(model, step.params)
         optimizer.step()
-    if differ is not None and step.micro_batches > 1:
-        warnings.warn(differ, stacklevel=2)
+    for said in (differ, step.warning):
+        if said is not None and step.micro_batches > 1:
+            warnings.warn(said, stacklevel=2)
     if final < size and micro_batch == "auto":          # the next step starts where this one succeeded
         lower_chosen(model, key, final)
-    res = StepResult(loss_sum / n_total, n, size, final, step.micro_batches, step.retries, reason,
-                     time.perf_counter() - t0, step.oom_sizes, skipped)
+    res = StepResult(loss_sum if step.summed else loss_sum / n_total, n, size, final, step.micro_batches,
+                     step.retries, reason, time.perf_counter() - t0, step.oom_sizes, skipped)
     log.info("accumulate: micro-batch %d: %s", size, reason)
     if skipped:
         log.warning("%s", skipped)

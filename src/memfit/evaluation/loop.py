@@ -12,15 +12,18 @@ from memfit.budget import halve_after_oom, is_oom
 from memfit.evaluation.chunks import Chunks
 from memfit.input_mistakes import dtype_mistake
 from memfit.messages import first_line
-from memfit.metrics import Metric, logits_of, output_for
+from memfit.metrics import Metric, logits_of, order_error, output_for
 from memfit.progress import progress_bar
 
 __all__ = ["NanWatch", "run_chunks"]
 
 
-def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
+def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch, labels=None):
     """Forward one chunk and compute every metric's contribution; nothing is committed here. A metric that
-    names a target of a dict of targets reads the model's output of that name (`metrics.output_for`)."""
+    names a target of a dict of targets reads the model's output of that name (`metrics.output_for`).
+    `labels(x, y)`: the labels to score against (a causal LM's shifted ones, `evaluation.causal`), or raises."""
+    if labels is not None:
+        y = labels(x, y)
     try:
         out = forward(runner, x)
     except Exception as e:       # the forward's dtype mistakes only: a metric's or loss_fn's own error stays its own
@@ -29,6 +32,11 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
             raise mistake from e
         raise
     names = list(y) if isinstance(y, dict) else []
+    if names and not watch.order_checked:          # a tuple of outputs matched to the targets by their order
+        watch.order_checked = True
+        error = order_error(out, y, {m.target: m.ignored for m in metrics.values()}, output_fn)
+        if error is not None:
+            raise error
     logits, parts, watched = None, [], set()
     for m in metrics.values():
         if m.target is None:
@@ -49,10 +57,11 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch):
 
 
 class NanWatch:
-    """Warns once when a chunk's outputs are all NaN (a broken model then scores chance, silently)."""
+    """Warns once when a chunk's outputs are all NaN (a broken model then scores chance, silently). Also holds
+    whether the order of a tuple of outputs against a dict of targets was checked (`metrics.order_error`)."""
 
     def __init__(self) -> None:
-        self.where, self.warned = "", False
+        self.where, self.warned, self.order_checked = "", False, False
 
     def __call__(self, out: torch.Tensor) -> None:
         if self.warned or not out.is_floating_point() or not out.numel() or not bool(torch.isnan(out).all()):
@@ -63,14 +72,14 @@ class NanWatch:
 
 
 def run_chunks(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch.device, show, output_fn=None,
-          allow_empty: bool = False) -> dict:
+               allow_empty: bool = False, labels=None) -> dict:
     total = chunks.n if isinstance(chunks, Chunks) else None
     bar = progress_bar(total, "evaluating", unit="sample", enabled=show)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     stats = {"n": 0, "chunks": 0, "retries": 0, "max_n": 0, "oom_sizes": []}
     limit, failed, watch = size, set(), NanWatch()
-    run = lambda x, y: _run_chunk(runner, metrics, x, y, output_fn, watch)
+    run = lambda x, y: _run_chunk(runner, metrics, x, y, output_fn, watch, labels)
     with torch.inference_mode():
         if isinstance(chunks, Chunks):
             s, cur = 0, size

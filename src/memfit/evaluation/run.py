@@ -27,6 +27,7 @@ import torch
 
 from memfit.budget import check_count, model_device, resolve_budget, resolve_device
 from memfit.evaluation import ranks
+from memfit.evaluation.causal import label_rule
 from memfit.evaluation.chunks import Chunks, as_chunks
 from memfit.evaluation.decision import Ask, decide, without_plan
 from memfit.evaluation.estimates import choose_chunk
@@ -43,7 +44,7 @@ __all__ = ["evaluate"]
 
 def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable | None = None,
              loss_reduction: str | None = None, terms: Callable | None = None, ignore_index: int | None = None,
-             output_fn: Callable | None = None,
+             output_fn: Callable | None = None, shift_labels: bool | None = None,
              chunk_size: int | str = "auto", budget: int | str | None = None, device=None,
              progress: bool | None = True, planned: bool | None = None, distributed: bool = False,
              sharded: bool = False) -> EvalResult:
@@ -80,6 +81,11 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
             when `loss_fn` says another one (the loss would count what the metrics ignore).
         output_fn: picks the logits from the model's output; default rule (`memfit.metrics.logits_of`):
             a tensor; `.logits` of a ModelOutput; `["logits"]` of a dict; the first element of a tuple/list.
+        shift_labels: True: token labels (n, T) are shifted as a `transformers` causal LM's own loss shifts
+            `labels=input_ids` (the logits at t scored against the label at t+1, the last position ignored), for
+            every metric, loss_fn and terms. False: each position against the label at the same position, as
+            given. None: as given, but a `transformers` causal LM whose labels equal its input ids raises
+            (`memfit.evaluation.causal`: the loss and perplexity would not be the model's own).
         chunk_size: 'auto' (the largest that fits `budget`, at most MAX_AUTO_CHUNK = 512 samples:
             larger chunks run no faster) or an int.
         budget: bytes or a string like '1GiB': parameters, activations, the decoded chunk and outputs
@@ -115,6 +121,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
     make = lambda spec: make_metric(spec, loss_fn, loss_reduction, terms)
     mets = {} if auto else _metrics(metrics, make)     # a bad name is said before any work
     asked = _asked_ignore_index(ignore_index, loss_fn)
+    rule = label_rule(model, shift_labels)
     if not auto and not mets:
         raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
     if not isinstance(sharded, bool) or (sharded and not distributed):
@@ -148,8 +155,10 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
             if runner is model:
                 decision = without_plan(decision, why, ask, size_for)
         # loop
+        ignore = _ignored(mets)
+        labels = None if rule is None else (lambda x, y: rule(x, y, ignore))
         res = run_chunks(runner, chunks, mets, decision.chunk_size, dev, progress, output_fn,
-                         allow_empty=distributed)
+                         allow_empty=distributed, labels=labels)
     except Exception as e:
         if not distributed or isinstance(e, mdist.RankFailed):    # every rank already knows: agree no further
             raise
@@ -223,6 +232,11 @@ def _bind(mets: dict[str, Metric], targets, asked: tuple[int, str] | None, loss_
                              f"(its ignore_index): the metrics would not leave those positions out. Fix: "
                              f"leave ignore_index out (the data's is used), or pass ignore_index={data}")
         m.bind(data if asked is None else asked[0])
+
+
+def _ignored(mets: dict[str, Metric]) -> int:
+    """The ignore index the metrics were bound to (`_bind`: one for all but those given their own): the first's."""
+    return next((m.ignored for m in mets.values() if m.target is None and m.reduce), IGNORE_INDEX)
 
 
 def _limit(model, budget, dev) -> int:

@@ -45,7 +45,7 @@ from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.finder import LEVERS, Peaks, _name
 from memfit.fitting.finder import agree as _agree
 from memfit.fitting.finder import find as _search
-from memfit.fitting.layout import layout, layout_error
+from memfit.fitting.layout import held, held_error, layout, layout_error, optimizer_options
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.fingerprint import model_state
 from memfit.memory.micro_batch import _signature
@@ -82,6 +82,7 @@ class FitPlan:
     _terms: bool = field(repr=False, default=False)          # fit was given terms= (a loss over terms, not samples)
     _marked: tuple | None = field(repr=False, default=None)   # (module, its accepts_loss_kwargs before the Trainer)
     _layout: tuple | None = field(repr=False, default=None)   # the planned batch's (fitting.layout.layout)
+    _held: tuple | None = field(repr=False, default=None)     # the model and optimizer as planned (layout.held)
 
     @property
     def micro_batches(self) -> int:
@@ -93,7 +94,9 @@ class FitPlan:
         `micro_batch` (the full-batch gradient, an uneven last micro-batch weighted right, `terms=` and
         `distributed=` as given to `fit`), the modules in `checkpoint` checkpointed only while it runs, under
         bf16 autocast when the plan says so. Returns accumulate's `StepResult`. A batch larger than the plan's
-        in any dimension, or of other dtypes, raises ValueError (`memfit.fitting.layout`)."""
+        in any dimension, or of other dtypes, raises ValueError, as does a model or optimizer changed since `fit`
+        (a parameter unfrozen, a module replaced, parameter groups added: `memfit.fitting.layout`); call
+        `memfit.fit` again then."""
         return self._run(batch, self)
 
     def trainer_arguments(self, args):
@@ -150,9 +153,13 @@ def _check_levers(levers) -> tuple[str, ...]:
 def _key(model, optimizer, x, n, budget, levers, candidates, loss_fn, terms, allow, world) -> tuple:
     from memfit.memory.step import autocast_state
     from memfit.memory.step_model import _callable_key
-    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")) for g in optimizer.param_groups)
+    groups = optimizer_options(optimizer)         # a schedule moving lr keeps the plan: its bytes are the same
+    # the DDP wrapper's bucket layout: with gradient_as_bucket_view=False the buckets are a second copy of the
+    # gradients (`memory.micro_batch`); plans are kept per inner module, which several wrappings may share
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    buckets = model.gradient_as_bucket_view if ddp else None
     return (id(optimizer), type(optimizer).__name__, groups, _signature(x), n, budget, levers, tuple(candidates),
-            _callable_key(loss_fn), terms is None, allow, world, autocast_state(), torch.get_num_threads())
+            _callable_key(loss_fn), terms is None, allow, world, buckets, autocast_state(), torch.get_num_threads())
 
 
 def _cast_loss(loss_fn: Callable) -> Callable:
@@ -286,9 +293,11 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     dtype = next((LEVERS[v] for v in levers if _name(LEVERS[v]) == best.setting.autocast), None)
 
     def run(step_batch, plan: FitPlan) -> StepResult:
-        # its bytes are the planned batch's: one larger in any dimension could exceed the budget (every rank says)
-        error = None
-        if plan._layout is not None and isinstance(step_batch, (tuple, list)) and len(step_batch) == 2:
+        # its bytes are the planned batch's and model's: a batch larger in any dimension, a parameter unfrozen
+        # since, could exceed the budget (every rank says)
+        error = None if plan._held is None else held_error(plan._held, module, optimizer)
+        pair_given = isinstance(step_batch, (tuple, list)) and len(step_batch) == 2
+        if error is None and plan._layout is not None and pair_given:
             part = tuple(step_batch) if pair else (step_batch[0],)
             error = layout_error(plan._layout, plan.n, part, model_device(module))
         if world > 1:
@@ -303,9 +312,13 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                              micro_batch=plan.micro_batch, terms=terms,
                              distributed=distributed, allow_batch_dependent=allow_batch_dependent)
         res.reason = f"memfit.fit: {plan.reason}"
+        # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
+        # fake runs saw the same): the next step is checked against the model as this one left it
+        plan._held = held(module, optimizer)
         return res
 
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
-                   _terms=terms is not None, _layout=layout(tuple(batch) if pair else (x,)))
+                   _terms=terms is not None, _layout=layout(tuple(batch) if pair else (x,)),
+                   _held=held(module, optimizer))

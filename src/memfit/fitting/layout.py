@@ -1,11 +1,19 @@
-"""The batches a `FitPlan` holds for: the layout of the batch `memfit.fit` planned (each tensor's shape past the
-samples, its dtype, where it sits in a dict or tuple), and the check `plan.step` makes before it runs one.
+"""What a `FitPlan` holds for, checked by `plan.step` before it runs one: the layout of the batch `memfit.fit`
+planned (each tensor's shape past the samples, its dtype, where it sits in a dict or tuple), the model as it was
+(`memfit.memory.fingerprint`) and the optimizer's parameter groups.
 
 A plan's bytes are those of its batch. A batch with longer sequences or larger images needs more at the same
 micro-batch (3 features per sample where the plan had 1: 2.25x the budget on an MLP, silently, before this
 check), so `plan.step` refuses a batch larger than the plan's in any dimension, or of other dtypes or
 structure. Smaller ones (a shorter last batch, a shorter padded sequence) pass: their step needs no more. More
 samples pass only when the batch is held off the model's device (accumulate copies it a micro-batch at a time).
+
+A model changed after `fit` (a parameter unfrozen: its gradient and optimizer state were not counted; a module
+replaced; another forward) or an optimizer given other parameters or options that decide its state (momentum
+switched on, amsgrad) is refused too (`held_error`): the plan's bytes are the old model's. A learning-rate
+schedule (`lr` from 0 in a warm-up, `betas`; `momentum` between non-zero values) changes no byte and passes.
+Each step is checked against the model as the previous step left it (as `fit` left it, for the first): what a
+model's own forward sets (Swin's `shift_size`, a lazy module's weights) is not a change by the caller.
 
 Example:
     >>> import torch
@@ -20,10 +28,85 @@ Example:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-__all__ = ["layout", "layout_error"]
+from memfit.memory.fingerprint import describe_change, model_state
+
+__all__ = ["held", "held_error", "layout", "layout_error", "optimizer_options"]
+
+_MISSING = object()
+_AGAIN = "call memfit.fit again with the model and optimizer as they are now (it plans for them)"
+
+
+def held(module: torch.nn.Module, optimizer) -> tuple:
+    """What of the model and optimizer a plan's bytes depend on, for `held_error`."""
+    return model_state(module), _groups(optimizer)
+
+
+def held_error(planned: tuple, module: torch.nn.Module, optimizer) -> ValueError | None:
+    """Why the model or optimizer may now need more than the plan made when they were `planned` (`held`), or None."""
+    state, groups = planned
+    if model_state(module) != state:
+        return ValueError(f"plan.step: the model changed since memfit.fit made this plan "
+                          f"({describe_change(state, module)}): its bytes are the model's as it was (a parameter "
+                          f"unfrozen adds its gradient and optimizer state; a module replaced, its own); {_AGAIN}")
+    now = _groups(optimizer)
+    if not _same_groups(now, groups):
+        changed = sorted({k for g, w in zip(now, groups, strict=False) for k, v in w[1].items()
+                          if g[1].get(k, _MISSING) != v})
+        what = (f"option {', '.join(changed)} changed" if changed else
+                f"{len(groups)} group(s) of {[len(g[0]) for g in groups]} parameters then, {len(now)} of "
+                f"{[len(g[0]) for g in now]} now, or other parameters")
+        return ValueError(f"plan.step: the optimizer's parameter groups changed since memfit.fit made this plan "
+                          f"({what}): the gradients and state it keeps were not counted; {_AGAIN}")
+    return None
+
+
+# numbers whose being 0 decides what an optimizer keeps or makes: SGD keeps a momentum buffer only for momentum != 0,
+# and adds the weight decay into a new gradient only for weight_decay != 0; any other number (lr, betas, eps: what a
+# schedule moves, from 0 too in a warm-up) changes no byte
+_ZERO_DECIDES = frozenset({"momentum", "weight_decay"})
+
+
+def optimizer_options(optimizer) -> tuple:
+    """Per param group, its options as far as they decide the optimizer's bytes (see `_groups`), hashable: what a
+    kept plan depends on (a schedule moving lr keeps it)."""
+    return tuple(tuple(sorted(options.items())) for _, options in _groups(optimizer))
+
+
+def _groups(optimizer) -> tuple:
+    """Per param group (weak references to its parameters, its options reduced to what decides the optimizer's state
+    and temporaries: None, flags and strings as they are; momentum and weight_decay by whether they are 0, other
+    numbers not at all; a tensor by shape and dtype)."""
+    return tuple((tuple(weakref.ref(p) for p in g["params"]),
+                  {k: _option(v, k in _ZERO_DECIDES) for k, v in g.items() if k != "params"})
+                 for g in optimizer.param_groups)
+
+
+def _option(v, zero_decides: bool):
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, (int, float)):
+        return v != 0 if zero_decides else "number"
+    if isinstance(v, torch.Tensor):
+        return "tensor", tuple(v.shape), v.dtype, v.device
+    if isinstance(v, (tuple, list)):
+        return tuple(_option(x, zero_decides) for x in v)
+    return type(v).__name__
+
+
+def _same_groups(now: tuple, planned: tuple) -> bool:
+    """The planned options unchanged (keys added since are a scheduler's own, `initial_lr`) and the very same
+    parameters (alive: a weak reference to a collected one matches nothing)."""
+    def same(group, was) -> bool:
+        (params, options), (params_then, options_then) = group, was
+        return (all(k in options and options[k] == v for k, v in options_then.items())
+                and len(params) == len(params_then)
+                and all(p() is not None and p() is q() for p, q in zip(params, params_then, strict=True)))
+    return len(now) == len(planned) and all(same(g, w) for g, w in zip(now, planned, strict=True))
 
 
 def layout(batch) -> tuple:

@@ -11,6 +11,12 @@ and version (an in-place write bumps it), callables and other objects by identit
 objects such as a `transformers` config. What it cannot see (a global the forward reads, an object's
 attribute two levels down) is the caller's to signal by building a new model or a new plan.
 
+An object named by identity is named by its `id()` and held by a weak reference beside (a strong one where it
+takes none; a long container by id and length only, as it may hold the model): an id is reused once its object
+is collected, so a forward installed after the first one was deleted could carry the very id a kept value
+names; a value whose objects are not all alive any more equals no other. `describe_change` says in words what
+differs between a kept value and the model now.
+
 Example:
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
@@ -22,35 +28,86 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import enum
+import weakref
 
 import torch
 
-__all__ = ["model_state"]
+__all__ = ["describe_change", "model_state"]
 
 _OWN = frozenset({"_parameters", "_buffers", "_modules", "training"})   # listed on their own
 _PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
 _LONG = 64          # longer containers are compared by identity and length only
 
 
-def model_state(model: torch.nn.Module) -> tuple:
+def model_state(model: torch.nn.Module) -> State:
     """A value that changes when anything a forward of `model` could depend on changes (see the module doc)."""
     seen: dict[int, object] = {}
-    return tuple((id(m), m.training,
-                  tuple(_tensor(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None),
-                  tuple((k, _value(v, 0, seen)) for k, v in vars(m).items() if k not in _OWN))
-                 for m in model.modules())
+    held = State((), [], [])
+    held.entries = tuple((_held(m, held), m.training,
+                          tuple(_tensor(t, held) for t in (*m._parameters.values(), *m._buffers.values())
+                                if t is not None),
+                          _attributes(vars(m), seen, held))
+                         for m in model.modules())
+    return held
+
+
+def _attributes(fields: dict, seen: dict, held: State) -> tuple:
+    """A module's attributes but its own (`_OWN`), as `_value` gives them; the common ones (None, plain values,
+    the empty hook dicts: most of a module's) without a call, since `plan.step` walks every module twice a step."""
+    out = []
+    for k, v in fields.items():
+        t = type(v)
+        if v is None or t in _EXACT:
+            out.append((k, v))
+        elif t in _EMPTY and not v:
+            out.append((k, _EMPTY[t]))
+        elif k not in _OWN:
+            out.append((k, _value(v, 0, seen, held)))
+    return tuple(out)
+
+
+class State:
+    """`model_state`'s value: per module (id, training flag, its tensors, its other attributes), ids standing
+    for objects; `weak` and `strong` hold those objects. Equal to another only when the entries are equal and
+    every object either names is still alive (then an equal id is the same object)."""
+    __slots__ = ("entries", "strong", "weak")
+
+    def __init__(self, entries: tuple, weak: list, strong: list):
+        self.entries, self.weak, self.strong = entries, weak, strong
+
+    def alive(self) -> bool:
+        return all(r() is not None for r in self.weak)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, State):
+            return NotImplemented
+        return self.entries == other.entries and self.alive() and other.alive()
+
+    __hash__ = None
+
+
+def _held(obj, held: State) -> int:
+    """obj's id, the object held beside it (weakly where it can be)."""
+    try:
+        held.weak.append(weakref.ref(obj))
+    except TypeError:
+        if not isinstance(obj, _CONTAINERS):
+            held.strong.append(obj)
+    return id(obj)
 
 
 _EXACT = frozenset({bool, int, float, str, torch.dtype, torch.device})     # the common cases, by a set lookup
 _CONTAINERS = (tuple, list, dict, set, frozenset)
+_EMPTY = {t: (t.__name__, ()) for t in (*_CONTAINERS, collections.OrderedDict)}   # an empty one, as `_value` says
 
 
-def _tensor(t: torch.Tensor) -> tuple:
+def _tensor(t: torch.Tensor, held: State) -> tuple:
     """A parameter or buffer: a plan reads its values by reference, so no version (training updates it)."""
     if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):      # a lazy module's, before its first forward
-        return id(t), "uninitialized"
-    return id(t), _address(t), t.shape, t.dtype, t.requires_grad
+        return _held(t, held), "uninitialized"
+    return _held(t, held), _address(t), t.shape, t.dtype, t.requires_grad
 
 
 def _address(t: torch.Tensor):
@@ -61,7 +118,7 @@ def _address(t: torch.Tensor):
         return None
 
 
-def _value(v, depth: int, seen: dict):
+def _value(v, depth: int, seen: dict, held: State):
     t = type(v)
     if v is None or t in _EXACT:
         return v
@@ -70,18 +127,63 @@ def _value(v, depth: int, seen: dict):
     if isinstance(v, _PLAIN):
         return v
     if isinstance(v, torch.Tensor):      # an inference tensor has no version: it cannot be written in place
-        return "tensor", id(v), _address(v), tuple(v.shape), v.dtype, None if v.is_inference() else v._version
+        return "tensor", _held(v, held), _address(v), tuple(v.shape), v.dtype, None if v.is_inference() else v._version
     if isinstance(v, _CONTAINERS):
         if depth > 2 or len(v) > _LONG:
-            return type(v).__name__, id(v), len(v)
+            return type(v).__name__, _held(v, held), len(v)
         items = v.items() if isinstance(v, dict) else enumerate(sorted(v, key=repr) if isinstance(v, (set, frozenset))
                                                                 else v)
-        return type(v).__name__, tuple((k, _value(x, depth + 1, seen)) for k, x in items)
+        return type(v).__name__, tuple((k, _value(x, depth + 1, seen, held)) for k, x in items)
     if callable(v) or isinstance(v, torch.nn.Module):      # functions, hooks, a replaced forward, other modules
-        return "object", id(v)
+        return "object", _held(v, held)
     fields = getattr(v, "__dict__", None)
     if depth > 0 or not isinstance(fields, dict):
-        return type(v).__name__, id(v)
+        return type(v).__name__, _held(v, held)
     if id(v) not in seen:              # a config object shared by many modules: its plain fields, once
-        seen[id(v)] = (type(v).__name__, id(v), tuple((k, _value(x, 1, seen)) for k, x in fields.items()))
+        seen[id(v)] = (type(v).__name__, _held(v, held),
+                       tuple((k, _value(x, 1, seen, held)) for k, x in fields.items()))
     return seen[id(v)]
+
+
+def describe_change(before: State, model: torch.nn.Module) -> str | None:
+    """What differs between `before` (an earlier `model_state(model)`) and the model now, in words naming the
+    module, parameter or attribute ("parameter '0.weight' now requires grad"); None when nothing does."""
+    now = model_state(model)
+    if now == before:
+        return None
+    if len(now.entries) != len(before.entries):
+        return f"modules were added or removed ({len(before.entries)} modules then, {len(now.entries)} now)"
+    for (name, m), old, new in zip(model.named_modules(), before.entries, now.entries, strict=True):
+        where = f"module '{name}'" if name else "the model"
+        if old == new:
+            continue
+        if old[0] != new[0]:
+            return f"{where} was replaced by another module"
+        if old[1] != new[1]:
+            return f"{where} was switched to {'training' if new[1] else 'eval'} mode"
+        if old[2] != new[2]:
+            return _tensor_change(name, m, old[2], new[2])
+        was, now_ = dict(old[3]), dict(new[3])
+        changed = [k for k in {**was, **now_} if was.get(k, _MISSING) != now_.get(k, _MISSING)]
+        return f"attribute {', '.join(repr(k) for k in changed[:3])} of {where} changed"
+    return "an object the model held when the value was taken (a forward, a tensor, a module) was deleted"
+
+
+_MISSING = object()
+
+
+def _tensor_change(name: str, m: torch.nn.Module, old: tuple, new: tuple) -> str:
+    prefix = f"{name}." if name else ""
+    kinds = [(k, "parameter") for k, t in m._parameters.items() if t is not None] + \
+        [(k, "buffer") for k, t in m._buffers.items() if t is not None]
+    if len(old) != len(new):
+        return f"parameters or buffers of {name or 'the model'} were added or removed ({len(old)} then, {len(new)} now)"
+    for (k, kind), a, b in zip(kinds, old, new, strict=True):
+        if a == b:
+            continue
+        if a[0] != b[0]:
+            return f"{kind} '{prefix}{k}' was replaced"
+        if len(a) == len(b) == 5 and a[4] != b[4]:
+            return f"{kind} '{prefix}{k}' {'now requires grad' if b[4] else 'no longer requires grad'}"
+        return f"{kind} '{prefix}{k}' changed storage, shape or dtype"
+    return f"the parameters or buffers of {name or 'the model'} changed"

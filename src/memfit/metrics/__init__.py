@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 from memfit.metrics.checks import class_dim, class_targets, float_targets, type_name
-from memfit.metrics.outputs import logits_of, output_for
+from memfit.metrics.outputs import logits_of, order_error, output_for
 from memfit.metrics.specs import DEFAULTS, NAMES, default_metrics, make_metric
 from memfit.metrics.stateful import (
            AbsoluteError,
@@ -57,4 +57,4 @@ from memfit.metrics.sums import confusion, correct, correct_topk, cross_entropy_
 __all__ = ["AbsoluteError", "Accuracy", "Confusion", "DEFAULTS", "External", "IoU", "Loss", "Metric", "NAMES",
            "Perplexity", "SquaredError", "TopK", "class_dim", "class_targets", "confusion", "correct",
            "correct_topk", "cross_entropy_sum", "default_metrics", "float_targets", "intersection_union",
-           "logits_of", "make_metric", "output_for", "type_name"]
+           "logits_of", "make_metric", "order_error", "output_for", "type_name"]

@@ -82,7 +82,8 @@ class Report:
             f"{plural(sum(r.kind == 'arena' for r in self.rows), 'tensor')} in the arena)",
             f"  naive (one region per tensor)  {format_bytes(self.naive_bytes):>12}",
             f"  planned arena                  {format_bytes(self.arena_bytes):>12}  "
-            f"({self.naive_bytes / max(self.arena_bytes, 1):.1f}x less than naive)",
+            + (f"({self.naive_bytes / self.arena_bytes:.1f}x less than naive)" if self.arena_bytes else
+               "(no tensor in it: torch allocates every output, which peaks lower here)"),
             f"  lower bound (most live at once){format_bytes(self.lower_bound):>12}  (arena / bound {ratio:.3f})",
             f"  unplanned (outside the arena)  {format_bytes(self.unplanned_bytes):>12}"
             + (f"  ({unplanned})" if unplanned else ""),
@@ -174,7 +175,7 @@ class Report:
                 ax.add_patch(Rectangle(*cell(r, self.arena_bytes + off), facecolor="0.88", edgecolor="0.4",
                                        hatch="//", linewidth=0.3))
             top += size
-            label = f"outside the arena (no out= kernel), up to {format_bytes(self.unplanned_bytes)}"
+            label = f"outside the arena (allocated by torch), up to {format_bytes(self.unplanned_bytes)}"
             ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="0.88", edgecolor="0.4", hatch="//", label=label))
         same = " (= arena)" if self.lower_bound == self.arena_bytes else ""
         ax.axhline(self.arena_bytes / scale, color="tab:red", linewidth=2.4, zorder=3,

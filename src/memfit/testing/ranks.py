@@ -109,6 +109,7 @@ def _worker(fn, rank, world, port, args, queue, env, backend, threads):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)          # the processes share the machine's cores
+    store = None
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -119,8 +120,24 @@ def _worker(fn, rank, world, port, args, queue, env, backend, threads):
     except BaseException as e:
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
+        if store is not None:
+            _leave_together(store, world)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_together(store, world: int, wait_s: float = 10.0) -> None:
+    """Wait (at most `wait_s`) until every rank is done before closing this rank's connections: a rank that
+    finished without a collective and closed its group at once left a slower rank failing in gloo's
+    connectFullMesh with "Connection closed by peer" (seen at load 12 on 2 cores). A rank that died never
+    arrives: the others go on after `wait_s`."""
+    try:
+        store.add("memfit/done", 1)
+        deadline = time.monotonic() + wait_s
+        while store.add("memfit/done", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except (RuntimeError, OSError):     # the caller's store gone (it gave up on us): nothing to wait for
+        pass
 
 
 def _died_silently(procs, out: dict, queue) -> tuple | None:
