@@ -12,13 +12,12 @@ step fits, one where micro-batching alone fits (not with BatchNorm), one where o
 every micro-batch without checkpointing). Per row:
 - the plan's real peak <= the budget (target: every row, 0 out-of-memory errors) and predicted / real peak
   (target [1.00, 1.05]);
-- the plan's step time against the fastest grid point whose real peak fits the budget (target >= 0.95x): the
+- the plan's setting against the fastest grid point whose real peak fits the budget (target >= 0.95x): the
   grid's relative times only shortlist the points within 30% of the fastest that fits; each of those is then
-  timed against the plan in ABBA pairs of rounds (`paired_ratios`: the median over pairs of that point's step
-  time / the plan's), and so is the plan's own setting on a fresh copy of the model ("self/plan": what two
-  identical set-ups measure apart, the noise floor). A row below 0.95x is within the noise where the faster
-  point is not 5% faster than the plan's own setting on a fresh copy (fastest / self >= 0.95): then the verdict
-  says so;
+  timed against the plan's own setting, both run as the grid runs them (accumulate on a fresh copy), in ABBA pairs
+  of rounds (`paired_ratios`: the median over pairs of that point's step time / the setting's; "fastest/own");
+  that setting is timed against `plan.step` too ("own/step": what plan.step's own checks per step cost), and
+  "fastest/step" (the fastest grid point over plan.step, the same target) is printed beside it;
 - `accumulate(micro_batch="auto")` alone at the budget, its step time over the plan's (the speed-up, paired);
 - the plan's gradient against one full-batch step (max relative error, target <= 1e-4);
 - fit's own cost (seconds of `memfit.fit`, first call at that budget) over one real plain step.
@@ -203,14 +202,15 @@ def rows_for(case: Case, n: int, repeat: int) -> tuple[list[dict], dict]:
         peak = real_peak(model, opt, batch, run)
         fitting = sorted((t, k) for k, (p, t) in measured.items() if p <= budget)
         mine = (plan.micro_batch, plan.checkpoint)
-        # the grid's medians shortlist; each point on the list and the plan's own setting on a fresh copy (the
-        # noise floor) are timed against the plan in ABBA rounds, ratios taken back to back
+        # the grid shortlists; each point on the list is timed against the plan's own setting, both run as the
+        # grid runs them (accumulate on a fresh copy), in ABBA pairs; that setting is timed against plan.step too
         shortlist = [k for t, k in fitting if t <= SHORTLIST * fitting[0][0] and k != mine][:3] if fitting else []
         run()
         pairs = max(repeat, min(48, int(PAIR_SECONDS / (2 * _once(run, now)))))
-        ratios = {k: _paired(run, _step_of(case, batch, k), pairs, f"{case.name} {what} {_label(k)}")
-                  for k in [mine, *shortlist]}
-        self_ratio, self_spread = ratios.pop(mine)
+        own = _step_of(case, batch, mine)
+        own_r, own_spread = _paired(run, own, pairs, f"{case.name} {what} own setting")
+        ratios = {k: _paired(own, _step_of(case, batch, k), pairs, f"{case.name} {what} {_label(k)}")
+                  for k in shortlist}
         best_k, (best_r, best_spread) = min(ratios.items(), key=lambda kv: kv[1][0], default=(mine, (1.0, 0.0)))
         auto = _auto(case, batch, budget)
         auto_r = _paired(run, auto, pairs, f"{case.name} {what} auto")[0] if auto is not None else None
@@ -218,15 +218,16 @@ def rows_for(case: Case, n: int, repeat: int) -> tuple[list[dict], dict]:
         # the plan's choice on a fresh copy (plan.step is bound to the model it was made for, stepped above)
         rel = grad_rel_error(case, batch, lambda m, o, p=plan: _step(m, o, batch, case.loss, p.micro_batch,
                                                                      p.checkpoint))
+        fastest = min(1.0, best_r)              # the fastest grid point that fits / the plan's setting
         rows.append({"model": case.name, "budget": what, "bytes": budget,
                      "plan": f"m={plan.micro_batch} ckpt {len(plan.checkpoint)}/{len(plan.candidates)}",
                      "rounds": pairs + pairs % 2,
                      "predicted": plan.peak_bytes, "real": peak, "pred/real": plan.peak_bytes / peak,
                      "OOM": int(peak > budget), "fastest": _label(best_k) if best_r < 1 else "plan",
-                     "fastest/plan": min(1.0, best_r), "spread": max(best_spread, self_spread),
-                     "self/plan": self_ratio, "fastest/self": min(1.0, best_r) / self_ratio,
+                     "fastest/own": fastest, "spread": max(best_spread, own_spread),
+                     "own/step": own_r, "fastest/step": fastest * min(1.0, own_r) if fastest < 1 else min(1.0, own_r),
                      "its pred": predicted[best_k] / predicted[mine] if best_k in predicted else float("nan"),
-                     "auto/plan": auto_r if auto_r is not None else "refused", "grad rel": f"{rel:.1e}",
+                     "auto/step": auto_r if auto_r is not None else "refused", "grad rel": f"{rel:.1e}",
                      "fit/step": fit_s / plain_s, "fit s": fit_s})
     return rows, errors
 
@@ -235,12 +236,6 @@ def _once(fn, now) -> float:
     t0 = now()
     fn()
     return now() - t0
-
-
-def within_noise(row: dict) -> bool:
-    """A row below the time target whose faster grid point is not 5% faster than the plan's own setting on a fresh
-    copy (both against the plan in ABBA pairs): the shortfall is what two identical set-ups measure apart."""
-    return row["fastest/self"] >= TARGETS["time"]
 
 
 def _label(k) -> str:
@@ -292,9 +287,9 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[d
             got, err = rows_for(case, n, repeat)
             rows += got
             errors.append(err)
-    print(table(rows, ["model", "budget", "bytes", "plan", "rounds", "predicted", "real", "pred/real", "OOM", "fastest",
-                       "fastest/plan", "spread", "self/plan", "fastest/self", "its pred", "auto/plan", "grad rel",
-                       "fit s", "fit/step"],
+    print(table(rows, ["model", "budget", "bytes", "plan", "rounds", "predicted", "real", "pred/real", "OOM",
+                       "fastest", "fastest/own", "spread", "its pred", "own/step", "fastest/step", "auto/step",
+                       "grad rel", "fit s", "fit/step"],
                 bytes_columns=("bytes", "predicted", "real")))
     done = [r for r in rows if "real" in r]
     t = TARGETS
@@ -303,32 +298,26 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[d
     lo, hi = min(r["pred/real"] for r in done), max(r["pred/real"] for r in done)
     _line(t["peak_low"] <= lo and hi <= t["peak_high"], f"predicted / real peak in [{lo:.3f}, {hi:.3f}] "
                                                         "(target within [1.00, 1.05])")
-    worst = min(done, key=lambda r: r["fastest/plan"])
-    below = [r for r in done if r["fastest/plan"] < t["time"]]
-    noisy = [r for r in below if within_noise(r)]
-    text = (f"plan's step time vs the fastest grid point that fits: worst {worst['fastest/plan']:.3f}x "
-            f"({worst['model']} {worst['budget']}; target >= {t['time']}x; paired ABBA ratios)")
-    if not below:
-        _line(True, text)
-    elif len(noisy) == len(below):
-        print(f"PASS  within the measured noise floor: {text}; on the {len(below)} rows below {t['time']}x the "
-              f"faster point measured {min(r['fastest/self'] for r in below):.3f}x or more of the plan's own "
-              "setting on a fresh copy (fastest/self >= 0.95: not a loss beyond what identical set-ups measure "
-              "apart)")
-    else:
-        beyond = ", ".join(f"{r['model']} {r['budget']} ({r['fastest/plan']:.3f}x, fastest/self "
-                           f"{r['fastest/self']:.3f}x)" for r in below if not within_noise(r))
-        _line(False, f"{text}; beyond the noise floor: {beyond}")
-    selfs = [r["self/plan"] for r in done]
-    print(f"INFO  noise floor: the plan's own setting on a fresh copy / the plan, {min(selfs):.3f}x to "
-          f"{max(selfs):.3f}x; pairs' spread up to {max(r['spread'] for r in done):.0%}")
+    worst = min(done, key=lambda r: r["fastest/own"])
+    _line(worst["fastest/own"] >= t["time"],
+          f"the plan's setting vs the fastest grid point that fits, both run as the grid runs them (accumulate on a "
+          f"fresh copy), ABBA pairs: worst {worst['fastest/own']:.3f}x ({worst['model']} {worst['budget']}, "
+          f"{worst['fastest']}, predicted {worst['its pred']:.3f}x the plan's time; target >= {t['time']}x)")
+    step = min(done, key=lambda r: r["fastest/step"])
+    _line(step["fastest/step"] >= t["time"],
+          f"plan.step vs the fastest grid point that fits: worst {step['fastest/step']:.3f}x ({step['model']} "
+          f"{step['budget']}; target >= {t['time']}x); plan.step's own work per step (its checks of the batch, "
+          f"model and optimizer) beside the same setting run by accumulate: own/step "
+          f"{min(r['own/step'] for r in done):.3f}x to {max(r['own/step'] for r in done):.3f}x")
+    print(f"INFO  ABBA pairs' spread (interquartile range / median of the pairs' ratios) up to "
+          f"{max(r['spread'] for r in done):.0%}")
     _errors(errors)
     rel = max(float(r["grad rel"]) for r in done)
     _line(rel <= t["grad_rel"], f"gradient vs one full-batch step: max relative error {rel:.2e} (target <= 1e-4)")
-    sped = [r["auto/plan"] for r in done if isinstance(r["auto/plan"], float)]
+    sped = [r["auto/step"] for r in done if isinstance(r["auto/step"], float)]
     if sped:
-        print(f"INFO  accumulate(micro_batch='auto') alone / plan step time: {min(sped):.2f}x to {max(sped):.2f}x "
-              f"({sum(r['auto/plan'] == 'refused' for r in done)} rows where accumulate alone refuses)")
+        print(f"INFO  accumulate(micro_batch='auto') alone / plan.step time: {min(sped):.2f}x to {max(sped):.2f}x "
+              f"({sum(r['auto/step'] == 'refused' for r in done)} rows where accumulate alone refuses)")
     print(f"INFO  fit's cost / one real plain step: {min(r['fit/step'] for r in done):.1f}x to "
           f"{max(r['fit/step'] for r in done):.1f}x")
     if bf16:
