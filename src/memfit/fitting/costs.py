@@ -14,8 +14,9 @@ and timed (`memfit.fitting.timing.kernel_seconds`). The result: a `Cost` for the
 every micro-batch size asked for.
 
 `machine` measures once per device what the host pays besides kernels, on a chain of four small blocks (Linear +
-GELU, one or three per block) run forward and backward, plain and with every block checkpointed, and an SGD step
-on its parameters, by the same clock: per op of each phase (that phase's time less its timed kernels, over its
+GELU, one or six per block) run forward and backward, plain and with every block checkpointed, and an SGD step
+on its parameters, by the same clock (the least of 15 rounds that run them all in turn, and each phase's kernels
+replayed warm on zeros): per op of each phase (that phase's time less its kernels replayed, over its
 ops: Python, module calls, the dispatcher and autograd in forward; autograd's engine in backward; the optimizer's
 Python calling kernels), and per checkpointed call and per tensor it saves (the extra of the checkpointed chain
 less the blocks' forwards again, from the two block sizes). torch's generators are neither drawn from nor reset.
@@ -211,7 +212,8 @@ class _Sized:
 def _seconds(ops: list[_Sized], sizes: list[int], device: torch.device) -> list[dict[int, float]]:
     """Each op's kernel seconds at each size: the kernels timed together (`timing.kernel_seconds`), the rest priced."""
     plans = [{m: o.kernel(m) for m in sizes} for o in ops]
-    timed = kernel_seconds([k for p in plans for k, _ in p.values() if k is not None], device=device)
+    # size by size: a short kernel timed right after a long one ran up to 1.5x its time (caches it left cold)
+    timed = kernel_seconds([p[m][0] for m in sizes for p in plans if p[m][0] is not None], device=device)
     out = []
     for o, p in zip(ops, plans, strict=True):
         row = {}
@@ -313,17 +315,17 @@ class _Checkpointed(torch.nn.Module):
 def machine(device: torch.device) -> Machine:
     """What the host pays on `device` besides kernels (seconds per op of a forward, of backward and of an
     optimizer's step, per checkpointed call and per tensor a checkpointed forward saves), from a chain of four
-    blocks of one or three Linear(8, 8) + GELU pairs forward and backward, plain and checkpointed, and an SGD step
+    blocks of one or six Linear(8, 8) + GELU pairs forward and backward, plain and checkpointed, and an SGD step
     with momentum on its parameters, measured once and kept. See the module's docstring."""
     dev = torch.device(device)
     if dev not in _MACHINES:
-        chains = {depth: _chain(depth, dev) for depth in (1, 3)}
+        chains = {depth: _chain(depth, dev) for depth in (1, 6)}
         op = {p: statistics.mean(c["host"][p] for c in chains.values()) for p in ("forward", "backward", "optimizer")}
         # checkpointing every block adds their forwards again (their ops at the forward's rate, their kernels) and
         # checkpoint's own work: four calls, and each tensor the blocks' forwards save; two depths give both
         extra = {d: c["extra"] - c["inside"] * op["forward"] for d, c in chains.items()}
         saved = {d: c["saved"] for d, c in chains.items()}
-        per_saved = max(0.0, (extra[3] - extra[1]) / max(saved[3] - saved[1], 1))
+        per_saved = max(0.0, (extra[6] - extra[1]) / max(saved[6] - saved[1], 1))
         per_call = max(0.0, (extra[1] - per_saved * saved[1]) / 4)
         _MACHINES[dev] = Machine(op["forward"], op["backward"], op["optimizer"], per_call, per_saved,
                                  overlap=dev.type == "cuda")
@@ -353,41 +355,57 @@ def _chain(depth: int, dev: torch.device) -> dict:
             sgd.step()
             counter.phase = "optimizer"
             sgd.step()
-    timed = kernel_seconds([(o.func, o.spec, ()) for o in counter.ops if not o.view], device=dev)
-    kernels = lambda ops: sum(timed[(o.func, o.spec, ())] or 0.0 for o in ops if not o.view)
-    loss: list = []
-    forward = lambda: loss.append(plain(tiny).sum())
-    backward = lambda: loss.pop().backward()
-    seconds = {"forward": _steady(forward, dev, then=backward), "backward": _steady(forward, dev, then=backward,
-                                                                                     timed_part=1),
-               "optimizer": _steady(sgd.step, dev)}
-    host = {}
-    for p in seconds:
-        ops = [o for o in counter.ops if o.phase == p]
-        host[p] = max(0.0, seconds[p] - kernels(ops)) / max(len(ops), 1)
+    phases = {p: [o for o in counter.ops if o.phase == p and not o.view] for p in ("forward", "backward", "optimizer")}
+    phases["inside"] = [o for o in phases["forward"] if o.blocks]
+    replays = {p: _replay(ops, dev) for p, ops in phases.items()}
+    seconds = _least(plain, ckpt, sgd, tiny, dev, replays)
+    host = {p: max(0.0, seconds[p] - seconds[f"{p} kernels"]) / max(sum(o.phase == p for o in counter.ops), 1)
+            for p in ("forward", "backward", "optimizer")}
     inside = [o for o in counter.ops if o.blocks]
-    t_ckpt = _steady(lambda: ckpt(tiny).sum().backward(), dev)
-    return {"host": host, "extra": t_ckpt - seconds["forward"] - seconds["backward"] - kernels(inside),
-            "inside": len(inside), "saved": sum(counter.saved.values())}
+    return {"host": host, "extra": seconds["checkpointed"] - seconds["forward"] - seconds["backward"]
+            - seconds["inside kernels"], "inside": len(inside), "saved": sum(counter.saved.values())}
 
 
-def _steady(fn, device: torch.device, then=None, timed_part: int = 0) -> float:
-    """Median seconds of one call of `fn` (timed_part=0), or of `then` after it (timed_part=1), over five samples of
-    five calls after two warm-up calls, by `timing.clock`."""
+def _replay(ops: list[_Op], dev: torch.device, repeat: int = 8):
+    """A call that runs these ops' kernels on zeros of their arguments, each `repeat` times in a row (warm, as
+    `timing.kernel_seconds` times a model's kernels: the host's share is what the chain takes beyond that), and
+    gives back how many times: its seconds over that are the kernels' once."""
+    from memfit.memory.kernel_scratch import real_arguments
+    calls = [(o.func, *real_arguments(o.spec, {}, dev)) for o in ops]
+
+    def run() -> int:
+        for func, args, kwargs in calls:
+            for _ in range(repeat):
+                func(*args, **kwargs)
+        return repeat
+    return run
+
+
+def _least(plain, ckpt, sgd, x, device: torch.device, replays: dict, rounds: int = 15) -> dict[str, float]:
+    """Seconds of the plain chain's forward, its backward, the checkpointed chain's forward and backward, an
+    optimizer step, and each phase's kernels replayed alone (`replays`: phase -> call): each the least over `rounds`
+    rounds that run all of them in turn, by `timing.clock` (the least: what another process's turn on the core
+    added to a call is not the chain's; in turn: a busy stretch falls on all of them, the chain and its kernels)."""
+    from torch.utils._python_dispatch import _disable_current_modes
     now = clock(device)
-    for _ in range(2):
-        fn()
-        if then is not None:
-            then()
-    times = []
-    for _ in range(5):
-        total = 0.0
-        for _ in range(5):
-            t0 = now()
-            fn()
-            t1 = now()
-            if then is not None:
-                then()
-            total += (t1 - t0) if timed_part == 0 else (now() - t1)
-        times.append(total / 5)
-    return statistics.median(times)
+    parts = ["forward", "backward", "checkpointed", "optimizer", *(f"{p} kernels" for p in replays)]
+    best = dict.fromkeys(parts, float("inf"))
+    for r in range(rounds + 2):                 # two rounds to warm up
+        times = [now()]
+        loss = plain(x).sum()
+        times.append(now())
+        loss.backward()
+        times.append(now())
+        ckpt(x).sum().backward()
+        times.append(now())
+        sgd.step()
+        times.append(now())
+        per = [1, 1, 1, 1]                      # calls per part: the replays run each kernel several times
+        with _disable_current_modes(), torch.no_grad():
+            for run in replays.values():
+                per.append(run())
+                times.append(now())
+        if r >= 2:
+            for k, a, b, n in zip(parts, times, times[1:], per, strict=False):     # len(times) == len(parts) + 1
+                best[k] = min(best[k], (b - a) / n)
+    return best
