@@ -62,9 +62,8 @@ def test_kernels_are_timed_in_turn_so_a_busy_moment_falls_on_one_sample_of_each(
     assert timing.kernel_seconds(keys, device=DEV) == got and clock.calls == calls      # kept: not timed again
 
 
-def test_a_kernel_that_fails_on_zeros_is_none_and_a_random_one_draws_nothing_from_torch():
-    probabilities = torch.zeros(3)
-    fails = (torch.ops.aten.multinomial.default, spec_of((probabilities, 1), {}), ())    # all-zero probabilities
+def test_a_kernel_that_fails_on_its_stand_in_values_is_none_and_a_random_one_draws_nothing_from_torch():
+    fails = (torch.ops.aten.linalg_inv.default, spec_of((torch.eye(3),), {}), ())    # a matrix of ones: singular
     dropout = (torch.ops.aten.native_dropout.default, spec_of((torch.ones(64), 0.5, True), {}), ())
     mm = (torch.ops.aten.mm.default, spec_of((torch.ones(4, 4), torch.ones(4, 4)), {}), ())
     torch.manual_seed(1)
@@ -83,3 +82,14 @@ def test_the_clock_is_the_threads_cpu_time_with_one_thread():
         assert timing.clock(DEV) is __import__("time").perf_counter
     finally:
         torch.set_num_threads(threads)
+
+
+def test_kernels_run_on_ones_where_zeros_would_be_a_slow_path_and_on_zeros_for_indices():
+    """A square root of zeros took 6x as long as of ones on this CPU: floating arguments are ones; an integer one
+    (an index) is zeros, always in range."""
+    from memfit.memory.kernel_scratch import real_arguments
+    spec = spec_of((torch.empty(2, 3), torch.empty(4, dtype=torch.long), 7), {})
+    (x, index, seven), _ = real_arguments(spec, {}, DEV, ones=True)
+    assert torch.equal(x, torch.ones(2, 3)) and torch.equal(index, torch.zeros(4, dtype=torch.long)) and seven == 7
+    (x, index, _), _ = real_arguments(spec, {}, DEV)                     # the scratch measurement's zeros
+    assert torch.equal(x, torch.zeros(2, 3))

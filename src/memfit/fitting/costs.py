@@ -8,7 +8,7 @@ and notes every op (those a real step dispatches, in the same order: tested): it
 (`memfit.memory.kernel_scratch.spec_of`), whether it is a view (no kernel), its phase (forward, backward,
 optimizer), whether it ran inside a candidate block's forward, and per block the tensors its forward saves for
 backward. Which dimensions carry the batch is read off the two runs (`kernel_scratch.batch_sizes`), so each op's
-arguments are known at every micro-batch size; each distinct kernel is then run for real on zeros of those shapes
+arguments are known at every micro-batch size; each distinct kernel is then run for real on ones of those shapes
 and timed (`memfit.fitting.timing.kernel_seconds`). The result: a `Cost` for the step, for each block's forward
 (its recomputation) and for the optimizer step, each with its ops by phase (host work) and its kernels' seconds at
 every micro-batch size asked for.
@@ -16,7 +16,7 @@ every micro-batch size asked for.
 `machine` measures once per device what the host pays besides kernels, on a chain of four small blocks (Linear +
 GELU, one or six per block) run forward and backward, plain and with every block checkpointed, and an SGD step
 on its parameters, by the same clock (the least of 15 rounds that run them all in turn, and each phase's kernels
-replayed warm on zeros): per op of each phase (that phase's time less its kernels replayed, over its
+replayed warm on ones): per op of each phase (that phase's time less its kernels replayed, over its
 ops: Python, module calls, the dispatcher and autograd in forward; autograd's engine in backward; the optimizer's
 Python calling kernels), and per checkpointed call and per tensor it saves (the extra of the checkpointed chain
 less the blocks' forwards again, from the two block sizes). torch's generators are neither drawn from nor reset.
@@ -26,7 +26,7 @@ fit` (transformers' and plain torch.nn code) cost 1.2-2x its figure per op, so s
 little cheaper than it is; kernels are timed warm and alone (in a step their data is not always in cache: 7-35%
 slower for the larger ones measured); a kernel whose arguments at a micro-batch size exceed `CAP` is timed at
 the largest halving of that size within it and scaled up in proportion (one with no batch dimension, or over
-`CAP` at one sample, and one that fails on zeros, is priced by the larger of its FLOPs at a large matmul's rate
+`CAP` at one sample, and one that fails on ones, is priced by the larger of its FLOPs at a large matmul's rate
 and its bytes at a copy's); accumulate's own bookkeeping per micro-batch (about 0.1 ms) is left out.
 
 Example:
@@ -320,7 +320,11 @@ def machine(device: torch.device) -> Machine:
     dev = torch.device(device)
     if dev not in _MACHINES:
         chains = {depth: _chain(depth, dev) for depth in (1, 6)}
-        op = {p: statistics.mean(c["host"][p] for c in chains.values()) for p in ("forward", "backward", "optimizer")}
+        op = {p: statistics.mean(c["host"][p] for c in chains.values()) for p in ("forward", "backward")}
+        # an optimizer's step has its own Python per call (its groups, its checks) that a model's many parameters
+        # spread thin: its figure from the chain with the most (48), where it came out at 1.4-1.9 us an op (8
+        # parameters: 6.6-7.5; the six bench models' AdamW steps came within -30% to +8% of their real ones)
+        op["optimizer"] = chains[6]["host"]["optimizer"]
         # checkpointing every block adds their forwards again (their ops at the forward's rate, their kernels) and
         # checkpoint's own work: four calls, and each tensor the blocks' forwards save; two depths give both
         extra = {d: c["extra"] - c["inside"] * op["forward"] for d, c in chains.items()}
@@ -367,11 +371,11 @@ def _chain(depth: int, dev: torch.device) -> dict:
 
 
 def _replay(ops: list[_Op], dev: torch.device, repeat: int = 8):
-    """A call that runs these ops' kernels on zeros of their arguments, each `repeat` times in a row (warm, as
+    """A call that runs these ops' kernels on ones of their arguments, each `repeat` times in a row (warm, as
     `timing.kernel_seconds` times a model's kernels: the host's share is what the chain takes beyond that), and
     gives back how many times: its seconds over that are the kernels' once."""
     from memfit.memory.kernel_scratch import real_arguments
-    calls = [(o.func, *real_arguments(o.spec, {}, dev)) for o in ops]
+    calls = [(o.func, *real_arguments(o.spec, {}, dev, ones=True)) for o in ops]
 
     def run() -> int:
         for func, args, kwargs in calls:

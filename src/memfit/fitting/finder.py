@@ -130,7 +130,7 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
     r, plain = rates, costs[None][0]
     how_time = (f"the step's ops counted on fake tensors (forward, loss, backward at micro-batches 2 and 4, and the "
                 f"optimizer step: {plain.ops} ops, {once.ops} in the optimizer step) and each distinct kernel run "
-                f"for real on zeros of its shapes at each micro-batch size and timed (the step's kernels "
+                f"for real on ones of its shapes at each micro-batch size and timed (the step's kernels "
                 f"{_ms(plain.kernel_seconds(n))} at {n} samples, {_ms(plain.kernel_seconds(1))} at 1; the optimizer "
                 f"step's {_ms(once.kernel_seconds(n))}); the host's work measured on a small chain here: "
                 f"{r.op_seconds * 1e6:.1f} us per op; a checkpointed block adds its forward again, "

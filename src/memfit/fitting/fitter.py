@@ -6,7 +6,7 @@ the candidate blocks (`memfit.fitting.checkpointing.candidate_blocks`, ranked by
 forward writes per second of recomputation) and, with `levers=("bf16",)`, bf16 autocast. Bytes come from the
 fake-tensor memory model of `accumulate`'s step with those modules checkpointed (`training_peak`, which
 counts what `torch.utils.checkpoint` saves and recomputes); time from the step's ops counted on fake tensors
-and their kernels timed for real on zeros of their shapes (`memfit.fitting.costs`, `memfit.fitting.timing`). The
+and their kernels timed for real on ones of their shapes (`memfit.fitting.costs`, `memfit.fitting.timing`). The
 search (`memfit.fitting.search`) takes the fastest alternative that fits and computes a checkpoint set's bytes
 only when it needs them. Plans are kept per model (dropped when the model
 changes, as memory models are).
@@ -205,7 +205,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         exhaustive: bool = False) -> FitPlan:
     """Choose the micro-batch and the modules to checkpoint that make one training step on `batch` fit `budget`
     fastest; returns a `FitPlan`. The model does not run for real: its step runs on fake tensors, and each
-    distinct kernel of that step is timed on zeros of its shapes (one kernel's arguments at a time).
+    distinct kernel of that step is timed on ones of its shapes (one kernel's arguments at a time).
 
     Args:
         model: the module (DistributedDataParallel when `distributed`), as for `memfit.accumulate`.

@@ -1,6 +1,8 @@
 """The measured side of `memfit.fit`'s time model: the seconds one real kernel takes at the argument shapes a fake
-run recorded (`kernel_seconds`: run on zeros of those shapes, timed once per shapes and kept), the clock it is
-timed by (`clock`), and the bytes per second of a plain copy (`copy_rate`: the price of a kernel that is not timed).
+run recorded (`kernel_seconds`: run on ones of those shapes, zeros for integer tensors (an index in range), timed
+once per shapes and kept; ones, not zeros: a square root of 128K zeros took 6x as long as of ones or of 1e-3, and
+an optimizer's never sees zeros), the clock it is timed by (`clock`), and the bytes per second of a plain copy
+(`copy_rate`: the price of a kernel that is not timed).
 
 Why kernels are timed rather than priced from FLOPs at one matmul's rate: the kernels of a training step at the
 sizes people split batches into are far from any one rate. On a 2-core VM, one thread: a 512-square matmul ran at
@@ -39,7 +41,7 @@ import torch
 
 __all__ = ["clock", "copy_rate", "kernel_seconds", "matmul_rate", "timed"]
 
-_SECONDS: dict = {}        # (func, spec, shapes, threads, device) -> seconds, or None where it failed on zeros
+_SECONDS: dict = {}        # (func, spec, shapes, threads, device) -> seconds, or None where it failed on ones
 _RATES: dict = {}          # (what, device, dtype) -> bytes per second of a copy, FLOP/s of a large matmul
 SAMPLE = 2e-4              # seconds a sample of calls spans at least (short kernels run several times per sample)
 LONG = 1e-2                # a call this long is timed once
@@ -87,9 +89,9 @@ def _per_sample(fn: Callable[[], object], now: Callable[[], float]) -> int:
 
 
 def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_bytes: int = 64 << 20) -> dict:
-    """{(func, spec, shapes): seconds} for each kernel asked for: the real kernel of `func` on zeros of `spec`'s
+    """{(func, spec, shapes): seconds} for each kernel asked for: the real kernel of `func` on ones of `spec`'s
     arguments (`memfit.memory.kernel_scratch.ArgSpec`; `shapes`: a tuple of (leaf index, another shape) for
-    another batch, or ()) on `device`, under no_grad; None where it fails on zeros (the caller prices it otherwise).
+    another batch, or ()) on `device`, under no_grad; None where it fails on them (the caller prices it otherwise).
     Each is timed once per thread count and device, and kept.
 
     The kernels are timed in turn, a sample of each per round (as many rounds as `timed` takes samples), their
@@ -115,7 +117,7 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
             for key in group:
                 func, spec, shapes = key
                 try:
-                    args, kwargs = real_arguments(spec, dict(shapes), device)
+                    args, kwargs = real_arguments(spec, dict(shapes), device, ones=True)
                     seeded = torch.Tag.nondeterministic_seeded in func.tags
                     call = (lambda f=func, a=args, k=kwargs: own_draw(f, a, k)) if seeded else \
                         (lambda f=func, a=args, k=kwargs: f(*a, **k))

@@ -83,28 +83,30 @@ def _is_tensor(leaf) -> bool:
     return isinstance(leaf, tuple) and len(leaf) == 4 and leaf[0] == "t"
 
 
-def _real(leaf: tuple, shape: tuple | None = None, device=None) -> torch.Tensor:
-    """A real tensor of zeros for a ("t", shape, stride, dtype) leaf: at its own strides, or at `shape` (another
-    batch) with the same layout (the order of the strides, and the gaps between dimensions where the tensor is a
-    slice of a larger one, as q, k and v of one projection are)."""
+def _real(leaf: tuple, shape: tuple | None = None, device=None, ones: bool = False) -> torch.Tensor:
+    """A real tensor of zeros (ones for a floating tensor with `ones`) for a ("t", shape, stride, dtype) leaf: at its
+    own strides, or at `shape` (another batch) with the same layout (the order of the strides, and the gaps between
+    dimensions where the tensor is a slice of a larger one, as q, k and v of one projection are)."""
     _, old, stride, dtype = leaf
     shape = tuple(old if shape is None else shape)
+    value = 1 if ones and dtype.is_floating_point else 0
     if shape == old:
-        return torch.empty_strided(old, stride, dtype=dtype, device=device).zero_()
+        return torch.empty_strided(old, stride, dtype=dtype, device=device).fill_(value)
     new = [0] * len(shape)
     step, prev = 1, None
     for d in sorted((d for d in range(len(shape)) if stride[d]), key=lambda d: (stride[d], old[d])):
         gap = stride[d] // (stride[prev] * old[prev]) if prev is not None and stride[prev] * old[prev] else 1
         new[d] = step * max(gap, 1) if prev is not None else stride[d]
         step, prev = new[d] * shape[d], d
-    return torch.empty_strided(shape, new, dtype=dtype, device=device).zero_()
+    return torch.empty_strided(shape, new, dtype=dtype, device=device).fill_(value)
 
 
-def real_arguments(spec: ArgSpec, shapes: dict | None = None, device=None) -> tuple[tuple, dict]:
-    """(args, kwargs) of `spec` made real: zeros for each tensor (at `shapes[i]` where given: leaf index -> another
-    shape, or another int, for another batch), the other leaves as they are."""
+def real_arguments(spec: ArgSpec, shapes: dict | None = None, device=None, ones: bool = False) -> tuple[tuple, dict]:
+    """(args, kwargs) of `spec` made real: zeros for each tensor (ones for floating tensors with `ones`; at
+    `shapes[i]` where given: leaf index -> another shape, or another int, for another batch), the other leaves as
+    they are."""
     shapes = shapes or {}
-    real = [_real(lf, shapes.get(i), device) if _is_tensor(lf) else shapes.get(i, lf)
+    real = [_real(lf, shapes.get(i), device, ones) if _is_tensor(lf) else shapes.get(i, lf)
             for i, lf in enumerate(spec.leaves)]
     return tree_unflatten(real, spec.tree)
 
