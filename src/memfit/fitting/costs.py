@@ -21,9 +21,9 @@ ops: Python, module calls, the dispatcher and autograd in forward; autograd's en
 Python calling kernels), and per checkpointed call and per tensor it saves (the extra of the checkpointed chain
 less the blocks' forwards again, from the two block sizes). torch's generators are neither drawn from nor reset.
 
-Known limitations: the chain's host work per forward op is a floor: the forwards of the six models of `memfit bench
-fit` (transformers' and plain torch.nn code) cost 1.2-2x its figure per op, so splitting a batch is predicted a
-little cheaper than it is; kernels are timed warm and alone (in a step their data is not always in cache: 7-35%
+Known limitations: the chain's host work per forward op is about a floor: the forwards of the six models of
+`memfit bench fit` (transformers' and plain torch.nn code) cost 12.7-19.9 us an op against its 12.4-13.2, so
+splitting a batch is predicted a little cheaper than it is (mean -7% over that bench's grid); kernels are timed warm and alone (in a step their data is not always in cache: 7-35%
 slower for the larger ones measured); a kernel whose arguments at a micro-batch size exceed `CAP` is timed at
 the largest halving of that size within it and scaled up in proportion (one with no batch dimension, or over
 `CAP` at one sample, and one that fails on ones, is priced by the larger of its FLOPs at a large matmul's rate

@@ -128,14 +128,15 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
         else:
             choice.alternatives = cast.alternatives
     r, plain = rates, costs[None][0]
-    how_time = (f"the step's ops counted on fake tensors (forward, loss, backward at micro-batches 2 and 4, and the "
-                f"optimizer step: {plain.ops} ops, {once.ops} in the optimizer step) and each distinct kernel run "
-                f"for real on ones of its shapes at each micro-batch size and timed (the step's kernels "
+    how_time = (f"the step's ops counted on fake tensors at micro-batches 2 and 4 ({plain.ops} in forward and loss, "
+                f"{plain.backward_ops} in backward, {once.optimizer_ops} in the optimizer step), each distinct kernel "
+                f"run for real on ones of its shapes at each micro-batch size and timed (the step's kernels "
                 f"{_ms(plain.kernel_seconds(n))} at {n} samples, {_ms(plain.kernel_seconds(1))} at 1; the optimizer "
-                f"step's {_ms(once.kernel_seconds(n))}); the host's work measured on a small chain here: "
-                f"{r.op_seconds * 1e6:.1f} us per op; a checkpointed block adds its forward again, "
-                f"{r.checkpoint_seconds * 1e6:.0f} us per call and {r.saved_seconds * 1e6:.1f} us per tensor it saves"
-                + ("; host and device overlap (a micro-batch takes the longer)" if r.overlap else ""))
+                f"step's {_ms(once.kernel_seconds(n))}), and the host's work per op measured on a small chain here "
+                f"({r.op_seconds * 1e6:.1f} us in forward, {r.backward_op_seconds * 1e6:.1f} in backward, "
+                f"{r.optimizer_op_seconds * 1e6:.1f} in the optimizer step); a checkpointed block adds its forward "
+                f"again, {r.checkpoint_seconds * 1e6:.0f} us per call and {r.saved_seconds * 1e6:.1f} us per tensor it "
+                "saves" + ("; host and device overlap (a micro-batch takes the longer)" if r.overlap else ""))
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
     if dependent and not allow:
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
