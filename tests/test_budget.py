@@ -169,3 +169,21 @@ def test_largest_fitting_is_the_brute_force_boundary(budget, a, b, upper):
     peak = lambda n: a + b * n + (n * n) // 50               # non-decreasing, not affine
     expected = max((n for n in range(1, upper + 1) if peak(n) <= budget), default=0)
     assert largest_fitting(peak, budget, upper) == expected
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.integers(0, 5000), st.integers(0, 300), st.integers(0, 40), st.integers(0, 700), st.integers(0, 2000),
+       st.integers(1, 400))
+def test_largest_fitting_from_a_lower_function_is_the_brute_force_boundary_and_asks_only_near_it(
+        budget, a, b, upper, jump, at):
+    """With `below` (never above peak: a model without its per-size measured workspaces) the search asks peak only
+    at or below below's answer, and gives what brute force gives, whatever the gap between the two."""
+    from memfit.budget import largest_fitting
+    lower = lambda n: a + b * n + (n * n) // 50
+    peak = lambda n: lower(n) + (jump if n >= at else 0) + n // 3     # non-decreasing, >= lower everywhere
+    asked = []
+    expected = max((n for n in range(1, upper + 1) if peak(n) <= budget), default=0)
+    top = max((n for n in range(1, upper + 1) if lower(n) <= budget), default=0)
+    assert largest_fitting(lambda n: asked.append(n) or peak(n), budget, upper, below=lower) == expected
+    assert all(n <= top for n in asked)
+    assert len(asked) <= 2 * max(top - expected, 1).bit_length() + 2

@@ -165,22 +165,53 @@ def model_device(model: torch.nn.Module, default: torch.device | None = _CPU) ->
     return t.device if t is not None else default
 
 
-def largest_fitting(peak: Callable[[int], int], budget: int, upper: int) -> int:
+def largest_fitting(peak: Callable[[int], int], budget: int, upper: int, *,
+                    below: Callable[[int], int] | None = None) -> int:
     """Largest n in [1, upper] with peak(n) <= budget (peak non-decreasing), 0 when none fits.
 
     Doubling from 1, then bisection: O(log n) calls of peak. The one search behind every "what fits"
     (a chunk, a micro-batch, a batch size).
 
+    `below`, where given, is a cheaper function never above `peak` (a memory model without what it measures by
+    running real kernels at each size asked about): no n above its answer fits, so `peak` is asked only from
+    there down (galloping, then bisection), near the answer, never at the large sizes the doubling would try.
+
     Example:
         >>> largest_fitting(lambda n: 100 + 7 * n, 1000, 10**6)
         128
+        >>> largest_fitting(lambda n: 100 + 7 * n + (50 if n > 100 else 0), 1000, 10**6, below=lambda n: 100 + 7 * n)
+        121
     """
+    if below is not None:
+        upper = largest_fitting(below, budget, upper)
+        return _largest_fitting_down(peak, budget, upper)
     if upper < 1 or peak(1) > budget:
         return 0
     lo = 1
     while lo < upper and peak(min(2 * lo, upper)) <= budget:
         lo = min(2 * lo, upper)
     hi = min(2 * lo, upper)
+    return _bisect(peak, budget, lo, hi)
+
+
+def _largest_fitting_down(peak: Callable[[int], int], budget: int, upper: int) -> int:
+    """`largest_fitting` searched from `upper` down: upper, upper - 1, upper - 3, ... until one fits, then bisection."""
+    if upper < 1:
+        return 0
+    if peak(upper) <= budget:
+        return upper
+    over, step = upper, 1                    # peak(over) > budget
+    while True:
+        n = max(over - step, 1)
+        if peak(n) <= budget:
+            return _bisect(peak, budget, n, over - 1)
+        if n == 1:
+            return 0
+        over, step = n, 2 * step
+
+
+def _bisect(peak: Callable[[int], int], budget: int, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with peak(n) <= budget, peak(lo) fitting."""
     while lo < hi:                           # peak(lo) fits; the answer is below hi + 1
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid - 1)

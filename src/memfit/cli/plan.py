@@ -189,7 +189,8 @@ def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
         mm = memory_model(model, example, train=True, optimizer=opt)
     n = shapes[0][0]
     budget = parse_bytes(args.budget) if args.budget else None
-    largest = largest_fitting(mm.total_bytes, budget, 2**31) if budget is not None else None
+    largest = largest_fitting(mm.total_bytes, budget, 2**31, below=getattr(mm, "lower_bytes", None)) \
+        if budget is not None else None
     path = plot_memory(mm, args.plot, max(2 * n, 2 * (largest or 0), 8), budget, name=args.factory,
                        largest=largest) if args.plot else None
     if args.json:

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["REAL_SIZE", "WORKSPACE", "host_tensors_logged", "real_bytes", "workspace_bytes"]
+__all__ = ["BOUNDED_IN_BATCH", "REAL_SIZE", "WORKSPACE", "as_real_kernel_takes", "host_tensors_logged", "real_bytes",
+           "workspace_bytes"]
 
 
 def _overloads(*names: str) -> frozenset:
@@ -143,6 +144,12 @@ _WORKSPACE_BYTES: dict = {}      # (op, argument shapes, strides, dtypes and val
 # oneDNN's RNN: workspace parts rounded up, not affine in the batch
 _ROUNDED = _overloads("aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer_backward.default")
 _RNN_BACKWARD = _overloads("aten.mkldnn_rnn_layer_backward.default")
+# ops of WORKSPACE whose bytes `workspace_bytes` bounds at every batch (w(1) + the rate at a large batch, which the
+# rounding keeps above): a fake run logs them as that line. The bytes of every other op of WORKSPACE are oneDNN's
+# choice per size (a 1x1 convolution 0 B up to batch 13, 1.4 MiB at 16; a transposed one's grows faster from 8): a
+# line through a few batches held below the allocator beyond them (a U-Net's step at batch 37: 0.975), so the
+# training memory model measures them at each batch it is asked about (`memfit.memory.kernel_scratch`)
+BOUNDED_IN_BATCH = _ROUNDED
 _LINE = (2, 4, 8)                # the batches whose workspaces give the line (constant, bytes per sample)
 _MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured on real arguments of those shapes
 
@@ -180,6 +187,21 @@ def inside_bytes(func, args, kwargs) -> int:
     outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
             for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
     return max(0, mem.peak - sum(outs.values()))
+
+
+def as_real_kernel_takes(func, args, kwargs: dict) -> tuple[list, dict]:
+    """(args, kwargs): real arguments made from a fake run's, as the real kernel gets them where the two differ: the
+    real forward of batch norm (and of layer norm with float32 weights) on half-precision inputs saved its
+    statistics in float32 (see `real_bytes`), the fake one in the input's dtype."""
+    half = (torch.float16, torch.bfloat16)
+    args = list(args)
+    if func is torch.ops.aten.native_batch_norm_backward.default and args[1].dtype in half \
+            and args[2] is not None and args[2].dtype == torch.float32:
+        return [a.float() if i in (5, 6) and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)], kwargs
+    if func is torch.ops.aten.native_layer_norm_backward.default and args[1].dtype in half \
+            and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[5:7]):
+        return [a.float() if i in (3, 4) else a for i, a in enumerate(args)], kwargs
+    return args, kwargs
 
 
 def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
@@ -223,20 +245,9 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
             mask = r_kwargs.get("attn_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() and mask.shape[0] == b > 1:
                 r_kwargs = {**r_kwargs, "attn_mask": grow(mask, 0, k)}
-            return r_args, r_kwargs
+            return as_real_kernel_takes(func, r_args, r_kwargs)
         with unset_fake_temporarily(), torch.no_grad():
             r_args, r_kwargs = tree_map(real, (args, kwargs))
-            if func is torch.ops.aten.native_batch_norm_backward.default and r_args[1].dtype in (
-                    torch.float16, torch.bfloat16) and r_args[2] is not None and r_args[2].dtype == torch.float32:
-                # the real forward saved its statistics in float32 (see `real_bytes`), the fake one in the
-                # input's dtype: with float32 weights, the real kernel takes float32 ones
-                r_args = [a.float() if i in (5, 6) and isinstance(a, torch.Tensor) else a
-                          for i, a in enumerate(r_args)]
-            if func is torch.ops.aten.native_layer_norm_backward.default and r_args[1].dtype in (
-                    torch.float16, torch.bfloat16) and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32
-                                                           for a in r_args[5:7]):
-                # the same for layer norm with float32 weights (see `LAYER_NORM`)
-                r_args = [a.float() if i in (3, 4) else a for i, a in enumerate(r_args)]
             b = r_args[0].shape[dims[0]]
             if func in _ROUNDED:
                 # oneDNN's RNN sizes its buffers as parts each rounded up to an alignment: w(b) <= s*b + w(1)
@@ -248,7 +259,8 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
                 rate = -(-_measured(func, *at(r_args, r_kwargs, m)) // m)
                 _WORKSPACE_BYTES[key] = (one, rate * b)
                 return _WORKSPACE_BYTES[key]
-            w = lambda k: _measured(func, *at(r_args, r_kwargs, k)) if k != b else _measured(func, r_args, r_kwargs)
+            w = lambda k: _measured(func, *at(r_args, r_kwargs, k)) if k != b else \
+                _measured(func, *as_real_kernel_takes(func, r_args, r_kwargs))
             if b == 1:
                 # a kernel may take another path at batch 1 (oneDNN's convolution backward does: 192 bytes there,
                 # 22 KiB at 2 for a small layer): its own bytes, which a line through larger batches would not give

@@ -28,7 +28,14 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
 from memfit.memory.allocator import rounder
-from memfit.memory.fake_kernels import REAL_SIZE, WORKSPACE, host_tensors_logged, real_bytes, workspace_bytes
+from memfit.memory.fake_kernels import (
+    BOUNDED_IN_BATCH,
+    REAL_SIZE,
+    WORKSPACE,
+    host_tensors_logged,
+    real_bytes,
+    workspace_bytes,
+)
 from memfit.memory.isolation import fake_section, predicting, structural_copy
 from memfit.memory.kernel_scratch import measured_here, spec_of
 from memfit.memory.kinds import STEP_KINDS
@@ -76,7 +83,8 @@ class _StorageLog:
 
     def __init__(self, device: torch.device, scratch: bool = False):
         self.device = device
-        self.scratch = scratch and device.type == "cpu"   # note the ops whose kernels' scratch is measured
+        self.scratch = scratch and device.type == "cpu"   # note the ops whose kernels' scratch (and workspaces)
+        #                                                   the memory model measures at each batch
         self.scratch_ops: list[tuple[int, object, object]] = []   # (op index, op, ArgSpec): `_Run.scratch`
         self.ops: list = []                           # the OpOverload of every op, in order
         self.log: list[tuple[int, int, int]] = []
@@ -147,9 +155,14 @@ class _StorageLog:
             self.workspaces -= 1
             self.log.append((op, self.workspaces, 8))
             self.saved_scalars.append(self.workspaces)
-        if func in WORKSPACE and self.device.type == "cpu":
+        if func in WORKSPACE and self.scratch and func not in BOUNDED_IN_BATCH:
+            # what the real kernel allocates inside is not a line in the batch (oneDNN picks its algorithm by size:
+            # a 1x1 convolution's workspace is 0 B up to batch 13 and 1.4 MiB at 16): measured by the memory model
+            # at each batch it is asked about, as the scratch below (`kernel_scratch`)
+            self.scratch_ops.append((op, func, spec_of(args, kwargs)))
+        elif func in WORKSPACE and self.device.type == "cpu":
             # what the real kernel allocates inside and frees before it returns: live at this op only, as a part
-            # the same at every batch and one that grows with it
+            # the same at every batch and one that grows with it (the batch of this run: exact here)
             for extra in workspace_bytes(func, args, kwargs):
                 if extra:
                     self.workspaces -= 1                  # a key no storage has

@@ -8,6 +8,8 @@ the exact line `a + b * n` (rationals, rounded up).
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,12 +51,18 @@ class InferenceMemoryModel:
     train: bool = False
     _cache: dict[int, tuple[int, int]] = field(default_factory=dict)
     _cap: object = None                               # a capture with a symbolic batch: exact placements at any n
+    # n -> a capture at batch n below the symbolic range, made when first asked (None once the model is gone). Batch
+    # 1 is planned from a capture of its own, whose graph may differ: BERT's attention mask computed once for both
+    # layers there, once per layer in the symbolic graph (0.9998x the allocator from the symbolic graph's sizes)
+    _capture_below: Callable = field(default=lambda n: None, repr=False)
 
     def _parts(self, n: int) -> tuple[int, int]:
         if n not in self._cache and self._cap is not None:
-            # batch 1 lies below the symbolic range (it is planned from a capture of its own): the
-            # symbolic graph's sizes at n=1, no export
-            rep = place_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
+            own = self._capture_below(n) if n < self._cap.batch_range[0] else None
+            if own is not None:     # below the symbolic range (batch 1): its own capture, as `plan` makes it
+                rep = place_at(own, n, algorithm=self.algorithm).report
+            else:                   # (the model is gone: the symbolic graph's sizes at n, an estimate)
+                rep = place_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
             self._cache[n] = (rep.arena_bytes, rep.unplanned_bytes)
         if n not in self._cache:
             arena = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._arena)]
@@ -98,6 +106,21 @@ class InferenceMemoryModel:
         return "\n".join(lines)
 
 
+def _capture_at(model, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> Callable:
+    """n -> the capture of `model` at batch n (once), or None when the model is gone: a weak reference, so that a
+    memory model kept per model (`memory.cache`) does not keep its model alive."""
+    ref, made = weakref.ref(model), {}
+
+    def at(n: int):
+        if n not in made:
+            m = ref()
+            if m is None:
+                return None
+            made[n] = capture_model(m, (torch.zeros((n, *shape), dtype=dtype, device=dev),))
+        return made[n]
+    return at
+
+
 def _size(s1: int, s2: int, n: int) -> int:
     """Bytes at batch n of a tensor of s1 bytes at PROBES[0] and s2 at PROBES[1]."""
     return exact_line_at(s1, s2, *PROBES, n)
@@ -114,8 +137,10 @@ def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algo
     cap = capture_model(model, (torch.zeros((PROBES[0], *shape), dtype=dtype, device=dev),))
     if cap.dynamic:           # one export; the placement at any n has every tensor's exact size
         rep = place_at(cap, PROBES[0], algorithm=algorithm).report
-        how = "planned arena: exact placements at any batch from one capture with a symbolic batch"
-        return InferenceMemoryModel(rep.param_bytes, per_sample, how, algorithm, [], [], dev, _cap=cap)
+        how = ("planned arena: exact placements at any batch from one capture with a symbolic batch (batch 1 from a "
+               "capture of its own, as planned)")
+        return InferenceMemoryModel(rep.param_bytes, per_sample, how, algorithm, [], [], dev, _cap=cap,
+                                    _capture_below=_capture_at(model, shape, dtype, dev))
     # a static capture: placements at 2 and 4, each tensor's size the exact line through its two sizes
     placements = [place(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
                   for n in PROBES]

@@ -157,7 +157,9 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
     mm = memory_model(model, sample_shape, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
                       autocast=autocast, dtype=dtype, device=device, parallel=parallel, world_size=world_size)
     need = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n
-    n = largest_fitting(need, budget, limit)
+    lower = getattr(mm, "lower_bytes", None)       # a step model: its measured workspaces asked near the answer only
+    n = largest_fitting(need, budget, limit,
+                        below=None if lower is None else lambda n: lower(n) + extra_bytes_per_sample * n)
     if n == 0:
         parts = {**mm.breakdown(1), **({"extra per sample": extra_bytes_per_sample} if extra_bytes_per_sample else {})}
         what = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)

@@ -131,18 +131,19 @@ class StepMemoryModel:
         a, b = self._grads
         return int(np.ceil(a + b * n))
 
-    def _peak(self, n: int) -> tuple[int, np.ndarray]:
+    def _peak(self, n: int, inside: bool = True) -> tuple[int, np.ndarray]:
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
         if n in self._measured:       # a size run on its own (batch 1) is exact there: a kernel may take another
             live = self._measured[n]  # path at it (oneDNN's convolution backward: 192 B inside, 22 KiB from batch 2)
-        if self._scratch:
+        if self._scratch and inside:
             live = live + self._scratch_bytes(n, live)
         k = int(np.argmax(live.sum(axis=1)))
         return k, np.ceil(live[k]).astype(np.int64)
 
     def _scratch_bytes(self, n: int, live: np.ndarray) -> np.ndarray:
-        """(ops, kinds) like `live`: the scratch the half-precision kernels allocate inside at batch n, measured by
-        the real kernels at that batch's shapes (`memfit.memory.kernel_scratch`; not a line in the batch: oneDNN
+        """(ops, kinds) like `live`: what kernels allocate inside at batch n (oneDNN's workspaces, the scratch of
+        kernels on half-precision arguments), measured by the real kernels at that batch's shapes
+        (`memfit.memory.kernel_scratch`; not a line in the batch: oneDNN
         picks its algorithm by size), at its op's row: batch 4's ops, or batch n's own where it ran other ops (its
         own exact run); where the rows are one line above the peaks, the largest."""
         if n not in self._scratch_at:
@@ -156,10 +157,12 @@ class StepMemoryModel:
             self._scratch_at[n] = extra
         return self._scratch_at[n]
 
-    def breakdown(self, n: int) -> dict[str, int]:
-        """Bytes at the step's peak for a batch of n, by kind (they sum to `total_bytes(n)`)."""
+    def breakdown(self, n: int, *, inside: bool = True) -> dict[str, int]:
+        """Bytes at the step's peak for a batch of n, by kind (they sum to `total_bytes(n)`); inside=False leaves
+        out what kernels allocate inside that is measured by running them at each size asked about (see
+        `lower_bytes`)."""
         n = _batch(n)
-        _, parts = self._peak(n)
+        _, parts = self._peak(n, inside)
         out = {"parameters": self.param_bytes, "inputs": 0}
         for kind, (a, b) in self._held.items():
             out[kind] = out.get(kind, 0) + a + b * n
@@ -183,6 +186,13 @@ class StepMemoryModel:
     def total_bytes(self, n: int) -> int:
         """Bytes held at the peak of the step (or forward) for a batch of n."""
         return sum(self.breakdown(n).values())
+
+    def lower_bytes(self, n: int) -> int:
+        """`total_bytes(n)` without what kernels allocate inside that is measured by running them at batch n
+        (oneDNN's workspaces, half-precision scratch): never above `total_bytes(n)`, and free at any n. Searches
+        for the largest batch that fits start below its answer (`memfit.budget.largest_fitting(below=...)`), so
+        the real kernels run only near the answer."""
+        return sum(self.breakdown(n, inside=False).values())
 
     def peak_phase(self, n: int) -> str:
         """Where the peak falls for a batch of n: 'forward', 'backward', 'step' or 'zero_grad'."""
@@ -373,8 +383,8 @@ def _fit(spec: StepSpec, why: str) -> StepMemoryModel:
         (" (no optimizer: no step)" if train and spec.optimizer is None else "")
     scratch = _scratch_ops(runs, fit.measured)
     if scratch[4]:
-        how += (f"; the scratch {len(scratch[4])} kernels on half-precision arguments allocate inside measured from "
-                "the real kernels at each batch size asked about")
+        how += (f"; what {len(scratch[4])} kernels allocate inside (oneDNN's workspaces, the scratch of kernels on "
+                "half-precision arguments) measured from the real kernels at each batch size asked about")
         if any(s.lines is None for s in scratch[4]):
             how += ("; APPROXIMATE: the scratch of ops whose argument sizes are not affine in the batch scaled up "
                     "from batch 4")

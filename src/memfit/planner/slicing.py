@@ -102,10 +102,24 @@ class SlicedSegment:
         return out
 
     def slice_bytes(self, env: dict, n: int) -> int:
-        """The most bytes one slice holds at once beyond the segment's input and output, for a batch of n: a
-        step's input and output at the slice's size and what its kernel allocates inside."""
-        from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
-        s = max(b - a for a, b in self.slices(n))
+        """The most bytes the segment holds at once beyond its input and its whole output (both counted beside
+        this), for a batch of n. The whole output is allocated after the first slice (`__call__`: from that slice's
+        strides), so the first slice's peak holds it in none of its bytes: where the batch is one slice (a batch of
+        3 in slices of 2), the figure is that slice's peak less the output, else the output was counted twice (a
+        CNN's planned call predicted 1.11x its allocator peak at batch 3). Each later slice runs beside the output;
+        the copy of a later slice's result into it is in that slice's peak (its last step's output), the copy of the
+        first slice's result is beside the output (twice the output's bytes where the batch is one slice)."""
+        cuts = self.slices(n)
+        k = cuts[0][1] - cuts[0][0]
+        nbytes = lambda m: span_bytes(m.shape, m.strides, m.dtype)
+        first, part = self._slice_peak(env, k), nbytes(_at(self.steps[-1].val, env, k))
+        later = max((self._slice_peak(env, size) for size in {b - a for a, b in cuts[1:]}), default=0)
+        return max(first - nbytes(_at(self.steps[-1].val, env, n)), part, later)
+
+    def _slice_peak(self, env: dict, s: int) -> int:
+        """The most bytes one slice of s samples holds at once: a step's input and output at the slice's size and
+        what its kernel allocates inside."""
+        from memfit.planner.workspaces import inside_parts
         prev, most = _at(self.input_val, env, s), 0
         for i, st in enumerate(self.steps):
             m = _at(st.val, env, s)
@@ -113,12 +127,10 @@ class SlicedSegment:
             out = sum(span_bytes(o.shape, o.strides, o.dtype) for o in (_at(v, env, s) if Meta.of(v, env).shape[:1]
                                                                           == Meta.of(st.val, env).shape[:1]
                                                                           else Meta.of(v, env) for v in st.outputs))
-            inside = 0
-            if st.target in WORKSPACE:
-                args = [_meta(prev) if a == "x" else _meta(Meta.of(self.param_vals[a[1]], env)) if _is_param(a)
-                        else a for a in st.args]
-                inside = sum(workspace_bytes(st.target, tuple(args), st.kwargs))
-            held = out + (0 if i == 0 else span_bytes(prev.shape, prev.strides, prev.dtype))   # slice 0: a view
+            args = [_meta(prev) if a == "x" else _meta(Meta.of(self.param_vals[a[1]], env)) if _is_param(a)
+                    else a for a in st.args]
+            inside = sum(inside_parts(st.target, tuple(args), st.kwargs))
+            held = out + (0 if i == 0 else span_bytes(prev.shape, prev.strides, prev.dtype))   # step 0: x's view
             most = max(most, held + inside)
             prev = m
         return most
@@ -196,13 +208,12 @@ def _segment(start: Node, steps: list, env: dict) -> tuple[int, int, float] | No
 
 def _inside_parts(node: Node, env: dict) -> tuple[int, int]:
     """(the same at every batch, the part that grows with it): bytes the op's real kernel allocates beyond its
-    outputs at this batch (`fake_kernels.workspace_bytes`)."""
-    from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
-    from memfit.planner.workspaces import _arg
-    if node.target not in WORKSPACE:
+    outputs at this batch (`planner.workspaces.inside_parts`)."""
+    from memfit.planner.workspaces import _arg, inside_parts
+    if not isinstance(node.target, torch._ops.OpOverload):
         return 0, 0
-    return workspace_bytes(node.target, tuple(_arg(a, env) for a in node.args),
-                           {k: _arg(v, env) for k, v in node.kwargs.items()})
+    return inside_parts(node.target, tuple(_arg(a, env) for a in node.args),
+                        {k: _arg(v, env) for k, v in node.kwargs.items()})
 
 
 def _inside(node: Node, env: dict) -> int:

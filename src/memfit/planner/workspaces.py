@@ -1,6 +1,8 @@
 """What the planned forward's kernels allocate inside, beyond their outputs: oneDNN convolution's reordered
 weights and the result it copies into its output, max pooling's indices, flash attention's buffers
-(`memfit.memory.fake_kernels.WORKSPACE`, measured from the real kernels). Live at their op only: the planner
+(`memfit.memory.fake_kernels.WORKSPACE`, measured from the real kernels), and the scratch of kernels on
+half-precision arguments (`memfit.memory.kernel_scratch`: `mean` of a bfloat16 tensor sums a float32 copy of it,
+twice the input's bytes; oneDNN's bf16 matmuls pack their operands). Live at their op only: the planner
 counts them with the tensors outside the arena, so its report, and the memory model built on it, are never
 below what the allocator serves.
 
@@ -21,7 +23,7 @@ from torch.fx import Node
 from memfit.planner.arena import Buffer
 from memfit.planner.graph import Graph, Meta, concrete
 
-__all__ = ["workspaces"]
+__all__ = ["inside_parts", "workspaces"]
 
 
 def _arg(a, env: dict):
@@ -65,11 +67,26 @@ def _replacement_bytes(fn, args: tuple, kwargs: dict) -> int:
     return _REPLACEMENT_BYTES[key]
 
 
+def inside_parts(target, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(the same at every batch, the part that grows with it): bytes the real CPU kernel of `target` allocates beyond
+    its outputs on arguments of these shapes (meta tensors at one batch). The ops of `fake_kernels.WORKSPACE` split
+    the two (`workspace_bytes`); any other op on half-precision arguments (or floating ones of two dtypes) is run
+    for real on zeros of these shapes (`kernel_scratch.scratch_bytes`, once per shapes and thread count), all of it
+    counted as growing with the batch. The functional kernel is measured: on the planner's `out=` variants the
+    bytes were the same (bf16 `mean`, `add` of bf16 and float32, `addmm`, `mm`, `bmm`, `gelu`, `sum`)."""
+    from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
+    from memfit.memory.kernel_scratch import measured_here, scratch_bytes, spec_of
+    if target in WORKSPACE:
+        return workspace_bytes(target, args, kwargs)
+    if measured_here(target, args, kwargs):
+        return 0, scratch_bytes(target, spec_of(args, kwargs))
+    return 0, 0
+
+
 def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
     """One buffer per op of `graph` whose real kernel allocates inside (on the CPU), alive at that op only."""
     if device_type != "cpu":
         return []                           # CUDA library workspaces: a known limitation (memory.allocator)
-    from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
     out = []
     from memfit.planner.slicing import SlicedSegment
     for op in graph.ops:
@@ -85,11 +102,11 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
             if size:
                 out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
             continue
-        if target not in WORKSPACE:
-            continue
+        if op.mode not in ("call", "out") or not isinstance(target, torch._ops.OpOverload):
+            continue                        # views and getitem allocate nothing
         args = tuple(_arg(a, env) for a in op.node.args)
         kwargs = {k: _arg(v, env) for k, v in op.node.kwargs.items()}
-        size = sum(workspace_bytes(target, args, kwargs))
+        size = sum(inside_parts(target, args, kwargs))
         if size:
             out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
     return out

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from memfit import plan
+from memfit import memory_model, plan
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import (
     machine_header,
@@ -40,6 +40,7 @@ from memfit.cli.bench.common import (
     table,
     to_csv,
 )
+from memfit.memory.kinds import MemoryKind
 from memfit.memory.measure import track_memory
 from memfit.messages import first_line, whole_words
 from memfit.planner.planned import plan_captured
@@ -103,6 +104,12 @@ def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> d
 
 
 REAL_TARGETS = {"latency": 1.00, "latency_geo": 0.95, "total/eager": 1.00, "arena/bound": 1.02}
+MODEL_RANGE = (1.00, 1.05)      # memory_model's planned bytes / the allocator's: never below, at most 5% above
+_HELD = {MemoryKind.PARAMETERS.value, MemoryKind.INPUTS.value}
+
+
+def _model_ok(ratio: float) -> bool:
+    return MODEL_RANGE[0] <= ratio <= MODEL_RANGE[1]
 
 
 def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int, compiled: bool = True,
@@ -120,16 +127,23 @@ def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int, 
     t0 = time.perf_counter()
     pm = plan(model, (make_input(batches[0]),))
     plan_s = time.perf_counter() - t0
+    mm = memory_model(model, make_input(2))           # what a user asks for the bytes of this planned call
     rows = []
     for b in batches:
         x = make_input(b)
         row = _row(name, model, pm, x, repeat, plan_s if b == batches[0] else 0.0)
+        # the memory model's bytes beyond parameters and inputs (arena + unplanned + its stated margin: 16 B on the
+        # CPU for a Python number an op wraps, as GPT-2's `mul` does, 12 B) against the planned call's by the
+        # allocator (its arena + its peak beyond it)
+        row["predicted"] = sum(v for k, v in mm.breakdown(b).items() if k not in _HELD)
+        row["model/real"] = row["predicted"] / max(row["planned_total"], 1)
         if compiled and (not quick or b == batches[-1]):
             row.update(compiled_columns(model, x, row["planned_total"], repeat))
         row["PASS/MISS"] = " ".join(
             f"{key}:{'PASS' if row[col] <= REAL_TARGETS[key] else 'MISS'}"
             for key, col in (("latency", "latency_ratio"), ("total/eager", "total/eager"),
-                             ("arena/bound", "arena/bound")))
+                             ("arena/bound", "arena/bound"))) + \
+            f" model/real:{'PASS' if _model_ok(row['model/real']) else 'MISS'}"
         rows.append(row)
     return rows
 
@@ -162,6 +176,12 @@ def verdicts_real(rows: list[dict]) -> list[str]:
         miss = [f"{r['model']}/{r['batch']} ({r[col]:.3f})" for r in rows if r[col] > REAL_TARGETS[key]]
         out.append(f"{col} <= {REAL_TARGETS[key]:.2f} for every model: "
                    f"{'PASS' if not miss else 'MISS ' + ', '.join(miss)}")
+    off = [f"{r['model']}/{r['batch']} ({r['predicted'] - r['planned_total']:+d} B)" for r in rows
+           if not _model_ok(r["model/real"])]
+    ratios = [r["model/real"] for r in rows]
+    out.append(f"memory_model / allocator, the planned call's arena + unplanned, in [{min(ratios):.4f}, "
+               f"{max(ratios):.4f}] (target every row in [{MODEL_RANGE[0]:.2f}, {MODEL_RANGE[1]:.2f}]): "
+               f"{'PASS' if not off else 'MISS ' + ', '.join(off)}")
     # the symbolic batch starts at 2 (export specialises sizes of 1), so batch 1 has a capture of its own
     batches = {}
     for r in rows:
@@ -289,7 +309,8 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
                     vs += (f", compile {r['compile_cold_s']:.1f} s cold / {r['compile_warm_s']:.1f} s warm C++ cache, "
                            f"plan {new[0]['plan_s']:.1f} s")
                 print(f"# {name} batch {r['batch']}: arena/bound {r['arena/bound']:.3f}, (arena + unplanned) / eager "
-                      f"{r['total/eager']:.2f}, latency {r['latency_ratio']:.2f}x eager{vs}", flush=True)
+                      f"{r['total/eager']:.2f}, memory model / allocator {r['model/real']:.4f}, latency "
+                      f"{r['latency_ratio']:.2f}x eager{vs}", flush=True)
     lines = verdicts_real(rows) if rows else ["no model ran"]
     warning = spread_warning()
     if warning:
@@ -298,9 +319,12 @@ def run_real(models, batches=(1, 8), quick: bool = False, repeat: int = 5, csv: 
         print(json.dumps({"machine": machine_header("cpu"), "rows": rows, "targets": lines}))
     else:
         cols = ["model", "batch", "eager_peak", "arena", "bound", "arena/bound", "unplanned", "total/eager",
-                "order", "graph_order_total", "reorder_saved", "eager_ms", "planned_ms", "latency_ratio", "PASS/MISS"]
+                "predicted", "model/real", "order", "graph_order_total", "reorder_saved", "eager_ms", "planned_ms",
+                "latency_ratio", "PASS/MISS"]
+        print("# predicted: memfit.memory_model(model, example) at this batch, its arena + unplanned bytes + its "
+              "stated margin (16 B on the CPU); model/real: that / (arena + unplanned by the allocator)")
         print(table(rows, cols, bytes_columns={"eager_peak", "arena", "bound", "unplanned", "graph_order_total",
-                                               "reorder_saved"}))
+                                               "reorder_saved", "predicted"}))
         vs = [r for r in rows if "compiled" in r]
         if vs:
             print("# torch.compile (inductor, static shapes), peaks by the allocator; planned = arena + unplanned.\n"

@@ -13,8 +13,9 @@ capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, tw
 2. max batch: `memfit.max_batch_size(train=True)` for an emulated device of 1.5x the measured peak at
    the larger size, against the largest batch whose real step fits it (bisection on the measured
    figure). Target >= 0.9, and the predicted size really fits (0 out-of-memory errors).
-3. predict cost: the first `memory_model` call for a fresh model (nothing cached) against one real step
-   at the largest batch that really fits the emulated device (the least that finding it by trial costs).
+3. predict cost: the first `memory_model` call for a fresh model (nothing cached) and its first answer at the
+   larger size (kernels' workspaces are measured at each size asked about) against one real step at the
+   largest batch that really fits the emulated device (the least that finding it by trial costs).
    Target < 2x. A fake run costs about the same at any width (its work is Python per op), so on these
    small models a real step is cheaper than predicting; a second table times BERT and GPT-2 at the widths
    people train (BERT-base / GPT-2 small shapes; 256 wide, 4 layers with --quick), where the target is.
@@ -65,7 +66,7 @@ TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "max_batch": 0.9, "predict_cost"
 def cost_row(case: Case, n: int, repeat: int) -> dict:
     """The first prediction for a fresh model against one real step at batch n, and predicted / measured peak."""
     measured = measured_peak(case, n)
-    mm, pred_s = predict(case)
+    mm, pred_s = predict(case, (n,))
     model = case.make()
     opt = _optimizer(model)
     x, y = case.batch(n)
@@ -151,14 +152,17 @@ def memory_model_api() -> tuple[Callable | None, str]:
     return step_memory_model, "memfit.memory.step_model.step_memory_model"
 
 
-def predict(case: Case):
+def predict(case: Case, sizes=()):
     """(the memory model of a training step of a fresh model, the seconds it took: the first prediction for
-    this model, nothing cached)."""
+    this model, nothing cached, and its first answer at each of `sizes`: the kernels' workspaces are measured on
+    the real kernels at each batch size asked about, the first time it is asked)."""
     mm_fn, _ = memory_model_api()
     model = case.make()
     x, y = case.batch(2)
     t0 = time.perf_counter()
     mm = mm_fn(model, x, train=True, optimizer=_optimizer(model), loss_fn=case.loss, target=y)
+    for n in sizes:
+        mm.total_bytes(n)
     return mm, time.perf_counter() - t0
 
 
@@ -182,7 +186,7 @@ def predicted_max_batch(case: Case, mm, budget: int) -> tuple[int, str]:
 # ---- rows ---------------------------------------------------------------------------------------------------
 def memory_rows(case: Case, sizes, room: float = 1.5, repeat: int = 3, contenders: bool = True) -> list[dict]:
     measured = [measured_peak(case, n) for n in sizes]
-    mm, pred_s = predict(case)
+    mm, pred_s = predict(case, sizes[-1:])
     budget = int(room * measured[-1])
     mbs, _ = predicted_max_batch(case, mm, budget)
     best, fits = largest_really_fitting(case, budget, mbs)
@@ -215,9 +219,11 @@ def grad_rel_error(ref, mod) -> float:
     return max(((g - h).abs().max() / max(g.abs().max().item(), 1e-3 * top, 1e-30)).item() for g, h in pairs)
 
 
-def accumulate_peak(model, opt, x, y, loss, **kw):
-    """(live bytes at the peak of one real accumulate step, its StepResult), what it holds before included."""
-    model.zero_grad(set_to_none=True)
+def accumulate_peak(model, opt, x, y, loss, grads_held: bool = False, **kw):
+    """(live bytes at the peak of one real accumulate step, its StepResult), what it holds before included; with
+    `grads_held`, the gradients of the step before are held on entry (else dropped first)."""
+    if not grads_held:
+        model.zero_grad(set_to_none=True)
     base = _held(model, opt, x, y)
     with track_memory(next(model.parameters()).device) as mem:
         r = accumulate(model, opt, (x, y), loss, **kw)
@@ -250,15 +256,17 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
            "auto micro": r.micro_batch if auto else f"{n} (given: no memory model)", "plain s": t_plain,
            "accumulate s": t_acc, "plain/accumulate": ratio}
     if auto:
+        # measured in the steady state the choice is made for: the gradients of the step before held on entry
+        # (accumulate keeps them referenced through the step and counts them, held now or not)
         quarter = max(1, math.ceil(n / 4))
-        budget, _ = accumulate_peak(mod, opt, x, y, case.loss, micro_batch=quarter)
+        budget, _ = accumulate_peak(mod, opt, x, y, case.loss, grads_held=True, micro_batch=quarter)
         budget += 4096          # room for accumulate's own scalars, which the prediction counts at their largest
         if dev.type == "cuda":  # predictions there add the allocator's stated margin: a measured budget is below
             budget = max(budget, training_peak(mod, opt, case.loss, x, y)[0](quarter))
         row.update({"tight budget": format_bytes(budget), "micro fits": quarter})
         try:
             accumulate(mod, opt, (x, y), case.loss, budget=budget)       # chooses (the fake runs: not measured)
-            peak, r = accumulate_peak(mod, opt, x, y, case.loss, budget=budget)
+            peak, r = accumulate_peak(mod, opt, x, y, case.loss, grads_held=True, budget=budget)
         except MemoryError as e:                                  # refused: a row that says so, and a MISS
             row.update({"auto picks": f"refused ({type(e).__name__})", "real/budget": math.inf})
             return row
@@ -309,7 +317,8 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
         print(f"not available: {mm_name}; the peak, max-batch and predict-cost targets are not measured")
     print(f"# accumulation at batch {sizes[-1]}: gradient vs one plain step; step time at the auto micro-batch "
           "(budget 1TiB: the whole batch fits) vs the plain step; tight budget: the measured peak of accumulate "
-          "in micro-batches of a quarter (micro fits) + 4 KiB, the size auto picks there and its real peak")
+          "in micro-batches of a quarter (micro fits) + 4 KiB, the previous step's gradients held on entry (the "
+          "steady state auto's choice counts), the size auto picks there and its real peak")
     print(table(acc_rows))
     _verdicts(mem_rows, acc_rows, have_mm, cost_rows)
     warning = spread_warning()
