@@ -23,8 +23,10 @@ less the blocks' forwards again, from the two block sizes). torch's generators a
 
 Known limitations: the chain's host work per forward op is about a floor: the forwards of the six models of
 `memfit bench fit` (transformers' and plain torch.nn code) cost 12.7-19.9 us an op against its 12.4-13.2, so
-splitting a batch is predicted a little cheaper than it is (mean -7% over that bench's grid); kernels are timed warm and alone (in a step their data is not always in cache: 7-35%
-slower for the larger ones measured); a kernel whose arguments at a micro-batch size exceed `CAP` is timed at
+splitting a batch is predicted a little cheaper than it is (mean -7% over that bench's grid); kernels are timed
+warm and alone (in a step their data is not always in cache: 7-35% slower for the larger ones measured); the
+chain's figures move with the machine's load (8.7-13.2 us a forward op in separate processes on the busy VM); a
+kernel whose arguments at a micro-batch size exceed `CAP` is timed at
 the largest halving of that size within it and scaled up in proportion (one with no batch dimension, or over
 `CAP` at one sample, and one that fails on ones, is priced by the larger of its FLOPs at a large matmul's rate
 and its bytes at a copy's); accumulate's own bookkeeping per micro-batch (about 0.1 ms) is left out.
