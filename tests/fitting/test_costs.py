@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.fitting import costs
+from memfit.fitting import costs, host
 from memfit.fitting.search import Setting, step_seconds
 
 DEV = torch.device("cpu")
@@ -136,7 +136,7 @@ def test_predicted_order_of_settings_whose_true_order_is_known_by_construction()
     x, y = torch.randn(8, 256), torch.randn(8, 256)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step, blocks, once = costs.step_costs(model, x, y, F.mse_loss, ["0", "1"], sizes=[1, 8], optimizer=opt)
-    machine = costs.machine(DEV)
+    machine = host.machine(DEV)
     at = lambda m, s: step_seconds(8, m, step, blocks, Setting(s), machine, once)
     assert at(8, ("0",)) > at(8, ("1",)) > at(8, ())
     assert at(1, ()) > at(8, ())

@@ -25,7 +25,8 @@ import torch
 from memfit.accumulation.checks import batch_dependent_modules
 from memfit.budget import model_device
 from memfit.fitting.checkpointing import checkpointed
-from memfit.fitting.costs import machine, step_costs
+from memfit.fitting.costs import step_costs
+from memfit.fitting.host import machine
 from memfit.fitting.nothing_fits import nothing_fits
 from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
 from memfit.memory.micro_batch import training_peak

@@ -8,7 +8,7 @@ Why kernels are timed rather than priced from FLOPs at one matmul's rate: the ke
 sizes people split batches into are far from any one rate. On a 2-core VM, one thread: a 512-square matmul ran at
 87 GFLOP/s, a 32-square one at 24, an 8-square one at under 1; ConvNeXt's convolutions' backward took 4.4 of its
 6.8 ms of kernels at batch 8; GPT-2's tanh cost over 10x what its bytes at copy speed say. Timed kernels plus
-the host's work per op (`memfit.fitting.costs.machine`) came 2-18% below a real forward and backward at
+the host's work per op (`memfit.fitting.host.machine`) came 2-18% below a real forward and backward at
 micro-batch 2 of the six models of `memfit bench fit` (their forwards' Python costs 1.2-2x the measuring chain's
 per op, and kernels run slower in a step than alone: their data is not in cache).
 
