@@ -58,9 +58,17 @@ def test_bench_fit_budgets_are_the_three_the_issue_names():
     assert b["only checkpointing"] == (106 + 110) // 2       # below m = 1 without checkpointing, above m = 1 with both
 
 
-def test_bench_fit_calls_a_shortfall_the_time_models_only_beyond_the_noise():
-    from memfit.cli.bench.fit import shortfall_is_the_models
-    row = lambda fastest, own, spread: {"fastest/plan": fastest, "self/plan": own, "spread": spread}
-    assert shortfall_is_the_models(row(0.85, 1.00, 0.05))        # 15% faster; identical steps agree within 5%
-    assert not shortfall_is_the_models(row(0.85, 0.88, 0.10))    # identical steps measured 12% apart too
-    assert not shortfall_is_the_models(row(0.90, 1.00, 0.20))    # the rounds spread wider than the gap
+def test_bench_fit_measures_the_time_model_at_every_grid_point_but_the_plain_step():
+    """The error table's figures: predicted / measured - 1 per point, from the exhaustive plan's times and the grid's
+    measured relative times (made up here: the reference is the arithmetic)."""
+    from types import SimpleNamespace
+
+    from memfit.cli.bench.fit import model_errors
+    from memfit.fitting.search import Alternative, Setting
+    alts = [Alternative(8, Setting(), 1.0), Alternative(4, Setting(), 1.5), Alternative(8, Setting(("a",)), 1.2),
+            Alternative(8, Setting((), "bfloat16"), 0.7)]          # a lever's alternative: not on the grid
+    measured = {(8, ()): (100, 1.0), (4, ()): (90, 1.25), (8, ("a",)): (80, 1.2)}
+    got = model_errors(SimpleNamespace(name="m"), SimpleNamespace(alternatives=alts, n=8), measured)
+    assert got["points"] == 2 and sorted(got["errors"]) == pytest.approx([0.0, 0.2])
+    assert got["worst |err|"] == pytest.approx(0.2) and got["worst at"] == "m=4 ckpt 0"
+    assert got["median |err|"] == pytest.approx(0.1) and got["mean err"] == pytest.approx(0.1)

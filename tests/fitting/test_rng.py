@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
-from memfit.fitting import costs
+from memfit.fitting import host
 
 N, D = 8, 16
 
@@ -36,7 +36,7 @@ def test_another_threads_draws_are_neither_taken_nor_rewound_and_the_plan_is_unc
     batch = data()
     ref = memfit.fit(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), batch, F.mse_loss, "1GiB",
                      exhaustive=True)      # every checkpoint set's memory model: fake runs that recompute
-    monkeypatch.setattr(costs, "_MACHINES", {})        # the machine's rates measured again: its kernels' weights
+    monkeypatch.setattr(host, "_MACHINES", {})         # the host's costs measured again: its chain's weights
     resets = []
     for owner in (torch, torch.random):    # torch.utils.checkpoint and fork_rng set the state through these
         original = owner.set_rng_state

@@ -8,14 +8,15 @@ from memfit.fitting.search import (
     Machine,
     Setting,
     checkpoint_sets,
+    interpolate,
     micro_batch_sizes,
     search,
     step_seconds,
 )
 
-MACHINE = Machine(op_seconds=1e-5, flop_rate=1e9, byte_rate=1e10)
-STEP = Cost(ops=200, flops=(0.0, 3e6), bytes=(0.0, 3e4))
-BLOCK = Cost(ops=20, flops=(0.0, 2e5), bytes=(0.0, 2e3))
+MACHINE = Machine(op_seconds=1e-5)
+STEP = Cost(ops=200, kernels=((1, 3e-3), (16, 4.8e-2)))          # 3 ms of kernels per sample
+BLOCK = Cost(ops=20, kernels=((1, 2e-4), (16, 3.2e-3)))
 BLOCKS = {f"b{i}": BLOCK for i in range(4)}
 SETS = [Setting(s) for s in checkpoint_sets(list(BLOCKS))]
 
@@ -55,7 +56,7 @@ def test_step_seconds_counts_micro_batches_and_recompute():
     # 4 + 4 + 2: three launches of every op, the same arithmetic
     assert step_seconds(10, 4, STEP, BLOCKS, Setting(), MACHINE) == pytest.approx(plain + 2 * 200 * 1e-5)
     ckpt = step_seconds(10, 10, STEP, BLOCKS, Setting(("b0",)), MACHINE)
-    assert ckpt == pytest.approx(plain + BLOCK.at(10, MACHINE))
+    assert ckpt == pytest.approx(plain + BLOCK.recomputed(10, MACHINE))
     with pytest.raises(ValueError, match="micro-batch in"):
         step_seconds(10, 11, STEP, BLOCKS, Setting(), MACHINE)
 
@@ -90,7 +91,7 @@ def test_checkpointing_wins_where_micro_batching_would_crawl():
     # per micro-batch overhead dominates: checkpointing every block at m = n beats micro-batches of 4
     n, budget = 16, 1000 + 16 * 20
     bytes_of, _ = peaks()
-    slow_launch = Machine(op_seconds=1e-3, flop_rate=1e9, byte_rate=1e10)
+    slow_launch = Machine(op_seconds=1e-3)
     choice = search(SETS, micro_batch_sizes(n), n, STEP, BLOCKS, slow_launch, bytes_of, budget)
     assert choice.best.micro_batch == 16 and len(choice.best.setting.checkpoint) == 4
     assert "every faster alternative needs more" in choice.reason
@@ -113,12 +114,12 @@ def test_ranking_takes_the_cheaper_of_recomputing_and_splitting_as_the_costs_say
     not): the costs alone decide which is faster, both ways."""
     bytes_of = lambda s: lambda m: 100 * m - 300 * len(s.checkpoint)      # m=8: 800, ckpt 2 -> 200; m=4: 400
     budget = 450
-    launches = Machine(op_seconds=1e-3, flop_rate=1e12, byte_rate=1e12)   # a micro-batch costs 200 launches
-    cheap_block = Cost(ops=5, flops=(0.0, 1e3), bytes=(0.0, 1e2))
+    launches = Machine(op_seconds=1e-3)                                   # a micro-batch costs 200 launches
+    cheap_block = Cost(ops=5, kernels=((1, 1e-6), (8, 8e-6)))
     best = _best(STEP, {"b0": cheap_block, "b1": cheap_block}, launches, bytes_of, budget)
     assert (best.micro_batch, len(best.setting.checkpoint)) == (8, 2)      # recomputing 10 launches < 200
-    arithmetic = Machine(op_seconds=1e-9, flop_rate=1e9, byte_rate=1e12)  # launches free, FLOPs per sample
-    heavy_block = Cost(ops=5, flops=(0.0, 2e6), bytes=(0.0, 1e2))         # each block 2/3 of the step's FLOPs
+    arithmetic = Machine(op_seconds=1e-9)                                 # launches free, kernels per sample
+    heavy_block = Cost(ops=5, kernels=((1, 2e-3), (8, 1.6e-2)))           # each block 2/3 of the step's kernels
     best = _best(STEP, {"b0": heavy_block, "b1": heavy_block}, arithmetic, bytes_of, budget)
     assert (best.micro_batch, best.setting.checkpoint) == (4, ())          # splitting costs nothing extra
 
@@ -126,8 +127,8 @@ def test_ranking_takes_the_cheaper_of_recomputing_and_splitting_as_the_costs_say
 def test_ranking_uses_each_micro_batch_size_and_the_uneven_last_one():
     """A fake clock: the step costs a fixed 1 s per micro-batch plus 0.1 s per sample; of micro-batches 4 and 6
     on 10 samples (3 and 2 parts: 4 + 4 + 2, 6 + 4), 6 is faster (2.0 + 1.0 s against 3.0 + 1.0 s)."""
-    clock = Machine(op_seconds=1.0, flop_rate=1.0, byte_rate=float("inf"))
-    step = Cost(ops=1, flops=(0.0, 0.1), bytes=(0.0, 0.0))
+    clock = Machine(op_seconds=1.0)
+    step = Cost(ops=1, kernels=((1, 0.1), (10, 1.0)))
     assert step_seconds(10, 4, step, {}, Setting(), clock) == pytest.approx(4.0)
     assert step_seconds(10, 6, step, {}, Setting(), clock) == pytest.approx(3.0)
     choice = search([Setting()], [1, 2, 4, 6], 10, step, {}, clock, lambda s: lambda m: m, budget=6)
@@ -136,9 +137,9 @@ def test_ranking_uses_each_micro_batch_size_and_the_uneven_last_one():
 
 def test_ties_go_to_fewer_recomputations_then_the_larger_micro_batch():
     """Costs per sample only and free blocks: every alternative takes the same predicted time."""
-    flat = Cost(ops=0, flops=(0.0, 1e6), bytes=(0.0, 0.0))
-    free = Cost(ops=0, flops=(0.0, 0.0), bytes=(0.0, 0.0))
-    machine = Machine(op_seconds=1e-6, flop_rate=1e9, byte_rate=1e9)
+    flat = Cost(ops=0, kernels=((1, 1e-3), (8, 8e-3)))
+    free = Cost(ops=0)
+    machine = Machine(op_seconds=1e-6)
     blocks = {"b0": free, "b1": free}
     everything_fits = lambda s: lambda m: 1
     best = _best(flat, blocks, machine, everything_fits, budget=10)
@@ -165,3 +166,47 @@ def test_a_fitting_alternatives_slower_ones_are_filled_only_where_ready():
     choice = search(SETS, micro_batch_sizes(8), 8, STEP, BLOCKS, MACHINE, Lazy, budget=10**6)
     assert choice.best.micro_batch == 8 and asked == [((), 8)]
     assert [a.micro_batch for a in choice.alternatives if a.bytes is not None] == [8]
+
+
+def test_interpolate_is_exact_at_the_sizes_measured_and_linear_between_as_numpy_says():
+    import numpy as np
+    points = [(1, 0.5), (2, 0.6), (4, 1.0), (8, 1.9)]
+    for m in [1, 2, 3, 4, 5, 6, 7, 8]:
+        assert interpolate(points, m) == pytest.approx(np.interp(m, [p for p, _ in points], [s for _, s in points]))
+    assert interpolate(points, 12) == pytest.approx(1.9 + (1.9 - 1.0) / 4 * 4)     # past the last: its line
+    assert interpolate([(4, 1.0), (8, 1.9)], 2) == pytest.approx(0.5)             # below the first: in proportion
+    assert interpolate([(4, 1.0)], 6) == pytest.approx(1.5) and interpolate([], 3) == 0.0
+    assert interpolate(list(reversed(points)), 3) == pytest.approx(0.8)            # any order
+
+
+def test_a_micro_batch_sums_host_and_kernels_on_the_cpu_and_takes_the_longer_where_they_overlap():
+    cost = Cost(ops=10, backward_ops=20, kernels=((1, 1e-3), (4, 4e-3)), optimizer_ops=0)
+    cpu = Machine(op_seconds=1e-4, backward_op_seconds=5e-5)                   # 1 ms + 1 ms of host work
+    assert cost.host_seconds(cpu) == pytest.approx(2e-3)
+    assert cost.at(4, cpu) == pytest.approx(2e-3 + 4e-3)
+    cuda = Machine(op_seconds=1e-4, backward_op_seconds=5e-5, overlap=True)
+    assert cost.at(4, cuda) == pytest.approx(4e-3) and cost.at(1, cuda) == pytest.approx(2e-3)
+
+
+def test_a_checkpointed_block_adds_its_forward_and_checkpoints_own_work_per_call_and_saved_tensor():
+    block = Cost(ops=10, kernels=((1, 1e-3), (8, 8e-3)), saved=6)
+    machine = Machine(op_seconds=1e-5, checkpoint_seconds=2e-4, saved_seconds=3e-5)
+    assert block.recomputed(8, machine) == pytest.approx(10 * 1e-5 + 8e-3 + 2e-4 + 6 * 3e-5)
+    step = Cost(ops=100, kernels=((1, 1e-2), (8, 8e-2)))
+    one = step_seconds(8, 4, step, {"b": block}, Setting(("b",)), machine)
+    assert one == pytest.approx(2 * (step.at(4, machine) + block.recomputed(4, machine)))
+
+
+def test_the_optimizer_step_runs_once_and_dilutes_the_relative_times_without_reordering_them():
+    once = Cost(ops=0, optimizer_ops=100, kernels=((1, 0.05), (16, 0.05)))
+    machine = Machine(op_seconds=1e-5, optimizer_op_seconds=1e-6)
+    n = 16
+    for m in micro_batch_sizes(n):
+        with_step = step_seconds(n, m, STEP, BLOCKS, Setting(), machine, once)
+        assert with_step == pytest.approx(step_seconds(n, m, STEP, BLOCKS, Setting(), machine) + 0.05 + 1e-4)
+    fits = lambda s: lambda m: 1
+    plain = search(SETS, micro_batch_sizes(n), n, STEP, BLOCKS, machine, fits, 10, exhaustive=True)
+    diluted = search(SETS, micro_batch_sizes(n), n, STEP, BLOCKS, machine, fits, 10, exhaustive=True, once=once)
+    order = lambda c: [(a.micro_batch, a.setting) for a in c.alternatives]
+    assert order(plain) == order(diluted)
+    assert all(1.0 <= d.time <= p.time for p, d in zip(plain.alternatives, diluted.alternatives, strict=True))

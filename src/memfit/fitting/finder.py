@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from memfit.accumulation.checks import batch_dependent_modules
 from memfit.budget import model_device
 from memfit.fitting.checkpointing import checkpointed
-from memfit.fitting.costs import machine, step_costs
+from memfit.fitting.costs import step_costs
+from memfit.fitting.host import machine
 from memfit.fitting.nothing_fits import nothing_fits
 from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
 from memfit.memory.micro_batch import training_peak
@@ -83,7 +84,7 @@ class _Found:
 
 def _ranked(blocks: dict, machine_now) -> list[str]:
     """Blocks by activation bytes written per second of recomputation, most first (forward order on ties)."""
-    worth = {b: c.bytes[1] / max(c.at(1, machine_now), 1e-12) for b, c in blocks.items()}
+    worth = {b: c.written[1] / max(c.recomputed(1, machine_now), 1e-12) for b, c in blocks.items()}
     return sorted(blocks, key=lambda b: -worth[b])
 
 
@@ -95,15 +96,17 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
     dependent = batch_dependent_modules(module)
     sizes = micro_batch_sizes(n) if not dependent or allow else [n]
     precisions = [None] + [LEVERS[v] for v in levers]
-    costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p) for p in precisions}
-    rates = {p: machine(device, p or torch.float32) for p in precisions}
-    ranked = _ranked(costs[None][1], rates[None])
+    # kernels timed at every micro-batch size a step runs: the sizes searched and the uneven last ones
+    timed_at = sorted({*sizes, *(n % m for m in sizes if n % m)})
+    costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p, sizes=timed_at, optimizer=optimizer)
+             for p in precisions}
+    rates = machine(device)
+    ranked = _ranked(costs[None][1], rates)
     # bf16 autocast is not combined with checkpointing: the memory model undercounts that pair (predicted about
     # half the real peak on the CPU, torch 2.13), and a plan must never be below the real peak
     settings = [Setting(s, _name(p)) for p in precisions for s in (checkpoint_sets(ranked) if p is None else [()])]
-    # a setting's step at its own precision's matmul rate (the search prices every FLOP at the plain rate)
-    step = {_name(p): replace(costs[p][0], flops=tuple(f * rates[None].flop_rate / rates[p].flop_rate
-                                                       for f in costs[p][0].flops)) for p in precisions}
+    step = {_name(p): costs[p][0] for p in precisions}       # each precision's kernels, timed at its dtypes
+    once = costs[None][2]                                    # the optimizer step: the same in every alternative
     blocks = costs[None][1]
     how: list[str] = []
     tables: dict[Setting, Peaks] = {}      # each setting's memory models once, across both searches
@@ -115,22 +118,26 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
         return tables[setting]
 
     # levers change numerics: their settings are searched only when nothing at the step's own precision fits
-    choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates[None], bytes_of,
-                    budget, exhaustive=exhaustive)
+    choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates, bytes_of,
+                    budget, exhaustive=exhaustive, once=once)
     if levers and (choice.best is None or exhaustive):
-        cast = search(settings, sizes, n, step, blocks, rates[None], bytes_of, budget, exhaustive=exhaustive)
+        cast = search(settings, sizes, n, step, blocks, rates, bytes_of, budget, exhaustive=exhaustive, once=once)
         if choice.best is None and cast.best is not None:
             cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
                            f"{cast.reason}")
             choice = cast
         else:
             choice.alternatives = cast.alternatives
-    r = rates[None]
-    how_time = (f"kernel launches, FLOPs (torch.utils.flop_counter's formulas) and bytes written, counted on fake "
-                f"tensors for the step (forward, loss, backward; the optimizer step, the same in every alternative, "
-                f"left out) and for each block's forward (its recomputation) at micro-batches 2 and 4, at this "
-                f"machine's measured rates ({r.op_seconds * 1e6:.1f} us a launch, {r.flop_rate / 1e9:.1f} GFLOP/s, "
-                f"{r.byte_rate / 1e9:.1f} GB/s)")
+    r, plain = rates, costs[None][0]
+    how_time = (f"the step's ops counted on fake tensors at micro-batches 2 and 4 ({plain.ops} in forward and loss, "
+                f"{plain.backward_ops} in backward, {once.optimizer_ops} in the optimizer step), each distinct kernel "
+                f"run for real on ones of its shapes at each micro-batch size and timed (the step's kernels "
+                f"{_ms(plain.kernel_seconds(n))} at {n} samples, {_ms(plain.kernel_seconds(1))} at 1; the optimizer "
+                f"step's {_ms(once.kernel_seconds(n))}), and the host's work per op measured on a small chain here "
+                f"({r.op_seconds * 1e6:.1f} us in forward, {r.backward_op_seconds * 1e6:.1f} in backward, "
+                f"{r.optimizer_op_seconds * 1e6:.1f} in the optimizer step); a checkpointed block adds its forward "
+                f"again, {r.checkpoint_seconds * 1e6:.0f} us per call and {r.saved_seconds * 1e6:.1f} us per tensor it "
+                "saves" + ("; host and device overlap (a micro-batch takes the longer)" if r.overlap else ""))
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
     if dependent and not allow:
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
@@ -141,6 +148,10 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
                   time.perf_counter() - t0)
 
 
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
 
 
 def _name(dtype) -> str | None:

@@ -5,9 +5,10 @@ The alternatives are every micro-batch 1, 2, 4, ..., N crossed with checkpointin
 the candidate blocks (`memfit.fitting.checkpointing.candidate_blocks`, ranked by the activation bytes their
 forward writes per second of recomputation) and, with `levers=("bf16",)`, bf16 autocast. Bytes come from the
 fake-tensor memory model of `accumulate`'s step with those modules checkpointed (`training_peak`, which
-counts what `torch.utils.checkpoint` saves and recomputes); time from the cost model of
-`memfit.fitting.costs`. The search (`memfit.fitting.search`) takes the fastest alternative that fits and
-computes a checkpoint set's bytes only when it needs them. Plans are kept per model (dropped when the model
+counts what `torch.utils.checkpoint` saves and recomputes); time from the step's ops counted on fake tensors
+and their kernels timed for real on ones of their shapes (`memfit.fitting.costs`, `memfit.fitting.timing`). The
+search (`memfit.fitting.search`) takes the fastest alternative that fits and computes a checkpoint set's bytes
+only when it needs them. Plans are kept per model (dropped when the model
 changes, as memory models are).
 
 Example:
@@ -204,7 +205,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         terms: Callable | None = None, distributed: bool = False, allow_batch_dependent: bool = False,
         exhaustive: bool = False) -> FitPlan:
     """Choose the micro-batch and the modules to checkpoint that make one training step on `batch` fit `budget`
-    fastest; returns a `FitPlan` (nothing runs for real: fake tensors and a few tiny timing kernels).
+    fastest; returns a `FitPlan`. The model does not run for real: its step runs on fake tensors, and each
+    distinct kernel of that step is timed on ones of its shapes (one kernel's arguments at a time).
 
     Args:
         model: the module (DistributedDataParallel when `distributed`), as for `memfit.accumulate`.
@@ -266,7 +268,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
         # torch's generators are neither drawn from nor saved and restored (which would rewind another thread's
         # draws): the fake runs and the cost counts run under `predicting` (generators of their own), the
-        # machine's timing kernels make their weights under `own_rng`
+        # machine's timing chain makes its weights under `own_rng`, a timed random kernel draws from its own
         try:
             found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
                                             allow_batch_dependent, exhaustive)

@@ -2,11 +2,21 @@
 their predicted step time from a cost model, and the choice (the fastest that fits the budget) with its reason.
 
 Nothing here touches a model. The caller supplies `bytes_of(setting)` (the memory model of the step with
-those modules checkpointed: peak bytes for every micro-batch size) and the costs (`Cost`, per sample and per
-micro-batch, from fake tensors, `memfit.fitting.costs`). Bytes are the expensive part (fake-tensor runs of the
-whole step, one set of runs per checkpoint set), so `search` evaluates them lazily: alternatives are taken
-fastest first, and a checkpoint set's bytes are computed only when an alternative using it is the fastest
-not yet ruled out. The first that fits wins; every faster one was computed and did not fit.
+those modules checkpointed: peak bytes for every micro-batch size) and the costs (`Cost`: for the step, each
+block's forward and the optimizer step, the ops dispatched and the seconds their kernels take at each micro-batch
+size, `memfit.fitting.costs`; the host's seconds per op and per checkpointed call, `Machine`). Bytes are the
+expensive part (fake-tensor runs of the whole step, one set of runs per checkpoint set), so `search` evaluates
+them lazily: alternatives are taken fastest first, and a checkpoint set's bytes are computed only when an
+alternative using it is the fastest not yet ruled out. The first that fits wins; every faster one was computed
+and did not fit.
+
+The time of one micro-batch of m samples: the host's work (its ops by who dispatches them, at `Machine`'s seconds
+per op: Python, the dispatcher, autograd; the same at every m) and the kernels' (`Cost.kernels`, measured at m),
+summed on the CPU
+(one thread does both) and the larger of the two where the device runs the kernels while the host goes on
+(`Machine.overlap`, CUDA). A checkpointed block adds its forward again and torch.utils.checkpoint's own host work:
+`Machine.checkpoint_seconds` per call and `Machine.saved_seconds` per tensor its forward saves for backward
+(each goes through checkpoint's hooks). The optimizer step (`once`) is the same in every alternative.
 
 Example:
     >>> sizes = micro_batch_sizes(8)
@@ -14,9 +24,9 @@ Example:
     [1, 2, 4, 8]
     >>> checkpoint_sets(["b0", "b1", "b2", "b3"])
     [(), ('b0',), ('b0', 'b1'), ('b0', 'b1', 'b2'), ('b0', 'b1', 'b2', 'b3')]
-    >>> step = Cost(ops=100, flops=(0.0, 1e6), bytes=(0.0, 1e4))
-    >>> block = Cost(ops=10, flops=(0.0, 1e5), bytes=(0.0, 1e3))
-    >>> machine = Machine(op_seconds=1e-3, flop_rate=1e9, byte_rate=1e10)     # launches dominate
+    >>> step = Cost(ops=50, backward_ops=50, kernels=((1, 1e-3), (8, 8e-3)))    # 1 ms of kernels per sample
+    >>> block = Cost(ops=10, kernels=((1, 1e-4), (8, 8e-4)), saved=5)
+    >>> machine = Machine(op_seconds=1e-4, backward_op_seconds=1e-4)   # 10 ms of host work per micro-batch
     >>> settings = [Setting(s) for s in checkpoint_sets(["b0", "b1"])]
     >>> peak = {(): lambda m: 100 * m, ("b0",): lambda m: 80 * m, ("b0", "b1"): lambda m: 60 * m}
     >>> choice = search(settings, sizes, 8, step, {"b0": block, "b1": block}, machine,
@@ -33,33 +43,78 @@ from dataclasses import dataclass, field
 
 from memfit.budget import format_bytes
 
-__all__ = ["Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "micro_batch_sizes",
-           "search", "step_seconds"]
+__all__ = ["Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "interpolate",
+           "micro_batch_sizes", "search", "step_seconds"]
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpointed: the grid the issue names
 
 
 @dataclass(frozen=True)
 class Cost:
-    """The work of a forward (of a block) or of a whole step (forward, loss, backward) at a micro-batch of m:
-    `ops` kernel launches (the same at every m), `flops` and `bytes` written as lines (a, b): a + b * m."""
+    """The work of a step's forward, loss and backward, of a block's forward (its recomputation) or of the
+    optimizer step: the ops it dispatches (the host's work, the same at every micro-batch size), by who dispatches
+    them: `ops` from Python with autograd recording (a forward), `backward_ops` autograd's engine, `optimizer_ops`
+    Python without autograd (an optimizer's step); `kernels` the seconds its kernels take at micro-batch sizes
+    ((m, seconds) pairs, measured); `saved` the tensors it saves for backward; `written` its bytes written as a
+    line (a, b): a + b * m (ranks blocks for checkpointing)."""
     ops: int
-    flops: tuple[float, float]
-    bytes: tuple[float, float]
+    kernels: tuple[tuple[int, float], ...] = ()
+    saved: int = 0
+    written: tuple[float, float] = (0.0, 0.0)
+    backward_ops: int = 0
+    optimizer_ops: int = 0
 
-    def at(self, m: int, machine: Machine) -> float:
-        """Predicted seconds at a micro-batch of m: launch overhead + arithmetic + memory traffic (a roofline
-        sum: an upper estimate, which ranks alternatives the same way as the max would where one term rules)."""
-        return (self.ops * machine.op_seconds + (self.flops[0] + self.flops[1] * m) / machine.flop_rate
-                + (self.bytes[0] + self.bytes[1] * m) / machine.byte_rate)
+    def kernel_seconds(self, m: int) -> float:
+        """The kernels' seconds at m: measured there, else `interpolate`d between the sizes measured."""
+        return interpolate(self.kernels, m)
+
+    def host_seconds(self, machine: Machine) -> float:
+        """The host's seconds for these ops (the same at every micro-batch size)."""
+        return (self.ops * machine.op_seconds + self.backward_ops * machine.backward_op_seconds
+                + self.optimizer_ops * machine.optimizer_op_seconds)
+
+    def at(self, m: int, machine: Machine, host: float = 0.0) -> float:
+        """Predicted seconds at a micro-batch of m (with `host` seconds of host work besides the ops')."""
+        cpu = self.host_seconds(machine) + host
+        device = self.kernel_seconds(m)
+        return max(cpu, device) if machine.overlap else cpu + device
+
+    def recomputed(self, m: int, machine: Machine) -> float:
+        """Predicted seconds a checkpointed block adds at m: its forward again, and checkpoint's own host work (per
+        call, and per tensor the forward saves)."""
+        return self.at(m, machine, machine.checkpoint_seconds + self.saved * machine.saved_seconds)
+
+
+def interpolate(points: Sequence[tuple[int, float]], m: float) -> float:
+    """Seconds at m from (size, seconds) points: linear between the two sizes around m; past the largest, along the
+    last two points' line (a kernel past a few rows grows by its rows); below the smallest (or with one point),
+    in proportion to m; 0 with no points."""
+    pts = sorted(points)
+    if not pts:
+        return 0.0
+    for (a, ta), (b, tb) in zip(pts, pts[1:], strict=False):
+        if a <= m <= b:
+            return ta + (tb - ta) * (m - a) / (b - a)
+    (a, ta), (b, tb) = pts[0], pts[-1]
+    if m < a or len(pts) == 1:
+        return ta * m / a if m < a else tb * m / b
+    (a, ta) = pts[-2]
+    return max(0.0, tb + (tb - ta) * (m - b) / (b - a))
 
 
 @dataclass(frozen=True)
 class Machine:
-    """What a kernel costs on the device: seconds per launch of a tiny op, flop/s of a matmul, bytes/s of a copy."""
+    """What the host pays on this device beyond the kernels: seconds per op dispatched from Python with autograd
+    recording (`op_seconds`: a forward's Python, module calls, the dispatcher, autograd), per op autograd's engine
+    runs in backward, per op an optimizer calls under no_grad, per call of a checkpointed block and per tensor it
+    saves (torch.utils.checkpoint's hooks); whether the device runs kernels while the host goes on (CUDA: a
+    micro-batch takes the larger of the two)."""
     op_seconds: float
-    flop_rate: float
-    byte_rate: float
+    backward_op_seconds: float = 0.0
+    optimizer_op_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
+    saved_seconds: float = 0.0
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,33 +169,36 @@ def checkpoint_sets(blocks: Sequence[str], fractions: Sequence[float] = FRACTION
 
 
 def step_seconds(n: int, m: int, step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str, Cost],
-                 setting: Setting, machine: Machine) -> float:
+                 setting: Setting, machine: Machine, once: Cost | None = None) -> float:
     """Predicted seconds of a step on n samples in micro-batches of m (the last one what is left) with the
-    setting's modules checkpointed: each micro-batch runs the step, and each checkpointed block's forward again.
-    `step` may map autocast names to costs (the step under bf16 autocast writes fewer bytes)."""
+    setting's modules checkpointed: each micro-batch runs the step, and each checkpointed block's forward again;
+    `once` (the optimizer step) runs once. `step` may map autocast names to costs (the step under bf16 autocast
+    runs other kernels)."""
     if not 1 <= m <= n:
         raise ValueError(f"expected a micro-batch in [1, {n}]; found {m}")
     if isinstance(step, Mapping):
         step = step[setting.autocast]
     full, last = divmod(n, m)
-    sizes = [m] * full + ([last] if last else [])
-    once = lambda s: step.at(s, machine) + sum(blocks[b].at(s, machine) for b in setting.checkpoint)
-    return sum(once(s) for s in sizes) if len(set(sizes)) > 1 else once(m) * len(sizes)
+    per = lambda s: step.at(s, machine) + sum(blocks[b].recomputed(s, machine) for b in setting.checkpoint)
+    fixed = once.at(n, machine) if once is not None else 0.0
+    return full * per(m) + (per(last) if last else 0.0) + fixed
 
 
 def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapping[str | None, Cost] | Cost,
            blocks: Mapping[str, Cost], machine: Machine, bytes_of: Callable[[Setting], Callable[[int], int]],
-           budget: int, *, exhaustive: bool = False) -> Choice:
+           budget: int, *, exhaustive: bool = False, once: Cost | None = None) -> Choice:
     """The fastest alternative (micro-batch in `sizes` x setting) whose predicted peak fits `budget`.
 
     Times come first (cheap); `bytes_of(setting)` is called at most once per setting, in the order of the
     fastest alternative not yet ruled out, and never for a setting whose every alternative is slower than one
     that fits (unless `exhaustive`). Once one fits, a slower alternative's bytes are filled in (for `explain`)
     only where `bytes_of(setting).ready(m)` says they need no further fake run (a function without `ready` is
-    always ready). Ties in time go to fewer checkpointed modules, then the larger micro-batch.
+    always ready). Ties in time go to fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer
+    step's cost (in every alternative alike: it changes the relative times, not the order).
     """
-    base = step_seconds(n, n, step, blocks, Setting(), machine)
-    alts = [Alternative(m, s, step_seconds(n, m, step, blocks, s, machine) / base) for s in settings for m in sizes]
+    base = step_seconds(n, n, step, blocks, Setting(), machine, once)
+    alts = [Alternative(m, s, step_seconds(n, m, step, blocks, s, machine, once) / base)
+            for s in settings for m in sizes]
     alts.sort(key=lambda a: (a.time, len(a.setting.checkpoint), -a.micro_batch))
     peaks: dict[Setting, Callable[[int], int]] = {}
     best = None

@@ -45,7 +45,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["fake_section", "kept_rng", "own_rng", "predicting", "structural_copy", "tracer_patches_this_thread_only"]
+__all__ = ["fake_section", "kept_rng", "own_draw", "own_rng", "predicting", "structural_copy",
+           "tracer_patches_this_thread_only"]
 
 # One prediction at a time in the process: torch.export's tracer and the fake-tensor runs keep global state
 # (patched Module methods, gc switched off). Re-entrant: a prediction may capture, a capture may diagnose.
@@ -120,6 +121,12 @@ class _OwnGenerators(TorchDispatchMode):
             device = tensors[0].device if tensors else kwargs.get("device") or "cpu"
             kwargs = {**kwargs, "generator": self._generator(device)}
         return random(*args, **kwargs)
+
+
+def own_draw(func, args, kwargs):
+    """`func(*args, **kwargs)` on real tensors, a random op drawing from generators of its own (seeded 0, made for
+    this call) as inside `own_rng`, without a dispatch mode around it: for timing a kernel alone."""
+    return _OwnGenerators().__torch_dispatch__(func, (), args, kwargs)
 
 
 _THIS_THREAD = threading.local()      # .own: this thread is inside own_rng

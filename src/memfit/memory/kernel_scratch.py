@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "measured_here", "scratch_bytes", "scratch_ops", "spec_of"]
+__all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "measured_here", "real_arguments", "scratch_bytes", "scratch_ops",
+           "sizes_at", "spec_of"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _BYTES: dict = {}               # (op, ArgSpec, threads) -> bytes measured beyond the outputs
@@ -89,21 +90,32 @@ def _is_tensor(leaf) -> bool:
     return isinstance(leaf, tuple) and len(leaf) == 4 and leaf[0] == "t"
 
 
-def _real(leaf: tuple, shape: tuple | None = None) -> torch.Tensor:
-    """A real tensor of zeros for a ("t", shape, stride, dtype) leaf: at its own strides, or at `shape` (another
-    batch) with the same layout (the order of the strides, and the gaps between dimensions where the tensor is a
-    slice of a larger one, as q, k and v of one projection are)."""
+def _real(leaf: tuple, shape: tuple | None = None, device=None, ones: bool = False) -> torch.Tensor:
+    """A real tensor of zeros (ones for a floating tensor with `ones`) for a ("t", shape, stride, dtype) leaf: at its
+    own strides, or at `shape` (another batch) with the same layout (the order of the strides, and the gaps between
+    dimensions where the tensor is a slice of a larger one, as q, k and v of one projection are)."""
     _, old, stride, dtype = leaf
     shape = tuple(old if shape is None else shape)
+    value = 1 if ones and dtype.is_floating_point else 0
     if shape == old:
-        return torch.empty_strided(old, stride, dtype=dtype).zero_()
+        return torch.empty_strided(old, stride, dtype=dtype, device=device).fill_(value)
     new = [0] * len(shape)
     step, prev = 1, None
     for d in sorted((d for d in range(len(shape)) if stride[d]), key=lambda d: (stride[d], old[d])):
         gap = stride[d] // (stride[prev] * old[prev]) if prev is not None and stride[prev] * old[prev] else 1
         new[d] = step * max(gap, 1) if prev is not None else stride[d]
         step, prev = new[d] * shape[d], d
-    return torch.empty_strided(shape, new, dtype=dtype).zero_()
+    return torch.empty_strided(shape, new, dtype=dtype, device=device).fill_(value)
+
+
+def real_arguments(spec: ArgSpec, shapes: dict | None = None, device=None, ones: bool = False) -> tuple[tuple, dict]:
+    """(args, kwargs) of `spec` made real: zeros for each tensor (ones for floating tensors with `ones`; at
+    `shapes[i]` where given: leaf index -> another shape, or another int, for another batch), the other leaves as
+    they are."""
+    shapes = shapes or {}
+    real = [_real(lf, shapes.get(i), device, ones) if _is_tensor(lf) else shapes.get(i, lf)
+            for i, lf in enumerate(spec.leaves)]
+    return tree_unflatten(real, spec.tree)
 
 
 def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
@@ -122,8 +134,7 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
     # every dispatch mode off (the fake one, own_rng's generators): the real kernel, whoever asks
     with _disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False), \
             kept_rng() if seeded else nullcontext():
-        real = [_real(lf, shapes.get(i)) if _is_tensor(lf) else shapes.get(i, lf) for i, lf in enumerate(spec.leaves)]
-        args, kwargs = tree_unflatten(real, spec.tree)
+        args, kwargs = real_arguments(spec, shapes)
         if func in WORKSPACE:
             args, kwargs = as_real_kernel_takes(func, args, kwargs)
         _BYTES[key] = inside_bytes(func, args, kwargs)
@@ -159,7 +170,7 @@ def batch_sizes(spec: ArgSpec, n: int, other: ArgSpec, m: int) -> dict | None:
     return found
 
 
-def _at(spec: ArgSpec, lines: dict, k: int) -> dict:
+def sizes_at(spec: ArgSpec, lines: dict, k: int) -> dict:
     """leaf index -> its shape (or int) at batch k."""
     return {i: (tuple(b + s * k for b, s in ls) if _is_tensor(spec.leaves[i]) else ls[0][0] + ls[0][1] * k)
             for i, ls in lines.items()}
@@ -179,7 +190,7 @@ class ScratchOp:
         """The scratch at batch k, measured by the real kernel on arguments of that batch's shapes."""
         if self.lines is None:                   # not affine: the bytes at n, scaled up with the batch
             return -(-scratch_bytes(self.func, self.spec) * max(k, self.n) // self.n)
-        return scratch_bytes(self.func, self.spec, _at(self.spec, self.lines, k) if k != self.n else None)
+        return scratch_bytes(self.func, self.spec, sizes_at(self.spec, self.lines, k) if k != self.n else None)
 
 
 def scratch_ops(run, n: int, other, m: int, column: callable) -> list[ScratchOp]:

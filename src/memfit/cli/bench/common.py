@@ -66,21 +66,23 @@ def spread_warning(limit: float = SPREAD_LIMIT) -> str | None:
             "quiet machine")
 
 
-def _in_turn(fns: dict[str, Callable[[], object]], repeat: int, warmup: int,
-             device: torch.device | str | None) -> dict[str, list[float]]:
+def in_turn(fns: dict[str, Callable[[], object]], repeat: int, warmup: int,
+             device: torch.device | str | None, clock: Callable[[], float] | None = None) -> dict[str, list[float]]:
     """Seconds of every timed call of each `fns[k]()`, the contenders run in turn in every round, in the
     reverse order every other round: on a shared VM the call made second in a round ran up to 6% faster
-    (measured: plain / accumulate 0.93 with plain first, 0.87 with it second), and ABBA order cancels that."""
+    (measured: plain / accumulate 0.93 with plain first, 0.87 with it second), and ABBA order cancels that.
+    `clock`: what is read around each call (default the wall clock, `time.perf_counter`)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     order = list(fns.items())
     for r in range(warmup + repeat):
         for k, fn in (order if r % 2 == 0 else order[::-1]):
+            now = clock or time.perf_counter
             sync(device)
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
             sync(device)
             if r >= warmup:
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(now() - t0)
     return times
 
 
@@ -89,35 +91,40 @@ def alternating_medians(fns: dict[str, Callable[[], object]], *, repeat: int = 5
     """Median seconds of each `fns[k]()`, the contenders run in turn in every round (after `warmup` rounds):
     drift on a shared machine, and whatever one run leaves behind for the next (allocator state, caches,
     clock boost), then hit all of them alike instead of whichever was timed second."""
-    times = _in_turn(fns, repeat, warmup, device)
+    times = in_turn(fns, repeat, warmup, device)
     return {k: median(ts, f"{k} {what}".strip()) for k, ts in times.items()}
 
 
-def paired_ratio(base: Callable[[], object], other: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
-                 device: torch.device | str | None = None, what: str = "") -> tuple[float, float, float]:
-    """(median seconds of base, of other, median over rounds of other / base), the two called in turn.
-
-    The ratio of two calls made back to back sees the same machine: a busy phase that slows a whole stretch
-    of rounds (another process, a clock change) cancels out of each round's ratio, where it shifts the two
-    medians by different amounts when it falls on more calls of one than of the other."""
-    times = _in_turn({"base": base, "other": other}, repeat, warmup, device)
-    ratios = [o / b for b, o in zip(times["base"], times["other"], strict=True)]
-    # only the ratio's spread is noted: the medians may spread in a busy stretch that the ratio cancels
-    return statistics.median(times["base"]), statistics.median(times["other"]), median(ratios, what or "a ratio")
+def _pairs(base: Sequence[float], other: Sequence[float]) -> list[float]:
+    """other / base over each pair of rounds (the two rounds of a pair ran the two in opposite orders)."""
+    return [(other[i] + other[i + 1]) / (base[i] + base[i + 1]) for i in range(0, len(base) - 1, 2)]
 
 
 def paired_ratios(base: Callable[[], object], other: Callable[[], object], *, repeat: int = 6, warmup: int = 1,
-                  device: torch.device | str | None = None, what: str = "") -> list[float]:
+                  device: torch.device | str | None = None, what: str = "",
+                  clock: Callable[[], float] | None = None) -> list[float]:
     """other / base over each ABBA pair of rounds (`repeat` rounds, rounded up to whole pairs): the two rounds of
     a pair run the two in opposite orders, so the advantage of running second cancels inside each ratio. (One
-    ratio per round, as `paired_ratio` takes them, leaves it in: with an odd number of rounds the median lands
-    on the order that came up more often; a plan against the same plan measured 1.06 that way.) The ratios'
-    median and spread are noted as `median` notes them."""
-    times = _in_turn({"base": base, "other": other}, repeat + repeat % 2, warmup, device)
-    b, o = times["base"], times["other"]
-    ratios = [(o[i] + o[i + 1]) / (b[i] + b[i + 1]) for i in range(0, len(b), 2)]
+    ratio per round leaves it in: with an odd number of rounds the median lands on the order that came up more
+    often; a plan against the same plan measured 1.06 that way.) A ratio of two calls made back to back sees the
+    same machine: a busy phase that slows a whole stretch of rounds (another process, a clock change) cancels out
+    of each pair's ratio, where it shifts the two medians by different amounts when it falls on more calls of one
+    than of the other. The ratios' median and spread are noted as `median` notes them."""
+    times = in_turn({"base": base, "other": other}, repeat + repeat % 2, warmup, device, clock)
+    ratios = _pairs(times["base"], times["other"])
     median(ratios, what or "a ratio")
     return ratios
+
+
+def paired_ratio(base: Callable[[], object], other: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
+                 device: torch.device | str | None = None, what: str = "",
+                 clock: Callable[[], float] | None = None) -> tuple[float, float, float]:
+    """(median seconds of base, of other, median over ABBA pairs of rounds of other / base): `paired_ratios`
+    (`repeat` rounded up to whole pairs), with the two medians beside it. Only the ratio's spread is noted: the
+    medians may spread in a busy stretch that the ratio cancels."""
+    times = in_turn({"base": base, "other": other}, repeat + repeat % 2, warmup, device, clock)
+    ratio = median(_pairs(times["base"], times["other"]), what or "a ratio")
+    return statistics.median(times["base"]), statistics.median(times["other"]), ratio
 
 
 def rounds_for(fn: Callable[[], object], *, seconds: float, at_least: int, at_most: int,

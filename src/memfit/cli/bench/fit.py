@@ -3,22 +3,28 @@
 Models (tiny, random weights, CPU): a CNN of conv blocks without and with BatchNorm (memfit's own), and from
 `transformers` configs BERT (encoder), GPT-2 (causal LM, `use_cache=False`), ViT and ConvNeXt; AdamW. For each,
 every point of the grid (micro-batch 1, 2, 4, ..., N x checkpointing 0, 1/4, 1/2, 3/4, all of the candidate
-blocks; the whole batch only with BatchNorm) is run for real: its peak (`memfit.memory.measure`'s live bytes,
-the emulated device) and its step time (median). Three budgets per model, from the predicted grid: one where
-the plain step fits, one where micro-batching alone fits (not with BatchNorm), one where only checkpointing
-does (below every micro-batch without checkpointing). Per row:
+blocks; the whole batch only with BatchNorm) is run for real on a fresh copy of the model: its peak
+(`memfit.memory.measure`'s live bytes, the emulated device) and its step time relative to the plain step, every
+point timed in turn in each round (ABBA order), each round's times over that round's plain step, the median over
+rounds. Those relative times against the time model's predictions (`explain()`'s "time" column) over the whole
+grid: the error distribution per model. Three budgets per model, from the predicted grid: one where the plain
+step fits, one where micro-batching alone fits (not with BatchNorm), one where only checkpointing does (below
+every micro-batch without checkpointing). Per row:
 - the plan's real peak <= the budget (target: every row, 0 out-of-memory errors) and predicted / real peak
   (target [1.00, 1.05]);
-- the plan's step time against the fastest grid point whose real peak fits the budget (target >= 0.95x): the
-  grid's medians (each point timed on its own) only shortlist the points within 30% of the fastest that fits;
-  each of those is then timed against the plan in ABBA rounds (`paired_ratio`: the median over rounds of
-  that point's step time / the plan's, taken back to back, so a busy stretch of the machine cancels), and so
-  is the plan's own setting on a fresh copy of the model ("self/plan": what two identical steps measure apart,
-  the noise floor). A row below 0.95x is the time model's choice only where the winner's ratio is below
-  self/plan by more than the rounds' spread;
+- the plan's setting against the fastest grid point whose real peak fits the budget (target >= 0.95x): the
+  grid's relative times only shortlist the points within 30% of the fastest that fits; each of those is then
+  timed against the plan's own setting, both run as the grid runs them (accumulate on a fresh copy), in ABBA pairs
+  of rounds (`paired_ratios`: the median over pairs of that point's step time / the setting's; "fastest/own");
+  that setting is timed against `plan.step` too ("own/step": what plan.step's own checks per step cost), and
+  "fastest/step" (the fastest grid point over plan.step, the same target) is printed beside it;
 - `accumulate(micro_batch="auto")` alone at the budget, its step time over the plan's (the speed-up, paired);
 - the plan's gradient against one full-batch step (max relative error, target <= 1e-4);
 - fit's own cost (seconds of `memfit.fit`, first call at that budget) over one real plain step.
+
+Times are the calling thread's CPU time with one intra-op thread (`memfit.fitting.timing.clock`: everything of a
+CPU step runs on the calling thread, and other processes' turns on the core are left out: on a VM at load 10 a
+step's wall time was 2.4x its CPU time, which held within a few percent), else the wall clock.
 
 Run:
     memfit bench fit --quick        # batch 8, eight timing rounds (a few minutes on 2 busy cores)
@@ -41,13 +47,17 @@ from torch.nn import functional as F
 
 import memfit
 from memfit.batches import batch_tensors, forward
-from memfit.cli.bench.common import machine_header, median_time, paired_ratios, spread, spread_warning, table
+from memfit.cli.bench.common import in_turn, machine_header, median, paired_ratios, spread, spread_warning, table
 from memfit.cli.bench.train_cases import Case, hf_cases
 from memfit.fitting.checkpointing import checkpointed
+from memfit.fitting.timing import clock
 from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
 
 TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "time": 0.95, "grad_rel": 1e-4}
 SHORTLIST = 1.30      # grid points within this factor of the fastest fitting grid median are timed against the plan
+GRID_SECONDS = 8.0    # CPU seconds of grid rounds per model (within 4 to 12 rounds)
+PAIR_SECONDS = 3.0    # CPU seconds of ABBA rounds per comparison against the plan (within `repeat` to 48 rounds):
+#                       pairs of steps on a busy 2-core VM spread 10-25%, so the median needs a few dozen
 NAMES = ["cnn", "cnn_bn", "bert", "gpt2", "vit", "convnext"]
 
 
@@ -103,19 +113,42 @@ def real_peak(model, opt, batch, run) -> int:
     return held + mem.peak
 
 
-def grid(case: Case, plan_all, batch, repeat: int) -> dict:
-    """(micro-batch, checkpoint set) -> (real peak, median seconds) for every alternative of the exhaustive plan."""
-    out = {}
+def _clock():
+    return clock(torch.device("cpu"))
+
+
+def grid(case: Case, plan_all, batch, rounds: int) -> dict:
+    """(micro-batch, checkpoint set) -> (real peak, step time relative to the plain step) for every alternative of
+    the exhaustive plan, each on a fresh copy: all points timed in turn in each round (ABBA order; at least
+    `rounds`, more up to 12 where a round is short), each round's times over that round's plain step, the median
+    over rounds."""
+    runs, peaks, once = {}, {}, 0.0
     for a in plan_all.alternatives:
         if a.setting.autocast is not None:
             continue
         model, opt = _fresh(case)
-        run = lambda model=model, opt=opt, a=a: _step(model, opt, batch, case.loss, a.micro_batch,
-                                                      a.setting.checkpoint)
-        peak = real_peak(model, opt, batch, run)
-        out[(a.micro_batch, a.setting.checkpoint)] = (peak, median_time(run, repeat=repeat, warmup=0,
-                                                                        what=f"{case.name} grid"))
-    return out
+        k = (a.micro_batch, a.setting.checkpoint)
+        runs[k] = lambda model=model, opt=opt, k=k: _step(model, opt, batch, case.loss, *k)
+        peaks[k] = real_peak(model, opt, batch, runs[k])
+        once += _once(runs[k], _clock())
+    rounds = max(rounds, min(12, int(GRID_SECONDS / once)))
+    times = in_turn(runs, rounds, 1, None, _clock())
+    plain = times[(plan_all.n, ())]
+    return {k: (peaks[k], median([t / p for t, p in zip(ts, plain, strict=True)], f"{case.name} grid"))
+            for k, ts in times.items()}
+
+
+def model_errors(case: Case, plan_all, measured: dict) -> dict:
+    """The time model against the grid: predicted / measured relative step time - 1 at every point."""
+    predicted = {(a.micro_batch, a.setting.checkpoint): a.time for a in plan_all.alternatives
+                 if a.setting.autocast is None}
+    errors = {k: predicted[k] / measured[k][1] - 1 for k in measured if k != (plan_all.n, ())}
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    return {"model": case.name, "points": len(errors),
+            "median |err|": statistics.median(abs(e) for e in errors.values()),
+            "worst |err|": abs(errors[worst]), "worst at": _label(worst),
+            "its pred": predicted[worst], "its meas": measured[worst][1],
+            "mean err": statistics.mean(errors.values()), "errors": list(errors.values())}
 
 
 def grad_rel_error(case: Case, batch, plan_step) -> float:
@@ -143,12 +176,17 @@ def budgets(plan_all, n: int) -> dict[str, int | None]:
     return {"plain fits": plain, "micro-batching fits": max(micro) if micro else None, "only checkpointing": only}
 
 
-def rows_for(case: Case, n: int, repeat: int) -> list[dict]:
+def rows_for(case: Case, n: int, repeat: int) -> tuple[list[dict], dict]:
     batch = case.batch(n)
     model, opt = _fresh(case)
     plan_all = memfit.fit(model, opt, batch, case.loss, "1TiB", exhaustive=True)
-    measured = grid(case, plan_all, batch, max(3, repeat // 2))      # it only shortlists: fewer repeats do
-    plain_s = measured[(n, ())][1]          # one real plain step, for fit's cost
+    measured = grid(case, plan_all, batch, max(4, repeat // 2))
+    errors = model_errors(case, plan_all, measured)
+    plain_model, plain_opt = _fresh(case)
+    plain_run = lambda: _step(plain_model, plain_opt, batch, case.loss, n, ())
+    plain_run()
+    now = _clock()
+    plain_s = statistics.median(_once(plain_run, now) for _ in range(3))       # one real plain step, for fit's cost
     rows = []
     for what, budget in budgets(plan_all, n).items():
         if budget is None:
@@ -157,43 +195,47 @@ def rows_for(case: Case, n: int, repeat: int) -> list[dict]:
                 "micro-batch 1 alone needs less than any checkpointed alternative")})
             continue
         model, opt = _fresh(case)
-        t0 = time.perf_counter()
+        t0 = now()
         plan = memfit.fit(model, opt, batch, case.loss, budget)
-        fit_s = time.perf_counter() - t0
+        fit_s = now() - t0
         run = lambda plan=plan: plan.step(batch)
         peak = real_peak(model, opt, batch, run)
         fitting = sorted((t, k) for k, (p, t) in measured.items() if p <= budget)
         mine = (plan.micro_batch, plan.checkpoint)
-        # the grid's medians shortlist; each point on the list and the plan's own setting on a fresh copy (the
-        # noise floor) are timed against the plan in ABBA rounds, ratios taken back to back
+        # the grid shortlists; each point on the list is timed against the plan's own setting, both run as the
+        # grid runs them (accumulate on a fresh copy), in ABBA pairs; that setting is timed against plan.step too
         shortlist = [k for t, k in fitting if t <= SHORTLIST * fitting[0][0] and k != mine][:3] if fitting else []
         run()
-        ratios = {k: _paired(run, _step_of(case, batch, k), repeat, f"{case.name} {what} {_label(k)}")
-                  for k in [mine, *shortlist]}
-        self_ratio, self_spread = ratios.pop(mine)
+        pairs = max(repeat, min(48, int(PAIR_SECONDS / (2 * _once(run, now)))))
+        own = _step_of(case, batch, mine)
+        own_r, own_spread = _paired(run, own, pairs, f"{case.name} {what} own setting")
+        ratios = {k: _paired(own, _step_of(case, batch, k), pairs, f"{case.name} {what} {_label(k)}")
+                  for k in shortlist}
         best_k, (best_r, best_spread) = min(ratios.items(), key=lambda kv: kv[1][0], default=(mine, (1.0, 0.0)))
         auto = _auto(case, batch, budget)
-        auto_r = _paired(run, auto, repeat, f"{case.name} {what} auto")[0] if auto is not None else None
+        auto_r = _paired(run, auto, pairs, f"{case.name} {what} auto")[0] if auto is not None else None
         predicted = {(a.micro_batch, a.setting.checkpoint): a.time for a in plan_all.alternatives}
         # the plan's choice on a fresh copy (plan.step is bound to the model it was made for, stepped above)
         rel = grad_rel_error(case, batch, lambda m, o, p=plan: _step(m, o, batch, case.loss, p.micro_batch,
                                                                      p.checkpoint))
+        fastest = min(1.0, best_r)              # the fastest grid point that fits / the plan's setting
         rows.append({"model": case.name, "budget": what, "bytes": budget,
                      "plan": f"m={plan.micro_batch} ckpt {len(plan.checkpoint)}/{len(plan.candidates)}",
+                     "rounds": pairs + pairs % 2,
                      "predicted": plan.peak_bytes, "real": peak, "pred/real": plan.peak_bytes / peak,
                      "OOM": int(peak > budget), "fastest": _label(best_k) if best_r < 1 else "plan",
-                     "fastest/plan": min(1.0, best_r), "spread": max(best_spread, self_spread),
-                     "self/plan": self_ratio,
+                     "fastest/own": fastest, "spread": max(best_spread, own_spread),
+                     "own/step": own_r, "fastest/step": fastest * min(1.0, own_r) if fastest < 1 else min(1.0, own_r),
                      "its pred": predicted[best_k] / predicted[mine] if best_k in predicted else float("nan"),
-                     "auto/plan": auto_r if auto_r is not None else "refused", "grad rel": f"{rel:.1e}",
+                     "auto/step": auto_r if auto_r is not None else "refused", "grad rel": f"{rel:.1e}",
                      "fit/step": fit_s / plain_s, "fit s": fit_s})
-    return rows
+    return rows, errors
 
 
-def shortfall_is_the_models(row: dict) -> bool:
-    """A row's plan slower than another grid point beyond the noise: that point's paired ratio below the ratio
-    of the plan's own setting on a fresh copy (two identical steps) by more than the rounds' spread."""
-    return row["fastest/plan"] < row["self/plan"] * (1 - row["spread"])
+def _once(fn, now) -> float:
+    t0 = now()
+    fn()
+    return now() - t0
 
 
 def _label(k) -> str:
@@ -210,7 +252,7 @@ def _step_of(case: Case, batch, k):
 
 def _paired(plan_run, other, repeat: int, what: str) -> tuple[float, float]:
     """(median over ABBA rounds of other's step time / the plan's, the relative spread of those ratios)."""
-    ratios = paired_ratios(plan_run, other, repeat=repeat, warmup=1, what=what)
+    ratios = paired_ratios(plan_run, other, repeat=repeat, warmup=1, what=what, clock=_clock())
     return statistics.median(ratios), spread(ratios)
 
 
@@ -231,19 +273,23 @@ def _line(ok: bool, text: str) -> None:
 
 def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[dict]:
     print(machine_header("cpu"))
-    print(f"# memfit bench fit: batch {n}, AdamW; grid medians of {max(3, repeat // 2)} runs shortlist, then "
-          f"{repeat + repeat % 2} rounds (ABBA pairs) against the plan; peaks from memfit.memory.measure (live tensor "
-          "bytes: the emulated device)")
-    rows = []
+    what_clock = "the thread's CPU time" if _clock() is time.thread_time else "wall time"
+    print(f"# memfit bench fit: batch {n}, AdamW; times by {what_clock}; the grid in {max(4, repeat // 2)} to 12 "
+          f"rounds (every point in turn, over the plain step; about {GRID_SECONDS:.0f} s a model), then "
+          f"{repeat + repeat % 2} to 48 rounds (ABBA pairs, about {PAIR_SECONDS:.0f} s each; column 'rounds') against "
+          "the plan; peaks from memfit.memory.measure (live tensor bytes: the emulated device)")
+    rows, errors = [], []
     for case in cases():
         if case.name not in names:
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # accumulate's notes on labels; said once in the table instead
-            rows += rows_for(case, n, repeat)
-    print(table(rows, ["model", "budget", "bytes", "plan", "predicted", "real", "pred/real", "OOM", "fastest",
-                       "fastest/plan", "spread", "self/plan", "its pred", "auto/plan", "grad rel", "fit s",
-                       "fit/step"],
+            got, err = rows_for(case, n, repeat)
+            rows += got
+            errors.append(err)
+    print(table(rows, ["model", "budget", "bytes", "plan", "rounds", "predicted", "real", "pred/real", "OOM",
+                       "fastest", "fastest/own", "spread", "its pred", "own/step", "fastest/step", "auto/step",
+                       "grad rel", "fit s", "fit/step"],
                 bytes_columns=("bytes", "predicted", "real")))
     done = [r for r in rows if "real" in r]
     t = TARGETS
@@ -252,24 +298,26 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[d
     lo, hi = min(r["pred/real"] for r in done), max(r["pred/real"] for r in done)
     _line(t["peak_low"] <= lo and hi <= t["peak_high"], f"predicted / real peak in [{lo:.3f}, {hi:.3f}] "
                                                         "(target within [1.00, 1.05])")
-    worst = min(r["fastest/plan"] for r in done)
-    _line(worst >= t["time"], f"plan's step time vs the fastest grid point that fits: worst {worst:.2f}x "
-                              "(target >= 0.95x; paired ABBA ratios)")
-    below = [r for r in done if r["fastest/plan"] < t["time"]]
-    if below:
-        model_s = [r for r in below if shortfall_is_the_models(r)]
-        names = ", ".join(f"{r['model']} {r['budget']}" for r in model_s) or "none"
-        print(f"INFO  {len(below)} rows below {t['time']}x: {len(model_s)} the time model's choice (the faster "
-              f"point's ratio below self/plan by more than the rounds' spread: {names}), the rest within the noise")
-    selfs = [r["self/plan"] for r in done]
-    print(f"INFO  noise floor: the plan's own setting on a fresh copy / the plan, {min(selfs):.2f}x to "
-          f"{max(selfs):.2f}x; rounds' spread up to {max(r['spread'] for r in done):.0%}")
+    worst = min(done, key=lambda r: r["fastest/own"])
+    _line(worst["fastest/own"] >= t["time"],
+          f"the plan's setting vs the fastest grid point that fits, both run as the grid runs them (accumulate on a "
+          f"fresh copy), ABBA pairs: worst {worst['fastest/own']:.3f}x ({worst['model']} {worst['budget']}, "
+          f"{worst['fastest']}, predicted {worst['its pred']:.3f}x the plan's time; target >= {t['time']}x)")
+    step = min(done, key=lambda r: r["fastest/step"])
+    _line(step["fastest/step"] >= t["time"],
+          f"plan.step vs the fastest grid point that fits: worst {step['fastest/step']:.3f}x ({step['model']} "
+          f"{step['budget']}; target >= {t['time']}x); plan.step's own work per step (its checks of the batch, "
+          f"model and optimizer) beside the same setting run by accumulate: own/step "
+          f"{min(r['own/step'] for r in done):.3f}x to {max(r['own/step'] for r in done):.3f}x")
+    print(f"INFO  ABBA pairs' spread (interquartile range / median of the pairs' ratios) up to "
+          f"{max(r['spread'] for r in done):.0%}")
+    _errors(errors)
     rel = max(float(r["grad rel"]) for r in done)
     _line(rel <= t["grad_rel"], f"gradient vs one full-batch step: max relative error {rel:.2e} (target <= 1e-4)")
-    sped = [r["auto/plan"] for r in done if isinstance(r["auto/plan"], float)]
+    sped = [r["auto/step"] for r in done if isinstance(r["auto/step"], float)]
     if sped:
-        print(f"INFO  accumulate(micro_batch='auto') alone / plan step time: {min(sped):.2f}x to {max(sped):.2f}x "
-              f"({sum(r['auto/plan'] == 'refused' for r in done)} rows where accumulate alone refuses)")
+        print(f"INFO  accumulate(micro_batch='auto') alone / plan.step time: {min(sped):.2f}x to {max(sped):.2f}x "
+              f"({sum(r['auto/step'] == 'refused' for r in done)} rows where accumulate alone refuses)")
     print(f"INFO  fit's cost / one real plain step: {min(r['fit/step'] for r in done):.1f}x to "
           f"{max(r['fit/step'] for r in done):.1f}x")
     if bf16:
@@ -278,8 +326,21 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[d
     if warn:
         print(warn)
     if as_json:
-        print(json.dumps(rows))
+        print(json.dumps(rows + [{k: v for k, v in e.items() if k != "errors"} for e in errors]))
     return rows
+
+
+def _errors(errors: list[dict]) -> None:
+    """The time model's predicted / measured relative step time over every grid point: per model and overall."""
+    every = [e for m in errors for e in m["errors"]]
+    if not every:
+        return
+    total = {"model": "all", "points": len(every), "median |err|": statistics.median(map(abs, every)),
+             "worst |err|": max(map(abs, every)), "mean err": statistics.mean(every)}
+    print("time model: predicted / measured step time relative to the plain step, every grid point but the plain "
+          "step (|err| = |predicted / measured - 1|)")
+    print(table([*errors, total], ["model", "points", "median |err|", "worst |err|", "worst at", "its pred",
+                                   "its meas", "mean err"]))
 
 
 def _bf16(names, n: int) -> list[dict]:

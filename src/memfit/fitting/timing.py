@@ -1,0 +1,173 @@
+"""The measured side of `memfit.fit`'s time model: the seconds one real kernel takes at the argument shapes a fake
+run recorded (`kernel_seconds`: run on ones of those shapes, zeros for integer tensors (an index in range), timed
+once per shapes and kept; ones, not zeros: a square root of 128K zeros took 6x as long as of ones or of 1e-3, and
+an optimizer's never sees zeros), the clock it is timed by (`clock`), and the bytes per second of a plain copy
+(`copy_rate`: the price of a kernel that is not timed).
+
+Why kernels are timed rather than priced from FLOPs at one matmul's rate: the kernels of a training step at the
+sizes people split batches into are far from any one rate. On a 2-core VM, one thread: a 512-square matmul ran at
+87 GFLOP/s, a 32-square one at 24, an 8-square one at under 1; ConvNeXt's convolutions' backward took 4.4 of its
+6.8 ms of kernels at batch 8; GPT-2's tanh cost over 10x what its bytes at copy speed say. Timed kernels plus
+the host's work per op (`memfit.fitting.host.machine`) came 2-18% below a real forward and backward at
+micro-batch 2 of the six models of `memfit bench fit` (their forwards' Python costs 1.2-2x the measuring chain's
+per op, and kernels run slower in a step than alone: their data is not in cache).
+
+The clock: on the CPU with one intra-op thread, the calling thread's CPU time (`time.thread_time`): the kernel
+and the host work run on that thread, and CPU time leaves out the time other processes hold the core (on a VM
+at load 13, a chain of layers took 4x its CPU time in wall time, while its CPU time stayed within 5%). With more
+threads, the wall clock; on CUDA the wall clock around a synchronize. A figure is the least of three samples
+after a warm-up, each sample enough calls of a short kernel to span about 0.2 ms (a call over 10 ms: the warm-up
+call alone).
+
+Nothing here touches torch's generators: a random op (dropout) draws from generators of its own
+(`memfit.memory.isolation.own_draw`).
+
+Example:
+    >>> import torch
+    >>> from memfit.memory.kernel_scratch import spec_of
+    >>> a = torch.zeros(64, 64)
+    >>> mm = (torch.ops.aten.mm.default, spec_of((a, a), {}), ())
+    >>> kernel_seconds([mm], device=torch.device("cpu"))[mm] > 0
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["clock", "copy_rate", "kernel_seconds", "matmul_rate", "timed"]
+
+_SECONDS: dict = {}        # (func, spec, shapes, threads, device) -> seconds, or None where it failed on ones
+_RATES: dict = {}          # (what, device, dtype) -> bytes per second of a copy, FLOP/s of a large matmul
+SAMPLE = 2e-4              # seconds a sample of calls spans at least (short kernels run several times per sample)
+LONG = 1e-2                # a call this long is timed once
+SAMPLES = 3                # samples per figure (the least is taken)
+
+
+def clock(device: torch.device) -> Callable[[], float]:
+    """The clock kernels and steps are timed by on `device`: the thread's CPU time on a CPU with one intra-op
+    thread, else the wall clock (after a synchronize on CUDA)."""
+    if device.type == "cuda":
+        def wall() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return wall
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one `fn()`: the least over `SAMPLES` samples after a warm-up (`_per_sample`). The least: what
+    another process's use of the core's caches added to a sample is not the call's."""
+    now = clock(device)
+    t0 = now()
+    fn()
+    first = max(now() - t0, 1e-7)
+    if first > LONG:
+        return first
+    calls = _per_sample(fn, now)
+    times = []
+    for _ in range(SAMPLES):
+        t0 = now()
+        for _ in range(calls):
+            fn()
+        times.append((now() - t0) / calls)
+    return min(times)
+
+
+def _per_sample(fn: Callable[[], object], now: Callable[[], float]) -> int:
+    """Calls of `fn` per sample (about `SAMPLE` seconds' worth), from a warm-up of that long: a kernel's first calls
+    at new shapes run up to 10x longer (oneDNN makes its primitive), so the first call says nothing of the rest."""
+    t0, done = now(), 0
+    while done < 50 and (now() - t0 < SAMPLE or done == 0):
+        fn()
+        done += 1
+    return max(1, min(50, int(SAMPLE * done / max(now() - t0, 1e-9))))
+
+
+def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_bytes: int = 64 << 20) -> dict:
+    """{(func, spec, shapes): seconds} for each kernel asked for: the real kernel of `func` on ones of `spec`'s
+    arguments (`memfit.memory.kernel_scratch.ArgSpec`; `shapes`: a tuple of (leaf index, another shape) for
+    another batch, or ()) on `device`, under no_grad; None where it fails on them (the caller prices it otherwise).
+    Each is timed once per thread count and device, and kept.
+
+    The kernels are timed in turn, a sample of each per round (as many rounds as `timed` takes samples), their
+    arguments made once per group of at most `group_bytes`: a busy moment of the machine then falls on one sample
+    of several kernels rather than on every sample of one (on a loaded VM one convolution timed alone, three
+    samples in a row, came out 2.5x its usual time in one process of four)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memfit.memory.isolation import own_draw
+    from memfit.memory.kernel_scratch import real_arguments
+    threads = torch.get_num_threads()
+    asked = list(dict.fromkeys(kernels))
+    todo = [k for k in asked if (*k, threads, device) not in _SECONDS]
+    now = clock(device)
+    # every dispatch mode off (the fake one of a counting run, own_rng's): the real kernels
+    with _disable_current_modes(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        while todo:
+            group, size = [], 0
+            while todo and (not group or size + _arguments_bytes(todo[0]) <= group_bytes):
+                size += _arguments_bytes(todo[0])
+                group.append(todo.pop(0))
+            calls: dict[tuple, tuple] = {}       # kernel -> (the call, calls per sample)
+            for key in group:
+                func, spec, shapes = key
+                try:
+                    args, kwargs = real_arguments(spec, dict(shapes), device, ones=True)
+                    seeded = torch.Tag.nondeterministic_seeded in func.tags
+                    call = (lambda f=func, a=args, k=kwargs: own_draw(f, a, k)) if seeded else \
+                        (lambda f=func, a=args, k=kwargs: f(*a, **k))
+                    t0 = now()
+                    call()
+                    first = max(now() - t0, 1e-7)
+                except Exception:        # a kernel that needs real values (an index in range, a shape it checks)
+                    _SECONDS[(*key, threads, device)] = None
+                    continue
+                if first > LONG:          # a long kernel: its first call is the figure (set-up is small beside it)
+                    _SECONDS[(*key, threads, device)] = first
+                else:
+                    calls[key] = (call, _per_sample(call, now))
+            best = dict.fromkeys(calls, float("inf"))
+            for _ in range(SAMPLES):
+                for key, (call, n) in calls.items():
+                    t0 = now()
+                    for _ in range(n):
+                        call()
+                    best[key] = min(best[key], (now() - t0) / n)
+            for key, seconds in best.items():
+                _SECONDS[(*key, threads, device)] = seconds
+            calls = None
+    return {k: _SECONDS[(*k, threads, device)] for k in asked}
+
+
+def _arguments_bytes(key: tuple) -> int:
+    _, spec, shapes = key
+    shapes = dict(shapes)
+    return sum(math.prod(shapes.get(i, lf[1])) * lf[3].itemsize for i, lf in enumerate(spec.leaves)
+               if isinstance(lf, tuple) and len(lf) == 4 and lf[0] == "t")
+
+
+def copy_rate(device: torch.device) -> float:
+    """Bytes per second of a 4 MiB copy on `device` (bytes read and written), measured once and kept."""
+    key = ("copy", device, None)
+    if key not in _RATES:
+        with torch.no_grad():
+            big = torch.ones(1 << 20, device=device)
+            _RATES[key] = 2 * big.nbytes / timed(big.clone, device)
+    return _RATES[key]
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul (512 rows on the CPU, 2048 on CUDA) at `dtype`, measured once and kept: the
+    rate of a kernel too large to time (past a few hundred rows a matmul runs near it)."""
+    key = ("matmul", device, dtype)
+    if key not in _RATES:
+        k = 2048 if device.type == "cuda" else 512
+        with torch.no_grad():
+            a = torch.full((k, k), 0.5, device=device, dtype=dtype)
+            _RATES[key] = 2 * k ** 3 / timed(lambda: a @ a, device)
+    return _RATES[key]

@@ -1,0 +1,142 @@
+"""memfit.fitting.costs: what a step's ops are, counted on fake tensors, against a real step of the same model; the
+sizes each kernel is timed at against fake runs at those sizes; and the order of predictions whose true order is
+known by construction."""
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.fitting import costs, host
+from memfit.fitting.search import Setting, step_seconds
+
+DEV = torch.device("cpu")
+
+
+def mlp(dropout=0.0):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(dropout), nn.LayerNorm(16),
+                                         nn.Linear(16, 8)) for _ in range(2)])
+
+
+class RealOps(TorchDispatchMode):
+    """The reference: the ops a real step dispatches, by phase."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.ops = "forward", collections.defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        backward = self.phase == "forward" and torch._C._current_graph_task_id() != -1
+        self.ops["backward" if backward else self.phase].append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_the_ops_counted_are_the_ops_a_real_step_dispatches(stepped):
+    """Forward, backward and the optimizer step: the same ops in the same order as a real step of the model (fake
+    tensors dispatch `prim` ops for attributes, and autograd detaches what the saved-tensor count's hook unpacks:
+    neither is an op of a real step). An optimizer without state yet: its state-making first step is not counted."""
+    model, (x, y) = mlp(), (torch.randn(4, 8), torch.randn(4, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if stepped:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    counted = costs._count(model, x, y, F.mse_loss, ["0", "1"], None, DEV, opt)
+    if not stepped:                               # the reference steps over existing state, as counted
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    real = RealOps()
+    with real:
+        F.mse_loss(model(x), y).backward()
+        real.phase = "optimizer"
+        opt.step()
+        opt.zero_grad()
+    for phase in ("forward", "backward", "optimizer"):
+        assert [o.func for o in counted.ops if o.phase == phase] == real.ops[phase], phase
+
+
+def test_each_blocks_saved_tensors_are_those_autograd_saves_in_its_forward():
+    model, (x, y) = mlp(), (torch.randn(4, 8), torch.randn(4, 8))
+    counted = costs._count(model, x, y, F.mse_loss, ["0", "1"], None, DEV)
+    saved, inside = {"0": 0, "1": 0}, []
+    for name in saved:
+        model[int(name)].register_forward_pre_hook(lambda m, a, _n=name: inside.append(_n))
+        model[int(name)].register_forward_hook(lambda m, a, o: inside.clear())
+
+    def pack(t):
+        for name in inside:
+            saved[name] += 1
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    assert counted.saved == saved and saved["0"] > 0
+    assert saved["0"] < saved["1"]          # the first block's input needs no gradient: one tensor fewer
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_the_shapes_each_kernel_is_timed_at_are_a_fake_run_at_that_size(m):
+    """The arguments a kernel is timed on at micro-batch m, read off the runs at 2 and 4 (which dimensions carry
+    the batch), are those of the same op in a fake run at m."""
+    model, (x, y) = mlp(), (torch.randn(4, 8), torch.randn(4, 8))
+    runs = {k: costs._count(model, costs._at(x, k), costs._at(y, k), F.mse_loss, [], None, DEV) for k in (2, 4, m)}
+    ops = costs._sized(runs[2], 2, runs[4], 4)
+    direct = [o for o in runs[m].ops if o.phase in ("forward", "backward")]
+    assert len(direct) == len(ops)
+    shape = lambda leaf: leaf[1] if isinstance(leaf, tuple) and len(leaf) == 4 and leaf[0] == "t" else leaf
+    for o, d in zip(ops, direct, strict=True):
+        assert o.op.func == d.func
+        key, scale = o.kernel(m)
+        if o.op.view:
+            assert key is None
+            continue
+        at = dict(key[2])
+        assert [at.get(i, shape(lf)) for i, lf in enumerate(o.op.spec.leaves)] == [shape(lf) for lf in d.spec.leaves]
+        assert scale == 1.0
+
+
+def test_a_kernel_too_large_to_time_is_timed_at_a_halved_batch_or_priced(monkeypatch):
+    model, (x, y) = mlp(), (torch.randn(4, 8), torch.randn(4, 8))
+    runs = {k: costs._count(model, costs._at(x, k), costs._at(y, k), F.mse_loss, [], None, DEV) for k in (2, 4)}
+    ops = costs._sized(runs[2], 2, runs[4], 4)
+    mm = next(o for o in ops if o.op.func is torch.ops.aten.addmm.default)     # bias, (m, 8) input, weight
+    per_sample = 8 * 4                        # bytes of the input's row; bias and weight stay
+    fixed = costs._bytes(mm.op.spec, {}) - 4 * per_sample
+    monkeypatch.setattr(costs, "CAP", fixed + 3 * per_sample)       # 3 samples fit, 16 do not
+    key, scale = mm.kernel(16)
+    assert dict(key[2])[1] == (2, 8) and scale == 8.0                # 16 -> 8 -> 4 -> 2: timed at 2, times 8
+    monkeypatch.setattr(costs, "CAP", fixed - 1)                     # not even one sample fits: priced
+    assert mm.kernel(16) == (None, 1.0)
+    assert mm.roofline(16, DEV) > 0
+
+
+def test_counting_and_timing_leave_torchs_generator_alone_while_dropout_is_timed():
+    model, (x, y) = mlp(dropout=0.3), (torch.randn(4, 8), torch.randn(4, 8))
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    step, blocks, _ = costs.step_costs(model, x, y, F.mse_loss, ["0", "1"], sizes=[1, 4])
+    assert torch.equal(state, torch.get_rng_state())
+    counted = costs._count(model, x, y, F.mse_loss, [], None, DEV)
+    assert any(torch.Tag.nondeterministic_seeded in o.func.tags for o in counted.ops)     # a random op was timed
+    assert step.kernel_seconds(4) > 0 and blocks["0"].kernel_seconds(1) > 0
+
+
+def test_predicted_order_of_settings_whose_true_order_is_known_by_construction():
+    """Checkpointing a block of three 256-wide layers recomputes about 1000x the arithmetic of a block of one 8-wide
+    layer, with as many ops and fewer tensors saved per op: its step is predicted slower. Eight micro-batches
+    of one sample run every op eight times for the same arithmetic: predicted slower than one of eight."""
+    torch.manual_seed(0)
+    heavy = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    light = nn.Sequential(nn.Linear(256, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 256))
+    model = nn.Sequential(heavy, light)
+    x, y = torch.randn(8, 256), torch.randn(8, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step, blocks, once = costs.step_costs(model, x, y, F.mse_loss, ["0", "1"], sizes=[1, 8], optimizer=opt)
+    machine = host.machine(DEV)
+    at = lambda m, s: step_seconds(8, m, step, blocks, Setting(s), machine, once)
+    assert at(8, ("0",)) > at(8, ("1",)) > at(8, ())
+    assert at(1, ()) > at(8, ())
