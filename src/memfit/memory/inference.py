@@ -51,20 +51,15 @@ class InferenceMemoryModel:
     train: bool = False
     _cache: dict[int, tuple[int, int]] = field(default_factory=dict)
     _cap: object = None                               # a capture with a symbolic batch: exact placements at any n
-    # n -> a capture at batch n, made when first asked (None once the model is gone), where `plan` at n makes its own
-    # and its graph may differ from the symbolic one's. Batch 1, below the symbolic range: BERT's attention mask
-    # computed once for both layers there, once per layer in the symbolic graph (0.9998x the allocator from the
-    # symbolic graph's sizes). Any batch where slicing may choose otherwise (`Captured.slicing_varies`): ResNet's
-    # stem runs whole in the capture at batch 2, in slices of 2 in `plan`'s at batch 8 (2.67x the allocator from
-    # the batch-2 capture)
+    # n -> a capture at batch n below the symbolic range, made when first asked (None once the model is gone). Batch
+    # 1 is planned from a capture of its own, whose graph may differ: BERT's attention mask computed once for both
+    # layers there, once per layer in the symbolic graph (0.9998x the allocator from the symbolic graph's sizes)
     _capture_below: Callable = field(default=lambda n: None, repr=False)
 
     def _parts(self, n: int) -> tuple[int, int]:
         if n not in self._cache and self._cap is not None:
-            own = None
-            if n < self._cap.batch_range[0] or (self._cap.slicing_varies and n != self._cap.example_batch):
-                own = self._capture_below(n)
-            if own is not None:     # a capture of its own, as `plan` makes it at n
+            own = self._capture_below(n) if n < self._cap.batch_range[0] else None
+            if own is not None:     # below the symbolic range (batch 1): its own capture, as `plan` makes it
                 rep = place_at(own, n, algorithm=self.algorithm).report
             else:                   # (the model is gone: the symbolic graph's sizes at n, an estimate)
                 rep = place_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
@@ -144,9 +139,6 @@ def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algo
         rep = place_at(cap, PROBES[0], algorithm=algorithm).report
         how = ("planned arena: exact placements at any batch from one capture with a symbolic batch (batch 1 from a "
                "capture of its own, as planned)")
-        if cap.slicing_varies:
-            how = ("planned arena: each batch from a capture at that batch, as planned (batch slicing may choose "
-                   "otherwise at another batch)")
         return InferenceMemoryModel(rep.param_bytes, per_sample, how, algorithm, [], [], dev, _cap=cap,
                                     _capture_below=_capture_at(model, shape, dtype, dev))
     # a static capture: placements at 2 and 4, each tensor's size the exact line through its two sizes

@@ -21,7 +21,7 @@ from memfit.planner.capture import CaptureError, as_inputs, capture, constants
 from memfit.planner.graph import Meta
 from memfit.planner.masks import broadcast_masks
 from memfit.planner.remat import recompute_at_readers
-from memfit.planner.slicing import slice_segments, slicing_may_vary
+from memfit.planner.slicing import slice_segments
 
 __all__ = ["Captured", "capture_model", "input_key"]
 
@@ -60,9 +60,6 @@ class Captured:
     kernel_layouts: dict = field(default_factory=dict)   # node name -> why it runs eagerly (see _kernel_layouts)
     run_eagerly: dict = field(default_factory=dict)      # node name -> why: run by torch whatever the bytes (tests)
     sliced: dict = field(default_factory=dict)           # node name -> the segment it runs in batch slices (slicing)
-    # slicing may choose otherwise at another batch (`slicing_may_vary`): a plan made by `plan` at that batch is
-    # made from a capture of its own, and may hold fewer bytes than this capture's placement there
-    slicing_varies: bool = False
 
     @property
     def dynamic(self) -> bool:
@@ -134,7 +131,6 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
                 hi = None if vr is None or vr.upper.is_infinite or str(vr.upper) == "int_oo" else int(vr.upper)
                 cap = Captured(ep, constants(ep, model), device, sym, (int(vr.lower) if vr else 2, hi), "", n, key)
                 if cap.accepts(example_inputs):
-                    cap.slicing_varies = slicing_may_vary(cap.ep, cap.consts, example_inputs, cap.env(n))
                     cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.env(n))
                     recompute_at_readers(cap.ep, cap.consts, cap.env(n))
                     broadcast_masks(cap.ep)

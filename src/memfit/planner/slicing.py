@@ -47,7 +47,7 @@ from torch.fx import Node
 from memfit.planner.graph import DataDependentSize, span_bytes
 from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, _bytes, _Step, build_segment  # noqa: F401
 
-__all__ = ["SLICEABLE", "SlicedSegment", "slice_segments", "slicing_may_vary"]
+__all__ = ["SLICEABLE", "SlicedSegment", "slice_segments"]
 
 aten = torch.ops.aten
 
@@ -162,23 +162,6 @@ def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple) -> bool:
         if not _same(seg(xb, *params), whole.run_slice(xb, params)):
             return False
     return True
-
-
-def slicing_may_vary(ep, consts: dict, example_inputs: tuple, env: dict) -> bool:
-    """Whether `slice_segments` may choose otherwise at another batch than the example's (call it before slicing):
-    on the CPU, a chain with a convolution whose largest tensor holds `MIN_SLICE_BYTES` at the largest slice size
-    (a chain below that is never sliced, at any batch: its slices would be too small). Where it may, one symbolic
-    capture is exact for the plans made from it, not for `plan` at another batch (ResNet's stem, 128 KiB a sample:
-    whole at batch 2, in slices of 2 at batch 8), and the memory model places each batch from a capture at that
-    batch, as `plan` makes it."""
-    if not example_inputs or example_inputs[0].device.type != "cpu":
-        return False
-    try:
-        return any(_segment(start, steps, env) is not None
-                   and _largest(start, steps, env, max(SLICE_SIZES)) >= MIN_SLICE_BYTES
-                   for start, steps in _chains(ep.graph, consts))
-    except DataDependentSize:         # sizes known only at run time: `slice_segments` slices nothing either
-        return False
 
 
 def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[str, str]:
