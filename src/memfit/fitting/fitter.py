@@ -98,7 +98,10 @@ class FitPlan:
         bf16 autocast when the plan says so. Returns accumulate's `StepResult`. A batch larger than the plan's
         in any dimension, or of other dtypes, raises ValueError, as does a model or optimizer changed since `fit`
         (a parameter unfrozen, a module replaced, parameter groups added: `memfit.fitting.layout`); call
-        `memfit.fit` again then."""
+        `memfit.fit` again then. What the model's own forward sets is not a change: each step is checked
+        against the model as the last checked step left it; once a step on batches of some shapes changed
+        nothing, steps on those shapes are checked before they run only, so a forward that changes its model
+        only on some steps of one batch shape is refused (the error says so)."""
         return self._run(batch, self)
 
     def trainer_arguments(self, args):
