@@ -2,6 +2,7 @@
 real peak against the budget, and what fit leaves untouched."""
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ from torch.nn import functional as F
 import memfit
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
+from memfit.memory.ranks import rank_memory_model
 
 N, D = 24, 16
 
@@ -165,7 +167,13 @@ def test_nothing_fits_raises_with_the_breakdown():
     with pytest.raises(memfit.BudgetExceeded, match=r"parameters \+ gradients \+ optimizer state alone") as e:
         memfit.fit(model, opt, data(), F.mse_loss, "100KiB")     # state 133 KiB; on 2 devices 78 KiB each
     assert dict(e.value.items)["optimizer state"] == 2 * dict(e.value.items)["parameters"]
-    assert "2 devices sharding" in str(e.value) and "levers=" not in str(e.value)     # bf16 shrinks no state
+    assert "levers=" not in str(e.value)                                            # bf16 shrinks no state
+    # the fewest FSDP2 ranks whose per-rank peak fits (the search starts at the even split's count, a lower bound),
+    # against the per-rank model at that world size and, where it is above 2, at one fewer
+    w = int(re.search(r"What would fit: (\d+) FSDP2 ranks", str(e.value)).group(1))
+    at = lambda world: rank_memory_model(model, data()[0][:1], optimizer=opt, loss_fn=F.mse_loss,
+                                         target=data()[1][:1], world_size=world, probes=(1,)).total_bytes(1)
+    assert at(w) <= 100 * 1024 and (w == 2 or at(w - 1) > 100 * 1024), w
     static = sum(v for _, v in e.value.items[:3])
     with pytest.raises(memfit.BudgetExceeded, match=r"the least any alternative needs") as e:
         memfit.fit(model, opt, data(), F.mse_loss, static + 16)
