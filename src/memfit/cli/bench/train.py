@@ -270,11 +270,14 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
         # measured in the steady state the choice is made for: the gradients of the step before held on entry
         # (accumulate keeps them referenced through the step and counts them, held now or not)
         quarter = max(1, math.ceil(n / 4))
-        budget, _ = accumulate_peak(mod, opt, x, y, case.loss, grads_held=True, micro_batch=quarter)
-        budget += 4096          # room for accumulate's own scalars, which the prediction counts at their largest
+        real, _ = accumulate_peak(mod, opt, x, y, case.loss, grads_held=True, micro_batch=quarter)
+        budget = real + 4096    # room for accumulate's own scalars, which the prediction counts at their largest
+        # what auto weighs the budget against there (the fake runs are made, and kept, by auto's choice anyway)
+        predicted = training_peak(mod, opt, case.loss, x, y, entry_grads=True)[0](quarter)
         if dev.type == "cuda":  # predictions there add the allocator's stated margin: a measured budget is below
-            budget = max(budget, training_peak(mod, opt, case.loss, x, y, entry_grads=True)[0](quarter))
-        row.update({"tight budget": format_bytes(budget), "micro fits": quarter})
+            budget = max(budget, predicted)
+        row.update({"tight budget": format_bytes(budget), "micro fits": quarter,
+                    "pred/real at micro fits": f"{predicted / real:.4f} ({predicted - real:+d} B)"})
         try:
             accumulate(mod, opt, (x, y), case.loss, budget=budget)       # chooses (the fake runs: not measured)
             peak, r = accumulate_peak(mod, opt, x, y, case.loss, grads_held=True, budget=budget)
@@ -329,7 +332,8 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
     print(f"# accumulation at batch {sizes[-1]}: gradient vs one plain step; step time at the auto micro-batch "
           "(budget 1TiB: the whole batch fits) vs the plain step; tight budget: the measured peak of accumulate "
           "in micro-batches of a quarter (micro fits) + 4 KiB, the previous step's gradients held on entry (the "
-          "steady state auto's choice counts), the size auto picks there and its real peak")
+          "steady state auto's choice counts), auto's prediction there over that peak, the size auto picks and "
+          "its real peak")
     print(table(acc_rows))
     _verdicts(mem_rows, acc_rows, have_mm, cost_rows)
     warning = spread_warning()
