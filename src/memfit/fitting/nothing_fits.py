@@ -21,12 +21,13 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     grads = sum(p.nbytes for p in {id(p): p for p in module.parameters() if p.requires_grad}.values())
     least = min((a for a in choice.alternatives if a.bytes is not None), key=lambda a: a.bytes)
     with checkpointed(module, least.setting.checkpoint):
-        peak, _ = training_peak(model, optimizer, loss_fn, x, y)
-        need = peak(least.micro_batch)
+        need = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)[0](least.micro_batch)
+        first = training_peak(model, optimizer, loss_fn, x, y)[0](least.micro_batch)     # no gradients on entry
     state = optimizer_state_bytes(optimizer, module)
     static = params + grads + state
     items = [("parameters", params), ("gradients", grads), ("optimizer state", state),
-             ("activations and the rest at micro-batch 1", max(0, need - static))]
+             ("activations and the rest at micro-batch 1", max(0, first - static)),
+             ("the previous step's gradients, held through the micro-batches", max(0, need - max(first, static)))]
     what = ", ".join(f"{k} {format_bytes(v)}" for k, v in items)
     if static > budget:
         head = (f"nothing fits: parameters + gradients + optimizer state alone need {format_bytes(static)} > budget "
@@ -34,7 +35,7 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     else:
         head = (f"nothing fits: the least any alternative needs (micro-batch {least.micro_batch}, "
                 f"{least.setting.describe()}) is {format_bytes(need)} > budget {format_bytes(budget)}")
-    more = _sharded(module, optimizer, loss_fn, x, y, budget, static, max(0, need - static))
+    more = _sharded(module, optimizer, loss_fn, x, y, budget, static, max(0, first - static))
     cast = [] if "bf16" in levers or static > budget else ["levers=('bf16',) (bf16 autocast: fewer activation bytes)"]
     fixes = more + cast + \
         ["an optimizer with less state (SGD: none; AdamW: 2x the parameters)", "a larger budget"]
@@ -61,8 +62,8 @@ def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: i
                          target=batch_slice(y, 0, 1), at_least=low, max_world=64)
     except Exception as e:         # a hint inside an error: never replace the BudgetExceeded
         return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"]
-    return [f"{w} FSDP2 ranks (fully_shard on each block and the root, one sample per rank, no checkpointing: "
-            "per-rank peak predicted by memfit.ranks_needed)"]
+    return [f"{w} FSDP2 ranks (fully_shard on each block and the root, a plain step of one sample per rank, no "
+            "checkpointing: per-rank peak predicted by memfit.ranks_needed)"]
 
 
 def optimizer_state_bytes(optimizer, module) -> int:
