@@ -333,7 +333,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         # of the shapes of one that left the model as it found it (`_quiet`) is not checked after it runs: a forward
         # that set nothing on these shapes is taken to set nothing again (one that sets something every step is
         # checked after every step; one that does only now and then is refused at the next step, saying why). One
-        # check a step, not two: each walks every module's attributes (0.2-0.45 ms a check on ViT-tiny's 35 modules)
+        # check a step, not two: each walks every module's attributes (ViT-tiny's 35: 0.2 ms alone, 0.4-0.6 in a step)
         if not (unchanged and plan._quiet == shapes):
             before = plan._held
             plan._held = held(module, optimizer, plan._held)
