@@ -16,17 +16,26 @@ and sliced where together they lower the call's peak by `MIN_JOINT_SAVING`. Slic
 few small samples cost more time than they save), and each segment runs in the largest exact slices (1, 2 or 4
 samples) that peak no higher than the rest of the call (fewer calls for the same peak).
 
+The choice does not depend on the example's batch: one capture with a symbolic batch plans every batch size
+(`memfit.memory_model` captures at 2 and predicts any n from that capture), so a plan made at batch 37 must slice
+what one made at 2 slices. Every size is weighed at `REFERENCE_BATCH` (the symbolic batch set to it; a static
+capture, which plans its own batch only, at that batch), and a batch below two slices runs as one slice. Weighed at
+each capture's own batch, ResNet-18 at 64x64 was sliced at 37 and not at 2: `memory_model` at 37 was 1.82x the
+allocator's peak of the plan a user got.
+
 Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
 convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
 whole and sliced on stand-ins for the capture's example (normal draws of its shape and dtype from a seeded
-generator of our own, so that the choice never depends on the example's values: zeros would pass any check; at
-the example's batch, and at twice that plus one, the samples repeated) and kept only where every output is
-bit-identical (`torch.equal`) with the same strides, at each slice size in `SLICE_SIZES` (the last slice of a
-batch takes the rest: k to 2k-1 samples).
+generator of our own, so that the choice never depends on the example's values: zeros would pass any check) at
+the example's batch n, at 2n+1, at `REFERENCE_BATCH` and at twice that plus one (the samples repeated), and kept
+only where every output is bit-identical (`torch.equal`) with the same strides, at each slice size in
+`SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples).
 
-Known limitations: the check runs at two batch sizes and the process's intra-op thread count; a batch size
-or thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. The choice is
-made at the capture's batch: at a small one the weights weigh more against the activations, and less is sliced.
+Known limitations: the check runs at those batch sizes and the process's intra-op thread count; a batch size or
+thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. The choice is the one
+for `REFERENCE_BATCH` at every batch: a stem that peaks only at larger batches (ResNet-18 at 64x64, where at 8 a
+reordered weight of the last stage is the larger tensor) runs whole at 37 too (19.4 MB there against 10.6 MB
+sliced), and one worth slicing at 8 runs as one slice at a batch below two slices.
 
 Example:
     >>> import torch
@@ -51,6 +60,8 @@ __all__ = ["SLICEABLE", "SlicedSegment", "slice_segments"]
 
 aten = torch.ops.aten
 
+# the batch every choice is weighed at, whatever the example's: the batch `memfit bench planner` measures
+REFERENCE_BATCH = 8
 SLICE_SIZES = (1, 2, 4)         # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
 MIN_SAVING = 0.25               # slice where the segment's peak falls by at least this fraction (a loop costs time)
 # segments beyond those above every other op: sliced together where they lower the call's peak by this fraction.
@@ -154,25 +165,34 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)
 
 
-def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple) -> bool:
-    """The segment sliced equals it run whole, bit for bit with the same strides, on x and on x's samples repeated
-    to 2n+1 (another batch size, an odd one: the last slice takes the rest)."""
-    whole = SlicedSegment(seg.steps, x.shape[0] * 3, seg.input_val, seg.param_vals)
-    for xb in (x, torch.cat([x, x, x[:1]])):
-        if not _same(seg(xb, *params), whole.run_slice(xb, params)):
+def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple, sizes: tuple[int, ...] = ()) -> bool:
+    """The segment sliced equals it run whole, bit for bit with the same strides, on x's samples repeated to each
+    batch size in `sizes` (default: x's own batch n and 2n+1, an odd one: the last slice takes the rest)."""
+    n = x.shape[0]
+    for b in sizes or (n, 2 * n + 1):
+        xb = x if b == n else x[torch.arange(b, device=x.device) % n]
+        if not _same(seg(xb, *params), seg.run_slice(xb, params)):
             return False
     return True
 
 
-def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[str, str]:
+def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
+                   batch_range: tuple = (None, None)) -> dict[str, str]:
     """Replace, in `ep`'s graph, each run of per-sample ops whose peak falls by `MIN_SAVING` or more when run in
-    slices of the batch with one `SlicedSegment` node, where the example shows every op of it bit-identical
-    sliced (an op exact on slices of exact inputs gives exact slices, so the run is). Returns segment node
-    name -> what it replaced and why (for the report)."""
+    slices of the batch with one `SlicedSegment` node, where stand-ins of the example show every op of it
+    bit-identical sliced (an op exact on slices of exact inputs gives exact slices, so the run is). `symbol`: the
+    graph's symbolic batch (None: a static capture), valid in `batch_range`; sizes are weighed with it set to
+    `REFERENCE_BATCH`. Returns segment node name -> what it replaced and why (for the report)."""
     graph = ep.graph
-    batch = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
-    if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
+    n = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
+    if n < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
+    if symbol is None:                # static: the graph's sizes are the example's, and it plans that batch only
+        batch, env, sizes = n, {}, (n, 2 * n + 1)
+    else:
+        lo, hi = batch_range
+        batch = max(lo or 2, min(REFERENCE_BATCH, hi or REFERENCE_BATCH))
+        env, sizes = {symbol: batch}, tuple(sorted({n, 2 * n + 1, batch, 2 * batch + 1}))
     scored = [(start, steps, c) for start, steps in _chains(graph, consts)
               if (c := _segment(start, steps, env)) is not None]
     if not scored:
@@ -189,7 +209,7 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     options = []
     for start, steps in chains:
         if start in inputs:
-            options += _options(env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts))
+            options += _options(env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes))
     found = _worth_slicing(graph, consts, env, batch, options)
     done, replaced = {}, {}
     for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
@@ -206,7 +226,8 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
                 graph.erase_node(value)
             graph.erase_node(node)
         done[new.name] = (f"runs in slices of {k} sample{'s' if k > 1 else ''} of the batch "
-                          f"({', '.join(n.name for n, _ in steps)}; checked bit-identical on the example)")
+                          f"({', '.join(v.name for v, _ in steps)}; checked bit-identical at batch "
+                          f"{', '.join(map(str, sizes))})")
     if done:
         ep.graph_module.recompile()
     return done
@@ -216,9 +237,10 @@ def _order(graph) -> dict[Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dict[int, list[bool]]:
-    """Slice size -> whether each step, run on the example's values whole and in slices of that size, is
-    bit-identical (one step's input held at a time)."""
+def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict,
+                 sizes: tuple[int, ...]) -> dict[int, list[bool]]:
+    """Slice size -> whether each step, run on the example's values (repeated to each batch in `sizes`) whole and
+    in slices of that size, is bit-identical (one step's input held at a time)."""
     ok: dict[int, list[bool]] = {k: [] for k in SLICE_SIZES}
     v = x
     with torch.no_grad():
@@ -226,7 +248,7 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dic
             node_in = start if i == 0 else steps[i - 1][1]
             for k in SLICE_SIZES:
                 seg, params = build_segment(node_in, [step], k)
-                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params)))
+                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params), sizes))
             seg, params = build_segment(node_in, [step], 1)
             v = seg.run_slice(v, tuple(consts[p.name] for p in params))       # the whole batch, as eager
     return ok
