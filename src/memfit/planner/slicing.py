@@ -32,10 +32,10 @@ only where every output is bit-identical (`torch.equal`) with the same strides, 
 `SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples).
 
 Known limitations: the check runs at those batch sizes and the process's intra-op thread count; a batch size or
-thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. The choice is the one
-for `REFERENCE_BATCH` at every batch: a stem that peaks only at larger batches (ResNet-18 at 64x64, where at 8 a
-reordered weight of the last stage is the larger tensor) runs whole at 37 too (19.4 MB there against 10.6 MB
-sliced), and one worth slicing at 8 runs as one slice at a batch below two slices.
+thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. `REFERENCE_BATCH`'s
+choice holds at every batch: a stem that peaks only at larger batches runs whole there too (ResNet-18 at 64x64,
+where at 8 the last stage's convolutions, with a weight reordered to 9.4 MB, peak above the stem: 19.4 MB at
+batch 37 against 10.6 MB sliced), and one worth slicing at 8 runs as one slice at a batch below two slices.
 
 Example:
     >>> import torch
