@@ -165,13 +165,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)
 
 
-def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple, sizes: tuple[int, ...] = ()) -> bool:
+def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple, sizes: tuple[int, ...] = (),
+           wholes: dict | None = None) -> bool:
     """The segment sliced equals it run whole, bit for bit with the same strides, on x's samples repeated to each
-    batch size in `sizes` (default: x's own batch n and 2n+1, an odd one: the last slice takes the rest)."""
-    n = x.shape[0]
+    batch size in `sizes` (default: x's own batch n and 2n+1, an odd one: the last slice takes the rest).
+    `wholes`: batch -> (input, the whole run's result), kept for the next slice size of the same steps."""
+    n, wholes = x.shape[0], {} if wholes is None else wholes
     for b in sizes or (n, 2 * n + 1):
-        xb = x if b == n else x[torch.arange(b, device=x.device) % n]
-        if not _same(seg(xb, *params), seg.run_slice(xb, params)):
+        if b not in wholes:
+            xb = x if b == n else x[torch.arange(b, device=x.device) % n]
+            wholes[b] = xb, seg.run_slice(xb, params)
+        xb, whole = wholes[b]
+        if not _same(seg(xb, *params), whole):
             return False
     return True
 
@@ -246,9 +251,11 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict,
     with torch.no_grad():
         for i, step in enumerate(steps):
             node_in = start if i == 0 else steps[i - 1][1]
+            wholes: dict = {}           # each batch's whole run, once for all slice sizes
             for k in SLICE_SIZES:
                 seg, params = build_segment(node_in, [step], k)
-                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params), sizes))
+                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params), sizes, wholes))
+            del wholes
             seg, params = build_segment(node_in, [step], 1)
             v = seg.run_slice(v, tuple(consts[p.name] for p in params))       # the whole batch, as eager
     return ok
