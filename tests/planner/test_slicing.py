@@ -133,6 +133,32 @@ def test_plans_captured_at_any_batch_and_the_memory_model_slice_alike_and_agree_
     assert len(chosen) == 1 and all("(convolution, " in why for why in next(iter(chosen))), chosen
 
 
+def test_a_batch_below_two_slices_runs_in_smaller_exact_slices():
+    """The slice size is chosen at `REFERENCE_BATCH` for every batch: a batch below two such slices runs in the
+    smaller sizes also checked exact and large enough (UNet's merge, slices of 2 chosen at 8: as one slice of 2 at
+    batch 2 the plan held 1.12x main's plan made at 2, in slices of 1). Against the same segment run as one slice,
+    and the report against the allocator."""
+    from memfit.testing.zoo import build
+    model, shape = build("unet", image=64)
+    pm = plan(model, (torch.randn(2, *shape),))
+    node = next(n for n in pm.captures[0].ep.graph.nodes if isinstance(n.target, slicing.SlicedSegment))
+    seg = node.target
+    assert seg.k == 2 and seg.smaller == (1,) and seg.slices(2) == [(0, 1), (1, 2)]
+    assert seg.slices(5) == [(0, 2), (2, 5)]
+    x = torch.randn(2, *shape)
+    with torch.inference_mode():
+        assert torch.equal(pm(x), model(x))
+    real = pm.report.arena_bytes + _peak(pm, x)
+    assert 1.0 <= (pm.report.arena_bytes + pm.report.unplanned_bytes) / real <= 1.05
+    # the segment alone on its input at batch 2: in slices of 1, and as one slice of 2
+    seg_in = torch.randn(2, *[int(s) for s in node.args[0].meta["val"].shape[1:]])
+    params = [pm.captures[0].consts[p.name] for p in node.args[1:]]
+    one = slicing.SlicedSegment(seg.steps, 2, seg.input_val, seg.param_vals)
+    with torch.inference_mode():
+        assert torch.equal(seg(seg_in, *params), one(seg_in, *params))
+    assert _peak(lambda v: seg(v, *params), seg_in) < _peak(lambda v: one(v, *params), seg_in)
+
+
 @pytest.mark.parametrize("n", [3, 5])                 # one slice of 3; slices of 2 and 3
 def test_the_plan_counts_the_whole_output_after_the_first_slice_only(monkeypatch, n):
     """`SlicedSegment` allocates the whole output after the first slice ran: a batch that is one slice holds its

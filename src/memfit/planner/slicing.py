@@ -217,9 +217,9 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
             options += _options(env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes))
     found = _worth_slicing(graph, consts, env, batch, options)
     done, replaced = {}, {}
-    for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
+    for start, steps, k, smaller in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
         start = replaced.get(start, start)        # the output of a segment sliced before it
-        seg, params = build_segment(start, steps, k)
+        seg, params = build_segment(start, steps, k, smaller)
         last = steps[-1][1]
         with graph.inserting_before(steps[-1][0]):
             new = graph.call_function(seg, (start, *params))
@@ -298,17 +298,19 @@ def _largest(first: Node, steps: list, env: dict, k: int) -> int:
                (_at(v.meta["val"], env, k) for v in (first, *(value for _, value in steps))))
 
 
-def _worth_slicing(graph, consts: dict, env: dict, batch: int, options: list) -> list[tuple[Node, list, int]]:
-    """(input, steps, slice size) of the options to slice. First those that peak, run whole, above every op outside
-    them (the other options' ops counted whole): a stem. Then the others, weighed together: slicing a stem can leave
-    the block that peaked just below it where the call peaks (RegNet: the first stage's shortcut and its 1x1 -> 3x3
-    convolutions), and two equal blocks each peak at the other's level, so neither is above it alone (MobileViT's
-    inverted residual blocks). They are sliced, those of them that peak above the level they leave, only where
-    together they lower the call's peak by `MIN_JOINT_SAVING`: every slice is a round of kernel calls, and a few
-    percent of memory is not worth it. The level: the most bytes of any op outside the options taken (the others counted
-    whole) and of each option taken (its input and output whole, one slice's bytes). Then each option taken runs
-    in the largest slices it is exact at that hold no more than where the call then peaks: fewer slices, fewer
-    calls (UNet's merge: slices of 2 peak as low as slices of 1)."""
+def _worth_slicing(graph, consts: dict, env: dict, batch: int,
+                  options: list) -> list[tuple[Node, list, int, tuple]]:
+    """(input, steps, slice size, the smaller exact sizes) of the options to slice. First those that peak, run whole,
+    above every op outside them (the other options' ops counted whole): a stem. Then the others, weighed together:
+    slicing a stem can leave the block that peaked just below it where the call peaks (RegNet: the first stage's
+    shortcut and its 1x1 -> 3x3 convolutions), and two equal blocks each peak at the other's level, so neither is
+    above it alone (MobileViT's inverted residual blocks). They are sliced, those of them that peak above the level
+    they leave, only where together they lower the call's peak by `MIN_JOINT_SAVING`: every slice is a round of
+    kernel calls, and a few percent of memory is not worth it. The level: the most bytes of any op outside the
+    options taken (the others counted whole) and of each option taken (its input and output whole, one slice's
+    bytes). Then each option taken runs in the largest slices it is exact at that hold no more than where the call
+    then peaks: fewer slices, fewer calls (UNet's merge: slices of 2 peak as low as slices of 1); a batch below two
+    such slices runs in the smaller exact ones (`SlicedSegment.slices`)."""
     whole = {id(o): _segment(o[0], o[1], env)[1] for o in options}
     held = {id(o): _held(o[0], o[1], o[2], env, batch) for o in options}
 
@@ -323,8 +325,11 @@ def _worth_slicing(graph, consts: dict, env: dict, batch: int, options: list) ->
     if not taken:
         return []
     peak = level(taken)
-    return [(first, steps, max([k, *(w for w in wider if _held(first, steps, w, env, batch) <= peak)]))
-            for first, steps, k, wider in taken]
+    out = []
+    for first, steps, k, wider in taken:
+        size = max([k, *(w for w in wider if _held(first, steps, w, env, batch) <= peak)])
+        out.append((first, steps, size, tuple(w for w in (k, *wider) if w < size)))
+    return out
 
 
 def _held(first: Node, steps: list, k: int, env: dict, batch: int) -> int:
