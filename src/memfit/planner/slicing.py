@@ -19,9 +19,10 @@ samples) that peak no higher than the rest of the call (fewer calls for the same
 The choice does not depend on the example's batch: one capture with a symbolic batch plans every batch size
 (`memfit.memory_model` captures at 2 and predicts any n from that capture), so a plan made at batch 37 must slice
 what one made at 2 slices. Every size is weighed at `REFERENCE_BATCH` (the symbolic batch set to it; a static
-capture, which plans its own batch only, at that batch), and a batch below two slices runs as one slice. Weighed at
-each capture's own batch, ResNet-18 at 64x64 was sliced at 37 and not at 2: `memory_model` at 37 was 1.82x the
-allocator's peak of the plan a user got.
+capture, which plans its own batch only, at its batch). A batch below two slices of the size chosen runs in smaller
+slices checked exact (below `MIN_SLICE_BYTES` too: else it is one slice, its output held twice), else as one slice.
+Weighed at each capture's own batch, ResNet-18 at 64x64 was sliced at 37 and not at 2: `memory_model` at 37 was
+1.82x the allocator's peak of the plan a user got (MobileViT's at 8: 3.06x).
 
 Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
 convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
@@ -35,7 +36,8 @@ Known limitations: the check runs at those batch sizes and the process's intra-o
 thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. `REFERENCE_BATCH`'s
 choice holds at every batch: a stem that peaks only at larger batches runs whole there too (ResNet-18 at 64x64,
 where at 8 the last stage's convolutions, with a weight reordered to 9.4 MB, peak above the stem: 19.4 MB at
-batch 37 against 10.6 MB sliced), and one worth slicing at 8 runs as one slice at a batch below two slices.
+batch 37 against 10.6 MB sliced), and one worth slicing at 8 may hold a little more at batch 2 than batch 2's own
+choice did (UNet at 64x64: 1.008x).
 
 Example:
     >>> import torch
