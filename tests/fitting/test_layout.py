@@ -16,11 +16,13 @@ def _model():
 
 
 def _real_peak(model, opt, batch, micro_batch) -> int:
-    """Live bytes at the peak of accumulate's step (what plan.step runs), held bytes included."""
+    """Live bytes at the peak of two of accumulate's steps (what plan.step runs) from no gradients, held bytes
+    included: the second holds the first's gradients on entry, the steady state a plan is made for."""
     opt.zero_grad(set_to_none=True)
     held = unique_bytes([*model.parameters(), *optimizer_state(opt), *batch])
     with track_memory("cpu") as mem:
-        memfit.accumulate(model, opt, batch, F.mse_loss, micro_batch=micro_batch)
+        for _ in range(2):
+            memfit.accumulate(model, opt, batch, F.mse_loss, micro_batch=micro_batch)
     return held + mem.peak
 
 
@@ -180,3 +182,75 @@ def test_steps_check_the_model_without_building_its_fingerprint_and_every_change
         with pytest.raises(ValueError, match="the model changed since memfit.fit made this plan"):
             plan.step((x, y))
         monkeypatch.undo()
+
+
+class _Recorded(nn.Module):
+    """_model(), its forward recording the batch's sequence length and, with `count`, how many forwards ran."""
+    def __init__(self, count: bool = False):
+        super().__init__()
+        self.body, self.length, self.count, self.calls = _model(), None, count, 0
+
+    def forward(self, x):
+        self.length = x.shape[1]                      # set by the forward itself, from the batch's shape
+        if self.count:
+            self.calls += 1                           # ... and, with `count`, on every step
+        return self.body(x)
+
+
+def _sequences(length: int, n: int = 6):
+    g = torch.Generator().manual_seed(length)
+    return torch.randn(n, length, 16, generator=g), torch.randn(n, length, 16, generator=g)
+
+
+def test_a_step_on_the_shapes_of_one_that_changed_nothing_is_checked_once(monkeypatch):
+    """The model is checked before every step and, after it, only until a step on batches of those shapes (and
+    dtypes, devices) left it as it found it: one `State.holds` a step then, not two. A forward that sets its model
+    from the batch's shape (a shorter sequence) is checked after those steps again, and one that sets it every step
+    after every step: neither is refused. A change by the caller between skipped checks is refused as before."""
+    from memfit.memory.fingerprint import State
+    calls, holds = [], State.holds
+    monkeypatch.setattr(State, "holds", lambda self, m: calls.append(1) or holds(self, m))
+    for count in (False, True):
+        model = _Recorded(count)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        plan = memfit.fit(model, opt, _sequences(8), F.mse_loss, "1GiB")
+        per_step = []
+        for length in (8, 8, 8, 4, 4, 8, 8):             # a shorter sequence sets `length`: checked after it runs
+            calls.clear()
+            plan.step(_sequences(length))
+            per_step.append(len(calls))
+        # every step: before; after: the first (it set `length`), each step on new shapes, and the one after
+        # each of those (to see it set nothing); with `count` set every step, after every step
+        assert per_step == ([2, 2, 1, 2, 2, 2, 2] if not count else [2] * 7), (count, per_step)
+    model = _Recorded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = memfit.fit(model, opt, _sequences(8), F.mse_loss, "1GiB")
+    for _ in range(3):
+        plan.step(_sequences(8))
+    model.body[0][0].weight.requires_grad_(False)          # the caller freezes a weight: fewer bytes, but changed
+    with pytest.raises(ValueError, match=r"the model changed since memfit\.fit.*taken for a change by the caller"):
+        plan.step(_sequences(8))
+
+
+def test_a_forward_that_changes_its_model_only_now_and_then_is_refused_saying_why():
+    """The price of one check a step: a forward that changes its model on a later step of the same batch shape
+    (not the first) is taken for a change by the caller, and the error says so (plan.step's docstring)."""
+    forwards = []                                     # counted outside the model: the model itself unchanged
+
+    class Sometimes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _model()
+
+        def forward(self, x):
+            forwards.append(1)
+            if len(forwards) == 3:
+                self.mode = "warm"                    # set by the forward at its third real step only
+            return self.body(x)
+    model = Sometimes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = memfit.fit(model, opt, _sequences(8), F.mse_loss, "1GiB")
+    forwards.clear()                                  # fit's runs are on fake tensors; counted from the first step
+    with pytest.raises(ValueError, match="a forward that changes its own model only on some steps"):
+        for _ in range(4):
+            plan.step(_sequences(8))

@@ -15,25 +15,24 @@ def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch)
     peak = lambda m: 10_000 + 1_000 * m                     # bytes of a step on m samples
     calls = []
 
-    def fake(model, optimizer, loss_fn, x, y):
-        calls.append(1)
+    def fake(model, optimizer, loss_fn, x, y, entry_grads=False):
+        calls.append(entry_grads)      # the gradients held on entry stay held: counted by the model, every step
         return peak, "a stand-in model"
     monkeypatch.setattr(micro_batch_size, "training_peak", fake)
     ref, ref_opt, mod, opt = pair("mlp")
     x, y = data(20)
-    grads = sum(p.nbytes for p in mod.parameters())        # the gradients held on entry stay held: counted
-    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + grads + 999)
+    r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
     assert r.micro_batch == 6 and r.micro_batches == 4
     assert f"predicted step {format_bytes(peak(6))} within the budget" in r.reason
     assert f"7 samples would need {format_bytes(peak(7))}" in r.reason
     plain_step(ref, ref_opt, x, y)
     assert_same_step(ref, mod)
-    accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + grads + 999)
-    assert len(calls) == 1                                    # kept for the next step
+    accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(6) + 999)
+    assert calls == [True]                                    # kept for the next step
     r = accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(40))
     assert r.micro_batch == 20 and "whole batch fits" in r.reason
     with pytest.raises(MemoryError, match="one sample needs"):
-        accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(0) + grads)
+        accumulate(mod, opt, (x, y), F.cross_entropy, budget=peak(0))
 
 
 @pytest.mark.parametrize("kind, opt", [("mlp", "adamw"), ("attn", "sgd")])
@@ -44,8 +43,8 @@ def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypat
     x, y = data(64)
     plain_step(ref, ref_opt, x, y)                        # both with optimizer state, as in a running loop
     plain_step(mod, mod_opt, x, y)
-    peak, how = micro_batch_size.training_peak(mod, mod_opt, F.cross_entropy, x, y)
-    monkeypatch.setattr(micro_batch_size, "training_peak", lambda *a: (peak, how))     # the same, computed once
+    peak, how = micro_batch_size.training_peak(mod, mod_opt, F.cross_entropy, x, y, entry_grads=True)
+    monkeypatch.setattr(micro_batch_size, "training_peak", lambda *a, **k: (peak, how))     # the same, computed once
     budget = (peak(64) + peak(1)) // 3                   # too small for the whole batch
     x, y = data(64, seed=2)
     plain_step(ref, ref_opt, x, y)
@@ -54,8 +53,7 @@ def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypat
     with track_memory("cpu") as mem:
         r = accumulate(mod, mod_opt, (x, y), F.cross_entropy, budget=budget)
     assert 1 <= r.micro_batch < 64 and r.micro_batches > 1 and "fake-tensor" in r.reason
-    kept = sum(p.nbytes for p in mod.parameters())     # room for the gradients a later step keeps through it
-    assert peak(r.micro_batch) <= budget - kept < peak(r.micro_batch + 1)
+    assert peak(r.micro_batch) <= budget < peak(r.micro_batch + 1)     # room for the gradients a later step keeps
     assert held + mem.peak <= budget, f"{held + mem.peak} > {budget}: the prediction fell below the real step"
     assert_same_step(ref, mod, rtol=1e-4)
 
@@ -78,17 +76,58 @@ def test_the_predicted_accumulate_step_is_the_real_one_at_every_micro_batch(kind
     _, _, mod, mod_opt = pair(kind, opt)
     x, y = data(48)
     plain_step(mod, mod_opt, x, y)                        # optimizer state, as in a running loop
+    mod.zero_grad(set_to_none=True)
     peak, _ = micro_batch_size.training_peak(mod, mod_opt, loss_fn, x, y)
+    entered, _ = micro_batch_size.training_peak(mod, mod_opt, loss_fn, x, y, entry_grads=True)
     for m in (1, 5, 16, 47, 48):
-        mod.zero_grad(set_to_none=True)
-        held = held_bytes(mod, mod_opt) + x.nbytes + y.nbytes
+        for held_on_entry, predicted in ((False, peak), (True, entered)):
+            if held_on_entry:      # the steady state: the gradients a step at m left, held through the next;
+                with track_memory("cpu"):   # made under the profiler, which sees their free only then
+                    accumulate(mod, mod_opt, (x, y), loss_fn, micro_batch=m)
+            else:
+                mod.zero_grad(set_to_none=True)
+            held = held_bytes(mod, mod_opt, grads=True) + x.nbytes + y.nbytes
+            with track_memory("cpu") as mem:
+                accumulate(mod, mod_opt, (x, y), loss_fn, micro_batch=m)
+            real = held + mem.peak
+            # a convolution's backward allocates 192 bytes inside at batch 1 and 22 KiB from batch 2 (another
+            # kernel): the line through the sizes run holds at 1 a little above batch 1's own run (1.055x here)
+            slack = max(64, real // 16) if kind == "cnn" else 64
+            assert real <= predicted(m) <= real + slack, (m, held_on_entry, predicted(m), real)
+
+
+def test_gradients_held_on_entry_count_in_the_micro_batches_not_in_the_optimizer_step():
+    """LeNet, AdamW, batch 8: accumulate lets the gradients held on entry go before the optimizer's step, where
+    the peak of a plain step is. Counted there too (a gradient's worth on top of the whole step), the prediction
+    was 1.064x the real step at micro-batch 2 (1.097x at 1) and a budget that micro-batch 2 fits, measured + 64
+    bytes, was refused (BudgetExceeded); now it is the allocator's peak within 64 bytes at 1, 2, 4 and 8, and
+    auto takes 2 there."""
+    from memfit.memory.measure import held_bytes, track_memory
+    from memfit.testing.zoo import build
+    torch.manual_seed(0)
+    model, shape = build("lenet")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, *shape), torch.randint(0, 10, (8,))
+    accumulate(model, opt, (x, y), F.cross_entropy, micro_batch=8)      # optimizer state, as in a running loop
+
+    def real_step(**kw):           # the live bytes of accumulate's step with the gradients of one before held
+        base = held_bytes(model, opt, grads=True) + x.nbytes + y.nbytes
         with track_memory("cpu") as mem:
-            accumulate(mod, mod_opt, (x, y), loss_fn, micro_batch=m)
-        real = held + mem.peak
-        # a convolution's backward allocates 192 bytes inside at batch 1 and 22 KiB from batch 2 (another
-        # kernel): the line through the sizes run holds at 1 a little above batch 1's own run (1.055x here)
-        slack = max(64, real // 16) if kind == "cnn" else 64
-        assert real <= peak(m) <= real + slack, (m, peak(m), real)
+            r = accumulate(model, opt, (x, y), F.cross_entropy, **kw)
+        return base + mem.peak, r
+    real = {}
+    for m in (1, 2, 4, 8):
+        real_step(micro_batch=m)      # the gradients a step at m leaves, made under the profiler: it sees them freed
+        real[m], _ = real_step(micro_batch=m)
+    budget = real[2] + 64
+    assert accumulate(model, opt, (x, y), F.cross_entropy, budget=budget).micro_batch == 2   # chooses (fake runs)
+    real_step(budget=budget)
+    peak, r = real_step(budget=budget)
+    assert r.micro_batch == 2 and peak <= budget
+    model.zero_grad(set_to_none=True)       # the gradients held now count too: none, the steady state's alone
+    entered, _ = micro_batch_size.training_peak(model, opt, F.cross_entropy, x, y, entry_grads=True)
+    for m in (1, 2, 4, 8):
+        assert real[m] <= entered(m) <= real[m] + 64, (m, entered(m), real[m])
 
 
 @pytest.mark.cuda
@@ -132,7 +171,7 @@ def test_auto_with_inputs_on_the_host_and_labels_on_the_device_fits_the_budget()
 
 
 def test_auto_says_how_to_continue_when_the_memory_cannot_be_predicted(monkeypatch):
-    def broken(*a):
+    def broken(*a, **k):
         raise NotImplementedError("no fake kernel for aten::foo")
     monkeypatch.setattr(micro_batch_size, "training_peak", broken)
     mod = make("mlp")
@@ -160,7 +199,7 @@ def test_auto_says_how_to_continue_when_the_run_with_gradients_held_fails(monkey
 
 
 def test_a_back_off_lowers_the_size_kept_for_the_next_step(monkeypatch, oom_budget):
-    monkeypatch.setattr(micro_batch_size, "training_peak", lambda *a: (lambda m: m, "stand-in"))
+    monkeypatch.setattr(micro_batch_size, "training_peak", lambda *a, **k: (lambda m: m, "stand-in"))
     mod = Gated()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     oom_budget.budget = staticmethod(lambda n: n <= 5)
@@ -175,7 +214,7 @@ def test_a_size_chosen_at_one_thread_count_is_chosen_again_at_another(monkeypatc
     count must not be reused at another (it used to: auto_key left the count out)."""
     calls = []
 
-    def fake(model, optimizer, loss_fn, x, y):
+    def fake(model, optimizer, loss_fn, x, y, entry_grads=False):
         calls.append(torch.get_num_threads())
         return (lambda m: 10_000 + 1_000 * m), "a stand-in model"
     monkeypatch.setattr(micro_batch_size, "training_peak", fake)

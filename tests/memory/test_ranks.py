@@ -301,23 +301,26 @@ def test_every_thread_counts_what_another_thread_frees_and_peak_within_a_range()
 
 
 def test_fsdp_run_counts_convolution_workspaces(monkeypatch):
-    """The FSDP2 run logs what oneDNN's convolutions allocate inside (memory.fake_kernels.workspace_bytes), as
-    the single-process run does: without it a CNN's rows were 0.85-0.97 of the allocator."""
-    import memfit.memory.fake_run as fake_run
+    """The FSDP2 run hands oneDNN's convolutions to `kernel_scratch`, as the single-process run does: what they
+    allocate inside is measured by the real kernels at each batch size asked about and counted at their rows
+    (without it a CNN's rows were 0.85-0.97 of the allocator)."""
+    import memfit.memory.kernel_scratch as kernel_scratch
     from memfit.memory.fsdp_run import fsdp_fake_run
     from memfit.memory.step import ExampleBatch
     from memfit.testing.zoo import lenet
     m = lenet()
     conv = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+    run = fsdp_fake_run(m, ExampleBatch((1, 28, 28)), 4, world_size=2, rank=0, loss_fn=None, target=None,
+                        optimizer=torch.optim.AdamW(m.parameters()))
+    rows = [i for i, op in enumerate(run.ops) if op in conv]
+    assert len(rows) == 4 and {row for row, _, _ in run.scratch} >= set(rows)
 
-    def at_convolutions():
-        run = fsdp_fake_run(m, ExampleBatch((1, 28, 28)), 4, world_size=2, rank=0, loss_fn=None, target=None,
-                            optimizer=torch.optim.AdamW(m.parameters()))
-        return [int(run.live[i].sum()) for i, op in enumerate(run.ops) if op in conv]
-    counted = at_convolutions()
-    monkeypatch.setattr(fake_run, "workspace_bytes", lambda *a: (0, 0))
-    without = at_convolutions()
-    assert len(counted) == len(without) == 4 and all(a > b for a, b in zip(counted, without, strict=True))
+    def total() -> int:
+        return rank_memory_model(m, (1, 28, 28), optimizer=torch.optim.AdamW(m.parameters()), world_size=2,
+                                 probes=(64,)).total_bytes(64)          # a batch whose peak is in a convolution
+    counted = total()
+    monkeypatch.setattr(kernel_scratch, "scratch_bytes", lambda *a, **k: 0)
+    assert counted > total()
 
 
 def test_rank_measurement_is_the_step_measurement_module():

@@ -46,8 +46,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
     Gradients are set to None first, accumulated over the micro-batches (micro-batch i's mean loss
     weighted by m_i / N), then `optimizer.step()` runs once; `.grad` keeps the step's gradient. When no step
     is taken (a loss that is not finite, an error before the step) `.grad` is given back as it was: the
-    gradients held on entry stay referenced until the step ends, so they take memory during it (counted
-    by micro_batch='auto'); call `optimizer.zero_grad()` before to free them first.
+    gradients held on entry stay referenced through the micro-batches (let go before `optimizer.step()`), so
+    they take memory there (counted by micro_batch='auto'); call `optimizer.zero_grad()` before to free them first.
     Forward and loss run under the caller's `torch.autocast`; backward runs outside it.
 
     Args:

@@ -48,7 +48,7 @@ class Peaks:
         self.dtype = next((d for d in LEVERS.values() if _name(d) == setting.autocast), None)
         self.n = batch_len(x)
         with self._on():
-            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y)
+            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)
         self.known: dict[int, int] = {}
 
     def _on(self):

@@ -13,7 +13,10 @@ replaced; another forward) or an optimizer given other parameters or options tha
 switched on, amsgrad) is refused too (`held_error`): the plan's bytes are the old model's. A learning-rate
 schedule (`lr` from 0 in a warm-up, `betas`; `momentum` between non-zero values) changes no byte and passes.
 Each step is checked against the model as the previous step left it (as `fit` left it, for the first): what a
-model's own forward sets (Swin's `shift_size`, a lazy module's weights) is not a change by the caller.
+model's own forward sets (Swin's `shift_size`, a lazy module's weights) is not a change by the caller. A step on a
+batch of the shapes (and dtypes, devices) of one that left the model as it found it is not checked after it runs
+(`FitPlan.step`: one check a step, not two); a forward that changes its model only on some steps of one batch shape
+is then refused as a change by the caller, and the error says so.
 
 Example:
     >>> import torch
@@ -35,7 +38,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from memfit.memory.fingerprint import describe_change, model_state
 
-__all__ = ["held", "held_error", "layout", "layout_error", "optimizer_options"]
+__all__ = ["batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
 
 _MISSING = object()
 _AGAIN = "call memfit.fit again with the model and optimizer as they are now (it plans for them)"
@@ -113,6 +116,12 @@ def _same_groups(now: tuple, planned: tuple) -> bool:
                 and len(params) == len(params_then)
                 and all(p() is not None and p() is q() for p, q in zip(params, params_then, strict=True)))
     return len(now) == len(planned) and all(same(g, w) for g, w in zip(now, planned, strict=True))
+
+
+def batch_shapes(batch) -> tuple:
+    """Every tensor's (shape, dtype, device) in the batch, flattened: what a forward's own changes to its model may
+    depend on besides the values (Swin's window sizes on the image's, a cache on the sequence length)."""
+    return tuple((t.shape, t.dtype, t.device) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
 
 
 def layout(batch) -> tuple:

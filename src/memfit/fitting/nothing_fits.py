@@ -1,14 +1,16 @@
 """What `memfit.fit` says when no alternative fits: `BudgetExceeded` with the breakdown of the least any
-alternative needs (parameters, gradients, optimizer state, the rest) and what would fit (devices sharding the
-state, bf16, an optimizer with less state)."""
+alternative needs (parameters, gradients, optimizer state, the rest) and what would fit (the fewest FSDP2 ranks,
+predicted by `memfit.ranks_needed`; bf16; an optimizer with less state)."""
 
 from __future__ import annotations
 
 import torch
 
+from memfit.batches import batch_slice
 from memfit.budget import BudgetExceeded, format_bytes
 from memfit.fitting.checkpointing import checkpointed
 from memfit.memory.micro_batch import training_peak
+from memfit.messages import first_line
 
 __all__ = ["nothing_fits", "optimizer_state_bytes"]
 
@@ -19,12 +21,13 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     grads = sum(p.nbytes for p in {id(p): p for p in module.parameters() if p.requires_grad}.values())
     least = min((a for a in choice.alternatives if a.bytes is not None), key=lambda a: a.bytes)
     with checkpointed(module, least.setting.checkpoint):
-        peak, _ = training_peak(model, optimizer, loss_fn, x, y)
-        need = peak(least.micro_batch)
+        need = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)[0](least.micro_batch)
+        first = training_peak(model, optimizer, loss_fn, x, y)[0](least.micro_batch)     # no gradients on entry
     state = optimizer_state_bytes(optimizer, module)
     static = params + grads + state
     items = [("parameters", params), ("gradients", grads), ("optimizer state", state),
-             ("activations and the rest at micro-batch 1", max(0, need - static))]
+             ("activations and the rest at micro-batch 1", max(0, first - static)),
+             ("the previous step's gradients, held through the micro-batches", max(0, need - max(first, static)))]
     what = ", ".join(f"{k} {format_bytes(v)}" for k, v in items)
     if static > budget:
         head = (f"nothing fits: parameters + gradients + optimizer state alone need {format_bytes(static)} > budget "
@@ -32,14 +35,35 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     else:
         head = (f"nothing fits: the least any alternative needs (micro-batch {least.micro_batch}, "
                 f"{least.setting.describe()}) is {format_bytes(need)} > budget {format_bytes(budget)}")
-    more = [f"{d} devices sharding parameters, gradients and optimizer state (FSDP / ZeRO) need about "
-            f"{format_bytes(static // d + max(0, need - static))} each" for d in (2, 4, 8)
-            if static // d + max(0, need - static) <= budget][:1]
+    more = _sharded(module, optimizer, loss_fn, x, y, budget, static, max(0, first - static))
     cast = [] if "bf16" in levers or static > budget else ["levers=('bf16',) (bf16 autocast: fewer activation bytes)"]
     fixes = more + cast + \
         ["an optimizer with less state (SGD: none; AdamW: 2x the parameters)", "a larger budget"]
     return BudgetExceeded(f"{head} ({what}). What would fit: {'; or '.join(fixes)}", needed=need, budget=budget,
                           items=items)
+
+
+def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: int) -> list[str]:
+    """How many FSDP2 ranks a step at one sample per rank needs, as a fix to offer: parameters, gradients and
+    optimizer state shard, activations do not. Sharded evenly they would need `static / d + rest` each, a lower bound
+    (FSDP2 pads shards and gathers a unit's parameters whole while it runs), so the search starts at the smallest
+    such d and `ranks_needed` runs FSDP2's real code on fake tensors from there up (CPU models; on another device,
+    or where that run fails, the even split is offered, said to be one)."""
+    low = next((d for d in range(2, 65) if static // d + rest <= budget), None)
+    if low is None:
+        return []
+    even = (f"about {low} devices sharding parameters, gradients and optimizer state (FSDP / ZeRO: "
+            f"{format_bytes(static // low + rest)} each if they shard evenly")
+    if any(t.device.type != "cpu" for t in module.parameters()):
+        return [even + "; memfit.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"]
+    from memfit.memory.ranks import ranks_needed
+    try:
+        w = ranks_needed(module, batch_slice(x, 0, 1), budget, 1, optimizer=optimizer, loss_fn=loss_fn,
+                         target=batch_slice(y, 0, 1), at_least=low, max_world=64)
+    except Exception as e:         # a hint inside an error: never replace the BudgetExceeded
+        return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"]
+    return [f"{w} FSDP2 ranks (fully_shard on each block and the root, a plain step of one sample per rank, no "
+            "checkpointing: per-rank peak predicted by memfit.ranks_needed)"]
 
 
 def optimizer_state_bytes(optimizer, module) -> int:

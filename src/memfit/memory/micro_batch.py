@@ -33,6 +33,9 @@ from memfit.messages import first_line, whole_words
 
 __all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
 
+MICRO_PHASES = ("forward", "backward")      # a micro-batch's ops (`StepMemoryModel.breakdown(phases=...)`)
+STEP_PHASES = ("step", "zero_grad")         # the optimizer's step after the last, and what follows it
+
 # model -> {auto key: (micro-batch size, why)}, for the model's next steps
 _CHOSEN = ModelCache(fingerprinted=False)     # model -> {auto_key: (size, why)}: see auto_key for why not fingerprinted
 
@@ -46,7 +49,7 @@ def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
     return loss
 
 
-def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int], str]:
+def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False) -> tuple[Callable[[int], int], str]:
     """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
 
     Two fake-tensor memory models of accumulate's step (`step_memory_model(..., keep_output=False)`: the
@@ -59,6 +62,10 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     it need not grow with m at every step: the search then stops at a size that fits, perhaps not the largest.
     The micro-batch is a view of the batch already on the device (the batch's bytes once, not the
     micro-batch's inputs). A DistributedDataParallel model also holds its gradient buckets.
+    `entry_grads`: the gradients of the step before are held on entry (a gradient's worth): accumulate keeps them
+    referenced through the micro-batches' forward and backward and lets them go before the optimizer's step
+    (`accumulation.micro_step.KeptGrads`), so they are counted there and not in the step (where the peak of
+    AdamW's step is: counting them there too put LeNet's prediction 6% above the real step at micro-batch 2).
     """
     from memfit.memory.step_model import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -95,23 +102,37 @@ def training_peak(model, optimizer, loss_fn, x, y) -> tuple[Callable[[int], int]
     rounded = rounder(device)
     scalars = lambda k: rounded(8) + rounded(8 * (k + 1))
 
-    def step_at(m: int, first: int | None = None) -> int:
-        """A micro-batch of m: the first (first=None), or a later one after a first of `first` samples."""
+    # the gradients held on entry: those a step in micro-batches of m leaves (the first micro-batch's storages,
+    # larger than the parameters' where a gradient is a view of a larger buffer), or the ones held now if larger
+    rounded_storages = {id(s): rounded(s.nbytes()) for p in module.parameters() if p.grad is not None
+                        for s in [p.grad.untyped_storage()]}
+    held_now = sum(rounded_storages.values())
+    entry = lambda m: max(fit(False).gradient_bytes(min(m, n)), held_now) if entry_grads else 0
+
+    def step_at(m: int, first: int | None = None, last: bool = True, entered: int = 0) -> int:
+        """A micro-batch of m: the first (first=None), or a later one after a first of `first` samples; with
+        `last`, the optimizer's step after it too; `entered`: the bytes of the gradients held on entry."""
         held = first is not None
         k = -(-n // (first or m))                # micro-batches of the step (a later one's size need not be m)
-        parts = fit(held).breakdown(m)
-        inputs = min(parts.get("inputs", 0), batch_bytes * m // n)   # rounded down: never below reality
         # the gradients a later micro-batch adds into are those the first one's backward left: where one is a
         # view of a larger buffer (a slice of torch.cat's), all of that buffer stays, not the parameter's bytes
         views = max(0, fit(False).gradient_bytes(first) - fit(True).gradient_bytes(m)) if held else 0
-        return sum(parts.values()) - inputs + batch_bytes + buckets + scalars(k) + views
+
+        def over(phases: tuple[str, ...]) -> int:
+            parts = fit(held).breakdown(m, phases=phases)
+            inputs = min(parts.get("inputs", 0), batch_bytes * m // n)   # rounded down: never below reality
+            return sum(parts.values()) - inputs + batch_bytes + buckets + scalars(k) + views
+        micro = over(MICRO_PHASES) + entered     # the gradients held on entry: referenced until the step
+        return max(micro, over(STEP_PHASES)) if last else micro
 
     def peak(m: int) -> int:
+        held = entry(m)
         if m >= n:
-            return step_at(n)
+            return step_at(n, entered=held)
         parts = -(-n // m)                 # micro-batches of m, the last one of what is left
-        later = {n - (parts - 1) * m} | ({m} if parts > 2 else set())
-        return max(step_at(m), *(step_at(size, first=m) for size in later))
+        last = n - (parts - 1) * m
+        middle = [step_at(m, first=m, last=False, entered=held)] if parts > 2 else []
+        return max(step_at(m, last=False, entered=held), *middle, step_at(last, first=m, entered=held))
     how = (f"{models[False].method}; micro-batches after the first: the same with the gradients held"
            + (" + DDP gradient buckets" if buckets else ""))
     return peak, how
@@ -124,11 +145,11 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
         limit += held_bytes(model, optimizer, grads=True)
-    # the gradients held on entry (the previous step's, after the first) stay held through the step: accumulate
-    # gives them back when it takes none. Counted whether held now or not, so that one size is kept for every step
-    limit -= sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    # the gradients held on entry (the previous step's, after the first) stay held through the micro-batches:
+    # accumulate gives them back when it takes no step. Counted whether held now or not (`entry_grads`), so that
+    # one size is kept for every step
     try:                        # the run with the gradients held is made in the search, so it is in here too
-        peak, how = training_peak(model, optimizer, loss_fn, x, y)
+        peak, how = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)
         whole = peak(n)
         m = n if whole <= limit else largest_fitting(peak, limit, n - 1)
     except Exception as e:

@@ -134,7 +134,7 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                       reshard_after_forward: bool | None = None, mp_policy=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, backend: str = "nccl",
                       gradient_as_bucket_view: bool | None = None, offload_policy=None,
-                      gloo_race: bool = True) -> RankMemoryModel:
+                      gloo_race: bool = True, probes: tuple[int, ...] = (2, 4, 8)) -> RankMemoryModel:
     """The per-rank memory of a DDP or FSDP2 training step of `model` (see the module docstring).
 
     Args:
@@ -160,6 +160,9 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
             the ranks run, and the common case on an idle machine).
         gradient_as_bucket_view: DDP only: the gradients are views into the buckets (default: the DDP
             module's flag, or torch's default False).
+        probes: FSDP2 only: the per-rank batch sizes run on fake tensors first. (2, 4, 8): each op's bytes per
+            kind as a line a + b*n through 2 and 4, used where it is exact at 8 (every n from three runs); one size
+            (`ranks_needed`): exact there, any other size runs again.
         offload_policy: FSDP2's `CPUOffloadPolicy` is not modelled: anything but None or a plain
             `OffloadPolicy()` raises. HSDP (a 2-D mesh) is not modelled either: a model already wrapped by
             `fully_shard` raises, saying which.
@@ -197,28 +200,32 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
         raise ValueError(f"expected reshard_after_forward None, True or False; found {reshard_after_forward!r}: "
                          "resharding to a smaller mesh after forward (an int) is not modelled; predict True or "
                          "False and check the int's step with memfit.measure_rank_step")
+    if not probes:
+        raise ValueError("expected probes, the per-rank batch sizes to run first, to hold at least one size; found ()")
+    probes = tuple(check_count("each of probes", p, 1) for p in probes)
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
     run = lambda n: fsdp_fake_run(model, batch, n, world_size=world_size, rank=0, optimizer=optimizer,
                                   loss_fn=loss_fn, target=tgt, units=units,
                                   reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                   autocast=autocast, backend=backend)
-    runs = {n: run(n) for n in (2, 4, 8)}
-    params = int(runs[2].live[0, RANK_KINDS.index(MemoryKind.SHARDED_PARAMETERS)]
-                 + runs[2].live[0, RANK_KINDS.index(MemoryKind.PARAMETERS)])
-    race = runs[2].race_bytes if backend == "gloo" and gloo_race else 0
+    runs = {n: run(n) for n in probes}
+    first = runs[probes[0]]
+    params = int(first.live[0, RANK_KINDS.index(MemoryKind.SHARDED_PARAMETERS)]
+                 + first.live[0, RANK_KINDS.index(MemoryKind.PARAMETERS)])
+    race = first.race_bytes if backend == "gloo" and gloo_race else 0
     how = (f"fully_shard run on fake tensors under a fake process group of {world_size} ranks (rank 0, the "
            f"largest shards; reshard_after_forward={reshard_after_forward}"
            + (" (fully_shard's default: every unit but the root)" if reshard_after_forward is None else "")
            + f", {backend}"
            + (f", plus {race} bytes at the peak: the largest collective buffer, which gloo's race may keep"
               if race else ""))
-    if runs[4].scratch:
-        how += (f", the scratch {len(runs[4].scratch)} kernels on half-precision arguments allocate inside measured "
-                "from the real kernels at each batch size asked about")
+    if any(r.scratch for r in runs.values()):
+        how += (f", the scratch {max(len(r.scratch) for r in runs.values())} kernels on half-precision arguments "
+                "allocate inside measured from the real kernels at each batch size asked about")
     mm = RankMemoryModel("", params, dev, True, "fsdp", world_size, _exact={n: r.live for n, r in runs.items()},
                          _run_at=run, _race=race)
-    if all(r.ops == runs[2].ops for r in runs.values()):
+    if {2, 4, 8} <= set(runs) and all(r.ops == runs[2].ops for r in runs.values()):
         a = 2 * runs[2].live - runs[4].live
         b = (runs[4].live - runs[2].live) / 2
         if np.array_equal(a + 8 * b, runs[8].live):
@@ -303,10 +310,11 @@ def _check_not_offloaded(offload_policy) -> None:
 
 
 def ranks_needed(model: torch.nn.Module, example, budget: int | str, batch_per_rank: int, *,
-                 max_world: int = 1024, **options) -> int:
-    """The fewest FSDP2 ranks (1, 2, 4, ... doubling, then the smallest between) whose per-rank peak at
-    `batch_per_rank` fits `budget`; `options` go to `rank_memory_model`. Raises ValueError if even
-    `max_world` ranks do not fit (activations do not shard).
+                 max_world: int = 1024, at_least: int = 1, **options) -> int:
+    """The fewest FSDP2 ranks (`at_least`, then doubling, then the smallest between) whose per-rank peak at
+    `batch_per_rank` fits `budget`; `options` go to `rank_memory_model` (one fake run per world size tried).
+    `at_least`: a world size known not to be above the answer (a lower bound: fewer ranks are not tried). Raises
+    ValueError if even `max_world` ranks do not fit (activations do not shard).
 
     Example:
         >>> import torch
@@ -316,16 +324,22 @@ def ranks_needed(model: torch.nn.Module, example, budget: int | str, batch_per_r
         2
     """
     budget = parse_bytes(budget)
-    need = lambda w: rank_memory_model(model, example, parallel="fsdp", world_size=w, **options) \
-        .total_bytes(batch_per_rank)
-    w = 1
+    batch_per_rank = check_count("batch_per_rank", batch_per_rank, 1)
+    seen: dict[int, int] = {}
+
+    def need(w: int) -> int:
+        if w not in seen:
+            seen[w] = rank_memory_model(model, example, parallel="fsdp", world_size=w, probes=(batch_per_rank,),
+                                        **options).total_bytes(batch_per_rank)
+        return seen[w]
+    lo = w = min(check_count("at_least", at_least, 1), max_world)
     while need(w) > budget:
         if w >= max_world:
             raise ValueError(f"expected some world size <= {max_world} to fit {format_bytes(budget)} per rank at "
                              f"a batch of {batch_per_rank} per rank; found {format_bytes(need(w))} at {w} ranks; "
                              "lower the batch per rank or raise the budget")
-        w *= 2
-    return w if w == 1 else _smallest(need, budget, w // 2 + 1, w)
+        lo, w = w + 1, min(2 * w, max_world)
+    return _smallest(need, budget, lo, w)
 
 
 def _smallest(need, budget: int, lo: int, hi: int) -> int:

@@ -59,7 +59,9 @@ from memfit.memory.kinds import STEP_KINDS, MemoryKind
 from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
 from memfit.messages import first_line, whole_words
 
-__all__ = ["StepMemoryModel", "check_prediction", "step_memory_model"]
+__all__ = ["PHASES", "StepMemoryModel", "check_prediction", "step_memory_model"]
+
+PHASES = ("forward", "backward", "step", "zero_grad")     # a training step's phases, in order
 
 
 
@@ -119,6 +121,7 @@ class StepMemoryModel:
     _scratch: dict = field(default_factory=dict)      # 4, and each n in _measured -> `kernel_scratch.ScratchOp`s
     #                                                   of that run: measured at each n asked about
     _scratch_at: dict = field(default_factory=dict, repr=False)     # n -> (ops, kinds) of their bytes
+    _measured_ends: dict = field(default_factory=dict)                # n in _measured -> its run's phase ends
 
     def gradient_bytes(self, n: int) -> int:
         """Bytes of the storages the gradients of a step on n samples sit in (with `grads_held`, the gradients
@@ -131,14 +134,34 @@ class StepMemoryModel:
         a, b = self._grads
         return int(np.ceil(a + b * n))
 
-    def _peak(self, n: int, inside: bool = True) -> tuple[int, np.ndarray]:
+    def _peak(self, n: int, inside: bool = True, phases: tuple[str, ...] | None = None) -> tuple[int, np.ndarray]:
         live = self._a + self._b * n + (self._c * n * n if self._c is not None else 0)
         if n in self._measured:       # a size run on its own (batch 1) is exact there: a kernel may take another
             live = self._measured[n]  # path at it (oneDNN's convolution backward: 192 B inside, 22 KiB from batch 2)
         if self._scratch and inside:
             live = live + self._scratch_bytes(n, live)
-        k = int(np.argmax(live.sum(axis=1)))
+        totals = live.sum(axis=1)
+        if phases is not None:
+            totals = np.where(self._in_phases(n, live.shape[0], phases), totals, -np.inf)
+        k = int(np.argmax(totals))
         return k, np.ceil(live[k]).astype(np.int64)
+
+    def _in_phases(self, n: int, rows: int, phases: tuple[str, ...]) -> np.ndarray:
+        """(rows,) bool: the ops of the step run in those phases (PHASES), for batch n's rows (its own exact run's
+        where it ran other ops). A fit with one row (the line above the peaks) cannot tell phases apart: every
+        phase then has that row, never below."""
+        unknown = set(phases) - set(PHASES)
+        if unknown:
+            raise ValueError(f"phases must be among {PHASES}; found {sorted(unknown)}")
+        if rows == 1:
+            return np.ones(1, dtype=bool)
+        ends = self._measured_ends.get(n, self._ends) if n in self._measured else self._ends
+        mask, start = np.zeros(rows, dtype=bool), 0
+        for phase in PHASES:           # each phase's ops run up to its end marker (included); zero_grad to the last
+            end = rows if phase == "zero_grad" else max(start, ends.get(phase, start))
+            mask[start:end] = phase in phases
+            start = end
+        return mask
 
     def _scratch_bytes(self, n: int, live: np.ndarray) -> np.ndarray:
         """(ops, kinds) like `live`: what kernels allocate inside at batch n (oneDNN's workspaces, the scratch of
@@ -157,12 +180,13 @@ class StepMemoryModel:
             self._scratch_at[n] = extra
         return self._scratch_at[n]
 
-    def breakdown(self, n: int, *, inside: bool = True) -> dict[str, int]:
+    def breakdown(self, n: int, *, inside: bool = True, phases: tuple[str, ...] | None = None) -> dict[str, int]:
         """Bytes at the step's peak for a batch of n, by kind (they sum to `total_bytes(n)`); inside=False leaves
         out what kernels allocate inside that is measured by running them at each size asked about (see
-        `lower_bytes`)."""
+        `lower_bytes`); `phases` (some of PHASES): the peak over the ops of those phases only (accumulate holds
+        the gradients of the step before through its micro-batches' forward and backward, not its optimizer step)."""
         n = _batch(n)
-        _, parts = self._peak(n, inside)
+        _, parts = self._peak(n, inside, phases)
         out = {"parameters": self.param_bytes, "inputs": 0}
         for kind, (a, b) in self._held.items():
             out[kind] = out.get(kind, 0) + a + b * n
@@ -395,7 +419,8 @@ def _fit(spec: StepSpec, why: str) -> StepMemoryModel:
     return StepMemoryModel(method, runs[4].held["parameters"], spec.device, train, held, fit.a, fit.b, runs[4].ops,
                            runs[4].phase_ends, fit.measured, fit.c, gradient_line(runs),
                            {k: r.grad_bytes for k, r in runs.items()}, why=why,
-                           _scratch=scratch if scratch[4] else {})
+                           _scratch=scratch if scratch[4] else {},
+                           _measured_ends={n: runs[n].phase_ends for n in fit.measured})
 
 
 def _scratch_ops(runs: dict[int, _Run], measured) -> dict[int, list]:

@@ -16,17 +16,28 @@ and sliced where together they lower the call's peak by `MIN_JOINT_SAVING`. Slic
 few small samples cost more time than they save), and each segment runs in the largest exact slices (1, 2 or 4
 samples) that peak no higher than the rest of the call (fewer calls for the same peak).
 
+The choice does not depend on the example's batch: one capture with a symbolic batch plans every batch size
+(`memfit.memory_model` captures at 2 and predicts any n from that capture), so a plan made at batch 37 must slice
+what one made at 2 slices. Every size is weighed at `REFERENCE_BATCH` (the symbolic batch set to it; a static
+capture, which plans its own batch only, at its batch). A batch below two slices of the size chosen runs in smaller
+slices checked exact (below `MIN_SLICE_BYTES` too: else it is one slice, its output held twice), else as one slice.
+Weighed at each capture's own batch, ResNet-18 at 64x64 was sliced at 37 and not at 2: `memory_model` at 37 was
+1.82x the allocator's peak of the plan a user got (MobileViT's at 8: 3.06x).
+
 Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
 convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
 whole and sliced on stand-ins for the capture's example (normal draws of its shape and dtype from a seeded
-generator of our own, so that the choice never depends on the example's values: zeros would pass any check; at
-the example's batch, and at twice that plus one, the samples repeated) and kept only where every output is
-bit-identical (`torch.equal`) with the same strides, at each slice size in `SLICE_SIZES` (the last slice of a
-batch takes the rest: k to 2k-1 samples).
+generator of our own, so that the choice never depends on the example's values: zeros would pass any check) at
+the example's batch n, at 2n+1, at `REFERENCE_BATCH` and at twice that plus one (the samples repeated), and kept
+only where every output is bit-identical (`torch.equal`) with the same strides, at each slice size in
+`SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples).
 
-Known limitations: the check runs at two batch sizes and the process's intra-op thread count; a batch size
-or thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. The choice is
-made at the capture's batch: at a small one the weights weigh more against the activations, and less is sliced.
+Known limitations: the check runs at those batch sizes and the process's intra-op thread count; a batch size or
+thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. `REFERENCE_BATCH`'s
+choice holds at every batch: a stem that peaks only at larger batches runs whole there too (ResNet-18 at 64x64,
+where at 8 the last stage's convolutions, with a weight reordered to 9.4 MB, peak above the stem: 19.4 MB at
+batch 37 against 10.6 MB sliced), and one worth slicing at 8 may hold a little more at batch 2 than batch 2's own
+choice did (UNet at 64x64: 1.008x).
 
 Example:
     >>> import torch
@@ -51,6 +62,8 @@ __all__ = ["SLICEABLE", "SlicedSegment", "slice_segments"]
 
 aten = torch.ops.aten
 
+# the batch every choice is weighed at, whatever the example's: the batch `memfit bench planner` measures
+REFERENCE_BATCH = 8
 SLICE_SIZES = (1, 2, 4)         # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
 MIN_SAVING = 0.25               # slice where the segment's peak falls by at least this fraction (a loop costs time)
 # segments beyond those above every other op: sliced together where they lower the call's peak by this fraction.
@@ -154,25 +167,39 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)
 
 
-def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple) -> bool:
-    """The segment sliced equals it run whole, bit for bit with the same strides, on x and on x's samples repeated
-    to 2n+1 (another batch size, an odd one: the last slice takes the rest)."""
-    whole = SlicedSegment(seg.steps, x.shape[0] * 3, seg.input_val, seg.param_vals)
-    for xb in (x, torch.cat([x, x, x[:1]])):
-        if not _same(seg(xb, *params), whole.run_slice(xb, params)):
+def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple, sizes: tuple[int, ...] = (),
+           wholes: dict | None = None) -> bool:
+    """The segment sliced equals it run whole, bit for bit with the same strides, on x's samples repeated to each
+    batch size in `sizes` (default: x's own batch n and 2n+1, an odd one: the last slice takes the rest).
+    `wholes`: batch -> (input, the whole run's result), kept for the next slice size of the same steps."""
+    n, wholes = x.shape[0], {} if wholes is None else wholes
+    for b in sizes or (n, 2 * n + 1):
+        if b not in wholes:
+            xb = x if b == n else x[torch.arange(b, device=x.device) % n]
+            wholes[b] = xb, seg.run_slice(xb, params)
+        xb, whole = wholes[b]
+        if not _same(seg(xb, *params), whole):
             return False
     return True
 
 
-def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[str, str]:
+def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
+                   batch_range: tuple = (None, None)) -> dict[str, str]:
     """Replace, in `ep`'s graph, each run of per-sample ops whose peak falls by `MIN_SAVING` or more when run in
-    slices of the batch with one `SlicedSegment` node, where the example shows every op of it bit-identical
-    sliced (an op exact on slices of exact inputs gives exact slices, so the run is). Returns segment node
-    name -> what it replaced and why (for the report)."""
+    slices of the batch with one `SlicedSegment` node, where stand-ins of the example show every op of it
+    bit-identical sliced (an op exact on slices of exact inputs gives exact slices, so the run is). `symbol`: the
+    graph's symbolic batch (None: a static capture), valid in `batch_range`; sizes are weighed with it set to
+    `REFERENCE_BATCH`. Returns segment node name -> what it replaced and why (for the report)."""
     graph = ep.graph
-    batch = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
-    if batch < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
+    n = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
+    if n < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
+    if symbol is None:                # static: the graph's sizes are the example's, and it plans that batch only
+        batch, env, sizes = n, {}, (n, 2 * n + 1)
+    else:
+        lo, hi = batch_range
+        batch = max(lo or 2, min(REFERENCE_BATCH, hi or REFERENCE_BATCH))
+        env, sizes = {symbol: batch}, tuple(sorted({n, 2 * n + 1, batch, 2 * batch + 1}))
     scored = [(start, steps, c) for start, steps in _chains(graph, consts)
               if (c := _segment(start, steps, env)) is not None]
     if not scored:
@@ -189,12 +216,12 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
     options = []
     for start, steps in chains:
         if start in inputs:
-            options += _options(env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts))
+            options += _options(env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes))
     found = _worth_slicing(graph, consts, env, batch, options)
     done, replaced = {}, {}
-    for start, steps, k in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
+    for start, steps, k, smaller in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
         start = replaced.get(start, start)        # the output of a segment sliced before it
-        seg, params = build_segment(start, steps, k)
+        seg, params = build_segment(start, steps, k, smaller)
         last = steps[-1][1]
         with graph.inserting_before(steps[-1][0]):
             new = graph.call_function(seg, (start, *params))
@@ -206,7 +233,8 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, env: dict) -> dict[s
                 graph.erase_node(value)
             graph.erase_node(node)
         done[new.name] = (f"runs in slices of {k} sample{'s' if k > 1 else ''} of the batch "
-                          f"({', '.join(n.name for n, _ in steps)}; checked bit-identical on the example)")
+                          f"({', '.join(v.name for v, _ in steps)}; checked bit-identical at batch "
+                          f"{', '.join(map(str, sizes))})")
     if done:
         ep.graph_module.recompile()
     return done
@@ -216,28 +244,31 @@ def _order(graph) -> dict[Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict) -> dict[int, list[bool]]:
-    """Slice size -> whether each step, run on the example's values whole and in slices of that size, is
-    bit-identical (one step's input held at a time)."""
+def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict,
+                 sizes: tuple[int, ...]) -> dict[int, list[bool]]:
+    """Slice size -> whether each step, run on the example's values (repeated to each batch in `sizes`) whole and
+    in slices of that size, is bit-identical (one step's input held at a time)."""
     ok: dict[int, list[bool]] = {k: [] for k in SLICE_SIZES}
     v = x
     with torch.no_grad():
         for i, step in enumerate(steps):
             node_in = start if i == 0 else steps[i - 1][1]
+            wholes: dict = {}           # each batch's whole run, once for all slice sizes
             for k in SLICE_SIZES:
                 seg, params = build_segment(node_in, [step], k)
-                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params)))
+                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params), sizes, wholes))
+            del wholes
             seg, params = build_segment(node_in, [step], 1)
             v = seg.run_slice(v, tuple(consts[p.name] for p in params))       # the whole batch, as eager
     return ok
 
 
 def _options(env: dict, batch: int, start: Node, steps: list,
-             ok: dict[int, list[bool]]) -> list[tuple[Node, list, int, tuple[int, ...]]]:
-    """(input, steps, slice size, the larger sizes every step is exact at) of the runs of exact steps that could be
-    sliced: for each slice size in turn, each run of steps exact at that size and not taken yet, cut where `_segment`
-    says, kept where it saves `MIN_SAVING` of its peak, its slices hold `MIN_SLICE_BYTES` or more in their largest
-    tensor and the example's batch makes two slices or more."""
+             ok: dict[int, list[bool]]) -> list[tuple[Node, list, int, tuple, tuple]]:
+    """(input, steps, slice size, the larger and the smaller sizes every step is exact at) of the runs of exact steps
+    that could be sliced: for each slice size in turn, each run of steps exact at that size and not taken yet, cut
+    where `_segment` says, kept where it saves `MIN_SAVING` of its peak, its slices hold `MIN_SLICE_BYTES` or more in
+    their largest tensor and `batch` (the reference) makes two slices or more."""
     taken: set[int] = set()
     out = []
     for k in SLICE_SIZES:
@@ -255,7 +286,10 @@ def _options(env: dict, batch: int, start: Node, steps: list,
                     and _largest(first, sub[:choice[0]], env, k) >= MIN_SLICE_BYTES):
                 wider = tuple(w for w in SLICE_SIZES if w > k and batch >= 2 * w
                               and all(ok[w][i:i + choice[0]]))
-                out.append((first, sub[:choice[0]], k, wider))
+                # below MIN_SLICE_BYTES, for a batch below two slices of k only: else it runs as one slice, its
+                # output held twice (RegNet at batch 2, in one slice of 2: 1.28x its plan unsliced)
+                narrower = tuple(w for w in SLICE_SIZES if w < k and all(ok[w][i:i + choice[0]]))
+                out.append((first, sub[:choice[0]], k, wider, narrower))
                 taken.update(range(i, i + choice[0]))
                 i += choice[0]
             else:
@@ -269,17 +303,19 @@ def _largest(first: Node, steps: list, env: dict, k: int) -> int:
                (_at(v.meta["val"], env, k) for v in (first, *(value for _, value in steps))))
 
 
-def _worth_slicing(graph, consts: dict, env: dict, batch: int, options: list) -> list[tuple[Node, list, int]]:
-    """(input, steps, slice size) of the options to slice. First those that peak, run whole, above every op outside
-    them (the other options' ops counted whole): a stem. Then the others, weighed together: slicing a stem can leave
-    the block that peaked just below it where the call peaks (RegNet: the first stage's shortcut and its 1x1 -> 3x3
-    convolutions), and two equal blocks each peak at the other's level, so neither is above it alone (MobileViT's
-    inverted residual blocks). They are sliced, those of them that peak above the level they leave, only where
-    together they lower the call's peak by `MIN_JOINT_SAVING`: every slice is a round of kernel calls, and a few
-    percent of memory is not worth it. The level: the most bytes of any op outside the options taken (the others counted
-    whole) and of each option taken (its input and output whole, one slice's bytes). Then each option taken runs
-    in the largest slices it is exact at that hold no more than where the call then peaks: fewer slices, fewer
-    calls (UNet's merge: slices of 2 peak as low as slices of 1)."""
+def _worth_slicing(graph, consts: dict, env: dict, batch: int,
+                  options: list) -> list[tuple[Node, list, int, tuple]]:
+    """(input, steps, slice size, the smaller exact sizes) of the options to slice. First those that peak, run whole,
+    above every op outside them (the other options' ops counted whole): a stem. Then the others, weighed together:
+    slicing a stem can leave the block that peaked just below it where the call peaks (RegNet: the first stage's
+    shortcut and its 1x1 -> 3x3 convolutions), and two equal blocks each peak at the other's level, so neither is
+    above it alone (MobileViT's inverted residual blocks). They are sliced, those of them that peak above the level
+    they leave, only where together they lower the call's peak by `MIN_JOINT_SAVING`: every slice is a round of
+    kernel calls, and a few percent of memory is not worth it. The level: the most bytes of any op outside the
+    options taken (the others counted whole) and of each option taken (its input and output whole, one slice's
+    bytes). Then each option taken runs in the largest slices it is exact at that hold no more than where the call
+    then peaks: fewer slices, fewer calls (UNet's merge: slices of 2 peak as low as slices of 1); a batch below two
+    such slices runs in the smaller exact ones (`SlicedSegment.slices`)."""
     whole = {id(o): _segment(o[0], o[1], env)[1] for o in options}
     held = {id(o): _held(o[0], o[1], o[2], env, batch) for o in options}
 
@@ -294,8 +330,11 @@ def _worth_slicing(graph, consts: dict, env: dict, batch: int, options: list) ->
     if not taken:
         return []
     peak = level(taken)
-    return [(first, steps, max([k, *(w for w in wider if _held(first, steps, w, env, batch) <= peak)]))
-            for first, steps, k, wider in taken]
+    out = []
+    for first, steps, k, wider, narrower in taken:
+        size = max([k, *(w for w in wider if _held(first, steps, w, env, batch) <= peak)])
+        out.append((first, steps, size, tuple(w for w in (*narrower, k, *wider) if w < size)))
+    return out
 
 
 def _held(first: Node, steps: list, k: int, env: dict, batch: int) -> int:

@@ -103,12 +103,16 @@ def _step(model, opt, batch, loss, m: int, ckpt) -> None:
 
 
 def real_peak(model, opt, batch, run) -> int:
-    """Live bytes at the peak of `run()` (a step after a warm-up step: AdamW's state exists), held bytes included."""
+    """Live bytes at the peak of a training loop's steady state, held bytes included: after a warm-up step (AdamW's
+    state exists), two steps of `run()` from no gradients, the second holding the first's gradients on entry (as
+    `plan.step` and `accumulate` do from a loop's second step on). Tracked from before the first of the two, so
+    that the allocator's frees of every gradient are seen (the CPU tracker misses frees of blocks made before it)."""
     run()
     opt.zero_grad(set_to_none=True)
     held = unique_bytes([*model.parameters(), *model.buffers(), *optimizer_state(opt), *batch_tensors(batch[0]),
                          *batch_tensors(batch[1])])
     with track_memory("cpu") as mem:
+        run()
         run()
     return held + mem.peak
 

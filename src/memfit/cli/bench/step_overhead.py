@@ -82,16 +82,17 @@ def rows_for(case: Case, n: int, m: int, seconds: float) -> dict:
     model, opt = _fresh(case)
     peak, _ = training_peak(model, opt, case.loss, *batch)
     budget = int(peak(m))
-    grads = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    # auto counts the gradients held on entry through the micro-batches (a later step's): m under its own figure
+    auto_budget = int(training_peak(model, opt, case.loss, *batch, entry_grads=True)[0](m))
     plan = memfit.fit(model, opt, batch, case.loss, budget, candidates=())
     auto_model, auto_opt = _fresh(case)
-    auto = memfit.accumulate(auto_model, auto_opt, batch, case.loss, budget=budget + grads)     # chooses
+    auto = memfit.accumulate(auto_model, auto_opt, batch, case.loss, budget=auto_budget)     # chooses
     micro_model, micro_opt = _fresh(case)
     contenders = {
         "accumulate": (m, lambda: memfit.accumulate(micro_model, micro_opt, batch, case.loss, micro_batch=m)),
         "plan.step": (plan.micro_batch, lambda: plan.step(batch)),
         "auto": (auto.micro_batch, lambda: memfit.accumulate(auto_model, auto_opt, batch, case.loss,
-                                                             budget=budget + grads)),
+                                                             budget=auto_budget)),
     }
     row = {"model": case.name.split()[0], "batch": n}
     floor_model, floor_opt = _fresh(case)              # the noise floor: the loop against itself, on another copy
