@@ -192,6 +192,22 @@ def test_nothing_fits_raises_with_the_breakdown():
     assert "levers=('bf16',)" in str(e.value)
 
 
+def test_nothing_fits_says_when_sharding_alone_would_not_fit():
+    """A single linear unit: FSDP2 gathers its whole weight on every rank while it runs, so no number of ranks fits
+    a budget just below what 64 ranks need: the hint says so instead of offering the even split's count (it
+    offered 'about 5 devices' before), and the process's excepthook is left as it was (the fake process groups
+    wrapped it: every later traceback came prefixed '[rank0]: ')."""
+    import sys
+    model = nn.Sequential(nn.Linear(512, 512))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(4, 512)
+    hook = sys.excepthook
+    with pytest.raises(memfit.BudgetExceeded) as e:
+        memfit.fit(model, opt, (x, torch.randn(4, 512)), F.mse_loss, 2_100_000)     # 64 ranks: 2,161,004 B
+    assert "64 FSDP2 ranks alone still need more than the budget" in str(e.value), str(e.value)
+    assert sys.excepthook is hook
+
+
 def wide_bn():
     """Two blocks of wide layers ending in BatchNorm: the whole batch only, so only checkpointing and bf16 can shrink
     the activations, and bf16 does (its activations are the wide bf16 matmul outputs; on the narrow mlp(bn=True)

@@ -1,5 +1,5 @@
 """What `memfit.fit` says when no alternative fits: `BudgetExceeded` with the breakdown of the least any
-alternative needs (parameters, gradients, optimizer state, the rest) and what would fit (the fewest FSDP2 ranks,
+alternative needs (parameters, gradients, optimizer state, the rest) and what would fit (a number of FSDP2 ranks,
 predicted by `memfit.ranks_needed`; bf16; an optimizer with less state)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     items = [("parameters", params), ("gradients", grads), ("optimizer state", state),
              ("activations and the rest at micro-batch 1", max(0, first - static)),
              ("the previous step's gradients, held through the micro-batches", max(0, need - max(first, static)))]
-    what = ", ".join(f"{k} {format_bytes(v)}" for k, v in items)
+    what = ", ".join(f"{k} {format_bytes(v)}" for k, v in items if v or k != items[-1][0])
     if static > budget:
         head = (f"nothing fits: parameters + gradients + optimizer state alone need {format_bytes(static)} > budget "
                 f"{format_bytes(budget)}")
@@ -43,27 +43,38 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
                           items=items)
 
 
+MAX_WORLD = 64                  # the most FSDP2 ranks the hint tries
+
+
 def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: int) -> list[str]:
-    """How many FSDP2 ranks a step at one sample per rank needs, as a fix to offer: parameters, gradients and
-    optimizer state shard, activations do not. Sharded evenly they would need `static / d + rest` each, a lower bound
-    (FSDP2 pads shards and gathers a unit's parameters whole while it runs), so the search starts at the smallest
-    such d and `ranks_needed` runs FSDP2's real code on fake tensors from there up (CPU models; on another device,
-    or where that run fails, the even split is offered, said to be one)."""
-    low = next((d for d in range(2, 65) if static // d + rest <= budget), None)
+    """How many FSDP2 ranks a step at one sample per rank needs, as a fix to offer. Each rank holds at least its
+    shards of the parameters, gradients and optimizer state at once (in the optimizer's step): `static / d`, so the
+    search starts at the smallest d where that fits, a lower bound (`static / d + rest` is not one: the optimizer's
+    transients in `rest` shard too), and `ranks_needed` runs FSDP2's real code on fake tensors from there up (CPU
+    models). On another device, or where that run fails, the even split `static / d + rest` is offered, said to
+    be an estimate."""
+    low = next((d for d in range(2, MAX_WORLD + 1) if -(-static // d) <= budget), None)
+    est = next((d for d in range(2, MAX_WORLD + 1) if static // d + rest <= budget), None)
     if low is None:
         return []
-    even = (f"about {low} devices sharding parameters, gradients and optimizer state (FSDP / ZeRO: "
-            f"{format_bytes(static // low + rest)} each if they shard evenly")
+    even = "" if est is None else (f"about {est} devices sharding parameters, gradients and optimizer state (FSDP / "
+                                   f"ZeRO: {format_bytes(static // est + rest)} each if they shard evenly")
     if any(t.device.type != "cpu" for t in module.parameters()):
-        return [even + "; memfit.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"]
+        return [even + "; memfit.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"] if even else []
     from memfit.memory.ranks import ranks_needed
     try:
         w = ranks_needed(module, batch_slice(x, 0, 1), budget, 1, optimizer=optimizer, loss_fn=loss_fn,
-                         target=batch_slice(y, 0, 1), at_least=low, max_world=64)
+                         target=batch_slice(y, 0, 1), at_least=low, max_world=MAX_WORLD)
+    except ValueError as e:
+        if "expected some world size" in str(e):       # predicted: sharding alone does not make it fit
+            return [f"FSDP2 with checkpointing or bf16 ({MAX_WORLD} FSDP2 ranks alone still need more than the budget "
+                    "per rank at one sample each: activations do not shard)"]
+        return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"] if even else []
     except Exception as e:         # a hint inside an error: never replace the BudgetExceeded
-        return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"]
+        return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"] if even else []
     return [f"{w} FSDP2 ranks (fully_shard on each block and the root, a plain step of one sample per rank, no "
-            "checkpointing: per-rank peak predicted by memfit.ranks_needed)"]
+            "checkpointing: per-rank peak predicted by memfit.ranks_needed, which may not have tried every smaller "
+            "count: uneven shards are padded)"]
 
 
 def optimizer_state_bytes(optimizer, module) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -132,11 +133,13 @@ def _fake_group(world_size: int, rank: int):
         raise RuntimeError("a per-rank memory model of FSDP2 runs under a fake process group of its own, but a "
                            "process group is already initialised here; build the memory model before "
                            "dist.init_process_group (or in a process without one)")
+    hook = sys.excepthook      # init_process_group wraps it to prefix "[rank0]: " to every later traceback
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _transient(log: _RankLog, nbytes: int, what: str) -> None:
