@@ -254,3 +254,30 @@ def test_a_forward_that_changes_its_model_only_now_and_then_is_refused_saying_wh
     with pytest.raises(ValueError, match="a forward that changes its own model only on some steps"):
         for _ in range(4):
             plan.step(_sequences(8))
+
+
+def test_a_forward_that_unfreezes_a_parameter_is_refused_at_the_next_step():
+    """A forward that sets an attribute every step (a call counter: no step is ever 'quiet', so each is taken as the
+    model as planned) and unfreezes a frozen layer at its third call (progressive unfreezing inside the model): the
+    step after is refused, not run at 3.65x the plan's peak as every later step was before (what a forward sets is
+    taken as planned only where the parameters' identities, shapes, dtypes and requires_grad stay)."""
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.calls = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4), 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 3:
+                self.b.requires_grad_(True)
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+    torch.manual_seed(0)
+    model = Counting()
+    model.b.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    plan = memfit.fit(model, opt, (x, y), F.mse_loss, "64MiB")
+    with pytest.raises(ValueError, match="the model changed since memfit.fit made this plan"):
+        for _ in range(6):
+            plan.step((x, y))
+    assert model.b.weight.requires_grad and model.calls == 3        # refused at the step after the unfreezing one

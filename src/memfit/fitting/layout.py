@@ -13,7 +13,9 @@ replaced; another forward) or an optimizer given other parameters or options tha
 switched on, amsgrad) is refused too (`held_error`): the plan's bytes are the old model's. A learning-rate
 schedule (`lr` from 0 in a warm-up, `betas`; `momentum` between non-zero values) changes no byte and passes.
 Each step is checked against the model as the previous step left it (as `fit` left it, for the first): what a
-model's own forward sets (Swin's `shift_size`, a lazy module's weights) is not a change by the caller. A step on a
+model's own forward sets (Swin's `shift_size`, a lazy module's weights) is not a change by the caller, unless it
+changes what the bytes depend on (a parameter unfrozen, added or replaced: progressive unfreezing inside a
+forward), which the next step refuses. A step on a
 batch of the shapes (and dtypes, devices) of one that left the model as it found it is not checked after it runs
 (`FitPlan.step`: one check a step, not two); a forward that changes its model only on some steps of one batch shape
 is then refused as a change by the caller, and the error says so.
@@ -48,16 +50,36 @@ def held(module: torch.nn.Module, optimizer, planned: tuple | None = None) -> tu
     """What of the model and optimizer a plan's bytes depend on, for `held_error`. After a step (`planned`: what the
     step was checked against), the model as the step left it: `planned`'s state again where the model still holds it
     (`State.holds`: a fraction of a new `model_state`, which walks every attribute of every module), and the
-    parameter groups as planned (a step changes none; a schedule's numbers are not compared)."""
+    parameter groups as planned (a step changes none; a schedule's numbers are not compared). A change the step's
+    forward made to what the bytes depend on (`_tensors`: a parameter unfrozen, added or replaced) is not taken: the
+    next step is checked against the model before it, and refused."""
     if planned is None:
-        return model_state(module), _groups(optimizer)
-    return planned[0] if planned[0].holds(module) else model_state(module), planned[1]
+        return model_state(module), _groups(optimizer), _tensors(module)
+    if planned[0].holds(module):
+        return planned
+    tensors = _tensors(module)
+    if planned[2] is not None and tensors != planned[2]:
+        # what the plan's bytes depend on (a parameter unfrozen, added or replaced, a buffer resized) changed in the
+        # step, by the model's own forward: not taken as planned, so the next step refuses it
+        return planned
+    return model_state(module), planned[1], tensors
+
+
+def _tensors(module: torch.nn.Module) -> tuple | None:
+    """The parameters and buffers as far as a step's bytes go: each parameter's identity, shape, dtype and
+    requires_grad, each buffer's shape and dtype (a buffer replaced by one alike, as a cache refilled, is no change).
+    None for a model with a lazy (uninitialized) parameter: its first forward makes them, as planned."""
+    params = list(module.parameters())
+    if any(isinstance(p, torch.nn.parameter.UninitializedTensorMixin) for p in params):
+        return None
+    return (tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in params),
+            tuple((tuple(b.shape), b.dtype) for b in module.buffers()))
 
 
 def held_error(planned: tuple, module: torch.nn.Module, optimizer, holds: bool | None = None) -> ValueError | None:
     """Why the model or optimizer may now need more than the plan made when they were `planned` (`held`), or None.
     `holds`: `planned[0].holds(module)`, already asked."""
-    state, groups = planned
+    state, groups = planned[:2]
     if not (state.holds(module) if holds is None else holds) and model_state(module) != state:
         return ValueError(f"plan.step: the model changed since memfit.fit made this plan "
                           f"({describe_change(state, module)}): its bytes are the model's as it was (a parameter "
