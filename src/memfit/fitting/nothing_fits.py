@@ -61,15 +61,13 @@ def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: i
                                    f"ZeRO: {format_bytes(static // est + rest)} each if they shard evenly")
     if any(t.device.type != "cpu" for t in module.parameters()):
         return [even + "; memfit.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"] if even else []
-    from memfit.memory.ranks import ranks_needed
+    from memfit.memory.ranks import NoWorldFits, ranks_needed
     try:
         w = ranks_needed(module, batch_slice(x, 0, 1), budget, 1, optimizer=optimizer, loss_fn=loss_fn,
                          target=batch_slice(y, 0, 1), at_least=low, max_world=MAX_WORLD)
-    except ValueError as e:
-        if "expected some world size" in str(e):       # predicted: sharding alone does not make it fit
-            return [f"FSDP2 with checkpointing or bf16 ({MAX_WORLD} FSDP2 ranks alone still need more than the budget "
-                    "per rank at one sample each: activations do not shard)"]
-        return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"] if even else []
+    except NoWorldFits:            # predicted: sharding alone does not make it fit
+        return [f"FSDP2 with checkpointing or bf16 ({MAX_WORLD} FSDP2 ranks alone still need more than the budget "
+                "per rank at one sample each: activations do not shard)"]
     except Exception as e:         # a hint inside an error: never replace the BudgetExceeded
         return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"] if even else []
     return [f"{w} FSDP2 ranks (fully_shard on each block and the root, a plain step of one sample per rank, no "

@@ -12,8 +12,9 @@ the prediction without them. The same ops on float32 arguments allocate nothing 
 `memfit.memory.fake_kernels.WORKSPACE`).
 
 The ops of `WORKSPACE` (oneDNN's convolution and its backward, the norms' backward, flash attention, max pooling;
-not the LSTM's, which `fake_kernels` bounds at every batch) are measured here too, at any dtype, for the training memory model: their bytes are oneDNN's
-choice per size as well (a 1x1 convolution to 2 channels: 0 B inside up to batch 13, 1.4 MiB at 16, on an AMD
+not the LSTM's, which `fake_kernels` bounds at every batch) are measured here too, at any dtype, for the
+training memory model: their bytes are oneDNN's choice per size as well (a 1x1 convolution to 2 channels: 0 B
+inside up to batch 13, 1.4 MiB at 16, on an AMD
 EPYC), and a line through them at a few batches put a step at 0.85x the allocator beyond them. Their arguments
 are made as the real kernel gets them (`fake_kernels.as_real_kernel_takes`: float32 statistics of half-precision
 norms).

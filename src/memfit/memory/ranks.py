@@ -40,7 +40,8 @@ from memfit.memory.kinds import MemoryKind
 from memfit.memory.step import ExampleBatch
 from memfit.memory.step_model import StepMemoryModel, step_memory_model
 
-__all__ = ["RankMemoryModel", "check_ddp_wrapping", "ddp_bucket_bytes", "rank_memory_model", "ranks_needed"]
+__all__ = ["NoWorldFits", "RankMemoryModel", "check_ddp_wrapping", "ddp_bucket_bytes", "rank_memory_model",
+           "ranks_needed"]
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -309,6 +310,11 @@ def _check_not_offloaded(offload_policy) -> None:
                          "count apart); predict without it for the device's bytes with everything on it")
 
 
+class NoWorldFits(ValueError):
+    """`ranks_needed` found no world size up to its `max_world` whose per-rank peak fits (activations do not
+    shard)."""
+
+
 def ranks_needed(model: torch.nn.Module, example, budget: int | str, batch_per_rank: int, *,
                  max_world: int = 1024, at_least: int = 1, **options) -> int:
     """A number of FSDP2 ranks whose per-rank peak at `batch_per_rank` fits `budget`, found from `at_least` by
@@ -338,7 +344,7 @@ def ranks_needed(model: torch.nn.Module, example, budget: int | str, batch_per_r
     lo = w = min(check_count("at_least", at_least, 1), max_world)
     while need(w) > budget:
         if w >= max_world:
-            raise ValueError(f"expected some world size <= {max_world} to fit {format_bytes(budget)} per rank at "
+            raise NoWorldFits(f"expected some world size <= {max_world} to fit {format_bytes(budget)} per rank at "
                              f"a batch of {batch_per_rank} per rank; found {format_bytes(need(w))} at {w} ranks; "
                              "lower the batch per rank or raise the budget")
         lo, w = w + 1, min(2 * w, max_world)
