@@ -83,7 +83,7 @@ def _chain(mask: Node) -> tuple[list[Node], list[Node]] | None:
             leaves.append(n)
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     ops.sort(key=order.__getitem__)
-    return (ops, leaves) if all(all(u in ops for u in n.users) for n in ops if n is not mask) else None
+    return ops, leaves               # each op was taken only once every reader of it was
 
 
 def _broadcast_dims(mask: Node, leaves: list[Node]) -> list[int]:

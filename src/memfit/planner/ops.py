@@ -180,7 +180,7 @@ WHEN_UNREAD: dict[object, tuple[tuple[int, ...], Callable]] = {
 
 def why_not_lowered(op, device_type: str) -> str:
     """Why `lower` found no way to run `op` into the arena, in words for the report."""
-    if getattr(op, "__name__", "") == "batch_slices":            # planner.slicing.SlicedSegment
+    if getattr(op, "__name__", "") == "batch_slices":            # planner.sliced.SlicedSegment
         return ("a segment of per-sample ops run in slices of the batch (planner.slicing): its intermediates exist "
                 "for one slice at a time, its output is allocated by torch")
     if not isinstance(op, torch._ops.OpOverload):

@@ -11,7 +11,8 @@ intermediates.
 Where: a chain whose peak run whole is above every op outside the chains (`_elsewhere`) and falls by `MIN_SAVING`
 sliced is a candidate; a candidate above every op outside it is sliced (a stem); the others are weighed together
 (the block that peaked just below a stem, RegNet's; equal blocks that each peak at the other's level, MobileViT's)
-and sliced where together they lower the call's peak by `MIN_JOINT_SAVING`. Slices hold at least
+and those of them still above the level the others leave are sliced where together they lower the call's peak
+by `MIN_JOINT_SAVING`. Slices hold at least
 `MIN_SLICE_BYTES` in their largest tensor (a convolution call costs a fixed time beyond its work: slices of a
 few small samples cost more time than they save), and each segment runs in the largest exact slices (1, 2 or 4
 samples) that peak no higher than the rest of the call (fewer calls for the same peak).
@@ -56,16 +57,16 @@ import torch
 from torch.fx import Node
 
 from memfit.planner.graph import DataDependentSize, span_bytes
-from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, _bytes, _Step, build_segment  # noqa: F401
+from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, _bytes, build_segment
 
-__all__ = ["SLICEABLE", "SlicedSegment", "slice_segments"]
+__all__ = ["slice_segments"]
 
 aten = torch.ops.aten
 
 # the batch every choice is weighed at, whatever the example's: the batch `memfit bench planner` measures
 REFERENCE_BATCH = 8
 SLICE_SIZES = (1, 2, 4)         # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
-MIN_SAVING = 0.25               # slice where the segment's peak falls by at least this fraction (a loop costs time)
+MIN_SAVING = 0.25               # a run is a candidate where its peak falls by at least this fraction sliced
 # segments beyond those above every other op: sliced together where they lower the call's peak by this fraction.
 # RegNet's first block and shortcut once its stem is sliced: 21% (2.49 -> 1.97 MiB, below torch.compile's 2.44) for
 # about 15% of latency (0.86 -> 1.01 of eager's); a block that buys a tenth runs whole
@@ -138,11 +139,11 @@ def _inside_parts(node: Node, env: dict) -> tuple[int, int]:
                         {k: _arg(v, env) for k, v in node.kwargs.items()})
 
 
-def _op_peak(node: Node, consts: dict, env: dict, out: Node | None = None) -> int:
-    """The bytes one op holds at once: its tensor inputs (parameters aside), its output (`out`'s value: the one a
-    multi-output op gives on) and what its kernel allocates inside."""
+def _op_peak(node: Node, consts: dict, env: dict) -> int:
+    """The bytes one op holds at once: its tensor inputs (parameters aside), its output and what its kernel
+    allocates inside."""
     ins = {a for a in node.all_input_nodes if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)}
-    return (_bytes((out or node).meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
+    return (_bytes(node.meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
             + sum(_inside_parts(node, env)))
 
 
@@ -185,8 +186,8 @@ def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple, sizes: tuple[int,
 
 def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
                    batch_range: tuple = (None, None)) -> dict[str, str]:
-    """Replace, in `ep`'s graph, each run of per-sample ops whose peak falls by `MIN_SAVING` or more when run in
-    slices of the batch with one `SlicedSegment` node, where stand-ins of the example show every op of it
+    """Replace, in `ep`'s graph, each run of per-sample ops chosen as the module docstring's "Where" says with one
+    `SlicedSegment` node running it in slices of the batch, where stand-ins of the example show every op of it
     bit-identical sliced (an op exact on slices of exact inputs gives exact slices, so the run is). `symbol`: the
     graph's symbolic batch (None: a static capture), valid in `batch_range`; sizes are weighed with it set to
     `REFERENCE_BATCH`. Returns segment node name -> what it replaced and why (for the report)."""
@@ -321,12 +322,12 @@ def _worth_slicing(graph, consts: dict, env: dict, batch: int,
 
     def level(taken: list) -> int:
         return max([_elsewhere(graph, consts, [s for o in taken for s in o[1]], env), *(held[id(o)] for o in taken)])
-    first = [o for o in options if whole[id(o)] > _elsewhere(graph, consts, o[1], env)]
-    more = [o for o in options if o not in first]
-    joint = level(first + more)
-    taken = first
-    if more and joint <= (1 - MIN_JOINT_SAVING) * level(first):
-        taken = first + [o for o in more if whole[id(o)] > joint]
+    stems = [o for o in options if whole[id(o)] > _elsewhere(graph, consts, o[1], env)]
+    more = [o for o in options if o not in stems]
+    joint = level(stems + more)
+    taken = stems
+    if more and joint <= (1 - MIN_JOINT_SAVING) * level(stems):
+        taken = stems + [o for o in more if whole[id(o)] > joint]
     if not taken:
         return []
     peak = level(taken)

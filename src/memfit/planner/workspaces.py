@@ -88,7 +88,7 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
     if device_type != "cpu":
         return []                           # CUDA library workspaces: a known limitation (memory.allocator)
     out = []
-    from memfit.planner.slicing import SlicedSegment
+    from memfit.planner.sliced import SlicedSegment
     for op in graph.ops:
         target = op.node.target
         if isinstance(target, SlicedSegment):        # one slice's intermediates, beside the segment's input and output
