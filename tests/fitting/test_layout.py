@@ -281,3 +281,26 @@ def test_a_forward_that_unfreezes_a_parameter_is_refused_at_the_next_step():
         for _ in range(6):
             plan.step((x, y))
     assert model.b.weight.requires_grad and model.calls == 3        # refused at the step after the unfreezing one
+
+
+def test_the_quick_optimizer_check_answers_as_the_full_one():
+    """`_groups_hold` (run every step) against `_same_groups` of freshly built groups, over changes that matter and
+    ones that do not."""
+    from memfit.fitting.layout import _groups, _groups_hold, _same_groups
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    planned = _groups(opt)
+    changes = [lambda: None,
+               lambda: opt.param_groups[0].update(lr=0.01),                  # a schedule: no byte changes
+               lambda: opt.param_groups[0].update(momentum=0.9),             # a momentum buffer per parameter
+               lambda: opt.param_groups[0].update(momentum=0.0),
+               lambda: opt.param_groups[0]["params"].reverse(),              # other parameters in the group
+               lambda: opt.param_groups[0]["params"].reverse(),
+               lambda: opt.param_groups[0]["params"].pop(),
+               lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})]
+    answers = []
+    for change in changes:
+        change()
+        answers.append(_groups_hold(opt, planned))
+        assert answers[-1] == _same_groups(_groups(opt), planned)
+    assert answers == [True, True, False, True, False, True, False, False]

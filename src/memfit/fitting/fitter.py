@@ -45,7 +45,15 @@ from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.finder import LEVERS, Peaks, _name
 from memfit.fitting.finder import agree as _agree
 from memfit.fitting.finder import find as _search
-from memfit.fitting.layout import batch_shapes, held, held_error, layout, layout_error, optimizer_options
+from memfit.fitting.layout import (
+    ModelChanged,
+    batch_shapes,
+    held,
+    held_error,
+    layout,
+    layout_error,
+    optimizer_options,
+)
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.fingerprint import model_state
 from memfit.memory.micro_batch import _signature
@@ -305,10 +313,11 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         # modules as they were then too (`Walked`: two walks of every module a step fewer)
         unchanged = plan._held is not None and plan._held[0].holds(module)
         error = None if plan._held is None else held_error(plan._held, module, optimizer, unchanged)
-        if error is not None and plan._quiet is not None and str(error).startswith("plan.step: the model changed"):
-            error = ValueError(f"{error}. (The last steps ran on batches of the shapes of one that changed nothing and "
-                               "were not checked after they ran: a forward that changes its own model only on some "
-                               "steps of one batch shape is taken for a change by the caller)")
+        if isinstance(error, ModelChanged) and plan._quiet is not None:
+            error = ModelChanged(f"{error}. (The last steps ran on batches of the shapes of one that changed nothing "
+                                 "and were not checked after they ran: a forward that changes its own model only on "
+                                 "some steps of one batch shape is taken for a change by the caller; make that change "
+                                 "outside forward, or on every step, or call memfit.fit again after it)")
         pair_given = isinstance(step_batch, (tuple, list)) and len(step_batch) == 2
         if error is None and plan._layout is not None and pair_given:
             part = tuple(step_batch) if pair else (step_batch[0],)

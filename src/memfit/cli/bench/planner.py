@@ -290,7 +290,8 @@ def _vs(r: dict, rows: list[dict]) -> str:
         (f", compiled {r['compiled']}" if "compiled" in r else "")
     if "compile_cold_s" in r:
         vs += (f", compile {r['compile_cold_s']:.1f} s cold / {r['compile_warm_s']:.1f} s warm C++ cache, "
-               f"plan {rows[0]['plan_s']:.1f} s")
+               f"plan {rows[0]['plan_s']:.1f} s = {r['plan/cold']:.2f}x the cold compile, {r['plan/warm']:.2f}x the "
+               "warm-cache one")
     return vs
 
 

@@ -22,7 +22,6 @@ Run:
 from __future__ import annotations
 
 import math
-import statistics
 import time
 import warnings
 
@@ -30,7 +29,7 @@ import torch
 
 import memfit
 from memfit.batches import batch_len, batch_slice, forward
-from memfit.cli.bench.common import machine_header, median, spread_warning, table
+from memfit.cli.bench.common import machine_header, paired_ratio, spread_warning, table
 from memfit.cli.bench.train_cases import Case, hf_cases, zoo_cases
 from memfit.memory.micro_batch import training_peak
 from memfit.testing.reads import counted_reads
@@ -104,20 +103,15 @@ def rows_for(case: Case, n: int, m: int, seconds: float) -> dict:
         hand(), run()                                            # lazy state (AdamW's) made before timing
         once = min(_cpu_seconds(hand), _cpu_seconds(hand))
         rounds = max(6, min(60, 2 * round(seconds / once / 4)))   # ABBA pairs of about `seconds` in all
-        times = _abba(run, hand, rounds)
-        ratios = [(times[1][i] + times[1][i + 1]) / (times[0][i] + times[0][i + 1]) for i in range(0, rounds, 2)]
-        ratio = statistics.median(ratios)                        # loop / memfit, per ABBA pair
-        median(ratios, f"{case.name} loop/{what}")               # its spread noted for the warning
-        hand_s = statistics.median(times[1])
-        with counted_reads() as loop_reads:
-            hand()
-        with counted_reads() as reads:
-            run()
+        # loop / memfit over ABBA pairs of rounds, by process CPU time: on a shared VM wall time counts other
+        # processes' slices, CPU time only this one's work (all its threads); the spread is noted for the warning
+        _, hand_s, ratio = paired_ratio(run, hand, repeat=rounds, warmup=0, what=f"{case.name} loop/{what}",
+                                        clock=time.process_time)
         if what == "loop":
             row.update({"loop s": hand_s, "loop/loop": ratio})
             continue
         row.update({f"{what} m": size, f"loop/{what}": ratio, f"{what} ms/step": 1e3 * hand_s * (1 / ratio - 1),
-                    f"{what} reads": len(reads) - len(loop_reads)})
+                    f"{what} reads": _reads(run) - _reads(hand)})
     return row
 
 
@@ -125,16 +119,6 @@ def _cpu_seconds(fn) -> float:
     t0 = time.process_time()
     fn()
     return time.process_time() - t0
-
-
-def _abba(a, b, rounds: int) -> tuple[list[float], list[float]]:
-    """Process CPU seconds of a() and b() called in turn, b first every other round (ABBA): on a shared VM wall time
-    counts other processes' slices, CPU time only this one's work (all its threads)."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for r in range(rounds):
-        for k in ((0, 1) if r % 2 == 0 else (1, 0)):
-            times[k].append(_cpu_seconds((a, b)[k]))
-    return times
 
 
 def run(names=None, quick: bool = False, as_json: bool = False) -> list[dict]:
