@@ -105,7 +105,7 @@ def test_a_kernel_too_large_to_time_is_timed_at_a_halved_batch_or_priced(monkeyp
     ops = costs._sized(runs[2], 2, runs[4], 4)
     mm = next(o for o in ops if o.op.func is torch.ops.aten.addmm.default)     # bias, (m, 8) input, weight
     per_sample = 8 * 4                        # bytes of the input's row; bias and weight stay
-    fixed = costs._bytes(mm.op.spec, {}) - 4 * per_sample
+    fixed = costs.spec_bytes(mm.op.spec, {}) - 4 * per_sample
     monkeypatch.setattr(costs, "CAP", fixed + 3 * per_sample)       # 3 samples fit, 16 do not
     key, scale = mm.kernel(16)
     assert dict(key[2])[1] == (2, 8) and scale == 8.0                # 16 -> 8 -> 4 -> 2: timed at 2, times 8

@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memfit.batches import forward
 from memfit.fitting.search import Cost
-from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate
+from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.step import ExampleBatch, forward_autocast
 
@@ -184,11 +183,11 @@ class _Sized:
             key, scale = (self.op.func, spec, ()), m / self.n
         else:                          # too large to time at m: at the largest halving of m within CAP, scaled up
             k = m
-            while lines and k > 1 and _bytes(spec, sizes_at(spec, lines, k)) > CAP:
+            while lines and k > 1 and spec_bytes(spec, sizes_at(spec, lines, k)) > CAP:
                 k = (k + 1) // 2
             shapes = tuple(sorted(sizes_at(spec, lines, k).items())) if lines and k != self.n else ()
             key, scale = (self.op.func, spec, shapes), (m / k if lines else 1.0)
-        return (key, scale) if _bytes(spec, dict(key[2])) <= CAP else (None, 1.0)
+        return (key, scale) if spec_bytes(spec, dict(key[2])) <= CAP else (None, 1.0)
 
     def roofline(self, m: int, device: torch.device) -> float:
         """Seconds at batch m of a kernel not timed: the larger of its FLOPs at a large matmul's rate and its bytes
@@ -196,7 +195,7 @@ class _Sized:
         dtype = next((lf[3] for lf in self.op.spec.leaves if isinstance(lf, tuple) and len(lf) == 4 and lf[0] == "t"
                       and lf[3].is_floating_point), torch.float32)
         grow = m / self.n if self.lines != {} else 1.0
-        moved = (_bytes(self.op.spec, {}) + self.op.written) * grow
+        moved = (spec_bytes(self.op.spec, {}) + self.op.written) * grow
         return max(self.op.flops * grow / matmul_rate(device, dtype), moved / copy_rate(device))
 
 
@@ -213,15 +212,6 @@ def _seconds(ops: list[_Sized], sizes: list[int], device: torch.device) -> list[
             row[m] = seconds * scale if seconds is not None else 0.0 if o.op.view else o.roofline(m, device)
         out.append(row)
     return out
-
-
-def _bytes(spec, shapes: dict) -> int:
-    """Bytes of the tensors among `spec`'s arguments (at `shapes` where given)."""
-    total = 0
-    for i, lf in enumerate(spec.leaves):
-        if isinstance(lf, tuple) and len(lf) == 4 and lf[0] == "t":
-            total += math.prod(shapes.get(i, lf[1])) * lf[3].itemsize
-    return total
 
 
 def _sized(a: _Counter, m1: int, b: _Counter, m2: int) -> list[_Sized]:

@@ -144,11 +144,15 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
     return {k: _SECONDS[(*k, threads, device)] for k in asked}
 
 
-def _arguments_bytes(key: tuple) -> int:
-    _, spec, shapes = key
-    shapes = dict(shapes)
+def spec_bytes(spec, shapes: dict) -> int:
+    """Bytes of the tensors among `spec`'s arguments (at `shapes` where given: argument index -> shape)."""
     return sum(math.prod(shapes.get(i, lf[1])) * lf[3].itemsize for i, lf in enumerate(spec.leaves)
                if isinstance(lf, tuple) and len(lf) == 4 and lf[0] == "t")
+
+
+def _arguments_bytes(key: tuple) -> int:
+    _, spec, shapes = key
+    return spec_bytes(spec, dict(shapes))
 
 
 def copy_rate(device: torch.device) -> float:
