@@ -62,6 +62,11 @@ class Meta:
     def stride(self) -> tuple:
         return self.strides
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage it touches (`span_bytes`, from its storage offset)."""
+        return span_bytes(self.shape, self.strides, self.dtype, self.offset)
+
     def storage_offset(self) -> int:
         return self.offset
 

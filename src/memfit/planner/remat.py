@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import Meta, span_bytes
+from memfit.planner.graph import Meta
 from memfit.planner.ops import is_view
 
 __all__ = ["MAX_BYTES", "recompute_at_readers"]
@@ -70,8 +70,7 @@ def recompute_at_readers(ep, consts: dict, env: dict) -> list[str]:
             continue
         closure = _closure(node, memo)
         made = [n for n in closure if n.op == "call_function" and not is_view(n.target)]
-        size = sum(span_bytes(m.shape, m.strides, m.dtype, m.offset) for m in
-                   (Meta.of(n.meta["val"], env) for n in made))
+        size = sum(Meta.of(n.meta["val"], env).nbytes for n in made)
         if size > MAX_BYTES:
             continue
         readers = _readers(node)                 # (reader, the views between node and it)

@@ -8,6 +8,8 @@ Example:
     >>> seg = SlicedSegment((relu,), 2, None, ())
     >>> seg.slices(5)                 # slices of 2, the last one takes the rest
     [(0, 2), (2, 5)]
+    >>> seg.slices(3)                 # below two slices: whole
+    [(0, 3)]
     >>> x = torch.randn(5, 3)
     >>> torch.equal(seg(x), x.relu())
     True
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import Meta, span_bytes
+from memfit.planner.graph import Meta
 
 __all__ = ["SLICEABLE", "SlicedSegment", "build_segment"]
 
@@ -52,21 +54,34 @@ class _Step:
 
 
 class SlicedSegment:
-    """The callable that replaces a segment's nodes: `segment(x, *params)` runs the steps on slices of `k` samples
-    of x (the last slice takes the rest) and writes each slice's result into the whole output."""
+    """The callable that replaces a segment's nodes: `segment(x, *params)` runs the steps on slices of the batch
+    (`size(n)` samples each, the last slice takes the rest) and writes each slice's result into the whole output,
+    or runs them on the whole batch where `size(n)` is None. With a `rule` (`planner.slice_rule.SliceRule`, the
+    segment its option `index`), the size is the rule's at each batch; without one, `k` at every batch that makes
+    two slices of it."""
 
     __name__ = "batch_slices"
 
-    def __init__(self, steps: tuple[_Step, ...], k: int, input_val, param_vals: tuple, smaller: tuple[int, ...] = ()):
+    def __init__(self, steps: tuple[_Step, ...], k: int, input_val, param_vals: tuple, rule=None, index: int = 0):
         self.steps, self.k, self.input_val, self.param_vals = steps, k, input_val, param_vals
-        self.smaller = smaller        # slice sizes below k, also checked exact: for a batch below two slices of k
+        self.rule, self.index = rule, index
+
+    def with_size(self, k: int) -> SlicedSegment:
+        """The same steps in slices of k at every batch that makes two of them (the rule weighs sizes with it)."""
+        return SlicedSegment(self.steps, k, self.input_val, self.param_vals)
+
+    def size(self, n: int) -> int | None:
+        """Samples a slice at a batch of n (the last slice takes the rest: k to 2k-1), None: the whole batch."""
+        if self.rule is not None:
+            return self.rule.size(self.index, n)
+        return self.k if n >= 2 * self.k else None
 
     def slices(self, n: int) -> list[tuple[int, int]]:
-        """(start, stop) of each slice of a batch of n: k samples each, the last one k to 2k-1. A batch below two
-        slices of k runs in the largest of `smaller` it makes two slices of, else as one slice (slicing is chosen
-        at one batch for all: a UNet chosen at 8 in slices of 2 held 1.12x at batch 2 as one slice)."""
-        k = self.k if n >= 2 * self.k else max((w for w in self.smaller if n >= 2 * w), default=self.k)
-        cuts = list(range(0, n - k + 1, k)) if n >= k else [0]
+        """(start, stop) of each slice of a batch of n; [(0, n)] where it runs whole."""
+        k = self.size(n)
+        if k is None:
+            return [(0, n)]
+        cuts = list(range(0, n - k + 1, k))
         return [(a, cuts[i + 1] if i + 1 < len(cuts) else n) for i, a in enumerate(cuts)]
 
     def run_slice(self, x: torch.Tensor, params: tuple) -> torch.Tensor:
@@ -78,8 +93,11 @@ class SlicedSegment:
         return v
 
     def __call__(self, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        cuts = self.slices(x.shape[0])
+        if len(cuts) == 1:                 # whole: the ops as eager runs them, no copy
+            return self.run_slice(x, params)
         out = None
-        for a, b in self.slices(x.shape[0]):
+        for a, b in cuts:
             part = self.run_slice(x[a:b], params)
             if out is None:      # the slice's strides hold for the whole batch (batch outermost; checked at capture)
                 out = part.new_empty_strided((x.shape[0], *part.shape[1:]), part.stride())
@@ -89,18 +107,20 @@ class SlicedSegment:
 
     def slice_bytes(self, env: dict, n: int) -> int:
         """The most bytes the segment holds at once beyond its input and its whole output (both counted beside
-        this), for a batch of n. The whole output is allocated after the first slice (`__call__`: from that slice's
-        strides), so the first slice's peak holds it in none of its bytes: where the batch is one slice (a batch of
-        3 in slices of 2), the figure is that slice's peak less the output, else the output was counted twice (a
-        CNN's planned call predicted 1.11x its allocator peak at batch 3). Each later slice runs beside the output;
-        the copy of a later slice's result into it is in that slice's peak (its last step's output), the copy of the
-        first slice's result is beside the output (twice the output's bytes where the batch is one slice)."""
+        this), for a batch of n. Run whole, its steps' peak less the output (the last step's output is it). In
+        slices, the whole output is allocated after the first slice (`__call__`: from that slice's strides), so the
+        first slice's peak holds it in none of its bytes: counting the output beside the first slice put a CNN's
+        prediction at 1.11x its allocator peak at batch 3. Each later slice runs beside the output; the copy of a
+        later slice's result into it is in that slice's peak (its last step's output), the copy of the first
+        slice's result is beside the output."""
         cuts = self.slices(n)
+        whole_out = _at(self.steps[-1].val, env, n).nbytes
+        if len(cuts) == 1:
+            return max(0, self._slice_peak(env, n) - whole_out)
         k = cuts[0][1] - cuts[0][0]
-        nbytes = lambda m: span_bytes(m.shape, m.strides, m.dtype)
-        first, part = self._slice_peak(env, k), nbytes(_at(self.steps[-1].val, env, k))
+        first, part = self._slice_peak(env, k), _at(self.steps[-1].val, env, k).nbytes
         later = max((self._slice_peak(env, size) for size in {b - a for a, b in cuts[1:]}), default=0)
-        return max(first - nbytes(_at(self.steps[-1].val, env, n)), part, later)
+        return max(first - whole_out, part, later)
 
     def _slice_peak(self, env: dict, s: int) -> int:
         """The most bytes one slice of s samples holds at once: a step's input and output at the slice's size and
@@ -110,13 +130,12 @@ class SlicedSegment:
         for i, st in enumerate(self.steps):
             m = _at(st.val, env, s)
             # every output the op makes at the slice's size (max pooling's indices too, which nothing reads)
-            out = sum(span_bytes(o.shape, o.strides, o.dtype) for o in (_at(v, env, s) if Meta.of(v, env).shape[:1]
-                                                                          == Meta.of(st.val, env).shape[:1]
-                                                                          else Meta.of(v, env) for v in st.outputs))
+            out = sum(o.nbytes for o in (_at(v, env, s) if Meta.of(v, env).shape[:1] == Meta.of(st.val, env).shape[:1]
+                                         else Meta.of(v, env) for v in st.outputs))
             args = [_meta(prev) if a == "x" else _meta(Meta.of(self.param_vals[a[1]], env)) if _is_param(a)
                     else a for a in st.args]
             inside = sum(inside_parts(st.target, tuple(args), st.kwargs))
-            held = out + (0 if i == 0 else span_bytes(prev.shape, prev.strides, prev.dtype))   # step 0: x's view
+            held = out + (0 if i == 0 else prev.nbytes)   # step 0: x's view
             most = max(most, held + inside)
             prev = m
         return most
@@ -136,12 +155,7 @@ def _meta(m: Meta) -> torch.Tensor:
     return torch.empty_strided(m.shape, m.strides, dtype=m.dtype, device="meta")
 
 
-def _bytes(val, env: dict) -> int:
-    m = Meta.of(val, env)
-    return span_bytes(m.shape, m.strides, m.dtype, m.offset)
-
-
-def build_segment(start: Node, steps: list, k: int, smaller: tuple[int, ...] = ()) -> tuple[SlicedSegment, list[Node]]:
+def build_segment(start: Node, steps: list, k: int, rule=None, index: int = 0) -> tuple[SlicedSegment, list[Node]]:
     params: list[Node] = []
     out = []
     for node, value in steps:
@@ -158,5 +172,5 @@ def build_segment(start: Node, steps: list, k: int, smaller: tuple[int, ...] = (
         vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
         out.append(_Step(node.target, tuple(args), dict(node.kwargs), SLICEABLE[node.target], value.meta["val"],
                          tuple(v for v in vals if isinstance(v, torch.Tensor) and v.dim())))  # (0-dim: no batch)
-    seg = SlicedSegment(tuple(out), k, start.meta["val"], tuple(p.meta["val"] for p in params), smaller)
+    seg = SlicedSegment(tuple(out), k, start.meta["val"], tuple(p.meta["val"] for p in params), rule, index)
     return seg, params

@@ -56,8 +56,9 @@ import operator
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import DataDependentSize, span_bytes
-from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, _bytes, build_segment
+from memfit.planner.graph import DataDependentSize, Meta
+from memfit.planner.slice_rule import PROBES, OpCost, Option, SliceRule
+from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, build_segment
 
 __all__ = ["slice_segments"]
 
@@ -65,12 +66,8 @@ aten = torch.ops.aten
 
 # the batch every choice is weighed at, whatever the example's: the batch `memfit bench planner` measures
 REFERENCE_BATCH = 8
-SLICE_SIZES = (1, 2, 4)         # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
+SLICE_SIZES = (1, 2, 4, 8)      # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
 MIN_SAVING = 0.25               # a run is a candidate where its peak falls by at least this fraction sliced
-# segments beyond those above every other op: sliced together where they lower the call's peak by this fraction.
-# RegNet's first block and shortcut once its stem is sliced: 21% (2.49 -> 1.97 MiB, below torch.compile's 2.44) for
-# about 15% of latency (0.86 -> 1.01 of eager's); a block that buys a tenth runs whole
-MIN_JOINT_SAVING = 0.15
 # the fewest bytes a slice's largest tensor holds: a CPU convolution costs a fixed 15-90 us a call beyond its work
 # (oneDNN on 1 thread, 32 channels at 32x32: 49-152 us a sample at batch 1, 26-79 at batch 8), so slices of a few
 # small samples cost more time than they save bytes (ResNet's stem, 128 KiB a sample, in slices of 1: 1.22x the
@@ -116,12 +113,12 @@ def _segment(start: Node, steps: list, env: dict) -> tuple[int, int, float] | No
     layout, maybe its input reordered too)."""
     if not any(node.target is aten.convolution.default for node, _ in steps):
         return None
-    outs = [_bytes(v.meta["val"], env) for _, v in steps]
+    outs = [Meta.of(v.meta["val"], env).nbytes for _, v in steps]
     parts = [_inside_parts(node, env) for node, _ in steps]
     inside = [sum(p) for p in parts]
     top = max(range(len(outs)), key=lambda i: outs[i] + inside[i])
     end = min(range(top, len(outs)), key=lambda i: (outs[i], -i))
-    ins = [_bytes(start.meta["val"], env), *outs[:end]]
+    ins = [Meta.of(start.meta["val"], env).nbytes, *outs[:end]]
     whole = max(i + o + w for i, o, w in zip(ins, outs, inside, strict=False))
     # sliced: the input and the output whole, a slice's bytes beside them (left out: they shrink as the batch grows,
     # and the choice must not depend on the example's batch, since one capture plans every batch size)
@@ -137,23 +134,6 @@ def _inside_parts(node: Node, env: dict) -> tuple[int, int]:
         return 0, 0
     return inside_parts(node.target, tuple(_arg(a, env) for a in node.args),
                         {k: _arg(v, env) for k, v in node.kwargs.items()})
-
-
-def _op_peak(node: Node, consts: dict, env: dict) -> int:
-    """The bytes one op holds at once: its tensor inputs (parameters aside), its output and what its kernel
-    allocates inside."""
-    ins = {a for a in node.all_input_nodes if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)}
-    return (_bytes(node.meta["val"], env) + sum(_bytes(a.meta["val"], env) for a in ins)
-            + sum(_inside_parts(node, env)))
-
-
-def _elsewhere(graph, consts: dict, steps: list, env: dict) -> int:
-    """The most bytes any op outside `steps` holds at once (`_op_peak`): the rest of the graph peaks at least that
-    high; a segment below it is not where the call peaks."""
-    inside = {n for pair in steps for n in pair}
-    return max((_op_peak(node, consts, env) for node in graph.nodes
-                if node.op == "call_function" and node not in inside and isinstance(node.meta.get("val"), torch.Tensor)
-                and not _param(node, consts)), default=0)         # a view of a parameter allocates nothing
 
 
 def _param(node: Node, consts: dict) -> bool:
@@ -174,55 +154,71 @@ def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple, sizes: tuple[int,
     batch size in `sizes` (default: x's own batch n and 2n+1, an odd one: the last slice takes the rest).
     `wholes`: batch -> (input, the whole run's result), kept for the next slice size of the same steps."""
     n, wholes = x.shape[0], {} if wholes is None else wholes
-    for b in sizes or (n, 2 * n + 1):
+    checked = [b for b in sizes or (n, 2 * n + 1) if seg.size(b) is not None]   # below two slices it runs whole
+    for b in checked:
         if b not in wholes:
             xb = x if b == n else x[torch.arange(b, device=x.device) % n]
             wholes[b] = xb, seg.run_slice(xb, params)
         xb, whole = wholes[b]
         if not _same(seg(xb, *params), whole):
             return False
-    return True
+    return bool(checked)              # a size no batch checked is not exact
 
 
 def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
                    batch_range: tuple = (None, None)) -> dict[str, str]:
-    """Replace, in `ep`'s graph, each run of per-sample ops chosen as the module docstring's "Where" says with one
-    `SlicedSegment` node running it in slices of the batch, where stand-ins of the example show every op of it
-    bit-identical sliced (an op exact on slices of exact inputs gives exact slices, so the run is). `symbol`: the
-    graph's symbolic batch (None: a static capture), valid in `batch_range`; sizes are weighed with it set to
-    `REFERENCE_BATCH`. Returns segment node name -> what it replaced and why (for the report)."""
+    """Replace, in `ep`'s graph, each run of per-sample ops that `planner.slice_rule.SliceRule` slices at some batch
+    size (`slice_rule.PROBES` in `batch_range`; a static capture: its own batch) with one `SlicedSegment` node,
+    which asks the rule at each batch whether and in what slices it runs. Only runs that stand-ins of the example
+    show bit-identical sliced, op by op, are weighed (an op exact on slices of exact inputs gives exact slices, so the
+    run is). `symbol`: the graph's symbolic batch (None: a static capture), valid in `batch_range`; the runs are cut
+    with it set to `REFERENCE_BATCH`. Returns segment node name -> what it replaced and when it slices (the report)."""
     graph = ep.graph
     n = example_inputs[0].shape[0] if example_inputs and example_inputs[0].dim() else 0
     if n < 2 or example_inputs[0].device.type != "cpu":      # oneDNN's copy, the reason to slice, is the CPU's
         return {}
+    lo, hi = batch_range
     if symbol is None:                # static: the graph's sizes are the example's, and it plans that batch only
-        batch, env, sizes = n, {}, (n, 2 * n + 1)
+        batch, env, sizes, probes = n, {}, (n, 2 * n + 1), (n,)
     else:
-        lo, hi = batch_range
         batch = max(lo or 2, min(REFERENCE_BATCH, hi or REFERENCE_BATCH))
         env, sizes = {symbol: batch}, tuple(sorted({n, 2 * n + 1, batch, 2 * batch + 1}))
+        probes = tuple(p for p in PROBES if p >= (lo or 2) and (hi is None or p <= hi))
     scored = [(start, steps, c) for start, steps in _chains(graph, consts)
               if (c := _segment(start, steps, env)) is not None]
     if not scored:
         return {}
-    # ops in no chain are never sliced: a chain that peaks no higher than one of them is not worth checking
+    # ops in no chain are never sliced: a chain that peaks no higher than one of them at every batch probed is not
+    # worth checking
     try:
-        floor = _elsewhere(graph, consts, [s for _, steps, _ in scored for s in steps], env)
+        costs = _op_costs(graph, consts)
+        weigh = SliceRule(costs, [], symbol, batch)
+        chains = []
+        for start, steps, _ in scored:
+            inside = {v.name for pair in steps for v in pair}
+            if any(max(peaks.get(name, 0) for name in inside) > floor
+                   for peaks, floor in ((c, _floor(c, scored)) for c, _ in map(weigh.costs, probes))):
+                chains.append((start, steps))
     except DataDependentSize:         # sizes known only when the model runs: where it peaks is unknown, no slicing
         return {}
-    chains = [(start, steps) for start, steps, c in scored if c[1] > floor]
     if not chains:
         return {}
     inputs = _values_of(ep, consts, tuple(_stand_in(t) for t in example_inputs), {s for s, _ in chains})
     options = []
     for start, steps in chains:
         if start in inputs:
-            options += _options(env, batch, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes))
-    found = _worth_slicing(graph, consts, env, batch, options)
+            options += _options(env, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes))
+    if not options:
+        return {}
+    rule = SliceRule(costs, [
+        Option(build_segment(first, steps, ks[0])[0], frozenset(v.name for pair in steps for v in pair), ks)
+        for first, steps, ks in options], symbol, batch, _costs=weigh._costs)
+    chosen = {i for p in probes for i in range(len(options)) if rule.size(i, p) is not None}
     done, replaced = {}, {}
-    for start, steps, k, smaller in sorted(found, key=lambda f: _order(graph)[f[1][0][0]]):
+    for i in sorted(chosen, key=lambda i: _order(graph)[options[i][1][0][0]]):
+        start, steps, ks = options[i]
         start = replaced.get(start, start)        # the output of a segment sliced before it
-        seg, params = build_segment(start, steps, k, smaller)
+        seg, params = build_segment(start, steps, ks[0], rule, i)
         last = steps[-1][1]
         with graph.inserting_before(steps[-1][0]):
             new = graph.call_function(seg, (start, *params))
@@ -233,12 +229,43 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
             if value is not node:
                 graph.erase_node(value)
             graph.erase_node(node)
-        done[new.name] = (f"runs in slices of {k} sample{'s' if k > 1 else ''} of the batch "
-                          f"({', '.join(v.name for v, _ in steps)}; checked bit-identical at batch "
-                          f"{', '.join(map(str, sizes))})")
+        done[new.name] = (f"runs in slices of the batch ({', '.join(v.name for v, _ in steps)}; checked bit-identical "
+                          f"at batch {', '.join(map(str, sizes))}): {_when(seg, probes)}")
     if done:
         ep.graph_module.recompile()
     return done
+
+
+def _when(seg: SlicedSegment, probes: tuple) -> str:
+    """Which slices at which batch sizes, in words: "batch 2-3 whole, 4-6 in slices of 1, 8-1024 of 2"."""
+    runs: list[list] = []
+    for p in probes:
+        k = seg.size(p)
+        if runs and runs[-1][2] == k:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p, k])
+    return "batch " + ", ".join(f"{a}{'' if a == b else f'-{b}'} " + ("whole" if k is None else f"in slices of {k}")
+                                for a, b, k in runs)
+
+
+def _floor(peaks: dict[str, int], scored: list) -> int:
+    """The most bytes any op in no chain holds at once."""
+    inside = {v.name for _, steps, _ in scored for pair in steps for v in pair}
+    return max((p for name, p in peaks.items() if name not in inside), default=0)
+
+
+def _op_costs(graph, consts: dict) -> list[OpCost]:
+    """Each op of the graph as `SliceRule` weighs it (its bytes counted where it holds activations)."""
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        held = isinstance(node.meta.get("val"), torch.Tensor) and not _param(node, consts)
+        ins = tuple(a.meta["val"] for a in node.all_input_nodes
+                    if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)) if held else ()
+        out.append(OpCost.of(node, held, ins))
+    return out
 
 
 def _order(graph) -> dict[Node, int]:
@@ -264,12 +291,11 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict,
     return ok
 
 
-def _options(env: dict, batch: int, start: Node, steps: list,
-             ok: dict[int, list[bool]]) -> list[tuple[Node, list, int, tuple, tuple]]:
-    """(input, steps, slice size, the larger and the smaller sizes every step is exact at) of the runs of exact steps
-    that could be sliced: for each slice size in turn, each run of steps exact at that size and not taken yet, cut
-    where `_segment` says, kept where it saves `MIN_SAVING` of its peak, its slices hold `MIN_SLICE_BYTES` or more in
-    their largest tensor and `batch` (the reference) makes two slices or more."""
+def _options(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> list[tuple[Node, list, tuple]]:
+    """(input, steps, the slice sizes every step is exact at, ascending) of the runs of exact steps that could be
+    sliced: for each slice size in turn, each run of steps exact at that size and not taken yet, cut where `_segment`
+    says, kept where it saves `MIN_SAVING` of its peak and its slices hold `MIN_SLICE_BYTES` or more in their largest
+    tensor (wider exact sizes with it: the rule may widen them)."""
     taken: set[int] = set()
     out = []
     for k in SLICE_SIZES:
@@ -283,14 +309,10 @@ def _options(env: dict, batch: int, start: Node, steps: list,
                 j += 1
             sub, first = steps[i:j], start if i == 0 else steps[i - 1][1]
             choice = _segment(first, sub, env)
-            if (choice is not None and choice[2] >= MIN_SAVING and batch >= 2 * k
+            if (choice is not None and choice[2] >= MIN_SAVING
                     and _largest(first, sub[:choice[0]], env, k) >= MIN_SLICE_BYTES):
-                wider = tuple(w for w in SLICE_SIZES if w > k and batch >= 2 * w
-                              and all(ok[w][i:i + choice[0]]))
-                # below MIN_SLICE_BYTES, for a batch below two slices of k only: else it runs as one slice, its
-                # output held twice (RegNet at batch 2, in one slice of 2: 1.28x its plan unsliced)
-                narrower = tuple(w for w in SLICE_SIZES if w < k and all(ok[w][i:i + choice[0]]))
-                out.append((first, sub[:choice[0]], k, wider, narrower))
+                wider = tuple(w for w in SLICE_SIZES if w > k and all(ok[w][i:i + choice[0]]))
+                out.append((first, sub[:choice[0]], (k, *wider)))
                 taken.update(range(i, i + choice[0]))
                 i += choice[0]
             else:
@@ -300,48 +322,7 @@ def _options(env: dict, batch: int, start: Node, steps: list,
 
 def _largest(first: Node, steps: list, env: dict, k: int) -> int:
     """Bytes of the largest tensor a slice of k samples reads or makes (its input, any step's output)."""
-    return max(span_bytes(m.shape, m.strides, m.dtype) for m in
-               (_at(v.meta["val"], env, k) for v in (first, *(value for _, value in steps))))
-
-
-def _worth_slicing(graph, consts: dict, env: dict, batch: int,
-                  options: list) -> list[tuple[Node, list, int, tuple]]:
-    """(input, steps, slice size, the smaller exact sizes) of the options to slice. First those that peak, run whole,
-    above every op outside them (the other options' ops counted whole): a stem. Then the others, weighed together:
-    slicing a stem can leave the block that peaked just below it where the call peaks (RegNet: the first stage's
-    shortcut and its 1x1 -> 3x3 convolutions), and two equal blocks each peak at the other's level, so neither is
-    above it alone (MobileViT's inverted residual blocks). They are sliced, those of them that peak above the level
-    they leave, only where together they lower the call's peak by `MIN_JOINT_SAVING`: every slice is a round of
-    kernel calls, and a few percent of memory is not worth it. The level: the most bytes of any op outside the
-    options taken (the others counted whole) and of each option taken (its input and output whole, one slice's
-    bytes). Then each option taken runs in the largest slices it is exact at that hold no more than where the call
-    then peaks: fewer slices, fewer calls (UNet's merge: slices of 2 peak as low as slices of 1); a batch below two
-    such slices runs in the smaller exact ones (`SlicedSegment.slices`)."""
-    whole = {id(o): _segment(o[0], o[1], env)[1] for o in options}
-    held = {id(o): _held(o[0], o[1], o[2], env, batch) for o in options}
-
-    def level(taken: list) -> int:
-        return max([_elsewhere(graph, consts, [s for o in taken for s in o[1]], env), *(held[id(o)] for o in taken)])
-    stems = [o for o in options if whole[id(o)] > _elsewhere(graph, consts, o[1], env)]
-    more = [o for o in options if o not in stems]
-    joint = level(stems + more)
-    taken = stems
-    if more and joint <= (1 - MIN_JOINT_SAVING) * level(stems):
-        taken = stems + [o for o in more if whole[id(o)] > joint]
-    if not taken:
-        return []
-    peak = level(taken)
-    out = []
-    for first, steps, k, wider, narrower in taken:
-        size = max([k, *(w for w in wider if _held(first, steps, w, env, batch) <= peak)])
-        out.append((first, steps, size, tuple(w for w in (*narrower, k, *wider) if w < size)))
-    return out
-
-
-def _held(first: Node, steps: list, k: int, env: dict, batch: int) -> int:
-    """The most bytes a segment holds run in slices of k: its input and output whole, one slice's bytes."""
-    seg, _ = build_segment(first, steps, k)
-    return _bytes(first.meta["val"], env) + _bytes(steps[-1][1].meta["val"], env) + seg.slice_bytes(env, batch)
+    return max(_at(v.meta["val"], env, k).nbytes for v in (first, *(value for _, value in steps)))
 
 
 def _stand_in(t):

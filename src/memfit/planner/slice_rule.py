@@ -1,0 +1,270 @@
+"""Which segments run in slices of the batch, and in slices of how many samples, at each batch size
+(`planner.slicing` finds the segments that may, `planner.sliced.SlicedSegment` runs them and asks `SliceRule.size`).
+
+One capture plans every batch size, and slicing pays at some sizes only: a ResNet-18 stem at 64x64 is where the
+call peaks at batch 37 (sliced: 10.6 MB, whole: 19.4 MB) but not at 8 (the last stage's convolutions, a weight
+reordered to 9.4 MB, peak above it), and at batch 2 a round of per-sample kernel calls costs time for little
+memory. So the choice is a function of the batch n, the same whoever asks (the plan of a call at n, the memory
+model's placement at n, from captures made at any batch): sizes at n, no timing, nothing random.
+
+At batch n (every size taken with the symbolic batch set to n):
+1. a segment whose peak run whole is above every op outside it (a stem) is sliced; the others are weighed together
+   and sliced, those of them above the level the others leave, where together they lower the call's peak by
+   `MIN_JOINT_SAVING` (RegNet's first block once its stem is sliced; MobileViT's equal blocks);
+2. each runs in the largest exact slices (at least `MIN_SLICE_BYTES` in their largest tensor, chosen in
+   `planner.slicing`; two slices or more at n) that peak no higher than the call then does;
+3. time: a slice is a round of kernel calls (each about `CALL_SECONDS` beyond its work: 35-54 us a step per extra
+   slice measured on MobileViT, MobileNetV2 and RegNet's segments) and a copy of its result; while the rounds
+   cost more than `MAX_SLICING_TIME` of the call's estimated time (`CALL_SECONDS` a call, `FLOP_SECONDS` a FLOP,
+   `BYTE_SECONDS` a byte read or written: fitted to eager's thread time on six models at batch 2, 8 and 37,
+   within 30%), the segment whose next wider slices (or no slicing) raise the call's peak least is widened;
+4. what is left is kept where it lowers the call's peak by `MIN_CALL_SAVING`, else nothing is sliced at n.
+
+Example:
+    >>> import torch
+    >>> from memfit.planner.captured import capture_model
+    >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 7, 2, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 128, 128))
+    >>> seg = next(n.target for n in cap.ep.graph.nodes if n.op == "call_function")
+    >>> seg.size(8) is not None          # slices of `seg.size(8)` samples at batch 8
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+from memfit.planner.graph import Meta, concrete
+
+__all__ = ["CALL_SECONDS", "MAX_SLICING_TIME", "MIN_CALL_SAVING", "MIN_JOINT_SAVING", "OpCost", "Option",
+           "SliceRule"]
+
+# the time model (one CPU thread, 2-core AMD EPYC VM, torch 2.13): eager's thread time at batch 2, 8 and 37 of
+# MobileViT, MobileNetV2, RegNet, ResNet, UNet and ResNet-18 (4-335 ms) fitted by a call, FLOP and byte rate
+CALL_SECONDS = 46e-6            # a kernel call beyond its work
+FLOP_SECONDS = 1 / 52e9         # a convolution's or matmul's FLOP (torch.utils.flop_counter's count)
+BYTE_SECONDS = 1 / 10e9         # a byte an op reads or writes
+# the most of the call's estimated time slicing may add (MobileViT at batch 8 in the slices of the least peak:
+# 13% of eager's time for 240 extra calls, 1.07x eager's latency where unsliced it ran below eager's)
+MAX_SLICING_TIME = float(__import__('os').environ.get('MF_BUDGET', '0.08'))
+# segments beyond those above every other op: sliced together where they lower the call's peak by this fraction.
+# RegNet's first block and shortcut once its stem is sliced: 21% (2.49 -> 1.97 MiB, below torch.compile's 2.44);
+# a block that buys a tenth runs whole
+MIN_JOINT_SAVING = 0.15
+# what slicing must lower the call's peak by, all of it at a batch, after step 3 (else that batch runs whole)
+MIN_CALL_SAVING = 0.10
+# batch sizes probed at capture: a segment sliced at none of them is left as ops of the graph
+PROBES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
+
+
+def _frozen(a):
+    """An fx argument with each node replaced by its value (a fake tensor, a symbolic size): kept after the graph's
+    segments replaced those nodes."""
+    if isinstance(a, Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_frozen(x) for x in a)
+    return a
+
+
+def _at(a, env: dict):
+    """A frozen argument at a batch: a meta tensor for a tensor, a concrete size for a symbolic one."""
+    if isinstance(a, torch.Tensor):
+        m = Meta.of(a, env)
+        return torch.empty_strided(m.shape, m.strides, dtype=m.dtype, device="meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_at(x, env) for x in a)
+    return concrete(a, env)
+
+
+def _shapes(a, env: dict):
+    """A frozen argument at a batch, a tensor as its `Meta` (cheaper than a meta tensor: every op at every batch)."""
+    if isinstance(a, torch.Tensor):
+        return Meta.of(a, env)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_shapes(x, env) for x in a)
+    return concrete(a, env)
+
+
+def _leaves(a):
+    if isinstance(a, dict):
+        a = tuple(a.values())
+    if isinstance(a, (list, tuple)):
+        for x in a:
+            yield from _leaves(x)
+    else:
+        yield a
+
+
+def _mapped(a, fn):
+    if isinstance(a, dict):
+        return {k: _mapped(v, fn) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        return type(a)(_mapped(x, fn) for x in a)
+    return fn(a)
+
+
+@dataclass
+class OpCost:
+    """One op of the graph as the rule weighs it: the bytes it holds at once (its tensor inputs, parameters aside,
+    its output, what its kernel allocates inside) and its estimated seconds."""
+    name: str
+    target: object
+    out: object                 # the graph's value of its output (a fake tensor)
+    ins: tuple                  # its tensor inputs' values, parameters aside
+    args: tuple                 # frozen (`_frozen`)
+    kwargs: dict
+    held: bool                  # counted in where the call peaks (a view of a parameter allocates nothing)
+    _inside: tuple | None = None
+
+    @classmethod
+    def of(cls, node: Node, held: bool, ins: tuple) -> OpCost:
+        return cls(node.name, node.target, node.meta.get("val"), ins, _frozen(tuple(node.args)),
+                   {k: _frozen(v) for k, v in node.kwargs.items()}, held)
+
+    def at(self, env: dict, ref: dict, scale: float) -> tuple[int, float]:
+        """(bytes held at once, seconds) at the batch of `env`, `scale` times that of `ref`. What the kernel
+        allocates inside is measured at `ref` only (`workspaces.inside_parts` runs the real kernel at each new
+        batch: a convolution at batch 1024 to weigh that batch took most of a capture), its growing part scaled."""
+        from torch.utils.flop_counter import flop_registry
+
+        from memfit.planner.workspaces import inside_parts
+        out = Meta.of(self.out, env).nbytes if isinstance(self.out, torch.Tensor) else 0
+        peak, seconds = out + sum(Meta.of(v, env).nbytes for v in self.ins), CALL_SECONDS
+        if not isinstance(self.target, torch._ops.OpOverload):
+            return peak, seconds
+        if self._inside is None:
+            self._inside = inside_parts(self.target, _at(self.args, ref), {k: _at(v, ref) for k, v in self.kwargs.items()})
+        peak += self._inside[0] + int(self._inside[1] * scale)
+        args, kwargs = _shapes(self.args, env), {k: _shapes(v, env) for k, v in self.kwargs.items()}
+        seconds += (out + sum(m.nbytes for m in _leaves(args) if isinstance(m, Meta))) * BYTE_SECONDS
+        formula = flop_registry.get(self.target.overloadpacket)
+        if formula is not None and isinstance(self.out, torch.Tensor):
+            shape = lambda a: a.shape if isinstance(a, Meta) else a        # the formulas read tensors' shapes only
+            try:
+                seconds += formula(*_mapped(args, shape), **_mapped(kwargs, shape),
+                                   out_val=Meta.of(self.out, env).shape) * FLOP_SECONDS
+            except Exception:         # noqa: BLE001  a formula that cannot read these arguments: no FLOPs counted
+                pass
+        return peak, seconds
+
+
+@dataclass(frozen=True)
+class Option:
+    """A run of steps that may run in slices: its segment (sizes at any batch), the names of the graph's nodes it
+    replaces, and the slice sizes it is exact at and that hold `MIN_SLICE_BYTES` (ascending)."""
+    segment: object             # a SlicedSegment of its steps (any k: `held` sets it)
+    names: frozenset
+    sizes: tuple
+
+    def held(self, k: int, env: dict, n: int) -> int:
+        """The most bytes it holds in slices of k at a batch of n: its input and output whole, one slice's bytes."""
+        seg = self.segment.with_size(k)
+        return (Meta.of(seg.input_val, env).nbytes + Meta.of(seg.steps[-1].val, env).nbytes
+                + seg.slice_bytes(env, n))
+
+    def extra_seconds(self, k: int, env: dict, n: int) -> float:
+        """What slices of k cost beyond the whole run: a round of calls per slice after the first (the steps and
+        the copy of its result) and the copy's bytes (read and written)."""
+        slices = len(self.segment.with_size(k).slices(n))
+        return (slices - 1) * (len(self.segment.steps) + 1) * CALL_SECONDS \
+            + 2 * Meta.of(self.segment.steps[-1].val, env).nbytes * BYTE_SECONDS
+
+
+@dataclass
+class SliceRule:
+    """The slice size of each option at each batch size (None: whole), as the module docstring says; one per
+    capture, shared by its segments, each choice made once per batch size."""
+    ops: list[OpCost]
+    options: list[Option]
+    symbol: object              # the graph's symbolic batch (None: a static capture)
+    ref: int                    # the batch kernels' inside bytes are measured at (`OpCost.at`)
+    _chosen: dict = field(default_factory=dict)
+    _costs: dict = field(default_factory=dict)
+
+    def env(self, n: int) -> dict:
+        return {} if self.symbol is None else {self.symbol: n}
+
+    def costs(self, n: int) -> tuple[dict[str, int], float]:
+        """(op name -> bytes it holds at once, for the ops that hold activations; the call's estimated seconds)."""
+        if n not in self._costs:
+            peaks, total = {}, 0.0
+            for op in self.ops:
+                p, s = op.at(self.env(n), self.env(self.ref), n / self.ref)
+                total += s
+                if op.held:
+                    peaks[op.name] = p
+            self._costs[n] = peaks, total
+        return self._costs[n]
+
+    def size(self, index: int, n: int) -> int | None:
+        if n not in self._chosen:
+            self._chosen[n] = self._choose(n)
+        return self._chosen[n].get(index)
+
+    def _choose(self, n: int) -> dict[int, int]:
+        env = self.env(n)
+        peaks, total = self.costs(n)
+        held: dict = {}
+
+        def hold(i: int, k: int) -> int:
+            if (i, k) not in held:
+                held[i, k] = self.options[i].held(k, env, n)
+            return held[i, k]
+
+        def level(sizes: dict[int, int]) -> int:
+            out = set().union(*(self.options[i].names for i in sizes)) if sizes else set()
+            rest = max((v for name, v in peaks.items() if name not in out), default=0)
+            return max([rest, *(hold(i, k) for i, k in sizes.items())])
+
+        allowed = {i: [k for k in o.sizes if n >= 2 * k] for i, o in enumerate(self.options)}
+        allowed = {i: ks for i, ks in allowed.items() if ks}
+        whole = {i: max((peaks.get(name, 0) for name in self.options[i].names), default=0) for i in allowed}
+        narrow = {i: ks[0] for i, ks in allowed.items()}
+        stems = [i for i in allowed if whole[i] > _outside(peaks, self.options[i])]
+        more = [i for i in allowed if i not in stems]
+        taken = stems
+        joint = level({i: narrow[i] for i in stems + more})
+        if more and joint <= (1 - MIN_JOINT_SAVING) * level({i: narrow[i] for i in stems}):
+            taken = stems + [i for i in more if whole[i] > joint]
+        if not taken:
+            return {}
+        peak = level({i: narrow[i] for i in taken})
+        sizes = {i: max(k for k in allowed[i] if k == narrow[i] or hold(i, k) <= peak) for i in taken}
+        budget, must = MAX_SLICING_TIME * total, self._without_copies(n)
+        while sizes and sum(self.options[i].extra_seconds(k, env, n) for i, k in sizes.items()) > budget:
+            moves = []
+            for i, k in sizes.items():
+                new = dict(sizes)
+                wider = [w for w in allowed[i] if w > k]
+                if wider:
+                    new[i] = wider[0]
+                else:
+                    del new[i]
+                saved = self.options[i].extra_seconds(k, env, n) - (
+                    self.options[i].extra_seconds(new[i], env, n) if i in new else 0.0)
+                moves.append((level(new), -saved, i, new))
+            move = min(moves, key=lambda m: m[:3])
+            if move[0] > must >= level(sizes):     # time never takes the call above the level without oneDNN's copies
+                break
+            sizes = move[3]
+        if sizes and level(sizes) > (1 - MIN_CALL_SAVING) * level({}):
+            return {}
+        return sizes
+
+
+    def _without_copies(self, n: int) -> int:
+        """Where the call would peak if no convolution held its result twice (oneDNN's copy of it into an NCHW
+        output; torch.compile's channels-last convolutions hold it once): slicing lowers the call to this level
+        whatever it costs in time (RegNet: 2.54 MiB unsliced, above torch.compile's 2.33)."""
+        peaks, _ = self.costs(n)
+        grows = {op.name: int(op._inside[1] * n / self.ref) for op in self.ops
+                 if op.target is torch.ops.aten.convolution.default and op._inside is not None}
+        return max((p - grows.get(name, 0) for name, p in peaks.items()), default=0)
+
+
+def _outside(peaks: dict, option: Option) -> int:
+    return max((v for name, v in peaks.items() if name not in option.names), default=0)
