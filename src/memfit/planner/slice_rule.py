@@ -49,7 +49,7 @@ FLOP_SECONDS = 1 / 52e9         # a convolution's or matmul's FLOP (torch.utils.
 BYTE_SECONDS = 1 / 10e9         # a byte an op reads or writes
 # the most of the call's estimated time slicing may add (MobileViT at batch 8 in the slices of the least peak:
 # 13% of eager's time for 240 extra calls, 1.07x eager's latency where unsliced it ran below eager's)
-MAX_SLICING_TIME = float(__import__('os').environ.get('MF_BUDGET', '0.08'))
+MAX_SLICING_TIME = 0.08
 # segments beyond those above every other op: sliced together where they lower the call's peak by this fraction.
 # RegNet's first block and shortcut once its stem is sliced: 21% (2.49 -> 1.97 MiB, below torch.compile's 2.44);
 # a block that buys a tenth runs whole
