@@ -17,7 +17,10 @@ At batch n (every size taken with the symbolic batch set to n):
    slice measured on MobileViT, MobileNetV2 and RegNet's segments) and a copy of its result; while the rounds
    cost more than `MAX_SLICING_TIME` of the call's estimated time (`CALL_SECONDS` a call, `FLOP_SECONDS` a FLOP,
    `BYTE_SECONDS` a byte read or written: fitted to eager's thread time on six models at batch 2, 8 and 37,
-   within 30%), the segment whose next wider slices (or no slicing) raise the call's peak least is widened;
+   within 30%), the segment whose next wider slices (or no slicing) raise the call's peak least is widened, but
+   never above where the call would peak if no convolution held its result twice (`_without_copies`: oneDNN's
+   copy into an NCHW output, which torch.compile's channels-last convolutions do without): down to there slicing
+   is worth its time, or the plan needs more than inductor's (RegNet);
 4. what is left is kept where it lowers the call's peak by `MIN_CALL_SAVING`, else nothing is sliced at n.
 
 Example:
@@ -47,8 +50,10 @@ __all__ = ["CALL_SECONDS", "MAX_SLICING_TIME", "MIN_CALL_SAVING", "MIN_JOINT_SAV
 CALL_SECONDS = 46e-6            # a kernel call beyond its work
 FLOP_SECONDS = 1 / 52e9         # a convolution's or matmul's FLOP (torch.utils.flop_counter's count)
 BYTE_SECONDS = 1 / 10e9         # a byte an op reads or writes
-# the most of the call's estimated time slicing may add (MobileViT at batch 8 in the slices of the least peak:
-# 13% of eager's time for 240 extra calls, 1.07x eager's latency where unsliced it ran below eager's)
+# the most of the call's estimated time slicing may add. In the slices of the least peak, MobileViT at batch 8 ran
+# 1.07-1.12x eager's time (its rounds: 13% of eager's), zoo MobileNetV2 1.08-1.09x. Paired thread time at 5%:
+# MobileViT 0.99 but MobileNetV2 at 4.79 MB, above torch.compile's 3.93; at 10%: MobileNetV2 0.97 at 3.15 MB,
+# MobileViT 1.04; at 8%: MobileViT 0.99-1.02 at 3.41 MB (compiled 5.24), MobileNetV2 0.97 at 3.74 MB
 MAX_SLICING_TIME = 0.08
 # segments beyond those above every other op: sliced together where they lower the call's peak by this fraction.
 # RegNet's first block and shortcut once its stem is sliced: 21% (2.49 -> 1.97 MiB, below torch.compile's 2.44);
@@ -137,7 +142,8 @@ class OpCost:
         if not isinstance(self.target, torch._ops.OpOverload):
             return peak, seconds
         if self._inside is None:
-            self._inside = inside_parts(self.target, _at(self.args, ref), {k: _at(v, ref) for k, v in self.kwargs.items()})
+            self._inside = inside_parts(self.target, _at(self.args, ref),
+                                        {k: _at(v, ref) for k, v in self.kwargs.items()})
         peak += self._inside[0] + int(self._inside[1] * scale)
         args, kwargs = _shapes(self.args, env), {k: _shapes(v, env) for k, v in self.kwargs.items()}
         seconds += (out + sum(m.nbytes for m in _leaves(args) if isinstance(m, Meta))) * BYTE_SECONDS

@@ -8,22 +8,20 @@ there (ResNet: 2x the stem's output; torch.compile's channels-last convolution h
 convolution is not bit-identical to eager's). Sliced, the stem holds its input, its whole output and one slice's
 intermediates.
 
-Where: a chain whose peak run whole is above every op outside the chains (`_elsewhere`) and falls by `MIN_SAVING`
-sliced is a candidate; a candidate above every op outside it is sliced (a stem); the others are weighed together
-(the block that peaked just below a stem, RegNet's; equal blocks that each peak at the other's level, MobileViT's)
-and those of them still above the level the others leave are sliced where together they lower the call's peak
-by `MIN_JOINT_SAVING`. Slices hold at least
-`MIN_SLICE_BYTES` in their largest tensor (a convolution call costs a fixed time beyond its work: slices of a
-few small samples cost more time than they save), and each segment runs in the largest exact slices (1, 2 or 4
-samples) that peak no higher than the rest of the call (fewer calls for the same peak).
+What may be sliced: a chain whose peak run whole is above every op in no chain at some batch probed (`_floor`),
+cut where `_segment` says at `REFERENCE_BATCH`, falling by `MIN_SAVING` sliced, each step exact at the slice size,
+its slices holding at least `MIN_SLICE_BYTES` in their largest tensor (a convolution call costs a fixed time beyond
+its work: slices of a few small samples cost more time than they save). Whether and in what slices it runs is
+chosen per batch size by `planner.slice_rule.SliceRule` (the stems, then the others weighed together, the slices
+widened where their kernel calls cost more than `MAX_SLICING_TIME` of the call's estimated time); a chain that rule
+slices at no batch in `slice_rule.PROBES` stays as ops of the graph, the others become one `SlicedSegment` each,
+which asks the rule at each batch (None: it runs whole, the ops as eager runs them).
 
 The choice does not depend on the example's batch: one capture with a symbolic batch plans every batch size
-(`memfit.memory_model` captures at 2 and predicts any n from that capture), so a plan made at batch 37 must slice
-what one made at 2 slices. Every size is weighed at `REFERENCE_BATCH` (the symbolic batch set to it; a static
-capture, which plans its own batch only, at its batch). A batch below two slices of the size chosen runs in smaller
-slices checked exact (below `MIN_SLICE_BYTES` too: else it is one slice, its output held twice), else as one slice.
-Weighed at each capture's own batch, ResNet-18 at 64x64 was sliced at 37 and not at 2: `memory_model` at 37 was
-1.82x the allocator's peak of the plan a user got (MobileViT's at 8: 3.06x).
+(`memfit.memory_model` captures at 2 and predicts any n from that capture), so the rule is a function of the batch
+n alone, the same in a plan made at 37 and in a memory model made at 2 (chosen once per capture at that capture's
+batch, ResNet-18 at 64x64 was sliced at 37 and not at 2: `memory_model` at 37 was 1.82x the allocator's peak of the
+plan a user got; chosen at batch 8 for every batch, it ran whole at 37: 19.4 MB against 10.6 MB sliced).
 
 Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
 convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
@@ -34,11 +32,9 @@ only where every output is bit-identical (`torch.equal`) with the same strides, 
 `SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples).
 
 Known limitations: the check runs at those batch sizes and the process's intra-op thread count; a batch size or
-thread count at which oneDNN picks yet another algorithm for the whole batch is not checked. `REFERENCE_BATCH`'s
-choice holds at every batch: a stem that peaks only at larger batches runs whole there too (ResNet-18 at 64x64,
-where at 8 the last stage's convolutions, with a weight reordered to 9.4 MB, peak above the stem: 19.4 MB at
-batch 37 against 10.6 MB sliced), and one worth slicing at 8 may hold a little more at batch 2 than batch 2's own
-choice did (UNet at 64x64: 1.008x).
+thread count at which oneDNN picks yet another algorithm for the whole batch is not checked (slices of 8, for
+batches of 16 and more, are checked at 2 * `REFERENCE_BATCH` + 1 only, and at 2n+1 where the example's n is 8 or
+more).
 
 Example:
     >>> import torch
@@ -47,6 +43,9 @@ Example:
     >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 128, 128))    # 512 KiB a sample out of the convolution
     >>> [n.target.__name__ for n in cap.ep.graph.nodes if n.op == "call_function"]
     ['batch_slices']
+    >>> seg = next(n.target for n in cap.ep.graph.nodes if n.op == "call_function")
+    >>> [seg.size(n) for n in (2, 8)]             # samples a slice at batch 2 and at 8 (None: whole)
+    [1, 4]
 """
 
 from __future__ import annotations
