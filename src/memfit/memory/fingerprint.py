@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import gc
 import itertools
 import operator
 import weakref
@@ -80,9 +81,11 @@ def _attributes(fields: dict, seen: dict, held: State, quick: _Quick, i: int) ->
         else:
             quick.mask.append(False)
             if k not in _OWN:
+                before = len(held.weak)
                 value = _value(v, 0, seen, held)
                 out.append((k, value))
                 quick.deep.append((i, k, value))
+                quick.deep_refs += held.weak[before:]
     return tuple(out)
 
 
@@ -102,7 +105,7 @@ class State:
     def holds(self, model: torch.nn.Module) -> bool:
         """True only when `model_state(model) == self`, checked without building that value (about a tenth of its
         cost: see `_Quick`); False when it may differ (then compare `model_state(model)`, which says)."""
-        return self.quick is not None and self.alive() and self.quick.same(model)
+        return self.quick is not None and self.quick.same(model)     # it checks what it compares is alive
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, State):
@@ -215,24 +218,32 @@ def _tensor_change(name: str, m: torch.nn.Module, old: tuple, new: tuple) -> str
 
 
 class _Quick:
-    """What `State.holds` compares, each part built by C loops (`map`, `chain`, `compress`) rather than a Python call
-    per attribute. The modules themselves (held weakly: alive, the same objects); per module the names of its
-    attributes, its submodules, parameters and buffers (by id: their old objects are alive, so an equal id is the
-    same object); the attributes' values: plain ones (None, numbers, strings, tuples of them) and empty containers
-    (hook dicts) held here and compared by identity (small; the containers watched for growth), the others by id
-    (the `State` holds them weakly and checks them alive) and again as `_value` gives them (a config's fields, a
-    filled hook dict, a tensor attribute's version: what changes inside an object of the same id); and each
-    parameter's and buffer's storage, shape, dtype and requires_grad. The same root with the same submodules in
-    every module walks to the same modules, so the walk is not redone. So `same` is True only where `model_state`
-    would give an equal value. A model whose modules' own `named_modules` walks otherwise, or with an
-    uninitialized (lazy) parameter, is never quick (`done` gives None)."""
-    __slots__ = ("deep", "empty", "layout", "mask", "modules", "others", "pinned", "tensors")
+    """What `State.holds` compares, each part by a few C loops over flat lists (`gc.get_referents`, `map`, `compress`)
+    rather than a Python call per attribute: one check a `plan.step` walks every attribute of every module (ViT-tiny's
+    760, ResNet-50's 4,200, most of them the empty hook dicts). Compared, in `model_state`'s order:
+    - the modules themselves, held weakly (alive, the same objects, the root first);
+    - per module its attributes' names, in order (a tuple per module);
+    - the attributes' values as `gc.get_referents` lists a module's `__dict__` (its values in order, one C call for
+      every module; checked at `done` to list exactly `dict.values()`, else the model is not quick): plain ones (None,
+      numbers, strings, tuples of them) and empty containers (the hook dicts) held here and compared by identity (the
+      containers must stay empty), the others by id (`deep_refs` alive: an equal id is the same object) and again as
+      `_value` gives them (a config's fields, a filled container, a tensor attribute's version);
+    - the contents of the non-empty `_modules`, `_parameters` and `_buffers` dicts, each
+      the same object as then (held weakly, None where the dict held None); and each parameter's and buffer's storage,
+      shape, dtype and requires_grad.
+    The same root with the same submodules in every module walks to the same modules, so the walk is not redone. So
+    `same` is True only where `model_state` would give an equal value. A model whose modules' own `named_modules`
+    walks otherwise, or with an uninitialized (lazy) parameter, is never quick (`done` gives None)."""
+    __slots__ = ("address", "config_at", "config_count", "config_deep", "config_empty", "config_keys", "config_mask",
+                 "config_flat", "config_pinned", "config_types", "count", "flat", "deep", "deep_refs", "empty", "ids", "keys", "mask",
+                 "modules", "others", "own_at", "own_refs", "pinned", "tensor_mask", "tensors")
 
     def __init__(self, modules: list):
         self.pinned: list = []          # the attribute values compared by identity, in walk order, held
         self.mask: list[bool] = []      # per attribute in walk order: among `pinned`
         self.empty: list = []           # the empty containers among them: they must stay empty
         self.deep: list[tuple[int, str, object]] = []      # (module index, attribute, its `_value`)
+        self.deep_refs: list = []       # the weak references `_value` took of the objects the deep values name
         self.modules = [weakref.ref(m) for m in modules]
 
     def hold(self, v) -> None:
@@ -243,53 +254,182 @@ class _Quick:
         walked = _walk(model)
         if len(walked) != len(modules) or not all(map(operator.is_, walked, modules)):
             return None                                           # a module's own `named_modules`: no shortcut
+        fields = list(map(vars, modules))
+        values = gc.get_referents(*fields)
+        if len(values) != len(self.mask) or not all(map(operator.is_, values, itertools.chain.from_iterable(
+                map(dict.values, fields)))):
+            return None                          # a `__dict__` with keys other than strings: its keys are listed too
+        self.keys, self.count, self.empty = list(map(tuple, fields)), len(values), tuple(self.empty)
         self.pinned, self.mask = tuple(self.pinned), tuple(self.mask)
-        self.others = tuple(map(operator.not_, self.mask))
+        self.others = operator.itemgetter(*(i for i, pinned in enumerate(self.mask) if not pinned), 0, 0)
+        self.ids = tuple(map(id, self.others(values)))
+        # where the non-empty `_modules`, `_parameters`, `_buffers` dicts sit in `values` (an empty one is pinned)
+        starts = itertools.accumulate(map(len, fields), initial=0)
+        at = [start + keys.index(k) for keys, start, f in zip(self.keys, starts, fields, strict=False)
+              for k in _OWNED if f.get(k)]
+        self.own_at = operator.itemgetter(*at, 0, 0)      # two more: a tuple even for 0 or 1 places (`_own` drops them)
+        own = _own(self.own_at, values)
+        if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in own):
+            return None
+        self.own_refs = [_DEAD if x is None else weakref.ref(x) for x in own]
+        self.tensor_mask = tuple(isinstance(x, torch.Tensor) for x in own)
+        tensors = list(itertools.compress(own, self.tensor_mask))
+        # a tensor subclass's own `data_ptr` is called as `_tensor` calls it; a plain one's without the method lookup
+        self.address = (_DATA_PTR if all(type(t).data_ptr is _DATA_PTR for t in tensors)
+                        else operator.methodcaller("data_ptr"))
         try:
-            self.layout, values, tensors = _layout(modules)
-            if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in tensors):
-                return None
-            self.layout += (tuple(map(id, itertools.compress(values, self.others))),)
-            self.tensors = _properties(tensors)
+            self.tensors = _properties(tensors, self.address)
         except (RuntimeError, ValueError, TypeError, AttributeError):    # a tensor subclass without storage
             return None
+        return self._configs(fields, values)
+
+    def _configs(self, fields: list, values: list) -> _Quick | None:
+        """The config objects among the deep values (`_value` lists their fields: ViT's config, held by 6 of its
+        modules, has 50), checked once each as the modules are: type, field names, fields by identity where their
+        `_value` is decided by the object (None, numbers, strings, tuples of them, empty containers watched), the
+        rest (a tensor, a filled dict, another object) again as `_value` gives them."""
+        starts = list(itertools.accumulate(map(len, fields), initial=0))
+        configs: dict[int, object] = {}
+        at, deep = [], []
+        for i, k, was in self.deep:
+            v = fields[i][k]
+            if _fields_of(v) is None:
+                deep.append((i, k, was))
+            elif id(v) not in configs:              # its id and aliveness: among `ids` and `deep_refs`
+                configs[id(v)] = v
+                at.append(starts[i] + self.keys[i].index(k))
+        self.deep = tuple(deep)
+        self.config_at = operator.itemgetter(*at, 0, 0)
+        self.config_types = list(map(type, configs.values()))
+        got = list(map(vars, configs.values()))
+        values = gc.get_referents(*got)
+        if len(values) != sum(map(len, got)) or not all(map(operator.is_, values, itertools.chain.from_iterable(
+                map(dict.values, got)))):
+            return None
+        self.config_keys, self.config_count = list(map(tuple, got)), len(values)
+        kinds = list(map(_kind, values))
+        self.config_mask = tuple(kind < 2 for kind in kinds)
+        self.config_pinned = tuple(itertools.compress(values, self.config_mask))
+        self.config_empty = tuple(v for v, kind in zip(values, kinds, strict=True) if kind == 1)
+        scratch = State((), [], [])     # the objects are alive: model_state holds them, and `deep_refs` with it
+        places = [(j, k) for j, f in enumerate(got) for k in f]
+        self.config_deep = [(j, k, _value(v, 1, {}, scratch))
+                            for (j, k), v, kind in zip(places, values, kinds, strict=True) if kind == 2]
+        # a small container of plain values (a config's id2label, a model's _no_split_modules) by its elements' identity
+        self.flat = [(i, k, _flat(fields[i][k])) for i, k, _ in self.deep]
+        self.config_flat = [(j, k, _flat(got[j][k])) for j, k, _ in self.config_deep]
+        self.deep = tuple(e for e, (_, _, flat) in zip(self.deep, self.flat, strict=True) if flat is None)
+        self.config_deep = tuple(e for e, (_, _, f) in zip(self.config_deep, self.config_flat, strict=True) if f is None)
+        self.flat = tuple(e for e in self.flat if e[2] is not None)
+        self.config_flat = tuple(e for e in self.config_flat if e[2] is not None)
         return self
 
     def same(self, model: torch.nn.Module) -> bool:
         modules = list(map(_DEREF, self.modules))
-        if modules[0] is not model or any(map(operator.is_, modules, itertools.repeat(None))):
+        if modules[0] is not model or None in modules:
             return False
         try:
-            layout, values, tensors = _layout(modules)
-            if (len(values) != len(self.mask) or not all(map(operator.is_, itertools.compress(values, self.mask),
-                                                               self.pinned))
-                    or layout + (tuple(map(id, itertools.compress(values, self.others))),) != self.layout
-                    or any(map(len, self.empty)) or _properties(tensors) != self.tensors):
+            fields = list(map(vars, modules))
+            if list(map(tuple, fields)) != self.keys:                           # names added, removed, reordered
+                return False
+            values = gc.get_referents(*fields)      # the keys are the strings they were: the values, in their order
+            if (len(values) != self.count or not all(map(operator.is_, itertools.compress(values, self.mask),
+                                                           self.pinned))
+                    or any(self.empty) or tuple(map(id, self.others(values))) != self.ids
+                    or any(map(operator.is_, map(_DEREF, self.deep_refs), itertools.repeat(None)))):
+                return False
+            own = _own(self.own_at, values)
+            if len(own) != len(self.own_refs) or not all(map(operator.is_, own, map(_DEREF, self.own_refs))):
+                return False                  # a submodule, parameter or buffer added, removed or replaced
+            if _properties(list(itertools.compress(own, self.tensor_mask)), self.address) != self.tensors:
+                return False
+            configs = self.config_at(values)[:-2]
+            if configs and list(map(type, configs)) != self.config_types:
+                return False
+            got = list(map(vars, configs))
+            if list(map(tuple, got)) != self.config_keys:
+                return False
+            values = gc.get_referents(*got)
+            if (len(values) != self.config_count or not all(map(operator.is_, itertools.compress(
+                    values, self.config_mask), self.config_pinned)) or any(self.config_empty)):
                 return False
         except (RuntimeError, ValueError, TypeError, AttributeError):
             return False
         seen: dict[int, object] = {}
         scratch = State((), [], [])                  # the objects `_value` names now: alive, being looked at
-        return all(_value(vars(modules[i])[k], 0, seen, scratch) == was for i, k, was in self.deep)
+        return (all(_unchanged(fields[i][k], flat) for i, k, flat in self.flat)
+                and all(_unchanged(got[j][k], flat) for j, k, flat in self.config_flat)
+                and all(_value(fields[i][k], 0, seen, scratch) == was for i, k, was in self.deep)
+                and all(_value(got[j][k], 1, seen, scratch) == was for j, k, was in self.config_deep))
 
 
-_CHILDREN, _PARAMETERS, _BUFFERS = (operator.attrgetter("_modules"), operator.attrgetter("_parameters"),
-                                    operator.attrgetter("_buffers"))
+_OWNED = ("_modules", "_parameters", "_buffers")
 
 
-def _layout(modules: list) -> tuple[tuple, list, list]:
-    """(per module the names of its attributes and the ids of its submodules, parameters and buffers, each as one
-    flat tuple and the lengths that split it; the attributes' values, flat; the parameters and buffers but None)."""
-    fields = list(map(vars, modules))
-    values = list(itertools.chain.from_iterable(map(dict.values, fields)))
-    parts, tensors = [tuple(map(len, fields)), tuple(itertools.chain.from_iterable(fields))], []
-    for get in (_CHILDREN, _PARAMETERS, _BUFFERS):
-        dicts = list(map(get, modules))
-        ids = list(itertools.chain.from_iterable(map(dict.values, dicts)))
-        parts += [tuple(map(len, dicts)), tuple(map(id, ids))]
-        if get is not _CHILDREN:
-            tensors += itertools.compress(ids, map(operator.is_not, ids, itertools.repeat(None)))
-    return tuple(parts), values, tensors
+def _fields_of(v) -> dict | None:
+    """The fields `_value` lists of `v` at depth 0 (a config object's `__dict__`), or None where it lists none."""
+    t = type(v)
+    if (v is None or t in _EXACT or issubclass(t, (*_CONTAINERS, *_PLAIN, torch.Tensor, torch.nn.Module))
+            or callable(v)):
+        return None
+    fields = getattr(v, "__dict__", None)
+    return fields if isinstance(fields, dict) else None
+
+
+def _flat(v) -> tuple | None:
+    """(type, length, elements) of a list, tuple, dict (keys then values) or set (elements by id, and held) of at most
+    `_LONG` plain values, each by identity (`_kind` 0); None for any other value."""
+    t = type(v)
+    if t not in _FLAT or len(v) > _LONG:
+        return None
+    items = (*v, *v.values()) if t is dict else tuple(v)
+    if not all(_kind(x) == 0 for x in items):
+        return None
+    return (t, len(v), items) if t in _ORDERED else (t, len(v), (tuple(sorted(map(id, items))), items))
+
+
+_FLAT, _ORDERED = frozenset({list, tuple, dict, set, frozenset}), frozenset({list, tuple, dict})
+
+
+def _unchanged(v, flat: tuple) -> bool:
+    """`_value(v)` is what it was when `_flat` gave `flat`: the same type, length and elements (the same objects)."""
+    t, n, items = flat
+    if type(v) is not t or len(v) != n:
+        return False
+    if t is dict:
+        return all(map(operator.is_, (*v, *v.values()), items))
+    return all(map(operator.is_, v, items)) if t in _ORDERED else tuple(sorted(map(id, v))) == items[0]
+
+
+def _kind(v) -> int:
+    """How `_Quick` checks a config's field: 0, by identity (its `_value` at depth 1 is decided by the object: None,
+    a number, a string, a tuple of them, another immutable plain value); 1, by identity and staying empty (an empty
+    container); 2, again as `_value` gives it."""
+    t = type(v)
+    if v is None or t in _EXACT or (t is tuple and all(x is None or type(x) in _EXACT for x in v)):
+        return 0
+    if issubclass(t, _CONTAINERS) and not v:
+        return 1
+    return 0 if issubclass(t, _PLAIN) and not issubclass(t, (list, dict, set)) else 2
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _dead():
+    class Gone:      # a weak reference whose object is gone: it gives None, as a dict's None entry reads
+        pass
+    return weakref.ref(Gone())
+
+
+_DEAD = _dead()
+
+
+def _own(get, values: list) -> list:
+    """What the non-empty `_modules`, `_parameters` and `_buffers` dicts hold, flat, in their order (an OrderedDict's
+    own, which `Sequential.insert` makes), from the flat list of attribute values `get` picks them from."""
+    return list(itertools.chain.from_iterable(map(_VALUES, get(values)[:-2])))
+
+
+_VALUES = operator.methodcaller("values")
 
 
 def _walk(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -305,11 +445,10 @@ def _walk(model: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-_ADDRESS, _SHAPE, _DTYPE, _GRAD = (operator.methodcaller("data_ptr"), operator.attrgetter("shape"),
-                                   operator.attrgetter("dtype"), operator.attrgetter("requires_grad"))
+_SHAPE, _DTYPE, _GRAD = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("requires_grad")
 
 
-def _properties(tensors: list) -> tuple:
+def _properties(tensors: list, address) -> tuple:
     """What `_tensor` records of each tensor but its id, by C loops: storage address, shape, dtype, requires_grad."""
-    return (tuple(map(_ADDRESS, tensors)), tuple(map(_SHAPE, tensors)), tuple(map(_DTYPE, tensors)),
+    return (tuple(map(address, tensors)), tuple(map(_SHAPE, tensors)), tuple(map(_DTYPE, tensors)),
             tuple(map(_GRAD, tensors)))
