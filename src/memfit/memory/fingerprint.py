@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import gc
 import itertools
 import operator
@@ -236,7 +237,8 @@ class _Quick:
     walks otherwise, or with an uninitialized (lazy) parameter, is never quick (`done` gives None)."""
     __slots__ = ("address", "config_at", "config_count", "config_deep", "config_empty", "config_keys", "config_mask",
                  "config_flat", "config_pinned", "config_types", "count", "flat", "deep", "deep_refs", "empty", "ids", "keys", "mask",
-                 "modules", "others", "own_at", "own_refs", "pinned", "tensor_mask", "tensors")
+                 "modules", "others", "own_at", "own_in", "own_refs", "pinned", "tensor_mask", "tensor_refs", "tensors",
+                 "versions", "config_in", "changeable", "classes")
 
     def __init__(self, modules: list):
         self.pinned: list = []          # the attribute values compared by identity, in walk order, held
@@ -265,15 +267,18 @@ class _Quick:
         self.ids = tuple(map(id, self.others(values)))
         # where the non-empty `_modules`, `_parameters`, `_buffers` dicts sit in `values` (an empty one is pinned)
         starts = itertools.accumulate(map(len, fields), initial=0)
-        at = [start + keys.index(k) for keys, start, f in zip(self.keys, starts, fields, strict=False)
-              for k in _OWNED if f.get(k)]
-        self.own_at = operator.itemgetter(*at, 0, 0)      # two more: a tuple even for 0 or 1 places (`_own` drops them)
+        places = [(i, start + keys.index(k), k) for i, (keys, start, f) in enumerate(zip(self.keys, starts, fields,
+                                                                                        strict=False))
+                  for k in _OWNED if f.get(k)]
+        self.own_at = operator.itemgetter(*(at for _, at, _ in places), 0, 0)   # a tuple even for 0 or 1 places
+        self.own_in = (operator.itemgetter(*(i for i, _, _ in places), 0, 0), tuple(k for _, _, k in places))
         own = _own(self.own_at, values)
         if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in own):
             return None
         self.own_refs = [_DEAD if x is None else weakref.ref(x) for x in own]
         self.tensor_mask = tuple(isinstance(x, torch.Tensor) for x in own)
         tensors = list(itertools.compress(own, self.tensor_mask))
+        self.tensor_refs = list(itertools.compress(self.own_refs, self.tensor_mask))
         # a tensor subclass's own `data_ptr` is called as `_tensor` calls it; a plain one's without the method lookup
         self.address = (_DATA_PTR if all(type(t).data_ptr is _DATA_PTR for t in tensors)
                         else operator.methodcaller("data_ptr"))
@@ -297,9 +302,10 @@ class _Quick:
                 deep.append((i, k, was))
             elif id(v) not in configs:              # its id and aliveness: among `ids` and `deep_refs`
                 configs[id(v)] = v
-                at.append(starts[i] + self.keys[i].index(k))
+                at.append((i, starts[i] + self.keys[i].index(k), k))
         self.deep = tuple(deep)
-        self.config_at = operator.itemgetter(*at, 0, 0)
+        self.config_at = operator.itemgetter(*(p for _, p, _ in at), 0, 0)
+        self.config_in = (operator.itemgetter(*(i for i, _, _ in at), 0, 0), tuple(k for _, _, k in at))
         self.config_types = list(map(type, configs.values()))
         got = list(map(vars, configs.values()))
         values = gc.get_referents(*got)
@@ -322,14 +328,65 @@ class _Quick:
         self.config_deep = tuple(e for e, (_, _, f) in zip(self.config_deep, self.config_flat, strict=True) if f is None)
         self.flat = tuple(e for e in self.flat if e[2] is not None)
         self.config_flat = tuple(e for e in self.config_flat if e[2] is not None)
+        # what may change inside an object a module's dict still holds (a tensor's version, a set's elements): not a
+        # function or module, which `_value` names by id alone (GELU's `act`) while its class stays callable
+        named = [isinstance(fields[i][k], torch.nn.Module) or callable(fields[i][k]) for i, k, _ in self.deep]
+        self.changeable = tuple(e for e, by_id in zip(self.deep, named, strict=True) if not by_id)
+        self.classes = tuple((i, k, type(fields[i][k])) for (i, k, _), by_id in zip(self.deep, named, strict=True)
+                             if by_id)
+        version = _dict_version()
+        self.versions = None if version is None else self._versions(fields, version)
         return self
+
+    def _dicts(self, fields: list) -> tuple[list, list, list]:
+        """(the non-empty `_modules`/`_parameters`/`_buffers` dicts, the config objects, their `__dict__`s), looked up
+        in the modules' `__dict__`s `fields` where they were (KeyError where one is gone)."""
+        holders, keys = self.own_in
+        own = list(map(dict.__getitem__, holders(fields)[:-2], keys))
+        holders, keys = self.config_in
+        configs = list(map(dict.__getitem__, holders(fields)[:-2], keys))
+        return own, configs, list(map(vars, configs))
+
+    def _versions(self, fields: list, version) -> tuple:
+        own, _, got = self._dicts(fields)
+        return tuple(map(version, itertools.chain(fields, own, got)))
 
     def same(self, model: torch.nn.Module) -> bool:
         modules = list(map(_DEREF, self.modules))
         if modules[0] is not model or None in modules:
             return False
+        fields = list(map(vars, modules))
+        version = _dict_version() if self.versions is not None else None
         try:
-            fields = list(map(vars, modules))
+            own, configs, got = self._dicts(fields) if version is not None else ((), (), ())
+            unwritten = version is not None and tuple(map(version, itertools.chain(fields, own, got))) == self.versions
+        except (KeyError, TypeError):
+            unwritten = False
+        if not unwritten:
+            if not self._same(fields):
+                return False
+            if version is not None:       # written, equal again (a value set back): compared in full until refreshed
+                self.versions = self._versions(fields, version)
+            return True
+        # no dict of the model, of its modules' parameters, buffers and submodules or of its configs was written since
+        # the value was taken (a dict's version changes with every write and is never reused): the same objects, in
+        # the same places. What is not a dict is compared still: the empty containers, the tensors' properties, a
+        # config's class, the small containers, the tensor attributes' versions.
+        if (any(self.empty) or any(self.config_empty)
+                or any(map(operator.is_, map(_DEREF, self.deep_refs), itertools.repeat(None)))):
+            return False                    # a container filled; an object a deep value names by id collected
+        if configs and list(map(type, configs)) != self.config_types:
+            return False
+        try:
+            if _properties(list(map(_DEREF, self.tensor_refs)), self.address) != self.tensors:
+                return False
+        except (RuntimeError, ValueError, TypeError, AttributeError):
+            return False
+        return all(type(fields[i][k]) is t for i, k, t in self.classes) and self._rest(fields, got, self.changeable)
+
+    def _same(self, fields: list) -> bool:
+        """`same`, comparing every attribute (a dict of the model was written since the value was taken)."""
+        try:
             if list(map(tuple, fields)) != self.keys:                           # names added, removed, reordered
                 return False
             values = gc.get_referents(*fields)      # the keys are the strings they were: the values, in their order
@@ -355,15 +412,42 @@ class _Quick:
                 return False
         except (RuntimeError, ValueError, TypeError, AttributeError):
             return False
+        return self._rest(fields, got, self.deep)
+
+    def _rest(self, fields: list, got: list, deep: tuple) -> bool:
+        """The small containers by their elements, the other deep values (`deep`) again as `_value` gives them."""
         seen: dict[int, object] = {}
         scratch = State((), [], [])                  # the objects `_value` names now: alive, being looked at
         return (all(_unchanged(fields[i][k], flat) for i, k, flat in self.flat)
                 and all(_unchanged(got[j][k], flat) for j, k, flat in self.config_flat)
-                and all(_value(fields[i][k], 0, seen, scratch) == was for i, k, was in self.deep)
+                and all(_value(fields[i][k], 0, seen, scratch) == was for i, k, was in deep)
                 and all(_value(got[j][k], 1, seen, scratch) == was for j, k, was in self.config_deep))
 
 
 _OWNED = ("_modules", "_parameters", "_buffers")
+
+
+@functools.cache
+def _dict_version():
+    """torch's reader of a dict's version (`torch._C._dynamo.guards.dict_version`, what `torch.compile`'s guards on a
+    module's `__dict__` read: CPython's `ma_version_tag` before 3.12 (PEP 509), a dict watcher's count from 3.12): a
+    number that changes with every write to the dict and that no other dict has had. None where torch has none, or
+    where it does not behave so on this interpreter (checked once on dicts of its own): `_Quick` then compares in
+    full every time."""
+    try:
+        from torch._C._dynamo.guards import dict_version
+        d, other = {"a": 1}, {"a": 1}
+        seen = [dict_version(d), dict_version(other)]
+        for write in (lambda: d.__setitem__("a", 2), lambda: d.__setitem__("b", 1), lambda: d.__delitem__("b"),
+                      lambda: d.update(a=3), lambda: d.setdefault("c", 0), lambda: d.pop("c"), lambda: d.clear(),
+                      lambda: d.__setitem__("a", 1), lambda: d.popitem()):
+            write()
+            seen.append(dict_version(d))
+        if len(set(seen)) != len(seen) or dict_version(d) != seen[-1]:
+            return None
+    except Exception:       # noqa: BLE001 -- any failure of a private reader: the full comparison, always right
+        return None
+    return dict_version
 
 
 def _fields_of(v) -> dict | None:
