@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from memfit.memory import fingerprint
+from memfit.memory import fingerprint_check
 from memfit.memory.fingerprint import model_state
 
 
@@ -23,7 +23,7 @@ def path(request, monkeypatch):
     """Both ways `holds` compares: skipping what no dict write changed (torch's dict versions), and in full (where
     torch has no version reader, or a dict was written)."""
     if request.param == "every attribute":
-        monkeypatch.setattr(fingerprint, "_dict_version", lambda: None)
+        monkeypatch.setattr(fingerprint_check, "_dict_version", lambda: None)
     return request.param
 
 
@@ -193,8 +193,8 @@ def test_holds_is_true_only_where_model_state_is_equal(path, kinds, changes):
         assert model_state(m) == before, what
     if all(CHANGES[c][2] for c in changes):
         assert before.holds(m), what                  # nothing replaced: the quick check says so
-        full = fingerprint._Quick._same
-        with mock.patch.object(fingerprint._Quick, "_same", autospec=True, side_effect=full) as compared:
+        full = fingerprint_check.Quick._same
+        with mock.patch.object(fingerprint_check.Quick, "_same", autospec=True, side_effect=full) as compared:
             assert before.holds(m), what              # and again, now without comparing every attribute (the dicts'
         assert compared.call_count == (path == "every attribute"), what     # versions, refreshed if they moved)
     after = model_state(m)
@@ -238,4 +238,4 @@ def test_the_check_reads_no_module_twice():
 def test_torch_has_the_dict_version_reader_the_quick_check_uses():
     # without it every check compares every attribute (right, 2-4x slower: ResNet-50's 4,200); a torch without
     # `torch._C._dynamo.guards.dict_version`, or whose reader misses a write, lands here
-    assert fingerprint._dict_version() is not None
+    assert fingerprint_check._dict_version() is not None
