@@ -18,7 +18,8 @@ lines per op), `fit_ladder` (which fit, and which runs: the ladder of fitters), 
 `inference`
 (`InferenceMemoryModel`, from the planner's arena), `sizing` (`memory_model`, `max_batch_size`, `activation_bytes`,
 `plot_memory`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept plans and
-predictions depend on; `fingerprint_check`: the quick check that a kept one still holds), `cache` (plans and models kept per model), `measure` (live bytes of real runs), `isolation`
+predictions depend on; `fingerprint_check`: the quick check that a kept one still holds), `cache` (plans and models
+kept per model), `measure` (live bytes of real runs), `isolation`
 (what a prediction leaves alone: the user's module as other threads see it, every RNG), `example_target` (the
 example target of a common loss, built from the output), `ranks` (`RankMemoryModel`: one rank of DDP or FSDP2,
 `ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group); a rank's real peak is

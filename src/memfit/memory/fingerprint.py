@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-import memfit.memory.fingerprint_check as check     # its `Quick` reads this module's `_value`, `State`
+import memfit.memory.fingerprint_check as check  # its `Quick` reads this module's `_value`, `State`
 
 __all__ = ["describe_change", "model_state"]
 

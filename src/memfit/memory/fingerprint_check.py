@@ -27,32 +27,36 @@ import weakref
 
 import torch
 
-import memfit.memory.fingerprint as fp    # its value (`_value`, `State`): imported while it imports this module
+import memfit.memory.fingerprint as fp  # its value (`_value`, `State`): imported while it imports this module
 
 __all__ = ["Quick"]
 
 
 class Quick:
     """What `State.holds` compares, each part by a few C loops over flat lists (`gc.get_referents`, `map`, `compress`)
-    rather than a Python call per attribute: one check a `plan.step` walks every attribute of every module (ViT-tiny's
-    760, ResNet-50's 4,200, most of them the empty hook dicts). Compared, in `model_state`'s order:
-    - the modules themselves, held weakly (alive, the same objects, the root first);
-    - per module its attributes' names, in order (a tuple per module);
-    - the attributes' values as `gc.get_referents` lists a module's `__dict__` (its values in order, one C call for
-      every module; checked at `done` to list exactly `dict.values()`, else the model is not quick): plain ones (None,
-      numbers, strings, tuples of them) and empty containers (the hook dicts) held here and compared by identity (the
-      containers must stay empty), the others by id (`deep_refs` alive: an equal id is the same object) and again as
-      `_value` gives them (a config's fields, a filled container, a tensor attribute's version);
-    - the contents of the non-empty `_modules`, `_parameters` and `_buffers` dicts, each
-      the same object as then (held weakly, None where the dict held None); and each parameter's and buffer's storage,
-      shape, dtype and requires_grad.
-    The same root with the same submodules in every module walks to the same modules, so the walk is not redone. So
-    `same` is True only where `model_state` would give an equal value. A model whose modules' own `named_modules`
-    walks otherwise, or with an uninitialized (lazy) parameter, is never quick (`done` gives None)."""
-    __slots__ = ("address", "config_at", "config_count", "config_deep", "config_empty", "config_keys", "config_mask",
-                 "config_flat", "config_pinned", "config_types", "count", "flat", "deep", "deep_refs", "empty", "ids", "keys", "mask",
-                 "modules", "others", "own_at", "own_in", "own_refs", "pinned", "tensor_mask", "tensor_refs", "tensors",
-                 "versions", "config_in", "changeable", "classes")
+    rather than a Python call per attribute (ViT-tiny has 760 module attributes, ResNet-50 4,200, most of them the
+    empty hook dicts). Two ways:
+    - quick (`same`): where no dict was written since the value was taken (torch's dict versions, `_dict_version`: of
+      every module's `__dict__`, of its non-empty `_modules`, `_parameters` and `_buffers`, of each config object's
+      `__dict__`), every attribute holds the object it held, so only what is not a dict is compared: the empty
+      containers still empty, each parameter's and buffer's storage, shape, dtype and requires_grad, each config's
+      class, the small containers' elements, what may change inside an object held (a tensor attribute's version);
+    - in full (`_same`, where a version moved or torch has no reader): per module its attributes' names, in order;
+      their values as `gc.get_referents` lists a module's `__dict__` (its values in order, one C call for every
+      module; checked at `done` to list exactly `dict.values()`, else the model is not quick): plain ones (None,
+      numbers, strings, tuples of them) and empty containers held here and compared by identity (the containers must
+      stay empty), the others by id (`deep_refs` alive: an equal id is the same object) and again as `_value` gives
+      them; the contents of the non-empty `_modules`, `_parameters` and `_buffers` dicts (the same objects, held
+      weakly, None where a dict held None); the tensors' properties; each config's class, names and fields the same
+      way as a module's. Where that finds the model as it was, the versions are taken again (a value set and set back).
+    Both check the modules themselves (held weakly: alive, the same objects, the root first); the same root with the
+    same submodules in every module walks to the same modules, so the walk is not redone. So `same` is True only
+    where `model_state` would give an equal value. A model whose modules' own `named_modules` walks otherwise, or with
+    an uninitialized (lazy) parameter, is never quick (`done` gives None)."""
+    __slots__ = ("address", "changeable", "classes", "config_at", "config_count", "config_deep", "config_empty",
+                 "config_flat", "config_in", "config_keys", "config_mask", "config_pinned", "config_types", "count",
+                 "deep", "deep_refs", "empty", "flat", "ids", "keys", "mask", "modules", "others", "own_at", "own_in",
+                 "own_refs", "pinned", "tensor_mask", "tensor_refs", "tensors", "versions")
 
     def __init__(self, modules: list):
         self.pinned: list = []          # the attribute values compared by identity, in walk order, held
@@ -139,7 +143,8 @@ class Quick:
         self.flat = [(i, k, _flat(fields[i][k])) for i, k, _ in self.deep]
         self.config_flat = [(j, k, _flat(got[j][k])) for j, k, _ in self.config_deep]
         self.deep = tuple(e for e, (_, _, flat) in zip(self.deep, self.flat, strict=True) if flat is None)
-        self.config_deep = tuple(e for e, (_, _, f) in zip(self.config_deep, self.config_flat, strict=True) if f is None)
+        self.config_deep = tuple(e for e, (_, _, flat) in zip(self.config_deep, self.config_flat, strict=True)
+                                 if flat is None)
         self.flat = tuple(e for e in self.flat if e[2] is not None)
         self.config_flat = tuple(e for e in self.config_flat if e[2] is not None)
         # what may change inside an object a module's dict still holds (a tensor's version, a set's elements): not a
