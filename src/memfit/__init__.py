@@ -23,8 +23,9 @@ them), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz, digits, synthet
 from memfit import codecs, metrics, readers
 from memfit.accumulation.result import BatchDependentError, NonFiniteLossError, StepResult
 from memfit.accumulation.run import accumulate
-from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
+from memfit.budget import BudgetExceeded, format_bytes, parse_bytes
 from memfit.compact import CompactDataset
+from memfit.devices import device_memory
 from memfit.distributed import RankFailed
 from memfit.evaluation.result import EvalResult
 from memfit.evaluation.run import evaluate

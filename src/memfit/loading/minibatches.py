@@ -33,8 +33,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from memfit.budget import check_count, resolve_budget, resolve_device
+from memfit.budget import check_count, resolve_budget
 from memfit.compact import CompactDataset
+from memfit.devices import resolve_device
 from memfit.distributed import RankFailed, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loading import order as order_mod
 from memfit.loading.pool import BatchPool, Decoder

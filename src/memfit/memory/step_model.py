@@ -277,7 +277,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         keep_output: the output lives until the step ends (a training loop's local); False: it is dropped once
             the loss is computed (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it).
     """
-    from memfit.budget import resolve_device
+    from memfit.devices import resolve_device
     dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     batch = ExampleBatch(example, dtype)
