@@ -34,10 +34,11 @@ from memfit.loading.minibatches import Loader, LoaderConfig, loader
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import InferenceMemoryModel
 from memfit.memory.kinds import MemoryKind, MemoryModel
+from memfit.memory.prediction_check import check_prediction
 from memfit.memory.ranks import RankMemoryModel, ranks_needed
 from memfit.memory.sizing import activation_bytes, max_batch_size, memory_model
 from memfit.memory.step import measure_rank_step, measure_step
-from memfit.memory.step_model import StepMemoryModel, check_prediction
+from memfit.memory.step_model import StepMemoryModel
 from memfit.planner.capture import CaptureError
 from memfit.planner.planned import PlannedModule, plan
 
