@@ -11,7 +11,7 @@ exports nothing of its own.
 
 Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `allocator` (what the allocators add: CUDA
 blocks and margin, CPU alignment), `step` (what one training step is; measuring it for real), `fake_run` (that step
-or a forward on fake tensors, every storage logged), `fake_kernels` (the bytes real kernels give where fake ones
+or a forward on fake tensors; `storage_log`: every storage it allocates and frees, per op), `fake_kernels` (the bytes real kernels give where fake ones
 differ), `kernel_scratch` (what kernels allocate inside, oneDNN's workspaces and the scratch of kernels on
 half-precision arguments, measured at each batch size asked about), `fit` (fake runs at a few sizes fitted into
 lines per op), `fit_ladder` (which fit, and which runs: the ladder of fitters), `step_model` (`StepMemoryModel`;

@@ -51,13 +51,14 @@ from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_m
 from memfit.memory.cache import ModelCache
 from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_failure import explain_fake_failure
-from memfit.memory.fake_run import COLUMN, FakeRunError, StepSpec, _LoggingFakeMode, _Run, fake_run
+from memfit.memory.fake_run import COLUMN, FakeRunError, StepSpec, _Run, fake_run
 from memfit.memory.fit import gradient_line, with_step
 from memfit.memory.fit_ladder import fit_runs
 from memfit.memory.isolation import predicting
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
 from memfit.memory.step import ExampleBatch, surrounding_autocast
+from memfit.memory.storage_log import LoggingFakeMode
 
 __all__ = ["PHASES", "StepMemoryModel", "step_memory_model"]
 
@@ -312,7 +313,7 @@ class _Probes:
             self.single = "; batch 1 cannot train (batch statistics need 2 samples): no run at 1"
 
     def _start(self) -> None:
-        self.mode = _LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
+        self.mode = LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
         self.fakes: dict[int, torch.Tensor] = {}      # shared by the runs: the fake mode's op cache serves them
         self.runs: dict[int, _Run] = {}
         self.at(4)
