@@ -3,16 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.budget import (
-    BudgetExceeded,
-    Ledger,
-    device_memory,
-    devices,
-    format_bytes,
-    parse_bytes,
-    resolve_budget,
-    resolve_device,
-)
+from memfit.budget import BudgetExceeded, Ledger, format_bytes, parse_bytes, resolve_budget
+from memfit.devices import device_memory, devices, resolve_device
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from memfit.budget import format_bytes, resolve_device
+from memfit.budget import format_bytes
 from memfit.codecs import Codec
+from memfit.devices import resolve_device
 from memfit.encoding import (  # noqa: F401  (their public home was here)
     Encoding,
     as_words,

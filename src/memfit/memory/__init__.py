@@ -11,11 +11,11 @@ exports nothing of its own.
 
 Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `allocator` (what the allocators add: CUDA
 blocks and margin, CPU alignment), `step` (what one training step is; measuring it for real), `fake_run` (that step
-or a forward on fake tensors, every storage logged), `fake_kernels` (the bytes real kernels give where fake ones
+or a forward on fake tensors; `storage_log`: every storage it allocates and frees, per op), `fake_kernels` (the bytes real kernels give where fake ones
 differ), `kernel_scratch` (what kernels allocate inside, oneDNN's workspaces and the scratch of kernels on
 half-precision arguments, measured at each batch size asked about), `fit` (fake runs at a few sizes fitted into
-lines per op), `fit_ladder` (which fit, and which runs: the ladder of fitters), `step_model` (`StepMemoryModel`),
-`inference`
+lines per op), `fit_ladder` (which fit, and which runs: the ladder of fitters), `step_model` (`StepMemoryModel`;
+`fake_failure`: why a fake run failed, in words), `prediction_check` (`check_prediction`), `inference`
 (`InferenceMemoryModel`, from the planner's arena), `sizing` (`memory_model`, `max_batch_size`, `activation_bytes`,
 `plot_memory`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept plans and
 predictions depend on; `fingerprint_check`: the quick check that a kept one still holds), `cache` (plans and models

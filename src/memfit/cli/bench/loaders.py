@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from memfit import loader
-from memfit.budget import format_bytes, resolve_device
+from memfit.budget import format_bytes
 from memfit.cli.bench import host_memory
 from memfit.cli.bench.codecs import images
 from memfit.cli.bench.common import machine_header, median, spread_warning, sync, table
 from memfit.compact import CompactDataset
+from memfit.devices import resolve_device
 
 
 def _epoch_time(make_iter, device) -> float:
