@@ -75,6 +75,10 @@ CHANGES = [
     ("eval and back", lambda m: (m.eval(), m.train()), True),
     ("same object set again", lambda m: setattr(m, "cfg", m.cfg), True),
     ("set to another object and back", lambda m: _and_back(m), True),
+    ("a forward set on the instance and removed (plan.step's checkpointing)",
+     lambda m: (setattr(m[-1], "forward", m[-1].forward), vars(m[-1]).pop("forward")), True),
+    ("a parameter set to None and back", lambda m: _on_linear(m, lambda x: (
+        KEPT.append(x.bias), x.register_parameter("bias", None), x.register_parameter("bias", KEPT[-1]))), True),
     ("parameter set again", lambda m: setattr(m[0], "weight", m[0].weight) if hasattr(m[0], "weight") else None, True),
     ("training flag", lambda m: m.eval(), False),
     ("one module's flag", lambda m: m[-1].eval(), False),
@@ -94,10 +98,10 @@ CHANGES = [
     ("config tuple replaced", lambda m: setattr(m.cfg, "sizes", (2, 4)), False),
     ("config Size replaced", lambda m: setattr(m.cfg, "dims", torch.Size([2, 4])), False),
     ("config nested object's field (not compared)", lambda m: setattr(m.cfg.inner, "depth", 2), False),
-    ("config a float becomes a 0-d tensor", lambda m: setattr(m.cfg, "scale", torch.tensor(m.cfg.scale)), False),
+    ("config a float becomes a 0-d tensor", lambda m: setattr(m.cfg, "scale", torch.tensor(float(m.cfg.scale))), False),
     ("config replaced by an equal one", lambda m: [setattr(x, "cfg", Config()) for x in m.modules()
                                                    if "cfg" in vars(x)], False),
-    ("a float becomes a 0-d tensor", lambda m: _on_block(m, lambda b: setattr(b, "p", torch.tensor(b.p))), False),
+    ("a float becomes a 0-d tensor", lambda m: _on_block(m, lambda b: setattr(b, "p", torch.tensor(float(b.p)))), False),
     ("a tuple becomes a list", lambda m: _on_block(m, lambda b: setattr(b, "kernel", list(b.kernel))), False),
     ("an enum", lambda m: _on_block(m, lambda b: setattr(b, "mode", Mode.B)), False),
     ("module list attribute in place", lambda m: _on_block(m, lambda b: b.names.append("b")), False),
@@ -113,9 +117,8 @@ CHANGES = [
     ("hook dict replaced by another empty one", lambda m: setattr(m[0], "_forward_hooks", collections.OrderedDict()),
      False),
     ("forward replaced", lambda m: setattr(m[0], "forward", lambda x: x), False),
-    ("requires_grad", lambda m: next(m.parameters()).requires_grad_(False), False),
-    ("parameter storage swapped", lambda m: setattr(next(m.parameters()), "data", next(m.parameters()).data.clone()),
-     False),
+    ("requires_grad", lambda m: _on_parameter(m, lambda p: p.requires_grad_(False)), False),
+    ("parameter storage swapped", lambda m: _on_parameter(m, lambda p: setattr(p, "data", p.data.clone())), False),
     ("parameter dtype", lambda m: m.double(), False),
     ("parameter replaced", lambda m: _replace_parameter(m), False),
     ("buffer added", lambda m: m[0].register_buffer("mask", torch.ones(3)), False),
@@ -168,6 +171,12 @@ def _on_block(m, f):
         f(b)
 
 
+def _on_parameter(m, f):
+    p = next(m.parameters(), None)
+    if p is not None:
+        f(p)
+
+
 def _on_linear(m, f):
     x = _first(m, nn.Linear)
     if x is not None:
@@ -194,10 +203,11 @@ def test_holds_is_true_only_where_model_state_is_equal(path, kinds, changes):
         assert model_state(m) == before, what
     if all(CHANGES[c][2] for c in changes):
         assert before.holds(m), what                  # nothing replaced: the quick check says so
-        full = fingerprint_check.Quick._same
-        with mock.patch.object(fingerprint_check.Quick, "_same", autospec=True, side_effect=full) as compared:
-            assert before.holds(m), what              # and again, now without comparing every attribute (the dicts'
-        assert compared.call_count == (path == "every attribute"), what     # versions, refreshed if they moved)
+        full, written = fingerprint_check.Quick._same, fingerprint_check.Quick._moved
+        with (mock.patch.object(fingerprint_check.Quick, "_same", autospec=True, side_effect=full) as compared,
+              mock.patch.object(fingerprint_check.Quick, "_moved", autospec=True, side_effect=written) as moved):
+            assert before.holds(m), what              # and again, now comparing no attribute (the dicts' versions,
+        assert compared.call_count == (path == "every attribute") and moved.call_count == 0, what   # taken again)
     after = model_state(m)
     assert after.quick is None or after.holds(m), what    # the new value is quick too (where the model allows)
 

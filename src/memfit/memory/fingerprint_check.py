@@ -56,7 +56,7 @@ class Quick:
     __slots__ = ("address", "changeable", "classes", "config_at", "config_count", "config_deep", "config_empty",
                  "config_flat", "config_in", "config_keys", "config_mask", "config_pinned", "config_types", "count",
                  "deep", "deep_refs", "empty", "flat", "ids", "keys", "mask", "modules", "others", "own_at", "own_in",
-                 "own_refs", "pinned", "tensor_mask", "tensor_refs", "tensors", "versions")
+                 "own_refs", "own_slices", "per_module", "pinned", "tensor_mask", "tensor_refs", "tensors", "versions")
 
     def __init__(self, modules: list):
         self.pinned: list = []          # the attribute values compared by identity, in walk order, held
@@ -94,6 +94,17 @@ class Quick:
         if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in own):
             return None
         self.own_refs = [_DEAD if x is None else weakref.ref(x) for x in own]
+        # per module (names, which are pinned, the pinned values, the others' ids) and per non-empty dict of its own
+        # (where its entries sit in `own_refs`): what `_moved` compares of the dicts a step wrote
+        ends = list(itertools.accumulate(map(len, self.keys)))
+        self.per_module = [(keys, self.mask[end - len(keys):end],
+                            tuple(itertools.compress(values[end - len(keys):end], self.mask[end - len(keys):end])),
+                            tuple(id(v) for v, pinned in zip(values[end - len(keys):end],
+                                                             self.mask[end - len(keys):end], strict=True)
+                                  if not pinned))
+                           for keys, end in zip(self.keys, ends, strict=True)]
+        sizes = [len(fields[i][k]) for i, _, k in places]
+        self.own_slices = [(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
         self.tensor_mask = tuple(isinstance(x, torch.Tensor) for x in own)
         tensors = list(itertools.compress(own, self.tensor_mask))
         self.tensor_refs = list(itertools.compress(self.own_refs, self.tensor_mask))
@@ -178,19 +189,18 @@ class Quick:
         version = _dict_version() if self.versions is not None else None
         try:
             own, configs, got = self._dicts(fields) if version is not None else ((), (), ())
-            unwritten = version is not None and tuple(map(version, itertools.chain(fields, own, got))) == self.versions
-        except (KeyError, TypeError):
-            unwritten = False
-        if not unwritten:
-            if not self._same(fields):
-                return False
-            if version is not None:       # written, equal again (a value set back): compared in full until refreshed
-                self.versions = self._versions(fields, version)
-            return True
-        # no dict of the model, of its modules' parameters, buffers and submodules or of its configs was written since
-        # the value was taken (a dict's version changes with every write and is never reused): the same objects, in
-        # the same places. What is not a dict is compared still: the empty containers, the tensors' properties, a
-        # config's class, the small containers, the tensor attributes' versions.
+            now = None if version is None else tuple(map(version, itertools.chain(fields, own, got)))
+        except (KeyError, TypeError):       # an attribute that held a dict or config gone: compared in full, unequal
+            now = None
+        if now is None:
+            return self._same(fields)
+        # a dict whose version is as it was has not been written since the value was taken (a dict's version changes
+        # with every write and is never reused): it holds the same objects, in the same places. A dict written since
+        # (`plan.step` sets and removes a checkpointed module's `forward` every step) is compared as `_same` does.
+        if now != self.versions and not self._moved(fields, own, got, now):
+            return False
+        # what is not a dict is compared still: the empty containers, the tensors' properties, a config's class, the
+        # small containers, the tensor attributes' versions
         if (any(self.empty) or any(self.config_empty)
                 or any(map(operator.is_, map(fp._DEREF, self.deep_refs), itertools.repeat(None)))):
             return False                    # a container filled; an object a deep value names by id collected
@@ -201,7 +211,36 @@ class Quick:
                 return False
         except (RuntimeError, ValueError, TypeError, AttributeError):
             return False
-        return all(type(fields[i][k]) is t for i, k, t in self.classes) and self._rest(fields, got, self.changeable)
+        if not (all(type(fields[i][k]) is t for i, k, t in self.classes) and self._rest(fields, got, self.changeable)):
+            return False
+        self.versions = now              # as it was: the dicts written since compared, quick again from now on
+        return True
+
+    def _moved(self, fields: list, own: list, got: list, now: tuple) -> bool:
+        """The dicts whose versions moved are as they were (`_same`'s comparison for those alone): a module's
+        attributes (names, pinned values, the others' ids), a `_modules`/`_parameters`/`_buffers` dict's entries;
+        any config written, every config's fields."""
+        moved = list(itertools.compress(itertools.count(), map(operator.ne, now, self.versions)))
+        n, m = len(fields), len(fields) + len(own)
+        if any(map(operator.is_, map(fp._DEREF, self.deep_refs), itertools.repeat(None))):
+            return False                   # an object named by id collected: an equal id may be another's
+        for i in moved:
+            if i < n:
+                keys, mask, pinned, ids = self.per_module[i]
+                values = gc.get_referents(fields[i])
+                if (tuple(fields[i]) != keys or len(values) != len(keys)
+                        or not all(map(operator.is_, itertools.compress(values, mask), pinned))
+                        or tuple(map(id, itertools.compress(values, map(operator.not_, mask)))) != ids):
+                    return False
+            elif i < m:
+                start, end = self.own_slices[i - n]
+                entries = list(_VALUES(own[i - n]))
+                if len(entries) != end - start or not all(map(operator.is_, entries, map(
+                        fp._DEREF, self.own_refs[start:end]))):
+                    return False
+            else:
+                return self._configs_same(got)
+        return True
 
     def _same(self, fields: list) -> bool:
         """`same`, comparing every attribute (a dict of the model was written since the value was taken)."""
@@ -223,15 +262,19 @@ class Quick:
             if configs and list(map(type, configs)) != self.config_types:
                 return False
             got = list(map(vars, configs))
-            if list(map(tuple, got)) != self.config_keys:
-                return False
-            values = gc.get_referents(*got)
-            if (len(values) != self.config_count or not all(map(operator.is_, itertools.compress(
-                    values, self.config_mask), self.config_pinned)) or any(self.config_empty)):
+            if not self._configs_same(got):
                 return False
         except (RuntimeError, ValueError, TypeError, AttributeError):
             return False
         return self._rest(fields, got, self.deep)
+
+    def _configs_same(self, got: list) -> bool:
+        """The configs' fields (their `__dict__`s `got`): names, pinned values, empty containers still empty."""
+        if list(map(tuple, got)) != self.config_keys:
+            return False
+        values = gc.get_referents(*got)
+        return (len(values) == self.config_count and all(map(operator.is_, itertools.compress(
+            values, self.config_mask), self.config_pinned)) and not any(self.config_empty))
 
     def _rest(self, fields: list, got: list, deep: tuple) -> bool:
         """The small containers by their elements, the other deep values (`deep`) again as `_value` gives them."""
