@@ -101,7 +101,8 @@ CHANGES = [
     ("config a float becomes a 0-d tensor", lambda m: setattr(m.cfg, "scale", torch.tensor(float(m.cfg.scale))), False),
     ("config replaced by an equal one", lambda m: [setattr(x, "cfg", Config()) for x in m.modules()
                                                    if "cfg" in vars(x)], False),
-    ("a float becomes a 0-d tensor", lambda m: _on_block(m, lambda b: setattr(b, "p", torch.tensor(float(b.p)))), False),
+    ("a float becomes a 0-d tensor", lambda m: _on_block(m, lambda b: setattr(b, "p", torch.tensor(float(b.p)))),
+     False),
     ("a tuple becomes a list", lambda m: _on_block(m, lambda b: setattr(b, "kernel", list(b.kernel))), False),
     ("an enum", lambda m: _on_block(m, lambda b: setattr(b, "mode", Mode.B)), False),
     ("module list attribute in place", lambda m: _on_block(m, lambda b: b.names.append("b")), False),
