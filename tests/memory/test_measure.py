@@ -46,6 +46,46 @@ def test_matches_hand_count_for_an_mlp():
     assert mem.current == 0
 
 
+class FakeCudaAllocator:
+    """The caching allocator's statistics as torch.cuda reports them (allocated and reserved bytes, their peaks
+    since the last reset), for the logic around them on a machine without a GPU."""
+
+    def __init__(self, monkeypatch):
+        self.allocated = self.reserved = self.peak = self.reserved_peak = 0
+        for name, fn in {"synchronize": lambda device=None: None, "current_device": lambda: 0,
+                         "reset_peak_memory_stats": lambda device=None: self.reset(),
+                         "memory_allocated": lambda device=None: self.allocated,
+                         "max_memory_allocated": lambda device=None: self.peak,
+                         "memory_reserved": lambda device=None: self.reserved,
+                         "max_memory_reserved": lambda device=None: self.reserved_peak}.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def reset(self):
+        self.peak, self.reserved_peak = self.allocated, self.reserved
+
+    def alloc(self, n):
+        self.allocated += n
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak, self.reserved_peak = max(self.peak, self.allocated), max(self.reserved_peak, self.reserved)
+
+
+def test_cuda_peak_survives_a_reset_inside_the_block(monkeypatch):
+    """CUDA's peak statistics are the process's: a track_memory inside another, or evaluate's chunk loop, resets
+    them; the outer block must still report the bytes it reached before (it reported what came after only)."""
+    from memfit.evaluation.loop import run_chunks
+    fake = FakeCudaAllocator(monkeypatch)
+    fake.alloc(1000)                                   # held before: not counted
+    with track_memory("cuda") as outer:
+        fake.alloc(300)
+        fake.alloc(-300)                               # the outer block's peak: 300 above its start
+        with track_memory("cuda:0") as inner:
+            fake.alloc(100)
+        run_chunks(None, [], {}, 1, torch.device("cuda", 0), show=False, allow_empty=True)   # resets too
+        fake.alloc(50)
+    assert (outer.peak, outer.current, outer.reserved_peak) == (300, 150, 300)
+    assert (inner.peak, inner.current, inner.reserved_peak) == (100, 100, 0)
+
+
 @pytest.mark.cuda
 def test_cuda_uses_the_allocator_statistics():
     a = torch.ones(1 << 20, device="cuda")            # 4 MiB held before: not counted
