@@ -64,7 +64,7 @@ def test_the_side_stream_never_writes_a_slot_before_the_consumer_stream_let_it_g
         for count in (1, 2):
             slots = Slots(src, capacity=4, device=torch.device("cuda", 0), count=count)
             fetch, got = Inline(slots, blocks), []
-            for idx in blocks:
+            for _ in blocks:
                 s = fetch.get()
                 got.append(slots.batch(s, 0, 4)[0])
                 fetch.release(s)
