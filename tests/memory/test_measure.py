@@ -105,11 +105,12 @@ def test_cuda_uses_the_allocator_statistics():
         b = torch.ones(4 << 20, device="cuda")         # 16 MiB
         c = b * 2
         del c
-    assert mem.peak == 2 * b.nbytes                    # 512-byte multiples, exactly a segment each: no rounding
-    assert mem.current == b.nbytes
     assert mem.reserved_peak <= 2 * b.nbytes
-    if fresh:
-        assert mem.reserved_peak == 2 * b.nbytes       # the two segments the allocator took for them
+    if fresh:                                          # 512-byte multiples, exactly a segment each: no rounding
+        assert (mem.peak, mem.current, mem.reserved_peak) == (2 * b.nbytes, b.nbytes, 2 * b.nbytes)
+    else:                                              # cached blocks up to CUDA_SPLIT larger may serve them
+        assert 2 * b.nbytes <= mem.peak <= 2 * (b.nbytes + CUDA_SPLIT)
+        assert b.nbytes <= mem.current <= b.nbytes + CUDA_SPLIT
     del a, b
 
 
