@@ -1,4 +1,4 @@
-"""Which device work runs on and how much memory it has: `resolve_device` (None -> the first CUDA device, else the
+"""Which device work runs on and how much memory it has: `resolve_device` (None -> the current CUDA device, else the
 CPU; names checked), `device_memory` (total, free and held bytes: `torch.cuda.mem_get_info` on CUDA; on the CPU the
 OS's MemAvailable, capped by a container's cgroup limit), `devices` (every device this process can use).
 
@@ -19,9 +19,12 @@ __all__ = ["MemoryInfo", "cpu_memory", "cpu_name", "device_memory", "devices", "
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """`None` -> the first CUDA device when there is one, else the CPU; strings are checked."""
+    """`None` -> the current CUDA device when there is one (`torch.cuda.current_device()`: cuda:0 unless
+    `torch.cuda.set_device` chose another, as each rank of a multi-GPU job does), else the CPU; strings are
+    checked, and 'cuda' without an index is the current device too."""
     if device is None:
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        # not cuda:0: a rank that called torch.cuda.set_device(local_rank) would put its data on GPU 0
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:

@@ -75,7 +75,7 @@ class LoaderConfig:
     batch_size: int                          # samples per batch
     strategy: str = "auto"                   # 'auto', 'resident', 'stream' or 'macro'
     budget: int | str | None = None          # device bytes; None: the device's free memory minus a margin
-    device: object = None                    # where batches are decoded; None: the first CUDA device, else the CPU
+    device: object = None                    # where batches are decoded; None: the current CUDA device, else the CPU
     shuffle: bool = True                     # a new permutation each epoch, from `seed` and the epoch
     seed: int | None = None                  # None: drawn from torch's generator (rank 0's when distributed)
     drop_last: bool = False                  # leave out the last incomplete batch
@@ -337,7 +337,8 @@ def loader(data, batch_size: int, **options) -> Loader:
         strategy: 'auto' (resident if it fits, else macro with the largest macro-batch, else stream),
             'resident', 'stream' or 'macro'.
         budget: device bytes (int or '2GiB'); default: the device's free memory minus a safety margin.
-        device: where batches are decoded; None = first CUDA device, else the CPU.
+        device: where batches are decoded; None = the current CUDA device (cuda:0 unless
+            torch.cuda.set_device chose another), else the CPU.
         shuffle: a new permutation each epoch (a function of `seed` and the epoch), else data order.
         seed: makes the orders reproducible; None draws one from torch's generator (rank 0's when
             distributed).
