@@ -52,12 +52,16 @@ class Block(nn.Module):
         return self.fc(x) * self.cfg.scale
 
 
+class Options:
+    """A config object with no fields yet."""
+
+
 def model(kinds: list[int]) -> nn.Module:
     cfg = Config()
     parts = [[nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Dropout(0.1), nn.ReLU(), Block(cfg),
               nn.Sequential(nn.Linear(3, 3), nn.Tanh())][k] for k in kinds]
     m = nn.Sequential(*parts)
-    m.cfg = cfg
+    m.cfg, m.options = cfg, Options()
     return m
 
 
@@ -86,6 +90,7 @@ CHANGES = [
     ("config field", lambda m: setattr(m.cfg, "scale", 2.0), False),
     ("config field, equal float", lambda m: setattr(m.cfg, "scale", _other_float(m.cfg.scale)), False),
     ("config field added", lambda m: setattr(m.cfg, "extra", 1), False),
+    ("a config with no fields given some by update", lambda m: vars(m.options).update({"x": 1}), False),
     ("config field deleted and set again (order)", lambda m: (delattr(m.cfg, "scale"), setattr(m.cfg, "scale", 1.0)),
      False),
     ("config's class", lambda m: setattr(m.cfg, "__class__", type("Other", (Config,), {})), False),

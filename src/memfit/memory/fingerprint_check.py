@@ -145,7 +145,10 @@ class Quick:
         kinds = list(map(_kind, values))
         self.config_mask = tuple(kind < 2 for kind in kinds)
         self.config_pinned = tuple(itertools.compress(values, self.config_mask))
-        self.config_empty = tuple(v for v, kind in zip(values, kinds, strict=True) if kind == 1)
+        # a config with no fields is watched as an empty container: torch's reader from Python 3.12 (a dict watcher)
+        # leaves the version of an empty dict filled by `update` from another as it was
+        self.config_empty = (*(v for v, kind in zip(values, kinds, strict=True) if kind == 1),
+                             *(f for f in got if not f))
         scratch = fp.State((), [], [])     # the objects are alive: model_state holds them, and `deep_refs` with it
         places = [(j, k) for j, f in enumerate(got) for k in f]
         self.config_deep = [(j, k, fp._value(v, 1, {}, scratch))
