@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from memfit.memory import fingerprint_check
-from memfit.memory.fingerprint import model_state
+from memfit.memory.fingerprint import describe_change, model_state
 
 
 @pytest.fixture(params=["dict versions", "every attribute"])
@@ -256,3 +256,19 @@ def test_torch_has_the_dict_version_reader_the_quick_check_uses():
     # without it every check compares every attribute (right, 2-4x slower: ResNet-50's 4,200); a torch without
     # `torch._C._dynamo.guards.dict_version`, or whose reader misses a write, lands here
     assert fingerprint_check._dict_version() is not None
+
+
+def test_a_class_swapped_on_a_module_is_a_change():
+    """`m.__class__ = Other` keeps the object, its attributes and tensors, and gives it another forward: a kept plan
+    or memory model of the model before must not be taken for the model now, by the quick check or the full one."""
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    before = model_state(model)
+    assert before.holds(model)
+    model[0].__class__ = Doubled
+    assert not before.holds(model) and model_state(model) != before
+    assert describe_change(before, model) == "the class of module '0' changed (now Doubled)"
+    model[0].__class__ = torch.nn.Linear
+    assert before.holds(model) and model_state(model) == before

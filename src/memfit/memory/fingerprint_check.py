@@ -56,7 +56,8 @@ class Quick:
     __slots__ = ("address", "changeable", "classes", "config_at", "config_count", "config_deep", "config_empty",
                  "config_flat", "config_in", "config_keys", "config_mask", "config_pinned", "config_types", "count",
                  "deep", "deep_refs", "empty", "flat", "ids", "keys", "mask", "modules", "others", "own_at", "own_in",
-                 "own_refs", "own_slices", "per_module", "pinned", "tensor_mask", "tensor_refs", "tensors", "versions")
+                 "own_refs", "own_slices", "per_module", "pinned", "tensor_mask", "tensor_refs", "tensors", "types",
+                 "versions")
 
     def __init__(self, modules: list):
         self.pinned: list = []          # the attribute values compared by identity, in walk order, held
@@ -65,6 +66,7 @@ class Quick:
         self.deep: list[tuple[int, str, object]] = []      # (module index, attribute, its `_value`)
         self.deep_refs: list = []       # the weak references `_value` took of the objects the deep values name
         self.modules = [weakref.ref(m) for m in modules]
+        self.types = list(map(type, modules))      # a class swapped in (`m.__class__ = Other`): another forward
 
     def hold(self, v) -> None:
         self.pinned.append(v)
@@ -186,7 +188,7 @@ class Quick:
 
     def same(self, model: torch.nn.Module) -> bool:
         modules = list(map(fp._DEREF, self.modules))
-        if modules[0] is not model or None in modules:
+        if modules[0] is not model or None in modules or list(map(type, modules)) != self.types:
             return False
         fields = list(map(vars, modules))
         version = _dict_version() if self.versions is not None else None

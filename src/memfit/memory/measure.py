@@ -12,13 +12,13 @@ every open block has seen (blocks nest on CUDA too).
 where it is the point: which op's outputs hold what (it misses what a kernel allocates inside).
 
 Known limitations: on the CPU, allocations on other threads (a data loader's workers) are not counted, and the
-profiler cannot run twice at once: `track_memory` inside a user's `torch.profiler.profile` raises (one inside
-another `track_memory` pauses the outer one's profiler and resumes it after: both see the inner block's bytes). c10 learns a block's size only when it is allocated under a profiler: a block
-allocated outside any (before this `with`, and between two) and freed inside is not seen freed (c10 prints a
-warning once), and the peak then errs high (c10 looks sizes up by address: where a block of another size
-allocated under an earlier profiler sat at that address, that size is taken). Allocate what the measured code
-frees inside a `track_memory` too, e.g. run a step once under it before the one measured (the gradients of the
-step before, which `accumulate` lets go before the optimizer's step).
+profiler cannot run twice at once: `track_memory` inside a user's `torch.profiler.profile` raises (one inside another
+`track_memory` pauses the outer one's profiler and resumes it after: both see the inner block's bytes). c10 learns a
+block's size only when it is allocated under a profiler: a block allocated outside any (before this `with`, and
+between two) and freed inside is not seen freed (c10 prints a warning once), and the peak then errs high (c10 looks
+sizes up by address: where a block of another size allocated under an earlier profiler sat at that address, that size
+is taken). Allocate what the measured code frees inside a `track_memory` too, e.g. run a step once under it before the
+one measured (the gradients of the step before, which `accumulate` lets go before the optimizer's step).
 
 Example:
     >>> import torch
