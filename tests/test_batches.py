@@ -81,6 +81,22 @@ def test_helpers_treat_every_kind_alike(kind):
         assert kwargs == {} and len(args) == len(want) and all(g is t for g, t in zip(args, want, strict=True))
 
 
+def test_copies_to_the_cpu_block_and_copies_to_a_device_do_not(monkeypatch):
+    """A non-blocking copy from CUDA to the CPU returns before its bytes arrive and the host reads them at once
+    (evaluate's chunks of a dataset on the GPU decoded on the CPU, a batch on the GPU for a model on the CPU):
+    only copies onto a device may be non-blocking. The moves are recorded (this machine may have no GPU)."""
+    moves = []
+
+    def to(self, device, non_blocking=False):
+        moves.append((torch.device(device).type, non_blocking))
+        return self
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    x = {"a": torch.zeros(2), "b": (torch.ones(2), None)}
+    batch_to(x, torch.device("cpu"))
+    batch_to(x, torch.device("cuda", 0))
+    assert moves == [("cpu", False)] * 2 + [("cuda", True)] * 2
+
+
 def test_batch_len_of_no_tensors_says_what_it_expected():
     with pytest.raises(TypeError, match="expected a batch"):
         batch_len({"flag": True})

@@ -3,16 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.budget import (
-    BudgetExceeded,
-    Ledger,
-    device_memory,
-    devices,
-    format_bytes,
-    parse_bytes,
-    resolve_budget,
-    resolve_device,
-)
+from memfit.budget import BudgetExceeded, Ledger, format_bytes, parse_bytes, resolve_budget
+from memfit.devices import device_memory, devices, resolve_device
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -79,6 +71,16 @@ def test_resolve_device():
         assert resolve_device(None) == torch.device("cpu")
         with pytest.raises(ValueError, match="no CUDA"):
             resolve_device("cuda")
+
+
+def test_no_device_means_the_current_cuda_device_not_cuda_0(monkeypatch):
+    """A rank that called torch.cuda.set_device(1) and left device out must get cuda:1 (its data next to its
+    model), as device='cuda' does; cuda:0 would put every rank's data on one GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device(None) == torch.device("cuda", 1) == resolve_device("cuda")
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
 
 
 @pytest.mark.cuda

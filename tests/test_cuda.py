@@ -1,7 +1,8 @@
 """CUDA paths against references nobody here wrote: planned outputs against eager PyTorch on the GPU,
 evaluate's out-of-memory back-off under a real memory cap, and nccl evaluation on two GPUs against a
 single process. Every test is marked `cuda` (skipped without a device): run them with `make test-cuda`.
-(The loaders' CUDA tests, the prefetcher under a slow consumer among them, are in test_loaders.py.)"""
+(The loaders' CUDA tests, the prefetcher under a slow consumer among them, are in loading/test_minibatches.py;
+its stream protocol is checked on the CPU in loading/test_cuda_protocol.py.)"""
 import numpy as np
 import pytest
 import torch

@@ -51,7 +51,7 @@ def test_an_attention_mask_a_fake_run_cannot_read_counts_the_padded_batch():
     """transformers' SDPA attention skips its mask when an attention_mask is all ones; a fake run cannot read the
     values, so the mask a padded batch needs is counted: exact for a padded batch, above an unpadded one."""
     tf = pytest.importorskip("transformers")
-    from memfit.memory.step_model import check_prediction
+    from memfit.memory.prediction_check import check_prediction
     tf.logging.set_verbosity_error()
     cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

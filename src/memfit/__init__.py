@@ -23,8 +23,9 @@ them), `memfit.readers` (readers for MNIST, CIFAR-10, .npy/.npz, digits, synthet
 from memfit import codecs, metrics, readers
 from memfit.accumulation.result import BatchDependentError, NonFiniteLossError, StepResult
 from memfit.accumulation.run import accumulate
-from memfit.budget import BudgetExceeded, device_memory, format_bytes, parse_bytes
+from memfit.budget import BudgetExceeded, format_bytes, parse_bytes
 from memfit.compact import CompactDataset
+from memfit.devices import device_memory
 from memfit.distributed import RankFailed
 from memfit.evaluation.result import EvalResult
 from memfit.evaluation.run import evaluate
@@ -33,10 +34,11 @@ from memfit.loading.minibatches import Loader, LoaderConfig, loader
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.inference import InferenceMemoryModel
 from memfit.memory.kinds import MemoryKind, MemoryModel
+from memfit.memory.prediction_check import check_prediction
 from memfit.memory.ranks import RankMemoryModel, ranks_needed
 from memfit.memory.sizing import activation_bytes, max_batch_size, memory_model
 from memfit.memory.step import measure_rank_step, measure_step
-from memfit.memory.step_model import StepMemoryModel, check_prediction
+from memfit.memory.step_model import StepMemoryModel
 from memfit.planner.capture import CaptureError
 from memfit.planner.planned import PlannedModule, plan
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["batch_len", "batch_nbytes", "batch_slice", "batch_tensors", "batch_to", "forward"]
+__all__ = ["async_copy_to", "batch_len", "batch_nbytes", "batch_slice", "batch_tensors", "batch_to", "forward"]
 
 
 def forward(model, x):
@@ -71,4 +71,12 @@ def batch_slice(x, start: int, stop: int):
 
 def batch_to(x, device: torch.device):
     """x on `device` (the tensors already there are themselves, not copies)."""
-    return _map(x, lambda t: t.to(device, non_blocking=True))
+    return _map(x, lambda t: t.to(device, non_blocking=async_copy_to(device)))
+
+
+def async_copy_to(device) -> bool:
+    """Whether a copy to `device` may be `non_blocking`: onto an accelerator only. A non-blocking copy from
+    CUDA to the CPU returns before its bytes arrive (into pinned memory torch allocates), and the host would
+    read them at once: stale values, silently. Copies to a device are ordered on its stream before any kernel
+    that reads them."""
+    return torch.device(device).type != "cpu"

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from memfit.budget import format_bytes, resolve_device
+from memfit.budget import format_bytes
 from memfit.codecs import Codec
+from memfit.devices import resolve_device
 from memfit.encoding import (  # noqa: F401  (their public home was here)
     Encoding,
     as_words,
@@ -102,7 +103,7 @@ class CompactDataset(torch.utils.data.Dataset):
                 reports its error bound in `codec.max_abs_error` and `explain()`.
             normalize: None or 'none' (raw values), 'dataset' (per-channel mean/std of x) or
                 (mean, std), each one value per channel (axis 1), in the units of x.
-            device: where to store; None = first CUDA device when there is one, else the CPU.
+            device: where to store; None = the current CUDA device when there is one, else the CPU.
             dtype: decoded dtype: None (int64 for integer data such as token ids; float64 for float64 data
                 that float32 cannot hold exactly, as codec='auto' stores it; float32 otherwise), float32,
                 float16, bfloat16, float64, or int64/int32 (integer codecs, no normalize). float32 (or half)

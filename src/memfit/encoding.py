@@ -25,8 +25,8 @@ from memfit.arrays import (
     resolve_dtype,
     to_tensor,
 )
-from memfit.budget import resolve_device
 from memfit.codecs import Codec, Float32Codec, QuantCodec, auto_codec, make_codec
+from memfit.devices import resolve_device
 from memfit.fields import PackedCodec, check_fields, pack
 from memfit.progress import progress_bar
 from memfit.targets import IGNORE_INDEX, Targets, check_count, encode_targets

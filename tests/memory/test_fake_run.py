@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.memory.fake_run import COLUMN, StepSpec, _LoggingFakeMode, fake_run
+from memfit.memory.fake_run import COLUMN, StepSpec, fake_run
 from memfit.memory.fit import with_step
 from memfit.memory.step import ExampleBatch
+from memfit.memory.storage_log import LoggingFakeMode
 
 
 def spec(**kw) -> StepSpec:
@@ -20,7 +21,7 @@ def spec(**kw) -> StepSpec:
 
 
 def runs(s: StepSpec, *calls):
-    mode, fakes = _LoggingFakeMode(allow_non_fake_inputs=True), {}
+    mode, fakes = LoggingFakeMode(allow_non_fake_inputs=True), {}
     return [fake_run(s, n, mode=mode, fakes=fakes, optimizer_step=step) for n, step in calls]
 
 

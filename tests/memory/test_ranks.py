@@ -466,3 +466,27 @@ def test_reshard_after_forward_to_a_smaller_mesh_is_refused():
     m = rank_cases.mlp()
     with pytest.raises(ValueError, match="an int. is not modelled"):      # was the fake mode's internal assertion
         rank_memory_model(m, (64,), optimizer=torch.optim.AdamW(m.parameters()), world_size=4, reshard_after_forward=2)
+
+
+def test_ranks_needed_finds_the_fewest_where_padding_makes_the_peak_rise_again(monkeypatch):
+    """A per-rank peak that falls, rises and falls again with the world size (FSDP2's padded shards): 5 ranks fit,
+    6 do not, 7 do; doubling then bisection would answer 7. Every size near the lower bound is tried: 5."""
+    import memfit.memory.ranks as ranks
+    curve = {1: 100, 2: 90, 3: 85, 4: 80, 5: 60, 6: 75, 7: 65, 8: 50}
+    tried = []
+
+    class Model:
+        def __init__(self, w):
+            self.w = w
+
+        def total_bytes(self, n):
+            return curve.get(self.w, 40)
+    monkeypatch.setattr(ranks, "rank_memory_model",
+                        lambda *a, world_size, **k: tried.append(world_size) or Model(world_size))
+    assert ranks_needed(torch.nn.Linear(2, 2), (2,), 70, 4) == min(w for w, b in curve.items() if b <= 70) == 5
+    assert ranks_needed(torch.nn.Linear(2, 2), (2,), 60, 4, at_least=3) == 5
+    assert tried[-3:] == [3, 4, 5]                      # from the lower bound, none below it
+    assert ranks_needed(torch.nn.Linear(2, 2), (2,), 45, 4) == 9   # beyond the curve: 40 from 9 ranks on
+    with pytest.raises(ranks.NoWorldFits, match="world size <= 32"):
+        ranks_needed(torch.nn.Linear(2, 2), (2,), 10, 4, max_world=32)
+

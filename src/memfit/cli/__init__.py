@@ -108,7 +108,8 @@ def cmd_info(args) -> int:
     import torch
 
     from memfit import __version__
-    from memfit.budget import devices, format_bytes
+    from memfit.budget import format_bytes
+    from memfit.devices import devices
     rows = devices()
     if args.json:
         print(json.dumps({"memfit": __version__, "torch": torch.__version__, "python": platform.python_version(),

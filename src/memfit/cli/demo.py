@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from memfit.budget import check_count, format_bytes, parse_bytes, resolve_device
+from memfit.budget import check_count, format_bytes, parse_bytes
 from memfit.cli.data import SPECS, open_data
 from memfit.compact import CompactDataset
+from memfit.devices import resolve_device
 from memfit.messages import plural
 from memfit.progress import progress_bar
 

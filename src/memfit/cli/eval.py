@@ -9,10 +9,11 @@ import torch
 
 from memfit import CompactDataset, evaluate
 from memfit.arrays import is_integer_data, normalisation
-from memfit.budget import parse_bytes, resolve_device
+from memfit.budget import parse_bytes
 from memfit.cli.data import open_data
 from memfit.cli.options import UsageError
 from memfit.cli.plan import load_factory
+from memfit.devices import resolve_device
 
 
 def run(args) -> int:

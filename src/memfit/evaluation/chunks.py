@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
+from memfit.batches import batch_to
 from memfit.compact import CompactDataset
 from memfit.targets import IGNORE_INDEX, check_count
 
@@ -27,8 +28,7 @@ class Chunks:
         rows = self.ds.rows(idx)
         y = None if self.ds.y is None else self.ds.y[s:e]
         if self.ds.device != self.device:          # compact bytes cross the bus, not float32
-            rows = rows.to(self.device, non_blocking=True)
-            y = None if y is None else y.to(self.device, non_blocking=True)
+            rows, y = batch_to((rows, y), self.device)     # blocking to the CPU: decoded at once there
         return self.ds.decode(rows), (None if y is None else self.ds.targets.decode(y))
 
 

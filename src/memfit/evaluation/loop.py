@@ -11,6 +11,7 @@ from memfit.batches import batch_len, batch_slice, batch_to, forward
 from memfit.budget import halve_after_oom, is_oom
 from memfit.evaluation.chunks import Chunks
 from memfit.input_mistakes import dtype_mistake
+from memfit.memory.measure import reset_cuda_peak
 from memfit.messages import first_line
 from memfit.metrics import Metric, logits_of, order_error, output_for
 from memfit.progress import progress_bar
@@ -75,8 +76,8 @@ def run_chunks(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch
                allow_empty: bool = False, labels=None) -> dict:
     total = chunks.n if isinstance(chunks, Chunks) else None
     bar = progress_bar(total, "evaluating", unit="sample", enabled=show)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+    if dev.type == "cuda":                  # `_peak` reads the chunks' peak; a track_memory around keeps its own
+        reset_cuda_peak(dev)
     stats = {"n": 0, "chunks": 0, "retries": 0, "max_n": 0, "oom_sizes": []}
     limit, failed, watch = size, set(), NanWatch()
     run = lambda x, y: _run_chunk(runner, metrics, x, y, output_fn, watch, labels)

@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.budget import check_count, model_device, resolve_budget, resolve_device
+from memfit.budget import check_count, model_device, resolve_budget
+from memfit.devices import resolve_device
 from memfit.evaluation import ranks
 from memfit.evaluation.causal import label_rule
 from memfit.evaluation.chunks import Chunks, as_chunks

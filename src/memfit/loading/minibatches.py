@@ -33,12 +33,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from memfit.budget import check_count, resolve_budget, resolve_device
+from memfit.budget import check_count, resolve_budget
 from memfit.compact import CompactDataset
-from memfit.distributed import RankFailed, agree, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
+from memfit.devices import resolve_device
+from memfit.distributed import RankFailed, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loading import order as order_mod
 from memfit.loading.pool import BatchPool, Decoder
 from memfit.loading.prefetch import Inline, Prefetcher, Slots
+from memfit.loading.rank_agreement import agreed_parts, agreed_seed, source_identity
 from memfit.loading.sources import CompactSource, Source, make_source
 from memfit.loading.strategy import Needs, StrategyChoice, check_names, choose
 from memfit.targets import IGNORE_INDEX
@@ -50,69 +52,8 @@ log = logging.getLogger("memfit.loader")
 LoadedBatch = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _agreed_seed(error: BaseException | None, seed: int | None, n_total: int, identity: tuple) -> int:
-    """The agreement of a distributed loader: raises on every rank when one failed, when the ranks hold
-    different data (size, layout, content: `_identity`) or were given different seeds; else the seed (rank 0's
-    draw when None)."""
-    drawn = int(torch.randint(0, 2**62, (1,)))
-    given = -1 if seed is None or error is not None else seed
-    ranks = agree(error, "memfit.loader", (given, drawn, n_total, *identity))
-    whole = ("with distributed=True pass every rank the whole dataset (or its own shard of the same whole): each "
-             "keeps its part of one shared order; when each rank holds only its own part (split beforehand), pass "
-             "sharded=True")
-    _same_on_every_rank([v[2] for v in ranks], "data of different sizes", str, whole)
-    _same_on_every_rank([v[3] for v in ranks], "data encoded differently (layout hashes of the codec, its fit, the "
-                        "normalisation, the decoded and target dtypes)", str,
-                        "pass the same codec=, normalize=, dtype= and y_dtype= on every rank")
-    for i, what in ((4, "samples (x)"), (5, "targets (y)")):
-        _same_on_every_rank([v[i] for v in ranks], f"different whole sets of the same size (checksums of the stored "
-                            f"{what})", str, whole + " (the same files, rows in the same order)")
-    _same_on_every_rank([v[0] for v in ranks], "different seeds", lambda s: "None" if s < 0 else str(s),
-                        "pass the same seed on every rank (or None on all: rank 0's draw is shared), else samples "
-                        "repeat or go missing")
-    return ranks[0][1] if ranks[0][0] < 0 else ranks[0][0]
-
-
-def _identity(src: Source, whole: bool) -> tuple[int, ...]:
-    """(layout hash, checksums of the whole's stored x and y) of a source (`memfit.rank_data`): what every rank
-    must share; (layout hash,) for a rank's own part (whole=False)."""
-    from memfit.arrays import release_pages
-    from memfit.rank_data import content_checksum, layout_hash, whole_checksums
-    layout = layout_hash(src.template)
-    if not whole:
-        return (layout,)
-    ds = getattr(src, "original", None)
-    if isinstance(ds, CompactDataset):
-        return layout, *(ds.shard_info.checksums if ds.shard_info is not None else whole_checksums(ds))
-    mask = (1 << 63) - 1          # a file: its values as read (one more read of the file), its stored targets
-    sums = layout, content_checksum(src.x) & mask, content_checksum(src.y) & mask
-    release_pages(src.x)          # the pages read stay in the OS cache, not in this process's memory
-    return sums
-
-
-def _agreed_parts(n: int, rank: int, layout: int) -> tuple[range, int, int, int]:
-    """sharded=True: every rank's own part, in rank order, makes the whole. (this rank's positions in it, the
-    whole's size, the smallest and the largest part), from one agreement, which also checks that every part is
-    encoded alike (each rank encodes its own: an 'auto' or q8 codec fitted to each part can differ)."""
-    ranks = agree(None, "memfit.loader parts", (n, layout))
-    _same_on_every_rank([v[1] for v in ranks], "parts encoded differently (layout hashes of the codec, its fit, the "
-                        "normalisation, the decoded and target dtypes)", str,
-                        "each rank encodes its own part, so pass codec= (a fixed one, e.g. codec='uint8', or a codec "
-                        "fitted to the whole), normalize=(mean, std) of the whole, dtype= and y_dtype= on every rank")
-    sizes = [v[0] for v in ranks]
-    start = sum(sizes[:rank])
-    return range(start, start + n), sum(sizes), min(sizes), max(sizes)
-
-
 def _uses_dataset_statistics(normalize) -> bool:
     return normalize == "dataset" or (isinstance(normalize, dict) and "dataset" in normalize.values())
-
-
-def _same_on_every_rank(values: list[int], what: str, show, fix: str) -> None:
-    """Raise ValueError listing every rank's value when they differ."""
-    if len(set(values)) > 1:
-        ranks = ", ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
-        raise ValueError(f"the ranks were given {what} ({ranks}); {fix}")
 
 
 @dataclass(frozen=True)
@@ -134,7 +75,7 @@ class LoaderConfig:
     batch_size: int                          # samples per batch
     strategy: str = "auto"                   # 'auto', 'resident', 'stream' or 'macro'
     budget: int | str | None = None          # device bytes; None: the device's free memory minus a margin
-    device: object = None                    # where batches are decoded; None: the first CUDA device, else the CPU
+    device: object = None                    # where batches are decoded; None: the current CUDA device, else the CPU
     shuffle: bool = True                     # a new permutation each epoch, from `seed` and the epoch
     seed: int | None = None                  # None: drawn from torch's generator (rank 0's when distributed)
     drop_last: bool = False                  # leave out the last incomplete batch
@@ -197,8 +138,8 @@ class Loader:
                 raise
             error = e
         if distributed:
-            self.seed = _agreed_seed(error, getattr(self, "seed", None), getattr(self, "_n_total", 0),
-                                     getattr(self, "_identity", (0, 0, 0)) if error is None else (0, 0, 0))
+            self.seed = agreed_seed(error, getattr(self, "seed", None), getattr(self, "_n_total", 0),
+                                    getattr(self, "_identity", (0, 0, 0)) if error is None else (0, 0, 0))
         elif config.seed is None:
             self.seed = int(torch.randint(0, 2**62, (1,)))
 
@@ -223,13 +164,13 @@ class Loader:
         self._members, self._n_total = None, self.source.n
         if distributed:
             self.rank, self.world_size = rank_world()
-            self._identity = _identity(self.source, whole=True) if not sharded else (0, 0, 0)
+            self._identity = source_identity(self.source, whole=True) if not sharded else (0, 0, 0)
             if not sharded:
                 self.source, self._members, self._n_total = self.source.shard(self.rank, self.world_size)
         src = self.source
         if sharded:                     # the parts, in rank order, make the whole: one order over all of them
-            self._members, self._n_total, self._n_min, self._n_max = _agreed_parts(src.n, self.rank,
-                                                                                   *_identity(src, whole=False))
+            self._members, self._n_total, self._n_min, self._n_max = agreed_parts(src.n, self.rank,
+                                                                                  *source_identity(src, whole=False))
         else:
             sizes = shard_sizes(self._n_total, self.world_size)
             self._n_min, self._n_max = min(sizes), max(sizes)
@@ -396,7 +337,8 @@ def loader(data, batch_size: int, **options) -> Loader:
         strategy: 'auto' (resident if it fits, else macro with the largest macro-batch, else stream),
             'resident', 'stream' or 'macro'.
         budget: device bytes (int or '2GiB'); default: the device's free memory minus a safety margin.
-        device: where batches are decoded; None = first CUDA device, else the CPU.
+        device: where batches are decoded; None = the current CUDA device (cuda:0 unless
+            torch.cuda.set_device chose another), else the CPU.
         shuffle: a new permutation each epoch (a function of `seed` and the epoch), else data order.
         seed: makes the orders reproducible; None draws one from torch's generator (rank 0's when
             distributed).

@@ -13,6 +13,8 @@ The slot protocol (two slots, double buffering):
     consumer: take a ready slot -> [CUDA: the current stream waits on `copied`] -> decode the
               micro-batches (new tensors) -> [CUDA: record `freed` on the current stream] -> give the
               slot back
+    (on CUDA each `freed` is first recorded when the slots are made: the first copy into a slot waits for
+    the consumer's kernels queued before its allocation)
 
 A free/ready queue pair orders the two threads, so a slot is never written while it is read. An
 exception in the thread is handed over as the next item and re-raised in the consumer with its
@@ -78,6 +80,12 @@ class Slots:
             for t in self.x + self.y:
                 if t is not None:
                     t.record_stream(self.stream)             # written on the side stream: free only after it
+            # The slots' blocks were handed out on this (the consumer's) stream, maybe blocks it freed with
+            # kernels still queued that use them: the side stream's first copy into a slot waits for them as
+            # later copies wait for the consumer's reads (`freed`), else it could overwrite, or be overwritten by, them
+            here = torch.cuda.current_stream(device)
+            for e in self.freed:
+                e.record(here)
 
     def fill(self, slot: int, idx: torch.Tensor) -> None:
         """Gather rows `idx` into `slot` (runs on the background thread)."""

@@ -1,24 +1,32 @@
 """What the allocators add to the bytes tensors hold: one home for those constants.
 
-CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp, `kMinBlockSize = 512`, `kSmallBuffer = 2 MiB`)
-rounds every block up to 512 bytes and serves small blocks from 2 MiB segments; on top of that memfit adds a
-stated margin for fragmentation of its segments. The CPU allocator (c10/core/alignment.h, `gAlignment = 64`)
-aligns every allocation to 64 bytes, which the planner's arena also uses between its tensors. An op given a
-Python number wraps it in a 0-d tensor (8 bytes) and casts it to the op's dtype (up to 8 more), freed when
-the op returns: at most `CPU_SCALAR` bytes at any moment, which no op's outputs show.
+CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp, default settings) rounds every request up to 512
+bytes (`kMinBlockSize`). Requests up to 1 MiB (`kSmallSize`) come from 2 MiB segments (`kSmallBuffer`) and take
+exactly that; larger ones from 20 MiB segments (`kLargeBuffer`) below 10 MiB (`kMinLargeAlloc`), else from a
+segment of their own rounded up to 2 MiB (`kRoundLarge`), and a block found for one is split only when more than
+1 MiB would remain: a large request may take up to `CUDA_SPLIT` bytes more than its rounded size (an 11 MiB +
+512 B request takes a whole fresh 12 MiB segment), and `torch.cuda.memory_allocated` counts the whole block. On
+top of the 512-byte rounding memfit adds a stated margin (`cuda_margin`) for those and the segments' fragmentation.
+The CPU allocator (c10/core/alignment.h, `gAlignment = 64`) aligns every allocation to 64 bytes, which the
+planner's arena also uses between its tensors. An op given a Python number wraps it in a 0-d tensor (8 bytes) and
+casts it to the op's dtype (up to 8 more), freed when the op returns: at most `CPU_SCALAR` bytes at any moment,
+which no op's outputs show.
 
-Known limitations: library workspaces (cuBLAS, cuDNN: 8.5 MiB, up to 32 MiB on Hopper) are not counted.
+Known limitations: library workspaces (cuBLAS, cuDNN: 8.5 MiB, up to 32 MiB on Hopper) are not counted. The
+margin (5% + 2 MiB) bounds the unsplit remainders only while live tensors above 1 MiB are few or above 20 MiB
+each: many of 1-20 MiB, each taking up to `CUDA_SPLIT` more, can exceed it (not seen measured: no GPU here).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["CPU_ALIGNMENT", "CPU_SCALAR", "CUDA_BLOCK", "CUDA_MARGIN", "CUDA_SEGMENT", "cpu_margin", "cuda_margin",
-           "rounder"]
+__all__ = ["CPU_ALIGNMENT", "CPU_SCALAR", "CUDA_BLOCK", "CUDA_MARGIN", "CUDA_SEGMENT", "CUDA_SPLIT", "cpu_margin",
+           "cuda_margin", "rounder"]
 
 CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 CUDA_SEGMENT = 2 << 20      # one partly used 2 MiB small-allocation segment
+CUDA_SPLIT = 1 << 20        # requests above 1 MiB: a block's remainder of at most this much is not split off
 CUDA_MARGIN = 0.05          # stated head-room for fragmentation of the allocator's segments on CUDA
 CPU_ALIGNMENT = 64          # bytes: a cache line, and enough for any dtype's vector loads
 CPU_SCALAR = 16             # a Python number wrapped as a 0-d double or int64 (8 bytes) and its cast (<= 8)

@@ -14,193 +14,33 @@ from __future__ import annotations
 
 import copy
 import gc
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from numbers import Number
 
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten
 
 from memfit.batches import forward
 from memfit.memory.allocator import rounder
 from memfit.memory.fake_kernels import (
-    BOUNDED_IN_BATCH,
-    REAL_SIZE,
-    WORKSPACE,
     host_tensors_logged,
-    real_bytes,
-    workspace_bytes,
 )
 from memfit.memory.isolation import fake_section, predicting, structural_copy
-from memfit.memory.kernel_scratch import measured_here, spec_of
 from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
+from memfit.memory.storage_log import StorageLog
 from memfit.planner.global_caches import cache_misses, clear_filled
 
-__all__ = ["SAVES_SCALAR", "FakeRunError", "StepSpec", "fake_run"]
+__all__ = ["FakeRunError", "StepSpec", "fake_run"]
 COLUMN = {k.value: i for i, k in enumerate(STEP_KINDS)}     # a kind's value -> its column in a run's arrays
-# ops whose backward keeps their second argument: given a Python number, a 0-d tensor autograd wraps and saves
-SAVES_SCALAR = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
-
-
-
 
 
 class FakeRunError(RuntimeError):
     """The step or forward could not run on fake tensors (data-dependent Python control flow, say)."""
-
-
-class _StorageRef(weakref.ref):
-    """A weak reference to a storage that remembers the storage's key (its address, reused once it is freed)."""
-    __slots__ = ("key",)
-
-
-def _fresh_outputs(func) -> bool:
-    """Whether every output of `func` is a new storage: its schema aliases no input (not a view, not in place,
-    not out=). `_unsafe_view` is a view whose schema says otherwise."""
-    schema = getattr(func, "_schema", None)
-    return schema is not None and func is not torch.ops.aten._unsafe_view.default \
-        and not any(r.alias_info is not None for r in schema.returns)
-
-
-class _StorageLog:
-    """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
-
-    The lean cousin of `memfit.memory.measure`'s live-bytes mode for fake runs, where its Python work per op is most
-    of the cost: one weak reference per storage rather than a finalizer per tensor (a storage's Python object
-    lives as long as the storage, so the reference dies with the last tensor on it), ops kept as objects, and
-    an op's inputs looked at only when its schema says an output may alias one (a view of, or a write to, a
-    tensor made outside: parameters, the batch).
-    """
-
-    FRESH: dict = {}                                  # op -> whether its outputs are always new storages
-
-    def __init__(self, device: torch.device, scratch: bool = False):
-        self.device = device
-        self.scratch = scratch and device.type == "cpu"   # note the ops whose kernels' scratch (and workspaces)
-        #                                                   the memory model measures at each batch
-        self.scratch_ops: list[tuple[int, object, object]] = []   # (op index, op, ArgSpec): `_Run.scratch`
-        self.ops: list = []                           # the OpOverload of every op, in order
-        self.log: list[tuple[int, int, int]] = []
-        self.live: dict[int, int] = {}                # storage key -> bytes, for storages allocated here
-        self.refs: dict[int, _StorageRef] = {}        # storage key -> its weak reference (kept so it calls back)
-        self.workspaces = 0                           # kernel workspaces logged, counted down as their keys
-        self.saved_scalars: list[int] = []            # keys of the wrapped Python numbers autograd holds
-
-    def free_saved_scalars(self) -> None:
-        """Backward has ended: the Python numbers autograd saved are freed."""
-        self.log += [(len(self.ops), k, -8) for k in self.saved_scalars]
-        self.saved_scalars = []
-
-    def _freed(self, ref: _StorageRef) -> None:
-        nbytes = self.live.pop(ref.key, None)
-        self.refs.pop(ref.key, None)
-        if nbytes is not None:
-            self.log.append((len(self.ops), ref.key, -nbytes))
-
-    def _watch(self, s, key: int) -> None:
-        ref = self.refs[key] = _StorageRef(s, self._freed)
-        ref.key = key
-
-    def record(self, func, out, args, kwargs) -> None:
-        """Note op `func` and the new storages among its outputs `out`."""
-        op = len(self.ops)
-        self.ops.append(func)
-        if isinstance(out, torch.Tensor):
-            outs = (out,)
-        elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in out):
-            outs = out
-        else:
-            outs = tree_flatten(out)[0]
-        fresh = self.FRESH.get(func)
-        if fresh is None:
-            fresh = self.FRESH[func] = _fresh_outputs(func)
-        inputs = None
-        for i, t in enumerate(outs):
-            if not isinstance(t, torch.Tensor) or t.device != self.device:
-                continue
-            try:
-                s = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):   # sparse or wrapper tensors own no plain storage
-                continue
-            key = s._cdata
-            if key in self.refs:                          # allocated here, or known to be made outside
-                continue
-            nbytes = s.nbytes()
-            if not nbytes and func not in REAL_SIZE:
-                continue
-            if not fresh:
-                if inputs is None:
-                    inputs = {k[0] for a in tree_flatten((args, kwargs))[0]
-                              if isinstance(a, torch.Tensor) and (k := _storage_key(a))}
-                if key in inputs:                         # a view of (or a write to) a tensor made outside
-                    self._watch(s, key)
-                    continue
-            nbytes = real_bytes(func, i, t, nbytes, args, kwargs)
-            if not nbytes:
-                continue
-            self.live[key] = nbytes
-            self.log.append((op, key, nbytes))
-            self._watch(s, key)
-        if func in SAVES_SCALAR and self.device.type == "cpu" and len(args) > 1 and isinstance(args[1], Number) \
-                and isinstance(args[0], torch.Tensor) and args[0].requires_grad and torch.is_grad_enabled():
-            # the Python number, wrapped in a 0-d tensor (8 bytes), is saved for backward by autograd, above
-            # this dispatch level where no op returns it: held until backward ends (an upper bound)
-            self.workspaces -= 1
-            self.log.append((op, self.workspaces, 8))
-            self.saved_scalars.append(self.workspaces)
-        if func in WORKSPACE and self.scratch and func not in BOUNDED_IN_BATCH:
-            # what the real kernel allocates inside is not a line in the batch (oneDNN picks its algorithm by size:
-            # a 1x1 convolution's workspace is 0 B up to batch 13 and 1.4 MiB at 16): measured by the memory model
-            # at each batch it is asked about, as the scratch below (`kernel_scratch`)
-            self.scratch_ops.append((op, func, spec_of(args, kwargs)))
-        elif func in WORKSPACE and self.device.type == "cpu":
-            # what the real kernel allocates inside and frees before it returns: live at this op only, as a part
-            # the same at every batch and one that grows with it (the batch of this run: exact here)
-            for extra in workspace_bytes(func, args, kwargs):
-                if extra:
-                    self.workspaces -= 1                  # a key no storage has
-                    self.log += [(op, self.workspaces, extra), (op + 1, self.workspaces, -extra)]
-        elif self.scratch and measured_here(func, args, kwargs):
-            # kernels on half-precision arguments (`kernel_scratch`): their scratch is not a line in the batch, so
-            # it is not logged here: the memory model measures it at each batch it is asked about
-            self.scratch_ops.append((op, func, spec_of(args, kwargs)))
-
-
-class _LoggingFakeMode(FakeTensorMode):
-    """A fake mode that hands every op the program runs, with its outputs, to a `_StorageLog` while one is set:
-    one dispatch layer instead of a logging mode on top of the fake one. The ops the fake mode runs to compute
-    an op (its decompositions) are not logged: the real kernel does not allocate their outputs."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.storage_log: _StorageLog | None = None
-        self._depth = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.storage_log is None or self._depth:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        self._depth += 1
-        try:
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-        finally:
-            self._depth -= 1
-        self.storage_log.record(func, out, args, kwargs)
-        return out
-
-    @contextmanager
-    def logging_to(self, storage_log: _StorageLog):
-        self.storage_log = storage_log
-        try:
-            yield
-        finally:
-            self.storage_log = None
 
 
 @dataclass
@@ -291,7 +131,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
             "optimizer state": unique_bytes(optimizer_state(optimizer))}
     caches = cache_misses(model)
     run_model = structural_copy(model)               # the fake parameters go here: the user's module is untouched
-    tracker = _StorageLog(device, scratch=True)
+    tracker = StorageLog(device, scratch=True)
     log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
     samples: dict[str, set] = {}                        # storages that are gradients / optimizer state

@@ -36,6 +36,8 @@ import weakref
 
 import torch
 
+import memfit.memory.fingerprint_check as check  # its `Quick` reads this module's `_value`, `State`
+
 __all__ = ["describe_change", "model_state"]
 
 _DEREF = weakref.ref.__call__                # a weak reference's object (None once collected)
@@ -49,17 +51,17 @@ def model_state(model: torch.nn.Module) -> State:
     seen: dict[int, object] = {}
     held = State((), [], [])
     modules = list(model.modules())
-    quick = _Quick(modules)
+    quick = check.Quick(modules)
     held.entries = tuple((_held(m, held), m.training,
                           tuple(_tensor(t, held) for t in (*m._parameters.values(), *m._buffers.values())
                                 if t is not None),
-                          _attributes(vars(m), seen, held, quick, i))
+                          _attributes(vars(m), seen, held, quick, i), _held(type(m), held))
                          for i, m in enumerate(modules))
     held.quick = quick.done(model, modules)
     return held
 
 
-def _attributes(fields: dict, seen: dict, held: State, quick: _Quick, i: int) -> tuple:
+def _attributes(fields: dict, seen: dict, held: State, quick: check.Quick, i: int) -> tuple:
     """A module's attributes but its own (`_OWN`), as `_value` gives them; the common ones (None, plain values,
     the empty hook dicts: most of a module's) without a call, since `plan.step` walks every module twice a step.
     `quick` notes how `State.holds` checks each (module `i`'s): plain values and empty containers are held and
@@ -80,9 +82,11 @@ def _attributes(fields: dict, seen: dict, held: State, quick: _Quick, i: int) ->
         else:
             quick.mask.append(False)
             if k not in _OWN:
+                before = len(held.weak)
                 value = _value(v, 0, seen, held)
                 out.append((k, value))
                 quick.deep.append((i, k, value))
+                quick.deep_refs += held.weak[before:]
     return tuple(out)
 
 
@@ -94,15 +98,15 @@ class State:
 
     def __init__(self, entries: tuple, weak: list, strong: list):
         self.entries, self.weak, self.strong = entries, weak, strong
-        self.quick: _Quick | None = None
+        self.quick: check.Quick | None = None
 
     def alive(self) -> bool:
         return not any(map(operator.is_, map(_DEREF, self.weak), itertools.repeat(None)))   # a C loop
 
     def holds(self, model: torch.nn.Module) -> bool:
-        """True only when `model_state(model) == self`, checked without building that value (about a tenth of its
-        cost: see `_Quick`); False when it may differ (then compare `model_state(model)`, which says)."""
-        return self.quick is not None and self.alive() and self.quick.same(model)
+        """True only when `model_state(model) == self`, checked without building that value (a tenth of its cost or
+        less: see `memfit.memory.fingerprint_check`); False when it may differ (then compare `model_state(model)`)."""
+        return self.quick is not None and self.quick.same(model)     # it checks what it compares is alive
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, State):
@@ -188,6 +192,8 @@ def describe_change(before: State, model: torch.nn.Module) -> str | None:
             return f"{where} was switched to {'training' if new[1] else 'eval'} mode"
         if old[2] != new[2]:
             return _tensor_change(name, m, old[2], new[2])
+        if old[4] != new[4]:                      # `m.__class__ = Other`: the same object with another forward
+            return f"the class of {where} changed (now {type(m).__name__})"
         was, now_ = dict(old[3]), dict(new[3])
         changed = [k for k in {**was, **now_} if was.get(k, _MISSING) != now_.get(k, _MISSING)]
         return f"attribute {', '.join(repr(k) for k in changed[:3])} of {where} changed"
@@ -212,104 +218,3 @@ def _tensor_change(name: str, m: torch.nn.Module, old: tuple, new: tuple) -> str
             return f"{kind} '{prefix}{k}' {'now requires grad' if b[4] else 'no longer requires grad'}"
         return f"{kind} '{prefix}{k}' changed storage, shape or dtype"
     return f"the parameters or buffers of {name or 'the model'} changed"
-
-
-class _Quick:
-    """What `State.holds` compares, each part built by C loops (`map`, `chain`, `compress`) rather than a Python call
-    per attribute. The modules themselves (held weakly: alive, the same objects); per module the names of its
-    attributes, its submodules, parameters and buffers (by id: their old objects are alive, so an equal id is the
-    same object); the attributes' values: plain ones (None, numbers, strings, tuples of them) and empty containers
-    (hook dicts) held here and compared by identity (small; the containers watched for growth), the others by id
-    (the `State` holds them weakly and checks them alive) and again as `_value` gives them (a config's fields, a
-    filled hook dict, a tensor attribute's version: what changes inside an object of the same id); and each
-    parameter's and buffer's storage, shape, dtype and requires_grad. The same root with the same submodules in
-    every module walks to the same modules, so the walk is not redone. So `same` is True only where `model_state`
-    would give an equal value. A model whose modules' own `named_modules` walks otherwise, or with an
-    uninitialized (lazy) parameter, is never quick (`done` gives None)."""
-    __slots__ = ("deep", "empty", "layout", "mask", "modules", "others", "pinned", "tensors")
-
-    def __init__(self, modules: list):
-        self.pinned: list = []          # the attribute values compared by identity, in walk order, held
-        self.mask: list[bool] = []      # per attribute in walk order: among `pinned`
-        self.empty: list = []           # the empty containers among them: they must stay empty
-        self.deep: list[tuple[int, str, object]] = []      # (module index, attribute, its `_value`)
-        self.modules = [weakref.ref(m) for m in modules]
-
-    def hold(self, v) -> None:
-        self.pinned.append(v)
-        self.mask.append(True)
-
-    def done(self, model: torch.nn.Module, modules: list) -> _Quick | None:
-        walked = _walk(model)
-        if len(walked) != len(modules) or not all(map(operator.is_, walked, modules)):
-            return None                                           # a module's own `named_modules`: no shortcut
-        self.pinned, self.mask = tuple(self.pinned), tuple(self.mask)
-        self.others = tuple(map(operator.not_, self.mask))
-        try:
-            self.layout, values, tensors = _layout(modules)
-            if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in tensors):
-                return None
-            self.layout += (tuple(map(id, itertools.compress(values, self.others))),)
-            self.tensors = _properties(tensors)
-        except (RuntimeError, ValueError, TypeError, AttributeError):    # a tensor subclass without storage
-            return None
-        return self
-
-    def same(self, model: torch.nn.Module) -> bool:
-        modules = list(map(_DEREF, self.modules))
-        if modules[0] is not model or any(map(operator.is_, modules, itertools.repeat(None))):
-            return False
-        try:
-            layout, values, tensors = _layout(modules)
-            if (len(values) != len(self.mask) or not all(map(operator.is_, itertools.compress(values, self.mask),
-                                                               self.pinned))
-                    or layout + (tuple(map(id, itertools.compress(values, self.others))),) != self.layout
-                    or any(map(len, self.empty)) or _properties(tensors) != self.tensors):
-                return False
-        except (RuntimeError, ValueError, TypeError, AttributeError):
-            return False
-        seen: dict[int, object] = {}
-        scratch = State((), [], [])                  # the objects `_value` names now: alive, being looked at
-        return all(_value(vars(modules[i])[k], 0, seen, scratch) == was for i, k, was in self.deep)
-
-
-_CHILDREN, _PARAMETERS, _BUFFERS = (operator.attrgetter("_modules"), operator.attrgetter("_parameters"),
-                                    operator.attrgetter("_buffers"))
-
-
-def _layout(modules: list) -> tuple[tuple, list, list]:
-    """(per module the names of its attributes and the ids of its submodules, parameters and buffers, each as one
-    flat tuple and the lengths that split it; the attributes' values, flat; the parameters and buffers but None)."""
-    fields = list(map(vars, modules))
-    values = list(itertools.chain.from_iterable(map(dict.values, fields)))
-    parts, tensors = [tuple(map(len, fields)), tuple(itertools.chain.from_iterable(fields))], []
-    for get in (_CHILDREN, _PARAMETERS, _BUFFERS):
-        dicts = list(map(get, modules))
-        ids = list(itertools.chain.from_iterable(map(dict.values, dicts)))
-        parts += [tuple(map(len, dicts)), tuple(map(id, ids))]
-        if get is not _CHILDREN:
-            tensors += itertools.compress(ids, map(operator.is_not, ids, itertools.repeat(None)))
-    return tuple(parts), values, tensors
-
-
-def _walk(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """`list(model.modules())` without building the names: pre-order, each module once."""
-    out, seen, stack = [], set(), [model]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        out.append(m)
-        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
-    return out
-
-
-_ADDRESS, _SHAPE, _DTYPE, _GRAD = (operator.methodcaller("data_ptr"), operator.attrgetter("shape"),
-                                   operator.attrgetter("dtype"), operator.attrgetter("requires_grad"))
-
-
-def _properties(tensors: list) -> tuple:
-    """What `_tensor` records of each tensor but its id, by C loops: storage address, shape, dtype, requires_grad."""
-    return (tuple(map(_ADDRESS, tensors)), tuple(map(_SHAPE, tensors)), tuple(map(_DTYPE, tensors)),
-            tuple(map(_GRAD, tensors)))

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from memfit.memory.fake_run import _LoggingFakeMode, _StorageLog
 from memfit.memory.kinds import MemoryKind
 from memfit.memory.measure import optimizer_state
 from memfit.memory.step import ExampleBatch, training_step
+from memfit.memory.storage_log import LoggingFakeMode, StorageLog
 
 __all__ = ["RANK_KINDS", "RankRun", "chunk_cat_scratch", "default_units", "fsdp_fake_run"]
 
@@ -68,8 +68,8 @@ def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return sorted(set(units), key=lambda m: -depth[m])
 
 
-class _RankLog(_StorageLog):
-    """A `_StorageLog` that also logs storage resizes and gives every allocation an id and a tag."""
+class _RankLog(StorageLog):
+    """A `StorageLog` that also logs storage resizes and gives every allocation an id and a tag."""
 
     def __init__(self, device):
         super().__init__(device, scratch=True)        # a bf16 MixedPrecisionPolicy runs bf16 kernels
@@ -307,7 +307,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device = torch.device("cpu")
-    mode = _LoggingFakeMode(allow_non_fake_inputs=False)
+    mode = LoggingFakeMode(allow_non_fake_inputs=False)
     log = _RankLog(device)
     marks: dict[str, int] = {}
     enabled = gc.isenabled()

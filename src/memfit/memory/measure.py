@@ -4,19 +4,21 @@ On the CPU the allocator's own events: memory profiling of `torch.profiler` repo
 the CPU allocator (c10's `ProfiledCPUMemoryReporter`) serves on this thread, with its running total; inside a
 kernel too (mkldnn convolution's `out=` variant allocates its result and copies it out, oneDNN's weight
 reorders and scratchpads), which no count of op outputs sees. On CUDA the caching allocator's statistics:
-`torch.cuda.max_memory_allocated` above the start, and `max_memory_reserved` (its segments) above the start.
+`torch.cuda.max_memory_allocated` above the start, and `max_memory_reserved` (its segments) above the start;
+those peaks are the process's, so a reset of them inside a block goes through `reset_cuda_peak`, which keeps what
+every open block has seen (blocks nest on CUDA too).
 
 `track_op_outputs` keeps the other count, each ATen op's new output storages through a dispatch mode, for
 where it is the point: which op's outputs hold what (it misses what a kernel allocates inside).
 
 Known limitations: on the CPU, allocations on other threads (a data loader's workers) are not counted, and the
-profiler cannot run twice at once: `track_memory` inside another `track_memory` or inside a user's
-`torch.profiler.profile` raises. c10 learns a block's size only when it is allocated under a profiler: a block
-allocated outside any (before this `with`, and between two) and freed inside is not seen freed (c10 prints a
-warning once), and the peak then errs high (c10 looks sizes up by address: where a block of another size
-allocated under an earlier profiler sat at that address, that size is taken). Allocate what the measured code
-frees inside a `track_memory` too, e.g. run a step once under it before the one measured (the gradients of the
-step before, which `accumulate` lets go before the optimizer's step).
+profiler cannot run twice at once: `track_memory` inside a user's `torch.profiler.profile` raises (one inside another
+`track_memory` pauses the outer one's profiler and resumes it after: both see the inner block's bytes). c10 learns a
+block's size only when it is allocated under a profiler: a block allocated outside any (before this `with`, and
+between two) and freed inside is not seen freed (c10 prints a warning once), and the peak then errs high (c10 looks
+sizes up by address: where a block of another size allocated under an earlier profiler sat at that address, that size
+is taken). Allocate what the measured code frees inside a `track_memory` too, e.g. run a step once under it before the
+one measured (the gradients of the step before, which `accumulate` lets go before the optimizer's step).
 
 Example:
     >>> import torch
@@ -39,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTrace", "held_bytes", "track_memory", "track_op_outputs", "unique_bytes"]
+__all__ = ["MemoryTrace", "held_bytes", "reset_cuda_peak", "track_memory", "track_op_outputs", "unique_bytes"]
 
 
 @dataclass
@@ -217,6 +219,21 @@ def _quiet_stderr():
 
 
 _active = threading.local()          # `.stack`: the CPU trackers running on this thread, innermost last
+_cuda_open: list = []                # the CUDA trackers inside their `with` (the allocator's peaks are per process)
+
+
+def reset_cuda_peak(device) -> None:
+    """`torch.cuda.reset_peak_memory_stats(device)`, keeping for every `track_memory` open on `device` the peak it
+    has seen so far: a reset inside one (another `track_memory`, evaluate's chunk loop) would otherwise lose the
+    bytes its block reached before the reset, and its `peak` would come out low."""
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    peak, reserved = torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev)
+    for t in _cuda_open:
+        if t.trace.device == dev:
+            t._seen = (max(t._seen[0], peak), max(t._seen[1], reserved))
+    torch.cuda.reset_peak_memory_stats(dev)
 
 
 def _op_path(e) -> str:
@@ -299,7 +316,7 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
             self.trace.device = torch.device("cuda", torch.cuda.current_device())
         self._prof = None
         self._raw: list = []
-        self._base = (0, 0)
+        self._base = self._seen = (0, 0)    # CUDA: allocated and reserved bytes at the start; the peaks before a reset
 
     def _start(self) -> None:
         self._prof = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
@@ -316,8 +333,9 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
         dev = self.trace.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            self._base = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev))
+            reset_cuda_peak(dev)                      # the outer ones keep what they saw: they may nest
+            self._base = self._seen = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev))
+            _cuda_open.append(self)
             return self.trace
         if dev.type != "cpu":
             raise ValueError(f"track_memory measures 'cpu' or 'cuda', found device {dev}; "
@@ -339,9 +357,10 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
         dev, t = self.trace.device, self.trace
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-            t.peak = torch.cuda.max_memory_allocated(dev) - self._base[0]
+            _cuda_open.remove(self)
+            t.peak = max(self._seen[0], torch.cuda.max_memory_allocated(dev)) - self._base[0]
             t.current = torch.cuda.memory_allocated(dev) - self._base[0]
-            t.reserved_peak = torch.cuda.max_memory_reserved(dev) - self._base[1]
+            t.reserved_peak = max(self._seen[1], torch.cuda.max_memory_reserved(dev)) - self._base[1]
             return
         if self._prof is None:
             return

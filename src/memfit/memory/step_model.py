@@ -26,6 +26,7 @@ The output and loss are held until the step ends, as locals of a training-step f
 
 Example:
     >>> import torch
+    >>> from memfit.memory.step import measure_step
     >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     >>> opt = torch.optim.AdamW(model.parameters())
     >>> mm = step_memory_model(model, (32,), train=True, optimizer=opt)
@@ -37,7 +38,6 @@ Example:
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,49 +50,20 @@ from memfit.budget import check_count, format_bytes, model_device
 from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
 from memfit.memory.cache import ModelCache
 from memfit.memory.example_target import example_target, loss_target
-from memfit.memory.fake_run import COLUMN, FakeRunError, StepSpec, _LoggingFakeMode, _Run, fake_run
+from memfit.memory.fake_failure import explain_fake_failure
+from memfit.memory.fake_run import COLUMN, FakeRunError, StepSpec, _Run, fake_run
 from memfit.memory.fit import gradient_line, with_step
 from memfit.memory.fit_ladder import fit_runs
 from memfit.memory.isolation import predicting
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
-from memfit.memory.step import ExampleBatch, measure_step, surrounding_autocast, training_step
-from memfit.messages import first_line, whole_words
+from memfit.memory.step import ExampleBatch, surrounding_autocast
+from memfit.memory.storage_log import LoggingFakeMode
 
-__all__ = ["PHASES", "StepMemoryModel", "check_prediction", "step_memory_model"]
+__all__ = ["PHASES", "StepMemoryModel", "step_memory_model"]
 
 PHASES = ("forward", "backward", "step", "zero_grad")     # a training step's phases, in order
 
-
-
-def check_prediction(model, example_at: Callable[[int], object], sizes=(8, 32), *, optimizer=None, loss_fn=None,
-                     target_at: Callable[[int], object] | None = None, autocast=None) -> list[dict]:
-    """Predicted vs measured bytes of one training step at each batch size (for benchmarks).
-
-    `example_at(n)` / `target_at(n)` build a real batch of n. The prediction is `step_memory_model`'s
-    (what `memfit.memory_model(train=True)` returns) from the batch at 2; each measurement runs `measure_step` on deep
-    copies of the model and optimizer (the originals are not touched). Rows: n, predicted, measured,
-    ratio (predicted / measured), predict_s (seconds to build the memory model), step_s (seconds of one
-    real step at n, untracked).
-    """
-    import time
-
-    _STEP_MODELS.forget(model)                                  # time the prediction itself, not a cache hit
-    t0 = time.perf_counter()
-    mm = step_memory_model(model, example_at(2), train=True, optimizer=optimizer, loss_fn=loss_fn,
-                           target=target_at(2) if target_at else None, autocast=autocast)
-    predict_s = time.perf_counter() - t0
-    rows = []
-    for n in sizes:
-        m, opt = copy.deepcopy((model, optimizer))             # one deepcopy: opt stays on m's parameters
-        x, y = example_at(n), target_at(n) if target_at else None
-        measured = measure_step(m, x, opt, loss_fn, y, autocast=autocast)
-        t0 = time.perf_counter()
-        training_step(m, x, opt, loss_fn, y, autocast)
-        step_s = time.perf_counter() - t0
-        rows.append({"n": n, "predicted": mm.total_bytes(n), "measured": measured,
-                     "ratio": mm.total_bytes(n) / measured, "predict_s": predict_s, "step_s": step_s})
-    return rows
 
 
 @dataclass
@@ -277,7 +248,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         keep_output: the output lives until the step ends (a training loop's local); False: it is dropped once
             the loss is computed (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it).
     """
-    from memfit.budget import resolve_device
+    from memfit.devices import resolve_device
     dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     batch = ExampleBatch(example, dtype)
@@ -303,6 +274,11 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
 _STEP_MODELS = ModelCache()
 
 
+def forget_step_model(model: torch.nn.Module) -> None:
+    """Drop the memory models kept for `model`, so that the next prediction runs (and can be timed)."""
+    _STEP_MODELS.forget(model)
+
+
 def _callable_key(f) -> object:
     """The same key for closures made again from the same code over the same objects (a loss wrapper built
     per call), else the object's id."""
@@ -316,34 +292,6 @@ def _signature(template) -> object:
     """The batch layout without the batch size: shapes after the leading dimension and dtypes."""
     return tuple((tuple(x.shape[1:]), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
                  for x in tree_flatten(template)[0]) + (str(tree_flatten(template)[1]),)
-
-
-def _fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
-    """Why a fake run failed, and what to do: in the optimizer's step, on a value the code reads, or in an op's
-    fake kernel."""
-    import inspect
-    import traceback
-    what = "one training step" if train else "the forward"
-    head = f"could not run {what} of {type(model).__name__} on fake tensors at batch {n} " \
-           f"({whole_words(first_line(e), 300)})"
-    measure = "measure a real step instead with memfit.measure_step"
-    step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
-    step_code = getattr(step, "__code__", None)
-    frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
-    data_dependent = any(k in type(e).__name__ for k in ("DataDependent", "DynamicOutputShape")) \
-        or "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e)     # .item(), x[x > 0]
-    if step_code is not None and any(f.f_code is step_code for f in frames):
-        return (f"{head}: {type(optimizer).__name__}.step() "
-                + ("reads tensor values (`.item()`), which fake tensors do not have" if data_dependent else
-                   "does not run on fake tensors")
-                + ". Predict without the step (optimizer=None: forward, loss, backward, gradients) and add the "
-                  f"optimizer's state, or {measure}")
-    if data_dependent:
-        return (f"{head}. Fake tensors have shapes but no values: data-dependent Python control flow or "
-                f"shapes (`if x.sum() > 0`, `.item()`, `.tolist()`, `x[x > 0]`) cannot run on them; {measure}, or "
-                "make the branch or shape independent of the values")
-    return (f"{head}. If the same step runs for real, this is a limit of torch's fake (shape-only) kernel for "
-            f"that op; {measure}, or use another implementation of that layer")
 
 
 class _Probes:
@@ -365,7 +313,7 @@ class _Probes:
             self.single = "; batch 1 cannot train (batch statistics need 2 samples): no run at 1"
 
     def _start(self) -> None:
-        self.mode = _LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
+        self.mode = LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
         self.fakes: dict[int, torch.Tensor] = {}      # shared by the runs: the fake mode's op cache serves them
         self.runs: dict[int, _Run] = {}
         self.at(4)
@@ -381,7 +329,7 @@ class _Probes:
         except (ValueError, TypeError):                # our own argument errors, and the user's
             raise
         except Exception as e:
-            raise FakeRunError(_fake_failure(e, self.spec.model, self.spec.optimizer, self.spec.train, n)) from e
+            raise FakeRunError(explain_fake_failure(e, self.spec.model, self.spec.optimizer, self.spec.train, n)) from e
         return with_step(r, self.runs[4]) if self.once and n != 4 else r
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from memfit.cli.bench.architectures import ARCHITECTURES, architectures
-from memfit.memory.step_model import check_prediction
+from memfit.memory.prediction_check import check_prediction
 
 pytest.importorskip("transformers")
 

@@ -24,10 +24,10 @@ def _mlp_case():
 
 
 def test_memtracker_predicts_an_mlp_step_near_the_allocator():
-    from memfit.cli.bench.train import _optimizer, measured_peak
+    from memfit.cli.bench.train_steps import adamw, measured_peak
     case = _mlp_case()
     real = measured_peak(case, 8)
-    out = contenders.memtracker_columns(case, 8, _optimizer, real)
+    out = contenders.memtracker_columns(case, 8, adamw, real)
     assert out["MemTracker"] == "fake tensors", out
     assert 0.9 <= out["MemTracker/meas"] <= 1.1          # its own tests accept +-10% of CUDA's active bytes
     assert out["MemTracker s"] > 0

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import machine_header, table
 from memfit.cli.bench.train_cases import Case, _seeded, hf_factory
-from memfit.memory.step_model import check_prediction
+from memfit.memory.prediction_check import check_prediction
 from memfit.messages import first_line
 from memfit.testing.zoo import quiet_transformers
 

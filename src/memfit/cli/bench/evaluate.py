@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from memfit import evaluate
-from memfit.budget import format_bytes, model_device, parse_bytes, resolve_device
+from memfit.budget import format_bytes, model_device, parse_bytes
 from memfit.cli.bench.common import alternating_medians, machine_header, paired_ratio, rounds_for, spread_warning, table
 from memfit.compact import CompactDataset
+from memfit.devices import resolve_device
 from memfit.memory.measure import held_bytes, track_memory
 
 

@@ -46,12 +46,13 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
-from memfit.batches import batch_tensors, forward
+from memfit.batches import forward
 from memfit.cli.bench.common import in_turn, machine_header, median, paired_ratios, spread, spread_warning, table
 from memfit.cli.bench.train_cases import Case, hf_cases
+from memfit.cli.bench.train_steps import grad_rel_error, held_bytes
 from memfit.fitting.checkpointing import checkpointed
 from memfit.fitting.timing import clock
-from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
+from memfit.memory.measure import track_memory
 
 TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "time": 0.95, "grad_rel": 1e-4}
 SHORTLIST = 1.30      # grid points within this factor of the fastest fitting grid median are timed against the plan
@@ -109,8 +110,7 @@ def real_peak(model, opt, batch, run) -> int:
     that the allocator's frees of every gradient are seen (the CPU tracker misses frees of blocks made before it)."""
     run()
     opt.zero_grad(set_to_none=True)
-    held = unique_bytes([*model.parameters(), *model.buffers(), *optimizer_state(opt), *batch_tensors(batch[0]),
-                         *batch_tensors(batch[1])])
+    held = held_bytes(model, opt, *batch)
     with track_memory("cpu") as mem:
         run()
         run()
@@ -155,16 +155,14 @@ def model_errors(case: Case, plan_all, measured: dict) -> dict:
             "mean err": statistics.mean(errors.values()), "errors": list(errors.values())}
 
 
-def grad_rel_error(case: Case, batch, plan_step) -> float:
-    """max over tensors of |g - g_ref| / max |g_ref| (floored at 1e-3 of the largest), g_ref one full-batch step."""
+def step_grad_error(case: Case, batch, plan_step) -> float:
+    """`grad_rel_error` of the model after `plan_step(model, opt)` against one full-batch step's gradient."""
     ref, ropt = _fresh(case)
     ropt.zero_grad(set_to_none=True)
     case.loss(forward(ref, batch[0]), batch[1]).backward()
     model, opt = _fresh(case)
     plan_step(model, opt)
-    top = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-    return max(float((p.grad - q.grad).abs().max()) / max(float(q.grad.abs().max()), 1e-3 * top)
-               for p, q in zip(model.parameters(), ref.parameters(), strict=True) if q.grad is not None)
+    return grad_rel_error(ref, model)
 
 
 def budgets(plan_all, n: int) -> dict[str, int | None]:
@@ -220,7 +218,7 @@ def rows_for(case: Case, n: int, repeat: int) -> tuple[list[dict], dict]:
         auto_r = _paired(run, auto, pairs, f"{case.name} {what} auto")[0] if auto is not None else None
         predicted = {(a.micro_batch, a.setting.checkpoint): a.time for a in plan_all.alternatives}
         # the plan's choice on a fresh copy (plan.step is bound to the model it was made for, stepped above)
-        rel = grad_rel_error(case, batch, lambda m, o, p=plan: _step(m, o, batch, case.loss, p.micro_batch,
+        rel = step_grad_error(case, batch, lambda m, o, p=plan: _step(m, o, batch, case.loss, p.micro_batch,
                                                                      p.checkpoint))
         fastest = min(1.0, best_r)              # the fastest grid point that fits / the plan's setting
         rows.append({"model": case.name, "budget": what, "bytes": budget,

@@ -50,7 +50,6 @@ from collections.abc import Callable
 import torch
 
 from memfit.accumulation.run import accumulate
-from memfit.batches import batch_tensors, forward
 from memfit.budget import format_bytes
 from memfit.cli.bench.architectures import ARCHITECTURES
 from memfit.cli.bench.architectures import run as run_architectures
@@ -59,8 +58,16 @@ from memfit.cli.bench.contenders import memtracker_columns
 from memfit.cli.bench.step_overhead import NAMES as OVERHEAD_NAMES
 from memfit.cli.bench.step_overhead import run as run_overhead
 from memfit.cli.bench.train_cases import Case, hf_cases, on_device, realistic_cases, zoo_cases
+from memfit.cli.bench.train_steps import (
+    accumulate_peak,
+    adamw,
+    bn_eval,
+    grad_rel_error,
+    largest_really_fitting,
+    measured_peak,
+    plain_step,
+)
 from memfit.cli.options import device_arg
-from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
 from memfit.memory.micro_batch import training_peak
 
 TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "max_batch": 0.9, "predict_cost": 2.0, "grad_rel": 1e-4,
@@ -72,7 +79,7 @@ def cost_row(case: Case, n: int, repeat: int) -> dict:
     measured = measured_peak(case, n)
     mm, pred_s = predict(case, (n,))
     model = case.make()
-    opt = _optimizer(model)
+    opt = adamw(model)
     x, y = case.batch(n)
     step_s = median_time(lambda: plain_step(model, opt, x, y, case.loss), repeat=repeat,
                          device=next(model.parameters()).device)
@@ -80,63 +87,6 @@ def cost_row(case: Case, n: int, repeat: int) -> dict:
             "measured": format_bytes(measured), "predicted": format_bytes(mm.total_bytes(n)),
             "pred/meas": mm.total_bytes(n) / measured, "predict s": pred_s, "step s": step_s,
             "predict/step": pred_s / step_s}
-
-
-# ---- real steps -------------------------------------------------------------------------------------------
-def _optimizer(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def plain_step(model, opt, x, y, loss_fn) -> None:
-    opt.zero_grad(set_to_none=True)
-    loss_fn(forward(model, x), y).backward()
-    opt.step()
-
-
-def _held(model, opt, x, y) -> int:
-    """Bytes held before a step: parameters, buffers, gradients, optimizer state and the batch."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return unique_bytes([*model.parameters(), *model.buffers(), *grads, *optimizer_state(opt),
-                         *batch_tensors(x), *batch_tensors(y)])
-
-
-def measured_peak(case: Case, n: int) -> int:
-    """Bytes of the first two real training steps on n samples (the larger), from a fresh model: the
-    allocator's peak above what the step holds (`memfit.memory.measure.track_memory`) plus what it holds."""
-    model = case.make()
-    device = next(model.parameters()).device
-    opt = _optimizer(model)
-    x, y = case.batch(n)
-    peaks = []
-    for _ in range(2):                 # the first step creates AdamW's state, the second starts with it
-        opt.zero_grad(set_to_none=True)
-        base = _held(model, opt, x, y)
-        with track_memory(device) as mem:        # a training loop's locals: out and loss live to the end
-            out = forward(model, x)
-            loss = case.loss(out, y)
-            loss.backward()
-            opt.step()
-            del out, loss
-        peaks.append(base + mem.peak)
-    return max(peaks)
-
-
-def largest_really_fitting(case: Case, budget: int, guess: int) -> tuple[int, bool]:
-    """(largest n whose measured step fits `budget`, whether `guess` fits), searched from `guess`: gallop up
-    from it while it fits (one or two real steps when the guess is right), else bisect below it."""
-    fits = lambda n: measured_peak(case, n) <= budget
-    guess_fits = guess >= 1 and fits(guess)
-    if guess_fits:
-        lo, step = guess, 1
-        while fits(lo + step):                      # lo fits; lo + step is the next try
-            lo, step = lo + step, step * 2
-        hi = lo + step                              # does not fit
-    else:
-        lo, hi = 0, max(guess, 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, guess_fits
 
 
 # ---- the memory model (memfit.memory_model(train=True)) ---------------------------------------------------
@@ -164,7 +114,7 @@ def predict(case: Case, sizes=()):
     model = case.make()
     x, y = case.batch(2)
     t0 = time.perf_counter()
-    mm = mm_fn(model, x, train=True, optimizer=_optimizer(model), loss_fn=case.loss, target=y)
+    mm = mm_fn(model, x, train=True, optimizer=adamw(model), loss_fn=case.loss, target=y)
     for n in sizes:
         mm.total_bytes(n)
     return mm, time.perf_counter() - t0
@@ -180,7 +130,7 @@ def predicted_max_batch(case: Case, mm, budget: int) -> tuple[int, str]:
         model = case.make()
         x, y = case.batch(2)
         try:
-            return memfit.max_batch_size(model, x, budget, train=True, optimizer=_optimizer(model), loss_fn=case.loss,
+            return memfit.max_batch_size(model, x, budget, train=True, optimizer=adamw(model), loss_fn=case.loss,
                                          target=y), "max_batch_size"
         except MemoryError:                      # BudgetExceeded: not one sample fits
             return 0, "max_batch_size"
@@ -195,7 +145,7 @@ def memory_rows(case: Case, sizes, room: float = 1.5, repeat: int = 3, contender
     mbs, _ = predicted_max_batch(case, mm, budget)
     best, fits = largest_really_fitting(case, budget, mbs)
     model = case.make()
-    opt = _optimizer(model)
+    opt = adamw(model)
     x, y = case.batch(max(best, 1))
     step_s = median_time(lambda: plain_step(model, opt, x, y, case.loss), repeat=repeat,    # what a trial costs
                          device=next(model.parameters()).device)
@@ -203,53 +153,19 @@ def memory_rows(case: Case, sizes, room: float = 1.5, repeat: int = 3, contender
              "pred/meas": mm.total_bytes(n) / m, "peak in": mm.peak_phase(n) if hasattr(mm, "peak_phase") else "",
              "budget": format_bytes(budget), "max batch": mbs, "largest fits": best, "max/largest": mbs / max(best, 1),
              "OOM at max": 0 if fits else 1, "predict s": pred_s, "step s": step_s, "predict/step": pred_s / step_s,
-             **(memtracker_columns(case, n, _optimizer, m) if contenders else {})}
+             **(memtracker_columns(case, n, adamw, m) if contenders else {})}
             for n, m in zip(sizes, measured, strict=True)]
-
-
-def _bn_eval(model):
-    for m in model.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-            m.eval()
-    return model
-
-
-def grad_rel_error(ref, mod) -> float:
-    """Largest |difference| of a gradient relative to that tensor's largest |gradient|, floored at 1e-3 of the
-    model's largest: an attention key bias has a zero true gradient (softmax ignores a constant added to
-    every score), so its computed gradient is float noise (1e-13) and relative to itself means nothing."""
-    pairs = [(p.grad, q.grad) for p, q in zip(ref.parameters(), mod.parameters(), strict=True) if p.grad is not None]
-    top = max(g.abs().max().item() for g, _ in pairs)
-    return max(((g - h).abs().max() / max(g.abs().max().item(), 1e-3 * top, 1e-30)).item() for g, h in pairs)
-
-
-def accumulate_peak(model, opt, x, y, loss, grads_held: bool = False, **kw):
-    """(live bytes at the peak of one real accumulate step, its StepResult), what it holds before included; with
-    `grads_held`, the gradients of the step before (the same call's: the steady state) are held on entry (else
-    dropped first). That step runs under the profiler too: c10's CPU reporter knows the size of a block only when
-    it was allocated under the profiler, and a block allocated outside and freed inside is not seen freed (or is
-    seen with the size of an older block at its address): accumulate lets the held gradients go before the
-    optimizer's step, and LeNet's step measured 6.4% high at micro-batch 2 when they were made unprofiled."""
-    if grads_held:
-        with track_memory(next(model.parameters()).device):
-            accumulate(model, opt, (x, y), loss, **kw)
-    else:
-        model.zero_grad(set_to_none=True)
-    base = _held(model, opt, x, y)
-    with track_memory(next(model.parameters()).device) as mem:
-        r = accumulate(model, opt, (x, y), loss, **kw)
-    return base + mem.peak, r
 
 
 def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
     """Gradient of accumulate (micro-batches of about n/3) against one plain step, and the step times; with
     the memory model, `auto` under a budget just large enough for micro-batches of n/4 (measured, + 4 KiB): the
     size it picks and the real peak there."""
-    ref = _bn_eval(case.make())
-    mod = _bn_eval(case.make())
+    ref = bn_eval(case.make())
+    mod = bn_eval(case.make())
     mod.load_state_dict(ref.state_dict())
     x, y = case.batch(n)
-    ref_opt, opt = _optimizer(ref), _optimizer(mod)
+    ref_opt, opt = adamw(ref), adamw(mod)
     plain_step(ref, ref_opt, x, y, case.loss)
     micro = max(1, math.ceil(n / 3))
     accumulate(mod, opt, (x, y), case.loss, micro_batch=micro)

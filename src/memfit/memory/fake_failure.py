@@ -1,0 +1,38 @@
+"""Why a fake-tensor run of a model failed, in words a user can act on: the optimizer's step does not run on fake
+tensors, the code reads tensor values (data-dependent control flow or shapes), or an op's fake kernel is missing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+
+from memfit.messages import first_line, whole_words
+
+__all__ = ["explain_fake_failure"]
+
+
+def explain_fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
+    """Why a fake run failed, and what to do: in the optimizer's step, on a value the code reads, or in an op's
+    fake kernel."""
+    what = "one training step" if train else "the forward"
+    head = f"could not run {what} of {type(model).__name__} on fake tensors at batch {n} " \
+           f"({whole_words(first_line(e), 300)})"
+    measure = "measure a real step instead with memfit.measure_step"
+    step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
+    step_code = getattr(step, "__code__", None)
+    frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
+    data_dependent = any(k in type(e).__name__ for k in ("DataDependent", "DynamicOutputShape")) \
+        or "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e)     # .item(), x[x > 0]
+    if step_code is not None and any(f.f_code is step_code for f in frames):
+        return (f"{head}: {type(optimizer).__name__}.step() "
+                + ("reads tensor values (`.item()`), which fake tensors do not have" if data_dependent else
+                   "does not run on fake tensors")
+                + ". Predict without the step (optimizer=None: forward, loss, backward, gradients) and add the "
+                  f"optimizer's state, or {measure}")
+    if data_dependent:
+        return (f"{head}. Fake tensors have shapes but no values: data-dependent Python control flow or "
+                f"shapes (`if x.sum() > 0`, `.item()`, `.tolist()`, `x[x > 0]`) cannot run on them; {measure}, or "
+                "make the branch or shape independent of the values")
+    return (f"{head}. If the same step runs for real, this is a limit of torch's fake (shape-only) kernel for "
+            f"that op; {measure}, or use another implementation of that layer")
