@@ -145,3 +145,34 @@ def test_paired_ratios_read_the_clock_given():
     ratios = common.paired_ratios(lambda: None, lambda: None, repeat=2, warmup=0, clock=lambda: float(next(ticks)))
     assert ratios == [1.0]                          # each call spans one tick of the given clock, whatever the wall
     common.spread_warning()
+
+
+def test_median_interval_holds_the_median_and_narrows_with_more_values():
+    from memfit.cli.bench.common import median_interval
+    few = [1.0, 0.9, 1.1, 0.95, 1.05, 1.2, 0.8, 1.0]
+    lo, hi = median_interval(few)
+    assert lo <= sorted(few)[4] <= hi
+    many = few * 8
+    lo2, hi2 = median_interval(many)
+    assert lo <= lo2 <= hi2 <= hi and hi2 - lo2 < hi - lo
+    assert median_interval([1.0, 2.0]) == (1.0, 2.0)          # too few: the whole range
+
+
+def test_paired_ratios_until_measures_more_only_while_the_target_is_in_doubt(monkeypatch):
+    from memfit.cli.bench import common
+    calls = []
+
+    def fake(base, other, *, repeat, warmup, device, what, clock):    # repeat rounds -> repeat / 2 pair ratios
+        calls.append(repeat)
+        return list(ratios[:repeat // 2])
+    monkeypatch.setattr(common, "paired_ratios", fake)
+    ratios = [1.20, 1.25, 1.18, 1.22, 1.21, 1.19, 1.23, 1.20]      # clearly above 0.95: the first rounds do
+    assert len(common.paired_ratios_until(None, None, 0.95, repeat=16, at_most=96)) == 8 and calls == [16]
+    calls.clear()
+    ratios = [0.80, 0.82, 0.79, 0.81, 0.80, 0.83, 0.78, 0.80]      # clearly below: no more either
+    common.paired_ratios_until(None, None, 0.95, repeat=16, at_most=96)
+    assert calls == [16]
+    calls.clear()
+    ratios = [0.90, 1.00, 0.93, 0.97, 0.91, 0.99, 0.94, 0.96]      # straddles 0.95: more, up to at_most rounds
+    out = common.paired_ratios_until(None, None, 0.95, repeat=16, at_most=96)
+    assert sum(calls) <= 96 and len(calls) > 1 and len(out) == sum(calls) // 2

@@ -117,6 +117,33 @@ def paired_ratios(base: Callable[[], object], other: Callable[[], object], *, re
     return ratios
 
 
+def median_interval(ratios: Sequence[float]) -> tuple[float, float]:
+    """A distribution-free ~95% confidence interval of the median of `ratios` (order statistics: the ranks
+    n/2 -+ 0.98 sqrt(n)); the whole range below 6 values, too few to say more."""
+    xs, n = sorted(ratios), len(ratios)
+    if n < 6:
+        return (xs[0], xs[-1]) if xs else (math.nan, math.nan)
+    k = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n)))
+    return xs[k], xs[min(n - 1, n - 1 - k)]
+
+
+def paired_ratios_until(base: Callable[[], object], other: Callable[[], object], threshold: float, *,
+                        repeat: int, at_most: int, warmup: int = 1, device: torch.device | str | None = None,
+                        what: str = "", clock: Callable[[], float] | None = None) -> list[float]:
+    """`paired_ratios`, `repeat` rounds first, then more in steps of as many, up to `at_most` rounds, while the
+    median's confidence interval (`median_interval`) still holds `threshold`: a ratio near a target gets the
+    rounds it needs to be judged, one clearly on either side stops early. The same rule whichever side the
+    median lies on, so a verdict is not helped by measuring misses only."""
+    ratios: list[float] = []
+    step = max(2, repeat + repeat % 2)
+    while True:
+        ratios += paired_ratios(base, other, repeat=step, warmup=warmup if not ratios else 0, device=device,
+                                what=what, clock=clock)
+        lo, hi = median_interval(ratios)
+        if not lo <= threshold <= hi or 2 * len(ratios) + step > at_most:
+            return ratios
+
+
 def paired_ratio(base: Callable[[], object], other: Callable[[], object], *, repeat: int = 5, warmup: int = 1,
                  device: torch.device | str | None = None, what: str = "",
                  clock: Callable[[], float] | None = None) -> tuple[float, float, float]:
