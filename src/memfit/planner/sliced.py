@@ -40,6 +40,7 @@ SLICEABLE = {
     aten.gelu.default: None,
     aten.max_pool2d_with_indices.default: 0,
     aten.avg_pool2d.default: None,
+    aten._adaptive_avg_pool2d.default: None,
 }
 
 

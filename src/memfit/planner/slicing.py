@@ -66,6 +66,11 @@ aten = torch.ops.aten
 # the batch every choice is weighed at, whatever the example's: the batch `memfit bench planner` measures
 REFERENCE_BATCH = 8
 SLICE_SIZES = (1, 2, 4, 8)      # tried in turn; the last slice takes the rest (k .. 2k-1 samples)
+# wider slices, for chains of small samples only (`_wide_sizes`): a CIFAR-sized CNN's 16 KiB a sample fills
+# `MIN_SLICE_BYTES` at 16 samples a slice, so slices of 1-8 never paid and it ran whole at every batch (the demo's
+# CNN at batch 1024: 50.5 MB as eager). Each is checked at 2k+1 besides the batches every size is checked at.
+WIDE_SLICE_SIZES = (16, 32, 64, 128, 256)
+WIDE_ROOM = 4                   # wide sizes up to this many times the narrowest that fills MIN_SLICE_BYTES
 MIN_SAVING = 0.25               # a run is a candidate where its peak falls by at least this fraction sliced
 # the fewest bytes a slice's largest tensor holds: a CPU convolution costs a fixed 15-90 us a call beyond its work
 # (oneDNN on 1 thread, 32 channels at 32x32: 49-152 us a sample at batch 1, 26-79 at batch 8), so slices of a few
@@ -206,7 +211,8 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
     options = []
     for start, steps in chains:
         if start in inputs:
-            options += _options(env, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes))
+            wide = _wide_sizes(start, steps, env, n if symbol is None else hi)
+            options += _options(env, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes, wide))
     if not options:
         return {}
     rule = SliceRule(costs, [
@@ -228,8 +234,9 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
             if value is not node:
                 graph.erase_node(value)
             graph.erase_node(node)
+        checked = sorted({*sizes, *(2 * k + 1 for k in ks if k not in SLICE_SIZES)})
         done[new.name] = (f"runs in slices of the batch ({', '.join(v.name for v, _ in steps)}; checked bit-identical "
-                          f"at batch {', '.join(map(str, sizes))}): {_when(seg, probes)}")
+                          f"at batch {', '.join(map(str, checked))}): {_when(seg, probes)}")
     if done:
         ep.graph_module.recompile()
     return done
@@ -272,18 +279,20 @@ def _order(graph) -> dict[Node, int]:
 
 
 def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict,
-                 sizes: tuple[int, ...]) -> dict[int, list[bool]]:
-    """Slice size -> whether each step, run on the example's values (repeated to each batch in `sizes`) whole and
-    in slices of that size, is bit-identical (one step's input held at a time)."""
-    ok: dict[int, list[bool]] = {k: [] for k in SLICE_SIZES}
+                 sizes: tuple[int, ...], wide: tuple[int, ...] = ()) -> dict[int, list[bool]]:
+    """Slice size -> whether each step, run on the example's values (repeated to each batch in `sizes`, and for
+    each of the `wide` sizes k at 2k+1 too: two slices, the last of k+1) whole and in slices of that size, is
+    bit-identical (one step's input held at a time)."""
+    ok: dict[int, list[bool]] = {k: [] for k in (*SLICE_SIZES, *wide)}
     v = x
     with torch.no_grad():
         for i, step in enumerate(steps):
             node_in = start if i == 0 else steps[i - 1][1]
             wholes: dict = {}           # each batch's whole run, once for all slice sizes
-            for k in SLICE_SIZES:
+            for k in ok:
                 seg, params = build_segment(node_in, [step], k)
-                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params), sizes, wholes))
+                at = sizes if k in SLICE_SIZES else tuple(sorted({*sizes, 2 * k + 1}))
+                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params), at, wholes))
             del wholes
             seg, params = build_segment(node_in, [step], 1)
             v = seg.run_slice(v, tuple(consts[p.name] for p in params))       # the whole batch, as eager
@@ -292,12 +301,12 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict,
 
 def _options(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> list[tuple[Node, list, tuple]]:
     """(input, steps, the slice sizes every step is exact at, ascending) of the runs of exact steps that could be
-    sliced: for each slice size in turn, each run of steps exact at that size and not taken yet, cut where `_segment`
+    sliced: for each slice size checked (`ok`'s) in turn, each run of steps exact at that size and not taken yet, cut where `_segment`
     says, kept where it saves `MIN_SAVING` of its peak and its slices hold `MIN_SLICE_BYTES` or more in their largest
     tensor (wider exact sizes with it: the rule may widen them)."""
     taken: set[int] = set()
     out = []
-    for k in SLICE_SIZES:
+    for k in sorted(ok):
         i = 0
         while i < len(steps):
             if not ok[k][i] or i in taken:
@@ -310,13 +319,26 @@ def _options(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> 
             choice = _segment(first, sub, env)
             if (choice is not None and choice[2] >= MIN_SAVING
                     and _largest(first, sub[:choice[0]], env, k) >= MIN_SLICE_BYTES):
-                wider = tuple(w for w in SLICE_SIZES if w > k and all(ok[w][i:i + choice[0]]))
+                wider = tuple(w for w in sorted(ok) if w > k and all(ok[w][i:i + choice[0]]))
                 out.append((first, sub[:choice[0]], (k, *wider)))
                 taken.update(range(i, i + choice[0]))
                 i += choice[0]
             else:
                 i = j
     return out
+
+
+def _wide_sizes(start: Node, steps: list, env: dict, most: int | None) -> tuple[int, ...]:
+    """The `WIDE_SLICE_SIZES` worth checking for a chain: where slices of `SLICE_SIZES[-1]` hold less than
+    `MIN_SLICE_BYTES` in the chain's largest tensor, from the narrowest that holds it up to `WIDE_ROOM` times that
+    (room for the rule to widen them for time), two of them at most `most` samples (the largest batch planned).
+    A large sample gets none: no extra check (ResNet-18 at 224x224: 3.2 MB a sample out of its stem)."""
+    if _largest(start, steps, env, SLICE_SIZES[-1]) >= MIN_SLICE_BYTES:
+        return ()
+    fill = next((k for k in WIDE_SLICE_SIZES if _largest(start, steps, env, k) >= MIN_SLICE_BYTES), None)
+    if fill is None:
+        return ()
+    return tuple(k for k in WIDE_SLICE_SIZES if fill <= k <= WIDE_ROOM * fill and (most is None or 2 * k <= most))
 
 
 def _largest(first: Node, steps: list, env: dict, k: int) -> int:
