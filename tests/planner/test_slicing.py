@@ -278,13 +278,17 @@ def _segments(cap) -> list:
 
 def test_slices_hold_enough_bytes_to_pay_for_their_calls(no_time_limit):
     """A slice's largest tensor holds at least `MIN_SLICE_BYTES` (a convolution call costs tens of microseconds
-    beyond its work): the stem of 128 KiB a sample runs in slices of 2, a LeNet-sized one (19 KiB a sample) whole."""
+    beyond its work): the stem of 128 KiB a sample runs in slices of 2, a LeNet-sized one (19 KiB a sample) whole at
+    batch 8 and, where it slices (batch 32 and more), in slices of 16 samples or more (`slicing.WIDE_SLICE_SIZES`)."""
     model = stem_net()
     cap = capture_model(model, torch.randn(8, 3, 64, 64))
     assert [seg.size(8) for seg in _segments(cap)] == [2]
     lenet = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                           nn.Linear(6 * 14 * 14, 10)).eval()
-    assert capture_model(lenet, torch.randn(8, 1, 28, 28)).sliced == {}
+    segs = _segments(capture_model(lenet, torch.randn(8, 1, 28, 28)))
+    sizes = {seg.size(n) for seg in segs for n in slice_rule.PROBES} - {None}
+    assert all(seg.size(8) is None for seg in segs) and all(k * 6 * 28 * 28 * 4 >= slicing.MIN_SLICE_BYTES
+                                                            for k in sizes), sizes
 
 
 class StemThenWideHead(nn.Module):

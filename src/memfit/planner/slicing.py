@@ -29,12 +29,15 @@ whole and sliced on stand-ins for the capture's example (normal draws of its sha
 generator of our own, so that the choice never depends on the example's values: zeros would pass any check) at
 the example's batch n, at 2n+1, at `REFERENCE_BATCH` and at twice that plus one (the samples repeated), and kept
 only where every output is bit-identical (`torch.equal`) with the same strides, at each slice size in
-`SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples).
+`SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples). A chain of small samples, whose slices
+of `SLICE_SIZES[-1]` hold less than `MIN_SLICE_BYTES`, is also checked at the `WIDE_SLICE_SIZES` from the narrowest
+that holds it up to `WIDE_ROOM` times that, each wide size k at 2k+1 besides those batches (cheap: a few MB on
+stand-ins); a chain of large samples checks none of them, so big models capture no slower.
 
 Known limitations: the check runs at those batch sizes and the process's intra-op thread count; a batch size or
 thread count at which oneDNN picks yet another algorithm for the whole batch is not checked (slices of 8, for
 batches of 16 and more, are checked at 2 * `REFERENCE_BATCH` + 1 only, and at 2n+1 where the example's n is 8 or
-more).
+more; a wide slice of k at 2k+1).
 
 Example:
     >>> import torch
