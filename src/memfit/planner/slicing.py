@@ -304,9 +304,9 @@ def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict,
 
 def _options(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> list[tuple[Node, list, tuple]]:
     """(input, steps, the slice sizes every step is exact at, ascending) of the runs of exact steps that could be
-    sliced: for each slice size checked (`ok`'s) in turn, each run of steps exact at that size and not taken yet, cut where `_segment`
-    says, kept where it saves `MIN_SAVING` of its peak and its slices hold `MIN_SLICE_BYTES` or more in their largest
-    tensor (wider exact sizes with it: the rule may widen them)."""
+    sliced: for each slice size checked (`ok`'s) in turn, each run of steps exact at that size and not taken yet, cut
+    where `_segment` says, kept where it saves `MIN_SAVING` of its peak and its slices hold `MIN_SLICE_BYTES` or more
+    in their largest tensor (wider exact sizes with it: the rule may widen them)."""
     taken: set[int] = set()
     out = []
     for k in sorted(ok):
