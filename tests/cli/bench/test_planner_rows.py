@@ -17,6 +17,11 @@ def test_a_plan_without_an_arena_is_at_its_bound_and_the_verdicts_take_it():
     assert row["arena/bound"] == 1.0
     lines = verdicts([row])
     assert lines[0].startswith("arena / lower bound, geometric mean 1.000")
+    # the target on sharing an arena (naive / arena >= 5x) has nothing to judge where no op writes into one
+    lines = verdicts([{**row, "model": "resnet50", "batch": 1}])
+    assert any(line.startswith("naive / arena, resnet50 batch 1: n/a") for line in lines), lines
+    shared = {**row, "model": "resnet50", "batch": 1, "naive": 600, "arena": 100, "naive/arena": 6.0}
+    assert "naive / arena, resnet50 batch 1: 6.0x (target >= 5x): PASS" in verdicts([shared])
 
 
 def test_the_capture_target_is_judged_on_the_cold_compile():

@@ -228,7 +228,11 @@ def verdicts(rows: list[dict]) -> list[str]:
            f"arena / lower bound, worst {worst['arena/bound']:.3f} ({worst['model']} batch {worst['batch']}; "
            f"target <= {TARGETS['worst_ratio']}): {'PASS' if worst_ok else 'MISS'}"]
     for r in rows:
-        if r["model"] in ("resnet50", "mobilenet_v2") and r["batch"] == 1:
+        if r["model"] in ("resnet50", "mobilenet_v2") and r["batch"] == 1 and not r["naive"]:
+            out.append(f"naive / arena, {r['model']} batch 1: n/a (no op writes into an arena: each runs where "
+                       "eager puts its output, which the plan found cheaper; target >= "
+                       f"{TARGETS['naive_over_planned']:g}x where one does)")
+        elif r["model"] in ("resnet50", "mobilenet_v2") and r["batch"] == 1:
             ok = r["naive/arena"] >= TARGETS["naive_over_planned"]
             out.append(f"naive / arena, {r['model']} batch 1: {r['naive/arena']:.1f}x "
                        f"(target >= {TARGETS['naive_over_planned']:g}x): "
