@@ -272,3 +272,49 @@ def test_a_class_swapped_on_a_module_is_a_change():
     assert describe_change(before, model) == "the class of module '0' changed (now Doubled)"
     model[0].__class__ = torch.nn.Linear
     assert before.holds(model) and model_state(model) == before
+
+
+class _TwoByName(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.w1, self.w2 = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.b(self.a(x)) * self.w1 + self.w2
+
+
+def _rename_modules(m):          # the same objects in the same order, under each other's names
+    a, b = m.a, m.b
+    del m.a, m.b
+    m.b, m.a = a, b
+
+
+def _rename_parameters(m):
+    w1, w2 = m.w1, m.w2
+    del m.w1, m.w2
+    m.w2, m.w1 = w1, w2
+
+
+def test_submodules_or_parameters_renamed_in_the_same_order_are_a_change():
+    """`self.a` reads by name: two submodules (or parameters) swapped by deleting and setting them again keep the
+    objects and their order in `_modules` (`_parameters`) and give another forward; the value listed the objects
+    only, so a kept plan was taken for the new model (both the quick check and `model_state ==`). Checked with and
+    without a step's write to the module's `__dict__` (the quick check's dict-version way and its full one)."""
+    x = torch.randn(3, 4)
+    for rename in (_rename_modules, _rename_parameters):
+        for step in (False, True):
+            torch.manual_seed(0)
+            m = _TwoByName()
+            before = model_state(m)
+            with torch.no_grad():
+                y = m(x)
+            rename(m)
+            if step:
+                m.a.forward = m.a.forward
+                del m.a.forward
+            with torch.no_grad():
+                assert not torch.equal(m(x), y)          # the forward differs
+            assert model_state(m) != before
+            assert not before.holds(m)
+            assert "names" in describe_change(before, m)

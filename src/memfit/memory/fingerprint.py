@@ -55,7 +55,8 @@ def model_state(model: torch.nn.Module) -> State:
     held.entries = tuple((_held(m, held), m.training,
                           tuple(_tensor(t, held) for t in (*m._parameters.values(), *m._buffers.values())
                                 if t is not None),
-                          _attributes(vars(m), seen, held, quick, i), _held(type(m), held))
+                          _attributes(vars(m), seen, held, quick, i), _held(type(m), held),
+                          (tuple(m._modules), tuple(m._parameters), tuple(m._buffers)))   # names: `self.a` reads one
                          for i, m in enumerate(modules))
     held.quick = quick.done(model, modules)
     return held
@@ -194,6 +195,8 @@ def describe_change(before: State, model: torch.nn.Module) -> str | None:
             return _tensor_change(name, m, old[2], new[2])
         if old[4] != new[4]:                      # `m.__class__ = Other`: the same object with another forward
             return f"the class of {where} changed (now {type(m).__name__})"
+        if old[5] != new[5]:                      # the same objects in the same order under other names
+            return f"the names of {where}'s submodules, parameters or buffers changed"
         was, now_ = dict(old[3]), dict(new[3])
         changed = [k for k in {**was, **now_} if was.get(k, _MISSING) != now_.get(k, _MISSING)]
         return f"attribute {', '.join(repr(k) for k in changed[:3])} of {where} changed"

@@ -56,8 +56,8 @@ class Quick:
     __slots__ = ("address", "changeable", "classes", "config_at", "config_count", "config_deep", "config_empty",
                  "config_flat", "config_in", "config_keys", "config_mask", "config_pinned", "config_types", "count",
                  "deep", "deep_refs", "empty", "flat", "ids", "keys", "mask", "modules", "others", "own_at", "own_in",
-                 "own_refs", "own_slices", "per_module", "pinned", "tensor_mask", "tensor_refs", "tensors", "types",
-                 "versions")
+                 "own_names", "own_refs", "own_slices", "per_module", "pinned", "tensor_mask", "tensor_refs", "tensors",
+                 "types", "versions")
 
     def __init__(self, modules: list):
         self.pinned: list = []          # the attribute values compared by identity, in walk order, held
@@ -93,6 +93,7 @@ class Quick:
         self.own_at = operator.itemgetter(*(at for _, at, _ in places), 0, 0)   # a tuple even for 0 or 1 places
         self.own_in = (operator.itemgetter(*(i for i, _, _ in places), 0, 0), tuple(k for _, _, k in places))
         own = _own(self.own_at, values)
+        self.own_names = tuple(map(tuple, self.own_at(values)[:-2]))   # their keys: `model_state` lists the names
         if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in own):
             return None
         self.own_refs = [_DEAD if x is None else weakref.ref(x) for x in own]
@@ -240,8 +241,8 @@ class Quick:
             elif i < m:
                 start, end = self.own_slices[i - n]
                 entries = list(_VALUES(own[i - n]))
-                if len(entries) != end - start or not all(map(operator.is_, entries, map(
-                        fp._DEREF, self.own_refs[start:end]))):
+                if (tuple(own[i - n]) != self.own_names[i - n] or len(entries) != end - start
+                        or not all(map(operator.is_, entries, map(fp._DEREF, self.own_refs[start:end])))):
                     return False
             else:
                 return self._configs_same(got)
@@ -258,6 +259,8 @@ class Quick:
                     or any(self.empty) or tuple(map(id, self.others(values))) != self.ids
                     or any(map(operator.is_, map(fp._DEREF, self.deep_refs), itertools.repeat(None)))):
                 return False
+            if tuple(map(tuple, self.own_at(values)[:-2])) != self.own_names:
+                return False                  # a submodule, parameter or buffer renamed (objects in the same order)
             own = _own(self.own_at, values)
             if len(own) != len(self.own_refs) or not all(map(operator.is_, own, map(fp._DEREF, self.own_refs))):
                 return False                  # a submodule, parameter or buffer added, removed or replaced
