@@ -318,3 +318,15 @@ def test_submodules_or_parameters_renamed_in_the_same_order_are_a_change():
             assert model_state(m) != before
             assert not before.holds(m)
             assert "names" in describe_change(before, m)
+
+
+def test_a_parameter_transposed_in_place_through_data_is_a_change():
+    """`w.data = w.data.t()` on a square weight keeps its storage, shape and dtype and changes what the forward
+    computes: its strides are part of what a kept plan depends on, for the quick check and the full one."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+    before = model_state(model)
+    model[0].weight.data = model[0].weight.data.t()
+    assert not before.holds(model) and model_state(model) != before
+    assert "strides" in describe_change(before, model)
+    model[0].weight.data = model[0].weight.data.t()
+    assert before.holds(model)

@@ -136,7 +136,16 @@ def _tensor(t: torch.Tensor, held: State) -> tuple:
     """A parameter or buffer: a plan reads its values by reference, so no version (training updates it)."""
     if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):      # a lazy module's, before its first forward
         return _held(t, held), "uninitialized"
-    return _held(t, held), _address(t), t.shape, t.dtype, t.requires_grad
+    return _held(t, held), _address(t), t.shape, t.dtype, t.requires_grad, _strides(t)
+
+
+def _strides(t: torch.Tensor):
+    """The tensor's strides (a transposed square weight set through `.data` keeps storage and shape); None for a
+    tensor without strides (sparse)."""
+    try:
+        return t.stride()
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _address(t: torch.Tensor):
@@ -217,7 +226,7 @@ def _tensor_change(name: str, m: torch.nn.Module, old: tuple, new: tuple) -> str
             continue
         if a[0] != b[0]:
             return f"{kind} '{prefix}{k}' was replaced"
-        if len(a) == len(b) == 5 and a[4] != b[4]:
+        if len(a) == len(b) == 6 and a[4] != b[4]:
             return f"{kind} '{prefix}{k}' {'now requires grad' if b[4] else 'no longer requires grad'}"
-        return f"{kind} '{prefix}{k}' changed storage, shape or dtype"
+        return f"{kind} '{prefix}{k}' changed storage, shape, dtype or strides"
     return f"the parameters or buffers of {name or 'the model'} changed"

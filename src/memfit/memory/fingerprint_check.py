@@ -410,9 +410,11 @@ def _walk(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 _SHAPE, _DTYPE, _GRAD = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("requires_grad")
+_STRIDE = operator.methodcaller("stride")    # `p.data = p.data.t()` on a square weight: same storage and shape
 
 
 def _properties(tensors: list, address) -> tuple:
-    """What `_tensor` records of each tensor but its id, by C loops: storage address, shape, dtype, requires_grad."""
+    """What `_tensor` records of each tensor but its id, by C loops: storage address, shape, dtype, requires_grad,
+    strides (a tensor without strides raises: the caller takes the full comparison, or no quick check at all)."""
     return (tuple(map(address, tensors)), tuple(map(_SHAPE, tensors)), tuple(map(_DTYPE, tensors)),
-            tuple(map(_GRAD, tensors)))
+            tuple(map(_GRAD, tensors)), tuple(map(_STRIDE, tensors)))
