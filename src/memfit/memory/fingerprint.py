@@ -1,15 +1,15 @@
 """What a kept plan or memory model of a model depends on, as one comparable value (`model_state`).
 
-A captured plan bakes in what the forward read besides its inputs: a float attribute (`self.scale`), a
-flag (`gradient_checkpointing`, a dropout's `p`), a replaced `forward` or a hook, a config object's
-fields. Plans and memory models are kept per model (capturing takes seconds) and must be dropped when any
-of that changes, or a later call returns the old model's numbers. `model_state` lists, for every module,
-its parameters and buffers (identity, storage, shape, dtype, requires_grad: a plan reads their values by
-reference, so a training step's in-place updates keep it), its training flag and every
-other attribute: plain values (numbers, strings, small containers of them) by value, tensors by identity
-and version (an in-place write bumps it), callables and other objects by identity, and the plain fields of
-objects such as a `transformers` config. What it cannot see (a global the forward reads, an object's
-attribute two levels down) is the caller's to signal by building a new model or a new plan.
+A captured plan bakes in what the forward read besides its inputs: a float attribute (`self.scale`), a flag
+(`gradient_checkpointing`, a dropout's `p`), a replaced `forward` or a hook, a config object's fields. Plans and
+memory models are kept per model (capturing takes seconds) and must be dropped when any of that changes, or a later
+call returns the old model's numbers. `model_state` lists, for every module, its parameters and buffers (identity,
+storage, shape, dtype, requires_grad: a plan reads their values by reference, so a training step's in-place updates
+keep it), its training flag and every other attribute: plain values (numbers, strings, small containers of them) by
+value, tensors by identity and version (an in-place write bumps it), callables and other objects by identity, and
+the plain fields of objects such as a `transformers` config. What it cannot see (a global the forward reads, torch's
+global module hooks from `register_module_forward_hook`, an object's attribute two levels down) is the caller's to
+signal by building a new model or a new plan.
 
 An object named by identity is named by its `id()` and held by a weak reference beside (a strong one where it
 takes none; a long container by id and length only, as it may hold the model): an id is reused once its object
