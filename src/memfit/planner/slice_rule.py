@@ -43,7 +43,7 @@ from torch.fx import Node
 from memfit.planner.graph import Meta, concrete
 
 __all__ = ["CALL_SECONDS", "MAX_SLICING_TIME", "MIN_CALL_SAVING", "MIN_JOINT_SAVING", "OpCost", "Option",
-           "SliceRule"]
+           "SliceRule", "peak_outside"]
 
 # the time model (one CPU thread, 2-core AMD EPYC VM, torch 2.13): eager's thread time at batch 2, 8 and 37 of
 # MobileViT, MobileNetV2, RegNet, ResNet, UNet and ResNet-18 (4-335 ms) fitted by a call, FLOP and byte rate
@@ -153,8 +153,8 @@ class OpCost:
             try:
                 seconds += formula(*_mapped(args, shape), **_mapped(kwargs, shape),
                                    out_val=Meta.of(self.out, env).shape) * FLOP_SECONDS
-            except Exception:         # noqa: BLE001  a formula that cannot read these arguments: no FLOPs counted
-                pass
+            except (TypeError, ValueError, AttributeError, IndexError, RuntimeError):
+                pass                  # a formula that cannot read these arguments: no FLOPs counted (a time estimate)
         return peak, seconds
 
 
@@ -223,8 +223,7 @@ class SliceRule:
 
         def level(sizes: dict[int, int]) -> int:
             out = set().union(*(self.options[i].names for i in sizes)) if sizes else set()
-            rest = max((v for name, v in peaks.items() if name not in out), default=0)
-            return max([rest, *(hold(i, k) for i, k in sizes.items())])
+            return max([peak_outside(peaks, out), *(hold(i, k) for i, k in sizes.items())])
 
         allowed = {i: [k for k in o.sizes if n >= 2 * k] for i, o in enumerate(self.options)}
         allowed = {i: ks for i, ks in allowed.items() if ks}
@@ -272,5 +271,10 @@ class SliceRule:
         return max((p - grows.get(name, 0) for name, p in peaks.items()), default=0)
 
 
+def peak_outside(peaks: dict[str, int], names) -> int:
+    """The most bytes any op not among `names` holds at once (`peaks`: op name -> its peak)."""
+    return max((v for name, v in peaks.items() if name not in names), default=0)
+
+
 def _outside(peaks: dict, option: Option) -> int:
-    return max((v for name, v in peaks.items() if name not in option.names), default=0)
+    return peak_outside(peaks, option.names)

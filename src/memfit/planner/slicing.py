@@ -59,7 +59,7 @@ import torch
 from torch.fx import Node
 
 from memfit.planner.graph import DataDependentSize, Meta
-from memfit.planner.slice_rule import PROBES, OpCost, Option, SliceRule
+from memfit.planner.slice_rule import PROBES, OpCost, Option, SliceRule, peak_outside
 from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, build_segment
 
 __all__ = ["slice_segments"]
@@ -223,7 +223,8 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
         for first, steps, ks in options], symbol, batch, _costs=weigh._costs)
     chosen = {i for p in probes for i in range(len(options)) if rule.size(i, p) is not None}
     done, replaced = {}, {}
-    for i in sorted(chosen, key=lambda i: _order(graph)[options[i][1][0][0]]):
+    order = _order(graph)
+    for i in sorted(chosen, key=lambda i: order[options[i][1][0][0]]):
         start, steps, ks = options[i]
         start = replaced.get(start, start)        # the output of a segment sliced before it
         seg, params = build_segment(start, steps, ks[0], rule, i)
@@ -260,8 +261,7 @@ def _when(seg: SlicedSegment, probes: tuple) -> str:
 
 def _floor(peaks: dict[str, int], scored: list) -> int:
     """The most bytes any op in no chain holds at once."""
-    inside = {v.name for _, steps, _ in scored for pair in steps for v in pair}
-    return max((p for name, p in peaks.items() if name not in inside), default=0)
+    return peak_outside(peaks, {v.name for _, steps, _ in scored for pair in steps for v in pair})
 
 
 def _op_costs(graph, consts: dict) -> list[OpCost]:
