@@ -346,7 +346,9 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         if not (unchanged and plan._quiet == shapes):
             before = plan._held
             plan._held = held(module, optimizer, plan._held)
-            plan._quiet = shapes if unchanged and before is not None and plan._held[0] is before[0] else None
+            # quiet only where the step left the model as planned (`held` gives `before` itself then; a change its
+            # forward made to what the bytes depend on keeps the planned values in a new tuple: refused next step)
+            plan._quiet = shapes if unchanged and before is not None and plan._held is before else None
         return res
 
     how_bytes = found.how_bytes + (f"; {note}" if note else "")

@@ -48,6 +48,8 @@ _MISSING = object()
 
 class ModelChanged(ValueError):
     """plan.step: the model changed since the plan was made (what its bytes depend on)."""
+
+
 _AGAIN = "call memfit.fit again with the model and optimizer as they are now (it plans for them)"
 
 
@@ -65,8 +67,9 @@ def held(module: torch.nn.Module, optimizer, planned: tuple | None = None) -> tu
     tensors = _tensors(module)
     if planned[2] is not None and tensors != planned[2]:
         # what the plan's bytes depend on (a parameter unfrozen, added or replaced, a buffer resized) changed in the
-        # step, by the model's own forward: not taken as planned, so the next step refuses it
-        return planned
+        # step, by the model's own forward: not taken as planned, so the next step refuses it (a new tuple of the same
+        # values: `planned` itself is returned only where the model holds it, which the caller tells by identity)
+        return (planned[0], planned[1], planned[2])
     return model_state(module), planned[1], tensors
 
 

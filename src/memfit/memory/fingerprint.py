@@ -64,7 +64,7 @@ def model_state(model: torch.nn.Module) -> State:
 
 def _attributes(fields: dict, seen: dict, held: State, quick: check.Quick, i: int) -> tuple:
     """A module's attributes but its own (`_OWN`), as `_value` gives them; the common ones (None, plain values,
-    the empty hook dicts: most of a module's) without a call, since `plan.step` walks every module twice a step.
+    the empty hook dicts: most of a module's) without a call, since `plan.step` may walk every module each step.
     `quick` notes how `State.holds` checks each (module `i`'s): plain values and empty containers are held and
     compared by identity (the containers watched for growth), the rest by id and as `_value` gives them."""
     out = []

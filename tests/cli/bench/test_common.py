@@ -162,10 +162,11 @@ def test_paired_ratios_until_measures_more_only_while_the_target_is_in_doubt(mon
     from memfit.cli.bench import common
     calls = []
 
-    def fake(base, other, *, repeat, warmup, device, what, clock):    # repeat rounds -> repeat / 2 pair ratios
+    def fake(fns, repeat, warmup, device, clock=None):      # repeat rounds -> repeat / 2 pair ratios
         calls.append(repeat)
-        return list(ratios[:repeat // 2])
-    monkeypatch.setattr(common, "paired_ratios", fake)
+        pairs = list(ratios[:repeat // 2])
+        return {"base": [1.0] * 2 * len(pairs), "other": [r for r in pairs for _ in (0, 1)]}
+    monkeypatch.setattr(common, "in_turn", fake)
     ratios = [1.20, 1.25, 1.18, 1.22, 1.21, 1.19, 1.23, 1.20]      # clearly above 0.95: the first rounds do
     assert len(common.paired_ratios_until(None, None, 0.95, repeat=16, at_most=96)) == 8 and calls == [16]
     calls.clear()

@@ -137,10 +137,11 @@ def paired_ratios_until(base: Callable[[], object], other: Callable[[], object],
     ratios: list[float] = []
     step = max(2, repeat + repeat % 2)
     while True:
-        ratios += paired_ratios(base, other, repeat=step, warmup=warmup if not ratios else 0, device=device,
-                                what=what, clock=clock)
+        times = in_turn({"base": base, "other": other}, step, warmup if not ratios else 0, device, clock)
+        ratios += _pairs(times["base"], times["other"])
         lo, hi = median_interval(ratios)
         if not lo <= threshold <= hi or 2 * len(ratios) + step > at_most:
+            median(ratios, what or "a ratio")      # the spread noted once, of every pair measured
             return ratios
 
 
