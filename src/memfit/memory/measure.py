@@ -13,12 +13,14 @@ where it is the point: which op's outputs hold what (it misses what a kernel all
 
 Known limitations: on the CPU, allocations on other threads (a data loader's workers) are not counted, and the
 profiler cannot run twice at once: `track_memory` inside a user's `torch.profiler.profile` raises (one inside another
-`track_memory` pauses the outer one's profiler and resumes it after: both see the inner block's bytes). c10 learns a
-block's size only when it is allocated under a profiler: a block allocated outside any (before this `with`, and
-between two) and freed inside is not seen freed (c10 prints a warning once), and the peak then errs high (c10 looks
-sizes up by address: where a block of another size allocated under an earlier profiler sat at that address, that size
-is taken). Allocate what the measured code frees inside a `track_memory` too, e.g. run a step once under it before the
-one measured (the gradients of the step before, which `accumulate` lets go before the optimizer's step).
+`track_memory` pauses the outer one's profiler and resumes it after: both see the inner block's bytes). A free counts
+only where the block's allocation was seen: inside this `with`, or inside an enclosing `track_memory` before it began.
+A block allocated before (the gradients of the step before, which `accumulate` lets go before the optimizer's step)
+is not counted freed, so the peak then errs high (`MemoryTrace.unseen_frees` says how many): c10 learns a block's size
+only when it is allocated under a profiler and looks it up by address at the free, so the size it reports for an older
+block may be that of another block that sat at the address under an earlier profiler (freed since, outside one), and
+would make the peak err low. Allocate what the measured code frees inside an enclosing `track_memory` to have it
+counted: run the step before the measured one under it.
 
 Example:
     >>> import torch
@@ -56,6 +58,8 @@ class MemoryTrace:
         reserved_peak: on CUDA, the caching allocator's reserved bytes (its segments) above the start at most.
         events: on the CPU, (ops that allocated the block, bytes allocated (> 0) or freed (< 0), bytes live
             after) per allocator event.
+        unseen_frees: on the CPU, blocks freed inside that were allocated before the block began (outside any
+            enclosing `track_memory`): not counted, their size is not known for sure (see the module's text).
     """
     device: torch.device
     current: int = 0
@@ -63,6 +67,7 @@ class MemoryTrace:
     allocations: int = 0
     peak_op: str | None = None
     reserved_peak: int | None = None
+    unseen_frees: int = 0
     events: list[tuple[str, int, int]] = field(default_factory=list, repr=False)
 
     def peak_by_op(self) -> dict[str, int]:
@@ -280,6 +285,17 @@ def allocator_events(result) -> list[tuple[int, int, int, str]]:
     return _attributed(_raw_events(result))
 
 
+def _blocks_live(known: dict[int, int], raw) -> dict[int, int]:
+    """The blocks (address -> bytes) of `known` and those allocated in `raw`, less those `raw` freed."""
+    live = dict(known)
+    for _, nbytes, _, _, ptr in raw:
+        if nbytes > 0:
+            live[ptr] = nbytes
+        else:
+            live.pop(ptr, None)
+    return live
+
+
 @contextmanager
 def _every_thread_counted():
     """Have the CPU allocator's reporter keep its running total for every thread, not only the profiled one
@@ -316,6 +332,7 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
             self.trace.device = torch.device("cuda", torch.cuda.current_device())
         self._prof = None
         self._raw: list = []
+        self._known: dict[int, int] = {}    # CPU: address -> bytes of the blocks enclosing trackers saw allocated
         self._base = self._seen = (0, 0)    # CUDA: allocated and reserved bytes at the start; the peaks before a reset
 
     def _start(self) -> None:
@@ -343,6 +360,7 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
         stack = _active.__dict__.setdefault("stack", [])
         if stack:
             stack[-1]._stop()                         # paused: the profiler runs once at a time
+            self._known = _blocks_live(stack[-1]._known, stack[-1]._raw)
         elif torch._C._autograd._profiler_enabled():
             raise RuntimeError("track_memory on the CPU needs the profiler, which is already running (a "
                                "torch.profiler.profile around it); measure outside the profiled block")
@@ -375,7 +393,17 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
             stack[-1]._start()
         live, t.peak, t.peak_op = 0, 0, ""
         base = self._raw[0][2] - self._raw[0][1] if self._raw else 0   # every thread's total before the first
-        for _, nbytes, total, op in _attributed(self._raw):
+        known, made = dict(self._known), {}           # address -> bytes, ops of the blocks seen allocated
+        for _, nbytes, total, op, ptr in self._raw:
+            if nbytes > 0:
+                known[ptr], made[ptr] = nbytes, op
+            elif ptr in known:
+                op = made.pop(ptr, op)
+                nbytes = -known.pop(ptr)
+            else:                                     # allocated before: c10's size may be another block's
+                t.unseen_frees += 1
+                base += nbytes                        # every thread's total: not counted freed either
+                nbytes = 0
             live = total - base if self.every_thread else live + nbytes
             t.events.append((op, nbytes, live))
             t.allocations += nbytes > 0

@@ -91,16 +91,17 @@ def grad_rel_error(ref, mod) -> float:
 def accumulate_peak(model, opt, x, y, loss, grads_held: bool = False, **kw):
     """(live bytes at the peak of one real accumulate step, its StepResult), what it holds before included; with
     `grads_held`, the gradients of the step before (the same call's: the steady state) are held on entry (else
-    dropped first). That step runs under the profiler too: c10's CPU reporter knows the size of a block only when
-    it was allocated under the profiler, and a block allocated outside and freed inside is not seen freed (or is
-    seen with the size of an older block at its address): accumulate lets the held gradients go before the
-    optimizer's step, and LeNet's step measured 6.4% high at micro-batch 2 when they were made unprofiled."""
-    if grads_held:
-        with track_memory(next(model.parameters()).device):
+    dropped first). That step runs inside a `track_memory` enclosing the measured one: a free counts there only
+    where the block's allocation was seen (c10's size for an older block may be another block's), and accumulate
+    lets the held gradients go before the optimizer's step (LeNet's step measured 6.4% high at micro-batch 2 when
+    they were not counted freed)."""
+    device = next(model.parameters()).device
+    with track_memory(device):
+        if grads_held:
             accumulate(model, opt, (x, y), loss, **kw)
-    else:
-        model.zero_grad(set_to_none=True)
-    base = held_bytes(model, opt, x, y)
-    with track_memory(next(model.parameters()).device) as mem:
-        r = accumulate(model, opt, (x, y), loss, **kw)
+        else:
+            model.zero_grad(set_to_none=True)
+        base = held_bytes(model, opt, x, y)
+        with track_memory(device) as mem:
+            r = accumulate(model, opt, (x, y), loss, **kw)
     return base + mem.peak, r
