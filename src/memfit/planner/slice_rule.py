@@ -188,6 +188,7 @@ class SliceRule:
     options: list[Option]
     symbol: object              # the graph's symbolic batch (None: a static capture)
     ref: int                    # the batch kernels' inside bytes are measured at (`OpCost.at`)
+    installed: frozenset | None = None   # the options the graph runs sliced where chosen (None: all)
     _chosen: dict = field(default_factory=dict)
     _costs: dict = field(default_factory=dict)
 
@@ -225,7 +226,8 @@ class SliceRule:
             out = set().union(*(self.options[i].names for i in sizes)) if sizes else set()
             return max([peak_outside(peaks, out), *(hold(i, k) for i, k in sizes.items())])
 
-        allowed = {i: [k for k in o.sizes if n >= 2 * k] for i, o in enumerate(self.options)}
+        allowed = {i: [k for k in o.sizes if n >= 2 * k] for i, o in enumerate(self.options)
+                   if self.installed is None or i in self.installed}
         allowed = {i: ks for i, ks in allowed.items() if ks}
         whole = {i: max((peaks.get(name, 0) for name in self.options[i].names), default=0) for i in allowed}
         narrow = {i: ks[0] for i, ks in allowed.items()}

@@ -218,10 +218,17 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
             options += _options(env, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes, wide))
     if not options:
         return {}
-    rule = SliceRule(costs, [
-        Option(build_segment(first, steps, ks[0])[0], frozenset(v.name for pair in steps for v in pair), ks)
-        for first, steps, ks in options], symbol, batch, _costs=weigh._costs)
-    chosen = {i for p in probes for i in range(len(options)) if rule.size(i, p) is not None}
+    weighed = [Option(build_segment(first, steps, ks[0])[0], frozenset(v.name for pair in steps for v in pair), ks)
+               for first, steps, ks in options]
+    # the rule weighs only the options that run sliced where it chooses them (an option it slices at no probe is
+    # not installed, and at a batch between the probes it must not count as sliced): narrowed until that holds
+    chosen = frozenset(range(len(options)))
+    while True:
+        rule = SliceRule(costs, weighed, symbol, batch, chosen, _costs=weigh._costs)
+        installed = frozenset(i for p in probes for i in chosen if rule.size(i, p) is not None)
+        if installed == chosen:
+            break
+        chosen = installed
     done, replaced = {}, {}
     order = _order(graph)
     for i in sorted(chosen, key=lambda i: order[options[i][1][0][0]]):
