@@ -14,7 +14,8 @@ in-place allowlist), `capture` (torch.export, error diagnosis), `graph` (aliases
 at a batch size), `order` (the op order of the fewest peak bytes), `captured` (`capture_model`: one
 capture for every batch size), `placement` (`place_at(capture, n)`: exact sizes at any batch, which ops
 run eagerly, offsets), `codegen` (the generated forward), `planned` (`plan`, `PlannedModule`), `report`,
-`slicing` (a memory-heavy stem run in slices of the batch, checked bit-identical on the example), `remat`
+`slicing` (a memory-heavy stem run in slices of the batch, checked bit-identical on the example), `slice_rule`
+(whether and in what slices each runs at each batch), `op_cost` (an op's bytes and estimated time there), `remat`
 (input-free tensors recomputed at each reader),
 `global_caches` (function caches a fake run or an export must leave without fake tensors).
 

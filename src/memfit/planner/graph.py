@@ -25,7 +25,7 @@ from torch.fx import Node
 
 from memfit.planner.ops import WHEN_UNREAD, Lowered, inplace_candidates, is_view, lower, why_not_lowered
 
-__all__ = ["Graph", "Meta", "Root", "OpRun", "analyze", "concrete", "span_bytes"]
+__all__ = ["Graph", "Meta", "Root", "OpRun", "analyze", "concrete", "meta_value", "span_bytes"]
 
 
 class DataDependentSize(RuntimeError):
@@ -69,6 +69,19 @@ class Meta:
 
     def storage_offset(self) -> int:
         return self.offset
+
+
+def meta_value(a, env: dict):
+    """An fx argument (a node, or the value a node had) at the batch of `env`: a meta tensor for a tensor, a concrete
+    size for a symbolic one, lists and tuples element by element."""
+    if isinstance(a, Node):
+        a = a.meta.get("val")
+    if isinstance(a, torch.Tensor):
+        m = Meta.of(a, env)
+        return torch.empty_strided(m.shape, m.strides, dtype=m.dtype, device="meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(meta_value(x, env) for x in a)
+    return concrete(a, env)
 
 
 def span_bytes(shape, stride, dtype: torch.dtype, storage_offset: int = 0) -> int:

@@ -14,13 +14,13 @@ At batch n (every size taken with the symbolic batch set to n):
 2. each runs in the largest exact slices (at least `MIN_SLICE_BYTES` in their largest tensor, chosen in
    `planner.slicing`; two slices or more at n) that peak no higher than the call then does;
 3. time: a slice is a round of kernel calls (each about `CALL_SECONDS` beyond its work: 35-54 us a step per extra
-   slice measured on MobileViT, MobileNetV2 and RegNet's segments) and a copy of its result; while the rounds
-   cost more than `MAX_SLICING_TIME` of the call's estimated time (`CALL_SECONDS` a call, `FLOP_SECONDS` a FLOP,
-   `BYTE_SECONDS` a byte read or written: fitted to eager's thread time on six models at batch 2, 8 and 37,
-   within 30%), the segment whose next wider slices (or no slicing) raise the call's peak least is widened, but
-   never above where the call would peak if no convolution held its result twice (`_without_copies`: oneDNN's
-   copy into an NCHW output, which torch.compile's channels-last convolutions do without): down to there slicing
-   is worth its time, or the plan needs more than inductor's (RegNet);
+   slice measured on MobileViT, MobileNetV2 and RegNet's segments) and a copy of its result; while the rounds cost
+   more than `MAX_SLICING_TIME` of the call's estimated time (`planner.op_cost`: a rate a call, a FLOP and a byte
+   read or written, fitted to eager's thread time on six models at batch 2, 8 and 37, within 30%), the segment whose
+   next wider slices (or no slicing) raise the call's peak least is widened, but never above where the call would
+   peak if no convolution held its result twice (`_without_copies`: oneDNN's copy into an NCHW output, which
+   torch.compile's channels-last convolutions do without): down to there slicing is worth its time, or the plan
+   needs more than inductor's (RegNet);
 4. what is left is kept where it lowers the call's peak by `MIN_CALL_SAVING`, else nothing is sliced at n.
 
 Example:
@@ -38,18 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx import Node
 
-from memfit.planner.graph import Meta, concrete
+from memfit.planner.graph import Meta
+from memfit.planner.op_cost import BYTE_SECONDS, CALL_SECONDS, OpCost
 
-__all__ = ["CALL_SECONDS", "MAX_SLICING_TIME", "MIN_CALL_SAVING", "MIN_JOINT_SAVING", "OpCost", "Option",
-           "SliceRule", "peak_outside"]
+__all__ = ["MAX_SLICING_TIME", "MIN_CALL_SAVING", "MIN_JOINT_SAVING", "Option", "SliceRule", "peak_outside"]
 
-# the time model (one CPU thread, 2-core AMD EPYC VM, torch 2.13): eager's thread time at batch 2, 8 and 37 of
-# MobileViT, MobileNetV2, RegNet, ResNet, UNet and ResNet-18 (4-335 ms) fitted by a call, FLOP and byte rate
-CALL_SECONDS = 46e-6            # a kernel call beyond its work
-FLOP_SECONDS = 1 / 52e9         # a convolution's or matmul's FLOP (torch.utils.flop_counter's count)
-BYTE_SECONDS = 1 / 10e9         # a byte an op reads or writes
 # the most of the call's estimated time slicing may add. In the slices of the least peak, MobileViT at batch 8 ran
 # 1.07-1.12x eager's time (its rounds: 13% of eager's), zoo MobileNetV2 1.08-1.09x. Paired thread time at 5%:
 # MobileViT 0.99 but MobileNetV2 at 4.79 MB, above torch.compile's 3.93; at 10%: MobileNetV2 0.97 at 3.15 MB,
@@ -63,99 +57,6 @@ MIN_JOINT_SAVING = 0.15
 MIN_CALL_SAVING = 0.10
 # batch sizes probed at capture: a segment sliced at none of them is left as ops of the graph
 PROBES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
-
-
-def _frozen(a):
-    """An fx argument with each node replaced by its value (a fake tensor, a symbolic size): kept after the graph's
-    segments replaced those nodes."""
-    if isinstance(a, Node):
-        return a.meta.get("val")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_frozen(x) for x in a)
-    return a
-
-
-def _at(a, env: dict):
-    """A frozen argument at a batch: a meta tensor for a tensor, a concrete size for a symbolic one."""
-    if isinstance(a, torch.Tensor):
-        m = Meta.of(a, env)
-        return torch.empty_strided(m.shape, m.strides, dtype=m.dtype, device="meta")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_at(x, env) for x in a)
-    return concrete(a, env)
-
-
-def _shapes(a, env: dict):
-    """A frozen argument at a batch, a tensor as its `Meta` (cheaper than a meta tensor: every op at every batch)."""
-    if isinstance(a, torch.Tensor):
-        return Meta.of(a, env)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_shapes(x, env) for x in a)
-    return concrete(a, env)
-
-
-def _leaves(a):
-    if isinstance(a, dict):
-        a = tuple(a.values())
-    if isinstance(a, (list, tuple)):
-        for x in a:
-            yield from _leaves(x)
-    else:
-        yield a
-
-
-def _mapped(a, fn):
-    if isinstance(a, dict):
-        return {k: _mapped(v, fn) for k, v in a.items()}
-    if isinstance(a, (list, tuple)):
-        return type(a)(_mapped(x, fn) for x in a)
-    return fn(a)
-
-
-@dataclass
-class OpCost:
-    """One op of the graph as the rule weighs it: the bytes it holds at once (its tensor inputs, parameters aside,
-    its output, what its kernel allocates inside) and its estimated seconds."""
-    name: str
-    target: object
-    out: object                 # the graph's value of its output (a fake tensor)
-    ins: tuple                  # its tensor inputs' values, parameters aside
-    args: tuple                 # frozen (`_frozen`)
-    kwargs: dict
-    held: bool                  # counted in where the call peaks (a view of a parameter allocates nothing)
-    _inside: tuple | None = None
-
-    @classmethod
-    def of(cls, node: Node, held: bool, ins: tuple) -> OpCost:
-        return cls(node.name, node.target, node.meta.get("val"), ins, _frozen(tuple(node.args)),
-                   {k: _frozen(v) for k, v in node.kwargs.items()}, held)
-
-    def at(self, env: dict, ref: dict, scale: float) -> tuple[int, float]:
-        """(bytes held at once, seconds) at the batch of `env`, `scale` times that of `ref`. What the kernel
-        allocates inside is measured at `ref` only (`workspaces.inside_parts` runs the real kernel at each new
-        batch: a convolution at batch 1024 to weigh that batch took most of a capture), its growing part scaled."""
-        from torch.utils.flop_counter import flop_registry
-
-        from memfit.planner.workspaces import inside_parts
-        out = Meta.of(self.out, env).nbytes if isinstance(self.out, torch.Tensor) else 0
-        peak, seconds = out + sum(Meta.of(v, env).nbytes for v in self.ins), CALL_SECONDS
-        if not isinstance(self.target, torch._ops.OpOverload):
-            return peak, seconds
-        if self._inside is None:
-            self._inside = inside_parts(self.target, _at(self.args, ref),
-                                        {k: _at(v, ref) for k, v in self.kwargs.items()})
-        peak += self._inside[0] + int(self._inside[1] * scale)
-        args, kwargs = _shapes(self.args, env), {k: _shapes(v, env) for k, v in self.kwargs.items()}
-        seconds += (out + sum(m.nbytes for m in _leaves(args) if isinstance(m, Meta))) * BYTE_SECONDS
-        formula = flop_registry.get(self.target.overloadpacket)
-        if formula is not None and isinstance(self.out, torch.Tensor):
-            shape = lambda a: a.shape if isinstance(a, Meta) else a        # the formulas read tensors' shapes only
-            try:
-                seconds += formula(*_mapped(args, shape), **_mapped(kwargs, shape),
-                                   out_val=Meta.of(self.out, env).shape) * FLOP_SECONDS
-            except (TypeError, ValueError, AttributeError, IndexError, RuntimeError):
-                pass                  # a formula that cannot read these arguments: no FLOPs counted (a time estimate)
-        return peak, seconds
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,9 @@ import operator
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import DataDependentSize, Meta
-from memfit.planner.slice_rule import PROBES, OpCost, Option, SliceRule, peak_outside
+from memfit.planner.graph import DataDependentSize, Meta, meta_value
+from memfit.planner.op_cost import OpCost
+from memfit.planner.slice_rule import PROBES, Option, SliceRule, peak_outside
 from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, build_segment
 
 __all__ = ["slice_segments"]
@@ -136,11 +137,11 @@ def _segment(start: Node, steps: list, env: dict) -> tuple[int, int, float] | No
 def _inside_parts(node: Node, env: dict) -> tuple[int, int]:
     """(the same at every batch, the part that grows with it): bytes the op's real kernel allocates beyond its
     outputs at this batch (`planner.workspaces.inside_parts`)."""
-    from memfit.planner.workspaces import _arg, inside_parts
+    from memfit.planner.workspaces import inside_parts
     if not isinstance(node.target, torch._ops.OpOverload):
         return 0, 0
-    return inside_parts(node.target, tuple(_arg(a, env) for a in node.args),
-                        {k: _arg(v, env) for k, v in node.kwargs.items()})
+    return inside_parts(node.target, tuple(meta_value(a, env) for a in node.args),
+                        {k: meta_value(v, env) for k, v in node.kwargs.items()})
 
 
 def _param(node: Node, consts: dict) -> bool:

@@ -18,25 +18,11 @@ Example:
 from __future__ import annotations
 
 import torch
-from torch.fx import Node
 
 from memfit.planner.arena import Buffer
-from memfit.planner.graph import Graph, Meta, concrete
+from memfit.planner.graph import Graph, meta_value
 
 __all__ = ["inside_parts", "workspaces"]
-
-
-def _arg(a, env: dict):
-    """An fx argument at this batch: a meta tensor for a tensor value, a concrete size for a symbolic one."""
-    if isinstance(a, Node):
-        val = a.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            m = Meta.of(val, env)
-            return torch.empty_strided(m.shape, m.strides, dtype=m.dtype, device="meta")
-        return concrete(val, env)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_arg(x, env) for x in a)
-    return concrete(a, env)
 
 
 _REPLACEMENT_BYTES: dict = {}      # (function, argument shapes, strides, dtypes, values, threads) -> bytes
@@ -92,20 +78,20 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
     for op in graph.ops:
         target = op.node.target
         if isinstance(target, SlicedSegment):        # one slice's intermediates, beside the segment's input and output
-            n = _arg(op.node.args[0], env).shape[0]
+            n = meta_value(op.node.args[0], env).shape[0]
             out.append(Buffer(f"slices of {op.node.name}", target.slice_bytes(env, n), op.index, op.index))
             continue
         if op.replacement is not None and op.mode == "call":
             # another kernel runs it (max pooling without indices): what that one allocates inside
-            size = _replacement_bytes(op.replacement, tuple(_arg(a, env) for a in op.node.args),
-                                      {k: _arg(v, env) for k, v in op.node.kwargs.items()})
+            size = _replacement_bytes(op.replacement, tuple(meta_value(a, env) for a in op.node.args),
+                                      {k: meta_value(v, env) for k, v in op.node.kwargs.items()})
             if size:
                 out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
             continue
         if op.mode not in ("call", "out") or not isinstance(target, torch._ops.OpOverload):
             continue                        # views and getitem allocate nothing
-        args = tuple(_arg(a, env) for a in op.node.args)
-        kwargs = {k: _arg(v, env) for k, v in op.node.kwargs.items()}
+        args = tuple(meta_value(a, env) for a in op.node.args)
+        kwargs = {k: meta_value(v, env) for k, v in op.node.kwargs.items()}
         size = sum(inside_parts(target, args, kwargs))
         if size:
             out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
