@@ -264,12 +264,22 @@ def test_a_block_made_before_is_not_counted_freed_with_another_blocks_size():
         del t
         b = torch.ones(250)                            # 1000 B
     assert (mem.peak, mem.current, mem.unseen_frees) == (1000, 1000, 1)
-    t, large = _at_the_address_of_a_larger_block_made_under_a_profiler()
-    with track_memory(every_thread=True) as every:     # the allocator's running total, read at this thread's events
-        del t
+    del b
+
+
+def test_every_thread_counts_the_free_of_a_block_another_thread_made_inside():
+    import threading
+    made = []
+    with track_memory(every_thread=True) as mem:
+        a = torch.ones(10)
+        worker = threading.Thread(target=lambda: made.append(torch.empty(1 << 20, dtype=torch.uint8)))
+        worker.start()
+        worker.join()
+        b = torch.ones(10)                             # the total read here holds the worker's 1 MiB
+        made.clear()                                   # freed on this thread
         c = torch.ones(250)
-    assert (every.peak, every.current, every.unseen_frees) == (1000, 1000, 1)
-    del b, c
+        del a, b, c
+    assert mem.peak >= 1 << 20 and mem.current == 0 and mem.unseen_frees == 1
 
 
 def test_refuses_to_run_inside_a_users_profiler():

@@ -20,7 +20,8 @@ is not counted freed, so the peak then errs high (`MemoryTrace.unseen_frees` say
 only when it is allocated under a profiler and looks it up by address at the free, so the size it reports for an older
 block may be that of another block that sat at the address under an earlier profiler (freed since, outside one), and
 would make the peak err low. Allocate what the measured code frees inside an enclosing `track_memory` to have it
-counted: run the step before the measured one under it.
+counted: run the step before the measured one under it. (`every_thread=True` reads c10's running total instead,
+every free by c10's size: see there.)
 
 Example:
     >>> import torch
@@ -58,8 +59,9 @@ class MemoryTrace:
         reserved_peak: on CUDA, the caching allocator's reserved bytes (its segments) above the start at most.
         events: on the CPU, (ops that allocated the block, bytes allocated (> 0) or freed (< 0), bytes live
             after) per allocator event.
-        unseen_frees: on the CPU, blocks freed inside that were allocated before the block began (outside any
-            enclosing `track_memory`): not counted, their size is not known for sure (see the module's text).
+        unseen_frees: on the CPU, blocks this thread freed inside that it was not seen allocating inside (or
+            inside an enclosing `track_memory`): not counted, their size is not known for sure (see the module's
+            text); with `every_thread`, counted by c10's size (another thread may have allocated them inside).
     """
     device: torch.device
     current: int = 0
@@ -322,6 +324,9 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
         every_thread: CPU only. False: the bytes this thread's allocations and frees add up to. True: the
             allocator's running total of every thread (read at this thread's events), above the start: what a
             process holds when other threads allocate or free its tensors (a process group's worker threads).
+            Every free there counts by c10's size, so a block allocated before the `with` and freed inside may
+            count with the size of another block that sat at its address under an earlier profiler: start the
+            `with` before the measured code's tensors are made (as `measure_rank_step` does).
     """
 
     def __init__(self, device="cpu", *, every_thread: bool = False):
@@ -400,10 +405,10 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
             elif ptr in known:
                 op = made.pop(ptr, op)
                 nbytes = -known.pop(ptr)
-            else:                                     # allocated before: c10's size may be another block's
+            else:                 # allocated before (or, every thread counted, maybe by another thread inside)
                 t.unseen_frees += 1
-                base += nbytes                        # every thread's total: not counted freed either
-                nbytes = 0
+                if not self.every_thread:             # c10's size may be another block's: not counted
+                    nbytes = 0
             live = total - base if self.every_thread else live + nbytes
             t.events.append((op, nbytes, live))
             t.allocations += nbytes > 0
