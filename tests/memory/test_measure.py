@@ -282,6 +282,40 @@ def test_every_thread_counts_the_free_of_a_block_another_thread_made_inside():
     assert mem.peak >= 1 << 20 and mem.current == 0 and mem.unseen_frees == 1
 
 
+def test_the_collector_frees_no_tensor_unseen_between_two_profilers(monkeypatch):
+    """A nested tracker stops the outer one's profiler and starts its own: Python's cycle collector, run in between,
+    would free a tensor of a reference cycle where no profiler sees it (here made to run there: a threshold of one
+    from the moment the outer profiler stops until the inner one starts)."""
+    import gc
+
+    from memfit.memory import measure
+
+    class Node:
+        pass
+    before = gc.get_threshold()
+    stop, start = measure.track_memory._stop, measure.track_memory._start
+
+    def stopped(self, *exc):
+        stop(self, *exc)
+        gc.set_threshold(1)
+
+    def started(self):
+        gc.set_threshold(*before)
+        start(self)
+    with track_memory() as outer:
+        node = Node()
+        node.me, node.t = node, torch.ones(1000)      # 4000 B in a cycle, made under the outer tracker
+        del node
+        monkeypatch.setattr(measure.track_memory, "_stop", stopped)
+        monkeypatch.setattr(measure.track_memory, "_start", started)
+        with track_memory():
+            pass
+        monkeypatch.undo()
+        gc.collect()                                   # collected here, under the outer one's profiler
+    gc.set_threshold(*before)
+    assert (outer.peak, outer.current) == (4000, 0)
+
+
 def test_refuses_to_run_inside_a_users_profiler():
     from torch.autograd.profiler import profile
     with profile(use_cpu=True, use_kineto=True):

@@ -33,6 +33,7 @@ Example:
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -287,6 +288,20 @@ def allocator_events(result) -> list[tuple[int, int, int, str]]:
     return _attributed(_raw_events(result))
 
 
+@contextmanager
+def _no_collection(outer: list):
+    """Python's cycle collector off, while an outer tracker is open, for the moment between two profilers: a tensor
+    it freed there would be freed unseen, and a block allocated at the same address next would be taken for it."""
+    was = bool(outer) and gc.isenabled()
+    if was:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _blocks_live(known: dict[int, int], raw) -> dict[int, int]:
     """The blocks (address -> bytes) of `known` and those allocated in `raw`, less those `raw` freed."""
     live = dict(known)
@@ -363,16 +378,17 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
             raise ValueError(f"track_memory measures 'cpu' or 'cuda', found device {dev}; "
                              "use track_op_outputs for an op-output count on other devices")
         stack = _active.__dict__.setdefault("stack", [])
-        if stack:
-            stack[-1]._stop()                         # paused: the profiler runs once at a time
-            self._known = _blocks_live(stack[-1]._known, stack[-1]._raw)
-        elif torch._C._autograd._profiler_enabled():
+        if not stack and torch._C._autograd._profiler_enabled():
             raise RuntimeError("track_memory on the CPU needs the profiler, which is already running (a "
                                "torch.profiler.profile around it); measure outside the profiled block")
-        if self.every_thread:
-            self._flag = _every_thread_counted()
-            self._flag.__enter__()
-        self._start()
+        with _no_collection(stack):
+            if stack:
+                stack[-1]._stop()                     # paused: the profiler runs once at a time
+                self._known = _blocks_live(stack[-1]._known, stack[-1]._raw)
+            if self.every_thread:
+                self._flag = _every_thread_counted()
+                self._flag.__enter__()
+            self._start()
         stack.append(self)
         return self.trace
 
@@ -387,15 +403,16 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
             return
         if self._prof is None:
             return
-        self._stop(*exc)
-        if self._flag is not None:
-            self._flag.__exit__(None, None, None)
-            self._flag = None
         stack = _active.stack
-        stack.pop()
-        if stack:                                     # the outer one counts these events too, and goes on
-            stack[-1]._raw += self._raw
-            stack[-1]._start()
+        with _no_collection(stack[:-1]):
+            self._stop(*exc)
+            if self._flag is not None:
+                self._flag.__exit__(None, None, None)
+                self._flag = None
+            stack.pop()
+            if stack:                                 # the outer one counts these events too, and goes on
+                stack[-1]._raw += self._raw
+                stack[-1]._start()
         live, t.peak, t.peak_op = 0, 0, ""
         base = self._raw[0][2] - self._raw[0][1] if self._raw else 0   # every thread's total before the first
         known, made = dict(self._known), {}           # address -> bytes, ops of the blocks seen allocated
