@@ -458,3 +458,18 @@ def test_a_training_loop_stays_within_the_budget_at_every_step(which):
     plan = memfit.fit(model, opt, (x, y), F.cross_entropy, budget)
     real = loop_peak(plan, model, opt, (x, y), steps=3)
     assert real <= plan.peak_bytes <= budget, (plan.micro_batch, plan.checkpoint, real, plan.peak_bytes)
+
+
+@pytest.mark.parametrize("apart, by_wall_clock, warned", [(50, True, True), (10, True, False), (50, False, False)])
+def test_the_plan_says_when_the_machine_was_busy_while_its_kernels_were_timed(monkeypatch, apart, by_wall_clock,
+                                                                               warned):
+    """Many kernels' samples far apart, timed by the wall clock (more than one CPU thread, CUDA): the times the
+    choice rests on may be far off, and the explanation says so; by the thread's CPU time, or few apart, nothing."""
+    import time
+
+    from memfit.fitting import costs, finder
+    monkeypatch.setattr(costs, "unsteady", lambda keys, device: (apart, 100))
+    monkeypatch.setattr(finder, "clock", lambda device: time.perf_counter if by_wall_clock else time.thread_time)
+    model = mlp(blocks=2)
+    plan = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), F.mse_loss, "1GiB")
+    assert ("THE MACHINE WAS BUSY while the kernels were timed: 50 of 100" in plan.explain()) == warned

@@ -93,3 +93,15 @@ def test_kernels_run_on_ones_where_zeros_would_be_a_slow_path_and_on_zeros_for_i
     assert torch.equal(x, torch.ones(2, 3)) and torch.equal(index, torch.zeros(4, dtype=torch.long)) and seven == 7
     (x, index, _), _ = real_arguments(spec, {}, DEV)                     # the scratch measurement's zeros
     assert torch.equal(x, torch.zeros(2, 3))
+
+
+def test_a_kernel_timed_in_a_busy_moment_is_counted_unsteady(fake_clock):
+    """Three samples of each of two 1 ms kernels; one sample of `a` falls on a busy moment (3 ms): `a` is unsteady
+    (3x apart), `b` is not; the figures stay the least sample."""
+    clock = fake_clock(busy={4})            # calls 0-3: first calls and warm-ups; call 4: a's first sample
+    a, b = FakeKernel(clock, "a"), FakeKernel(clock, "b")
+    keys = [(a, spec_of((), {}), ()), (b, spec_of((), {}), ())]
+    got = timing.kernel_seconds(keys, device=DEV)
+    assert got[keys[0]] == pytest.approx(1e-3) and got[keys[1]] == pytest.approx(1e-3)
+    assert timing.unsteady(keys, DEV) == (1, 2)
+    assert timing.unsteady(keys[1:], DEV) == (0, 1)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -47,7 +47,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memfit.batches import forward
 from memfit.fitting.search import Cost
-from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes
+from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, unsteady
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.step import ExampleBatch, forward_autocast
 
@@ -199,11 +199,13 @@ class _Sized:
         return max(self.op.flops * grow / matmul_rate(device, dtype), moved / copy_rate(device))
 
 
-def _seconds(ops: list[_Sized], sizes: list[int], device: torch.device) -> list[dict[int, float]]:
-    """Each op's kernel seconds at each size: the kernels timed together (`timing.kernel_seconds`), the rest priced."""
+def _seconds(ops: list[_Sized], sizes: list[int], device: torch.device) -> tuple[list[dict[int, float]], tuple]:
+    """(each op's kernel seconds at each size: the kernels timed together (`timing.kernel_seconds`), the rest priced;
+    `timing.unsteady` of the kernels timed)."""
     plans = [{m: o.kernel(m) for m in sizes} for o in ops]
     # size by size: a short kernel timed right after a long one ran up to 1.5x its time (caches it left cold)
-    timed = kernel_seconds([p[m][0] for m in sizes for p in plans if p[m][0] is not None], device=device)
+    keys = [p[m][0] for m in sizes for p in plans if p[m][0] is not None]
+    timed = kernel_seconds(keys, device=device)
     out = []
     for o, p in zip(ops, plans, strict=True):
         row = {}
@@ -211,7 +213,7 @@ def _seconds(ops: list[_Sized], sizes: list[int], device: torch.device) -> list[
             seconds = timed[key] if key is not None else None
             row[m] = seconds * scale if seconds is not None else 0.0 if o.op.view else o.roofline(m, device)
         out.append(row)
-    return out
+    return out, unsteady(keys, device)
 
 
 def _sized(a: _Counter, m1: int, b: _Counter, m2: int) -> list[_Sized]:
@@ -255,7 +257,7 @@ def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dt
             for m, opt in ((m1, None), (m2, optimizer)))
     ops = _sized(a, m1, b, m2)
     sizes = sorted(set(sizes))
-    seconds = _seconds(ops, sizes, device)
+    seconds, steadiness = _seconds(ops, sizes, device)
     written = lambda run, pick: sum(o.written for o in run.ops if pick(o))
 
     def cost(pick, saved=0, line=True) -> Cost:
@@ -263,7 +265,7 @@ def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dt
         runs = (m1, written(a, pick), m2, written(b, pick)) if line else None
         rows = [r for _, r in chosen] or [dict.fromkeys(sizes, 0.0)]
         return _cost(rows, [p for p, _ in chosen], saved, runs)
-    step = cost(lambda o: o.phase in ("forward", "backward"))
+    step = replace(cost(lambda o: o.phase in ("forward", "backward")), unsteady=steadiness)
     blocks_cost = {k: cost(lambda o, k=k: k in o.blocks, b.saved[k]) for k in blocks}
     once = cost(lambda o: o.phase == "optimizer", line=False)
     return step, blocks_cost, once

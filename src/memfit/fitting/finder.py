@@ -29,6 +29,7 @@ from memfit.fitting.costs import step_costs
 from memfit.fitting.host import machine
 from memfit.fitting.nothing_fits import nothing_fits
 from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
+from memfit.fitting.timing import BUSY_SHARE, UNSTEADY, clock
 from memfit.memory.micro_batch import training_peak
 
 __all__ = ["LEVERS", "Peaks", "agree", "find"]
@@ -137,7 +138,8 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
                 f"({r.op_seconds * 1e6:.1f} us in forward, {r.backward_op_seconds * 1e6:.1f} in backward, "
                 f"{r.optimizer_op_seconds * 1e6:.1f} in the optimizer step); a checkpointed block adds its forward "
                 f"again, {r.checkpoint_seconds * 1e6:.0f} us per call and {r.saved_seconds * 1e6:.1f} us per tensor it "
-                "saves" + ("; host and device overlap (a micro-batch takes the longer)" if r.overlap else ""))
+                "saves" + ("; host and device overlap (a micro-batch takes the longer)" if r.overlap else "")
+                + _busy([costs[p][0].unsteady for p in precisions], device))
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
     if dependent and not allow:
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
@@ -148,6 +150,18 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
                   time.perf_counter() - t0)
 
 
+
+
+def _busy(counts: list[tuple[int, int]], device) -> str:
+    """The time model's warning where many kernels' samples came out far apart (`timing.unsteady`), else ""."""
+    apart, timed = (sum(c[i] for c in counts) for i in (0, 1))
+    if timed < 8 or apart <= BUSY_SHARE * timed or clock(device) is time.thread_time:
+        return ""                 # the thread's CPU time: other processes' turns on the core are not counted
+    threads = torch.get_num_threads()
+    advice = " or with torch.set_num_threads(1)" if device.type == "cpu" and threads > 1 else ""
+    return (f". THE MACHINE WAS BUSY while the kernels were timed: {apart} of {timed} kernels' samples came out more "
+            f"than {UNSTEADY}x apart ({threads} torch threads), so the predicted times, and the choice made from "
+            f"them, may be far off; fit again on a quiet machine{advice}")
 
 
 def _ms(seconds: float) -> str:

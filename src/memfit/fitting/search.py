@@ -63,6 +63,7 @@ class Cost:
     written: tuple[float, float] = (0.0, 0.0)
     backward_ops: int = 0
     optimizer_ops: int = 0
+    unsteady: tuple[int, int] = (0, 0)   # (kernels timed in samples far apart, kernels timed): `timing.unsteady`
 
     def kernel_seconds(self, m: int) -> float:
         """The kernels' seconds at m: measured there, else `interpolate`d between the sizes measured."""

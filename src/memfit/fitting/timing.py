@@ -39,10 +39,15 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["clock", "copy_rate", "kernel_seconds", "matmul_rate", "timed"]
+__all__ = ["clock", "copy_rate", "kernel_seconds", "matmul_rate", "timed", "unsteady"]
 
 _SECONDS: dict = {}        # (func, spec, shapes, threads, device) -> seconds, or None where it failed on ones
 _RATES: dict = {}          # (what, device, dtype) -> bytes per second of a copy, FLOP/s of a large matmul
+_SPREAD: dict = {}         # the keys of _SECONDS -> its samples' largest over least (for `unsteady`)
+UNSTEADY = 1.5             # a kernel's samples this far apart: the machine was busy while it was timed
+BUSY_SHARE = 0.25          # more of a step's kernels than this unsteady, timed by the wall clock: `memfit.fit`
+# says its times may be off (a small CNN's fit, two threads with the other core taken: 35-55% of its kernels; on a
+# quieter machine at one thread 6%, but 51% at load 2.5, where the thread's CPU time is still the step's)
 SAMPLE = 2e-4              # seconds a sample of calls spans at least (short kernels run several times per sample)
 LONG = 1e-2                # a call this long is timed once
 SAMPLES = 3                # samples per figure (the least is taken)
@@ -131,17 +136,28 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
                     _SECONDS[(*key, threads, device)] = first
                 else:
                     calls[key] = (call, _per_sample(call, now))
-            best = dict.fromkeys(calls, float("inf"))
+            samples: dict[tuple, list] = {key: [] for key in calls}
             for _ in range(SAMPLES):
                 for key, (call, n) in calls.items():
                     t0 = now()
                     for _ in range(n):
                         call()
-                    best[key] = min(best[key], (now() - t0) / n)
-            for key, seconds in best.items():
-                _SECONDS[(*key, threads, device)] = seconds
+                    samples[key].append(max((now() - t0) / n, 1e-9))
+            for key, got in samples.items():
+                _SECONDS[(*key, threads, device)] = min(got)
+                _SPREAD[(*key, threads, device)] = max(got) / min(got)
             calls = None
     return {k: _SECONDS[(*k, threads, device)] for k in asked}
+
+
+def unsteady(kernels: Iterable[tuple], device: torch.device) -> tuple[int, int]:
+    """(kernels whose samples came out more than `UNSTEADY` times apart, kernels timed in samples) among those
+    `kernel_seconds` timed at this thread count: many apart, the machine was busy while it timed them, and times
+    predicted from them may be far off (two torch threads with the other core taken: the least of three samples
+    priced micro-batch 2 of a CNN at 0.5-0.7x its plain step; it took 2.1x)."""
+    threads = torch.get_num_threads()
+    spreads = [_SPREAD[k] for k in {(*key, threads, device) for key in kernels} if k in _SPREAD]
+    return sum(s > UNSTEADY for s in spreads), len(spreads)
 
 
 def spec_bytes(spec, shapes: dict) -> int:
