@@ -274,7 +274,8 @@ def test_every_thread_counts_the_free_of_a_block_another_thread_made_inside():
         a = torch.ones(10)
         worker = threading.Thread(target=lambda: made.append(torch.empty(1 << 20, dtype=torch.uint8)))
         worker.start()
-        worker.join()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "the worker thread did not finish within 30 s"
         b = torch.ones(10)                             # the total read here holds the worker's 1 MiB
         made.clear()                                   # freed on this thread
         c = torch.ones(250)
