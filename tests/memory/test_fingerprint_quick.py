@@ -330,3 +330,35 @@ def test_a_parameter_transposed_in_place_through_data_is_a_change():
     assert "strides" in describe_change(before, model)
     model[0].weight.data = model[0].weight.data.t()
     assert before.holds(model)
+
+
+class _CallableDict(dict):
+    def __call__(self, x):
+        return x * self["scale"]
+
+
+class _CallableList(list):
+    def __call__(self, x):
+        return x
+
+
+class _CallableTensor(torch.Tensor):
+    def __call__(self, x):
+        return x
+
+
+@pytest.mark.parametrize("make, change", [
+    (lambda: _CallableDict(scale=1.0), lambda v: v.__setitem__("scale", 2.0)),
+    (lambda: _CallableList([1, 2]), lambda v: v.append(3)),
+    (lambda: torch.zeros(2).as_subclass(_CallableTensor), lambda v: v.add_(1))],
+    ids=["dict", "list", "tensor"])
+def test_a_callable_container_or_tensor_changed_in_place_is_a_change(path, make, change):
+    """A module attribute that is a container or a tensor and callable too (a dict subclass with __call__): the full
+    value records its contents, and the quick check compared only its class, so holds said True after a change
+    (found by a cold review)."""
+    m = nn.Linear(2, 2)
+    m.extra = make()
+    before = model_state(m)
+    assert before.holds(m)
+    change(m.extra)
+    assert model_state(m) != before and not before.holds(m)

@@ -164,9 +164,10 @@ class Quick:
                                  if flat is None)
         self.flat = tuple(e for e in self.flat if e[2] is not None)
         self.config_flat = tuple(e for e in self.config_flat if e[2] is not None)
-        # what may change inside an object a module's dict still holds (a tensor's version, a set's elements): not a
-        # function or module, which `_value` names by id alone (GELU's `act`) while its class stays callable
-        named = [isinstance(fields[i][k], torch.nn.Module) or callable(fields[i][k]) for i, k, _ in self.deep]
+        # what may change inside an object a module's dict still holds (a tensor's version, a set's elements): not
+        # what `_value` names by id alone ("object": a function or module, GELU's `act`), whose class is checked; a
+        # callable container or tensor (a dict subclass with __call__) is compared by content, as `_value` does
+        named = [was[:1] == ("object",) for _, _, was in self.deep]
         self.changeable = tuple(e for e, by_id in zip(self.deep, named, strict=True) if not by_id)
         self.classes = tuple((i, k, type(fields[i][k])) for (i, k, _), by_id in zip(self.deep, named, strict=True)
                              if by_id)
