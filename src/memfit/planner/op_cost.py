@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
+from torch.utils._pytree import tree_leaves, tree_map
 
 from memfit.planner.graph import Meta, concrete, meta_value
 
@@ -40,24 +41,6 @@ def _shapes(a, env: dict):
     if isinstance(a, (list, tuple)):
         return type(a)(_shapes(x, env) for x in a)
     return concrete(a, env)
-
-
-def _leaves(a):
-    if isinstance(a, dict):
-        a = tuple(a.values())
-    if isinstance(a, (list, tuple)):
-        for x in a:
-            yield from _leaves(x)
-    else:
-        yield a
-
-
-def _mapped(a, fn):
-    if isinstance(a, dict):
-        return {k: _mapped(v, fn) for k, v in a.items()}
-    if isinstance(a, (list, tuple)):
-        return type(a)(_mapped(x, fn) for x in a)
-    return fn(a)
 
 
 @dataclass
@@ -94,12 +77,12 @@ class OpCost:
                                         {k: meta_value(v, ref) for k, v in self.kwargs.items()})
         peak += self._inside[0] + int(self._inside[1] * scale)
         args, kwargs = _shapes(self.args, env), {k: _shapes(v, env) for k, v in self.kwargs.items()}
-        seconds += (out + sum(m.nbytes for m in _leaves(args) if isinstance(m, Meta))) * BYTE_SECONDS
+        seconds += (out + sum(m.nbytes for m in tree_leaves(args) if isinstance(m, Meta))) * BYTE_SECONDS
         formula = flop_registry.get(self.target.overloadpacket)
         if formula is not None and isinstance(self.out, torch.Tensor):
             shape = lambda a: a.shape if isinstance(a, Meta) else a        # the formulas read tensors' shapes only
             try:
-                seconds += formula(*_mapped(args, shape), **_mapped(kwargs, shape),
+                seconds += formula(*tree_map(shape, args), **tree_map(shape, kwargs),
                                    out_val=Meta.of(self.out, env).shape) * FLOP_SECONDS
             except (TypeError, ValueError, AttributeError, IndexError, RuntimeError):
                 pass                  # a formula that cannot read these arguments: no FLOPs counted (a time estimate)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import Meta
+from memfit.planner.graph import Meta, meta_value
 
 __all__ = ["SLICEABLE", "SlicedSegment", "build_segment"]
 
@@ -133,7 +133,7 @@ class SlicedSegment:
             # every output the op makes at the slice's size (max pooling's indices too, which nothing reads)
             out = sum(o.nbytes for o in (_at(v, env, s) if Meta.of(v, env).shape[:1] == Meta.of(st.val, env).shape[:1]
                                          else Meta.of(v, env) for v in st.outputs))
-            args = [_meta(prev) if a == "x" else _meta(Meta.of(self.param_vals[a[1]], env)) if _is_param(a)
+            args = [_meta(prev) if a == "x" else meta_value(self.param_vals[a[1]], env) if _is_param(a)
                     else a for a in st.args]
             inside = sum(inside_parts(st.target, tuple(args), st.kwargs))
             held = out + (0 if i == 0 else prev.nbytes)   # step 0: x's view

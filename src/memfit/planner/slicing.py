@@ -29,7 +29,8 @@ whole and sliced on stand-ins for the capture's example (normal draws of its sha
 generator of our own, so that the choice never depends on the example's values: zeros would pass any check) at
 the example's batch n, at 2n+1, at `REFERENCE_BATCH` and at twice that plus one (the samples repeated), and kept
 only where every output is bit-identical (`torch.equal`) with the same strides, at each slice size in
-`SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples). A chain of small samples, whose slices
+`SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples; checked at the sizes those batches
+give it only). A chain of small samples, whose slices
 of `SLICE_SIZES[-1]` hold less than `MIN_SLICE_BYTES`, is also checked at the `WIDE_SLICE_SIZES` from the narrowest
 that holds it up to `WIDE_ROOM` times that, each wide size k at 2k+1 besides those batches (cheap: a few MB on
 stand-ins); a chain of large samples checks none of them, so big models capture no slower.
@@ -37,7 +38,9 @@ stand-ins); a chain of large samples checks none of them, so big models capture 
 Known limitations: the check runs at those batch sizes and the process's intra-op thread count; a batch size or
 thread count at which oneDNN picks yet another algorithm for the whole batch is not checked (slices of 8, for
 batches of 16 and more, are checked at 2 * `REFERENCE_BATCH` + 1 only, and at 2n+1 where the example's n is 8 or
-more; a wide slice of k at 2k+1).
+more; a wide slice of k at 2k+1). So of the last slice's sizes, k to 2k-1, only those the checked batches give it
+run checked: a capture at batch 2 runs a last slice of 13 at batch 37 that no check ran (no such size was seen to
+differ: the convolutions tried differ at batch 1 against every other size, or at every size).
 
 Example:
     >>> import torch
@@ -58,10 +61,11 @@ import operator
 import torch
 from torch.fx import Node
 
-from memfit.planner.graph import DataDependentSize, Meta, meta_value
+from memfit.planner.graph import DataDependentSize, Meta
 from memfit.planner.op_cost import OpCost
 from memfit.planner.slice_rule import PROBES, Option, SliceRule, peak_outside
 from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, build_segment
+from memfit.planner.workspaces import node_inside_parts
 
 __all__ = ["slice_segments"]
 
@@ -122,7 +126,7 @@ def _segment(start: Node, steps: list, env: dict) -> tuple[int, int, float] | No
     if not any(node.target is aten.convolution.default for node, _ in steps):
         return None
     outs = [Meta.of(v.meta["val"], env).nbytes for _, v in steps]
-    parts = [_inside_parts(node, env) for node, _ in steps]
+    parts = [node_inside_parts(node, env) for node, _ in steps]
     inside = [sum(p) for p in parts]
     top = max(range(len(outs)), key=lambda i: outs[i] + inside[i])
     end = min(range(top, len(outs)), key=lambda i: (outs[i], -i))
@@ -132,16 +136,6 @@ def _segment(start: Node, steps: list, env: dict) -> tuple[int, int, float] | No
     # and the choice must not depend on the example's batch, since one capture plans every batch size)
     # what a kernel allocates whatever the batch (weights reordered) stays, in every slice
     return end + 1, whole, 1 - (ins[0] + outs[end] + max(p[0] for p in parts[:end + 1])) / whole
-
-
-def _inside_parts(node: Node, env: dict) -> tuple[int, int]:
-    """(the same at every batch, the part that grows with it): bytes the op's real kernel allocates beyond its
-    outputs at this batch (`planner.workspaces.inside_parts`)."""
-    from memfit.planner.workspaces import inside_parts
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return 0, 0
-    return inside_parts(node.target, tuple(meta_value(a, env) for a in node.args),
-                        {k: meta_value(v, env) for k, v in node.kwargs.items()})
 
 
 def _param(node: Node, consts: dict) -> bool:

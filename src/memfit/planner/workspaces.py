@@ -18,11 +18,12 @@ Example:
 from __future__ import annotations
 
 import torch
+from torch.fx import Node
 
 from memfit.planner.arena import Buffer
 from memfit.planner.graph import Graph, meta_value
 
-__all__ = ["inside_parts", "workspaces"]
+__all__ = ["inside_parts", "node_inside_parts", "workspaces"]
 
 
 _REPLACEMENT_BYTES: dict = {}      # (function, argument shapes, strides, dtypes, values, threads) -> bytes
@@ -69,6 +70,14 @@ def inside_parts(target, args: tuple, kwargs: dict) -> tuple[int, int]:
     return 0, 0
 
 
+def node_inside_parts(node: Node, env: dict) -> tuple[int, int]:
+    """`inside_parts` of a graph node's op at the batch of `env` ((0, 0) where it is no ATen op: a getitem)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return 0, 0
+    return inside_parts(node.target, tuple(meta_value(a, env) for a in node.args),
+                        {k: meta_value(v, env) for k, v in node.kwargs.items()})
+
+
 def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
     """One buffer per op of `graph` whose real kernel allocates inside (on the CPU), alive at that op only."""
     if device_type != "cpu":
@@ -90,9 +99,7 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
             continue
         if op.mode not in ("call", "out") or not isinstance(target, torch._ops.OpOverload):
             continue                        # views and getitem allocate nothing
-        args = tuple(meta_value(a, env) for a in op.node.args)
-        kwargs = {k: meta_value(v, env) for k, v in op.node.kwargs.items()}
-        size = sum(inside_parts(target, args, kwargs))
+        size = sum(node_inside_parts(op.node, env))
         if size:
             out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
     return out
