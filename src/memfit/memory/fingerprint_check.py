@@ -167,7 +167,7 @@ class Quick:
         # what may change inside an object a module's dict still holds (a tensor's version, a set's elements): not
         # what `_value` names by id alone ("object": a function or module, GELU's `act`), whose class is checked; a
         # callable container or tensor (a dict subclass with __call__) is compared by content, as `_value` does
-        named = [was[:1] == ("object",) for _, _, was in self.deep]
+        named = [type(was) is tuple and was[:1] == ("object",) for _, _, was in self.deep]
         self.changeable = tuple(e for e, by_id in zip(self.deep, named, strict=True) if not by_id)
         self.classes = tuple((i, k, type(fields[i][k])) for (i, k, _), by_id in zip(self.deep, named, strict=True)
                              if by_id)
