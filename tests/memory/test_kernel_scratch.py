@@ -110,7 +110,8 @@ def real_scratch(f, *args) -> int:
 
 def test_the_batch_of_a_weight_gradient_is_its_reduced_dimension_and_its_bytes_are_measured_at_any_batch():
     """grad_weight = grad_out.T @ x: the batch is the reduced dimension of both operands. The packing oneDNN's bf16
-    kernel allocates is no line in the batch (odd and even batches differ, a step at 64 rows), so it is measured at
+    kernel allocates is no line in the batch (steps at multiples of 64 rows; on one AVX-512 Xeon odd and even
+    batches differed too), so it is measured at
     the batch asked about, on operands of that batch's shapes and layout (the transposed gradient stays
     transposed)."""
     mm = torch.ops.aten.mm.default
@@ -130,7 +131,7 @@ def test_the_batch_of_a_weight_gradient_is_its_reduced_dimension_and_its_bytes_a
         # checked; the batch dependence below exists only where oneDNN packs (seen on an AVX-512 Xeon)
         pytest.skip(f"this CPU's bf16 matmul allocates nothing inside ({torch.backends.cpu.get_cpu_capability()})")
     assert all(real.values())
-    assert op.bytes_at(3) != op.bytes_at(4)                                 # not constant
+    assert len(set(real.values())) > 1                      # not constant in the batch: measured at each size
 
 
 def test_the_same_op_at_sizes_not_affine_in_the_batch_is_said_to_be():
