@@ -11,7 +11,7 @@ from torch import nn
 import memfit
 from memfit.batches import batch_len, batch_nbytes, batch_slice, batch_tensors, batch_to, forward
 from memfit.compact import CompactDataset
-from memfit.memory.measure import track_memory, unique_bytes
+from memfit.device.measure import track_memory, unique_bytes
 
 N, F_IN, L, V, H, C = 24, 16, 5, 50, 32, 3
 

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfit.budget import BudgetExceeded, Ledger, format_bytes, parse_bytes, resolve_budget
-from memfit.devices import device_memory, devices, resolve_device
+from memfit.device.machine import device_memory, devices, resolve_device
 
 
 @pytest.mark.parametrize("text, expected", [

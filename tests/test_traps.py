@@ -129,7 +129,7 @@ def test_float16_autocast_is_refused_before_any_gradient():
 
 
 def test_held_bytes_of_a_view_counts_its_whole_storage():
-    from memfit.memory.measure import held_bytes
+    from memfit.device.measure import held_bytes
     m = torch.nn.Module()
     base = torch.zeros(100)
     m.register_buffer("head", base[:10])           # a view holds its whole storage alive

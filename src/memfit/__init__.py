@@ -25,7 +25,7 @@ from memfit.accumulation.result import BatchDependentError, NonFiniteLossError, 
 from memfit.accumulation.run import accumulate
 from memfit.budget import BudgetExceeded, format_bytes, parse_bytes
 from memfit.compact import CompactDataset
-from memfit.devices import device_memory
+from memfit.device.machine import device_memory
 from memfit.distributed import RankFailed
 from memfit.evaluation.result import EvalResult
 from memfit.evaluation.run import evaluate

@@ -24,7 +24,7 @@ from fractions import Fraction
 
 import torch
 
-from memfit.devices import device_memory
+from memfit.device.machine import device_memory
 
 __all__ = ["BudgetExceeded", "Ledger", "OOM_MESSAGES", "SAFETY_FRACTION", "SAFETY_MIN", "check_count",
            "default_budget", "format_bytes", "halve_after_oom", "is_oom", "largest_fitting", "model_device",

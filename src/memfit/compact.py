@@ -27,7 +27,7 @@ import torch
 
 from memfit.budget import format_bytes
 from memfit.codecs import Codec
-from memfit.devices import resolve_device
+from memfit.device.machine import resolve_device
 from memfit.encoding import (  # noqa: F401  (their public home was here)
     Encoding,
     as_words,

@@ -26,7 +26,7 @@ from memfit.arrays import (
     to_tensor,
 )
 from memfit.codecs import Codec, Float32Codec, QuantCodec, auto_codec, make_codec
-from memfit.devices import resolve_device
+from memfit.device.machine import resolve_device
 from memfit.fields import PackedCodec, check_fields, pack
 from memfit.progress import progress_bar
 from memfit.targets import IGNORE_INDEX, Targets, check_count, encode_targets

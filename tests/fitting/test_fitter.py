@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
+from memfit.device.measure import optimizer_state, track_memory, unique_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
-from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
 from memfit.memory.ranks import rank_memory_model
 
 N, D = 24, 16

@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 import memfit
 from memfit.accumulation.run import Walked
-from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
+from memfit.device.measure import optimizer_state, track_memory, unique_bytes
 
 
 def _model():

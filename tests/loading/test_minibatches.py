@@ -440,7 +440,7 @@ def test_bad_values_in_a_file_fail_in_the_consumer(tmp_path):
 ITERATE_FILE = """
 import gc, json, sys
 import numpy as np, torch
-from memfit.devices import process_rss
+from memfit.device.machine import process_rss
 from memfit.readers import load_array
 from memfit import loader
 x = load_array(sys.argv[1])

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
+from memfit.device.measure import track_memory
 from memfit.memory.kernel_scratch import ScratchOp, batch_sizes, scratch_bytes, spec_of
-from memfit.memory.measure import track_memory
 from memfit.memory.step import measure_step
 
 warnings.filterwarnings("ignore", message=".*(loss_type|bos_token_id|eos_token_id).*")

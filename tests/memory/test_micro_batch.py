@@ -37,8 +37,8 @@ def test_auto_takes_the_largest_micro_batch_the_predicted_step_fits(monkeypatch)
 
 @pytest.mark.parametrize("kind, opt", [("mlp", "adamw"), ("attn", "sgd")])
 def test_auto_under_the_memory_model_really_fits_the_budget(kind, opt, monkeypatch):
-    """The fake-tensor memory model chooses; the real step's live bytes (memfit.memory.measure) stay in the budget."""
-    from memfit.memory.measure import held_bytes, track_memory
+    """The fake-tensor memory model chooses; the real step's live bytes (memfit.device.measure) stay in the budget."""
+    from memfit.device.measure import held_bytes, track_memory
     ref, ref_opt, mod, mod_opt = pair(kind, opt)
     x, y = data(64)
     plain_step(ref, ref_opt, x, y)                        # both with optimizer state, as in a running loop
@@ -72,7 +72,7 @@ def test_the_predicted_accumulate_step_is_the_real_one_at_every_micro_batch(kind
     fell short where it grows with the batch; a class token's gradient, a slice at batch 1 only, counted at
     every size was 128 bytes over; a per-sample loss vector kept through backward was 16 KiB over the
     prediction.)"""
-    from memfit.memory.measure import held_bytes, track_memory
+    from memfit.device.measure import held_bytes, track_memory
     _, _, mod, mod_opt = pair(kind, opt)
     x, y = data(48)
     plain_step(mod, mod_opt, x, y)                        # optimizer state, as in a running loop
@@ -102,7 +102,7 @@ def test_gradients_held_on_entry_count_in_the_micro_batches_not_in_the_optimizer
     was 1.064x the real step at micro-batch 2 (1.097x at 1) and a budget that micro-batch 2 fits, measured + 64
     bytes, was refused (BudgetExceeded); now it is the allocator's peak within 64 bytes at 1, 2, 4 and 8, and
     auto takes 2 there."""
-    from memfit.memory.measure import held_bytes, track_memory
+    from memfit.device.measure import held_bytes, track_memory
     from memfit.testing.zoo import build
     torch.manual_seed(0)
     model, shape = build("lenet")
@@ -135,7 +135,7 @@ def test_the_predicted_accumulate_step_is_never_below_the_cuda_allocator(kind, o
     margin) against the caching allocator's peak of accumulate's real step: never below. What the model, the
     optimizer and the batch hold is counted as the prediction counts it; the cuBLAS workspace the first matmul
     allocated, which the prediction leaves out, is below the measured peak's base."""
-    from memfit.memory.measure import held_bytes, track_memory
+    from memfit.device.measure import held_bytes, track_memory
     _, _, mod, mod_opt = pair(kind, opt)
     mod.cuda()                                             # the optimizer keeps the same Parameter objects
     x, y = (t.cuda() for t in data(48))
@@ -153,7 +153,7 @@ def test_the_predicted_accumulate_step_is_never_below_the_cuda_allocator(kind, o
 def test_auto_with_inputs_on_the_host_and_labels_on_the_device_fits_the_budget():
     """Only the tensors already on the device are taken off the prediction (their micro-batches are views):
     x left on the host is copied per micro-batch, and those copies are counted."""
-    from memfit.memory.measure import held_bytes, track_memory
+    from memfit.device.measure import held_bytes, track_memory
     _, _, mod, opt = pair("mlp", "adamw")
     mod.cuda()                                             # the optimizer keeps the same Parameter objects
     x, y = data(64)

@@ -281,7 +281,7 @@ def test_every_thread_counts_what_another_thread_frees_and_peak_within_a_range()
 
     from torch.profiler import record_function
 
-    from memfit.memory.measure import track_memory
+    from memfit.device.measure import track_memory
     current, within = {}, {}
     for every in (False, True):
         with track_memory("cpu", every_thread=every) as mem:

@@ -1,5 +1,5 @@
 """`memory_model` / `max_batch_size` against what really runs: the planned forward's live bytes, a real
-training step's live bytes (`memfit.memory.measure`), a brute-force search, and the budget errors."""
+training step's live bytes (`memfit.device.measure`), a brute-force search, and the budget errors."""
 import copy
 
 import pytest
@@ -10,8 +10,8 @@ from torch import nn
 import memfit
 from memfit import plan
 from memfit.budget import format_bytes, largest_fitting
+from memfit.device.measure import track_memory
 from memfit.memory.inference import InferenceMemoryModel
-from memfit.memory.measure import track_memory
 from memfit.memory.step import measure_step
 from memfit.memory.step_model import StepMemoryModel
 from memfit.testing.zoo import build

@@ -1,4 +1,4 @@
-"""The fake-tensor memory model against the live bytes of the real step (`memfit.memory.measure`), and the promise
+"""The fake-tensor memory model against the live bytes of the real step (`memfit.device.measure`), and the promise
 that predicting leaves the model, its buffers, `.grad` and the optimizer exactly as they were."""
 import copy
 import warnings
@@ -178,7 +178,7 @@ def test_inference_falls_back_to_the_fake_forward_when_export_fails():
     assert "not planned" in mm.method and "fake-tensor run of one forward" in mm.method
     for n in (3, 9):
         x = torch.randint(0, 100, (n, 16))
-        with torch.no_grad(), memfit.memory.measure.track_memory() as mem:
+        with torch.no_grad(), memfit.device.measure.track_memory() as mem:
             out = model(x)
             del out
         real = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if t is not model.lm_head.weight) \
@@ -366,7 +366,7 @@ def test_a_forward_under_autocast_is_kept_apart_from_one_without():
 def test_a_training_model_keeps_the_modes_of_its_modules():
     """Fine-tuning with dropout (or BatchNorm) switched to eval inside a training model: the step counted is
     that one, not one with every module training (which keeps a dropout mask per activation)."""
-    from memfit.memory.measure import held_bytes, track_memory
+    from memfit.device.measure import held_bytes, track_memory
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.Dropout(0.5), nn.ReLU(), nn.Linear(512, 512), nn.Dropout(0.5),
                           nn.ReLU(), nn.Linear(512, 10)).train()
@@ -509,8 +509,8 @@ def test_the_optimizer_step_runs_once_per_prediction_and_its_state_is_counted_at
 
 # ---- what real CPU kernels allocate inside, and what autograd saves above the ops ------------------------------
 def test_the_convolution_workspace_is_measured_and_split_into_a_constant_and_a_batch_part():
+    from memfit.device.measure import track_memory
     from memfit.memory.fake_kernels import workspace_bytes
-    from memfit.memory.measure import track_memory
     conv = torch.ops.aten.convolution.default
     w = torch.randn(32, 16, 3, 3)
 

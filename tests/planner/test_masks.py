@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from memfit import plan
-from memfit.memory.measure import track_memory
+from memfit.device.measure import track_memory
 from memfit.planner import captured
 from memfit.planner.captured import capture_model
 

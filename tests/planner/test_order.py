@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from memfit.memory.measure import track_memory
+from memfit.device.measure import track_memory
 from memfit.planner import order as O
 from memfit.planner.graph import analyze
 from memfit.planner.placement import check_args

@@ -203,7 +203,7 @@ def test_algorithms_agree_on_outputs(algorithm):
 
 
 def test_memory_model_matches_a_plan_at_full_size_without_running_it():
-    from memfit.memory.allocator import cpu_margin
+    from memfit.device.allocators import cpu_margin
     model, shape = build("lenet")
     mm = memory_model(model, shape)
     for n in (7, 33):
@@ -502,7 +502,7 @@ class WideHead(nn.Module):
 
 
 def _measured_outside(fn, x) -> int:
-    from memfit.memory.measure import track_memory
+    from memfit.device.measure import track_memory
     with torch.inference_mode(), track_memory(x.device) as mem:
         out = fn(x)
         del out
@@ -688,7 +688,7 @@ def test_a_conv_net_planned_holds_no_more_than_eager_by_the_allocator():
     bytes outside the arena at every convolution. Counted in the cheaper-outside decision, the planned call
     (arena + what the allocator serves during it) stays at or below eager's allocator peak; counted nowhere,
     the arena sat on top of them (1.2x eager on ResNet-18 at 64x64, batch 8)."""
-    from memfit.memory.measure import track_memory
+    from memfit.device.measure import track_memory
     model, shape = build("resnet18", image=32)
     x = torch.randn(2, *shape)
     pm = plan(model, (x,))

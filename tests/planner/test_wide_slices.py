@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from memfit import memory_model, plan
+from memfit.device.measure import track_memory
 from memfit.memory.kinds import MemoryKind
-from memfit.memory.measure import track_memory
 from memfit.planner import sliced, slicing
 from memfit.planner.captured import capture_model
 

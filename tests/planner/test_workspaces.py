@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from memfit import plan
-from memfit.memory.measure import track_memory
+from memfit.device.measure import track_memory
 
 
 class NormOverPermuted(nn.Module):

@@ -109,7 +109,7 @@ def cmd_info(args) -> int:
 
     from memfit import __version__
     from memfit.budget import format_bytes
-    from memfit.devices import devices
+    from memfit.device.machine import devices
     rows = devices()
     if args.json:
         print(json.dumps({"memfit": __version__, "torch": torch.__version__, "python": platform.python_version(),

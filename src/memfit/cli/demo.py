@@ -32,7 +32,7 @@ import torch
 from memfit.budget import check_count, format_bytes, parse_bytes
 from memfit.cli.data import SPECS, open_data
 from memfit.compact import CompactDataset
-from memfit.devices import resolve_device
+from memfit.device.machine import resolve_device
 from memfit.messages import plural
 from memfit.progress import progress_bar
 
@@ -40,7 +40,7 @@ from memfit.progress import progress_bar
 def _activation_peaks(model: torch.nn.Module, planned, x: torch.Tensor) -> tuple[int, int]:
     """The most bytes the allocator held during one eager forward and one planned forward on `x` (the planned
     arena included, allocated once before the call: counted as held), after a warm-up call of each."""
-    from memfit.memory.measure import track_memory
+    from memfit.device.measure import track_memory
     x = torch.zeros_like(x)
     peaks = []
     with torch.inference_mode():

@@ -13,7 +13,7 @@ from memfit.budget import parse_bytes
 from memfit.cli.data import open_data
 from memfit.cli.options import UsageError
 from memfit.cli.plan import load_factory
-from memfit.devices import resolve_device
+from memfit.device.machine import resolve_device
 
 
 def run(args) -> int:

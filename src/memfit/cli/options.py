@@ -36,7 +36,7 @@ def budgets_arg(text: str) -> tuple[str, ...]:
 
 def device_arg(text: str) -> str:
     """--device: cpu, cuda, cuda:1, checked against this machine."""
-    from memfit.devices import resolve_device
+    from memfit.device.machine import resolve_device
     try:
         resolve_device(text)
     except ValueError as e:

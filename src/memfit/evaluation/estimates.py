@@ -21,10 +21,10 @@ import torch
 
 from memfit.batches import batch_nbytes, forward
 from memfit.budget import BudgetExceeded, format_bytes, largest_fitting
+from memfit.device.measure import held_bytes, track_memory
 from memfit.evaluation.chunks import Chunks
 from memfit.memory.fit import line_through
 from memfit.memory.isolation import predicting
-from memfit.memory.measure import held_bytes, track_memory
 from memfit.messages import first_line
 
 __all__ = ["MAX_AUTO_CHUNK", "Estimate", "Source", "choose_chunk", "eager_peak"]

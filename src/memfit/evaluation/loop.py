@@ -9,9 +9,9 @@ import torch
 
 from memfit.batches import batch_len, batch_slice, batch_to, forward
 from memfit.budget import halve_after_oom, is_oom
+from memfit.device.measure import reset_cuda_peak
 from memfit.evaluation.chunks import Chunks
 from memfit.input_mistakes import dtype_mistake
-from memfit.memory.measure import reset_cuda_peak
 from memfit.messages import first_line
 from memfit.metrics import Metric, logits_of, order_error, output_for
 from memfit.progress import progress_bar

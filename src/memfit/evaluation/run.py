@@ -26,7 +26,8 @@ from collections.abc import Callable
 import torch
 
 from memfit.budget import check_count, model_device, resolve_budget
-from memfit.devices import resolve_device
+from memfit.device.machine import resolve_device
+from memfit.device.measure import held_bytes
 from memfit.evaluation import ranks
 from memfit.evaluation.causal import label_rule
 from memfit.evaluation.chunks import Chunks, as_chunks
@@ -35,7 +36,6 @@ from memfit.evaluation.estimates import choose_chunk
 from memfit.evaluation.loop import run_chunks
 from memfit.evaluation.result import EvalResult
 from memfit.losses import loss_ignore_index
-from memfit.memory.measure import held_bytes
 from memfit.messages import first_line, whole_words
 from memfit.metrics import Loss, Metric, default_metrics, make_metric
 from memfit.targets import IGNORE_INDEX

@@ -35,7 +35,7 @@ import torch
 
 from memfit.budget import check_count, resolve_budget
 from memfit.compact import CompactDataset
-from memfit.devices import resolve_device
+from memfit.device.machine import resolve_device
 from memfit.distributed import RankFailed, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loading import order as order_mod
 from memfit.loading.pool import BatchPool, Decoder

@@ -6,7 +6,7 @@ tensors made outside any op that the fake mode never sees (`host_tensors_logged`
 `torch.utils.checkpoint` keeps).
 
 Each entry was found by comparing a fake run with the allocator's bytes of the real step
-(`memfit.memory.measure.track_memory`); a test in tests/memory/test_step_model.py guards each.
+(`memfit.device.measure.track_memory`); a test in tests/memory/test_step_model.py guards each.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def inside_bytes(func, args, kwargs) -> int:
     its caches, is not per call)."""
     from torch.utils._pytree import tree_flatten
 
-    from memfit.memory.measure import track_memory
+    from memfit.device.measure import track_memory
     func(*args, **kwargs)
     with track_memory("cpu") as mem:
         out = func(*args, **kwargs)

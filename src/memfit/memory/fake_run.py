@@ -24,13 +24,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.batches import forward
-from memfit.memory.allocator import rounder
+from memfit.device.allocators import rounder
+from memfit.device.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.fake_kernels import (
     host_tensors_logged,
 )
 from memfit.memory.isolation import fake_section, predicting, structural_copy
 from memfit.memory.kinds import STEP_KINDS
-from memfit.memory.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
 from memfit.memory.storage_log import StorageLog
 from memfit.planner.global_caches import cache_misses, clear_filled

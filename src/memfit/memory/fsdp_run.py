@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from memfit.device.measure import optimizer_state
 from memfit.memory.kinds import MemoryKind
-from memfit.memory.measure import optimizer_state
 from memfit.memory.step import ExampleBatch, training_step
 from memfit.memory.storage_log import LoggingFakeMode, StorageLog
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memfit.budget import check_count, format_bytes, model_device
-from memfit.memory.allocator import CPU_ALIGNMENT, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
+from memfit.device.allocators import CPU_ALIGNMENT, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
 from memfit.memory.fit import exact_line_at
 from memfit.memory.kinds import MemoryKind
 from memfit.planner.arena import Buffer, assign_offsets, live_profile

@@ -2,7 +2,7 @@
 before they return: measured from the real kernels, sized along the batch from two fake runs.
 
 Found by running every op of bf16-autocast training steps (an MLP, CNNs with BatchNorm, a ConvNeXt-style block,
-a transformer encoder, BERT, GPT-2, ViT) under the allocator's events (`memfit.memory.measure.track_memory`):
+a transformer encoder, BERT, GPT-2, ViT) under the allocator's events (`memfit.device.measure.track_memory`):
 oneDNN's bf16 matrix multiplications (mm, addmm, bmm, baddbmm) pack their operands into its blocked layout
 (7-52 KiB on layers of 32-128 features, growing with the rows when the batch is the reduced dimension, as in
 a weight's gradient), and ops on bfloat16 or float16 inputs that compute in float32 keep a float32 copy of an

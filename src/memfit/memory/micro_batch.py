@@ -25,9 +25,9 @@ from memfit.budget import (
     parse_bytes,
     resolve_budget,
 )
-from memfit.memory.allocator import rounder
+from memfit.device.allocators import rounder
+from memfit.device.measure import held_bytes
 from memfit.memory.cache import ModelCache
-from memfit.memory.measure import held_bytes
 from memfit.memory.step import autocast_state
 from memfit.messages import first_line, whole_words
 

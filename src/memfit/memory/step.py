@@ -3,7 +3,7 @@
 `ExampleBatch` rebuilds an example batch (a sample shape, a tensor, a tuple or a dict of tensors) at any batch
 size; `training_step` is the step itself (forward and loss, backward, `optimizer.step()`, `zero_grad()`),
 run on fake tensors by `memfit.memory.fake_run` and for real by `measure_step`, which returns the live
-bytes at its peak (`memfit.memory.measure` on the CPU, the caching allocator on CUDA), and by
+bytes at its peak (`memfit.device.measure` on the CPU, the caching allocator on CUDA), and by
 `measure_rank_step`, the same on one rank of a running process group (DDP or FSDP2).
 
 Example:
@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.batches import forward
 from memfit.budget import model_device
+from memfit.device.measure import optimizer_state, unique_bytes
 from memfit.losses import call_loss
-from memfit.memory.measure import optimizer_state, unique_bytes
 
 __all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "measure_rank_step", "measure_step",
            "surrounding_autocast", "training_step"]
@@ -190,10 +190,10 @@ def measure_step(model, example, optimizer=None, loss_fn=None, target=None, *, a
     """Live bytes at the peak of one real training step (parameters, inputs and optimizer state included).
 
     With `warmup` one untracked step runs first, so the optimizer state exists as in a running training
-    loop. On CPU the bytes come from `memfit.memory.measure`; on CUDA from the caching allocator. The model and
+    loop. On CPU the bytes come from `memfit.device.measure`; on CUDA from the caching allocator. The model and
     optimizer are updated, as by any training step. A model in eval mode is put in training mode first.
     """
-    from memfit.memory.measure import track_memory
+    from memfit.device.measure import track_memory
     dev = torch.device(device) if device is not None else model_device(model)
     batch = example if isinstance(example, (torch.Tensor, tuple, list, dict)) and not is_shape(example) \
         else ExampleBatch(example).at(1, dev)
@@ -223,7 +223,7 @@ def measure_rank_step(build: Callable[[], torch.nn.Module], example, make_optimi
     holds at that moment (parameters, shards, optimizer state, DDP's buckets, FSDP's buffers): unlike
     `measure_step` the held bytes are not summed from tensors, since DDP's reducer keeps its buckets in C++.
 
-    The bytes are `memfit.memory.measure.track_memory(every_thread=True)`'s: the allocator's running total of
+    The bytes are `memfit.device.measure.track_memory(every_thread=True)`'s: the allocator's running total of
     every thread, since gloo's worker threads free tensors the rank's thread allocated (a collective's tensors,
     held by its work object). Op outputs are not enough: FSDP2 frees and re-allocates its unsharded parameters
     by resizing storages (no op output).
@@ -239,7 +239,7 @@ def measure_rank_step(build: Callable[[], torch.nn.Module], example, make_optimi
     """
     from torch.profiler import record_function
 
-    from memfit.memory.measure import track_memory
+    from memfit.device.measure import track_memory
     gc.collect()
     with track_memory("cpu", every_thread=True) as mem:
         batch = ExampleBatch(example).at(n, torch.device("cpu")) if n is not None else example

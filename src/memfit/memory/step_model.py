@@ -3,7 +3,7 @@
 `step_memory_model(model, example, train=True, optimizer=opt, loss_fn=...)` runs the real code (forward,
 loss, backward, `optimizer.step()`, `zero_grad()`) on fake tensors at small batch sizes
 (`memfit.memory.fake_run.fake_run`), logging every storage allocated and freed (the live bytes
-`memfit.memory.measure` counts). Each op's live bytes, per kind (activations, gradients, optimizer state,
+`memfit.device.measure` counts). Each op's live bytes, per kind (activations, gradients, optimizer state,
 transients), is then `a + b * n`, and the peak at any n is the largest over the ops. A fake run costs
 Python work per op whatever the tensors' sizes, so a prediction runs as few as it can:
 - batch 4 and batch 1. When both allocate and free the same storages at the same ops, each the same size
@@ -47,7 +47,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from memfit.budget import check_count, format_bytes, model_device
-from memfit.memory.allocator import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
+from memfit.device.allocators import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
 from memfit.memory.cache import ModelCache
 from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_failure import explain_fake_failure
@@ -214,7 +214,7 @@ class StepMemoryModel:
                          f"fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} segment; "
                          "library workspaces (cuBLAS, cuDNN) are not included.")
         else:
-            lines.append("CPU: live tensor bytes, as memfit.memory.measure counts them.")
+            lines.append("CPU: live tensor bytes, as memfit.device.measure counts them.")
         return "\n".join(lines)
 
 
@@ -248,7 +248,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         keep_output: the output lives until the step ends (a training loop's local); False: it is dropped once
             the loss is computed (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it).
     """
-    from memfit.devices import resolve_device
+    from memfit.device.machine import resolve_device
     dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     batch = ExampleBatch(example, dtype)

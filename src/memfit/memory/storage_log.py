@@ -14,9 +14,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
+from memfit.device.measure import _storage_key
 from memfit.memory.fake_kernels import BOUNDED_IN_BATCH, REAL_SIZE, WORKSPACE, real_bytes, workspace_bytes
 from memfit.memory.kernel_scratch import measured_here, spec_of
-from memfit.memory.measure import _storage_key
 
 __all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog"]
 
@@ -40,7 +40,7 @@ def _fresh_outputs(func) -> bool:
 class StorageLog:
     """Logs every storage allocated and freed on `device` as (op index, storage key, +bytes or -bytes).
 
-    The lean cousin of `memfit.memory.measure`'s live-bytes mode for fake runs, where its Python work per op is most
+    The lean cousin of `memfit.device.measure`'s live-bytes mode for fake runs, where its Python work per op is most
     of the cost: one weak reference per storage rather than a finalizer per tensor (a storage's Python object
     lives as long as the storage, so the reference dies with the last tensor on it), ops kept as objects, and
     an op's inputs looked at only when its schema says an output may alias one (a view of, or a write to, a

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from memfit.memory.allocator import CPU_ALIGNMENT
-from memfit.memory.measure import unique_bytes
+from memfit.device.allocators import CPU_ALIGNMENT
+from memfit.device.measure import unique_bytes
 from memfit.messages import first_line
 from memfit.planner.arena import (
     ALGORITHMS,

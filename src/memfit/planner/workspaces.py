@@ -35,7 +35,7 @@ def _replacement_bytes(fn, args: tuple, kwargs: dict) -> int:
     through `max_pool2d_with_indices` and makes the int64 indices (twice the values' bytes) inside."""
     from torch.utils._pytree import tree_flatten
 
-    from memfit.memory.measure import track_memory
+    from memfit.device.measure import track_memory
     leaves = tree_flatten((args, kwargs))[0]
     key = (fn, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves),
            torch.get_num_threads())

@@ -1,5 +1,5 @@
 """The broad sweep of `memfit bench train --architectures`: transformers models nobody here tuned the memory
-model on, each checked against the live bytes of real training steps (memfit.memory.measure) at batch sizes the
+model on, each checked against the live bytes of real training steps (memfit.device.measure) at batch sizes the
 memory model does not probe."""
 import pytest
 import torch

@@ -20,7 +20,7 @@ import torch
 
 from memfit.cli.bench.common import machine_header, median, spread_warning, sync, table, to_csv
 from memfit.compact import CompactDataset
-from memfit.devices import resolve_device
+from memfit.device.machine import resolve_device
 
 SHAPES = {"mnist": (60_000, (1, 28, 28)), "cifar": (50_000, (3, 32, 32))}
 CODECS = ("uint8", "int8", "q8", "q4", "bits1", "fp16", "bf16", "float32")

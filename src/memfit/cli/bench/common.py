@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from memfit.budget import format_bytes
-from memfit.devices import cpu_name
+from memfit.device.machine import cpu_name
 
 # Above this relative spread of repeated timings ((upper quartile - lower quartile) / median, or
 # (max - min) / median for fewer than 4 repeats) a figure is noise rather than a measurement; a

@@ -1,6 +1,6 @@
 """What memfit is measured against, side by side in the benchmarks: `torch.compile` (inductor, CPU) beside the
 planned forward (`bench planner --real`), PyTorch's `MemTracker` beside the training-step memory model
-(`bench train`). Both measured as memfit is: bytes by the allocator (`memfit.memory.measure.track_memory`).
+(`bench train`). Both measured as memfit is: bytes by the allocator (`memfit.device.measure.track_memory`).
 
 A contender that cannot run here (no C compiler for inductor, a model `MemTracker` cannot run on fake tensors)
 is a row saying why, not a failed benchmark.
@@ -22,7 +22,7 @@ import torch
 
 from memfit.batches import batch_tensors, forward
 from memfit.cli.bench.common import in_own_process, paired_ratio, rounds_for, table
-from memfit.memory.measure import track_memory
+from memfit.device.measure import track_memory
 from memfit.messages import first_line, whole_words
 
 __all__ = ["CAPTURE_TARGET", "compile_seconds", "compile_times", "compiled_columns", "compiled_table",

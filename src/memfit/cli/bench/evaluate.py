@@ -2,7 +2,7 @@
 
 A CPU has no memory limit small enough to hit, so the benchmark emulates a device of each `--budget`
 size: a chunk "really fits" when the parameters, the decoded input chunk and the live bytes
-measured while the model runs it (`memfit.memory.measure.track_memory`, the runner evaluate really uses:
+measured while the model runs it (`memfit.device.measure.track_memory`, the runner evaluate really uses:
 the planned module with its arena, or eager) add up to at most the budget. The compact dataset
 stays on the host here (as with a dataset larger than the device); its gathered rows are freed
 once decoded, before the model runs.
@@ -33,8 +33,8 @@ from memfit import evaluate
 from memfit.budget import format_bytes, model_device, parse_bytes
 from memfit.cli.bench.common import alternating_medians, machine_header, paired_ratio, rounds_for, spread_warning, table
 from memfit.compact import CompactDataset
-from memfit.devices import resolve_device
-from memfit.memory.measure import held_bytes, track_memory
+from memfit.device.machine import resolve_device
+from memfit.device.measure import held_bytes, track_memory
 
 
 def cnn(classes: int = 10) -> torch.nn.Module:

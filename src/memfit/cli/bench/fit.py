@@ -4,7 +4,7 @@ Models (tiny, random weights, CPU): a CNN of conv blocks without and with BatchN
 `transformers` configs BERT (encoder), GPT-2 (causal LM, `use_cache=False`), ViT and ConvNeXt; AdamW. For each,
 every point of the grid (micro-batch 1, 2, 4, ..., N x checkpointing 0, 1/4, 1/2, 3/4, all of the candidate
 blocks; the whole batch only with BatchNorm) is run for real on a fresh copy of the model: its peak
-(`memfit.memory.measure`'s live bytes, the emulated device) and its step time relative to the plain step, every
+(`memfit.device.measure`'s live bytes, the emulated device) and its step time relative to the plain step, every
 point timed in turn in each round (ABBA order), each round's times over that round's plain step, the median over
 rounds. Those relative times against the time model's predictions (`explain()`'s "time" column) over the whole
 grid: the error distribution per model. Three budgets per model, from the predicted grid: one where the plain
@@ -60,9 +60,9 @@ from memfit.cli.bench.common import (
 )
 from memfit.cli.bench.train_cases import Case, hf_cases
 from memfit.cli.bench.train_steps import grad_rel_error, held_bytes
+from memfit.device.measure import track_memory
 from memfit.fitting.checkpointing import checkpointed
 from memfit.fitting.timing import clock
-from memfit.memory.measure import track_memory
 
 TARGETS = {"peak_low": 1.00, "peak_high": 1.05, "time": 0.95, "grad_rel": 1e-4}
 SHORTLIST = 1.30      # grid points within this factor of the fastest fitting grid median are timed against the plan
@@ -300,7 +300,7 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[d
           f"rounds (every point in turn, over the plain step; about {GRID_SECONDS:.0f} s a model), then "
           f"{repeat + repeat % 2} to 48 rounds (ABBA pairs, about {PAIR_SECONDS:.0f} s each), more up to {MAX_ROUNDS} "
           "while a median's 95% interval holds the time target (column 'rounds': the most a row took), against "
-          "the plan; peaks from memfit.memory.measure (live tensor bytes: the emulated device)")
+          "the plan; peaks from memfit.device.measure (live tensor bytes: the emulated device)")
     rows, errors = [], []
     for case in cases():
         if case.name not in names:

@@ -2,7 +2,7 @@
 
 Per model, from `memfit.fit(..., levers=("bf16",), exhaustive=True)`: every bf16 alternative (micro-batch m of the
 whole batch, forward and loss under bf16 autocast, as `FitPlan.step` runs it) is run for real and its peak
-(`memfit.memory.measure`'s live bytes) set against the predicted bytes (target: predicted / real in [1.00, 1.05]);
+(`memfit.device.measure`'s live bytes) set against the predicted bytes (target: predicted / real in [1.00, 1.05]);
 and where one exists, the budget where only bf16 fits (halfway between the least bf16 alternative and the least
 float32 one) gets the plan `fit` chooses, run through `plan.step` (target: real peak <= budget).
 

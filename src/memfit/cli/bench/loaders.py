@@ -30,7 +30,7 @@ from memfit.cli.bench import host_memory
 from memfit.cli.bench.codecs import images
 from memfit.cli.bench.common import machine_header, median, spread_warning, sync, table
 from memfit.compact import CompactDataset
-from memfit.devices import resolve_device
+from memfit.device.machine import resolve_device
 
 
 def _epoch_time(make_iter, device) -> float:

@@ -3,7 +3,7 @@ model zoo and on real architectures from `transformers` configs; and a long diff
 
 For every model and batch size: naive bytes (every planned tensor its own region), the eager
 peak (bytes the allocator serves to eager PyTorch under `torch.inference_mode`, inside kernels
-too: `memfit.memory.measure.track_memory`), the planned arena, the lower bound (most bytes live at
+too: `memfit.device.measure.track_memory`), the planned arena, the lower bound (most bytes live at
 one op), the unplanned bytes the planned run still allocates (measured the same way as eager), and
 the latency of both, side by side in one
 process (eager and planned called in turn, medians after warm-up), each model in a process of its own. Real models
@@ -54,8 +54,8 @@ from memfit.cli.bench.contenders import (
     compiled_verdicts,
     with_compile_times,
 )
+from memfit.device.measure import track_memory
 from memfit.memory.kinds import MemoryKind
-from memfit.memory.measure import track_memory
 from memfit.messages import first_line, whole_words
 from memfit.planner.planned import plan_captured
 from memfit.testing.zoo import MODELS, build

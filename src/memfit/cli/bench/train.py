@@ -5,7 +5,7 @@ Ten models: memfit's zoo (MLP, LeNet, ResNet-18, MobileNetV2, U-Net, a transform
 capture, ViT, ConvNeXt; skipped when `transformers` is not installed), AdamW, two batch sizes each.
 
 1. peak: `memfit.memory_model(train=True)` against the bytes the allocator serves to real training steps
-   (`memfit.memory.measure.track_memory`, on the CPU from its allocation events, inside kernels too:
+   (`memfit.device.measure.track_memory`, on the CPU from its allocation events, inside kernels too:
    parameters, gradients, AdamW state, the batch, and the peak of zero_grad + forward + loss + backward +
    step, the larger of the first two steps). Target: predicted / measured in [1.00, 1.05] on every row
    (below 1 would be an out-of-memory error). Beside it, PyTorch's `MemTracker` on fake tensors (one run
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
                    help="instead: memfit's per-step cost (accumulate, plan.step) against a hand-written micro-batch "
                         f"loop on {', '.join(OVERHEAD_NAMES)} (or the comma-separated ones named); --quick, --json")
     p.add_argument("--device", default="cpu", type=device_arg,
-                   help="cpu (default; peaks from memfit.memory.measure's live bytes), cuda, cuda:1 (the caching "
+                   help="cpu (default; peaks from memfit.device.measure's live bytes), cuda, cuda:1 (the caching "
                         "allocator's peak; predictions add its rounding and margin)")
     a = p.parse_args(argv)
     if a.architectures is not None:

@@ -1,4 +1,4 @@
-"""Real training steps, measured by the allocator (`memfit.memory.measure.track_memory`): the plain step the
+"""Real training steps, measured by the allocator (`memfit.device.measure.track_memory`): the plain step the
 benchmarks compare against, the bytes a step holds and peaks at, the largest batch that really fits, and the
 gradient difference between two models after a step. Shared by `bench train` and its tables.
 """
@@ -10,7 +10,7 @@ import torch
 from memfit.accumulation.run import accumulate
 from memfit.batches import batch_tensors, forward
 from memfit.cli.bench.train_cases import Case
-from memfit.memory.measure import optimizer_state, track_memory, unique_bytes
+from memfit.device.measure import optimizer_state, track_memory, unique_bytes
 
 __all__ = ["accumulate_peak", "adamw", "bn_eval", "grad_rel_error", "held_bytes", "largest_really_fitting",
            "measured_peak", "plain_step"]
@@ -35,7 +35,7 @@ def held_bytes(model, opt, x, y) -> int:
 
 def measured_peak(case: Case, n: int) -> int:
     """Bytes of the first two real training steps on n samples (the larger), from a fresh model: the
-    allocator's peak above what the step holds (`memfit.memory.measure.track_memory`) plus what it holds."""
+    allocator's peak above what the step holds (`memfit.device.measure.track_memory`) plus what it holds."""
     model = case.make()
     device = next(model.parameters()).device
     opt = adamw(model)

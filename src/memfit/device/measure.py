@@ -25,7 +25,7 @@ every free by c10's size: see there.)
 
 Example:
     >>> import torch
-    >>> from memfit.memory.measure import track_memory
+    >>> from memfit.device.measure import track_memory
     >>> with track_memory("cpu") as mem:
     ...     y = torch.ones(1000).exp()      # two float32 buffers of 4000 bytes, both live at once
     >>> mem.peak

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from memfit.memory.allocator import CUDA_SPLIT, rounder
-from memfit.memory.measure import track_memory, track_op_outputs
+from memfit.device.allocators import CUDA_SPLIT, rounder
+from memfit.device.measure import track_memory, track_op_outputs
 
 
 def test_counts_each_new_buffer_and_its_free():
@@ -168,7 +168,7 @@ def _allocator_totals(step):
     """(peak, current) from the allocator's own running total in the profiler's events: the reference."""
     from torch.autograd.profiler import profile
 
-    from memfit.memory.measure import allocator_events
+    from memfit.device.measure import allocator_events
     with profile(use_cpu=True, profile_memory=True, use_kineto=True) as prof:
         step()
     ev = allocator_events(prof.kineto_results)
@@ -289,7 +289,7 @@ def test_the_collector_frees_no_tensor_unseen_between_two_profilers(monkeypatch)
     from the moment the outer profiler stops until the inner one starts)."""
     import gc
 
-    from memfit.memory import measure
+    from memfit.device import measure
 
     class Node:
         pass
@@ -344,7 +344,7 @@ class TiedLM(torch.nn.Module):
 
 @pytest.mark.parametrize("same_parameter", [True, False])
 def test_held_bytes_counts_a_tied_weight_once(same_parameter):
-    from memfit.memory.measure import held_bytes
+    from memfit.device.measure import held_bytes
     V, D = 50, 8
     m = TiedLM(V, D, same_parameter)
     assert m.out.weight.untyped_storage().data_ptr() == m.emb.weight.untyped_storage().data_ptr()
