@@ -123,3 +123,60 @@ def test_each_public_name_has_one_import_path():
         twice += [f"{name}.{k}" for k in sorted(exported & public)
                   if not inspect.ismodule(getattr(memfit, k))]
     assert not twice, f"also exported beside memfit.*: {twice}; import them from memfit only"
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the memfit modules it imports (at any depth), a module's own package left out."""
+    mods = set(all_modules())
+    edges = {}
+    for path in SRC.rglob("*.py"):
+        name = module_name(path)
+        found = {n for _, n in imported_modules(path) if n in mods and n != name}
+        edges[name] = {n for n in found if not name.startswith(n + ".")}
+    return edges
+
+
+def test_there_are_no_import_circles():
+    """Imports flow one way (issue 35 found five circles): a depth-first search finds no module that imports, through
+    any chain, itself. `memfit/__init__` and a package's own `__init__` re-exporting its modules are left out."""
+    edges = {m: {n for n in e if n != "memfit"} for m, e in _graph().items() if m != "memfit"}
+    state, circles = {}, []
+
+    def visit(m, path):
+        state[m] = 1
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                circles.append(" -> ".join(path[path.index(n):] + [n]))
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, "import circles:\n" + "\n".join(circles[:10])
+
+
+def test_the_layers_point_down():
+    """`memfit.device` (the allocator, real measurements, torch's private names) imports nothing else of memfit; the
+    engine (`memfit.memory`) never imports the planner, its consumer."""
+    up = [f"{m} imports {n}" for m, e in _graph().items() for n in sorted(e)
+          if (m.startswith("memfit.device") and not n.startswith("memfit.device"))
+          or (m.startswith("memfit.memory") and n.startswith("memfit.planner"))]
+    assert not up, "\n".join(up)
+
+
+def test_no_module_is_over_450_lines():
+    long = {module_name(p): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
+
+
+def test_the_front_door_is_small_and_moved_names_still_resolve_with_a_pointer():
+    """At most 15 names on `memfit` (issue 35: 36 were there); a name that moved resolves from its new home, with a
+    DeprecationWarning saying where."""
+    assert len(memfit.__all__) <= 15, memfit.__all__
+    for name, home in memfit._MOVED.items():
+        with pytest.warns(DeprecationWarning, match=f"memfit.{name} moved to {home}.{name}"):
+            obj = getattr(memfit, name)
+        assert obj is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        getattr(memfit, "nonexistent")  # noqa: B009  (the attribute access is the test)

@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 from memfit.messages import first_line
-from memfit.rank_data import KIND_NAMES, check_same_data, data_identity  # noqa: F401  (their home was here)
 
-__all__ = ["KIND_NAMES", "MESSAGE_BYTES", "RankFailed", "TIMEOUT_S", "VALUES", "agree", "all_gather",
-           "all_gather_text", "all_reduce", "check_same_data", "data_identity", "epoch_batch_sizes",
+__all__ = ["MESSAGE_BYTES", "RankFailed", "TIMEOUT_S", "VALUES", "agree", "all_gather",
+           "all_gather_text", "all_reduce", "epoch_batch_sizes",
            "is_distributed", "rank_world", "reduce_states", "shard_data", "shard_indices", "shard_sizes", "smallest"]
 
 TIMEOUT_S = float(os.environ.get("MEMFIT_DIST_TIMEOUT", "120"))

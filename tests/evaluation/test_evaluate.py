@@ -558,7 +558,7 @@ def test_an_extrapolated_chunk_estimate_says_it_is_approximate(monkeypatch, capl
 def test_a_chunk_sized_for_the_planner_is_sized_again_when_the_planner_cannot_run(monkeypatch):
     """The planned forward holds less than the eager one: when the plan cannot be borrowed after all, the
     chunk is sized again for the eager forward instead of running a planner-sized chunk over the budget."""
-    from memfit.memory import cache
+    from memfit.planner import kept as cache
     x, y = make_data(3000)
     model = make_model()
     ds = CompactDataset.from_arrays(x, y, device="cpu")

@@ -255,7 +255,7 @@ def test_accumulate_runs_a_batchnorm_model_whole_without_opt_in():
     memfit.accumulate(model, opt, (x, y), F.mse_loss, micro_batch=N)
     plain_step(ref, ref_opt, x, y)
     assert max_rel_error(grads(model), grads(ref)) < 1e-6
-    with pytest.raises(memfit.BatchDependentError):
+    with pytest.raises(memfit.errors.BatchDependentError):
         memfit.accumulate(model, opt, (x, y), F.mse_loss, micro_batch=N // 2)
 
 

@@ -15,10 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit import Loader, loader
+from memfit import loader
 from memfit.budget import BudgetExceeded, format_bytes
 from memfit.cli.bench.host_memory import run_child, verdict, write_images
 from memfit.compact import CompactDataset
+from memfit.loading import Loader
 from memfit.loading.strategy import Needs, block_ledger, choose, largest_macro, resident_ledger
 from memfit.testing.ranks import run_ranks
 

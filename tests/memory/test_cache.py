@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from memfit.memory import cache
-from memfit.memory.cache import ModelCache, borrow_plan, give_back
+from memfit.memory.cache import ModelCache
 
 
 def counter():
@@ -81,69 +81,3 @@ def test_forget_drops_one_model_from_one_cache_or_from_all():
     cache.forget(m)                                    # every cache
     assert second.peek(m, "k") is None and second.peek(other, "k") == "other"
     first.forget(nn.Linear(2, 2))                      # a model never seen: nothing to drop, no error
-
-
-def test_a_cached_plan_is_lent_to_one_caller_at_a_time_and_lets_go_of_the_model():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
-    x = torch.randn(8, 16)
-    first = borrow_plan(model, torch.empty(8, 16))
-    assert first.model is model
-    second = borrow_plan(model, torch.empty(8, 16))   # while the first is out: its own plan from the same capture
-    assert second is not first and second.captures[0] is first.captures[0]
-    torch.testing.assert_close(second(x), model(x))
-    give_back(second)
-    torch.testing.assert_close(first(x), model(x))    # the other's give_back freed nothing of the first's
-    give_back(first)
-    assert first.model is None and first.arena_bytes == 0
-    again = borrow_plan(model, torch.empty(8, 16))    # given back: the cached plan is lent again, no capture
-    assert again is first
-    give_back(again)
-    ref = weakref.ref(model)
-    del model
-    gc.collect()
-    assert ref() is None                               # the kept plan does not keep its model alive
-
-
-def test_a_plan_is_kept_per_input_layout_and_a_memory_model_per_sample_shape():
-    model = nn.Sequential(nn.ReLU()).eval()
-    a = borrow_plan(model, torch.empty(8, 16))
-    give_back(a)
-    b = borrow_plan(model, torch.empty(4, 16))         # another batch size, the same layout: the same plan
-    give_back(b)
-    c = borrow_plan(model, torch.empty(8, 32))         # another sample shape: another plan
-    give_back(c)
-    assert b is a and c is not a
-    assert cache.known_memory_model(model, (16,), torch.float32) is None      # nothing made yet, nothing made here
-    mm = cache.memory_model_of(model, (16,), torch.float32)
-    assert cache.known_memory_model(model, (16,), torch.float32) is mm
-    assert cache.memory_model_of(model, (16,), torch.float32) is mm
-    assert cache.known_memory_model(model, (32,), torch.float32) is None
-
-
-def test_plans_and_memory_models_made_at_another_thread_count_are_not_reused():
-    """The kernels' workspaces a placement and a memory model count (oneDNN's scratch) are measured per
-    intra-op thread count: what was made at one count must not answer at another (it used to)."""
-    model = nn.Sequential(nn.ReLU()).eval()
-    x = torch.empty(2, 16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        pm1 = borrow_plan(model, x)
-        give_back(pm1)
-        mm1 = cache.memory_model_of(model, (16,), torch.float32)
-        fm1 = cache.forward_memory_of(model, x)
-        torch.set_num_threads(2)
-        assert cache.known_memory_model(model, (16,), torch.float32) is None
-        pm2 = borrow_plan(model, x)
-        give_back(pm2)
-        assert pm2 is not pm1
-        assert cache.memory_model_of(model, (16,), torch.float32) is not mm1
-        assert cache.forward_memory_of(model, x) is not fm1
-        torch.set_num_threads(1)                        # back at one thread: the values made there, kept
-        pm = borrow_plan(model, x)
-        give_back(pm)
-        assert pm is pm1 and cache.known_memory_model(model, (16,), torch.float32) is mm1
-        assert cache.forward_memory_of(model, x) is fm1
-    finally:
-        torch.set_num_threads(threads)

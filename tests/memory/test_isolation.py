@@ -13,8 +13,8 @@ from torch import nn
 
 import memfit
 from memfit.memory import cache
-from memfit.memory.cache import borrow_plan, give_back
 from memfit.memory.isolation import kept_rng, structural_copy
+from memfit.planner.kept import borrow_plan, give_back
 
 
 def mlp(dropout: float = 0.5) -> nn.Module:
@@ -162,7 +162,7 @@ def entry_points(model, opt):
         "memory_model train": lambda: memfit.memory_model(model, (16,), train=True, optimizer=opt),
         "max_batch_size": lambda: memfit.max_batch_size(model, (16,), "1MiB"),
         "max_batch_size train": lambda: memfit.max_batch_size(model, (16,), "1MiB", train=True, optimizer=opt),
-        "activation_bytes": lambda: memfit.activation_bytes(model, (16,), [1, 8]),
+        "activation_bytes": lambda: memfit.sizing.activation_bytes(model, (16,), [1, 8]),
         "plan": lambda: memfit.plan(model, torch.zeros(4, 16)),
         "evaluate": lambda: memfit.evaluate(model, (x.numpy(), y.numpy()), budget="1MiB", planned=True,
                                             device="cpu", progress=False),
@@ -178,7 +178,7 @@ def test_no_entry_point_draws_from_torchs_random_generator():
         before = torch.get_rng_state()
         try:
             call()
-        except memfit.CaptureError:          # a dropout in training mode does not plan: the attempt counts
+        except memfit.errors.CaptureError:          # a dropout in training mode does not plan: the attempt counts
             assert name == "plan"
         assert torch.equal(before, torch.get_rng_state()), name
 
@@ -202,7 +202,7 @@ def test_check_prediction_draws_only_for_its_real_steps():
     model, x, y = mlp(), torch.randn(8, 16), torch.randint(0, 4, (8,))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
-    memfit.check_prediction(model, lambda n: x[:n], (4,), optimizer=opt, loss_fn=F.cross_entropy,
+    memfit.memory.check_prediction(model, lambda n: x[:n], (4,), optimizer=opt, loss_fn=F.cross_entropy,
                             target_at=lambda n: y[:n])
     after = torch.get_rng_state()
     torch.manual_seed(1)                                      # the same real steps without the prediction

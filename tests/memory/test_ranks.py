@@ -330,7 +330,7 @@ def test_rank_measurement_is_the_step_measurement_module():
     import memfit
     from memfit.memory import step
     assert importlib.util.find_spec("memfit.memory.rank_measure") is None
-    assert memfit.measure_rank_step is step.measure_rank_step and memfit.measure_step is step.measure_step
+    assert memfit.memory.measure_rank_step is step.measure_rank_step and memfit.measure_step is step.measure_step
 
 
 def test_settled_gloo_waits_for_a_work_that_keeps_the_very_tensors_it_was_given(monkeypatch):

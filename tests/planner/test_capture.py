@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from memfit import CaptureError
+from memfit.errors import CaptureError
 from memfit.planner.capture import DEBUG_ENV, as_inputs, capture, constants, decompositions
 from memfit.planner.planned import capture_model
 

@@ -6,11 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from memfit import BudgetExceeded, CaptureError, activation_bytes, max_batch_size, memory_model, plan
+from memfit import BudgetExceeded, max_batch_size, memory_model, plan
 from memfit.cli.plan import cli_plan, load_factory
+from memfit.errors import CaptureError
 from memfit.planner.arena import align
 from memfit.planner.ops import INPLACE
 from memfit.planner.planned import ALIGNMENT
+from memfit.sizing import activation_bytes
 from memfit.testing.zoo import MODELS, build
 
 # batch 1 and 3 where export is quick; the large graphs at batch 2 only, to keep the file fast
@@ -403,7 +405,7 @@ def test_a_model_that_fixes_its_batch_is_captured_statically_with_the_reason():
 
 
 def test_cache_keeps_only_capture_errors_with_traceback_and_sees_training():
-    from memfit.memory import cache
+    from memfit.planner import kept as cache
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).train()
     x = torch.randn(2, 1, 8, 8)
     with pytest.raises(CaptureError, match=r"model.eval\(\)") as first:

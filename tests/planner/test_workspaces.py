@@ -72,7 +72,7 @@ def test_the_scratch_of_kernels_on_bfloat16_is_counted():
         real = params + x.nbytes + pm.arena_bytes + _allocator_peak(pm, x)
         assert 1.0 <= mm.total_bytes(n) / real <= 1.05, (n, mm.total_bytes(n), real)
     # the kernel itself: its float32 copy, and the bytes the planner counts for it, against the allocator
-    from memfit.planner.workspaces import inside_parts
+    from memfit.memory.kernel_scratch import inside_parts
     x = torch.randn(8, 32, 16, 16, dtype=torch.bfloat16)
     with torch.inference_mode(), track_memory() as mem:
         out = torch.mean(x, [-1, -2], True)

@@ -22,8 +22,10 @@ Example:
     >>> r.micro_batches, r.micro_batch, r.retries       # 4 + 4 + 2 samples
     (3, 4, 0)
 
-Every public name lives on `memfit` (`memfit.accumulate`, `memfit.StepResult`, `memfit.NonFiniteLossError`,
-`memfit.BatchDependentError`); `batch_dependent_modules` is in `checks`.
+`memfit.accumulate` is the entry point; this package exports `StepResult` (its result); the errors are in
+`memfit.errors` (`NonFiniteLossError`, `BatchDependentError`); `batch_dependent_modules` is in `checks`.
 """
 
-__all__: list[str] = []
+from memfit.accumulation.result import StepResult
+
+__all__ = ["StepResult"]

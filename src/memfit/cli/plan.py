@@ -175,7 +175,7 @@ def _fit_report(args, model: torch.nn.Module, shapes, dtype) -> int:
 def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
     """`memfit plan --train`: the training step's bytes by kind at the given batch, a plot, the largest batch."""
     from memfit.budget import format_bytes, largest_fitting, parse_bytes
-    from memfit.memory.sizing import memory_model, plot_memory
+    from memfit.sizing import memory_model, plot_memory
     model.train().to(args.device)
     opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
     example = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
@@ -208,6 +208,17 @@ def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
     return 0
 
 
+def _eager_forward(model: torch.nn.Module, example: tuple):
+    """The memory model of the user's own eager forward on `example` (what `memory_model` answers by default), or
+    why it could not be made (a model fake tensors cannot run), as a string."""
+    from memfit.messages import first_line
+    from memfit.sizing import memory_model
+    try:
+        return memory_model(model, example if len(example) > 1 else example[0])
+    except Exception as e:             # the plan below may still work: say why, and go on
+        return first_line(e)
+
+
 def cli_plan(argv: list[str]) -> int:
     """Run `memfit plan` with `argv` (the arguments after 'plan'); returns the exit code."""
     args = _parser().parse_args(argv)
@@ -229,15 +240,28 @@ def cli_plan(argv: list[str]) -> int:
     if args.budget or args.parallel:
         raise UsageError("--budget and --parallel go with --train")
     model.eval().to(args.device)
-    pm = plan(model, tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes),
-              algorithm=args.algorithm, inplace=not args.no_inplace, eager_where_cheaper=not args.all_in_arena,
-              reorder=not args.graph_order)
+    example = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
+    eager = _eager_forward(model, example)
+    pm = plan(model, example, algorithm=args.algorithm, inplace=not args.no_inplace,
+              eager_where_cheaper=not args.all_in_arena, reorder=not args.graph_order)
     rep = pm.report
     path = rep.plot(args.plot) if args.plot else None
+    n = shapes[0][0]
     if args.json:
-        print(json.dumps({**rep.to_dict(), "plot": str(path) if path else None}))
+        mine = None if isinstance(eager, str) else {"total_bytes": eager.total_bytes(n),
+                                                     "breakdown": eager.breakdown(n), "method": eager.method}
+        print(json.dumps({**rep.to_dict(), "plot": str(path) if path else None, "eager_forward": mine,
+                          "eager_forward_error": eager if isinstance(eager, str) else None}))
         return 0
+    from memfit.budget import format_bytes
     print(f"{args.factory} with input {' and '.join(str(list(s)) for s in shapes)} (model put in eval mode)")
+    if isinstance(eager, str):
+        print(f"your own model(x) under torch.no_grad(): not predicted ({eager})")
+    else:
+        print(f"your own model(x) under torch.no_grad() (eager): {format_bytes(eager.total_bytes(n))} at the peak, "
+              "predicted from a fake-tensor run (memfit.memory_model)")
+    print(f"memfit.plan(model)'s planned forward: {format_bytes(rep.total_bytes)} at the peak (holds only where "
+          "the planned module runs: pm = memfit.plan(model, (x,)); pm(x)); its plan:")
     print(rep.summary())
     print(rep.table(limit=None if args.all else 60).replace("(report.table(limit=None) lists all)",
                                                             "(--all lists them all)"))

@@ -10,7 +10,9 @@
 - `ranks`: several ranks agreeing on the data and the chunk size, and summing their results;
 - `result`: `EvalResult`.
 
-Every public name lives on `memfit` (`memfit.evaluate`, `memfit.EvalResult`).
+The entry point is `memfit.evaluate`; this package exports its result, `EvalResult`.
 """
 
-__all__: list[str] = []
+from memfit.evaluation.result import EvalResult
+
+__all__ = ["EvalResult"]

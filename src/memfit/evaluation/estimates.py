@@ -40,26 +40,23 @@ class Source(Enum):
 
 
 def _planned_peak(model, sample_shape, dtype) -> tuple[Callable[[int], int] | None, str, Source | None]:
-    """(peak(n) from the activation planner, "planner", PLANNER), or, when it cannot capture the model, the
-    fake-tensor forward memory_model fell back to, or (None, why not, None)."""
+    """(peak(n) of the planned forward, "planner", PLANNER), or (None, why not, None) when the planner cannot
+    capture the model (the caller then sizes the eager forward)."""
     try:
-        from memfit.memory.cache import memory_model_of
-        from memfit.memory.inference import InferenceMemoryModel
-        mm = memory_model_of(model, sample_shape, dtype)
-    except Exception:          # export failures are expected for some models; the runner says why
-        return None, ", as the planner could not capture the model", None
-    if not isinstance(mm, InferenceMemoryModel):      # memory_model fell back to a fake-tensor forward itself
-        return mm.total_bytes, "fake-tensor forward, as the planner could not capture the model", Source.FAKE_FORWARD
+        from memfit.planner.kept import planned_model_of
+        mm = planned_model_of(model, sample_shape, dtype)
+    except Exception as e:     # export failures are expected for some models; the runner says why
+        return None, f", as the planner could not capture the model ({first_line(e)})", None
     return mm.total_bytes, "planner", Source.PLANNER
 
 
 def _fake_peak(model, chunks: Chunks, why: str) -> tuple[Callable[[int], int] | None, str]:
-    """peak(n) of an eager forward from fake-tensor runs (`memfit.memory.step_model`; no export, nothing allocated),
-    cached per model; (None, why) when even that fails."""
+    """peak(n) of an eager forward from fake-tensor runs (`memfit.memory.step_model`; no export, nothing allocated,
+    kept per model); (None, why) when even that fails."""
     try:
-        from memfit.memory.cache import forward_memory_of
+        from memfit.memory.step_model import step_memory_model
         x, _ = chunks.get(0, 1)
-        mm = forward_memory_of(model, x)
+        mm = step_memory_model(model, x, train=False)
     except Exception as e:     # a model fake tensors cannot run: measure real runs instead
         return None, f"{why}; fake-tensor estimate failed: {first_line(e)}"
     return mm.total_bytes, f"fake-tensor forward{why}"

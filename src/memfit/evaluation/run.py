@@ -171,7 +171,7 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
                 if m.training != training:
                     m.training = training
         if runner is not model:
-            from memfit.memory.cache import give_back
+            from memfit.planner.kept import give_back
             give_back(runner)       # the arena is freed now; the plans stay for the next call
     # reduce: over the ranks, then each metric's whole-set value
     if distributed:
@@ -281,11 +281,10 @@ def _model_device(model, device) -> torch.device:
 def _planned_runner(model, chunks: Chunks, size: int, required: bool | None):
     """(the borrowed planned module, "") or (model, why it runs eagerly); with planned=True a failure raises."""
     try:
-        from memfit.memory.cache import borrow_plan, known_memory_model
-        from memfit.memory.inference import InferenceMemoryModel
-        mm = known_memory_model(model, chunks.sample_shape, chunks.dtype)      # made when sizing the chunk
-        if mm is not None and not isinstance(mm, (InferenceMemoryModel, Exception)):   # capture failed: don't pay again
-            return model, f"run eagerly: {whole_words(mm.why, 200)}"
+        from memfit.planner.kept import borrow_plan, known_planned_model
+        mm = known_planned_model(model, chunks.sample_shape, chunks.dtype)     # made when sizing the chunk
+        if isinstance(mm, Exception):                 # capture failed when sizing: don't pay again
+            return model, f"run eagerly: the planner could not capture the model ({whole_words(first_line(mm), 200)})"
         # zeros, not empty: integer inputs (token ids) must be valid indices
         example = torch.zeros((min(size, chunks.n), *chunks.sample_shape), dtype=chunks.dtype, device=chunks.device)
         return borrow_plan(model, example), ""      # captured once per model, given back below

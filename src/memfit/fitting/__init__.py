@@ -8,7 +8,9 @@ candidates; running chosen ones under non-reentrant `torch.utils.checkpoint` onl
 computed when first needed), `fitter` (`fit` and `FitPlan`), `trainer` (the hand-off to transformers'
 `Trainer`), `plot` (the alternatives against the budget).
 
-Every public name lives on `memfit` (`memfit.fit`, `memfit.FitPlan`); this package exports nothing of its own.
+The entry point is `memfit.fit`; this package exports its result, `FitPlan`.
 """
 
-__all__: list[str] = []
+from memfit.fitting.fitter import FitPlan
+
+__all__ = ["FitPlan"]

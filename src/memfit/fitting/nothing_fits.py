@@ -1,6 +1,6 @@
 """What `memfit.fit` says when no alternative fits: `BudgetExceeded` with the breakdown of the least any
 alternative needs (parameters, gradients, optimizer state, the rest) and what would fit (a number of FSDP2 ranks,
-predicted by `memfit.ranks_needed`; bf16; an optimizer with less state)."""
+predicted by `memfit.sizing.ranks_needed`; bf16; an optimizer with less state)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: i
     even = "" if est is None else (f"about {est} devices sharding parameters, gradients and optimizer state (FSDP / "
                                    f"ZeRO: {format_bytes(static // est + rest)} each if they shard evenly")
     if any(t.device.type != "cpu" for t in module.parameters()):
-        return [even + "; memfit.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"] if even else []
+        return [even + "; memfit.sizing.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"] if even else []
     from memfit.memory.ranks import NoWorldFits, ranks_needed
     try:
         w = ranks_needed(module, batch_slice(x, 0, 1), budget, 1, optimizer=optimizer, loss_fn=loss_fn,
@@ -71,8 +71,8 @@ def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: i
     except Exception as e:         # a hint inside an error: never replace the BudgetExceeded
         return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"] if even else []
     return [f"{w} FSDP2 ranks (fully_shard on each block and the root, a plain step of one sample per rank, no "
-            "checkpointing: per-rank peak predicted by memfit.ranks_needed, which may not have tried every smaller "
-            "count: uneven shards are padded)"]
+            "checkpointing: per-rank peak predicted by memfit.sizing.ranks_needed, which may not have tried every "
+            "smaller count: uneven shards are padded)"]
 
 
 def optimizer_state_bytes(optimizer, module) -> int:

@@ -11,7 +11,7 @@ __all__ = ["plot_fit"]
 
 
 def plot_fit(plan, path, *, name: str = "") -> Path:
-    """Write one point per alternative of `plan` (a `memfit.FitPlan`) whose bytes were computed: x the predicted
+    """Write one point per alternative of `plan` (a `memfit.fitting.FitPlan`) whose bytes were computed: x the predicted
     time relative to the plain step, y the predicted peak in MiB, colour the number of checkpointed blocks,
     marker the micro-batch; the budget a dashed line, the chosen plan circled. Returns the path written."""
     try:

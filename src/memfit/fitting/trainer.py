@@ -1,4 +1,4 @@
-"""Hand a `memfit.FitPlan` to transformers' `Trainer`: `trainer_arguments(plan, args)` returns a copy of the
+"""Hand a `memfit.fitting.FitPlan` to transformers' `Trainer`: `trainer_arguments(plan, args)` returns a copy of the
 `TrainingArguments` with the plan's per-device batch and the gradient-accumulation steps that keep the effective
 batch, and checkpoints the plan's layers on the model (only those: transformers' own `gradient_checkpointing`
 would checkpoint every layer, so it is set off). `remove_checkpointing(plan)` undoes what it did to the model.

@@ -1,41 +1,48 @@
-"""Memory models: the bytes a forward or a whole training step needs at any batch size, before it runs.
+"""The engine: the bytes a forward or a whole training step needs at any batch size, before it runs.
 
-- `memory_model(model, example, train=...)` -> a `MemoryModel` (`total_bytes(n)`, `breakdown(n)` by `MemoryKind`,
-  `method`, `explain()`): `InferenceMemoryModel` for a forward the planner captures (its arena, exact at any
-  n), `StepMemoryModel` for anything else (an eager forward, a training step) from fake-tensor runs.
-- `max_batch_size`, `activation_bytes`: what fits a budget, from the model.
-- `measure_step`: one real step's peak bytes; `check_prediction`: the prediction against real steps.
+One mechanism answers every question: the user's own step (an eager forward under no_grad, a training step, one
+rank's DDP or FSDP2 step) runs for real on fake tensors at a few small batch sizes (nothing is allocated), every
+storage it allocates and frees is logged per op, and the runs are fitted into bytes at any n (`StepMemoryModel`,
+`RankMemoryModel`, both `MemoryModel`s). The user-facing answers (`memfit.memory_model`, `memfit.max_batch_size`)
+are in `memfit.sizing`; the planner's arena (`planned=True`) is a consumer of this package, never a dependency:
+nothing here imports `memfit.planner`.
 
-Every public name lives on `memfit` (`memfit.memory_model`, `memfit.MemoryModel`, ...); this package
-exports nothing of its own.
+Exports: `MemoryModel` (the interface: `total_bytes(n)`, `breakdown(n)` by `MemoryKind`, `method`, `explain()`),
+`MemoryKind`, `StepMemoryModel`, `RankMemoryModel`, `measure_rank_step` (a real rank's step's peak by the allocator;
+`memfit.measure_step` one process's), `check_prediction` (the prediction against real steps).
 
-Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `allocator` (what the allocators add: CUDA
-blocks and margin, CPU alignment), `step` (what one training step is; measuring it for real), `fake_run` (that step or
-a forward on fake tensors; `storage_log`: every storage it allocates and frees, per op), `fake_kernels` (the bytes
-real kernels give where fake ones differ), `kernel_scratch` (what kernels allocate inside, oneDNN's workspaces and the
-scratch of kernels on half-precision arguments, measured at each batch size asked about), `fit` (fake runs at a few
-sizes fitted into lines per op), `fit_ladder` (which fit, and which runs: the ladder of fitters), `step_model`
-(`StepMemoryModel`; `fake_failure`: why a fake run failed, in words), `prediction_check` (`check_prediction`),
-`inference` (`InferenceMemoryModel`, from the planner's arena), `sizing` (`memory_model`, `max_batch_size`,
-`activation_bytes`, `plot_memory`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept
-plans and predictions depend on; `fingerprint_check`: the quick check that a kept one still holds), `cache` (plans and
-models kept per model), `measure` (live bytes of real runs), `isolation` (what a prediction leaves alone: the user's
-module as other threads see it, every RNG), `example_target` (the example target of a common loss, built from the
-output), `ranks` (`RankMemoryModel`: one rank of DDP or FSDP2, `ranks_needed`), `fsdp_run` (a `fully_shard` step on
-fake tensors under a fake process group); a rank's real peak is `step.measure_rank_step`, counted at the CPU allocator
-by `measure.track_memory`.
+Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `step` (what one training step is; measuring
+it for real), `fake_run` (that step or a forward on fake tensors; `storage_log`: every storage it allocates and frees,
+per op), `fake_kernels` (the bytes real kernels give where fake ones differ), `kernel_scratch` (what kernels allocate
+inside, oneDNN's workspaces and the scratch of kernels on half-precision arguments, measured at each batch size asked
+about), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which fit, and which runs: the ladder
+of fitters), `step_model` (`StepMemoryModel`; `fake_failure`: why a fake run failed, in words), `prediction_check`
+(`check_prediction`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept plans and
+predictions depend on: `model_value` its pieces, `fingerprint_check` the quick check that a kept one still holds),
+`cache` (`ModelCache`: values kept per model), `isolation` (what a prediction leaves alone: the user's module as other
+threads see it, every RNG), `global_caches` (function caches a fake run must leave without fake tensors),
+`example_target` (the example target of a common loss, built from the output), `ranks` (`RankMemoryModel`: one rank
+of DDP or FSDP2, `ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group). The
+allocator's rules and real measurements are below it, in `memfit.device`.
 
 Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA. On the CPU, what kernels
 allocate inside is measured from the real kernels for the ops `fake_kernels.WORKSPACE` lists (found by
 measuring) and for every op on half-precision arguments (`kernel_scratch`); any other kernel that allocates
-inside is seen by `measure` (the allocator's events) only.
+inside is seen by `memfit.device.measure` (the allocator's events) only.
 
 Example:
     >>> import torch
-    >>> from memfit import MemoryModel, memory_model
+    >>> from memfit.memory import MemoryModel
+    >>> from memfit.sizing import memory_model
     >>> mm = memory_model(torch.nn.Linear(8, 4), (8,))
     >>> isinstance(mm, MemoryModel), sorted(mm.breakdown(2))[:2]
-    (True, ['activations (arena)', 'activations (outside the arena)'])
+    (True, ['activations', 'allocator margin'])
 """
 
-__all__: list[str] = []
+from memfit.memory.kinds import MemoryKind, MemoryModel
+from memfit.memory.prediction_check import check_prediction
+from memfit.memory.ranks import RankMemoryModel
+from memfit.memory.step import measure_rank_step
+from memfit.memory.step_model import StepMemoryModel
+
+__all__ = ["MemoryKind", "MemoryModel", "RankMemoryModel", "StepMemoryModel", "check_prediction", "measure_rank_step"]

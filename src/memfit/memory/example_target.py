@@ -30,12 +30,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from memfit.batches import forward
 from memfit.memory.fake_run import FakeRunError, fake_maker
+from memfit.memory.global_caches import function_caches_kept_real
 from memfit.memory.isolation import fake_section, predicting, structural_copy
-from memfit.memory.step import ExampleBatch
+from memfit.memory.step import ExampleBatch, loss_name, missing_target
 from memfit.messages import first_line
-from memfit.planner.global_caches import function_caches_kept_real
 
-__all__ = ["CLASS_IDS", "LIKE_OUTPUT", "example_target", "loss_target", "missing_target"]
+__all__ = ["CLASS_IDS", "LIKE_OUTPUT", "example_target", "loss_target"]
 
 CLASS_IDS = "class ids"              # int64, the output's shape without dimension 1
 LIKE_OUTPUT = "like the output"      # the output's shape and dtype
@@ -58,19 +58,6 @@ def loss_target(loss_fn: Callable | None) -> str | None:
         return _FUNCTIONS.get(f)
     except TypeError:                       # an unhashable callable
         return None
-
-
-def _name(loss_fn) -> str:
-    f = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
-    return type(f).__name__ if isinstance(f, nn.Module) else getattr(f, "__name__", type(f).__name__)
-
-
-def missing_target(loss_fn, why: str = "") -> TypeError:
-    """The error for a loss that needs a target none was given for: what to pass, with examples."""
-    return TypeError(f"loss_fn {_name(loss_fn)} takes a target{f' ({why})' if why else ''} and none was given; pass "
-                     "target=, an example target batch (target=y[:2], its leading dimension is the batch) or one "
-                     "target's shape for float targets (target=(10,)); class ids need a tensor: "
-                     "target=torch.zeros(2, dtype=torch.long)")
 
 
 def _output(model: nn.Module, batch: ExampleBatch, device: torch.device, train: bool):
@@ -114,6 +101,6 @@ def example_target(model: nn.Module, batch: ExampleBatch, loss_fn: Callable, dev
         template = torch.zeros((1, *out.shape[1:]), dtype=out.dtype, device="meta")
         what = f"the output's shape and dtype ({str(out.dtype).removeprefix('torch.')})"
     shape = ", ".join(["n", *map(str, template.shape[1:])])
-    note = (f"no target given: {_name(loss_fn)}'s target assumed {what}, ({shape}); pass target= if yours "
+    note = (f"no target given: {loss_name(loss_fn)}'s target assumed {what}, ({shape}); pass target= if yours "
             "differs")
     return ExampleBatch(template), note

@@ -29,11 +29,11 @@ from memfit.device.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.memory.fake_kernels import (
     host_tensors_logged,
 )
+from memfit.memory.global_caches import cache_misses, clear_filled
 from memfit.memory.isolation import fake_section, predicting, structural_copy
 from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
 from memfit.memory.storage_log import StorageLog
-from memfit.planner.global_caches import cache_misses, clear_filled
 
 __all__ = ["FakeRunError", "StepSpec", "fake_run"]
 COLUMN = {k.value: i for i, k in enumerate(STEP_KINDS)}     # a kind's value -> its column in a run's arrays

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-import memfit.memory.fingerprint as fp  # its value (`_value`, `State`): imported while it imports this module
+import memfit.memory.model_value as fp  # the value's pieces (`_value`, `State`)
 
 __all__ = ["Quick"]
 

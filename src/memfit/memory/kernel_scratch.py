@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "measured_here", "real_arguments", "scratch_bytes", "scratch_ops",
-           "sizes_at", "spec_of"]
+__all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "inside_parts", "measured_here", "real_arguments", "scratch_bytes",
+           "scratch_ops", "sizes_at", "spec_of"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _BYTES: dict = {}               # (op, ArgSpec, threads) -> bytes measured beyond the outputs
@@ -207,3 +207,18 @@ def scratch_ops(run, n: int, other, m: int, column: callable) -> list[ScratchOp]
     return [ScratchOp(op, column(op), func, spec, n,
                       {} if op >= e else batch_sizes(spec, n, theirs[op], m) if op in theirs else None)
             for op, func, spec in run.scratch]
+
+
+def inside_parts(target, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(the same at every batch, the part that grows with it): bytes the real CPU kernel of `target` allocates beyond
+    its outputs on arguments of these shapes (meta tensors at one batch). The ops of `fake_kernels.WORKSPACE` split
+    the two (`workspace_bytes`); any other op on half-precision arguments (or floating ones of two dtypes) is run
+    for real on zeros of these shapes (`kernel_scratch.scratch_bytes`, once per shapes and thread count), all of it
+    counted as growing with the batch. The functional kernel is measured: on the planner's `out=` variants the
+    bytes were the same (bf16 `mean`, `add` of bf16 and float32, `addmm`, `mm`, `bmm`, `gelu`, `sum`)."""
+    from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
+    if target in WORKSPACE:
+        return workspace_bytes(target, args, kwargs)
+    if measured_here(target, args, kwargs):
+        return 0, scratch_bytes(target, spec_of(args, kwargs))
+    return 0, 0

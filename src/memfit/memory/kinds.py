@@ -1,9 +1,9 @@
 """The kinds of memory a prediction names, and the interface every memory model gives.
 
 A breakdown (`MemoryModel.breakdown(n)`) is a dict from a `MemoryKind`'s value to bytes; the values sum to
-`total_bytes(n)`. Two models implement the interface: `InferenceMemoryModel` (a planned forward, from the
-planner's arena at any batch size) and `StepMemoryModel` (an eager forward or a whole training step, from
-fake-tensor runs).
+`total_bytes(n)`. `StepMemoryModel` (an eager forward or a whole training step, from fake-tensor runs),
+`RankMemoryModel` (one rank's step) and the planner's `PlannedMemoryModel` (the planned forward's arena) implement
+the interface.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A training step's predicted bytes against real steps of the same model, at batch sizes the prediction did not
-probe: what `memfit.check_prediction` returns, for benchmarks and for users checking their own model.
+probe: what `memfit.memory.check_prediction` returns, for benchmarks and for users checking their own model.
 
 The originals are never touched: every real step runs on deep copies of the model and optimizer.
 """

@@ -126,7 +126,7 @@ class RankMemoryModel:
         lines = [f"per-rank memory of one {self.parallel.upper()} training step on {self.world_size} ranks, by "
                  f"{self.method}.", f"batch {n} per rank: {format_bytes(self.total_bytes(n))} at the peak:"]
         lines += [f"  {k:<34} {format_bytes(v):>12}" for k, v in self.breakdown(n).items() if v]
-        lines.append("CPU: bytes the allocator holds for tensors (memfit.measure_rank_step counts the same).")
+        lines.append("CPU: bytes the allocator holds for tensors (memfit.memory.measure_rank_step counts the same).")
         return "\n".join(lines)
 
 
@@ -200,7 +200,7 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"expected reshard_after_forward None, True or False; found {reshard_after_forward!r}: "
                          "resharding to a smaller mesh after forward (an int) is not modelled; predict True or "
-                         "False and check the int's step with memfit.measure_rank_step")
+                         "False and check the int's step with memfit.memory.measure_rank_step")
     if not probes:
         raise ValueError("expected probes, the per-rank batch sizes to run first, to hold at least one size; found ()")
     probes = tuple(check_count("each of probes", p, 1) for p in probes)
@@ -297,7 +297,7 @@ def check_ddp_wrapping(ddp) -> None:
         raise ValueError(f"expected a DistributedDataParallel with its default all-reduce; found the comm hook "
                          f"{name}, which is not modelled (what it allocates, e.g. compressed copies of the buckets or "
                          "PowerSGD's state, is not counted): predict the DDP module before register_comm_hook for "
-                         "the default all-reduce and check the hooked step with memfit.measure_rank_step (with "
+                         "the default all-reduce and check the hooked step with memfit.memory.measure_rank_step (with "
                          "memfit.accumulate, give micro_batch= a size instead of 'auto')")
 
 

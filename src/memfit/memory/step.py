@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import gc
 import operator
 from collections.abc import Callable
@@ -26,10 +27,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memfit.batches import forward
 from memfit.budget import model_device
 from memfit.device.measure import optimizer_state, unique_bytes
+from memfit.device.torch_private import compiled_inner
 from memfit.losses import call_loss
 
-__all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "measure_rank_step", "measure_step",
-           "surrounding_autocast", "training_step"]
+__all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "loss_name", "measure_rank_step", "measure_step",
+           "missing_target", "predicted_module", "surrounding_autocast", "training_step"]
 
 
 def _integral(s) -> bool:
@@ -67,6 +69,26 @@ def sample_shape(x) -> tuple[int, ...]:
     return out
 
 
+def predicted_module(model) -> tuple[torch.nn.Module, str]:
+    """(the module a prediction runs, a note for its `method`): the module itself, or for a `torch.compile`d one the
+    module it wraps, since a compiled module cannot run on fake tensors (inductor compiles again for them, and
+    crashed the process in torch 2.13) and its parameters are the wrapped module's. The figures are then the eager
+    module's, which the note says: inductor's fused kernels usually hold less, never modelled here.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> predicted_module(lin) == (lin, ""), predicted_module(torch.compile(lin))[0] is lin
+        (True, True)
+    """
+    inner = compiled_inner(model)
+    if inner is None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; found {type(model).__name__}")
+        return model, ""
+    return inner, (f"torch.compile'd: predicted for the {type(inner).__name__} it wraps, run eagerly (the compiled "
+                   "module's fused kernels usually hold less; not modelled)")
+
+
 @dataclass
 class ExampleBatch:
     """An example batch (a sample shape, a tensor, a tuple or a dict of tensors) rebuilt at any batch size.
@@ -102,6 +124,20 @@ class ExampleBatch:
         return tree_map(scale, self.template)
 
 
+def loss_name(loss_fn) -> str:
+    f = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
+    return type(f).__name__ if isinstance(f, torch.nn.Module) else getattr(f, "__name__", type(f).__name__)
+
+
+def missing_target(loss_fn, why: str = "") -> TypeError:
+    """The error for a loss that needs a target none was given for: what to pass, with examples."""
+    why = f" ({why})" if why else ""
+    return TypeError(f"loss_fn {loss_name(loss_fn)} takes a target{why} and none was given; pass "
+                     "target=, an example target batch (target=y[:2], its leading dimension is the batch) or one "
+                     "target's shape for float targets (target=(10,)); class ids need a tensor: "
+                     "target=torch.zeros(2, dtype=torch.long)")
+
+
 def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
     if loss_fn is not None and target is not None:
         return call_loss(loss_fn, out, target)      # (N, 1) outputs against (N,) targets: refused, as accumulate does
@@ -111,7 +147,6 @@ def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
         except TypeError as e:
             if "argument" not in str(e):
                 raise
-            from memfit.memory.example_target import missing_target  # targets builds on this module's ExampleBatch
             raise missing_target(loss_fn, f"loss_fn(output) failed: {e}") from None
     if target is not None:
         raise ValueError("a target was given but no loss_fn; pass loss_fn=torch.nn.functional.cross_entropy or similar")

@@ -200,7 +200,8 @@ class StepMemoryModel:
     def explain(self, n: int = 1) -> str:
         """What the figure is, how it was computed, and the bytes by kind at a batch of n."""
         what = "one training step (forward, loss, backward, optimizer step, zero_grad)" if self.train \
-            else "one forward under no_grad"
+            else "one eager forward, model(x) under torch.no_grad() (what you run; memfit.plan's planned forward is " \
+            "memory_model(..., planned=True))"
         lines = [f"memory of {what} on {self.device}, by {self.method}.",
                  f"batch {n}: {format_bytes(self.total_bytes(n))} at the peak, during the {self.peak_phase(n)}:"]
         lines += [f"  {k:<20} {format_bytes(v):>12}" for k, v in self.breakdown(n).items()]

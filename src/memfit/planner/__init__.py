@@ -5,7 +5,8 @@
   intermediate at an offset of one byte arena (tensors live at the same op never overlap;
   allowlisted elementwise ops may write over a dead input that no other operand of the op views;
   an op whose output costs less memory outside the arena runs eagerly) and runs the model there.
-- The bytes a batch of n needs, from plans, without running it (`memfit.memory_model`): `memfit.memory`.
+- The bytes the planned forward needs at a batch of n, without running it: `memfit.memory_model(..., planned=True)`
+  (`arena_model`).
 - `memfit plan MODULE:FACTORY --input 1,3,224,224` prints the plan (`memfit.cli.plan`, not
   imported here: the library never imports the command line).
 
@@ -16,10 +17,10 @@ capture for every batch size), `placement` (`place_at(capture, n)`: exact sizes 
 run eagerly, offsets), `codegen` (the generated forward), `planned` (`plan`, `PlannedModule`), `report`,
 `slicing` (a memory-heavy stem run in slices of the batch, checked bit-identical on the example), `slice_rule`
 (whether and in what slices each runs at each batch), `op_cost` (an op's bytes and estimated time there), `remat`
-(input-free tensors recomputed at each reader),
-`global_caches` (function caches a fake run or an export must leave without fake tensors).
+(input-free tensors recomputed at each reader), `arena_model` (`PlannedMemoryModel`: the planned forward's bytes at
+any batch, `memfit.memory_model(planned=True)`), `kept` (plans and planned memory models kept per model).
 
-The public entry points live on `memfit` (`memfit.plan`, `memfit.CaptureError`, ...); this package
+The entry point is `memfit.plan` (`memfit.errors.CaptureError` when it cannot capture); this package
 exports the planner's own types and pure functions.
 
 Example:
@@ -32,12 +33,16 @@ Example:
 """
 
 from memfit.planner.arena import ALGORITHMS, Buffer, OverlapError, assign_offsets, lower_bound, verify
+from memfit.planner.arena_model import PlannedMemoryModel
+from memfit.planner.planned import PlannedModule
 from memfit.planner.report import Report, Row
 
 __all__ = [
     "ALGORITHMS",
     "Buffer",
     "OverlapError",
+    "PlannedMemoryModel",
+    "PlannedModule",
     "Report",
     "Row",
     "assign_offsets",

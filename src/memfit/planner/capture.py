@@ -20,9 +20,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from memfit.input_mistakes import input_hint
+from memfit.memory.global_caches import function_caches_kept_real
 from memfit.memory.isolation import predicting, structural_copy, tracer_patches_this_thread_only
 from memfit.messages import first_line
-from memfit.planner.global_caches import function_caches_kept_real
 
 __all__ = ["CaptureError", "as_inputs", "capture", "constants", "decompositions", "diagnose", "quiet_torch"]
 

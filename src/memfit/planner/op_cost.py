@@ -63,11 +63,11 @@ class OpCost:
 
     def at(self, env: dict, ref: dict, scale: float) -> tuple[int, float]:
         """(bytes held at once, seconds) at the batch of `env`, `scale` times that of `ref`. What the kernel
-        allocates inside is measured at `ref` only (`workspaces.inside_parts` runs the real kernel at each new
+        allocates inside is measured at `ref` only (`kernel_scratch.inside_parts` runs the real kernel at each new
         batch: a convolution at batch 1024 to weigh that batch took most of a capture), its growing part scaled."""
         from torch.utils.flop_counter import flop_registry
 
-        from memfit.planner.workspaces import inside_parts
+        from memfit.memory.kernel_scratch import inside_parts
         out = Meta.of(self.out, env).nbytes if isinstance(self.out, torch.Tensor) else 0
         peak, seconds = out + sum(Meta.of(v, env).nbytes for v in self.ins), CALL_SECONDS
         if not isinstance(self.target, torch._ops.OpOverload):

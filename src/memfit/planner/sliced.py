@@ -126,7 +126,7 @@ class SlicedSegment:
     def _slice_peak(self, env: dict, s: int) -> int:
         """The most bytes one slice of s samples holds at once: a step's input and output at the slice's size and
         what its kernel allocates inside."""
-        from memfit.planner.workspaces import inside_parts
+        from memfit.memory.kernel_scratch import inside_parts
         prev, most = _at(self.input_val, env, s), 0
         for i, st in enumerate(self.steps):
             m = _at(st.val, env, s)

@@ -23,7 +23,7 @@ from torch.fx import Node
 from memfit.planner.arena import Buffer
 from memfit.planner.graph import Graph, meta_value
 
-__all__ = ["inside_parts", "node_inside_parts", "workspaces"]
+__all__ = ["node_inside_parts", "workspaces"]
 
 
 _REPLACEMENT_BYTES: dict = {}      # (function, argument shapes, strides, dtypes, values, threads) -> bytes
@@ -54,24 +54,9 @@ def _replacement_bytes(fn, args: tuple, kwargs: dict) -> int:
     return _REPLACEMENT_BYTES[key]
 
 
-def inside_parts(target, args: tuple, kwargs: dict) -> tuple[int, int]:
-    """(the same at every batch, the part that grows with it): bytes the real CPU kernel of `target` allocates beyond
-    its outputs on arguments of these shapes (meta tensors at one batch). The ops of `fake_kernels.WORKSPACE` split
-    the two (`workspace_bytes`); any other op on half-precision arguments (or floating ones of two dtypes) is run
-    for real on zeros of these shapes (`kernel_scratch.scratch_bytes`, once per shapes and thread count), all of it
-    counted as growing with the batch. The functional kernel is measured: on the planner's `out=` variants the
-    bytes were the same (bf16 `mean`, `add` of bf16 and float32, `addmm`, `mm`, `bmm`, `gelu`, `sum`)."""
-    from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
-    from memfit.memory.kernel_scratch import measured_here, scratch_bytes, spec_of
-    if target in WORKSPACE:
-        return workspace_bytes(target, args, kwargs)
-    if measured_here(target, args, kwargs):
-        return 0, scratch_bytes(target, spec_of(args, kwargs))
-    return 0, 0
-
-
 def node_inside_parts(node: Node, env: dict) -> tuple[int, int]:
     """`inside_parts` of a graph node's op at the batch of `env` ((0, 0) where it is no ATen op: a getitem)."""
+    from memfit.memory.kernel_scratch import inside_parts
     if not isinstance(node.target, torch._ops.OpOverload):
         return 0, 0
     return inside_parts(node.target, tuple(meta_value(a, env) for a in node.args),

@@ -1,4 +1,6 @@
-"""The memory of a planned forward (the one `evaluate` runs): the planner's arena at any batch size.
+"""The memory of the planned forward (`memfit.plan`'s module, the one `evaluate` runs planned): the planner's arena
+at any batch size. Not the user's own `model(x)`: that is `memfit.memory_model`'s default (an eager forward on fake
+tensors); this is `memfit.memory_model(..., planned=True)`.
 
 One capture with a symbolic batch gives the placement at any n with every tensor's exact size (nothing
 runs; cached per n). Where the capture is static, placements at batch 2 and 4 give each tensor's size as
@@ -19,9 +21,10 @@ from memfit.device.allocators import CPU_ALIGNMENT, CUDA_MARGIN, CUDA_SEGMENT, c
 from memfit.memory.fit import exact_line_at
 from memfit.memory.kinds import MemoryKind
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
+from memfit.planner.capture import CaptureError
 from memfit.planner.planned import capture_model, place, place_at
 
-__all__ = ["PROBES", "GraphsDiffer", "InferenceMemoryModel", "planned_memory_model"]
+__all__ = ["PROBES", "GraphsDiffer", "PlannedMemoryModel", "planned_memory_model"]
 
 
 def _batch(n) -> int:
@@ -32,7 +35,7 @@ PROBES = (2, 4)     # batch 1 is avoided: export specialises size-1 dimensions
 
 
 @dataclass
-class InferenceMemoryModel:
+class PlannedMemoryModel:
     """Bytes for a batch of n: parameters + inputs + planned arena + unplanned (see `total_bytes`).
 
     Implements `memfit.memory.kinds.MemoryModel`, as `StepMemoryModel` does.
@@ -97,7 +100,8 @@ class InferenceMemoryModel:
 
     def explain(self, n: int = 1) -> str:
         """What the figure is, how it was computed, and the bytes by kind at a batch of n."""
-        lines = [f"memory of the planned forward on {self.device}, by {self.method}.",
+        lines = [f"memory of the planned forward (memfit.plan's module, not an eager model(x)) on {self.device}, by "
+                 f"{self.method}.",
                  f"batch {n}: {format_bytes(self.total_bytes(n))}:"]
         lines += [f"  {k:<32} {format_bytes(v):>12}" for k, v in self.breakdown(n).items()]
         if self.device.type == "cuda":
@@ -126,11 +130,15 @@ def _size(s1: int, s2: int, n: int) -> int:
     return exact_line_at(s1, s2, *PROBES, n)
 
 
-class GraphsDiffer(Exception):
+class GraphsDiffer(CaptureError):
     """The captured graphs at two batch sizes differ: sizes cannot be fitted per tensor."""
 
+    def __init__(self, message: str = "the graphs captured at batch 2 and 4 differ: tensor sizes cannot be fitted "
+                                      "per tensor"):
+        super().__init__(message, "graphs differ")
 
-def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> InferenceMemoryModel:
+
+def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algorithm: str) -> PlannedMemoryModel:
     """The planned forward's bytes at any batch, from one capture (or two static ones)."""
     dev = model_device(model)
     per_sample = math.prod(shape) * dtype.itemsize
@@ -139,7 +147,7 @@ def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algo
         rep = place_at(cap, PROBES[0], algorithm=algorithm).report
         how = ("planned arena: exact placements at any batch from one capture with a symbolic batch (batch 1 from a "
                "capture of its own, as planned)")
-        return InferenceMemoryModel(rep.param_bytes, per_sample, how, algorithm, [], [], dev, _cap=cap,
+        return PlannedMemoryModel(rep.param_bytes, per_sample, how, algorithm, [], [], dev, _cap=cap,
                                     _capture_below=_capture_at(model, shape, dtype, dev))
     # a static capture: placements at 2 and 4, each tensor's size the exact line through its two sizes
     placements = [place(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
@@ -162,4 +170,4 @@ def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algo
     outside += [(w.size, q.size, w.first, w.last) for w, q in zip(l1.workspaces, l2.workspaces, strict=True)]
     how = f"planned arena: sizes per tensor affine from placements at batch 2 and 4 (the capture is static: " \
           f"{cap.static_reason})"
-    return InferenceMemoryModel(params, per_sample, how, algorithm, arena, outside, dev)
+    return PlannedMemoryModel(params, per_sample, how, algorithm, arena, outside, dev)

@@ -1,13 +1,15 @@
-"""Bytes a batch of n needs, for inference or a whole training step, without running it at full size.
+"""What a batch of n needs, for inference or a whole training step, without running it at full size: the answers
+users ask for (`memory_model`, `max_batch_size`), from the engine (`memfit.memory`) or, when asked, the planner.
 
-`memory_model` is the one entry point. For inference of a model torch.export can capture, one capture
-with a symbolic batch gives the planner's placement at any n with every tensor's exact size (nothing
-runs; cached per n). Where the capture is static, placements at batch 2 and 4 give each tensor's size as
-the exact line `a + b * n` (rationals, rounded up). For training, for inputs
-given as a dict or several tensors, for models export cannot capture, and where the two graphs
-differ, the fake-tensor run of `memfit.memory.step_model` counts the eager forward or the training step
-instead, and `method` says why. `max_batch_size` searches the largest batch in a budget
-(`largest_fitting`: doubling, then bisection).
+Every answer is for what the user runs:
+- inference (train=False): the user's own `model(x)` under `torch.no_grad()` (an eager forward run on fake
+  tensors by `memfit.memory.step_model`: nothing is allocated);
+- planned=True: the planned forward `memfit.plan(model)` gives (the planner's arena: `memfit.planner.arena_model`),
+  which holds only where that planned module runs;
+- train=True: one training step (forward, loss, backward, optimizer step, zero_grad), from fake-tensor runs;
+- parallel="ddp" or "fsdp": one rank's training step (`memfit.memory.ranks`).
+A `torch.compile`d module is predicted through the module it wraps (`method` says so). `max_batch_size` searches
+the largest batch in a budget (`largest_fitting`: doubling, then bisection).
 
 Example:
     >>> import torch
@@ -27,36 +29,37 @@ from pathlib import Path
 import torch
 
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
-from memfit.memory.fake_run import FakeRunError
-from memfit.memory.inference import GraphsDiffer, InferenceMemoryModel, planned_memory_model
 from memfit.memory.isolation import predicting
-from memfit.memory.ranks import RankMemoryModel, rank_memory_model
-from memfit.memory.step import is_shape, sample_shape, surrounding_autocast
-from memfit.memory.step_model import StepMemoryModel, step_memory_model
-from memfit.messages import first_line, whole_words
+from memfit.memory.kinds import MemoryModel
+from memfit.memory.ranks import rank_memory_model, ranks_needed
+from memfit.memory.step import is_shape, predicted_module, sample_shape, surrounding_autocast
+from memfit.memory.step_model import step_memory_model
+from memfit.planner.kept import planned_model_of
 
-__all__ = ["InferenceMemoryModel", "StepMemoryModel", "activation_bytes", "max_batch_size", "memory_model",
-           "plot_memory"]
+__all__ = ["activation_bytes", "max_batch_size", "memory_model", "plot_memory", "ranks_needed"]
+
 
 @predicting()          # one prediction at a time; every RNG as found
-def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, optimizer=None,
-                 loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
-                 dtype: torch.dtype = torch.float32, device=None,
-                 algorithm: str = "greedy_by_size", parallel: str | None = None,
-                 world_size: int = 1, **parallel_options) -> InferenceMemoryModel | StepMemoryModel | RankMemoryModel:
+def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, planned: bool = False,
+                 optimizer=None, loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
+                 dtype: torch.dtype = torch.float32, device=None, algorithm: str = "greedy_by_size",
+                 parallel: str | None = None, world_size: int = 1, **parallel_options) -> MemoryModel:
     """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
 
-    Inference (train=False) of a model torch.export captures, with one input tensor: from the planner's
-    placements (the planned forward `evaluate` runs), exact at any n. Otherwise (training, dict or several inputs,
-    no capture, graphs that differ): a fake-tensor run of the eager forward or of the whole training step
-    (`memfit.memory.step_model`), which allocates nothing and leaves the model and optimizer as they were.
+    By default the figures are for what you run yourself: inference is your `model(x)` under `torch.no_grad()`
+    (eager, as PyTorch runs it), training (train=True) one step of forward, loss, backward, `optimizer.step()` and
+    `zero_grad()`. Both come from running the real code on fake tensors at a few small batch sizes: nothing is
+    allocated, and the model and optimizer are left as they were. With planned=True the figures are for the
+    planned forward `memfit.plan(model)` gives (every activation in one arena: often less than eager, and only
+    where that planned module runs).
 
     Args:
-        model: the module (on its own device).
+        model: the module (on its own device). A `torch.compile`d module is predicted through the module it wraps.
         example_or_sample_shape: one sample's shape without the batch dimension, or an example batch (a
             tensor, a tuple of tensors, or a dict such as input_ids + attention_mask); its leading
             dimension is the batch and is rescaled.
         train: the memory of one training step (forward, loss, backward, optimizer step, zero_grad).
+        planned: the planned forward's memory (`memfit.plan`), for one input tensor; inference only.
         optimizer: the optimizer whose step and state are counted (train=True).
         loss_fn: `loss_fn(output, target)`; default the output's `.loss` or the sum of the outputs.
         target: an example target batch (or its sample shape), for loss_fn. None with a common loss
@@ -66,7 +69,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
             the dtype of the `torch.autocast` the call runs inside, if any.
         dtype: the input dtype when a sample shape is given.
         device: the device to predict for (default: the model's).
-        algorithm: the planner's offset algorithm.
+        algorithm: the planner's offset algorithm (planned=True).
         parallel: "ddp" or "fsdp" (train=True): the bytes one of `world_size` ranks holds, n being the batch per
             rank (`memfit.memory.ranks.rank_memory_model`, a `RankMemoryModel`).
         world_size: the number of ranks, with parallel.
@@ -79,7 +82,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         >>> mm.param_bytes, mm.total_bytes(2) - mm.param_bytes      # inputs 64 + output 32 + the CPU's margin 16
         (144, 112)
     """
-    from memfit.planner.capture import CaptureError
+    model, note = predicted_module(model)
     if parallel_options and parallel is None:
         raise ValueError(f"{sorted(parallel_options)} are options of parallel='ddp' or 'fsdp'; found them without "
                          "parallel (memory_model takes no other keyword arguments)")
@@ -89,30 +92,32 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         return rank_memory_model(model, example_or_sample_shape, optimizer=optimizer, loss_fn=loss_fn,
                                  target=target, parallel=parallel, world_size=world_size, autocast=autocast,
                                  dtype=dtype, **parallel_options)
+    if planned:
+        return _planned(model, example_or_sample_shape, train, autocast, dtype, device, algorithm)
     if autocast is None:             # the forward runs under the autocast around the call: count that one
         autocast = surrounding_autocast(torch.device(device).type if device is not None else model_device(model).type)
-    fake = lambda why: step_memory_model(model, example_or_sample_shape, train=train, optimizer=optimizer,
-                                         loss_fn=loss_fn, target=target, autocast=autocast, dtype=dtype,
-                                         device=device, why=why)
+    return step_memory_model(model, example_or_sample_shape, train=train, optimizer=optimizer, loss_fn=loss_fn,
+                             target=target, autocast=autocast, dtype=dtype, device=device, why=note)
+
+
+def _planned(model, example, train: bool, autocast, dtype, device, algorithm: str):
+    """The planned forward's memory model (`memfit.planner.kept.planned_model_of`), or why it cannot be asked for."""
+    how = "planned=True is the memory of the planned forward memfit.plan gives"
     if train:
-        return fake("")
-    example = example_or_sample_shape
+        raise ValueError(f"{how}, an inference forward; a training step is not planned: pass train=True without "
+                         "planned=True")
     if isinstance(example, torch.Tensor):
         example, dtype = tuple(example.shape[1:]), example.dtype
     if not is_shape(example):
-        return fake("not planned: the planner takes one input tensor")
-    if autocast is not None or (device is not None and torch.device(device) != model_device(model)):
-        return fake("not planned: autocast or another device than the model's")
-    try:
-        return planned_memory_model(model, sample_shape(example), dtype, algorithm)
-    except CaptureError as e:
-        reason = whole_words(first_line(e, with_type=False), 160)
-        try:
-            return fake(f"not planned: {reason}")
-        except FakeRunError as f:
-            raise CaptureError(f"{e}\nThe fake-tensor forward failed too: {f}") from f
-    except GraphsDiffer:
-        return fake("not planned: the captured graphs at batch 2 and 4 differ")
+        raise ValueError(f"{how}, for one input tensor; found {type(example).__name__} inputs: drop planned=True "
+                         "for the eager forward's memory")
+    if autocast is not None or surrounding_autocast(model_device(model).type) is not None:
+        raise ValueError(f"{how}, which does not run under torch.autocast; drop planned=True for the eager forward "
+                         "under autocast")
+    if device is not None and torch.device(device) != model_device(model):
+        raise ValueError(f"{how} on the model's own device ({model_device(model)}); found device={str(device)!r}: "
+                         "move the model there, or drop planned=True")
+    return planned_model_of(model, sample_shape(example), dtype, algorithm)
 
 
 def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence[int],
@@ -130,12 +135,14 @@ def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence
 
 
 def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, train: bool = False,
-                   optimizer=None, loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
-                   dtype: torch.dtype = torch.float32, device=None, extra_bytes_per_sample: int = 0,
+                   planned: bool = False, optimizer=None, loss_fn: Callable | None = None, target=None,
+                   autocast: torch.dtype | None = None, dtype: torch.dtype = torch.float32, device=None,
+                   extra_bytes_per_sample: int = 0,
                    limit: int = 2**31, parallel: str | None = None, world_size: int = 1) -> int:
     """The largest batch n whose `memory_model(...).total_bytes(n)` + `extra_bytes_per_sample * n` fit `budget`.
 
-    With train=True (and optimizer, loss_fn, target) it is the largest batch one training step fits.
+    By default for your own `model(x)` under `torch.no_grad()`; with train=True (and optimizer, loss_fn, target)
+    the largest batch one training step fits; with planned=True the largest the planned forward (`memfit.plan`) fits.
 
     Args:
         sample_shape: one sample's shape, or an example batch (see `memory_model`).
@@ -154,8 +161,9 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
     """
     budget = parse_bytes(budget)
     extra_bytes_per_sample = check_count("extra_bytes_per_sample", extra_bytes_per_sample, 0)
-    mm = memory_model(model, sample_shape, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
-                      autocast=autocast, dtype=dtype, device=device, parallel=parallel, world_size=world_size)
+    mm = memory_model(model, sample_shape, train=train, planned=planned, optimizer=optimizer, loss_fn=loss_fn,
+                      target=target, autocast=autocast, dtype=dtype, device=device, parallel=parallel,
+                      world_size=world_size)
     need = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n
     lower = getattr(mm, "lower_bytes", None)       # a step model: its measured workspaces asked near the answer only
     n = largest_fitting(need, budget, limit,
@@ -169,7 +177,7 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
     return n
 
 
-def plot_memory(mm: InferenceMemoryModel | StepMemoryModel, path, max_batch: int, budget: int | None = None, *,
+def plot_memory(mm: MemoryModel, path, max_batch: int, budget: int | None = None, *,
                 name: str = "", largest: int | None = None):
     """Write a picture of the bytes by kind (stacked) against the batch size, 1..max_batch, with the budget line
     and, when `largest` is given, a line at the largest batch within it. `name` heads the title (the model).

@@ -1,5 +1,6 @@
-"""`memory_model` / `max_batch_size` against what really runs: the planned forward's live bytes, a real
-training step's live bytes (`memfit.device.measure`), a brute-force search, and the budget errors."""
+"""`memory_model` / `max_batch_size` against what really runs: the user's own eager `model(x)`, the planned forward's
+live bytes (planned=True), a real training step's live bytes (`memfit.device.measure`), a brute-force search, and the
+budget errors."""
 import copy
 
 import pytest
@@ -11,9 +12,9 @@ import memfit
 from memfit import plan
 from memfit.budget import format_bytes, largest_fitting
 from memfit.device.measure import track_memory
-from memfit.memory.inference import InferenceMemoryModel
 from memfit.memory.step import measure_step
 from memfit.memory.step_model import StepMemoryModel
+from memfit.planner.arena_model import PlannedMemoryModel
 from memfit.testing.zoo import build
 
 
@@ -21,8 +22,8 @@ from memfit.testing.zoo import build
 def test_planned_prediction_holds_for_the_planned_forward(name):
     model, shape = build(name)
     model.eval()
-    mm = memfit.memory_model(model, shape)
-    assert isinstance(mm, InferenceMemoryModel) and mm.method.startswith("planned arena")
+    mm = memfit.memory_model(model, shape, planned=True)
+    assert isinstance(mm, PlannedMemoryModel) and mm.method.startswith("planned arena")
     params = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     for n in (3, 13):
         x = torch.randn(n, *shape)
@@ -43,7 +44,7 @@ def test_batch_one_is_predicted_from_its_own_capture_as_planned():
     pytest.importorskip("transformers")
     from memfit.testing.zoo import build_real
     model, tokens = build_real("bert", quick=True)
-    mm = memfit.memory_model(model, tokens(2))
+    mm = memfit.memory_model(model, tokens(2), planned=True)
     for n in (1, 3):
         x = tokens(n)
         pm = plan(model, (x,))
@@ -54,6 +55,64 @@ def test_batch_one_is_predicted_from_its_own_capture_as_planned():
                 del y
         predicted = mm.arena_bytes(n) + mm.unplanned_bytes(n)
         assert 1.0 <= predicted / (pm.arena_bytes + mem.peak) <= 1.05, (n, predicted, pm.arena_bytes + mem.peak)
+
+
+def _eager_peak(model, x) -> int:
+    """What the user's own `model(x)` under no_grad holds at its peak, by the allocator: parameters, the input and
+    the forward's live bytes."""
+    with torch.no_grad(), track_memory() as mem:
+        out = model(x)
+        del out
+    return sum(t.nbytes for t in [*model.parameters(), *model.buffers()]) + x.nbytes + mem.peak
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(64 * 16 * 16, 10)).eval()
+
+
+def test_the_default_inference_answer_is_for_the_users_own_eager_forward():
+    """Last round `max_batch_size(model, (3, 64, 64), "64MiB")` answered for memfit's planned module: the user's own
+    `model(x)` at that batch needed 2.4x the budget. The default is now the eager forward under no_grad, by the
+    allocator; the planned module's answer (larger: its arena holds less) only with planned=True."""
+    model, budget = small_cnn(), 16 << 20
+    n = memfit.max_batch_size(model, (3, 64, 64), budget)
+    mm = memfit.memory_model(model, (3, 64, 64))
+    assert isinstance(mm, StepMemoryModel) and "model(x) under torch.no_grad()" in mm.explain(n)
+    for k in (n, 5):
+        real = _eager_peak(model, torch.randn(k, 3, 64, 64))
+        assert 1.0 <= mm.total_bytes(k) / real <= 1.05, (k, mm.total_bytes(k), real)
+    assert _eager_peak(model, torch.randn(n, 3, 64, 64)) <= budget
+    assert _eager_peak(model, torch.randn(int(n / 0.95) + 1, 3, 64, 64)) > budget    # and at least 0.95 of the largest
+    planned = memfit.max_batch_size(model, (3, 64, 64), budget, planned=True)
+    assert planned > n
+    assert "planned forward" in memfit.memory_model(model, (3, 64, 64), planned=True).explain(planned)
+
+
+def test_planned_is_refused_where_it_cannot_answer_with_what_to_do():
+    model = small_cnn()
+    with pytest.raises(ValueError, match="training step is not planned"):
+        memfit.memory_model(model, (3, 8, 8), train=True, planned=True)
+    with pytest.raises(ValueError, match="one input tensor.*drop planned=True"):
+        memfit.memory_model(model, {"x": torch.zeros(2, 3, 8, 8)}, planned=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast"):
+        memfit.memory_model(model, (3, 8, 8), planned=True)
+
+
+def test_a_compiled_model_is_predicted_through_the_module_it_wraps_and_never_crashes():
+    """`memory_model(torch.compile(m), train=True)` crashed the process (inductor compiling for fake tensors)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters())
+    for train in (False, True):
+        kw = dict(train=True, optimizer=opt, loss_fn=F.cross_entropy) if train else {}
+        mine, plain = memfit.memory_model(compiled, (16,), **kw), memfit.memory_model(model, (16,), **kw)
+        assert [mine.total_bytes(n) for n in (1, 7, 100)] == [plain.total_bytes(n) for n in (1, 7, 100)]
+        assert "torch.compile'd: predicted for the Sequential it wraps" in mine.method
+    assert memfit.max_batch_size(compiled, (16,), "1MiB") == memfit.max_batch_size(model, (16,), "1MiB")
 
 
 def test_several_inputs_use_the_fake_forward_and_hold_for_eager():
@@ -67,7 +126,7 @@ def test_several_inputs_use_the_fake_forward_and_hold_for_eager():
 
     model = Pair().eval()
     mm = memfit.memory_model(model, (torch.zeros(2, 16), torch.zeros(2, 16)))
-    assert isinstance(mm, StepMemoryModel) and "(not planned: the planner takes one input tensor)" in mm.method
+    assert isinstance(mm, StepMemoryModel) and mm.method.startswith("fake-tensor run of one forward")
     for n in (5, 50):
         x, z = torch.randn(n, 16), torch.randn(n, 16)
         with torch.no_grad(), track_memory() as mem:
@@ -150,7 +209,7 @@ def test_plan_train_cli_prints_the_python_api_breakdown(capsys, tmp_path):
 
 def test_plot_memory_draws_the_budget_and_the_largest_batch(tmp_path, monkeypatch):
     plt = pytest.importorskip("matplotlib.pyplot")
-    from memfit.memory.sizing import plot_memory
+    from memfit.sizing import plot_memory
     model, shape = build("mlp")
     mm = memfit.memory_model(model.train(), shape, train=True, optimizer=torch.optim.AdamW(model.parameters()))
     budget = mm.total_bytes(64) + 100
