@@ -113,6 +113,15 @@ def test_a_compiled_model_is_predicted_through_the_module_it_wraps_and_never_cra
         assert [mine.total_bytes(n) for n in (1, 7, 100)] == [plain.total_bytes(n) for n in (1, 7, 100)]
         assert "torch.compile'd: predicted for the Sequential it wraps" in mine.method
     assert memfit.max_batch_size(compiled, (16,), "1MiB") == memfit.max_batch_size(model, (16,), "1MiB")
+    # accumulate's auto micro-batch predicts through it too, and runs the compiled module (dynamo alone: the test
+    # needs the wrapper, not inductor's seconds of compiling)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    twin = copy.deepcopy(model)
+    eager = memfit.accumulate(twin, torch.optim.SGD(twin.parameters(), lr=0.1), (x, y), F.cross_entropy,
+                              budget="40KiB")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = memfit.accumulate(torch.compile(model, backend="eager"), sgd, (x, y), F.cross_entropy, budget="40KiB")
+    assert 1 < mine.micro_batch == eager.micro_batch < 64 and "torch.compile'd" in mine.reason
 
 
 def test_several_inputs_use_the_fake_forward_and_hold_for_eager():

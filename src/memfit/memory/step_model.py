@@ -57,7 +57,7 @@ from memfit.memory.fit_ladder import fit_runs
 from memfit.memory.isolation import predicting
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
-from memfit.memory.step import ExampleBatch, surrounding_autocast
+from memfit.memory.step import ExampleBatch, predicted_module, surrounding_autocast
 from memfit.memory.storage_log import LoggingFakeMode
 
 __all__ = ["PHASES", "StepMemoryModel", "step_memory_model"]
@@ -250,6 +250,9 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
             the loss is computed (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it).
     """
     from memfit.device.machine import resolve_device
+    model, compiled = predicted_module(model)       # a torch.compile'd module: the module it wraps, said in why
+    if compiled and compiled not in why:
+        why = f"{why}; {compiled}" if why else compiled
     dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     batch = ExampleBatch(example, dtype)
