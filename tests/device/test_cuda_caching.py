@@ -1,10 +1,14 @@
 """The CUDA caching allocator's replay: hand-worked traces for each of c10's rules (the figures worked out from
 c10/cuda/CUDACachingAllocator.cpp by hand, in the comments) and properties over random traces."""
 
+import random
+
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memfit.device.cuda_alloc_conf import AllocatorConfig
 from memfit.device.cuda_blocks import round_size
 from memfit.device.cuda_caching import replay
 
@@ -190,3 +194,34 @@ def test_a_capacity_binds_only_below_the_peak(trace, config):
         tight = replay(events, config, capacity=free.peak_reserved - 512)
         assert not tight.fits or tight.alloc_retries or tight.cuda_frees     # it had to give something back
         assert tight.peak_reserved <= free.peak_reserved - 512
+
+
+@pytest.mark.cuda
+def test_the_replay_equals_the_real_allocator():
+    """The reference itself: a random trace served by torch's allocator on a fresh stream (its pools start empty,
+    whatever the process cached before) under this process's PYTORCH_CUDA_ALLOC_CONF."""
+    rng, events, live = random.Random(0), [], []
+    for i in range(400):
+        if live and rng.random() < 0.45:
+            key, n = live.pop(rng.randrange(len(live)))
+            events.append((key, -n))
+        else:
+            n = rng.choice([rng.randint(1, 4096), rng.randint(1, MiB), rng.randint(MiB, 12 * MiB),
+                            rng.randint(MiB, 48 * MiB)])
+            live.append((i, n))
+            events.append(live[-1])
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    tensors = {}
+    with torch.cuda.stream(stream):
+        for key, n in events:
+            if n > 0:
+                tensors[key] = torch.empty(n, dtype=torch.uint8, device="cuda")
+            else:
+                del tensors[key]
+    real = (torch.cuda.max_memory_reserved() - reserved, torch.cuda.max_memory_allocated() - allocated,
+            torch.cuda.memory_reserved() - reserved, torch.cuda.memory_allocated() - allocated)
+    r = replay(events, AllocatorConfig.from_env())
+    assert real == (r.peak_reserved, r.peak_allocated, r.reserved, r.allocated)
