@@ -53,6 +53,7 @@ K_SMALL_BUFFER = 2 << 20           # kSmallBuffer: a small-pool segment
 K_MIN_LARGE_ALLOC = 10 << 20       # kMinLargeAlloc: requests below it share large_segment_size segments
 K_ROUND_LARGE = 2 << 20            # kRoundLarge: larger segments round up to it
 _NEVER = float("inf")              # max_split_size unset: SIZE_MAX
+_ADDR = (1 << 64) - 1              # a cached block's key is size << 64 | address
 DEFAULTS = AllocatorConfig()       # c10's settings when PYTORCH_CUDA_ALLOC_CONF is not set
 
 
@@ -102,10 +103,12 @@ class Segment:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "stream", "small", "allocated", "mapped", "prev", "next", "seg", "gc_base", "orig")
+    __slots__ = ("addr", "size", "stream", "small", "pool", "allocated", "mapped", "prev", "next", "seg", "gc_base",
+                 "orig")
 
     def __init__(self, addr, size, stream, small, seg, mapped=True):
         self.addr, self.size, self.stream, self.small, self.seg, self.mapped = addr, size, stream, small, seg, mapped
+        self.pool = (small, stream)
         self.allocated = False
         self.prev = self.next = None
         self.gc_base = 0
@@ -150,13 +153,13 @@ class CachingAllocator:
         self.device_total = device_total
         self.allowed = None if fraction is None else int(fraction * device_total)
         self.gc = self.allowed is not None and config.garbage_collection_threshold > 0
-        self.cached: dict = {}          # (small, stream) -> sorted [(size, addr)] of cached mapped free blocks
+        self.cached: dict = {}          # (small, stream) -> sorted [size << 64 | addr] of cached mapped free blocks
         self.unmapped: dict = {}      # (small, stream) -> sorted [addr] of unmapped expandable blocks
         self.blocks: dict = {}        # addr -> _Block of every free block, mapped or not
         self.searches = [0, 0]        # get_free_blocks_call_count of the large [0] and small [1] pools
         self.segments: dict = {}      # segment id -> Segment of the live non-expandable segments
         self.expandables: dict = {}   # (small, stream) -> [_Expandable]
-        self.next_addr = 1 << 40
+        self.next_addr = 0
         self.reserved = self.allocated = 0
         self.mallocs = self.frees = self.retries = 0
 
@@ -165,17 +168,17 @@ class CachingAllocator:
         self.blocks[b.addr] = b
         if b.mapped:
             b.gc_base = self.searches[b.small]
-            insort(self.cached.setdefault((b.small, b.stream), []), (b.size, b.addr))
+            insort(self.cached.setdefault(b.pool, []), b.size << 64 | b.addr)   # one int: faster than a tuple
         else:
-            insort(self.unmapped.setdefault((b.small, b.stream), []), b.addr)
+            insort(self.unmapped.setdefault(b.pool, []), b.addr)
 
     def _erase(self, b: _Block) -> None:
         del self.blocks[b.addr]
         if b.mapped:
-            keys = self.cached[(b.small, b.stream)]
-            del keys[bisect_left(keys, (b.size, b.addr))]
+            keys = self.cached[b.pool]
+            del keys[bisect_left(keys, b.size << 64 | b.addr)]
         else:
-            addrs = self.unmapped[(b.small, b.stream)]
+            addrs = self.unmapped[b.pool]
             del addrs[bisect_left(addrs, b.addr)]
 
     def _merge(self, dst: _Block, src: _Block | None) -> None:
@@ -235,16 +238,16 @@ class CachingAllocator:
         keys = self.cached.get((small, stream))
         if not keys:
             return None
-        i = bisect_left(keys, (size, 0))
+        i = bisect_left(keys, size << 64)
         if i == len(keys):
             return None
-        b = self.blocks[keys[i][1]]
+        b = self.blocks[keys[i] & _ADDR]
         if self.expandable:
             # the block at a segment's mapped end can grow: best fit counts what it can grow to
             def grows(x):
                 return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
             while isinstance(b.seg, _Expandable) and i + 1 < len(keys):
-                nxt = self.blocks[keys[i + 1][1]]
+                nxt = self.blocks[keys[i + 1] & _ADDR]
                 if grows(nxt) >= grows(b):
                     break
                 i, b = i + 1, nxt
@@ -282,19 +285,20 @@ class CachingAllocator:
             return False            # c10 asserts on an expandable block here (release_block); the replay skips it
         keys = self.cached.get((small, stream)) or []
         want = max(size, self.max_split)
-        i = bisect_left(keys, (want, 0))
+        i = bisect_left(keys, want << 64)
         if i < len(keys):
-            b = self.blocks[keys[i][1]]
+            b = self.blocks[keys[i] & _ADDR]
             if b.prev is not None or b.next is not None:
                 return False        # never seen: a block of max_split_size or more is a whole segment
             self._release_block(b)
             return True
         released = 0
         for key in reversed(list(keys)):
-            if released >= want or key[0] < self.max_split or key[1] != self.blocks[key[1]].seg:
+            b = self.blocks[key & _ADDR]
+            if released >= want or b.size < self.max_split or b.prev is not None or b.next is not None:
                 break
-            released += key[0]
-            self._release_block(self.blocks[key[1]])
+            released += b.size
+            self._release_block(b)
         return released >= want
 
     def _release_cached(self) -> None:
@@ -434,5 +438,5 @@ class CachingAllocator:
         segments = list(self.segments.values())
         for (small, stream), segs in self.expandables.items():
             segments += [Segment(s.mapped, "small" if small else "large", stream, True) for s in segs if s.mapped]
-        largest = max((keys[-1][0] for keys in self.cached.values() if keys), default=0)
+        largest = max((keys[-1] >> 64 for keys in self.cached.values() if keys), default=0)
         return tuple(segments), largest
