@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        # the marker, not the keyword: every test in a file or folder named *cuda* has the keyword 'cuda'
+        # the marker, not the keyword: every test under a folder named 'cuda' (a checkout in one) has the keyword
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
 
