@@ -158,7 +158,7 @@ def test_uncapturable_model_raises_capture_error_with_the_reason(capfd):
         plan(BoolMask(), (torch.randn(2, 3),))
     assert e.value.kind == "data-dependent"
     with pytest.raises(CaptureError):
-        memory_model(DataDependent(), (3,))
+        memory_model(DataDependent(), (3,), planned=True)
     assert capfd.readouterr().err == ""                 # torch's log lines and graph dumps are silenced
 
 
@@ -207,7 +207,7 @@ def test_algorithms_agree_on_outputs(algorithm):
 def test_memory_model_matches_a_plan_at_full_size_without_running_it():
     from memfit.device.allocators import cpu_margin
     model, shape = build("lenet")
-    mm = memory_model(model, shape)
+    mm = memory_model(model, shape, planned=True)
     for n in (7, 33):
         rep = plan(model, (torch.empty(n, *shape),)).report
         assert mm.arena_bytes(n) == rep.arena_bytes
@@ -484,10 +484,10 @@ def test_batch_one_is_planned_from_its_own_capture_and_matches_eager():
         for n in (1, 5):
             x = torch.randn(n, 6)
             torch.testing.assert_close(pm1(x), model(x))
-    mm = memory_model(model, (6,))
+    mm = memory_model(model, (6,), planned=True)
     assert mm.total_bytes(1) > 0 and mm.total_bytes(1) <= mm.total_bytes(2)
-    assert max_batch_size(model, (6,), "1GiB", limit=64) == 64
-    assert activation_bytes(model, (6,), [1, 2])[0] == mm.total_bytes(1)
+    assert max_batch_size(model, (6,), "1GiB", limit=64, planned=True) == 64
+    assert activation_bytes(model, (6,), [1, 2], planned=True)[0] == mm.total_bytes(1)
 
 
 class WideHead(nn.Module):

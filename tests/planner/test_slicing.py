@@ -129,7 +129,7 @@ def test_plans_captured_at_any_batch_and_the_memory_model_slice_alike_and_agree_
     of a plan made at 37. Each plan
     and the memory model at 2, 8 and 37, against the allocator (bytes beyond parameters and inputs)."""
     model, shape = stem_net(), (3, 64, 64)
-    mm = memory_model(model, shape)
+    mm = memory_model(model, shape, planned=True)
     held = {MemoryKind.PARAMETERS.value, MemoryKind.INPUTS.value}
     chosen = set()
     for b in (2, 8, 37):
@@ -366,7 +366,7 @@ def test_the_choice_is_made_per_batch_and_counted_at_each(no_time_limit, monkeyp
     pm = plan(model, (torch.randn(2, *shape),))
     [seg] = _segments(pm.captures[0])
     assert seg.size(2) is None and seg.size(37) is not None
-    mm = memory_model(model, shape)
+    mm = memory_model(model, shape, planned=True)
     held = {MemoryKind.PARAMETERS.value, MemoryKind.INPUTS.value}
     real = {}
     for b in (2, 8, 37):

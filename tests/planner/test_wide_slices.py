@@ -41,7 +41,7 @@ def test_a_cnn_on_small_images_runs_in_wide_slices_below_eager_and_counted():
     pm = plan(model, (torch.randn(2, *SHAPE),))
     [seg] = _segments(pm.captures[0])
     assert seg.size(2) is None and seg.size(64) >= 16 and seg.size(256) >= 16
-    mm = memory_model(model, SHAPE)
+    mm = memory_model(model, SHAPE, planned=True)
     held = {MemoryKind.PARAMETERS.value, MemoryKind.INPUTS.value}
     for b in (2, 64, 256):
         x = torch.randn(b, *SHAPE)

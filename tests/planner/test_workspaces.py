@@ -62,7 +62,7 @@ def test_the_scratch_of_kernels_on_bfloat16_is_counted():
     (0.55x at 13) before the kernels on half-precision arguments were measured (`kernel_scratch`)."""
     import memfit
     model = small_cnn().to(torch.bfloat16)
-    mm = memfit.memory_model(model, torch.zeros(2, 3, 32, 32, dtype=torch.bfloat16))
+    mm = memfit.memory_model(model, torch.zeros(2, 3, 32, 32, dtype=torch.bfloat16), planned=True)
     params = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     for n in (3, 8):
         x = torch.randn(n, 3, 32, 32, dtype=torch.bfloat16)
