@@ -169,24 +169,30 @@ class CompactDataset(torch.utils.data.Dataset):
         fields decodes to a dict of new tensors (`out`/`work`/`codes` are not used)."""
         if self.fields is not None:
             return unpack(rows, self.fields)              # {name: (n, *shape)}
-        codes = self.codec.unpack(rows, self.sample_shape, out=codes)
+        return self.decode_codes(self.codec.unpack(rows, self.sample_shape, out=codes), out=out, work=work)
+
+    def decode_codes(self, codes: torch.Tensor, out: torch.Tensor | None = None,
+                     work: torch.Tensor | None = None) -> torch.Tensor:
+        """The second half of `decode`: codes as the codec unpacks them, (n, *shape) (a sample's shape, or that
+        shape moved or cut along its spatial axes: augmentation runs between the halves) -> values in
+        `self.dtype`; never a view of `codes`."""
         if not self.dtype.is_floating_point:          # integer outputs (token ids): exact, no affine
             if out is not None:
                 x = out.copy_(codes)
             else:
                 x = codes.to(self.dtype)
-                if x is rows:
+                if x is codes:
                     x = x.clone()
             return x.add_(self.codec.offset) if self.codec.offset else x
         compute = torch.float64 if self.dtype == torch.float64 else torch.float32
         x = out if self.dtype == compute else work
         if x is None:
             x = codes.to(compute)           # one convert: uint8 reads are 4x cheaper than float32 reads
-            if x is rows:                   # float32 codec: never hand out the stored rows themselves
+            if x is codes:                  # float32 codec: never hand out the stored rows themselves
                 x = x.clone()
         else:
             x.copy_(codes)                  # the same convert, into the caller's buffer
-        scale, shift, ops = self._affine_on(rows.device, x.dtype)
+        scale, shift, ops = self._affine_on(codes.device, x.dtype)
         if ops is None:
             x.mul_(scale).add_(shift)
         else:

@@ -6,6 +6,7 @@
 | `labels` | integer labels (N, ...): masks, token labels      | int64 (N, ...)                           |
 | `float`  | float (or bool) targets (N,) or (N, ...)          | float32; float64 where float32 is inexact |
 | a dict   | {name: any of the above}                          | {name: tensor}                           |
+| `soft`   | never stored: class ids mixed by `MixUp`/`CutMix` | float32 (N, classes), each row sums to 1 |
 
 `ignore_index` (-100 by default, as torch's cross_entropy; 255 for many segmentation sets) marks positions
 without a label: it counts neither in `num_classes` nor in the metrics.
@@ -39,7 +40,7 @@ from memfit.codecs import CODECS, Codec, Float32Codec, IntCodec, auto_codec
 
 __all__ = ["IGNORE_INDEX", "KINDS", "Target", "Targets", "check_count", "encode_target", "encode_targets"]
 
-KINDS = ("class", "labels", "float")
+KINDS = ("class", "labels", "float", "soft")
 IGNORE_INDEX = -100          # torch's cross_entropy default: a position without a label
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)     # float targets stored (float8: not)
 
@@ -89,6 +90,9 @@ class Target:
 
     def describe(self) -> str:
         shape = "one value" if not self.shape else f"shape {self.shape}"
+        if self.kind == "soft":
+            return (f"soft targets (class probabilities: class ids mixed per batch by the augmentation), "
+                    f"{self.shape[0]} classes per sample, float32, made per batch (nothing stored)")
         what = {"class": "class ids", "labels": f"labels (ignore_index {self.ignore_index})",
                 "float": "float targets"}[self.kind]
         return (f"{what}, {shape} per sample, stored as {self.codec.describe()}, decoded to "
@@ -155,6 +159,19 @@ class Targets:
         if self.single:
             return self.parts[None].describe()
         return "; ".join(f"{k!r}: {t.describe()}" for k, t in self.parts.items())
+
+    @classmethod
+    def soft(cls, num_classes: int) -> Targets:
+        """What batches hold once class ids are mixed into class probabilities (MixUp, CutMix): float32
+        (num_classes,) per sample; made per batch, never stored (its codec only says how it reads).
+
+        Example:
+            >>> t = Targets.soft(10)
+            >>> t.kind, t.num_classes, t.decoded_nbytes
+            ('soft', 10, 40)
+        """
+        return cls({None: Target("soft", (num_classes,), Float32Codec()._exact(), torch.float32,
+                                 num_classes=num_classes)})
 
     @classmethod
     def plain(cls, y: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> Targets:

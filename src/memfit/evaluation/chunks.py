@@ -51,6 +51,8 @@ def as_chunks(data, device: torch.device, asked: tuple[int, str] | None = None):
         # stored compactly on the host; each chunk crosses to the device compact and is decoded there
         return Chunks(CompactDataset.from_arrays(x, y, device="cpu", ignore_index=ignore), device)
     if isinstance(data, Iterable) and not isinstance(data, (str, bytes, dict)):
-        return data
+        # a memfit Loader that augments is read unaugmented: evaluation never augments unless asked (pass the
+        # batches themselves, e.g. iter(loader))
+        return data.unaugmented() if getattr(data, "augment", ()) and hasattr(data, "unaugmented") else data
     raise TypeError(f"data must be a CompactDataset, a memfit Loader (or iterable of (x, y) batches) or an "
                     f"(x, y) tuple of arrays; found {type(data).__name__}")

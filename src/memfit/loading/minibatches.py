@@ -38,18 +38,18 @@ from memfit.compact import CompactDataset
 from memfit.device.machine import resolve_device
 from memfit.distributed import RankFailed, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loading import order as order_mod
+from memfit.loading.augmenter import Augmenter, check_ops
+from memfit.loading.epochs import LoadedBatch, pipeline_epoch, resident_epoch
 from memfit.loading.pool import BatchPool, Decoder
-from memfit.loading.prefetch import Inline, Prefetcher, Slots
+from memfit.loading.prefetch import Slots
 from memfit.loading.rank_agreement import agreed_parts, agreed_seed, source_identity
 from memfit.loading.sources import CompactSource, Source, make_source
 from memfit.loading.strategy import Needs, StrategyChoice, check_names, choose
-from memfit.targets import IGNORE_INDEX
+from memfit.targets import IGNORE_INDEX, Targets
 
-__all__ = ["LoadedBatch", "Loader", "LoaderConfig", "loader"]
+__all__ = ["LoadedBatch", "Loader", "LoaderConfig", "Unaugmented", "loader"]
 
 log = logging.getLogger("memfit.loader")
-
-LoadedBatch = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def _uses_dataset_statistics(normalize) -> bool:
@@ -89,6 +89,7 @@ class LoaderConfig:
     sharded: bool = False                    # with distributed: data is this rank's own part, split beforehand
     y_dtype: torch.dtype | str | None = None  # how targets decode (None: from the array: class ids, labels, floats)
     ignore_index: int = IGNORE_INDEX         # the label that counts nowhere (-100; 255 in many segmentation sets)
+    augment: tuple = ()                      # memfit.augment ops, applied in this order to every batch iterated
 
     def __post_init__(self):
         for name in ("distributed", "sharded"):        # needed first: they decide whether errors are agreed on
@@ -107,7 +108,8 @@ class LoaderConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"expected {name} to be True or False; found {getattr(self, name)!r}")
         return replace(self, batch_size=check_count("batch_size", self.batch_size, 1),
-                       seed=None if self.seed is None else check_count("seed", self.seed, 0))
+                       seed=None if self.seed is None else check_count("seed", self.seed, 0),
+                       augment=check_ops(self.augment))
 
 
 class Loader:
@@ -120,6 +122,9 @@ class Loader:
         choice: the `StrategyChoice` (strategy, byte ledger, why as fields; `.reason` in words); `nbytes`
             its device bytes; `budget` its budget.
         dataset: the CompactDataset that decodes the batches (codec, sample_shape, mean/std, num_classes).
+        augment: the `memfit.augment` ops every iterated batch goes through, in order (empty: none);
+            `targets` says what the batches' targets are (soft targets where MixUp or CutMix mix them);
+            `unaugmented()` reads the same data without them (what `memfit.evaluate` does).
     """
 
     def __init__(self, data, config: LoaderConfig):
@@ -185,6 +190,8 @@ class Loader:
         # the consumer for the same cores and measured slower than copying inline (0.4x vs 1.0x resident on
         # 2 cores), so the thread runs only where there is something to overlap: a bus copy or file reads.
         self.threaded = prefetch and (self.device.type == "cuda" or src.sequential)
+        self.augment = cfg.augment
+        self._augmenter = Augmenter(cfg.augment, src.template, self.device) if cfg.augment else None
         self.choice: StrategyChoice = choose(self._needs(on_device), limit, strategy, macro_batch, order)
         self.strategy, self.macro_batch, self.order = self.choice.strategy, self.choice.macro_batch, self.choice.order
         self.threaded = self.threaded and self.strategy != "resident"     # resident has nothing to copy
@@ -194,7 +201,7 @@ class Loader:
             self.dataset = self._resident
         # decoded batches (and, resident, the gathered rows) go into reused host buffers: fresh
         # batch-sized allocations would fragment malloc's heap and grow host memory past the budget
-        self._decode = Decoder(self.dataset, self.batch_size, self.device)
+        self._decode = Decoder(self.dataset, self.batch_size, self.device, self._augmenter)
         cpu = self.device.type == "cpu"
         self._rows = BatchPool(src.stored_shape, src.stored_dtype, self.device, self.batch_size, count=1) \
             if cpu and self.strategy == "resident" else None
@@ -209,13 +216,22 @@ class Loader:
 
     def _needs(self, on_device: bool) -> Needs:
         """What the strategy choice weighs: the data's and the batches' bytes, and where they are."""
-        src = self.source
-        return Needs(n=src.n, batch_size=self.batch_size, row_nbytes=src.row_nbytes,
-                     batch_nbytes=src.batch_nbytes(self.batch_size), device_type=self.device.type,
-                     read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
-                     scratch_nbytes=Decoder.scratch_nbytes(src.template, self.batch_size), n_total=self._n_total,
-                     distributed=self.distributed, sequential=src.sequential, on_device=on_device,
-                     prefetch=self.prefetch)
+        src, b, aug = self.source, self.batch_size, self._augmenter
+        batch_nbytes, scratch = src.batch_nbytes(b), Decoder.scratch_nbytes(src.template, b)
+        items, table = (), 0
+        if aug is not None:
+            items = (("augmentation buffers (1 batch: " + ", ".join(type(op).__name__ for op in aug.ops) + ")",
+                      aug.scratch_nbytes(b)),)
+            if aug.sample_shape != tuple(src.template.sample_shape):    # unaugmented reads decode at full size
+                items += (("decoded unaugmented batches (2, read by evaluate)", 2 * batch_nbytes + scratch),)
+            batch_nbytes = aug.batch_nbytes(b)
+            scratch = Decoder.scratch_nbytes(src.template, b, aug.sample_shape)
+            table = aug.table_nbytes(self._n_total)
+        return Needs(n=src.n, batch_size=b, row_nbytes=src.row_nbytes, batch_nbytes=batch_nbytes,
+                     device_type=self.device.type, read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
+                     scratch_nbytes=scratch, n_total=self._n_total, distributed=self.distributed,
+                     sequential=src.sequential, on_device=on_device, prefetch=self.prefetch,
+                     augment_items=items, augment_table=table)
 
     # ---- public ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -229,8 +245,26 @@ class Loader:
 
     def explain(self) -> str:
         """Why this strategy: the byte figures of the choice and every buffer with its bytes; then how the
-        data is stored (a lossy codec's error bound included)."""
-        return self.choice.explain() + "\ndata: " + self.dataset.explain()
+        data is stored (a lossy codec's error bound included) and augmented."""
+        aug = "" if self._augmenter is None else "\n" + self._augmenter.describe()
+        return self.choice.explain() + "\ndata: " + self.dataset.explain() + aug
+
+    @property
+    def targets(self) -> Targets | None:
+        """What the iterated batches' targets are: the data's (`dataset.targets`), or soft targets (kind 'soft',
+        float32 (B, classes)) where MixUp or CutMix mix the class ids."""
+        return self.dataset.targets if self._augmenter is None else self._augmenter.targets
+
+    def augment_parameters(self, epoch: int) -> list[dict[str, torch.Tensor]]:
+        """Every sample's augmentation parameters in epoch `epoch`, one dict per op ({name: CPU tensor
+        (n_total,)}, indexed by the sample's position in the whole data): what the batches of that epoch use."""
+        if self._augmenter is None:
+            return []
+        return self._augmenter.draw_each(self.seed, check_count("epoch", epoch, 0), self._n_total)
+
+    def unaugmented(self) -> Unaugmented:
+        """The same loader read without its augmentation (what `memfit.evaluate` reads from an augmenting loader)."""
+        return Unaugmented(self)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next `iter()` runs (its order is a function of `seed` and `epoch`)."""
@@ -253,19 +287,27 @@ class Loader:
         return (order_mod.restrict(p, self._members) for p in pieces)
 
     def __iter__(self) -> Iterator[LoadedBatch]:
+        return self._run(self._epoch, augment=True)
+
+    def _run(self, epoch: int, augment: bool) -> Iterator[LoadedBatch]:
+        """The batches of `epoch` (augmented where the loader has ops and `augment`); the next `iter()` runs
+        the epoch after it."""
         if self._closed:
             raise ValueError("this loader is closed; build a new one with memfit.loader(...)")
-        epoch = self._epoch
-        self._epoch += 1
+        self._epoch = epoch + 1
         pieces = self._order_pieces(epoch)
-        if self.strategy == "resident":           # global order, one piece: to the device once per epoch
+        resident = self.strategy == "resident"
+        params = None
+        if augment and self._augmenter is not None:    # resident: looked up on the device; else beside the order
+            params = self._augmenter.draw(self.seed, epoch, self._n_total, self.device if resident else None)
+        if resident:           # global order, one piece: to the device once per epoch
             order = next(pieces)[:sum(self._sizes)]    # drop_last leaves the tail of the order out
-            it = _resident_epoch(self._resident, order.to(self.device, non_blocking=True), self._sizes,
-                                 self._decode, self._rows)
+            it = resident_epoch(self._resident, order.to(self.device, non_blocking=True), self._sizes,
+                                self._decode, self._rows, params, self._members)
         else:
             cap = self.macro_batch if self.strategy == "macro" else self.batch_size
-            it = _pipeline_epoch(self.source, pieces, self._sizes, cap, self.device, self.threaded, self._decode,
-                                 self._spare_slots)
+            it = pipeline_epoch(self.source, pieces, self._sizes, cap, self.device, self.threaded, self._decode,
+                                self._spare_slots, params, self._members)
         self._live.add(it)
         return it
 
@@ -289,40 +331,29 @@ class Loader:
                 f"batches={len(self)}, device={self.device}, nbytes={self.nbytes})")
 
 
-def _resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], decode: Decoder,
-                    rows: BatchPool | None) -> Iterator[LoadedBatch]:
-    # the order was made on the CPU and copied once per epoch: the same order on every device, strategy
-    # and rank; each batch is then one gather + decode on the device (into reused buffers on the CPU)
-    for idx in torch.split(order, sizes):
-        x = decode(ds.rows(idx, out=None if rows is None else rows.take(len(idx))))
-        yield x, ds.targets_at(idx)
+class Unaugmented:
+    """A loader read without its augmentation: iterating gives the batches of the loader's next epoch (its
+    order), decoded but not augmented, and does not count as one (the training epochs keep their seeds and
+    orders). Every other attribute is the loader's."""
 
+    def __init__(self, loader: Loader):
+        self.loader = loader
 
-def _pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[int], capacity: int,
-                    device: torch.device, prefetch: bool, decode: Decoder,
-                    spare: list[Slots]) -> Iterator[LoadedBatch]:
-    """One epoch of `stream` or `macro`; its slots come from `spare` (the loader's, left by the last epoch)
-    and go back there at the end: an epoch started while another runs makes its own."""
-    blocks = order_mod.pack(sizes, capacity)
-    totals = [sum(b) for b in blocks]
-    idx = order_mod.rechunk(pieces, totals)          # made as the copies need them (on the copy thread)
-    slots = spare.pop() if spare else Slots(source, capacity, device, count=2 if prefetch else 1, decode=decode)
-    fetch = Prefetcher(slots, idx) if prefetch else Inline(slots, idx)
-    try:
-        for block, total in zip(blocks, totals, strict=True):
-            slot = fetch.get()
-            start = 0
-            for m in block:
-                batch = slots.batch(slot, start, m)
-                start += m
-                if start == total:               # last read of the slot is queued: hand it back first
-                    fetch.release(slot)
-                yield batch
-                batch = None                     # hold no batch: its buffer is reused once the consumer drops it
-    finally:                                     # break, consumer error, background error: stop the thread
-        fetch.close()
-        if not spare:                            # the thread has stopped: nothing writes the slots now
-            spare.append(slots)
+    def __iter__(self) -> Iterator[LoadedBatch]:
+        ld = self.loader
+        epoch = ld._epoch
+        it = ld._run(epoch, augment=False)
+        ld._epoch = epoch
+        return it
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def __repr__(self) -> str:
+        return f"Unaugmented({self.loader!r})"
 
 
 def loader(data, batch_size: int, **options) -> Loader:
@@ -361,6 +392,12 @@ def loader(data, batch_size: int, **options) -> Loader:
             (with drop_last: smallest_part // batch_size full batches, a larger part leaves more out) and
             "every sample once per epoch" hold over their union. Each rank encodes its own part:
             normalize="dataset" is refused (pass the whole's (mean, std)).
+        augment: `memfit.augment` ops applied to every batch iterated, in the order given (e.g.
+            `[memfit.augment.Crop(32, padding=4, mode="reflect"), memfit.augment.Flip()]`), on the device,
+            from the stored codes (no float copy of the data). Each sample's parameters are drawn per epoch
+            from (seed, epoch), so an augmented sample is the same under every strategy, batch size and rank
+            layout. `memfit.evaluate` reads the loader unaugmented (`unaugmented()`); pass `iter(loader)` to
+            evaluate augmented batches.
         codec, normalize, dtype, y_dtype, ignore_index: how (x, y) arrays are encoded and decoded (see
             `CompactDataset.from_arrays`: y may be class ids, labels, float targets or a dict of them); a
             CompactDataset keeps its own.

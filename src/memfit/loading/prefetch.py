@@ -60,6 +60,7 @@ class Slots:
                  decode: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.source, self.device, self.count = source, device, count
         self.decode = decode or source.template.decode       # a `pool.Decoder` reuses the decoded buffers
+        self.ids: list[torch.Tensor | None] = [None] * count  # each slot's block: positions in the source (CPU)
         self.cuda = device.type == "cuda"
         shape = (capacity, *source.stored_shape)
 
@@ -91,6 +92,7 @@ class Slots:
         """Gather rows `idx` into `slot` (runs on the background thread)."""
         m = idx.shape[0]
         y = self.y[slot]
+        self.ids[slot] = idx
         if not self.cuda:
             self.source.fill(idx, self.x[slot], y)
             return
@@ -114,12 +116,14 @@ class Slots:
         if self.cuda:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
 
-    def batch(self, slot: int, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decoded micro-batch rows [start, start + m) of the slot (never a view of the slot itself)."""
-        x = self.decode(self.x[slot][start:start + m])
-        y = self.y[slot]
+    def batch(self, slot: int, start: int, m: int, params=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoded micro-batch rows [start, start + m) of the slot (never a view of the slot itself), augmented
+        with `params` (a `pool.Decoder`'s augmentation, which may write over the slot's rows) where given."""
+        rows, y = self.x[slot][start:start + m], self.y[slot]
+        if params is not None:
+            return self.decode.batch(rows, None if y is None else y[start:start + m], params)
         # targets decode into new memory (`Target.decode`): the slot itself is never handed out
-        return x, None if y is None else self.source.targets.decode(y[start:start + m])
+        return self.decode(rows), None if y is None else self.source.targets.decode(y[start:start + m])
 
 
 def _openmp_libraries() -> list[str]:

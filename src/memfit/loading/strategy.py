@@ -59,6 +59,8 @@ class Needs:
     sequential: bool = False   # rows are read from a file: 'blocks' is the default order for macro-batches
     on_device: bool = False    # the compact data already lives on the device
     prefetch: bool = True      # background copies were asked for (they run where slots == 2)
+    augment_items: tuple[tuple[str, int], ...] = ()   # augmentation's buffers for one batch, (name, bytes)
+    augment_table: int = 0     # one epoch's augmentation parameters (device: resident; host: stream, macro)
 
     def order_bytes(self) -> tuple[str, int, int]:
         """(ledger name, host bytes, more host bytes per row of a block) of this epoch order (`order_bytes`)."""
@@ -151,6 +153,15 @@ def _add_decode(led: Ledger, needs: Needs) -> None:
     led.add("decoded batches (2: yours, the next)", 2 * needs.batch_nbytes)    # held by you, being decoded
     if needs.scratch_nbytes:
         led.add("decode scratch (1 batch: unpacked codes, float32 for half types)", needs.scratch_nbytes)
+    for name, nbytes in needs.augment_items:
+        led.add(name, nbytes)
+
+
+def _augment_table(needs: Needs) -> tuple[str, int] | None:
+    """The ledger item of one epoch's augmentation parameters (None without augmentation)."""
+    if not needs.augment_table:
+        return None
+    return f"augmentation parameters (one epoch, {needs.n_total or needs.n} samples)", needs.augment_table
 
 
 def resident_ledger(needs: Needs, budget: int) -> tuple[Ledger, list[tuple[str, int]]]:
@@ -167,6 +178,11 @@ def resident_ledger(needs: Needs, budget: int) -> tuple[Ledger, list[tuple[str, 
         led.add(*order)
     led.add("gathered compact rows (1 batch)", needs.batch_size * needs.row_nbytes)
     _add_decode(led, needs)
+    table = _augment_table(needs)              # drawn on the host, looked up on the device
+    if table:
+        led.add(*table)
+        if needs.device_type == "cuda":
+            host.append(table)
     return led, host
 
 
@@ -179,6 +195,8 @@ def block_ledger(needs: Needs, rows: int, budget: int, what: str) -> tuple[Ledge
     _add_decode(led, needs)
     # the epoch order and file reads live in host memory: on a CPU device that is the budget's memory
     host_side = [needs.order_item(rows)]
+    if _augment_table(needs):                  # looked up on the host beside the order, per batch
+        host_side.append(_augment_table(needs))
     if needs.read_nbytes:
         host_side.append(("file read chunk (raw + encoded, host)", needs.read_nbytes))
     if needs.device_type == "cuda":

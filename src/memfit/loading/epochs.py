@@ -1,0 +1,84 @@
+"""One epoch of a loader: the batches of `resident` (gathered from the data on the device) and of `stream` /
+`macro` (decoded from blocks copied in the background), augmented where the loader has ops.
+
+A batch's augmentation parameters are looked up by the ids of its samples in the whole data (`whole_ids`:
+a rank's shard is a range of the whole), so they do not depend on the strategy, the batch size or the ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from memfit.compact import CompactDataset
+from memfit.loading import order as order_mod
+from memfit.loading.augmenter import EpochParams
+from memfit.loading.pool import BatchPool, Decoder
+from memfit.loading.prefetch import Inline, Prefetcher, Slots
+from memfit.loading.sources import Source
+
+__all__ = ["LoadedBatch", "pipeline_epoch", "resident_epoch", "whole_ids"]
+
+LoadedBatch = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def whole_ids(positions: torch.Tensor, members: range | None) -> torch.Tensor:
+    """Ids in the whole data of positions in a part of it (`members`: the part, a range of the whole; None:
+    the part is the whole).
+
+    Example:
+        >>> whole_ids(torch.tensor([0, 2]), range(10, 20, 3)).tolist()
+        [10, 16]
+    """
+    if members is None:
+        return positions
+    return positions.to(torch.int64) * members.step + members.start
+
+
+def resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], decode: Decoder,
+                   rows: BatchPool | None, params: EpochParams | None = None,
+                   members: range | None = None) -> Iterator[LoadedBatch]:
+    # the order was made on the CPU and copied once per epoch: the same order on every device, strategy
+    # and rank; each batch is then one gather + decode on the device (into reused buffers on the CPU)
+    if params is None:
+        for idx in torch.split(order, sizes):
+            x = decode(ds.rows(idx, out=None if rows is None else rows.take(len(idx))))
+            yield x, ds.targets_at(idx)
+        return
+    ids = whole_ids(order, members)
+    for idx, who in zip(torch.split(order, sizes), torch.split(ids, sizes), strict=True):
+        r = ds.rows(idx, out=None if rows is None else rows.take(len(idx)))
+        yield decode.batch(r, None if ds.y is None else ds.y.index_select(0, idx), params.take(who))
+
+
+def pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[int], capacity: int,
+                   device: torch.device, prefetch: bool, decode: Decoder, spare: list[Slots],
+                   params: EpochParams | None = None, members: range | None = None) -> Iterator[LoadedBatch]:
+    """One epoch of `stream` or `macro`; its slots come from `spare` (the loader's, left by the last epoch)
+    and go back there at the end: an epoch started while another runs makes its own. `params` (on the CPU,
+    beside the order) are looked up per micro-batch and copied to the device with it."""
+    blocks = order_mod.pack(sizes, capacity)
+    totals = [sum(b) for b in blocks]
+    idx = order_mod.rechunk(pieces, totals)          # made as the copies need them (on the copy thread)
+    slots = spare.pop() if spare else Slots(source, capacity, device, count=2 if prefetch else 1, decode=decode)
+    fetch = Prefetcher(slots, idx) if prefetch else Inline(slots, idx)
+    try:
+        for block, total in zip(blocks, totals, strict=True):
+            slot = fetch.get()
+            start = 0
+            for m in block:
+                p = None
+                if params is not None:
+                    p = [{k: v.to(device, non_blocking=True) for k, v in op.items()}
+                         for op in params.take(whole_ids(slots.ids[slot][start:start + m], members))]
+                batch = slots.batch(slot, start, m, p)
+                start += m
+                if start == total:               # last read of the slot is queued: hand it back first
+                    fetch.release(slot)
+                yield batch
+                batch = None                     # hold no batch: its buffer is reused once the consumer drops it
+    finally:                                     # break, consumer error, background error: stop the thread
+        fetch.close()
+        if not spare:                            # the thread has stopped: nothing writes the slots now
+            spare.append(slots)
