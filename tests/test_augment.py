@@ -55,9 +55,8 @@ def reference(x, op, params, y=None, num_classes=None):
             s = s[:, ::-1] if p["flip"] else s
         elif isinstance(op, Cutout):
             s = s.copy()
-            h, w = (op.size, op.size) if isinstance(op.size, int) else op.size
             if p.get("on", 1):
-                s[max(p["top"], 0):max(p["top"] + h, 0), max(p["left"], 0):max(p["left"] + w, 0)] = op.fill
+                s[p["top"]:p["top"] + p["height"], p["left"]:p["left"] + p["width"]] = op.fill
         elif isinstance(op, CutMix):
             s = s.copy()
             prev = to_hwc(x[i - 1], layout)
@@ -111,8 +110,11 @@ def test_the_draws_cover_every_position_and_follow_p():
     assert sorted(p["top"].unique().tolist()) == [0, 1, 2, 3, 4] == sorted(p["left"].unique().tolist())
     share = Flip(p=0.25).draw(4000, (6, 6), g)["flip"].float().mean().item()
     assert 0.2 < share < 0.3
-    c = Cutout(3).draw(4000, (6, 6), g)                   # centre anywhere: the rectangle starts 1 before it
-    assert sorted(c["top"].unique().tolist()) == [-1, 0, 1, 2, 3, 4]
+    c = Cutout(3).draw(4000, (6, 6), g)      # the centre anywhere, 1 past the square's edge: clipped at the sides
+    rows = {(t, t + h) for t, h in zip(c["top"].tolist(), c["height"].tolist(), strict=True)}
+    assert rows == {(0, 2), (0, 3), (1, 4), (2, 5), (3, 6), (4, 6)}
+    c = Cutout(3, inside=True).draw(4000, (6, 6), g)
+    assert set(c["top"].tolist()) == {0, 1, 2, 3} and set(c["height"].tolist()) == {3}
 
 
 @pytest.mark.parametrize("layout, shape", [("CHW", (6, 2, 5, 7)), ("HWC", (6, 5, 7, 2))])

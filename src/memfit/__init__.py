@@ -25,7 +25,7 @@ Submodules: `memfit.readers` (MNIST, CIFAR-10, .npy/.npz, digits, synthetic data
 import importlib
 import warnings
 
-from memfit import codecs, errors, metrics, readers
+from memfit import augment, codecs, errors, metrics, readers
 from memfit.accumulation.run import accumulate
 from memfit.budget import BudgetExceeded
 from memfit.compact import CompactDataset
@@ -42,6 +42,7 @@ __all__ = [
     "BudgetExceeded",
     "CompactDataset",
     "accumulate",
+    "augment",
     "codecs",
     "errors",
     "evaluate",

@@ -40,10 +40,8 @@ def sample_reference(raw, op, p, layout, prev=None):
         s = s[:, ::-1] if p["flip"] else s
     elif isinstance(op, Cutout):
         s = s.copy()
-        size = op.size if isinstance(op.size, int) else None
-        h, w = (size, size) if size else op.size
         if p.get("on", True):
-            s[max(p["top"], 0):max(p["top"] + h, 0), max(p["left"], 0):max(p["left"] + w, 0)] = op.fill
+            s[p["top"]:p["top"] + p["height"], p["left"]:p["left"] + p["width"]] = op.fill
     if raw.ndim == 2:
         return s[:, :, 0]
     return np.ascontiguousarray(s if layout == "HWC" else s.transpose(2, 0, 1))
@@ -73,7 +71,7 @@ OPS = [Crop(5, padding=3, fill=11), Flip(), Cutout(3, fill=2)]
 
 @pytest.mark.parametrize("strategy, kw", STRATEGIES)
 @pytest.mark.parametrize("ops", [OPS, [Translate(2, mode="reflect"), Flip(p=0.7), Cutout((2, 3), p=0.5, inside=True)],
-                                 [Cutout(4), Crop((6, 8), padding=1, mode="reflect")]])
+                                 [Cutout(4), Crop((6, 8), padding=1, mode="reflect")], [Crop((5, 6)), Flip()]])
 def test_batches_are_the_per_sample_reference_bit_for_bit(strategy, kw, ops):
     raw = images()
     ds = CompactDataset.from_arrays(raw, np.arange(N), normalize="dataset", device="cpu")
@@ -182,7 +180,7 @@ def test_the_ledger_holds_the_augmentation_bytes():
     name = next(k for k in items if k.startswith("augmentation buffers"))
     assert used <= items[name] <= 1.5 * used + 2 * 128 * 3072   # (the rest: the flip's copy, made per batch)
     table = items[next(k for k in items if k.startswith("augmentation parameters"))]
-    assert table == 600 * 4 * 6                              # top, left; flip; top, left, on: int32 each
+    assert table == 600 * 4 * 8                    # top, left; flip; top, left, height, width, on: int32 each
     assert ld.nbytes - plain.nbytes == items[name] + table
     assert format_bytes(table) in ld.explain() and "Crop(size=32, padding=4, mode='reflect'" in ld.explain()
     with pytest.raises(memfit.BudgetExceeded, match="augmentation buffers"):

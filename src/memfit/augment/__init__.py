@@ -29,6 +29,7 @@ Example:
     (torch.Size([8, 3, 32, 32]), torch.uint8)
 """
 
-from memfit.augment.ops import Crop, CutMix, Cutout, Flip, MixUp, Op, Translate
+from memfit.augment.mixing import CutMix, MixUp
+from memfit.augment.ops import Crop, Cutout, Flip, Op, Translate
 
-__all__ = ["CutMix", "Crop", "Cutout", "Flip", "MixUp", "Op", "Translate"]
+__all__ = ["Crop", "CutMix", "Cutout", "Flip", "MixUp", "Op", "Translate"]

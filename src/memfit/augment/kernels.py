@@ -57,50 +57,56 @@ def canonical(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def crop(v: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: tuple[int, int], pad: int, mode: str,
-         fill: float, out: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
+         fill: float, out: torch.Tensor, work: torch.Tensor | None, flips: torch.Tensor | None = None) -> torch.Tensor:
     """out (B, P, h, w, Q) = each sample padded by `pad` on every side ('zero': `fill`; 'reflect': mirrored
     without repeating the edge, as `numpy.pad(mode='reflect')`), then cut at rows [top, top + h) and columns
-    [left, left + w) of the padded sample. top, left: int64 (B,); `work`: a flat buffer of at least
-    `crop_work_numel` values (None when pad is 0)."""
+    [left, left + w) of the padded sample; then, where `flips` (bool (B,), or None) is set, mirrored
+    left-right (a crop and a flip in one gather: those windows are cut from a mirrored copy of the padded
+    batch). top, left: integers (B,); `work`: a flat buffer of `crop_work_numel` values (None when it is 0)."""
     b, p, h_in, w_in, q = v.shape
     h, w = size
     dev = v.device
     rows = top.view(b, 1) + (torch.arange(h, device=dev) - pad)          # (B, h) source row of each output row
+    wp = w_in + 2 * pad
+    n = b * p * h_in * wp * q                                             # one (padded) copy of the batch
     outside = None
-    if pad:
-        wp = w_in + 2 * pad
-        n = b * p * h_in * wp * q
-        src = work[:crop_work_numel(v.shape, pad, mode)]
+    if work is None:
+        src = v.reshape(-1)
+    else:
+        src = work[:crop_work_numel(v.shape, pad, mode, flips is not None)]
         padded = src[:n].view(b, p, h_in, wp, q)
         padded[:, :, :, pad:pad + w_in].copy_(v)
-        if mode == "zero":
+        if pad and mode == "zero":
             padded[:, :, :, :pad].fill_(fill)
             padded[:, :, :, pad + w_in:].fill_(fill)
-            src[n:].fill_(fill)                                           # one row of fill past the batch
+            src[(2 if flips is not None else 1) * n:].fill_(fill)         # one row of fill past the copies
             outside = (rows < 0) | (rows >= h_in)
-        else:
+        elif pad:
             padded[:, :, :, :pad].copy_(v[:, :, :, 1:pad + 1].flip(3))
             padded[:, :, :, pad + w_in:].copy_(v[:, :, :, w_in - 1 - pad:w_in - 1].flip(3))
             rows = rows.abs()
             rows = torch.where(rows >= h_in, 2 * (h_in - 1) - rows, rows)
-    else:
-        wp, src = w_in, v.reshape(-1)
+        if flips is not None:
+            src[n:2 * n].view(b, p, h_in, wp, q).copy_(padded.flip(3))
+            # flip(crop)[j] = padded[left + w - 1 - j] = mirrored[wp - w - left + j]: a window of the mirrored copy
+            left = torch.where(flips, (n // q + wp - w) - left, left)
     # each output row is w runs of q values, contiguous in a (padded) source row: one window of that row
-    start = (torch.arange(b * p, device=dev).view(b, p, 1) * h_in + rows.view(b, 1, h)) * wp + left.view(b, 1, 1)
+    first = torch.arange(0, b * p * h_in * wp, h_in * wp, device=dev).view(b, p) + left.view(b, 1)   # (B, P)
+    start = first.view(b, p, 1) + (rows * wp).view(b, 1, h)
     if outside is not None:                                              # rows in the padding: the row of fill
-        start = torch.where(outside.view(b, 1, h), b * p * h_in * wp, start)
+        start = torch.where(outside.view(b, 1, h), (2 if flips is not None else 1) * n // q, start)
     windows = src.unfold(0, w * q, q)                                    # (L, w * q) overlapping views
     torch.index_select(windows, 0, start.view(-1), out=out.view(b * p * h, w * q))
     return out
 
 
-def crop_work_numel(shape: tuple[int, ...], pad: int, mode: str) -> int:
-    """Values of `crop`'s work buffer for a (B, P, H, W, Q) batch: the batch with padded columns (and one
-    row of fill for 'zero')."""
+def crop_work_numel(shape: tuple[int, ...], pad: int, mode: str, mirrored: bool = False) -> int:
+    """Values of `crop`'s work buffer for a (B, P, H, W, Q) batch: the batch with padded columns (twice with
+    its mirrored copy), and one row of fill for 'zero' padding; 0: none needed."""
     b, p, h, w, q = shape
-    if not pad:
+    if not pad and not mirrored:
         return 0
-    return b * p * h * (w + 2 * pad) * q + ((w + 2 * pad) * q if mode == "zero" else 0)
+    return (2 if mirrored else 1) * b * p * h * (w + 2 * pad) * q + ((w + 2 * pad) * q if pad and mode == "zero" else 0)
 
 
 def flip(v: torch.Tensor, flips: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
@@ -126,10 +132,13 @@ def fill_rects(flat: torch.Tensor, shape: tuple[int, ...], top: torch.Tensor, le
     # a rectangle smaller than `most` repeats its last row and column: the same positions written twice
     rows = top.view(b, 1) + torch.minimum(torch.arange(most[0], device=dev).view(1, -1), height.view(b, 1) - 1)
     cols = left.view(b, 1) + torch.minimum(torch.arange(most[1], device=dev).view(1, -1), width.view(b, 1) - 1)
-    idx = (torch.arange(b * p, device=dev).view(b, p, 1, 1) * h + rows.view(b, 1, -1, 1)) * w + cols.view(b, 1, 1, -1)
-    idx = (idx * q).unsqueeze(-1) + torch.arange(q, device=dev)           # (B, P, most_h, most_w, Q)
+    # positions in units of Q values: sample and P, plus row (small tensors), then plus column (the one full add)
+    where = torch.arange(0, b * p * h * w, h * w, device=dev).view(b, p, 1) + (rows * w).view(b, 1, -1)
+    idx = where.view(b, p, -1, 1) + cols.view(b, 1, 1, -1)                # (B, P, most_h, most_w)
+    if q > 1:
+        idx = (idx * q).unsqueeze(-1) + torch.arange(q, device=dev)       # (B, P, most_h, most_w, Q)
     if on is not None:
-        idx = torch.where(on.view(b, 1, 1, 1, 1), idx, b * p * h * w * q)
+        idx = torch.where(on.view((b,) + (1,) * (idx.dim() - 1)), idx, b * p * h * w * q)
     flat.index_fill_(0, idx.view(-1), fill)
 
 

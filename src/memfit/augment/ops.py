@@ -1,5 +1,6 @@
-"""The augmentation ops: what each does to a sample, the per-sample parameters it draws, and its batch-wide
-apply (`memfit.augment.kernels`).
+"""The augmentation ops that move or write values (crop, translate, flip, cutout): what each does to a sample,
+the per-sample parameters it draws, and its batch-wide apply (`memfit.augment.kernels`); the ones that mix
+samples are in `memfit.augment.mixing`.
 
 An op is a small frozen dataclass. `op.draw(n, size, generator)` draws the parameters of n samples (CPU
 tensors, one entry per sample) and `op.apply(x, y, params, ...)` applies them to a batch; `op(batch,
@@ -13,6 +14,7 @@ they are written into the stored codes before the decode, so a normalised batch 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ import torch
 from memfit.augment import kernels as K
 from memfit.augment.kernels import LAYOUTS, canonical, spatial_size, with_size
 
-__all__ = ["CutMix", "Crop", "Cutout", "Flip", "MixUp", "Op", "Translate", "Workspace"]
+__all__ = ["Crop", "Cutout", "Flip", "Op", "Translate", "Workspace"]
 
 MODES = ("zero", "reflect")
 
@@ -154,6 +156,9 @@ class Crop(Op):
         _check("layout", self.layout, self.layout in LAYOUTS, f"one of {LAYOUTS}")
 
     def out_size(self, size):
+        return _crop_size(self, tuple(size))
+
+    def _out_size(self, size):
         h, w = size if self.size is None else _pair(self.size, "size", 1)
         p = int(self.padding)
         if h > size[0] + 2 * p or w > size[1] + 2 * p:
@@ -170,18 +175,28 @@ class Crop(Op):
         return {"top": torch.randint(0, size[0] + 2 * p - h + 1, (n,), generator=generator, dtype=torch.int32),
                 "left": torch.randint(0, size[1] + 2 * p - w + 1, (n,), generator=generator, dtype=torch.int32)}
 
-    def apply(self, x, y, params, *, fill=None, num_classes=None, workspace=None, key=None, owned=False):
+    def apply(self, x, y, params, *, fill=None, num_classes=None, workspace=None, key=None, owned=False,
+              flips=None):
+        """`flips`: a `Flip`'s parameter "flip" of the same samples, to run it in the same gather (a loader
+        does so for a Flip right after the Crop)."""
         ws = _workspace(workspace)
         v = canonical(x, self.layout)
         size = self.out_size(tuple(v.shape[2:4]))
         out_shape = (v.shape[0], v.shape[1], *size, v.shape[4])
         out = ws.get((key, "out"), math.prod(out_shape), x.dtype, x.device)
         p = int(self.padding)
-        work = ws.get((key, "work"), K.crop_work_numel(tuple(v.shape), p, self.mode), x.dtype, x.device) if p else None
-        K.crop(v, params["top"].long(), params["left"].long(), size, p, self.mode,
-               self.fill if fill is None else fill, out[:math.prod(out_shape)].view(out_shape), work)
+        numel = K.crop_work_numel(tuple(v.shape), p, self.mode, flips is not None)
+        work = ws.get((key, "work"), numel, x.dtype, x.device) if numel else None
+        K.crop(v, params["top"], params["left"], size, p, self.mode,
+               self.fill if fill is None else fill, out[:math.prod(out_shape)].view(out_shape), work, flips)
         shape = with_size(tuple(x.shape[1:]), self.layout, size)
         return out[:math.prod(out_shape)].view(x.shape[0], *shape), y
+
+
+@functools.lru_cache(maxsize=256)
+def _crop_size(op: Crop, size: tuple[int, int]) -> tuple[int, int]:
+    """`Crop.out_size`, checked once per op and input size (not once per batch)."""
+    return op._out_size(size)
 
 
 class Translate(Crop):
@@ -258,6 +273,9 @@ class Cutout(Op):
         _check("layout", self.layout, self.layout in LAYOUTS, f"one of {LAYOUTS}")
 
     def _most(self, size):
+        return _cutout_most(self, tuple(size))
+
+    def _check_most(self, size):
         h, w = _pair(self.size, "size", 1)
         if self.inside and (h > size[0] or w > size[1]):
             raise ValueError(f"{self!r}: a {h}x{w} rectangle does not fit inside a {size[0]}x{size[1]} sample; "
@@ -265,6 +283,7 @@ class Cutout(Op):
         return min(h, size[0]), min(w, size[1])
 
     def draw(self, n, size, generator):
+        """The rectangle of each sample, inside the sample: top, left, height, width (int32; clipped)."""
         h, w = _pair(self.size, "size", 1)
         self._most(size)
         if self.inside:
@@ -273,120 +292,27 @@ class Cutout(Op):
         else:                       # the centre anywhere; the rectangle starts half its size before it
             top = torch.randint(0, size[0], (n,), generator=generator, dtype=torch.int32) - h // 2
             left = torch.randint(0, size[1], (n,), generator=generator, dtype=torch.int32) - w // 2
-        params = {"top": top, "left": left}
+        bottom, right = (top + h).clamp(max=size[0]), (left + w).clamp(max=size[1])
+        top, left = top.clamp(min=0), left.clamp(min=0)
+        params = {"top": top, "left": left, "height": bottom - top, "width": right - left}
         if self.p < 1:
             params["on"] = torch.rand(n, generator=generator) < self.p
         return params
 
     def apply(self, x, y, params, *, fill=None, num_classes=None, workspace=None, key=None, owned=False):
         v = canonical(x, self.layout)
-        size = tuple(v.shape[2:4])
-        most = self._most(size)
-        h, w = _pair(self.size, "size", 1)
-        top, left = params["top"].long(), params["left"].long()
-        bottom, right = (top + h).clamp(max=size[0]), (left + w).clamp(max=size[1])
-        top, left = top.clamp(min=0), left.clamp(min=0)
+        most = self._most(tuple(v.shape[2:4]))
         if owned and x.is_contiguous() and "on" not in params:
             flat = x.view(-1)                      # written in place: every sample has its rectangle
         else:
             flat = _workspace(workspace).get((key, "out"), x.numel(), x.dtype, x.device)
             flat[:x.numel()].view(x.shape).copy_(x)
-        K.fill_rects(flat, tuple(v.shape), top, left, bottom - top, right - left, most,
+        K.fill_rects(flat, tuple(v.shape), params["top"], params["left"], params["height"], params["width"], most,
                      self.fill if fill is None else fill, params.get("on"))
         return flat[:x.numel()].view(x.shape), y
 
 
-def _beta(alpha: float, n: int, generator: torch.Generator | None) -> torch.Tensor:
-    """n draws of Beta(alpha, alpha), float32: numpy's, seeded from `generator` (torch has no seeded Beta)."""
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    return torch.from_numpy(np.random.default_rng(seed).beta(alpha, alpha, n).astype(np.float32))
-
-
-def soft_targets(y: torch.Tensor, num_classes: int | None, op: Op) -> torch.Tensor:
-    """Class ids (B,) as one-hot float32 (B, num_classes); soft targets (B, K) as they are."""
-    if y is None:
-        raise ValueError(f"{op!r} mixes samples and their class ids; give it an (x, y) batch with class ids")
-    if y.is_floating_point() and y.dim() == 2:
-        return y
-    if y.dtype != torch.int64 or y.dim() != 1:
-        raise ValueError(f"{op!r} needs class ids (int64 (B,)) or soft targets (float (B, classes)); found "
-                         f"{y.dtype} {tuple(y.shape)}")
-    if num_classes is None:
-        raise ValueError(f"{op!r} needs num_classes to make soft targets from class ids in a batch alone "
-                         f"(memfit.loader takes the dataset's); e.g. {type(op).__name__}(num_classes=10)")
-    return torch.nn.functional.one_hot(y, num_classes).float()
-
-
-@dataclass(frozen=True)
-class MixUp(Op):
-    """MixUp (Zhang et al., 2018): each sample mixed with the one before it in the batch (the first with the
-    last), x * lam + x_before * (1 - lam), lam ~ Beta(alpha, alpha) per sample (timm's 'elem' mode), and the
-    class ids the same way into soft targets (float32 (B, num_classes)). Runs on the decoded values.
-
-    Example:
-        >>> import torch
-        >>> x, y = MixUp(num_classes=3)((torch.zeros(4, 2), torch.tensor([0, 1, 2, 0])))
-        >>> y.shape, bool(torch.allclose(y.sum(1), torch.ones(4)))
-        (torch.Size([4, 3]), True)
-    """
-    alpha: float = 1.0
-    num_classes: int | None = None
-    stage = "values"
-    mixes = True
-
-    def __post_init__(self):
-        _check("alpha", self.alpha, isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
-               and self.alpha > 0, "a number > 0")
-        _check("num_classes", self.num_classes, self.num_classes is None or (isinstance(self.num_classes, int)
-               and self.num_classes >= 1), "None or an int >= 1")
-
-    def draw(self, n, size, generator):
-        return {"lam": _beta(self.alpha, n, generator)}
-
-    def apply(self, x, y, params, *, fill=None, num_classes=None, workspace=None, key=None, owned=False):
-        if not x.is_floating_point():
-            raise ValueError(f"{self!r} mixes values: it needs a float batch; found {x.dtype}")
-        soft = soft_targets(y, self.num_classes or num_classes, self)
-        lam = params["lam"]
-        return K.mix(x, lam), K.mix(soft, lam)
-
-
-@dataclass(frozen=True)
-class CutMix(Op):
-    """CutMix (Yun et al., 2019): a rectangle of each sample replaced by the same rectangle of the sample
-    before it in the batch; its sides sqrt(1 - lam) of the sample's (lam ~ Beta(alpha, alpha) per sample),
-    its centre anywhere, the part outside cut off; the class ids mixed into soft targets by the area kept
-    (1 - rectangle / sample). Moves values only: runs on the stored codes.
-
-    Example:
-        >>> import torch
-        >>> x, y = CutMix(num_classes=2)((torch.zeros(2, 1, 4, 4), torch.tensor([0, 1])))
-        >>> y.shape
-        torch.Size([2, 2])
-    """
-    alpha: float = 1.0
-    num_classes: int | None = None
-    layout: str = "CHW"
-    mixes = True
-
-    def __post_init__(self):
-        MixUp.__post_init__(self)
-        _check("layout", self.layout, self.layout in LAYOUTS, f"one of {LAYOUTS}")
-
-    def draw(self, n, size, generator):
-        lam = _beta(self.alpha, n, generator)
-        cut = torch.sqrt(1 - lam.double())                            # the rectangle's side, over the sample's
-        ch, cw = (cut * size[0]).long(), (cut * size[1]).long()
-        cy = torch.randint(0, size[0], (n,), generator=generator)
-        cx = torch.randint(0, size[1], (n,), generator=generator)
-        top, left = (cy - ch // 2).clamp(0, size[0]), (cx - cw // 2).clamp(0, size[1])
-        bottom, right = (cy + ch - ch // 2).clamp(0, size[0]), (cx + cw - cw // 2).clamp(0, size[1])
-        return {"top": top.int(), "left": left.int(), "height": (bottom - top).int(), "width": (right - left).int()}
-
-    def apply(self, x, y, params, *, fill=None, num_classes=None, workspace=None, key=None, owned=False):
-        soft = soft_targets(y, self.num_classes or num_classes, self)
-        v = canonical(x, self.layout)
-        height, width = params["height"].long(), params["width"].long()
-        out = K.paste_rects(v, params["top"].long(), params["left"].long(), height, width)
-        kept = 1 - (height * width).float() / float(v.shape[2] * v.shape[3])
-        return out.view(x.shape), K.mix(soft, kept)
+@functools.lru_cache(maxsize=256)
+def _cutout_most(op: Cutout, size: tuple[int, int]) -> tuple[int, int]:
+    """The largest rectangle of `op` in a sample of `size`, checked once per op and size."""
+    return op._check_most(size)

@@ -2,9 +2,10 @@
 
 Modules: `order` (epoch permutations, sharded by rank), `strategy` (resident, stream or macro, chosen
 from the bytes each needs and the budget), `sources` (where rows come from: a `CompactDataset` or a
-memory-mapped file), `pool` (reused decode buffers), `prefetch` (background copies, double
-buffering), `minibatches` (`Loader`, `loader()`). The entry point is
-`memfit.loader`; this package exports `Loader` and `LoaderConfig`.
+memory-mapped file), `pool` (reused decode buffers), `augmenter` (`memfit.augment` ops run on the stored
+codes inside the decode, parameters per (seed, epoch) by sample), `prefetch` (background copies, double
+buffering), `epochs` (one epoch's batches, resident or from copied blocks), `minibatches` (`Loader`,
+`loader()`). The entry point is `memfit.loader`; this package exports `Loader` and `LoaderConfig`.
 """
 
 from memfit.loading.minibatches import Loader, LoaderConfig

@@ -27,7 +27,7 @@ import math
 import torch
 
 from memfit.augment.kernels import canonical_shape, crop_work_numel, spatial_size, with_size
-from memfit.augment.ops import Crop, Cutout, Op, Workspace
+from memfit.augment.ops import Crop, Cutout, Flip, Op, Workspace
 from memfit.compact import CompactDataset, decoded_batch_nbytes
 from memfit.loading.order import epoch_seed
 from memfit.targets import Targets
@@ -141,6 +141,8 @@ class Augmenter:
                                  "give the true count")
         self.targets = Targets.soft(self.num_classes) if mixing else template.targets
         self.workspace = Workspace(reuse=True)
+        # a Flip right after a Crop runs inside the crop's gather (the windows of a mirrored copy)
+        self._fused = {k + 1 for k in range(len(ops) - 1) if isinstance(ops[k], Crop) and isinstance(ops[k + 1], Flip)}
 
     def _check_targets(self, targets: Targets | None) -> None:
         kinds = [] if targets is None else list(targets.kind.values()) if isinstance(targets.kind, dict) \
@@ -193,11 +195,13 @@ class Augmenter:
     def batch(self, codes: torch.Tensor, y, params: list[dict[str, torch.Tensor]], out=None, work=None):
         """(x, y) of one batch: codes (m, *sample_shape) as the codec unpacks them (written over), stored targets
         decoded -> the augmented, decoded batch."""
-        ws, owned = self.workspace, True
+        ws = self.workspace
         for k, (op, p) in enumerate(zip(self.ops, params, strict=True)):
-            if op.stage == "codes":
-                codes, y = op.apply(codes, y, p, fill=self.fills[k], num_classes=self.num_classes, workspace=ws,
-                                    key=k, owned=owned)
+            if op.stage != "codes" or k in self._fused:
+                continue
+            kw = {"flips": params[k + 1]["flip"]} if k + 1 in self._fused else {}     # crop and flip: one gather
+            codes, y = op.apply(codes, y, p, fill=self.fills[k], num_classes=self.num_classes, workspace=ws, key=k,
+                                owned=True, **kw)
         x = self.template.decode_codes(codes, out=out, work=work)
         for op, p in zip(self.ops, params, strict=True):
             if op.stage == "values":
@@ -218,13 +222,15 @@ class Augmenter:
         codes = self.template.codec.stored_dtype.itemsize
         shape = tuple(self.template.sample_shape)
         total = 0
-        for op, size_in, size_out in zip(self.ops, self.sizes, self.sizes[1:], strict=False):
+        for k, (op, size_in, size_out) in enumerate(zip(self.ops, self.sizes, self.sizes[1:], strict=False)):
             n_in = m * math.prod(with_size(shape, self.layout, size_in))
             n_out = m * math.prod(with_size(shape, self.layout, size_out))
             if isinstance(op, Crop):
                 work = crop_work_numel((m, *canonical_shape(with_size(shape, self.layout, size_in), self.layout)),
-                                       int(op.padding), op.mode)
+                                       int(op.padding), op.mode, k + 1 in self._fused)
                 total += codes * (n_out + 1 + (work + 1 if work else 0))
+            elif k in self._fused:                                     # Flip: inside the crop before it
+                continue
             elif op.geometric:                                         # Flip: out, the batch and its flipped copy
                 total += codes * (n_out + 1 + 2 * n_in + 1 + n_in)
             elif op.mixes:                                             # CutMix: a rolled copy and the result

@@ -3,6 +3,7 @@
 
 A batch's augmentation parameters are looked up by the ids of its samples in the whole data (`whole_ids`:
 a rank's shard is a range of the whole), so they do not depend on the strategy, the batch size or the ranks.
+`Unaugmented`: a loader's epoch read without its augmentation (what `memfit.evaluate` reads).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from memfit.loading.pool import BatchPool, Decoder
 from memfit.loading.prefetch import Inline, Prefetcher, Slots
 from memfit.loading.sources import Source
 
-__all__ = ["LoadedBatch", "pipeline_epoch", "resident_epoch", "whole_ids"]
+__all__ = ["LoadedBatch", "Unaugmented", "pipeline_epoch", "resident_epoch", "whole_ids"]
 
 LoadedBatch = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -82,3 +83,28 @@ def pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[i
         fetch.close()
         if not spare:                            # the thread has stopped: nothing writes the slots now
             spare.append(slots)
+
+
+class Unaugmented:
+    """A loader read without its augmentation: iterating gives the batches of the loader's next epoch (its
+    order), decoded but not augmented, and does not count as one (the training epochs keep their seeds and
+    orders). Every other attribute is the loader's."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[LoadedBatch]:
+        ld = self.loader
+        epoch = ld._epoch
+        it = ld._run(epoch, augment=False)
+        ld._epoch = epoch
+        return it
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def __repr__(self) -> str:
+        return f"Unaugmented({self.loader!r})"

@@ -39,7 +39,7 @@ from memfit.device.machine import resolve_device
 from memfit.distributed import RankFailed, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loading import order as order_mod
 from memfit.loading.augmenter import Augmenter, check_ops
-from memfit.loading.epochs import LoadedBatch, pipeline_epoch, resident_epoch
+from memfit.loading.epochs import LoadedBatch, Unaugmented, pipeline_epoch, resident_epoch
 from memfit.loading.pool import BatchPool, Decoder
 from memfit.loading.prefetch import Slots
 from memfit.loading.rank_agreement import agreed_parts, agreed_seed, source_identity
@@ -329,31 +329,6 @@ class Loader:
     def __repr__(self) -> str:
         return (f"Loader(strategy={self.strategy!r}, batch_size={self.batch_size}, macro_batch={self.macro_batch}, "
                 f"batches={len(self)}, device={self.device}, nbytes={self.nbytes})")
-
-
-class Unaugmented:
-    """A loader read without its augmentation: iterating gives the batches of the loader's next epoch (its
-    order), decoded but not augmented, and does not count as one (the training epochs keep their seeds and
-    orders). Every other attribute is the loader's."""
-
-    def __init__(self, loader: Loader):
-        self.loader = loader
-
-    def __iter__(self) -> Iterator[LoadedBatch]:
-        ld = self.loader
-        epoch = ld._epoch
-        it = ld._run(epoch, augment=False)
-        ld._epoch = epoch
-        return it
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str):
-        return getattr(self.loader, name)
-
-    def __repr__(self) -> str:
-        return f"Unaugmented({self.loader!r})"
 
 
 def loader(data, batch_size: int, **options) -> Loader:
