@@ -220,10 +220,9 @@ class Loader:
         batch_nbytes, scratch = src.batch_nbytes(b), Decoder.scratch_nbytes(src.template, b)
         items, table = (), 0
         if aug is not None:
-            items = (("augmentation buffers (1 batch: " + ", ".join(type(op).__name__ for op in aug.ops) + ")",
-                      aug.scratch_nbytes(b)),)
+            items = (("augmentation buffers (1 batch)", aug.scratch_nbytes(b)),)
             if aug.sample_shape != tuple(src.template.sample_shape):    # unaugmented reads decode at full size
-                items += (("decoded unaugmented batches (2, read by evaluate)", 2 * batch_nbytes + scratch),)
+                items += (("unaugmented batches (2, for evaluate)", 2 * batch_nbytes + scratch),)
             batch_nbytes = aug.batch_nbytes(b)
             scratch = Decoder.scratch_nbytes(src.template, b, aug.sample_shape)
             table = aug.table_nbytes(self._n_total)

@@ -161,7 +161,7 @@ def _augment_table(needs: Needs) -> tuple[str, int] | None:
     """The ledger item of one epoch's augmentation parameters (None without augmentation)."""
     if not needs.augment_table:
         return None
-    return f"augmentation parameters (one epoch, {needs.n_total or needs.n} samples)", needs.augment_table
+    return f"augmentation parameters ({needs.n_total or needs.n} samples)", needs.augment_table
 
 
 def resident_ledger(needs: Needs, budget: int) -> tuple[Ledger, list[tuple[str, int]]]:
