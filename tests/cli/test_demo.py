@@ -113,3 +113,23 @@ def test_arena_picture_agrees_with_the_table(monkeypatch):
         assert any(largest.name in t.get_text() for t in ax.texts)
     finally:
         plt.close(fig)
+
+
+def test_demo_augment_gives_the_loader_a_shift_for_digits(monkeypatch):
+    """`--augment`: the training loader gets the ops (digits: a random shift, no flip: a mirrored digit is another
+    symbol); the evaluation reads the test set, never augmented. Stopped at the loader: the run is tested above."""
+    pytest.importorskip("sklearn")
+    import memfit
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def loader(data, batch_size, **options):
+        seen.update(options)
+        raise Stop
+
+    monkeypatch.setattr(memfit, "loader", loader)
+    assert main(["demo", "--augment", "--epochs", "1", "--no-plot", "--json"]) != 0     # stopped there
+    assert [repr(op) for op in seen["augment"]] == ["Translate(shift=1, mode='zero', fill=0, layout='CHW')"]

@@ -250,3 +250,25 @@ def test_the_same_samples_on_every_rank_layout():
     x, ids = run_epoch(union)
     want = dict(zip(ids.tolist(), x, strict=True))
     assert sorted(got) == list(range(N)) and all(torch.equal(got[i], want[i]) for i in got)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy, kw", STRATEGIES)
+def test_cuda_augments_as_the_cpu_does(strategy, kw):
+    """The same samples augmented on the GPU: the codes moved bit for bit, the decode within float rounding (the GPU's
+    multiply-add may fuse); soft targets from CutMix the same."""
+    raw = images((3, 16, 16))
+    ds = CompactDataset.from_arrays(raw, np.arange(N) % 7, normalize="dataset", device="cpu")
+    ops = [Crop(16, padding=2, mode="reflect"), Flip(), Cutout(4, p=0.5), CutMix()]
+    cpu = list(loader(ds, 32, strategy="resident", seed=2, device="cpu", augment=ops))
+    for data in (ds, ds.to("cuda")):
+        got = list(loader(data, 32, strategy=strategy, seed=2, device="cuda", augment=ops, **kw))
+        assert len(got) == len(cpu)
+        for (xg, yg), (xc, yc) in zip(got, cpu, strict=True):
+            assert xg.device.type == "cuda"
+            torch.testing.assert_close(xg.cpu(), xc, rtol=0, atol=1e-6)
+            torch.testing.assert_close(yg.cpu(), yc, rtol=0, atol=1e-7)
+    alone = Crop(16, padding=2, mode="reflect")(ds.x[:8].cuda(), torch.Generator().manual_seed(0))
+    assert alone.device.type == "cuda" and torch.equal(alone.cpu(), Crop(16, padding=2, mode="reflect")(
+        ds.x[:8], torch.Generator().manual_seed(0)))
