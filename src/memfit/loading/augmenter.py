@@ -15,7 +15,7 @@ every strategy, batch size and rank layout.
 Example:
     >>> import numpy as np, torch, memfit
     >>> ds = memfit.CompactDataset.from_arrays(np.zeros((10, 3, 8, 8), np.uint8), np.arange(10), device="cpu")
-    >>> aug = Augmenter((memfit.augment.Crop(6, padding=1), memfit.augment.Flip()), ds, torch.device("cpu"))
+    >>> aug = Augmenter((memfit.augment.Crop(6, padding=1), memfit.augment.Flip()), ds)
     >>> aug.sample_shape, aug.table_nbytes(10)
     ((3, 6, 6), 120)
 """
@@ -105,11 +105,11 @@ class EpochParams:
 class Augmenter:
     """The ops of one loader, checked against its data, with the buffers they reuse from batch to batch."""
 
-    def __init__(self, ops: tuple[Op, ...], template: CompactDataset, device: torch.device):
+    def __init__(self, ops: tuple[Op, ...], template: CompactDataset):
         if template.fields is not None:
             raise ValueError("augment applies to image batches; this dataset holds several inputs per sample "
                              f"(fields {sorted(template.fields)}); augment them before storing, or drop augment")
-        self.ops, self.template, self.device = tuple(ops), template, device
+        self.ops, self.template = tuple(ops), template
         stages = [op.stage for op in ops]
         if "values" in stages and "codes" in stages[stages.index("values"):]:
             first = stages.index("values")

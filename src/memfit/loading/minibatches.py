@@ -191,7 +191,7 @@ class Loader:
         # 2 cores), so the thread runs only where there is something to overlap: a bus copy or file reads.
         self.threaded = prefetch and (self.device.type == "cuda" or src.sequential)
         self.augment = cfg.augment
-        self._augmenter = Augmenter(cfg.augment, src.template, self.device) if cfg.augment else None
+        self._augmenter = Augmenter(cfg.augment, src.template) if cfg.augment else None
         self.choice: StrategyChoice = choose(self._needs(on_device), limit, strategy, macro_batch, order)
         self.strategy, self.macro_batch, self.order = self.choice.strategy, self.choice.macro_batch, self.choice.order
         self.threaded = self.threaded and self.strategy != "resident"     # resident has nothing to copy
