@@ -109,12 +109,8 @@ class Op:
         layout = getattr(self, "layout", "CHW")
         size = spatial_size(tuple(x.shape[1:]), layout) if self.stage == "codes" or self.geometric else (0, 0)
         params = {k: v.to(x.device) for k, v in self.draw(x.shape[0], size, generator).items()}
-        x, y = self.apply(x, y, params)
-        if pair:
-            return x, y
-        if self.mixes:
-            raise ValueError(f"{type(self).__name__} mixes samples and their class ids; give it an (x, y) batch")
-        return x
+        x, y = self.apply(x, y, params)            # a mixing op refuses a batch without class ids
+        return (x, y) if pair else x
 
 
 def _workspace(workspace: Workspace | None) -> Workspace:
