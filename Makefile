@@ -44,6 +44,7 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	for b in codecs loaders planner evaluate distributed train fit; do $(VENV)/bin/memfit bench $$b || exit 1; done
 	$(VENV)/bin/memfit bench planner --real
+	$(VENV)/bin/memfit bench loaders --augment
 	$(VENV)/bin/memfit bench train --architectures
 
 clean:

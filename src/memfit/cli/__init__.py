@@ -17,6 +17,7 @@ from memfit.cli.options import UsageError, budget_arg, data_arg, device_arg
 EXAMPLES = {
     "info": "example:\n  memfit info\n  memfit info --json",
     "demo": ("example:\n  memfit demo\n  memfit demo --epochs 3 --budget 16MiB --plot demo-pictures --json\n"
+             "  memfit demo --augment\n"
              "  memfit demo --data mnist:~/data/mnist --device cuda\n"
              "  torchrun --standalone --nproc-per-node=2 -m memfit demo --distributed"),
     "bench": ("example:\n  memfit bench codecs --quick\n  memfit bench loaders --plot loaders.png\n"
@@ -27,7 +28,8 @@ EXAMPLES = {
 }
 BENCHMARKS = {
     "codecs": "bytes held and batch throughput of each codec vs a float32 gather",
-    "loaders": "stream / resident / macro loaders vs torch DataLoader and a float32 gather",
+    "loaders": "stream / resident / macro loaders vs torch DataLoader and a float32 gather; --augment: on-device "
+               "augmentation vs DataLoader, a hand-written batched reference and cached fp16 copies",
     "planner": "activation arena of a model zoo: naive, eager peak, planned, lower bound, latency",
     "evaluate": "auto chunk size vs the largest that fits, OOMs, throughput vs unchunked",
     "distributed": "resident loader and exact evaluation with 1 and 2 processes (torch.distributed)",
