@@ -57,6 +57,7 @@ from memfit.fitting.layout import (
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.fingerprint import model_state
 from memfit.memory.micro_batch import _signature
+from memfit.own_loss import is_own, label_terms, model_loss, own_batch
 
 __all__ = ["FitPlan", "fit"]
 
@@ -212,7 +213,8 @@ def _grown(batch, n: int):
     return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
 
 
-def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, budget: int | str, *,
+def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable | str | None,
+        budget: int | str, *,
         target=None, levers: Sequence[str] = (), candidates: Sequence[str] | None = None,
         terms: Callable | None = None, distributed: bool = False, allow_batch_dependent: bool = False,
         exhaustive: bool = False) -> FitPlan:
@@ -225,7 +227,9 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         optimizer: the optimizer `plan.step` steps (its state is counted, as once it has stepped).
         batch: (x, y), as for `accumulate`; or, with `target=` or a common loss, the inputs x alone. The plan
             is for batches of this size and layout; only shapes and dtypes are read.
-        loss_fn: loss_fn(output, y) -> the mean loss (or one per sample).
+        loss_fn: loss_fn(output, y) -> the mean loss (or one per sample). None or "model": the model's own loss
+            (`out.loss`, transformers models), with `batch` the inputs alone holding their labels (`x["labels"]`),
+            weighted as `accumulate` does (`memfit.own_loss`).
         budget: bytes or a size such as "8GiB" that the step's peak must fit.
         target: with `batch` the inputs alone, the targets' layout, as for `memory_model`: an example target
             batch (its leading dimension is the batch, rebuilt at the batch's size) or one target's sample shape
@@ -246,6 +250,12 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         BudgetExceeded: no alternative fits; the message has the breakdown (parameters, gradients, optimizer
             state, the rest) and what would fit.
     """
+    own = is_own(loss_fn)
+    if own:                   # the model's own loss: the inputs alone, their labels inside; nothing to build a y for
+        if target is not None:
+            raise ValueError("memfit.fit: target= gives the layout of targets beside the inputs; loss_fn=None (or "
+                             "'model') takes the model's own loss from the labels inside x: leave target= out")
+        batch, loss_fn = own_batch(batch, "memfit.fit"), model_loss
     pair = isinstance(batch, (tuple, list)) and len(batch) == 2 and target is None     # (x, y)
     budget = parse_bytes(budget)
     levers = _check_levers(levers)
@@ -318,6 +328,10 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                                  "and were not checked after they ran: a forward that changes its own model only on "
                                  "some steps of one batch shape is taken for a change by the caller; make that change "
                                  "outside forward, or on every step, or call memfit.fit again after it)")
+        step_terms = terms
+        if own:
+            step_batch = own_batch(step_batch, "plan.step")
+            step_terms = terms if terms is not None else label_terms(module, step_batch[0])
         pair_given = isinstance(step_batch, (tuple, list)) and len(step_batch) == 2
         if error is None and plan._layout is not None and pair_given:
             part = tuple(step_batch) if pair else (step_batch[0],)
@@ -334,7 +348,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         shapes = batch_shapes(step_batch)
         with checkpointed(module, plan.checkpoint), cast:
             res = run_step(model, optimizer, step_batch, loss_fn if plan.autocast is None else _cast_loss(loss_fn),
-                           micro_batch=plan.micro_batch, terms=terms, distributed=distributed,
+                           micro_batch=plan.micro_batch, terms=step_terms, distributed=distributed,
                            allow_batch_dependent=allow_batch_dependent, walked=plan._walked[1])
         res.reason = f"memfit.fit: {plan.reason}"
         # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
