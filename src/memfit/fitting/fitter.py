@@ -89,7 +89,9 @@ class FitPlan:
     _module: torch.nn.Module = field(repr=False, default=None)
     _installed: list = field(repr=False, default_factory=list)
     _terms: bool = field(repr=False, default=False)          # fit was given terms= (a loss over terms, not samples)
+    _own: object = field(repr=False, default=None)           # the model's own loss: the first sample of x (a probe)
     _marked: tuple | None = field(repr=False, default=None)   # (module, its accepts_loss_kwargs before the Trainer)
+    _caches: list = field(repr=False, default_factory=list)   # transformers' use_cache turned off for the Trainer
     _layout: tuple | None = field(repr=False, default=None)   # the planned batch's (fitting.layout.layout)
     _held: tuple | None = field(repr=False, default=None)     # the model and optimizer as planned (layout.held)
     _walked: tuple | None = field(repr=False, default=None)   # (the _held state it is for, accumulation's Walked)
@@ -211,6 +213,14 @@ def _grown(batch, n: int):
     """The batch's first sample broadcast to n samples (no bytes allocated; counted as n: the search reads shapes)."""
     from torch.utils._pytree import tree_map
     return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
+
+
+def _first_sample(x):
+    """x's first sample, copied (the batch is not kept): what the Trainer hand-off tries the model's own loss on."""
+    from torch.utils._pytree import tree_map
+
+    from memfit.batches import batch_slice
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, batch_slice(x, 0, 1))
 
 
 def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable | str | None,
@@ -368,5 +378,5 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
-                   _terms=terms is not None, _layout=layout(tuple(batch) if pair else (x,)),
-                   _held=held(module, optimizer))
+                   _terms=terms is not None, _own=_first_sample(x) if own else None,
+                   _layout=layout(tuple(batch) if pair else (x,)), _held=held(module, optimizer))
