@@ -79,36 +79,42 @@ def is_causal_lm(model: torch.nn.Module) -> bool:
 
 
 class LabelTerms:
-    """terms(x, y) of a model's own loss: how many labels in x count (not -100; `shift`: a causal LM's, from the
-    second position on; `key` the labels' name in x). `per_sample`: each sample's count in the batch it was made
-    for, on the host (a micro-batch's count is then a sum of ints: no read of the device per micro-batch)."""
+    """terms(x, y) of a model's own loss: how many labels in x count (not -100): `x["shift_labels"]` as given where x
+    has them, else `x["labels"]`, from the second position on where `shift` (a causal LM's). `per_sample`: each
+    sample's count in the batch it was made for, on the host (a micro-batch's count is then a sum of ints: no read
+    of the device per micro-batch). Labels that are not integers (a regression's) count one term per sample."""
 
-    def __init__(self, key: str, shift: bool, per_sample: list[int] | None = None):
-        self.key, self.shift, self.per_sample = key, shift, per_sample
+    def __init__(self, shift: bool, per_sample: list[int] | None = None):
+        self.shift, self.per_sample = shift, per_sample
 
     def counted(self, x) -> torch.Tensor:
         """(n,) int64: each sample's labels that count."""
-        labels = x[self.key]
-        labels = labels[:, 1:] if self.shift else labels
+        if "shift_labels" in x:
+            labels = x["shift_labels"]
+        else:
+            labels = x["labels"]
+            labels = labels[:, 1:] if self.shift and labels.dim() >= 2 else labels
+        if not _integer(labels):
+            return torch.ones(labels.shape[0], dtype=torch.long, device=labels.device)
         return (labels != IGNORE_INDEX).reshape(labels.shape[0], -1).sum(1)
 
     def __call__(self, x, y=None) -> torch.Tensor:
         return self.counted(x).sum()
 
 
+def _integer(labels) -> bool:
+    return isinstance(labels, torch.Tensor) and labels.dim() >= 1 and not labels.is_floating_point() \
+        and labels.dtype != torch.bool
+
+
 def label_terms(model: torch.nn.Module, x) -> LabelTerms | None:
     """The terms of `model`'s own loss on the batch x (`LabelTerms`, its counts per sample read in one transfer), or
     None where x holds no integer labels (float labels of a regression, a multi-label target: every sample the same
     number of terms, so samples weigh right)."""
-    if not isinstance(x, dict):
+    if not isinstance(x, dict) or not _integer(x.get("shift_labels", x.get("labels"))) \
+            or not x.get("shift_labels", x.get("labels")).numel():
         return None
-    key = "shift_labels" if "shift_labels" in x else "labels"
-    labels = x.get(key)
-    if not (isinstance(labels, torch.Tensor) and labels.dim() >= 1 and labels.numel()
-            and not labels.is_floating_point() and labels.dtype != torch.bool):
-        return None
-    shift = key == "labels" and labels.dim() >= 2 and is_causal_lm(model)
-    terms = LabelTerms(key, shift)
+    terms = LabelTerms(is_causal_lm(model))
     terms.per_sample = terms.counted(x).tolist()
     return terms
 

@@ -2,6 +2,7 @@
 real peak against the budget, and what fit leaves untouched."""
 import contextlib
 import copy
+import dataclasses
 import re
 import warnings
 
@@ -476,3 +477,34 @@ def test_the_plan_says_when_the_machine_was_busy_while_its_kernels_were_timed(mo
     model = mlp(blocks=2)
     plan = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), F.mse_loss, "1GiB")
     assert ("THE MACHINE WAS BUSY while the kernels were timed: 50 of 100" in plan.explain()) == warned
+
+
+def test_a_causal_lm_trains_on_its_own_loss_with_its_default_cache():
+    """fit and plan.step with loss_fn=None on a Llama as it comes (use_cache=True, a padding mask, rows with
+    different numbers of -100): the step in micro-batches with a block checkpointed gives the plain step's gradient
+    (the cache is off while the block is checkpointed: with it the recomputation appended to the cache, a shape
+    error); the cache comes back, and the next step finds the model as planned."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)
+    torch.manual_seed(0)
+    model, ref = tf.LlamaForCausalLM(cfg), tf.LlamaForCausalLM(cfg)
+    ref.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (6, 8), generator=g)
+    mask = (torch.arange(8) < torch.randint(3, 9, (6, 1), generator=g)).long()
+    x = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    plan = memfit.fit(model, opt, x, None, "1GiB")
+    # the step a tighter budget could choose: micro-batches of 4 and 2, the first block checkpointed
+    plan = dataclasses.replace(plan, micro_batch=4, checkpoint=("model.layers.0",))
+    res = plan.step(x)
+    loss = ref(**x).loss
+    loss.backward()
+    ref_opt.step()
+    assert res.micro_batches == 2 and res.loss == pytest.approx(loss.item(), rel=1e-6)
+    assert max_rel_error(grads(model), grads(ref)) < 1e-5
+    assert model.config.use_cache is True
+    plan.step((x, None))
+    with pytest.raises(ValueError, match="found targets y beside them"):
+        plan.step((x, x["labels"]))
