@@ -525,3 +525,60 @@ def test_a_meta_device_model_is_planned_with_kernels_timed_on_the_cpu():
     # bytes without the CPU allocator's alignment (meta has none): 2% fewer here
     assert 0.95 * on_cpu.peak_bytes <= on_meta.peak_bytes <= on_cpu.peak_bytes
     assert "a meta-device model: every kernel and the host's costs timed on the CPU as a stand-in" in on_meta.explain()
+
+
+def test_two_threads_stepping_one_plan_run_one_after_the_other():
+    """Both threads' steps overlap unless plan.step runs them in turn (each waits inside its loss for the other, up to
+    0.3 s): the weights are those of one serial order, and neither step takes the other's checkpointing wrapper for
+    a change of the model (it raised ModelChanged: attribute 'forward' of module '0' changed). A step called from
+    inside a step of the same model is refused."""
+    import threading
+    model = mlp(blocks=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first, second = data(8), tuple(t + 1 for t in data(8))
+    inside, both, count = [0], threading.Event(), threading.Lock()
+
+    def loss(out, y):              # waits for a step in another thread to be in its loss at the same time
+        with count:
+            inside[0] += 1
+            if inside[0] == 2:
+                both.set()
+        both.wait(0.3)
+        with count:
+            inside[0] -= 1
+        return F.mse_loss(out, y)
+    plan = dataclasses.replace(memfit.fit(model, opt, first, loss, "1GiB"), micro_batch=4, checkpoint=("0",))
+    refs = []
+    for order in ((first, second), (second, first)):
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for x, y in order:
+            plain_step(ref, ref_opt, x, y)
+        refs.append(ref)
+    errors = []
+    threads = [threading.Thread(target=lambda b=b: _record(errors, plan.step, b)) for b in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not both.is_set()
+    assert any(all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+               for ref in refs)
+
+    armed = []
+
+    def reentrant(out, y):
+        if armed:
+            again.step(first)
+        return F.mse_loss(out, y)
+    again = memfit.fit(model, opt, first, reentrant, "1GiB")
+    armed.append(True)
+    with pytest.raises(RuntimeError, match="plan.step was called inside a step of the same model"):
+        again.step(first)
+
+
+def _record(errors: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:          # noqa: BLE001 - the test asserts there were none
+        errors.append(e)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,16 @@ from memfit.own_loss import is_own, label_terms, model_loss, own_batch
 __all__ = ["FitPlan", "fit"]
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> (model_state, {key: _Found})
+_STEPPING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its _Stepping (any plan's steps)
+
+
+class _Stepping:
+    """One model's steps one at a time: two threads stepping one model and optimizer at once mixed their
+    gradients (weights 7e-3 off every serial order), and one saw the other's checkpointing wrapper as a change."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.owner: int | None = None        # the thread running a step now
 
 
 @dataclass
@@ -112,8 +123,19 @@ class FitPlan:
         `memfit.fit` again then. What the model's own forward sets is not a change: each step is checked
         against the model as the last checked step left it; once a step on batches of some shapes changed
         nothing, steps on those shapes are checked before they run only, so a forward that changes its model
-        only on some steps of one batch shape is refused (the error says so)."""
-        return self._run(batch, self)
+        only on some steps of one batch shape is refused (the error says so). Steps on one model from several
+        threads run one after the other (the weights are those of one serial order); a step called from inside a
+        step of the same model (its loss_fn, a hook) raises RuntimeError."""
+        stepping = _STEPPING.setdefault(self._module, _Stepping())     # dict.setdefault: one per model
+        if stepping.owner == threading.get_ident():
+            raise RuntimeError("plan.step was called inside a step of the same model (from its loss_fn, a hook or "
+                               "its forward): one optimizer step at a time; call it after the step returns")
+        with stepping.lock:
+            stepping.owner = threading.get_ident()
+            try:
+                return self._run(batch, self)
+            finally:
+                stepping.owner = None
 
     def trainer_arguments(self, args):
         """transformers' `TrainingArguments` that train with this plan (per-device batch, gradient accumulation
