@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
+from memfit.budget import format_bytes
 from memfit.device.measure import optimizer_state, track_memory, unique_bytes
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.memory.ranks import rank_memory_model
@@ -188,9 +189,13 @@ def test_nothing_fits_raises_with_the_breakdown():
                                          target=data()[1][:1], world_size=world, probes=(1,)).total_bytes(1)
     assert at(w) <= 100 * 1024 and (w == 2 or at(w - 1) > 100 * 1024), w
     static = sum(v for _, v in e.value.items[:3])
+    budget = static + 16
     with pytest.raises(memfit.BudgetExceeded, match=r"the least any alternative needs") as e:
-        memfit.fit(model, opt, data(), F.mse_loss, static + 16)
-    assert "levers=('bf16',)" in str(e.value)
+        memfit.fit(model, opt, data(), F.mse_loss, budget)
+    # AdamW's state offered away only where the step without it would fit
+    state = dict(e.value.items)["optimizer state"]
+    assert ("an optimizer with less state" in str(e.value)) == (e.value.needed - state <= budget)
+    assert "activations and the rest at micro-batch 1 " in str(e.value)
 
 
 def test_nothing_fits_says_when_sharding_alone_would_not_fit():
@@ -235,8 +240,16 @@ def test_levers_are_opt_in_and_a_last_resort():
     least16 = min(a.bytes for a in both.alternatives if a.setting.autocast == "bfloat16")
     assert all(not a.setting.checkpoint for a in both.alternatives if a.setting.autocast)    # never combined
     assert least16 < least32
-    with pytest.raises(memfit.BudgetExceeded, match="levers="):
+    with pytest.raises(memfit.BudgetExceeded, match="levers=") as e:
         memfit.fit(model, opt, (x, y), F.mse_loss, least16, **off)
+    # bf16 offered with its own prediction, which fits; the breakdown at the whole batch (BatchNorm: no
+    # micro-batches); plain SGD keeps no state to offer away
+    said = str(e.value)
+    assert f"levers=('bf16',) (bf16 autocast at micro-batch 512: {format_bytes(least16)} predicted)" in said
+    assert "activations and the rest at micro-batch 512 " in said and "less state" not in said
+    with pytest.raises(memfit.BudgetExceeded) as e:
+        memfit.fit(model, opt, (x, y), F.mse_loss, least16 - 1, **off)
+    assert "levers=" not in str(e.value)                 # bf16 would not fit either
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)       # exact: no approximation to warn of
         tight = memfit.fit(model, opt, (x, y), F.mse_loss, least16, levers=("bf16",), **off)

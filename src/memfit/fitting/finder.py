@@ -147,7 +147,7 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
                           "allow_batch_dependent=True allows them)")
     if choice.best is None:
-        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers)
+        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of)
     return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
                   time.perf_counter() - t0)
 
