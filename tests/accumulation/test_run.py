@@ -338,3 +338,35 @@ def test_a_step_reads_the_device_twice_whatever_the_micro_batches(micro):
         with counted_reads() as reads:
             accumulate(model, opt, batch, loss_fn, micro_batch=micro)
         assert len(reads) == 2, (what, reads)
+
+
+def test_the_models_own_loss_gives_the_full_batch_step():
+    """loss_fn=None: a causal LM's own loss (labels inside the batch, -100 where nothing counts, different per
+    sample) in micro-batches gives the gradient and loss of one plain step of the model on the whole batch."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    torch.manual_seed(0)
+    ref, mod, again = tf.LlamaForCausalLM(cfg), tf.LlamaForCausalLM(cfg), tf.LlamaForCausalLM(cfg)
+    mod.load_state_dict(ref.state_dict())
+    again.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (5, 8), generator=g)
+    labels = ids.clone()
+    labels[0, 2:] = -100
+    labels[3, :5] = -100
+    x = {"input_ids": ids, "labels": labels}
+    ref_opt, opt, again_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, mod, again))
+    loss = ref(**x).loss
+    loss.backward()
+    ref_opt.step()
+    r = accumulate(mod, opt, x, micro_batch=2)             # loss_fn=None: the default
+    assert r.micro_batches == 3 and r.loss == pytest.approx(loss.item(), rel=1e-6)
+    assert_same_step(ref, mod)
+    assert accumulate(again, again_opt, (x, None), "model", micro_batch=3).loss == pytest.approx(r.loss, rel=1e-6)
+    with pytest.raises(ValueError, match="found targets y beside them"):
+        accumulate(mod, opt, (x, labels), None, micro_batch=2)
+    with pytest.raises(ValueError, match=r"every label in x\['labels'\] is -100 \(a causal LM's from the second"):
+        accumulate(mod, opt, {"input_ids": ids, "labels": torch.where(torch.arange(8) == 0, ids, -100)}, micro_batch=2)
+    with pytest.raises(ValueError, match=r"model returned CausalLMOutputWithPast .*without one"):
+        accumulate(mod, opt, {"input_ids": ids}, "model", micro_batch=2)

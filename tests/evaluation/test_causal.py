@@ -103,3 +103,32 @@ def test_only_causal_lms_are_checked():
         memfit.evaluate(plain, (ids, ids), shift_labels="yes", progress=False)
     with pytest.raises(ValueError, match="shift_labels=True shifts token labels"):
         memfit.evaluate(plain, (ids, ids[:, 0]), shift_labels=True, progress=False)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama])
+def test_the_models_own_loss_over_chunks_is_its_loss_on_the_whole_set(build):
+    """loss_fn="model": labels inside the inputs, the model's own out.loss per chunk weighted by its counted labels
+    (shifted) gives the whole set's own loss; the other metrics read the same labels, shifted. loss_fn=None does the
+    same on data without targets; a loader of dicts works too."""
+    torch.manual_seed(0)
+    model = build().eval()
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    logits, target = out.logits[:, :-1], labels[:, 1:]
+    accuracy = float((logits.argmax(-1) == target)[target != -100].double().mean())
+    x = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "labels": labels.numpy()}
+    res = memfit.evaluate(model, (x, None), loss_fn="model", metrics=("loss", "perplexity", "accuracy"),
+                          chunk_size=4, progress=False)
+    assert res["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+    assert res["perplexity"] == pytest.approx(math.exp(out.loss.item()), rel=1e-5)
+    assert res["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    by_samples = np.mean([model(input_ids=ids[s:s + 4], attention_mask=mask[s:s + 4], labels=labels[s:s + 4]).loss
+                          .item() for s in range(0, N, 4)])
+    assert abs(by_samples - out.loss.item()) > 1e-3          # chunks weighted equally would be off
+    res = memfit.evaluate(model, (x, None), chunk_size=5, progress=False)       # loss_fn=None, no targets
+    assert list(res.metrics) == ["loss"] and res["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+    loader = [{"input_ids": ids[s:s + 6], "attention_mask": mask[s:s + 6], "labels": labels[s:s + 6]}
+              for s in range(0, N, 6)]
+    res = memfit.evaluate(model, loader, loss_fn="model", progress=False)
+    assert res["loss"] == pytest.approx(out.loss.item(), rel=1e-5) and res.n == N

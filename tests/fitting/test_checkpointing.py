@@ -54,3 +54,32 @@ def test_another_threads_forward_and_prediction_do_not_see_the_steps_checkpointi
     assert mine == 6                                  # here: each block's forward, then its recomputation
     assert theirs == 3                                # there: the plain forward (it recomputed before)
     assert predicted == plain                         # there: the plain step's bytes (it was below them before)
+
+
+def test_a_decoders_key_value_cache_is_off_while_checkpointed():
+    """A Llama with its default use_cache=True: a checkpointed block recomputed in backward would append to the
+    cache again (a shape error with a padding mask, before); inside `checkpointed` the cache is off, so the gradient
+    is the plain step's, and use_cache is put back after. A cache asked for in the batch is refused by name."""
+    import pytest
+    tf = pytest.importorskip("transformers")
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).train()
+    assert model.config.use_cache
+    ids = torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 5:] = 0
+    x = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    model(**x).loss.backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with checkpointed(model, ["model.layers.0", "model.layers.1"]):
+        assert not model.config.use_cache
+        model(**x).loss.backward()
+        with pytest.raises(ValueError, match=r"LlamaDecoderLayer is checkpointed and was given a key/value cache.*"
+                                             r"pass use_cache=False"):
+            model(**x, use_cache=True)
+    assert model.config.use_cache
+    for p, g in zip(model.parameters(), plain, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)

@@ -31,13 +31,14 @@ from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
 from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
 from memfit.losses import batch_terms, count_terms, loss_ignore_index, said_reduction
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
+from memfit.own_loss import LabelTerms, is_own, label_terms, model_loss, own_batch
 
 __all__ = ["Walked", "accumulate", "run_step"]
 
 log = logging.getLogger("memfit.accumulate")
 
 
-def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable,
+def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable | str | None = None,
                budget: int | str | None = None, micro_batch: int | str = "auto", *, distributed: bool = False,
                allow_batch_dependent: bool = False, terms: Callable | None = None,
                nonfinite: str = "raise") -> StepResult:
@@ -57,10 +58,14 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         optimizer: steps once.
         batch: (x, y): x a tensor, a dict of tensors (passed as keyword arguments, e.g. tokenizer output)
             or a tuple (positional); first dimension the samples. A batch on the host is copied to the
-            model's device a micro-batch at a time. A memfit loader's batches work as they are.
+            model's device a micro-batch at a time. A memfit loader's batches work as they are. With the model's
+            own loss (loss_fn=None): x alone, a dict holding its labels (x["labels"]), or (x, None).
         loss_fn: loss_fn(output, y) -> the mean loss over the samples (a scalar), or one loss per sample (summed
             and freed before backward, as the memory model counts it: a loss_fn that keeps the vector itself
-            holds m floats more).
+            holds m floats more). None or "model" (the default): the model's own loss, `out.loss`, as
+            transformers models compute it from `x["labels"]`; its micro-batches are weighted by the labels that
+            count (not -100; a causal LM's from the second position on: `memfit.own_loss.label_terms`), so the
+            gradient is the full batch's.
             Weighting is by samples: a loss averaged over tokens is exact when every sample has as many;
             otherwise pass `terms` (a warning says so when labels ignore a different number of positions).
             A torch cross entropy or NLL loss (module, F function or partial) says what its mean is over: its
@@ -126,6 +131,12 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
              allow_batch_dependent=False, terms=None, nonfinite="raise", walked: Walked | None = None) -> StepResult:
     """`accumulate`; `walked`: the model's `Walked`, known to hold (else walked here)."""
     t0 = time.perf_counter()
+    given = terms
+    if is_own(loss_fn):           # the model's own loss: x alone (its labels inside), weighted by the labels that count
+        batch, loss_fn = own_batch(batch, "accumulate"), model_loss
+        if terms is None:
+            inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+            terms = label_terms(inner, batch[0])
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(f"batch must be (x, y); found {type(batch).__name__}"
                         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
@@ -137,7 +148,7 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
     params = walked.params if walked is not None else list(model.parameters())
     # Distributed: every local step that can fail runs first, then one agreement shares the sample counts and
     # sizes; a rank that failed makes every rank raise there, none waits in a collective
-    error, step, key, given = None, None, None, terms
+    error, step, key = None, None, None
     try:
         n = batch_size(x, y)
         whole = micro_batch != "auto" and micro_batch >= n       # one micro-batch of the whole batch: the plain step
@@ -180,7 +191,9 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
                                                     reason if error is None else "", micro_batch == "auto")
         step.n_total = n_total
     if n_total == 0:
-        raise ValueError("terms(x, y) counts no terms in the whole batch: there is no loss to take a step on"
+        raise ValueError("every label in x['labels'] is -100 (a causal LM's from the second position on): there is "
+                         "no loss to take a step on" if isinstance(terms, LabelTerms) else
+                         "terms(x, y) counts no terms in the whole batch: there is no loss to take a step on"
                          if given is not None else f"every target of the batch is the ignore index of {loss_fn!r}: "
                          "there is no loss to take a step on (its full-batch mean is 0 / 0)")
     # before the step: its temporaries never sit on the grads

@@ -19,25 +19,13 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 
+from memfit.own_loss import is_causal_lm
+
 __all__ = ["is_causal_lm", "label_rule", "shifted"]
-
-
-def is_causal_lm(model: torch.nn.Module) -> bool:
-    """A `transformers` model whose class (or a base class) is a causal LM: in transformers' causal LM mapping
-    (`GPT2LMHeadModel`, `LlamaForCausalLM`, ...) or named `*ForCausalLM`."""
-    if "transformers" not in sys.modules or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return False
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
-        causal = set(names.values())
-    except ImportError:            # an older or newer layout: the naming rule alone
-        causal = set()
-    return any(c.__name__ in causal or c.__name__.endswith("ForCausalLM") for c in type(model).__mro__)
 
 
 def shifted(y: torch.Tensor, ignore: int) -> torch.Tensor:

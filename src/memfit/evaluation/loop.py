@@ -40,6 +40,9 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch, label
             raise error
     logits, parts, watched = None, [], set()
     for m in metrics.values():
+        if getattr(m, "reads_output", False):     # the model's own loss: its whole output
+            parts.append(m.contribution(out, y, x))
+            continue
         if m.target is None:
             if logits is None:
                 logits = logits_of(out, output_fn)
@@ -97,7 +100,8 @@ def run_chunks(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch
                 cur = min(limit, cur * 2) if cur < limit else cur     # grow back towards the chosen size
         else:
             for i, batch in enumerate(chunks):
-                x, y = batch[0], (batch[1] if len(batch) > 1 else None)
+                # a dict is the inputs alone (labels inside, for the model's own loss)
+                x, y = (batch, None) if isinstance(batch, dict) else (batch[0], batch[1] if len(batch) > 1 else None)
                 watch.where = f"batch {i} of the loader"
                 _split_run(run, metrics, x, y, stats, dev, failed, bar)
     bar.close()

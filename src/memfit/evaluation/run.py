@@ -38,12 +38,13 @@ from memfit.evaluation.result import EvalResult
 from memfit.losses import loss_ignore_index
 from memfit.messages import first_line, whole_words
 from memfit.metrics import Loss, Metric, default_metrics, make_metric
+from memfit.own_loss import LabelTerms, is_causal_lm, is_own, model_loss
 from memfit.targets import IGNORE_INDEX
 
 __all__ = ["evaluate"]
 
 
-def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable | None = None,
+def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable | str | None = None,
              loss_reduction: str | None = None, terms: Callable | None = None, ignore_index: int | None = None,
              output_fn: Callable | None = None, shift_labels: bool | None = None,
              chunk_size: int | str = "auto", budget: int | str | None = None, device=None,
@@ -63,7 +64,13 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
             `memfit.metrics.Metric` objects or torchmetrics-style objects (keyed by class name, '_2' added when
             repeated), or a dict {result key: either}. Class scores may be (N, C), (N, C, *d) or (N, *d, C)
             for labels (N,) or (N, *d); labels equal to the ignore index (`ignore_index`) count nowhere.
-        loss_fn: used by 'loss'; default cross entropy. torch losses, partials and functions with a
+        loss_fn: used by 'loss'; default cross entropy. "model": the model's own loss (`out.loss`, labels inside
+            the inputs: `x["labels"]`, as transformers models take them), the whole set's mean over the labels
+            that count (not -100; a causal LM's from the second position on), as one batch of it would give; the
+            other metrics read `x["labels"]` (a causal LM's shifted, as its own loss does, unless
+            `shift_labels=False`). None does the same where the data holds no targets but its inputs hold
+            "labels" (a CompactDataset of fields, or (x, None) arrays) and metrics are 'auto' (then 'loss').
+            torch losses, partials and functions with a
             `reduction` parameter are asked for per-sample values; a function that returns a scalar
             needs `loss_reduction` (or `terms`). The result is torch's mean over the whole set: targets equal
             to `ignore_index` are not counted, class weights divide by sum(weight[y]) (CrossEntropyLoss,
@@ -119,9 +126,11 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
     # resolve: the device, the metrics, the data (on several ranks: agreed on before any work)
     dev = _model_device(model, device)
     auto = isinstance(metrics, str) and metrics == "auto"
-    make = lambda spec: make_metric(spec, loss_fn, loss_reduction, terms)
+    own = loss_fn is not None and is_own(loss_fn)     # "model"; None: decided from the data, below
+    make = lambda spec: make_metric(spec, model_loss, None, terms or LabelTerms(is_causal_lm(model))) if own \
+        else make_metric(spec, loss_fn, loss_reduction, terms)
     mets = {} if auto else _metrics(metrics, make)     # a bad name is said before any work
-    asked = _asked_ignore_index(ignore_index, loss_fn)
+    asked = _asked_ignore_index(ignore_index, None if own else loss_fn)
     rule = label_rule(model, shift_labels)
     if not auto and not mets:
         raise ValueError("metrics is empty; ask for at least one, e.g. metrics=('accuracy',)")
@@ -142,7 +151,13 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
     error, res, runner, decision = None, None, model, None
     try:
         chunks = ranks.local_chunks(data, dev, sharded) if distributed else as_chunks(data, dev, asked)
-        _resolve_metrics(mets, chunks, auto, make, asked, loss_ignore_index(loss_fn))
+        if loss_fn is None and auto and _labels_inside(chunks):
+            own = True                  # no targets, labels inside the inputs: the model's own loss
+        if own:
+            mets = mets if mets else {"loss": make("loss")}
+            # the other metrics read the labels inside the inputs (a causal LM's shifted, as its own loss shifts)
+            rule = label_rule(model, True if shift_labels is None and is_causal_lm(model) else shift_labels)
+        _resolve_metrics(mets, chunks, auto and not own, make, asked, None if own else loss_ignore_index(loss_fn))
         # decide: chunk size and runner, in one place
         whole = isinstance(chunks, Chunks)
         ask = Ask(chunks.n if whole else None, chunk_size, planned, budget is not None, distributed,
@@ -158,6 +173,8 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
         # loop
         ignore = _ignored(mets)
         labels = None if rule is None else (lambda x, y: rule(x, y, ignore))
+        if own:
+            labels = _inside(labels)
         res = run_chunks(runner, chunks, mets, decision.chunk_size, dev, progress, output_fn,
                          allow_empty=distributed, labels=labels)
     except Exception as e:
@@ -180,6 +197,24 @@ def evaluate(model: torch.nn.Module, data, *, metrics="auto", loss_fn: Callable 
     values = {k: m.compute() for k, m in mets.items()}
     return EvalResult(values, res["n"], decision.chunk_size or res["max_n"], res["chunks"], res["retries"], peak,
                       time.perf_counter() - t0, decision.runner, decision.reason, res["oom_sizes"])
+
+
+def _labels_inside(chunks) -> bool:
+    """The data holds no targets, and its inputs hold "labels" (a CompactDataset of fields, or arrays stored as one)."""
+    if not isinstance(chunks, Chunks):
+        return False
+    fields = chunks.ds.fields or {}
+    return chunks.ds.y is None and "labels" in fields
+
+
+def _inside(rule: Callable | None) -> Callable:
+    """labels(x, y) for the model's own loss: the labels inside the inputs, x["labels"] (through `rule`, a causal LM's
+    shift), where there are no targets y beside them."""
+    def labels(x, y):
+        if y is None and isinstance(x, dict) and "labels" in x:
+            y = x["labels"]
+        return y if rule is None else rule(x, y)
+    return labels
 
 
 def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, make, asked: tuple[int, str] | None,

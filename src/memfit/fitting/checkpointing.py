@@ -15,8 +15,13 @@ plain step does.
 Inside `checkpointed` only the thread that entered it checkpoints: another thread's forward of the same module
 (or a memory model predicted there) runs plainly.
 
-Known limitations: a module whose forward mutates state besides its buffers (a key/value cache it appends to,
-as transformers' decoders do with `use_cache=True`) sees that mutation twice; turn the cache off for training. A
+A transformers decoder with `use_cache=True` (the default of most) appends each block's keys and values to a cache
+in its forward, and a recomputation would append them again (on a Llama: "The size of tensor a (32) must match the
+size of tensor b (16)", or silently other attention where no mask stops it). Inside `checkpointed` the `use_cache`
+of every transformers config in the model is False, and as it was after (`caches_off`); a checkpointed module
+given a cache all the same (`use_cache=True` in the batch) is refused, naming `use_cache=False`.
+
+Known limitations: a module whose forward mutates other state besides its buffers sees that mutation twice. A
 real recomputation sets torch's global generator back to the forward's state and restores it after (torch's
 `preserve_rng_state`, as every user of `torch.utils.checkpoint` gets): a random op another thread runs on the
 global generator meanwhile draws repeated values and is rewound. Give such threads a `torch.Generator` of their
@@ -48,7 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["candidate_blocks", "checkpointed", "install", "uninstall"]
+__all__ = ["caches_back", "caches_off", "candidate_blocks", "checkpointed", "install", "uninstall"]
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
@@ -137,6 +142,39 @@ def _is_fake(module: torch.nn.Module, args, kwargs) -> bool:
     return any(isinstance(t, FakeTensor) for t in tensors)
 
 
+# the names transformers' blocks take their key/value cache by (4.4x: past_key_value(s), layer_past; 5.x: cache)
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def caches_off(model: torch.nn.Module) -> list[tuple[object, bool]]:
+    """Set `use_cache` False on every transformers config of the model's modules that has it True (a config shared by
+    several modules once); returns (config, value before) for `caches_back`."""
+    changed, seen = [], set()
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is None or id(cfg) in seen or getattr(cfg, "use_cache", None) is not True:
+            continue
+        seen.add(id(cfg))
+        changed.append((cfg, cfg.use_cache))
+        cfg.use_cache = False
+    return changed
+
+
+def caches_back(changed: list[tuple[object, bool]]) -> None:
+    """Undo `caches_off`."""
+    for cfg, value in reversed(changed):
+        cfg.use_cache = value
+
+
+def _refuse_cache(module: torch.nn.Module, kwargs: dict) -> None:
+    given = next((k for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+    if given is not None:
+        raise ValueError(f"{type(module).__name__} is checkpointed and was given a key/value cache ({given}=...): "
+                         "recomputing it in backward would append to the cache a second time (wrong attention, or "
+                         "a shape error). Expected no cache in a training step: pass use_cache=False (leave "
+                         "use_cache=True out of the batch), or leave this module out of the checkpointed ones")
+
+
 def _checkpointed(cls_forward, owner: int | None):
     """The class's forward run under non-reentrant checkpointing (in thread `owner` only, the one running the
     step, unless None), as a function to bind to one module (its signature is the class forward's, for code that
@@ -149,6 +187,7 @@ def _checkpointed(cls_forward, owner: int | None):
         # the plan: such a prediction counted the checkpointed step, up to half the plain one's bytes
         if not torch.is_grad_enabled() or owner not in (None, threading.get_ident()):
             return plain(*args, **kwargs)
+        _refuse_cache(self, kwargs)
         # on fake tensors nothing draws: the global generator is not set back (another thread's draws stay)
         fake = _is_fake(self, args, kwargs)
         return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=not fake,
@@ -194,9 +233,12 @@ def uninstall(modules: Sequence[torch.nn.Module]) -> None:
 @contextlib.contextmanager
 def checkpointed(model: torch.nn.Module, names: Sequence[str]) -> Iterator[torch.nn.Module]:
     """Inside the block, the named modules' forwards run under non-reentrant `torch.utils.checkpoint` in this
-    thread (another thread's forward of them runs plainly); after it (also after an error) they are as they were."""
+    thread (another thread's forward of them runs plainly), and transformers' key/value caches are off
+    (`caches_off`); after it (also after an error) they are as they were."""
     changed = install(model, names, this_thread_only=True) if names else []
+    caches = caches_off(model) if names else []
     try:
         yield model
     finally:
+        caches_back(caches)
         uninstall(changed)

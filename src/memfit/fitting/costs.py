@@ -47,7 +47,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memfit.batches import forward
 from memfit.fitting.search import Cost
-from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, unsteady
+from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, timing_device, unsteady
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.step import ExampleBatch, forward_autocast
 
@@ -257,7 +257,7 @@ def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dt
             for m, opt in ((m1, None), (m2, optimizer)))
     ops = _sized(a, m1, b, m2)
     sizes = sorted(set(sizes))
-    seconds, steadiness = _seconds(ops, sizes, device)
+    seconds, steadiness = _seconds(ops, sizes, timing_device(device))
     written = lambda run, pick: sum(o.written for o in run.ops if pick(o))
 
     def cost(pick, saved=0, line=True) -> Cost:

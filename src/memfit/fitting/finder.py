@@ -29,7 +29,7 @@ from memfit.fitting.costs import step_costs
 from memfit.fitting.host import machine
 from memfit.fitting.nothing_fits import nothing_fits
 from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
-from memfit.fitting.timing import BUSY_SHARE, UNSTEADY, clock
+from memfit.fitting.timing import BUSY_SHARE, UNSTEADY, clock, timing_device
 from memfit.memory.micro_batch import training_peak
 
 __all__ = ["LEVERS", "Peaks", "agree", "find"]
@@ -101,7 +101,7 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
     timed_at = sorted({*sizes, *(n % m for m in sizes if n % m)})
     costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p, sizes=timed_at, optimizer=optimizer)
              for p in precisions}
-    rates = machine(device)
+    rates = machine(timing_device(device))
     ranked = _ranked(costs[None][1], rates)
     # bf16 autocast is not combined with checkpointing: the memory model undercounts that pair (predicted about
     # half the real peak on the CPU, torch 2.13), and a plan must never be below the real peak
@@ -139,13 +139,15 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
                 f"{r.optimizer_op_seconds * 1e6:.1f} in the optimizer step); a checkpointed block adds its forward "
                 f"again, {r.checkpoint_seconds * 1e6:.0f} us per call and {r.saved_seconds * 1e6:.1f} us per tensor it "
                 "saves" + ("; host and device overlap (a micro-batch takes the longer)" if r.overlap else "")
-                + _busy([costs[p][0].unsteady for p in precisions], device))
+                + _busy([costs[p][0].unsteady for p in precisions], timing_device(device))
+                + ("; a meta-device model: every kernel and the host's costs timed on the CPU as a stand-in"
+                   if device.type == "meta" else ""))
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
     if dependent and not allow:
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
                           "allow_batch_dependent=True allows them)")
     if choice.best is None:
-        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers)
+        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of)
     return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
                   time.perf_counter() - t0)
 

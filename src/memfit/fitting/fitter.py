@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,10 +58,21 @@ from memfit.fitting.layout import (
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.fingerprint import model_state
 from memfit.memory.micro_batch import _signature
+from memfit.own_loss import is_own, label_terms, model_loss, own_batch
 
 __all__ = ["FitPlan", "fit"]
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> (model_state, {key: _Found})
+_STEPPING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its _Stepping (any plan's steps)
+
+
+class _Stepping:
+    """One model's steps one at a time: two threads stepping one model and optimizer at once mixed their
+    gradients (weights 7e-3 off every serial order), and one saw the other's checkpointing wrapper as a change."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.owner: int | None = None        # the thread running a step now
 
 
 @dataclass
@@ -88,7 +100,9 @@ class FitPlan:
     _module: torch.nn.Module = field(repr=False, default=None)
     _installed: list = field(repr=False, default_factory=list)
     _terms: bool = field(repr=False, default=False)          # fit was given terms= (a loss over terms, not samples)
+    _own: object = field(repr=False, default=None)           # the model's own loss: the first sample of x (a probe)
     _marked: tuple | None = field(repr=False, default=None)   # (module, its accepts_loss_kwargs before the Trainer)
+    _caches: list = field(repr=False, default_factory=list)   # transformers' use_cache turned off for the Trainer
     _layout: tuple | None = field(repr=False, default=None)   # the planned batch's (fitting.layout.layout)
     _held: tuple | None = field(repr=False, default=None)     # the model and optimizer as planned (layout.held)
     _walked: tuple | None = field(repr=False, default=None)   # (the _held state it is for, accumulation's Walked)
@@ -109,8 +123,19 @@ class FitPlan:
         `memfit.fit` again then. What the model's own forward sets is not a change: each step is checked
         against the model as the last checked step left it; once a step on batches of some shapes changed
         nothing, steps on those shapes are checked before they run only, so a forward that changes its model
-        only on some steps of one batch shape is refused (the error says so)."""
-        return self._run(batch, self)
+        only on some steps of one batch shape is refused (the error says so). Steps on one model from several
+        threads run one after the other (the weights are those of one serial order); a step called from inside a
+        step of the same model (its loss_fn, a hook) raises RuntimeError."""
+        stepping = _STEPPING.setdefault(self._module, _Stepping())     # dict.setdefault: one per model
+        if stepping.owner == threading.get_ident():
+            raise RuntimeError("plan.step was called inside a step of the same model (from its loss_fn, a hook or "
+                               "its forward): one optimizer step at a time; call it after the step returns")
+        with stepping.lock:
+            stepping.owner = threading.get_ident()
+            try:
+                return self._run(batch, self)
+            finally:
+                stepping.owner = None
 
     def trainer_arguments(self, args):
         """transformers' `TrainingArguments` that train with this plan (per-device batch, gradient accumulation
@@ -212,7 +237,16 @@ def _grown(batch, n: int):
     return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
 
 
-def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, budget: int | str, *,
+def _first_sample(x):
+    """x's first sample, copied (the batch is not kept): what the Trainer hand-off tries the model's own loss on."""
+    from torch.utils._pytree import tree_map
+
+    from memfit.batches import batch_slice
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, batch_slice(x, 0, 1))
+
+
+def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable | str | None,
+        budget: int | str, *,
         target=None, levers: Sequence[str] = (), candidates: Sequence[str] | None = None,
         terms: Callable | None = None, distributed: bool = False, allow_batch_dependent: bool = False,
         exhaustive: bool = False) -> FitPlan:
@@ -225,7 +259,9 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         optimizer: the optimizer `plan.step` steps (its state is counted, as once it has stepped).
         batch: (x, y), as for `accumulate`; or, with `target=` or a common loss, the inputs x alone. The plan
             is for batches of this size and layout; only shapes and dtypes are read.
-        loss_fn: loss_fn(output, y) -> the mean loss (or one per sample).
+        loss_fn: loss_fn(output, y) -> the mean loss (or one per sample). None or "model": the model's own loss
+            (`out.loss`, transformers models), with `batch` the inputs alone holding their labels (`x["labels"]`),
+            weighted as `accumulate` does (`memfit.own_loss`).
         budget: bytes or a size such as "8GiB" that the step's peak must fit.
         target: with `batch` the inputs alone, the targets' layout, as for `memory_model`: an example target
             batch (its leading dimension is the batch, rebuilt at the batch's size) or one target's sample shape
@@ -246,6 +282,12 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         BudgetExceeded: no alternative fits; the message has the breakdown (parameters, gradients, optimizer
             state, the rest) and what would fit.
     """
+    own = is_own(loss_fn)
+    if own:                   # the model's own loss: the inputs alone, their labels inside; nothing to build a y for
+        if target is not None:
+            raise ValueError("memfit.fit: target= gives the layout of targets beside the inputs; loss_fn=None (or "
+                             "'model') takes the model's own loss from the labels inside x: leave target= out")
+        batch, loss_fn = own_batch(batch, "memfit.fit"), model_loss
     pair = isinstance(batch, (tuple, list)) and len(batch) == 2 and target is None     # (x, y)
     budget = parse_bytes(budget)
     levers = _check_levers(levers)
@@ -318,6 +360,10 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                                  "and were not checked after they ran: a forward that changes its own model only on "
                                  "some steps of one batch shape is taken for a change by the caller; make that change "
                                  "outside forward, or on every step, or call memfit.fit again after it)")
+        step_terms = terms
+        if own:
+            step_batch = own_batch(step_batch, "plan.step")
+            step_terms = terms if terms is not None else label_terms(module, step_batch[0])
         pair_given = isinstance(step_batch, (tuple, list)) and len(step_batch) == 2
         if error is None and plan._layout is not None and pair_given:
             part = tuple(step_batch) if pair else (step_batch[0],)
@@ -334,7 +380,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         shapes = batch_shapes(step_batch)
         with checkpointed(module, plan.checkpoint), cast:
             res = run_step(model, optimizer, step_batch, loss_fn if plan.autocast is None else _cast_loss(loss_fn),
-                           micro_batch=plan.micro_batch, terms=terms, distributed=distributed,
+                           micro_batch=plan.micro_batch, terms=step_terms, distributed=distributed,
                            allow_batch_dependent=allow_batch_dependent, walked=plan._walked[1])
         res.reason = f"memfit.fit: {plan.reason}"
         # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
@@ -354,5 +400,5 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
-                   _terms=terms is not None, _layout=layout(tuple(batch) if pair else (x,)),
-                   _held=held(module, optimizer))
+                   _terms=terms is not None, _own=_first_sample(x) if own else None,
+                   _layout=layout(tuple(batch) if pair else (x,)), _held=held(module, optimizer))

@@ -183,7 +183,25 @@ def _where(path) -> str:
     return {"[0]": "x", "[1]": "y"}.get(text[:3], "the batch") + text[3:] if text else "x"
 
 
-def layout_error(planned: tuple, n: int, batch, device: torch.device) -> ValueError | None:
+def _what(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of {tuple(v.shape[1:])} per sample ({v.dtype})" if v.dim() else f"a 0-d tensor ({v.dtype})"
+    return f"a {type(v).__name__}"
+
+
+def _kind(spec) -> str:
+    """A batch's structure in words: 'a tuple of 2 (a tensor, a dict of input_ids, labels)'."""
+    if spec.is_leaf():
+        return "a tensor"
+    if spec.type is type(None):
+        return "None"
+    if spec.type is dict:
+        return f"a dict of {', '.join(map(str, spec.context))}"
+    kids = ", ".join(_kind(c) for c in spec.children())
+    return f"a {spec.type.__name__} of {spec.num_children} ({kids})"
+
+
+def layout_error(planned: tuple, n: int, batch, device: torch.device) -> Exception | None:
     """Why `batch` may need more than the plan made for `planned` (a `layout`) at n samples, or None. (Checked every
     `plan.step`: the batch is flattened without the names of its places, which only an error message needs.)"""
     leaves, spec = tree_flatten(batch)
@@ -198,13 +216,22 @@ def layout_error(planned: tuple, n: int, batch, device: torch.device) -> ValueEr
     return _said(planned, n, batch, device)
 
 
-def _said(planned: tuple, n: int, batch, device: torch.device) -> ValueError | None:
+def _said(planned: tuple, n: int, batch, device: torch.device) -> Exception | None:
     """`layout_error`, with the places named."""
     spec, tensors = layout(batch)
     fix = ("fit the plan on the largest batch you will step on (pad shorter ones up to it: smaller batches and "
            "shorter samples pass), or call memfit.fit with this batch (plans are kept per layout)")
     if spec != planned[0] or len(tensors) != len(planned[1]):
-        return ValueError(f"plan.step: the batch is laid out as {spec}; the plan was made for {planned[0]}: {fix}")
+        was = "; ".join(f"{where} a tensor of {shape} per sample ({dtype})" for where, shape, dtype in planned[1])
+        leaves = tree_flatten_with_path(batch)[0]
+        arrays = [_where(path) for path, v in leaves if type(v).__module__ == "numpy"]
+        if arrays:
+            return TypeError(f"plan.step takes torch tensors, as the plan was made for ({was}); found numpy arrays at "
+                             f"{', '.join(arrays)}. Fix: torch.from_numpy(a) (.float() where the plan has float32 "
+                             "and the array is float64), or step on a memfit loader's batches")
+        found = "; ".join(f"{_where(path)} {_what(v)}" for path, v in leaves) or "nothing"
+        return ValueError(f"plan.step: the batch holds {found}; the plan was made for {was} (in that structure: "
+                          f"{_kind(planned[0])}, found {_kind(spec)}): {fix}")
     for (where, shape, dtype), (_, was, was_dtype) in zip(tensors, planned[1], strict=True):
         if dtype != was_dtype or len(shape) != len(was) or any(a > b for a, b in zip(shape, was, strict=True)):
             return ValueError(f"plan.step: {where} is {shape} per sample ({dtype}); the plan was made for {was} per "

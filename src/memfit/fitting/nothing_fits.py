@@ -1,6 +1,8 @@
 """What `memfit.fit` says when no alternative fits: `BudgetExceeded` with the breakdown of the least any
-alternative needs (parameters, gradients, optimizer state, the rest) and what would fit (a number of FSDP2 ranks,
-predicted by `memfit.sizing.ranks_needed`; bf16; an optimizer with less state)."""
+alternative needs (parameters, gradients, optimizer state, the rest) and what would fit, each only where it would
+help: a number of FSDP2 ranks (predicted by `memfit.sizing.ranks_needed`), bf16 autocast (its memory model at the
+smallest micro-batch, as `levers=("bf16",)` would run it), an optimizer with less state (where the model's holds
+some, and the step without it would fit)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from memfit.messages import first_line
 __all__ = ["nothing_fits", "optimizer_state_bytes"]
 
 
-def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers) -> BudgetExceeded:
-    """BudgetExceeded with the breakdown of the least any alternative needs, and what would fit."""
+def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of) -> BudgetExceeded:
+    """BudgetExceeded with the breakdown of the least any alternative needs, and what would fit. `bytes_of(setting)`:
+    the search's memory models of a setting (`finder.Peaks`)."""
     params = sum(p.nbytes for p in {id(p): p for p in module.parameters()}.values())
     grads = sum(p.nbytes for p in {id(p): p for p in module.parameters() if p.requires_grad}.values())
     least = min((a for a in choice.alternatives if a.bytes is not None), key=lambda a: a.bytes)
@@ -26,7 +29,7 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     state = optimizer_state_bytes(optimizer, module)
     static = params + grads + state
     items = [("parameters", params), ("gradients", grads), ("optimizer state", state),
-             ("activations and the rest at micro-batch 1", max(0, first - static)),
+             (f"activations and the rest at micro-batch {least.micro_batch}", max(0, first - static)),
              ("the previous step's gradients, held through the micro-batches", max(0, need - max(first, static)))]
     what = ", ".join(f"{k} {format_bytes(v)}" for k, v in items if v or k != items[-1][0])
     if static > budget:
@@ -36,11 +39,27 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
         head = (f"nothing fits: the least any alternative needs (micro-batch {least.micro_batch}, "
                 f"{least.setting.describe()}) is {format_bytes(need)} > budget {format_bytes(budget)}")
     more = _sharded(module, optimizer, loss_fn, x, y, budget, static, max(0, first - static))
-    cast = [] if "bf16" in levers or static > budget else ["levers=('bf16',) (bf16 autocast: fewer activation bytes)"]
-    fixes = more + cast + \
-        ["an optimizer with less state (SGD: none; AdamW: 2x the parameters)", "a larger budget"]
+    smallest = min(a.micro_batch for a in choice.alternatives)
+    cast = [] if "bf16" in levers or static > budget else _bf16(bytes_of, smallest, budget)
+    # without its state (plain SGD keeps none) the step needs about that much less: offered where that would fit
+    lighter = [f"an optimizer with less state (plain SGD keeps none; this one {format_bytes(state)}: about "
+               f"{format_bytes(need - state)} without it)"] if state and need - state <= budget else []
+    fixes = more + cast + lighter + ["a larger budget"]
     return BudgetExceeded(f"{head} ({what}). What would fit: {'; or '.join(fixes)}", needed=need, budget=budget,
                           items=items)
+
+
+def _bf16(bytes_of, m: int, budget: int) -> list[str]:
+    """levers=('bf16',) as a fix where its memory model (plain step at micro-batch m under bf16 autocast, as the
+    lever runs it: not with checkpointing) fits the budget; said to be unchecked where that model fails."""
+    from memfit.fitting.search import Setting
+    try:
+        need = bytes_of(Setting((), "bfloat16"))(m)
+    except Exception as e:         # a hint inside an error: never replace the BudgetExceeded
+        return [f"perhaps levers=('bf16',) (bf16 autocast; not checked: its memory model failed: {first_line(e)})"]
+    if need > budget:
+        return []
+    return [f"levers=('bf16',) (bf16 autocast at micro-batch {m}: {format_bytes(need)} predicted)"]
 
 
 MAX_WORLD = 64                  # the most FSDP2 ranks the hint tries

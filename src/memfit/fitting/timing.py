@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["clock", "copy_rate", "kernel_seconds", "matmul_rate", "timed", "unsteady"]
+__all__ = ["clock", "copy_rate", "kernel_seconds", "matmul_rate", "timed", "timing_device", "unsteady"]
 
 _SECONDS: dict = {}        # (func, spec, shapes, threads, device) -> seconds, or None where it failed on ones
 _RATES: dict = {}          # (what, device, dtype) -> bytes per second of a copy, FLOP/s of a large matmul
@@ -51,6 +51,12 @@ BUSY_SHARE = 0.25          # more of a step's kernels than this unsteady, timed 
 SAMPLE = 2e-4              # seconds a sample of calls spans at least (short kernels run several times per sample)
 LONG = 1e-2                # a call this long is timed once
 SAMPLES = 3                # samples per figure (the least is taken)
+
+
+def timing_device(device: torch.device) -> torch.device:
+    """Where a model's kernels are timed: its own device, or the CPU as a stand-in for a meta-device model (no kernel
+    runs on meta: its figures say what the CPU would take, `explain()` says so)."""
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def clock(device: torch.device) -> Callable[[], float]:

@@ -29,6 +29,7 @@ from memfit.budget import model_device
 from memfit.device.measure import optimizer_state, unique_bytes
 from memfit.device.torch_private import compiled_inner
 from memfit.losses import call_loss
+from memfit.own_loss import is_own, model_loss, no_target
 
 __all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "loss_name", "measure_rank_step", "measure_step",
            "missing_target", "predicted_module", "surrounding_autocast", "training_step"]
@@ -138,7 +139,11 @@ def missing_target(loss_fn, why: str = "") -> TypeError:
                      "target=torch.zeros(2, dtype=torch.long)")
 
 
-def _loss(out, target, loss_fn: Callable | None) -> torch.Tensor:
+def _loss(out, target, loss_fn: Callable | str | None) -> torch.Tensor:
+    if isinstance(loss_fn, str) or loss_fn is model_loss:     # "model": the model's own loss, nothing else
+        is_own(loss_fn)                                        # another string is refused
+        no_target(target, "memory model")
+        return model_loss(out)
     if loss_fn is not None and target is not None:
         return call_loss(loss_fn, out, target)      # (N, 1) outputs against (N,) targets: refused, as accumulate does
     if loss_fn is not None:

@@ -289,7 +289,16 @@ def _callable_key(f) -> object:
     code = getattr(f, "__code__", None)
     if code is None:
         return id(f)
-    return code, tuple(id(c.cell_contents) for c in (f.__closure__ or ())), id(getattr(f, "__self__", None))
+    return code, tuple(map(_cell_id, f.__closure__ or ())), id(getattr(f, "__self__", None))
+
+
+def _cell_id(cell) -> object:
+    """What a closure's cell holds, by identity; the cell itself while it holds nothing yet (a name the closure
+    reads that is assigned after it was made, such as the plan a loss_fn made for memfit.fit refers to)."""
+    try:
+        return id(cell.cell_contents)
+    except ValueError:
+        return "unfilled", id(cell)
 
 
 def _signature(template) -> object:

@@ -11,6 +11,7 @@ counted twice. States add up across processes too (`torch.distributed.all_reduce
 |---------------|-------------------------------------------|--------------------------------------------------|
 | `accuracy`, `topk:K` | class ids (N,) or labels (N, *d)   | share of positions (not ignore_index) predicted  |
 | `loss`        | class ids / labels (default cross entropy), any with `loss_fn` | torch's mean over the whole set |
+| `loss` (`OwnLoss`) | labels inside the inputs, `loss_fn="model"` | the model's own `out.loss` over the set |
 | `perplexity`  | token labels (N, T)                       | exp of the token-mean cross entropy (non-ignored)|
 | `iou`         | labels (N, *d) (segmentation)             | mean over classes present of intersection / union |
 | `confusion`   | class ids / labels                        | (C, C) counts, rows true, columns predicted      |
@@ -48,6 +49,7 @@ from memfit.metrics.stateful import (
            IoU,
            Loss,
            Metric,
+           OwnLoss,
            Perplexity,
            SquaredError,
            TopK,
@@ -55,6 +57,6 @@ from memfit.metrics.stateful import (
 from memfit.metrics.sums import confusion, correct, correct_topk, cross_entropy_sum, intersection_union
 
 __all__ = ["AbsoluteError", "Accuracy", "Confusion", "DEFAULTS", "External", "IoU", "Loss", "Metric", "NAMES",
-           "Perplexity", "SquaredError", "TopK", "class_dim", "class_targets", "confusion", "correct",
+           "OwnLoss", "Perplexity", "SquaredError", "TopK", "class_dim", "class_targets", "confusion", "correct",
            "correct_topk", "cross_entropy_sum", "default_metrics", "float_targets", "intersection_union",
            "logits_of", "make_metric", "order_error", "output_for", "type_name"]

@@ -18,10 +18,12 @@ from memfit.metrics.stateful import (
     IoU,
     Loss,
     Metric,
+    OwnLoss,
     Perplexity,
     SquaredError,
     TopK,
 )
+from memfit.own_loss import model_loss
 
 __all__ = ["DEFAULTS", "NAMES", "default_metrics", "make_metric"]
 
@@ -44,6 +46,8 @@ def make_metric(spec, loss_fn: Callable | None = None, loss_reduction: str | Non
         if name in NAMES:
             return NAMES[name](**kw)
         if name == "loss":
+            if loss_fn is model_loss:               # the model's own, over the labels inside the inputs
+                return OwnLoss(terms, **kw)
             return Loss(loss_fn, loss_reduction, terms=terms, **kw)
         if name.startswith("topk:") and name[5:].isdigit():
             return TopK(int(name[5:]), **kw)

@@ -16,12 +16,14 @@ from collections.abc import Callable
 
 import torch
 
+from memfit.batches import batch_len
 from memfit.losses import count_terms, loss_sum, per_sample, torch_denominator
 from memfit.metrics.checks import class_targets, float_targets
 from memfit.metrics.sums import confusion, correct, correct_topk, cross_entropy_sum, intersection_union
+from memfit.own_loss import model_loss
 from memfit.targets import IGNORE_INDEX
 
-__all__ = ["AbsoluteError", "Accuracy", "Confusion", "External", "IoU", "Loss", "Metric", "Perplexity",
+__all__ = ["AbsoluteError", "Accuracy", "Confusion", "External", "IoU", "Loss", "Metric", "OwnLoss", "Perplexity",
            "SquaredError", "TopK"]
 
 
@@ -212,6 +214,31 @@ class Loss(Metric):
             t, sq, n = float(self.state["terms"]), float(self.state["terms_sq"]), float(self.state["n"])
             if n * sq != t * t:
                 raise self._uneven("counts that differ between ranks")
+        return float(self.state["sum"]) / float(self.state["count"])
+
+
+class OwnLoss(Metric):
+    """The model's own loss (`out.loss`, labels inside the inputs: `memfit.own_loss`) over the whole set: each chunk's
+    mean times the labels it is over (`terms`, `own_loss.LabelTerms`: not -100, a causal LM's from the second
+    position on), summed in float64 and divided by their total, as one batch of the whole set would give it."""
+    name = "loss"
+    reads_inputs = True
+    reads_output = True        # `contribution(output, y, x)`: the model's whole output, not the logits
+
+    def __init__(self, terms: Callable, **kw) -> None:
+        super().__init__(**kw)
+        self.terms = terms
+
+    def contribution(self, out, y, x=None):
+        loss = model_loss(out).detach().double()
+        count = self.terms(x).double()
+        # a chunk whose every label is ignored has the mean 0 / 0 (nan) and adds nothing
+        return {"sum": torch.where(count > 0, loss * count, torch.zeros_like(loss)), "count": count,
+                "n": torch.tensor(batch_len(x), device=loss.device)}
+
+    def compute(self):
+        if not self.n or float(self.state["count"]) == 0:
+            return float("nan")
         return float(self.state["sum"]) / float(self.state["count"])
 
 
