@@ -435,7 +435,7 @@ def test_fsdp_counts_the_scratch_of_half_precision_kernels(monkeypatch):
     assert measured and all(f.namespace == "aten" for f in measured)
 
 
-def test_ddp_mixed_precision_and_comm_hooks_are_refused_not_predicted_wrong():
+def test_ddp_mixed_precision_and_comm_hooks_are_refused_not_predicted_wrong(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
@@ -450,7 +450,12 @@ def test_ddp_mixed_precision_and_comm_hooks_are_refused_not_predicted_wrong():
         hooked.register_comm_hook(None, default_hooks.fp16_compress_hook)
         builtin = DistributedDataParallel(rank_cases.mlp())
         builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
-        mixed = DistributedDataParallel(rank_cases.mlp(), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+        with monkeypatch.context() as patch:
+            # DDP(mixed_precision=) makes streams with torch.Stream(), on the current accelerator: a CUDA build
+            # names CUDA there even without a driver and raises. This CPU model's DDP gets CPU streams on any build.
+            patch.setattr(torch, "Stream", functools.partial(torch.Stream, device="cpu"))
+            mixed = DistributedDataParallel(rank_cases.mlp(),
+                                            mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
     finally:
         dist.destroy_process_group()
     predict = lambda ddp: rank_memory_model(ddp, (64,), optimizer=torch.optim.AdamW(ddp.parameters()), parallel="ddp")

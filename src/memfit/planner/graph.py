@@ -3,7 +3,7 @@
 Every tensor value in the graph belongs to one *root*: the allocation it lives in. A compute op
 creates roots; a view (`view`, `permute`, `expand`, `slice`, `getitem` of a multi-output view, ...)
 and an in-place op add values to their input's root and keep it alive; so does a `clone` into the
-very same layout (export's dropout in eval), which runs as the tensor itself. A root's lifetime runs
+very same layout (export's dropout in eval before torch 2.14), which runs as the tensor itself. A root's lifetime runs
 from the op that writes it to the last op that reads any of its values. Root kinds:
 
 - `input`, `const`: the caller's inputs, parameters, buffers; never written.
@@ -153,8 +153,8 @@ def _same_tensor(x, *args, **kwargs):
 
 def _copy_as_is(node: Node, outs: list, metas: dict, value_of: dict, roots: dict, root_of: dict) -> bool:
     """True for a `clone` that copies an intermediate tensor into the very same layout (what export
-    makes of dropout in eval and of `.contiguous()` on a contiguous tensor, where eager copies
-    nothing). Nothing writes over a tensor the planner does not write (the graph is functional; the
+    made of dropout in eval before torch 2.14, and of `.contiguous()` on a contiguous tensor, where eager
+    copies nothing). Nothing writes over a tensor the planner does not write (the graph is functional; the
     planner's in-place writes check every alias of their root), so the copy can be the tensor itself,
     a view of its allocation: no bytes, no time. Copies of the caller's inputs and of parameters, and
     model outputs, stay copies (an output must not alias another tensor)."""
