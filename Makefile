@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 (CPU build) comes from the local wheel cache; without the pin pip would fetch CUDA.
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints-cpu.txt
 
-.PHONY: demo test test-cuda lint bench clean
+.PHONY: demo test test-torch-next test-cuda lint bench clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@echo "Creating $(VENV) and installing memfit, torch (CPU build) and the test tools: a few minutes, once (quiet pip)."
@@ -20,8 +20,24 @@ demo: $(VENV)/.installed
 # file's module fixtures (one spawn of ranks shared by its checks) run once; `make test TEST_WORKERS=0` runs one.
 # Ranks' ports are bound by the system as each group's store starts (memfit.testing.ranks), so workers never race.
 TEST_WORKERS ?= 2
+PYTEST_ARGS := -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The same suite on the newest torch release in pyproject's range, in a venv of its own (CI runs `make test` only).
+# pip brings torch's default build (CUDA), which runs on a CPU; its wheels are GBs unless a local cache has them.
+TORCH_NEXT ?= 2.14.1
+NEXT_VENV := .venv-torch$(basename $(TORCH_NEXT))
+NEXT_PY := $(NEXT_VENV)/bin/python
+$(NEXT_VENV)/.installed: pyproject.toml
+	@echo "Creating $(NEXT_VENV) with torch $(TORCH_NEXT) and the test tools: a few minutes, once (quiet pip)."
+	$(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_PY) -m pip install --quiet --disable-pip-version-check 'torch==$(TORCH_NEXT)' -e '.[dev]'
+	touch $@
+
+test-torch-next: $(NEXT_VENV)/.installed
+	$(NEXT_PY) -c "import torch; print('torch', torch.__version__)"
+	$(NEXT_PY) -m pytest $(PYTEST_ARGS)
 
 # The CUDA-marked tests, then every benchmark on the GPU (--quick). .venv holds the CPU build of torch:
 # run it with a CUDA build, e.g. `make test-cuda CUDA_PY=python` in an environment that has one.
@@ -48,4 +64,4 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/memfit bench train --architectures
 
 clean:
-	rm -rf $(VENV) memfit-demo .pytest_cache
+	rm -rf $(VENV) $(NEXT_VENV) memfit-demo .pytest_cache

@@ -92,7 +92,8 @@ def test_readme_is_a_front_door():
     assert "benchmarks/README.md" in text
 
 
-def test_make_says_it_creates_the_venv(tmp_path):
+@pytest.mark.parametrize("target", ["demo", "test-torch-next"])
+def test_make_says_it_creates_the_venv(tmp_path, target):
     """The first `make demo` spends minutes in a quiet pip install: it says so before it starts."""
     import shutil
     import subprocess
@@ -100,8 +101,22 @@ def test_make_says_it_creates_the_venv(tmp_path):
         pytest.skip("make is not installed")
     for name in ("Makefile", "pyproject.toml", "constraints-cpu.txt"):
         shutil.copy(ROOT / name, tmp_path / name)
-    out = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     venv = next(i for i, line in enumerate(lines) if "-m venv" in line)
     assert any(line.startswith("echo ") and "a few minutes" in line for line in lines[:venv]), out.stdout
+
+
+def test_the_range_of_torch_versions_stated_is_the_range_the_suite_ran_on():
+    """`make test` runs the suite on torch from constraints-cpu.txt, `make test-torch-next` on the Makefile's
+    TORCH_NEXT: pyproject.toml's range holds both and reaches no minor release below the one or above the other."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    deps = re.search(r"^dependencies = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    spec = next(r for r in map(Requirement, re.findall(r'"([^"]+)"', deps)) if r.name == "torch").specifier
+    oldest = Version(re.search(r"^torch==(\S+)", (ROOT / "constraints-cpu.txt").read_text(), re.M).group(1))
+    newest = Version(re.search(r"^TORCH_NEXT \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1))
+    assert oldest in spec and newest in spec, f"torch {spec} leaves out {oldest} or {newest}"
+    below, above = f"{oldest.major}.{oldest.minor - 1}.99", f"{newest.major}.{newest.minor + 1}.0"
+    assert below not in spec and above not in spec, f"torch {spec} reaches {below} or {above}: never run there"
