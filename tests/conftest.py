@@ -5,6 +5,11 @@ scratch) depends on the thread count, so the byte figures the tests compare are 
 memory models measure it at the prediction's thread count (tests/fitting/test_fitter.py checks 2 threads); known
 gap, open: at 2 threads a bf16-autocast training step peaked 3% above its prediction (oneDNN's bf16 matmul
 scratch, not counted at any thread count: docs/memory-models.md).
+
+The byte figures must hold on any x86 CPU (oneDNN's kernels allocate different scratch on AVX-512 BF16 and on
+AVX2). On an AVX-512 machine, `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python -m pytest tests/memory
+tests/fitting tests/planner` runs them as an AVX2-only CPU would (the bf16 matmul's scratch, 34,560-83,712 B on an
+AVX-512 BF16 EPYC, is 0 there; tests/memory/test_kernel_scratch.py).
 """
 import os
 
