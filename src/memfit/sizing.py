@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 
 from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
+from memfit.memory.fewest_ranks import ranks_needed
 from memfit.memory.isolation import predicting
 from memfit.memory.kinds import MemoryModel
-from memfit.memory.ranks import rank_memory_model, ranks_needed
+from memfit.memory.ranks import rank_memory_model
 from memfit.memory.step import is_shape, predicted_module, sample_shape, surrounding_autocast
 from memfit.memory.step_model import step_memory_model
 from memfit.planner.kept import planned_model_of

@@ -7,7 +7,7 @@ import rank_cases
 import torch
 
 from memfit import memory_model
-from memfit.memory.ranks import ddp_bucket_bytes, rank_memory_model, ranks_needed
+from memfit.memory.ranks import ddp_bucket_bytes, rank_memory_model
 from memfit.testing.ranks import run_ranks
 
 
@@ -62,14 +62,6 @@ def test_options_are_checked():
         rank_memory_model(m, (64,), parallel="ddp", reshard_after_forward=False)
     with pytest.raises(ValueError, match="pass train=True"):
         memory_model(m, (64,), parallel="ddp", world_size=2)
-
-
-def test_ranks_needed_is_the_fewest_that_fit():
-    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-    opt = torch.optim.AdamW(m.parameters())
-    need = {w: rank_memory_model(m, (256,), optimizer=opt, world_size=w).total_bytes(4) for w in (1, 2)}
-    assert need[1] > need[2]
-    assert ranks_needed(m, (256,), need[2], 4, optimizer=opt) == 2
 
 
 CASES = (("ddp", 32, "mlp"), ("ddp-view", 32, "mlp"), ("fsdp", 16, "mlp"),
@@ -374,7 +366,7 @@ def test_chunk_cat_scratch_is_what_the_real_kernel_allocates_inside(world):
     import torch.distributed.fsdp  # noqa: F401  (registers torch.ops.fsdp)
 
     from memfit.memory.fake_kernels import inside_bytes
-    from memfit.memory.fsdp_run import chunk_cat_scratch
+    from memfit.memory.fsdp_log import chunk_cat_scratch
     kinds = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
              (torch.float32, torch.bfloat16)]
     for shapes in ([(12, 5), (12,)], [(7, 9), (7,)], [(6, 1, 5, 5), (6,)], [(5, 3), (4, 4), (1,)]):
@@ -473,27 +465,3 @@ def test_reshard_after_forward_to_a_smaller_mesh_is_refused():
     m = rank_cases.mlp()
     with pytest.raises(ValueError, match="an int. is not modelled"):      # was the fake mode's internal assertion
         rank_memory_model(m, (64,), optimizer=torch.optim.AdamW(m.parameters()), world_size=4, reshard_after_forward=2)
-
-
-def test_ranks_needed_finds_the_fewest_where_padding_makes_the_peak_rise_again(monkeypatch):
-    """A per-rank peak that falls, rises and falls again with the world size (FSDP2's padded shards): 5 ranks fit,
-    6 do not, 7 do; doubling then bisection would answer 7. Every size near the lower bound is tried: 5."""
-    import memfit.memory.ranks as ranks
-    curve = {1: 100, 2: 90, 3: 85, 4: 80, 5: 60, 6: 75, 7: 65, 8: 50}
-    tried = []
-
-    class Model:
-        def __init__(self, w):
-            self.w = w
-
-        def total_bytes(self, n):
-            return curve.get(self.w, 40)
-    monkeypatch.setattr(ranks, "rank_memory_model",
-                        lambda *a, world_size, **k: tried.append(world_size) or Model(world_size))
-    assert ranks_needed(torch.nn.Linear(2, 2), (2,), 70, 4) == min(w for w, b in curve.items() if b <= 70) == 5
-    assert ranks_needed(torch.nn.Linear(2, 2), (2,), 60, 4, at_least=3) == 5
-    assert tried[-3:] == [3, 4, 5]                      # from the lower bound, none below it
-    assert ranks_needed(torch.nn.Linear(2, 2), (2,), 45, 4) == 9   # beyond the curve: 40 from 9 ranks on
-    with pytest.raises(ranks.NoWorldFits, match="world size <= 32"):
-        ranks_needed(torch.nn.Linear(2, 2), (2,), 10, 4, max_world=32)
-

@@ -80,7 +80,7 @@ def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: i
                                    f"ZeRO: {format_bytes(static // est + rest)} each if they shard evenly")
     if any(t.device.type != "cpu" for t in module.parameters()):
         return [even + "; memfit.sizing.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"] if even else []
-    from memfit.memory.ranks import NoWorldFits, ranks_needed
+    from memfit.memory.fewest_ranks import NoWorldFits, ranks_needed
     try:
         w = ranks_needed(module, batch_slice(x, 0, 1), budget, 1, optimizer=optimizer, loss_fn=loss_fn,
                          target=batch_slice(y, 0, 1), at_least=low, max_world=MAX_WORLD)

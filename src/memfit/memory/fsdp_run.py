@@ -10,15 +10,13 @@ bytes at the step's start (sharded parameters, optimizer state, whatever FSDP ke
 Nothing is allocated and the model is not touched; it is the real FSDP2 code that runs, so its all-gathers,
 prefetches, reduce-scatter buffers and resharding are counted as they happen.
 
-Kinds: storages allocated by `fully_shard` are sharded parameters; inside FSDP's all-gather, communication
-buffers; inside its copy-out and by storage resizes, unsharded parameters; inside its reduction,
-communication buffers, except the gradients it is handed (unsharded) and leaves (sharded), which are
-gradients; the optimizer's tensors are optimizer state; the rest by phase (activations in the forward,
-transients in backward and step).
+How each storage is tagged with its kind of memory, and with how its size depends on the world size, is
+`memfit.memory.fsdp_log`; the run's bytes at any other world size are computed from those
+(`RankRun.scaling`, `memfit.memory.world_scaling`), since FSDP2's own sharding of every parameter into W chunks
+on fake tensors costs time in W (56 s at 1,024 ranks).
 
-Known limitations: torch's FSDP2 internals (the module-level names `foreach_all_gather`,
-`foreach_all_gather_copy_out`, `foreach_reduce` of `_fsdp_param_group`) are wrapped to tag storages; a torch
-that renames them raises here rather than mislabel. Only CPU is modelled (the fake mesh is a CPU mesh).
+Known limitations: torch's FSDP2 internals are read and wrapped (`memfit.memory.fsdp_log`). Only CPU is
+modelled (the fake mesh is a CPU mesh).
 """
 
 from __future__ import annotations
@@ -35,11 +33,13 @@ import torch
 import torch.distributed as dist
 
 from memfit.device.measure import optimizer_state
+from memfit.memory.fsdp_log import RankLog, gloo_copies, tagging
 from memfit.memory.kinds import MemoryKind
 from memfit.memory.step import ExampleBatch, training_step
-from memfit.memory.storage_log import LoggingFakeMode, StorageLog
+from memfit.memory.storage_log import LoggingFakeMode
+from memfit.memory.world_scaling import WorldScaling
 
-__all__ = ["RANK_KINDS", "RankRun", "chunk_cat_scratch", "default_units", "fsdp_fake_run"]
+__all__ = ["RANK_KINDS", "RankRun", "default_units", "fsdp_fake_run"]
 
 K = MemoryKind
 # the columns of a rank's run, in order
@@ -56,6 +56,8 @@ class RankRun:
     race_bytes: int = 0        # with backend="gloo": the largest buffer a collective's work holds (gloo's race)
     scratch: list = field(default_factory=list)   # (op, OpOverload, ArgSpec) of the ops on half-precision
     #                                               arguments whose kernels' scratch is measured (`kernel_scratch`)
+    scaling: WorldScaling | None = None   # this rank's bytes at other world sizes, where they follow from the run
+    unscalable: str = ""                  # else why not
 
 
 def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -66,62 +68,6 @@ def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
              for c in m.children() if any(True for _ in c.parameters())]
     depth = {m: i for i, m in enumerate(model.modules())}       # pre-order: an ancestor comes before
     return sorted(set(units), key=lambda m: -depth[m])
-
-
-class _RankLog(StorageLog):
-    """A `StorageLog` that also logs storage resizes and gives every allocation an id and a tag."""
-
-    def __init__(self, device):
-        super().__init__(device, scratch=True)        # a bf16 MixedPrecisionPolicy runs bf16 kernels
-        self.tag: K | None = None
-        self.alloc_of: dict[int, int] = {}           # storage key -> the id of its live allocation
-        self.kind: list[K | None] = []               # allocation id -> tag at allocation (None: by phase)
-        self.first_op: list[int] = []                # allocation id -> op index it was allocated at
-        self.events: list[tuple[int, int, int]] = []  # (op, allocation id, +-bytes)
-        self.race_bytes = 0                          # the largest buffer a collective's work holds
-        self._seen = 0
-
-    def _sync(self) -> None:
-        for op, key, delta in self.log[self._seen:]:
-            aid = self.alloc_of.get(key)
-            if aid is None:
-                aid = self.alloc_of[key] = len(self.kind)
-                self.kind.append(self.tag)
-                self.first_op.append(op)
-            self.events.append((op, aid, delta))
-            if key not in self.live:                  # the storage died
-                del self.alloc_of[key]
-        self._seen = len(self.log)
-
-    def record(self, func, out, args, kwargs) -> None:
-        noted = len(self.scratch_ops)
-        super().record(func, out, args, kwargs)
-        if len(self.scratch_ops) > noted and func.namespace != "aten":
-            # a kernel whose scratch would be measured by running it for real: never a collective (c10d) nor
-            # FSDP's own copy ops (fsdp.*, which allocate only their outputs)
-            self.scratch_ops.pop()
-        self._sync()
-
-    def _freed(self, ref) -> None:
-        super()._freed(ref)
-        self._sync()
-
-    def resized(self, storage, old: int, new: int) -> None:
-        key = storage._cdata
-        if key not in self.live:                      # a storage made before (or emptied before) the log saw it
-            self.live[key] = old
-            self._watch(storage, key)
-            if old:
-                self.log.append((len(self.ops), key, old))
-        self.live[key] += new - old
-        self.log.append((len(self.ops), key, new - old))
-        self._sync()
-
-    def retag(self, tensors, kind: K) -> None:
-        for t in tensors:
-            t = getattr(t, "_local_tensor", t)        # a DTensor's local shard
-            if isinstance(t, torch.Tensor) and (aid := self.alloc_of.get(t.untyped_storage()._cdata)) is not None:
-                self.kind[aid] = kind
 
 
 @contextmanager
@@ -140,132 +86,6 @@ def _fake_group(world_size: int, rank: int):
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
-
-
-def _transient(log: _RankLog, nbytes: int, what: str) -> None:
-    """Log `nbytes` allocated at one pseudo-op and freed at the next: a buffer a collective holds inside."""
-    aid = len(log.kind)
-    log.kind.append(K.COMMUNICATION)
-    log.first_op.append(len(log.ops))
-    log.events.append((len(log.ops), aid, nbytes))
-    log.ops.append(f"<{what}: {nbytes} bytes>")
-    log.events.append((len(log.ops), aid, -nbytes))
-    log.ops.append(f"<{what} freed>")
-
-
-@contextmanager
-def _gloo_copies(log: _RankLog):
-    """What gloo's all-gather and reduce-scatter of one tensor (`all_gather_single`, `reduce_scatter_single`:
-    what FSDP2 calls) hold beyond NCCL, logged: the all-gather copies the whole output into a buffer of its own
-    while it runs, the reduce-scatter clones its whole input; both freed by the time the call returns (the
-    schedule `memfit.testing.ranks.settled_gloo` makes deterministic).
-
-    gloo's race: each call's work object keeps the tensors it was given (and the clone) until the gloo worker
-    thread that ran it drops it, after the call has returned: usually before the rank drops them (the bytes
-    then go with the rank's tensors, as this run sees them), but on a busy machine after, and then for as long
-    as the OS leaves that thread asleep. Seen on the allocator of 2 gloo ranks of a 2-block encoder (tests'
-    width 32, 8 samples; settled it peaks at 396,152 bytes in every run): one block's all-gather output (34,176
-    bytes) kept by the worker past FSDP2's drop, either through the next all-gather (+27,520 at the peak) or
-    into the block's backward (+34,176); on the bench's encoder (width 64) a block's reduce-scatter clone kept
-    through the next block's all-gather copy-out; never two at once. `log.race_bytes` records the largest
-    buffer one work holds (an all-gather output, a reduce-scatter clone): `rank_memory_model(gloo_race=True)`
-    adds it at the peak, a bound of every run seen (not of every schedule: two sleeping workers could keep
-    two). NCCL works in place and keeps nothing after the call."""
-    names = {"all_gather_single": (0, "output_tensor"), "reduce_scatter_single": (1, "input")}   # the whole buffer
-    originals = {k: getattr(dist, k) for k in names}
-
-    def copying(name, fn):
-        def run(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            i, key = names[name]
-            whole = args[i] if len(args) > i else kwargs[key]
-            if name.startswith("all_gather"):
-                _transient(log, whole.nbytes, f"gloo's copy in {name}")
-            else:
-                _transient(log, whole.nbytes, f"gloo's clone in {name}")
-            log.race_bytes = max(log.race_bytes, whole.nbytes)
-            return out
-        return run
-
-    for k, fn in originals.items():
-        setattr(dist, k, copying(k, fn))
-    try:
-        yield
-    finally:
-        for k, fn in originals.items():
-            setattr(dist, k, fn)
-
-
-@contextmanager
-def _tagging(log: _RankLog):
-    """Wrap FSDP2's all-gather, copy-out and reduction to tag what they allocate, and log storage resizes."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
-    names = {"foreach_all_gather": K.COMMUNICATION, "foreach_all_gather_copy_out": K.UNSHARDED_PARAMETERS,
-             "foreach_reduce": K.COMMUNICATION}
-    missing = [n for n in names if not hasattr(group, n)]
-    if missing:
-        raise RuntimeError(f"expected torch's FSDP2 to call {missing} in _fsdp_param_group (torch 2.13 does); "
-                           f"found torch {torch.__version__} without them: the per-rank model needs updating")
-    originals = {n: getattr(group, n) for n in names}
-
-    def tagged(name, fn):
-        def run(*args, **kwargs):
-            before, log.tag = log.tag, names[name]
-            if name == "foreach_reduce":
-                log.retag(args[1], K.GRADIENTS)       # the unsharded gradients it is handed
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                log.tag = before
-        return run
-
-    def resize(storage, size):
-        old = storage.nbytes()
-        out = torch._C.StorageBase.resize_(storage, size)
-        if isinstance(storage._cdata, int):       # every storage here is the run's (a fake one is on meta)
-            before, log.tag = log.tag, log.tag or K.UNSHARDED_PARAMETERS
-            log.resized(storage, old, storage.nbytes())
-            log.tag = before
-        return out
-
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
-    copy_in = collectives.foreach_reduce_scatter_copy_in
-
-    def padded_copy_in(unsharded_grads, reduce_scatter_input, world_size):
-        scratch = chunk_cat_scratch(unsharded_grads, reduce_scatter_input.dtype, world_size)
-        out = copy_in(unsharded_grads, reduce_scatter_input, world_size)
-        if scratch:
-            _transient(log, scratch, "fsdp.chunk_cat's padded and converted copies of the gradients")
-        return out
-
-    for n, fn in originals.items():
-        setattr(group, n, tagged(n, fn))
-    collectives.foreach_reduce_scatter_copy_in = padded_copy_in
-    torch.UntypedStorage.resize_ = resize
-    try:
-        yield
-    finally:
-        del torch.UntypedStorage.resize_
-        collectives.foreach_reduce_scatter_copy_in = copy_in
-        for n, fn in originals.items():
-            setattr(group, n, fn)
-
-
-def chunk_cat_scratch(grads, out_dtype: torch.dtype, world_size: int) -> int:
-    """Bytes the CPU kernel of `fsdp.chunk_cat(grads, 0, world_size, out=...)` (FSDP2's reduce-scatter copy-in)
-    allocates inside, all freed before it returns; no op outputs them, so a fake run cannot see them (the
-    allocator can). It copies every gradient whose rows do not split evenly into a padded copy of its own (rows
-    rounded up to a multiple of world_size, in the gradients' dtype), all alive while it concatenates; and where
-    the output's dtype is not the gradients' (a `MixedPrecisionPolicy` whose reduce_dtype differs from its
-    param_dtype), `cat` copies each (padded) gradient once more in the gradients' dtype before converting it,
-    one at a time: the largest of those on top. Checked against the real kernel's allocator events
-    (`memfit.memory.fake_kernels.inside_bytes`) in tests/memory/test_ranks.py."""
-    def padded(g) -> int:
-        rows = g.shape[0] if g.dim() else 1
-        return -(-rows // world_size) * world_size * (g.numel() // max(rows, 1)) * g.element_size()
-    pads = sum(padded(g) for g in grads if g.dim() and g.shape[0] % world_size)
-    converted = max((padded(g) for g in grads), default=0) if grads and grads[0].dtype != out_dtype else 0
-    return pads + converted
 
 
 def _fake_copy(model: torch.nn.Module, mode) -> torch.nn.Module:
@@ -294,37 +114,73 @@ def _same_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, wr
     return type(optimizer)(groups)
 
 
+def _units_of(units, model: torch.nn.Module, fake: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `fake` (the structural copy of `model` the run wraps) that `units` names: `units(fake)`, or
+    a list. A module of `model` itself (a `units=lambda m: [model.layers[0]]` that closes over the original) is
+    the copy's module of the same qualified name; anything else raises, saying what it is."""
+    if units is None:
+        return default_units(fake)
+    chosen = units(fake) if callable(units) else units
+    if isinstance(chosen, torch.nn.Module) or not hasattr(chosen, "__iter__"):
+        raise TypeError(f"expected units(model) to give a list of the model's modules; found {type(chosen).__name__}"
+                        ": return a list, e.g. units=lambda m: list(m.layers)")
+    copied = {id(m) for m in fake.modules()}
+    names = {id(m): k for k, m in model.named_modules()}
+    out: list[torch.nn.Module] = []
+    for m in chosen:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"expected units to be modules of the model; found a {type(m).__name__}: {m!r:.80}")
+        if id(m) not in copied:
+            if id(m) not in names:
+                raise ValueError(f"expected units to be modules of the model being predicted; found "
+                                 f"{type(m).__name__} ({sum(p.numel() for p in m.parameters()):,} parameters), which "
+                                 "is not one of them (fully_shard would wrap, and the prediction count, a module the "
+                                 "model never runs): name the model's own modules, e.g. units=lambda m: "
+                                 "[m.layers[0], m.layers[1]]")
+            m = fake.get_submodule(names[id(m)])   # the original's module: the copy's at the same name
+        if m is fake:
+            raise ValueError("expected units besides the root; found the model itself: leave it out (fully_shard "
+                             "wraps the root after the units)")
+        if any(u is m for u in out):
+            raise ValueError(f"expected each unit once; found {type(m).__name__} twice in units")
+        out.append(m)
+    return out
+
+
 def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_size: int, rank: int,
                   optimizer, loss_fn: Callable | None, target: ExampleBatch | None,
                   units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None,
                   reshard_after_forward: bool = True, mp_policy=None, autocast=None,
                   backend: str = "nccl") -> RankRun:
     """One rank's logged training step (see the module docstring) at a per-rank batch of n. With
-    backend="gloo", the buffers gloo's collectives copy into while they run (`_gloo_copies`) are counted, and
-    the largest buffer a collective's work holds is recorded (`RankRun.race_bytes`, what gloo's race may
-    keep)."""
+    backend="gloo", the buffers gloo's collectives copy into while they run (`fsdp_log.gloo_copies`) are counted,
+    and the largest buffer a collective's work holds is recorded (`RankRun.race_bytes`, what gloo's race may
+    keep). `units`: the modules `fully_shard` wraps besides the root, innermost first, as `units(model)` or a
+    list (`_units_of`; default `default_units`)."""
     from contextlib import nullcontext
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device = torch.device("cpu")
     mode = LoggingFakeMode(allow_non_fake_inputs=False)
-    log = _RankLog(device)
+    log = RankLog(device, world_size)
     marks: dict[str, int] = {}
     enabled = gc.isenabled()
-    with _fake_group(world_size, rank) as mesh, _tagging(log), \
-            _gloo_copies(log) if backend == "gloo" else nullcontext():
+    with _fake_group(world_size, rank) as mesh, tagging(log), \
+            gloo_copies(log) if backend == "gloo" else nullcontext():
         fake = _fake_copy(model, mode)
-        opt = None
+        opt = groups = sharded = None
         try:
             with mode, mode.logging_to(log):
                 kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
                       "mp_policy": mp_policy or MixedPrecisionPolicy()}
                 log.tag = K.SHARDED_PARAMETERS
-                chosen = (units or default_units)(fake)
+                chosen = _units_of(units, model, fake)
                 for m in chosen:
                     fully_shard(m, **kw)
                 fully_shard(fake, **kw)
+                groups = [g for m in [*chosen, fake] for g in m._get_fsdp_state()._fsdp_param_groups]
                 meshes = sum(1 for m in [*chosen, fake] if m._get_fsdp_state()._fsdp_param_groups)
+                sharded = [fp for g in groups for fp in g.fsdp_params]
                 log.tag = None
                 if not fake.training:
                     fake.train()
@@ -335,6 +191,8 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 log.tag = None
                 training_step(fake, x, opt, loss_fn, y, autocast)     # unlogged in effect: before `start`
                 log.retag(optimizer_state(opt), K.OPTIMIZER_STATE)
+                log.note_shards([(fp.sharded_param, fp) for fp in sharded] + [
+                    (v, fp) for fp in sharded for v in (opt.state.get(fp.sharded_param, {}) if opt else {}).values()])
                 gc.collect()
                 gc.disable()
                 start = len(log.ops)
@@ -342,26 +200,59 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 def mark(phase, fake=fake):
                     log.ops.append(f"<end of {phase}>")
                     marks[phase] = len(log.ops) - start
+                    log.stepping = phase == "backward"      # the optimizer's step runs until "step"
                     if phase == "backward":
                         log.retag([p.grad for p in fake.parameters() if p.grad is not None], K.GRADIENTS)
                 training_step(fake, x, opt, loss_fn, y, autocast, mark)
+                log.stepping = False
                 del x, y
+                log.read_off(sharded, opt)
         finally:
             if enabled:
                 gc.enable()
-            del opt, fake
+            del opt, fake, groups, sharded
             gc.collect()
     # `fully_shard(m)` without a mesh makes one per call (`init_device_mesh`), whose rank tensor (world_size
     # int32, on the CPU) the unit keeps while it holds parameters; this run passes one mesh made unlogged
     mesh_bytes = meshes * world_size * torch.empty((), dtype=torch.int32).element_size()
-    return RankRun(log.ops[start:], _timeline(log, start, marks, model, mesh_bytes), marks, log.race_bytes,
-                   [(op - start, func, spec) for op, func, spec in log.scratch_ops if op >= start])
+    column = _column(log, start, marks)
+    scaling, why = _scaling(log, start, column, meshes) if rank == 0 else \
+        (None, f"rank {rank}'s shards are not the first chunks")
+    return RankRun(log.ops[start:], _timeline(log, start, column, model, mesh_bytes), marks, log.race_bytes,
+                   [(op - start, func, spec) for op, func, spec in log.scratch_ops if op >= start], scaling, why)
 
 
-def _timeline(log: _RankLog, start: int, marks: dict[str, int], model, mesh_bytes: int = 0) -> np.ndarray:
-    """(ops, kinds) bytes live after each op from `start` on: everything logged before counts as held, plus
-    what was never logged (the fake copies of buffers and of parameters `fully_shard` did not take, and the
-    device meshes' rank tensors, `mesh_bytes`, as communication buffers)."""
+def _scaling(log: RankLog, start: int, column, meshes: int) -> tuple[WorldScaling | None, str]:
+    """The run's bytes at any world size (`WorldScaling`) where every storage whose size depends on the world
+    size has its `Scaled`: those allocated in FSDP2's collectives, kept as its shards and unsharded parameters,
+    and made in the optimizer's step (`memfit.memory.fsdp_log`); else (None, why not)."""
+    held: dict[int, int] = {}
+    later = set()
+    for op, aid, d in log.events:
+        if op < start:
+            held[aid] = held.get(aid, 0) + d
+        elif d:
+            later.add(aid)
+    transient = {aid: at for aid, at in log.transients}
+    by_fsdp = {K.SHARDED_PARAMETERS, K.UNSHARDED_PARAMETERS, K.COMMUNICATION}
+    missing = [log.must_scale.get(aid) or f"{log.kind[aid].value}, allocated at op {log.first_op[aid] - start}"
+               for aid in sorted(later | {a for a, v in held.items() if v}) if aid not in log.scaled
+               and aid not in transient and (aid in log.must_scale or log.kind[aid] in by_fsdp)]
+    reasons = log.unscalable + missing
+    if reasons:
+        return None, f"{reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else "")
+    n_ops = len(log.ops) - start
+    pseudo = [(log.first_op[aid] - start, column(aid), at) for aid, at in log.transients if log.first_op[aid] >= start]
+    try:
+        return WorldScaling.from_events(log.events, start, n_ops, len(RANK_KINDS), column, log.scaled, log.world,
+                                        transients=pseudo, meshes=meshes, mesh_column=_COL[K.COMMUNICATION],
+                                        race=log.race), ""
+    except ValueError as e:
+        return None, str(e)
+
+
+def _column(log: RankLog, start: int, marks: dict[str, int]):
+    """The kind column of an allocation: its tag, else by the phase it was made in."""
     n_ops = len(log.ops) - start
     ends = (marks.get("forward", n_ops), marks.get("backward", n_ops))
 
@@ -373,7 +264,14 @@ def _timeline(log: _RankLog, start: int, marks: dict[str, int], model, mesh_byte
         if op < 0:                                    # made before the logged step and kept through it
             return _COL[K.PARAMETERS]
         return _COL[K.ACTIVATIONS if op < ends[0] else K.BACKWARD_TRANSIENT if op < ends[1] else K.STEP_TRANSIENT]
+    return column
 
+
+def _timeline(log: RankLog, start: int, column, model, mesh_bytes: int = 0) -> np.ndarray:
+    """(ops, kinds) bytes live after each op from `start` on: everything logged before counts as held, plus
+    what was never logged (the fake copies of buffers and of parameters `fully_shard` did not take, and the
+    device meshes' rank tensors, `mesh_bytes`, as communication buffers)."""
+    n_ops = len(log.ops) - start
     delta = np.zeros((n_ops + 1, len(RANK_KINDS)), dtype=np.int64)
     for op, aid, d in log.events:
         delta[min(max(op - start, 0), n_ops), column(aid)] += d

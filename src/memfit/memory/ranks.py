@@ -10,11 +10,15 @@ size per rank n:
   With `gradient_as_bucket_view=True` the gradients are views into the buckets: the buckets are held from
   the start and backward's gradients are copied into them and freed, which is the single-process step with
   every gradient held before it (`step_memory_model(grads_held=True)`), its held gradients being the buckets.
-- FSDP2: the real `fully_shard` code runs on fake tensors under a fake process group of `world_size` ranks
-  (`memfit.memory.fsdp_run`), for rank 0, which holds the largest shards (`torch.chunk` on dim 0 gives the
-  first ranks the padded rows). Runs at n = 2 and 4 give each op's bytes by kind as `a + b * n`, checked
-  exactly at n = 8; where the check fails, each n asked for is its own run (`method` says which).
-`ranks_needed(...)` is the fewest FSDP2 ranks whose per-rank peak fits a budget.
+- FSDP2: the real `fully_shard` code runs on fake tensors under a fake process group of `BASE_WORLD` ranks
+  (`memfit.memory.fsdp_run`; 1 for world_size=1), for rank 0, which holds the largest shards (`torch.chunk` on
+  dim 0 gives the first ranks the padded rows). Runs at n = 2 and 4 give each op's bytes by kind as
+  `a + b * n`, checked exactly at n = 8; where the check fails, each n asked for is its own run (`method` says
+  which). Any other world size is computed from those runs (`RankMemoryModel.at_world`,
+  `memfit.memory.world_scaling`: rank 0's shards are ceil(rows / W) rows of each parameter, the collectives'
+  buffers W such shards), in the same few seconds at 10,000 ranks as at 2, exactly: where a run holds a
+  storage whose size that does not give, each world size is run for itself, up to `DIRECT_MAX` ranks.
+`memfit.memory.fewest_ranks.ranks_needed(...)` is the fewest FSDP2 ranks whose per-rank peak fits a budget.
 
 Example:
     >>> import torch
@@ -28,22 +32,25 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from memfit.budget import check_count, format_bytes, parse_bytes
+from memfit.budget import check_count, format_bytes
 from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import MemoryKind
 from memfit.memory.step import ExampleBatch
 from memfit.memory.step_model import StepMemoryModel, step_memory_model
+from memfit.memory.world_scaling import WorldScaling
 
-__all__ = ["NoWorldFits", "RankMemoryModel", "check_ddp_wrapping", "ddp_bucket_bytes", "rank_memory_model",
-           "ranks_needed"]
+__all__ = ["BASE_WORLD", "DIRECT_MAX", "RankMemoryModel", "check_ddp_wrapping", "ddp_bucket_bytes",
+           "rank_memory_model"]
 
 PARALLEL = ("ddp", "fsdp")
+BASE_WORLD = 2      # FSDP2 runs at this many ranks; every other world size above 1 is computed from those runs
+DIRECT_MAX = 64     # where it cannot be (`RankMemoryModel.at_world`), runs at the world size itself, up to this
 
 
 def ddp_bucket_bytes(model: torch.nn.Module) -> int:
@@ -84,12 +91,25 @@ class RankMemoryModel:
     _scratch: dict = field(default_factory=dict)      # FSDP: n -> `kernel_scratch.ScratchOp`s of its own run;
     #                                                   with the line, 4 -> those of every n (batch dims read off 2)
     _scratch_at: dict = field(default_factory=dict, repr=False)    # n -> (ops, kinds) of their bytes
+    # FSDP at other world sizes: the runs are made at `_run_world` ranks (1, or BASE_WORLD for any other)
+    _run_world: int = 1
+    _runs_at: Callable[[int], RankMemoryModel] | None = None   # the model of runs at another world size
+    _scalings: dict = field(default_factory=dict)     # n (a run's) or "line" -> its `WorldScaling`
+    _unscalable: str = ""                             # why the runs give no other world size, where they do not
+    _shift_at: dict = field(default_factory=dict, repr=False)      # n -> (ops, kinds) bytes added at world_size
+    _how: str = ""                                    # FSDP: the wrapping and backend, for `method`
+    _fit: str = ""                                    # FSDP: a line in n or a run per n, for `method`
+    _gloo_race: bool = False                          # FSDP on gloo with gloo_race=True
 
     def _live(self, n: int) -> np.ndarray:
         if n not in self._exact and self._a is None:
             run = self._run_at(n)
             self._exact[n], self._scratch[n] = run.live, _scratch_of(run, n)
+            if run.scaling is not None:
+                self._scalings[n] = run.scaling
         live = self._exact[n] if n in self._exact else self._a + self._b * n
+        if self.world_size != self._run_world:
+            live = live + self._shift(n)
         ops = self._scratch.get(4 if self._a is not None else n)
         if not ops:
             return live
@@ -101,6 +121,67 @@ class RankMemoryModel:
                 extra[op.row, op.column] += op.bytes_at(n)
             self._scratch_at[n] = extra
         return live + self._scratch_at[n]
+
+    def _shift(self, n: int) -> np.ndarray:
+        """(ops, kinds) bytes of `world_size` ranks beyond those of the runs' (`memfit.memory.world_scaling`)."""
+        if n not in self._shift_at:
+            scaling = self._scalings.get(n, self._scalings.get("line"))
+            if scaling is None:
+                raise ValueError(f"expected the run at a batch of {n} per rank to give other world sizes, as the first "
+                                 f"runs did; found {self._unscalable or 'it does not'}: predict at world_size="
+                                 f"{self._run_world}, or at a batch size of the first runs ({sorted(self._exact)})")
+            self._shift_at[n] = scaling.shift(self.world_size)
+        return self._shift_at[n]
+
+    @property
+    def unscalable(self) -> str:
+        """FSDP2: why each other world size needs runs of its own (`at_world`); "" where it follows from these."""
+        return "" if self._scalings or self.parallel == "ddp" else self._unscalable
+
+    def at_world(self, world_size: int) -> RankMemoryModel:
+        """The same step on `world_size` ranks. FSDP2: computed from the runs, rank 0's shards and the collectives'
+        buffers being sums of ceil(rows / W) rows (`memfit.memory.world_scaling`); where the runs do not give it
+        (`method` says why), run at that world size itself, up to `DIRECT_MAX` ranks (a fake run of FSDP2 costs
+        time in W), else ValueError. World size 1 always runs (FSDP2 takes other paths there)."""
+        world_size = check_count("world_size", world_size, 1)
+        if self.parallel == "ddp":
+            return replace(self, world_size=world_size)
+        if world_size == self._run_world:
+            return self if self.world_size == world_size else self._at(world_size)
+        if 1 in (world_size, self._run_world):
+            return self._runs_at(1 if world_size == 1 else BASE_WORLD).at_world(world_size)
+        if self._scalings:
+            return self._at(world_size)
+        if world_size <= DIRECT_MAX:
+            direct = self._runs_at(world_size)
+            direct.method += (f"; run at {world_size} ranks, not computed from {self._run_world}: "
+                              f"{self._unscalable}")
+            return direct
+        raise ValueError(f"expected FSDP2's bytes at {world_size} ranks to follow from the run at {self._run_world} "
+                         f"(rank 0's shards of ceil(rows / W) rows); found what does not: {self._unscalable}. A run "
+                         f"at the world size itself costs time in it and is made up to {DIRECT_MAX} ranks: predict "
+                         f"at most {DIRECT_MAX}, or without what the reason names")
+
+    def _at(self, world_size: int, run: RankRun | None = None) -> RankMemoryModel:
+        """This FSDP2 model at `world_size` ranks (its runs' own, or one their scaling gives), with its held
+        parameters, gloo's race and `method` for it. `run`: the first run, when the model is new."""
+        mm = self if run is not None else replace(self, world_size=world_size, _shift_at={})
+        scaling = next(iter(mm._scalings.values()), None)
+        race = 0 if not mm._gloo_race else run.race_bytes if run is not None else scaling.race_at(world_size)
+        mm._race = race
+        held = mm._live(min(mm._exact))[0]
+        mm.param_bytes = int(held[RANK_KINDS.index(MemoryKind.SHARDED_PARAMETERS)]
+                             + held[RANK_KINDS.index(MemoryKind.PARAMETERS)])
+        how = (f"fully_shard run on fake tensors under a fake process group of {mm._run_world} ranks (rank 0, the "
+               f"largest shards; {mm._how}"
+               + (f", plus {race} bytes at the peak: the largest collective buffer, which gloo's race may keep"
+                  if race else "") + f"), {mm._fit}")
+        if world_size != mm._run_world:
+            how += (f"; at {world_size} ranks computed from those runs: rank 0's shard of each parameter is ceil(rows "
+                    f"/ {world_size}) of its rows, the all-gather and reduce-scatter buffers {world_size} such shards "
+                    "(memfit.memory.world_scaling; exact against the fake run at the world size itself)")
+        mm.method = how
+        return mm
 
     def breakdown(self, n: int) -> dict[str, int]:
         """Bytes at this rank's peak for a per-rank batch of n, by kind (they sum to `total_bytes(n)`)."""
@@ -206,37 +287,51 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
     probes = tuple(check_count("each of probes", p, 1) for p in probes)
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
-    run = lambda n: fsdp_fake_run(model, batch, n, world_size=world_size, rank=0, optimizer=optimizer,
-                                  loss_fn=loss_fn, target=tgt, units=units,
-                                  reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                  autocast=autocast, backend=backend)
+
+    def runs_at(w: int) -> RankMemoryModel:
+        run = lambda n: fsdp_fake_run(model, batch, n, world_size=w, rank=0, optimizer=optimizer, loss_fn=loss_fn,
+                                      target=tgt, units=units, reshard_after_forward=reshard_after_forward,
+                                      mp_policy=mp_policy, autocast=autocast, backend=backend)
+        how = (f"reshard_after_forward={reshard_after_forward}"
+               + (" (fully_shard's default: every unit but the root)" if reshard_after_forward is None else "")
+               + f", {backend}")
+        return _fsdp_model(run, w, probes, how, backend == "gloo" and gloo_race, runs_at)
+    return runs_at(1 if world_size == 1 else BASE_WORLD).at_world(world_size)
+
+
+def _fsdp_model(run, world: int, probes: tuple[int, ...], how: str, race: bool, runs_at) -> RankMemoryModel:
+    """The FSDP2 model of the runs `run(n)` at `world` ranks, at each of `probes` (see the module docstring)."""
     runs = {n: run(n) for n in probes}
     first = runs[probes[0]]
-    params = int(first.live[0, RANK_KINDS.index(MemoryKind.SHARDED_PARAMETERS)]
-                 + first.live[0, RANK_KINDS.index(MemoryKind.PARAMETERS)])
-    race = first.race_bytes if backend == "gloo" and gloo_race else 0
-    how = (f"fully_shard run on fake tensors under a fake process group of {world_size} ranks (rank 0, the "
-           f"largest shards; reshard_after_forward={reshard_after_forward}"
-           + (" (fully_shard's default: every unit but the root)" if reshard_after_forward is None else "")
-           + f", {backend}"
-           + (f", plus {race} bytes at the peak: the largest collective buffer, which gloo's race may keep"
-              if race else ""))
+    mm = RankMemoryModel("", 0, torch.device("cpu"), True, "fsdp", world, _exact={n: r.live for n, r in runs.items()},
+                         _run_at=run, _run_world=world, _runs_at=runs_at, _how=how, _gloo_race=race)
+    mm._unscalable = next((r.unscalable for r in runs.values() if r.scaling is None), "")
+    mm._scalings = {} if mm._unscalable else {n: r.scaling for n, r in runs.items()}
     if any(r.scratch for r in runs.values()):
-        how += (f", the scratch {max(len(r.scratch) for r in runs.values())} kernels on half-precision arguments "
-                "allocate inside measured from the real kernels at each batch size asked about")
-    mm = RankMemoryModel("", params, dev, True, "fsdp", world_size, _exact={n: r.live for n, r in runs.items()},
-                         _run_at=run, _race=race)
+        mm._how += (f", the scratch {max(len(r.scratch) for r in runs.values())} kernels on half-precision arguments "
+                    "allocate inside measured from the real kernels at each batch size asked about")
     if {2, 4, 8} <= set(runs) and all(r.ops == runs[2].ops for r in runs.values()):
         a = 2 * runs[2].live - runs[4].live
         b = (runs[4].live - runs[2].live) / 2
         if np.array_equal(a + 8 * b, runs[8].live):
             mm._a, mm._b = a.astype(np.float64), b
             mm._scratch = {4: _scratch_of(runs[4], 4, runs[2], 2)}
-            mm.method = how + "), per op and kind a + b*n from n = 2 and 4, exact at 8"
-            return mm
+            mm._fit = "per op and kind a + b*n from n = 2 and 4, exact at 8"
+            scalings = list(mm._scalings.values())
+            if scalings and all(_same(s, scalings[0]) for s in scalings):
+                mm._scalings["line"] = scalings[0]
+            elif scalings:
+                mm._scalings, mm._unscalable = {}, "the runs at n = 2, 4 and 8 scale with the world size differently"
+            return mm._at(world, first)
     mm._scratch = {n: _scratch_of(r, n) for n, r in runs.items()}
-    mm.method = how + "), one run per batch size (the bytes are not a line in n)"
-    return mm
+    mm._fit = "one run per batch size (the bytes are not a line in n)"
+    return mm._at(world, first)
+
+
+def _same(s: WorldScaling, t: WorldScaling) -> bool:
+    """Whether two runs' `WorldScaling`s give the same bytes at every world size."""
+    return s.atoms.keys() == t.atoms.keys() and all(np.array_equal(s.atoms[k], t.atoms[k]) for k in s.atoms) \
+        and [(r, c) for r, c, _ in s.transients] == [(r, c) for r, c, _ in t.transients] and s.meshes == t.meshes
 
 
 def _scratch_of(run: RankRun, n: int, other: RankRun | None = None, m: int | None = None) -> list:
@@ -308,64 +403,3 @@ def _check_not_offloaded(offload_policy) -> None:
                          f"{type(offload_policy).__name__}: FSDP2's CPU offload is not modelled (parameters, "
                          "gradients and optimizer state would move to host memory, which this model does not "
                          "count apart); predict without it for the device's bytes with everything on it")
-
-
-class NoWorldFits(ValueError):
-    """`ranks_needed` found no world size up to its `max_world` whose per-rank peak fits (activations do not
-    shard)."""
-
-
-LINEAR_SCAN = 16      # world sizes tried one by one above the lower bound before doubling
-
-
-def ranks_needed(model: torch.nn.Module, example, budget: int | str, batch_per_rank: int, *,
-                 max_world: int = 1024, at_least: int = 1, **options) -> int:
-    """The fewest FSDP2 ranks whose per-rank peak at `batch_per_rank` fits `budget`, within `LINEAR_SCAN` world
-    sizes above `at_least`; `options` go to `rank_memory_model` (one fake run per world size tried). FSDP2 pads
-    shards that do not split evenly, so the per-rank peak is not monotone in the world size (three 1024-wide
-    linears, AdamW, 4 samples a rank: 20.0 MB at 4 ranks, 21.9 MB at 5, 16.3 MB at 8): a search that skips sizes can
-    miss the fewest. So every size from `at_least` up to `at_least + LINEAR_SCAN` is tried in turn; beyond that,
-    doubling, then bisection between the last size that did not fit and the first that did (the answer always fits,
-    it is checked, but a size below it that the search skipped may fit too). `at_least`: a world size known not to
-    be above the answer (fewer ranks are not tried). Raises `NoWorldFits` (a ValueError) if even `max_world` ranks
-    do not fit (activations do not shard).
-
-    Example:
-        >>> import torch
-        >>> m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-        >>> opt = torch.optim.AdamW(m.parameters())
-        >>> ranks_needed(m, (256,), "2MiB", 4, optimizer=opt)
-        2
-    """
-    budget = parse_bytes(budget)
-    batch_per_rank = check_count("batch_per_rank", batch_per_rank, 1)
-    seen: dict[int, int] = {}
-
-    def need(w: int) -> int:
-        if w not in seen:
-            seen[w] = rank_memory_model(model, example, parallel="fsdp", world_size=w, probes=(batch_per_rank,),
-                                        **options).total_bytes(batch_per_rank)
-        return seen[w]
-    lo = w = min(check_count("at_least", at_least, 1), max_world)
-    for w in range(lo, min(lo + LINEAR_SCAN, max_world) + 1):     # every size near the lower bound: the fewest
-        if need(w) <= budget:
-            return w
-    lo, w = w + 1, min(2 * w, max_world)
-    while need(w) > budget:
-        if w >= max_world:
-            raise NoWorldFits(f"expected some world size <= {max_world} to fit {format_bytes(budget)} per rank at "
-                             f"a batch of {batch_per_rank} per rank; found {format_bytes(need(w))} at {w} ranks; "
-                             "lower the batch per rank or raise the budget")
-        lo, w = w + 1, min(2 * w, max_world)
-    return _smallest(need, budget, lo, w)
-
-
-def _smallest(need, budget: int, lo: int, hi: int) -> int:
-    """The smallest w in [lo, hi] with need(w) <= budget, need(hi) <= budget (bisection)."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if need(mid) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
