@@ -62,6 +62,19 @@ def test_options_are_checked():
         rank_memory_model(m, (64,), parallel="ddp", reshard_after_forward=False)
     with pytest.raises(ValueError, match="pass train=True"):
         memory_model(m, (64,), parallel="ddp", world_size=2)
+    opt = torch.optim.AdamW(m.parameters())
+    for parallel in ("ddp", "fsdp"):                  # refused before any run
+        for bad, error in ((0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError), ("8", TypeError)):
+            with pytest.raises(error, match="world_size"):
+                memory_model(m, (64,), train=True, optimizer=opt, parallel=parallel, world_size=bad)
+    with pytest.raises(ValueError, match="expected backend 'nccl' or 'gloo'"):
+        rank_memory_model(m, (64,), optimizer=opt, backend="mpi")
+    with pytest.raises(ValueError, match="probes"):
+        rank_memory_model(m, (64,), optimizer=opt, probes=())
+    mm = rank_memory_model(m, (64,), optimizer=opt, world_size=4, probes=(4,))
+    for bad, error in ((0, ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="world_size"):
+            mm.at_world(bad)
 
 
 CASES = (("ddp", 32, "mlp"), ("ddp-view", 32, "mlp"), ("fsdp", 16, "mlp"),
@@ -376,6 +389,22 @@ def test_chunk_cat_scratch_is_what_the_real_kernel_allocates_inside(world):
             buffer = torch.empty(rows, dtype=out).view(world, -1)
             real = inside_bytes(torch.ops.fsdp.chunk_cat.default, (grads, 0, world), {"out": buffer})
             assert chunk_cat_scratch(grads, out, world) == real, (shapes, grad, out, world)
+
+
+def test_fsdp_at_world_size_one_is_the_real_step_and_the_single_process():
+    """At 1 rank FSDP2 shards nothing (and takes its own paths: no reduce-scatter, a copy): it is run at 1 rank,
+    and holds the real step of a 1-rank group to the byte but for kernels' 0-d scalars (12 bytes below, in
+    AdamW's step, where the peak is at this batch); it reads as the
+    single-process step but for the device meshes' rank tensors (one int32 per unit here) and the single-process
+    model's allocator margin."""
+    predicted, real = _fake_group_step(1, "fsdp", 8)
+    assert abs(predicted - real) <= 24, (predicted, real)
+    m = rank_cases.mlp()
+    opt = torch.optim.AdamW(m.parameters())
+    fsdp = memory_model(m, (64,), train=True, optimizer=opt, parallel="fsdp", world_size=1).breakdown(8)
+    single = memory_model(m, (64,), train=True, optimizer=opt).breakdown(8)
+    assert fsdp["parameters (sharded)"] == single["parameters"] and fsdp["communication buffers"] == 3 * 4
+    assert sum(fsdp.values()) - fsdp["communication buffers"] == sum(single.values()) - single["allocator margin"]
 
 
 def _fake_group_step(world, parallel, n, factory=rank_cases.mlp, example=(64,)):

@@ -69,9 +69,9 @@ def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: i
     """How many FSDP2 ranks a step at one sample per rank needs, as a fix to offer. Each rank holds at least its
     shards of the parameters, gradients and optimizer state at once (in the optimizer's step): `static / d`, so the
     search starts at the smallest d where that fits, a lower bound (`static / d + rest` is not one: the optimizer's
-    transients in `rest` shard too), and `ranks_needed` runs FSDP2's real code on fake tensors from there up (CPU
-    models). On another device, or where that run fails, the even split `static / d + rest` is offered, said to
-    be an estimate."""
+    transients in `rest` shard too), and `ranks_needed` tries every count from there up, from one run of FSDP2's
+    real code on fake tensors (CPU models). On another device, or where that run fails, the even split
+    `static / d + rest` is offered, said to be an estimate."""
     low = next((d for d in range(2, MAX_WORLD + 1) if -(-static // d) <= budget), None)
     est = next((d for d in range(2, MAX_WORLD + 1) if static // d + rest <= budget), None)
     if low is None:
@@ -90,8 +90,7 @@ def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: i
     except Exception as e:         # a hint inside an error: never replace the BudgetExceeded
         return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"] if even else []
     return [f"{w} FSDP2 ranks (fully_shard on each block and the root, a plain step of one sample per rank, no "
-            "checkpointing: per-rank peak predicted by memfit.sizing.ranks_needed, which may not have tried every "
-            "smaller count: uneven shards are padded)"]
+            f"checkpointing: per-rank peak predicted by memfit.sizing.ranks_needed, from {low} ranks up)"]
 
 
 def optimizer_state_bytes(optimizer, module) -> int:

@@ -22,7 +22,8 @@ predictions depend on: `model_value` its pieces, `fingerprint_check` the quick c
 `cache` (`ModelCache`: values kept per model), `isolation` (what a prediction leaves alone: the user's module as other
 threads see it, every RNG), `global_caches` (function caches a fake run must leave without fake tensors),
 `example_target` (the example target of a common loss, built from the output), `ranks` (`RankMemoryModel`: one rank
-of DDP or FSDP2, `ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake process group). The
+of DDP or FSDP2), `fewest_ranks` (`ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake
+process group; `fsdp_log`: how its storages are tagged), `world_scaling` (its bytes at any world size). The
 allocator's rules and real measurements are below it, in `memfit.device`.
 
 Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA. On the CPU, what kernels

@@ -18,8 +18,8 @@ world size is computed from the run.
 Known limitations: torch's FSDP2 internals (the module-level names `foreach_all_gather`,
 `foreach_all_gather_copy_out`, `foreach_reduce` of `_fsdp_param_group`, `foreach_reduce_scatter_copy_in` of
 `_fsdp_collectives`, an `FSDPParam`'s `_orig_size`, `padded_sharded_param_size`, `_sharded_param_data`,
-`all_gather_outputs`, `sharded_param`) are read or wrapped; a torch that renames them raises here rather than
-mislabel.
+`all_gather_outputs`, `sharded_param`, and DTensor's `ShardingPropagator._fake_mode_lock`) are read or wrapped;
+a torch that renames them raises here rather than mislabel.
 """
 
 from __future__ import annotations

@@ -226,16 +226,19 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
             with either raises (not modelled: `check_ddp_wrapping`).
         example: a sample shape or an example batch (its leading dimension is the per-rank batch).
         parallel: "ddp" (`DistributedDataParallel` with its defaults) or "fsdp" (`fully_shard`).
-        world_size: the number of ranks.
-        units: FSDP2 only: `units(model)` -> the modules `fully_shard` wraps besides the root, innermost first
-            (default `memfit.memory.fsdp_run.default_units`: the children of every ModuleList and Sequential).
+        world_size: the number of ranks. FSDP2 runs at `BASE_WORLD` ranks (1 for 1) and computes any other world
+            size from those runs (`RankMemoryModel.at_world`); `method` says so.
+        units: FSDP2 only: `units(model)` -> the modules `fully_shard` wraps besides the root, innermost first,
+            or a list of them (default `memfit.memory.fsdp_run.default_units`: the children of every ModuleList and
+            Sequential). The model's own modules stand for those of the copy the run wraps (by qualified name);
+            anything else raises.
         reshard_after_forward, mp_policy: FSDP2 only, passed to every `fully_shard` call. reshard_after_forward=None
             is `fully_shard`'s own default: every unit reshards after forward but the root, which keeps its
             parameters gathered for backward (torch's heuristic); True or False apply to the root as well.
         backend: "nccl" (collectives in place) or "gloo" (its all-gather and reduce-scatter copy the whole
             buffer while they run; DDP's all-reduce is in place on both).
         gloo_race: FSDP2 on gloo: gloo's worker thread may keep a collective's tensors after the call returns
-            (`memfit.memory.fsdp_run._gloo_copies`), a race whose outcome varies run to run. True: add the
+            (`memfit.memory.fsdp_log.gloo_copies`), a race whose outcome varies run to run. True: add the
             largest buffer one collective holds (an all-gather output, a reduce-scatter input) at the peak, a
             bound of every run seen; False: the schedule where each
             collective's tensors are dropped as its call returns (what `memfit.testing.ranks.settled_gloo` makes

@@ -47,7 +47,7 @@ def settled_gloo(timeout: float = SETTLE_TIMEOUT_S):
     tensors: one schedule of gloo's race out of many, chosen so that a measured peak is not a random variable.
 
     A gloo collective's work object keeps the tensors it was given until the worker thread that ran it lets it
-    go, some time after the call has returned (`memfit.memory.fsdp_run._gloo_copies`); the rank goes on
+    go, some time after the call has returned (`memfit.memory.fsdp_log.gloo_copies`); the rank goes on
     meanwhile, so one collective's tensors may outlive FSDP2's own reference to them, or not. Settled, they
     never do: the rank waits (at most `timeout` seconds, then raises) until the storages the work holds have no
     more references than before the call. gloo's reduce-scatter holds a clone of its input that the caller

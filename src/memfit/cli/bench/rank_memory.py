@@ -11,7 +11,9 @@ thread race in gloo's collectives; predicted with gloo_race=False); beside it th
 race, several runs (a random variable: the worst and the spread printed), under the race bound
 (gloo_race=True). Then the FSDP2 prediction at world size 8 is set beside torch's `FSDPMemTracker` run on
 the same model in one process under a fake process group (its tests accept +-10% of CUDA's bytes; here it
-counts CPU tensors), and beside a real run of 8 gloo ranks for the MLP and the CNN.
+counts CPU tensors), and beside a real run of 8 gloo ranks for the MLP and the CNN. Last (`world_sizes`), FSDP2 at
+other world sizes computed from the runs at 2 ranks against the fake run at each world size itself, every op and
+kind, and the time each takes; then 10,000 ranks and `ranks_needed` timed.
 
 Run:
     memfit bench distributed --memory --quick
@@ -210,7 +212,7 @@ def _run(names, sizes, worlds, wrappings) -> list[dict]:
           f"({len(rows) - len(below)} of {len(rows)}; bound / real free from "
           f"{min(float(r['bound/real']) for r in rows):.4f} to {max(float(r['bound/real']) for r in rows):.4f})")
     rows += _world_eight(("mlp", "cnn"), names, sizes[-1], 8)
-    return rows
+    return rows + world_sizes(names, sizes[-1])
 
 
 BYTES = {"predicted", "real settled", "race bound", "real free"}
@@ -254,3 +256,69 @@ def _world_eight(real_names, names, n: int, world: int) -> list[dict]:
     print(f"{'PASS' if ok else 'MISS'}  memfit / real {world} gloo ranks in [{TARGET[0]:.2f}, {TARGET[1]:.2f}] on "
           f"{', '.join(r['model'] for r in held)}")
     return rows
+
+
+WORLDS = (3, 8, 64)         # computed from the runs at 2 ranks and run for themselves
+LARGE = 10_000              # computed only: a fake run at that world size gave no answer in 4 minutes
+
+
+def world_sizes(names=tuple(CASES), n: int = 16, worlds=WORLDS) -> list[dict]:
+    """FSDP2 (`fully_shard` on every block and the root, NCCL) at `worlds` ranks computed from a fake run at 2
+    (`RankRun.scaling`, what `RankMemoryModel.at_world` adds) against the fake run at each world size itself:
+    PASS where every op's bytes of every kind agree; the seconds of the run at 2, of the computation, and of the
+    run at the world size. Then `memory_model` at `LARGE` ranks and `ranks_needed` up to 40 ranks, timed."""
+    import time
+
+    import numpy as np
+
+    from memfit.memory.fewest_ranks import NoWorldFits, ranks_needed
+    from memfit.memory.fsdp_run import fsdp_fake_run
+    from memfit.memory.step import ExampleBatch
+    print(machine_header("cpu"))
+    rows = []
+    for name in names:
+        model = _model(name)
+        opt = torch.optim.AdamW(model.parameters())
+        run = lambda w, model=model, opt=opt, name=name: fsdp_fake_run(
+            model, ExampleBatch(_example(name)), n, world_size=w, rank=0, optimizer=opt, loss_fn=None, target=None)
+        t = time.perf_counter()
+        base = run(2)
+        base_s = time.perf_counter() - t
+        for w in worlds:
+            t = time.perf_counter()
+            computed = base.live + base.scaling.shift(w)
+            computed_s = time.perf_counter() - t
+            t = time.perf_counter()
+            real = run(w)
+            run_s = time.perf_counter() - t
+            rows.append({"model": name, "ranks": w, "batch/rank": n, "computed peak": int(computed.sum(1).max()),
+                         "run peak": int(real.live.sum(1).max()), "run at 2 s": f"{base_s:.2f}",
+                         "computed s": f"{computed_s:.4f}", "run at W s": f"{run_s:.2f}",
+                         "": "PASS" if np.array_equal(computed, real.live) else "MISS"})
+            print(table(rows[-1:], bytes_columns={"computed peak", "run peak"}), flush=True)
+    print("# FSDP2's per-rank bytes at W ranks computed from one fake run at 2 ranks (memfit.memory.world_scaling) "
+          "against the fake run at W itself: PASS where every op's bytes of every kind agree (peaks printed); the "
+          "seconds of each on this machine")
+    print(table(rows, bytes_columns={"computed peak", "run peak"}))
+    missed = [r for r in rows if r[""] == "MISS"]
+    print(f"{'PASS' if not missed else 'MISS'}  computed = run on every op and kind ({len(rows) - len(missed)} of "
+          f"{len(rows)})")
+    timed = []
+    for name in names:
+        model = _model(name)
+        opt = torch.optim.AdamW(model.parameters())
+        t = time.perf_counter()
+        large = _predict(name, "fsdp", LARGE, backend="nccl").total_bytes(n)
+        large_s = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            ranks_needed(model, _example(name), 1, n, optimizer=opt, max_world=40)
+        except NoWorldFits:
+            pass
+        timed.append({"model": name, f"memory_model at {LARGE:,} ranks": large, "seconds": f"{large_s:.1f}",
+                      "ranks_needed to find none fits up to 40 s": f"{time.perf_counter() - t:.1f}"})
+    print(f"# memory_model(..., parallel='fsdp', world_size={LARGE:,}) at a batch of {n} per rank (three fake runs at "
+          "2 ranks), and ranks_needed finding that no world size up to 40 fits a 1-byte budget (one run at 2 ranks, "
+          "one at 1), seconds")
+    print(table(timed, bytes_columns={f"memory_model at {LARGE:,} ranks"}))
+    return rows + timed
