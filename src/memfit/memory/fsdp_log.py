@@ -119,7 +119,7 @@ class RankLog(StorageLog):
                 self.scaled[aid] = s
                 if not self.group:
                     self.shard_at.setdefault(key, {})[t.storage_offset()] = s.terms[0]
-            elif self.group or numel > 1:
+            elif numel > 1:                          # a 0-d tensor is one element at every world size
                 self.must_scale[aid] = (f"{nbytes} bytes {func} allocates in "
                                         f"{self.group[0] if self.group else 'the optimizer step'}")
 
