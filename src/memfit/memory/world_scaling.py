@@ -18,9 +18,10 @@ depends on W dividing its rows, not a sum of chunks), the device meshes' rank te
 buffers gloo's race may keep (`race`).
 
 Exactness is checked against the fake run at the world size itself, every op and kind to the byte
-(tests/memory/test_world_scaling.py, world sizes 2 to 64 on an MLP with rows that do not split evenly, a
-transformer encoder, frozen parameters, a bf16 MixedPrecisionPolicy and gloo), and against real steps
-(tests/memory/test_ranks.py).
+(tests/memory/test_world_scaling.py: an MLP whose rows do not split evenly at 3 and 300 ranks on gloo, a
+transformer encoder with a frozen unit at 5, bf16 parameters reduced in float32 at 6; `memfit bench distributed
+--memory`: an MLP, a CNN, an encoder and GPT-2 at 3, 8 and 64 ranks), and against real steps
+(tests/memory/test_ranks.py: 2 gloo ranks, 8 ranks under a fake process group).
 
 Example:
     >>> lin = Scaled(itemsize=4, whole=False, terms=((255, 256),))    # a 255 x 256 float32 weight
