@@ -165,3 +165,18 @@ def test_a_seeded_op_is_measured_on_its_real_kernel_and_leaves_the_rng_as_it_was
     with track_memory("cpu") as mem:
         out = drop(x, 0.1, True)
     assert measured == mem.peak - sum(t.untyped_storage().nbytes() for t in out) > 0
+
+
+def test_forgotten_measurements_are_made_again_on_the_real_kernel_and_give_the_same_bytes(monkeypatch):
+    """`forget_measured` (a benchmark timing a first prediction) drops what was measured: the kernel runs again."""
+    from memfit.memory import fake_kernels
+    from memfit.memory.kernel_scratch import forget_measured
+    calls = []
+    measure = fake_kernels.inside_bytes
+    monkeypatch.setattr(fake_kernels, "inside_bytes", lambda *a: calls.append(a[0]) or measure(*a))
+    mm = torch.ops.aten.mm.default
+    spec = spec_of((torch.zeros(24, 40, dtype=torch.bfloat16), torch.zeros(40, 16, dtype=torch.bfloat16)), {})
+    first = scratch_bytes(mm, spec)
+    assert scratch_bytes(mm, spec) == first and calls == [mm]          # kept: not measured again
+    forget_measured()
+    assert scratch_bytes(mm, spec) == first and calls == [mm, mm]

@@ -155,6 +155,7 @@ _RNN_BACKWARD = _overloads("aten.mkldnn_rnn_layer_backward.default")
 BOUNDED_IN_BATCH = _ROUNDED
 _LINE = (2, 4, 8)                # the batches whose workspaces give the line (constant, bytes per sample)
 _MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured on real arguments of those shapes
+_WARM: set = set()               # (op, its tensor arguments' dtypes, threads) run once in this process (`inside_bytes`)
 
 
 def _key(func, args, kwargs) -> tuple:
@@ -179,12 +180,22 @@ def _measured(func, args, kwargs) -> int:
 
 def inside_bytes(func, args, kwargs) -> int:
     """Bytes the real CPU kernel `func` allocates beyond its outputs' storages while it runs on these real
-    arguments, by the allocator's events (run once untracked first: what a kernel sets up on its first call,
-    its caches, is not per call)."""
+    arguments, by the allocator's events.
+
+    The first call of a kernel on arguments of these dtypes at this thread count in the process runs untracked
+    first: what it sets up once (oneDNN's state, caches) is not per call. At a new shape of a kernel that has run
+    it is not run twice: its first call there allocates what every later one does (2,432 calls of every measured
+    op of conv nets and of bf16 and float32 transformers, at 3 to 100 samples: the same bytes at the first, second
+    and third call; tests/memory/test_fake_kernels.py checks it), and at a large batch the second run cost as
+    much as the first (about two thirds of a real step of a CNN, per batch size asked about)."""
     from torch.utils._pytree import tree_flatten
 
     from memfit.device.measure import track_memory
-    func(*args, **kwargs)
+    first = (func, tuple(a.dtype for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)),
+             torch.get_num_threads())
+    if first not in _WARM:
+        func(*args, **kwargs)
+        _WARM.add(first)
     with track_memory("cpu") as mem:
         out = func(*args, **kwargs)
     outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()

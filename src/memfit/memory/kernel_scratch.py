@@ -32,8 +32,9 @@ as the sizes that differ between the same op of both (`batch_sizes`).
 Known limitations: zeros stand in for values (a kernel whose scratch depends on values, an index, is measured
 on zeros); a seeded random op (dropout) runs the real kernel under a saved and restored RNG
 (`memfit.memory.isolation.kept_rng`: another thread's draw in that instant would be rewound); the first
-question about a batch size runs each measured kernel twice at that size, on arguments allocated for real at that
-size (about 0.1 s for a two-layer BERT; for a large model about two forward and backward passes of those ops);
+question about a batch size runs each measured kernel once at that size (twice the first time the process runs
+it: `fake_kernels.inside_bytes`), on arguments allocated for real at that size (about 0.1 s for a two-layer BERT;
+for a CNN, whose layers differ in shape, about 0.8x a real step of the model at that size);
 where the two fake runs do not show an op's sizes as affine in the batch, its bytes at batch 4 are scaled with
 the batch and the model's `method` says APPROXIMATE.
 """
@@ -46,8 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "inside_parts", "measured_here", "real_arguments", "scratch_bytes",
-           "scratch_ops", "sizes_at", "spec_of"]
+__all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "forget_measured", "inside_parts", "measured_here", "real_arguments",
+           "scratch_bytes", "scratch_ops", "sizes_at", "spec_of"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _BYTES: dict = {}               # (op, ArgSpec, threads) -> bytes measured beyond the outputs
@@ -140,6 +141,15 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
             args, kwargs = as_real_kernel_takes(func, args, kwargs)
         _BYTES[key] = inside_bytes(func, args, kwargs)
     return _BYTES[key]
+
+
+def forget_measured() -> None:
+    """Drop the bytes of every real kernel measured so far (here and in `memfit.memory.fake_kernels`), so that the
+    next prediction measures them again and can be timed as a first one (`memfit bench train`). What a kernel set up
+    on its first call in this process is not undone."""
+    from memfit.memory import fake_kernels
+    for kept in (_BYTES, fake_kernels._MEASURED, fake_kernels._WORKSPACE_BYTES, fake_kernels._REAL_BYTES):
+        kept.clear()
 
 
 def batch_sizes(spec: ArgSpec, n: int, other: ArgSpec, m: int) -> dict | None:

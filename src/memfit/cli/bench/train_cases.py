@@ -1,7 +1,7 @@
 """The models `memfit bench train` trains: memfit's zoo (MLP, LeNet, ResNet-18, MobileNetV2, U-Net, a
 transformer block) and `transformers` models from small configs with random weights (BERT, GPT-2, ViT,
-ConvNeXt), each a `Case` (a model factory, a batch of n and its mean loss); `realistic_cases` gives BERT and
-GPT-2 at the widths people train, for the predict-cost table."""
+ConvNeXt), each a `Case` (a model factory, a batch of n and its mean loss); `cost_cases` gives a typical user's
+small CNN and BERT and GPT-2 at the width people train, for the cost table."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from memfit.testing.zoo import build, quiet_transformers
 
-__all__ = ["Case", "hf_cases", "hf_factory", "on_device", "realistic_cases", "zoo_cases"]
+__all__ = ["Case", "cost_cases", "hf_cases", "hf_factory", "on_device", "three_block_cnn", "zoo_cases"]
 
 
 @dataclass
@@ -112,14 +112,30 @@ def hf_cases(seq: int = 64) -> list[Case]:
     ]
 
 
-def realistic_cases(quick: bool) -> list[tuple[Case, int]]:
-    """(case, batch): transformers models at the widths people train, for the predict-cost table. Full: the
-    shapes of BERT-base and GPT-2 small (768 wide, 12 layers) at sequence 128; quick: 256 wide, 4 layers."""
+def three_block_cnn() -> torch.nn.Module:
+    """A typical user's small CNN: three conv-BN-ReLU-max-pool blocks (32, 64, 128 channels) and a linear head, for
+    64x64 RGB images and 10 classes (the model of issue 35's `memfit plan mymodel.py:make --train`)."""
+    def block(cin: int, cout: int) -> list[torch.nn.Module]:
+        return [torch.nn.Conv2d(cin, cout, 3, padding=1), torch.nn.BatchNorm2d(cout), torch.nn.ReLU(),
+                torch.nn.MaxPool2d(2)]
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*block(3, 32), *block(32, 64), *block(64, 128), torch.nn.Flatten(),
+                               torch.nn.Linear(128 * 8 * 8, 10)).train()
+
+
+def cost_cases(quick: bool) -> list[tuple[Case, int, str | None]]:
+    """(case, batch, budget) for the cost table: the three-block CNN at batch 32 (max_batch_size in 256 MiB, 1 GiB
+    in full), and BERT and GPT-2 at the width people train, 768 (quick: 2 layers and an 8,000-token vocabulary;
+    full: the shapes of BERT-base and GPT-2 small, 12 layers), sequence 128, batch 8 (budget None: 1.5x the
+    predicted peak at the batch)."""
+    cnn = Case("cnn 3 blocks, 64x64", three_block_cnn, _images((3, 64, 64), 10), F.cross_entropy)
+    out = [(cnn, 32, "256MiB" if quick else "1GiB")]
     try:
         import transformers as tf
     except ImportError:
-        return []
-    seq, width, layers, batch, vocab = (128, 256, 4, 16, 8000) if quick else (128, 768, 12, 8, None)
+        return out
+    quiet_transformers()
+    seq, width, layers, batch, vocab = (128, 768, 2, 8, 8000) if quick else (128, 768, 12, 8, None)
     heads = width // 64
     bert = tf.BertConfig(vocab_size=vocab or 30522, hidden_size=width, num_hidden_layers=layers,
                          num_attention_heads=heads, intermediate_size=4 * width, max_position_embeddings=seq,
@@ -130,11 +146,11 @@ def realistic_cases(quick: bool) -> list[tuple[Case, int]]:
     make = hf_factory
     ids = lambda n, v: torch.randint(0, v, (n, seq), generator=_seeded(n))
     tag = f"{width}x{layers}, seq {seq}"
-    return [
+    return out + [
         (Case(f"bert {tag}", make(tf.BertForSequenceClassification, bert),
               lambda n: ({"input_ids": ids(n, bert.vocab_size)}, torch.randint(0, 2, (n,), generator=_seeded(n, 1))),
-              lambda out, y: F.cross_entropy(out.logits, y)), batch),
+              lambda out, y: F.cross_entropy(out.logits, y)), batch, None),
         (Case(f"gpt2 {tag}", make(tf.GPT2LMHeadModel, gpt2),
               lambda n: ({"input_ids": ids(n, gpt2.vocab_size)}, ids(n, gpt2.vocab_size)),
-              lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())), batch),
+              lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())), batch, None),
     ]
