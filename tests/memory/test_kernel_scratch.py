@@ -180,3 +180,26 @@ def test_forgotten_measurements_are_made_again_on_the_real_kernel_and_give_the_s
     assert scratch_bytes(mm, spec) == first and calls == [mm]          # kept: not measured again
     forget_measured()
     assert scratch_bytes(mm, spec) == first and calls == [mm, mm]
+
+
+def test_real_arguments_are_zeros_in_the_layout_of_the_fake_ones_and_measure_as_written_zeros_do():
+    """Arguments are zeros in memory handed out zeroed (nothing written): the layout empty_strided gives, and the same
+    bytes measured as on zeros written into tensors of c10's allocator."""
+    from memfit.memory.fake_kernels import inside_bytes
+    from memfit.memory.kernel_scratch import real_arguments
+    conv = torch.ops.aten.convolution_backward.default
+    grad, x = torch.zeros(5, 16, 10, 10).permute(0, 2, 3, 1), torch.zeros(5, 8, 10, 10)     # a channels-last gradient
+    spec = spec_of((grad.permute(0, 3, 1, 2), x, torch.zeros(16, 8, 3, 3), [16], [1, 1], [1, 1], [1, 1], False,
+                    [0, 0], 1, [True, True, True]), {})
+    args, _ = real_arguments(spec)
+    written = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).fill_(0) if isinstance(a, torch.Tensor) else a
+               for a in args]
+    for a, w in zip(args, written, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert (a.shape, a.stride(), a.dtype, a.storage_offset()) == (w.shape, w.stride(), w.dtype, 0)
+            assert a.untyped_storage().nbytes() == w.untyped_storage().nbytes() and a.data_ptr() % 64 == 0
+            assert not a.any()
+    assert scratch_bytes(conv, spec) == inside_bytes(conv, written, {})
+    ints, _ = real_arguments(spec_of((torch.zeros(3, 4, dtype=torch.long), torch.zeros(4, dtype=torch.bool)), {}),
+                             ones=True)
+    assert not ints[0].any() and not ints[1].any()                 # ones are for floating tensors only

@@ -218,7 +218,8 @@ def run(sizes=(8, 32), quick: bool = False, repeat: int = 3, as_json: bool = Fal
     if have_mm and realistic:
         for case, n, budget in cost_cases(quick):
             t0 = time.perf_counter()
-            cost_rows.append(cost_row(on_device(case, dev), n, budget, repeat=2 if quick else 4))
+            cost_rows.append(cost_row(on_device(case, dev), n, budget, repeat=2 if quick else 4,
+                                       warmup=0 if quick else 1))
             print(f"# {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     print(f"# training-step memory, AdamW, batch sizes {list(sizes)}; emulated device = {1.2 if quick else 1.5}x the "
           f"measured peak at {sizes[-1]}")
