@@ -1,4 +1,5 @@
 """`memfit bench train`'s cost table: the memory model and max_batch_size timed against real steps."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -40,3 +41,11 @@ def test_the_verdicts_judge_the_cnn_in_seconds_and_width_768_in_steps(capsys):
     assert out[0].startswith("PASS  memory model of the small CNN") and "2.50 s" in out[0]
     assert out[1].startswith("MISS  memory model / one real step at width 768: worst 1.10x (gpt2")
     assert out[2].startswith("INFO  max_batch_size(train=True)") and "cnn 1.20x (batch 97)" in out[2]
+
+
+def test_the_cost_table_alone_takes_none_of_the_other_tables_options(capsys):
+    from memfit.cli.bench.train import main
+    with pytest.raises(SystemExit):
+        main(["--cost", "--models", "mlp"])
+    assert "--cost runs its own models and sizes; drop --architectures, --overhead, --models and --sizes" in \
+        capsys.readouterr().err
