@@ -193,7 +193,9 @@ def plot_memory(mm: MemoryModel, path, max_batch: int, budget: int | None = None
     import textwrap
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    sizes = sorted({max(1, round(max_batch * i / 64)) for i in range(65)})
+    # 17 sizes, each exact: a training model runs the kernels whose scratch it measures at every size asked about
+    # (65 sizes cost minutes on a CNN), and the stack is piecewise linear between them
+    sizes = sorted({max(1, round(max_batch * i / 16)) for i in range(17)} | ({largest} if largest else set()))
     parts = [mm.breakdown(n) for n in sizes]
     kinds = list(dict.fromkeys(k for p in parts for k in p))
     mib = 2.0 ** 20
