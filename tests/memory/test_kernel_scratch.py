@@ -169,11 +169,11 @@ def test_a_seeded_op_is_measured_on_its_real_kernel_and_leaves_the_rng_as_it_was
 
 def test_forgotten_measurements_are_made_again_on_the_real_kernel_and_give_the_same_bytes(monkeypatch):
     """`forget_measured` (a benchmark timing a first prediction) drops what was measured: the kernel runs again."""
-    from memfit.memory import fake_kernels
+    from memfit.device import kernel_probe
     from memfit.memory.kernel_scratch import forget_measured
     calls = []
-    measure = fake_kernels.inside_bytes
-    monkeypatch.setattr(fake_kernels, "inside_bytes", lambda *a: calls.append(a[0]) or measure(*a))
+    measure = kernel_probe.inside_bytes
+    monkeypatch.setattr(kernel_probe, "inside_bytes", lambda *a: calls.append(a[0]) or measure(*a))
     mm = torch.ops.aten.mm.default
     spec = spec_of((torch.zeros(24, 40, dtype=torch.bfloat16), torch.zeros(40, 16, dtype=torch.bfloat16)), {})
     first = scratch_bytes(mm, spec)
@@ -185,7 +185,7 @@ def test_forgotten_measurements_are_made_again_on_the_real_kernel_and_give_the_s
 def test_real_arguments_are_zeros_in_the_layout_of_the_fake_ones_and_measure_as_written_zeros_do():
     """Arguments are zeros in memory handed out zeroed (nothing written): the layout empty_strided gives, and the same
     bytes measured as on zeros written into tensors of c10's allocator."""
-    from memfit.memory.fake_kernels import inside_bytes
+    from memfit.device.kernel_probe import inside_bytes
     from memfit.memory.kernel_scratch import real_arguments
     conv = torch.ops.aten.convolution_backward.default
     grad, x = torch.zeros(5, 16, 10, 10).permute(0, 2, 3, 1), torch.zeros(5, 8, 10, 10)     # a channels-last gradient

@@ -378,7 +378,7 @@ def test_chunk_cat_scratch_is_what_the_real_kernel_allocates_inside(world):
     against the real kernel at the allocator."""
     import torch.distributed.fsdp  # noqa: F401  (registers torch.ops.fsdp)
 
-    from memfit.memory.fake_kernels import inside_bytes
+    from memfit.device.kernel_probe import inside_bytes
     from memfit.memory.fsdp_log import chunk_cat_scratch
     kinds = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
              (torch.float32, torch.bfloat16)]
@@ -439,8 +439,7 @@ def test_fsdp_counts_the_scratch_of_half_precision_kernels(monkeypatch):
     (oneDNN packs a bf16 matmul's operands on AVX-512 CPUs; nothing on AVX2 ones) is measured from the real
     kernels, as in the single-process model: a stand-in kernel measurement of 1 MB per matmul moves the peak
     to a matmul; no collective is run for real."""
-    import memfit.memory.fake_kernels as fake_kernels
-    import memfit.memory.kernel_scratch as kernel_scratch
+    import memfit.device.kernel_probe as kernel_probe
     m = rank_cases.mlp()
     options = dict(optimizer=torch.optim.AdamW(m.parameters()), world_size=2, **rank_cases.fsdp_options("fsdp-bf16"))
     plain = {n: rank_memory_model(m, (64,), **options).total_bytes(n) for n in (4, 16)}   # measured before the patch
@@ -449,8 +448,8 @@ def test_fsdp_counts_the_scratch_of_half_precision_kernels(monkeypatch):
     def inside(func, args, kwargs):
         measured.append(func)
         return 10**6 if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) else 0
-    monkeypatch.setattr(fake_kernels, "inside_bytes", inside)
-    monkeypatch.setattr(kernel_scratch, "_BYTES", {})
+    monkeypatch.setattr(kernel_probe, "inside_bytes", inside)
+    monkeypatch.setattr(kernel_probe, "_BYTES", {})
     scratch = rank_memory_model(m, (64,), **options)
     assert "half-precision" in scratch.method
     for n in (4, 16):

@@ -154,55 +154,6 @@ _RNN_BACKWARD = _overloads("aten.mkldnn_rnn_layer_backward.default")
 # training memory model measures them at each batch it is asked about (`memfit.memory.kernel_scratch`)
 BOUNDED_IN_BATCH = _ROUNDED
 _LINE = (2, 4, 8)                # the batches whose workspaces give the line (constant, bytes per sample)
-_MEASURED: dict = {}             # (op, argument shapes, ...) -> bytes measured on real arguments of those shapes
-_WARM: set = set()               # (op, its tensor arguments' dtypes, threads) run once in this process (`inside_bytes`)
-
-
-def _key(func, args, kwargs) -> tuple:
-    from torch.utils._pytree import tree_flatten
-    leaves = tree_flatten((args, kwargs))[0]
-    # the intra-op thread count too: oneDNN sizes its scratch per thread (a convolution's backward: 22 KiB more at
-    # 2 threads than at 1 on a small layer), so bytes measured at one count do not hold at another
-    return (func, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves),
-            torch.get_num_threads())
-
-
-def _measured(func, args, kwargs) -> int:
-    """Bytes the real kernel allocates beyond its outputs' storages, run on these real arguments (once per
-    their shapes)."""
-    key = _key(func, args, kwargs)
-    if key in _MEASURED:
-        return _MEASURED[key]
-
-    _MEASURED[key] = inside_bytes(func, args, kwargs)
-    return _MEASURED[key]
-
-
-def inside_bytes(func, args, kwargs) -> int:
-    """Bytes the real CPU kernel `func` allocates beyond its outputs' storages while it runs on these real
-    arguments, by the allocator's events.
-
-    The first call of a kernel on arguments of these dtypes at this thread count in the process runs untracked
-    first: what it sets up once (oneDNN's state, caches) is not per call. At a new shape of a kernel that has run
-    it is not run twice: its first call there allocates what every later one does (2,432 calls of every measured
-    op of conv nets and of bf16 and float32 transformers, at 3 to 100 samples: the same bytes at the first, second
-    and third call; tests/memory/test_fake_kernels.py checks it), and at a large batch the second run cost as
-    much as the first (about two thirds of a real step of a CNN, per batch size asked about)."""
-    from torch.utils._pytree import tree_flatten
-
-    from memfit.device.measure import track_memory
-    first = (func, tuple(a.dtype for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)),
-             torch.get_num_threads())
-    if first not in _WARM:
-        func(*args, **kwargs)
-        _WARM.add(first)
-    with track_memory("cpu") as mem:
-        out = func(*args, **kwargs)
-    outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-            for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-    return max(0, mem.peak - sum(outs.values()))
-
-
 def as_real_kernel_takes(func, args, kwargs: dict) -> tuple[list, dict]:
     """(args, kwargs): real arguments made from a fake run's, as the real kernel gets them where the two differ: the
     real forward of batch norm (and of layer norm with float32 weights) on half-precision inputs saved its
@@ -231,7 +182,8 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
     dims = WORKSPACE.get(func)
     if dims is None:
         return 0, 0
-    key = _key(func, args, kwargs)
+    from memfit.device.kernel_probe import arguments_key, probe_bytes
+    key = (func, arguments_key(args, kwargs), torch.get_num_threads())
     if key not in _WORKSPACE_BYTES:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.utils._pytree import tree_map
@@ -269,12 +221,12 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
                 # rate is the same in every run
                 x = r_args[0]                          # (steps, batch, width); hidden: an int argument
                 m = _rnn_rate_batch(x.shape[0], x.shape[2], r_args[15 if func in _RNN_BACKWARD else 10])
-                one = _measured(func, *at(r_args, r_kwargs, 1))
-                rate = -(-_measured(func, *at(r_args, r_kwargs, m)) // m)
+                one = probe_bytes(func, *at(r_args, r_kwargs, 1))
+                rate = -(-probe_bytes(func, *at(r_args, r_kwargs, m)) // m)
                 _WORKSPACE_BYTES[key] = (one, rate * b)
                 return _WORKSPACE_BYTES[key]
-            w = lambda k: _measured(func, *at(r_args, r_kwargs, k)) if k != b else \
-                _measured(func, *as_real_kernel_takes(func, r_args, r_kwargs))
+            w = lambda k: probe_bytes(func, *at(r_args, r_kwargs, k)) if k != b else \
+                probe_bytes(func, *as_real_kernel_takes(func, r_args, r_kwargs))
             if b == 1:
                 # a kernel may take another path at batch 1 (oneDNN's convolution backward does: 192 bytes there,
                 # 22 KiB at 2 for a small layer): its own bytes, which a line through larger batches would not give

@@ -366,5 +366,5 @@ def chunk_cat_scratch(grads, out_dtype: torch.dtype, world_size: int) -> int:
     the output's dtype is not the gradients' (a `MixedPrecisionPolicy` whose reduce_dtype differs from its
     param_dtype), `cat` copies each (padded) gradient once more in the gradients' dtype before converting it,
     one at a time: the largest of those on top. Checked against the real kernel's allocator events
-    (`memfit.memory.fake_kernels.inside_bytes`) in tests/memory/test_ranks.py."""
+    (`memfit.device.kernel_probe.inside_bytes`) in tests/memory/test_ranks.py."""
     return _chunk_cat_bytes([_grad_rows(g) for g in grads], bool(grads) and grads[0].dtype != out_dtype, world_size)

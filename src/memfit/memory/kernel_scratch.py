@@ -33,7 +33,7 @@ Known limitations: zeros stand in for values (a kernel whose scratch depends on 
 on zeros); a seeded random op (dropout) runs the real kernel under a saved and restored RNG
 (`memfit.memory.isolation.kept_rng`: another thread's draw in that instant would be rewound); the first
 question about a batch size runs each measured kernel once at that size (twice the first time the process runs
-it: `fake_kernels.inside_bytes`), on zeros of that size's shapes (about 0.1 s for a two-layer BERT;
+it: `memfit.device.kernel_probe.inside_bytes`), on zeros of that size's shapes (about 0.1 s for a two-layer BERT;
 for a CNN, whose layers differ in shape, 0.6-0.7x the CPU time of a real step at that size);
 where the two fake runs do not show an op's sizes as affine in the batch, its bytes at batch 4 are scaled with
 the batch and the model's `method` says APPROXIMATE.
@@ -44,15 +44,15 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memfit.device.kernel_probe import probe_bytes, zeros
 
 __all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "forget_measured", "inside_parts", "measured_here", "real_arguments",
            "scratch_bytes", "scratch_ops", "sizes_at", "spec_of"]
 
 _HALF = (torch.float16, torch.bfloat16)
-_BYTES: dict = {}               # (op, ArgSpec, threads) -> bytes measured beyond the outputs
 _CHOSEN: dict = {}              # op -> whether its outputs are new storages (not a view, not in place)
 
 
@@ -110,20 +110,7 @@ def _real(leaf: tuple, shape: tuple | None = None, device=None, ones: bool = Fal
     value = 1 if ones and dtype.is_floating_point else 0
     if value or torch.device(device or "cpu").type != "cpu":
         return torch.empty_strided(shape, new, dtype=dtype, device=device).fill_(value)
-    return _zeros(shape, tuple(new), dtype)
-
-
-def _zeros(shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """CPU zeros of this layout in memory the system hands out zeroed (numpy's calloc): nothing is written, so an
-    argument costs no page faults and no memory until it is read (its pages map the one zero page), where
-    `empty_strided(...).fill_(0)` wrote every byte (a CNN's arguments at batch 391: 0.8 s of the 3.9 s CPU of its
-    kernels' measurement, the same bytes measured). Its own storage (offset 0), 64-byte aligned as c10's allocator
-    aligns."""
-    item = torch.empty((), dtype=dtype).element_size()
-    nbytes = item * (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) if all(shape) else 0
-    block = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -block.ctypes.data % 64
-    return torch.from_numpy(block[start:start + nbytes]).view(dtype).as_strided(shape, stride)
+    return zeros(shape, tuple(new), dtype)
 
 
 def real_arguments(spec: ArgSpec, shapes: dict | None = None, device=None, ones: bool = False) -> tuple[tuple, dict]:
@@ -142,12 +129,8 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
     count."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from memfit.memory.fake_kernels import WORKSPACE, as_real_kernel_takes, inside_bytes
+    from memfit.memory.fake_kernels import WORKSPACE, as_real_kernel_takes
     from memfit.memory.isolation import kept_rng
-    shapes = shapes or {}
-    key = (func, spec, tuple(sorted(shapes.items())), torch.get_num_threads())
-    if key in _BYTES:
-        return _BYTES[key]
     seeded = torch.Tag.nondeterministic_seeded in func.tags
     # every dispatch mode off (the fake one, own_rng's generators): the real kernel, whoever asks
     with _disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False), \
@@ -155,17 +138,18 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
         args, kwargs = real_arguments(spec, shapes)
         if func in WORKSPACE:
             args, kwargs = as_real_kernel_takes(func, args, kwargs)
-        _BYTES[key] = inside_bytes(func, args, kwargs)
-    return _BYTES[key]
+        return probe_bytes(func, args, kwargs)       # measured once per arguments and thread count
 
 
 def forget_measured() -> None:
     """Drop the bytes of every real kernel measured so far (here and in `memfit.memory.fake_kernels`), so that the
     next prediction measures them again and can be timed as a first one (`memfit bench train`). What a kernel set up
     on its first call in this process is not undone."""
+    from memfit.device import kernel_probe
     from memfit.memory import fake_kernels
-    for kept in (_BYTES, fake_kernels._MEASURED, fake_kernels._WORKSPACE_BYTES, fake_kernels._REAL_BYTES):
-        kept.clear()
+    kernel_probe.forget()
+    for derived in (fake_kernels._WORKSPACE_BYTES, fake_kernels._REAL_BYTES):     # lines and bounds made from them
+        derived.clear()
 
 
 def batch_sizes(spec: ArgSpec, n: int, other: ArgSpec, m: int) -> dict | None:

@@ -26,32 +26,17 @@ from memfit.planner.graph import Graph, meta_value
 __all__ = ["node_inside_parts", "workspaces"]
 
 
-_REPLACEMENT_BYTES: dict = {}      # (function, argument shapes, strides, dtypes, values, threads) -> bytes
-
-
 def _replacement_bytes(fn, args: tuple, kwargs: dict) -> int:
     """Bytes `fn` (a kernel run instead of the graph's op, `ops.WHEN_UNREAD`) allocates beyond its outputs, measured
-    once per argument shapes on zeros of them: on the CPU `torch.max_pool2d` under inference mode still goes
-    through `max_pool2d_with_indices` and makes the int64 indices (twice the values' bytes) inside."""
-    from torch.utils._pytree import tree_flatten
+    on zeros of the arguments' shapes under inference mode (`memfit.device.kernel_probe`: once per shapes): on the CPU
+    `torch.max_pool2d` under inference mode still goes through `max_pool2d_with_indices` and makes the int64 indices
+    (twice the values' bytes) inside."""
+    from memfit.device.kernel_probe import probe_bytes, zeros
 
-    from memfit.device.measure import track_memory
-    leaves = tree_flatten((args, kwargs))[0]
-    key = (fn, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in leaves),
-           torch.get_num_threads())
-    if key not in _REPLACEMENT_BYTES:
-        def real(a):
-            return torch.zeros_like(a, device="cpu") if isinstance(a, torch.Tensor) else a
-        r_args, r_kwargs = tuple(real(a) for a in args), {k: real(v) for k, v in kwargs.items()}
-        with torch.inference_mode():
-            fn(*r_args, **r_kwargs)                  # once untracked: first-call set-up is not per call
-            with track_memory("cpu") as mem:
-                out = fn(*r_args, **r_kwargs)
-            outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                    for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-            del out
-        _REPLACEMENT_BYTES[key] = max(0, mem.peak - sum(outs.values()))
-    return _REPLACEMENT_BYTES[key]
+    def real(a):
+        return zeros(tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+    with torch.inference_mode():
+        return probe_bytes(fn, tuple(real(a) for a in args), {k: real(v) for k, v in kwargs.items()})
 
 
 def node_inside_parts(node: Node, env: dict) -> tuple[int, int]:

@@ -1,11 +1,11 @@
-"""What real CPU kernels allocate inside (`memfit.memory.fake_kernels.inside_bytes`), against the allocator's events
-of the same kernel called again."""
+"""What real CPU kernels allocate inside (`memfit.device.kernel_probe`), against the allocator's events of the same
+kernel called again; one measurement per kernel, arguments and thread count whoever asks."""
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
+from memfit.device.kernel_probe import inside_bytes, probe_bytes, zeros
 from memfit.device.measure import track_memory
-from memfit.memory.fake_kernels import inside_bytes
 
 aten = torch.ops.aten
 
@@ -58,3 +58,28 @@ def test_a_kernels_first_call_at_a_new_shape_allocates_what_its_later_calls_do(c
         first = inside_bytes(func, args, {})
         assert first == _tracked(func, args) == _tracked(func, args), (func, n)
 
+
+
+def test_the_probe_measures_a_kernel_once_per_arguments_and_threads_whoever_asks(monkeypatch):
+    """The memory model's scratch, its workspaces and the planner's ask the same probe: one measurement of a kernel
+    on arguments of one layout at one thread count, a new one for another layout or another count."""
+    from memfit.device import kernel_probe
+    calls = []
+    measure = kernel_probe.inside_bytes
+    monkeypatch.setattr(kernel_probe, "inside_bytes", lambda *a: calls.append(a[0]) or measure(*a))
+    monkeypatch.setattr(kernel_probe, "_BYTES", {})
+    x, w = zeros((8, 64), (64, 1), torch.bfloat16), zeros((64, 32), (32, 1), torch.bfloat16)
+    first = probe_bytes(aten.mm.default, (x, w), {})
+    assert first == _tracked(aten.mm.default, (x, w))                       # the allocator's bytes
+    assert probe_bytes(aten.mm.default, (x.clone(), w.clone()), {}) == first and len(calls) == 1
+    probe_bytes(aten.mm.default, (x, w.t().contiguous().t()), {})          # another layout: measured
+    assert len(calls) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        probe_bytes(aten.mm.default, (x, w), {})                             # another thread count: measured
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 3
+    kernel_probe.forget()
+    assert probe_bytes(aten.mm.default, (x, w), {}) == first and len(calls) == 4
