@@ -41,15 +41,16 @@ class Peaks:
     """peak(m) of one setting's step (`training_peak` with the setting's modules checkpointed, under its autocast):
     each size computed when first asked for, with the modules checkpointed again (the memory models of a later
     micro-batch run only then), and kept. `ready(m)`: m is known or needs no fake run that has not run (the whole
-    batch needs the first micro-batch's model, built here; a smaller m a later one's, built on the first m < n)."""
+    batch needs the first micro-batch's model, built here; a smaller m a later one's, built on the first m < n).
+    `entry_grads`: the gradients held on entry are kept through the micro-batches (`restore_grads=True`)."""
 
-    def __init__(self, model, module, optimizer, loss_fn, x, y, setting: Setting):
+    def __init__(self, model, module, optimizer, loss_fn, x, y, setting: Setting, entry_grads: bool = False):
         from memfit.batches import batch_len
         self.module, self.setting = module, setting
         self.dtype = next((d for d in LEVERS.values() if _name(d) == setting.autocast), None)
         self.n = batch_len(x)
         with self._on():
-            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)
+            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y, entry_grads=entry_grads)
         self.known: dict[int, int] = {}
 
     def _on(self):
@@ -89,9 +90,11 @@ def _ranked(blocks: dict, machine_now) -> list[str]:
     return sorted(blocks, key=lambda b: -worth[b])
 
 
-def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive) -> _Found:
+def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive, *,
+         entry_grads: bool = False) -> _Found:
     """The fastest alternative that fits `budget` (`memfit.fitting.search.search` over this model's settings, its
-    costs and its memory models); raises BudgetExceeded (`nothing_fits`) when none does."""
+    costs and its memory models); raises BudgetExceeded (`nothing_fits`) when none does. `entry_grads`: the
+    gradients held on entry are counted (`fit(restore_grads=True)`)."""
     t0 = time.perf_counter()
     device = model_device(module)
     dependent = batch_dependent_modules(module)
@@ -114,7 +117,7 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
 
     def bytes_of(setting: Setting) -> Peaks:
         if setting not in tables:
-            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting)
+            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting, entry_grads)
             how.append(tables[setting].what)
         return tables[setting]
 
@@ -147,7 +150,7 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
                           "allow_batch_dependent=True allows them)")
     if choice.best is None:
-        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of)
+        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of, entry_grads)
     return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
                   time.perf_counter() - t0)
 

@@ -249,7 +249,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         budget: int | str, *,
         target=None, levers: Sequence[str] = (), candidates: Sequence[str] | None = None,
         terms: Callable | None = None, distributed: bool = False, allow_batch_dependent: bool = False,
-        exhaustive: bool = False) -> FitPlan:
+        exhaustive: bool = False, restore_grads: bool = False) -> FitPlan:
     """Choose the micro-batch and the modules to checkpoint that make one training step on `batch` fit `budget`
     fastest; returns a `FitPlan`. The model does not run for real: its step runs on fake tensors, and each
     distinct kernel of that step is timed on ones of its shapes (one kernel's arguments at a time).
@@ -274,6 +274,10 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             opt-in, only the whole batch is considered: checkpointing alone must make it fit). Distributed, every
             rank plans for the most samples any rank holds, and takes the same plan.
         exhaustive: compute the bytes of every alternative (for `explain()` and plots), not only those needed.
+        restore_grads: `plan.step` gives `.grad` back as it was when it takes no step (a loss that is not finite,
+            an error), as `accumulate(restore_grads=True)`; the plan then counts the gradients held on entry,
+            which stay referenced through the micro-batches. By default they are let go when a step begins, as
+            `optimizer.zero_grad()` does: a loop with or without `zero_grad` gets the same plan.
 
     Returns:
         FitPlan: micro_batch, checkpoint, peak_bytes, relative_time, explain(), step(batch).
@@ -312,7 +316,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         raise ValueError(f"candidates {[c for c in blocks if c not in known][:3]} are not modules of "
                          f"{type(module).__name__}; expected names from model.named_modules()")
     key = (*_key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world),
-           _signature(y), note)
+           _signature(y), note, restore_grads)
     entry = _PLANS.get(module)
     if entry is None or not entry[0].holds(module):
         fingerprint = model_state(module)
@@ -325,7 +329,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         # machine's timing chain makes its weights under `own_rng`, a timed random kernel draws from its own
         try:
             found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
-                                            allow_batch_dependent, exhaustive)
+                                            allow_batch_dependent, exhaustive, entry_grads=restore_grads)
         except Exception as e:
             if world == 1:
                 raise
@@ -337,7 +341,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         agree(error, "memfit.fit search")
         found = _agree(found, world)
         if found.best.bytes is None:     # another rank's slower choice: this rank's search did not need its bytes
-            peaks = Peaks(model, module, optimizer, loss_fn, x, y, found.best.setting)
+            peaks = Peaks(model, module, optimizer, loss_fn, x, y, found.best.setting, restore_grads)
             found.best.bytes = peaks(found.best.micro_batch)
         error = None if found.best.bytes <= budget else BudgetExceeded(
             f"memfit.fit: the plan the ranks agreed on (micro-batch {found.best.micro_batch}, "
@@ -381,7 +385,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         with checkpointed(module, plan.checkpoint), cast:
             res = run_step(model, optimizer, step_batch, loss_fn if plan.autocast is None else _cast_loss(loss_fn),
                            micro_batch=plan.micro_batch, terms=step_terms, distributed=distributed,
-                           allow_batch_dependent=allow_batch_dependent, walked=plan._walked[1])
+                           allow_batch_dependent=allow_batch_dependent, restore_grads=restore_grads,
+                           walked=plan._walked[1])
         res.reason = f"memfit.fit: {plan.reason}"
         # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
         # fake runs saw the same): the next step is checked against the model as this one left it. A step on a batch
