@@ -231,8 +231,8 @@ def _ddp_nan(rank, world, bucket_view=False):
 
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping(bucket_view, ddp_checks):
-    """No rank steps, every rank's gradients are given back with restore_grads=True (also when DDP keeps them as views of its buckets,
-    which its all-reduce would overwrite: none runs), and the next step is the plain one."""
+    """No rank steps, every rank's gradients are given back with restore_grads=True (also when DDP keeps them as
+    views of its buckets, which its all-reduce would overwrite: none runs), and the next step is the plain one."""
     out = ddp_checks["nan_bucket_view" if bucket_view else "nan"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     ref = make("mlp")
