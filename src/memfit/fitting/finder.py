@@ -28,8 +28,18 @@ from memfit.fitting.checkpointing import checkpointed
 from memfit.fitting.costs import step_costs
 from memfit.fitting.host import machine
 from memfit.fitting.nothing_fits import nothing_fits
-from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
+from memfit.fitting.search import (
+    LEAD,
+    LEADING,
+    Alternative,
+    Setting,
+    checkpoint_sets,
+    confirm,
+    micro_batch_sizes,
+    search,
+)
 from memfit.fitting.timing import BUSY_SHARE, UNSTEADY, clock, timing_device
+from memfit.fitting.trials import micro_steps
 from memfit.memory.micro_batch import training_peak
 
 __all__ = ["LEVERS", "Peaks", "agree", "find"]
@@ -80,6 +90,7 @@ class _Found:
     how_bytes: str
     how_time: str
     seconds: float
+    relative_time: float | None = None     # measured over the plain step where both were timed, else best.time
 
 
 
@@ -122,10 +133,12 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
         return tables[setting]
 
     # levers change numerics: their settings are searched only when nothing at the step's own precision fits
+    lead = dict(lead=LEAD, leading=LEADING)
     choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates, bytes_of,
-                    budget, exhaustive=exhaustive, once=once)
+                    budget, exhaustive=exhaustive, once=once, **lead)
     if levers and (choice.best is None or exhaustive):
-        cast = search(settings, sizes, n, step, blocks, rates, bytes_of, budget, exhaustive=exhaustive, once=once)
+        cast = search(settings, sizes, n, step, blocks, rates, bytes_of, budget, exhaustive=exhaustive, once=once,
+                      **lead)
         if choice.best is None and cast.best is not None:
             cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
                            f"{cast.reason}")
@@ -145,14 +158,29 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
                 + _busy([costs[p][0].unsteady for p in precisions], timing_device(device))
                 + ("; a meta-device model: every kernel and the host's costs timed on the CPU as a stand-in"
                    if device.type == "meta" else ""))
+    # the leading alternatives timed for real decide between them (not on meta: no kernel runs there)
+    if len(choice.leading) > 1 and device.type != "meta":
+        timed = micro_steps(module, loss_fn, x, y, [(a.micro_batch, a.setting) for a in choice.leading])
+        if timed.seconds:
+            choice = confirm(choice, timed.seconds, n, step, blocks, rates, once)
+            how_time += (f"; then the {len(timed.seconds)} leading alternatives that fit (predicted within "
+                         f"{LEAD - 1:.0%} of the fastest, or the plain step) timed for real: {timed.runs} micro-steps "
+                         f"of each after a warm-up, in turn, by {timed.clock}, the least taken; the optimizer step's "
+                         "time predicted")
+        else:
+            how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
     if dependent and not allow:
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
                           "allow_batch_dependent=True allows them)")
     if choice.best is None:
         raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of, entry_grads)
-    return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
-                  time.perf_counter() - t0)
+    best = choice.best
+    plain = next((a for a in choice.leading if a.micro_batch == n and a.setting == Setting()), None)
+    relative = 1.0 if best is plain else best.measured / plain.measured \
+        if plain is not None and plain.measured and best.measured else best.time
+    return _Found(best, choice.alternatives, choice.reason, ranked, how_bytes, how_time, time.perf_counter() - t0,
+                  relative)
 
 
 

@@ -80,9 +80,9 @@ class FitPlan:
     """How one training step on a batch fits a budget: `micro_batch`, `checkpoint` (qualified names of the
     modules whose forward runs under non-reentrant `torch.utils.checkpoint`, empty when none), `autocast` (None,
     or torch.bfloat16 when `levers=("bf16",)` allowed it and it was chosen), `peak_bytes` (the predicted peak
-    of the step), `relative_time` (predicted step time over the plain step's: the whole batch at once, nothing
-    checkpointed). `step(batch)` runs one optimizer step with the plan; `explain()` lists the alternatives and
-    why this one won."""
+    of the step), `relative_time` (step time over the plain step's: the whole batch at once, nothing
+    checkpointed; measured where both were timed for real, else predicted: `explain()` says which). `step(batch)`
+    runs one optimizer step with the plan; `explain()` lists the alternatives and why this one won."""
     micro_batch: int
     checkpoint: tuple[str, ...]
     autocast: torch.dtype | None
@@ -153,7 +153,7 @@ class FitPlan:
                  + (f" ({', '.join(self.checkpoint)})" if self.checkpoint else "")
                  + (f", {str(self.autocast).removeprefix('torch.')} autocast (asked for by levers=)"
                     if self.autocast else "")
-                 + f"; predicted peak {format_bytes(self.peak_bytes)}, predicted time "
+                 + f"; predicted peak {format_bytes(self.peak_bytes)}, {self._time_source()} time "
                  f"{self.relative_time:.2f}x the plain step.",
                  f"why: {self.reason}.",
                  f"bytes: {self.how_bytes}.",
@@ -164,13 +164,21 @@ class FitPlan:
                  f"search: {self.seconds:.2f} s. Alternatives, fastest first (bytes not computed where a faster one "
                  "fits and they would need a memory model no faster alternative needed; exhaustive=True computes "
                  "them):",
-                 f"  {'micro-batch':>11} {'checkpointed':>12} {'autocast':>9} {'predicted':>12} {'time':>6}  fits"]
+                 f"  {'micro-batch':>11} {'checkpointed':>12} {'autocast':>9} {'predicted':>12} {'time':>6} "
+                 f"{'measured':>10}  fits"]
         for a in self.alternatives:
             fits = {True: "yes", False: "no", None: "-"}[a.fits(self.budget)]
             mark = "  <- chosen" if (a.micro_batch, a.setting) == (self.micro_batch, self._setting()) else ""
+            measured = f"{a.measured:.3g} s" if a.measured is not None else "-"
             lines.append(f"  {a.micro_batch:>11} {len(a.setting.checkpoint):>12} {a.setting.autocast or '-':>9} "
-                         f"{format_bytes(a.bytes) if a.bytes is not None else '-':>12} {a.time:>5.2f}x  {fits}{mark}")
+                         f"{format_bytes(a.bytes) if a.bytes is not None else '-':>12} {a.time:>5.2f}x "
+                         f"{measured:>10}  {fits}{mark}")
         return "\n".join(lines)
+
+    def _time_source(self) -> str:
+        """'measured' where the plan and the plain step were both timed for real, else 'predicted'."""
+        timed = {(a.micro_batch, a.setting) for a in self.alternatives if a.measured is not None}
+        return "measured" if {(self.micro_batch, self._setting()), (self.n, Setting())} <= timed else "predicted"
 
     def _setting(self) -> Setting:
         return Setting(self.checkpoint, str(self.autocast).removeprefix("torch.") if self.autocast else None)
@@ -403,7 +411,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         return res
 
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
-    return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
+    relative = found.relative_time if found.relative_time is not None and found.best is best else best.time
+    return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, relative, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
                    _terms=terms is not None, _own=_first_sample(x) if own else None,
                    _layout=layout(tuple(batch) if pair else (x,)), _held=held(module, optimizer))
