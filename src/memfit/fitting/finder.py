@@ -41,10 +41,12 @@ from memfit.fitting.search import (
 from memfit.fitting.timing import BUSY_SHARE, UNSTEADY, clock, timing_device
 from memfit.fitting.trials import micro_steps
 from memfit.memory.micro_batch import training_peak
+from memfit.progress import progress_bar
 
 __all__ = ["LEVERS", "Peaks", "agree", "find"]
 
 LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
+PROGRESS_AFTER = 2.0                     # seconds a search runs before its progress line shows (on a terminal)
 
 
 class Peaks:
@@ -106,6 +108,13 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
     """The fastest alternative that fits `budget` (`memfit.fitting.search.search` over this model's settings, its
     costs and its memory models); raises BudgetExceeded (`nothing_fits`) when none does. `entry_grads`: the
     gradients held on entry are counted (`fit(restore_grads=True)`)."""
+    with progress_bar(None, "memfit.fit", unit="phase", leave=False, delay=PROGRESS_AFTER) as bar:
+        return _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive,
+                     entry_grads, bar)
+
+
+def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive, entry_grads,
+          bar) -> _Found:
     t0 = time.perf_counter()
     device = model_device(module)
     dependent = batch_dependent_modules(module)
@@ -113,9 +122,15 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
     precisions = [None] + [LEVERS[v] for v in levers]
     # kernels timed at every micro-batch size a step runs: the sizes searched and the uneven last ones
     timed_at = sorted({*sizes, *(n % m for m in sizes if n % m)})
-    costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p, sizes=timed_at, optimizer=optimizer)
-             for p in precisions}
+    costs = {}
+    for p in precisions:
+        bar.set_postfix_str(f"the step's ops counted, its kernels timed at {len(timed_at)} micro-batch sizes"
+                            + (f" ({_name(p)})" if p else ""))
+        costs[p] = step_costs(module, x, y, loss_fn, candidates, autocast=p, sizes=timed_at, optimizer=optimizer)
+        bar.update()
+    bar.set_postfix_str("the host's work per op")
     rates = machine(timing_device(device))
+    bar.update()
     ranked = _ranked(costs[None][1], rates)
     # bf16 autocast is not combined with checkpointing: the memory model undercounts that pair (predicted about
     # half the real peak on the CPU, torch 2.13), and a plan must never be below the real peak
@@ -128,8 +143,10 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
 
     def bytes_of(setting: Setting) -> Peaks:
         if setting not in tables:
+            bar.set_postfix_str(f"memory model, {setting.describe(len(ranked))}")
             tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting, entry_grads)
             how.append(tables[setting].what)
+            bar.update()
         return tables[setting]
 
     # levers change numerics: their settings are searched only when nothing at the step's own precision fits
@@ -160,7 +177,9 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
                    if device.type == "meta" else ""))
     # the leading alternatives timed for real decide between them (not on meta: no kernel runs there)
     if len(choice.leading) > 1 and device.type != "meta":
+        bar.set_postfix_str(f"{len(choice.leading)} alternatives timed for real")
         timed = micro_steps(module, loss_fn, x, y, [(a.micro_batch, a.setting) for a in choice.leading])
+        bar.update()
         if timed.seconds:
             choice = confirm(choice, timed.seconds, n, step, blocks, rates, once)
             how_time += (f"; then the {len(timed.seconds)} leading alternatives that fit (predicted within "
