@@ -232,7 +232,7 @@ def test_the_leading_alternatives_are_those_that_fit_within_lead_and_not_slower_
     assert 1 < len(choice.leading) <= 3
     for a in choice.leading[1:]:
         assert a.bytes <= budget and a.time <= 1.5 * best.time
-        assert a.micro_batch > best.micro_batch          # the only way not to be slower by construction here
+        assert a.micro_batch != best.micro_batch         # the same one with blocks checkpointed: slower
     assert len(_leading_search(budget, lead=1.0).leading) == 1
     # by default no setting's memory model is built for them: only those whose bytes are at hand
     counted, calls = peaks()

@@ -212,9 +212,10 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     that fits (unless `exhaustive`). Once one fits, a slower alternative's bytes are filled in (for `explain`)
     only where `bytes_of(setting).ready(m)` says they need no further fake run (a function without `ready` is
     always ready), or, for `Choice.leading`, where it is predicted within `lead` times the best's time and not
-    slower by construction (a micro-batch no larger with the best's modules checkpointed and more: its bytes may
-    need `new_after` more settings' models at most); `leading` caps how many that fit are kept. Ties in time go to
-    fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every
+    slower by construction (the same micro-batch with the best's modules checkpointed and more; its bytes may need
+    `new_after` more settings' models at most); `leading` caps how many that fit are kept. The plain step, where it
+    fits, is the best unless another is predicted at most `CLEAR` of its time (then both are leading). Ties in time
+    go to fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every
     alternative alike: it changes the relative times, not the order).
     """
     base = step_seconds(n, n, step, blocks, Setting(), machine, once)
@@ -226,8 +227,8 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     best, fitting, built = None, [], 0
 
     def near(a: Alternative) -> bool:        # worth timing beside the best: the plain step, or close and not slower
-        if best is None or len(fitting) >= leading + (plain in fitting):
-            return False
+        if best is None or best is plain or len(fitting) >= leading + (plain in fitting):
+            return False                      # (the plain step that fits is timed only against one predicted faster)
         return a is plain or (a.time <= lead * best.time and not _dominated(a, best)
                               and (a.setting in peaks or built < new_after))
     for a in alts:
@@ -249,9 +250,9 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
 
 
 def _dominated(a: Alternative, best: Alternative) -> bool:
-    """`a` is slower than `best` by construction: a micro-batch no larger, at the same precision, with `best`'s
-    modules checkpointed and more (checkpoint sets are prefixes of one ranking)."""
-    return (a is not best and a.micro_batch <= best.micro_batch and a.setting.autocast == best.setting.autocast
+    """`a` is slower than `best` by construction: the same micro-batch and precision, with `best`'s modules
+    checkpointed and more (checkpoint sets are prefixes of one ranking: more of the same forwards run again)."""
+    return (a is not best and a.micro_batch == best.micro_batch and a.setting.autocast == best.setting.autocast
             and len(a.setting.checkpoint) >= len(best.setting.checkpoint)
             and a.setting.checkpoint[:len(best.setting.checkpoint)] == best.setting.checkpoint)
 
