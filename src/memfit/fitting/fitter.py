@@ -117,7 +117,9 @@ class FitPlan:
         """One optimizer step on `batch` (x, y) with this plan: `memfit.accumulate` in micro-batches of
         `micro_batch` (the full-batch gradient, an uneven last micro-batch weighted right, `terms=` and
         `distributed=` as given to `fit`), the modules in `checkpoint` checkpointed only while it runs, under
-        bf16 autocast when the plan says so. Returns accumulate's `StepResult`. A batch larger than the plan's
+        bf16 autocast when the plan says so. The previous step's gradients are let go as it begins, as
+        `optimizer.zero_grad()` does (kept to give back on a failed step with `fit(restore_grads=True)`). Returns
+        accumulate's `StepResult`. A batch larger than the plan's
         in any dimension, or of other dtypes, raises ValueError, as does a model or optimizer changed since `fit`
         (a parameter unfrozen, a module replaced, parameter groups added: `memfit.fitting.layout`); call
         `memfit.fit` again then. What the model's own forward sets is not a change: each step is checked
