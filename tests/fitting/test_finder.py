@@ -45,3 +45,18 @@ def test_a_long_search_shows_its_phases_on_a_progress_line(monkeypatch):
     assert "the host's work per op" in bar.said
     built = [s for s in bar.said if s.startswith("memory model")]
     assert built == ["memory model, 0/3 checkpointed"] and bar.n == 3              # the plain step fits
+
+
+def test_a_fit_at_another_budget_counts_and_times_nothing_again_until_the_model_changes(monkeypatch):
+    calls = []
+    real = finder.step_costs
+    monkeypatch.setattr(finder, "step_costs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+    memfit.fit(model, opt, (x, y), F.mse_loss, "2GiB")
+    assert len(calls) == 1
+    model[0][0].weight.requires_grad_(False)          # what the step's gradients and state depend on
+    memfit.fit(model, opt, (x, y), F.mse_loss, "2GiB")
+    assert len(calls) == 2

@@ -27,6 +27,7 @@ from memfit.budget import model_device
 from memfit.fitting.checkpointing import checkpointed
 from memfit.fitting.costs import step_costs
 from memfit.fitting.host import machine
+from memfit.fitting.layout import optimizer_options
 from memfit.fitting.nothing_fits import nothing_fits
 from memfit.fitting.search import (
     LEAD,
@@ -40,13 +41,25 @@ from memfit.fitting.search import (
 )
 from memfit.fitting.timing import BUSY_SHARE, UNSTEADY, clock, timing_device
 from memfit.fitting.trials import micro_steps
-from memfit.memory.micro_batch import training_peak
+from memfit.memory.cache import ModelCache
+from memfit.memory.micro_batch import _signature, training_peak
 from memfit.progress import progress_bar
 
 __all__ = ["LEVERS", "Peaks", "agree", "find"]
 
 LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
 PROGRESS_AFTER = 2.0                     # seconds a search runs before its progress line shows (on a terminal)
+# model -> {what the costs depend on: (step, blocks, optimizer step)}: a fit at another budget counts and times nothing
+# again (dropped when the model changes, as memory models are)
+_COSTS = ModelCache()
+
+
+def _costs_key(x, y, loss_fn, candidates, autocast, sizes, optimizer, device) -> tuple:
+    """What `step_costs` depends on besides the model: the batch's layout, the loss, the blocks, the precision, the
+    sizes timed, the optimizer (its kind, options, parameters), the device and the intra-op threads."""
+    from memfit.memory.step_model import _callable_key
+    return (_signature(x), _signature(y), _callable_key(loss_fn), tuple(candidates), autocast, tuple(sizes),
+            type(optimizer), id(optimizer), optimizer_options(optimizer), device, torch.get_num_threads())
 
 
 class Peaks:
@@ -126,7 +139,9 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
     for p in precisions:
         bar.set_postfix_str(f"the step's ops counted, its kernels timed at {len(timed_at)} micro-batch sizes"
                             + (f" ({_name(p)})" if p else ""))
-        costs[p] = step_costs(module, x, y, loss_fn, candidates, autocast=p, sizes=timed_at, optimizer=optimizer)
+        costs[p] = _COSTS.get(module, _costs_key(x, y, loss_fn, candidates, p, timed_at, optimizer, device),
+                              lambda p=p: step_costs(module, x, y, loss_fn, candidates, autocast=p, sizes=timed_at,
+                                                     optimizer=optimizer))
         bar.update()
     bar.set_postfix_str("the host's work per op")
     rates = machine(timing_device(device))
