@@ -352,9 +352,11 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False, fits: int
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # accumulate's notes on labels; said once in the table instead
+            t0 = time.perf_counter()
             got, err = rows_for(case, n, repeat, fits)
             rows += got
             errors.append(err)
+            print(f"# {case.name}: {len(got)} rows in {time.perf_counter() - t0:.0f} s", flush=True)
     print(table(rows, ["model", "budget", "bytes", "plan", "rounds", "predicted", "real", "real zg", "pred/real",
                        "OOM", "fastest", "fastest/own", "spread", "its pred", "own/step", "fastest/step", "auto/step",
                        "grad rel", "same", "fit s", "fit/step"],
