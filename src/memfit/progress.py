@@ -27,11 +27,13 @@ class _Silent:
         self.close()
 
 
-def progress_bar(total: int | None, desc: str, *, unit: str = "it", enabled: bool | None = True, leave: bool = True):
+def progress_bar(total: int | None, desc: str, *, unit: str = "it", enabled: bool | None = True, leave: bool = True,
+                 delay: float = 0.0):
     """A tqdm bar counting `unit`s, or a silent stand-in.
 
     `enabled=None` or `True` shows the bar only when stderr is a terminal (never in logs or CI);
     `False` never shows it. The stand-in keeps `.n`, so callers can count through it either way.
+    `delay`: seconds before the bar first shows (work done sooner shows none).
     """
     if enabled is False or not sys.stderr.isatty():
         return _Silent()
@@ -39,4 +41,4 @@ def progress_bar(total: int | None, desc: str, *, unit: str = "it", enabled: boo
         from tqdm.auto import tqdm
     except ImportError:
         return _Silent()
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, leave=leave, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, leave=leave, dynamic_ncols=True, delay=delay)

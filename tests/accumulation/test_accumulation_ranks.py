@@ -210,12 +210,13 @@ def _ddp_nan(rank, world, bucket_view=False):
     before = state_of(model, opt)
     out = {}
     try:
-        accumulate(ddp, opt, part, nan_on(2) if rank == 1 else F.cross_entropy, micro_batch=3, distributed=True)
+        accumulate(ddp, opt, part, nan_on(2) if rank == 1 else F.cross_entropy, micro_batch=3, distributed=True,
+                   restore_grads=True)
         out["raise"] = "no error"
     except Exception as e:
         out["raise"] = f"{type(e).__name__}: {e}"
     r = accumulate(ddp, opt, part, nan_on(2) if rank == 1 else F.cross_entropy, micro_batch=3, distributed=True,
-                   nonfinite="skip")
+                   nonfinite="skip", restore_grads=True)
     out["skip"] = r.skipped
     after = state_of(model, opt)
     assert_bitwise(after[0], before[0])                 # raised here: the driver reports it as this rank's error
@@ -230,8 +231,8 @@ def _ddp_nan(rank, world, bucket_view=False):
 
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping(bucket_view, ddp_checks):
-    """No rank steps, every rank's gradients are given back (also when DDP keeps them as views of its buckets,
-    which its all-reduce would overwrite: none runs), and the next step is the plain one."""
+    """No rank steps, every rank's gradients are given back with restore_grads=True (also when DDP keeps them as
+    views of its buckets, which its all-reduce would overwrite: none runs), and the next step is the plain one."""
     out = ddp_checks["nan_bucket_view" if bucket_view else "nan"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     ref = make("mlp")

@@ -1,5 +1,5 @@
 """memfit.accumulation.micro_step: out-of-memory back-off of one micro-batch, class ids the loss ignores unsaid, the
-gradients held before a call given back when no step is taken."""
+gradients held before a call given back when no step is taken (restore_grads=True), None otherwise."""
 import copy
 
 import pytest
@@ -74,11 +74,13 @@ def test_other_errors_are_not_swallowed():
                    F.cross_entropy, micro_batch=2)
 
 
+@pytest.mark.parametrize("restore", [True, False])
 @pytest.mark.parametrize("how", ["raise", "skip", "error"])
-def test_no_step_gives_back_the_gradients_held_before_the_call(how):
-    """They used to end as None (dropped, the previous ones freed when the step began): a caller that
-    accumulates over several calls, or inspects .grad, silently lost them. Now the same tensors (None stays
-    None, a zero tensor stays one) with the same values, after a non-finite loss or an error mid-step."""
+def test_no_step_gives_back_the_gradients_held_before_the_call_when_asked(how, restore):
+    """With restore_grads=True, the same tensors (None stays None, a zero tensor stays one) with the same values,
+    after a non-finite loss or an error mid-step. By default the gradients end as None, as zero_grad leaves them
+    (the previous ones were let go when the step began, and the failed step's partial sums are dropped);
+    parameters and optimizer state are as they were either way."""
     mod = make("mlp")
     opt = torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
     x, y = data(10)
@@ -93,14 +95,20 @@ def test_no_step_gives_back_the_gradients_held_before_the_call(how):
                 raise RuntimeError("broken on purpose")
             return F.cross_entropy(o, t)
         with pytest.raises(RuntimeError, match="broken on purpose"):
-            accumulate(mod, opt, (x, y), loss_fn, micro_batch=4)
+            accumulate(mod, opt, (x, y), loss_fn, micro_batch=4, restore_grads=restore)
     elif how == "raise":
-        with pytest.raises(NonFiniteLossError, match=r"gradients and optimizer state are as they were"):
-            accumulate(mod, opt, (x, y), nan_on(2), micro_batch=4)
+        said = "the gradients too" if restore else "the gradients None: restore_grads=True gives them back"
+        with pytest.raises(NonFiniteLossError, match=rf"parameters and optimizer state are as they were before "
+                                                     rf"the call, {said}"):
+            accumulate(mod, opt, (x, y), nan_on(2), micro_batch=4, restore_grads=restore)
     else:
-        assert accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip").skipped
-    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
-    assert_bitwise(state_of(mod, opt), before)
+        assert accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip", restore_grads=restore).skipped
+    assert all(p.grad is (g if restore else None) for p, g in zip(params, grads, strict=True))
+    after = state_of(mod, opt)
+    assert_bitwise(after[0], before[0])
+    assert_bitwise(after[2], before[2])
+    if restore:
+        assert_bitwise(after[1], before[1])
 
 
 def test_a_class_id_the_loss_ignores_unsaid_is_refused_and_terms_give_the_full_batch_gradient():

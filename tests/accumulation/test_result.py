@@ -51,10 +51,14 @@ def test_nonfinite_skip_returns_the_reason_and_keeps_the_state():
     x, y = data(10)
     plain_step(mod, opt, x, y)
     before = state_of(mod, opt)
-    r = accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip")
+    r = accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip", restore_grads=True)
     assert r.loss != r.loss and "micro-batch 3 of 3 (samples 8..9 of the batch)" in r.skipped
     assert str(r).startswith("no step on 10 samples: accumulate: the loss is not finite")
-    assert_bitwise(state_of(mod, opt), before)              # the gradients of the plain step too
+    assert_bitwise(state_of(mod, opt), before)              # the gradients of the plain step too (restore_grads)
+    accumulate(mod, opt, (x, y), nan_on(3), micro_batch=4, nonfinite="skip")
+    after = state_of(mod, opt)                              # by default: the gradients None, the rest as it was
+    assert_bitwise([after[0], after[2]], [before[0], before[2]])
+    assert all(g is None for g in after[1])
     with pytest.raises(ValueError, match=r"nonfinite must be one of \('raise', 'skip'\); found 'ignore'"):
         accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=4, nonfinite="ignore")
 

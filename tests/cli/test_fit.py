@@ -36,9 +36,28 @@ def test_fit_prints_the_plan_of_the_python_api(tmp_path, capsys):
     assert least == got["peak_bytes"] and any(a["bytes"] is None for a in got["alternatives"])
 
 
+def test_fit_runs_at_the_thread_count_given_and_puts_it_back(tmp_path, capsys, monkeypatch):
+    """`--threads N` fits at N torch threads (the plan's kernels and micro-steps are timed at that count, as a
+    Python process at N threads times them) and puts the count back."""
+    from memfit.fitting import fitter
+    (tmp_path / "nets.py").write_text(BLOCKS_FILE)
+    seen, real_fit = [], fitter.fit
+    monkeypatch.setattr(fitter, "fit", lambda *a, **k: (seen.append(torch.get_num_threads()), real_fit(*a, **k))[1])
+    threads = torch.get_num_threads()
+    other = 2 if threads == 1 else 1
+    assert main(["plan", f"{tmp_path}/nets.py:make", "--input", "32,16", "--train", "--budget", "1GiB", "--fit",
+                 "--threads", str(other)]) == 0
+    assert seen == [other] and torch.get_num_threads() == threads
+    assert f"{other} torch thread" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, match", [(["--fit"], "--fit goes with --train and --budget"),
                                          (["--train", "--fit"], "--fit goes with --train and --budget"),
-                                         (["--bf16"], "--bf16 goes with --fit")])
+                                         (["--bf16"], "--bf16 goes with --fit"),
+                                         (["--train", "--budget", "1GiB", "--threads", "2"],
+                                          "--threads goes with --fit"),
+                                         (["--train", "--budget", "1GiB", "--fit", "--threads", "0"],
+                                          "--threads: expected a positive number of threads; found 0")])
 def test_fit_usage_errors(tmp_path, capsys, argv, match):
     (tmp_path / "nets.py").write_text(BLOCKS_FILE)
     assert main(["plan", f"{tmp_path}/nets.py:make", "--input", "4,16", *argv]) == 2

@@ -4,10 +4,13 @@ import itertools
 import pytest
 
 from memfit.fitting.search import (
+    CLEAR,
+    CLOSE,
     Cost,
     Machine,
     Setting,
     checkpoint_sets,
+    confirm,
     interpolate,
     micro_batch_sizes,
     search,
@@ -210,3 +213,81 @@ def test_the_optimizer_step_runs_once_and_dilutes_the_relative_times_without_reo
     order = lambda c: [(a.micro_batch, a.setting) for a in c.alternatives]
     assert order(plain) == order(diluted)
     assert all(1.0 <= d.time <= p.time for p, d in zip(plain.alternatives, diluted.alternatives, strict=True))
+
+
+def _leading_search(budget, lead=1.5, leading=3, new_after=4):
+    bytes_of, _ = peaks()
+    return search(SETS, micro_batch_sizes(16), 16, STEP, BLOCKS, MACHINE, bytes_of, budget, lead=lead,
+                  leading=leading, new_after=new_after)
+
+
+def test_the_leading_alternatives_are_those_that_fit_within_lead_and_not_slower_by_construction():
+    """Beside the fastest that fits: others that fit, predicted within `lead` of it, at most `leading` in all; never
+    one that is slower by construction (a micro-batch no larger with the best's modules checkpointed and more)."""
+    bytes_of, _ = peaks()
+    budget = bytes_of(Setting())(4)                     # micro-batch 4 fits unchecked; 8 only with two blocks
+    choice = _leading_search(budget)
+    best = choice.best
+    assert choice.leading[0] is best and (best.micro_batch, best.setting) == (4, Setting())
+    assert 1 < len(choice.leading) <= 3
+    for a in choice.leading[1:]:
+        assert a.bytes <= budget and a.time <= 1.5 * best.time
+        assert a.micro_batch != best.micro_batch         # the same one with blocks checkpointed: slower
+    assert len(_leading_search(budget, lead=1.0).leading) == 1
+    # by default no setting's memory model is built for them: only those whose bytes are at hand
+    counted, calls = peaks()
+    default = search(SETS, micro_batch_sizes(16), 16, STEP, BLOCKS, MACHINE, counted, budget, lead=1.5, leading=3)
+    alone, plain_calls = peaks()
+    search(SETS, micro_batch_sizes(16), 16, STEP, BLOCKS, MACHINE, alone, budget)
+    assert calls == plain_calls and all(a.setting in plain_calls for a in default.leading)
+
+
+def test_the_plain_step_that_fits_stays_unless_another_is_predicted_clearly_faster():
+    bytes_of, _ = peaks()
+    plain_fits = bytes_of(Setting())(16)
+    # the plain step fits: no other is predicted faster (host work per micro-batch): nothing to time
+    choice = _leading_search(plain_fits)
+    assert (choice.best.micro_batch, choice.best.setting) == (16, Setting()) and len(choice.leading) == 1
+    # kernels 30% cheaper per sample at 8 (a cache the whole batch overflows): micro-batch 8 is predicted faster,
+    # and is timed against the plain step, which stays unless measured CLEAR of its time or less
+    fast8 = Cost(ops=200, kernels=((1, 3e-3), (8, 1.68e-2), (16, 4.8e-2)))
+    choice = search(SETS, micro_batch_sizes(16), 16, fast8, BLOCKS, MACHINE, bytes_of, plain_fits, lead=1.5,
+                    leading=3)
+    assert (choice.best.micro_batch, choice.best.setting) == (8, Setting())
+    plain = next(a for a in choice.leading if a.micro_batch == 16 and a.setting == Setting())
+    eight = choice.best
+    per_micro = {16: 1.0, 8: 0.5 * CLEAR * 1.01}           # not clearly faster: the plain step
+    picked = confirm(choice, {(a.micro_batch, a.setting): per_micro[a.micro_batch] for a in (plain, eight)}, 16,
+                     fast8, BLOCKS, MACHINE)
+    assert picked.best is plain and "the plain step fits" in picked.reason
+    assert eight.measured == pytest.approx(2 * per_micro[8]) and plain.measured == pytest.approx(1.0)
+    per_micro = {16: 1.0, 8: 0.5 * CLEAR * 0.99}           # measured clearly faster: taken
+    picked = confirm(choice, {(a.micro_batch, a.setting): per_micro[a.micro_batch] for a in (plain, eight)}, 16,
+                     fast8, BLOCKS, MACHINE)
+    assert picked.best is eight and "measured" in picked.reason
+
+
+def test_the_timed_alternatives_decide_and_close_ones_go_to_the_simplest():
+    """Without the plain step: the fastest timed, or, within CLOSE of it, the one with fewer checkpointed modules
+    and then the larger micro-batch (repeated fits whose timings move a little keep their choice). Timed
+    micro-steps: the step's seconds are its micro-batches', the uneven last one scaled by the time model."""
+    bytes_of, _ = peaks()
+    choice = _leading_search(bytes_of(Setting())(4))
+    timed = choice.leading
+    assert len(timed) >= 2
+    base = {(a.micro_batch, a.setting): 0.01 * a.micro_batch for a in timed}     # the same seconds per sample
+    slow = dict(base)
+    slow[(timed[0].micro_batch, timed[0].setting)] *= 1.2                        # the predicted best, 20% slower
+    picked = confirm(choice, slow, 16, STEP, BLOCKS, MACHINE)
+    assert picked.best is not timed[0] and picked.best.measured == min(a.measured for a in timed)
+    close = dict(base)
+    for k in close:                                  # the predicted best 1% slower than the fastest: within CLOSE
+        close[k] *= 1.0 if k == (timed[0].micro_batch, timed[0].setting) else 0.99
+    picked = confirm(choice, close, 16, STEP, BLOCKS, MACHINE)
+    simplest = min(timed, key=lambda a: (len(a.setting.checkpoint), -a.micro_batch))
+    assert picked.best is simplest and CLOSE > 1.01
+    assert confirm(choice, {}, 16, STEP, BLOCKS, MACHINE).best is choice.best      # nothing timed: as it was
+    # an uneven last micro-batch: 16 in micro-batches of 12 is one of 12 and one of 4, priced by the time model
+    a = next(x for x in timed)
+    one = confirm(choice, {(x.micro_batch, x.setting): 1.0 for x in timed}, 16, STEP, BLOCKS, MACHINE)
+    assert one.best.measured >= 1.0 and a.measured is not None

@@ -50,13 +50,13 @@ def test_timed_leaves_out_the_slow_first_calls_of_a_kernel(fake_clock):
 
 
 def test_kernels_are_timed_in_turn_so_a_busy_moment_falls_on_one_sample_of_each(fake_clock):
-    """Two kernels of 1 ms; the machine is busy (3 ms a call) for three calls in a row once the samples start.
-    Timed in turn, each keeps a clean sample (timed one after the other, all three samples of one would be busy)."""
-    clock = fake_clock(busy={4, 5, 6})      # calls 0-3: each kernel's first call and warm-up; then the samples
+    """Two kernels of 1 ms; the machine is busy (3 ms a call) for two calls in a row once the samples start.
+    Timed in turn, each keeps a clean sample (timed one after the other, both samples of one would be busy)."""
+    clock = fake_clock(busy={2, 3})         # calls 0-1: each kernel's first call (1 ms: the warm-up); then the samples
     a, b = FakeKernel(clock, "a"), FakeKernel(clock, "b")
     keys = [(a, spec_of((), {}), ()), (b, spec_of((), {}), ())]
     got = timing.kernel_seconds(keys, device=DEV)
-    assert clock.log[4:] == ["a", "b"] * timing.SAMPLES
+    assert clock.log[2:] == ["a", "b"] * timing.SAMPLES
     assert got[keys[0]] == pytest.approx(1e-3) and got[keys[1]] == pytest.approx(1e-3)
     calls = clock.calls
     assert timing.kernel_seconds(keys, device=DEV) == got and clock.calls == calls      # kept: not timed again

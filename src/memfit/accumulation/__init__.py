@@ -8,7 +8,7 @@ reassociation. The micro-batch size comes from the training memory model and the
 alone is retried at half its size.
 
 Modules: `run` (`accumulate`, the driver) → `checks` (the batch, the model, the sizes, the loss's terms) →
-`micro_step` (forward, weighted loss, backward, back-off; the gradients kept to give back) → `ranks` (the
+`micro_step` (forward, weighted loss, backward, back-off; what `.grad` gets when no step follows) → `ranks` (the
 agreements between ranks and DDP's one all-reduce) → `result` (`StepResult`, the errors).
 
 Example:

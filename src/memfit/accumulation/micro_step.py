@@ -35,13 +35,16 @@ log = logging.getLogger("memfit.accumulate")
 
 
 class KeptGrads:
-    """The `.grad` each parameter held when the step began (the tensor itself, or None), to give back when no
-    optimizer step follows (a loss that is not finite, an error before the step): `.grad` is then exactly as it
-    was, the same tensors (a zero tensor stays a zero tensor, None stays None). The tensors are only referenced,
-    not copied: they stay held until the step ends (`nbytes`, counted by micro_batch='auto')."""
+    """The `.grad` each parameter gets when no optimizer step follows (a loss that is not finite, an error before
+    the step). With `keep` (accumulate's `restore_grads=True`), the one it held when the step began: `.grad` is
+    then exactly as it was, the same tensors (a zero tensor stays a zero tensor, None stays None), only
+    referenced, not copied, so they stay held until the step ends (a gradient's worth, counted by
+    `training_peak(entry_grads=True)`). Without (the default), None, as `optimizer.zero_grad()` leaves it: the
+    gradients held on entry are let go when the step begins, as in a plain loop, and the failed step's partial
+    sums are dropped."""
 
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.held = [(p, p.grad) for p in params]
+    def __init__(self, params: list[torch.nn.Parameter], keep: bool = True):
+        self.held = [(p, p.grad if keep else None) for p in params]
 
     def restore(self) -> None:
         for p, g in self.held:

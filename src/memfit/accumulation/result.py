@@ -13,8 +13,9 @@ class BatchDependentError(ValueError):
 
 
 class NonFiniteLossError(FloatingPointError):
-    """A micro-batch's loss was NaN or infinite: the optimizer did not step, and parameters, gradients and
-    optimizer state are as they were before the call (`accumulate(nonfinite="raise")`)."""
+    """A micro-batch's loss was NaN or infinite: the optimizer did not step, parameters and optimizer state are as
+    they were before the call, the gradients None (as they were with `restore_grads=True`) (`accumulate(nonfinite=
+    "raise")`)."""
 
 
 NONFINITE = ("raise", "skip")        # what accumulate does when a micro-batch's loss is not finite

@@ -1,8 +1,8 @@
 """`accumulate`: one optimizer step on a logical batch that does not fit, run as micro-batches that do.
 
 The driver: checks (`checks`), the micro-batches (`micro_step.MicroStep`), the agreements between ranks
-(`ranks`), then one optimizer step, or none when a loss is not finite (the gradients held before the call
-given back, `micro_step.KeptGrads`).
+(`ranks`), then one optimizer step, or none when a loss is not finite (the gradients set to None, or with
+`restore_grads=True` the ones held before the call given back: `micro_step.KeptGrads`).
 """
 
 from __future__ import annotations
@@ -41,14 +41,13 @@ log = logging.getLogger("memfit.accumulate")
 def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable | str | None = None,
                budget: int | str | None = None, micro_batch: int | str = "auto", *, distributed: bool = False,
                allow_batch_dependent: bool = False, terms: Callable | None = None,
-               nonfinite: str = "raise") -> StepResult:
+               nonfinite: str = "raise", restore_grads: bool = False) -> StepResult:
     """One optimizer step on `batch`, run as micro-batches, with the full-batch gradient.
 
-    Gradients are set to None first, accumulated over the micro-batches (micro-batch i's mean loss
-    weighted by m_i / N), then `optimizer.step()` runs once; `.grad` keeps the step's gradient. When no step
-    is taken (a loss that is not finite, an error before the step) `.grad` is given back as it was: the
-    gradients held on entry stay referenced through the micro-batches (let go before `optimizer.step()`), so
-    they take memory there (counted by micro_batch='auto'); call `optimizer.zero_grad()` before to free them first.
+    Gradients are set to None first, as `optimizer.zero_grad()` does (the previous step's are let go: a loop
+    with or without `zero_grad` needs the same memory), accumulated over the micro-batches (micro-batch i's mean
+    loss weighted by m_i / N), then `optimizer.step()` runs once; `.grad` keeps the step's gradient. When no step
+    is taken (a loss that is not finite, an error before the step) `.grad` is None, unless `restore_grads=True`.
     Forward and loss run under the caller's `torch.autocast`; backward runs outside it.
 
     Args:
@@ -93,7 +92,12 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
             `NonFiniteLossError` naming the micro-batch and its samples, or 'skip': return with
             `StepResult.skipped` saying why. Either way the optimizer does not step, nor DDP all-reduce:
             parameters, gradients (the same `.grad` tensors, or None, as before the call) and optimizer state
-            are as they were. Checked from the loss sum that is read anyway: no extra sync.
+            are as they were, the gradients None (or, with `restore_grads`, as they were). Checked from the loss
+            sum that is read anyway: no extra sync.
+        restore_grads: when no step is taken, give `.grad` back as it was before the call (the same tensors, or
+            None), for a caller that accumulates over several calls or reads `.grad` after a skipped step. The
+            cost: the gradients held on entry stay referenced through the micro-batches (let go before
+            `optimizer.step()`), a gradient's worth of memory that micro_batch='auto' then counts.
 
     Precision: gradients accumulate in the parameters' dtype, as in any accumulation (bfloat16 parameters
     round each micro-batch's addition to bfloat16; under autocast the parameters, and so the sums, stay
@@ -111,7 +115,8 @@ def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, 
         memfit.distributed.RankFailed: distributed, another rank failed (named in the message).
     """
     return run_step(model, optimizer, batch, loss_fn, budget, micro_batch, distributed=distributed,
-                    allow_batch_dependent=allow_batch_dependent, terms=terms, nonfinite=nonfinite)
+                    allow_batch_dependent=allow_batch_dependent, terms=terms, nonfinite=nonfinite,
+                    restore_grads=restore_grads)
 
 
 @dataclass
@@ -128,7 +133,8 @@ class Walked:
 
 
 def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", *, distributed=False,
-             allow_batch_dependent=False, terms=None, nonfinite="raise", walked: Walked | None = None) -> StepResult:
+             allow_batch_dependent=False, terms=None, nonfinite="raise", restore_grads=False,
+             walked: Walked | None = None) -> StepResult:
     """`accumulate`; `walked`: the model's `Walked`, known to hold (else walked here)."""
     t0 = time.perf_counter()
     given = terms
@@ -177,8 +183,8 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
         step.splittable = not whole or allow_batch_dependent or not (
             dependent if dependent is not None else batch_dependent_modules(model))
         if micro_batch == "auto":
-            key = auto_key(step.params, optimizer, x, n, budget)
-            size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key)
+            key = auto_key(step.params, optimizer, x, n, budget, restore_grads)
+            size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key, restore_grads)
         else:
             size, reason = min(micro_batch, n), "micro_batch given"
     except Exception as e:
@@ -200,7 +206,8 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
     differ = terms_differ(x, y, ignore, ignored) if terms is None else None
     step.ignore = ignore
     step.losses = LossSum(-(-n // size))
-    kept = KeptGrads(_trained_and_stepped(params, optimizer))
+    # what .grad gets when no step follows: None, or the gradients held now (referenced through the micro-batches)
+    kept = KeptGrads(_trained_and_stepped(params, optimizer), keep=restore_grads)
     optimizer.zero_grad(set_to_none=True)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
         if p.grad is not None:
@@ -211,9 +218,9 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
         if world > 1:                # before the step: one rank's NaN makes every rank's sum NaN, so none steps
             from memfit.distributed import all_reduce
             loss_sum = float(all_reduce(torch.tensor(loss_sum, dtype=torch.float64), what="accumulate loss"))
-        skipped = "" if math.isfinite(loss_sum) else _nonfinite(step, world)
+        skipped = "" if math.isfinite(loss_sum) else _nonfinite(step, world, restore_grads)
     except BaseException:
-        kept.restore()               # no step follows: the gradients are as they were
+        kept.restore()               # no step follows: None, or the gradients as they were
         raise
     if skipped:
         kept.restore()
@@ -249,7 +256,7 @@ def _trained_and_stepped(params: list[torch.nn.Parameter], optimizer) -> list[to
     return out
 
 
-def _nonfinite(step: MicroStep, world: int) -> str:
+def _nonfinite(step: MicroStep, world: int, restored: bool) -> str:
     """Why no step was taken: which micro-batch's loss (on which rank) was not finite."""
     bad = step.first_nonfinite()
     mine = (-1, 0, 0, 0) if bad is None else (bad[0], bad[1], bad[2], step.micro_batches)
@@ -261,7 +268,8 @@ def _nonfinite(step: MicroStep, world: int) -> str:
     where = "; ".join(f"{f'rank {r}: ' if world > 1 else ''}micro-batch {i + 1} of {k} (samples {s}..{e - 1} of "
                       f"{'its' if world > 1 else 'the'} batch)" for r, (i, s, e, k) in enumerate(ranks) if i >= 0)
     value = f" ({step.loss_sum})" if bad is not None else ""
+    grads = "the gradients too" if restored else "the gradients None: restore_grads=True gives them back"
     return (f"accumulate: the loss is not finite{value} in {where or 'the sum over the ranks'}: the optimizer did "
-            "not step (parameters, gradients and optimizer state are as they were before the call). Check those "
+            f"not step (parameters and optimizer state are as they were before the call, {grads}). Check those "
             "samples, the learning rate (diverging weights) or the loss (log of 0; a mean over no terms, e.g. "
             "labels all -100, is 0/0: pass terms= to weight micro-batches by what counts)")

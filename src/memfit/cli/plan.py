@@ -118,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
                         "the --input batch fit the budget fastest (memfit.fit), with its alternatives; --plot draws "
                         "their bytes and time against the budget")
     p.add_argument("--bf16", action="store_true", help="with --fit: allow bf16 autocast (levers=('bf16',))")
+    p.add_argument("--threads", default=None, type=int, metavar="N",
+                   help="with --fit: torch's intra-op threads while fitting (default: torch's, as a Python process "
+                        "has them); the plan's times, and so its choice, are for this count: give the one your "
+                        "training runs at")
     p.add_argument("--parallel", default=None, choices=["ddp", "fsdp"],
                    help="with --train: the bytes one rank holds under DDP or FSDP2 (fully_shard on every block of a "
                         "ModuleList or Sequential, and the root); the batch is per rank")
@@ -152,8 +156,15 @@ def _fit_report(args, model: torch.nn.Module, shapes, dtype) -> int:
     x = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
     x = x[0] if len(x) == 1 else x
     loss = lambda out, y: _loss(out, None, None)        # the output's .loss, or the sum of the outputs
-    plan = fit(model, opt, (x, None), loss, args.budget, levers=("bf16",) if args.bf16 else (),
-               exhaustive=bool(args.plot))
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads: expected a positive number of threads; found {args.threads}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        plan = fit(model, opt, (x, None), loss, args.budget, levers=("bf16",) if args.bf16 else (),
+                   exhaustive=bool(args.plot))
+    finally:
+        torch.set_num_threads(threads)
     path = plot_fit(plan, args.plot, name=args.factory) if args.plot else None
     if args.json:
         print(json.dumps({"micro_batch": plan.micro_batch, "checkpoint": list(plan.checkpoint),
@@ -165,7 +176,8 @@ def _fit_report(args, model: torch.nn.Module, shapes, dtype) -> int:
                           "plot": str(path) if path else None}))
         return 0
     print(f"{args.factory}: one training step with {args.optimizer} on input "
-          f"{' and '.join(str(list(s)) for s in shapes)}, loss = the output's .loss or the sum of the outputs")
+          f"{' and '.join(str(list(s)) for s in shapes)}, loss = the output's .loss or the sum of the outputs, "
+          f"{args.threads or threads} torch thread{'s' if (args.threads or threads) > 1 else ''}")
     print(plan.explain())
     if path:
         print(f"wrote {path}")
@@ -233,6 +245,8 @@ def cli_plan(argv: list[str]) -> int:
     if (args.fit or args.bf16) and not (args.train and args.budget):
         raise UsageError("--fit goes with --train and --budget (the plan that makes the step fit that budget)"
                          if args.fit else "--bf16 goes with --fit")
+    if args.threads is not None and not args.fit:
+        raise UsageError("--threads goes with --fit (the thread count the plan's times are for)")
     if args.train and args.fit:
         return _fit_report(args, model, shapes, dtype)
     if args.train:

@@ -175,10 +175,11 @@ def _refuse_cache(module: torch.nn.Module, kwargs: dict) -> None:
                          "use_cache=True out of the batch), or leave this module out of the checkpointed ones")
 
 
-def _checkpointed(cls_forward, owner: int | None):
+def _checkpointed(cls_forward, owner: int | None, preserve_rng: bool = True):
     """The class's forward run under non-reentrant checkpointing (in thread `owner` only, the one running the
     step, unless None), as a function to bind to one module (its signature is the class forward's, for code that
-    inspects it)."""
+    inspects it). Without `preserve_rng`, the global generator is never saved nor set back (for a step that draws
+    nothing from it: fit's timed micro-steps)."""
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
         plain = functools.partial(cls_forward, self)
@@ -190,16 +191,17 @@ def _checkpointed(cls_forward, owner: int | None):
         _refuse_cache(self, kwargs)
         # on fake tensors nothing draws: the global generator is not set back (another thread's draws stay)
         fake = _is_fake(self, args, kwargs)
-        return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=not fake,
+        return checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=preserve_rng and not fake,
                           context_fn=functools.partial(_context, self, fake), **kwargs)
     return forward
 
 
-def install(model: torch.nn.Module, names: Sequence[str], this_thread_only: bool = False) -> list[torch.nn.Module]:
+def install(model: torch.nn.Module, names: Sequence[str], this_thread_only: bool = False,
+            preserve_rng: bool = True) -> list[torch.nn.Module]:
     """Make the forward of each named module run under non-reentrant checkpointing (an instance attribute
-    `forward` over the class's; with this_thread_only, in the calling thread only); returns the modules changed,
-    for `uninstall`. Refuses a module whose `forward` is already replaced on the instance (someone else's
-    wrapper: ours would hide it)."""
+    `forward` over the class's; with this_thread_only, in the calling thread only; `preserve_rng`: as
+    `_checkpointed`); returns the modules changed, for `uninstall`. Refuses a module whose `forward` is already
+    replaced on the instance (someone else's wrapper: ours would hide it)."""
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
@@ -216,7 +218,7 @@ def install(model: torch.nn.Module, names: Sequence[str], this_thread_only: bool
             # a method of the module, not a closure over it: a structural copy of the model (a fake run's) binds
             # it to the copy, whose parameters are the fake ones
             owner = threading.get_ident() if this_thread_only else None
-            m.forward = types.MethodType(_checkpointed(type(m).forward, owner), m)
+            m.forward = types.MethodType(_checkpointed(type(m).forward, owner, preserve_rng), m)
             changed.append(m)
     except BaseException:
         uninstall(changed)
@@ -231,7 +233,7 @@ def uninstall(modules: Sequence[torch.nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def checkpointed(model: torch.nn.Module, names: Sequence[str]) -> Iterator[torch.nn.Module]:
+def checkpointed(model: torch.nn.Module, names: Sequence[str], preserve_rng: bool = True) -> Iterator[torch.nn.Module]:
     """Inside the block, the named modules' forwards run under non-reentrant `torch.utils.checkpoint` in this
     thread (another thread's forward of them runs plainly), and transformers' key/value caches are off
     (`caches_off`); after it (also after an error) they are as they were."""

@@ -27,29 +27,55 @@ from memfit.budget import model_device
 from memfit.fitting.checkpointing import checkpointed
 from memfit.fitting.costs import step_costs
 from memfit.fitting.host import machine
+from memfit.fitting.layout import optimizer_options
 from memfit.fitting.nothing_fits import nothing_fits
-from memfit.fitting.search import Alternative, Setting, checkpoint_sets, micro_batch_sizes, search
+from memfit.fitting.search import (
+    LEAD,
+    LEADING,
+    Alternative,
+    Setting,
+    checkpoint_sets,
+    confirm,
+    micro_batch_sizes,
+    search,
+)
 from memfit.fitting.timing import BUSY_SHARE, UNSTEADY, clock, timing_device
-from memfit.memory.micro_batch import training_peak
+from memfit.fitting.trials import micro_steps
+from memfit.memory.cache import ModelCache
+from memfit.memory.micro_batch import _signature, training_peak
+from memfit.progress import progress_bar
 
 __all__ = ["LEVERS", "Peaks", "agree", "find"]
 
 LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
+PROGRESS_AFTER = 2.0                     # seconds a search runs before its progress line shows (on a terminal)
+# model -> {what the costs depend on: (step, blocks, optimizer step)}: a fit at another budget counts and times nothing
+# again (dropped when the model changes, as memory models are)
+_COSTS = ModelCache()
+
+
+def _costs_key(x, y, loss_fn, candidates, autocast, sizes, optimizer, device) -> tuple:
+    """What `step_costs` depends on besides the model: the batch's layout, the loss, the blocks, the precision, the
+    sizes timed, the optimizer (its kind, options, parameters), the device and the intra-op threads."""
+    from memfit.memory.step_model import _callable_key
+    return (_signature(x), _signature(y), _callable_key(loss_fn), tuple(candidates), autocast, tuple(sizes),
+            type(optimizer), id(optimizer), optimizer_options(optimizer), device, torch.get_num_threads())
 
 
 class Peaks:
     """peak(m) of one setting's step (`training_peak` with the setting's modules checkpointed, under its autocast):
     each size computed when first asked for, with the modules checkpointed again (the memory models of a later
     micro-batch run only then), and kept. `ready(m)`: m is known or needs no fake run that has not run (the whole
-    batch needs the first micro-batch's model, built here; a smaller m a later one's, built on the first m < n)."""
+    batch needs the first micro-batch's model, built here; a smaller m a later one's, built on the first m < n).
+    `entry_grads`: the gradients held on entry are kept through the micro-batches (`restore_grads=True`)."""
 
-    def __init__(self, model, module, optimizer, loss_fn, x, y, setting: Setting):
+    def __init__(self, model, module, optimizer, loss_fn, x, y, setting: Setting, entry_grads: bool = False):
         from memfit.batches import batch_len
         self.module, self.setting = module, setting
         self.dtype = next((d for d in LEVERS.values() if _name(d) == setting.autocast), None)
         self.n = batch_len(x)
         with self._on():
-            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)
+            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y, entry_grads=entry_grads)
         self.known: dict[int, int] = {}
 
     def _on(self):
@@ -79,6 +105,7 @@ class _Found:
     how_bytes: str
     how_time: str
     seconds: float
+    relative_time: float | None = None     # measured over the plain step where both were timed, else best.time
 
 
 
@@ -89,9 +116,18 @@ def _ranked(blocks: dict, machine_now) -> list[str]:
     return sorted(blocks, key=lambda b: -worth[b])
 
 
-def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive) -> _Found:
+def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive, *,
+         entry_grads: bool = False) -> _Found:
     """The fastest alternative that fits `budget` (`memfit.fitting.search.search` over this model's settings, its
-    costs and its memory models); raises BudgetExceeded (`nothing_fits`) when none does."""
+    costs and its memory models); raises BudgetExceeded (`nothing_fits`) when none does. `entry_grads`: the
+    gradients held on entry are counted (`fit(restore_grads=True)`)."""
+    with progress_bar(None, "memfit.fit", unit="phase", leave=False, delay=PROGRESS_AFTER) as bar:
+        return _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive,
+                     entry_grads, bar)
+
+
+def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive, entry_grads,
+          bar) -> _Found:
     t0 = time.perf_counter()
     device = model_device(module)
     dependent = batch_dependent_modules(module)
@@ -99,9 +135,17 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
     precisions = [None] + [LEVERS[v] for v in levers]
     # kernels timed at every micro-batch size a step runs: the sizes searched and the uneven last ones
     timed_at = sorted({*sizes, *(n % m for m in sizes if n % m)})
-    costs = {p: step_costs(module, x, y, loss_fn, candidates, autocast=p, sizes=timed_at, optimizer=optimizer)
-             for p in precisions}
+    costs = {}
+    for p in precisions:
+        bar.set_postfix_str(f"the step's ops counted, its kernels timed at {len(timed_at)} micro-batch sizes"
+                            + (f" ({_name(p)})" if p else ""))
+        costs[p] = _COSTS.get(module, _costs_key(x, y, loss_fn, candidates, p, timed_at, optimizer, device),
+                              lambda p=p: step_costs(module, x, y, loss_fn, candidates, autocast=p, sizes=timed_at,
+                                                     optimizer=optimizer))
+        bar.update()
+    bar.set_postfix_str("the host's work per op")
     rates = machine(timing_device(device))
+    bar.update()
     ranked = _ranked(costs[None][1], rates)
     # bf16 autocast is not combined with checkpointing: the memory model undercounts that pair (predicted about
     # half the real peak on the CPU, torch 2.13), and a plan must never be below the real peak
@@ -114,15 +158,19 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
 
     def bytes_of(setting: Setting) -> Peaks:
         if setting not in tables:
-            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting)
+            bar.set_postfix_str(f"memory model, {setting.describe(len(ranked))}")
+            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting, entry_grads)
             how.append(tables[setting].what)
+            bar.update()
         return tables[setting]
 
     # levers change numerics: their settings are searched only when nothing at the step's own precision fits
+    lead = dict(lead=LEAD, leading=LEADING)
     choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates, bytes_of,
-                    budget, exhaustive=exhaustive, once=once)
+                    budget, exhaustive=exhaustive, once=once, **lead)
     if levers and (choice.best is None or exhaustive):
-        cast = search(settings, sizes, n, step, blocks, rates, bytes_of, budget, exhaustive=exhaustive, once=once)
+        cast = search(settings, sizes, n, step, blocks, rates, bytes_of, budget, exhaustive=exhaustive, once=once,
+                      **lead)
         if choice.best is None and cast.best is not None:
             cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
                            f"{cast.reason}")
@@ -142,14 +190,31 @@ def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates,
                 + _busy([costs[p][0].unsteady for p in precisions], timing_device(device))
                 + ("; a meta-device model: every kernel and the host's costs timed on the CPU as a stand-in"
                    if device.type == "meta" else ""))
+    # the leading alternatives timed for real decide between them (not on meta: no kernel runs there)
+    if len(choice.leading) > 1 and device.type != "meta":
+        bar.set_postfix_str(f"{len(choice.leading)} alternatives timed for real")
+        timed = micro_steps(module, loss_fn, x, y, [(a.micro_batch, a.setting) for a in choice.leading])
+        bar.update()
+        if timed.seconds:
+            choice = confirm(choice, timed.seconds, n, step, blocks, rates, once)
+            how_time += (f"; then the {len(timed.seconds)} leading alternatives that fit (predicted within "
+                         f"{LEAD - 1:.0%} of the fastest, or the plain step) timed for real: {timed.runs} micro-steps "
+                         f"of each after a warm-up, in turn, by {timed.clock}, the least taken; the optimizer step's "
+                         "time predicted")
+        else:
+            how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
     if dependent and not allow:
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
                           "allow_batch_dependent=True allows them)")
     if choice.best is None:
-        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of)
-    return _Found(choice.best, choice.alternatives, choice.reason, ranked, how_bytes, how_time,
-                  time.perf_counter() - t0)
+        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of, entry_grads)
+    best = choice.best
+    plain = next((a for a in choice.leading if a.micro_batch == n and a.setting == Setting()), None)
+    relative = 1.0 if best is plain else best.measured / plain.measured \
+        if plain is not None and plain.measured and best.measured else best.time
+    return _Found(best, choice.alternatives, choice.reason, ranked, how_bytes, how_time, time.perf_counter() - t0,
+                  relative)
 
 
 

@@ -80,9 +80,9 @@ class FitPlan:
     """How one training step on a batch fits a budget: `micro_batch`, `checkpoint` (qualified names of the
     modules whose forward runs under non-reentrant `torch.utils.checkpoint`, empty when none), `autocast` (None,
     or torch.bfloat16 when `levers=("bf16",)` allowed it and it was chosen), `peak_bytes` (the predicted peak
-    of the step), `relative_time` (predicted step time over the plain step's: the whole batch at once, nothing
-    checkpointed). `step(batch)` runs one optimizer step with the plan; `explain()` lists the alternatives and
-    why this one won."""
+    of the step), `relative_time` (step time over the plain step's: the whole batch at once, nothing
+    checkpointed; measured where both were timed for real, else predicted: `explain()` says which). `step(batch)`
+    runs one optimizer step with the plan; `explain()` lists the alternatives and why this one won."""
     micro_batch: int
     checkpoint: tuple[str, ...]
     autocast: torch.dtype | None
@@ -117,7 +117,9 @@ class FitPlan:
         """One optimizer step on `batch` (x, y) with this plan: `memfit.accumulate` in micro-batches of
         `micro_batch` (the full-batch gradient, an uneven last micro-batch weighted right, `terms=` and
         `distributed=` as given to `fit`), the modules in `checkpoint` checkpointed only while it runs, under
-        bf16 autocast when the plan says so. Returns accumulate's `StepResult`. A batch larger than the plan's
+        bf16 autocast when the plan says so. The previous step's gradients are let go as it begins, as
+        `optimizer.zero_grad()` does (kept to give back on a failed step with `fit(restore_grads=True)`). Returns
+        accumulate's `StepResult`. A batch larger than the plan's
         in any dimension, or of other dtypes, raises ValueError, as does a model or optimizer changed since `fit`
         (a parameter unfrozen, a module replaced, parameter groups added: `memfit.fitting.layout`); call
         `memfit.fit` again then. What the model's own forward sets is not a change: each step is checked
@@ -153,7 +155,7 @@ class FitPlan:
                  + (f" ({', '.join(self.checkpoint)})" if self.checkpoint else "")
                  + (f", {str(self.autocast).removeprefix('torch.')} autocast (asked for by levers=)"
                     if self.autocast else "")
-                 + f"; predicted peak {format_bytes(self.peak_bytes)}, predicted time "
+                 + f"; predicted peak {format_bytes(self.peak_bytes)}, {self._time_source()} time "
                  f"{self.relative_time:.2f}x the plain step.",
                  f"why: {self.reason}.",
                  f"bytes: {self.how_bytes}.",
@@ -164,13 +166,21 @@ class FitPlan:
                  f"search: {self.seconds:.2f} s. Alternatives, fastest first (bytes not computed where a faster one "
                  "fits and they would need a memory model no faster alternative needed; exhaustive=True computes "
                  "them):",
-                 f"  {'micro-batch':>11} {'checkpointed':>12} {'autocast':>9} {'predicted':>12} {'time':>6}  fits"]
+                 f"  {'micro-batch':>11} {'checkpointed':>12} {'autocast':>9} {'predicted':>12} {'time':>6} "
+                 f"{'measured':>10}  fits"]
         for a in self.alternatives:
             fits = {True: "yes", False: "no", None: "-"}[a.fits(self.budget)]
             mark = "  <- chosen" if (a.micro_batch, a.setting) == (self.micro_batch, self._setting()) else ""
+            measured = f"{a.measured:.3g} s" if a.measured is not None else "-"
             lines.append(f"  {a.micro_batch:>11} {len(a.setting.checkpoint):>12} {a.setting.autocast or '-':>9} "
-                         f"{format_bytes(a.bytes) if a.bytes is not None else '-':>12} {a.time:>5.2f}x  {fits}{mark}")
+                         f"{format_bytes(a.bytes) if a.bytes is not None else '-':>12} {a.time:>5.2f}x "
+                         f"{measured:>10}  {fits}{mark}")
         return "\n".join(lines)
+
+    def _time_source(self) -> str:
+        """'measured' where the plan and the plain step were both timed for real, else 'predicted'."""
+        timed = {(a.micro_batch, a.setting) for a in self.alternatives if a.measured is not None}
+        return "measured" if {(self.micro_batch, self._setting()), (self.n, Setting())} <= timed else "predicted"
 
     def _setting(self) -> Setting:
         return Setting(self.checkpoint, str(self.autocast).removeprefix("torch.") if self.autocast else None)
@@ -249,7 +259,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         budget: int | str, *,
         target=None, levers: Sequence[str] = (), candidates: Sequence[str] | None = None,
         terms: Callable | None = None, distributed: bool = False, allow_batch_dependent: bool = False,
-        exhaustive: bool = False) -> FitPlan:
+        exhaustive: bool = False, restore_grads: bool = False) -> FitPlan:
     """Choose the micro-batch and the modules to checkpoint that make one training step on `batch` fit `budget`
     fastest; returns a `FitPlan`. The model does not run for real: its step runs on fake tensors, and each
     distinct kernel of that step is timed on ones of its shapes (one kernel's arguments at a time).
@@ -274,6 +284,10 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             opt-in, only the whole batch is considered: checkpointing alone must make it fit). Distributed, every
             rank plans for the most samples any rank holds, and takes the same plan.
         exhaustive: compute the bytes of every alternative (for `explain()` and plots), not only those needed.
+        restore_grads: `plan.step` gives `.grad` back as it was when it takes no step (a loss that is not finite,
+            an error), as `accumulate(restore_grads=True)`; the plan then counts the gradients held on entry,
+            which stay referenced through the micro-batches. By default they are let go when a step begins, as
+            `optimizer.zero_grad()` does: a loop with or without `zero_grad` gets the same plan.
 
     Returns:
         FitPlan: micro_batch, checkpoint, peak_bytes, relative_time, explain(), step(batch).
@@ -312,7 +326,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         raise ValueError(f"candidates {[c for c in blocks if c not in known][:3]} are not modules of "
                          f"{type(module).__name__}; expected names from model.named_modules()")
     key = (*_key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world),
-           _signature(y), note)
+           _signature(y), note, restore_grads)
     entry = _PLANS.get(module)
     if entry is None or not entry[0].holds(module):
         fingerprint = model_state(module)
@@ -325,7 +339,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         # machine's timing chain makes its weights under `own_rng`, a timed random kernel draws from its own
         try:
             found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
-                                            allow_batch_dependent, exhaustive)
+                                            allow_batch_dependent, exhaustive, entry_grads=restore_grads)
         except Exception as e:
             if world == 1:
                 raise
@@ -337,7 +351,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         agree(error, "memfit.fit search")
         found = _agree(found, world)
         if found.best.bytes is None:     # another rank's slower choice: this rank's search did not need its bytes
-            peaks = Peaks(model, module, optimizer, loss_fn, x, y, found.best.setting)
+            peaks = Peaks(model, module, optimizer, loss_fn, x, y, found.best.setting, restore_grads)
             found.best.bytes = peaks(found.best.micro_batch)
         error = None if found.best.bytes <= budget else BudgetExceeded(
             f"memfit.fit: the plan the ranks agreed on (micro-batch {found.best.micro_batch}, "
@@ -381,7 +395,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         with checkpointed(module, plan.checkpoint), cast:
             res = run_step(model, optimizer, step_batch, loss_fn if plan.autocast is None else _cast_loss(loss_fn),
                            micro_batch=plan.micro_batch, terms=step_terms, distributed=distributed,
-                           allow_batch_dependent=allow_batch_dependent, walked=plan._walked[1])
+                           allow_batch_dependent=allow_batch_dependent, restore_grads=restore_grads,
+                           walked=plan._walked[1])
         res.reason = f"memfit.fit: {plan.reason}"
         # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
         # fake runs saw the same): the next step is checked against the model as this one left it. A step on a batch
@@ -398,7 +413,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         return res
 
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
-    return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, best.time, budget, n, found.reason,
+    relative = found.relative_time if found.relative_time is not None and found.best is best else best.time
+    return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, relative, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
                    _terms=terms is not None, _own=_first_sample(x) if own else None,
                    _layout=layout(tuple(batch) if pair else (x,)), _held=held(module, optimizer))

@@ -3,7 +3,7 @@ forward (Python, module calls, the dispatcher, autograd), of backward (autograd'
 (its Python calling kernels), and what `torch.utils.checkpoint` adds per checkpointed call and per tensor a
 checkpointed forward saves (its hooks).
 
-`machine` measures it once per device on a chain of four small blocks (Linear + GELU, one or six per block) run
+`machine` measures it once per device on a chain of four small blocks (Linear + Tanh, one or six per block) run
 forward and backward, plain and with every block checkpointed, and an SGD step on its parameters, by the clock
 kernels are timed by (`memfit.fitting.timing.clock`; the least of 15 rounds that run them all in turn, and each
 phase's kernels replayed warm on ones): per op of each phase, that phase's time less its kernels replayed, over
@@ -56,7 +56,7 @@ class _Checkpointed(torch.nn.Module):
 def machine(device: torch.device) -> Machine:
     """What the host pays on `device` besides kernels (seconds per op of a forward, of backward and of an
     optimizer's step, per checkpointed call and per tensor a checkpointed forward saves), from a chain of four
-    blocks of one or six Linear(8, 8) + GELU pairs forward and backward, plain and checkpointed, and an SGD step
+    blocks of one or six Linear(8, 8) + Tanh pairs forward and backward, plain and checkpointed, and an SGD step
     with momentum on its parameters, measured once and kept. See the module's docstring."""
     dev = torch.device(device)
     if dev not in _MACHINES:
@@ -82,7 +82,10 @@ def _chain(depth: int, dev: torch.device) -> dict:
     checkpointing its four blocks adds beyond their kernels, their forward ops and the tensors they save."""
     from memfit.memory.isolation import own_rng
     with own_rng():       # Linear's initialisation draws from a generator of its own: torch's is neither used nor reset
-        blocks = [torch.nn.Sequential(*[m for _ in range(depth) for m in (torch.nn.Linear(8, 8), torch.nn.GELU())])
+        # Tanh, not GELU: torch's GELU kernel opens a parallel region whatever its size, which at two threads on a
+        # busy 2-core VM cost 13 ms a call (Tanh 1.7 us), and the chain 230 s (9.5 s at one thread); a model's own
+        # kernels, GELU's too, are timed by `timing.kernel_seconds`: the chain is for the host's share alone
+        blocks = [torch.nn.Sequential(*[m for _ in range(depth) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())])
                   for _ in range(4)]
     plain = torch.nn.Sequential(*blocks).to(dev)
     ckpt = torch.nn.Sequential(*[_Checkpointed(b) for b in blocks]).to(dev)

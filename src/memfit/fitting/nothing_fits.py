@@ -17,20 +17,24 @@ from memfit.messages import first_line
 __all__ = ["nothing_fits", "optimizer_state_bytes"]
 
 
-def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of) -> BudgetExceeded:
+def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of,
+                 entry_grads: bool = False) -> BudgetExceeded:
     """BudgetExceeded with the breakdown of the least any alternative needs, and what would fit. `bytes_of(setting)`:
-    the search's memory models of a setting (`finder.Peaks`)."""
+    the search's memory models of a setting (`finder.Peaks`); `entry_grads`: the plan keeps the gradients held on
+    entry to give back (`restore_grads=True`)."""
     params = sum(p.nbytes for p in {id(p): p for p in module.parameters()}.values())
     grads = sum(p.nbytes for p in {id(p): p for p in module.parameters() if p.requires_grad}.values())
     least = min((a for a in choice.alternatives if a.bytes is not None), key=lambda a: a.bytes)
     with checkpointed(module, least.setting.checkpoint):
-        need = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)[0](least.micro_batch)
         first = training_peak(model, optimizer, loss_fn, x, y)[0](least.micro_batch)     # no gradients on entry
+        need = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)[0](least.micro_batch) \
+            if entry_grads else first
     state = optimizer_state_bytes(optimizer, module)
     static = params + grads + state
     items = [("parameters", params), ("gradients", grads), ("optimizer state", state),
              (f"activations and the rest at micro-batch {least.micro_batch}", max(0, first - static)),
-             ("the previous step's gradients, held through the micro-batches", max(0, need - max(first, static)))]
+             ("the previous step's gradients, kept through the micro-batches to give back (restore_grads=True)",
+              max(0, need - max(first, static)))]
     what = ", ".join(f"{k} {format_bytes(v)}" for k, v in items if v or k != items[-1][0])
     if static > budget:
         head = (f"nothing fits: parameters + gradients + optimizer state alone need {format_bytes(static)} > budget "

@@ -43,10 +43,15 @@ from dataclasses import dataclass, field
 
 from memfit.budget import format_bytes
 
-__all__ = ["Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "interpolate",
+__all__ = ["Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "confirm", "interpolate",
            "micro_batch_sizes", "search", "step_seconds"]
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpointed: the grid the issue names
+LEAD = 1.15      # alternatives predicted within this of the fastest that fits are timed for real beside it ...
+LEADING = 3      # ... at most this many (the fastest that fits included)
+CLEAR = 0.95     # another plan replaces a plain step that fits only when measured at most this fraction of its time
+CLOSE = 1.03     # timed within this of the fastest timed, the simplest is taken (fewest checkpointed, bf16 last,
+#                  then the largest micro-batch): the same choice in repeated fits, where the timings move a little
 
 
 @dataclass(frozen=True)
@@ -133,11 +138,13 @@ class Setting:
 @dataclass
 class Alternative:
     """One point of the search: predicted peak bytes (None: not computed, a faster alternative fits) and
-    predicted step time relative to the plain step (the whole batch at once, nothing checkpointed)."""
+    predicted step time relative to the plain step (the whole batch at once, nothing checkpointed); `measured`:
+    the step's seconds from real micro-steps (`memfit.fitting.trials`), None where not timed."""
     micro_batch: int
     setting: Setting
     time: float
     bytes: int | None = None
+    measured: float | None = None
 
     def fits(self, budget: int) -> bool | None:
         return None if self.bytes is None else self.bytes <= budget
@@ -145,10 +152,12 @@ class Alternative:
 
 @dataclass
 class Choice:
-    """The search's answer: `best` (None when nothing fits), every alternative, and why."""
+    """The search's answer: `best` (None when nothing fits), every alternative, and why; `leading`: the
+    alternatives that fit and are predicted within `LEAD` of the best (it first), to be timed for real (`confirm`)."""
     best: Alternative | None
     alternatives: list[Alternative] = field(default_factory=list)
     reason: str = ""
+    leading: list[Alternative] = field(default_factory=list)
 
 
 def micro_batch_sizes(n: int) -> list[int]:
@@ -169,6 +178,15 @@ def checkpoint_sets(blocks: Sequence[str], fractions: Sequence[float] = FRACTION
     return out
 
 
+def _per_micro_batch(step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str, Cost], setting: Setting,
+                     machine: Machine) -> Callable[[int], float]:
+    """Predicted seconds of one micro-batch of s samples with the setting: the step's work and each checkpointed
+    block's forward again."""
+    if isinstance(step, Mapping):
+        step = step[setting.autocast]
+    return lambda s: step.at(s, machine) + sum(blocks[b].recomputed(s, machine) for b in setting.checkpoint)
+
+
 def step_seconds(n: int, m: int, step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str, Cost],
                  setting: Setting, machine: Machine, once: Cost | None = None) -> float:
     """Predicted seconds of a step on n samples in micro-batches of m (the last one what is left) with the
@@ -177,41 +195,103 @@ def step_seconds(n: int, m: int, step: Mapping[str | None, Cost] | Cost, blocks:
     runs other kernels)."""
     if not 1 <= m <= n:
         raise ValueError(f"expected a micro-batch in [1, {n}]; found {m}")
-    if isinstance(step, Mapping):
-        step = step[setting.autocast]
     full, last = divmod(n, m)
-    per = lambda s: step.at(s, machine) + sum(blocks[b].recomputed(s, machine) for b in setting.checkpoint)
+    per = _per_micro_batch(step, blocks, setting, machine)
     fixed = once.at(n, machine) if once is not None else 0.0
     return full * per(m) + (per(last) if last else 0.0) + fixed
 
 
 def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapping[str | None, Cost] | Cost,
            blocks: Mapping[str, Cost], machine: Machine, bytes_of: Callable[[Setting], Callable[[int], int]],
-           budget: int, *, exhaustive: bool = False, once: Cost | None = None) -> Choice:
+           budget: int, *, exhaustive: bool = False, once: Cost | None = None, lead: float = 1.0,
+           leading: int = 1, new_after: int = 0) -> Choice:
     """The fastest alternative (micro-batch in `sizes` x setting) whose predicted peak fits `budget`.
 
     Times come first (cheap); `bytes_of(setting)` is called at most once per setting, in the order of the
     fastest alternative not yet ruled out, and never for a setting whose every alternative is slower than one
     that fits (unless `exhaustive`). Once one fits, a slower alternative's bytes are filled in (for `explain`)
     only where `bytes_of(setting).ready(m)` says they need no further fake run (a function without `ready` is
-    always ready). Ties in time go to fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer
-    step's cost (in every alternative alike: it changes the relative times, not the order).
+    always ready), or, for `Choice.leading`, where it is predicted within `lead` times the best's time and not
+    slower by construction (the same micro-batch with the best's modules checkpointed and more; its bytes may need
+    `new_after` more settings' models at most); `leading` caps how many that fit are kept. The plain step, where it
+    fits, is the best unless another is predicted at most `CLEAR` of its time (then both are leading). Ties in time
+    go to fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every
+    alternative alike: it changes the relative times, not the order).
     """
     base = step_seconds(n, n, step, blocks, Setting(), machine, once)
     alts = [Alternative(m, s, step_seconds(n, m, step, blocks, s, machine, once) / base)
             for s in settings for m in sizes]
     alts.sort(key=lambda a: (a.time, len(a.setting.checkpoint), -a.micro_batch))
+    plain = next((a for a in alts if a.micro_batch == n and a.setting == Setting()), None)
     peaks: dict[Setting, Callable[[int], int]] = {}
-    best = None
+    best, fitting, built = None, [], 0
+
+    def near(a: Alternative) -> bool:        # worth timing beside the best: the plain step, or close and not slower
+        if best is None or best is plain or len(fitting) >= leading + (plain in fitting):
+            return False                      # (the plain step that fits is timed only against one predicted faster)
+        return a is plain or (a.time <= lead * best.time and not _dominated(a, best)
+                              and (a.setting in peaks or built < new_after))
     for a in alts:
-        if best is not None and not exhaustive and not (a.setting in peaks and _ready(peaks[a.setting], a.micro_batch)):
+        wanted = near(a)
+        if best is not None and not exhaustive and not wanted \
+                and not (a.setting in peaks and _ready(peaks[a.setting], a.micro_batch)):
             continue                      # slower than the choice and its bytes would need fake runs of their own
         if a.setting not in peaks:
+            built += best is not None
             peaks[a.setting] = bytes_of(a.setting)
         a.bytes = int(peaks[a.setting](a.micro_batch))
+        if a.bytes <= budget and (best is None or wanted):
+            fitting.append(a)
         if best is None and a.bytes <= budget:
             best = a                      # the first that fits in time order is the fastest that fits
-    return Choice(best, alts, _reason(best, alts, budget, n))
+    if plain in fitting and best is not plain and best.time > CLEAR:
+        best, fitting = plain, [plain]    # the plain step fits, and nothing is predicted clearly faster
+    return Choice(best, alts, _reason(best, alts, budget, n), fitting)
+
+
+def _dominated(a: Alternative, best: Alternative) -> bool:
+    """`a` is slower than `best` by construction: the same micro-batch and precision, with `best`'s modules
+    checkpointed and more (checkpoint sets are prefixes of one ranking: more of the same forwards run again)."""
+    return (a is not best and a.micro_batch == best.micro_batch and a.setting.autocast == best.setting.autocast
+            and len(a.setting.checkpoint) >= len(best.setting.checkpoint)
+            and a.setting.checkpoint[:len(best.setting.checkpoint)] == best.setting.checkpoint)
+
+
+def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int,
+            step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str, Cost], machine: Machine,
+            once: Cost | None = None) -> Choice:
+    """The choice among the leading alternatives timed for real: `seconds[(m, setting)]` one micro-step of m
+    samples (`memfit.fitting.trials.micro_steps`); a step's seconds are its micro-batches' (the uneven last one
+    scaled by the time model's ratio to the one timed) plus the optimizer step's (`once`, predicted: the same in
+    every alternative), set as `Alternative.measured`. The plain step, where it fits and was timed, stays unless
+    another is measured at most `CLEAR` of its time; else the simplest (fewest checkpointed, bf16 last, then the
+    largest micro-batch) among those within `CLOSE` of the fastest timed. Fewer than two timed: the choice as it
+    was."""
+    timed = [a for a in choice.leading if (a.micro_batch, a.setting) in seconds]
+    if len(timed) < 2:
+        return choice
+    fixed = once.at(n, machine) if once is not None else 0.0
+    for a in timed:
+        per = _per_micro_batch(step, blocks, a.setting, machine)
+        full, last = divmod(n, a.micro_batch)
+        t = seconds[(a.micro_batch, a.setting)]
+        a.measured = full * t + (t * per(last) / per(a.micro_batch) if last else 0.0) + fixed
+    fastest = min(timed, key=lambda a: a.measured)
+    plain = next((a for a in timed if a.micro_batch == n and a.setting == Setting()), None)
+    if plain is not None:
+        best = fastest if fastest.measured <= CLEAR * plain.measured else plain
+        why = (f"the plain step fits, and {_name(best, n) if best is not plain else 'no other'} was measured faster "
+               f"by {1 - CLEAR:.0%} or more" if best is not plain else
+               f"the plain step fits, and no other plan was measured faster by {1 - CLEAR:.0%} or more")
+    else:
+        close = [a for a in timed if a.measured <= CLOSE * fastest.measured]
+        best = min(close, key=lambda a: (len(a.setting.checkpoint), a.setting.autocast is not None, -a.micro_batch))
+        why = f"the fastest of the {len(timed)} leading alternatives timed for real" + (
+            f" (or within {CLOSE - 1:.0%} of it, with fewer checkpointed modules or a larger micro-batch)"
+            if best is not fastest else "")
+    said = "; ".join(f"{_name(a, n)} {a.measured:.3g} s a step" for a in sorted(timed, key=lambda a: a.measured))
+    reason = f"{why}: {_name(best, n)}, {format_bytes(best.bytes)} <= the budget (measured: {said})"
+    return Choice(best, choice.alternatives, reason, choice.leading)
 
 
 def _ready(peak: Callable[[int], int], m: int) -> bool:

@@ -62,10 +62,11 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False)
     it need not grow with m at every step: the search then stops at a size that fits, perhaps not the largest.
     The micro-batch is a view of the batch already on the device (the batch's bytes once, not the
     micro-batch's inputs). A DistributedDataParallel model also holds its gradient buckets.
-    `entry_grads`: the gradients of the step before are held on entry (a gradient's worth): accumulate keeps them
-    referenced through the micro-batches' forward and backward and lets them go before the optimizer's step
-    (`accumulation.micro_step.KeptGrads`), so they are counted there and not in the step (where the peak of
-    AdamW's step is: counting them there too put LeNet's prediction 6% above the real step at micro-batch 2).
+    `entry_grads`: the gradients of the step before are held on entry (a gradient's worth): accumulate with
+    `restore_grads=True` keeps them referenced through the micro-batches' forward and backward and lets them go
+    before the optimizer's step (`accumulation.micro_step.KeptGrads`), so they are counted there and not in the
+    step (where the peak of AdamW's step is: counting them there too put LeNet's prediction 6% above the real step
+    at micro-batch 2). Without (accumulate's default), they are let go when the step begins and not counted.
     """
     from memfit.memory.step_model import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -138,18 +139,18 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False)
     return peak, how
 
 
-def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) -> tuple[int, str]:
+def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device,
+                       entry_grads: bool = False) -> tuple[int, str]:
     """(micro-batch size, why): the whole batch when its predicted step fits the budget, else the micro-batch
     the search finds (the largest that fits where peak(m) grows with m, as it does but for the uneven last
-    micro-batch; never one that does not fit)."""
+    micro-batch; never one that does not fit). `entry_grads`: accumulate's `restore_grads` (the gradients held on
+    entry stay referenced through the micro-batches: counted, whether held now or not, so that one size is kept
+    for every step)."""
     limit = resolve_budget(budget, device)
     if budget is None:          # free memory does not count what the model and optimizer hold already
         limit += held_bytes(model, optimizer, grads=True)
-    # the gradients held on entry (the previous step's, after the first) stay held through the micro-batches:
-    # accumulate gives them back when it takes no step. Counted whether held now or not (`entry_grads`), so that
-    # one size is kept for every step
     try:                        # the run with the gradients held is made in the search, so it is in here too
-        peak, how = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)
+        peak, how = training_peak(model, optimizer, loss_fn, x, y, entry_grads=entry_grads)
         whole = peak(n)
         m = n if whole <= limit else largest_fitting(peak, limit, n - 1)
     except Exception as e:
@@ -168,21 +169,24 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device) 
                f"batch of {n} needs {format_bytes(whole)} ({how})")
 
 
-def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget) -> tuple:
+def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget, restore_grads: bool = False) -> tuple:
     """What a kept size depends on: the optimizer, the trainable parameters, the batch's size and layout,
-    the budget, the surrounding autocast, the intra-op thread count (the memory model's kernel scratch is
+    the budget, whether the gradients held on entry are kept (`restore_grads`), the surrounding autocast, the
+    intra-op thread count (the memory model's kernel scratch is
     measured per thread count, as `step_memory_model` keys it). (Not the model's other state, which would
     cost a walk of every module each step: a size kept after, say, checkpointing is switched off backs off at
     the first out-of-memory.)"""
     trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
     return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
-            _signature(x), autocast_state(), torch.get_num_threads())
+            _signature(x), restore_grads, autocast_state(), torch.get_num_threads())
 
 
-def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key) -> tuple[int, str]:
+def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key,
+                entry_grads: bool = False) -> tuple[int, str]:
     """(size, why): the size kept for the model under `key`, chosen by `choose_micro_batch` the first time;
     with world > 1 the smallest over the ranks."""
-    m, why = _CHOSEN.get(model, key, lambda: choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device))
+    m, why = _CHOSEN.get(model, key, lambda: choose_micro_batch(model, optimizer, loss_fn, x, y, n, budget, device,
+                                                                entry_grads))
     if world > 1:       # one size for all ranks, agreed every step: a rank's cache may hold what another's lacks
         from memfit.distributed import all_reduce
         agreed = int(all_reduce(torch.tensor([m], dtype=torch.int64), op=torch.distributed.ReduceOp.MIN,

@@ -1,7 +1,8 @@
-"""`memfit bench fit`: `memfit.fit` against a measured grid, on six models at three budgets each.
+"""`memfit bench fit`: `memfit.fit` against a measured grid, on seven models at three budgets each.
 
 Models (tiny, random weights, CPU): a CNN of conv blocks without and with BatchNorm (memfit's own), and from
-`transformers` configs BERT (encoder), GPT-2 (causal LM, `use_cache=False`), ViT and ConvNeXt; AdamW. For each,
+`transformers` configs BERT (encoder), GPT-2 and Llama (causal LMs, `use_cache=False`), ViT and ConvNeXt; AdamW.
+For each,
 every point of the grid (micro-batch 1, 2, 4, ..., N x checkpointing 0, 1/4, 1/2, 3/4, all of the candidate
 blocks; the whole batch only with BatchNorm) is run for real on a fresh copy of the model: its peak
 (`memfit.device.measure`'s live bytes, the emulated device) and its step time relative to the plain step, every
@@ -10,8 +11,9 @@ rounds. Those relative times against the time model's predictions (`explain()`'s
 grid: the error distribution per model. Three budgets per model, from the predicted grid: one where the plain
 step fits, one where micro-batching alone fits (not with BatchNorm), one where only checkpointing does (below
 every micro-batch without checkpointing). Per row:
-- the plan's real peak <= the budget (target: every row, 0 out-of-memory errors) and predicted / real peak
-  (target [1.00, 1.05]);
+- the plan's real peak <= the budget (target: every row, 0 out-of-memory errors) in two training loops, one
+  calling `optimizer.zero_grad()` before each `plan.step` and one not ("real", "real zg": the larger is the real
+  peak), and predicted / real peak (target [1.00, 1.05]);
 - the plan's setting against the fastest grid point whose real peak fits the budget (target >= 0.95x): the
   grid's relative times only shortlist the points within 30% of the fastest that fits; each of those is then
   timed against the plan's own setting, both run as the grid runs them (accumulate on a fresh copy), in ABBA pairs
@@ -21,7 +23,10 @@ every micro-batch without checkpointing). Per row:
   "fastest/step" (the fastest grid point over plan.step, the same target) is printed beside it;
 - `accumulate(micro_batch="auto")` alone at the budget, its step time over the plan's (the speed-up, paired);
 - the plan's gradient against one full-batch step (max relative error, target <= 1e-4);
-- fit's own cost (seconds of `memfit.fit`, first call at that budget) over one real plain step.
+- the same choice in repeated fits (`--repeat`, 5; 2 with `--quick`) in a process of their own, each on a fresh
+  model with what fit keeps across models dropped (kernel timings, the host's chain), at the default thread
+  count ("same": how many chose what most did); fit's own cost: the first of those fits' seconds (nothing kept
+  from any fit before), over one real plain step (target: "fit s" under 10 s; the 3x target is `--wide`'s).
 
 Times are the calling thread's CPU time with one intra-op thread (`memfit.fitting.timing.clock`: everything of a
 CPU step runs on the calling thread, and other processes' turns on the core are left out: on a VM at load 10 a
@@ -32,12 +37,15 @@ Run:
     memfit bench fit                # batch 16, twelve rounds
     memfit bench fit --models cnn,gpt2
     memfit bench fit --quick --bf16 # also the bf16 lever's alternatives and plans (`fit_bf16`)
+    memfit bench fit --wide         # fit's cost at training widths over one real step (`fit_wide`)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import statistics
 import time
 import warnings
@@ -49,6 +57,7 @@ from torch.nn import functional as F
 import memfit
 from memfit.batches import forward
 from memfit.cli.bench.common import (
+    in_own_process,
     in_turn,
     machine_header,
     median,
@@ -71,7 +80,8 @@ PAIR_SECONDS = 3.0    # CPU seconds of ABBA rounds per comparison against the pl
 #                       pairs of steps on a busy 2-core VM spread 10-25%, so the median needs a few dozen
 MAX_ROUNDS = 96       # rounds a comparison judged against the time target may take while its median's interval
 #                       holds the target (a slow row's 14 rounds, 7 pairs: 0.936x and 1.090x in two runs)
-NAMES = ["cnn", "cnn_bn", "bert", "gpt2", "vit", "convnext"]
+NAMES = ["cnn", "cnn_bn", "bert", "gpt2", "llama", "vit", "convnext"]
+QUICK_NAMES = ["cnn", "bert", "llama"]      # --quick: a CNN and two transformers, batch 8
 
 
 def _cnn(bn: bool):
@@ -95,8 +105,22 @@ def cases() -> list[Case]:
         name = c.name.split()[0]
         if name == "gpt2":           # a key/value cache would be appended to again by a checkpointed block's rerun
             c = Case(name, (lambda make: lambda: _no_cache(make()))(c.make), c.batch, c.loss)
+            out.append(Case(name, c.make, c.batch, c.loss))
+            out.append(_llama(c.batch, c.loss))
+            continue
         out.append(Case(name, c.make, c.batch, c.loss))
     return out
+
+
+def _llama(batch, loss) -> Case:
+    """A Llama-style causal LM (transformers' LlamaForCausalLM from a config: RMSNorm, rotary positions, SwiGLU),
+    on GPT-2's tokens and loss."""
+    import transformers as tf
+
+    from memfit.cli.bench.train_cases import hf_factory
+    cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=32, use_cache=False)
+    return Case("llama", hf_factory(tf.LlamaForCausalLM, cfg), batch, loss)
 
 
 def _no_cache(model):
@@ -115,17 +139,20 @@ def _step(model, opt, batch, loss, m: int, ckpt) -> None:
         memfit.accumulate(model, opt, batch, loss, micro_batch=m)
 
 
-def real_peak(model, opt, batch, run) -> int:
+def real_peak(model, opt, batch, run, zero_grad: bool = False) -> int:
     """Live bytes at the peak of a training loop's steady state, held bytes included: after a warm-up step (AdamW's
-    state exists), two steps of `run()` from no gradients, the second holding the first's gradients on entry (as
-    `plan.step` and `accumulate` do from a loop's second step on). Tracked from before the first of the two, so
-    that the allocator's frees of every gradient are seen (the CPU tracker misses frees of blocks made before it)."""
+    state exists), two steps of `run()` from no gradients, the second entered with the first's gradients held
+    (a loop without zero_grad) or, with `zero_grad`, after `opt.zero_grad()`. Tracked from before the first of
+    the two, so that the allocator's frees of every gradient are seen (the CPU tracker misses frees of blocks made
+    before it)."""
     run()
     opt.zero_grad(set_to_none=True)
     held = held_bytes(model, opt, *batch)
     with track_memory("cpu") as mem:
-        run()
-        run()
+        for _ in range(2):
+            if zero_grad:
+                opt.zero_grad(set_to_none=True)
+            run()
     return held + mem.peak
 
 
@@ -190,7 +217,28 @@ def budgets(plan_all, n: int) -> dict[str, int | None]:
     return {"plain fits": plain, "micro-batching fits": max(micro) if micro else None, "only checkpointing": only}
 
 
-def rows_for(case: Case, n: int, repeat: int) -> tuple[list[dict], dict]:
+def _cold_fits(name: str, n: int, budget: int, fits: int) -> list[tuple]:
+    """[(micro-batch, checkpointed modules, seconds, CPU seconds of the process)] of `fits` calls of `memfit.fit`
+    on fresh models of case `name`, in a process that has fitted nothing before the first (`in_own_process`); before
+    each later one, what fit keeps across models (kernel timings, the host's chain) is dropped (memory models and
+    the step's costs are kept per model, and each model is fresh), so every call times its kernels and micro-steps
+    anew."""
+    from memfit.fitting import host, timing
+    warnings.simplefilter("ignore")
+    case = next(c for c in cases() if c.name == name)
+    batch = case.batch(n)
+    out = []
+    for _ in range(fits):
+        for kept in (timing._SECONDS, timing._SPREAD, timing._RATES, host._MACHINES):
+            kept.clear()
+        model, opt = _fresh(case)
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = memfit.fit(model, opt, batch, case.loss, budget)
+        out.append((plan.micro_batch, plan.checkpoint, time.perf_counter() - t0, time.process_time() - c0))
+    return out
+
+
+def rows_for(case: Case, n: int, repeat: int, fits: int = 5) -> tuple[list[dict], dict]:
     batch = case.batch(n)
     model, opt = _fresh(case)
     plan_all = memfit.fit(model, opt, batch, case.loss, "1TiB", exhaustive=True)
@@ -209,11 +257,14 @@ def rows_for(case: Case, n: int, repeat: int) -> tuple[list[dict], dict]:
                 "micro-batch 1 alone needs less than any checkpointed alternative")})
             continue
         model, opt = _fresh(case)
-        t0 = now()
         plan = memfit.fit(model, opt, batch, case.loss, budget)
-        fit_s = now() - t0
         run = lambda plan=plan: plan.step(batch)
-        peak = real_peak(model, opt, batch, run)
+        loops = {zero: real_peak(model, opt, batch, run, zero_grad=zero) for zero in (False, True)}
+        peak = max(loops.values())
+        # the same call again, each in a process of its own: the choices, and fit's cost from nothing kept
+        cold = in_own_process(_cold_fits, case.name, n, budget, fits)
+        choices = collections.Counter((m, ckpt) for m, ckpt, *_ in cold)
+        fit_s, fit_cpu = cold[0][2:]          # the first, in a process that had fitted nothing
         fitting = sorted((t, k) for k, (p, t) in measured.items() if p <= budget)
         mine = (plan.micro_batch, plan.checkpoint)
         # the grid shortlists; each point on the list is timed against the plan's own setting, both run as the
@@ -238,13 +289,18 @@ def rows_for(case: Case, n: int, repeat: int) -> tuple[list[dict], dict]:
         rows.append({"model": case.name, "budget": what, "bytes": budget,
                      "plan": f"m={plan.micro_batch} ckpt {len(plan.checkpoint)}/{len(plan.candidates)}",
                      "rounds": rounds,
-                     "predicted": plan.peak_bytes, "real": peak, "pred/real": plan.peak_bytes / peak,
+                     "predicted": plan.peak_bytes, "real": loops[False], "real zg": loops[True],
+                     "pred/real": plan.peak_bytes / peak,
                      "OOM": int(peak > budget), "fastest": _label(best_k) if best_r < 1 else "plan",
                      "fastest/own": fastest, "spread": max(best_spread, own_spread),
                      "own/step": own_r, "fastest/step": fastest * min(1.0, own_r) if fastest < 1 else min(1.0, own_r),
                      "its pred": predicted[best_k] / predicted[mine] if best_k in predicted else float("nan"),
                      "auto/step": auto_r if auto_r is not None else "refused", "grad rel": f"{rel:.1e}",
-                     "fit/step": fit_s / plain_s, "fit s": fit_s})
+                     "same": f"{choices.most_common(1)[0][1]}/{fits}",
+                     "choices": "; ".join(f"{_label(k)} x{c}" for k, c in choices.most_common()),
+                     # by the clock the step was timed by: CPU time at one thread, else the wall clock
+                     "fit/step": (fit_cpu if now is time.thread_time else fit_s) / plain_s, "fit s": fit_s,
+                     "fit cpu s": fit_cpu})
     return rows, errors
 
 
@@ -293,31 +349,37 @@ def _line(ok: bool, text: str) -> None:
     print(f"{'PASS' if ok else 'MISS'}  {text}")
 
 
-def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[dict]:
+def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False, fits: int = 5) -> list[dict]:
     print(machine_header("cpu"))
     what_clock = "the thread's CPU time" if _clock() is time.thread_time else "wall time"
     print(f"# memfit bench fit: batch {n}, AdamW; times by {what_clock}; the grid in {max(4, repeat // 2)} to 12 "
           f"rounds (every point in turn, over the plain step; about {GRID_SECONDS:.0f} s a model), then "
           f"{repeat + repeat % 2} to 48 rounds (ABBA pairs, about {PAIR_SECONDS:.0f} s each), more up to {MAX_ROUNDS} "
           "while a median's 95% interval holds the time target (column 'rounds': the most a row took), against "
-          "the plan; peaks from memfit.device.measure (live tensor bytes: the emulated device)")
+          f"the plan; peaks from memfit.device.measure (live tensor bytes: the emulated device); {fits} fits of each "
+          "row in a process of its own ('same'; 'fit s' the first, from nothing kept)")
     rows, errors = [], []
     for case in cases():
         if case.name not in names:
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # accumulate's notes on labels; said once in the table instead
-            got, err = rows_for(case, n, repeat)
+            t0 = time.perf_counter()
+            got, err = rows_for(case, n, repeat, fits)
             rows += got
             errors.append(err)
-    print(table(rows, ["model", "budget", "bytes", "plan", "rounds", "predicted", "real", "pred/real", "OOM",
-                       "fastest", "fastest/own", "spread", "its pred", "own/step", "fastest/step", "auto/step",
-                       "grad rel", "fit s", "fit/step"],
-                bytes_columns=("bytes", "predicted", "real")))
+            print(f"# {case.name}: {len(got)} rows in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(table(rows, ["model", "budget", "bytes", "plan", "rounds", "predicted", "real", "real zg", "pred/real",
+                       "OOM", "fastest", "fastest/own", "spread", "its pred", "own/step", "fastest/step", "auto/step",
+                       "grad rel", "same", "fit s", "fit cpu s", "fit/step"],
+                bytes_columns=("bytes", "predicted", "real", "real zg")))
+    unsure = [r for r in rows if "same" in r and not r["same"].startswith(f"{fits}/")]
+    for r in unsure:
+        print(f"INFO  {r['model']} {r['budget']}: the fits chose {r['choices']}")
     done = [r for r in rows if "real" in r]
     t = TARGETS
-    _line(all(r["OOM"] == 0 for r in done), f"real peak <= budget on every row: {sum(r['OOM'] for r in done)} "
-                                            "out-of-memory errors (target 0)")
+    _line(all(r["OOM"] == 0 for r in done), f"real peak <= budget on every row, in loops with and without zero_grad: "
+                                            f"{sum(r['OOM'] for r in done)} out-of-memory errors (target 0)")
     lo, hi = min(r["pred/real"] for r in done), max(r["pred/real"] for r in done)
     _line(t["peak_low"] <= lo and hi <= t["peak_high"], f"predicted / real peak in [{lo:.3f}, {hi:.3f}] "
                                                         "(target within [1.00, 1.05])")
@@ -341,8 +403,15 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False) -> list[d
     if sped:
         print(f"INFO  accumulate(micro_batch='auto') alone / plan.step time: {min(sped):.2f}x to {max(sped):.2f}x "
               f"({sum(r['auto/step'] == 'refused' for r in done)} rows where accumulate alone refuses)")
+    _line(not unsure, f"the same choice in {fits} fits, nothing kept between them: {len(done) - len(unsure)} of "
+                      f"{len(done)} rows (target all)")
+    slow = max(done, key=lambda r: r["fit cpu s"])
+    _line(slow["fit cpu s"] < 10, f"fit's CPU seconds (a row's first fit, from nothing kept): at most "
+                                  f"{slow['fit cpu s']:.1f} s ({slow['model']} {slow['budget']}; target under 10 s; "
+                                  f"wall {slow['fit s']:.1f} s on this machine, load average {os.getloadavg()[0]:.1f})")
     print(f"INFO  fit's cost / one real plain step: {min(r['fit/step'] for r in done):.1f}x to "
-          f"{max(r['fit/step'] for r in done):.1f}x")
+          f"{max(r['fit/step'] for r in done):.1f}x (these models' steps take milliseconds; the 3x target is for "
+          "training widths: `memfit bench fit --wide`)")
     if bf16:
         rows += _bf16(names, n)
     warn = spread_warning()
@@ -367,35 +436,34 @@ def _errors(errors: list[dict]) -> None:
 
 
 def _bf16(names, n: int) -> list[dict]:
-    from memfit.cli.bench.fit_bf16 import bf16_rows
-    rows = []
-    for case in cases():
-        if case.name in names:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                rows += bf16_rows(case, n, _fresh, real_peak)
-    print(table(rows, ["model", "what", "bytes", "predicted", "real", "pred/real", "OOM"],
-                bytes_columns=("bytes", "predicted", "real")))
-    done = [r for r in rows if "real" in r]
-    lo, hi = min(r["pred/real"] for r in done), max(r["pred/real"] for r in done)
-    _line(TARGETS["peak_low"] <= lo and hi <= TARGETS["peak_high"],
-          f"bf16: predicted / real peak in [{lo:.3f}, {hi:.3f}] over {len(done)} rows (target within [1.00, 1.05])")
-    _line(all(r.get("OOM", 0) == 0 for r in done), "bf16: real peak <= budget where only bf16 fits: "
-                                                   f"{sum(r.get('OOM', 0) for r in done)} out-of-memory errors")
-    return rows
+    from memfit.cli.bench.fit_bf16 import bf16_section
+    return bf16_section([c for c in cases() if c.name in names], n, _fresh, real_peak, TARGETS, _line)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="memfit bench fit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="batch 8, eight timing rounds")
+    p.add_argument("--quick", action="store_true", help=f"batch 8, eight timing rounds, two fits a row, the models "
+                                                        f"{','.join(QUICK_NAMES)}")
+    p.add_argument("--repeat", type=int, default=None, metavar="K",
+                   help="fits of each row, nothing kept between them (default 5; 2 with --quick)")
     p.add_argument("--models", default=None, help=f"comma-separated subset of {','.join(NAMES)}")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     p.add_argument("--bf16", action="store_true", help="also the bf16 lever: its alternatives' predicted and real "
                                                        "peaks, and the plan where only bf16 fits")
+    p.add_argument("--wide", action="store_true", help="instead: fit's cost at training widths (768 wide, 12 layers; "
+                                                       "256 wide with --quick) over one real step (`fit_wide`)")
     a = p.parse_args(argv)
-    names = NAMES if a.models is None else a.models.split(",")
+    if a.wide:
+        from memfit.cli.bench.fit_wide import wide_rows
+        print(machine_header("cpu"))
+        wide_rows(a.quick, _line)
+        return 0
+    names = (QUICK_NAMES if a.quick else NAMES) if a.models is None else a.models.split(",")
     if set(names) - set(NAMES):
         p.error(f"--models: unknown {sorted(set(names) - set(NAMES))}; expected some of {NAMES}")
-    run(names, 8 if a.quick else 16, 8 if a.quick else 12, a.json, a.bf16)
+    fits = a.repeat if a.repeat is not None else 2 if a.quick else 5
+    if fits < 1:
+        p.error(f"--repeat: expected at least 1 fit a row; found {fits}")
+    run(names, 8 if a.quick else 16, 8 if a.quick else 12, a.json, a.bf16, fits)
     return 0

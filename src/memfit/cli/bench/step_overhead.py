@@ -81,8 +81,7 @@ def rows_for(case: Case, n: int, m: int, seconds: float) -> dict:
     model, opt = _fresh(case)
     peak, _ = training_peak(model, opt, case.loss, *batch)
     budget = int(peak(m))
-    # auto counts the gradients held on entry through the micro-batches (a later step's): m under its own figure
-    auto_budget = int(training_peak(model, opt, case.loss, *batch, entry_grads=True)[0](m))
+    auto_budget = budget        # auto counts no gradients held on entry (accumulate lets them go as it begins)
     plan = memfit.fit(model, opt, batch, case.loss, budget, candidates=())
     auto_model, auto_opt = _fresh(case)
     auto = memfit.accumulate(auto_model, auto_opt, batch, case.loss, budget=auto_budget)     # chooses

@@ -170,13 +170,13 @@ def accumulation_row(case: Case, n: int, repeat: int, auto: bool) -> dict:
            "auto micro": r.micro_batch if auto else f"{n} (given: no memory model)", "plain s": t_plain,
            "accumulate s": t_acc, "plain/accumulate": ratio}
     if auto:
-        # measured in the steady state the choice is made for: the gradients of the step before held on entry
-        # (accumulate keeps them referenced through the step and counts them, held now or not)
+        # measured in a loop's steady state: the gradients of the step before held on entry (accumulate lets them
+        # go as it begins, as zero_grad does, and counts none)
         quarter = max(1, math.ceil(n / 4))
         real, _ = accumulate_peak(mod, opt, x, y, case.loss, grads_held=True, micro_batch=quarter)
         budget = real + 4096    # room for accumulate's own scalars, which the prediction counts at their largest
         # what auto weighs the budget against there (the fake runs are made, and kept, by auto's choice anyway)
-        predicted = training_peak(mod, opt, case.loss, x, y, entry_grads=True)[0](quarter)
+        predicted = training_peak(mod, opt, case.loss, x, y)[0](quarter)
         if dev.type == "cuda":  # predictions there add the allocator's stated margin: a measured budget is below
             budget = max(budget, predicted)
         row.update({"tight budget": format_bytes(budget), "micro fits": quarter,

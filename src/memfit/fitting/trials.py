@@ -1,0 +1,153 @@
+"""The leading alternatives of `memfit.fit` timed for real: a few micro-steps (forward, loss, backward) of each, on
+the user's device, at the thread count the caller runs, by the clock kernels are timed by
+(`memfit.fitting.timing.clock`: the thread's CPU time on a CPU at one intra-op thread, else the wall clock).
+
+The time model (`memfit.fitting.search`) ranks every alternative from kernels timed alone; its figures move with
+the machine's load (+-30% between fits of one model at one thread; on a busy VM at two threads a plan at 0.8x
+its plain step came out "0.17x"). Whole micro-steps of the few alternatives that matter, timed in turn (a busy
+moment falls on all of them), decide between them instead (`memfit.fitting.search.confirm`).
+
+The micro-steps run on a structural copy of the model (`memfit.memory.isolation.structural_copy`: the same
+parameters, its own module objects) that holds copies of the buffers (BatchNorm's running statistics are not
+updated) and whose `torch.nn.Dropout` modules draw nothing (p = 0: their masks' kernels are left out of the
+figures, alike in every alternative); the gradients are returned by `torch.autograd.grad`, so no `.grad` is
+touched. The first micro-step of each alternative is a warm-up, run where a random op would draw from generators
+of its own (`memfit.memory.isolation.own_draw`); a model that draws outside its Dropout modules (a functional
+dropout in an attention) is not timed (timing it would draw from torch's generator), and fit says so. Nothing of
+the model, its gradients, its optimizer or torch's generators changes.
+
+Known limitations: the optimizer's step is not run (the time model's figure, the same in every alternative, is
+added); the uneven last micro-batch is priced as the micro-batch timed, scaled by the time model's ratio of the
+two; accumulate's own work per micro-batch (about 0.1 ms) is left out.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    >>> x, y = torch.randn(4, 8), torch.randn(4, 8)
+    >>> points = [(2, Setting()), (4, Setting())]
+    >>> timed = micro_steps(model, torch.nn.functional.mse_loss, x, y, points, rounds=2)
+    >>> [m for m, _ in timed.seconds], all(s > 0 for s in timed.seconds.values())
+    ([2, 4], True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.accumulation.checks import part_of
+from memfit.batches import forward
+from memfit.budget import is_oom, model_device
+from memfit.fitting.checkpointing import checkpointed
+from memfit.fitting.search import Setting
+from memfit.fitting.timing import clock
+from memfit.messages import first_line
+
+__all__ = ["ROUNDS", "Timed", "micro_steps"]
+
+ROUNDS = 3            # micro-steps of each alternative: a warm-up, then the least of the others is its figure
+
+
+@dataclass
+class Timed:
+    """Real micro-steps timed: `seconds[(m, setting)]` a micro-step of m samples takes with the setting's modules
+    checkpointed, under its autocast (the least of its timed runs), `runs` how many each was timed, `clock` what
+    timed them; `why_not` says why nothing was timed (empty when the micro-steps ran)."""
+    seconds: dict = field(default_factory=dict)
+    runs: int = 0
+    clock: str = ""
+    why_not: str = ""
+
+
+class _Draws(TorchDispatchMode):
+    """Notes the random ops a warm-up runs, each drawing from generators of its own (torch's are untouched)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from memfit.memory.isolation import own_draw
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen.append(str(func.overloadpacket))
+            return own_draw(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def _copy_for_timing(module: torch.nn.Module) -> torch.nn.Module:
+    """A structural copy with buffers of its own and Dropout modules that draw nothing."""
+    from memfit.memory.isolation import structural_copy
+    copy = structural_copy(module)
+    for m in copy.modules():
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = b.detach().clone()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    return copy
+
+
+def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequence[tuple[int, Setting]],
+                rounds: int = ROUNDS) -> Timed:
+    """Time real micro-steps of each point (m, setting): the first m samples of (x, y) forward, `loss_fn`, backward,
+    under the point's checkpointing and autocast, `rounds` times each in turn (ABBA order; the first run of each a
+    warm-up). An out-of-memory error or any other failure stops the timing: `Timed.why_not` says why, and nothing
+    is kept."""
+    device = model_device(module)
+    now = clock(device)
+    what = "the thread's CPU time" if device.type == "cpu" and torch.get_num_threads() == 1 else "the wall clock"
+    threads = f", {torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() > 1 else ''}" \
+        if device.type == "cpu" else ""
+    timed = Timed(clock=f"{what} on {device.type}{threads}")
+    copy = _copy_for_timing(module)
+    params = [p for p in copy.parameters() if p.requires_grad]
+    if not params:
+        timed.why_not = "no parameter requires a gradient"
+        return timed
+    keyed = list(dict.fromkeys(points))
+    samples: dict[tuple, list[float]] = {k: [] for k in keyed}
+    try:
+        for r in range(rounds):
+            for key in (keyed if r % 2 == 0 else keyed[::-1]):
+                if r == 0:
+                    draws = _Draws()
+                    with draws:
+                        _run(copy, params, loss_fn, x, y, key, device)
+                    if draws.seen:
+                        timed.why_not = (f"the model draws random numbers outside its torch.nn.Dropout modules "
+                                         f"({', '.join(sorted(set(draws.seen)))}): timing it would draw from torch's "
+                                         "generator")
+                        return timed
+                    continue
+                t0 = now()
+                _run(copy, params, loss_fn, x, y, key, device)
+                samples[key].append(now() - t0)
+    except Exception as e:
+        timed.why_not = "out of memory" if is_oom(e) else f"a micro-step failed ({first_line(e)})"
+        return timed
+    timed.seconds = {k: min(v) for k, v in samples.items()}
+    timed.runs = rounds - 1
+    return timed
+
+
+def _run(copy, params, loss_fn, x, y, key: tuple, device: torch.device) -> None:
+    """One micro-step of key = (m, setting) on the copy: its gradients computed, not kept."""
+    m, setting = key
+    names, dtype = setting.checkpoint, getattr(torch, setting.autocast) if setting.autocast else None
+    xs, ys = part_of(x, 0, m, device), part_of(y, 0, m, device)
+    cast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    with checkpointed(copy, names, preserve_rng=False):
+        with cast:
+            out = forward(copy, xs)
+            loss = loss_fn(out, ys)
+            loss = loss.sum() if loss.dim() else loss
+            del out
+        if dtype is not None:
+            torch.clear_autocast_cache()
+        # backward outside autocast, as accumulate runs it
+        with torch.autocast(device.type, enabled=False) if dtype is not None else contextlib.nullcontext():
+            torch.autograd.grad(loss, params, allow_unused=True)

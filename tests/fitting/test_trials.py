@@ -1,0 +1,84 @@
+"""memfit.fitting.trials: real micro-steps timed for fit's leading alternatives, leaving the model, its gradients,
+its buffers and torch's generator as they were."""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from memfit.fitting.search import Setting
+from memfit.fitting.trials import micro_steps
+
+
+def model(dropout=0.3):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.GELU(), nn.Dropout(dropout),
+                                         nn.Linear(256, 64)) for _ in range(3)]).train()
+
+
+def state(m):
+    return ([p.detach().clone() for p in m.parameters()], [None if p.grad is None else p.grad.clone()
+                                                           for p in m.parameters()],
+            [b.clone() for b in m.buffers()], [sorted(vars(x)) for x in m.modules()])
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(u, v) for u, v in zip(a, b, strict=True))
+    return a == b
+
+
+def test_micro_steps_are_timed_and_leave_everything_as_it_was():
+    """Dropout, BatchNorm and checkpointing: the parameters, their gradients (held ones too), the running
+    statistics, the modules' attributes and torch's generator are as before; a larger micro-batch takes longer."""
+    m = model()
+    x, y = torch.randn(1024, 64), torch.randn(1024, 64)
+    F.mse_loss(m(x), y).backward()                         # gradients held by the caller
+    before = state(m)
+    rng = torch.get_rng_state()
+    points = [(1024, Setting()), (2, Setting(("0", "1"))), (2, Setting())]
+    timed = micro_steps(m, F.mse_loss, x, y, points)
+    assert timed.why_not == "" and timed.runs == 2 and ("CPU time" in timed.clock or "wall" in timed.clock)
+    assert set(timed.seconds) == set(points) and all(s > 0 for s in timed.seconds.values())
+    assert timed.seconds[(1024, Setting())] > 4 * timed.seconds[(2, Setting())]       # 512x the samples
+    assert same(state(m), before)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.dropout(self.lin(x), 0.5, self.training)
+
+
+def test_a_model_that_draws_outside_its_dropout_modules_is_not_timed_and_draws_nothing_from_torch():
+    m = FunctionalDropout()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    timed = micro_steps(m, F.mse_loss, x, y, [(2, Setting()), (4, Setting())])
+    assert timed.seconds == {} and "draws random numbers outside its torch.nn.Dropout modules" in timed.why_not
+    assert "(aten.bernoulli_)" in timed.why_not                   # the op that drew (dropout decomposes to it)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class Fails(nn.Module):
+    def __init__(self, error):
+        super().__init__()
+        self.lin, self.error = nn.Linear(4, 4), error
+
+    def forward(self, x):
+        if x.shape[0] > 2:
+            raise self.error
+        return self.lin(x)
+
+
+def test_an_out_of_memory_error_or_a_failure_stops_the_timing_and_says_why():
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    oom = micro_steps(Fails(torch.OutOfMemoryError("CUDA out of memory")), F.mse_loss, x, y,
+                      [(2, Setting()), (4, Setting())])
+    assert oom.seconds == {} and oom.why_not == "out of memory"
+    other = micro_steps(Fails(ValueError("bad shape")), F.mse_loss, x, y, [(2, Setting()), (4, Setting())])
+    assert other.seconds == {} and other.why_not == "a micro-step failed (ValueError: bad shape)"
