@@ -25,56 +25,64 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from memfit.compact import CompactDataset
+from memfit.compact import CompactDataset, as_words, run_affine
 
 __all__ = ["BatchPool", "Decoder"]
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)     # private, present since torch 2.0
 
 
-def _holders(t: torch.Tensor) -> int:
-    """References to t's storage (each tensor sharing it, each Python storage object)."""
-    return _use_count(t.untyped_storage()._cdata)
-
-
 class BatchPool:
-    """`count` buffers of `rows` x `shape` in `dtype` on `device`, allocated on first use."""
+    """`count` buffers of `rows` x `shape` in `dtype` on `device`, allocated on first use. `prepare` (optional) makes,
+    once per buffer, what its user reuses with it (views of it: `take_prepared`)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, rows: int,
-                 count: int = 2):
+                 count: int = 2, prepare: Callable[[torch.Tensor], object] | None = None):
         self.shape, self.dtype, self.device, self.rows, self.count = tuple(shape), dtype, device, rows, count
-        self._bufs: list[torch.Tensor] = []
-        self._idle = 0                 # the storage's use count while only the pool holds it
+        self.prepare = prepare
+        # per buffer: (the buffer, its storage kept (its use count is read without a storage object made per
+        # batch), that use count while only the pool holds it (the prepared views count), what `prepare` made)
+        self._bufs: list[tuple[torch.Tensor, torch.UntypedStorage, int, object]] = []
 
     def take(self, m: int) -> torch.Tensor:
         """A (m, *shape) tensor to decode into: a view of a free buffer, else of a new one."""
+        return self.take_prepared(m)[0]
+
+    def take_prepared(self, m: int) -> tuple[torch.Tensor, object]:
+        """`take(m)`, and what `prepare` made of the whole buffer it is a view of (None without `prepare`)."""
         if _use_count is None or m > self.rows:
-            return torch.empty((m, *self.shape), dtype=self.dtype, device=self.device)
-        for i, buf in enumerate(self._bufs):
-            if _holders(buf) == self._idle:
-                self._bufs.append(self._bufs.pop(i))     # most recently handed out last
-                return buf[:m]                           # a view: it holds the storage while the batch lives
+            t = torch.empty((m, *self.shape), dtype=self.dtype, device=self.device)
+            return t, None if self.prepare is None else self.prepare(t)
+        bufs = self._bufs
+        for i, (buf, storage, idle, prepared) in enumerate(bufs):
+            if _use_count(storage._cdata) == idle:
+                if i != len(bufs) - 1:
+                    bufs.append(bufs.pop(i))             # most recently handed out last
+                return buf[:m], prepared                 # a view: it holds the storage while the batch lives
         # every buffer is held: a new one; the least recently handed out leaves the pool and stays with
         # whoever holds it (a batch kept for good must not pin a buffer the next batches need). Never an
-        # inference tensor (a first batch read under torch.inference_mode, by evaluate): one could not be
-        # written again outside it, by the training epochs
+        # inference tensor, nor views of one (a first batch read under torch.inference_mode, by evaluate): one
+        # could not be written again outside it, by the training epochs
         with torch.inference_mode(False):
             t = torch.empty((self.rows, *self.shape), dtype=self.dtype, device=self.device)
-        self._idle = _holders(t)
-        self._bufs = self._bufs[-(self.count - 1):] + [t] if self.count > 1 else [t]
-        return t[:m]
-
+            prepared = None if self.prepare is None else self.prepare(t)
+        storage = t.untyped_storage()
+        entry = (t, storage, _use_count(storage._cdata), prepared)
+        self._bufs = bufs[-(self.count - 1):] + [entry] if self.count > 1 else [entry]
+        return t[:m], prepared
 
 
 class Decoder:
     """Decodes compact rows with `template` (augmented by an `Augmenter` where one is given): into reused
     buffers on the CPU, into new tensors on CUDA (its caching allocator already reuses device blocks without
-    growing the host heap)."""
+    growing the host heap). `resident`: the template is the data itself, and `gather` decodes rows of it."""
 
-    def __init__(self, template: CompactDataset, batch_size: int, device: torch.device, augmenter=None):
+    def __init__(self, template: CompactDataset, batch_size: int, device: torch.device, augmenter=None,
+                 resident: bool = False):
         self.template, self.augmenter = template, augmenter
         self.batch_size, self.device = batch_size, device
         # a dataset of fields decodes to a dict of new tensors (small: token ids and masks), not reused
@@ -82,6 +90,24 @@ class Decoder:
         self._pools: dict[tuple[int, ...], tuple[BatchPool, BatchPool | None]] = {}   # by the decoded shape
         width = self.unpacked_width(template)                 # q4, bits1 unpack into new memory
         self.codes = BatchPool((width,), torch.uint8, device, batch_size, count=1) if self.reuse and width else None
+        # resident on the CPU: a batch's rows are gathered into one buffer, decoded out of it, never handed out
+        self.rows = None
+        if resident and self.reuse:
+            with torch.inference_mode(False):          # written again by every epoch, whichever mode it runs in
+                self.rows = torch.empty((batch_size, *template.x.shape[1:]), dtype=template.x.dtype, device=device)
+        self._full = self._full_batch_views(template) if self.rows is not None else None
+
+    def _full_batch_views(self, t: CompactDataset):
+        """(rows to gather from, the rows buffer as the gather writes it, as the decode reads it, the output pool)
+        for `gather`'s full batches, or None where the decode is more than a convert and the multiply-adds (codes
+        unpacked into new memory, half or integer outputs, many channels)."""
+        shape = tuple(t.sample_shape)
+        if self.codes is not None or t.dtype not in (torch.float32, torch.float64) or \
+                t.affine_steps(torch.empty((0, *shape), dtype=t.dtype)) is None:
+            return None
+        words = as_words(t.x)                          # 8-byte words: 8x fewer elements to move (`as_words`)
+        src, dst = (t.x, self.rows) if words is None else (words, as_words(self.rows))
+        return src, dst, t.codec.unpack(self.rows, shape), self._pool(shape)[0]
 
     @staticmethod
     def unpacked_width(template: CompactDataset) -> int:
@@ -98,17 +124,24 @@ class Decoder:
         shape = template.sample_shape if sample_shape is None else sample_shape
         return batch_size * (width + (4 * math.prod(shape) if half else 0))
 
+    def _pool(self, shape: tuple[int, ...]) -> tuple[BatchPool, BatchPool | None]:
+        """The (out, work) pools of decoded samples of `shape` (CPU). Float32 and float64 outputs of the data's
+        own shape keep the multiply-add's views of each buffer (`CompactDataset.affine_steps`), for `gather`."""
+        if shape not in self._pools:
+            t = self.template
+            half = t.dtype in (torch.float16, torch.bfloat16)     # half types are decoded in float32 first
+            steps = t.affine_steps if shape == tuple(t.sample_shape) and t.dtype in (torch.float32, torch.float64) \
+                and t.fields is None else None
+            self._pools[shape] = (BatchPool(shape, t.dtype, self.device, self.batch_size, prepare=steps),
+                                  BatchPool(shape, torch.float32, self.device, self.batch_size, count=1) if half
+                                  else None)
+        return self._pools[shape]
+
     def _take(self, shape: tuple[int, ...], m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(out, work) buffers for m samples of `shape`: reused ones on the CPU (None elsewhere)."""
         if not self.reuse:
             return None, None
-        if shape not in self._pools:
-            dtype = self.template.dtype
-            half = dtype in (torch.float16, torch.bfloat16)     # half types are decoded in float32 first
-            self._pools[shape] = (BatchPool(shape, dtype, self.device, self.batch_size),
-                                  BatchPool(shape, torch.float32, self.device, self.batch_size, count=1) if half
-                                  else None)
-        out, work = self._pools[shape]
+        out, work = self._pool(shape)
         return out.take(m), None if work is None else work.take(m)
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
@@ -119,6 +152,24 @@ class Decoder:
             return self.template.decode(rows, codes=codes)
         out, work = self._take(tuple(self.template.sample_shape), m)
         return self.template.decode(rows, out=out, work=work, codes=codes)
+
+    def rows_of(self, idx: torch.Tensor) -> torch.Tensor:
+        """The stored rows `idx` of the resident data: one gather (into the reused buffer on the CPU)."""
+        return self.template.rows(idx, out=None if self.rows is None else self.rows[:idx.shape[0]])
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """The decoded samples of rows `idx` (on this device) of the resident data, unaugmented: `self(rows_of(idx))`.
+        On the CPU a full batch takes one gather, one convert and the multiply-adds on views made once per buffer:
+        no other allocation and little Python per batch (the loader's own cost beside the kernels)."""
+        full = self._full
+        if full is None or idx.shape[0] != self.batch_size:
+            return self(self.rows_of(idx))
+        src, dst, codes, pool = full
+        torch.index_select(src, 0, idx, out=dst)
+        x, steps = pool.take_prepared(self.batch_size)
+        x.copy_(codes)                          # the convert: uint8 reads are 4x cheaper than float32 reads
+        run_affine(steps)
+        return x
 
     def batch(self, rows: torch.Tensor, y_rows: torch.Tensor | None, params=None):
         """(x, y) of stored rows and stored targets; augmented with `params` (this batch's, from
