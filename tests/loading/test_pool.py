@@ -72,3 +72,29 @@ def test_only_a_plain_convert_and_multiply_add_takes_the_full_batch_path():
     half = memfit.CompactDataset.from_arrays(ds.x.numpy(), ds.y.numpy(), dtype=torch.float16, device="cpu")
     assert memfit.loader(half, 64, device="cpu", strategy="resident")._decode._full is None    # via float32
     assert memfit.loader(ds, 64, device="cpu", strategy="stream")._decode._full is None          # no data to gather
+
+
+def test_loops_that_fetch_ahead_get_every_batch_unchanged():
+    # accelerate's DataLoaderShard takes the next batch before it yields the current one; transformers' Trainer
+    # gathers the batches of an accumulation step first: a loader that wrote over the batch it handed out last
+    # would change theirs silently (why memfit decodes into one of two buffers, more while more are held)
+    ds = _images((3, 8, 8))
+    ld = memfit.loader(ds, 64, seed=2, device="cpu", strategy="resident")
+
+    def one_ahead(it):
+        it = iter(it)
+        current = next(it)
+        for following in it:
+            yield current
+            current = following
+        yield current
+
+    want = [(x.clone(), y.clone()) for x, y in ld]
+    ld.set_epoch(0)
+    for k, (x, y) in enumerate(one_ahead(ld)):             # each compared when it arrives, then dropped
+        assert torch.equal(x, want[k][0]) and torch.equal(y, want[k][1])
+    ld.set_epoch(0)
+    it = iter(ld)
+    for s in range(len(ld) // 3):
+        step = [next(it) for _ in range(3)]
+        assert all(torch.equal(x, want[3 * s + j][0]) for j, (x, _) in enumerate(step))

@@ -1,5 +1,6 @@
 """One epoch of a loader: the batches of `resident` (gathered from the data on the device) and of `stream` /
-`macro` (decoded from blocks copied in the background), augmented where the loader has ops.
+`macro` (decoded from blocks copied in the background), augmented where the loader has ops. `resident` decodes an
+epoch's targets at once, in its order, where each sample has one (`targets_per_epoch`).
 
 A batch's augmentation parameters are looked up by the ids of its samples in the whole data (`whole_ids`:
 a rank's shard is a range of the whole), so they do not depend on the strategy, the batch size or the ranks.
@@ -42,8 +43,8 @@ def whole_ids(positions: torch.Tensor, members: range | None) -> torch.Tensor:
 def targets_per_epoch(targets: Targets | None) -> bool:
     """Whether the resident strategy decodes an epoch's targets at once, in its order (its batches' targets are then
     views of them: one slice a batch instead of a gather and a convert): for one value per sample (class ids, a
-    float target), whose epoch takes `n * targets.decoded_nbytes` bytes (8 a sample); larger targets (labels per
-    position, several values, dicts) are decoded per batch."""
+    float target), whose epoch takes `n * targets.decoded_nbytes` bytes (8 a sample for int64 class ids, in the
+    ledger); larger targets (labels per position, several values, dicts) are decoded per batch."""
     return targets is not None and targets.single and targets.parts[None].shape == ()
 
 
