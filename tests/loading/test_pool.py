@@ -44,22 +44,26 @@ def _images(shape, n=300, seed=0):
     return memfit.CompactDataset.from_arrays(x, np.arange(n), normalize="dataset", device="cpu")
 
 
-@pytest.mark.parametrize("shape, dtype", [((3, 8, 8), torch.float32), ((1, 6, 6), torch.float32),
-                                          ((3, 8, 8), torch.float64), ((5, 1, 7), torch.float32)])
-def test_full_batches_decode_in_pieces_as_the_dataset_does(monkeypatch, shape, dtype):
+@pytest.mark.parametrize("shape, dtype, strategy", [((3, 8, 8), torch.float32, "resident"),
+                                                    ((1, 6, 6), torch.float32, "resident"),
+                                                    ((3, 8, 8), torch.float64, "resident"),
+                                                    ((5, 1, 7), torch.float32, "resident"),
+                                                    ((3, 8, 8), torch.float32, "stream"),
+                                                    ((3, 8, 8), torch.float32, "macro")])
+def test_full_batches_decode_in_pieces_as_the_dataset_does(monkeypatch, shape, dtype, strategy):
     ds = _images(shape)
     if dtype != torch.float32:
         ds = memfit.CompactDataset.from_arrays(ds.x.numpy(), ds.y.numpy(), normalize="dataset", dtype=dtype,
                                                device="cpu")
     sample = math.prod(shape) * dtype.itemsize
     monkeypatch.setattr(pool_mod, "PIECE_BYTES", 20 * sample)          # 64 samples: 3 pieces of 22, 22, 20
-    ld = memfit.loader(ds, 64, seed=1, device="cpu", strategy="resident")
+    ld = memfit.loader(ds, 64, seed=1, device="cpu", strategy=strategy, **({"macro_batch": 128} if strategy == "macro"
+                                                                           else {}))
     batches = list(ld)                                                 # all held: every one in its own buffer
     assert [len(y) for _, y in batches] == [64] * 4 + [300 - 256]
     for x, y in batches:
         assert x.dtype == dtype and torch.equal(x, ds.batch(y)[0])
-    full_pool = ld._decode._full[2]
-    assert [len(p[0]) for p in full_pool.take_prepared(64)[1]] == [22, 22, 20]
+    assert [len(out) for _, out, _ in ld._decode._full.take_prepared(64)[1]] == [22, 22, 20]
     before = None
     for x, _ in ld:                                                    # the batch held across next() is unchanged
         assert before is None or torch.equal(*before)
@@ -71,7 +75,8 @@ def test_only_a_plain_convert_and_multiply_add_takes_the_full_batch_path():
     assert memfit.loader(ds, 64, device="cpu", strategy="resident")._decode._full is not None
     half = memfit.CompactDataset.from_arrays(ds.x.numpy(), ds.y.numpy(), dtype=torch.float16, device="cpu")
     assert memfit.loader(half, 64, device="cpu", strategy="resident")._decode._full is None    # via float32
-    assert memfit.loader(ds, 64, device="cpu", strategy="stream")._decode._full is None          # no data to gather
+    q4 = memfit.CompactDataset.from_arrays(ds.x.numpy().astype(np.float32), ds.y.numpy(), codec="q4", device="cpu")
+    assert memfit.loader(q4, 64, device="cpu", strategy="stream")._decode._full is None        # codes unpacked
 
 
 def test_loops_that_fetch_ahead_get_every_batch_unchanged():

@@ -86,7 +86,9 @@ class BatchPool:
 class Decoder:
     """Decodes compact rows with `template` (augmented by an `Augmenter` where one is given): into reused
     buffers on the CPU, into new tensors on CUDA (its caching allocator already reuses device blocks without
-    growing the host heap). `resident`: the template is the data itself, and `gather` decodes rows of it."""
+    growing the host heap). On the CPU a full batch of a plain decode (a convert, a multiply-add per channel)
+    runs on views of its buffer made once (`_decode_full`). `resident`: the template is the data itself, and
+    `gather` decodes rows of it."""
 
     def __init__(self, template: CompactDataset, batch_size: int, device: torch.device, augmenter=None,
                  resident: bool = False):
@@ -97,35 +99,48 @@ class Decoder:
         self._pools: dict[tuple[int, ...], tuple[BatchPool, BatchPool | None]] = {}   # by the decoded shape
         width = self.unpacked_width(template)                 # q4, bits1 unpack into new memory
         self.codes = BatchPool((width,), torch.uint8, device, batch_size, count=1) if self.reuse and width else None
+        self._full = self._full_batch_pool()
         # resident on the CPU: a batch's rows are gathered into one buffer, decoded out of it, never handed out
-        self.rows = None
+        self.rows = self._gather = self._rows_codes = None
         if resident and self.reuse:
             with torch.inference_mode(False):          # written again by every epoch, whichever mode it runs in
                 self.rows = torch.empty((batch_size, *template.x.shape[1:]), dtype=template.x.dtype, device=device)
-        self._full = self._full_batch_views(template) if self.rows is not None else None
+            words = as_words(template.x)               # 8-byte words: 8x fewer elements to move (`as_words`)
+            self._gather = (template.x, self.rows) if words is None else (words, as_words(self.rows))
+            self._rows_codes = None if self._full is None else template.codec.unpack(self.rows, template.sample_shape)
 
-    def _full_batch_views(self, t: CompactDataset):
-        """(rows to gather from, the rows buffer as the gather writes it, the output pool whose buffers keep their
-        `_pieces`) for `gather`'s full batches, or None where the decode is more than a convert and the
-        multiply-adds (codes unpacked into new memory, half or integer outputs, many channels)."""
-        shape = tuple(t.sample_shape)
-        if self.codes is not None or t.dtype not in (torch.float32, torch.float64) or \
-                t.affine_steps(torch.empty((0, *shape), dtype=t.dtype)) is None:
+    def _full_batch_pool(self) -> BatchPool | None:
+        """The output pool of full batches decoded in `_pieces` (views of each buffer made once), or None where the
+        decode is more than a convert and the multiply-adds (CUDA, fields, codes unpacked into new memory, half or
+        integer outputs, many channels)."""
+        t = self.template
+        if not self.reuse or self.codes is not None or t.dtype not in (torch.float32, torch.float64):
             return None
-        words = as_words(t.x)                          # 8-byte words: 8x fewer elements to move (`as_words`)
-        src, dst = (t.x, self.rows) if words is None else (words, as_words(self.rows))
+        shape = tuple(t.sample_shape)
+        if t.affine_steps(torch.empty((0, *shape), dtype=t.dtype)) is None:
+            return None
         pool = BatchPool(shape, t.dtype, self.device, self.batch_size, prepare=self._pieces)
-        self._pools[shape] = (pool, None)
-        return src, dst, pool
+        self._pools[shape] = (pool, None)              # the other batches (the last, smaller one) share its buffers
+        return pool
 
-    def _pieces(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, list]]:
-        """A full batch's decode into `buf` as (output piece, its codes in the rows buffer, its multiply-adds): one
-        piece, or pieces of `PIECE_BYTES` to twice that for a larger batch (each multiply-add then reads what the
-        convert just wrote from the core's L2 cache rather than from memory)."""
-        t, m = self.template, buf.shape[0]
-        codes = t.codec.unpack(self.rows, tuple(t.sample_shape))          # a view of the rows (no unpacking)
+    def _pieces(self, buf: torch.Tensor) -> list[tuple[slice | None, torch.Tensor, list]]:
+        """A full batch's decode into `buf` as (its samples, the output piece, its multiply-adds): one piece, or
+        pieces of `PIECE_BYTES` to twice that for a larger batch (each multiply-add then reads what the convert
+        just wrote from the core's L2 cache rather than from memory)."""
+        m = buf.shape[0]
         k = -(-m // max(1, buf.nbytes // PIECE_BYTES))                    # samples per piece, equal pieces
-        return [(buf[a:a + k], codes[a:a + k], t.affine_steps(buf[a:a + k])) for a in range(0, m, k)]
+        if k >= m:
+            return [(None, buf, self.template.affine_steps(buf))]
+        return [(slice(a, a + k), buf[a:a + k], self.template.affine_steps(buf[a:a + k])) for a in range(0, m, k)]
+
+    def _decode_full(self, codes: torch.Tensor) -> torch.Tensor:
+        """A full batch of codes (batch_size, *sample_shape) decoded into a reused buffer: per piece, the convert
+        and one multiply-add per channel, on views made once per buffer (little Python, no allocation)."""
+        x, pieces = self._full.take_prepared(self.batch_size)
+        for part, out, steps in pieces:
+            out.copy_(codes if part is None else codes[part])
+            run_affine(steps)
+        return x
 
     @staticmethod
     def unpacked_width(template: CompactDataset) -> int:
@@ -158,6 +173,8 @@ class Decoder:
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """(m, *stored_shape) rows -> (m, *sample_shape) samples, unaugmented."""
         m = rows.shape[0]
+        if m == self.batch_size and self._full is not None:
+            return self._decode_full(self.template.codec.unpack(rows, self.template.sample_shape))
         codes = None if self.codes is None else self.codes.take(m)
         if not self.reuse:
             return self.template.decode(rows, codes=codes)
@@ -169,19 +186,13 @@ class Decoder:
         return self.template.rows(idx, out=None if self.rows is None else self.rows[:idx.shape[0]])
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
-        """The decoded samples of rows `idx` (on this device) of the resident data, unaugmented: `self(rows_of(idx))`.
-        On the CPU a full batch takes one gather, one convert and the multiply-adds on views made once per buffer:
-        no other allocation and little Python per batch (the loader's own cost beside the kernels)."""
-        full = self._full
-        if full is None or idx.shape[0] != self.batch_size:
+        """The decoded samples of rows `idx` (on this device) of the resident data, unaugmented: `self(rows_of(idx))`,
+        a full batch on the CPU as one gather into the rows buffer and `_decode_full` out of it."""
+        if self._rows_codes is None or idx.shape[0] != self.batch_size:
             return self(self.rows_of(idx))
-        src, dst, pool = full
+        src, dst = self._gather
         torch.index_select(src, 0, idx, out=dst)
-        x, pieces = pool.take_prepared(self.batch_size)
-        for out, codes, steps in pieces:
-            out.copy_(codes)                    # the convert, then one multiply-add per channel
-            run_affine(steps)
-        return x
+        return self._decode_full(self._rows_codes)
 
     def batch(self, rows: torch.Tensor, y_rows: torch.Tensor | None, params=None):
         """(x, y) of stored rows and stored targets; augmented with `params` (this batch's, from
