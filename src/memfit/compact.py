@@ -43,7 +43,13 @@ from memfit.samples import SampleList, Samples
 from memfit.targets import IGNORE_INDEX, Targets
 
 __all__ = ["CompactDataset", "Encoding", "SampleList", "Samples", "ShardInfo", "as_words", "check_encoding",
-           "check_integer_output", "decoded_batch_nbytes", "prepare_encoding", "stored_row_nbytes"]
+           "check_integer_output", "decoded_batch_nbytes", "prepare_encoding", "run_affine", "stored_row_nbytes"]
+
+
+def run_affine(steps: list[tuple[torch.Tensor, float, torch.Tensor]]) -> None:
+    """x = shift + scale * x in place, each step one fused pass over its view (`CompactDataset.affine_steps`)."""
+    for shift, scale, view in steps:
+        torch.add(shift, view, alpha=scale, out=view)
 
 
 @dataclass(frozen=True)
@@ -192,17 +198,24 @@ class CompactDataset(torch.utils.data.Dataset):
                 x = x.clone()
         else:
             x.copy_(codes)                  # the same convert, into the caller's buffer
-        scale, shift, ops = self._affine_on(codes.device, x.dtype)
-        if ops is None:
+        steps = self.affine_steps(x)
+        if steps is None:
+            scale, shift, _ = self._affine_on(x.device, x.dtype)
             x.mul_(scale).add_(shift)
         else:
-            for c, a, b in ops:
-                xc = x if c is None else x[:, c]
-                torch.add(b, xc, alpha=a, out=xc)
+            run_affine(steps)
         # half types are computed in float32 and rounded once, the most accurate result
         if x.dtype == self.dtype:
             return x
         return x.to(self.dtype) if out is None else out.copy_(x)
+
+    def affine_steps(self, x: torch.Tensor) -> list[tuple[torch.Tensor, float, torch.Tensor]] | None:
+        """The decode's multiply-add on x ((n, *shape), converted codes in float32 or float64) as steps (shift,
+        scale, a view of x) that `run_affine` runs: one per channel, one for all where the channels agree, none
+        for raw values; None where two broadcast passes do it (many channels). A loader makes them once per
+        buffer it reuses."""
+        _, _, ops = self._affine_on(x.device, x.dtype)
+        return None if ops is None else [(b, a, x if c is None else x[:, c]) for c, a, b in ops]
 
     def rows(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Stored rows for valid indices on `self.device`: (n, *stored_shape), one gather (into `out`,

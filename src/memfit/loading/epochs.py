@@ -1,5 +1,6 @@
 """One epoch of a loader: the batches of `resident` (gathered from the data on the device) and of `stream` /
-`macro` (decoded from blocks copied in the background), augmented where the loader has ops.
+`macro` (decoded from blocks copied in the background), augmented where the loader has ops. `resident` decodes an
+epoch's targets at once, in its order, where each sample has one (`targets_per_epoch`).
 
 A batch's augmentation parameters are looked up by the ids of its samples in the whole data (`whole_ids`:
 a rank's shard is a range of the whole), so they do not depend on the strategy, the batch size or the ranks.
@@ -15,11 +16,13 @@ import torch
 from memfit.compact import CompactDataset
 from memfit.loading import order as order_mod
 from memfit.loading.augmenter import EpochParams
-from memfit.loading.pool import BatchPool, Decoder
+from memfit.loading.pool import Decoder
 from memfit.loading.prefetch import Inline, Prefetcher, Slots
 from memfit.loading.sources import Source
+from memfit.targets import Targets
 
-__all__ = ["LoadedBatch", "Unaugmented", "pipeline_epoch", "resident_epoch", "whole_ids"]
+__all__ = ["LoadedBatch", "Unaugmented", "epoch_targets", "pipeline_epoch", "resident_epoch", "targets_per_epoch",
+           "whole_ids"]
 
 LoadedBatch = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -37,20 +40,36 @@ def whole_ids(positions: torch.Tensor, members: range | None) -> torch.Tensor:
     return positions.to(torch.int64) * members.step + members.start
 
 
+def targets_per_epoch(targets: Targets | None) -> bool:
+    """Whether the resident strategy decodes an epoch's targets at once, in its order (its batches' targets are then
+    views of them: one slice a batch instead of a gather and a convert): for one value per sample (class ids, a
+    float target), whose epoch takes `n * targets.decoded_nbytes` bytes (8 a sample for int64 class ids, in the
+    ledger); larger targets (labels per position, several values, dicts) are decoded per batch."""
+    return targets is not None and targets.single and targets.parts[None].shape == ()
+
+
+def epoch_targets(ds: CompactDataset, order: torch.Tensor) -> torch.Tensor | None:
+    """The decoded targets of `order` (`targets_per_epoch`), or None (decoded per batch)."""
+    if ds.y is None or not targets_per_epoch(ds.targets):
+        return None
+    with torch.inference_mode(False):       # the epoch's batches may be read in and outside inference mode
+        return ds.targets.decode(ds.y.index_select(0, order))
+
+
 def resident_epoch(ds: CompactDataset, order: torch.Tensor, sizes: list[int], decode: Decoder,
-                   rows: BatchPool | None, params: EpochParams | None = None,
-                   members: range | None = None) -> Iterator[LoadedBatch]:
+                   params: EpochParams | None = None, members: range | None = None) -> Iterator[LoadedBatch]:
     # the order was made on the CPU and copied once per epoch: the same order on every device, strategy
     # and rank; each batch is then one gather + decode on the device (into reused buffers on the CPU)
     if params is None:
+        ys, start = epoch_targets(ds, order), 0
         for idx in torch.split(order, sizes):
-            x = decode(ds.rows(idx, out=None if rows is None else rows.take(len(idx))))
-            yield x, ds.targets_at(idx)
+            m = idx.shape[0]
+            yield decode.gather(idx), ds.targets_at(idx) if ys is None else ys[start:start + m]
+            start += m
         return
     ids = whole_ids(order, members)
     for idx, who in zip(torch.split(order, sizes), torch.split(ids, sizes), strict=True):
-        r = ds.rows(idx, out=None if rows is None else rows.take(len(idx)))
-        yield decode.batch(r, None if ds.y is None else ds.y.index_select(0, idx), params.take(who))
+        yield decode.batch(decode.rows_of(idx), None if ds.y is None else ds.y.index_select(0, idx), params.take(who))
 
 
 def pipeline_epoch(source: Source, pieces: Iterator[torch.Tensor], sizes: list[int], capacity: int,

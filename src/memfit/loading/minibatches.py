@@ -39,8 +39,8 @@ from memfit.device.machine import resolve_device
 from memfit.distributed import RankFailed, epoch_batch_sizes, is_distributed, rank_world, shard_sizes
 from memfit.loading import order as order_mod
 from memfit.loading.augmenter import Augmenter, check_ops
-from memfit.loading.epochs import LoadedBatch, Unaugmented, pipeline_epoch, resident_epoch
-from memfit.loading.pool import BatchPool, Decoder
+from memfit.loading.epochs import LoadedBatch, Unaugmented, pipeline_epoch, resident_epoch, targets_per_epoch
+from memfit.loading.pool import Decoder
 from memfit.loading.prefetch import Slots
 from memfit.loading.rank_agreement import agreed_parts, agreed_seed, source_identity
 from memfit.loading.sources import CompactSource, Source, make_source
@@ -201,10 +201,8 @@ class Loader:
             self.dataset = self._resident
         # decoded batches (and, resident, the gathered rows) go into reused host buffers: fresh
         # batch-sized allocations would fragment malloc's heap and grow host memory past the budget
-        self._decode = Decoder(self.dataset, self.batch_size, self.device, self._augmenter)
-        cpu = self.device.type == "cpu"
-        self._rows = BatchPool(src.stored_shape, src.stored_dtype, self.device, self.batch_size, count=1) \
-            if cpu and self.strategy == "resident" else None
+        self._decode = Decoder(self.dataset, self.batch_size, self.device, self._augmenter,
+                               resident=self.strategy == "resident")
         # the block buffers (two macro-batches, or two batches) outlive an epoch: one epoch's, freed into
         # malloc's heap (below glibc's 32 MiB mmap ceiling), had the labels and outputs the consumer keeps
         # land in them, and the next epoch's were new heap: anonymous memory grew ~2 blocks an epoch
@@ -226,11 +224,12 @@ class Loader:
             batch_nbytes = aug.batch_nbytes(b)
             scratch = Decoder.scratch_nbytes(src.template, b, aug.sample_shape)
             table = aug.table_nbytes(self._n_total)
+        targets = src.n * src.targets.decoded_nbytes if targets_per_epoch(src.targets) else 0
         return Needs(n=src.n, batch_size=b, row_nbytes=src.row_nbytes, batch_nbytes=batch_nbytes,
                      device_type=self.device.type, read_nbytes=src.read_nbytes, slots=2 if self.threaded else 1,
                      scratch_nbytes=scratch, n_total=self._n_total, distributed=self.distributed,
                      sequential=src.sequential, on_device=on_device, prefetch=self.prefetch,
-                     augment_items=items, augment_table=table)
+                     augment_items=items, augment_table=table, epoch_targets=targets)
 
     # ---- public ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -302,7 +301,7 @@ class Loader:
         if resident:           # global order, one piece: to the device once per epoch
             order = next(pieces)[:sum(self._sizes)]    # drop_last leaves the tail of the order out
             it = resident_epoch(self._resident, order.to(self.device, non_blocking=True), self._sizes,
-                                self._decode, self._rows, params, self._members)
+                                self._decode, params, self._members)
         else:
             cap = self.macro_batch if self.strategy == "macro" else self.batch_size
             it = pipeline_epoch(self.source, pieces, self._sizes, cap, self.device, self.threaded, self._decode,
@@ -315,7 +314,7 @@ class Loader:
         for it in list(self._live):
             it.close()
         self._live = weakref.WeakSet()
-        self._resident = self._decode = self._rows = None
+        self._resident = self._decode = None
         self._spare_slots.clear()
         self._closed = True
 

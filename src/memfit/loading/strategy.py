@@ -61,6 +61,7 @@ class Needs:
     prefetch: bool = True      # background copies were asked for (they run where slots == 2)
     augment_items: tuple[tuple[str, int], ...] = ()   # augmentation's buffers for one batch, (name, bytes)
     augment_table: int = 0     # one epoch's augmentation parameters (device: resident; host: stream, macro)
+    epoch_targets: int = 0     # resident: one epoch's targets decoded at once in its order (0: decoded per batch)
 
     def order_bytes(self) -> tuple[str, int, int]:
         """(ledger name, host bytes, more host bytes per row of a block) of this epoch order (`order_bytes`)."""
@@ -177,6 +178,8 @@ def resident_ledger(needs: Needs, budget: int) -> tuple[Ledger, list[tuple[str, 
     else:                                    # host and device are one memory
         led.add(*order)
     led.add("gathered compact rows (1 batch)", needs.batch_size * needs.row_nbytes)
+    if needs.epoch_targets:
+        led.add("targets of the epoch (decoded once, in its order)", needs.epoch_targets)
     _add_decode(led, needs)
     table = _augment_table(needs)              # drawn on the host, looked up on the device
     if table:

@@ -3,7 +3,7 @@ needed: the arithmetic of the targets is what is checked; the rows' timings are 
 import pytest
 import torch
 
-from memfit.cli.bench.loaders import _plot, targets
+from memfit.cli.bench.loaders import _plot, against_loop, loop_verdict, targets
 
 
 def _rows(stream_s: float, inline_s: float, wide_s: float, resident_s: float = 1.0) -> list[dict]:
@@ -37,3 +37,17 @@ def test_the_plot_colours_every_strategy_a_cuda_run_has(tmp_path):
     path = tmp_path / "loaders.png"
     _plot(_rows(1.1, 2.0, 4.0), str(path))
     assert path.stat().st_size > 0
+
+
+def test_the_paired_comparison_with_the_hand_written_loop_and_its_verdict():
+    rows = against_loop(batches=(64,), rounds=2, device="cpu", n=300)
+    assert [(r["data"].split()[0], r["batch"]) for r in rows] == [("MNIST-shaped", 64), ("CIFAR-shaped", 64)]
+    assert all(r["vs loop"] > 0 and r["vs loop, 2 buffers"] > 0 for r in rows)
+    given = [{**rows[0], "vs loop": 1.2, "vs loop, 2 buffers": 1.3},
+             {**rows[1], "vs loop": 0.94, "vs loop, 2 buffers": 1.1, "vs loop, quartiles": "0.90-0.99"}]
+    line = loop_verdict(given)
+    assert line.startswith("MISS  resident uint8 0.94-1.20x")
+    assert "worst: CIFAR-shaped batch 64, quartiles 0.90-0.99" in line
+    assert "1.10-1.30x the same loop with two output buffers" in line
+    given[1]["vs loop"] = 0.95
+    assert loop_verdict(given).startswith("PASS  resident uint8 0.95-1.20x")
