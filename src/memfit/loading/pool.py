@@ -29,15 +29,13 @@ import math
 import torch
 
 from memfit.compact import CompactDataset
+from memfit.device.torch_private import storage_use_count
 
 __all__ = ["BatchPool", "Decoder"]
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)     # private, present since torch 2.0
-
-
 def _holders(t: torch.Tensor) -> int:
     """References to t's storage (each tensor sharing it, each Python storage object)."""
-    return _use_count(t.untyped_storage()._cdata)
+    return storage_use_count(t.untyped_storage())
 
 
 class BatchPool:
@@ -51,7 +49,7 @@ class BatchPool:
 
     def take(self, m: int) -> torch.Tensor:
         """A (m, *shape) tensor to decode into: a view of a free buffer, else of a new one."""
-        if _use_count is None or m > self.rows:
+        if m > self.rows:
             return torch.empty((m, *self.shape), dtype=self.dtype, device=self.device)
         for i, buf in enumerate(self._bufs):
             if _holders(buf) == self._idle:
