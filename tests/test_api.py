@@ -184,10 +184,11 @@ def test_the_front_door_is_small_and_moved_names_still_resolve_with_a_pointer():
 
 # ---- private torch names: in memfit/device/torch_private.py only -----------------------------------------------------
 TORCH_PRIVATE = SRC / "device" / "torch_private.py"
-# private attributes set per instance (so not found on a class below): FSDP2's state and groups, DDP's hooks, a
-# DTensor's shard, a compiled module's original, fx's patcher
-_INSTANCE_PRIVATES = {"_orig_mod", "_get_fsdp_state", "_fsdp_param_groups", "_is_hsdp", "_comm_hooks",
-                      "_get_ddp_logging_data", "_local_tensor", "_Patcher", "_modules", "_parameters", "_buffers"}
+# private attributes set per instance or on classes not read below: FSDP2's state, groups and params, DDP's hooks, a
+# DTensor's shard, DTensor's sharding lock, a compiled module's original, fx's patcher
+_INSTANCE_PRIVATES = {"_orig_mod", "_get_fsdp_state", "_fsdp_param_groups", "_is_hsdp", "_comm_hooks", "_orig_size",
+                      "_sharded_param_data", "_get_ddp_logging_data", "_local_tensor", "_fake_mode_lock", "_Patcher",
+                      "_modules", "_parameters", "_buffers"}
 
 
 def _is_private(name: str) -> bool:

@@ -5,7 +5,6 @@ in the entering thread only and to be put back (on an exception too)."""
 
 import sys
 import threading
-import types
 
 import pytest
 import torch
@@ -308,6 +307,19 @@ def test_fsdp2_and_ddp_internals_the_per_rank_model_reads(fake_group):
     fully_shard(model, mesh=fake_group)
     groups = tp.fsdp_param_groups(model[0])
     assert len(groups) == 1 and not tp.is_hsdp(groups[0])
+    weight = next(p for p in groups[0].fsdp_params if tuple(tp.fsdp_param_size(p)) == (4, 4))   # unsharded size
+    shard = tp.fsdp_param_shard(weight)
+    assert shard.numel() == weight.padded_sharded_param_size.numel() == 8                   # 2 of 4 rows, 2 ranks
+    assert tp.storage_key(shard.untyped_storage()) == \
+        tp.storage_key(tp.local_tensor(weight.sharded_param).untyped_storage())
+    lock = tp.sharding_fake_mode_lock()
+    with lock:                                                      # a context manager the propagation enters
+        pass
+    try:
+        tp.set_sharding_fake_mode_lock("replaced")
+        assert tp.sharding_fake_mode_lock() == "replaced"
+    finally:
+        tp.set_sharding_fake_mode_lock(lock)
     assert {"foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce"} <= set(vars(tp.fsdp_param_group()))
     assert callable(tp.fsdp_collectives().foreach_reduce_scatter_copy_in)
 
@@ -336,51 +348,6 @@ def test_dynamo_reset_and_inductors_config_patch():
 
 
 # ---- replacements of torch functions --------------------------------------------------------------------------------
-
-def test_a_scoped_replacement_acts_in_the_entering_thread_only_and_is_put_back():
-    owner = types.SimpleNamespace(f=lambda: "torch's")
-    original = owner.f
-    r = tp.ScopedReplacement(lambda: owner, "f", lambda orig: "ours, over " + orig())
-    with r.active():
-        assert owner.f() == "ours, over torch's"
-        assert in_thread(owner.f) == "torch's"                       # another thread: torch's own
-        with r.active():                                             # nested: still ours
-            assert owner.f() == "ours, over torch's"
-        assert owner.f() == "ours, over torch's"
-    assert owner.f is original
-    with pytest.raises(KeyError), r.active():
-        raise KeyError("inside")
-    assert owner.f is original                                      # put back on an exception
-
-
-def test_a_scoped_replacement_stays_until_the_last_thread_leaves():
-    owner = types.SimpleNamespace(f=lambda: "torch's")
-    original = owner.f
-    r = tp.ScopedReplacement(lambda: owner, "f", lambda orig: "ours")
-    entered, leave = threading.Event(), threading.Event()
-
-    def other():
-        with r.active():
-            entered.set()
-            leave.wait(10)
-            return owner.f()
-    t = threading.Thread(target=lambda: seen.append(other()))
-    seen = []
-    t.start()
-    entered.wait(10)
-    with r.active():
-        assert owner.f() == "ours"
-    assert owner.f is not original and owner.f() == "torch's"      # the other thread is still inside
-    leave.set()
-    t.join()
-    assert seen == ["ours"] and owner.f is original
-
-
-def test_a_scoped_replacement_refuses_a_name_torch_no_longer_has():
-    r = tp.ScopedReplacement(lambda: types.SimpleNamespace(), "gone", lambda orig: None)
-    with pytest.raises(RuntimeError, match="expected torch to define .*gone.*needs updating"), r.active():
-        pass
-
 
 def test_aot_tracing_keeps_torchs_generator_only_outside_the_thread_inside():
     from torch._dynamo.utils import preserve_rng_state

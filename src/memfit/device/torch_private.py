@@ -6,9 +6,10 @@ and where torch defines it; no other module of memfit names a private torch API 
 What only `torch.export`, `torch.compile` or `torch.distributed` need is imported inside the function that needs it
 (importing torch._dynamo costs about 0.5 s); what is imported at the top is loaded by `import torch` already.
 
-The replacements of torch functions memfit makes are here too (`ScopedReplacement`): each is installed only while a
-thread is inside it, acts in that thread only (every other thread gets torch's own function), and is put back when
-the last thread leaves, on an exception too. The one process-wide switch is c10's flag
+The replacements of private torch functions memfit makes are here too (`aot_rng_not_saved`,
+`tracer_patches_this_thread_only`, through `memfit.device.replacements.ScopedReplacement`): each is installed only
+while a thread is inside it, acts in that thread only (every other thread gets torch's own function), and is put
+back when the last thread leaves, on an exception too. The one process-wide switch is c10's flag
 `caffe2_report_cpu_memory_usage` (`cpu_total_kept_for_every_thread`), which changes what no thread computes.
 
 Known limitations: `dict_version_reader`, the FSDP2 and DDP internals and the c10 flag may be missing from a torch
@@ -34,6 +35,8 @@ import torch._subclasses.fake_tensor
 import torch.nn.utils.stateless
 import torch.utils._python_dispatch
 import torch.utils._pytree
+
+from memfit.device.replacements import ScopedReplacement
 
 # Re-exported as they are (each module is loaded by `import torch` already):
 # fake tensors, the mode that makes them, and a section of real tensors inside one (torch/_subclasses/fake_tensor.py)
@@ -67,14 +70,16 @@ tree_map_only = torch.utils._pytree.tree_map_only
 keystr = torch.utils._pytree.keystr
 
 __all__ = ["MODULE_DICTS", "BatchNormBase", "FakeTensor", "FakeTensorMode", "InstanceNormBase", "OpOverload",
-           "ProfilerEventType", "ScopedReplacement", "TorchDispatchMode", "aot_rng_not_saved", "base_storage_resize",
+           "ProfilerEventType", "TorchDispatchMode", "aot_rng_not_saved", "base_storage_resize",
            "compiled_inner", "cpu_total_kept_for_every_thread", "current_dispatch_mode", "ddp_comm_hook",
            "detect_fake_mode", "dict_version_reader", "disable_current_modes", "dynamo_reset", "fake_store",
            "foreach_by_default", "fsdp_collectives", "fsdp_mem_tracker", "fsdp_param_group", "fsdp_param_groups",
+           "fsdp_param_shard", "fsdp_param_size",
            "has_kernel", "in_backward", "inductor_config", "is_hsdp", "keystr", "local_tensor", "mem_tracker",
            "nn_binding", "node_input_metadata", "node_sequence_nr", "op_kernel", "op_schema", "overload_name",
            "own_buffers", "own_children", "own_parameters", "pop_mode_temporarily", "profiler_running",
-           "read_saved_tensors", "reparametrized", "storage_key", "storage_use_count",
+           "read_saved_tensors", "reparametrized", "set_sharding_fake_mode_lock", "sharding_fake_mode_lock",
+           "storage_key", "storage_use_count",
            "tracer_patches_this_thread_only", "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map",
            "tree_map_only", "tree_unflatten", "unset_fake_temporarily", "version_counter"]
 
@@ -230,9 +235,32 @@ def fsdp_param_group():
 
 
 def fsdp_collectives():
-    """FSDP2's collectives module, whose reduce-scatter copy-in the per-rank model wraps
-    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
+    """FSDP2's collectives module, whose reduce-scatter copy-in the per-rank model wraps (`_fsdp_collectives.py`)."""
     return importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_collectives")
+
+
+def fsdp_param_size(fsdp_param) -> torch.Size:
+    """A parameter's unsharded size (`FSDPParam._orig_size`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py)."""
+    return fsdp_param._orig_size
+
+
+def fsdp_param_shard(fsdp_param) -> torch.Tensor:
+    """The tensor holding a parameter's padded local shard (`FSDPParam._sharded_param_data`, `_fsdp_param.py`)."""
+    return fsdp_param._sharded_param_data
+
+
+def sharding_fake_mode_lock():
+    """What DTensor's sharding propagation enters around running an op on fake tensors of the global shapes
+    (`ShardingPropagator._fake_mode_lock`, torch/distributed/tensor/_sharding_prop.py): the per-rank log replaces
+    it (`set_sharding_fake_mode_lock`) to pause itself meanwhile in its thread."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    return ShardingPropagator._fake_mode_lock
+
+
+def set_sharding_fake_mode_lock(lock) -> None:
+    """Set `ShardingPropagator._fake_mode_lock` (see `sharding_fake_mode_lock`)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    ShardingPropagator._fake_mode_lock = lock
 
 
 def fsdp_param_groups(module: torch.nn.Module) -> list:
@@ -284,67 +312,7 @@ def inductor_config():
     return importlib.import_module("torch._inductor.config")
 
 
-# ---- replacements of torch functions, scoped to the threads inside them ---------------------------------------------
-
-class ScopedReplacement:
-    """`owner.name` (a function of a module or a class of torch) replaced while any thread is inside `active()`:
-    a call from a thread inside it runs `inside(original, *args, **kwargs)`, a call from any other thread torch's
-    own function. Reference-counted under a lock: installed by the first thread to enter, torch's put back by the
-    last to leave (on an exception too), unless something else replaced it meanwhile (theirs is kept; ours then
-    calls torch's in every thread outside). Raises RuntimeError where torch no longer defines `owner.name`.
-
-    Example:
-        >>> r = ScopedReplacement(lambda: torch, "get_num_threads", lambda original: -1)
-        >>> with r.active():
-        ...     inside = torch.get_num_threads()
-        >>> inside, torch.get_num_threads() > 0
-        (-1, True)
-    """
-
-    def __init__(self, owner: Callable[[], object], name: str, inside: Callable):
-        self._owner, self.name, self.inside = owner, name, inside
-        self._lock = threading.Lock()
-        self._here = threading.local()     # .depth: how many times this thread is inside
-        self._users = 0                    # (thread, entry) pairs inside, every thread together
-        self._installed = None             # (owner, torch's function, the replacement) while installed
-
-    def _replacement(self, original: Callable) -> Callable:
-        here, inside = self._here, self.inside
-
-        @functools.wraps(original)
-        def replaced(*args, **kwargs):
-            if getattr(here, "depth", 0):
-                return inside(original, *args, **kwargs)
-            return original(*args, **kwargs)
-        return replaced
-
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        with self._lock:
-            if self._users == 0:
-                owner = self._owner()
-                original = vars(owner).get(self.name)
-                if original is None:
-                    raise RuntimeError(
-                        f"expected torch to define {getattr(owner, '__name__', owner)}.{self.name}, which memfit "
-                        f"replaces in the thread that needs it; found none in torch {torch.__version__}: "
-                        "memfit.device.torch_private needs updating for this torch")
-                self._installed = (owner, original, self._replacement(original))
-                setattr(owner, self.name, self._installed[2])
-            self._users += 1
-        self._here.depth = getattr(self._here, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            self._here.depth -= 1
-            with self._lock:
-                self._users -= 1
-                if self._users == 0:
-                    owner, original, replacement = self._installed
-                    if vars(owner).get(self.name) is replacement:
-                        setattr(owner, self.name, original)
-                    self._installed = None
-
+# ---- replacements of torch functions, scoped to the threads inside them (memfit.device.replacements) ----------------
 
 # torch.export's AOT tracing saves torch's global generators and restores them afterwards
 # (torch/_functorch/aot_autograd.py calls `preserve_rng_state`, from torch/_dynamo/utils.py), which rewinds what other

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
+from memfit.device.replacements import ScopedReplacement
 from memfit.device.torch_private import (
-    ScopedReplacement,
     disable_current_modes,
     op_schema,
     overload_name,
