@@ -46,9 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.device.torch_private import OpOverload, disable_current_modes, op_schema, tree_flatten, tree_unflatten
-
 from memfit.device.kernel_probe import probe_bytes, zeros
+from memfit.device.torch_private import OpOverload, disable_current_modes, op_schema, tree_flatten, tree_unflatten
 
 __all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "forget_measured", "inside_parts", "measured_here", "real_arguments",
            "scratch_bytes", "scratch_ops", "sizes_at", "spec_of"]
