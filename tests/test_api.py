@@ -180,3 +180,92 @@ def test_the_front_door_is_small_and_moved_names_still_resolve_with_a_pointer():
         assert obj is getattr(importlib.import_module(home), name)
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         getattr(memfit, "nonexistent")  # noqa: B009  (the attribute access is the test)
+
+
+# ---- private torch names: in memfit/device/torch_private.py only -----------------------------------------------------
+TORCH_PRIVATE = SRC / "device" / "torch_private.py"
+# private attributes set per instance or on classes not read below: FSDP2's state, groups and params, DDP's hooks, a
+# DTensor's shard, DTensor's sharding lock, a compiled module's original, fx's patcher
+_INSTANCE_PRIVATES = {"_orig_mod", "_get_fsdp_state", "_fsdp_param_groups", "_is_hsdp", "_comm_hooks", "_orig_size",
+                      "_sharded_param_data", "_get_ddp_logging_data", "_local_tensor", "_fake_mode_lock", "_Patcher",
+                      "_modules", "_parameters", "_buffers"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def torch_private_attributes() -> set[str]:
+    """Private attribute names of the torch objects memfit handles (read off them, so one torch adds is seen too)."""
+    import torch
+    x = torch.ones(1, requires_grad=True)
+    objects = [x, torch.UntypedStorage(1), torch.nn.Linear(1, 1), torch.ops.aten.add.Tensor, torch.ops.aten.add,
+               (x * 2).grad_fn, torch.fx.Graph(), torch.fx.Node, torch.fx.GraphModule, torch.Generator(),
+               torch.nn.parallel.DistributedDataParallel, torch.ops.aten.add.Tensor._schema]
+    return _INSTANCE_PRIVATES | {n for o in objects for n in {*dir(o), *getattr(o, "__dict__", ())} if _is_private(n)}
+
+
+def _dotted(node) -> list[str] | None:
+    """["torch", "_C", "_nn"] for `torch._C._nn`; None where the chain does not start at a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+_BY_NAME = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def private_torch_names(path: Path, attributes: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each private torch name the file's code uses: an import of a private torch module or name
+    (`torch._dynamo`, `from torch.utils import _pytree`), an attribute chain from `torch` through a private part
+    (`torch._C._nn`; ATen op names `torch.ops.aten._unsafe_view` are the dispatcher's, not Python's API), a private
+    attribute of a torch object (`t._version`, `op._schema`; on `self`/`cls` it is the class's own), by name in
+    getattr/hasattr/setattr/delattr too. Docstrings and comments are not code."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, f"import {a.name}") for a in node.names
+                    if a.name.split(".")[0] == "torch" and any(map(_is_private, a.name.split(".")))]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            out += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names
+                    if any(map(_is_private, [*node.module.split("."), a.name]))]
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr):
+            chain = _dotted(node)
+            if chain and chain[0] == "torch":
+                if chain[1:2] != ["ops"]:
+                    out.append((node.lineno, ".".join(chain)))
+            elif node.attr in attributes and getattr(node.value, "id", None) not in ("self", "cls"):
+                out.append((node.lineno, f".{node.attr}"))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in _BY_NAME and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in attributes):
+            out.append((node.lineno, f"{node.func.id}(..., {node.args[1].value!r})"))
+    return out
+
+
+def test_private_torch_names_are_named_in_torch_private_only():
+    """Issue 35: 28 modules named private torch APIs; each is now re-exported or wrapped in
+    `memfit.device.torch_private`, where tests/device/test_torch_private.py checks it against the torch installed."""
+    attributes = torch_private_attributes()
+    found = [f"{path.relative_to(SRC.parent)}:{line}: {what}"
+             for path in sorted(SRC.rglob("*.py")) if path != TORCH_PRIVATE
+             for line, what in sorted(set(private_torch_names(path, attributes)))]
+    assert not found, ("private torch names outside memfit/device/torch_private.py (add them there, with a test in "
+                       "tests/device/test_torch_private.py):\n" + "\n".join(found))
+
+
+def test_the_private_name_scan_sees_every_form_and_nothing_else(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import torch\nimport torch._dynamo\nfrom torch.utils import _pytree\nfrom torch._ops import OpOverload\n"
+        "def f(t, op, m, self):\n"
+        "    from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "    a = torch._C._nn.gelu\n    b = torch.nn.modules.batchnorm._BatchNorm\n    c = t._version + op._schema\n"
+        "    d = getattr(op, '_schema', None), hasattr(m, '_get_ddp_logging_data')\n    m._modules['x'] = None\n"
+        "    ok = torch.ops.aten._unsafe_view.default, torch.__version__, self._version, t._own, torch.nn.Linear\n")
+    found = {what for _, what in private_torch_names(probe, torch_private_attributes())}
+    assert found == {"import torch._dynamo", "from torch.utils import _pytree", "from torch._ops import OpOverload",
+                     "from torch._subclasses.fake_tensor import FakeTensorMode", "torch._C._nn", "torch._C",
+                     "torch.nn.modules.batchnorm._BatchNorm", "._version", "._schema", "getattr(..., '_schema')",
+                     "hasattr(..., '_get_ddp_logging_data')", "._modules"}, found

@@ -283,6 +283,24 @@ def test_every_thread_counts_the_free_of_a_block_another_thread_made_inside():
     assert mem.peak >= 1 << 20 and mem.current == 0 and mem.unseen_frees == 1
 
 
+def test_every_thread_is_refused_clearly_where_c10s_flag_cannot_be_reached_and_the_outer_tracker_goes_on(monkeypatch):
+    """c10's flag is read through ctypes from torch's c10 library (libc10.so, libc10.dylib, c10.dll): where that
+    fails, track_memory(every_thread=True) says what failed and what to do, and an enclosing tracker still counts."""
+    import sys
+
+    from memfit.device import torch_private
+    monkeypatch.setattr(torch_private, "_C10_FLAG", {"users": 0, "before": False, "flag": None})
+    monkeypatch.setitem(torch_private._C10_LIBRARY, sys.platform, "libc10.missing")
+    with track_memory() as outer:
+        a = torch.ones(1000)
+        with pytest.raises(RuntimeError, match=r"libc10\.missing.*Measure with every_thread=False"), \
+                track_memory(every_thread=True):
+            pass
+        b = torch.ones(1000)
+    assert (outer.peak, outer.current) == (8000, 8000)
+    del a, b
+
+
 def test_the_collector_frees_no_tensor_unseen_between_two_profilers(monkeypatch):
     """A nested tracker stops the outer one's profiler and starts its own: Python's cycle collector, run in between,
     would free a tensor of a reference cycle where no profiler sees it (here made to run there: a threshold of one

@@ -310,6 +310,22 @@ def test_a_predictions_own_dropout_draws_and_real_ops_under_it_still_run():
     assert set(a.unique().tolist()) == {0.0, 2.0} and 400 < int((a == 0).sum()) < 600
 
 
+def test_every_overload_of_a_random_op_draws_from_a_generator_of_its_own():
+    """The overload taking a generator is found by its arguments, not its name: randint_like(x, low, high)'s is
+    low_generator_dtype, rand(out=)'s generator_out (both drew from torch's generator inside a prediction)."""
+    from memfit.memory.isolation import own_rng
+    x = torch.ones(8)
+    for draw in (lambda: torch.randint_like(x, 0, 10), lambda: torch.rand(8, out=torch.empty(8)),
+                 lambda: torch.randint(0, 5, (8,), out=torch.empty(8, dtype=torch.long)),
+                 lambda: torch.randint(0, 5, (8,)), lambda: torch.normal(x, x), lambda: torch.multinomial(x, 4)):
+        before = torch.get_rng_state()
+        with own_rng():
+            a = draw()
+        with own_rng():
+            b = draw()
+        assert torch.equal(before, torch.get_rng_state()) and torch.equal(a, b)
+
+
 def test_a_training_prediction_passes_its_fake_ops_through_no_rng_mode(monkeypatch):
     """own_rng's dispatch mode is Python on every op it sees: nested once per predicting() and under the fake
     runs it made a training prediction a third slower (3,410 ops through it for an 8-block MLP). Fake sections

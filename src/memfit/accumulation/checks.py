@@ -10,6 +10,7 @@ import torch
 from memfit.accumulation.result import BatchDependentError
 from memfit.batches import batch_slice, batch_tensors, batch_to
 from memfit.budget import check_count
+from memfit.device.torch_private import BatchNormBase, InstanceNormBase, own_children
 
 __all__ = ["batch_dependent_modules", "batch_size", "check_batch_dependence", "check_distributed", "check_micro",
            "ignored_per_sample", "part_of", "terms_differ", "trained_device"]
@@ -49,22 +50,22 @@ def batch_dependent_modules(model: torch.nn.Module) -> list[str]:
         >>> batch_dependent_modules(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)))
         ['1 (BatchNorm1d): normalises by the statistics of the batch it sees']
     """
-    kinds = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+    kinds = (BatchNormBase, InstanceNormBase)
     stack = [model]                   # the usual case, once a step: a plain walk, no names built
     while stack:
         m = stack.pop()
         if m.training and isinstance(m, kinds):
             break
-        stack.extend(c for c in m._modules.values() if c is not None)
+        stack.extend(c for c in own_children(m).values() if c is not None)
     else:
         return []
     out = []
     for name, m in model.named_modules():
         if not m.training:
             continue
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, BatchNormBase):
             out.append(f"{name or 'model'} ({type(m).__name__}): normalises by the statistics of the batch it sees")
-        elif isinstance(m, torch.nn.modules.instancenorm._InstanceNorm) and m.track_running_stats:
+        elif isinstance(m, InstanceNormBase) and m.track_running_stats:
             out.append(f"{name or 'model'} ({type(m).__name__}): its running statistics take one update per "
                        "micro-batch instead of one per batch")
     return out

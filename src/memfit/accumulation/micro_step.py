@@ -25,6 +25,7 @@ import torch
 from memfit.accumulation.checks import part_of
 from memfit.batches import batch_to, forward
 from memfit.budget import halve_after_oom, is_oom
+from memfit.device.torch_private import version_counter
 from memfit.losses import call_loss, class_weighted_mean, count_terms
 from memfit.memory.step import surrounding_autocast
 from memfit.messages import first_line
@@ -106,14 +107,14 @@ def _grad_marks(params: list[torch.nn.Parameter]) -> tuple[list, list]:
     place (which bumps the version), so a changed mark means the parameter received a gradient. (Cheaper
     than hooks: adding and removing one costs about 2.5 us per parameter and step, this 0.15 us.)"""
     grads = list(map(_GRAD, params))
-    return grads, [-1 if g is None else g._version for g in grads]
+    return grads, [-1 if g is None else version_counter(g) for g in grads]
 
 
 def _received(params, marks) -> frozenset:
     """ids of the parameters whose gradient changed since `marks`."""
     grads, versions = marks
     return frozenset(id(p) for p, g, v in zip(params, grads, versions, strict=True)
-                     if p.grad is not g or (g is not None and g._version != v))
+                     if p.grad is not g or (g is not None and version_counter(g) != v))
 
 
 @contextlib.contextmanager

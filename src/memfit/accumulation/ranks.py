@@ -18,6 +18,7 @@ import struct
 import torch
 
 from memfit.accumulation.micro_step import MicroStep
+from memfit.device.torch_private import own_children
 
 __all__ = ["agree_start", "run_rounds", "synchronise"]
 
@@ -90,9 +91,9 @@ def synchronise(ddp: torch.nn.parallel.DistributedDataParallel, params: list[tor
     adds an exact zero to every gradient and fires DDP's hooks. Every rank calls it after the agreement that
     every rank's micro-batches finished, so none can fail inside it and leave the others waiting."""
     model = ddp.module
-    ddp._modules["module"] = _Touch(params)          # DDP.forward calls self.module(...)
+    own_children(ddp)["module"] = _Touch(params)     # DDP.forward calls self.module(...)
     try:
         out = ddp()
     finally:
-        ddp._modules["module"] = model
+        own_children(ddp)["module"] = model
     out.backward()

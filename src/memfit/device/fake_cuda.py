@@ -55,9 +55,16 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+
+from memfit.device.torch_private import (
+    FakeTensorMode,
+    node_input_metadata,
+    node_sequence_nr,
+    read_saved_tensors,
+    storage_key,
+    tree_flatten,
+)
 
 __all__ = ["FakeCudaLog", "Support", "backward_by_nodes", "cuda_fakes", "log_fake_cuda"]
 
@@ -129,7 +136,7 @@ class _LoggingFakeMode(FakeTensorMode):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
             storage = t.untyped_storage()
-            key = storage._cdata
+            key = storage_key(storage)
             if key in self.refs or not storage.nbytes():
                 continue
             ref = _StorageRef(storage, self._freed)
@@ -206,12 +213,10 @@ class _SavedTensors:
         return holder[0]
 
     def of(self, node) -> list:
-        """The holders of `node`'s saved tensors (read through its `_saved_*` attributes)."""
+        """The holders of `node`'s saved tensors (each read once: the unpack hook sees it)."""
         self.reading = []
         try:
-            for name in dir(node):
-                if name.startswith("_saved_") or name == "saved_tensors":   # a C++ node's, a Python Function's
-                    getattr(node, name)
+            read_saved_tensors(node)
             return self.reading
         finally:
             self.reading = None
@@ -222,7 +227,7 @@ class _Ready:
     __slots__ = ("seq", "node")
 
     def __init__(self, node):
-        self.seq, self.node = node._sequence_nr(), node
+        self.seq, self.node = node_sequence_nr(node), node
 
     def __lt__(self, other):               # heapq is a min-heap: the higher sequence number is the "smaller"
         return self.seq > other.seq
@@ -295,7 +300,7 @@ def backward_by_nodes(loss: torch.Tensor, saved: _SavedTensors | None = None) ->
             held = saved.of(node) if saved is not None else []
             outputs = _call(node, inputs)
             del inputs                     # call_function: the inputs go with the call
-            outputs = [None if nxt is None else _validate(g, nxt._input_metadata[slot])   # validate_outputs
+            outputs = [None if nxt is None else _validate(g, node_input_metadata(nxt)[slot])   # validate_outputs
                        for (nxt, slot), g in zip(node.next_functions, outputs, strict=True)]
             for holder in held:            # release_variables: the saved tensors go once the node ran
                 holder[0] = None
@@ -303,7 +308,7 @@ def backward_by_nodes(loss: torch.Tensor, saved: _SavedTensors | None = None) ->
             for i, (nxt, slot) in enumerate(node.next_functions):
                 if nxt is None:
                     continue
-                buf = buffers.setdefault(nxt, [None] * len(nxt._input_metadata))
+                buf = buffers.setdefault(nxt, [None] * len(node_input_metadata(nxt)))
                 if buf[slot] is None:              # InputBuffer::add moves the grad in
                     buf[slot], outputs[i] = outputs[i], None
                 elif outputs[i] is not None:       # accumulate: out of place for a tensor subclass (a fake
@@ -316,7 +321,7 @@ def backward_by_nodes(loss: torch.Tensor, saved: _SavedTensors | None = None) ->
 
 def _call(node, inputs: list) -> tuple:
     if hasattr(node, "apply") and not callable(node):     # a Python Function's node: PyNode materializes grads
-        metas = node._input_metadata
+        metas = node_input_metadata(node)
         inputs = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
                   for g, m in zip(inputs, metas, strict=True)]
         out = node.apply(*inputs)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from memfit.device.torch_private import storage_key, tree_flatten
+
 __all__ = ["arguments_key", "forget", "inside_bytes", "probe_bytes", "zeros"]
 
 _BYTES: dict = {}        # (kernel, arguments_key, threads) -> bytes measured beyond the outputs
@@ -30,7 +32,6 @@ _WARM: set = set()       # (kernel, its tensor arguments' dtypes, threads) run o
 
 
 def _leaves(tree) -> list:
-    from torch.utils._pytree import tree_flatten
     return tree_flatten(tree)[0]
 
 
@@ -59,7 +60,7 @@ def inside_bytes(kernel, args, kwargs) -> int:
         _WARM.add(first)
     with track_memory("cpu") as mem:
         out = kernel(*args, **kwargs)
-    outs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+    outs = {storage_key(t.untyped_storage()): t.untyped_storage().nbytes()
             for t in _leaves(out) if isinstance(t, torch.Tensor)}
     return max(0, mem.peak - sum(outs.values()))
 

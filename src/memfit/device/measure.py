@@ -42,8 +42,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from memfit.device.torch_private import (
+    ProfilerEventType,
+    TorchDispatchMode,
+    cpu_total_kept_for_every_thread,
+    profiler_running,
+    storage_key,
+    tree_flatten,
+)
 
 __all__ = ["MemoryTrace", "held_bytes", "reset_cuda_peak", "track_memory", "track_op_outputs", "unique_bytes"]
 
@@ -101,7 +108,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     except (RuntimeError, NotImplementedError):      # sparse or wrapper tensors own no plain storage
         return None
     # the storage object's own address, not its data pointer: fake tensors (memfit.memory.step_model) have none
-    return (s._cdata, s.nbytes()) if s.nbytes() else None
+    return (storage_key(s), s.nbytes()) if s.nbytes() else None
 
 
 def unique_bytes(tensors) -> int:
@@ -255,13 +262,12 @@ def _op_path(e) -> str:
 
 def _raw_events(result) -> list[tuple[int, int, int, str, int]]:
     """(time ns, bytes, allocator total after, ops, address) of the CPU allocator's events, in time order."""
-    from torch._C._profiler import _EventType
     out = []
     stack = list(reversed(result.experimental_event_tree()))
     while stack:                                      # depth first, in recorded order
         e = stack.pop()
         kind, extra = e.typed
-        if kind == _EventType.Allocation:
+        if kind == ProfilerEventType.Allocation:
             if extra.device.type == "cpu":
                 out.append((e.start_time_ns, extra.alloc_size, extra.total_allocated, _op_path(e.parent), extra.ptr))
         else:
@@ -313,21 +319,6 @@ def _blocks_live(known: dict[int, int], raw) -> dict[int, int]:
     return live
 
 
-@contextmanager
-def _every_thread_counted():
-    """Have the CPU allocator's reporter keep its running total for every thread, not only the profiled one
-    (c10's flag `caffe2_report_cpu_memory_usage`): another thread frees tensors this one allocated (gloo's
-    worker drops a collective's tensors), or allocates its own, and the total then counts them."""
-    import ctypes
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
-    before, flag.value = flag.value, True
-    try:
-        yield
-    finally:
-        flag.value = before
-
-
 class track_memory:  # noqa: N801  (used as a context manager, reads like a function)
     """Context manager measuring the bytes the allocator serves inside it on `device`, above the start.
 
@@ -341,7 +332,9 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
             process holds when other threads allocate or free its tensors (a process group's worker threads).
             Every free there counts by c10's size, so a block allocated before the `with` and freed inside may
             count with the size of another block that sat at its address under an earlier profiler: start the
-            `with` before the measured code's tensors are made (as `measure_rank_step` does).
+            `with` before the measured code's tensors are made (as `measure_rank_step` does). It sets c10's
+            flag `caffe2_report_cpu_memory_usage` while open (`memfit.device.torch_private`); where that cannot be
+            reached it raises RuntimeError saying what failed.
     """
 
     def __init__(self, device="cpu", *, every_thread: bool = False):
@@ -378,16 +371,16 @@ class track_memory:  # noqa: N801  (used as a context manager, reads like a func
             raise ValueError(f"track_memory measures 'cpu' or 'cuda', found device {dev}; "
                              "use track_op_outputs for an op-output count on other devices")
         stack = _active.__dict__.setdefault("stack", [])
-        if not stack and torch._C._autograd._profiler_enabled():
+        if not stack and profiler_running():
             raise RuntimeError("track_memory on the CPU needs the profiler, which is already running (a "
                                "torch.profiler.profile around it); measure outside the profiled block")
+        if self.every_thread:                         # first: a refusal leaves every tracker as it was
+            self._flag = cpu_total_kept_for_every_thread()
+            self._flag.__enter__()
         with _no_collection(stack):
             if stack:
                 stack[-1]._stop()                     # paused: the profiler runs once at a time
                 self._known = _blocks_live(stack[-1]._known, stack[-1]._raw)
-            if self.every_thread:
-                self._flag = _every_thread_counted()
-                self._flag.__enter__()
             self._start()
         stack.append(self)
         return self.trace

@@ -49,9 +49,9 @@ import types
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
+
+from memfit.device.torch_private import FakeTensor, tree_flatten
 
 __all__ = ["caches_back", "caches_off", "candidate_blocks", "checkpointed", "install", "uninstall"]
 

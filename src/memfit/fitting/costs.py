@@ -40,12 +40,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from memfit.batches import forward
+from memfit.device.torch_private import FakeTensorMode, TorchDispatchMode, in_backward, reparametrized, tree_flatten
 from memfit.fitting.search import Cost
 from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, timing_device, unsteady
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
@@ -101,10 +99,10 @@ class _Counter(TorchDispatchMode):
         if func is torch.ops.aten.detach.default and args and args[0] is self.unpacked:
             self.unpacked = None
             return out
-        formula = flop_registry.get(func._overloadpacket)
+        formula = flop_registry.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         written = float(sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
-        backward = torch._C._current_graph_task_id() != -1
+        backward = in_backward()
         inside = frozenset(self.open) if self.open and not backward else frozenset()
         view = func.is_view or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten._unsafe_view)
         phase = ("backward" if backward else "forward") if self.phase == "step" else self.phase
@@ -113,8 +111,6 @@ class _Counter(TorchDispatchMode):
 
 
 def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None) -> _Counter:
-    from torch.nn.utils.stateless import _reparametrize_module
-
     from memfit.memory.fake_run import _fake_optimizer
     from memfit.memory.isolation import fake_section, predicting, structural_copy
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -139,7 +135,7 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None) -> _C
         # made outside the fake mode: its copy of a real one-element state tensor (Adam's step) must be real
         opt = _fake_optimizer(optimizer, fake_of, mode) if optimizer is not None else None
         stack.enter_context(fake_section(mode))    # own_rng's mode steps aside: nothing draws on fake tensors
-        stack.enter_context(_reparametrize_module(model, fake, tie_weights=True, strict=False))
+        stack.enter_context(reparametrized(model, fake, tie_weights=True, strict=False))
         xs = ExampleBatch(x).at(_len(x), device)
         ys = ExampleBatch(y).at(_len(y), device) if y is not None else None
         with counter:

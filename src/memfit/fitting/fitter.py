@@ -235,7 +235,7 @@ def _targets(module, x, n: int, loss_fn: Callable, target) -> tuple[object, str]
         if is_shape(target):
             note = "target= given as one target's sample shape (float32)"
     # zeros of one target broadcast to n (no bytes allocated; counted as n targets): the search reads shapes only
-    from torch.utils._pytree import tree_map
+    from memfit.device.torch_private import tree_map
     grow = lambda t: torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=device).expand(n, *t.shape[1:]) \
         if isinstance(t, torch.Tensor) else t
     return tree_map(grow, tgt.template), note
@@ -243,15 +243,14 @@ def _targets(module, x, n: int, loss_fn: Callable, target) -> tuple[object, str]
 
 def _grown(batch, n: int):
     """The batch's first sample broadcast to n samples (no bytes allocated; counted as n: the search reads shapes)."""
-    from torch.utils._pytree import tree_map
+    from memfit.device.torch_private import tree_map
     return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
 
 
 def _first_sample(x):
     """x's first sample, copied (the batch is not kept): what the Trainer hand-off tries the model's own loss on."""
-    from torch.utils._pytree import tree_map
-
     from memfit.batches import batch_slice
+    from memfit.device.torch_private import tree_map
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, batch_slice(x, 0, 1))
 
 

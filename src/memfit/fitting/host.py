@@ -134,7 +134,7 @@ def _least(plain, ckpt, sgd, x, device: torch.device, replays: dict, rounds: int
     optimizer step, and each phase's kernels replayed alone (`replays`: phase -> call): each the least over `rounds`
     rounds that run all of them in turn, by `timing.clock` (the least: what another process's turn on the core
     added to a call is not the chain's; in turn: a busy stretch falls on all of them, the chain and its kernels)."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    from memfit.device.torch_private import disable_current_modes
     now = clock(device)
     parts = ["forward", "backward", "checkpointed", "optimizer", *(f"{p} kernels" for p in replays)]
     best = dict.fromkeys(parts, float("inf"))
@@ -149,7 +149,7 @@ def _least(plain, ckpt, sgd, x, device: torch.device, replays: dict, rounds: int
         sgd.step()
         times.append(now())
         per = [1, 1, 1, 1]                      # calls per part: the replays run each kernel several times
-        with _disable_current_modes(), torch.no_grad():
+        with disable_current_modes(), torch.no_grad():
             for run in replays.values():
                 per.append(run())
                 times.append(now())

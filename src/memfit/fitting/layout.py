@@ -37,8 +37,8 @@ import operator
 import weakref
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
+from memfit.device.torch_private import keystr, tree_flatten, tree_flatten_with_path
 from memfit.memory.fingerprint import describe_change, model_state
 
 __all__ = ["ModelChanged", "batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]

@@ -111,8 +111,7 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
     arguments made once per group of at most `group_bytes`: a busy moment of the machine then falls on one sample
     of several kernels rather than on every sample of one (on a loaded VM one convolution timed alone, three
     samples in a row, came out 2.5x its usual time in one process of four)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
+    from memfit.device.torch_private import disable_current_modes
     from memfit.memory.isolation import own_draw
     from memfit.memory.kernel_scratch import real_arguments
     threads = torch.get_num_threads()
@@ -120,7 +119,7 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
     todo = [k for k in asked if (*k, threads, device) not in _SECONDS]
     now = clock(device)
     # every dispatch mode off (the fake one of a counting run, own_rng's): the real kernels
-    with _disable_current_modes(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+    with disable_current_modes(), torch.no_grad(), torch.autocast(device.type, enabled=False):
         while todo:
             group, size = [], 0
             while todo and (not group or size + _arguments_bytes(todo[0]) <= group_bytes):

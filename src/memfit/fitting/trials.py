@@ -37,11 +37,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.accumulation.checks import part_of
 from memfit.batches import forward
 from memfit.budget import is_oom, model_device
+from memfit.device.torch_private import DropoutBase, TorchDispatchMode, own_buffers
 from memfit.fitting.checkpointing import checkpointed
 from memfit.fitting.search import Setting
 from memfit.fitting.timing import clock
@@ -83,10 +83,11 @@ def _copy_for_timing(module: torch.nn.Module) -> torch.nn.Module:
     from memfit.memory.isolation import structural_copy
     copy = structural_copy(module)
     for m in copy.modules():
-        for name, b in list(m._buffers.items()):
+        buffers = own_buffers(m)
+        for name, b in list(buffers.items()):
             if b is not None:
-                m._buffers[name] = b.detach().clone()
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+                buffers[name] = b.detach().clone()
+        if isinstance(m, DropoutBase):
             m.p = 0.0
     return copy
 

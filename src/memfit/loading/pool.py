@@ -30,10 +30,10 @@ from collections.abc import Callable
 import torch
 
 from memfit.compact import CompactDataset, as_words, run_affine
+from memfit.device.torch_private import storage_use_count
 
 __all__ = ["BatchPool", "Decoder"]
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)     # private, present since torch 2.0
 
 # A full batch of more than this many bytes of output is decoded in pieces of 1-2x this size, so that the
 # multiply-add finds what the convert just wrote in the core's L2 cache (2 MiB here; 1-2 MiB on current x86 server
@@ -62,12 +62,12 @@ class BatchPool:
 
     def take_prepared(self, m: int) -> tuple[torch.Tensor, object]:
         """`take(m)`, and what `prepare` made of the whole buffer it is a view of (None without `prepare`)."""
-        if _use_count is None or m > self.rows:
+        if m > self.rows:
             t = torch.empty((m, *self.shape), dtype=self.dtype, device=self.device)
             return t, None if self.prepare is None else self.prepare(t)
         bufs = self._bufs
         for i, (buf, storage, idle, prepared) in enumerate(bufs):
-            if _use_count(storage._cdata) == idle:
+            if storage_use_count(storage) == idle:
                 if i != len(bufs) - 1:
                     bufs.append(bufs.pop(i))             # most recently handed out last
                 return buf[:m], prepared                 # a view: it holds the storage while the batch lives
@@ -79,7 +79,7 @@ class BatchPool:
             t = torch.empty((self.rows, *self.shape), dtype=self.dtype, device=self.device)
             prepared = None if self.prepare is None else self.prepare(t)
         storage = t.untyped_storage()
-        entry = (t, storage, _use_count(storage._cdata), prepared)
+        entry = (t, storage, storage_use_count(storage), prepared)
         self._bufs = bufs[-(self.count - 1):] + [entry] if self.count > 1 else [entry]
         return t[:m], prepared
 

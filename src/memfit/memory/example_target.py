@@ -25,10 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
 
 from memfit.batches import forward
+from memfit.device.torch_private import FakeTensorMode, reparametrized
 from memfit.memory.fake_run import FakeRunError, fake_maker
 from memfit.memory.global_caches import function_caches_kept_real
 from memfit.memory.isolation import fake_section, predicting, structural_copy
@@ -72,7 +71,7 @@ def _output(model: nn.Module, batch: ExampleBatch, device: torch.device, train: 
         if train and not model.training:
             run_model.train()
         fake_named = {k: fake(v) for k, v in named.items()}
-        with fake_section(mode), _reparametrize_module(run_model, fake_named, tie_weights=True, strict=False), \
+        with fake_section(mode), reparametrized(run_model, fake_named, tie_weights=True, strict=False), \
                 torch.no_grad():
             return forward(run_model, batch.at(2, device))
 

@@ -17,6 +17,15 @@ from contextlib import contextmanager
 
 import torch
 
+from memfit.device.replacements import ScopedReplacement
+from memfit.device.torch_private import (
+    disable_current_modes,
+    op_schema,
+    overload_name,
+    tree_map,
+    unset_fake_temporarily,
+)
+
 __all__ = ["BOUNDED_IN_BATCH", "REAL_SIZE", "WORKSPACE", "as_real_kernel_takes", "host_tensors_logged", "real_bytes",
            "workspace_bytes"]
 
@@ -52,7 +61,6 @@ def _lstm_workspace_bytes(args, kwargs: dict) -> int:
     a batch m as large as about 0.2 GFLOP allows (2 to 256; a large LSTM still costs two real forwards of the
     layer at batch 1 and 2): the bound w(m) / m * n + w(1) is then affine in n (the fit through the probes
     holds at every size) and never below the real workspace."""
-    from torch.utils._python_dispatch import _disable_current_modes
     func = torch.ops.aten.mkldnn_rnn_layer.default
     x, hidden = args[0], args[10]
     n, steps, width = x.shape[1], x.shape[0], x.shape[2]         # the input comes sequence first
@@ -74,7 +82,7 @@ def _lstm_workspace_bytes(args, kwargs: dict) -> int:
                 return torch.zeros(shape, dtype=a.dtype)
             out = func(*(at(a, i) for i, a in enumerate(args)), **kwargs)[3]
             return 0 if out is None else out.untyped_storage().nbytes()
-        with _disable_current_modes():
+        with disable_current_modes():
             one, big = workspace(1), workspace(m)
         _REAL_BYTES[key] = (-(-big // m), one)              # a whole byte rate: exactly affine in n
     rate, one = _REAL_BYTES[key]
@@ -141,7 +149,7 @@ _BATCH_ARGS = {
     # 48-wide LSTM over 32 steps, uncounted until a step at batch 40 peaked 0.5% above its prediction
     "aten.mkldnn_rnn_layer_backward.default": {0: 1, 5: 0, 6: 0, 7: 1, 8: 0, 9: 0, 10: 1, 11: 0, 12: 0},
 }
-WORKSPACE = {op: _BATCH_ARGS[f"aten.{op._schema.name[6:]}.{op._overloadname}"]
+WORKSPACE = {op: _BATCH_ARGS[f"aten.{op_schema(op).name[6:]}.{overload_name(op)}"]
              for op in _overloads(*_BATCH_ARGS)}
 _WORKSPACE_BYTES: dict = {}      # (op, argument shapes, strides, dtypes and values) -> (constant, batch part)
 # oneDNN's RNN: workspace parts rounded up, not affine in the batch
@@ -185,9 +193,6 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
     from memfit.device.kernel_probe import arguments_key, probe_bytes
     key = (func, arguments_key(args, kwargs), torch.get_num_threads())
     if key not in _WORKSPACE_BYTES:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torch.utils._pytree import tree_map
-
         def real(a):
             if not isinstance(a, torch.Tensor):
                 return a
@@ -262,35 +267,28 @@ def _rnn_backward_at(args: list) -> list:
 # the block's backward is done) and one more around each recomputation (`fork_rng`). On the CPU they are the
 # device's bytes: a plan checkpointing 2 blocks of a small MLP peaked 5 KiB (5.4%) above its prediction.
 _HOST = threading.local()           # `.record`: where this thread's fake run logs them (None: not logged)
-_PATCH = {"users": 0, "original": None}
-_PATCH_LOCK = threading.Lock()
 
 
-def _get_rng_state() -> torch.Tensor:
-    state = _PATCH["original"]()
+def _logged(get_rng_state) -> torch.Tensor:
+    state = get_rng_state()
     record = getattr(_HOST, "record", None)
     if record is not None:
         record("<torch.get_rng_state>", state)
     return state
 
 
+_GET_RNG_STATE = ScopedReplacement(lambda: torch, "get_rng_state", _logged)
+
+
 @contextmanager
 def host_tensors_logged(record: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
     """Inside the block, every `torch.get_rng_state()` on this thread is handed to record(name, state) as it is
     made: a fake run logs it as an op's output (freed when the last reference to it goes, as for real).
-    `torch.get_rng_state` is wrapped while any thread is inside such a block; other threads' calls pass
-    through unlogged."""
-    with _PATCH_LOCK:
-        if _PATCH["users"] == 0:
-            _PATCH["original"] = torch.get_rng_state
-            torch.get_rng_state = _get_rng_state
-        _PATCH["users"] += 1
+    `torch.get_rng_state` is replaced while any thread is inside such a block, for the threads inside only
+    (`ScopedReplacement`: other threads' calls are torch's own; put back when the last leaves)."""
     outer, _HOST.record = getattr(_HOST, "record", None), record
     try:
-        yield
+        with _GET_RNG_STATE.active():
+            yield
     finally:
         _HOST.record = outer
-        with _PATCH_LOCK:
-            _PATCH["users"] -= 1
-            if _PATCH["users"] == 0:
-                torch.get_rng_state = _PATCH["original"]

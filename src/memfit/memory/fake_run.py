@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.batches import forward
 from memfit.device.allocators import rounder
 from memfit.device.measure import _storage_key, optimizer_state, unique_bytes
+from memfit.device.torch_private import FakeTensorMode, foreach_by_default, reparametrized
 from memfit.memory.fake_kernels import (
     host_tensors_logged,
 )
@@ -68,14 +68,13 @@ def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
             return mode.fake_tensor_converter.from_real_tensor(mode, v.detach().clone(), make_constant=True)
         return fake(v) if isinstance(v, torch.Tensor) else copy.copy(v)
 
-    from torch.optim.optimizer import _default_to_fused_or_foreach
     opt = copy.copy(optimizer)
     opt.param_groups = []
     for g in optimizer.param_groups:
         group = {**g, "params": [fake(p) for p in g["params"]]}
         if group.get("foreach") is None and not group.get("fused"):
             # the default picks the multi-tensor kernels for real CUDA tensors, never for fake ones: say it
-            group["foreach"] = _default_to_fused_or_foreach(g["params"], differentiable=False, use_fused=False)[1]
+            group["foreach"] = foreach_by_default(g["params"])
         opt.param_groups.append(group)
     opt.state = defaultdict(dict, {fake(p): {k: state(v) for k, v in st.items()} for p, st in optimizer.state.items()})
     return opt
@@ -118,8 +117,6 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
     `memfit.memory.fit.with_step` puts it in).
     `mode` and `fakes` (id of a real tensor -> its fake) are shared by the runs of one prediction: the fake
     mode's op cache then serves the ops whose shapes do not depend on the batch."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
     model, batch, target, optimizer, device = spec.model, spec.batch, spec.target, spec.optimizer, spec.device
     train, grads_held = spec.train, spec.grads_held
     fake = fake_maker(mode, device, fakes)
@@ -143,7 +140,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
             opt = _fake_optimizer(optimizer, fake, mode) if optimizer is not None else None
             if train and not model.training:   # asked about training a model in eval mode: all of it trains;
                 run_model.train()              # a training model's modules keep their modes (a frozen BatchNorm)
-            with fake_section(mode), _reparametrize_module(run_model, fake_named, tie_weights=True, strict=False):
+            with fake_section(mode), reparametrized(run_model, fake_named, tie_weights=True, strict=False):
                 if grads_held:                 # made before the log starts: held, as the parameters are
                     trainable = {id(p): p for p in fake_named.values()
                                  if isinstance(p, torch.nn.Parameter) and p.requires_grad}.values()

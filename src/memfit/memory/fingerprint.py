@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 import memfit.memory.fingerprint_check as check  # `Quick`: the quick check built beside the value
+from memfit.device.torch_private import own_buffers, own_children, own_parameters
 from memfit.memory.model_value import _EMPTY, _EXACT, _OWN, State, _held, _tensor, _value
 
 __all__ = ["State", "describe_change", "model_state"]
@@ -43,10 +44,11 @@ def model_state(model: torch.nn.Module) -> State:
     modules = list(model.modules())
     quick = check.Quick(modules)
     held.entries = tuple((_held(m, held), m.training,
-                          tuple(_tensor(t, held) for t in (*m._parameters.values(), *m._buffers.values())
+                          tuple(_tensor(t, held) for t in (*own_parameters(m).values(), *own_buffers(m).values())
                                 if t is not None),
                           _attributes(vars(m), seen, held, quick, i), _held(type(m), held),
-                          (tuple(m._modules), tuple(m._parameters), tuple(m._buffers)))   # names: `self.a` reads one
+                          # names: `self.a` reads one
+                          (tuple(own_children(m)), tuple(own_parameters(m)), tuple(own_buffers(m))))
                          for i, m in enumerate(modules))
     held.quick = quick.done(model, modules)
     return held
@@ -114,8 +116,8 @@ _MISSING = object()
 
 def _tensor_change(name: str, m: torch.nn.Module, old: tuple, new: tuple) -> str:
     prefix = f"{name}." if name else ""
-    kinds = [(k, "parameter") for k, t in m._parameters.items() if t is not None] + \
-        [(k, "buffer") for k, t in m._buffers.items() if t is not None]
+    kinds = [(k, "parameter") for k, t in own_parameters(m).items() if t is not None] + \
+        [(k, "buffer") for k, t in own_buffers(m).items() if t is not None]
     if len(old) != len(new):
         return f"parameters or buffers of {name or 'the model'} were added or removed ({len(old)} then, {len(new)} now)"
     for (k, kind), a, b in zip(kinds, old, new, strict=True):

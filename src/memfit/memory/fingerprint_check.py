@@ -28,6 +28,7 @@ import weakref
 import torch
 
 import memfit.memory.model_value as fp  # the value's pieces (`_value`, `State`)
+from memfit.device.torch_private import MODULE_DICTS, dict_version_reader, own_children
 
 __all__ = ["Quick"]
 
@@ -295,7 +296,7 @@ class Quick:
                 and all(fp._value(got[j][k], 1, seen, scratch) == was for j, k, was in self.config_deep))
 
 
-_OWNED = ("_modules", "_parameters", "_buffers")
+_OWNED = MODULE_DICTS
 
 
 class _Holder:
@@ -311,7 +312,7 @@ def _dict_version():
     where it does not behave so on this interpreter (checked once on dicts of its own): `Quick` then compares in
     full every time."""
     try:
-        from torch._C._dynamo.guards import dict_version
+        dict_version = dict_version_reader()
         d, other = {"a": 1}, {"a": 1}
         seen = [dict_version(d), dict_version(other)]
         for write in (lambda: d.__setitem__("a", 2), lambda: d.__setitem__("b", 1), lambda: d.__delitem__("b"),
@@ -406,7 +407,7 @@ def _walk(model: torch.nn.Module) -> list[torch.nn.Module]:
             continue
         seen.add(id(m))
         out.append(m)
-        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+        stack.extend(reversed([c for c in own_children(m).values() if c is not None]))
     return out
 
 

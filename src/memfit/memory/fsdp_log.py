@@ -30,8 +30,19 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten
 
+from memfit.device.torch_private import (
+    base_storage_resize,
+    fsdp_collectives,
+    fsdp_param_group,
+    fsdp_param_shard,
+    fsdp_param_size,
+    local_tensor,
+    set_sharding_fake_mode_lock,
+    sharding_fake_mode_lock,
+    storage_key,
+    tree_flatten,
+)
 from memfit.memory.kinds import MemoryKind
 from memfit.memory.storage_log import StorageLog
 from memfit.memory.world_scaling import Scaled
@@ -43,7 +54,7 @@ K = MemoryKind
 
 def _rows(fsdp_param) -> tuple[int, int]:
     """(rows, elements per row) of a parameter FSDP2 shards on dim 0."""
-    size = fsdp_param._orig_size
+    size = fsdp_param_size(fsdp_param)
     return size[0], math.prod(size[1:])
 
 
@@ -105,7 +116,7 @@ class RankLog(StorageLog):
     def _scale(self, func, new, out, args, kwargs) -> None:
         """The `Scaled` of storages `func` allocated inside a collective or in the optimizer's step."""
         outs = tree_flatten(out)[0]
-        made = {t.untyped_storage()._cdata: (i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor)}
+        made = {storage_key(t.untyped_storage()): (i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor)}
         for key, nbytes in new:
             aid, (i, t) = self.alloc_of.get(key), made.get(key, (None, None))
             if aid is None or t is None:
@@ -139,7 +150,7 @@ class RankLog(StorageLog):
         found = set()
         for a in tree_flatten(leaves)[0]:
             if isinstance(a, torch.Tensor) and a.numel() == numel:
-                rows = self.shard_at.get(a.untyped_storage()._cdata, {}).get(a.storage_offset())
+                rows = self.shard_at.get(storage_key(a.untyped_storage()), {}).get(a.storage_offset())
                 if rows is not None:
                     found.add(rows)
         return Scaled(itemsize, False, (found.pop(),)) if len(found) == 1 else None
@@ -147,10 +158,10 @@ class RankLog(StorageLog):
     def note_shards(self, tensors_and_params) -> None:
         """Tensors that are (or are like) rank 0's shard of a parameter: (tensor, FSDPParam) pairs."""
         for t, fp in tensors_and_params:
-            t = getattr(t, "_local_tensor", t)
+            t = local_tensor(t)
             rows, inner = _rows(fp)
             if isinstance(t, torch.Tensor) and t.numel() == -(-rows // self.world) * inner:
-                self.shard_at.setdefault(t.untyped_storage()._cdata, {})[t.storage_offset()] = (rows, inner)
+                self.shard_at.setdefault(storage_key(t.untyped_storage()), {})[t.storage_offset()] = (rows, inner)
 
     def read_off(self, fsdp_params, optimizer) -> None:
         """The `Scaled` of what FSDP2 keeps per parameter (the padded shard, the all-gather outputs that hold the
@@ -159,15 +170,16 @@ class RankLog(StorageLog):
         for fp in fsdp_params:
             rows = _rows(fp)
             if fp.padded_sharded_param_size.numel() != -(-rows[0] // self.world) * rows[1]:
-                self.unscalable.append(f"a parameter of {tuple(fp._orig_size)} sharded other than on dim 0")
-            for t, whole in ((fp._sharded_param_data, False), *((o, True) for o in fp.all_gather_outputs)):
-                if (aid := self.alloc_of.get(t.untyped_storage()._cdata)) is not None:
+                self.unscalable.append(f"a parameter of {tuple(fsdp_param_size(fp))} sharded other than on dim 0")
+            for t, whole in ((fsdp_param_shard(fp), False), *((o, True) for o in fp.all_gather_outputs)):
+                if (aid := self.alloc_of.get(storage_key(t.untyped_storage()))) is not None:
                     self.scaled[aid] = Scaled(t.element_size(), whole, (rows,))
             for name, v in state.get(fp.sharded_param, {}).items():
-                v = getattr(v, "_local_tensor", v)
-                if not isinstance(v, torch.Tensor) or (aid := self.alloc_of.get(v.untyped_storage()._cdata)) is None:
+                v = local_tensor(v)
+                if not isinstance(v, torch.Tensor) or \
+                        (aid := self.alloc_of.get(storage_key(v.untyped_storage()))) is None:
                     continue
-                if v.numel() == fp.sharded_param._local_tensor.numel():
+                if v.numel() == local_tensor(fp.sharded_param).numel():
                     self.scaled[aid] = Scaled(v.element_size(), False, (rows,))
                 elif v.numel() > 1:
                     self.must_scale[aid] = f"optimizer state {name!r} of {tuple(v.shape)}, not the shard's shape"
@@ -177,7 +189,7 @@ class RankLog(StorageLog):
         self._sync()
 
     def resized(self, storage, old: int, new: int) -> None:
-        key = storage._cdata
+        key = storage_key(storage)
         if key not in self.live:                      # a storage made before (or emptied before) the log saw it
             self.live[key] = old
             self._watch(storage, key)
@@ -189,8 +201,8 @@ class RankLog(StorageLog):
 
     def retag(self, tensors, kind: K) -> None:
         for t in tensors:
-            t = getattr(t, "_local_tensor", t)        # a DTensor's local shard
-            if isinstance(t, torch.Tensor) and (aid := self.alloc_of.get(t.untyped_storage()._cdata)) is not None:
+            t = local_tensor(t)                       # a DTensor's local shard
+            if isinstance(t, torch.Tensor) and (aid := self.alloc_of.get(storage_key(t.untyped_storage()))) is not None:
                 self.kind[aid] = kind
 
     def transient(self, nbytes: int, what: str, at=None) -> None:
@@ -256,7 +268,7 @@ def gloo_copies(log: RankLog):
 def tagging(log: RankLog):
     """Wrap FSDP2's all-gather, copy-out and reduction to tag what they allocate and to say which unit's
     parameters they work on (`RankLog.group`), and log storage resizes."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+    group = fsdp_param_group()
     names = {"foreach_all_gather": (K.COMMUNICATION, 0), "foreach_all_gather_copy_out": (K.UNSHARDED_PARAMETERS, 1),
              "foreach_reduce": (K.COMMUNICATION, 0)}          # the tag, and where the FSDPParams are in the call
     missing = [n for n in names if not hasattr(group, n)]
@@ -283,17 +295,16 @@ def tagging(log: RankLog):
 
     def resize(storage, size):
         old = storage.nbytes()
-        out = torch._C.StorageBase.resize_(storage, size)
-        if isinstance(storage._cdata, int):       # every storage here is the run's (a fake one is on meta)
+        out = base_storage_resize(storage, size)
+        if isinstance(storage_key(storage), int):       # every storage here is the run's (a fake one is on meta)
             before, log.tag = log.tag, log.tag or K.UNSHARDED_PARAMETERS
             log.resized(storage, old, storage.nbytes())
             log.tag = before
         return out
 
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    collectives = fsdp_collectives()
     copy_in = collectives.foreach_reduce_scatter_copy_in
-    lock = ShardingPropagator._fake_mode_lock
+    lock = sharding_fake_mode_lock()
 
     def padded_copy_in(unsharded_grads, reduce_scatter_input, world_size):
         shapes = [_grad_rows(g) for g in unsharded_grads]
@@ -308,13 +319,13 @@ def tagging(log: RankLog):
     for n, fn in originals.items():
         setattr(group, n, tagged(n, fn))
     collectives.foreach_reduce_scatter_copy_in = padded_copy_in
-    ShardingPropagator._fake_mode_lock = _Unlogged(log, lock)
+    set_sharding_fake_mode_lock(_Unlogged(log, lock))
     torch.UntypedStorage.resize_ = resize
     try:
         yield
     finally:
         del torch.UntypedStorage.resize_
-        ShardingPropagator._fake_mode_lock = lock
+        set_sharding_fake_mode_lock(lock)
         collectives.foreach_reduce_scatter_copy_in = copy_in
         for n, fn in originals.items():
             setattr(group, n, fn)

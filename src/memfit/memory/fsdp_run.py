@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from memfit.device.measure import optimizer_state
+from memfit.device.torch_private import fake_store, fsdp_param_groups
 from memfit.memory.fsdp_log import RankLog, gloo_copies, tagging
 from memfit.memory.kinds import MemoryKind
 from memfit.memory.step import ExampleBatch, training_step
@@ -74,13 +75,12 @@ def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _fake_group(world_size: int, rank: int):
     """A default process group of torch's fake backend for the `with` block, and a CPU mesh over it."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise RuntimeError("a per-rank memory model of FSDP2 runs under a fake process group of its own, but a "
                            "process group is already initialised here; build the memory model before "
                            "dist.init_process_group (or in a process without one)")
     hook = sys.excepthook      # init_process_group wraps it to prefix "[rank0]: " to every later traceback
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
@@ -185,8 +185,8 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 for m in chosen:
                     fully_shard(m, **kw)
                 fully_shard(fake, **kw)
-                groups = [g for m in [*chosen, fake] for g in m._get_fsdp_state()._fsdp_param_groups]
-                meshes = sum(1 for m in [*chosen, fake] if m._get_fsdp_state()._fsdp_param_groups)
+                groups = [g for m in [*chosen, fake] for g in fsdp_param_groups(m)]
+                meshes = sum(1 for m in [*chosen, fake] if fsdp_param_groups(m))
                 sharded = [fp for g in groups for fp in g.fsdp_params]
                 log.tag = None
                 if not fake.training:

@@ -12,7 +12,9 @@ rewound what another thread drew meanwhile), and it runs one prediction at a tim
 tracing machinery keeps global state).
 `tracer_patches_this_thread_only()` is around `torch.export`: its fx tracer replaces `torch.nn.Module.__call__`
 and `__getattr__` for the whole process while it traces, which would route another thread's plain forward of
-any model into the trace.
+any model into the trace. Both replacements of torch functions this needs (fx's patches, and AOT tracing's save and
+restore of torch's generators, skipped inside `own_rng`) act in the predicting thread only and are put back when it
+leaves (`memfit.device.torch_private.ScopedReplacement`).
 
 Known limitations: a module reached only through a plain attribute (not a submodule, not in a dict or list
 attribute) is shared with the user's, not copied; `evaluate` still puts the user's model in eval mode for its
@@ -33,17 +35,26 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import threading
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.device.torch_private import (
+    MODULE_DICTS,
+    FakeTensor,
+    FakeTensorMode,
+    TorchDispatchMode,
+    aot_rng_not_saved,
+    current_dispatch_mode,
+    op_schema,
+    own_children,
+    pop_mode_temporarily,
+    tracer_patches_this_thread_only,
+)
 
 __all__ = ["fake_section", "kept_rng", "own_draw", "own_rng", "predicting", "structural_copy",
            "tracer_patches_this_thread_only"]
@@ -73,17 +84,24 @@ _RANDOM: dict = {}                # aten op -> the overload to call with a gener
 
 
 def _with_generator(func):
-    """The overload of `func` that draws from a given generator (rand.default -> rand.generator), `func` itself
-    when it takes one (bernoulli_, normal_, ...), `_DROPOUT` for native_dropout, None when it draws nothing.
-    Worked out once per op: every op of a prediction passes here."""
+    """The overload of `func` that draws from a given generator: the one of its packet taking `func`'s arguments
+    plus a `generator` (rand.default -> rand.generator, rand.out -> rand.generator_out, randint_like.low_dtype ->
+    randint_like.low_generator_dtype), `func` itself when it takes one (bernoulli_, normal_, ...), `_DROPOUT` for
+    native_dropout, None when it draws nothing. Worked out once per op: every op of a prediction passes here."""
     if func not in _RANDOM:
+        names = [a.name for a in op_schema(func).arguments]
+        found = None
         if func.overloadpacket is torch.ops.aten.native_dropout:
             found = _DROPOUT
-        elif any(a.name == "generator" for a in func._schema.arguments):
+        elif "generator" in names:
             found = func
         else:
-            name = "generator" if func._overloadname == "default" else f"{func._overloadname}_generator"
-            found = getattr(func.overloadpacket, name) if name in func.overloadpacket.overloads() else None
+            for name in func.overloadpacket.overloads():
+                other = getattr(func.overloadpacket, name)
+                taken = [a.name for a in op_schema(other).arguments]
+                if "generator" in taken and [a for a in taken if a != "generator"] == names:
+                    found = other
+                    break
         _RANDOM[func] = found
     return _RANDOM[func]
 
@@ -132,32 +150,18 @@ def own_draw(func, args, kwargs):
 _THIS_THREAD = threading.local()      # .own: this thread is inside own_rng
 
 
-def _not_rewound_here():
-    """torch.export's AOT tracing saves torch's global generator and restores it afterwards
-    (`preserve_rng_state`), which rewinds what other threads drew meanwhile. Inside own_rng, where nothing draws
-    from it, that save and restore is skipped (in this thread only; elsewhere it is torch's)."""
-    from torch._functorch import aot_autograd
-    original = aot_autograd.preserve_rng_state
-    if getattr(original, "_memfit", False):
-        return
-
-    def preserve_rng_state():
-        return contextlib.nullcontext() if getattr(_THIS_THREAD, "own", False) else original()
-    preserve_rng_state._memfit = True
-    aot_autograd.preserve_rng_state = preserve_rng_state
-
-
 @contextmanager
 def own_rng() -> Iterator[None]:
     """Inside, this thread's random ops draw from generators of their own (`_OwnGenerators`): torch's CPU and
-    CUDA generators are neither advanced nor restored, so what any other thread draws is unchanged."""
-    _not_rewound_here()
+    CUDA generators are neither advanced nor restored, so what any other thread draws is unchanged. torch.export's
+    AOT tracing, which saves torch's generators and restores them afterwards (rewinding what other threads drew
+    meanwhile), skips that in this thread only (`aot_rng_not_saved`)."""
     if getattr(_THIS_THREAD, "own", False):   # nested (a prediction's fake run): the outer mode serves it; a
         yield                                 # second one would pass every op through Python once more
         return
     _THIS_THREAD.own = True
     try:
-        with _OwnGenerators():
+        with aot_rng_not_saved(), _OwnGenerators():
             yield
     finally:
         _THIS_THREAD.own = False
@@ -170,12 +174,11 @@ def fake_section(mode: FakeTensorMode) -> Iterator[FakeTensorMode]:
     on real tensors runs on their fakes, and no random op is constant-folded (`nondeterministic_seeded`). The
     ops then pass through one Python dispatch mode, not two (own_rng made a training prediction a third
     slower)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
-    if not isinstance(_get_current_dispatch_mode(), _OwnGenerators):
+    if not isinstance(current_dispatch_mode(), _OwnGenerators):
         with mode:
             yield mode
         return
-    with _pop_mode_temporarily(), mode:
+    with pop_mode_temporarily(), mode:
         yield mode
 
 
@@ -203,38 +206,13 @@ def structural_copy(model: torch.nn.Module) -> torch.nn.Module:
         return types.MethodType(v.__func__, own) if own is not None else v
 
     for c in copies.values():
-        for name, sub in c._modules.items():
+        children = own_children(c)
+        for name, sub in children.items():
             if sub is not None:
-                c._modules[name] = copies[id(sub)]
+                children[name] = copies[id(sub)]
         for k, v in vars(c).items():
-            if isinstance(v, dict) and k not in ("_parameters", "_buffers", "_modules"):
+            if isinstance(v, dict) and k not in MODULE_DICTS:
                 v.update({key: rebound(f) for key, f in v.items() if isinstance(f, types.MethodType)})
             elif isinstance(v, types.MethodType):
                 c.__dict__[k] = rebound(v)
     return copies[id(model)]
-
-
-@contextmanager
-def tracer_patches_this_thread_only() -> Iterator[None]:
-    """Around `torch.export` (and any fx trace) in this thread: a method torch's fx tracer patches on a class
-    (`torch.nn.Module.__call__`, `__getattr__`) keeps its original behaviour in every other thread, whose
-    plain forwards then neither go into the trace nor break it."""
-    from torch.fx import _symbolic_trace as st
-    owner = threading.get_ident()
-    original = st._Patcher.patch_method
-
-    def patch_method(self, cls, name, new_fn, deduplicate: bool = True):
-        if threading.get_ident() != owner:              # another thread's own trace: as torch does it
-            return original(self, cls, name, new_fn, deduplicate)
-        before = getattr(cls, name)
-
-        @functools.wraps(new_fn)
-        def this_thread_only(*args, **kwargs):
-            return (new_fn if threading.get_ident() == owner else before)(*args, **kwargs)
-        return original(self, cls, name, this_thread_only, deduplicate)
-
-    st._Patcher.patch_method = patch_method
-    try:
-        yield
-    finally:
-        st._Patcher.patch_method = original

@@ -45,9 +45,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit.device.kernel_probe import probe_bytes, zeros
+from memfit.device.torch_private import OpOverload, disable_current_modes, op_schema, tree_flatten, tree_unflatten
 
 __all__ = ["ArgSpec", "ScratchOp", "batch_sizes", "forget_measured", "inside_parts", "measured_here", "real_arguments",
            "scratch_bytes", "scratch_ops", "sizes_at", "spec_of"]
@@ -73,7 +73,7 @@ def measured_here(func, args, kwargs) -> bool:
     """Whether `func` on these arguments is one whose scratch is measured: a half-precision floating tensor among
     them, or floating tensors of more than one dtype; and outputs that are new storages (a view or an in-place
     op of the optimizer allocates nothing)."""
-    if not isinstance(func, torch._ops.OpOverload):
+    if not isinstance(func, OpOverload):
         return False
     dtypes = set()
     for a in (*args, *(kwargs or {}).values()):   # flat: every op of every fake run passes here
@@ -83,7 +83,7 @@ def measured_here(func, args, kwargs) -> bool:
     if not dtypes or (dtypes.isdisjoint(_HALF) and len(dtypes) < 2):
         return False
     if func not in _CHOSEN:
-        schema = func._schema
+        schema = op_schema(func)
         _CHOSEN[func] = not schema.is_mutable and all(r.alias_info is None for r in schema.returns) \
             and any("Tensor" in str(r.type) for r in schema.returns)
     return _CHOSEN[func]
@@ -127,13 +127,12 @@ def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
     """Bytes the real kernel of `func` allocates beyond its outputs' storages, run on zeros of `spec`'s arguments
     (`shapes`: leaf index -> another shape, or another int, for another batch), once per arguments and thread
     count."""
-    from torch.utils._python_dispatch import _disable_current_modes
 
     from memfit.memory.fake_kernels import WORKSPACE, as_real_kernel_takes
     from memfit.memory.isolation import kept_rng
     seeded = torch.Tag.nondeterministic_seeded in func.tags
     # every dispatch mode off (the fake one, own_rng's generators): the real kernel, whoever asks
-    with _disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False), \
+    with disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False), \
             kept_rng() if seeded else nullcontext():
         args, kwargs = real_arguments(spec, shapes)
         if func in WORKSPACE:

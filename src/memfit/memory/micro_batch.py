@@ -27,6 +27,7 @@ from memfit.budget import (
 )
 from memfit.device.allocators import rounder
 from memfit.device.measure import held_bytes
+from memfit.device.torch_private import storage_key
 from memfit.memory.cache import ModelCache
 from memfit.memory.step import autocast_state
 from memfit.messages import first_line, whole_words
@@ -105,7 +106,7 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False)
 
     # the gradients held on entry: those a step in micro-batches of m leaves (the first micro-batch's storages,
     # larger than the parameters' where a gradient is a view of a larger buffer), or the ones held now if larger
-    rounded_storages = {s._cdata: rounded(s.nbytes()) for p in module.parameters() if p.grad is not None
+    rounded_storages = {storage_key(s): rounded(s.nbytes()) for p in module.parameters() if p.grad is not None
                         for s in [p.grad.untyped_storage()]}
     held_now = sum(rounded_storages.values())
     entry = lambda m: max(fit(False).gradient_bytes(min(m, n)), held_now) if entry_grads else 0

@@ -14,10 +14,12 @@ import weakref
 
 import torch
 
+from memfit.device.torch_private import MODULE_DICTS, version_counter
+
 __all__ = ["State"]
 
 _DEREF = weakref.ref.__call__                # a weak reference's object (None once collected)
-_OWN = frozenset({"_parameters", "_buffers", "_modules", "training"})   # listed on their own
+_OWN = frozenset({*MODULE_DICTS, "training"})   # listed on their own
 _PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
 _LONG = 64          # longer containers are compared by identity and length only
 
@@ -98,7 +100,8 @@ def _value(v, depth: int, seen: dict, held: State):
     if issubclass(t, _PLAIN):
         return v
     if issubclass(t, torch.Tensor):      # an inference tensor has no version: it cannot be written in place
-        return "tensor", _held(v, held), _address(v), tuple(v.shape), v.dtype, None if v.is_inference() else v._version
+        return ("tensor", _held(v, held), _address(v), tuple(v.shape), v.dtype,
+                None if v.is_inference() else version_counter(v))
     if issubclass(t, _CONTAINERS):
         if depth > 2 or len(v) > _LONG:
             return t.__name__, _held(v, held), len(v)

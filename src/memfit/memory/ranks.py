@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from memfit.budget import check_count, format_bytes
+from memfit.device.torch_private import ddp_comm_hook, fsdp_param_groups, is_hsdp
 from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import MemoryKind
@@ -365,9 +366,9 @@ def _unwrapped(model: torch.nn.Module, parallel: str, bucket_view: bool | None):
     from torch.distributed.fsdp import FSDPModule
     wrapped = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if wrapped:
-        groups = [g for m in wrapped for g in m._get_fsdp_state()._fsdp_param_groups]
+        groups = [g for m in wrapped for g in fsdp_param_groups(m)]
         offload = any(p.offload_to_cpu for g in groups for p in g.fsdp_params)
-        hsdp = any(g._is_hsdp for g in groups)
+        hsdp = any(is_hsdp(g) for g in groups)
         what = ("CPU offload (CPUOffloadPolicy), which is not modelled" if offload else
                 "HSDP (a 2-D mesh: replicate x shard), which is not modelled" if hsdp
                 else "the wrapping already applied")
@@ -389,9 +390,8 @@ def check_ddp_wrapping(ddp) -> None:
                          f"mixed_precision={ddp.mixed_precision}: for lower-precision compute train under "
                          "torch.autocast (predicted with autocast=torch.bfloat16), or use FSDP2 with a "
                          "MixedPrecisionPolicy (parallel='fsdp', mp_policy=)")
-    hook = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
-    if hook or getattr(ddp, "_comm_hooks", None):
-        name = hook or getattr(ddp._comm_hooks[0][0], "__qualname__", "a hook")
+    name = ddp_comm_hook(ddp)
+    if name is not None:
         raise ValueError(f"expected a DistributedDataParallel with its default all-reduce; found the comm hook "
                          f"{name}, which is not modelled (what it allocates, e.g. compressed copies of the buckets or "
                          "PowerSGD's state, is not counted): predict the DDP module before register_comm_hook for "

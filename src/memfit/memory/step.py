@@ -22,12 +22,11 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.batches import forward
 from memfit.budget import model_device
 from memfit.device.measure import optimizer_state, unique_bytes
-from memfit.device.torch_private import compiled_inner
+from memfit.device.torch_private import compiled_inner, tree_flatten, tree_map
 from memfit.losses import call_loss
 from memfit.own_loss import is_own, model_loss, no_target
 

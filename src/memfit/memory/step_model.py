@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten
 
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.device.allocators import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
+from memfit.device.torch_private import tree_flatten
 from memfit.memory.cache import ModelCache
 from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_failure import explain_fake_failure

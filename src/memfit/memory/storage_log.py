@@ -11,10 +11,9 @@ from contextlib import contextmanager
 from numbers import Number
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten
 
 from memfit.device.measure import _storage_key
+from memfit.device.torch_private import FakeTensorMode, op_schema, storage_key, tree_flatten
 from memfit.memory.fake_kernels import BOUNDED_IN_BATCH, REAL_SIZE, WORKSPACE, real_bytes, workspace_bytes
 from memfit.memory.kernel_scratch import measured_here, spec_of
 
@@ -32,7 +31,7 @@ class _StorageRef(weakref.ref):
 def _fresh_outputs(func) -> bool:
     """Whether every output of `func` is a new storage: its schema aliases no input (not a view, not in place,
     not out=). `_unsafe_view` is a view whose schema says otherwise."""
-    schema = getattr(func, "_schema", None)
+    schema = op_schema(func)
     return schema is not None and func is not torch.ops.aten._unsafe_view.default \
         and not any(r.alias_info is not None for r in schema.returns)
 
@@ -97,7 +96,7 @@ class StorageLog:
                 s = t.untyped_storage()
             except (RuntimeError, NotImplementedError):   # sparse or wrapper tensors own no plain storage
                 continue
-            key = s._cdata
+            key = storage_key(s)
             if key in self.refs:                          # allocated here, or known to be made outside
                 continue
             nbytes = s.nbytes()

@@ -19,6 +19,7 @@ import warnings
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from memfit.device.torch_private import OpOverload, has_kernel, op_schema
 from memfit.input_mistakes import input_hint
 from memfit.memory.global_caches import function_caches_kept_real
 from memfit.memory.isolation import predicting, structural_copy, tracer_patches_this_thread_only
@@ -123,9 +124,9 @@ def decompositions(device_type: str) -> dict:
     if key is None:
         return table
     for op in list(table):
-        if (isinstance(op, torch._ops.OpOverload) and not op._schema.is_mutable
-                and not any(r.alias_info is not None for r in op._schema.returns)
-                and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)):
+        if (isinstance(op, OpOverload) and not op_schema(op).is_mutable
+                and not any(r.alias_info is not None for r in op_schema(op).returns)
+                and has_kernel(op, key)):
             del table[op]
     return table
 

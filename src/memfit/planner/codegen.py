@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
+from memfit.device.torch_private import op_kernel
 from memfit.planner.graph import Graph, OpRun
 
 __all__ = ["generate"]
@@ -40,7 +41,7 @@ def _callable(op) -> Callable:
         return _CALL_FAST[op]
     if op in _VIEW_FAST:
         return _VIEW_FAST[op]
-    return getattr(op, "_op", op)
+    return op_kernel(op)
 
 
 _PER_CALL = object()      # marks a value known only when the generated function runs

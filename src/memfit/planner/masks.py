@@ -107,7 +107,7 @@ def _one_at(leaf: Node, d: int) -> bool:
 
 def _fake_run(node: Node, target, args, kwargs):
     """The meta value `target` gives on the fake values of `args` (the graph's own fake tensors)."""
-    from torch._guards import detect_fake_mode
+    from memfit.device.torch_private import detect_fake_mode
 
     def val(a):
         if isinstance(a, Node):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
-from torch.utils._pytree import tree_leaves, tree_map
 
+from memfit.device.torch_private import OpOverload, tree_leaves, tree_map
 from memfit.planner.graph import Meta, concrete, meta_value
 
 __all__ = ["BYTE_SECONDS", "CALL_SECONDS", "FLOP_SECONDS", "OpCost"]
@@ -70,7 +70,7 @@ class OpCost:
         from memfit.memory.kernel_scratch import inside_parts
         out = Meta.of(self.out, env).nbytes if isinstance(self.out, torch.Tensor) else 0
         peak, seconds = out + sum(Meta.of(v, env).nbytes for v in self.ins), CALL_SECONDS
-        if not isinstance(self.target, torch._ops.OpOverload):
+        if not isinstance(self.target, OpOverload):
             return peak, seconds
         if self._inside is None:
             self._inside = inside_parts(self.target, meta_value(self.args, ref),

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.device.torch_private import OpOverload, has_kernel, nn_binding, op_kernel, op_schema
+
 __all__ = ["INPLACE", "WHEN_UNREAD", "Lowered", "inplace_candidates", "is_view", "lower", "out_variant",
            "why_not_lowered"]
 
@@ -47,17 +49,17 @@ _FAST = {name: getattr(torch, name) for name in (
     "add", "sub", "mul", "div", "addmm", "mm", "bmm", "baddbmm", "sigmoid", "tanh", "clamp_min", "clamp",
     "clamp_max", "cat", "mean", "sum", "exp", "neg", "rsqrt", "sqrt", "where", "maximum", "minimum",
     "index_select", "pow", "amax")}
-_FAST.update({name: getattr(torch._C._nn, name) for name in (
+_FAST.update({name: nn_binding(name) for name in (
     "hardtanh", "gelu", "silu", "hardswish", "hardsigmoid", "leaky_relu", "avg_pool2d")})
 
 
 def is_view(op) -> bool:
     """True when the op returns a view of (an alias of) one of its inputs."""
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return False
-    if op._schema.name.split("::")[-1] in _EXTRA_VIEWS:
+    if op_schema(op).name.split("::")[-1] in _EXTRA_VIEWS:
         return True
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op_schema(op).returns)
 
 
 def _out_args(schema) -> list[str]:
@@ -82,23 +84,23 @@ def out_variant(op, device_type: str) -> OutVariant | None:
 
     Matching is by signature: the overload whose arguments, less its out arguments, are the op's.
     """
-    if not isinstance(op, torch._ops.OpOverload) or is_view(op):
+    if not isinstance(op, OpOverload) or is_view(op):
         return None
     key = _KERNEL_KEYS.get(device_type)
     if key is None:
         return None
-    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    want = [(a.name, str(a.type)) for a in op_schema(op).arguments]
     packet = op.overloadpacket
     for name in packet.overloads():
         ov = getattr(packet, name)
-        outs = _out_args(ov._schema)
-        if not outs or [(a.name, str(a.type)) for a in ov._schema.arguments if a.name not in outs] != want:
+        outs = _out_args(op_schema(ov))
+        if not outs or [(a.name, str(a.type)) for a in op_schema(ov).arguments if a.name not in outs] != want:
             continue
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(ov.name(), key):
+        if not has_kernel(ov, key):
             return None        # a generated wrapper that allocates and copies: no memory saved
         short = packet.__name__
         fast = len(outs) == 1 and outs[0] == "out" and short in _FAST
-        return OutVariant(ov.name(), _FAST[short] if fast else ov._op, tuple(outs), fast)
+        return OutVariant(ov.name(), _FAST[short] if fast else op_kernel(ov), tuple(outs), fast)
     return None
 
 
@@ -183,17 +185,17 @@ def why_not_lowered(op, device_type: str) -> str:
     if getattr(op, "__name__", "") == "batch_slices":            # planner.sliced.SlicedSegment
         return ("a segment of per-sample ops run in slices of the batch (planner.slicing): its intermediates exist "
                 "for one slice at a time, its output is allocated by torch")
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return "not an ATen op"
     if device_type not in _KERNEL_KEYS:
         return f"nothing runs into the arena on {device_type} (only on cpu and cuda)"
-    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    want = [(a.name, str(a.type)) for a in op_schema(op).arguments]
     packet = op.overloadpacket
     for name in packet.overloads():
         ov = getattr(packet, name)
-        outs = _out_args(ov._schema)
-        if outs and [(a.name, str(a.type)) for a in ov._schema.arguments if a.name not in outs] == want:
-            if not torch._C._dispatch_has_kernel_for_dispatch_key(ov.name(), _KERNEL_KEYS[device_type]):
+        outs = _out_args(op_schema(ov))
+        if outs and [(a.name, str(a.type)) for a in op_schema(ov).arguments if a.name not in outs] == want:
+            if not has_kernel(ov, _KERNEL_KEYS[device_type]):
                 return (f"its out= variant on {device_type} is a wrapper that allocates and copies: "
                         "no memory saved, slower than eager")
             return "its out= variant returns a different number of outputs"
@@ -203,6 +205,6 @@ def why_not_lowered(op, device_type: str) -> str:
 def inplace_candidates(op, args: tuple) -> list[int]:
     """Positions of the arguments an allowlisted elementwise op may overwrite (the first, and the
     second for the commutative binary ops)."""
-    if not isinstance(op, torch._ops.OpOverload) or op.overloadpacket.__name__ not in INPLACE:
+    if not isinstance(op, OpOverload) or op.overloadpacket.__name__ not in INPLACE:
         return []
     return [0, 1] if op.overloadpacket.__name__ in ("add", "mul") and len(args) > 1 else [0]

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memfit.device.torch_private import op_schema
+
 __all__ = ["DP_STATES", "Candidate", "Dag", "best", "candidates", "dag_of", "fixed_reason", "is_valid", "optimal",
            "peak"]
 
@@ -281,7 +283,7 @@ def best(dag: Dag, states: int = DP_STATES) -> Candidate:
 def fixed_reason(graph) -> str:
     """Why the graph's order must be kept ("" when any valid order may run): an op that writes its inputs."""
     for op in graph.ops:
-        schema = getattr(op.node.target, "_schema", None)
+        schema = op_schema(op.node.target)
         if schema is not None and schema.is_mutable:
             return f"{op.node.name} ({op.node.target}) writes its inputs"
     return ""

@@ -16,9 +16,9 @@ import threading
 import warnings
 
 import torch
-from torch.utils import _pytree as pytree
 
 from memfit.budget import format_bytes
+from memfit.device.torch_private import tree_map_only, tree_unflatten
 from memfit.memory.isolation import predicting
 from memfit.planner.capture import as_inputs
 from memfit.planner.captured import Captured, capture_model, input_key
@@ -49,7 +49,7 @@ class _ArenaForward:
                     tensors[r.name] = torch.empty_strided(r.shape, r.stride, dtype=r.dtype, device=device)
         self.fn, self.source = generate(placement.graph, tensors)
         spec = placement.out_spec
-        self.unflatten = (lambda flat: flat[0]) if spec.is_leaf() else (lambda flat: pytree.tree_unflatten(flat, spec))
+        self.unflatten = (lambda flat: flat[0]) if spec.is_leaf() else (lambda flat: tree_unflatten(flat, spec))
         self.checked = False
 
     def run(self, inputs):
@@ -202,7 +202,7 @@ class PlannedModule:
             with torch.no_grad():
                 out = p.run(inputs)
         anchor = torch.zeros((), requires_grad=True)
-        return pytree.tree_map_only(torch.Tensor, lambda t: _NoBackward.apply(t, anchor)
+        return tree_map_only(torch.Tensor, lambda t: _NoBackward.apply(t, anchor)
                                     if t.is_floating_point() else t, out)
 
     forward = __call__

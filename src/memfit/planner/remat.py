@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from memfit.device.torch_private import OpOverload
 from memfit.planner.graph import Meta
 from memfit.planner.ops import is_view
 
@@ -35,7 +36,7 @@ MAX_BYTES = 4096        # the most bytes of one recomputed closure (tensors made
 def _deterministic(target) -> bool:
     """An ATen op that gives the same values every time: not a random draw (`rand`, `bernoulli`, ...) and not
     uninitialised memory (`empty`)."""
-    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded not in target.tags
+    return (isinstance(target, OpOverload) and torch.Tag.nondeterministic_seeded not in target.tags
             and not target.overloadpacket.__name__.startswith(("empty", "new_empty")))
 
 

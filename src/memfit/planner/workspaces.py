@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from memfit.device.torch_private import OpOverload
 from memfit.planner.arena import Buffer
 from memfit.planner.graph import Graph, meta_value
 
@@ -42,7 +43,7 @@ def _replacement_bytes(fn, args: tuple, kwargs: dict) -> int:
 def node_inside_parts(node: Node, env: dict) -> tuple[int, int]:
     """`inside_parts` of a graph node's op at the batch of `env` ((0, 0) where it is no ATen op: a getitem)."""
     from memfit.memory.kernel_scratch import inside_parts
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, OpOverload):
         return 0, 0
     return inside_parts(node.target, tuple(meta_value(a, env) for a in node.args),
                         {k: meta_value(v, env) for k, v in node.kwargs.items()})
@@ -67,7 +68,7 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
             if size:
                 out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
             continue
-        if op.mode not in ("call", "out") or not isinstance(target, torch._ops.OpOverload):
+        if op.mode not in ("call", "out") or not isinstance(target, OpOverload):
             continue                        # views and getitem allocate nothing
         size = sum(node_inside_parts(op.node, env))
         if size:

@@ -55,9 +55,10 @@ def settled_gloo(timeout: float = SETTLE_TIMEOUT_S):
     chunk) with the clone made here, so that its release is seen too. `rank_memory_model(backend="gloo",
     gloo_race=False)` predicts this schedule. `settled_gloo.waits` counts the calls that had to wait.
     """
-    import torch
     import torch.distributed as dist
-    uses = lambda t: torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    from memfit.device.torch_private import storage_use_count
+    uses = lambda t: storage_use_count(t.untyped_storage())
     originals = {k: getattr(dist, k) for k in ("all_gather_single", "reduce_scatter_single")}
 
     def settle(name, tensors, call):

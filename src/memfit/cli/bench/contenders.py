@@ -23,6 +23,7 @@ import torch
 from memfit.batches import batch_tensors, forward
 from memfit.cli.bench.common import in_own_process, paired_ratio, rounds_for, table
 from memfit.device.measure import track_memory
+from memfit.device.torch_private import FakeTensorMode, dynamo_reset, inductor_config, mem_tracker
 from memfit.messages import first_line, whole_words
 
 __all__ = ["CAPTURE_TARGET", "compile_seconds", "compile_times", "compiled_columns", "compiled_table",
@@ -53,9 +54,8 @@ def compiled_columns(model, x: torch.Tensor, planned_total: int, repeat: int) ->
     why = _no_compiler(x)
     if why:
         return {"compiled": why}
-    import torch._dynamo
-    import torch._inductor.config as inductor
-    torch._dynamo.reset()
+    inductor = inductor_config()
+    dynamo_reset()
     try:
         with inductor.patch(fx_graph_cache=False, autotune_local_cache=False):
             compiled = torch.compile(model, backend="inductor", dynamic=False)
@@ -173,8 +173,7 @@ def memtracker_columns(case, n: int, optimizer_of, measured: int) -> dict:
     step at batch n as it is meant to: the model, optimizer and batch made under `FakeTensorMode`, one step
     run untracked (it makes AdamW's state), the next tracked: its peak of every tensor it saw. One prediction
     per batch size (memfit's model answers every size from one call). `measured` is the real step's peak."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    MemTracker = mem_tracker()
     t0 = time.perf_counter()
     try:
         with FakeTensorMode():

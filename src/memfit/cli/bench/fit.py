@@ -51,8 +51,6 @@ import time
 import warnings
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 import memfit
 from memfit.batches import forward
@@ -67,7 +65,7 @@ from memfit.cli.bench.common import (
     spread_warning,
     table,
 )
-from memfit.cli.bench.train_cases import Case, hf_cases
+from memfit.cli.bench.train_cases import Case, fit_cases
 from memfit.cli.bench.train_steps import grad_rel_error, held_bytes
 from memfit.device.measure import track_memory
 from memfit.fitting.checkpointing import checkpointed
@@ -82,50 +80,6 @@ MAX_ROUNDS = 96       # rounds a comparison judged against the time target may t
 #                       holds the target (a slow row's 14 rounds, 7 pairs: 0.936x and 1.090x in two runs)
 NAMES = ["cnn", "cnn_bn", "bert", "gpt2", "llama", "vit", "convnext"]
 QUICK_NAMES = ["cnn", "bert", "llama"]      # --quick: a CNN and two transformers, batch 8
-
-
-def _cnn(bn: bool):
-    def block(cin, cout):
-        norm = (lambda c: [nn.BatchNorm2d(c)]) if bn else (lambda c: [])
-        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), *norm(cout), nn.ReLU(),
-                             nn.Conv2d(cout, cout, 3, padding=1), *norm(cout), nn.ReLU())
-
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(block(3, 16), block(16, 16), block(16, 16), block(16, 16), nn.AdaptiveAvgPool2d(1),
-                             nn.Flatten(), nn.Linear(16, 10)).train()
-    return make
-
-
-def cases() -> list[Case]:
-    g = lambda n, k=0: torch.Generator().manual_seed(n * 31 + k)
-    images = lambda n: (torch.randn(n, 3, 24, 24, generator=g(n)), torch.randint(0, 10, (n,), generator=g(n, 1)))
-    out = [Case("cnn", _cnn(False), images, F.cross_entropy), Case("cnn_bn", _cnn(True), images, F.cross_entropy)]
-    for c in hf_cases(seq=32):
-        name = c.name.split()[0]
-        if name == "gpt2":           # a key/value cache would be appended to again by a checkpointed block's rerun
-            c = Case(name, (lambda make: lambda: _no_cache(make()))(c.make), c.batch, c.loss)
-            out.append(Case(name, c.make, c.batch, c.loss))
-            out.append(_llama(c.batch, c.loss))
-            continue
-        out.append(Case(name, c.make, c.batch, c.loss))
-    return out
-
-
-def _llama(batch, loss) -> Case:
-    """A Llama-style causal LM (transformers' LlamaForCausalLM from a config: RMSNorm, rotary positions, SwiGLU),
-    on GPT-2's tokens and loss."""
-    import transformers as tf
-
-    from memfit.cli.bench.train_cases import hf_factory
-    cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=32, use_cache=False)
-    return Case("llama", hf_factory(tf.LlamaForCausalLM, cfg), batch, loss)
-
-
-def _no_cache(model):
-    model.config.use_cache = False
-    return model
 
 
 # ---- real steps ------------------------------------------------------------------------------------------
@@ -225,7 +179,7 @@ def _cold_fits(name: str, n: int, budget: int, fits: int) -> list[tuple]:
     anew."""
     from memfit.fitting import host, timing
     warnings.simplefilter("ignore")
-    case = next(c for c in cases() if c.name == name)
+    case = next(c for c in fit_cases() if c.name == name)
     batch = case.batch(n)
     out = []
     for _ in range(fits):
@@ -359,7 +313,7 @@ def run(names, n: int, repeat: int, as_json: bool, bf16: bool = False, fits: int
           f"the plan; peaks from memfit.device.measure (live tensor bytes: the emulated device); {fits} fits of each "
           "row in a process of its own ('same'; 'fit s' the first, from nothing kept)")
     rows, errors = [], []
-    for case in cases():
+    for case in fit_cases():
         if case.name not in names:
             continue
         with warnings.catch_warnings():
@@ -437,7 +391,7 @@ def _errors(errors: list[dict]) -> None:
 
 def _bf16(names, n: int) -> list[dict]:
     from memfit.cli.bench.fit_bf16 import bf16_section
-    return bf16_section([c for c in cases() if c.name in names], n, _fresh, real_peak, TARGETS, _line)
+    return bf16_section([c for c in fit_cases() if c.name in names], n, _fresh, real_peak, TARGETS, _line)
 
 
 def main(argv=None) -> int:

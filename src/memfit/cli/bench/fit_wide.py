@@ -1,12 +1,12 @@
 """`memfit bench fit --wide`: what `memfit.fit` costs at the widths people train, as a ratio to one real step.
 
-Per model (`train_cases.realistic_cases`: BERT-base and GPT-2 small shapes, 768 wide, 12 layers, sequence 128,
-batch 8; with `--quick` 256 wide, 4 layers, batch 16), at two budgets (1 TiB: the plain step fits; half the plain
-step's predicted peak: micro-batching or checkpointing must), `memfit.fit` runs in a process of its own that has fitted
-nothing (`common.in_own_process`: no kernel timing, memory model or host chain kept), at the default thread count,
-and its seconds are set against one real plain step there (the median of three after a warm-up), by the wall clock
-and by the process's CPU time (on a shared machine the wall clock counts other processes' turns). Target: fit at
-most 3x one real step.
+Per model (`train_cases.cost_cases`: the three-block CNN at batch 32, and BERT-base and GPT-2 small shapes, 768
+wide, 12 layers, sequence 128, batch 8; with `--quick` 2 layers and an 8,000-token vocabulary), at two budgets (1
+TiB: the plain step fits; half the plain step's predicted peak: micro-batching or checkpointing must), `memfit.fit`
+runs in a process of its own that has fitted nothing (`common.in_own_process`: no kernel timing, memory model or
+host chain kept), at the default thread count, and its seconds are set against one real plain step there (the median
+of three after a warm-up), by the wall clock and by the process's CPU time (on a shared machine the wall clock
+counts other processes' turns). Target: fit at most 3x one real step.
 
 Run:
     memfit bench fit --wide --quick
@@ -22,14 +22,18 @@ import torch
 
 import memfit
 from memfit.cli.bench.common import in_own_process, table
-from memfit.cli.bench.train_cases import realistic_cases
+from memfit.cli.bench.train_cases import cost_cases
 from memfit.cli.bench.train_steps import adamw, plain_step
 
 TARGET = 3.0       # fit's seconds over one real step's, at most
 
 
+def _cases(quick: bool):
+    return [(case, n) for case, n, _ in cost_cases(quick)]
+
+
 def _case(name: str, quick: bool):
-    return next((c, n) for c, n in realistic_cases(quick) if c.name == name)
+    return next((c, n) for c, n in _cases(quick) if c.name == name)
 
 
 def _fit_and_step(name: str, quick: bool, budget: int | None) -> dict:
@@ -60,7 +64,7 @@ def _fit_and_step(name: str, quick: bool, budget: int | None) -> dict:
 def wide_rows(quick: bool, line) -> list[dict]:
     """Rows of fit's cost at training widths, and a PASS/MISS line (`line(ok, text)`)."""
     rows = []
-    for case, _ in realistic_cases(quick):
+    for case, _ in _cases(quick):
         first = in_own_process(_fit_and_step, case.name, quick, None)       # the plain step fits
         half = in_own_process(_fit_and_step, case.name, quick, first["peak"] // 2)
         for what, got in (("plain fits", first), ("half the plain step", half)):

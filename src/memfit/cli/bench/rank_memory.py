@@ -27,6 +27,7 @@ import functools
 import torch
 
 from memfit.cli.bench.common import machine_header, table
+from memfit.device.torch_private import fake_store, fsdp_mem_tracker
 from memfit.testing.ranks import spawn
 
 TARGET = (1.00, 1.05)
@@ -142,7 +143,7 @@ def _predict(name: str, wrapping: str, world: int, backend: str = "gloo", **opti
 def _tracker_peak(name: str, n: int, world: int) -> int:
     """FSDPMemTracker's peak total for one AdamW step (after a warm-up step) of rank 0 of `world` ranks, on
     real CPU tensors under a fake process group (initialised by the caller)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    FSDPMemTracker = fsdp_mem_tracker()
 
     from memfit.memory.step import ExampleBatch, training_step
     model = _build(name, "fsdp")
@@ -222,9 +223,8 @@ def _world_eight(real_names, names, n: int, world: int) -> list[dict]:
     """At `world` ranks: memfit's NCCL prediction beside FSDPMemTracker's (both one process, fake process
     group), and for `real_names` a real run of `world` gloo ranks beside memfit's settled gloo prediction."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     predicted = {name: _predict(name, "fsdp", world, backend="nccl").total_bytes(n) for name in names}
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
     try:
         tracked = {name: _tracker_peak(name, n, world) for name in names}
     finally:

@@ -31,6 +31,7 @@ import memfit
 from memfit.batches import batch_len, batch_slice, forward
 from memfit.cli.bench.common import machine_header, paired_ratio, spread_warning, table
 from memfit.cli.bench.train_cases import Case, hf_cases, zoo_cases
+from memfit.device.torch_private import BatchNormBase
 from memfit.memory.micro_batch import training_peak
 from memfit.testing.reads import counted_reads
 from memfit.testing.zoo import build
@@ -65,7 +66,7 @@ def _fresh(case: Case):
     torch.manual_seed(0)
     model = case.make()
     for mod in model.modules():              # accumulate refuses batch statistics: as `bench train` does
-        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+        if isinstance(mod, BatchNormBase):
             mod.eval()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from memfit.testing.zoo import build, quiet_transformers
@@ -154,3 +155,49 @@ def cost_cases(quick: bool) -> list[tuple[Case, int, str | None]]:
               lambda n: ({"input_ids": ids(n, gpt2.vocab_size)}, ids(n, gpt2.vocab_size)),
               lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())), batch, None),
     ]
+
+
+def _fit_cnn(bn: bool):
+    def block(cin, cout):
+        norm = (lambda c: [nn.BatchNorm2d(c)]) if bn else (lambda c: [])
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), *norm(cout), nn.ReLU(),
+                             nn.Conv2d(cout, cout, 3, padding=1), *norm(cout), nn.ReLU())
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(block(3, 16), block(16, 16), block(16, 16), block(16, 16), nn.AdaptiveAvgPool2d(1),
+                             nn.Flatten(), nn.Linear(16, 10)).train()
+    return make
+
+
+def fit_cases() -> list[Case]:
+    """`memfit bench fit`'s models: small CNNs with and without batch norm, and transformers at width 128-ish,
+    sequence 32 (GPT-2 and Llama without a key/value cache)."""
+    g = lambda n, k=0: torch.Generator().manual_seed(n * 31 + k)
+    images = lambda n: (torch.randn(n, 3, 24, 24, generator=g(n)), torch.randint(0, 10, (n,), generator=g(n, 1)))
+    out = [Case("cnn", _fit_cnn(False), images, F.cross_entropy),
+           Case("cnn_bn", _fit_cnn(True), images, F.cross_entropy)]
+    for c in hf_cases(seq=32):
+        name = c.name.split()[0]
+        if name == "gpt2":           # a key/value cache would be appended to again by a checkpointed block's rerun
+            c = Case(name, (lambda make: lambda: _no_cache(make()))(c.make), c.batch, c.loss)
+            out.append(Case(name, c.make, c.batch, c.loss))
+            out.append(_llama(c.batch, c.loss))
+            continue
+        out.append(Case(name, c.make, c.batch, c.loss))
+    return out
+
+
+def _llama(batch, loss) -> Case:
+    """A Llama-style causal LM (transformers' LlamaForCausalLM from a config: RMSNorm, rotary positions, SwiGLU),
+    on GPT-2's tokens and loss."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=32, use_cache=False)
+    return Case("llama", hf_factory(tf.LlamaForCausalLM, cfg), batch, loss)
+
+
+def _no_cache(model):
+    model.config.use_cache = False
+    return model

@@ -11,6 +11,7 @@ from memfit.accumulation.run import accumulate
 from memfit.batches import batch_tensors, forward
 from memfit.cli.bench.train_cases import Case
 from memfit.device.measure import optimizer_state, track_memory, unique_bytes
+from memfit.device.torch_private import BatchNormBase
 
 __all__ = ["accumulate_peak", "adamw", "bn_eval", "grad_rel_error", "held_bytes", "largest_really_fitting",
            "measured_peak", "plain_step"]
@@ -74,7 +75,7 @@ def largest_really_fitting(case: Case, budget: int, guess: int) -> tuple[int, bo
 
 def bn_eval(model):
     for m in model.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, BatchNormBase):
             m.eval()
     return model
 

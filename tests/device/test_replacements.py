@@ -1,0 +1,71 @@
+"""A torch function replaced for the threads inside only, and put back (`memfit.device.replacements`): the threads
+inside get the replacement, every other thread torch's own function, and the last to leave (on an exception too)
+puts torch's back."""
+import threading
+import types
+
+import pytest
+
+from memfit.device.replacements import ScopedReplacement
+
+
+def in_thread(fn):
+    """fn() run in another thread, its result (or its exception raised here)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_scoped_replacement_acts_in_the_entering_thread_only_and_is_put_back():
+    owner = types.SimpleNamespace(f=lambda: "torch's")
+    original = owner.f
+    r = ScopedReplacement(lambda: owner, "f", lambda orig: "ours, over " + orig())
+    with r.active():
+        assert owner.f() == "ours, over torch's"
+        assert in_thread(owner.f) == "torch's"                       # another thread: torch's own
+        with r.active():                                             # nested: still ours
+            assert owner.f() == "ours, over torch's"
+        assert owner.f() == "ours, over torch's"
+    assert owner.f is original
+    with pytest.raises(KeyError), r.active():
+        raise KeyError("inside")
+    assert owner.f is original                                      # put back on an exception
+
+
+def test_a_scoped_replacement_stays_until_the_last_thread_leaves():
+    owner = types.SimpleNamespace(f=lambda: "torch's")
+    original = owner.f
+    r = ScopedReplacement(lambda: owner, "f", lambda orig: "ours")
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with r.active():
+            entered.set()
+            leave.wait(10)
+            return owner.f()
+    t = threading.Thread(target=lambda: seen.append(other()))
+    seen = []
+    t.start()
+    entered.wait(10)
+    with r.active():
+        assert owner.f() == "ours"
+    assert owner.f is not original and owner.f() == "torch's"      # the other thread is still inside
+    leave.set()
+    t.join()
+    assert seen == ["ours"] and owner.f is original
+
+
+def test_a_scoped_replacement_refuses_a_name_torch_no_longer_has():
+    r = ScopedReplacement(lambda: types.SimpleNamespace(), "gone", lambda orig: None)
+    with pytest.raises(RuntimeError, match="expected torch to define .*gone.*needs updating"), r.active():
+        pass
