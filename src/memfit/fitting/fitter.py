@@ -56,13 +56,13 @@ from memfit.fitting.layout import (
     optimizer_options,
 )
 from memfit.fitting.search import Alternative, Setting
-from memfit.memory.fingerprint import model_state
+from memfit.memory.cache import ModelCache
 from memfit.memory.micro_batch import _signature
 from memfit.own_loss import is_own, label_terms, model_loss, own_batch
 
 __all__ = ["FitPlan", "fit"]
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> (model_state, {key: _Found})
+_PLANS = ModelCache()     # model -> {key: _Found}, dropped when the model changes
 _STEPPING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its _Stepping (any plan's steps)
 
 
@@ -326,18 +326,14 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                          f"{type(module).__name__}; expected names from model.named_modules()")
     key = (*_key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world),
            _signature(y), note, restore_grads)
-    entry = _PLANS.get(module)
-    if entry is None or not entry[0].holds(module):
-        fingerprint = model_state(module)
-        if entry is None or entry[0] != fingerprint:
-            entry = _PLANS[module] = (fingerprint, {})
-    found, error = entry[1].get(key), None
+    kept = _PLANS.values(module)
+    found, error = kept.get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
         # torch's generators are neither drawn from nor saved and restored (which would rewind another thread's
         # draws): the fake runs and the cost counts run under `predicting` (generators of their own), the
         # machine's timing chain makes its weights under `own_rng`, a timed random kernel draws from its own
         try:
-            found = entry[1][key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
+            found = kept[key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
                                             allow_batch_dependent, exhaustive, entry_grads=restore_grads)
         except Exception as e:
             if world == 1:
