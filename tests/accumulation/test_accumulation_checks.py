@@ -25,7 +25,7 @@ def test_terms_say_what_they_need():
     x1, y1 = data(6)
     y1[:2] = -100                                  # one label per sample, two ignored: a mean over four
     with pytest.warns(UserWarning, match="ignores"):       # a lambda does not say what its mean is over
-        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x1, y1),
+        accumulate((m := make("mlp")), torch.optim.SGD(m.parameters(), lr=0.1), (x1, y1),
                    lambda out, t: F.cross_entropy(out, t), micro_batch=3)
     per_sample = lambda out, y: F.cross_entropy(out.transpose(1, 2), y.clamp(min=0), reduction="none").mean(1)
     with pytest.raises(ValueError, match="terms= needs loss_fn to return the mean"):
@@ -71,3 +71,26 @@ def test_usage_errors_say_what_was_expected():
         accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=2, distributed=True)
     with pytest.raises(ValueError, match="no parameters: there is nothing to train"):
         accumulate(nn.Identity(), opt, (x, y), F.mse_loss, micro_batch=2)
+
+
+def test_an_optimizer_of_another_models_parameters_is_refused_before_anything_changes():
+    """An optimizer built before the model was copied steps nothing of it: refused (accumulate and fit), the
+    model's weights and .grad untouched; an optimizer holding only some of them (a frozen backbone) is fine."""
+    import copy
+
+    import memfit
+    mod = make("mlp")
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    other = copy.deepcopy(mod)
+    before = [p.detach().clone() for p in other.parameters()]
+    x, y = data(4)
+    for call in (lambda: accumulate(other, opt, (x, y), F.cross_entropy, micro_batch=2),
+                 lambda: memfit.fit(other, opt, (x, y), F.cross_entropy, "1GiB")):
+        with pytest.raises(ValueError, match=r"optimizer holds none of the model's 4 trainable parameters \(it "
+                                             r"holds 4 others\).*build it from model.parameters\(\)"):
+            call()
+        assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+        assert all(p.grad is None for p in other.parameters())
+    head = list(other.parameters())[-2:]
+    r = accumulate(other, torch.optim.SGD(head, lr=0.1), (x, y), F.cross_entropy, micro_batch=2)
+    assert r.loss > 0 and not torch.equal(head[0], before[-2])        # the head stepped

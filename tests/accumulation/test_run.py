@@ -57,7 +57,7 @@ def test_padded_tokens_weighted_by_their_count_give_the_full_batch_step(n, micro
     uneven = len(set((y != -100).sum(1).tolist())) > 1
     if uneven and micro < n:
         with pytest.warns(UserWarning, match=r"terms=lambda x, y: \(y != -100\)\.sum\(\)"):
-            accumulate(Tagger(), torch.optim.SGD(Tagger().parameters(), lr=0.1), (ids, y), token_loss,
+            accumulate((t := Tagger()), torch.optim.SGD(t.parameters(), lr=0.1), (ids, y), token_loss,
                        micro_batch=micro, nonfinite="skip")      # a micro-batch of no terms has a NaN mean
 
 
@@ -251,12 +251,12 @@ def test_a_class_weighted_mean_inside_a_lambda_is_warned_about_and_exact_with_te
     ref, ref_opt, mod, opt = pair("mlp")
     loss = plain_step(ref, ref_opt, x, y, lam)
     with pytest.warns(UserWarning, match=r"class weights inside.*terms=lambda x, y: w\[y\[y != -100\]\]\.sum\(\)"):
-        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y), lam, micro_batch=3)
+        accumulate((m := make("mlp")), torch.optim.SGD(m.parameters(), lr=0.1), (x, y), lam, micro_batch=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         r = accumulate(mod, opt, (x, y), lam, micro_batch=3, terms=lambda x, t: WEIGHTS[t].sum())
-        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y), lam, micro_batch=10)
-        accumulate(make("mlp"), torch.optim.SGD(make("mlp").parameters(), lr=0.1), (x, y),
+        accumulate((m := make("mlp")), torch.optim.SGD(m.parameters(), lr=0.1), (x, y), lam, micro_batch=10)
+        accumulate((m := make("mlp")), torch.optim.SGD(m.parameters(), lr=0.1), (x, y),
                    lambda out, t: F.cross_entropy(out, t), micro_batch=3)        # unweighted: samples are the terms
     assert r.loss == pytest.approx(loss, rel=1e-5)
     assert_same_step(ref, mod)

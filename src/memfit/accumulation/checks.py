@@ -124,6 +124,19 @@ def trained_device(params: list[torch.nn.Parameter]) -> torch.device:
     return params[0].device
 
 
+def check_optimizer_holds(params: list[torch.nn.Parameter], optimizer) -> None:
+    """Refuse an optimizer that holds none of the model's trainable parameters: its step would change nothing
+    (the usual cause: the model was copied, moved by `.to()` onto new tensors, or rebuilt after the optimizer was
+    made from it)."""
+    trained = [p for p in params if p.requires_grad]
+    held = {id(q) for g in optimizer.param_groups for q in g["params"]}
+    if trained and not any(id(p) in held for p in trained):
+        raise ValueError(f"the optimizer holds none of the model's {len(trained)} trainable parameters (it holds "
+                         f"{len(held)} others), so its step would change nothing. Expected an optimizer made from "
+                         "this model's parameters: build it from model.parameters() after the model is copied, "
+                         "moved or rebuilt")
+
+
 def ignored_per_sample(y, ignore: int) -> list[int] | None:
     """Per sample, how many labels of y equal `ignore` (the loss's ignore_index, else -100), read in one transfer
     (one sync where y is on a GPU; `batch_terms` and `terms_differ` both answer from it); None where y is not

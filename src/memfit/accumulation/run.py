@@ -22,6 +22,7 @@ from memfit.accumulation.checks import (
     check_batch_dependence,
     check_distributed,
     check_micro,
+    check_optimizer_holds,
     ignored_per_sample,
     terms_differ,
     trained_device,
@@ -152,6 +153,8 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
     world = check_distributed(model, distributed)
     x, y = batch
     params = walked.params if walked is not None else list(model.parameters())
+    if walked is None:             # plan.step: checked by fit, and its optimizer's groups by every step's layout check
+        check_optimizer_holds(params, optimizer)
     # Distributed: every local step that can fail runs first, then one agreement shares the sample counts and
     # sizes; a rank that failed makes every rank raise there, none waits in a collective
     error, step, key = None, None, None

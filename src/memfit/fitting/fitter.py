@@ -39,6 +39,7 @@ import torch
 
 from memfit.accumulation.checks import batch_size as _batch_size
 from memfit.accumulation.checks import check_distributed as _check_distributed
+from memfit.accumulation.checks import check_optimizer_holds
 from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import Walked, run_step
 from memfit.budget import BudgetExceeded, format_bytes, model_device, parse_bytes
@@ -306,6 +307,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     levers = _check_levers(levers)
     world = _check_distributed(model, distributed)
     module = model.module if distributed else model
+    check_optimizer_holds(list(module.parameters()), optimizer)
     x, y = batch if pair else (batch, None)
     note = ""
     if not pair:
