@@ -2,7 +2,8 @@
 the smallest model that shows it and checks the promise still holds. Add a trap here when you find one.
 
 - BatchNorm on one value per channel cannot train at batch 1 (torch refuses): the memory model fits from batch 2.
-- transformers' SDPA skips an all-ones attention mask: a fake run cannot read values, so the padded batch counts.
+- transformers' SDPA skips an all-ones attention mask: a fake run cannot read values, so the padded batch counts;
+  transformers 4.x reads the mask's values to decide (`torch.all(mask == 1)`): answered no, with a warning.
 - A `functools.lru_cache` or a memo dict that a fake run fills would hand fake tensors to every real forward after.
 - float16 autocast needs loss scaling that accumulate cannot do around its own optimizer.step(): refused.
 - A view keeps its whole storage alive: a slice is counted at its base's size.
@@ -71,6 +72,48 @@ def test_an_attention_mask_a_fake_run_cannot_read_counts_the_padded_batch():
                                 (8,), optimizer=opt, loss_fn=loss, target_at=lambda n: torch.randint(0, 256, (n, 64)))
         ratio = rows[0]["ratio"]
         assert (1.0 <= ratio <= 1.001) if padded else (1.02 <= ratio <= 1.1), (padded, ratio)
+
+
+class SkipsAllOnesMask(nn.Module):
+    """Attention that skips an all-ones mask by reading its values, as transformers 4.x's SDPA path does
+    (`if torch.all(mask == 1): return None` in `_prepare_4d_attention_mask_for_sdpa`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 4)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        if torch.all(mask == 1):
+            bias = None
+        else:                          # (n, 1, T, T): the padded keys at -inf
+            bias = torch.zeros(mask.shape[0], 1, mask.shape[1], mask.shape[1]).masked_fill(
+                mask[:, None, None, :] == 0, float("-inf"))
+        att = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=bias)
+        return self.out(att[:, 0].mean(1))
+
+
+def test_a_yes_no_question_on_values_is_answered_no_and_said_where():
+    """A forward that branches on its batch's values (transformers 4.x's all-ones mask check) failed on fake
+    tensors (DataDependentOutputException); it is answered no, the branch that keeps the mask, with a warning
+    naming the line that asked: exact for a padded batch, above an unpadded one."""
+    from memfit.memory.prediction_check import check_prediction
+    torch.manual_seed(0)
+    model = SkipsAllOnesMask()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def batch(n, padded):
+        mask = torch.ones(n, 48, dtype=torch.long)
+        if padded:
+            mask[::2, -8:] = 0
+        return (torch.randn(n, 48, 32), mask)
+    for padded in (True, False):
+        with pytest.warns(UserWarning, match=r"yes/no question of its batch's values at .*test_traps.py:\d+: "
+                                             "answered no"):
+            rows = check_prediction(model, lambda n, padded=padded: batch(n, padded), (8,), optimizer=opt,
+                                    loss_fn=F.cross_entropy, target_at=lambda n: torch.randint(0, 4, (n,)))
+        ratio = rows[0]["ratio"]
+        assert (1.0 <= ratio <= 1.001) if padded else ratio > 1.01, (padded, ratio)
 
 
 @functools.lru_cache(maxsize=4)

@@ -144,6 +144,11 @@ def test_fake_tensors_their_mode_and_a_real_section_inside_one():
             real = torch.ones(2)
     assert isinstance(t, tp.FakeTensor) and not isinstance(real, tp.FakeTensor)
     assert tp.detect_fake_mode([t]) is mode and tp.detect_fake_mode([real]) is None
+    with tp.FakeTensorMode():
+        assert bool(torch.tensor(True))                          # a constant's value is known
+        with pytest.raises(tp.DataDependentOutputException) as e:
+            bool(torch.all(torch.zeros(3, 4) == 1))              # a computed one's is not
+    assert e.value.func is torch.ops.aten._local_scalar_dense.default
 
 
 class _Seen(tp.TorchDispatchMode):

@@ -43,6 +43,8 @@ from memfit.device.replacements import ScopedReplacement
 FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 FakeTensorMode = torch._subclasses.fake_tensor.FakeTensorMode
 unset_fake_temporarily = torch._subclasses.fake_tensor.unset_fake_temporarily
+# what a fake tensor raises when a value is read (`.item()`, `bool(t)`): `func` is the op that needed it
+DataDependentOutputException = torch._subclasses.fake_tensor.DataDependentOutputException
 # the fake mode of a graph's fake tensors, for the planner's masks (torch/_guards.py)
 detect_fake_mode = torch._guards.detect_fake_mode
 # an ATen op with its overload chosen, what every dispatch mode is handed as `func` (torch/_ops.py)
@@ -72,8 +74,9 @@ tree_map = torch.utils._pytree.tree_map
 tree_map_only = torch.utils._pytree.tree_map_only
 keystr = torch.utils._pytree.keystr
 
-__all__ = ["MODULE_DICTS", "BatchNormBase", "DropoutBase", "FakeTensor", "FakeTensorMode", "InstanceNormBase",
-           "OpOverload", "ProfilerEventType", "TorchDispatchMode", "aot_rng_not_saved", "base_storage_resize",
+__all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "DropoutBase", "FakeTensor",
+           "FakeTensorMode", "InstanceNormBase", "OpOverload", "ProfilerEventType", "TorchDispatchMode",
+           "aot_rng_not_saved", "base_storage_resize",
            "compiled_inner", "cpu_total_kept_for_every_thread", "current_dispatch_mode", "ddp_comm_hook",
            "detect_fake_mode", "dict_version_reader", "disable_current_modes", "dynamo_reset", "fake_store",
            "foreach_by_default", "fsdp_collectives", "fsdp_mem_tracker", "fsdp_param_group", "fsdp_param_groups",

@@ -13,7 +13,13 @@ from numbers import Number
 import torch
 
 from memfit.device.measure import _storage_key
-from memfit.device.torch_private import FakeTensorMode, op_schema, storage_key, tree_flatten
+from memfit.device.torch_private import (
+    DataDependentOutputException,
+    FakeTensorMode,
+    op_schema,
+    storage_key,
+    tree_flatten,
+)
 from memfit.memory.fake_kernels import BOUNDED_IN_BATCH, REAL_SIZE, WORKSPACE, real_bytes, workspace_bytes
 from memfit.memory.kernel_scratch import measured_here, spec_of
 
@@ -140,6 +146,26 @@ class StorageLog:
             self.scratch_ops.append((op, func, spec_of(args, kwargs)))
 
 
+_READ_VALUE = torch.ops.aten._local_scalar_dense.default      # `.item()`, `bool(t)`: a value fake tensors lack
+
+
+def _assumed_false() -> bool:
+    """The answer to a yes/no question on values a fake run does not have (`if torch.all(mask == 1)`: transformers
+    4.x skips an all-ones attention mask so): False, the branch that keeps the mask (the batches the mask is for
+    have padding; with none, the answer is an upper bound), said once per line of the program that asked."""
+    import sys
+    import warnings
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("torch", "memfit"):
+        frame = frame.f_back
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "an unknown line"
+    warnings.warn_explicit(f"memfit's memory model ran on tensors without values, and the program asked a yes/no "
+                           f"question of its batch's values at {where}: answered no (an attention mask's all-ones "
+                           "check keeps the mask, the case of padded batches; with none, an upper bound)",
+                           UserWarning, where.rpartition(":")[0], frame.f_lineno if frame is not None else 0)
+    return False
+
+
 class LoggingFakeMode(FakeTensorMode):
     """A fake mode that hands every op the program runs, with its outputs, to a `StorageLog` while one is set:
     one dispatch layer instead of a logging mode on top of the fake one. The ops the fake mode runs to compute
@@ -153,6 +179,11 @@ class LoggingFakeMode(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _READ_VALUE and args[0].dtype == torch.bool:
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            except DataDependentOutputException:
+                return _assumed_false()
         self._depth += 1
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
