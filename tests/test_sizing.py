@@ -124,6 +124,27 @@ def test_a_compiled_model_is_predicted_through_the_module_it_wraps_and_never_cra
     assert 1 < mine.micro_batch == eager.micro_batch < 64 and "torch.compile'd" in mine.reason
 
 
+def test_fit_and_plan_take_a_compiled_model_and_step_it_as_the_module_it_wraps():
+    """`fit(torch.compile(m))` raised a FakeRunError blaming torch: it plans for the module it wraps, and
+    `plan.step` steps the compiled model to the weights a plain step gives; `memfit.plan` captures the wrapped
+    module too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    compiled = torch.compile(model, backend="eager")
+    plan = memfit.fit(compiled, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.cross_entropy, "1MiB")
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    F.cross_entropy(twin(x), y).backward()
+    twin_opt.step()
+    loss = plan.step((x, y)).loss
+    assert plan.micro_batch == 32 and loss > 0
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    planned = memfit.plan(compiled, (torch.randn(8, 16),))
+    torch.testing.assert_close(planned(x[:8]), model(x[:8]))
+
+
 def test_several_inputs_use_the_fake_forward_and_hold_for_eager():
     class Pair(nn.Module):
         def __init__(self):
