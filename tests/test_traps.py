@@ -3,7 +3,8 @@ the smallest model that shows it and checks the promise still holds. Add a trap 
 
 - BatchNorm on one value per channel cannot train at batch 1 (torch refuses): the memory model fits from batch 2.
 - transformers' SDPA skips an all-ones attention mask: a fake run cannot read values, so the padded batch counts;
-  transformers 4.x reads the mask's values to decide (`torch.all(mask == 1)`): answered no, with a warning.
+  transformers 4.x reads the mask's values to decide (`torch.all(mask == 1)`): that check, and no other question on
+  values, is answered no (the mask counts), with a warning.
 - A `functools.lru_cache` or a memo dict that a fake run fills would hand fake tensors to every real forward after.
 - float16 autocast needs loss scaling that accumulate cannot do around its own optimizer.step(): refused.
 - A view keeps its whole storage alive: a slice is counted at its base's size.
@@ -74,9 +75,23 @@ def test_an_attention_mask_a_fake_run_cannot_read_counts_the_padded_batch():
         assert (1.0 <= ratio <= 1.001) if padded else (1.02 <= ratio <= 1.1), (padded, ratio)
 
 
-class SkipsAllOnesMask(nn.Module):
-    """Attention that skips an all-ones mask by reading its values, as transformers 4.x's SDPA path does
-    (`if torch.all(mask == 1): return None` in `_prepare_4d_attention_mask_for_sdpa`)."""
+# transformers 4.57's `_prepare_4d_attention_mask_for_sdpa` (modeling_attn_mask_utils.py), its check verbatim, in a
+# module of that name: the environment may have transformers 5, which no longer reads the mask's values
+_MASK_UTILS = {"__name__": "transformers.modeling_attn_mask_utils", "torch": torch}
+exec(compile("""
+def _prepare_4d_attention_mask_for_sdpa(mask, dtype, tgt_len=None):
+    _, key_value_length = mask.shape
+    tgt_len = tgt_len if tgt_len is not None else key_value_length
+    if torch.all(mask == 1):
+        return None
+    expanded = mask[:, None, None, :].expand(mask.shape[0], 1, tgt_len, key_value_length).to(dtype)
+    inverted = 1.0 - expanded
+    return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(dtype).min)
+""", "modeling_attn_mask_utils.py", "exec"), _MASK_UTILS)
+
+
+class SdpaWithMask(nn.Module):
+    """Attention with a padding mask made as transformers 4.x makes it for SDPA."""
 
     def __init__(self):
         super().__init__()
@@ -84,22 +99,28 @@ class SkipsAllOnesMask(nn.Module):
 
     def forward(self, x, mask):
         q, k, v = self.qkv(x).chunk(3, -1)
-        if torch.all(mask == 1):
-            bias = None
-        else:                          # (n, 1, T, T): the padded keys at -inf
-            bias = torch.zeros(mask.shape[0], 1, mask.shape[1], mask.shape[1]).masked_fill(
-                mask[:, None, None, :] == 0, float("-inf"))
+        bias = _MASK_UTILS["_prepare_4d_attention_mask_for_sdpa"](mask, x.dtype)
         att = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=bias)
         return self.out(att[:, 0].mean(1))
 
 
-def test_a_yes_no_question_on_values_is_answered_no_and_said_where():
-    """A forward that branches on its batch's values (transformers 4.x's all-ones mask check) failed on fake
-    tensors (DataDependentOutputException); it is answered no, the branch that keeps the mask, with a warning
-    naming the line that asked: exact for a padded batch, above an unpadded one."""
+class BranchesOnValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x, mask):
+        return self.lin(x).mean(1) if torch.all(mask == 1) else x.mean(1)
+
+
+def test_transformers_4s_all_ones_mask_check_is_answered_no_and_any_other_question_refused():
+    """transformers 4.x's SDPA path reads the attention mask's values (`torch.all(mask == 1)`) to skip an all-ones
+    one: every memory model with an attention_mask failed on fake tensors (DataDependentOutputException). That
+    check is answered no, the mask counted, with a warning naming it: exact for a padded batch, above an unpadded
+    one. The same question asked by any other code stays refused: its branches could differ either way."""
     from memfit.memory.prediction_check import check_prediction
     torch.manual_seed(0)
-    model = SkipsAllOnesMask()
+    model = SdpaWithMask()
     opt = torch.optim.AdamW(model.parameters())
 
     def batch(n, padded):
@@ -108,12 +129,15 @@ def test_a_yes_no_question_on_values_is_answered_no_and_said_where():
             mask[::2, -8:] = 0
         return (torch.randn(n, 48, 32), mask)
     for padded in (True, False):
-        with pytest.warns(UserWarning, match=r"yes/no question of its batch's values at .*test_traps.py:\d+: "
-                                             "answered no"):
+        with pytest.warns(UserWarning, match=r"_prepare_4d_attention_mask_for_sdpa asked whether the attention mask "
+                                             "leaves every position in: answered no"):
             rows = check_prediction(model, lambda n, padded=padded: batch(n, padded), (8,), optimizer=opt,
                                     loss_fn=F.cross_entropy, target_at=lambda n: torch.randint(0, 4, (n,)))
         ratio = rows[0]["ratio"]
         assert (1.0 <= ratio <= 1.001) if padded else ratio > 1.01, (padded, ratio)
+    with pytest.raises(memfit.errors.FakeRunError, match="data-dependent Python control flow"):
+        memfit.memory_model(BranchesOnValues(), batch(2, True), train=True, loss_fn=F.mse_loss,
+                            target=torch.zeros(2, 32))
 
 
 @functools.lru_cache(maxsize=4)

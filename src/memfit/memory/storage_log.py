@@ -149,21 +149,26 @@ class StorageLog:
 _READ_VALUE = torch.ops.aten._local_scalar_dense.default      # `.item()`, `bool(t)`: a value fake tensors lack
 
 
-def _assumed_false() -> bool:
-    """The answer to a yes/no question on values a fake run does not have (`if torch.all(mask == 1)`: transformers
-    4.x skips an all-ones attention mask so): False, the branch that keeps the mask (the batches the mask is for
-    have padding; with none, the answer is an upper bound), said once per line of the program that asked."""
+def _mask_check_answered_no() -> bool:
+    """Whether a yes/no question on values a fake run does not have is transformers' check of an attention mask
+    (`if torch.all(mask == 1): return None` in 4.x's `_prepare_4d_attention_mask_for_sdpa`, `_ignore_causal_mask_sdpa`,
+    `sdpa_mask`; `warn_if_padding_and_no_attention_mask`): then it is answered no, the branch that keeps the mask
+    (exact for the padded batches a mask is for, an upper bound for a batch without padding), said with a warning
+    once per line. Any other question (`if x.sum() > 0`) stays an error: its branches may differ in memory either
+    way."""
     import sys
     import warnings
     frame = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("torch", "memfit"):
         frame = frame.f_back
-    where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "an unknown line"
-    warnings.warn_explicit(f"memfit's memory model ran on tensors without values, and the program asked a yes/no "
-                           f"question of its batch's values at {where}: answered no (an attention mask's all-ones "
-                           "check keeps the mask, the case of padded batches; with none, an upper bound)",
-                           UserWarning, where.rpartition(":")[0], frame.f_lineno if frame is not None else 0)
-    return False
+    if frame is None or not (frame.f_globals.get("__name__", "").startswith("transformers.")
+                             and "mask" in frame.f_code.co_name):
+        return False
+    warnings.warn_explicit(f"memfit's memory model runs on tensors without values; transformers' "
+                           f"{frame.f_code.co_name} asked whether the attention mask leaves every position in: "
+                           "answered no, so the mask counts (exact for padded batches; for batches without padding, "
+                           "an upper bound)", UserWarning, frame.f_code.co_filename, frame.f_lineno)
+    return True
 
 
 class LoggingFakeMode(FakeTensorMode):
@@ -183,7 +188,9 @@ class LoggingFakeMode(FakeTensorMode):
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             except DataDependentOutputException:
-                return _assumed_false()
+                if not _mask_check_answered_no():
+                    raise
+                return False
         self._depth += 1
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
