@@ -2,7 +2,8 @@
 
 Per model (`train_cases.cost_cases`' transformers: BERT-base and GPT-2 small shapes, 768
 wide, 12 layers, sequence 128, batch 8; with `--quick` 2 layers and an 8,000-token vocabulary), at two budgets (1
-TiB: the plain step fits; half the plain step's predicted peak: micro-batching or checkpointing must), `memfit.fit`
+TiB: the plain step fits; halfway between the fewest bytes any alternative needs and the plain step's predicted
+peak: micro-batching or checkpointing must; left out, and said, where no alternative needs less), `memfit.fit`
 runs in a process of its own that has fitted nothing (`common.in_own_process`: no kernel timing, memory model or
 host chain kept), at the default thread count, and its seconds are set against one real plain step there (the median
 of three after a warm-up), by the wall clock and by the process's CPU time (on a shared machine the wall clock
@@ -21,6 +22,7 @@ import warnings
 import torch
 
 import memfit
+from memfit.budget import format_bytes
 from memfit.cli.bench.common import in_own_process, table
 from memfit.cli.bench.train_cases import cost_cases
 from memfit.cli.bench.train_steps import adamw, plain_step
@@ -60,7 +62,14 @@ def _fit_and_step(name: str, quick: bool, budget: int | None) -> dict:
         cpu.append(time.process_time() - c0)
     return {"fit s": fit_s, "step s": statistics.median(steps), "fit cpu s": fit_cpu,
             "step cpu s": statistics.median(cpu), "plan": f"m={plan.micro_batch} ckpt "
-            f"{len(plan.checkpoint)}/{len(plan.candidates)}", "peak": plan.peak_bytes, "n": n}
+            f"{len(plan.checkpoint)}/{len(plan.candidates)}", "peak": plan.peak_bytes, "n": n,
+            "least": _least(model, opt, x, y, case.loss) if budget is None else None}
+
+
+def _least(model, opt, x, y, loss) -> int:
+    """The fewest bytes any alternative needs (every alternative's memory model: `exhaustive=True`, not timed)."""
+    every = memfit.fit(model, opt, (x, y), loss, "1TiB", exhaustive=True)
+    return min(a.bytes for a in every.alternatives if a.bytes is not None)
 
 
 def wide_rows(quick: bool, line) -> list[dict]:
@@ -68,8 +77,14 @@ def wide_rows(quick: bool, line) -> list[dict]:
     rows = []
     for case, _ in _cases(quick):
         first = in_own_process(_fit_and_step, case.name, quick, None)       # the plain step fits
-        half = in_own_process(_fit_and_step, case.name, quick, first["peak"] // 2)
-        for what, got in (("plain fits", first), ("half the plain step", half)):
+        runs = [("plain fits", first)]
+        if first["least"] < first["peak"]:        # a budget between: micro-batching or checkpointing must
+            runs.append(("between", in_own_process(_fit_and_step, case.name, quick,
+                                                   (first["least"] + first["peak"]) // 2)))
+        else:
+            print(f"{case.name}: no alternative needs less than the plain step ({format_bytes(first['peak'])}: its "
+                  "peak is where no micro-batch or checkpoint reaches, e.g. the optimizer step)")
+        for what, got in runs:
             rows.append({"model": case.name, "batch": got["n"], "budget": what, "plan": got["plan"],
                          "fit s": got["fit s"], "step s": got["step s"], "fit/step": got["fit s"] / got["step s"],
                          "fit cpu s": got["fit cpu s"], "step cpu s": got["step cpu s"],
