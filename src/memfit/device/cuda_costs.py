@@ -88,15 +88,30 @@ GPUS = {g.name: g for g in (
 
 
 def gpu_family(gpu) -> GpuFamily:
-    """A GPU by name ('H100', or torch.cuda.get_device_name's 'NVIDIA H100 80GB HBM3') or by compute capability
-    ((9, 0): its memory unknown, 0).
+    """A GPU by name ('H100', or torch.cuda.get_device_name's 'NVIDIA H100 80GB HBM3'), by compute capability
+    ((9, 0): its memory unknown, 0), or by its memory in bytes: the families of the table with that memory, the
+    one whose stated defaults are the largest (Hopper's 32 MiB cuBLAS workspace over Ampere's 8 MiB), named with
+    the others; a memory no family has: compute capability 9.0's defaults (the larger workspace).
 
     Example:
         >>> gpu_family("NVIDIA A100-SXM4-40GB").memory >> 30, gpu_family("NVIDIA L40S").name
         (40, 'L40S')
+        >>> gpu_family(80 << 30).capability, gpu_family(80 << 30).name
+        ((9, 0), 'a GPU with 80 GiB (H100, A100-80GB): the H100 defaults')
     """
     if isinstance(gpu, tuple):
         return GpuFamily(f"compute capability {gpu[0]}.{gpu[1]}", (int(gpu[0]), int(gpu[1])), 0)
+    if isinstance(gpu, int) and not isinstance(gpu, bool):
+        if gpu <= 0:
+            raise ValueError(f"expected a GPU's memory in bytes above 0; found {gpu}")
+        same = [f for f in GPUS.values() if f.memory == gpu]
+        size = f"{gpu / GiB:g} GiB" if gpu % MiB == 0 else f"{gpu} bytes"
+        if not same:
+            return GpuFamily(f"a GPU with {size} (no family of the table has it): compute capability 9.0's "
+                             "defaults, the larger cuBLAS workspace", (9, 0), gpu)
+        best = max(same, key=lambda f: (cublas_workspace(f.capability, {})[0], f.capability))
+        names = ", ".join(f.name for f in same)
+        return GpuFamily(f"a GPU with {size} ({names}): the {best.name} defaults", best.capability, gpu)
     text = str(gpu).upper()
     # whole words: 'L4' is not in 'L40S'; the A100's memory from its name, the 80 GB board when it does not say
     found = [f for name, f in GPUS.items() if re.search(rf"\b{re.escape(name.split('-')[0].upper())}\b", text)]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KernelBytes", "adamw_step", "sdpa_backward", "sdpa_forward"]
+__all__ = ["KernelBytes", "adamw_step", "flash_backward_workspaces", "sdpa_backward", "sdpa_forward"]
 
 _FLASH_SRC = "aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp"
 
@@ -86,22 +86,40 @@ def sdpa_forward(kernel: str, batch: int, heads: int, q_len: int, kv_len: int, h
                        "not in this formula: a fake run counts them")
 
 
+def flash_backward_workspaces(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, dtype: torch.dtype,
+                              kv_heads: int | None = None, deterministic: bool = False, sms: int = 132) -> list[int]:
+    """The blocks flash attention's backward allocates inside and frees before it returns, in bytes, one per
+    tensor as `mha_bwd` makes them: softmax_d (B, H, Tq rounded to 128) and dq_accum (splits, B, Tq rounded to 128,
+    H, D rounded to 32) in float32, then for grouped heads dk_expanded and dv_expanded (B, Tk, H, D).
+
+    Example:
+        >>> flash_backward_workspaces(2, 4, 100, 100, 64, torch.bfloat16)      # 128 rows each
+        [4096, 262144]
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    item = torch.empty((), dtype=dtype).element_size()
+    d = _round(head_dim, 8)
+    q_r, d_r = _round(q_len, 128), _round(d, 32)
+    splits = -(-sms // (batch * heads)) if deterministic else 1
+    blocks = [4 * batch * heads * q_r, 4 * splits * batch * q_r * heads * d_r]
+    if kv_heads != heads:
+        blocks += [item * batch * kv_len * heads * d] * 2
+    return blocks
+
+
 def sdpa_backward(kernel: str, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, dtype: torch.dtype,
                   kv_heads: int | None = None, deterministic: bool = False, sms: int = 132) -> KernelBytes:
     """The flash attention backward on CUDA: dq, dk, dv, and the workspaces `mha_bwd` allocates inside
-    (`sms`: the GPU's multiprocessors, for the deterministic dq accumulator's splits; 132 on an H100 SXM)."""
+    (`flash_backward_workspaces`; `sms`: the GPU's multiprocessors, for the deterministic dq accumulator's splits;
+    132 on an H100 SXM)."""
     if kernel != "flash":
         raise ValueError(f"only flash attention's backward is written down here, found {kernel!r}")
     kv_heads = heads if kv_heads is None else kv_heads
     item = torch.empty((), dtype=dtype).element_size()
     d = _round(head_dim, 8)
     grads = item * batch * d * (heads * q_len + 2 * kv_heads * kv_len)
-    q_r, d_r = _round(q_len, 128), _round(d, 32)
-    softmax_d = 4 * batch * heads * q_r
-    splits = -(-sms // (batch * heads)) if deterministic else 1
-    dq_accum = 4 * splits * batch * q_r * heads * d_r
-    expanded = 2 * item * batch * kv_len * heads * d if kv_heads != heads else 0
-    return KernelBytes("flash", grads, 0, softmax_d + dq_accum + expanded, 3,
+    inside = flash_backward_workspaces(batch, heads, q_len, kv_len, head_dim, dtype, kv_heads, deterministic, sms)
+    return KernelBytes("flash", grads, 0, sum(inside), 3,
                        f"{_FLASH_SRC} mha_bwd: softmax_d (B, H, Tq rounded to 128) and dq_accum (B, Tq rounded to "
                        "128, H, D rounded to 32) in float32, dk/dv expanded for grouped heads")
 

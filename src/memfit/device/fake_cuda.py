@@ -66,7 +66,8 @@ from memfit.device.torch_private import (
     tree_flatten,
 )
 
-__all__ = ["FakeCudaLog", "Support", "backward_by_nodes", "cuda_fakes", "log_fake_cuda"]
+__all__ = ["FakeCudaLog", "SavedTensors", "SdpaRouting", "Support", "backward_by_nodes", "cuda_fakes", "log_fake_cuda",
+           "sdpa_kernel"]
 
 _ACCUMULATE_GRAD = "AccumulateGrad"
 
@@ -146,15 +147,17 @@ class _LoggingFakeMode(FakeTensorMode):
         return out
 
 
-class _Sdpa(TorchFunctionMode):
-    """Routes `F.scaled_dot_product_attention` to the kernel a GPU would run (flash, then memory-efficient, then
-    math, the order of torch's sdp_utils), or to the one asked for."""
+class SdpaRouting(TorchFunctionMode):
+    """Routes `F.scaled_dot_product_attention` to the kernel a GPU of compute `capability` would run (flash, then
+    memory-efficient, then math, the order of torch's sdp_utils), or to the one asked for; `run.sdpa` (any object
+    with a list `sdpa`) records each choice. Works on fake CPU tensors too: the CUDA kernels' fake implementations
+    are device-independent (a CUDA step predicted on a CPU build of torch)."""
 
-    def __init__(self, choice: str, run: FakeCudaLog):
+    def __init__(self, choice: str, run, capability: tuple[int, int] = (9, 0)):
         super().__init__()
         if choice not in ("auto", "flash", "efficient", "math"):
             raise ValueError(f"sdpa must be 'auto', 'flash', 'efficient' or 'math', found {choice!r}")
-        self.choice, self.run = choice, run
+        self.choice, self.run, self.capability = choice, run, capability
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -163,11 +166,13 @@ class _Sdpa(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         a = dict(zip(names, args, strict=False), **kwargs)      # positional, then by name
         q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
-        kernel = self.choice if self.choice != "auto" else sdpa_kernel(q, k, v, mask, a.get("enable_gqa", False))
+        kernel = self.choice if self.choice != "auto" else \
+            sdpa_kernel(q, k, v, mask, a.get("enable_gqa", False), self.capability)
         self.run.sdpa.append(kernel)
-        if kernel == "math":
-            return func(*args, **kwargs)
         dropout, causal, scale = a.get("dropout_p", 0.0), a.get("is_causal", False), a.get("scale")
+        if kernel == "math":                   # the composite itself: on CPU fakes the CPU's own choice would run
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, mask, dropout, causal, scale=scale, enable_gqa=a.get("enable_gqa", False))[0]
         d = q.shape[-1]
         pad = -d % 8                           # the composite pads the head dim to a multiple of 8, slices after
         if pad:
@@ -182,20 +187,25 @@ class _Sdpa(TorchFunctionMode):
         return out[..., :d] if pad else out
 
 
-def sdpa_kernel(q, k, v, mask=None, enable_gqa=False) -> str:
-    """The kernel torch 2.14's sdp_utils picks on an Ampere-or-newer GPU for these inputs, in its order
-    (a simplification: flash for fp16/bf16 without a mask and a head dim of at most 256, memory-efficient for
-    fp16/bf16/fp32 with a head dim of at most 256 (a mask allowed), else math; nested tensors and GQA go to math)."""
+def sdpa_kernel(q, k, v, mask=None, enable_gqa=False, capability: tuple[int, int] = (9, 0)) -> str:
+    """The kernel torch 2.14's sdp_utils picks on a GPU of compute `capability` for these inputs, in its order
+    (a simplification: flash for fp16/bf16 without a mask and a head dim of at most 256 on compute capability 8.0
+    or newer, memory-efficient for fp16/bf16/fp32 with a head dim of at most 256 (a mask allowed), else math;
+    nested tensors and GQA go to math), among the backends enabled."""
     d = q.shape[-1]
     same = q.dtype == k.dtype == v.dtype and q.dim() == k.dim() == v.dim() == 4
     if not same or enable_gqa or d > 256 or v.shape[-1] != d:
         return "math"
-    if q.dtype in (torch.float16, torch.bfloat16) and mask is None:
+    # the backends `torch.nn.attention.sdpa_kernel` (or torch.backends.cuda.enable_*_sdp) leaves enabled
+    if q.dtype in (torch.float16, torch.bfloat16) and mask is None and tuple(capability) >= (8, 0) \
+            and torch.backends.cuda.flash_sdp_enabled():
         return "flash"
-    return "efficient" if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else "math"
+    if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and torch.backends.cuda.mem_efficient_sdp_enabled():
+        return "efficient"
+    return "math"
 
 
-class _SavedTensors:
+class SavedTensors:
     """Saved-tensor hooks for the forward: autograd keeps a holder, not the tensor, so a node's saved tensors can be
     let go once the node ran (the engine's `release_variables`)."""
 
@@ -266,7 +276,7 @@ def _accumulate(variable, grad, shared: bool):
         variable.grad = grad.clone(memory_format=torch.contiguous_format)
 
 
-def backward_by_nodes(loss: torch.Tensor, saved: _SavedTensors | None = None) -> None:
+def backward_by_nodes(loss: torch.Tensor, saved: SavedTensors | None = None) -> None:
     """`loss.backward()` without autograd's engine: each node of the graph called in the engine's order (see the
     module's docstring). `saved`: the hooks the forward ran under, to free saved tensors as the engine does."""
     if loss.grad_fn is None:
@@ -344,8 +354,8 @@ def log_fake_cuda(step: Callable[[], torch.Tensor], backward: bool = True, after
     if device == "cuda" and backward and not support.backward:
         raise RuntimeError(f"backward on fake CUDA tensors is not possible here: {support.reason}")
     run = FakeCudaLog()
-    mode, saved = _LoggingFakeMode(run, torch.device(device).type), _SavedTensors()
-    with mode, _Sdpa(sdpa, run):
+    mode, saved = _LoggingFakeMode(run, torch.device(device).type), SavedTensors()
+    with mode, SdpaRouting(sdpa, run):
         if backward:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 loss = step()

@@ -106,10 +106,14 @@ CPU_LOSS_VIEWS = _overloads("aten.mse_loss.default", "aten.smooth_l1_loss.defaul
 REAL_SIZE = {op: (3, _lstm_workspace_bytes) for op in _overloads("aten.mkldnn_rnn_layer.default")}
 
 
-def real_bytes(func, index: int, t: torch.Tensor, nbytes: int, args, kwargs) -> int:
-    """Bytes the real kernel gives output `index` of `func` where the fake kernel's `nbytes` differ from them."""
+def real_bytes(func, index: int, t: torch.Tensor, nbytes: int, args, kwargs, cpu_kernels: bool = True) -> int:
+    """Bytes the real kernel gives output `index` of `func` where the fake kernel's `nbytes` differ from them;
+    `cpu_kernels=False`: for CUDA's kernels (a CUDA step predicted on CPU fakes): the CPU kernels' own differences
+    left out."""
     if index in (1, 2) and func in BATCH_NORM and t.dtype in (torch.float16, torch.bfloat16):
         return nbytes * 2
+    if not cpu_kernels:
+        return nbytes
     if index in (1, 2) and func in LAYER_NORM and t.dtype in (torch.float16, torch.bfloat16) \
             and t.device.type == "cpu" and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32
                                                for a in args[2:4]):

@@ -16,7 +16,7 @@ import copy
 import gc
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +24,7 @@ import torch
 
 from memfit.batches import forward
 from memfit.device.allocators import rounder
+from memfit.device.fake_cuda import SavedTensors, SdpaRouting, backward_by_nodes
 from memfit.device.measure import _storage_key, optimizer_state, unique_bytes
 from memfit.device.torch_private import FakeTensorMode, foreach_by_default, reparametrized
 from memfit.memory.fake_kernels import (
@@ -35,7 +36,7 @@ from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
 from memfit.memory.storage_log import StorageLog
 
-__all__ = ["FakeRunError", "StepSpec", "fake_run"]
+__all__ = ["CudaTarget", "FakeRunError", "StepSpec", "fake_run"]
 COLUMN = {k.value: i for i, k in enumerate(STEP_KINDS)}     # a kind's value -> its column in a run's arrays
 
 
@@ -55,10 +56,15 @@ class _Run:
     grad_bytes: int = 0               # the storages of the gradients backward leaves (a gradient that is a view
     #                                   of a larger buffer, a slice of torch.cat's, keeps all of it), or held
     scratch: list = field(default_factory=list)   # (op index, op, ArgSpec) of ops whose scratch is measured
+    step_events: np.ndarray | None = None   # (events, 5) the optimizer step's, as `events` (a free's column 2:
+    step_sizes: np.ndarray | None = None    # its allocation's index among these; -3 - i: event i of `events`)
+    step_at: int = 0                  # the index in `events` where the optimizer step's events go
+    sdpa: list = field(default_factory=list)      # the attention kernel each call was routed to (a CUDA target)
 
 
-def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
-    """A shallow copy of `optimizer` over the fake parameters, with fake copies of its state.
+def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode, cuda: bool = False):
+    """A shallow copy of `optimizer` over the fake parameters, with fake copies of its state (`cuda`: with the
+    defaults torch picks for CUDA parameters, for a CUDA step predicted from parameters elsewhere).
 
     A one-element CPU state tensor (Adam's `step`, read with .item()) becomes a fake tensor that keeps a
     copy of its value, as `torch.tensor(0.0)` made under the fake mode does; the real one is never written.
@@ -74,7 +80,7 @@ def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode):
         group = {**g, "params": [fake(p) for p in g["params"]]}
         if group.get("foreach") is None and not group.get("fused"):
             # the default picks the multi-tensor kernels for real CUDA tensors, never for fake ones: say it
-            group["foreach"] = foreach_by_default(g["params"])
+            group["foreach"] = cuda or foreach_by_default(g["params"])
         opt.param_groups.append(group)
     opt.state = defaultdict(dict, {fake(p): {k: state(v) for k, v in st.items()} for p, st in optimizer.state.items()})
     return opt
@@ -94,6 +100,17 @@ def fake_maker(mode: FakeTensorMode, device: torch.device, memo: dict) -> Callab
     return fake
 
 
+@dataclass(frozen=True)
+class CudaTarget:
+    """A CUDA step predicted without its GPU: the fakes live on `StepSpec.device` (CUDA on a CUDA build of torch,
+    else the CPU) and the bytes logged are CUDA's kernels' (`memfit.memory.storage_log.StorageLog(kernels=)`),
+    attention routed as that GPU would run it, the optimizer's CUDA defaults (foreach; `step` counters on the host
+    unless fused or capturable)."""
+    capability: tuple[int, int]       # the GPU's compute capability: which attention kernel torch picks
+    nodes: bool                       # backward node by node (fake CUDA tensors without a GPU: autograd's engine
+    #                                   refuses them, `memfit.device.fake_cuda`)
+
+
 @dataclass(frozen=True, eq=False)
 class StepSpec:
     """What a fake run runs: the same in every run of one prediction (only the batch size changes)."""
@@ -110,6 +127,7 @@ class StepSpec:
     #                                       micro-batch of an accumulation): backward adds into it, held from the start
     keep_output: bool = True              # False: the output is dropped once the loss is computed
     #                                       (`memfit.accumulate`'s step)
+    cuda: CudaTarget | None = None        # the step is for a CUDA device this machine does not have
 
 
 def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optimizer_step: bool = True) -> _Run:
@@ -123,21 +141,23 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
 
     named = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False))}
+    kernels = torch.device("cuda") if spec.cuda is not None else device      # whose kernels the bytes are for
     held = {"parameters": unique_bytes(named.values()),
             "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
-            "optimizer state": unique_bytes(optimizer_state(optimizer))}
+            "optimizer state": unique_bytes(device_state(optimizer, kernels))}
     caches = cache_misses(model)
     run_model = structural_copy(model)               # the fake parameters go here: the user's module is untouched
-    tracker = StorageLog(device, scratch=True)
+    tracker = StorageLog(device, scratch=True, kernels=kernels.type)
     log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
     samples: dict[str, set] = {}                        # storages that are gradients / optimizer state
-    rounded = rounder(device)  # blocks
+    rounded = rounder(kernels)  # blocks
+    sdpa: list = []
     grad_bytes = 0                                      # `_Run.grad_bytes`
     try:
         with predicting():
             fake_named = {k: fake(v) for k, v in named.items()}
-            opt = _fake_optimizer(optimizer, fake, mode) if optimizer is not None else None
+            opt = _fake_optimizer(optimizer, fake, mode, spec.cuda is not None) if optimizer is not None else None
             if train and not model.training:   # asked about training a model in eval mode: all of it trains;
                 run_model.train()              # a training model's modules keep their modes (a frozen BatchNorm)
             with fake_section(mode), reparametrized(run_model, fake_named, tie_weights=True, strict=False):
@@ -163,13 +183,23 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                             grad_bytes = sum(rounded(tracker.live.get(k, 0)) for k in samples["gradients"])
                     if phase == "step":
                         samples["optimizer state"] = {k[0] for t in optimizer_state(opt) if (k := _storage_key(t))}
+                        if kernels.type != device.type:     # CPU fakes for CUDA: what CUDA keeps on the host
+                            samples["host"] = {k[0] for t in optimizer_state(opt) if (k := _storage_key(t))} - \
+                                {k[0] for t in device_state(opt, kernels) if (k := _storage_key(t))}
 
                 # the RNG states torch.utils.checkpoint keeps are made through no op: logged as one
                 host = host_tensors_logged(lambda name, t: tracker.record(name, t, (), {}))
-                with mode.logging_to(tracker), _no_cycle_collection(), host:
+                with mode.logging_to(tracker), _no_cycle_collection(), host, ExitStack() as cuda:
+                    backward = None
+                    if spec.cuda is not None:      # attention as the GPU runs it; backward node by node on CUDA fakes
+                        cuda.enter_context(SdpaRouting("auto", _Choices(sdpa), spec.cuda.capability))
+                        if spec.cuda.nodes and train:
+                            saved = SavedTensors()
+                            cuda.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack))
+                            backward = lambda loss: backward_by_nodes(loss, saved)     # noqa: E731
                     if train:
                         training_step(run_model, x, opt, spec.loss_fn, y, spec.autocast, mark, optimizer_step,
-                                      spec.keep_output)
+                                      spec.keep_output, backward)
                     else:
                         with torch.no_grad(), forward_autocast(device.type, spec.autocast):
                             out = forward(run_model, x)
@@ -185,10 +215,45 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
         clear_filled(caches)
         for f in fakes.values():                       # gradients kept by zero_grad must not reach the next run
             f.grad = None
-    pad = rounder(device)(1) - 1
-    live, events, sizes, step_kept = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
+    pad = rounded(1) - 1
+    if samples.get("host"):
+        log, marks = _without(log, marks, samples.pop("host"))
+    live, events, sizes, step_kept, step = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
     return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes,
-                tracker.scratch_ops)
+                tracker.scratch_ops, *step, sdpa=sdpa)
+
+
+class _Choices:
+    """Where `SdpaRouting` notes the kernel of each attention call."""
+
+    def __init__(self, sdpa: list):
+        self.sdpa = sdpa
+
+
+def device_state(optimizer, device: torch.device) -> list[torch.Tensor]:
+    """The optimizer's state tensors that live on `device` when its parameters do: on CUDA, torch.optim keeps each
+    parameter's `step` counter on the host unless the group is fused or capturable (torch/optim/adam.py)."""
+    if optimizer is None or device.type != "cuda":
+        return optimizer_state(optimizer)
+    out = []
+    for group in optimizer.param_groups:
+        on_host = not (group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            out += [v for k, v in optimizer.state.get(p, {}).items()
+                    if isinstance(v, torch.Tensor) and not (on_host and k == "step" and v.dim() == 0)]
+    return out
+
+
+def _without(log: list, marks: dict, keys: set) -> tuple[list, dict]:
+    """The log without the allocations of `keys` live at its end (and the marks' log positions moved with it)."""
+    last = {}
+    for i, (_, key, delta) in enumerate(log):
+        if delta > 0:
+            last[key] = i
+    drop = sorted(last[k] for k in keys if k in last)
+    kept = [e for i, e in enumerate(log) if i not in set(drop)]
+    moved = {p: (op, pos - np.searchsorted(drop, pos)) for p, (op, pos) in marks.items()}
+    return kept, {p: (op, int(pos)) for p, (op, pos) in moved.items()}
 
 
 @contextmanager
@@ -206,7 +271,8 @@ def _no_cycle_collection():
 
 def _timeline(log, n_ops: int, marks, samples, live_at_end, pad: int):
     """(ops, kinds) live bytes from the allocation log (storages alive at the end count from the start), the
-    events outside the optimizer step as `_Run.events` / `_Run.sizes`, and the bytes the step keeps by kind."""
+    events outside the optimizer step as `_Run.events` / `_Run.sizes`, the bytes the step keeps by kind, and the
+    step's own events (`_Run.step_events`, `step_sizes`, `step_at`)."""
     tag_at: dict[int, list[str]] = defaultdict(list)  # log position -> phases that ended there
     for phase, (_, pos) in marks.items():
         tag_at[pos].append(phase)
@@ -246,14 +312,21 @@ def _timeline(log, n_ops: int, marks, samples, live_at_end, pad: int):
     constant = np.zeros(len(STEP_KINDS), dtype=np.int64)
     step_kept = np.zeros(len(STEP_KINDS), dtype=np.int64)
     events, sizes, position = [], [], {}
+    step_events, step_sizes, step_position = [], [], {}      # the optimizer step's, apart
     for i, (op, _, delta) in enumerate(log):
         a = i if delta > 0 else kind_of_entry.get(i)
         k = kind(a, log[a][0]) if a is not None else -1
         if not step_log[0] <= i < step_log[1]:
             position[i] = len(events)
             shifted = op - (step_ops[1] - step_ops[0]) if op >= step_ops[1] else op
-            events.append((shifted, 1 if delta > 0 else -1, -1 if a is None else position.get(a, -2), k, a in kept))
+            ref = -1 if a is None else position[a] if a in position else -3 - step_position.get(a, -1)
+            events.append((shifted, 1 if delta > 0 else -1, ref, k, a in kept))
             sizes.append(abs(delta))
+        else:
+            step_position[i] = len(step_events)
+            ref = -1 if a is None else step_position[a] if a in step_position else -3 - position.get(a, -1)
+            step_events.append((op - step_ops[0], 1 if delta > 0 else -1, ref, k, a in kept))
+            step_sizes.append(abs(delta))
         if a is None:
             continue
         size = delta + (pad if delta > 0 else -pad)
@@ -263,5 +336,7 @@ def _timeline(log, n_ops: int, marks, samples, live_at_end, pad: int):
                 step_kept[k] += size
         else:
             live[min(op, n_ops), k] += size
+    step = (np.array(step_events, dtype=np.int64).reshape(-1, 5), np.array(step_sizes, dtype=np.int64),
+            step_log[0]) if "step" in marks else (None, None, len(events))
     return (np.cumsum(live, axis=0)[:n_ops] + constant, np.array(events, dtype=np.int64).reshape(-1, 5),
-            np.array(sizes, dtype=np.int64), step_kept)
+            np.array(sizes, dtype=np.int64), step_kept, step)

@@ -39,7 +39,8 @@ def with_step(r: _Run, full: _Run) -> _Run:
     live = np.concatenate([r.live[:b] + keep, r.live[b - 1] + keep + rise, r.live[b:] + keep + left])
     ops = r.ops[:b] + full.ops[fb:fs - 1] + r.ops[b:]
     ends = {**r.phase_ends, "step": s + fs - 1 - fb}
-    return _Run(ops, live, ends, r.held, r.events, r.sizes, keep, r.grad_bytes, r.scratch)
+    return _Run(ops, live, ends, r.held, r.events, r.sizes, keep, r.grad_bytes, r.scratch, full.step_events,
+                full.step_sizes, r.step_at, r.sdpa)
 
 
 def affine(runs: dict[int, _Run], n1: int, n2: int):

@@ -33,6 +33,11 @@ class MemoryKind(Enum):
     STEP_TRANSIENT = "step transient"
     KEPT_BY_MODEL = "kept by the model"
     ALLOCATOR_MARGIN = "allocator margin"
+    # CUDA: what the caching allocator reserves beyond the blocks it hands out (segments' unused parts), and the
+    # fixed costs (`memfit.device.cuda_costs`): a workspace in the allocator, the context outside it
+    RESERVED_BEYOND = "allocator: reserved beyond allocated"
+    CUBLAS_WORKSPACE = "cuBLAS workspace"
+    CUDA_CONTEXT = "CUDA context"
 
 
 # the kinds a fake-tensor run sorts every logged storage into, in the order of its columns
@@ -47,7 +52,8 @@ class MemoryModel(Protocol):
     Attributes:
         method: how sizes at other batch sizes are computed (exact placements, fitted lines, ...).
         param_bytes: parameters and buffers.
-        device: the device the figures are for (CUDA adds the allocator's rounding and a margin).
+        device: the device the figures are for (on CUDA: the caching allocator's reserved bytes and the fixed
+            costs, `memfit.memory.cuda_step`).
         train: True for a whole training step, False for a forward.
     """
     method: str

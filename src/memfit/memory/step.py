@@ -200,12 +200,13 @@ def forward_autocast(device_type: str, dtype: torch.dtype | None):
 
 def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: torch.dtype | None = None,
                   marks: Callable[[str], None] = lambda phase: None, step: bool = True,
-                  keep_output: bool = True) -> None:
+                  keep_output: bool = True, backward: Callable[[torch.Tensor], None] | None = None) -> None:
     """One training step as `footprint` counts it: forward and loss under `torch.autocast(autocast)` (none
     when None, whatever autocast surrounds the call: callers pass `surrounding_autocast`), then outside it
     backward, `optimizer.step()` (skipped with step=False), `optimizer.zero_grad()`. The loss, and the output
     unless keep_output=False (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it), live
-    until the step returns."""
+    until the step returns. `backward(loss)` replaces `loss.backward()` (fake CUDA tensors without a GPU:
+    `memfit.device.fake_cuda.backward_by_nodes`)."""
     dev = next((t.device.type for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), "cpu")
     with forward_autocast(dev, autocast):
         out = forward(model, batch)
@@ -214,7 +215,10 @@ def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: 
             out = None
     marks("forward")
     with _autocast_off(dev):
-        loss.backward()
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
         marks("backward")
         if optimizer is not None:
             if step:

@@ -46,9 +46,11 @@ import numpy as np
 import torch
 
 from memfit.budget import check_count, format_bytes, model_device
-from memfit.device.allocators import CUDA_BLOCK, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
+from memfit.device.allocators import cpu_margin
 from memfit.device.torch_private import tree_flatten
 from memfit.memory.cache import ModelCache
+from memfit.memory.cuda_step import CudaPeak, CudaStep, cuda_step
+from memfit.memory.cuda_target import CudaDevice, cuda_device, sdp_backends
 from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_failure import explain_fake_failure
 from memfit.memory.fake_run import COLUMN, FakeRunError, StepSpec, _Run, fake_run
@@ -73,7 +75,8 @@ class StepMemoryModel:
     Attributes:
         method: how the sizes at other batch sizes are computed.
         param_bytes: parameters and buffers.
-        device: the device the figures are for (CUDA adds the allocator's rounding and a margin).
+        device: the device the figures are for (on CUDA: the caching allocator's reserved bytes and the fixed
+            costs, `memfit.memory.cuda_step`; `cuda(n)` gives the allocator's figures).
     """
     method: str
     param_bytes: int
@@ -93,6 +96,7 @@ class StepMemoryModel:
     #                                                   of that run: measured at each n asked about
     _scratch_at: dict = field(default_factory=dict, repr=False)     # n -> (ops, kinds) of their bytes
     _measured_ends: dict = field(default_factory=dict)                # n in _measured -> its run's phase ends
+    _cuda: CudaStep | None = None                     # on CUDA: the allocator replayed, the fixed costs
 
     def gradient_bytes(self, n: int) -> int:
         """Bytes of the storages the gradients of a step on n samples sit in (with `grads_held`, the gradients
@@ -157,6 +161,16 @@ class StepMemoryModel:
         `lower_bytes`); `phases` (some of PHASES): the peak over the ops of those phases only (accumulate holds
         the gradients of the step before through its micro-batches' forward and backward, not its optimizer step)."""
         n = _batch(n)
+        if self._cuda is not None and phases is None:       # reserved at the peak, the fixed costs
+            return self._cuda.breakdown(n)
+        out = self._allocated(n, inside, phases)
+        if self._cuda is not None:           # some phases: their allocated bytes, the allocator's and fixed costs
+            return self._cuda.around(n, out)
+        out[MemoryKind.ALLOCATOR_MARGIN.value] = cpu_margin()         # the CPU (a model on meta runs there too)
+        return out
+
+    def _allocated(self, n: int, inside: bool = True, phases: tuple[str, ...] | None = None) -> dict[str, int]:
+        """The fitted live bytes by kind at the peak (on CUDA each storage rounded up to its block)."""
         _, parts = self._peak(n, inside, phases)
         out = {"parameters": self.param_bytes, "inputs": 0}
         for kind, (a, b) in self._held.items():
@@ -164,11 +178,23 @@ class StepMemoryModel:
         for kind, v in zip((k.value for k in STEP_KINDS), parts.tolist(), strict=True):     # the same keys at every n
             if v or (kind == "activations") or (self.train and kind != "kept by the model"):
                 out[kind] = out.get(kind, 0) + v
-        if self.device.type == "cuda":
-            out[MemoryKind.ALLOCATOR_MARGIN.value] = cuda_margin(sum(out.values()))
-        else:                                  # the CPU (a model on meta runs there too)
-            out[MemoryKind.ALLOCATOR_MARGIN.value] = cpu_margin()
         return out
+
+    def cuda(self, n: int) -> CudaPeak:
+        """On CUDA, the caching allocator's figures at a batch of n: peak reserved and allocated
+        (`torch.cuda.max_memory_reserved` / `max_memory_allocated` of a training loop), the fixed costs outside it,
+        the segments and the largest free block when reserved peaked."""
+        if self._cuda is None:
+            raise ValueError(f"cuda(n) gives the caching allocator's figures of a CUDA model; this one is for "
+                             f"{self.device}: predict with device='cuda'")
+        return self._cuda.peak(_batch(n))
+
+    def serves(self, n: int, budget: int) -> bool:
+        """Whether a batch of n fits `budget` bytes of device memory: on CUDA, whether the caching allocator
+        serves every request of the step (after freeing its cache and retrying, as c10 does) in what the fixed
+        costs outside it leave; elsewhere, whether `total_bytes(n) <= budget`."""
+        n = _batch(n)
+        return self._cuda.serves(n, budget) if self._cuda is not None else self.total_bytes(n) <= budget
 
     def saved_activation_bytes(self, n: int) -> int:
         """Bytes the forward (and loss) leave alive for backward, for a batch of n (at the forward's end)."""
@@ -210,10 +236,8 @@ class StepMemoryModel:
             lines.append(f"saved for backward at the end of the forward: {saved}. Steady state of a training loop: "
                          "what the step keeps (optimizer state, gradients that "
                          "zero_grad keeps) is counted from the start; the output and loss live until the step ends.")
-        if self.device.type == "cuda":
-            lines.append(f"CUDA: every block rounded up to {CUDA_BLOCK} bytes as the caching allocator does, plus a "
-                         f"fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} segment; "
-                         "library workspaces (cuBLAS, cuDNN) are not included.")
+        if self._cuda is not None:
+            lines.append(self._cuda.explain(_batch(n)))
         else:
             lines.append("CPU: live tensor bytes, as memfit.device.measure counts them.")
         return "\n".join(lines)
@@ -227,7 +251,7 @@ def _batch(n) -> int:
 def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, optimizer=None,
                       loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, device=None, why: str = "",
-                      grads_held: bool = False, keep_output: bool = True) -> StepMemoryModel:
+                      grads_held: bool = False, keep_output: bool = True, gpu=None) -> StepMemoryModel:
     """The bytes of one training step (train=True) or forward (train=False) at any batch size, from fake runs.
 
     Args:
@@ -242,7 +266,12 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         autocast: run forward and loss under `torch.autocast` with this dtype (default: the dtype of the
             `torch.autocast` the call runs inside, if any).
         dtype: the input dtype when `example` is a shape.
-        device: the device to predict for (default: the model's).
+        device: the device to predict for (default: the model's); "cuda" on a machine without a GPU predicts the
+            CUDA step from here (`memfit.memory.cuda_target`): the figures are then the caching allocator's
+            reserved bytes and the fixed costs, as for any CUDA device (`memfit.memory.cuda_step`).
+        gpu: on CUDA, the GPU whose stated defaults of fixed costs (and attention kernels) to use: a name ("H100",
+            "A100-40GB", "RTX 4090"), a compute capability such as (8, 6), or its memory ("24GiB"); default: the
+            GPU here, measured, else compute capability 9.0's defaults.
         why: a reason added to `method` (e.g. why the planner was not used).
         grads_held: every trainable parameter has its gradient before the step (a later micro-batch of an
             accumulation, which adds into it) instead of getting it in backward.
@@ -253,7 +282,9 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     model, compiled = predicted_module(model)       # a torch.compile'd module: the module it wraps, said in why
     if compiled and compiled not in why:
         why = f"{why}; {compiled}" if why else compiled
-    dev = resolve_device(device) if device is not None else model_device(model)   # checks CUDA is there
+    cuda = _cuda_device(model, device, gpu)
+    dev = cuda.device if cuda is not None else resolve_device(device) if device is not None else model_device(model)
+    fakes = cuda.fakes if cuda is not None else dev
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
@@ -261,14 +292,17 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
                    for g in (optimizer.param_groups if optimizer is not None else ()))
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
            id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output,
-           torch.get_num_threads() if dev.type == "cpu" else None)     # kernels' scratch is per thread
+           torch.get_num_threads() if dev.type == "cpu" else None,     # kernels' scratch is per thread
+           cuda.key + sdp_backends() if cuda is not None else None)
     def fit() -> StepMemoryModel:
         target, note = tgt, why
         if train and target is None and loss_target(loss_fn) is not None:     # F.cross_entropy and no target
-            target, built = example_target(model, batch, loss_fn, dev)
+            target, built = example_target(model, batch, loss_fn, fakes)
             note = f"{note}; {built}" if note else built
-        return _fit(StepSpec(model, batch, dev, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
-                             autocast=autocast, grads_held=grads_held, keep_output=keep_output), why=note)
+        spec = StepSpec(model, batch, fakes, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
+                        autocast=autocast, grads_held=grads_held, keep_output=keep_output,
+                        cuda=cuda.target if cuda is not None else None)
+        return _fit(spec, why=note, cuda=cuda)
 
     # kept per model: predicting again for the same batch layout and optimizer (each evaluation) costs nothing;
     # a new or reshaped parameter, a changed flag or attribute (checkpointing, dropout p) predicts again
@@ -276,6 +310,20 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
 
 
 _STEP_MODELS = ModelCache()
+
+
+def _cuda_device(model: torch.nn.Module, device, gpu) -> CudaDevice | None:
+    """The CUDA device the prediction is for (`memfit.memory.cuda_target`), or None for another device."""
+    try:
+        asked = torch.device(device) if device is not None else model_device(model)
+    except (RuntimeError, TypeError):
+        asked = None                          # resolve_device says what was expected
+    if asked is None or asked.type != "cuda":
+        if gpu is not None:
+            raise ValueError(f"gpu={gpu!r} names the GPU a CUDA prediction is for; found device={str(asked)!r}: "
+                             "pass device='cuda' too, or drop gpu=")
+        return None
+    return cuda_device(asked, gpu)
 
 
 def forget_step_model(model: torch.nn.Module) -> None:
@@ -346,7 +394,7 @@ class _Probes:
         return with_step(r, self.runs[4]) if self.once and n != 4 else r
 
 
-def _fit(spec: StepSpec, why: str) -> StepMemoryModel:
+def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemoryModel:
     """Fake runs at the fewest batch sizes the ladder of fitters needs (`memfit.memory.fit_ladder`), and what
     they say: the memory model, its `method` in words (with a warning where it is approximate)."""
     probes = _Probes(spec)
@@ -377,11 +425,16 @@ def _fit(spec: StepSpec, why: str) -> StepMemoryModel:
     if "APPROXIMATE" in how:
         warnings.warn(f"the memory of {type(spec.model).__name__} is estimated, not exact: {method}. Check the size "
                       "you pick with memfit.measure_step", stacklevel=4)
-    return StepMemoryModel(method, runs[4].held["parameters"], spec.device, train, held, fit.a, fit.b, runs[4].ops,
-                           runs[4].phase_ends, fit.measured, fit.c, gradient_line(runs),
-                           {k: r.grad_bytes for k, r in runs.items()}, why=why,
-                           _scratch=scratch if scratch[4] else {},
-                           _measured_ends={n: runs[n].phase_ends for n in fit.measured})
+    mm = StepMemoryModel(method, runs[4].held["parameters"], spec.device, train, held, fit.a, fit.b, runs[4].ops,
+                         runs[4].phase_ends, fit.measured, fit.c, gradient_line(runs),
+                         {k: r.grad_bytes for k, r in runs.items()}, why=why,
+                         _scratch=scratch if scratch[4] else {},
+                         _measured_ends={n: runs[n].phase_ends for n in fit.measured})
+    if cuda is not None:                       # the caching allocator replayed over the runs' events
+        mm.device = cuda.device
+        mm._cuda = cuda_step(runs, spec, cuda.costs, cuda.config, mm._allocated)
+        mm.method += f"; on CUDA ({cuda.source}): {mm._cuda.how}"
+    return mm
 
 
 def _scratch_ops(runs: dict[int, _Run], measured) -> dict[int, list]:

@@ -12,6 +12,7 @@ from numbers import Number
 
 import torch
 
+from memfit.device.cuda_kernels import flash_backward_workspaces
 from memfit.device.measure import _storage_key
 from memfit.device.torch_private import (
     DataDependentOutputException,
@@ -27,6 +28,8 @@ __all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog"]
 
 # ops whose backward keeps their second argument: given a Python number, a 0-d tensor autograd wraps and saves
 SAVES_SCALAR = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
+# flash attention's backward on CUDA: the blocks it allocates inside (softmax_d, dq_accum), which no fake kernel shows
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 
 
 class _StorageRef(weakref.ref):
@@ -54,10 +57,14 @@ class StorageLog:
 
     FRESH: dict = {}                                  # op -> whether its outputs are always new storages
 
-    def __init__(self, device: torch.device, scratch: bool = False):
+    def __init__(self, device: torch.device, scratch: bool = False, kernels: str | None = None):
         self.device = device
-        self.scratch = scratch and device.type == "cpu"   # note the ops whose kernels' scratch (and workspaces)
-        #                                                   the memory model measures at each batch
+        # whose kernels the bytes are for: the fakes' device's, or 'cuda' for a CUDA step predicted on CPU fakes
+        # (then the CPU kernels' own workspaces, scratch and wrapped numbers are left out)
+        self.cpu_kernels = (kernels or device.type) == "cpu"
+        self.cuda_kernels = (kernels or device.type) == "cuda"
+        self.scratch = scratch and self.cpu_kernels   # note the ops whose kernels' scratch (and workspaces)
+        #                                               the memory model measures at each batch
         self.scratch_ops: list[tuple[int, object, object]] = []   # (op index, op, ArgSpec): `_Run.scratch`
         self.ops: list = []                           # the OpOverload of every op, in order
         self.log: list[tuple[int, int, int]] = []
@@ -115,13 +122,13 @@ class StorageLog:
                 if key in inputs:                         # a view of (or a write to) a tensor made outside
                     self._watch(s, key)
                     continue
-            nbytes = real_bytes(func, i, t, nbytes, args, kwargs)
+            nbytes = real_bytes(func, i, t, nbytes, args, kwargs, self.cpu_kernels)
             if not nbytes:
                 continue
             self.live[key] = nbytes
             self.log.append((op, key, nbytes))
             self._watch(s, key)
-        if func in SAVES_SCALAR and self.device.type == "cpu" and len(args) > 1 and isinstance(args[1], Number) \
+        if func in SAVES_SCALAR and self.cpu_kernels and len(args) > 1 and isinstance(args[1], Number) \
                 and isinstance(args[0], torch.Tensor) and args[0].requires_grad and torch.is_grad_enabled():
             # the Python number, wrapped in a 0-d tensor (8 bytes), is saved for backward by autograd, above
             # this dispatch level where no op returns it: held until backward ends (an upper bound)
@@ -133,13 +140,20 @@ class StorageLog:
             # a 1x1 convolution's workspace is 0 B up to batch 13 and 1.4 MiB at 16): measured by the memory model
             # at each batch it is asked about, as the scratch below (`kernel_scratch`)
             self.scratch_ops.append((op, func, spec_of(args, kwargs)))
-        elif func in WORKSPACE and self.device.type == "cpu":
+        elif func in WORKSPACE and self.cpu_kernels:
             # what the real kernel allocates inside and frees before it returns: live at this op only, as a part
             # the same at every batch and one that grows with it (the batch of this run: exact here)
             for extra in workspace_bytes(func, args, kwargs):
                 if extra:
                     self.workspaces -= 1                  # a key no storage has
                     self.log += [(op, self.workspaces, extra), (op + 1, self.workspaces, -extra)]
+        elif func is FLASH_BACKWARD and self.cuda_kernels:
+            # what mha_bwd allocates inside, one block each, live at this op only (memfit.device.cuda_kernels)
+            q, k = args[1], args[2]
+            for extra in flash_backward_workspaces(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                                                   q.dtype, k.shape[1], torch.are_deterministic_algorithms_enabled()):
+                self.workspaces -= 1
+                self.log += [(op, self.workspaces, extra), (op + 1, self.workspaces, -extra)]
         elif self.scratch and measured_here(func, args, kwargs):
             # kernels on half-precision arguments (`kernel_scratch`): their scratch is not a line in the batch, so
             # it is not logged here: the memory model measures it at each batch it is asked about
