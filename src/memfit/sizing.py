@@ -8,8 +8,12 @@ Every answer is for what the user runs:
   which holds only where that planned module runs;
 - train=True: one training step (forward, loss, backward, optimizer step, zero_grad), from fake-tensor runs;
 - parallel="ddp" or "fsdp": one rank's training step (`memfit.memory.ranks`).
-A `torch.compile`d module is predicted through the module it wraps (`method` says so). `max_batch_size` searches
-the largest batch in a budget (`largest_fitting`: doubling, then bisection).
+On CUDA every answer is the caching allocator's reserved bytes (its replay over the step's allocations and
+frees) plus the fixed costs (the CUDA context, cuBLAS workspaces), from any machine: `device="cuda"` without a GPU
+predicts the CUDA step from here, with a GPU family's stated defaults (`gpu="H100"`, or a memory such as
+"24GiB"). A `torch.compile`d module is predicted through the module it wraps (`method` says so). `max_batch_size`
+searches the largest batch in a budget (`largest_fitting`: doubling, then bisection); on CUDA the largest batch the
+allocator serves in it (`MemoryModel.serves`: with c10's retry after freeing its cache).
 
 Example:
     >>> import torch
@@ -44,7 +48,7 @@ __all__ = ["activation_bytes", "max_batch_size", "memory_model", "plot_memory", 
 def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool = False, planned: bool = False,
                  optimizer=None, loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, device=None, algorithm: str = "greedy_by_size",
-                 parallel: str | None = None, world_size: int = 1, **parallel_options) -> MemoryModel:
+                 parallel: str | None = None, world_size: int = 1, gpu=None, **parallel_options) -> MemoryModel:
     """The bytes `model` needs per batch size n: `.total_bytes(n)`, `.breakdown(n)`, `.method`, `.explain()`.
 
     By default the figures are for what you run yourself: inference is your `model(x)` under `torch.no_grad()`
@@ -69,7 +73,12 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         autocast: run forward and loss under `torch.autocast` with this dtype (e.g. torch.bfloat16); by default
             the dtype of the `torch.autocast` the call runs inside, if any.
         dtype: the input dtype when a sample shape is given.
-        device: the device to predict for (default: the model's).
+        device: the device to predict for (default: the model's). "cuda" on a machine without a GPU predicts the
+            CUDA step from here (the model stays where it is): fake runs with CUDA's kernels, the caching allocator
+            replayed, the fixed costs of `gpu`'s stated defaults; `method` says how.
+        gpu: on CUDA, the GPU the fixed costs are for: a name ("H100", "A100-40GB", "RTX 4090"), a compute
+            capability such as (8, 6) or the GPU's memory ("24GiB"); default the GPU here (measured), else
+            compute capability 9.0's stated defaults.
         algorithm: the planner's offset algorithm (planned=True).
         parallel: "ddp" or "fsdp" (train=True): the bytes one of `world_size` ranks holds, n being the batch per
             rank (`memfit.memory.ranks.rank_memory_model`, a `RankMemoryModel`).
@@ -90,15 +99,20 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     if parallel is not None:
         if not train:
             raise ValueError(f"parallel={parallel!r} models a training step; pass train=True")
+        if device is not None or gpu is not None:
+            parallel_options = {**parallel_options, "device": device, "gpu": gpu}
         return rank_memory_model(model, example_or_sample_shape, optimizer=optimizer, loss_fn=loss_fn,
                                  target=target, parallel=parallel, world_size=world_size, autocast=autocast,
                                  dtype=dtype, **parallel_options)
     if planned:
+        if gpu is not None:
+            raise ValueError(f"gpu={gpu!r} is for a CUDA prediction from another machine; the planned forward is "
+                             "captured on the model's own device: drop gpu= or planned=True")
         return _planned(model, example_or_sample_shape, train, autocast, dtype, device, algorithm)
     if autocast is None:             # the forward runs under the autocast around the call: count that one
         autocast = surrounding_autocast(torch.device(device).type if device is not None else model_device(model).type)
     return step_memory_model(model, example_or_sample_shape, train=train, optimizer=optimizer, loss_fn=loss_fn,
-                             target=target, autocast=autocast, dtype=dtype, device=device, why=note)
+                             target=target, autocast=autocast, dtype=dtype, device=device, why=note, gpu=gpu)
 
 
 def _planned(model, example, train: bool, autocast, dtype, device, algorithm: str):
@@ -135,19 +149,24 @@ def activation_bytes(model: torch.nn.Module, sample_shape, batch_sizes: Sequence
     return [mm.total_bytes(n) for n in batch_sizes]
 
 
-def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, train: bool = False,
+def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str | None = None, *, train: bool = False,
                    planned: bool = False, optimizer=None, loss_fn: Callable | None = None, target=None,
                    autocast: torch.dtype | None = None, dtype: torch.dtype = torch.float32, device=None,
-                   extra_bytes_per_sample: int = 0,
-                   limit: int = 2**31, parallel: str | None = None, world_size: int = 1) -> int:
-    """The largest batch n whose `memory_model(...).total_bytes(n)` + `extra_bytes_per_sample * n` fit `budget`.
+                   extra_bytes_per_sample: int = 0, limit: int = 2**31, parallel: str | None = None,
+                   world_size: int = 1, device_memory: int | str | None = None, gpu=None) -> int:
+    """The largest batch n whose `memory_model(...).total_bytes(n)` + `extra_bytes_per_sample * n` fit `budget`;
+    on CUDA, the largest the caching allocator serves in it (`serves`: reserved bytes, with c10's retry after
+    freeing its cache, in what the fixed costs leave).
 
     By default for your own `model(x)` under `torch.no_grad()`; with train=True (and optimizer, loss_fn, target)
     the largest batch one training step fits; with planned=True the largest the planned forward (`memfit.plan`) fits.
 
     Args:
         sample_shape: one sample's shape, or an example batch (see `memory_model`).
-        budget: bytes, or a string such as "64MiB".
+        budget: bytes, or a string such as "64MiB"; with `device_memory`, default all of it.
+        device_memory: the GPU's memory (e.g. "24GiB") for a CUDA prediction (device="cuda"): the budget when none
+            is given, and the GPU family whose stated fixed costs apply when `gpu` is not given.
+        gpu: the GPU the fixed costs are for (see `memory_model`).
         extra_bytes_per_sample: anything else held per sample (a compact copy of the batch, say).
         limit: the largest batch considered.
         parallel, world_size: "ddp" or "fsdp" on that many ranks (train=True): the largest batch per rank.
@@ -160,15 +179,28 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str, *, t
         >>> max_batch_size(torch.nn.Linear(8, 4), (8,), 144 + 16 + 48 * 10)  # params, CPU margin, 48 B a sample
         10
     """
-    budget = parse_bytes(budget)
+    if device_memory is not None:
+        device_memory = parse_bytes(device_memory)
+        if device is None or torch.device(device).type != "cuda":
+            raise ValueError(f"device_memory is the memory of the GPU a CUDA prediction is for; found device="
+                             f"{str(device)!r}: pass device='cuda' too (or give the budget alone)")
+        gpu = device_memory if gpu is None else gpu
+    if budget is None and device_memory is None:
+        raise ValueError("max_batch_size needs a budget (bytes or a string such as '8GiB'), or device='cuda' with "
+                         "device_memory= (the GPU's memory, then the budget)")
+    budget = parse_bytes(budget if budget is not None else device_memory)
     extra_bytes_per_sample = check_count("extra_bytes_per_sample", extra_bytes_per_sample, 0)
     mm = memory_model(model, sample_shape, train=train, planned=planned, optimizer=optimizer, loss_fn=loss_fn,
                       target=target, autocast=autocast, dtype=dtype, device=device, parallel=parallel,
-                      world_size=world_size)
+                      world_size=world_size, gpu=gpu)
     need = lambda n: mm.total_bytes(n) + extra_bytes_per_sample * n
-    lower = getattr(mm, "lower_bytes", None)       # a step model: its measured workspaces asked near the answer only
-    n = largest_fitting(need, budget, limit,
-                        below=None if lower is None else lambda n: lower(n) + extra_bytes_per_sample * n)
+    if mm.device.type == "cuda" and hasattr(mm, "serves"):     # what the allocator serves: extra bytes taken first
+        n = largest_fitting(lambda n: 0 if mm.serves(n, budget - extra_bytes_per_sample * n) else budget + 1,
+                            budget, limit)
+    else:
+        lower = getattr(mm, "lower_bytes", None)   # a step model: its measured workspaces asked near the answer only
+        n = largest_fitting(need, budget, limit,
+                            below=None if lower is None else lambda n: lower(n) + extra_bytes_per_sample * n)
     if n == 0:
         parts = {**mm.breakdown(1), **({"extra per sample": extra_bytes_per_sample} if extra_bytes_per_sample else {})}
         what = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)

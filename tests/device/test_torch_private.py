@@ -440,3 +440,17 @@ def test_c10s_flag_is_refused_with_what_failed_where_its_library_is_not_found(mo
             tp.cpu_total_kept_for_every_thread():
         pass
     assert tp._C10_FLAG["users"] == 0
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU build of torch has no cuBLAS to clear")
+def test_the_cublas_workspaces_can_be_cleared_on_a_cuda_build():
+    assert callable(torch._C._cuda_clearCublasWorkspaces)         # what clear_cublas_workspaces calls
+
+
+@pytest.mark.cuda
+def test_clearing_the_cublas_workspaces_frees_the_first_matmuls_workspace():
+    a = torch.ones(64, 64, device="cuda")
+    (a @ a).sum().item()                                            # the main thread's handle: its workspace
+    before = torch.cuda.memory_allocated()
+    tp.clear_cublas_workspaces()
+    assert torch.cuda.memory_allocated() < before

@@ -35,6 +35,7 @@ BENCHMARKS = {
     "distributed": "resident loader and exact evaluation with 1 and 2 processes (torch.distributed)",
     "train": "training-step memory model vs real steps; accumulate's gradient and step time vs a plain step",
     "fit": "memfit.fit's plans (micro-batch x checkpointing) vs a measured grid at three budgets per model",
+    "gpu": "CUDA predictions vs a GPU: reserved, the out-of-memory boundary, fit's plans, loaders (make gpu-check)",
 }
 
 

@@ -5,29 +5,23 @@ bytes (`kMinBlockSize`). Requests up to 1 MiB (`kSmallSize`) come from 2 MiB seg
 exactly that; larger ones from 20 MiB segments (`kLargeBuffer`) below 10 MiB (`kMinLargeAlloc`), else from a
 segment of their own rounded up to 2 MiB (`kRoundLarge`), and a block found for one is split only when more than
 1 MiB would remain: a large request may take up to `CUDA_SPLIT` bytes more than its rounded size (an 11 MiB +
-512 B request takes a whole fresh 12 MiB segment), and `torch.cuda.memory_allocated` counts the whole block. On
-top of the 512-byte rounding memfit adds a stated margin (`cuda_margin`) for those and the segments' fragmentation.
+512 B request takes a whole fresh 12 MiB segment), and `torch.cuda.memory_allocated` counts the whole block. What
+the segments reserve beyond the blocks is not a margin here: the memory models replay the allocator over the step's
+allocations and frees (`memfit.device.cuda_caching`, `memfit.memory.cuda_step`).
 The CPU allocator (c10/core/alignment.h, `gAlignment = 64`) aligns every allocation to 64 bytes, which the
 planner's arena also uses between its tensors. An op given a Python number wraps it in a 0-d tensor (8 bytes) and
 casts it to the op's dtype (up to 8 more), freed when the op returns: at most `CPU_SCALAR` bytes at any moment,
 which no op's outputs show.
-
-Known limitations: library workspaces (cuBLAS, cuDNN: 8.5 MiB, up to 32 MiB on Hopper) are not counted. The
-margin (5% + 2 MiB) bounds the unsplit remainders only while live tensors above 1 MiB are few or above 20 MiB
-each: many of 1-20 MiB, each taking up to `CUDA_SPLIT` more, can exceed it (not seen measured: no GPU here).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["CPU_ALIGNMENT", "CPU_SCALAR", "CUDA_BLOCK", "CUDA_MARGIN", "CUDA_SEGMENT", "CUDA_SPLIT", "cpu_margin",
-           "cuda_margin", "rounder"]
+__all__ = ["CPU_ALIGNMENT", "CPU_SCALAR", "CUDA_BLOCK", "CUDA_SPLIT", "cpu_margin", "rounder"]
 
 CUDA_BLOCK = 512            # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
-CUDA_SEGMENT = 2 << 20      # one partly used 2 MiB small-allocation segment
 CUDA_SPLIT = 1 << 20        # requests above 1 MiB: a block's remainder of at most this much is not split off
-CUDA_MARGIN = 0.05          # stated head-room for fragmentation of the allocator's segments on CUDA
 CPU_ALIGNMENT = 64          # bytes: a cache line, and enough for any dtype's vector loads
 CPU_SCALAR = 16             # a Python number wrapped as a 0-d double or int64 (8 bytes) and its cast (<= 8)
 
@@ -42,16 +36,6 @@ def rounder(device: torch.device):
     if device.type == "cuda":
         return lambda b: -(-b // CUDA_BLOCK) * CUDA_BLOCK
     return lambda b: b
-
-
-def cuda_margin(total: int) -> int:
-    """The head-room added on CUDA to a prediction of `total` bytes: a fragmentation margin and one segment.
-
-    Example:
-        >>> cuda_margin(100 << 20) == int(0.05 * (100 << 20)) + (2 << 20)
-        True
-    """
-    return int(CUDA_MARGIN * total) + CUDA_SEGMENT
 
 
 def cpu_margin() -> int:

@@ -153,11 +153,13 @@ class SdpaRouting(TorchFunctionMode):
     with a list `sdpa`) records each choice. Works on fake CPU tensors too: the CUDA kernels' fake implementations
     are device-independent (a CUDA step predicted on a CPU build of torch)."""
 
-    def __init__(self, choice: str, run, capability: tuple[int, int] = (9, 0)):
+    def __init__(self, choice: str, run, capability: tuple[int, int] = (9, 0), autocast: str | None = None):
         super().__init__()
         if choice not in ("auto", "flash", "efficient", "math"):
             raise ValueError(f"sdpa must be 'auto', 'flash', 'efficient' or 'math', found {choice!r}")
         self.choice, self.run, self.capability = choice, run, capability
+        self.autocast = autocast       # the device type whose autocast stands for CUDA's (CPU fakes): CUDA's
+        #                                autocast runs attention in its lower precision, the CPU's does not
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -166,6 +168,10 @@ class SdpaRouting(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         a = dict(zip(names, args, strict=False), **kwargs)      # positional, then by name
         q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+        if self.autocast is not None and torch.is_autocast_enabled(self.autocast) and q.is_floating_point():
+            low = torch.get_autocast_dtype(self.autocast)      # CUDA autocast's cast of attention's inputs
+            q, k, v = (t.to(low) for t in (q, k, v))
+            mask = mask.to(low) if mask is not None and mask.is_floating_point() else mask
         kernel = self.choice if self.choice != "auto" else \
             sdpa_kernel(q, k, v, mask, a.get("enable_gqa", False), self.capability)
         self.run.sdpa.append(kernel)

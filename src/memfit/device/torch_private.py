@@ -77,7 +77,8 @@ keystr = torch.utils._pytree.keystr
 __all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "DropoutBase", "FakeTensor",
            "FakeTensorMode", "InstanceNormBase", "OpOverload", "ProfilerEventType", "TorchDispatchMode",
            "aot_rng_not_saved", "base_storage_resize",
-           "compiled_inner", "cpu_total_kept_for_every_thread", "current_dispatch_mode", "ddp_comm_hook",
+           "clear_cublas_workspaces", "compiled_inner", "cpu_total_kept_for_every_thread", "current_dispatch_mode",
+           "ddp_comm_hook",
            "detect_fake_mode", "dict_version_reader", "disable_current_modes", "dynamo_reset", "fake_store",
            "foreach_by_default", "fsdp_collectives", "fsdp_mem_tracker", "fsdp_param_group", "fsdp_param_groups",
            "fsdp_param_shard", "fsdp_param_size",
@@ -138,6 +139,14 @@ def compiled_inner(model: object) -> torch.nn.Module | None:
     if isinstance(model, OptimizedModule):
         return model._orig_mod
     return None
+
+
+def clear_cublas_workspaces() -> None:
+    """Free the cuBLAS workspaces this process holds: one per cuBLAS handle and stream, made by a thread's first
+    matmul and kept for the process's life, as blocks of the caching allocator (`memfit.device.cuda_costs`).
+    `torch._C._cuda_clearCublasWorkspaces` (torch/csrc/cuda/Module.cpp; a CUDA build only). The GPU benchmark
+    calls it between measurements so that each starts as a fresh process does (`memfit bench gpu`)."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 def foreach_by_default(params: list[torch.Tensor]) -> bool:

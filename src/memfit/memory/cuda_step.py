@@ -51,12 +51,12 @@ from memfit.device.cuda_alloc_conf import AllocatorConfig
 from memfit.device.cuda_blocks import round_size
 from memfit.device.cuda_caching import Replay, replay
 from memfit.device.cuda_costs import FixedCost
-from memfit.device.measure import _storage_key
-from memfit.memory.fake_run import _Run, device_state
+from memfit.memory.cuda_held import INPUTS, PARAMETERS, WORKSPACES, prelude
+from memfit.memory.fake_run import _Run
 from memfit.memory.fit import proportional
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
 
-__all__ = ["STEPS", "CudaPeak", "CudaStep", "EventLines", "cuda_step", "event_lines", "prelude"]
+__all__ = ["CUBLAS", "STEPS", "CudaPeak", "CudaStep", "EventLines", "cuda_step", "event_lines"]
 
 STEPS = 3                # steps replayed: the first makes what a step keeps, the later ones reuse the cache
 # ops whose CUDA kernels call cuBLAS (or cuBLASLt, which shares its workspace): their first call on a thread makes
@@ -68,9 +68,6 @@ UNCOUNTED = {"convolution": "cuDNN's convolution workspaces", "convolution_backw
              "_efficient_attention_backward": "memory-efficient attention's backward workspace",
              "_scaled_dot_product_efficient_attention_backward": "memory-efficient attention's backward workspace",
              "mkldnn_rnn_layer": "cuDNN's RNN workspace (the CPU's oneDNN LSTM ran instead)"}
-# a trace's kinds: STEP_KINDS' columns, then these (workspaces after them, one kind per fixed cost)
-PARAMETERS, INPUTS, WORKSPACES = len(STEP_KINDS), len(STEP_KINDS) + 1, len(STEP_KINDS) + 2
-_OPTIMIZER, _GRADIENTS = STEP_KINDS.index(MemoryKind.OPTIMIZER_STATE), STEP_KINDS.index(MemoryKind.GRADIENTS)
 
 
 @dataclass(frozen=True)
@@ -147,35 +144,6 @@ def _source(run: _Run, sizes: Callable[[int], np.ndarray], step_run: _Run) -> _S
     return _Source(run.events.tolist(), lambda n: sizes(n).tolist(), step, run.step_at, _cublas_at(run))
 
 
-def prelude(model: torch.nn.Module, optimizer, grads_held: bool) -> list[tuple[int, int]]:
-    """(kind, bytes) of each block held before the step, in the order a loop makes them: the parameters and
-    buffers as `model.to("cuda")` allocates them (`Module._apply`: children first, then the module's own parameters
-    and buffers; a storage once), the optimizer's device state, the gradients held (`grads_held`)."""
-    seen, out = set(), []
-
-    def add(t: torch.Tensor, kind: int) -> None:
-        key = _storage_key(t)
-        if key is not None and key[0] not in seen:
-            seen.add(key[0])
-            out.append((kind, key[1]))
-
-    def visit(m: torch.nn.Module) -> None:
-        for child in m.children():
-            visit(child)
-        for p in m.parameters(recurse=False):
-            add(p, PARAMETERS)
-        for b in m.buffers(recurse=False):
-            add(b, PARAMETERS)
-    visit(model)
-    for t in device_state(optimizer, torch.device("cuda")):
-        add(t, _OPTIMIZER)
-    if grads_held:
-        for p in model.parameters():
-            if p.requires_grad:
-                out.append((_GRADIENTS, p.numel() * p.element_size()))
-    return out
-
-
 @dataclass(frozen=True)
 class CudaPeak:
     """The allocator's figures of a step at one batch size, in bytes (from a replay)."""
@@ -204,6 +172,7 @@ class CudaStep:
     config: AllocatorConfig
     train: bool
     fallback: Callable[[int], dict] | None = None   # n -> the fitted allocated bytes by kind (no exact sequence)
+    named: tuple[str, ...] = ()                # kinds of held blocks after the workspaces' (DDP's buckets)
     _replays: dict = field(default_factory=dict, repr=False)
     _traces: dict = field(default_factory=dict, repr=False)
 
@@ -299,7 +268,7 @@ class CudaStep:
             return self.around(n, self.fallback(n))
         r = self.replay(n)
         events, kinds = self.trace(n)
-        parts = np.zeros(WORKSPACES + len(self.workspaces), dtype=np.int64)
+        parts = np.zeros(WORKSPACES + len(self.workspaces) + len(self.named), dtype=np.int64)
         best, owner, live = parts.copy(), {}, 0
         for i, ((key, nbytes), kind) in enumerate(zip(events, kinds, strict=True)):
             if nbytes > 0:
@@ -318,8 +287,8 @@ class CudaStep:
         for i, kind in enumerate(STEP_KINDS):
             if parts[i] or kind is MemoryKind.ACTIVATIONS or (self.train and kind is not MemoryKind.KEPT_BY_MODEL):
                 out[kind.value] = int(parts[i])
-        for i, c in enumerate(self.workspaces):
-            out[c.name] = int(parts[WORKSPACES + i])
+        for i, name in enumerate([c.name for c in self.workspaces] + list(self.named)):
+            out[name] = int(parts[WORKSPACES + i])
         out[MemoryKind.RESERVED_BEYOND.value] = r.peak_reserved - int(parts.sum())
         return {**out, **{c.name: c.nbytes for c in self.outside}}
 
@@ -329,6 +298,8 @@ class CudaStep:
         allocated, at their peaks), or where the sequence at n is not exact, the largest fraction of allocated seen
         in the replays of the runs, of these parts (APPROXIMATE)."""
         out = {**parts, **{c.name: c.nbytes for c in self.workspaces}}
+        for j, name in enumerate(self.named):          # held blocks the fit does not know of (DDP's buckets)
+            out[name] = sum(b for k, b in self.held if k == WORKSPACES + len(self.workspaces) + j)
         if self.exact_at(n):
             r = self.replay(n)
             beyond = r.peak_reserved - r.peak_allocated
@@ -342,14 +313,18 @@ class CudaStep:
     def total(self, n: int) -> int:
         return sum(self.breakdown(n).values())
 
-    def serves(self, n: int, budget: int) -> bool:
+    def serves(self, n: int, budget: int | None, **limits) -> bool:
         """Whether a batch of n runs in `budget` bytes of device memory: the fixed costs outside the allocator and
-        the replay within the rest, with c10's retry after freeing its cache (the out-of-memory boundary); where
-        the sequence at n is not exact, whether `total(n)` fits."""
+        the replay within the rest, with c10's retry after freeing its cache (the out-of-memory boundary); `limits`:
+        `memory_fraction` and `device_total` of the replay (budget None: those alone); where the sequence at n is
+        not exact, whether `total(n)` fits (and reserved within the fraction)."""
         if not self.exact_at(n):
-            return self.total(n) <= budget
-        capacity = budget - sum(c.nbytes for c in self.outside)
-        return capacity > 0 and self.replay(n, capacity=capacity).fits
+            fraction, total = limits.get("memory_fraction"), limits.get("device_total")
+            reserved = self.total(n) - sum(c.nbytes for c in self.outside)
+            return (budget is None or self.total(n) <= budget) and (
+                fraction is None or total is None or reserved <= fraction * total)
+        capacity = None if budget is None else budget - sum(c.nbytes for c in self.outside)
+        return (capacity is None or capacity > 0) and self.replay(n, capacity=capacity, **limits).fits
 
     def explain(self, n: int) -> str:
         """The CUDA figures at batch n in words (for `StepMemoryModel.explain`)."""
@@ -396,3 +371,4 @@ def cuda_step(runs: dict[int, _Run], spec, costs: Callable[[int], list[FixedCost
         how += f"; attention routed as the GPU runs it: {', '.join(kernels)}"
     return CudaStep(how, sources, prelude(spec.model, spec.optimizer, spec.grads_held), inputs, workspaces, outside,
                     config, spec.train, fallback)
+

@@ -25,7 +25,7 @@ from memfit.device.cuda_alloc_conf import AllocatorConfig
 from memfit.device.cuda_costs import GPUS, FixedCost, GpuFamily, fixed_costs, gpu_family
 from memfit.memory.fake_run import CudaTarget
 
-__all__ = ["DEFAULT_GPU", "CudaDevice", "cuda_device", "resolve_gpu", "sdp_backends"]
+__all__ = ["DEFAULT_GPU", "CudaDevice", "cuda_device", "cuda_device_for", "resolve_gpu", "sdp_backends"]
 
 # gpu= not given and no GPU here: compute capability 9.0's stated defaults (the larger cuBLAS workspace, flash)
 DEFAULT_GPU = GpuFamily("a GPU of compute capability 9.0 (gpu= not given: the larger cuBLAS workspace)", (9, 0), 0)
@@ -110,3 +110,18 @@ def sdp_backends() -> tuple[bool, bool, bool]:
     them): part of what a kept CUDA prediction depends on."""
     return (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
             torch.backends.cuda.math_sdp_enabled())
+
+
+def cuda_device_for(model_device: torch.device, device, gpu) -> CudaDevice | None:
+    """The CUDA device a prediction asked for with `device` (None: the model's) is for, or None for another device
+    (then `gpu` must not be given)."""
+    try:
+        asked = torch.device(device) if device is not None else model_device
+    except (RuntimeError, TypeError):
+        asked = None                          # resolve_device says what was expected
+    if asked is None or asked.type != "cuda":
+        if gpu is not None:
+            raise ValueError(f"gpu={gpu!r} names the GPU a CUDA prediction is for; found device={str(asked)!r}: "
+                             "pass device='cuda' too, or drop gpu=")
+        return None
+    return cuda_device(asked, gpu)

@@ -192,7 +192,8 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                 with mode.logging_to(tracker), _no_cycle_collection(), host, ExitStack() as cuda:
                     backward = None
                     if spec.cuda is not None:      # attention as the GPU runs it; backward node by node on CUDA fakes
-                        cuda.enter_context(SdpaRouting("auto", _Choices(sdpa), spec.cuda.capability))
+                        cuda.enter_context(SdpaRouting("auto", _Choices(sdpa), spec.cuda.capability,
+                                                       None if device.type == "cuda" else device.type))
                         if spec.cuda.nodes and train:
                             saved = SavedTensors()
                             cuda.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack))

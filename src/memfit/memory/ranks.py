@@ -39,6 +39,7 @@ import torch
 
 from memfit.budget import check_count, format_bytes
 from memfit.device.torch_private import ddp_comm_hook, fsdp_param_groups, is_hsdp
+from memfit.memory.cuda_held import ddp_buckets
 from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import MemoryKind
@@ -187,6 +188,8 @@ class RankMemoryModel:
     def breakdown(self, n: int) -> dict[str, int]:
         """Bytes at this rank's peak for a per-rank batch of n, by kind (they sum to `total_bytes(n)`)."""
         n = check_count("the batch size per rank", n, 1)
+        if self._single is not None and self._single._cuda is not None:   # the buckets are blocks in its replay
+            return self._single.breakdown(n)
         if self._single is not None:
             parts = self._single.breakdown(n)
             if self._bucket_view:                     # the held gradients are the buckets
@@ -203,12 +206,18 @@ class RankMemoryModel:
         """Bytes at this rank's peak for a per-rank batch of n."""
         return sum(self.breakdown(n).values())
 
+    def serves(self, n: int, budget: int) -> bool:
+        """Whether a per-rank batch of n fits `budget` (on CUDA: the caching allocator serves it, `StepMemoryModel`)."""
+        return self._single.serves(n, budget) if self._single is not None else self.total_bytes(n) <= budget
+
     def explain(self, n: int = 1) -> str:
         """What the figure is, how it was computed, and the bytes by kind at a per-rank batch of n."""
         lines = [f"per-rank memory of one {self.parallel.upper()} training step on {self.world_size} ranks, by "
                  f"{self.method}.", f"batch {n} per rank: {format_bytes(self.total_bytes(n))} at the peak:"]
         lines += [f"  {k:<34} {format_bytes(v):>12}" for k, v in self.breakdown(n).items() if v]
-        lines.append("CPU: bytes the allocator holds for tensors (memfit.memory.measure_rank_step counts the same).")
+        cuda = self._single._cuda if self._single is not None else None
+        lines.append(cuda.explain(n) if cuda is not None else
+                     "CPU: bytes the allocator holds for tensors (memfit.memory.measure_rank_step counts the same).")
         return "\n".join(lines)
 
 
@@ -217,7 +226,8 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                       reshard_after_forward: bool | None = None, mp_policy=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, backend: str = "nccl",
                       gradient_as_bucket_view: bool | None = None, offload_policy=None,
-                      gloo_race: bool = True, probes: tuple[int, ...] = (2, 4, 8)) -> RankMemoryModel:
+                      gloo_race: bool = True, probes: tuple[int, ...] = (2, 4, 8), device=None,
+                      gpu=None) -> RankMemoryModel:
     """The per-rank memory of a DDP or FSDP2 training step of `model` (see the module docstring).
 
     Args:
@@ -249,6 +259,8 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
         probes: FSDP2 only: the per-rank batch sizes run on fake tensors first. (2, 4, 8): each op's bytes per
             kind as a line a + b*n through 2 and 4, used where it is exact at 8 (every n from three runs); one size
             (`ranks_needed`): exact there, any other size runs again.
+        device, gpu: DDP only: "cuda" predicts the rank's CUDA step (`memfit.memory.cuda_step`, from any machine;
+            `gpu` as `memfit.memory_model`'s), DDP's buckets as blocks of the allocator (`cuda_step.ddp_buckets`).
         offload_policy: FSDP2's `CPUOffloadPolicy` is not modelled: anything but None or a plain
             `OffloadPolicy()` raises. HSDP (a 2-D mesh) is not modelled either: a model already wrapped by
             `fully_shard` raises, saying which.
@@ -261,6 +273,10 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
     model, gradient_as_bucket_view = _unwrapped(model, parallel, gradient_as_bucket_view)
     _check_not_offloaded(offload_policy)
     dev = torch.device("cpu")
+    if parallel == "fsdp" and (device is not None and torch.device(device).type == "cuda" or gpu is not None):
+        raise ValueError("expected parallel='ddp' for a per-rank CUDA prediction; found parallel='fsdp': FSDP2's "
+                         "runs are not replayed through the CUDA caching allocator yet (its per-rank model is the "
+                         "CPU's bytes): predict DDP, or measure with memfit.memory.measure_rank_step")
     if any(t.device.type != "cpu" for t in model.parameters()):
         raise ValueError("the per-rank memory model runs for a model on the CPU (its fake mesh is a CPU mesh); "
                          "found parameters elsewhere: predict with model.cpu()")
@@ -271,7 +287,10 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
                              "them with parallel='ddp'")
         single = step_memory_model(model, example, train=True, optimizer=optimizer, loss_fn=loss_fn,
                                    target=target, autocast=autocast, dtype=dtype,
-                                   grads_held=gradient_as_bucket_view)
+                                   grads_held=gradient_as_bucket_view, device=device, gpu=gpu)
+        if single._cuda is not None:
+            single = ddp_buckets(single, model, gradient_as_bucket_view)
+            dev = single.device
         if gradient_as_bucket_view:
             return RankMemoryModel(f"the single-process step ({single.method}), its held gradients being DDP's "
                                    "buckets (gradient_as_bucket_view=True: the gradients are views into them)",

@@ -180,8 +180,28 @@ def autocast_state() -> tuple:
 
 def _autocast_off(device_type: str):
     """`torch.autocast(device_type, enabled=False)`, or nothing on a device without autocast."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return _fake_cuda_autocast(None)
     return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
         else nullcontext()
+
+
+@contextmanager
+def _fake_cuda_autocast(dtype: torch.dtype | None):
+    """CUDA's autocast (off with dtype None) for fake CUDA tensors on a machine without a GPU, where
+    `torch.autocast("cuda")` disables itself: its state set as torch.autocast sets it, with the public calls."""
+    before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", dtype is not None)
+    if dtype is not None:
+        torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", before[0])
+        torch.set_autocast_dtype("cuda", before[1])
 
 
 @contextmanager
@@ -189,8 +209,9 @@ def forward_autocast(device_type: str, dtype: torch.dtype | None):
     """Exactly `torch.autocast(dtype)` (none when dtype is None) for a forward and its loss, whatever autocast
     surrounds the call. The weight casts it caches are dropped at the end, as when an outermost autocast
     ends: inside another one torch keeps them until that one ends, and the next run would find them there."""
-    with _autocast_off(device_type), \
-            torch.autocast(device_type, dtype=dtype) if dtype is not None else nullcontext():
+    fake_cuda = device_type == "cuda" and not torch.cuda.is_available()    # fake CUDA tensors, no GPU here
+    on = _fake_cuda_autocast(dtype) if fake_cuda else torch.autocast(device_type, dtype=dtype)
+    with _autocast_off(device_type), on if dtype is not None else nullcontext():
         try:
             yield
         finally:

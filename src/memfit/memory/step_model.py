@@ -50,7 +50,7 @@ from memfit.device.allocators import cpu_margin
 from memfit.device.torch_private import tree_flatten
 from memfit.memory.cache import ModelCache
 from memfit.memory.cuda_step import CudaPeak, CudaStep, cuda_step
-from memfit.memory.cuda_target import CudaDevice, cuda_device, sdp_backends
+from memfit.memory.cuda_target import CudaDevice, cuda_device_for, sdp_backends
 from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_failure import explain_fake_failure
 from memfit.memory.fake_run import COLUMN, FakeRunError, StepSpec, _Run, fake_run
@@ -189,12 +189,14 @@ class StepMemoryModel:
                              f"{self.device}: predict with device='cuda'")
         return self._cuda.peak(_batch(n))
 
-    def serves(self, n: int, budget: int) -> bool:
+    def serves(self, n: int, budget: int | None, **replay) -> bool:
         """Whether a batch of n fits `budget` bytes of device memory: on CUDA, whether the caching allocator
         serves every request of the step (after freeing its cache and retrying, as c10 does) in what the fixed
-        costs outside it leave; elsewhere, whether `total_bytes(n) <= budget`."""
+        costs outside it leave (`replay`: `memory_fraction` and `device_total`, as under
+        `torch.cuda.set_per_process_memory_fraction`; budget None: no other limit); elsewhere, whether
+        `total_bytes(n) <= budget`."""
         n = _batch(n)
-        return self._cuda.serves(n, budget) if self._cuda is not None else self.total_bytes(n) <= budget
+        return self._cuda.serves(n, budget, **replay) if self._cuda is not None else self.total_bytes(n) <= budget
 
     def saved_activation_bytes(self, n: int) -> int:
         """Bytes the forward (and loss) leave alive for backward, for a batch of n (at the forward's end)."""
@@ -282,7 +284,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     model, compiled = predicted_module(model)       # a torch.compile'd module: the module it wraps, said in why
     if compiled and compiled not in why:
         why = f"{why}; {compiled}" if why else compiled
-    cuda = _cuda_device(model, device, gpu)
+    cuda = cuda_device_for(model_device(model), device, gpu)
     dev = cuda.device if cuda is not None else resolve_device(device) if device is not None else model_device(model)
     fakes = cuda.fakes if cuda is not None else dev
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
@@ -311,19 +313,6 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
 
 _STEP_MODELS = ModelCache()
 
-
-def _cuda_device(model: torch.nn.Module, device, gpu) -> CudaDevice | None:
-    """The CUDA device the prediction is for (`memfit.memory.cuda_target`), or None for another device."""
-    try:
-        asked = torch.device(device) if device is not None else model_device(model)
-    except (RuntimeError, TypeError):
-        asked = None                          # resolve_device says what was expected
-    if asked is None or asked.type != "cuda":
-        if gpu is not None:
-            raise ValueError(f"gpu={gpu!r} names the GPU a CUDA prediction is for; found device={str(asked)!r}: "
-                             "pass device='cuda' too, or drop gpu=")
-        return None
-    return cuda_device(asked, gpu)
 
 
 def forget_step_model(model: torch.nn.Module) -> None:

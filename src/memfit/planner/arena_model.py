@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from memfit.budget import check_count, format_bytes, model_device
-from memfit.device.allocators import CPU_ALIGNMENT, CUDA_MARGIN, CUDA_SEGMENT, cpu_margin, cuda_margin
+from memfit.device.allocators import CPU_ALIGNMENT, cpu_margin
+from memfit.device.cuda_blocks import round_size
+from memfit.device.cuda_caching import replay
+from memfit.memory.cuda_held import prelude
+from memfit.memory.cuda_step import STEPS
+from memfit.memory.cuda_target import cuda_device
 from memfit.memory.fit import exact_line_at
 from memfit.memory.kinds import MemoryKind
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
@@ -58,6 +63,8 @@ class PlannedMemoryModel:
     # 1 is planned from a capture of its own, whose graph may differ: BERT's attention mask computed once for both
     # layers there, once per layer in the symbolic graph (0.9998x the allocator from the symbolic graph's sizes)
     _capture_below: Callable = field(default=lambda n: None, repr=False)
+    _blocks: list = field(default_factory=list)      # CUDA: (kind, bytes) of each parameter storage in `.to` order
+    _rows: dict = field(default_factory=dict)        # n -> [(bytes, first op, last op)] of the tensors outside it
 
     def _parts(self, n: int) -> tuple[int, int]:
         if n not in self._cache and self._cap is not None:
@@ -67,11 +74,13 @@ class PlannedMemoryModel:
             else:                   # (the model is gone: the symbolic graph's sizes at n, an estimate)
                 rep = place_at(self._cap, n, algorithm=self.algorithm, _below_range=True).report
             self._cache[n] = (rep.arena_bytes, rep.unplanned_bytes)
+            self._rows[n] = [(r.bytes, *r.lifetime) for r in rep.rows if r.offset is None]
         if n not in self._cache:
             arena = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._arena)]
             outside = [Buffer(str(i), _size(s1, s2, n), f, pl) for i, (s1, s2, f, pl) in enumerate(self._outside)]
             self._cache[n] = (assign_offsets(arena, self.algorithm, CPU_ALIGNMENT)[1],
                               max(live_profile(outside, 1), default=0))
+            self._rows[n] = [(b.size, b.first, b.last) for b in outside]
         return self._cache[n]
 
     def arena_bytes(self, n: int) -> int:
@@ -88,11 +97,35 @@ class PlannedMemoryModel:
         arena, outside = self._parts(n)
         out = {MemoryKind.PARAMETERS.value: self.param_bytes, MemoryKind.INPUTS.value: self.input_bytes_per_sample * n,
                MemoryKind.ARENA.value: arena, MemoryKind.OUTSIDE_ARENA.value: outside}
-        if self.device.type == "cuda":       # one arena block; the tensors outside it are rounded like any
-            out[MemoryKind.ALLOCATOR_MARGIN.value] = cuda_margin(sum(out.values()))
-        else:                                # the CPU (a model on meta runs there too)
-            out[MemoryKind.ALLOCATOR_MARGIN.value] = cpu_margin()
+        if self.device.type == "cuda":
+            return self._cuda_parts(n, out)
+        out[MemoryKind.ALLOCATOR_MARGIN.value] = cpu_margin()   # the CPU (a model on meta runs there too)
         return out
+
+    def _cuda_parts(self, n: int, out: dict[str, int]) -> dict[str, int]:
+        """On CUDA: the caching allocator replayed over STEPS planned forwards (the parameters' blocks, then per
+        forward the input, the arena as one block, the tensors outside it from their first op to their last), the
+        cuBLAS workspace of the first matmul and the context (`memfit.memory.cuda_target`): what it reserves
+        beyond the blocks (rounded as c10 rounds them) is its own term. Not yet compared with a GPU."""
+        cuda = cuda_device(self.device)
+        costs = cuda.costs(1)
+        events, arena, rows = [("p", i) for i in range(len(self._blocks))], out[MemoryKind.ARENA.value], self._rows[n]
+        events = [(k, b) for k, (_, b) in zip(events, self._blocks, strict=True)]
+        for step in range(STEPS):
+            events += [((step, "x"), out[MemoryKind.INPUTS.value]), ((step, "arena"), arena)]
+            for op in range(max((last for _, _, last in rows), default=-1) + 2):
+                events += [((step, i), -b) for i, (b, _, last) in enumerate(rows) if last == op - 1]
+                events += [((step, i), b) for i, (b, first, _) in enumerate(rows) if first == op]
+            events += [((step, "arena"), -arena), ((step, "x"), -out[MemoryKind.INPUTS.value])]
+            if step == 0:
+                events += [(("workspace", c.name), c.nbytes) for c in costs if c.in_allocator]
+        r = replay([e for e in events if e[1]], cuda.config)
+        held = sum(round_size(b, cuda.config) for _, b in self._blocks) + sum(
+            round_size(v, cuda.config) for k, v in out.items() if v and k != MemoryKind.PARAMETERS.value)
+        out = {**out, **{c.name: c.nbytes for c in costs if c.in_allocator}}
+        out[MemoryKind.RESERVED_BEYOND.value] = max(0, r.peak_reserved - held - sum(
+            c.nbytes for c in costs if c.in_allocator))
+        return {**out, **{c.name: c.nbytes for c in costs if not c.in_allocator}}
 
     def total_bytes(self, n: int) -> int:
         """Parameters + the batch of inputs + arena + unplanned, for a batch of n (bytes)."""
@@ -105,8 +138,9 @@ class PlannedMemoryModel:
                  f"batch {n}: {format_bytes(self.total_bytes(n))}:"]
         lines += [f"  {k:<32} {format_bytes(v):>12}" for k, v in self.breakdown(n).items()]
         if self.device.type == "cuda":
-            lines.append(f"CUDA: a fragmentation margin of {CUDA_MARGIN:.0%} and one {format_bytes(CUDA_SEGMENT)} "
-                         "segment of the caching allocator are added.")
+            lines.append("CUDA: the caching allocator replayed over the planned forwards (parameters, input, the "
+                         "arena as one block, the tensors outside it), and the fixed costs (cuBLAS workspace, CUDA "
+                         "context).")
         return "\n".join(lines)
 
 
@@ -148,7 +182,8 @@ def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algo
         how = ("planned arena: exact placements at any batch from one capture with a symbolic batch (batch 1 from a "
                "capture of its own, as planned)")
         return PlannedMemoryModel(rep.param_bytes, per_sample, how, algorithm, [], [], dev, _cap=cap,
-                                    _capture_below=_capture_at(model, shape, dtype, dev))
+                                  _capture_below=_capture_at(model, shape, dtype, dev),
+                                  _blocks=prelude(model, None, False))
     # a static capture: placements at 2 and 4, each tensor's size the exact line through its two sizes
     placements = [place(model, (torch.zeros((n, *shape), dtype=dtype, device=dev),), algorithm=algorithm)
                   for n in PROBES]
@@ -170,4 +205,5 @@ def planned_memory_model(model, shape: tuple[int, ...], dtype: torch.dtype, algo
     outside += [(w.size, q.size, w.first, w.last) for w, q in zip(l1.workspaces, l2.workspaces, strict=True)]
     how = f"planned arena: sizes per tensor affine from placements at batch 2 and 4 (the capture is static: " \
           f"{cap.static_reason})"
-    return PlannedMemoryModel(params, per_sample, how, algorithm, arena, outside, dev)
+    return PlannedMemoryModel(params, per_sample, how, algorithm, arena, outside, dev,
+                              _blocks=prelude(model, None, False))
