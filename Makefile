@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 (CPU build) comes from the local wheel cache; without the pin pip would fetch CUDA.
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints-cpu.txt
 
-.PHONY: demo test test-torch-next test-cuda lint bench clean
+.PHONY: demo test test-torch-next test-cuda gpu-check lint bench clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@echo "Creating $(VENV) and installing memfit, torch (CPU build) and the test tools: a few minutes, once (quiet pip)."
@@ -52,6 +52,14 @@ test-cuda:
 	done
 	$(CUDA_PY) -m memfit bench distributed --quick --device cuda \
 	  --worlds $$($(CUDA_PY) -c "import torch; print('1,2' if torch.cuda.device_count() >= 2 else '1')")
+
+# memfit's CUDA predictions against the GPU (docs/gpus.md): reserved bytes, the out-of-memory boundary, fit's plans
+# and the loaders, one command under 8 minutes on one GPU, exit status 1 on a MISS. With a CUDA build of torch:
+# `make gpu-check CUDA_PY=python`; without a GPU, `memfit bench gpu --dry-run` runs the same code on the CPU.
+gpu-check:
+	@$(CUDA_PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-check: torch ' + \
+	torch.__version__ + ' sees no CUDA device; run it where one is, with a CUDA build: make gpu-check CUDA_PY=python')"
+	$(CUDA_PY) -m memfit bench gpu
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests
