@@ -204,19 +204,29 @@ def test_max_batch_size_for_training_fits_a_real_step_and_one_more_does_not():
 
 @pytest.mark.cuda
 def test_cuda_prediction_holds_for_the_caching_allocator():
+    from memfit.cli.bench.gpu_cases import CudaSide
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(32 * 32 * 32, 10)).cuda()
-    opt = torch.optim.AdamW(model.parameters())
-    mm = memfit.memory_model(model, (3, 32, 32), train=True, optimizer=opt, loss_fn=F.cross_entropy,
-                             target=torch.zeros(1, dtype=torch.long, device="cuda"))
-    assert "allocator margin" in mm.breakdown(8) and "512 bytes" in mm.explain(8)
+    build = lambda: nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Flatten(),
+                                  nn.Linear(32 * 32 * 32, 10))
+    model = build()
+    mm = memfit.memory_model(model, (3, 32, 32), train=True, optimizer=torch.optim.AdamW(model.parameters()),
+                             loss_fn=F.cross_entropy, target=torch.zeros(1, dtype=torch.long), device="cuda")
+    assert "allocator: reserved beyond allocated" in mm.breakdown(8) and "CUDA context" in mm.breakdown(8)
+    side = CudaSide(torch.device("cuda", torch.cuda.current_device()))
+
+    def loop(n):
+        def run(dev):
+            m = build().to(dev)
+            opt = torch.optim.AdamW(m.parameters())
+            for _ in range(3):
+                x, y = torch.randn(n, 3, 32, 32, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
+                F.cross_entropy(m(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        return run
     for n in (8, 64):
-        m = copy.deepcopy(model)
-        real = measure_step(m, torch.randn(n, 3, 32, 32, device="cuda"), torch.optim.AdamW(m.parameters()),
-                            F.cross_entropy, torch.zeros(n, dtype=torch.long, device="cuda"))
-        margin = mm.breakdown(n)["allocator margin"]
-        assert real <= mm.total_bytes(n) <= 1.05 * real + margin
+        allocated, reserved = side.run(loop(n))
+        assert reserved <= mm.cuda(n).reserved <= 1.05 * reserved
 
 
 def test_plan_train_cli_prints_the_python_api_breakdown(capsys, tmp_path):
@@ -253,3 +263,27 @@ def test_plot_memory_draws_the_budget_and_the_largest_batch(tmp_path, monkeypatc
     assert labels == [f"budget {format_bytes(budget)}", f"largest batch within it: {largest}"]
     assert ax.get_lines()[1].get_xdata()[0] == largest
     assert ax.get_title(loc="left").startswith("mlp: one training step") and mm.method[:40] in ax.get_title(loc="left")
+
+
+def test_plan_train_cli_predicts_a_cuda_step_from_any_machine(capsys):
+    import json
+
+    from memfit.cli.plan import cli_plan
+    argv = ["memfit.testing.zoo:mlp", "--input", "8,1,28,28", "--train", "--device", "cuda", "--device-memory", "1GiB"]
+    assert cli_plan([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, shape = build("mlp")
+    mm = memfit.memory_model(model.train(), shape, train=True, optimizer=torch.optim.AdamW(model.parameters()),
+                             device="cuda", gpu=1 << 30)
+    assert out["breakdown"] == mm.breakdown(8) and out["cuda"]["reserved"] == mm.cuda(8).reserved
+    largest = out["largest_batch"]
+    assert mm.serves(largest, 1 << 30) and not mm.serves(largest + 1, 1 << 30)
+    assert cli_plan(argv) == 0
+    assert "caching allocator replayed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_plan(["memfit.testing.zoo:mlp", "--input", "8,1,28,28", "--gpu", "H100"])
+    assert "--device-memory and --gpu go with --train --device cuda" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            cli_plan(["memfit.testing.zoo:mlp", "--input", "8,1,28,28", "--device", "cuda"])
+        assert "a CUDA training step is predicted from here with --train" in capsys.readouterr().err

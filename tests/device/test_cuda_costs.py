@@ -86,3 +86,13 @@ def test_measured_cublas_workspace_is_the_stated_default():
     stated, _ = cublas_workspace(torch.cuda.get_device_capability(), os.environ)
     assert workspace.nbytes == stated
     assert 100 * MiB < context.nbytes < 4 << 30, context     # a context, and not much else on the device
+
+
+def test_gpu_family_by_memory_takes_the_largest_stated_defaults_and_names_the_others():
+    eighty = gpu_family(80 << 30)
+    assert eighty.capability == (9, 0) and "H100" in eighty.name and "A100-80GB" in eighty.name
+    assert gpu_family(24 << 30).capability[0] == 8 and gpu_family(24 << 30).memory == 24 << 30
+    odd = gpu_family(20 << 30)
+    assert odd.capability == (9, 0) and "no family of the table has it" in odd.name
+    with pytest.raises(ValueError, match="expected a GPU's memory in bytes above 0; found 0"):
+        gpu_family(0)

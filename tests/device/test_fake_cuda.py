@@ -139,3 +139,17 @@ def test_a_training_step_on_fake_cuda_with_flash_attention():
 def test_models_train_on_fake_cuda(name):
     run = log_fake_cuda(lambda: STEPS[name]("cuda"))
     assert run.phases["backward"] > run.phases["forward"] and run.peak() > 0
+
+
+def test_the_kernel_chosen_follows_the_gpu_and_the_enabled_backends():
+    from torch.nn.attention import SDPBackend, sdpa_kernel as backends
+
+    from memfit.device.fake_cuda import sdpa_kernel
+    q = torch.empty(1, 2, 8, 16, dtype=torch.bfloat16)
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    assert sdpa_kernel(q, q, q) == "flash" and sdpa_kernel(q, q, q, capability=(7, 5)) == "efficient"
+    assert sdpa_kernel(q, q, q, mask) == "efficient" and sdpa_kernel(q.float(), q.float(), q.float()) == "efficient"
+    with backends([SDPBackend.MATH]):
+        assert sdpa_kernel(q, q, q) == "math"
+    with backends([SDPBackend.EFFICIENT_ATTENTION]):
+        assert sdpa_kernel(q, q, q) == "efficient"

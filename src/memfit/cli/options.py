@@ -44,6 +44,19 @@ def device_arg(text: str) -> str:
     return text
 
 
+def device_name_arg(text: str) -> str:
+    """--device where a CUDA device may be predicted from a machine without one: 'cpu', 'cuda' or 'cuda:N', by name
+    only (`device_arg` checks it against this machine)."""
+    import torch
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected a device such as 'cpu', 'cuda' or 'cuda:1'; found {text!r}")
+    return text
+
+
 def data_arg(text: str) -> str:
     """--data: a spec of `memfit.cli.data` whose file or folder exists (its contents are read later)."""
     from memfit.cli.data import check_spec

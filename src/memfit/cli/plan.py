@@ -6,6 +6,7 @@ Run:
     memfit plan pkg.models:resnet --input 32,3,64,64 --train --optimizer adamw --budget 8GiB --plot train.png
     memfit plan pkg.models:resnet --input 32,3,64,64 --train --budget 8GiB --fit --plot fit.png
     memfit plan pkg.models:gpt --input 4,128 --dtype int64 --train --parallel fsdp --world-size 8
+    memfit plan pkg.models:gpt --input 8,512 --dtype int64 --train --device cuda --device-memory 24GiB
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.cli.options import UsageError, budget_arg, device_arg
+from memfit.cli.options import UsageError, budget_arg, device_arg, device_name_arg
 
 __all__ = ["cli_plan", "load_factory"]
 
@@ -85,9 +86,24 @@ def _current_folder_on_path() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
+class _PlanParser(argparse.ArgumentParser):
+    """`--device` is checked against this machine, except for `--train`: a CUDA step is predicted from any machine."""
+
+    def parse_args(self, args=None, namespace=None):
+        out = super().parse_args(args, namespace)
+        if not out.train:
+            try:
+                device_arg(out.device)
+            except argparse.ArgumentTypeError as e:
+                self.error(f"argument --device: {e} (a CUDA training step is predicted from here with --train)")
+        if (out.device_memory or out.gpu) and not (out.train and torch.device(out.device).type == "cuda"):
+            self.error("--device-memory and --gpu go with --train --device cuda (a CUDA step predicted from here)")
+        return out
+
+
 def _parser() -> argparse.ArgumentParser:
     from memfit.planner.arena import ALGORITHMS
-    p = argparse.ArgumentParser(prog="memfit plan", description="Print the activation memory plan of a model: "
+    p = _PlanParser(prog="memfit plan", description="Print the activation memory plan of a model: "
                                 "naive bytes, the planned arena, the lower bound and every tensor's place.",
                                 epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("factory", metavar="MODULE:FACTORY",
@@ -103,9 +119,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-order", action="store_true",
                    help="run the ops in the exported graph's order, not the order of fewest bytes (planner.order)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a picture of the arena over time")
-    p.add_argument("--device", default="cpu", type=device_arg,
+    p.add_argument("--device", default="cpu", type=device_name_arg,
                    help="plan on cpu, cuda, cuda:1 (default cpu: a plan's bytes do not depend on the device, "
-                        "but which ops get an out= kernel does)")
+                        "but which ops get an out= kernel does); with --train, cuda predicts the CUDA step from any "
+                        "machine (the caching allocator's reserved bytes and the fixed costs)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE", type=budget_arg,
+                   help="with --train --device cuda: the GPU's memory (e.g. 24GiB): the budget unless --budget is "
+                        "given, and the GPU family whose stated fixed costs apply unless --gpu is")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="with --train --device cuda: the GPU whose stated fixed costs apply (H100, A100-40GB, "
+                        "RTX 4090, ...; default: the GPU here, else the one with --device-memory)")
     p.add_argument("--train", action="store_true",
                    help="the memory of one training step instead (forward, loss, backward, optimizer step) by kind, "
                         "from a fake-tensor run; --plot draws bytes against the batch size")
@@ -188,33 +211,47 @@ def _train_report(args, model: torch.nn.Module, shapes, dtype) -> int:
     """`memfit plan --train`: the training step's bytes by kind at the given batch, a plot, the largest batch."""
     from memfit.budget import format_bytes, largest_fitting, parse_bytes
     from memfit.sizing import memory_model, plot_memory
-    model.train().to(args.device)
+    cuda = torch.device(args.device).type == "cuda"
+    here = "cpu" if args.parallel or (cuda and not torch.cuda.is_available()) else args.device   # predicted from
+    model.train().to(here)                                                                       # a CPU copy
     opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
-    example = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
+    example = tuple(torch.zeros(s, dtype=dtype, device=here) for s in shapes)
+    gpu = args.gpu if args.gpu is not None else parse_bytes(args.device_memory) if args.device_memory else None
+    on = {"device": args.device, "gpu": gpu} if cuda else {}
     if args.parallel:
         from memfit.memory.ranks import rank_memory_model
-        if torch.device(args.device).type != "cpu":
-            raise UsageError("--parallel predicts from a CPU copy of the model; leave out --device")
+        if torch.device(args.device).type != "cpu" and args.parallel != "ddp":
+            raise UsageError("--parallel fsdp predicts the CPU's bytes from a CPU copy of the model; leave out "
+                             "--device (on CUDA only --parallel ddp is predicted)")
         mm = rank_memory_model(model, example, optimizer=opt, parallel=args.parallel, world_size=args.world_size,
-                               backend=args.backend)
+                               backend=args.backend, **on)
     else:
-        mm = memory_model(model, example, train=True, optimizer=opt)
+        mm = memory_model(model, example, train=True, optimizer=opt, **on)
     n = shapes[0][0]
-    budget = parse_bytes(args.budget) if args.budget else None
-    largest = largest_fitting(mm.total_bytes, budget, 2**31, below=getattr(mm, "lower_bytes", None)) \
-        if budget is not None else None
+    budget = parse_bytes(args.budget) if args.budget else parse_bytes(args.device_memory) if args.device_memory \
+        else None
+    if budget is not None and cuda:         # what the caching allocator serves, with its retry
+        largest = largest_fitting(lambda k: 0 if mm.serves(k, budget) else budget + 1, budget, 2**31)
+    else:
+        largest = largest_fitting(mm.total_bytes, budget, 2**31, below=getattr(mm, "lower_bytes", None)) \
+            if budget is not None else None
     path = plot_memory(mm, args.plot, max(2 * n, 2 * (largest or 0), 8), budget, name=args.factory,
                        largest=largest) if args.plot else None
     if args.json:
+        peak = mm.cuda(n) if cuda and hasattr(mm, "cuda") else None       # DDP: its breakdown has the figures
         print(json.dumps({"batch": n, "parallel": args.parallel, "world_size": args.world_size if args.parallel else 1,
-                          "total_bytes": mm.total_bytes(n), "breakdown": mm.breakdown(n),
+                          "device": str(mm.device), "total_bytes": mm.total_bytes(n), "breakdown": mm.breakdown(n),
+                          "cuda": None if peak is None else {"reserved": peak.reserved, "allocated": peak.allocated,
+                                                             "outside_allocator": peak.outside},
                           "method": mm.method, "largest_batch": largest, "plot": str(path) if path else None}))
         return 0
     print(f"{args.factory}: one training step with {args.optimizer}, loss = the output's .loss or the sum of "
           f"the outputs, input {' and '.join(str(list(s)) for s in shapes)}")
     print(mm.explain(n))
     if budget is not None:
-        print(f"largest batch within {format_bytes(budget)}: {largest}")
+        print(f"largest batch within {format_bytes(budget)}: {largest}" + (
+            " (the largest the caching allocator serves, after freeing its cache and retrying as c10 does)"
+            if cuda else ""))
     if path:
         print(f"wrote {path}")
     return 0

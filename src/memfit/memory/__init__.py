@@ -23,10 +23,13 @@ predictions depend on: `model_value` its pieces, `fingerprint_check` the quick c
 threads see it, every RNG), `global_caches` (function caches a fake run must leave without fake tensors),
 `example_target` (the example target of a common loss, built from the output), `ranks` (`RankMemoryModel`: one rank
 of DDP or FSDP2), `fewest_ranks` (`ranks_needed`), `fsdp_run` (a `fully_shard` step on fake tensors under a fake
-process group; `fsdp_log`: how its storages are tagged), `world_scaling` (its bytes at any world size). The
-allocator's rules and real measurements are below it, in `memfit.device`.
+process group; `fsdp_log`: how its storages are tagged), `world_scaling` (its bytes at any world size); on CUDA,
+`cuda_target` (which CUDA device a prediction is for: the GPU here, or one predicted from any machine, and its fixed
+costs), `cuda_step` (`CudaStep`: the caching allocator replayed over the runs' allocations, fitted per event;
+`cuda_held`: the blocks held before the step: parameters in `.to` order, DDP's buckets). The allocator's rules and
+real measurements are below it, in `memfit.device`.
 
-Known limitations: library workspaces (cuBLAS, cuDNN) are not counted on CUDA. On the CPU, what kernels
+Known limitations: cuDNN's workspaces are not counted on CUDA. On the CPU, what kernels
 allocate inside is measured from the real kernels for the ops `fake_kernels.WORKSPACE` lists (found by
 measuring) and for every op on half-precision arguments (`kernel_scratch`); any other kernel that allocates
 inside is seen by `memfit.device.measure` (the allocator's events) only.

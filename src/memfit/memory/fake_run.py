@@ -157,7 +157,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
     try:
         with predicting():
             fake_named = {k: fake(v) for k, v in named.items()}
-            opt = _fake_optimizer(optimizer, fake, mode, spec.cuda is not None) if optimizer is not None else None
+            opt = _fake_optimizer(optimizer, fake, mode, kernels.type == "cuda") if optimizer is not None else None
             if train and not model.training:   # asked about training a model in eval mode: all of it trains;
                 run_model.train()              # a training model's modules keep their modes (a frozen BatchNorm)
             with fake_section(mode), reparametrized(run_model, fake_named, tie_weights=True, strict=False):

@@ -210,8 +210,9 @@ def forward_autocast(device_type: str, dtype: torch.dtype | None):
     surrounds the call. The weight casts it caches are dropped at the end, as when an outermost autocast
     ends: inside another one torch keeps them until that one ends, and the next run would find them there."""
     fake_cuda = device_type == "cuda" and not torch.cuda.is_available()    # fake CUDA tensors, no GPU here
-    on = _fake_cuda_autocast(dtype) if fake_cuda else torch.autocast(device_type, dtype=dtype)
-    with _autocast_off(device_type), on if dtype is not None else nullcontext():
+    on = nullcontext() if dtype is None else _fake_cuda_autocast(dtype) if fake_cuda else \
+        torch.autocast(device_type, dtype=dtype)
+    with _autocast_off(device_type), on:
         try:
             yield
         finally:

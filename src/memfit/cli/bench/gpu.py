@@ -221,9 +221,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller models and batches")
     p.add_argument("--dry-run", action="store_true", help="the same code on the CPU with the CPU's figures")
     p.add_argument("--gpu", default="H100", help="the GPU the predictions made here are for (default H100)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, among {', '.join(PARTS)} (default: all)")
+    p.add_argument("--parts", default=None, help=f"comma-separated, among {', '.join(PARTS)} (default: all; on a "
+                   "GPU all but 'here', the predictions made here for another GPU)")
     a = p.parse_args(argv)
-    chosen_parts = set(a.parts.split(","))
+    chosen_parts = set(a.parts.split(",")) if a.parts else set(PARTS) - (set() if a.dry_run else {"here"})
     if not chosen_parts <= set(PARTS):
         p.error(f"unknown parts {sorted(chosen_parts - set(PARTS))}; expected among {', '.join(PARTS)}")
     every = cases(a.quick)
