@@ -142,7 +142,8 @@ def test_models_train_on_fake_cuda(name):
 
 
 def test_the_kernel_chosen_follows_the_gpu_and_the_enabled_backends():
-    from torch.nn.attention import SDPBackend, sdpa_kernel as backends
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel as backends
 
     from memfit.device.fake_cuda import sdpa_kernel
     q = torch.empty(1, 2, 8, 16, dtype=torch.bfloat16)

@@ -2,8 +2,8 @@
 a MISS.
 
 On a CUDA device, for each model (`gpu_cases.cases`: an MLP, ResNet-18 and a UNet (conv nets), a transformer
-encoder block, GPT-2 from a transformers config (float32, and under bf16 autocast: flash attention) and BERT;
-AdamW; random weights, nothing downloaded):
+encoder block, a causal transformer under bf16 autocast (flash attention), GPT-2 from a transformers config
+(float32, and under bf16 autocast) and BERT; AdamW; random weights, nothing downloaded):
 1. predicted vs real peaks of a training loop (`STEPS` steps from a fresh allocator): reserved
    (`torch.cuda.max_memory_reserved`; target: predicted / real in [1.00, 1.05]) with allocated
    (`max_memory_allocated`) beside it;
@@ -15,9 +15,10 @@ AdamW; random weights, nothing downloaded):
    plus what lies outside the allocator) against its budget; target: none over;
 4. the loaders (`memfit bench loaders`' GPU rows): stream uint8 vs stream float32 samples/s (target >= 3x) and
    the share of the copy prefetch hides (target >= 80%);
-with the CUDA context measured beside its stated default. Every run also prints the CUDA predictions made here
-beside the CPU's for the same models, with what flash attention saves over the math kernel (the model predicted
-again under `torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`).
+with the CUDA context measured beside its stated default. A run on the CPU (`--dry-run`; on a GPU with `--parts
+here`) also prints the CUDA predictions made there beside the CPU's for the same models, with the attention kernel
+each is routed to and what it saves over the math kernel (the model predicted again under
+`torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`): flash attention for the causal transformer under bf16.
 
 `--dry-run` runs the same code on the CPU with the CPU's figures (predictions for the CPU, its live bytes as both
 peaks, out of memory emulated at a fraction of a notional 64 GiB), so every part but the CUDA calls
@@ -32,6 +33,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -160,17 +162,16 @@ def plans(models: dict, side) -> list[dict]:
         model = case.build().to(side.device)
         opt = case.optimizer(model.parameters())
         x, y = (t.to(side.device) for t in case.sample(n))
-        fit = lambda budget: memfit.fit(model, opt, (x, y), case.loss_fn, budget)   # noqa: B023
-        high = fit(10 * mm.total_bytes(n)).peak_bytes                 # the fastest plan: the whole batch at once
+        high = memfit.fit(model, opt, (x, y), case.loss_fn, 10 * mm.total_bytes(n)).peak_bytes   # the fastest
         try:
-            low = fit(1).peak_bytes
+            low = memfit.fit(model, opt, (x, y), case.loss_fn, 1).peak_bytes
         except BudgetExceeded as e:
             low = e.needed                                             # the least any alternative needs
         for share in FIT_SHARES:
             budget = int(low + share * (high - low))
             row = {"model": name, "batch": n, "budget": budget}
             try:
-                plan = fit(budget)
+                plan = memfit.fit(model, opt, (x, y), case.loss_fn, budget)
             except BudgetExceeded:
                 rows.append({**row, "plan": "nothing fits", "verdict": verdict(None)})
                 continue
@@ -200,15 +201,20 @@ def from_here(chosen: list[Case], gpu: str) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
     for case in chosen:
-        n = max(case.batches)
+        n = 4 * max(case.batches)
         cpu, _ = _predict(case, "cpu")
         cuda, keep = _predict(case, "cuda", gpu)
         row = {"model": case.name, "batch": n, "CPU": cpu.total_bytes(n), "CUDA reserved": cuda.cuda(n).reserved,
-               "CUDA total": cuda.total_bytes(n), "CUDA/CPU": cuda.total_bytes(n) / cpu.total_bytes(n)}
+               "CUDA total": cuda.total_bytes(n), "CUDA/CPU": cuda.total_bytes(n) / cpu.total_bytes(n),
+               "attention": "", "saved vs math": "", "reserved vs math": ""}
         if case.attention:
             with sdpa_kernel([SDPBackend.MATH]):
                 math, _ = _predict(case, "cuda", gpu)
-            row["flash saves"] = math.total_bytes(n) - cuda.total_bytes(n)
+            routed = re.search(r"attention routed as the GPU runs it: ([a-z, ]+)", cuda.method)
+            row["attention"] = routed.group(1) if routed else "(torch's choice)"
+            # allocated: at small sizes whole 2 MiB segments hide the saving in reserved
+            row["saved vs math"] = math.cuda(n).allocated - cuda.cuda(n).allocated
+            row["reserved vs math"] = math.cuda(n).reserved - cuda.cuda(n).reserved
         rows.append(row)
         del keep
     return rows
@@ -242,7 +248,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if "here" in chosen_parts:
         print(f"\n# CUDA predictions made here ({a.gpu}'s stated defaults where no GPU is here) beside the CPU's")
-        print(table(from_here(chosen, a.gpu), bytes_columns=("CPU", "CUDA reserved", "CUDA total", "flash saves")))
+        print(table(from_here(chosen, a.gpu), bytes_columns=("CPU", "CUDA reserved", "CUDA total", "saved vs math",
+                                                                  "reserved vs math")))
     models = {c.name: (c, _predict(c, side.device)) for c in chosen}
     models = {k: (c, mm) for k, (c, (mm, _)) in models.items()}
     misses = 0
@@ -260,7 +267,8 @@ def main(argv=None) -> int:
         print(table(rows, bytes_columns=byte_columns))
         misses += sum(str(r["verdict"]).startswith("MISS") for r in rows)
     if "loaders" in chosen_parts:
-        print("\n# 4. loaders on the device (memfit bench loaders' GPU rows)")
+        print("\n# 4. loaders on the device (memfit bench loaders' GPU rows, below its own table and targets: only "
+              "these two count here)")
         lines = loader_lines(side.device, a.quick)
         print("\n".join(lines))
         misses += sum(line.startswith("MISS") for line in lines)

@@ -73,6 +73,33 @@ def _bert(quick: bool) -> Callable[[], nn.Module]:
     return make
 
 
+class CausalBlock(nn.Module):
+    """A pre-norm transformer block calling `scaled_dot_product_attention(is_causal=True)` (nanoGPT's): flash
+    attention on a GPU under bf16 autocast, no mask made."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                # (B, h, T, D/h)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+def _causal(quick: bool) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        dim = 64 if quick else 256
+        return nn.Sequential(*(CausalBlock(dim, 4) for _ in range(2))).train()
+    return make
+
+
 def _tokens(length: int) -> Callable[[int], tuple]:
     return lambda n: (torch.randint(0, 1000, (n, length)), torch.randint(0, 1000, (n, length)))
 
@@ -82,7 +109,8 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def cases(quick: bool = False) -> dict[str, Case]:
-    """The models, by name: at least six, a conv net and a transformers LM among them (`quick`: smaller)."""
+    """The models, by name: at least six, conv nets (ResNet-18, a UNet) and a transformers LM (GPT-2) among them, and
+    a causal transformer whose attention is flash attention on a GPU (`quick`: smaller)."""
     image, seq = (32, 32) if quick else (64, 128)
     small = lambda full, q: q if quick else full
     images = lambda c, s, classes: lambda n: (torch.randn(n, c, s, s), torch.randint(0, classes, (n,)))
@@ -94,6 +122,8 @@ def cases(quick: bool = False) -> dict[str, Case]:
              F.cross_entropy, small((4, 16), (1, 2))),
         Case("encoder", _zoo("transformer"), lambda n: (torch.randn(n, 64, 256), None),
              lambda out: out.pow(2).mean(), small((8, 32), (1, 2))),
+        Case("causal-bf16", _causal(quick), lambda n: (torch.randn(n, seq, 64 if quick else 256), None),
+             lambda out: out.float().pow(2).mean(), small((8, 32), (1, 2)), torch.bfloat16, attention=True),
         Case("gpt2", _lm(quick), _tokens(seq), _lm_loss, small((8, 32), (1, 2)), attention=True),
         Case("gpt2-bf16", _lm(quick), _tokens(seq), _lm_loss, small((8, 32), (1, 2)), torch.bfloat16,
              attention=True),
