@@ -45,12 +45,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten
 
 from memfit.device.cuda_alloc_conf import AllocatorConfig
 from memfit.device.cuda_blocks import round_size
 from memfit.device.cuda_caching import Replay, replay
 from memfit.device.cuda_costs import FixedCost
+from memfit.device.torch_private import tree_flatten
 from memfit.memory.cuda_held import INPUTS, PARAMETERS, WORKSPACES, prelude
 from memfit.memory.fake_run import _Run
 from memfit.memory.fit import proportional
