@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device, parse_bytes
+from memfit.budget import BudgetExceeded, check_count, format_bytes, largest_fitting, model_device
+from memfit.memory.cuda_target import device_budget
 from memfit.memory.fewest_ranks import ranks_needed
 from memfit.memory.isolation import predicting
 from memfit.memory.kinds import MemoryModel
@@ -179,16 +180,7 @@ def max_batch_size(model: torch.nn.Module, sample_shape, budget: int | str | Non
         >>> max_batch_size(torch.nn.Linear(8, 4), (8,), 144 + 16 + 48 * 10)  # params, CPU margin, 48 B a sample
         10
     """
-    if device_memory is not None:
-        device_memory = parse_bytes(device_memory)
-        if device is None or torch.device(device).type != "cuda":
-            raise ValueError(f"device_memory is the memory of the GPU a CUDA prediction is for; found device="
-                             f"{str(device)!r}: pass device='cuda' too (or give the budget alone)")
-        gpu = device_memory if gpu is None else gpu
-    if budget is None and device_memory is None:
-        raise ValueError("max_batch_size needs a budget (bytes or a string such as '8GiB'), or device='cuda' with "
-                         "device_memory= (the GPU's memory, then the budget)")
-    budget = parse_bytes(budget if budget is not None else device_memory)
+    budget, gpu = device_budget("max_batch_size", budget, device, device_memory, gpu)
     extra_bytes_per_sample = check_count("extra_bytes_per_sample", extra_bytes_per_sample, 0)
     mm = memory_model(model, sample_shape, train=train, planned=planned, optimizer=optimizer, loss_fn=loss_fn,
                       target=target, autocast=autocast, dtype=dtype, device=device, parallel=parallel,

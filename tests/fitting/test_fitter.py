@@ -635,3 +635,32 @@ def _record(errors: list, fn, *args) -> None:
         fn(*args)
     except Exception as e:          # noqa: BLE001 - the test asserts there were none
         errors.append(e)
+
+
+def test_fit_plans_for_a_cuda_device_from_the_cpu_with_its_fixed_costs_in_the_budget():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 163840), nn.GELU(), nn.Linear(163840, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n = 16
+    x, y = torch.randn(n, 8), torch.randn(n, 8)       # hidden activations of 10 MiB: segments of their own (>= 10 MiB)
+    from memfit.device.cuda_costs import fixed_costs
+    fixed = sum(c.nbytes for c in fixed_costs("RTX 4090"))                   # the context, cuBLAS's workspaces
+    step = memfit.memory_model(model, x, train=True, optimizer=opt, loss_fn=F.mse_loss, target=y, device="cuda",
+                               gpu="24GiB")
+    plain = memfit.fit(model, opt, (x, y), F.mse_loss, device="cuda", device_memory="24GiB")
+    cpu = memfit.memory_model(model, x, train=True, optimizer=opt, loss_fn=F.mse_loss, target=y)   # the CPU's step
+    assert (plain.micro_batch, plain.checkpoint, plain.budget, plain.device.type) == (n, (), 24 << 30, "cuda")
+    assert plain.peak_bytes >= step.total_bytes(n) >= fixed                 # the CUDA step's own figures, and more
+    assert plain.peak_bytes - cpu.total_bytes(n) >= fixed
+    # a budget a byte below the plain step's: on CUDA something else is planned, in its reserved bytes
+    tight = memfit.fit(model, opt, (x, y), F.mse_loss, plain.peak_bytes - 1, device="cuda", gpu="24GiB")
+    assert (tight.micro_batch, tight.checkpoint) != (n, ()) and tight.peak_bytes <= plain.peak_bytes - 1
+    assert "no alternative timed for real" in tight.explain() and "on cuda" in str(tight)
+    assert all(a.measured is None for a in tight.alternatives)
+    assert model[0].weight.device.type == "cpu"                                      # the model stays where it is
+    with pytest.raises(ValueError, match="more than device_memory"):
+        memfit.fit(model, opt, (x, y), F.mse_loss, "32GiB", device="cuda", device_memory="24GiB")
+    with pytest.raises(ValueError, match="pass device='cuda' too"):
+        memfit.fit(model, opt, (x, y), F.mse_loss, device_memory="24GiB")
+    with pytest.raises(ValueError, match="needs a budget"):
+        memfit.fit(model, opt, (x, y), F.mse_loss, device="cuda")

@@ -267,6 +267,25 @@ def test_the_plain_step_that_fits_stays_unless_another_is_predicted_clearly_fast
     assert picked.best is eight and "measured" in picked.reason
 
 
+def test_with_clear_0_the_plain_step_is_taken_wherever_it_fits_however_much_faster_another_is_predicted():
+    """fit for another device's bytes (its kernels not here to time): the plain step wherever it fits, weighed even
+    once `leading` others fit; where it does not fit, the fastest predicted that does, as without."""
+    bytes_of, _ = peaks()
+    # kernels far cheaper per sample at small micro-batches: 1, 2, 4 and 8 all predicted faster than the plain step
+    cheap = Cost(ops=200, kernels=((1, 1e-4), (8, 8e-4), (16, 4.8e-2)))
+    plain_fits = bytes_of(Setting())(16)
+    usual = search(SETS, micro_batch_sizes(16), 16, cheap, BLOCKS, MACHINE, bytes_of, plain_fits, lead=1.5, leading=1)
+    assert usual.best.micro_batch < 16 and all(a.micro_batch != 16 for a in usual.leading)
+    chosen = search(SETS, micro_batch_sizes(16), 16, cheap, BLOCKS, MACHINE, bytes_of, plain_fits, lead=1.5,
+                    leading=1, clear=0.0)
+    assert (chosen.best.micro_batch, chosen.best.setting) == (16, Setting()) and chosen.best.time == 1.0
+    assert "the plain step fits" in chosen.reason
+    tight = search(SETS, micro_batch_sizes(16), 16, cheap, BLOCKS, MACHINE, bytes_of, plain_fits - 1, lead=1.5,
+                   leading=1, clear=0.0)
+    reference = search(SETS, micro_batch_sizes(16), 16, cheap, BLOCKS, MACHINE, bytes_of, plain_fits - 1)
+    assert (tight.best.micro_batch, tight.best.setting) == (reference.best.micro_batch, reference.best.setting)
+
+
 def test_the_timed_alternatives_decide_and_close_ones_go_to_the_simplest():
     """Without the plain step: the fastest timed, or, within CLOSE of it, the one with fewer checkpointed modules
     and then the larger micro-batch (repeated fits whose timings move a little keep their choice). Timed

@@ -170,13 +170,18 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
 
 
 def _fit_report(args, model: torch.nn.Module, shapes, dtype) -> int:
-    """`memfit plan --train --budget SIZE --fit`: the plan that makes the step fit, its alternatives, a plot."""
+    """`memfit plan --train --budget SIZE --fit`: the plan that makes the step fit, its alternatives, a plot; with
+    `--device cuda` from a machine without it (or `--gpu`, `--device-memory`), the CUDA step's plan made here."""
     from memfit.fitting.fitter import fit
     from memfit.fitting.plot import plot_fit
     from memfit.memory.step import _loss
-    model.train().to(args.device)
+    # a CUDA step planned from a machine without the GPU (or for another GPU): the model stays on the CPU
+    elsewhere = torch.device(args.device).type == "cuda" and (
+        not torch.cuda.is_available() or args.gpu is not None or args.device_memory is not None)
+    here = "cpu" if elsewhere else args.device
+    model.train().to(here)
     opt = OPTIMIZERS[args.optimizer](model.parameters(), lr=1e-3)
-    x = tuple(torch.zeros(s, dtype=dtype, device=args.device) for s in shapes)
+    x = tuple(torch.zeros(s, dtype=dtype, device=here) for s in shapes)
     x = x[0] if len(x) == 1 else x
     loss = lambda out, y: _loss(out, None, None)        # the output's .loss, or the sum of the outputs
     if args.threads is not None and args.threads < 1:
@@ -185,7 +190,8 @@ def _fit_report(args, model: torch.nn.Module, shapes, dtype) -> int:
     torch.set_num_threads(args.threads or threads)
     try:
         plan = fit(model, opt, (x, None), loss, args.budget, levers=("bf16",) if args.bf16 else (),
-                   exhaustive=bool(args.plot))
+                   exhaustive=bool(args.plot), **({"device": args.device, "gpu": args.gpu,
+                                                   "device_memory": args.device_memory} if elsewhere else {}))
     finally:
         torch.set_num_threads(threads)
     path = plot_fit(plan, args.plot, name=args.factory) if args.plot else None
@@ -279,8 +285,9 @@ def cli_plan(argv: list[str]) -> int:
     model = load_factory(args.factory)()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{args.factory} returned {type(model).__name__}; expected a torch.nn.Module")
-    if (args.fit or args.bf16) and not (args.train and args.budget):
-        raise UsageError("--fit goes with --train and --budget (the plan that makes the step fit that budget)"
+    if (args.fit or args.bf16) and not (args.train and (args.budget or args.device_memory)):
+        raise UsageError("--fit goes with --train and --budget or --device-memory (the plan that makes the step fit "
+                         "that budget)"
                          if args.fit else "--bf16 goes with --fit")
     if args.threads is not None and not args.fit:
         raise UsageError("--threads goes with --fit (the thread count the plan's times are for)")

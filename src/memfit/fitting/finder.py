@@ -30,6 +30,7 @@ from memfit.fitting.host import machine
 from memfit.fitting.layout import optimizer_options
 from memfit.fitting.nothing_fits import nothing_fits
 from memfit.fitting.search import (
+    CLEAR,
     LEAD,
     LEADING,
     Alternative,
@@ -45,7 +46,7 @@ from memfit.memory.cache import ModelCache
 from memfit.memory.micro_batch import _signature, training_peak
 from memfit.progress import progress_bar
 
-__all__ = ["LEVERS", "Peaks", "agree", "find"]
+__all__ = ["LEVERS", "Peaks", "agree", "find", "prediction"]
 
 LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
 PROGRESS_AFTER = 2.0                     # seconds a search runs before its progress line shows (on a terminal)
@@ -67,21 +68,24 @@ class Peaks:
     each size computed when first asked for, with the modules checkpointed again (the memory models of a later
     micro-batch run only then), and kept. `ready(m)`: m is known or needs no fake run that has not run (the whole
     batch needs the first micro-batch's model, built here; a smaller m a later one's, built on the first m < n).
-    `entry_grads`: the gradients held on entry are kept through the micro-batches (`restore_grads=True`)."""
+    `entry_grads`: the gradients held on entry are kept through the micro-batches (`restore_grads=True`);
+    `predict`: the device the bytes are for (`device=`, `gpu=` of `training_peak`; none: the model's)."""
 
-    def __init__(self, model, module, optimizer, loss_fn, x, y, setting: Setting, entry_grads: bool = False):
+    def __init__(self, model, module, optimizer, loss_fn, x, y, setting: Setting, entry_grads: bool = False,
+                 predict: dict | None = None):
         from memfit.batches import batch_len
-        self.module, self.setting = module, setting
+        self.module, self.setting, self.predict = module, setting, predict or {}
         self.dtype = next((d for d in LEVERS.values() if _name(d) == setting.autocast), None)
         self.n = batch_len(x)
         with self._on():
-            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y, entry_grads=entry_grads)
+            self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y, entry_grads=entry_grads,
+                                                 autocast=self.dtype, **self.predict)
         self.known: dict[int, int] = {}
 
     def _on(self):
         stack = contextlib.ExitStack()
         stack.enter_context(checkpointed(self.module, self.setting.checkpoint))
-        if self.dtype is not None:
+        if self.dtype is not None and not self.predict:   # (for another device: `autocast=` names it)
             stack.enter_context(torch.autocast(model_device(self.module).type, dtype=self.dtype))
         return stack
 
@@ -93,6 +97,17 @@ class Peaks:
 
     def ready(self, m: int) -> bool:
         return m in self.known or m >= self.n or any(k < self.n for k in self.known)
+
+
+def prediction(module, device, gpu, distributed: bool) -> dict:
+    """training_peak's `device=`, `gpu=` where the bytes are for another device than the model's or for a named GPU
+    ({} for the model's own)."""
+    if device is None and gpu is None:
+        return {}
+    if distributed and device is not None and torch.device(device).type != model_device(module).type:
+        raise ValueError(f"memfit.fit: distributed=True plans on each rank's own device; found device={str(device)!r} "
+                         f"with the model on {model_device(module)}: call fit on the ranks' machines without device=")
+    return {"device": device, "gpu": gpu}
 
 
 @dataclass
@@ -117,17 +132,19 @@ def _ranked(blocks: dict, machine_now) -> list[str]:
 
 
 def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive, *,
-         entry_grads: bool = False) -> _Found:
+         entry_grads: bool = False, predict: dict | None = None) -> _Found:
     """The fastest alternative that fits `budget` (`memfit.fitting.search.search` over this model's settings, its
     costs and its memory models); raises BudgetExceeded (`nothing_fits`) when none does. `entry_grads`: the
-    gradients held on entry are counted (`fit(restore_grads=True)`)."""
+    gradients held on entry are counted (`fit(restore_grads=True)`). `predict`: the bytes are for another device
+    than the model's (`device=`, `gpu=`: CUDA from a machine without one); no kernel of it can be timed here, so the
+    times are the ones predicted from this machine's kernels, none confirmed by timing (`how_time` says so)."""
     with progress_bar(None, "memfit.fit", unit="phase", leave=False, delay=PROGRESS_AFTER) as bar:
         return _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive,
-                     entry_grads, bar)
+                     entry_grads, bar, predict or {})
 
 
 def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive, entry_grads,
-          bar) -> _Found:
+          bar, predict) -> _Found:
     t0 = time.perf_counter()
     device = model_device(module)
     dependent = batch_dependent_modules(module)
@@ -159,13 +176,14 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
     def bytes_of(setting: Setting) -> Peaks:
         if setting not in tables:
             bar.set_postfix_str(f"memory model, {setting.describe(len(ranked))}")
-            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting, entry_grads)
+            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting, entry_grads, predict)
             how.append(tables[setting].what)
             bar.update()
         return tables[setting]
 
     # levers change numerics: their settings are searched only when nothing at the step's own precision fits
-    lead = dict(lead=LEAD, leading=LEADING)
+    # times for another device's bytes are this machine's, a stand-in: the plain step wherever it fits
+    lead = dict(lead=LEAD, leading=LEADING, clear=0.0 if predict else CLEAR)
     choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates, bytes_of,
                     budget, exhaustive=exhaustive, once=once, **lead)
     if levers and (choice.best is None or exhaustive):
@@ -189,9 +207,14 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                 "saves" + ("; host and device overlap (a micro-batch takes the longer)" if r.overlap else "")
                 + _busy([costs[p][0].unsteady for p in precisions], timing_device(device))
                 + ("; a meta-device model: every kernel and the host's costs timed on the CPU as a stand-in"
-                   if device.type == "meta" else ""))
-    # the leading alternatives timed for real decide between them (not on meta: no kernel runs there)
-    if len(choice.leading) > 1 and device.type != "meta":
+                   if device.type == "meta" else "")
+                + (f"; the bytes are for {predict['device']} but its kernels cannot run here: every kernel and the "
+                   f"host's costs timed on this machine's {device.type} as a stand-in, and no alternative timed for "
+                   "real: the plain step is taken wherever it fits (on a GPU the whole batch at once, nothing "
+                   "recomputed, is the fastest as a rule), else the fastest predicted here" if predict else ""))
+    # the leading alternatives timed for real decide between them (not on meta: no kernel runs there; nor for
+    # another device's bytes: its kernels are not here)
+    if len(choice.leading) > 1 and device.type != "meta" and not predict:
         bar.set_postfix_str(f"{len(choice.leading)} alternatives timed for real")
         timed = micro_steps(module, loss_fn, x, y, [(a.micro_batch, a.setting) for a in choice.leading])
         bar.update()
@@ -208,7 +231,8 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
                           "allow_batch_dependent=True allows them)")
     if choice.best is None:
-        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of, entry_grads)
+        raise nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of, entry_grads,
+                           predict)
     best = choice.best
     plain = next((a for a in choice.leading if a.micro_batch == n and a.setting == Setting()), None)
     relative = 1.0 if best is plain else best.measured / plain.measured \

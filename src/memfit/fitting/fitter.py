@@ -42,9 +42,9 @@ from memfit.accumulation.checks import check_distributed as _check_distributed
 from memfit.accumulation.checks import check_optimizer_holds
 from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import Walked, run_step
-from memfit.budget import BudgetExceeded, format_bytes, model_device, parse_bytes
+from memfit.budget import BudgetExceeded, format_bytes, model_device
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
-from memfit.fitting.finder import LEVERS, Peaks, _name
+from memfit.fitting.finder import LEVERS, Peaks, _name, prediction
 from memfit.fitting.finder import agree as _agree
 from memfit.fitting.finder import find as _search
 from memfit.fitting.layout import (
@@ -58,6 +58,7 @@ from memfit.fitting.layout import (
 )
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.cache import ModelCache
+from memfit.memory.cuda_target import device_budget
 from memfit.memory.micro_batch import _signature
 from memfit.own_loss import is_own, label_terms, model_loss, own_batch
 
@@ -97,6 +98,7 @@ class FitPlan:
     how_bytes: str = field(repr=False, default="")
     how_time: str = field(repr=False, default="")
     seconds: float = field(repr=False, default=0.0)
+    device: torch.device | None = None     # the device the bytes are for (another than the model's: predicted)
     _run: Callable = field(repr=False, default=None)
     _module: torch.nn.Module = field(repr=False, default=None)
     _installed: list = field(repr=False, default_factory=list)
@@ -150,7 +152,9 @@ class FitPlan:
     def explain(self) -> str:
         """The choice, why, how bytes and time were predicted, and every alternative considered."""
         sets = sorted({a.setting for a in self.alternatives}, key=lambda s: (s.autocast or "", len(s.checkpoint)))
-        lines = [f"fit: one optimizer step on {self.n} samples within {format_bytes(self.budget)}: micro-batch "
+        lines = [f"fit: one optimizer step on {self.n} samples within {format_bytes(self.budget)}"
+                 + (f" on {self.device.type}" if self.device is not None and self.device.type == "cuda" else "")
+                 + ": micro-batch "
                  f"{self.micro_batch} ({self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}), "
                  f"{len(self.checkpoint)} of {len(self.candidates)} candidate blocks checkpointed"
                  + (f" ({', '.join(self.checkpoint)})" if self.checkpoint else "")
@@ -256,10 +260,11 @@ def _first_sample(x):
 
 
 def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable | str | None,
-        budget: int | str, *,
+        budget: int | str | None = None, *,
         target=None, levers: Sequence[str] = (), candidates: Sequence[str] | None = None,
         terms: Callable | None = None, distributed: bool = False, allow_batch_dependent: bool = False,
-        exhaustive: bool = False, restore_grads: bool = False) -> FitPlan:
+        exhaustive: bool = False, restore_grads: bool = False, device=None, gpu=None,
+        device_memory: int | str | None = None) -> FitPlan:
     """Choose the micro-batch and the modules to checkpoint that make one training step on `batch` fit `budget`
     fastest; returns a `FitPlan`. The model does not run for real: its step runs on fake tensors, and each
     distinct kernel of that step is timed on ones of its shapes (one kernel's arguments at a time).
@@ -272,7 +277,9 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         loss_fn: loss_fn(output, y) -> the mean loss (or one per sample). None or "model": the model's own loss
             (`out.loss`, transformers models), with `batch` the inputs alone holding their labels (`x["labels"]`),
             weighted as `accumulate` does (`memfit.own_loss`).
-        budget: bytes or a size such as "8GiB" that the step's peak must fit.
+        budget: bytes or a size such as "8GiB" that the step's peak must fit (on CUDA: the caching allocator's
+            reserved bytes and the fixed costs outside it, `memfit.memory.cuda_step`); with `device_memory`, default
+            all of it.
         target: with `batch` the inputs alone, the targets' layout, as for `memory_model`: an example target
             batch (its leading dimension is the batch, rebuilt at the batch's size) or one target's sample shape
             (float targets). None with the inputs alone and a common loss (cross-entropy, NLL, MSE, L1, smooth
@@ -288,6 +295,13 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             an error), as `accumulate(restore_grads=True)`; the plan then counts the gradients held on entry,
             which stay referenced through the micro-batches. By default they are let go when a step begins, as
             `optimizer.zero_grad()` does: a loop with or without `zero_grad` gets the same plan.
+        device, gpu, device_memory: plan for a CUDA device from a machine without it (device="cuda"; the model stays
+            where it is): the bytes are the CUDA step's predicted here (`memfit.memory_model(device="cuda")`, the
+            batch taken to be on the device), `gpu` the GPU whose stated fixed costs apply (a name such as "H100",
+            a compute capability, or its memory), `device_memory` the GPU's memory (the budget when none is given).
+            Its kernels cannot be timed here: the times are predicted from this machine's kernels and no alternative
+            is timed for real (`explain()` says so); use the plan's micro_batch and checkpoint on that device, or
+            call `fit` again there. `plan.step` runs where the model is.
 
     Returns:
         FitPlan: micro_batch, checkpoint, peak_bytes, relative_time, explain(), step(batch).
@@ -303,10 +317,11 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                              "'model') takes the model's own loss from the labels inside x: leave target= out")
         batch, loss_fn = own_batch(batch, "memfit.fit"), model_loss
     pair = isinstance(batch, (tuple, list)) and len(batch) == 2 and target is None     # (x, y)
-    budget = parse_bytes(budget)
+    budget, gpu = device_budget("memfit.fit", budget, device, device_memory, gpu)
     levers = _check_levers(levers)
     world = _check_distributed(model, distributed)
     module = model.module if distributed else model
+    predict = prediction(module, device, gpu, distributed)
     check_optimizer_holds(list(module.parameters()), optimizer)
     x, y = batch if pair else (batch, None)
     note = ""
@@ -327,7 +342,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         raise ValueError(f"candidates {[c for c in blocks if c not in known][:3]} are not modules of "
                          f"{type(module).__name__}; expected names from model.named_modules()")
     key = (*_key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world),
-           _signature(y), note, restore_grads)
+           _signature(y), note, restore_grads, tuple(map(str, predict.values())))
     kept = _PLANS.values(module)
     found, error = kept.get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):
@@ -336,7 +351,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         # machine's timing chain makes its weights under `own_rng`, a timed random kernel draws from its own
         try:
             found = kept[key] = _search(model, module, optimizer, loss_fn, x, y, n, budget, levers, blocks,
-                                            allow_batch_dependent, exhaustive, entry_grads=restore_grads)
+                                        allow_batch_dependent, exhaustive, entry_grads=restore_grads,
+                                        predict=predict)
         except Exception as e:
             if world == 1:
                 raise
@@ -348,7 +364,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         agree(error, "memfit.fit search")
         found = _agree(found, world)
         if found.best.bytes is None:     # another rank's slower choice: this rank's search did not need its bytes
-            peaks = Peaks(model, module, optimizer, loss_fn, x, y, found.best.setting, restore_grads)
+            peaks = Peaks(model, module, optimizer, loss_fn, x, y, found.best.setting, restore_grads, predict)
             found.best.bytes = peaks(found.best.micro_batch)
         error = None if found.best.bytes <= budget else BudgetExceeded(
             f"memfit.fit: the plan the ranks agreed on (micro-batch {found.best.micro_batch}, "
@@ -412,6 +428,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
     relative = found.relative_time if found.relative_time is not None and found.best is best else best.time
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, relative, budget, n, found.reason,
-                   found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds, run, module,
+                   found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds,
+                   torch.device(predict.get("device") or model_device(module)), run, module,
                    _terms=terms is not None, _own=_first_sample(x) if own else None,
                    _layout=layout(tuple(batch) if pair else (x,)), _held=held(module, optimizer))

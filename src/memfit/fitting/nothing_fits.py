@@ -18,16 +18,18 @@ __all__ = ["nothing_fits", "optimizer_state_bytes"]
 
 
 def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers, bytes_of,
-                 entry_grads: bool = False) -> BudgetExceeded:
+                 entry_grads: bool = False, predict: dict | None = None) -> BudgetExceeded:
     """BudgetExceeded with the breakdown of the least any alternative needs, and what would fit. `bytes_of(setting)`:
     the search's memory models of a setting (`finder.Peaks`); `entry_grads`: the plan keeps the gradients held on
-    entry to give back (`restore_grads=True`)."""
+    entry to give back (`restore_grads=True`); `predict`: the device the bytes are for (`training_peak`'s `device=`,
+    `gpu=`; none: the model's)."""
+    predict = predict or {}
     params = sum(p.nbytes for p in {id(p): p for p in module.parameters()}.values())
     grads = sum(p.nbytes for p in {id(p): p for p in module.parameters() if p.requires_grad}.values())
     least = min((a for a in choice.alternatives if a.bytes is not None), key=lambda a: a.bytes)
     with checkpointed(module, least.setting.checkpoint):
-        first = training_peak(model, optimizer, loss_fn, x, y)[0](least.micro_batch)     # no gradients on entry
-        need = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True)[0](least.micro_batch) \
+        first = training_peak(model, optimizer, loss_fn, x, y, **predict)[0](least.micro_batch)   # none on entry
+        need = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True, **predict)[0](least.micro_batch) \
             if entry_grads else first
     state = optimizer_state_bytes(optimizer, module)
     static = params + grads + state
@@ -42,7 +44,7 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     else:
         head = (f"nothing fits: the least any alternative needs (micro-batch {least.micro_batch}, "
                 f"{least.setting.describe()}) is {format_bytes(need)} > budget {format_bytes(budget)}")
-    more = _sharded(module, optimizer, loss_fn, x, y, budget, static, max(0, first - static))
+    more = _sharded(module, optimizer, loss_fn, x, y, budget, static, max(0, first - static), bool(predict))
     smallest = min(a.micro_batch for a in choice.alternatives)
     cast = [] if "bf16" in levers or static > budget else _bf16(bytes_of, smallest, budget)
     # without its state (plain SGD keeps none) the step needs about that much less: offered where that would fit
@@ -69,19 +71,23 @@ def _bf16(bytes_of, m: int, budget: int) -> list[str]:
 MAX_WORLD = 64                  # the most FSDP2 ranks the hint tries
 
 
-def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: int) -> list[str]:
+def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: int,
+             elsewhere: bool = False) -> list[str]:
     """How many FSDP2 ranks a step at one sample per rank needs, as a fix to offer. Each rank holds at least its
     shards of the parameters, gradients and optimizer state at once (in the optimizer's step): `static / d`, so the
     search starts at the smallest d where that fits, a lower bound (`static / d + rest` is not one: the optimizer's
     transients in `rest` shard too), and `ranks_needed` tries every count from there up, from one run of FSDP2's
-    real code on fake tensors (CPU models). On another device, or where that run fails, the even split
-    `static / d + rest` is offered, said to be an estimate."""
+    real code on fake tensors (CPU models). On another device (or bytes for another device, `elsewhere`: FSDP2 on
+    CUDA is not predicted per rank), or where that run fails, the even split `static / d + rest` is offered, said
+    to be an estimate."""
     low = next((d for d in range(2, MAX_WORLD + 1) if -(-static // d) <= budget), None)
     est = next((d for d in range(2, MAX_WORLD + 1) if static // d + rest <= budget), None)
     if low is None:
         return []
     even = "" if est is None else (f"about {est} devices sharding parameters, gradients and optimizer state (FSDP / "
                                    f"ZeRO: {format_bytes(static // est + rest)} each if they shard evenly")
+    if elsewhere:
+        return [even + "; FSDP2's per-rank peak on CUDA is not predicted)"] if even else []
     if any(t.device.type != "cpu" for t in module.parameters()):
         return [even + "; memfit.sizing.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"] if even else []
     from memfit.memory.fewest_ranks import NoWorldFits, ranks_needed

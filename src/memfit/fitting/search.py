@@ -204,7 +204,7 @@ def step_seconds(n: int, m: int, step: Mapping[str | None, Cost] | Cost, blocks:
 def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapping[str | None, Cost] | Cost,
            blocks: Mapping[str, Cost], machine: Machine, bytes_of: Callable[[Setting], Callable[[int], int]],
            budget: int, *, exhaustive: bool = False, once: Cost | None = None, lead: float = 1.0,
-           leading: int = 1, new_after: int = 0) -> Choice:
+           leading: int = 1, new_after: int = 0, clear: float = CLEAR) -> Choice:
     """The fastest alternative (micro-batch in `sizes` x setting) whose predicted peak fits `budget`.
 
     Times come first (cheap); `bytes_of(setting)` is called at most once per setting, in the order of the
@@ -214,7 +214,8 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     always ready), or, for `Choice.leading`, where it is predicted within `lead` times the best's time and not
     slower by construction (the same micro-batch with the best's modules checkpointed and more; its bytes may need
     `new_after` more settings' models at most); `leading` caps how many that fit are kept. The plain step, where it
-    fits, is the best unless another is predicted at most `CLEAR` of its time (then both are leading). Ties in time
+    fits, is the best unless another is predicted at most `clear` of its time (then both are leading; 0: the plain
+    step wherever it fits, for times that are a stand-in for another device's). Ties in time
     go to fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every
     alternative alike: it changes the relative times, not the order).
     """
@@ -227,7 +228,11 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     best, fitting, built = None, [], 0
 
     def near(a: Alternative) -> bool:        # worth timing beside the best: the plain step, or close and not slower
-        if best is None or best is plain or len(fitting) >= leading + (plain in fitting):
+        if best is None or best is plain:
+            return False
+        if a is plain and clear <= 0:
+            return True                       # the plain step wherever it fits: weighed whatever else fits
+        if len(fitting) >= leading + (plain in fitting):
             return False                      # (the plain step that fits is timed only against one predicted faster)
         return a is plain or (a.time <= lead * best.time and not _dominated(a, best)
                               and (a.setting in peaks or built < new_after))
@@ -244,7 +249,7 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
             fitting.append(a)
         if best is None and a.bytes <= budget:
             best = a                      # the first that fits in time order is the fastest that fits
-    if plain in fitting and best is not plain and best.time > CLEAR:
+    if plain in fitting and best is not plain and best.time > clear:
         best, fitting = plain, [plain]    # the plain step fits, and nothing is predicted clearly faster
     return Choice(best, alts, _reason(best, alts, budget, n), fitting)
 

@@ -25,7 +25,8 @@ from memfit.device.cuda_alloc_conf import AllocatorConfig
 from memfit.device.cuda_costs import GPUS, FixedCost, GpuFamily, fixed_costs, gpu_family
 from memfit.memory.fake_run import CudaTarget
 
-__all__ = ["DEFAULT_GPU", "CudaDevice", "cuda_device", "cuda_device_for", "resolve_gpu", "sdp_backends"]
+__all__ = ["DEFAULT_GPU", "CudaDevice", "cuda_device", "cuda_device_for", "device_budget", "resolve_gpu",
+           "sdp_backends"]
 
 # gpu= not given and no GPU here: compute capability 9.0's stated defaults (the larger cuBLAS workspace, flash)
 DEFAULT_GPU = GpuFamily("a GPU of compute capability 9.0 (gpu= not given: the larger cuBLAS workspace)", (9, 0), 0)
@@ -125,3 +126,30 @@ def cuda_device_for(model_device: torch.device, device, gpu) -> CudaDevice | Non
                              "pass device='cuda' too, or drop gpu=")
         return None
     return cuda_device(asked, gpu)
+
+
+def device_budget(who: str, budget, device, device_memory, gpu) -> tuple[int, object]:
+    """(the budget in bytes, gpu) of a call given `budget` and/or `device_memory`, the memory of the GPU a CUDA
+    prediction is for (device="cuda"): the budget when none is given (no more than it when one is), and the GPU
+    family whose stated fixed costs apply when `gpu` is not given.
+
+    Example:
+        >>> device_budget("max_batch_size", None, "cuda", "24GiB", None)
+        (25769803776, 25769803776)
+        >>> device_budget("fit", "8GiB", None, None, None)
+        (8589934592, None)
+    """
+    if device_memory is not None:
+        device_memory = parse_bytes(device_memory)
+        if device is None or torch.device(device).type != "cuda":
+            raise ValueError(f"{who}: device_memory is the memory of the GPU a CUDA prediction is for; found device="
+                             f"{str(device)!r}: pass device='cuda' too (or give the budget alone)")
+        gpu = device_memory if gpu is None else gpu
+    if budget is None and device_memory is None:
+        raise ValueError(f"{who} needs a budget (bytes or a string such as '8GiB'), or device='cuda' with "
+                         "device_memory= (the GPU's memory, then the budget)")
+    limit = parse_bytes(budget if budget is not None else device_memory)
+    if device_memory is not None and limit > device_memory:
+        raise ValueError(f"{who}: budget {limit} bytes is more than device_memory {device_memory} bytes, the GPU's "
+                         "memory; give a budget within it, or leave it out to use all of it")
+    return limit, gpu

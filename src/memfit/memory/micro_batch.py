@@ -50,7 +50,8 @@ def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
     return loss
 
 
-def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False) -> tuple[Callable[[int], int], str]:
+def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False, device=None, gpu=None,
+                  autocast: torch.dtype | None = None) -> tuple[Callable[[int], int], str]:
     """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
 
     Two fake-tensor memory models of accumulate's step (`step_memory_model(..., keep_output=False)`: the
@@ -68,6 +69,9 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False)
     before the optimizer's step (`accumulation.micro_step.KeptGrads`), so they are counted there and not in the
     step (where the peak of AdamW's step is: counting them there too put LeNet's prediction 6% above the real step
     at micro-batch 2). Without (accumulate's default), they are let go when the step begins and not counted.
+    `device`, `gpu`: the device the bytes are for, as for `memfit.memory_model` (default the model's; "cuda" from a
+    machine without a GPU predicts the CUDA step, the batch counted as on that device); `autocast`: forward and loss
+    under this dtype (default the surrounding autocast's).
     """
     from memfit.memory.step_model import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -75,26 +79,30 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False)
         from memfit.memory.ranks import check_ddp_wrapping
         check_ddp_wrapping(model)        # mixed_precision= and comm hooks hold bytes this model does not count
     module = model.module if ddp else model
-    device, n = model_device(model), batch_len(x)
+    here, n = model_device(model), batch_len(x)
+    # the device the bytes are for; another type than the model's: predicted, the batch to be on it (a view there)
+    elsewhere = device is not None and torch.device(device).type != here.type
+    device = torch.device(device) if elsewhere else here
     k = min(2, n)
     # The fake run counts lazily created optimizer state as held from the start, so an optimizer without
     # state gives the same figure; one with state fails there (AdamW's `step` is read with .item()).
     stateless = copy.copy(optimizer)
     stateless.state = defaultdict(dict)
-    target = None if y is None else batch_to(batch_slice(y, 0, k), device)
-    example = batch_to(batch_slice(x, 0, k), device)
+    target = None if y is None else batch_to(batch_slice(y, 0, k), here)
+    example = batch_to(batch_slice(x, 0, k), here)
     models = {}
 
     def fit(held: bool):
         if held not in models:
             models[held] = step_memory_model(module, example, train=True, optimizer=stateless, target=target,
                                              loss_fn=_scalar_loss(loss_fn, y is not None), grads_held=held,
-                                             keep_output=False)
+                                             keep_output=False, autocast=autocast,
+                                             device=device if elsewhere else None, gpu=gpu)
         return models[held]
     fit(False)                  # fails here, not in the search, when the step cannot run on fake tensors
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
-    on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device]
+    on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device or elsewhere]
     batch_bytes = sum(t.nbytes for t in on_device)
     # Micro-batches of tensors already on the device (x, y or both) are views: their bytes are in batch_bytes,
     # not new; those on the host are copied per micro-batch, and counted
