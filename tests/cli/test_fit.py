@@ -36,6 +36,24 @@ def test_fit_prints_the_plan_of_the_python_api(tmp_path, capsys):
     assert least == got["peak_bytes"] and any(a["bytes"] is None for a in got["alternatives"])
 
 
+def test_fit_plans_a_cuda_step_from_this_machine_as_the_python_api_does(tmp_path, capsys):
+    (tmp_path / "nets.py").write_text(BLOCKS_FILE)
+    spec = f"{tmp_path}/nets.py:make"
+    argv = ["plan", spec, "--input", "32,16", "--train", "--fit", "--device", "cuda", "--device-memory", "1GiB"]
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    model = memfit.cli.plan.load_factory(spec)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = memfit.fit(model, opt, (torch.zeros(32, 16), None), lambda out, y: out.sum(), device="cuda",
+                     device_memory="1GiB")
+    assert (got["micro_batch"], got["checkpoint"], got["peak_bytes"]) == (ref.micro_batch, list(ref.checkpoint),
+                                                                        ref.peak_bytes)
+    assert got["device"] == "cuda" and got["budget"] == 1 << 30 and "no alternative timed for real" in got["how_time"]
+    with pytest.raises(SystemExit):
+        main(["plan", spec, "--input", "32,16", "--train", "--fit", "--gpu", "H100"])
+    assert "--device-memory and --gpu go with --train --device cuda" in capsys.readouterr().err
+
+
 def test_fit_runs_at_the_thread_count_given_and_puts_it_back(tmp_path, capsys, monkeypatch):
     """`--threads N` fits at N torch threads (the plan's kernels and micro-steps are timed at that count, as a
     Python process at N threads times them) and puts the count back."""

@@ -6,7 +6,7 @@ Run:
     memfit plan pkg.models:resnet --input 32,3,64,64 --train --optimizer adamw --budget 8GiB --plot train.png
     memfit plan pkg.models:resnet --input 32,3,64,64 --train --budget 8GiB --fit --plot fit.png
     memfit plan pkg.models:gpt --input 4,128 --dtype int64 --train --parallel fsdp --world-size 8
-    memfit plan pkg.models:gpt --input 8,512 --dtype int64 --train --device cuda --device-memory 24GiB
+    memfit plan pkg.models:gpt --input 8,512 --dtype int64 --train --device cuda --device-memory 24GiB [--fit]
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ def _fit_report(args, model: torch.nn.Module, shapes, dtype) -> int:
     if args.json:
         print(json.dumps({"micro_batch": plan.micro_batch, "checkpoint": list(plan.checkpoint),
                           "autocast": str(plan.autocast) if plan.autocast else None, "peak_bytes": plan.peak_bytes,
-                          "relative_time": plan.relative_time, "budget": plan.budget, "reason": plan.reason,
+                          "relative_time": plan.relative_time, "budget": plan.budget, "device": str(plan.device),
+                          "reason": plan.reason, "how_time": plan.how_time,
                           "alternatives": [{"micro_batch": a.micro_batch, "checkpoint": list(a.setting.checkpoint),
                                             "autocast": a.setting.autocast, "bytes": a.bytes, "time": a.time,
                                             "fits": a.fits(plan.budget)} for a in plan.alternatives],
