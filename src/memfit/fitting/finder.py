@@ -147,6 +147,8 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
           bar, predict) -> _Found:
     t0 = time.perf_counter()
     device = model_device(module)
+    # bytes for another device than the model's: its kernels are not here to time
+    elsewhere = predict.get("device") is not None and torch.device(predict["device"]).type != device.type
     dependent = batch_dependent_modules(module)
     sizes = micro_batch_sizes(n) if not dependent or allow else [n]
     precisions = [None] + [LEVERS[v] for v in levers]
@@ -183,7 +185,7 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
 
     # levers change numerics: their settings are searched only when nothing at the step's own precision fits
     # times for another device's bytes are this machine's, a stand-in: the plain step wherever it fits
-    lead = dict(lead=LEAD, leading=LEADING, clear=0.0 if predict else CLEAR)
+    lead = dict(lead=LEAD, leading=LEADING, clear=0.0 if elsewhere else CLEAR)
     choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates, bytes_of,
                     budget, exhaustive=exhaustive, once=once, **lead)
     if levers and (choice.best is None or exhaustive):
@@ -211,10 +213,10 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                 + (f"; the bytes are for {predict['device']} but its kernels cannot run here: every kernel and the "
                    f"host's costs timed on this machine's {device.type} as a stand-in, and no alternative timed for "
                    "real: the plain step is taken wherever it fits (on a GPU the whole batch at once, nothing "
-                   "recomputed, is the fastest as a rule), else the fastest predicted here" if predict else ""))
+                   "recomputed, is the fastest as a rule), else the fastest predicted here" if elsewhere else ""))
     # the leading alternatives timed for real decide between them (not on meta: no kernel runs there; nor for
     # another device's bytes: its kernels are not here)
-    if len(choice.leading) > 1 and device.type != "meta" and not predict:
+    if len(choice.leading) > 1 and device.type != "meta" and not elsewhere:
         bar.set_postfix_str(f"{len(choice.leading)} alternatives timed for real")
         timed = micro_steps(module, loss_fn, x, y, [(a.micro_batch, a.setting) for a in choice.leading])
         bar.update()
