@@ -1,6 +1,8 @@
 """`memfit bench gpu` without a GPU: its search, its verdicts and its parts on the CPU side (`--dry-run`), where the
 CPU's memory model is checked against the CPU's live bytes exactly as the GPU's against the allocator."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+import memfit
 from memfit.cli.bench import gpu
 from memfit.cli.bench.gpu_cases import Case, CpuSide
 
@@ -55,6 +58,24 @@ def test_the_parts_pass_on_the_cpu_where_the_prediction_is_the_real_bytes(kept):
     assert oom["verdict"] == "PASS" and oom["pred largest"] == oom["real largest"] >= 4 * 4 - 1
 
 
+def test_a_prediction_made_without_the_gpu_is_held_to_the_same_target(kept):
+    case, mm = kept["tiny"]
+    side = CpuSide(1 << 30)
+    made = gpu._blind([case], "cpu")                    # what the process that sees no GPU prints, here for the CPU
+    assert made == {f"tiny/{n}": mm.total_bytes(n) for n in case.batches}
+    one = {"tiny": (dataclasses.replace(case, batches=(4,)), mm)}       # one real run per call
+    assert [r["verdict"] for r in gpu.peaks(one, side, made)] == ["PASS"]
+    row, = gpu.peaks(one, side, {"tiny/4": int(made["tiny/4"] * 1.1)})
+    assert row["verdict"] == "MISS" and 1.0 <= row["pred/real"] <= 1.05 and row["no-GPU pred/real"] > 1.05
+    assert gpu.peaks(one, side, {})[0]["verdict"] == "MISS"             # none made: a miss, not a pass
+    ampere = gpu._blind([case], "8.0")                                   # for a GPU: its CUDA reserved bytes
+    model = case.build()
+    x, y = case.sample(2)
+    reference = memfit.memory_model(model, x, train=True, optimizer=case.optimizer(model.parameters()),
+                                    loss_fn=case.loss_fn, target=y, device="cuda", gpu=(8, 0))
+    assert ampere == {f"tiny/{n}": reference.cuda(n).reserved for n in case.batches}
+
+
 def test_a_device_above_the_prediction_is_a_miss(kept):
     side = Inflated(1 << 30)
     assert {r["verdict"] for r in gpu.peaks(kept, side)} == {"MISS"}
@@ -71,9 +92,9 @@ def test_fits_plans_are_run_and_held_against_their_budgets(kept):
 
 
 def test_the_dry_run_runs_the_same_code_on_the_cpu_and_says_so(capsys):
-    assert gpu.main(["--dry-run", "--quick", "--models", "mlp", "--parts", "peaks"]) == 0
+    assert gpu.main(["--dry-run", "--quick", "--models", "mlp", "--parts", "oom"]) == 0
     out = capsys.readouterr().out
-    assert "# 1. predicted vs real peaks" in out and "PASS" in out and "0 MISS" in out and "dry run" in out
+    assert "# 2. out-of-memory boundary" in out and "PASS" in out and "0 MISS" in out and "dry run" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs")

@@ -6,7 +6,9 @@ encoder block, a causal transformer under bf16 autocast (flash attention), GPT-2
 (float32, and under bf16 autocast) and BERT; AdamW; random weights, nothing downloaded):
 1. predicted vs real peaks of a training loop (`STEPS` steps from a fresh allocator): reserved
    (`torch.cuda.max_memory_reserved`; target: predicted / real in [1.00, 1.05]) with allocated
-   (`max_memory_allocated`) beside it;
+   (`max_memory_allocated`) beside it; the same target for the reserved bytes predicted by a process that sees no
+   GPU (`CUDA_VISIBLE_DEVICES` empty; for this device's compute capability): the answer a user gets from a machine
+   without the GPU;
 2. the out-of-memory boundary under `torch.cuda.set_per_process_memory_fraction(f)`, f chosen so that the
    predicted boundary is about 4x the larger batch: the largest batch the replayed allocator serves against the
    largest the device runs (searched outward from the predicted one, then bisected); target: within 2%;
@@ -33,7 +35,11 @@ Run:
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 
 import torch
@@ -51,6 +57,7 @@ BOUNDARY = 0.02                   # |predicted - real| / real of the out-of-memo
 FIT_CASES = ("resnet18", "gpt2")
 FIT_SHARES = (1.0, 0.5, 0.2)     # of the way from the least any plan needs to the fastest plan's peak, in bytes
 PARTS = ("here", "peaks", "oom", "fit", "loaders")
+BLIND_TIMEOUT = 300               # seconds the predictions without the GPU may take (all models)
 
 
 def verdict(ok: bool | None) -> str:
@@ -112,8 +119,9 @@ def _predicted(mm, n: int) -> tuple[int, int]:
     return mm.total_bytes(n), mm.total_bytes(n)
 
 
-def peaks(models: dict, side) -> list[dict]:
-    """Part 1: predicted vs real peaks of the loop at each case's batch sizes."""
+def peaks(models: dict, side, blind: dict | None = None) -> list[dict]:
+    """Part 1: predicted vs real peaks of the loop at each case's batch sizes; `blind`: the reserved bytes predicted
+    where the device could not be seen ({(model, batch): reserved}, `blind_predictions`), held to the same target."""
     rows = []
     for case, mm in models.values():
         for n in case.batches:
@@ -121,11 +129,45 @@ def peaks(models: dict, side) -> list[dict]:
             real = side.run(loop(case, n))
             ra, rr = real if real is not None else (0, 0)
             ok = real is not None and RESERVED[0] <= pr / rr <= RESERVED[1]
-            rows.append({"model": case.name, "batch": n, "pred reserved": pr, "real reserved": rr,
-                         "pred/real": pr / rr if rr else float("nan"), "pred allocated": pa, "real allocated": ra,
-                         "alloc pred/real": pa / ra if ra else float("nan"),
-                         "verdict": verdict(ok) if real is not None else "MISS (out of memory)"})
+            row = {"model": case.name, "batch": n, "pred reserved": pr, "real reserved": rr,
+                   "pred/real": pr / rr if rr else float("nan"), "pred allocated": pa, "real allocated": ra,
+                   "alloc pred/real": pa / ra if ra else float("nan")}
+            if blind is not None:
+                b = blind.get(f"{case.name}/{n}")
+                row["no-GPU pred/real"] = b / rr if b is not None and rr else float("nan")
+                ok = ok and b is not None and RESERVED[0] <= b / rr <= RESERVED[1]
+            rows.append({**row, "verdict": verdict(ok) if real is not None else "MISS (out of memory)"})
     return rows
+
+
+def blind_predictions(names: list[str], quick: bool, device: torch.device) -> dict:
+    """{"model/batch": reserved} predicted by a process that sees no GPU (CUDA_VISIBLE_DEVICES empty) for a GPU of
+    this device's compute capability: the answer a user gets from a machine without it (`memfit.memory_model(...,
+    device="cuda", gpu=capability)`), made here so the peaks part can hold it against the real bytes. On the CPU
+    (`--dry-run`) the same process predicts for the CPU."""
+    target = ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else "cpu"
+    argv = [sys.executable, "-m", "memfit", "bench", "gpu", "--blind", target, "--models", ",".join(names)]
+    # the same memfit as this process's (a checkout's src on the path, as under pytest), no GPU visible
+    src = os.path.dirname(os.path.dirname(memfit.__file__))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run(argv + (["--quick"] if quick else []), env=env, capture_output=True, text=True,
+                          timeout=BLIND_TIMEOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"the predictions without the GPU failed ({' '.join(argv)}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _blind(chosen: list[Case], target: str) -> dict:
+    """`--blind`: each case's reserved bytes predicted for `target` ("8.0": CUDA of that compute capability, from
+    this process, which sees no GPU; "cpu": the CPU's)."""
+    cuda = target != "cpu"
+    gpu = tuple(int(v) for v in target.split(".")) if cuda else None
+    out = {}
+    for case in chosen:
+        mm, _ = _predict(case, "cuda" if cuda else "cpu", gpu)
+        out.update({f"{case.name}/{n}": _predicted(mm, n)[1] for n in case.batches})
+    return out
 
 
 def oom_boundaries(models: dict, side) -> list[dict]:
@@ -229,6 +271,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", default="H100", help="the GPU the predictions made here are for (default H100)")
     p.add_argument("--parts", default=None, help=f"comma-separated, among {', '.join(PARTS)} (default: all; on a "
                    "GPU all but 'here', the predictions made here for another GPU)")
+    p.add_argument("--blind", default=None, help=argparse.SUPPRESS)    # blind_predictions' own process
     a = p.parse_args(argv)
     chosen_parts = set(a.parts.split(",")) if a.parts else set(PARTS) - (set() if a.dry_run else {"here"})
     if not chosen_parts <= set(PARTS):
@@ -239,6 +282,9 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown models {unknown}; expected among {', '.join(every)}")
     chosen = [every[k] for k in names]
+    if a.blind is not None:
+        print(json.dumps(_blind(chosen, a.blind)))
+        return 0
     if not a.dry_run and not torch.cuda.is_available():
         print(f"memfit bench gpu: torch {torch.__version__} sees no CUDA device; run it on a GPU (make gpu-check), or "
               "--dry-run for the same code with the CPU's figures")
@@ -253,8 +299,11 @@ def main(argv=None) -> int:
     models = {c.name: (c, _predict(c, side.device)) for c in chosen}
     models = {k: (c, mm) for k, (c, (mm, _)) in models.items()}
     misses = 0
-    parts = [("peaks", "1. predicted vs real peaks of a training loop (target reserved pred/real in [1.00, 1.05])",
-              peaks, ("pred reserved", "real reserved", "pred allocated", "real allocated")),
+    blind = blind_predictions(names, a.quick, side.device) if "peaks" in chosen_parts else None
+    parts = [("peaks", "1. predicted vs real peaks of a training loop (target reserved pred/real in [1.00, 1.05]; "
+              "'no-GPU': predicted by a process that sees no GPU, for this one's compute capability)",
+              lambda models, side: peaks(models, side, blind),
+              ("pred reserved", "real reserved", "pred allocated", "real allocated")),
              ("oom", "2. out-of-memory boundary under a memory fraction (target within 2%)", oom_boundaries,
               ("allowed",)),
              ("fit", "3. memfit.fit's plans: real peak vs budget (target: none over)", plans,
