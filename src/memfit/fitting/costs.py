@@ -43,7 +43,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from memfit.batches import forward
-from memfit.device.torch_private import FakeTensorMode, TorchDispatchMode, in_backward, reparametrized, tree_flatten
+from memfit.device.torch_private import FakeTensorMode, TorchDispatchMode, in_backward, tree_flatten
 from memfit.fitting.search import Cost
 from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, timing_device, unsteady
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
@@ -111,31 +111,21 @@ class _Counter(TorchDispatchMode):
 
 
 def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None) -> _Counter:
+    from memfit.memory.fake_model import FakeModel
     from memfit.memory.fake_run import _fake_optimizer
-    from memfit.memory.isolation import fake_section, predicting, structural_copy
+    from memfit.memory.isolation import predicting
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     counter = _Counter(blocks)
-    model = structural_copy(model)      # hooks and fake parameters go on the copy: no other thread sees them
-    modules = dict(model.named_modules())
     with ExitStack() as stack:
         stack.enter_context(predicting())      # any draw goes to generators of its own, none to torch's
+        fm = FakeModel(model, mode, device)    # hooks and fake parameters go on its copy: no other thread sees them
+        modules = dict(fm.copy.named_modules())
         for b in blocks:          # which blocks' forwards are running (a block called twice is counted twice)
             stack.enter_context(modules[b].register_forward_pre_hook(lambda m, a, _b=b: counter.open.append(_b)))
             stack.enter_context(modules[b].register_forward_hook(lambda m, a, o: counter.close(), always_call=True))
-        named = {**dict(model.named_parameters(remove_duplicate=False)),
-                 **dict(model.named_buffers(remove_duplicate=False))}
-        made: dict[int, torch.Tensor] = {}            # one fake per tensor: tied weights stay tied
-
-        def fake_of(v):
-            if id(v) not in made:
-                f = mode.from_tensor(v)
-                made[id(v)] = torch.nn.Parameter(f, v.requires_grad) if isinstance(v, torch.nn.Parameter) else f
-            return made[id(v)]
-        fake = {k: fake_of(v) for k, v in named.items()}
         # made outside the fake mode: its copy of a real one-element state tensor (Adam's step) must be real
-        opt = _fake_optimizer(optimizer, fake_of, mode) if optimizer is not None else None
-        stack.enter_context(fake_section(mode))    # own_rng's mode steps aside: nothing draws on fake tensors
-        stack.enter_context(reparametrized(model, fake, tie_weights=True, strict=False))
+        opt = _fake_optimizer(optimizer, fm.fake, mode) if optimizer is not None else None
+        model = stack.enter_context(fm.running())  # own_rng's mode steps aside: nothing draws on fake tensors
         xs = ExampleBatch(x).at(_len(x), device)
         ys = ExampleBatch(y).at(_len(y), device) if y is not None else None
         with counter:

@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.batches import forward
-from memfit.device.torch_private import FakeTensorMode, reparametrized
-from memfit.memory.fake_run import FakeRunError, fake_maker
+from memfit.device.torch_private import FakeTensorMode
+from memfit.memory.fake_model import FakeModel
+from memfit.memory.fake_run import FakeRunError
 from memfit.memory.global_caches import function_caches_kept_real
-from memfit.memory.isolation import fake_section, predicting, structural_copy
+from memfit.memory.isolation import predicting
 from memfit.memory.step import ExampleBatch, loss_name, missing_target
 from memfit.messages import first_line
 
@@ -62,17 +63,9 @@ def loss_target(loss_fn: Callable | None) -> str | None:
 def _output(model: nn.Module, batch: ExampleBatch, device: torch.device, train: bool):
     """The model's output at batch 2 on fake tensors (no_grad, the modes training would run in), on a copy of
     the module tree: the model is not touched."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = fake_maker(mode, device, {})
-    named = {**dict(model.named_parameters(remove_duplicate=False)),
-             **dict(model.named_buffers(remove_duplicate=False))}
     with predicting(), function_caches_kept_real(model):
-        run_model = structural_copy(model)
-        if train and not model.training:
-            run_model.train()
-        fake_named = {k: fake(v) for k, v in named.items()}
-        with fake_section(mode), reparametrized(run_model, fake_named, tie_weights=True, strict=False), \
-                torch.no_grad():
+        fm = FakeModel(model, FakeTensorMode(allow_non_fake_inputs=True), device, train=train)
+        with fm.running() as run_model, torch.no_grad():
             return forward(run_model, batch.at(2, device))
 
 

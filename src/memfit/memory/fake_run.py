@@ -1,13 +1,13 @@
-"""One training step (or forward) run on fake tensors, with every storage it allocates and frees logged per
-op (`fake_run`): what the memory model counts.
+"""One training step (or forward) run on fake tensors, with every storage it allocates and frees logged per op
+(`fake_run`): what the memory model counts.
 
 `fake_run` runs the real code (forward, loss, backward, `optimizer.step()`, `zero_grad()`) under
 `torch._subclasses.fake_tensor.FakeTensorMode` at one batch size: nothing is allocated. The run works on a
-`memfit.memory.isolation.structural_copy` of the module tree whose parameters and buffers are swapped for
-fake copies (`torch.func.functional_call`'s mechanism), and the optimizer is a shallow copy holding fake state,
-so the model (as any thread sees it, during the run too), its buffers (BatchNorm running statistics), `.grad`,
-the optimizer and every RNG are left exactly as they were. `memfit.memory.step_model` fits the runs at a few batch sizes
-into bytes at any size.
+`memfit.memory.fake_model.FakeModel` (a structural copy of the module tree whose parameters and buffers are swapped
+for fake copies, `torch.func.functional_call`'s mechanism: the set-up every fake run shares), and the optimizer is a
+shallow copy holding fake state, so the model (as any thread sees it, during the run too), its buffers (BatchNorm
+running statistics), `.grad`, the optimizer and every RNG are left exactly as they were. `memfit.memory.step_model`
+fits the runs at a few batch sizes into bytes at any size.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from memfit.batches import forward
 from memfit.device.allocators import rounder
 from memfit.device.fake_cuda import SavedTensors, SdpaRouting, backward_by_nodes
 from memfit.device.measure import _storage_key, optimizer_state, unique_bytes
-from memfit.device.torch_private import FakeTensorMode, foreach_by_default, reparametrized
+from memfit.device.torch_private import FakeTensorMode, foreach_by_default
 from memfit.memory.fake_kernels import (
     host_tensors_logged,
 )
+from memfit.memory.fake_model import FakeModel
 from memfit.memory.global_caches import cache_misses, clear_filled
-from memfit.memory.isolation import fake_section, predicting, structural_copy
+from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS
 from memfit.memory.step import ExampleBatch, forward_autocast, training_step
 from memfit.memory.storage_log import StorageLog
@@ -86,20 +87,6 @@ def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode, cuda: bool 
     return opt
 
 
-def fake_maker(mode: FakeTensorMode, device: torch.device, memo: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function giving each real tensor its fake on `device` (one per tensor, kept in `memo` by id: tied weights
-    stay tied; a Parameter stays a Parameter with its requires_grad)."""
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in memo:
-            f = mode.from_tensor(t)
-            if t.device != device:
-                with fake_section(mode):
-                    f = f.to(device)
-            memo[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
-        return memo[id(t)]
-    return fake
-
-
 @dataclass(frozen=True)
 class CudaTarget:
     """A CUDA step predicted without its GPU: the fakes live on `StepSpec.device` (CUDA on a CUDA build of torch,
@@ -137,16 +124,12 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
     mode's op cache then serves the ops whose shapes do not depend on the batch."""
     model, batch, target, optimizer, device = spec.model, spec.batch, spec.target, spec.optimizer, spec.device
     train, grads_held = spec.train, spec.grads_held
-    fake = fake_maker(mode, device, fakes)
-
-    named = {**dict(model.named_parameters(remove_duplicate=False)),
-             **dict(model.named_buffers(remove_duplicate=False))}
     kernels = torch.device("cuda") if spec.cuda is not None else device      # whose kernels the bytes are for
-    held = {"parameters": unique_bytes(named.values()),
+    held = {"parameters": unique_bytes({**dict(model.named_parameters(remove_duplicate=False)),
+                                        **dict(model.named_buffers(remove_duplicate=False))}.values()),
             "inputs": batch.bytes_per_sample() * n + (target.bytes_per_sample() * n if target else 0),
             "optimizer state": unique_bytes(device_state(optimizer, kernels))}
     caches = cache_misses(model)
-    run_model = structural_copy(model)               # the fake parameters go here: the user's module is untouched
     tracker = StorageLog(device, scratch=True, kernels=kernels.type)
     log = tracker.log
     marks: dict[str, tuple[int, int]] = {}              # phase -> (op index, log position) at its end
@@ -156,11 +139,10 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
     grad_bytes = 0                                      # `_Run.grad_bytes`
     try:
         with predicting():
-            fake_named = {k: fake(v) for k, v in named.items()}
-            opt = _fake_optimizer(optimizer, fake, mode, kernels.type == "cuda") if optimizer is not None else None
-            if train and not model.training:   # asked about training a model in eval mode: all of it trains;
-                run_model.train()              # a training model's modules keep their modes (a frozen BatchNorm)
-            with fake_section(mode), reparametrized(run_model, fake_named, tie_weights=True, strict=False):
+            fm = FakeModel(model, mode, device, fakes, train=train)      # the user's module is untouched
+            fake_named = fm.named
+            opt = _fake_optimizer(optimizer, fm.fake, mode, kernels.type == "cuda") if optimizer is not None else None
+            with fm.running() as run_model:
                 if grads_held:                 # made before the log starts: held, as the parameters are
                     trainable = {id(p): p for p in fake_named.values()
                                  if isinstance(p, torch.nn.Parameter) and p.requires_grad}.values()
