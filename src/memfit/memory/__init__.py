@@ -12,7 +12,8 @@ Exports: `MemoryModel` (the interface: `total_bytes(n)`, `breakdown(n)` by `Memo
 `memfit.measure_step` one process's), `check_prediction` (the prediction against real steps).
 
 Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `step` (what one training step is; measuring
-it for real), `fake_model` (`FakeModel`: the one set-up of a model on fake tensors), `fake_run` (that step or a forward on fake tensors; `storage_log`: every storage it allocates and frees,
+it for real), `fake_model` (`FakeModel`: the one set-up of a model on fake tensors),
+`fake_run` (that step or a forward on fake tensors; `storage_log`: every storage it allocates and frees,
 per op), `fake_kernels` (the bytes real kernels give where fake ones differ), `kernel_scratch` (what kernels allocate
 inside, oneDNN's workspaces and the scratch of kernels on half-precision arguments, measured at each batch size asked
 about), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which fit, and which runs: the ladder
