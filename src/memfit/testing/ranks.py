@@ -202,8 +202,10 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
                 break
     finally:
         grace = EXIT_GRACE_S if len(out) == world and all(s == "ok" for s, _ in out.values()) else FAILED_GRACE_S
+        exit_by = time.monotonic() + grace          # one grace for all: a stuck rank's wait is not added per rank
         for p in procs:
-            p.join(timeout=grace)
+            p.join(timeout=max(0.0, exit_by - time.monotonic()))
+        for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=grace)
