@@ -95,10 +95,9 @@ def test_distributed_evaluation_equals_single_process(world, request):
         assert conf == single.metrics["confusion"].tolist()
 
 
-def test_a_failing_rank_makes_the_others_fail_clearly():
-    t0 = time.perf_counter()
-    out = run_ranks(_eval_rank, 2, 64, 1, timeout=60)
-    assert time.perf_counter() - t0 < 60
+def test_a_failing_rank_makes_the_others_fail_clearly(clean_checks_2):
+    out = clean_checks_2["fails"]
+    assert max(clean_checks_2.took["fails"].values()) < 60
     assert out[1][0] == "error" and "model exploded on purpose" in out[1][1]
     assert out[0][0] == "error"
     assert "another rank failed (rank 1: RuntimeError: model exploded on purpose)" in out[0][1]
@@ -112,10 +111,10 @@ def _prep_fails_rank(rank, world, where):
     return r.n
 
 
-def test_a_rank_failing_before_the_auto_chunk_agreement_stops_every_rank_quickly():
-    t0 = time.perf_counter()
-    out = run_ranks(_prep_fails_rank, 2, "data", timeout=90, env={"MEMFIT_DIST_TIMEOUT": "120"})
-    took = time.perf_counter() - t0
+def test_a_rank_failing_before_the_auto_chunk_agreement_stops_every_rank_quickly(clean_checks_2):
+    """Its collective timeout is 120 s (CLEAN_CHECKS): a rank waiting for it instead of the agreement takes that."""
+    out = clean_checks_2["prep fails"]
+    took = max(clean_checks_2.took["prep fails"].values())
     assert sorted(out) == [0, 1], f"a rank hung: {out}"
     assert out[1][0] == "error" and out[1][1].startswith("ValueError") and "1002" in out[1][1]   # its own error
     assert out[0][0] == "error" and "another rank failed (rank 1: ValueError:" in out[0][1] and "1002" in out[0][1]
@@ -160,18 +159,13 @@ def _rank_and_world(rank, world):
     return rank, world
 
 
-def test_ranks_start_while_another_process_holds_the_port_free_port_found(monkeypatch):
+def test_ranks_start_while_another_process_holds_the_port_free_port_found(clean_checks_2):
     """Ranks spawned from two pytest-xdist workers at once: a port found free, then bound by rank 0 seconds
-    later, could be taken in between (here: at once). The caller's store binds its port as it picks it."""
-    import socket
-
-    import memfit.testing.ranks as ranks
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        monkeypatch.setattr(ranks, "free_port", lambda: taken.getsockname()[1])
-        out = run_ranks(_rank_and_world, 2, timeout=120)
+    later, could be taken in between (here: at once). The caller's store binds its port as it picks it. The
+    spawn of `clean_checks_2` ran while another socket listened on the port `free_port` gave."""
+    out = clean_checks_2["rank and world"]
     assert out == {0: ("ok", (0, 2)), 1: ("ok", (1, 2))}, out
+    assert clean_checks_2.port_taken
 
 
 def test_ranks_leave_together_and_never_wait_past_the_bound_for_a_rank_that_died():
@@ -505,7 +499,7 @@ def test_a_loader_of_own_parts_with_sharded_sees_every_sample_once_per_epoch(cle
         assert status == "error" and "normalize='dataset' with sharded=True" in msg
 
 
-# ---- the checks that end cleanly, in one spawn per world size ------------------------------------------------
+# ---- the checks of one process group, in one spawn per world size (those failing on purpose last) ------------
 CLEAN_CHECKS = {   # name: (rank function, its extra arguments, worlds, collective timeout its test set, s)
     "eval": (_eval_rank, (64, -1), (2, 3), None),
     "loss": (_weighted_loss_rank, (), (2, 3), None),
@@ -513,7 +507,11 @@ CLEAN_CHECKS = {   # name: (rank function, its extra arguments, worlds, collecti
     "empty": (_empty_rank_eval, (), (2,), 20.0),
     "parts": (_parts_loader_rank, (), (2,), 30.0),
     "given": (_given_rank, (), (2,), 30.0),
-    "mistakes": (_loader_mistakes, (), (2,), None),    # a rank raises and the group must stay usable: last
+    "rank and world": (_rank_and_world, (), (2,), None),
+    # a rank raises and the group must stay usable: last, the checks that fail on purpose
+    "mistakes": (_loader_mistakes, (), (2,), None),
+    "fails": (_eval_rank, (64, 1), (2,), None),
+    "prep fails": (_prep_fails_rank, ("data",), (2,), 120.0),
 }
 
 
@@ -540,6 +538,7 @@ def _clean_checks(rank, world):
 class Checks(dict):
     """{check: {rank: (status, value)}}, and `took`: {check: {rank: seconds that rank spent in it}}."""
     took: dict
+    port_taken: bool = False
 
 
 def _spawn_clean_checks(world):
@@ -552,7 +551,18 @@ def _spawn_clean_checks(world):
 
 @pytest.fixture(scope="module")
 def clean_checks_2():
-    return _spawn_clean_checks(2)
+    """The spawn at world size 2, started while another socket listens on the port `free_port` gives (as when a
+    port found free is taken before a rank binds it: test_ranks_start_while_another_process_holds_the_port_...)."""
+    import socket
+
+    import memfit.testing.ranks as ranks
+    with socket.socket() as taken, pytest.MonkeyPatch.context() as patch:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        patch.setattr(ranks, "free_port", lambda: taken.getsockname()[1])
+        checks = _spawn_clean_checks(2)
+        checks.port_taken = ranks.free_port() == taken.getsockname()[1]
+    return checks
 
 
 @pytest.fixture(scope="module")
