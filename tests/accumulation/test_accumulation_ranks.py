@@ -177,13 +177,12 @@ def _ddp_fails(rank, world, released):
     return out
 
 
-def test_a_rank_whose_loss_raises_makes_every_rank_raise_at_once_naming_it():
+def test_a_rank_whose_loss_raises_makes_every_rank_raise_at_once_naming_it(ddp_checks):
     """Rank 0 used to wait in DDP's all-reduce until rank 1's process exited (here 30 s; with a rank that stays
     alive, the process-group timeout), then got gloo's 'Connection closed by peer'; inside the last backward
-    (which all-reduced) it still did. Every backward is local now, and the ranks agree after each."""
-    import multiprocessing as mp
-    released = [mp.get_context("spawn").Event() for _ in FAIL_CALLS]
-    out = run_ranks(_ddp_fails, 2, released, timeout=120, env={"MEMFIT_DIST_TIMEOUT": "60"})
+    (which all-reduced) it still did. Every backward is local now, and the ranks agree after each. (The last
+    check of the `ddp_checks` spawn, under a 60 s collective timeout.)"""
+    out = ddp_checks["fails"]
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     for case in FAIL_CALLS:
         (msg0, took0), (msg1, _) = out[0][1][case], out[1][1][case]
@@ -248,12 +247,18 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_from_stepping(bucket_view, ddp_
             assert torch.allclose(p, torch.tensor(q), rtol=1e-5, atol=1e-7)
 
 
-def _ddp_checks(rank, world):
-    """The 2-rank checks that end cleanly, in one process group one after the other (starting the processes
-    was most of each check's time): {check: its value, or the error that check raised}."""
+def _ddp_checks(rank, world, released):
+    """The 2-rank checks, in one process group one after the other (starting the processes was most of each
+    check's time), the one where rank 1 fails on purpose last: {check: its value, or the error that check raised}.
+    Each runs under the collective timeout its own spawn had (MEMFIT_DIST_TIMEOUT, read at each wait): 30 s, and
+    60 s for "fails"."""
+    import memfit.distributed as md
     out = {}
-    for name, check in (("step", _ddp_rank), ("terms", _ddp_terms), ("nan", lambda r, w: _ddp_nan(r, w, False)),
-                        ("nan_bucket_view", lambda r, w: _ddp_nan(r, w, True))):
+    for name, check, timeout_s in (("step", _ddp_rank, 30.0), ("terms", _ddp_terms, 30.0),
+                                   ("nan", lambda r, w: _ddp_nan(r, w, False), 30.0),
+                                   ("nan_bucket_view", lambda r, w: _ddp_nan(r, w, True), 30.0),
+                                   ("fails", lambda r, w: _ddp_fails(r, w, released), 60.0)):
+        md.TIMEOUT_S = timeout_s
         try:
             out[name] = ("ok", check(rank, world))
         except Exception as e:          # one check's failure must not hide the others' results
@@ -264,7 +269,9 @@ def _ddp_checks(rank, world):
 @pytest.fixture(scope="module")
 def ddp_checks():
     """{check: {rank: (status, value)}} from one spawn of 2 gloo ranks."""
-    out = run_ranks(_ddp_checks, 2, timeout=120, env={"MEMFIT_DIST_TIMEOUT": "30"})
+    import multiprocessing as mp
+    released = [mp.get_context("spawn").Event() for _ in FAIL_CALLS]      # "fails": rank 1 waits for rank 0
+    out = run_ranks(_ddp_checks, 2, released, timeout=120)
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     return {name: {rank: value[name] for rank, (_, value) in out.items()} for name in out[0][1]}
 
