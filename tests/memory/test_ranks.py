@@ -442,7 +442,8 @@ def test_fsdp_counts_the_scratch_of_half_precision_kernels(monkeypatch):
     import memfit.device.kernel_probe as kernel_probe
     m = rank_cases.mlp()
     options = dict(optimizer=torch.optim.AdamW(m.parameters()), world_size=2, **rank_cases.fsdp_options("fsdp-bf16"))
-    plain = {n: rank_memory_model(m, (64,), **options).total_bytes(n) for n in (4, 16)}   # measured before the patch
+    unpatched = rank_memory_model(m, (64,), **options)
+    plain = {n: unpatched.total_bytes(n) for n in (4, 16)}          # its kernels measured now, before the patch
     measured = []
 
     def inside(func, args, kwargs):
