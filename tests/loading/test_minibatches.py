@@ -571,16 +571,20 @@ def _dist_epochs(rank, world):
 BLOCKS = {"strategy": "macro", "macro_batch": 128, "order": "blocks"}
 
 
+WORLD = 3       # uneven shards of N and a middle rank; loaders on 2 ranks: tests/test_distributed.py
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One spawn of 2 ranks for both checks at world size 2 (starting the processes is most of each check's
-    time): {rank: (status, {"epochs": ..., "decodes": ...}) or (status, error)}."""
+def ranks(tmp_path_factory):
+    """One spawn of WORLD ranks for both distributed checks (starting the processes is most of each check's
+    time; no code path depends on the world size, so one is run, not 2 and 3 as before): {rank: (status,
+    {"epochs": ..., "decodes": ...}) or (status, error)}."""
     path = tmp_path_factory.mktemp("ranks") / "x.npy"
     np.save(path, skewed()[0])
-    return run_ranks(_dist_two_checks, 2, str(path))
+    return run_ranks(_dist_checks, WORLD, str(path))
 
 
-def _dist_two_checks(rank, world, path):
+def _dist_checks(rank, world, path):
     return {"epochs": _dist_epochs(rank, world), "decodes": _dist_decodes_like_the_whole(rank, world, path)}
 
 
@@ -588,10 +592,10 @@ def _part(out: dict, key: str) -> dict:
     return {r: (s, v[key] if s == "ok" else v) for r, (s, v) in out.items()}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_distributed_ranks_partition_every_epoch(world, request):
+def test_distributed_ranks_partition_every_epoch(ranks):
     from memfit.distributed import shard_sizes
-    out = _part(request.getfixturevalue("two_ranks"), "epochs") if world == 2 else run_ranks(_dist_epochs, world)
+    world = WORLD
+    out = _part(ranks, "epochs")
     assert sorted(out) == list(range(world)) and all(s == "ok" for s, _ in out.values()), out
     ranks = [out[r][1] for r in range(world)]
     whole = loader(arrays(), 64, seed=5, device="cpu")
@@ -681,12 +685,12 @@ def skewed():
     return x, np.arange(N)
 
 
-def test_distributed_ranks_encode_and_normalise_as_the_whole(two_ranks):
+def test_distributed_ranks_encode_and_normalise_as_the_whole(ranks):
     # every rank decodes a sample as the whole data decodes it: one codec range, one mean/std, one class
     # count, whichever shard it holds (each rank encoding only its own shard would decode differently)
-    out = _part(two_ranks, "decodes")
-    assert all(s == "ok" for s, _ in out.values()), out
-    for rank in range(2):
+    out = _part(ranks, "decodes")
+    assert sorted(out) == list(range(WORLD)) and all(s == "ok" for s, _ in out.values()), out
+    for rank in range(WORLD):
         for name, (worst, classes) in out[rank][1].items():
             assert worst == 0.0 and classes == N, (rank, name, worst, classes)
 
