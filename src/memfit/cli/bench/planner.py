@@ -363,11 +363,12 @@ def run_fuzz(examples: int, seed: int = 0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from memfit.cli.options import count_arg, counts_arg, device_arg, names_arg
-    from memfit.testing.zoo import REAL
+    from memfit.testing.zoo import HELD_OUT, REAL
     p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
                                 epilog="example:\n  memfit bench planner --quick\n"
                                        "  memfit bench planner --real --quick\n"
                                        "  memfit bench planner --fuzz 500\n"
+                                       "  memfit bench planner --held-out\n"
                                        "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json\n"
                                        "  memfit bench planner --quick --device cuda",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -376,10 +377,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out torch.compile (a cold inductor compile takes tens of seconds a model)")
     p.add_argument("--real", action="store_true",
                    help=f"real architectures from transformers configs ({', '.join(REAL)}); needs transformers")
+    p.add_argument("--held-out", action="store_true",
+                   help=f"models the planner was not tuned to ({', '.join(HELD_OUT)}), batch 8, against torch.compile "
+                        "(memfit.cli.bench.held_out); the transformers ones need transformers")
     p.add_argument("--fuzz", type=count_arg(1), default=None, metavar="N",
                    help="run N random-graph models against eager, bit for bit, instead of the table")
-    p.add_argument("--models", default=None, type=names_arg((*MODELS, *REAL), "model"),
-                   help=f"comma-separated, from {', '.join(MODELS)} (with --real, from the real list)")
+    p.add_argument("--models", default=None, type=names_arg((*MODELS, *REAL, *HELD_OUT), "model"),
+                   help=f"comma-separated, from {', '.join(MODELS)} (with --real or --held-out, from their lists)")
     p.add_argument("--batches", default=None, type=counts_arg(1),
                    help="comma-separated batch sizes (default 1,32; quick 1,8; real 1,8; real quick 2,8)")
     p.add_argument("--image", type=count_arg(1), default=None, help="height and width of the image models' inputs")
@@ -393,13 +397,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.fuzz is not None:
         run_fuzz(args.fuzz, args.seed)
         return 0
-    known = REAL if args.real else MODELS
+    if args.real and args.held_out:
+        p.error("--real and --held-out are two tables: ask for one at a time")
+    known, which = (REAL, "--real") if args.real else (HELD_OUT, "--held-out") if args.held_out else (MODELS, "the zoo")
     models = args.models or tuple(known)
     unknown = [m for m in models if m not in known]
     if unknown:
-        p.error(f"--models: unknown model {', '.join(map(repr, unknown))} {'with' if args.real else 'without'} "
-                f"--real; expected comma-separated names from {', '.join(known)}")
+        p.error(f"--models: unknown model {', '.join(map(repr, unknown))} for {which}; expected comma-separated "
+                f"names from {', '.join(known)}")
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
+    if args.held_out:
+        from memfit.cli.bench.held_out import run_held_out
+        batches = args.batches or (8,)
+        if len(batches) != 1:
+            p.error(f"--held-out measures one batch size; found --batches {','.join(map(str, batches))}")
+        run_held_out(models, batches[0], repeat, args.csv, args.json, compiled=not args.no_compile)
+        return 0
     if args.real:
         try:
             import transformers  # noqa: F401
