@@ -58,8 +58,9 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
     for op in graph.ops:
         target = op.node.target
         if isinstance(target, SlicedSegment):        # one slice's intermediates, beside the segment's input and output
-            n = meta_value(op.node.args[0], env).shape[0]
-            out.append(Buffer(f"slices of {op.node.name}", target.slice_bytes(env, n), op.index, op.index))
+            n = meta_value(op.node.args[0], env).shape[0] // target.rows
+            out.append(Buffer(f"slices of {op.node.name}", target.slice_bytes(env, n, into=op.mode == "out"),
+                              op.index, op.index))
             continue
         if op.replacement is not None and op.mode == "call":
             # another kernel runs it (max pooling without indices): what that one allocates inside
