@@ -100,10 +100,14 @@ _ELEMENTWISE = {aten._to_copy.default, aten.hardswish.default, aten.alias.defaul
 
 
 def elementwise(target) -> bool:
-    """An op whose output element depends on one element of each operand (what inductor fuses into its neighbours,
-    so that its intermediates never exist)."""
+    """An op whose output element depends on one element of each operand, or a batch norm in eval (an affine map
+    per channel): what inductor fuses into its neighbours, so that its intermediates never exist, and what the
+    planner writes over its input."""
     return isinstance(target, OpOverload) and (torch.Tag.pointwise in target.tags
-                                                           or target in _ELEMENTWISE)
+                                                or target in _ELEMENTWISE or target in _AFFINE)
+
+
+_AFFINE = {aten._native_batch_norm_legit_no_training.default}
 
 
 # ops on (N, C, ...) tensors that treat each sample apart, their batch in dimension 0 (parameters beside it)
@@ -146,11 +150,10 @@ def per_sample(node: Node, symbol, n: int | None) -> bool:
                                                 or (symbol is not None and _free(o, symbol)))
                for o in outs if o is not None):
         return False                    # (batch norm's statistics in eval: empty)
-    if (not isinstance(t, OpOverload) or (symbol is None and _sized(node))
-            or torch.Tag.nondeterministic_seeded in t.tags):
+    if not isinstance(t, OpOverload) or (symbol is None and _sized(node)) or _draws(node):
         return False                    # (a random op in slices would draw in another order than eager's)
     x = _val(batched[0])
-    if elementwise(t):
+    if elementwise(t) and t not in _AFFINE:
         # broadcast operands without a batch dimension must not stretch along the first one
         return all(a in batched or _val(a).dim() < x.dim() or _val(a).shape[0] == 1 for a in ins) and \
             (t is not aten._to_copy.default or node.kwargs.get("device") is None)
@@ -189,6 +192,16 @@ def per_sample(node: Node, symbol, n: int | None) -> bool:
     if t is aten.constant_pad_nd.default:
         return len(node.args[1]) // 2 < x.dim()
     return False
+
+
+def _draws(node: Node) -> bool:
+    """An op that draws random numbers here (attention draws only with a dropout probability above 0)."""
+    if torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        p = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0
+    return True
 
 
 def _sized(node: Node) -> bool:

@@ -386,37 +386,51 @@ def _value(node: Node, consts: dict, values: dict):
 
 def _options(env: dict, start: Node, units: list, ok: dict[int, list[bool]],
              symbol=None) -> list[tuple[Node, list, tuple]]:
-    """(input, blocks, the slice sizes every block is exact at, ascending) of the runs of exact blocks that could be
-    sliced: for each slice size checked (`ok`'s) in turn, each run of blocks exact at that size and not taken yet,
-    cut where `_segment` says, kept where it saves `MIN_SAVING` of its peak and its slices hold `MIN_SLICE_BYTES`
-    or more in their largest tensor (wider exact sizes with it: the rule may widen them)."""
-    taken: set[int] = set()
-    out = []
-    for k in sorted(ok):
-        todo = []
-        i = 0
-        while i < len(units):               # the runs of blocks exact at k, not taken at a narrower size
-            if not ok[k][i] or i in taken:
-                i += 1
-                continue
-            j = i
-            while j < len(units) and ok[k][j] and j not in taken:
-                j += 1
+    """(input, blocks, the slice sizes every block is exact at and whose slices hold `MIN_SLICE_BYTES` or more in
+    their largest tensor, ascending) of the segments that could be sliced: each run of blocks exact at some size
+    cut where `_segment` says (around its peak), kept where it saves `MIN_SAVING` of its peak; the blocks left on
+    either side cut again. Cut on the run's shape first, then the sizes all its blocks are exact at (cut per size,
+    narrowest first, a U-Net's merge convolution, exact in slices of 1, was taken alone at 1 and the block before it,
+    exact from 2, ended at the 4 MiB concatenation the convolution reads). A segment whose blocks share no exact
+    size is cut into runs that do."""
+    exact = [frozenset(k for k in ok if ok[k][i]) for i in range(len(units))]
+    todo, out = [], []
+    i = 0
+    while i < len(units):                   # the runs of blocks exact at some size
+        j = i
+        while j < len(units) and exact[j]:
+            j += 1
+        if j > i:
             todo.append((i, j))
-            i = j
-        while todo:                         # each cut around its peak, the blocks left on either side cut again
-            i, j = todo.pop()
-            first = start if i == 0 else units[i - 1][-1]
-            a, b, _, saving = _segment(first, units[i:j], env, symbol)
-            a, b = i + a, i + b
-            first = start if a == 0 else units[a - 1][-1]
-            if (saving >= MIN_SAVING and not _in_place_only(units[a:b])
-                    and _largest(first, units[a:b], env, k, symbol) >= MIN_SLICE_BYTES):
-                wider = tuple(w for w in sorted(ok) if w > k and all(ok[w][a:b]))
-                out.append((first, units[a:b], (k, *wider)))
-                taken.update(range(a, b))
-                todo += [(p, q) for p, q in ((i, a), (b, j)) if q > p]
-    return out
+        i = max(j, i + 1)
+    while todo:                             # each cut around its peak, the blocks left on either side cut again
+        i, j = todo.pop()
+        first = start if i == 0 else units[i - 1][-1]
+        a, b, _, saving = _segment(first, units[i:j], env, symbol)
+        a, b = i + a, i + b
+        sizes = sorted(frozenset.intersection(*exact[a:b]))
+        if not sizes:                       # no size every block is exact at: runs that share one, cut again
+            todo += _sharing(exact, i, j)
+            continue
+        first = start if a == 0 else units[a - 1][-1]
+        ks = tuple(k for k in sizes if _largest(first, units[a:b], env, k, symbol) >= MIN_SLICE_BYTES)
+        if saving >= MIN_SAVING and not _in_place_only(units[a:b]) and ks:
+            out.append((first, units[a:b], ks))
+        todo += [(p, q) for p, q in ((i, a), (b, j)) if q > p]
+    return sorted(out, key=lambda o: units.index(o[1][0]))
+
+
+def _sharing(exact: list[frozenset], i: int, j: int) -> list[tuple[int, int]]:
+    """Blocks i..j-1 as maximal runs (left to right) whose blocks are all exact at one size at least."""
+    runs, p = [], i
+    while p < j:
+        q, common = p + 1, exact[p]
+        while q < j and common & exact[q]:
+            common &= exact[q]
+            q += 1
+        runs.append((p, q))
+        p = q
+    return runs
 
 
 def _wide_sizes(start: Node, units: list, env: dict, most: int | None, symbol=None) -> tuple[int, ...]:
