@@ -92,6 +92,7 @@ class SlicedSegment:
         self._sizes: dict = {}                 # batch -> the steps' arguments with their sizes at that batch
         self._run, self._size_exprs, self._bound = None, [], {}    # the generated code (`_generate`), its sizes
         self._roots, self._last = _lifetimes(steps)
+        self._last_x = _last_input_read(steps, self._roots)
 
     def with_size(self, k: int) -> SlicedSegment:
         """The same steps in slices of k at every batch that makes two of them (the rule weighs sizes with it)."""
@@ -131,14 +132,29 @@ class SlicedSegment:
         return self._sizes[s][1 if as_graph else 0]
 
     def run_slice(self, x: torch.Tensor, params: tuple) -> torch.Tensor:
+        return self._run_held([x], params)
+
+    def _run_held(self, held: list, params: tuple) -> torch.Tensor:
+        """The steps on `held`'s one tensor, which the generated code takes out of the list (so that it is dropped
+        after the last step that reads it, where nothing else holds it)."""
         if self._run is None:
             self._run, self._size_exprs = _generate(self.steps)
-        s = x.shape[0] // self.rows
+        s = held[0].shape[0] // self.rows
         sizes = self._bound.get(s)
         if sizes is None:                   # the sizes that grow with the batch, at this slice's (sympy: slow)
             env = {} if self.symbol is None else {self.symbol: s}
             sizes = self._bound[s] = [concrete(e, env) for e in self._size_exprs]
-        return self._run(x, params, sizes)
+        return self._run(held, params, sizes)
+
+    def owned(self, held: list, *params: torch.Tensor) -> torch.Tensor:
+        """`self(x, *params)` for `held` = [x] where the caller keeps no other reference to x's storage (the
+        planned forward, where the segment is x's last reader: `planner.codegen`). Run whole, x is freed after
+        the last step that reads it, as the ops run by eager would free it (held by the call to the end, a
+        transformer layer's attention held the residual sum before its layer norm beside q, k and v); in slices,
+        every slice reads it: held to the end."""
+        if len(self.slices(held[0].shape[0] // self.rows)) == 1:
+            return self._run_held(held, params)
+        return self(held.pop(), *params)
 
     def __call__(self, x: torch.Tensor, *params: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         n, r = x.shape[0] // self.rows, self.rows
@@ -163,18 +179,20 @@ class SlicedSegment:
             return None
         return Lowered(OutVariant("batch_slices", self, ("out",), True), tuple(args), dict(kwargs))
 
-    def slice_bytes(self, env: dict, n: int, into: bool = False) -> int:
+    def slice_bytes(self, env: dict, n: int, into: bool = False, input_dies: int = 0) -> int:
         """The most bytes the segment holds at once beyond its input and its whole output (both counted beside
         this), for a batch of n. Run whole, its steps' peak less the output (the last step's output is it). In
         slices, the whole output is allocated after the first slice (`__call__`: from that slice's strides), so the
         first slice's peak holds it in none of its bytes: counting the output beside the first slice put a CNN's
         prediction at 1.11x its allocator peak at batch 3. Each later slice runs beside the output; the copy of a
         later slice's result into it is in that slice's peak (its last step's output), the copy of the first
-        slice's result is beside the output. `into`: the output is given (`out=`), every slice runs beside it."""
+        slice's result is beside the output. `into`: the output is given (`out=`), every slice runs beside it.
+        `input_dies`: the bytes of the input's storage where the call is handed it (`owned`): run whole, they are
+        counted up to the last step that reads the input, and less beside (the plan counts them across the call)."""
         cuts = self.slices(n)
         whole_out = self._out(env, n)
         if len(cuts) == 1 and not into:
-            return max(0, self._slice_peak(env, n) - whole_out)
+            return max(0, self._slice_peak(env, n, input_dies) - input_dies - whole_out)
         sizes = {b - a for a, b in cuts}
         if into:
             return max(self._slice_peak(env, s) for s in sizes)
@@ -194,10 +212,10 @@ class SlicedSegment:
         m = Meta.of(val, env)
         return Meta((s, *m.shape[1:]), m.strides, m.dtype, 0)
 
-    def _slice_peak(self, env: dict, s: int) -> int:
+    def _slice_peak(self, env: dict, s: int, input_bytes: int = 0) -> int:
         """The most bytes one slice of s samples holds at once: at each step, the values alive (made by a step, not
         yet read for the last time; the slice of the input is a view of the whole) and what its kernel allocates
-        inside."""
+        inside; `input_bytes` besides, up to the last step that reads the input (`owned`)."""
         from memfit.memory.kernel_scratch import inside_parts
         metas = [tuple(self._meta(v, env, s) for v in st.val) if isinstance(st.val, (tuple, list))
                  else self._meta(st.val, env, s) for st in self.steps]
@@ -222,6 +240,7 @@ class SlicedSegment:
             return a
         for i, (st, (args, kwargs)) in enumerate(zip(self.steps, self._at(s, as_graph=True), strict=True)):
             held = sum(made[r] for r in range(i + 1) if self._roots[r] == r and self._last[r] >= i)
+            held += input_bytes if i <= self._last_x else 0
             inside = 0 if st.alias else sum(inside_parts(st.target, meta_arg(args, None),
                                                          {k: meta_arg(v, None) for k, v in kwargs.items()}))
             most = max(most, held + inside)
@@ -268,7 +287,8 @@ def _generate(steps: tuple[_Step, ...]):
     for i, root in enumerate(roots):
         if root is not None and root != final:
             drop.setdefault(max(last[root], i), []).append(i)
-    lines = []
+    last_x = _last_input_read(steps, roots)
+    lines = ["x = held.pop()"]     # the list's reference dropped: where the caller handed x over, this one is its last
     for i, st in enumerate(steps):
         if st.over is not None:            # over a value of this slice nothing reads later: no new bytes
             target = render(st.args[st.over])
@@ -281,7 +301,10 @@ def _generate(steps: tuple[_Step, ...]):
             lines.append(f"v{i} = {stash(st.target)}({call(st.args, st.kwargs)}){item}")
         if drop.get(i):
             lines.append("del " + ", ".join(f"v{j}" for j in drop[i]))
-    text = "def run(x, p, sz):\n" + "".join(f"    {ln}\n" for ln in lines)
+        if i == last_x:                 # the input and the views of it no later step reads
+            lines.append("del " + ", ".join(["x", *(f"v{j}" for j in range(i + 1)
+                                                    if roots[j] is None and j != len(steps) - 1)]))
+    text = "def run(held, p, sz):\n" + "".join(f"    {ln}\n" for ln in lines)
     text += f"    return v{len(steps) - 1}\n" if steps else "    return x\n"
     exec(compile(text, "<memfit sliced segment>", "exec"), glb)   # noqa: S102 - code we generated above
     return glb["run"], sizes
@@ -305,6 +328,15 @@ def _lifetimes(steps) -> tuple[list, dict]:
     if steps and roots[-1] is not None:
         last[roots[-1]] = len(steps) - 1
     return roots, last
+
+
+def _last_input_read(steps, roots) -> int:
+    """The last step that reads the segment's input or a view of it (the last step where the output is one)."""
+    if steps and roots[-1] is None:
+        return len(steps) - 1
+    reads = [i for i, st in enumerate(steps)
+             for r in _refs((st.args, st.kwargs)) if r == "x" or roots[r.index] is None]
+    return max(reads, default=-1)
 
 
 def _rows_per_sample(val, symbol) -> int:

@@ -21,21 +21,21 @@ from memfit import plan
 from memfit.budget import format_bytes
 from memfit.cli.bench.common import in_own_process, machine_header, spread_warning, table, to_csv
 from memfit.cli.bench.contenders import compiled_columns, compiled_verdicts
+from memfit.cli.bench.planner_rows import planned_row
 from memfit.messages import first_line, whole_words
 
 __all__ = ["measure_held_out", "run_held_out"]
 
 
 def measure_held_out(name: str, batch: int, repeat: int, compiled: bool) -> dict:
-    """The row of one held-out model at `batch`: `bench planner`'s columns (`planner._row`), torch.compile's beside
-    them with `compiled`."""
-    from memfit.cli.bench.planner import _row
+    """The row of one held-out model at `batch`: `bench planner`'s columns (`planner_rows.planned_row`),
+    torch.compile's beside them with `compiled`."""
     from memfit.testing.zoo import ISSUE, build_held_out
     model, make_input = build_held_out(name)
     x = make_input(batch)
     t0 = time.perf_counter()
     pm = plan(model, (x,))
-    row = _row(name, model, pm, x, repeat, time.perf_counter() - t0)
+    row = planned_row(name, model, pm, x, repeat, time.perf_counter() - t0)
     row["set"] = "issue" if name in ISSUE else "held out"
     row["runs"] = "eagerly (no arena)" if not row["arena"] else "arena"
     if compiled:
