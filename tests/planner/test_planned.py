@@ -831,3 +831,20 @@ def test_every_op_eagerly_where_one_pool_peaks_lower(monkeypatch):
     assert _measured_outside(pm, x) == rep.unplanned_bytes < _measured_outside(model, x)
     with torch.no_grad():
         assert torch.equal(pm(x), model(x))
+
+
+def test_a_train_mode_model_with_dropout_is_planned_and_draws_as_eager():
+    """Dropout in training mode: export traced it under memfit's own-generator mode, which handed the random op its
+    private generator, and export lifted that into the graph ("SpecViolationError: Custom object ...
+    lifted_custom_0 is not in the constants dictionary", issue 35). The planned call draws from torch's generator
+    as the eager call does: the same masks after the same seed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4)).train()
+    x = torch.randn(8, 16)
+    pm = plan(model, (x,))
+    torch.manual_seed(1)
+    planned = pm(x)
+    torch.manual_seed(1)
+    assert torch.equal(planned, model(x))
+    torch.manual_seed(2)
+    assert not torch.equal(pm(x), planned)                     # another seed, other masks: it does draw

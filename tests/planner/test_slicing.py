@@ -8,7 +8,7 @@ from torch import nn
 from memfit import memory_model, plan
 from memfit.device.measure import track_memory
 from memfit.memory.kinds import MemoryKind
-from memfit.planner import captured, slice_rule, sliced, slicing
+from memfit.planner import captured, slice_check, slice_rule, sliced, slicing
 from memfit.planner.captured import capture_model
 
 
@@ -63,7 +63,7 @@ def test_a_stem_runs_in_slices_bit_identical_below_eager_and_counted(no_time_lim
 
 
 def test_a_segment_whose_slices_differ_from_the_whole_is_refused(monkeypatch):
-    monkeypatch.setattr(slicing, "_same", lambda a, b: False)          # as if oneDNN's result moved with the batch
+    monkeypatch.setattr(slice_check, "same", lambda a, b: False)          # as if oneDNN's result moved with the batch
     model = stem_net()
     pm = plan(model, (torch.randn(4, 3, 64, 64),))
     assert _sliced(pm) == 0
@@ -76,9 +76,9 @@ def test_the_check_compares_slices_with_the_whole_batch():
     """A step whose result depends on the batch size (as an algorithm picked by size may): not exact."""
     x = torch.randn(4, 3)
     step = sliced._Step(lambda v: v * v.shape[0], ("x",), {}, None, None)
-    assert not slicing._exact(sliced.SlicedSegment((step,), 1, None, ()), x, ())
+    assert not slice_check.exact(sliced.SlicedSegment((step,), 1, None, ()), x, ())
     same = sliced._Step(torch.relu, ("x",), {}, None, None)
-    assert slicing._exact(sliced.SlicedSegment((same,), 1, None, ()), x, ())
+    assert slice_check.exact(sliced.SlicedSegment((same,), 1, None, ()), x, ())
 
 
 @pytest.mark.parametrize("n", [2, 3, 7, 9, 17])
@@ -104,8 +104,8 @@ def test_a_small_convolution_is_not_sliced():
 def test_an_op_not_exact_in_slices_is_left_out_and_the_exact_run_before_it_sliced(no_time_limit, monkeypatch):
     """Exactness is checked per op: an op whose slices differ (here max pooling, as if its kernel moved with the
     batch) runs on the whole batch, and the exact run before it (convolution, batch norm, ReLU) still in slices."""
-    exact = slicing._exact
-    monkeypatch.setattr(slicing, "_exact", lambda seg, x, p, *a: exact(seg, x, p, *a) and not any(
+    exact = slice_check.exact
+    monkeypatch.setattr(slice_check, "exact", lambda seg, x, p, *a: exact(seg, x, p, *a) and not any(
         s.target is torch.ops.aten.max_pool2d_with_indices.default for s in seg.steps))
     model = stem_net()
     pm = plan(model, (torch.randn(8, 3, 64, 64),))      # a run of 3 ops saves 1/4 of its peak at 8

@@ -189,11 +189,10 @@ def traced_section() -> Iterator[None]:
     training mode, `torch.randn_like`) met tensors the mode took for real ones and was given own_rng's generator,
     which export then lifted into the graph as a constant it could not keep ("Custom object lifted_custom_0 is not
     in the constants dictionary"). Nothing a tracer runs draws: its tensors are fake."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
-    if not isinstance(_get_current_dispatch_mode(), _OwnGenerators):
+    if not isinstance(current_dispatch_mode(), _OwnGenerators):
         yield
         return
-    with _pop_mode_temporarily():
+    with pop_mode_temporarily():
         yield
 
 

@@ -23,24 +23,8 @@ n alone, the same in a plan made at 37 and in a memory model made at 2 (chosen o
 batch, ResNet-18 at 64x64 was sliced at 37 and not at 2: `memory_model` at 37 was 1.82x the allocator's peak of the
 plan a user got; chosen at batch 8 for every batch, it ran whole at 37: 19.4 MB against 10.6 MB sliced).
 
-Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
-convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
-whole and sliced on stand-ins for the capture's example (normal draws of its shape and dtype from a seeded
-generator of our own, so that the choice never depends on the example's values: zeros would pass any check) at
-the example's batch n, at 2n+1, at `REFERENCE_BATCH` and at twice that plus one (the samples repeated), and kept
-only where every output is bit-identical (`torch.equal`) with the same strides, at each slice size in
-`SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples; checked at the sizes those batches
-give it only). A chain of small samples, whose slices
-of `SLICE_SIZES[-1]` hold less than `MIN_SLICE_BYTES`, is also checked at the `WIDE_SLICE_SIZES` from the narrowest
-that holds it up to `WIDE_ROOM` times that, each wide size k at 2k+1 besides those batches (cheap: a few MB on
-stand-ins); a chain of large samples checks none of them, so big models capture no slower.
-
-Known limitations: the check runs at those batch sizes and the process's intra-op thread count; a batch size or
-thread count at which oneDNN picks yet another algorithm for the whole batch is not checked (slices of 8, for
-batches of 16 and more, are checked at 2 * `REFERENCE_BATCH` + 1 only, and at 2n+1 where the example's n is 8 or
-more; a wide slice of k at 2k+1). So of the last slice's sizes, k to 2k-1, only those the checked batches give it
-run checked: a capture at batch 2 runs a last slice of 13 at batch 37 that no check ran (no such size was seen to
-differ: the convolutions tried differ at batch 1 against every other size, or at every size).
+Exactness is checked, never assumed (`planner.slice_check`: every segment run whole and sliced on stand-ins
+for the example, kept only where bit-identical).
 
 Example:
     >>> import torch
@@ -62,6 +46,7 @@ import operator
 import torch
 from torch.fx import Node
 
+from memfit.planner import slice_check
 from memfit.planner.graph import DataDependentSize, Meta
 from memfit.planner.op_cost import OpCost
 from memfit.planner.ops import is_view
@@ -172,27 +157,6 @@ def _param(node: Node, consts: dict) -> bool:
     return node.op == "placeholder" and node.name in consts
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)
-
-
-def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple, sizes: tuple[int, ...] = (),
-           wholes: dict | None = None) -> bool:
-    """The segment sliced equals it run whole, bit for bit with the same strides, on x's samples repeated to each
-    batch size in `sizes` (default: x's own batch n and 2n+1, an odd one: the last slice takes the rest).
-    `wholes`: batch -> (input, the whole run's result), kept for the next slice size of the same steps."""
-    n, wholes = x.shape[0] // seg.rows, {} if wholes is None else wholes
-    checked = [b for b in sizes or (n, 2 * n + 1) if seg.size(b) is not None]   # below two slices it runs whole
-    for b in checked:
-        if b not in wholes:             # (a sample's rows stay together: a linear's view has `rows` a sample)
-            xb = x if b == n else x.unflatten(0, (n, seg.rows))[torch.arange(b, device=x.device) % n].flatten(0, 1)
-            wholes[b] = xb, seg.run_slice(xb, params)
-        xb, whole = wholes[b]
-        if not _same(seg(xb, *params), whole):
-            return False
-    return bool(checked)              # a size no batch checked is not exact
-
-
 def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
                    batch_range: tuple = (None, None)) -> dict[str, str]:
     """Replace, in `ep`'s graph, each run of per-sample ops that `planner.slice_rule.SliceRule` slices at some batch
@@ -231,13 +195,13 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
         return {}
     if not runs:
         return {}
-    inputs = _values_of(ep, consts, tuple(_stand_in(t) for t in example_inputs),
+    inputs = slice_check.values_of(ep, consts, tuple(slice_check.stand_in(t) for t in example_inputs),
                         {s for s, _ in runs} | {p for s, units in runs for p in _reads(s, units, symbol)})
     options = []
     for start, units in runs:
         if start in inputs:
             wide = _wide_sizes(start, units, env, n if symbol is None else hi, symbol)
-            ok = _exact_steps(start, units, inputs, consts, sizes, symbol, wide)
+            ok = slice_check.exact_steps(start, units, inputs, consts, sizes, symbol, SLICE_SIZES, wide)
             options += _options(env, start, units, ok, symbol)
     if not options:
         return {}
@@ -358,32 +322,6 @@ def _reads(start: Node, units: list[list[Node]], symbol) -> list[Node]:
     return out
 
 
-def _exact_steps(start: Node, units: list, values: dict, consts: dict, sizes: tuple[int, ...], symbol=None,
-                 wide: tuple[int, ...] = ()) -> dict[int, list[bool]]:
-    """Slice size -> whether each block, run on the example's values (repeated to each batch in `sizes`, and for
-    each of the `wide` sizes k at 2k+1 too: two slices, the last of k+1) whole and in slices of that size, is
-    bit-identical (one block's input held at a time). `values`: the example's value of the run's input and of
-    every tensor its blocks read from outside."""
-    ok: dict[int, list[bool]] = {k: [] for k in (*SLICE_SIZES, *wide)}
-    v = values[start]
-    with torch.no_grad():
-        for i, unit in enumerate(units):
-            node_in = start if i == 0 else units[i - 1][-1]
-            wholes: dict = {}           # each batch's whole run, once for all slice sizes
-            for k in ok:
-                seg, params = build_segment(node_in, unit, k, symbol=symbol)
-                at = sizes if k in SLICE_SIZES else tuple(sorted({*sizes, 2 * k + 1}))
-                ok[k].append(_exact(seg, v, tuple(_value(p, consts, values) for p in params), at, wholes))
-            del wholes
-            seg, params = build_segment(node_in, unit, 1, symbol=symbol)
-            v = seg.run_slice(v, tuple(_value(p, consts, values) for p in params))   # the whole batch, as eager
-    return ok
-
-
-def _value(node: Node, consts: dict, values: dict):
-    return consts[node.name] if node.name in consts else values[node]
-
-
 def _options(env: dict, start: Node, units: list, ok: dict[int, list[bool]],
              symbol=None) -> list[tuple[Node, list, tuple]]:
     """(input, blocks, the slice sizes every block is exact at and whose slices hold `MIN_SLICE_BYTES` or more in
@@ -461,32 +399,3 @@ def _batched(v: torch.Tensor, first: Node, symbol) -> bool:
     if symbol is not None:
         return isinstance(v.shape[0], torch.SymInt) and symbol in v.shape[0].node.expr.free_symbols
     return v.shape[0] == first.meta["val"].shape[0]
-
-
-def _stand_in(t):
-    """The values the exactness check runs on: for a floating example, normal draws of its shape, dtype and
-    strides from a generator of our own (seeded: the same choice for every example of that shape, whatever its
-    values; an example of zeros would pass any check, one of uninitialised memory may hold NaN, which never
-    compares equal); other inputs (indices, masks) as they are."""
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        return t
-    g = torch.Generator(device=t.device).manual_seed(0)
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).normal_(generator=g)
-
-
-def _values_of(ep, consts: dict, example_inputs: tuple, wanted: set[Node]) -> dict[Node, torch.Tensor]:
-    """The real values of the `wanted` nodes when the graph runs on the example (one eager run)."""
-    from torch.fx import Interpreter
-    got: dict[Node, torch.Tensor] = {}
-
-    class Keep(Interpreter):
-        def run_node(self, node):
-            out = super().run_node(node)
-            if node in wanted:
-                got[node] = out
-            return out
-    users = iter(example_inputs)
-    args = [consts[n.name] if n.name in consts else next(users) for n in ep.graph.nodes if n.op == "placeholder"]
-    with torch.no_grad():
-        Keep(ep.graph_module).run(*args)
-    return got

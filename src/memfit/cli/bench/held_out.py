@@ -1,5 +1,5 @@
 """`memfit bench planner --held-out`: the planner against torch.compile on models it was not tuned to
-(`memfit.testing.zoo.HELD_OUT`: two found by an issue, then mended on, and models written down before the planner
+(`memfit.testing.held_out.HELD_OUT`: two found by an issue, then mended on, and models written down before the planner
 was measured on them), reported as they come out, PASS or MISS, in a table of their own.
 
 Each model in a process of its own, at one batch size (8): the planned call's peak (arena + what it allocates beyond
@@ -30,7 +30,7 @@ __all__ = ["measure_held_out", "run_held_out"]
 def measure_held_out(name: str, batch: int, repeat: int, compiled: bool) -> dict:
     """The row of one held-out model at `batch`: `bench planner`'s columns (`planner_rows.planned_row`),
     torch.compile's beside them with `compiled`."""
-    from memfit.testing.zoo import ISSUE, build_held_out
+    from memfit.testing.held_out import ISSUE, build_held_out
     model, make_input = build_held_out(name)
     x = make_input(batch)
     t0 = time.perf_counter()

@@ -318,7 +318,8 @@ def run_fuzz(examples: int, seed: int = 0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from memfit.cli.options import count_arg, counts_arg, device_arg, names_arg
-    from memfit.testing.zoo import HELD_OUT, REAL
+    from memfit.testing.held_out import HELD_OUT
+    from memfit.testing.zoo import REAL
     p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
                                 epilog="example:\n  memfit bench planner --quick\n"
                                        "  memfit bench planner --real --quick\n"
