@@ -40,7 +40,11 @@ def _total(pm) -> int:
 @pytest.fixture(scope="module")
 def two_branches():
     model, x = TwoBranches().eval(), torch.randn(16, 64)
-    return model, x, capture_model(model, (x,))              # one export for every plan below
+    # no batch slicing: the graph's own ops reordered (sliced, the whole model is one segment, which runs its ops in
+    # the least-peak order itself: `planner.segment`)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("memfit.planner.slicing.MIN_SAVING", 2.0)
+        return model, x, capture_model(model, (x,))          # one export for every plan below
 
 
 @pytest.mark.parametrize("eager_where_cheaper", [True, False])

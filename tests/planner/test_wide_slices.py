@@ -8,7 +8,7 @@ from torch import nn
 from memfit import memory_model, plan
 from memfit.device.measure import track_memory
 from memfit.memory.kinds import MemoryKind
-from memfit.planner import sliced, slicing
+from memfit.planner import slice_check, sliced, slicing
 from memfit.planner.captured import capture_model
 
 SHAPE = (1, 8, 8)
@@ -58,16 +58,16 @@ def test_every_wide_size_the_rule_may_use_is_checked_at_twice_it_plus_one(monkey
     """A slice size is exact only where checked at a batch of two slices or more (the last one k+1 samples): each
     wide size an option lists was compared whole against sliced at 2k+1; a size whose check fails is not used."""
     seen: dict[int, set] = {}
-    same = slicing._same
+    same = slice_check.same
 
     def spy(a, b):
         seen.setdefault(a.shape[0], set()).add(a.shape)
         return same(a, b)
-    monkeypatch.setattr(slicing, "_same", spy)
+    monkeypatch.setattr(slice_check, "same", spy)
     [seg] = _segments(capture_model(small_cnn(), torch.randn(2, *SHAPE)))
     wide = [k for k in seg.rule.options[seg.index].sizes if k not in slicing.SLICE_SIZES]
     assert wide and all(2 * k + 1 in seen for k in wide), (wide, sorted(seen))
-    monkeypatch.setattr(slicing, "_same", lambda a, b: a.shape[0] < 33 and same(a, b))    # wrong from 33 on
+    monkeypatch.setattr(slice_check, "same", lambda a, b: a.shape[0] < 33 and same(a, b))    # wrong from 33 on
     assert capture_model(small_cnn(), torch.randn(2, *SHAPE)).sliced == {}
 
 
@@ -75,8 +75,8 @@ def test_large_samples_check_no_wide_size(monkeypatch):
     """A sample that fills `MIN_SLICE_BYTES` within 8 samples (ResNet's stem at 64x64: 128 KiB) gets no wide size,
     so no extra check at capture (big models capture no slower)."""
     checked = []
-    exact_steps = slicing._exact_steps
-    monkeypatch.setattr(slicing, "_exact_steps", lambda *a: checked.append(a[-1]) or exact_steps(*a))
+    exact_steps = slice_check.exact_steps
+    monkeypatch.setattr(slice_check, "exact_steps", lambda *a: checked.append(a[-1]) or exact_steps(*a))
     model = nn.Sequential(nn.Conv2d(3, 32, 7, 2, 3), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Flatten(),
                           nn.Linear(32 * 16 * 16, 10)).eval()
     capture_model(model, torch.randn(2, 3, 64, 64))

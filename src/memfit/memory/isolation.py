@@ -56,7 +56,7 @@ from memfit.device.torch_private import (
     tracer_patches_this_thread_only,
 )
 
-__all__ = ["fake_section", "kept_rng", "own_draw", "own_rng", "predicting", "structural_copy",
+__all__ = ["fake_section", "kept_rng", "own_draw", "own_rng", "predicting", "structural_copy", "traced_section",
            "tracer_patches_this_thread_only"]
 
 # One prediction at a time in the process: torch.export's tracer and the fake-tensor runs keep global state
@@ -180,6 +180,20 @@ def fake_section(mode: FakeTensorMode) -> Iterator[FakeTensorMode]:
         return
     with pop_mode_temporarily(), mode:
         yield mode
+
+
+@contextmanager
+def traced_section() -> Iterator[None]:
+    """Around a tracer that runs the user's code on fake tensors of its own (`torch.export`, its decompositions):
+    own_rng's mode, when it is the innermost, steps aside until it ends. In it, a random op (a dropout in
+    training mode, `torch.randn_like`) met tensors the mode took for real ones and was given own_rng's generator,
+    which export then lifted into the graph as a constant it could not keep ("Custom object lifted_custom_0 is not
+    in the constants dictionary"). Nothing a tracer runs draws: its tensors are fake."""
+    if not isinstance(current_dispatch_mode(), _OwnGenerators):
+        yield
+        return
+    with pop_mode_temporarily():
+        yield
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from memfit.device.torch_private import OpOverload, has_kernel, op_schema
 from memfit.input_mistakes import input_hint
 from memfit.memory.global_caches import function_caches_kept_real
-from memfit.memory.isolation import predicting, structural_copy, tracer_patches_this_thread_only
+from memfit.memory.isolation import predicting, structural_copy, traced_section, tracer_patches_this_thread_only
 from memfit.messages import first_line
 
 __all__ = ["CaptureError", "as_inputs", "capture", "constants", "decompositions", "diagnose", "quiet_torch"]
@@ -151,11 +151,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None,
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             # a copy of the module tree: export swaps in fake parameters, which every thread would see on the
             # model; its tracer's patches of Module.__call__ stay in this thread
-            with predicting(), tracer_patches_this_thread_only():
+            with predicting(), tracer_patches_this_thread_only(), traced_section():
                 ep = torch.export.export(structural_copy(model), tuple(example_inputs),
                                          dynamic_shapes=dynamic_shapes, strict=False)
-            device = example_inputs[0].device.type if example_inputs else "cpu"
-            ep = ep.run_decompositions(dict(decompositions(device)))
+                device = example_inputs[0].device.type if example_inputs else "cpu"
+                ep = ep.run_decompositions(dict(decompositions(device)))
     except Exception as e:                     # export raises many types; all mean "cannot capture"
         debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         with predicting():                     # the diagnosis runs the model: its RNG draws are not the user's

@@ -131,9 +131,7 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
                 hi = None if vr is None or vr.upper.is_infinite or str(vr.upper) == "int_oo" else int(vr.upper)
                 cap = Captured(ep, constants(ep, model), device, sym, (int(vr.lower) if vr else 2, hi), "", n, key)
                 if cap.accepts(example_inputs):
-                    cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.batch, cap.batch_range)
-                    recompute_at_readers(cap.ep, cap.consts, cap.env(n))
-                    broadcast_masks(cap.ep)
+                    _rewrite(cap, example_inputs)
                     cap.kernel_layouts = _kernel_layouts(cap, example_inputs)
                     return cap
                 reason = (f"the symbolic graph holds for batch sizes in [{cap.batch_range[0]}, "
@@ -142,11 +140,18 @@ def _capture_model(model: torch.nn.Module, example_inputs, dynamic_batch: bool) 
                 reason = "export made the batch size a constant (the model specialises on it)"
     ep = capture(model, example_inputs)
     cap = Captured(ep, constants(ep, model), device, None, (n, n), reason, n, key)
-    cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.batch, cap.batch_range)
-    recompute_at_readers(cap.ep, cap.consts, cap.env(n))
-    broadcast_masks(cap.ep)
+    _rewrite(cap, example_inputs)
     cap.kernel_layouts = _kernel_layouts(cap, example_inputs)
     return cap
+
+
+def _rewrite(cap: Captured, example_inputs: tuple) -> None:
+    """The graph rewritten for fewer bytes, each rewrite exact: masks at their broadcast shape, small input-free
+    tensors recomputed at each reader, then per-sample blocks in slices of the batch (which read those masks and
+    tensors as they are: each slice reads the same)."""
+    broadcast_masks(cap.ep)
+    recompute_at_readers(cap.ep, cap.consts, cap.env(cap.example_batch))
+    cap.sliced = slice_segments(cap.ep, cap.consts, example_inputs, cap.batch, cap.batch_range)
 
 
 def _kernel_layouts(cap: Captured, example_inputs: tuple) -> dict[str, str]:

@@ -21,6 +21,7 @@ from torch.fx import Node
 
 from memfit.device.torch_private import op_kernel
 from memfit.planner.graph import Graph, OpRun
+from memfit.planner.workspaces import handed_over
 
 __all__ = ["generate"]
 
@@ -45,6 +46,7 @@ def _callable(op) -> Callable:
 
 
 _PER_CALL = object()      # marks a value known only when the generated function runs
+_HELD = object()          # the local `held`: a sliced segment's input handed over in a list (`_emit_call`)
 
 
 @dataclass
@@ -79,6 +81,8 @@ class _Source:
     def render(self, x) -> str:
         """Python source for an argument: a value's expression, a size computed at this batch, a literal,
         or a global for anything else."""
+        if x is _HELD:
+            return "held"
         if isinstance(x, Node):
             return self.render(self.graph.ints[x]) if x in self.graph.ints else self.value_of(x).expr
         if isinstance(x, (list, tuple)):
@@ -132,9 +136,16 @@ def _fix_view(src: _Source, op: OpRun) -> bool:
 
 
 def _emit_call(src: _Source, op: OpRun) -> None:
-    """`v_x = f(args)`: a view of a per-call tensor, or an op torch allocates for (no `out=` kernel)."""
+    """`v_x = f(args)`: a view of a per-call tensor, or an op torch allocates for (no `out=` kernel). A sliced
+    segment handed its input (`workspaces.handed_over`): `held = [v_in]; del v_in; v_x = f.owned(held, ...)`."""
     node = op.node
     f = src.stash(op.replacement or _callable(node.target), "f")
+    args, note, root = node.args, "", handed_over(src.graph, op)
+    if root is not None:
+        f = src.stash(node.target.owned, "f")
+        src.lines.append(f"held = [{src.render(node.args[0])}]")
+        src.lines.append("del " + ", ".join(src.locals_of.pop(root)))
+        args, note = (_HELD, *node.args[1:]), " (its input handed over)"
     targets = []
     for v in op.outputs:
         if v:
@@ -143,7 +154,7 @@ def _emit_call(src: _Source, op: OpRun) -> None:
         targets.append(f"v_{v}" if v else "_")
     many = len(targets) != 1 or isinstance(node.meta.get("val"), (tuple, list))
     lhs = ", ".join(targets) + "," if many else targets[0]
-    src.lines.append(f"{lhs} = {f}({src.call_args(node.args, node.kwargs)})  # {node.name}")
+    src.lines.append(f"{lhs} = {f}({src.call_args(args, node.kwargs)})  # {node.name}{note}")
 
 
 def _emit_op(src: _Source, op: OpRun) -> None:

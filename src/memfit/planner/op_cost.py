@@ -68,7 +68,8 @@ class OpCost:
         from torch.utils.flop_counter import flop_registry
 
         from memfit.memory.kernel_scratch import inside_parts
-        out = Meta.of(self.out, env).nbytes if isinstance(self.out, torch.Tensor) else 0
+        outs = self.out if isinstance(self.out, (tuple, list)) else (self.out,)
+        out = sum(Meta.of(v, env).nbytes for v in outs if isinstance(v, torch.Tensor))
         peak, seconds = out + sum(Meta.of(v, env).nbytes for v in self.ins), CALL_SECONDS
         if not isinstance(self.target, OpOverload):
             return peak, seconds
@@ -79,11 +80,11 @@ class OpCost:
         args, kwargs = _shapes(self.args, env), {k: _shapes(v, env) for k, v in self.kwargs.items()}
         seconds += (out + sum(m.nbytes for m in tree_leaves(args) if isinstance(m, Meta))) * BYTE_SECONDS
         formula = flop_registry.get(self.target.overloadpacket)
-        if formula is not None and isinstance(self.out, torch.Tensor):
+        if formula is not None and isinstance(outs[0], torch.Tensor):
             shape = lambda a: a.shape if isinstance(a, Meta) else a        # the formulas read tensors' shapes only
             try:
                 seconds += formula(*tree_map(shape, args), **tree_map(shape, kwargs),
-                                   out_val=Meta.of(self.out, env).shape) * FLOP_SECONDS
+                                   out_val=Meta.of(outs[0], env).shape) * FLOP_SECONDS
             except (TypeError, ValueError, AttributeError, IndexError, RuntimeError):
                 pass                  # a formula that cannot read these arguments: no FLOPs counted (a time estimate)
         return peak, seconds

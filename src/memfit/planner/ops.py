@@ -161,6 +161,9 @@ def lower(op, args: tuple, kwargs: dict, metas: list, device_type: str) -> Lower
     """How to run `op(*args, **kwargs)` writing into preallocated outputs, or None when it cannot."""
     if op in REWRITES:
         return REWRITES[op](args, kwargs, metas, device_type)
+    into = getattr(op, "into", None)         # planner.sliced.SlicedSegment: its slices written into a given output
+    if into is not None:
+        return into(args, kwargs, metas, device_type)
     v = out_variant(op, device_type)
     if v is None or len(v.outs) != len(metas):
         return None
@@ -204,7 +207,10 @@ def why_not_lowered(op, device_type: str) -> str:
 
 def inplace_candidates(op, args: tuple) -> list[int]:
     """Positions of the arguments an allowlisted elementwise op may overwrite (the first, and the
-    second for the commutative binary ops)."""
+    second for the commutative binary ops); a sliced segment's input (each slice reads its own samples of it, all
+    of them before its result is written there)."""
+    if getattr(op, "__name__", "") == "batch_slices":            # planner.sliced.SlicedSegment: over its input
+        return [0]
     if not isinstance(op, OpOverload) or op.overloadpacket.__name__ not in INPLACE:
         return []
     return [0, 1] if op.overloadpacket.__name__ in ("add", "mul") and len(args) > 1 else [0]

@@ -161,6 +161,12 @@ def _placed(cap: Captured, batch: int | None, graph: Graph, algorithm: str) -> P
         unplanned_ops=dict(unplanned), unplanned_reasons=reasons)
     report.capture = (f"one capture, batch symbolic in [{lo}, {hi or 'inf'}]" if cap.dynamic
                       else f"static capture at batch {cap.example_batch} ({cap.static_reason})")
+    if not size:
+        reasons = {s.reason for s in graph.ops if s.mode == "call"}
+        report.no_arena = (NO_ARENA_ONE_POOL if EAGER_ONE_POOL in reasons else
+                           NO_ARENA_CHEAPER if EAGER_CHEAPER in reasons else
+                           "no op here writes into one: model outputs are fresh memory every call, and ops without "
+                           "a real out= kernel allocate their own (reasons below)")
     return Placement(graph, buffers, offsets, report, cap.ep.call_spec.out_spec, batch, inside)
 
 
@@ -259,6 +265,10 @@ EAGER_CHEAPER = ("runs eagerly: the arena is held at its peak for the whole call
 
 EAGER_ONE_POOL = ("runs eagerly: with every op run by torch (in place where the rules allow) the call peaks lower "
                   "than with an arena beside the tensors torch allocates")
+NO_ARENA_CHEAPER = ("every op that could write into an arena costs less outside it: an arena is held at its peak "
+                    "for the whole call, and these outputs fit under the peak of the tensors torch allocates")
+NO_ARENA_ONE_POOL = ("with every op run by torch (in place where the rules allow) the call peaks lower than with an "
+                     "arena beside the tensors torch allocates (`plan(..., eager_where_cheaper=False)` forces one)")
 
 
 def _eager_where_cheaper(graph: Graph, inside: list[Buffer], inplace: bool = True) -> dict[str, str]:

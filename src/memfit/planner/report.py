@@ -53,6 +53,7 @@ class Report:
             that needs fewer bytes ("lpmf", "bfs", "dfs", "optimal"); `plan(..., reorder=False)` keeps the graph's.
         graph_order_bytes: arena + unplanned bytes with the graph's order (what reordering bought:
             `graph_order_bytes - (arena_bytes + unplanned_bytes)`).
+        no_arena: where the plan has no arena (every op run by torch), why, in words ("" where it has one).
     """
     naive_bytes: int
     arena_bytes: int
@@ -68,6 +69,7 @@ class Report:
     unplanned_reasons: dict[str, str] = field(default_factory=dict)
     order: str = "graph"
     graph_order_bytes: int = 0
+    no_arena: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -75,18 +77,24 @@ class Report:
         return self.param_bytes + self.input_bytes + self.arena_bytes + self.unplanned_bytes
 
     def summary(self) -> str:
-        ratio = self.arena_bytes / self.lower_bound if self.lower_bound else 1.0
         unplanned = ", ".join(f"{k} x{v}" for k, v in sorted(self.unplanned_ops.items()))
-        return "\n".join([
-            f"memory plan ({self.algorithm}, {plural(self.n_ops, 'op')}, "
-            f"{plural(sum(r.kind == 'arena' for r in self.rows), 'tensor')} in the arena)",
-            f"  naive (one region per tensor)  {format_bytes(self.naive_bytes):>12}",
-            f"  planned arena                  {format_bytes(self.arena_bytes):>12}  "
-            + (f"({self.naive_bytes / self.arena_bytes:.1f}x less than naive)" if self.arena_bytes else
-               "(no tensor in it: torch allocates every output, which peaks lower here)"),
-            f"  lower bound (most live at once){format_bytes(self.lower_bound):>12}  (arena / bound {ratio:.3f})",
-            f"  unplanned (outside the arena)  {format_bytes(self.unplanned_bytes):>12}"
-            + (f"  ({unplanned})" if unplanned else ""),
+        if self.arena_bytes:
+            ratio = self.arena_bytes / self.lower_bound if self.lower_bound else 1.0
+            arena = [
+                f"memory plan ({self.algorithm}, {plural(self.n_ops, 'op')}, "
+                f"{plural(sum(r.kind == 'arena' for r in self.rows), 'tensor')} in the arena)",
+                f"  naive (one region per tensor)  {format_bytes(self.naive_bytes):>12}",
+                f"  planned arena                  {format_bytes(self.arena_bytes):>12}  "
+                f"({self.naive_bytes / self.arena_bytes:.1f}x less than naive)",
+                f"  lower bound (most live at once){format_bytes(self.lower_bound):>12}  (arena / bound {ratio:.3f})",
+                f"  unplanned (outside the arena)  {format_bytes(self.unplanned_bytes):>12}"]
+        else:           # no arena: three lines of 0 B would say nothing (issue 35)
+            arena = [
+                f"memory plan ({plural(self.n_ops, 'op')}, no arena: every op runs eagerly, torch allocating its "
+                "output, in place where the rules allow)",
+                f"  why: {self.no_arena or 'no op writes into an arena here'}",
+                f"  peak of the call (torch's)     {format_bytes(self.unplanned_bytes):>12}"]
+        return "\n".join(arena[:-1] + [arena[-1] + (f"  ({unplanned})" if unplanned else "")] + [
             f"  parameters                     {format_bytes(self.param_bytes):>12}",
             f"  total with inputs              {format_bytes(self.total_bytes):>12}",
         ] + [f"    {op}: {why}" for op, why in sorted(self.unplanned_reasons.items())]
@@ -118,6 +126,7 @@ class Report:
                 "input_bytes": self.input_bytes, "algorithm": self.algorithm, "n_ops": self.n_ops,
                 "unplanned_ops": dict(self.unplanned_ops), "unplanned_reasons": dict(self.unplanned_reasons),
                 "capture": self.capture, "order": self.order, "graph_order_bytes": self.graph_order_bytes,
+                "no_arena": self.no_arena,
                 "rows": [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.bytes,
                           "lifetime": list(r.lifetime), "offset": r.offset, "kind": r.kind,
                           "inplace": list(r.inplace)} for r in self.rows]}

@@ -18,9 +18,9 @@ At batch n (every size taken with the symbolic batch set to n):
    more than `MAX_SLICING_TIME` of the call's estimated time (`planner.op_cost`: a rate a call, a FLOP and a byte
    read or written, fitted to eager's thread time on six models at batch 2, 8 and 37, within 30%), the segment whose
    next wider slices (or no slicing) raise the call's peak least is widened, but never above where the call would
-   peak if no convolution held its result twice (`_without_copies`: oneDNN's copy into an NCHW output, which
-   torch.compile's channels-last convolutions do without): down to there slicing is worth its time, or the plan
-   needs more than inductor's (RegNet);
+   peak as torch.compile runs it (`_compiled_level`: elementwise ops fused, and no convolution holding its result
+   twice, oneDNN's copy into an NCHW output, which inductor's channels-last convolutions do without): down to
+   there slicing is worth its time, or the plan needs more than inductor's (RegNet, GPT-2's MLP);
 4. what is left is kept where it lowers the call's peak by `MIN_CALL_SAVING`, else nothing is sliced at n.
 
 Example:
@@ -42,7 +42,7 @@ import torch
 from memfit.planner.graph import Meta
 from memfit.planner.op_cost import BYTE_SECONDS, CALL_SECONDS, OpCost
 
-__all__ = ["MAX_SLICING_TIME", "MIN_CALL_SAVING", "MIN_JOINT_SAVING", "Option", "SliceRule", "peak_outside"]
+__all__ = ["MAX_SLICING_TIME", "MIN_CALL_SAVING", "MIN_JOINT_SAVING", "Live", "Option", "SliceRule", "peak_outside"]
 
 # the most of the call's estimated time slicing may add. In the slices of the least peak, MobileViT at batch 8 ran
 # 1.07-1.12x eager's time (its rounds: 13% of eager's), zoo MobileNetV2 1.08-1.09x. Paired thread time at 5%:
@@ -66,19 +66,44 @@ class Option:
     segment: object             # a SlicedSegment of its steps (any k: `held` sets it)
     names: frozenset
     sizes: tuple
+    over_input: bool = False    # its output may be written over its input (a residual block: the same layout)
+    input_held: bool = True     # its input is an activation (False: the caller's input, counted as inputs)
 
     def held(self, k: int, env: dict, n: int) -> int:
-        """The most bytes it holds in slices of k at a batch of n: its input and output whole, one slice's bytes."""
+        """The most bytes it holds in slices of k at a batch of n: its input and output whole (one tensor where the
+        output is written over the input), one slice's bytes."""
         seg = self.segment.with_size(k)
-        return (Meta.of(seg.input_val, env).nbytes + Meta.of(seg.steps[-1].val, env).nbytes
-                + seg.slice_bytes(env, n))
+        inp = Meta.of(seg.input_val, env).nbytes if self.input_held else 0
+        out = Meta.of(seg.steps[-1].val, env).nbytes
+        if self.over_input and len(seg.slices(n)) > 1:
+            return max(inp, out) + seg.slice_bytes(env, n, into=True)
+        return inp + out + seg.slice_bytes(env, n)
 
     def extra_seconds(self, k: int, env: dict, n: int) -> float:
         """What slices of k cost beyond the whole run: a round of calls per slice after the first (the steps and
         the copy of its result) and the copy's bytes (read and written)."""
         slices = len(self.segment.with_size(k).slices(n))
-        return (slices - 1) * (len(self.segment.steps) + 1) * CALL_SECONDS \
+        calls = sum(not st.alias for st in self.segment.steps)          # views cost next to nothing
+        return (slices - 1) * (calls + 1) * CALL_SECONDS \
             + 2 * Meta.of(self.segment.steps[-1].val, env).nbytes * BYTE_SECONDS
+
+
+@dataclass(frozen=True)
+class Live:
+    """The bytes alive at each op of the unsliced graph at one batch (`planner.graph.analyze`'s lifetimes, with its
+    in-place writes, and what each kernel allocates inside: the planner's own byte model of an eager call)."""
+    at: dict                    # op name -> bytes alive at it: its operands, its outputs, all alive across it
+    free: dict                  # op name -> of those, tensors made without the inputs (masks, tables, positions)
+    pos: dict                   # op name -> its index in the call
+    spans: tuple                # (bytes, first index, last index) of each allocation
+
+    def across(self, names) -> int:
+        """Bytes alive from before the first op of `names` to after the last (a residual stream beside a block)."""
+        idx = [self.pos[n] for n in names if n in self.pos]
+        if not idx:
+            return 0
+        a, b = min(idx), max(idx)
+        return sum(size for size, first, last in self.spans if first < a and last > b)
 
 
 @dataclass
@@ -90,14 +115,16 @@ class SliceRule:
     symbol: object              # the graph's symbolic batch (None: a static capture)
     ref: int                    # the batch kernels' inside bytes are measured at (`OpCost.at`)
     installed: frozenset | None = None   # the options the graph runs sliced where chosen (None: all)
+    live: object = None         # env -> `Live` (None: each op's operands and outputs only, nothing alive across it)
     _chosen: dict = field(default_factory=dict)
     _costs: dict = field(default_factory=dict)
+    _lives: dict = field(default_factory=dict)
 
     def env(self, n: int) -> dict:
         return {} if self.symbol is None else {self.symbol: n}
 
     def costs(self, n: int) -> tuple[dict[str, int], float]:
-        """(op name -> bytes it holds at once, for the ops that hold activations; the call's estimated seconds)."""
+        """(op name -> bytes alive at it, for the ops that hold activations; the call's estimated seconds)."""
         if n not in self._costs:
             peaks, total = {}, 0.0
             for op in self.ops:
@@ -105,8 +132,19 @@ class SliceRule:
                 total += s
                 if op.held:
                     peaks[op.name] = p
+            live = self.lives(n)
+            if live is not None:         # an op holds what is alive at it, not only its operands
+                peaks = {name: max(p, live.at.get(name, 0)) for name, p in peaks.items()}
             self._costs[n] = peaks, total
         return self._costs[n]
+
+    def lives(self, n: int):
+        """The `Live` bytes at batch n (None without a `live` model)."""
+        if self.live is None:
+            return None
+        if n not in self._lives:
+            self._lives[n] = self.live(self.env(n))
+        return self._lives[n]
 
     def size(self, index: int, n: int) -> int | None:
         if n not in self._chosen:
@@ -118,9 +156,11 @@ class SliceRule:
         peaks, total = self.costs(n)
         held: dict = {}
 
+        live = self.lives(n)
+
         def hold(i: int, k: int) -> int:
-            if (i, k) not in held:
-                held[i, k] = self.options[i].held(k, env, n)
+            if (i, k) not in held:      # and what is alive across it (a transformer's residual stream)
+                held[i, k] = self.options[i].held(k, env, n) + (live.across(self.options[i].names) if live else 0)
             return held[i, k]
 
         def level(sizes: dict[int, int]) -> int:
@@ -142,7 +182,7 @@ class SliceRule:
             return {}
         peak = level({i: narrow[i] for i in taken})
         sizes = {i: max(k for k in allowed[i] if k == narrow[i] or hold(i, k) <= peak) for i in taken}
-        budget, must = MAX_SLICING_TIME * total, self._without_copies(n)
+        budget, must = MAX_SLICING_TIME * total, self._compiled_level(n)
         while sizes and sum(self.options[i].extra_seconds(k, env, n) for i, k in sizes.items()) > budget:
             moves = []
             for i, k in sizes.items():
@@ -156,7 +196,7 @@ class SliceRule:
                     self.options[i].extra_seconds(new[i], env, n) if i in new else 0.0)
                 moves.append((level(new), -saved, i, new))
             move = min(moves, key=lambda m: m[:3])
-            if move[0] > must >= level(sizes):     # time never takes the call above the level without oneDNN's copies
+            if move[0] > must >= level(sizes):     # time never takes the call above the level torch.compile's would be
                 break
             sizes = move[3]
         if sizes and level(sizes) > (1 - MIN_CALL_SAVING) * level({}):
@@ -164,14 +204,22 @@ class SliceRule:
         return sizes
 
 
-    def _without_copies(self, n: int) -> int:
-        """Where the call would peak if no convolution held its result twice (oneDNN's copy of it into an NCHW
-        output; torch.compile's channels-last convolutions hold it once): slicing lowers the call to this level
-        whatever it costs in time (RegNet: 2.54 MiB unsliced, above torch.compile's 2.33)."""
+    def _compiled_level(self, n: int) -> int:
+        """Where the call would peak run as torch.compile (inductor) runs it: elementwise ops fused into their
+        neighbours (their intermediates never exist: a GPT-2 MLP's tanh GELU is five such ops), tensors made
+        without the inputs computed inside their readers (an attention mask), and no convolution holding its result
+        twice (oneDNN's copy of it into an NCHW output; inductor's channels-last convolutions hold it once).
+        Slicing lowers the call to this level whatever it costs in time, or the plan needs more than inductor's
+        (RegNet: 2.54 MiB unsliced, torch.compile 2.33; GPT-2's MLP and attention)."""
+        from memfit.planner.per_sample import elementwise
         peaks, _ = self.costs(n)
+        live = self.lives(n)
+        free = live.free if live is not None else {}
         grows = {op.name: int(op._inside[1] * n / self.ref) for op in self.ops
                  if op.target is torch.ops.aten.convolution.default and op._inside is not None}
-        return max((p - grows.get(name, 0) for name, p in peaks.items()), default=0)
+        fused = {op.name for op in self.ops if elementwise(op.target)}
+        return max((p - grows.get(name, 0) - free.get(name, 0) for name, p in peaks.items() if name not in fused),
+                   default=0)
 
 
 def peak_outside(peaks: dict[str, int], names) -> int:

@@ -23,24 +23,8 @@ n alone, the same in a plan made at 37 and in a memory model made at 2 (chosen o
 batch, ResNet-18 at 64x64 was sliced at 37 and not at 2: `memory_model` at 37 was 1.82x the allocator's peak of the
 plan a user got; chosen at batch 8 for every batch, it ran whole at 37: 19.4 MB against 10.6 MB sliced).
 
-Exactness is checked, never assumed: oneDNN may pick another algorithm for another batch size (a 3x3
-convolution at batch 1 differs from the same samples at batch 8 in the last bits), so every segment is run
-whole and sliced on stand-ins for the capture's example (normal draws of its shape and dtype from a seeded
-generator of our own, so that the choice never depends on the example's values: zeros would pass any check) at
-the example's batch n, at 2n+1, at `REFERENCE_BATCH` and at twice that plus one (the samples repeated), and kept
-only where every output is bit-identical (`torch.equal`) with the same strides, at each slice size in
-`SLICE_SIZES` (the last slice of a batch takes the rest: k to 2k-1 samples; checked at the sizes those batches
-give it only). A chain of small samples, whose slices
-of `SLICE_SIZES[-1]` hold less than `MIN_SLICE_BYTES`, is also checked at the `WIDE_SLICE_SIZES` from the narrowest
-that holds it up to `WIDE_ROOM` times that, each wide size k at 2k+1 besides those batches (cheap: a few MB on
-stand-ins); a chain of large samples checks none of them, so big models capture no slower.
-
-Known limitations: the check runs at those batch sizes and the process's intra-op thread count; a batch size or
-thread count at which oneDNN picks yet another algorithm for the whole batch is not checked (slices of 8, for
-batches of 16 and more, are checked at 2 * `REFERENCE_BATCH` + 1 only, and at 2n+1 where the example's n is 8 or
-more; a wide slice of k at 2k+1). So of the last slice's sizes, k to 2k-1, only those the checked batches give it
-run checked: a capture at batch 2 runs a last slice of 13 at batch 37 that no check ran (no such size was seen to
-differ: the convolutions tried differ at batch 1 against every other size, or at every size).
+Exactness is checked, never assumed (`planner.slice_check`: every segment run whole and sliced on stand-ins
+for the example, kept only where bit-identical).
 
 Example:
     >>> import torch
@@ -56,16 +40,21 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 from torch.fx import Node
 
+from memfit.planner import slice_check
 from memfit.planner.graph import DataDependentSize, Meta
 from memfit.planner.op_cost import OpCost
-from memfit.planner.slice_rule import PROBES, Option, SliceRule, peak_outside
-from memfit.planner.sliced import SLICEABLE, SlicedSegment, _at, build_segment
-from memfit.planner.workspaces import node_inside_parts
+from memfit.planner.ops import is_view
+from memfit.planner.per_sample import blocks, elementwise
+from memfit.planner.segment import build_segment
+from memfit.planner.slice_rule import PROBES, Live, Option, SliceRule, peak_outside
+from memfit.planner.sliced import SlicedSegment
+from memfit.planner.workspaces import node_inside_parts, workspaces
 
 __all__ = ["slice_segments"]
 
@@ -87,55 +76,77 @@ MIN_SAVING = 0.25               # a run is a candidate where its peak falls by a
 MIN_SLICE_BYTES = 256 * 1024
 
 
-def _chains(graph: torch.fx.Graph, consts: dict) -> list[tuple[Node, list[tuple[Node, Node]]]]:
-    """(input node, [(op node, node of its taken value)]) for every maximal chain of `SLICEABLE` ops where each op
-    reads the one before it (its only reader) and parameters."""
-    chains: dict[Node, tuple[Node, list]] = {}        # a chain's last value node -> (input, steps)
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in SLICEABLE or not node.args:
+def _runs(graph: torch.fx.Graph, consts: dict, symbol, n: int) -> list[tuple[Node, list[list[Node]]]]:
+    """(input node, [block's nodes, its output last]) for every maximal run of consecutive sliceable blocks
+    (`planner.per_sample.blocks`: each from one value that every path to the output goes through to the next)."""
+    runs: list[tuple[Node, list]] = []
+    prev = None
+    for block in blocks(graph, consts, symbol, n):
+        if not block.sliceable:
+            prev = None
             continue
-        x = node.args[0]
-        others = [a for a in [*node.args[1:], *node.kwargs.values()] if isinstance(a, Node)]
-        flat = [a for a in [*node.args[1:], *node.kwargs.values()] if isinstance(a, (list, tuple))]
-        if (not isinstance(x, Node) or not isinstance(x.meta.get("val"), torch.Tensor)
-                or any(o.op != "placeholder" or o.name not in consts for o in others)
-                or any(isinstance(i, (Node, torch.SymInt)) for f in flat for i in f)):
-            continue
-        item = SLICEABLE[node.target]
-        value = node
-        if item is not None:
-            readers = list(node.users)
-            if len(readers) != 1 or readers[0].target is not operator.getitem or readers[0].args[1] != item:
-                continue
-            value = readers[0]
-        if not isinstance(value.meta.get("val"), torch.Tensor):
-            continue
-        if x in chains and len(x.users) == 1:
-            start, steps = chains.pop(x)
+        if prev is not None and runs and prev is block.entry:
+            runs[-1][1].append(block.nodes)
         else:
-            start, steps = x, []
-        chains[value] = (start, [*steps, (node, value)])
-    return list(chains.values())
+            runs.append((block.entry, [block.nodes]))
+        prev = block.exit
+    return runs
 
 
-def _segment(start: Node, steps: list, env: dict) -> tuple[int, int, float] | None:
-    """(steps to slice, the segment's peak run whole, the fraction of it slicing saves) or None: the
-    prefix that ends at the smallest output after the largest one, where it contains a convolution. Each op holds
-    its input, its output and what its kernel allocates inside (a convolution on NCHW: its result in oneDNN's
-    layout, maybe its input reordered too)."""
-    if not any(node.target is aten.convolution.default for node, _ in steps):
-        return None
-    outs = [Meta.of(v.meta["val"], env).nbytes for _, v in steps]
-    parts = [node_inside_parts(node, env) for node, _ in steps]
-    inside = [sum(p) for p in parts]
-    top = max(range(len(outs)), key=lambda i: outs[i] + inside[i])
-    end = min(range(top, len(outs)), key=lambda i: (outs[i], -i))
-    ins = [Meta.of(start.meta["val"], env).nbytes, *outs[:end]]
-    whole = max(i + o + w for i, o, w in zip(ins, outs, inside, strict=False))
+# blocks of one op each (a chain: convolution, batch norm, ReLU, pooling) a segment reaches beyond the block where
+# its run peaks, for an input or an output of fewer bytes: a stem ends at its pooling, not its convolution
+CHAIN_REACH = 4
+
+
+def _segment(start: Node, units: list[list[Node]], env: dict, symbol) -> tuple[int, int, int, float]:
+    """(first block to slice, one past the last, the segment's peak run whole, the fraction of it slicing saves):
+    the block where the run peaks, reaching over up to `CHAIN_REACH` blocks of one op on either side where that
+    holds fewer bytes whole (its input and output, one tensor where the output can be written over the input; a
+    stem to its pooling), of equal ones the fewest blocks: the fewest kernel calls slicing repeats (a residual
+    block, a transformer's MLP, not every block of the model with it; each of the others is a segment of its own).
+    Each block holds its input, its output and what it makes in between (each op's kernel's own bytes too: a
+    convolution on NCHW holds its result in oneDNN's layout, maybe its input reordered too)."""
+    batch = next(iter(env.values())) if env else Meta.of(start.meta["val"], env).shape[0]
+    firsts = [start, *(u[-1] for u in units[:-1])]
+    outs = [Meta.of(u[-1].meta["val"], env).nbytes for u in units]
+    ins = [0 if f.op == "placeholder" else Meta.of(f.meta["val"], env).nbytes for f in firsts]   # (the caller's)
+    held = [build_segment(firsts[i], u, 1, symbol=symbol)[0]._slice_peak(env, batch) for i, u in enumerate(units)]
+    top = max(range(len(outs)), key=lambda i: ins[i] + held[i])
+    lo = hi = top
+    while lo > 0 and top - lo < CHAIN_REACH and _one_op(units[lo - 1]):
+        lo -= 1
+    while hi + 1 < len(units) and hi - top < CHAIN_REACH and _one_op(units[hi + 1]):
+        hi += 1
+
+    def ends(i: int, j: int) -> int:          # its input and output whole: one tensor where one goes over the other
+        return max(ins[i], outs[j]) if _over_input(firsts[i], units[j][-1]) else ins[i] + outs[j]
+    first, end = min(((i, j) for i in range(lo, top + 1) for j in range(top, hi + 1)),
+                     key=lambda ij: (ends(*ij), ij[1] - ij[0], -ij[0]))
+    whole = max(ins[i] + held[i] for i in range(first, end + 1))
     # sliced: the input and the output whole, a slice's bytes beside them (left out: they shrink as the batch grows,
     # and the choice must not depend on the example's batch, since one capture plans every batch size)
     # what a kernel allocates whatever the batch (weights reordered) stays, in every slice
-    return end + 1, whole, 1 - (ins[0] + outs[end] + max(p[0] for p in parts[:end + 1])) / whole
+    constant = max((node_inside_parts(node, env)[0] for u in units[first:end + 1] for node in u), default=0)
+    return first, end + 1, whole, 1 - (ends(first, end) + constant) / whole if whole else 0.0
+
+
+def _over_input(first: Node, last: Node) -> bool:
+    """Whether a segment's output can be written over its input (`graph._try_inplace` decides it for the plan): an
+    op's own output (not the caller's input, a parameter or a view), of the output's shape, strides and dtype."""
+    a, b = first.meta["val"], last.meta["val"]
+    return (first.op == "call_function" and not is_view(first.target) and first.target is not operator.getitem
+            and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype))
+
+
+def _in_place_only(units: list[list[Node]]) -> bool:
+    """Blocks of elementwise ops and views only, which the plan writes over their inputs whole (nothing to save)."""
+    return all(node.target is operator.getitem or is_view(node.target) or elementwise(node.target)
+               for u in units for node in u)
+
+
+def _one_op(unit: list[Node]) -> bool:
+    """A block of one op (and the `getitem` taking its output, views of it)."""
+    return sum(node.target is not operator.getitem and not is_view(node.target) for node in unit) <= 1
 
 
 def _param(node: Node, consts: dict) -> bool:
@@ -144,27 +155,6 @@ def _param(node: Node, consts: dict) -> bool:
     while node.op == "call_function" and is_view(node.target) and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node.op == "placeholder" and node.name in consts
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)
-
-
-def _exact(seg: SlicedSegment, x: torch.Tensor, params: tuple, sizes: tuple[int, ...] = (),
-           wholes: dict | None = None) -> bool:
-    """The segment sliced equals it run whole, bit for bit with the same strides, on x's samples repeated to each
-    batch size in `sizes` (default: x's own batch n and 2n+1, an odd one: the last slice takes the rest).
-    `wholes`: batch -> (input, the whole run's result), kept for the next slice size of the same steps."""
-    n, wholes = x.shape[0], {} if wholes is None else wholes
-    checked = [b for b in sizes or (n, 2 * n + 1) if seg.size(b) is not None]   # below two slices it runs whole
-    for b in checked:
-        if b not in wholes:
-            xb = x if b == n else x[torch.arange(b, device=x.device) % n]
-            wholes[b] = xb, seg.run_slice(xb, params)
-        xb, whole = wholes[b]
-        if not _same(seg(xb, *params), whole):
-            return False
-    return bool(checked)              # a size no batch checked is not exact
 
 
 def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
@@ -186,62 +176,70 @@ def slice_segments(ep, consts: dict, example_inputs: tuple, symbol=None,
         batch = max(lo or 2, min(REFERENCE_BATCH, hi or REFERENCE_BATCH))
         env, sizes = {symbol: batch}, tuple(sorted({n, 2 * n + 1, batch, 2 * batch + 1}))
         probes = tuple(p for p in PROBES if p >= (lo or 2) and (hi is None or p <= hi))
-    scored = [(start, steps, c) for start, steps in _chains(graph, consts)
-              if (c := _segment(start, steps, env)) is not None]
+    scored = [(start, units) for start, units in _runs(graph, consts, symbol, n)]
     if not scored:
         return {}
-    # ops in no chain are never sliced: a chain that peaks no higher than one of them at every batch probed is not
+    # ops in no run are never sliced: a run that peaks no higher than one of them at every batch probed is not
     # worth checking
     try:
         costs = _op_costs(graph, consts)
-        weigh = SliceRule(costs, [], symbol, batch)
-        chains = []
-        for start, steps, _ in scored:
-            inside = {v.name for pair in steps for v in pair}
+        live = functools.partial(_liveness, _Unsliced(graph), consts)
+        weigh = SliceRule(costs, [], symbol, batch, live=live)
+        runs = []
+        for start, units in scored:
+            inside = {node.name for u in units for node in u}
             if any(max(peaks.get(name, 0) for name in inside) > floor
                    for peaks, floor in ((c, _floor(c, scored)) for c, _ in map(weigh.costs, probes))):
-                chains.append((start, steps))
+                runs.append((start, units))
     except DataDependentSize:         # sizes known only when the model runs: where it peaks is unknown, no slicing
         return {}
-    if not chains:
+    if not runs:
         return {}
-    inputs = _values_of(ep, consts, tuple(_stand_in(t) for t in example_inputs), {s for s, _ in chains})
+    inputs = slice_check.values_of(ep, consts, tuple(slice_check.stand_in(t) for t in example_inputs),
+                        {s for s, _ in runs} | {p for s, units in runs for p in _reads(s, units, symbol)})
     options = []
-    for start, steps in chains:
+    for start, units in runs:
         if start in inputs:
-            wide = _wide_sizes(start, steps, env, n if symbol is None else hi)
-            options += _options(env, start, steps, _exact_steps(start, steps, inputs[start], consts, sizes, wide))
+            wide = _wide_sizes(start, units, env, n if symbol is None else hi, symbol)
+            ok = slice_check.exact_steps(start, units, inputs, consts, sizes, symbol, SLICE_SIZES, wide)
+            options += _options(env, start, units, ok, symbol)
     if not options:
         return {}
-    weighed = [Option(build_segment(first, steps, ks[0])[0], frozenset(v.name for pair in steps for v in pair), ks)
-               for first, steps, ks in options]
+    weighed = [Option(build_segment(first, [nd for u in units for nd in u], ks[0], symbol=symbol)[0],
+                      frozenset(nd.name for u in units for nd in u), ks, _over_input(first, units[-1][-1]),
+                      first.op != "placeholder")
+               for first, units, ks in options]
     # the rule weighs only the options that run sliced where it chooses them (an option it slices at no probe is
     # not installed, and at a batch between the probes it must not count as sliced): narrowed until that holds
     chosen = frozenset(range(len(options)))
     while True:
-        rule = SliceRule(costs, weighed, symbol, batch, chosen, _costs=weigh._costs)
+        rule = SliceRule(costs, weighed, symbol, batch, chosen, live, _costs=weigh._costs, _lives=weigh._lives)
         installed = frozenset(i for p in probes for i in chosen if rule.size(i, p) is not None)
         if installed == chosen:
             break
         chosen = installed
     done, replaced = {}, {}
     order = _order(graph)
-    for i in sorted(chosen, key=lambda i: order[options[i][1][0][0]]):
-        start, steps, ks = options[i]
+    for i in sorted(chosen, key=lambda i: order[options[i][1][0][-1]]):
+        start, units, ks = options[i]
         start = replaced.get(start, start)        # the output of a segment sliced before it
-        seg, params = build_segment(start, steps, ks[0], rule, i)
-        last = steps[-1][1]
-        with graph.inserting_before(steps[-1][0]):
+        nodes = [nd for u in units for nd in u]
+        seg, params = build_segment(start, nodes, ks[0], rule, i, symbol)
+        last = nodes[-1]
+        with graph.inserting_before(last):
             new = graph.call_function(seg, (start, *params))
         new.meta["val"] = last.meta["val"]
         last.replace_all_uses_with(new)
         replaced[last] = new
-        for node, value in reversed(steps):
-            if value is not node:
-                graph.erase_node(value)
+        inside = set(nodes)
+        for node in reversed(nodes):
+            for u in list(node.users):
+                if u not in inside:             # a check that returns nothing (`per_sample._depends`): dropped
+                    graph.erase_node(u)
             graph.erase_node(node)
         checked = sorted({*sizes, *(2 * k + 1 for k in ks if k not in SLICE_SIZES)})
-        done[new.name] = (f"runs in slices of the batch ({', '.join(v.name for v, _ in steps)}; checked bit-identical "
+        names = [nd.name for nd in nodes if nd.target is not operator.getitem]
+        done[new.name] = (f"runs in slices of the batch ({', '.join(names)}; checked bit-identical "
                           f"at batch {', '.join(map(str, checked))}): {_when(seg, probes)}")
     if done:
         ep.graph_module.recompile()
@@ -263,7 +261,36 @@ def _when(seg: SlicedSegment, probes: tuple) -> str:
 
 def _floor(peaks: dict[str, int], scored: list) -> int:
     """The most bytes any op in no chain holds at once."""
-    return peak_outside(peaks, {v.name for _, steps, _ in scored for pair in steps for v in pair})
+    return peak_outside(peaks, {node.name for _, units in scored for u in units for node in u})
+
+
+class _Unsliced:
+    """A copy of the graph before any segment replaced its nodes: what `_liveness` weighs at any batch later (the
+    rule is asked at new batch sizes after the segments are in the graph)."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.graph = torch.fx.Graph()
+        self.graph.output(self.graph.graph_copy(graph, {}))
+
+
+def _liveness(ep, consts: dict, env: dict) -> Live:
+    """The bytes alive at each op of the (unsliced) graph at the batch of `env`, as the planner runs it eagerly:
+    `graph.analyze`'s lifetimes (in-place writes merged), what kernels allocate inside (`workspaces`)."""
+    from memfit.planner.arena import Buffer, live_profile
+    from memfit.planner.graph import analyze
+    from memfit.planner.per_sample import made_without_inputs
+    graph = analyze(ep, consts, "cpu", inplace=True, env=env)
+    last = len(graph.ops) - 1
+    roots = [r for r in graph.roots.values() if r.kind in ("arena", "call", "output")]
+    spans = tuple((r.nbytes, max(r.first, 0), min(r.last, last)) for r in roots)
+    profile = live_profile([Buffer(r.name, size, a, b) for r, (size, a, b) in zip(roots, spans, strict=True)]
+                           + workspaces(graph, env, "cpu"), 1) if roots else []
+    free_roots = made_without_inputs(ep.graph, consts)
+    free = [Buffer(r.name, size, a, b) for r, (size, a, b) in zip(roots, spans, strict=True) if r.name in free_roots]
+    free_profile = live_profile(free, 1) if free else []
+    at = {op.node.name: profile[op.index] if op.index < len(profile) else 0 for op in graph.ops}
+    free_at = {op.node.name: free_profile[op.index] if op.index < len(free_profile) else 0 for op in graph.ops}
+    return Live(at, free_at, {op.node.name: op.index for op in graph.ops}, spans)
 
 
 def _op_costs(graph, consts: dict) -> list[OpCost]:
@@ -272,7 +299,11 @@ def _op_costs(graph, consts: dict) -> list[OpCost]:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        held = isinstance(node.meta.get("val"), torch.Tensor) and not _param(node, consts)
+        # a view holds no bytes of its own (what it reads is counted by the ops that make and read it)
+        val = node.meta.get("val")
+        made = isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list))       # (attention: output, statistics)
+                                                 and any(isinstance(v, torch.Tensor) for v in val))
+        held = made and not _param(node, consts) and node.target is not operator.getitem and not is_view(node.target)
         ins = tuple(a.meta["val"] for a in node.all_input_nodes
                     if not _param(a, consts) and isinstance(a.meta.get("val"), torch.Tensor)) if held else ()
         out.append(OpCost.of(node, held, ins))
@@ -283,98 +314,88 @@ def _order(graph) -> dict[Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _exact_steps(start: Node, steps: list, x: torch.Tensor, consts: dict,
-                 sizes: tuple[int, ...], wide: tuple[int, ...] = ()) -> dict[int, list[bool]]:
-    """Slice size -> whether each step, run on the example's values (repeated to each batch in `sizes`, and for
-    each of the `wide` sizes k at 2k+1 too: two slices, the last of k+1) whole and in slices of that size, is
-    bit-identical (one step's input held at a time)."""
-    ok: dict[int, list[bool]] = {k: [] for k in (*SLICE_SIZES, *wide)}
-    v = x
-    with torch.no_grad():
-        for i, step in enumerate(steps):
-            node_in = start if i == 0 else steps[i - 1][1]
-            wholes: dict = {}           # each batch's whole run, once for all slice sizes
-            for k in ok:
-                seg, params = build_segment(node_in, [step], k)
-                at = sizes if k in SLICE_SIZES else tuple(sorted({*sizes, 2 * k + 1}))
-                ok[k].append(_exact(seg, v, tuple(consts[p.name] for p in params), at, wholes))
-            del wholes
-            seg, params = build_segment(node_in, [step], 1)
-            v = seg.run_slice(v, tuple(consts[p.name] for p in params))       # the whole batch, as eager
-    return ok
-
-
-def _options(env: dict, start: Node, steps: list, ok: dict[int, list[bool]]) -> list[tuple[Node, list, tuple]]:
-    """(input, steps, the slice sizes every step is exact at, ascending) of the runs of exact steps that could be
-    sliced: for each slice size checked (`ok`'s) in turn, each run of steps exact at that size and not taken yet, cut
-    where `_segment` says, kept where it saves `MIN_SAVING` of its peak and its slices hold `MIN_SLICE_BYTES` or more
-    in their largest tensor (wider exact sizes with it: the rule may widen them)."""
-    taken: set[int] = set()
+def _reads(start: Node, units: list[list[Node]], symbol) -> list[Node]:
+    """The nodes a run's blocks read besides their inputs (parameters, tensors without a batch dimension)."""
     out = []
-    for k in sorted(ok):
-        i = 0
-        while i < len(steps):
-            if not ok[k][i] or i in taken:
-                i += 1
-                continue
-            j = i
-            while j < len(steps) and ok[k][j] and j not in taken:
-                j += 1
-            sub, first = steps[i:j], start if i == 0 else steps[i - 1][1]
-            choice = _segment(first, sub, env)
-            if (choice is not None and choice[2] >= MIN_SAVING
-                    and _largest(first, sub[:choice[0]], env, k) >= MIN_SLICE_BYTES):
-                wider = tuple(w for w in sorted(ok) if w > k and all(ok[w][i:i + choice[0]]))
-                out.append((first, sub[:choice[0]], (k, *wider)))
-                taken.update(range(i, i + choice[0]))
-                i += choice[0]
-            else:
-                i = j
+    for i, u in enumerate(units):
+        out += build_segment(start if i == 0 else units[i - 1][-1], u, 1, symbol=symbol)[1]
     return out
 
 
-def _wide_sizes(start: Node, steps: list, env: dict, most: int | None) -> tuple[int, ...]:
-    """The `WIDE_SLICE_SIZES` worth checking for a chain: where slices of `SLICE_SIZES[-1]` hold less than
-    `MIN_SLICE_BYTES` in the chain's largest tensor, from the narrowest that holds it up to `WIDE_ROOM` times that
+def _options(env: dict, start: Node, units: list, ok: dict[int, list[bool]],
+             symbol=None) -> list[tuple[Node, list, tuple]]:
+    """(input, blocks, the slice sizes every block is exact at and whose slices hold `MIN_SLICE_BYTES` or more in
+    their largest tensor, ascending) of the segments that could be sliced: each run of blocks exact at some size
+    cut where `_segment` says (around its peak), kept where it saves `MIN_SAVING` of its peak; the blocks left on
+    either side cut again. Cut on the run's shape first, then the sizes all its blocks are exact at (cut per size,
+    narrowest first, a U-Net's merge convolution, exact in slices of 1, was taken alone at 1 and the block before it,
+    exact from 2, ended at the 4 MiB concatenation the convolution reads). A segment whose blocks share no exact
+    size is cut into runs that do."""
+    exact = [frozenset(k for k in ok if ok[k][i]) for i in range(len(units))]
+    todo, out = [], []
+    i = 0
+    while i < len(units):                   # the runs of blocks exact at some size
+        j = i
+        while j < len(units) and exact[j]:
+            j += 1
+        if j > i:
+            todo.append((i, j))
+        i = max(j, i + 1)
+    while todo:                             # each cut around its peak, the blocks left on either side cut again
+        i, j = todo.pop()
+        first = start if i == 0 else units[i - 1][-1]
+        a, b, _, saving = _segment(first, units[i:j], env, symbol)
+        a, b = i + a, i + b
+        sizes = sorted(frozenset.intersection(*exact[a:b]))
+        if not sizes:                       # no size every block is exact at: runs that share one, cut again
+            todo += _sharing(exact, i, j)
+            continue
+        first = start if a == 0 else units[a - 1][-1]
+        ks = tuple(k for k in sizes if _largest(first, units[a:b], env, k, symbol) >= MIN_SLICE_BYTES)
+        if saving >= MIN_SAVING and not _in_place_only(units[a:b]) and ks:
+            out.append((first, units[a:b], ks))
+        todo += [(p, q) for p, q in ((i, a), (b, j)) if q > p]
+    return sorted(out, key=lambda o: units.index(o[1][0]))
+
+
+def _sharing(exact: list[frozenset], i: int, j: int) -> list[tuple[int, int]]:
+    """Blocks i..j-1 as maximal runs (left to right) whose blocks are all exact at one size at least."""
+    runs, p = [], i
+    while p < j:
+        q, common = p + 1, exact[p]
+        while q < j and common & exact[q]:
+            common &= exact[q]
+            q += 1
+        runs.append((p, q))
+        p = q
+    return runs
+
+
+def _wide_sizes(start: Node, units: list, env: dict, most: int | None, symbol=None) -> tuple[int, ...]:
+    """The `WIDE_SLICE_SIZES` worth checking for a run: where slices of `SLICE_SIZES[-1]` hold less than
+    `MIN_SLICE_BYTES` in the run's largest tensor, from the narrowest that holds it up to `WIDE_ROOM` times that
     (room for the rule to widen them for time), two of them at most `most` samples (the largest batch planned).
     A large sample gets none: no extra check (ResNet-18 at 224x224: 3.2 MB a sample out of its stem)."""
-    if _largest(start, steps, env, SLICE_SIZES[-1]) >= MIN_SLICE_BYTES:
+    if _largest(start, units, env, SLICE_SIZES[-1], symbol) >= MIN_SLICE_BYTES:
         return ()
-    fill = next((k for k in WIDE_SLICE_SIZES if _largest(start, steps, env, k) >= MIN_SLICE_BYTES), None)
+    fill = next((k for k in WIDE_SLICE_SIZES if _largest(start, units, env, k, symbol) >= MIN_SLICE_BYTES), None)
     if fill is None:
         return ()
     return tuple(k for k in WIDE_SLICE_SIZES if fill <= k <= WIDE_ROOM * fill and (most is None or 2 * k <= most))
 
 
-def _largest(first: Node, steps: list, env: dict, k: int) -> int:
-    """Bytes of the largest tensor a slice of k samples reads or makes (its input, any step's output)."""
-    return max(_at(v.meta["val"], env, k).nbytes for v in (first, *(value for _, value in steps)))
+def _largest(first: Node, units: list, env: dict, k: int, symbol=None) -> int:
+    """Bytes of the largest tensor a slice of k samples reads or makes (its input, any op's output)."""
+    seg = SlicedSegment((), k, None, (), symbol=symbol)
+    vals = [first.meta["val"]] + [v for u in units for node in u
+                                  for v in (node.meta["val"] if isinstance(node.meta.get("val"), (tuple, list))
+                                            else [node.meta.get("val")])
+                                  if isinstance(v, torch.Tensor) and v.dim() and _batched(v, first, symbol)]
+    return max(seg._meta(v, env, k).nbytes for v in vals)
 
 
-def _stand_in(t):
-    """The values the exactness check runs on: for a floating example, normal draws of its shape, dtype and
-    strides from a generator of our own (seeded: the same choice for every example of that shape, whatever its
-    values; an example of zeros would pass any check, one of uninitialised memory may hold NaN, which never
-    compares equal); other inputs (indices, masks) as they are."""
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        return t
-    g = torch.Generator(device=t.device).manual_seed(0)
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).normal_(generator=g)
-
-
-def _values_of(ep, consts: dict, example_inputs: tuple, wanted: set[Node]) -> dict[Node, torch.Tensor]:
-    """The real values of the `wanted` nodes when the graph runs on the example (one eager run)."""
-    from torch.fx import Interpreter
-    got: dict[Node, torch.Tensor] = {}
-
-    class Keep(Interpreter):
-        def run_node(self, node):
-            out = super().run_node(node)
-            if node in wanted:
-                got[node] = out
-            return out
-    users = iter(example_inputs)
-    args = [consts[n.name] if n.name in consts else next(users) for n in ep.graph.nodes if n.op == "placeholder"]
-    with torch.no_grad():
-        Keep(ep.graph_module).run(*args)
-    return got
+def _batched(v: torch.Tensor, first: Node, symbol) -> bool:
+    """Whether a value carries the batch (grows with it), as the run's input does."""
+    if symbol is not None:
+        return isinstance(v.shape[0], torch.SymInt) and symbol in v.shape[0].node.expr.free_symbols
+    return v.shape[0] == first.meta["val"].shape[0]

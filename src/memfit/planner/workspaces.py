@@ -24,7 +24,7 @@ from memfit.device.torch_private import OpOverload
 from memfit.planner.arena import Buffer
 from memfit.planner.graph import Graph, meta_value
 
-__all__ = ["node_inside_parts", "workspaces"]
+__all__ = ["handed_over", "node_inside_parts", "workspaces"]
 
 
 def _replacement_bytes(fn, args: tuple, kwargs: dict) -> int:
@@ -49,6 +49,19 @@ def node_inside_parts(node: Node, env: dict) -> tuple[int, int]:
                         {k: meta_value(v, env) for k, v in node.kwargs.items()})
 
 
+def handed_over(graph: Graph, op) -> str | None:
+    """The root a sliced segment's call is handed (`SlicedSegment.owned`: the planned forward keeps no reference to
+    it, so a whole run frees it after its last step that reads it): its input's, where torch allocated it and this
+    call reads it last; else None. `planner.codegen` writes the call so, and `workspaces` counts it so."""
+    from memfit.planner.sliced import SlicedSegment
+    x = op.node.args[0] if op.node.args else None
+    if op.mode != "call" or not isinstance(op.node.target, SlicedSegment) or not isinstance(x, Node):
+        return None
+    names = [v for o in graph.ops if o.node is x for v in o.outputs]
+    root = graph.roots.get(graph.root_of.get(names[0], "")) if len(names) == 1 and names[0] else None
+    return root.name if root is not None and root.kind == "call" and root.last == op.index else None
+
+
 def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
     """One buffer per op of `graph` whose real kernel allocates inside (on the CPU), alive at that op only."""
     if device_type != "cpu":
@@ -58,8 +71,11 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
     for op in graph.ops:
         target = op.node.target
         if isinstance(target, SlicedSegment):        # one slice's intermediates, beside the segment's input and output
-            n = meta_value(op.node.args[0], env).shape[0]
-            out.append(Buffer(f"slices of {op.node.name}", target.slice_bytes(env, n), op.index, op.index))
+            n = meta_value(op.node.args[0], env).shape[0] // target.rows
+            root = handed_over(graph, op)
+            dies = graph.roots[root].nbytes if root else 0
+            out.append(Buffer(f"slices of {op.node.name}",
+                              target.slice_bytes(env, n, into=op.mode == "out", input_dies=dies), op.index, op.index))
             continue
         if op.replacement is not None and op.mode == "call":
             # another kernel runs it (max pooling without indices): what that one allocates inside

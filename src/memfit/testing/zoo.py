@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "build"]
+__all__ = ["MODELS", "build", "build_real", "quiet_transformers"]
 
 
 def mlp() -> nn.Module:

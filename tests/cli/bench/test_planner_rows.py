@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from memfit import plan
-from memfit.cli.bench.planner import _row, verdicts, verdicts_real
+from memfit.cli.bench.planner import verdicts, verdicts_real
+from memfit.cli.bench.planner_rows import planned_row
 
 
 def test_a_plan_without_an_arena_is_at_its_bound_and_the_verdicts_take_it():
@@ -13,7 +14,7 @@ def test_a_plan_without_an_arena_is_at_its_bound_and_the_verdicts_take_it():
     x = torch.randn(2, 3, 8, 8)
     pm = plan(model, (x,))
     assert pm.report.arena_bytes == pm.report.lower_bound == 0
-    row = _row("conv", model, pm, x, repeat=1, plan_s=0.0)
+    row = planned_row("conv", model, pm, x, repeat=1, plan_s=0.0)
     assert row["arena/bound"] == 1.0
     lines = verdicts([row])
     assert lines[0].startswith("arena / lower bound, geometric mean 1.000")

@@ -40,8 +40,6 @@ from memfit.budget import format_bytes
 from memfit.cli.bench.common import (
     in_own_process,
     machine_header,
-    paired_ratio,
-    rounds_for,
     spread_warning,
     sync,
     table,
@@ -54,20 +52,12 @@ from memfit.cli.bench.contenders import (
     compiled_verdicts,
     with_compile_times,
 )
-from memfit.device.measure import track_memory
+from memfit.cli.bench.planner_rows import planned_row
 from memfit.memory.kinds import MemoryKind
 from memfit.messages import first_line, whole_words
-from memfit.planner.planned import plan_captured
 from memfit.testing.zoo import MODELS, build
 
 TARGETS = {"geo_ratio": 1.02, "worst_ratio": 1.10, "naive_over_planned": 5.0, "latency": 1.10}
-
-
-def _peak(fn, x) -> int:
-    with torch.inference_mode(), track_memory(x.device) as mem:
-        out = fn(x)
-        del out
-    return mem.peak
 
 
 def zoo_model(name: str, image: int | None, device="cpu"):
@@ -85,7 +75,7 @@ def measure(name: str, batch: int, image: int | None, repeat: int, device="cpu",
     t0 = time.perf_counter()
     pm = plan(model, (x,))
     sync(x.device)
-    row = _row(name, model, pm, x, repeat, time.perf_counter() - t0)
+    row = planned_row(name, model, pm, x, repeat, time.perf_counter() - t0)
     if compiled:
         row.update(compiled_columns(model, x, row["planned_total"], repeat))
     return row
@@ -98,41 +88,6 @@ def measure_zoo(name: str, batches: tuple[int, ...], image: int | None, repeat: 
     if inductor_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
     return [measure(name, b, image, repeat, device, b in compiled_at) for b in batches]
-
-
-def _row(name: str, model, pm, x: torch.Tensor, repeat: int, plan_s: float) -> dict:
-    """Bytes and latency of `pm` against `model` on `x` (planned for x's shape on first call)."""
-    dev, batch = x.device, x.shape[0]
-    with torch.inference_mode():
-        torch.testing.assert_close(pm(x), model(x), rtol=1e-3, atol=1e-3)
-        rep = pm.report
-        eager_peak = _peak(model, x)
-        outside = _peak(pm, x)               # bytes the planned run allocates beyond its arena
-        # fast models need many rounds for a stable median: at least ~0.5 s of calls of each, and 3x `repeat`
-        reps = rounds_for(lambda: model(x), seconds=0.5, at_least=3 * repeat, at_most=1000, device=dev)
-        # eager and planned in turn, call by call: drift in the machine, and whatever one call leaves for
-        # the next, hit both alike (timed in two blocks, the block run second was faster on a shared VM)
-        t_eager, t_planned, ratio = paired_ratio(lambda: model(x), lambda: pm(x), repeat=reps, warmup=2,
-                                                 device=dev, what=f"{name} batch {batch} planned / eager")
-    planned_total = rep.arena_bytes + outside
-    # the graph's order beside the chosen one (`planner.order`): same capture, measured the same way
-    kept = plan_captured(next(c for c in pm.captures if c.accepts((x,))), (x,), algorithm=pm.algorithm,
-                         inplace=pm.inplace, eager_where_cheaper=pm.eager_where_cheaper, reorder=False)
-    with torch.inference_mode():
-        graph_order_total = kept.report.arena_bytes + _peak(kept, x)
-    return {
-        "order": rep.order, "graph_order_total": graph_order_total,
-        "reorder_saved": graph_order_total - planned_total,
-        "model": name, "batch": batch, "naive": rep.naive_bytes, "eager_peak": eager_peak,
-        # no arena (every op run by torch) is the bound, 0 of 0
-        "arena": rep.arena_bytes, "bound": rep.lower_bound,
-        "arena/bound": rep.arena_bytes / rep.lower_bound if rep.lower_bound else 1.0,
-        "naive/arena": rep.naive_bytes / max(rep.arena_bytes, 1), "unplanned": outside,
-        "planned_total": planned_total, "total/eager": planned_total / max(eager_peak, 1),
-        "eager_ms": 1e3 * t_eager, "planned_ms": 1e3 * t_planned, "latency_ratio": ratio, "plan_s": plan_s,
-        "captures": len(pm.captures),
-        "unplanned_ops": ", ".join(f"{k} x{v}" for k, v in sorted(rep.unplanned_ops.items())),
-    }
 
 
 REAL_TARGETS = {"latency": 1.00, "latency_geo": 0.95, "total/eager": 1.00, "arena/bound": 1.02}
@@ -160,7 +115,7 @@ def measure_real(name: str, batches: tuple[int, ...], quick: bool, repeat: int, 
     rows = []
     for b in batches:
         x = make_input(b)
-        row = _row(name, model, pm, x, repeat, plan_s if b == batches[0] else 0.0)
+        row = planned_row(name, model, pm, x, repeat, plan_s if b == batches[0] else 0.0)
         # the memory model's bytes beyond parameters and inputs (arena + unplanned + its stated margin: 16 B on the
         # CPU for a Python number an op wraps, as GPT-2's `mul` does, 12 B) against the planned call's by the
         # allocator (its arena + its peak beyond it)
@@ -363,11 +318,13 @@ def run_fuzz(examples: int, seed: int = 0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from memfit.cli.options import count_arg, counts_arg, device_arg, names_arg
+    from memfit.testing.held_out import HELD_OUT
     from memfit.testing.zoo import REAL
     p = argparse.ArgumentParser(prog="memfit bench planner", description=__doc__.splitlines()[0],
                                 epilog="example:\n  memfit bench planner --quick\n"
                                        "  memfit bench planner --real --quick\n"
                                        "  memfit bench planner --fuzz 500\n"
+                                       "  memfit bench planner --held-out\n"
                                        "  memfit bench planner --models resnet50,mobilenet_v2 --batches 1 --json\n"
                                        "  memfit bench planner --quick --device cuda",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -376,10 +333,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out torch.compile (a cold inductor compile takes tens of seconds a model)")
     p.add_argument("--real", action="store_true",
                    help=f"real architectures from transformers configs ({', '.join(REAL)}); needs transformers")
+    p.add_argument("--held-out", action="store_true",
+                   help=f"models the planner was not tuned to ({', '.join(HELD_OUT)}), batch 8, against torch.compile "
+                        "(memfit.cli.bench.held_out); the transformers ones need transformers")
     p.add_argument("--fuzz", type=count_arg(1), default=None, metavar="N",
                    help="run N random-graph models against eager, bit for bit, instead of the table")
-    p.add_argument("--models", default=None, type=names_arg((*MODELS, *REAL), "model"),
-                   help=f"comma-separated, from {', '.join(MODELS)} (with --real, from the real list)")
+    p.add_argument("--models", default=None, type=names_arg((*MODELS, *REAL, *HELD_OUT), "model"),
+                   help=f"comma-separated, from {', '.join(MODELS)} (with --real or --held-out, from their lists)")
     p.add_argument("--batches", default=None, type=counts_arg(1),
                    help="comma-separated batch sizes (default 1,32; quick 1,8; real 1,8; real quick 2,8)")
     p.add_argument("--image", type=count_arg(1), default=None, help="height and width of the image models' inputs")
@@ -393,13 +353,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.fuzz is not None:
         run_fuzz(args.fuzz, args.seed)
         return 0
-    known = REAL if args.real else MODELS
+    if args.real and args.held_out:
+        p.error("--real and --held-out are two tables: ask for one at a time")
+    known, which = (REAL, "--real") if args.real else (HELD_OUT, "--held-out") if args.held_out else (MODELS, "the zoo")
     models = args.models or tuple(known)
     unknown = [m for m in models if m not in known]
     if unknown:
-        p.error(f"--models: unknown model {', '.join(map(repr, unknown))} {'with' if args.real else 'without'} "
-                f"--real; expected comma-separated names from {', '.join(known)}")
+        p.error(f"--models: unknown model {', '.join(map(repr, unknown))} for {which}; expected comma-separated "
+                f"names from {', '.join(known)}")
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
+    if args.held_out:
+        from memfit.cli.bench.held_out import run_held_out
+        batches = args.batches or (8,)
+        if len(batches) != 1:
+            p.error(f"--held-out measures one batch size; found --batches {','.join(map(str, batches))}")
+        run_held_out(models, batches[0], repeat, args.csv, args.json, compiled=not args.no_compile)
+        return 0
     if args.real:
         try:
             import transformers  # noqa: F401
