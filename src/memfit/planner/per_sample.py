@@ -28,7 +28,13 @@ Example:
     >>> model = Residual()
     >>> ep = capture(model, (torch.randn(4, 8),))
     >>> [(b.entry.name, b.exit.name, b.sliceable) for b in blocks(ep.graph, constants(ep, model), None, 4)]
-    [('x', 'add', True), ('add', 'relu', True)]
+    [('x', 'add', False), ('add', 'relu', True)]
+    >>> blocks(ep.graph, constants(ep, model), None, 4)[0].why
+    'addmm reads permute from outside the block'
+
+A static capture (`symbol` None) cannot tell a tensor made from the weights from one made with the batch, so a block
+reads only placeholders from outside: the Linear's transposed weight (`permute`) keeps the residual block whole;
+with a symbolic batch the same block is sliceable.
 """
 
 from __future__ import annotations
