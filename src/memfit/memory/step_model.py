@@ -411,9 +411,6 @@ def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemory
             how += ("; APPROXIMATE: the scratch of ops whose argument sizes are not affine in the batch scaled up "
                     "from batch 4")
     method = f"fake-tensor run of {what} at batch sizes {sorted(runs)}, {how}" + (f" ({why})" if why else "")
-    if "APPROXIMATE" in how:
-        warnings.warn(f"the memory of {type(spec.model).__name__} is estimated, not exact: {method}. Check the size "
-                      "you pick with memfit.measure_step", stacklevel=4)
     mm = StepMemoryModel(method, runs[4].held["parameters"], spec.device, train, held, fit.a, fit.b, runs[4].ops,
                          runs[4].phase_ends, fit.measured, fit.c, gradient_line(runs),
                          {k: r.grad_bytes for k, r in runs.items()}, why=why,
@@ -423,6 +420,9 @@ def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemory
         mm.device = cuda.device
         mm._cuda = cuda_step(runs, spec, cuda.costs, cuda.config, mm._allocated)
         mm.method += f"; on CUDA ({cuda.source}): {mm._cuda.how}"
+    if "APPROXIMATE" in mm.method:             # the runs' lines, or the CUDA replay's fitted events
+        warnings.warn(f"the memory of {type(spec.model).__name__} is estimated, not exact: {mm.method}. Check the "
+                      "size you pick with memfit.measure_step", stacklevel=4)
     return mm
 
 

@@ -76,6 +76,21 @@ def test_a_prediction_made_without_the_gpu_is_held_to_the_same_target(kept):
     assert ampere == {f"tiny/{n}": reference.cuda(n).reserved for n in case.batches}
 
 
+def test_a_failed_or_slow_prediction_without_the_gpu_is_a_miss_and_the_bench_goes_on(monkeypatch, capsys):
+    """The process that sees no GPU failing or running past its time gave a traceback and no table at all: now its
+    column is a MISS on every row (`peaks(..., {})`, above) and the reason is printed."""
+    import subprocess
+
+    def slow(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], gpu.BLIND_TIMEOUT)
+    monkeypatch.setattr(gpu.subprocess, "run", slow)
+    assert gpu.blind_predictions(["tiny"], True, torch.device("cpu")) == {}
+    assert "MISS  the predictions without the GPU failed" in capsys.readouterr().out
+    monkeypatch.setattr(gpu.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a[0], 1, "", "boom"))
+    assert gpu.blind_predictions(["tiny"], True, torch.device("cpu")) == {}
+    assert "exit status 1: boom" in capsys.readouterr().out
+
+
 def test_a_device_above_the_prediction_is_a_miss(kept):
     side = Inflated(1 << 30)
     assert {r["verdict"] for r in gpu.peaks(kept, side)} == {"MISS"}
