@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GPUS", "FixedCost", "GpuFamily", "cublas_workspace", "fixed_costs", "gpu_family", "measure_fixed_costs",
-           "nccl_buffers"]
+__all__ = ["GPUS", "FixedCost", "GpuFamily", "context_cost", "cublas_workspace", "fixed_costs", "gpu_family",
+           "measure_fixed_costs", "nccl_buffers"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CONTEXT_LAZY = 287_047_680      # pytorch PR #86509: the context with CUDA_MODULE_LOADING=LAZY
@@ -183,6 +183,16 @@ def nccl_buffers(channels: int, peers: int = 2, environ=None) -> FixedCost:
                      in_allocator=False, exact=False)
 
 
+def context_cost(device: torch.device) -> FixedCost:
+    """The CUDA context measured on `device`: the device memory in use outside this process's caching allocator
+    (`mem_get_info`; other processes on the device included). Taken after the first kernels ran it includes the
+    modules loaded lazily since; taken before, it is a lower bound."""
+    free, total = torch.cuda.mem_get_info(device)
+    return FixedCost("CUDA context", max(0, total - free - torch.cuda.memory_reserved(device)),
+                     "measured: mem_get_info's used bytes outside the caching allocator (other processes on the "
+                     "device included)", in_allocator=False)
+
+
 def measure_fixed_costs(device=None) -> list[FixedCost]:
     """The context and one cuBLAS workspace measured on a CUDA device: the device memory in use outside this
     process's caching allocator (`mem_get_info`; it includes other processes on the device), and what the first
@@ -192,8 +202,7 @@ def measure_fixed_costs(device=None) -> list[FixedCost]:
         raise RuntimeError("measure_fixed_costs needs a CUDA device; without one use fixed_costs(gpu), the stated "
                            "defaults")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    free, total = torch.cuda.mem_get_info(device)
-    outside = total - free - torch.cuda.memory_reserved(device)
+    context = context_cost(device)
     a = torch.ones(8, 8, device=device)
     delta = []
 
@@ -211,7 +220,6 @@ def measure_fixed_costs(device=None) -> list[FixedCost]:
     worker = threading.Thread(target=first_matmul)
     worker.start()
     worker.join()
-    return [FixedCost("CUDA context", outside, "measured: mem_get_info's used bytes outside the caching allocator "
-                      "(other processes on the device included)", in_allocator=False),
+    return [context,
             FixedCost("cuBLAS workspace", delta[0], "measured: allocated by the first matmul of a new thread and "
                       "stream", in_allocator=True)]

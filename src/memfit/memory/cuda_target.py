@@ -22,7 +22,7 @@ import torch
 
 from memfit.budget import parse_bytes
 from memfit.device.cuda_alloc_conf import AllocatorConfig
-from memfit.device.cuda_costs import GPUS, FixedCost, GpuFamily, fixed_costs, gpu_family
+from memfit.device.cuda_costs import GPUS, FixedCost, GpuFamily, context_cost, fixed_costs, gpu_family
 from memfit.memory.fake_run import CudaTarget
 
 __all__ = ["DEFAULT_GPU", "CudaDevice", "cuda_device", "cuda_device_for", "device_budget", "resolve_gpu",
@@ -82,11 +82,8 @@ def cuda_device(device: torch.device, gpu=None) -> CudaDevice:
         dev = resolve_device(device)
         if gpu is None:
             cap = torch.cuda.get_device_capability(dev)
-            free, total = torch.cuda.mem_get_info(dev)
-            context = FixedCost("CUDA context", max(0, total - free - torch.cuda.memory_reserved(dev)),
-                                "measured: the device memory used outside this process's caching allocator "
-                                "(mem_get_info; other processes on the device included)", in_allocator=False)
-            family = GpuFamily(torch.cuda.get_device_name(dev), cap, total)
+            context = context_cost(dev)
+            family = GpuFamily(torch.cuda.get_device_name(dev), cap, torch.cuda.mem_get_info(dev)[1])
             costs = lambda k: [context, *(c for c in fixed_costs(cap, threads=k) if c.in_allocator)]   # noqa: E731
             return CudaDevice(dev, dev, None, family, costs, config, f"{family.name}, here")
         family = resolve_gpu(gpu)

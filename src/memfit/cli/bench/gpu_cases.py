@@ -169,8 +169,8 @@ class CudaSide:
 
     def context(self) -> int:
         """The device memory in use outside the caching allocator (the CUDA context, other processes')."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free - torch.cuda.memory_reserved(self.device)
+        from memfit.device.cuda_costs import context_cost
+        return context_cost(self.device).nbytes
 
     def run(self, work: Callable[[torch.device], None], fraction: float | None = None) -> tuple[int, int] | None:
         """(max_memory_allocated, max_memory_reserved) of `work` from a clean start, or None on out-of-memory."""
