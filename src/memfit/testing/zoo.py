@@ -137,9 +137,13 @@ class EncoderBlock(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = torch.softmax(q @ k.transpose(-2, -1) * (d // self.heads) ** -0.5, dim=-1)     # (B, h, T, T)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(self.attend(q, k, v).transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
+
+    def attend(self, q, k, v):
+        """(B, h, T, D/h) from q, k, v of that shape: written out, its (B, h, T, T) weights made."""
+        att = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, dim=-1)     # (B, h, T, T)
+        return att @ v
 
 
 class Inception(nn.Module):

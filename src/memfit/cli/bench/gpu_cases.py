@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from memfit.device.measure import held_bytes, track_memory
 from memfit.memory.cuda_step import STEPS
 from memfit.memory.step import training_step
-from memfit.testing.zoo import MainOutput, build
+from memfit.testing.zoo import EncoderBlock, MainOutput, build
 
 __all__ = ["Case", "CpuSide", "CudaSide", "cases", "loop"]
 
@@ -73,23 +73,15 @@ def _bert(quick: bool) -> Callable[[], nn.Module]:
     return make
 
 
-class CausalBlock(nn.Module):
-    """A pre-norm transformer block calling `scaled_dot_product_attention(is_causal=True)` (nanoGPT's): flash
-    attention on a GPU under bf16 autocast, no mask made."""
+class CausalBlock(EncoderBlock):
+    """The zoo's pre-norm transformer block calling `scaled_dot_product_attention(is_causal=True)` (nanoGPT's):
+    flash attention on a GPU under bf16 autocast, no mask made."""
 
     def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        super().__init__(dim, heads)
 
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                # (B, h, T, D/h)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
+    def attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def _causal(quick: bool) -> Callable[[], nn.Module]:
