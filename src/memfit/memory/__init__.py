@@ -17,7 +17,8 @@ it for real), `fake_model` (`FakeModel`: the one set-up of a model on fake tenso
 per op), `fake_kernels` (the bytes real kernels give where fake ones differ), `kernel_scratch` (what kernels allocate
 inside, oneDNN's workspaces and the scratch of kernels on half-precision arguments, measured at each batch size asked
 about), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which fit, and which runs: the ladder
-of fitters), `step_model` (`StepMemoryModel`; `fake_failure`: why a fake run failed, in words), `prediction_check`
+of fitters), `step_model` (`StepMemoryModel`; `fake_failure`: why a fake run failed, in words; `recheck`: an
+APPROXIMATE model's bytes at one size from a run at it), `prediction_check`
 (`check_prediction`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept plans and
 predictions depend on: `model_value` its pieces, `fingerprint_check` the quick check that a kept one still holds),
 `cache` (`ModelCache`: values kept per model), `isolation` (what a prediction leaves alone: the user's module as other

@@ -13,7 +13,9 @@ Python work per op whatever the tensors' sizes, so a prediction runs as few as i
   where it runs other ops (broadcast parameters need no reduction over a batch of one). Where sizes are not
   proportional, the line through 2 and 4 is checked at a third size; where that fails (an n x n similarity
   matrix) a quadratic per op is fit at 2, 4, 8 and checked at a fourth; where even that fails, or the ops
-  change with the batch, an upper line is used and `method` says APPROXIMATE (with a warning).
+  change with the batch, a line above the runs is used and `method` says APPROXIMATE (with a warning): an
+  estimate beyond the sizes run, not a bound; `max_batch_size` checks its answer by a run at it
+  (`memfit.memory.recheck`).
 - the optimizer step runs once, at batch 4: it reads and writes parameters, gradients and its state, none
   of which depends on the batch, so what it adds above the end of backward is the same at every size and
   is put into the other runs, which skip it.
@@ -53,12 +55,12 @@ from memfit.memory.cuda_step import CudaPeak, CudaStep, cuda_step
 from memfit.memory.cuda_target import CudaDevice, cuda_device_for, sdp_backends
 from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_failure import explain_fake_failure
-from memfit.memory.fake_run import COLUMN, FakeRunError, StepSpec, _Run, fake_run
+from memfit.memory.fake_run import FakeRunError, StepSpec, _Run, fake_run
 from memfit.memory.fit import gradient_line, with_step
 from memfit.memory.fit_ladder import fit_runs
 from memfit.memory.isolation import predicting
-from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
+from memfit.memory.recheck import Recheck, run_scratch
 from memfit.memory.step import ExampleBatch, predicted_module, surrounding_autocast
 from memfit.memory.storage_log import LoggingFakeMode
 
@@ -97,6 +99,7 @@ class StepMemoryModel:
     _scratch_at: dict = field(default_factory=dict, repr=False)     # n -> (ops, kinds) of their bytes
     _measured_ends: dict = field(default_factory=dict)                # n in _measured -> its run's phase ends
     _cuda: CudaStep | None = None                     # on CUDA: the allocator replayed, the fixed costs
+    _recheck: Recheck | None = field(default=None, repr=False)      # APPROXIMATE on the CPU: a run at another size
 
     def gradient_bytes(self, n: int) -> int:
         """Bytes of the storages the gradients of a step on n samples sit in (with `grads_held`, the gradients
@@ -420,6 +423,8 @@ def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemory
         mm.device = cuda.device
         mm._cuda = cuda_step(runs, spec, cuda.costs, cuda.config, mm._allocated)
         mm.method += f"; on CUDA ({cuda.source}): {mm._cuda.how}"
+    if "APPROXIMATE" in how and cuda is None:  # its answers can be checked by a run at them (`memory.recheck`)
+        mm._recheck = Recheck.of(spec, runs[4])
     if "APPROXIMATE" in mm.method:             # the runs' lines, or the CUDA replay's fitted events
         warnings.warn(f"the memory of {type(spec.model).__name__} is estimated, not exact: {mm.method}. Check the "
                       "size you pick with memfit.measure_step", stacklevel=4)
@@ -430,13 +435,7 @@ def _scratch_ops(runs: dict[int, _Run], measured) -> dict[int, list]:
     """The measured ops of the run at 4, which dimensions carry the batch read off the run at 2 (else 1); and of
     each size that is its own exact run (`Fit.measured`) where it runs other ops, at their own arguments."""
     def ops(n: int, other: int | None) -> list:
-        ends = runs[n].phase_ends
-
-        def column(row: int) -> int:
-            if row < ends.get("forward", len(runs[n].ops)):
-                return COLUMN["activations"]
-            return COLUMN["backward transient" if row < ends.get("backward", len(runs[n].ops)) else "step transient"]
-        return scratch_ops(runs[n], n, runs.get(other), other, column)
+        return run_scratch(runs[n], n, runs.get(other), other)
     out = {4: ops(4, next((k for k in (2, 1, 8) if k in runs), None))}
     for n in measured:
         if runs[n].ops != runs[4].ops:
