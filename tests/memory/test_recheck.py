@@ -60,3 +60,20 @@ def test_what_it_keeps_lets_the_model_and_its_loss_go():
     gc.collect()
     assert model() is None and loss() is None
     assert exact_total(mm, 40) is None              # nothing to run: the estimate stands, as its warning says
+
+
+def test_accumulates_auto_micro_batch_is_checked_by_runs_at_its_sizes():
+    """accumulate's micro-batch (and so fit's) came from the same estimate: the whole batch of 400 'fit' 64 MiB at
+    2.23 MiB predicted, where it needs 734 MiB. With runs at the sizes weighed, the step stays within the budget by
+    the allocator."""
+    from memfit.device.measure import held_bytes, track_memory
+    torch.manual_seed(0)
+    model = Cubic()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(400, 64), torch.zeros(400)
+    held = held_bytes(model, opt, grads=True) + x.nbytes + y.nbytes
+    with warnings.catch_warnings(), track_memory("cpu") as mem:
+        warnings.simplefilter("ignore")
+        r = memfit.accumulate(model, opt, (x, y), cubic_loss, budget="64MiB")
+    assert 100 < r.micro_batch < 400 and "the whole batch of 400 needs" in r.reason
+    assert held + mem.peak <= 64 * 2**20, (r.micro_batch, held + mem.peak)

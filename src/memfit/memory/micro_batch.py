@@ -11,6 +11,7 @@ slow to repeat every step) and lowered there after an out-of-memory back-off (`l
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ from memfit.device.allocators import rounder
 from memfit.device.measure import held_bytes
 from memfit.device.torch_private import storage_key
 from memfit.memory.cache import ModelCache
+from memfit.memory.recheck import exact_at
 from memfit.memory.step import autocast_state
 from memfit.messages import first_line, whole_words
 
@@ -91,15 +93,28 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False,
     target = None if y is None else batch_to(batch_slice(y, 0, k), here)
     example = batch_to(batch_slice(x, 0, k), here)
     models = {}
+    scalar_loss = _scalar_loss(loss_fn, y is not None)     # one wrapper: a run at another size uses it too
 
     def fit(held: bool):
         if held not in models:
             models[held] = step_memory_model(module, example, train=True, optimizer=stateless, target=target,
-                                             loss_fn=_scalar_loss(loss_fn, y is not None), grads_held=held,
+                                             loss_fn=scalar_loss, grads_held=held,
                                              keep_output=False, autocast=autocast,
                                              device=device if elsewhere else None, gpu=gpu)
         return models[held]
     fit(False)                  # fails here, not in the search, when the step cannot run on fake tensors
+    exact: dict = {}
+
+    def at(held: bool, m: int):
+        """The model for micro-batches of m: an APPROXIMATE one (an estimate beyond the sizes it ran) with a run
+        at m itself (`memory.recheck.exact_at`; a fake run costs the same at any size), else the model."""
+        mm = fit(held)
+        if getattr(mm, "_recheck", None) is None:
+            return mm
+        if (held, m) not in exact:
+            bound = dataclasses.replace(mm, _recheck=mm._recheck.bound(scalar_loss, stateless))
+            exact[held, m] = exact_at(bound, m) or mm
+        return exact[held, m]
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
     on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device or elsewhere]
@@ -129,7 +144,7 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False,
         views = max(0, fit(False).gradient_bytes(first) - fit(True).gradient_bytes(m)) if held else 0
 
         def over(phases: tuple[str, ...]) -> int:
-            parts = fit(held).breakdown(m, phases=phases)
+            parts = at(held, m).breakdown(m, phases=phases)
             inputs = min(parts.get("inputs", 0), batch_bytes * m // n)   # rounded down: never below reality
             return sum(parts.values()) - inputs + batch_bytes + buckets + scalars(k) + views
         micro = over(MICRO_PHASES) + entered     # the gradients held on entry: referenced until the step

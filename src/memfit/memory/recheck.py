@@ -9,7 +9,7 @@ by a run at it (`memfit.sizing.max_batch_size`).
 `Recheck` keeps what such a run needs, weakly: the model, its loss function and optimizer are the user's, and a
 memory model kept per model (`memfit.memory.cache.ModelCache`) must not keep them alive; the example batches are
 kept as shapes. Where any of them is gone (or cannot be referenced weakly: a builtin function), no run is made and
-the estimate stands, as its warning says.
+the estimate stands, as its warning says; a caller holding them binds them for its call (`Recheck.bound`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.step import ExampleBatch
 from memfit.memory.storage_log import LoggingFakeMode
 
-__all__ = ["Recheck", "exact_total", "run_scratch"]
+__all__ = ["Recheck", "exact_at", "exact_total", "run_scratch"]
 
 
 def run_scratch(run: _Run, n: int, other: _Run | None, m: int | None) -> list:
@@ -44,11 +44,19 @@ def run_scratch(run: _Run, n: int, other: _Run | None, m: int | None) -> list:
     return scratch_ops(run, n, other, m, column)
 
 
+def _gone() -> None:
+    return None
+
+
 def _weak(obj) -> Callable[[], object] | None:
-    """A weak reference to `obj` (None for None); TypeError where it cannot have one."""
+    """A weak reference to `obj` (None for None; one that is always gone where `obj` cannot have one, a builtin
+    function: `Recheck.bound` can still give it)."""
     if obj is None:
         return None
-    return weakref.WeakMethod(obj) if inspect.ismethod(obj) else weakref.ref(obj)
+    try:
+        return weakref.WeakMethod(obj) if inspect.ismethod(obj) else weakref.ref(obj)
+    except TypeError:
+        return _gone
 
 
 def _shapes(batch: ExampleBatch | None) -> ExampleBatch | None:
@@ -66,14 +74,17 @@ class Recheck:
     four: _Run                                    # the run at 4, whose optimizer step the others get put in
 
     @classmethod
-    def of(cls, spec: StepSpec, four: _Run) -> Recheck | None:
-        try:
-            refs = _weak(spec.model), _weak(spec.loss_fn), _weak(spec.optimizer)
-        except TypeError:                         # a builtin loss, say: no run, the estimate stands
-            return None
+    def of(cls, spec: StepSpec, four: _Run) -> Recheck:
         rest = dataclasses.replace(spec, model=None, loss_fn=None, optimizer=None, batch=_shapes(spec.batch),
                                    target=_shapes(spec.target))
-        return cls(rest, *refs, four)
+        return cls(rest, _weak(spec.model), _weak(spec.loss_fn), _weak(spec.optimizer), four)
+
+    def bound(self, loss_fn, optimizer) -> Recheck:
+        """The same with the loss and optimizer the caller holds now, referenced strongly (a caller that made the
+        loss a wrapper of its own, which nothing else keeps: `memfit.memory.micro_batch`). Use it within the call,
+        not kept."""
+        return dataclasses.replace(self, loss_fn=None if loss_fn is None else lambda: loss_fn,
+                                   optimizer=None if optimizer is None else lambda: optimizer)
 
     def run(self, n: int) -> _Run | None:
         """The step's fake run at batch n (None where the model, its loss or optimizer is gone)."""
@@ -89,9 +100,9 @@ class Recheck:
         return with_step(r, self.four) if once else r
 
 
-def exact_total(mm, n: int) -> int | None:
-    """`mm.total_bytes(n)` from a fake run at n itself (a `StepMemoryModel` with a `Recheck`), or None where no
-    run can be made."""
+def exact_at(mm, n: int):
+    """`mm` (a `StepMemoryModel` with a `Recheck`) with a fake run at n as its own exact run there: its
+    `total_bytes(n)` and `breakdown(n, phases=...)` are that run's; None where no run can be made."""
     recheck = mm._recheck
     r = recheck.run(n) if recheck is not None else None
     if r is None:
@@ -100,7 +111,12 @@ def exact_total(mm, n: int) -> int | None:
     if mm._scratch:
         scratch = {**mm._scratch, n: mm._scratch[4] if r.ops == recheck.four.ops else
                    [s for s in run_scratch(r, n, None, None) if s.row < r.phase_ends.get("backward", len(r.ops))]}
-    exact = dataclasses.replace(mm, _measured={**mm._measured, n: r.live},
-                                _measured_ends={**mm._measured_ends, n: r.phase_ends}, _scratch=scratch,
-                                _scratch_at={}, _grads_probed={**mm._grads_probed, n: r.grad_bytes}, _recheck=None)
-    return exact.total_bytes(n)
+    return dataclasses.replace(mm, _measured={**mm._measured, n: r.live},
+                               _measured_ends={**mm._measured_ends, n: r.phase_ends}, _scratch=scratch,
+                               _scratch_at={}, _grads_probed={**mm._grads_probed, n: r.grad_bytes}, _recheck=None)
+
+
+def exact_total(mm, n: int) -> int | None:
+    """`mm.total_bytes(n)` from a fake run at n itself (`exact_at`), or None where no run can be made."""
+    exact = exact_at(mm, n)
+    return None if exact is None else exact.total_bytes(n)
