@@ -6,24 +6,8 @@ import types
 
 import pytest
 
+from device.threads import in_thread
 from memfit.device.replacements import ScopedReplacement
-
-
-def in_thread(fn):
-    """fn() run in another thread, its result (or its exception raised here)."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 -- handed to the caller
-            out["error"] = e
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def test_a_scoped_replacement_acts_in_the_entering_thread_only_and_is_put_back():

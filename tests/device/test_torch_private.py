@@ -4,13 +4,13 @@ name is there and that it still behaves as memfit relies on; the replacements of
 in the entering thread only and to be put back (on an exception too)."""
 
 import sys
-import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from device.threads import in_thread
 from memfit.device import torch_private as tp
 
 
@@ -22,23 +22,6 @@ def profiled_events(prof) -> list:
         out.append(e)
         stack.extend(e.children)
     return sorted(out, key=lambda e: e.start_time_ns)
-
-
-def in_thread(fn):
-    """fn() run in another thread, its result (or its exception raised here)."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 -- handed to the caller
-            out["error"] = e
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 # ---- tensors, storages, modules -------------------------------------------------------------------------------------
