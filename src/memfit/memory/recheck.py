@@ -87,16 +87,20 @@ class Recheck:
                                    optimizer=None if optimizer is None else lambda: optimizer)
 
     def run(self, n: int) -> _Run | None:
-        """The step's fake run at batch n (None where the model, its loss or optimizer is gone)."""
+        """The step's fake run at batch n (None where the model, its loss or optimizer is gone, or the step cannot
+        run at n)."""
         got = [None if r is None else r() for r in (self.model, self.loss_fn, self.optimizer)]
         if any(r is not None and g is None for r, g in zip((self.model, self.loss_fn, self.optimizer), got,
                                                           strict=True)):
             return None
         spec = dataclasses.replace(self.spec, model=got[0], loss_fn=got[1], optimizer=got[2])
         once = spec.train and spec.optimizer is not None      # the optimizer step ran at batch 4 only
-        with predicting():
-            r = fake_run(spec, n, mode=LoggingFakeMode(allow_non_fake_inputs=True), fakes={},
-                         optimizer_step=not once)
+        try:
+            with predicting():
+                r = fake_run(spec, n, mode=LoggingFakeMode(allow_non_fake_inputs=True), fakes={},
+                             optimizer_step=not once)
+        except Exception:     # noqa: BLE001 -- a size the step cannot run at (BatchNorm at 1): the estimate stands
+            return None
         return with_step(r, self.four) if once else r
 
 
