@@ -44,7 +44,11 @@ def test_a_long_search_shows_its_phases_on_a_progress_line(monkeypatch):
     assert any("kernels timed at 6 micro-batch sizes" in s for s in bar.said)      # 1, 2, 4, 8, 16, 32
     assert "the host's work per op" in bar.said
     built = [s for s in bar.said if s.startswith("memory model")]
-    assert built == ["memory model, 0/3 checkpointed"] and bar.n == 3              # the plain step fits
+    assert built == ["memory model, 0/3 checkpointed"]                             # the plain step fits
+    # a fourth phase only where the time model put an alternative close to the plain step (a busy machine can,
+    # on this small MLP): then the leading ones are timed for real, and the line says so
+    timed = [s for s in bar.said if s.endswith("alternatives timed for real")]
+    assert bar.n == 3 + len(timed) and len(timed) <= 1
 
 
 def test_a_fit_at_another_budget_counts_and_times_nothing_again_until_the_model_changes(monkeypatch):
