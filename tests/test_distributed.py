@@ -519,19 +519,23 @@ def _clean_checks(rank, world):
     """The checks of CLEAN_CHECKS for this world size, on one process group one after the other (starting the
     processes was most of each check's time): {check: (status, its value or the error it raised, seconds)}.
     Each check runs with the collective timeout its own spawn had (MEMFIT_DIST_TIMEOUT, read at each wait)."""
-    import memfit.distributed as md
-    default = md.TIMEOUT_S
+    import os
+    default = os.environ.get("MEMFIT_DIST_TIMEOUT")
     out = {}
     for name, (fn, args, worlds, timeout_s) in CLEAN_CHECKS.items():
         if world not in worlds:
             continue
-        md.TIMEOUT_S = timeout_s or default
+        if timeout_s:
+            os.environ["MEMFIT_DIST_TIMEOUT"] = str(timeout_s)
+        elif default is None:
+            os.environ.pop("MEMFIT_DIST_TIMEOUT", None)
+        else:
+            os.environ["MEMFIT_DIST_TIMEOUT"] = default
         t0 = time.perf_counter()
         try:
             out[name] = ("ok", fn(rank, world, *args), time.perf_counter() - t0)
         except Exception as e:          # one check's failure must not hide the others' results
             out[name] = ("error", f"{type(e).__name__}: {e}", time.perf_counter() - t0)
-    md.TIMEOUT_S = default
     return out
 
 

@@ -23,11 +23,17 @@ import torch.distributed as dist
 
 from memfit.messages import first_line
 
-__all__ = ["MESSAGE_BYTES", "RankFailed", "TIMEOUT_S", "VALUES", "agree", "all_gather",
-           "all_gather_text", "all_reduce", "epoch_batch_sizes",
+__all__ = ["MESSAGE_BYTES", "RankFailed", "VALUES", "agree", "all_gather",
+           "all_gather_text", "all_reduce", "collective_timeout", "epoch_batch_sizes",
            "is_distributed", "rank_world", "reduce_states", "shard_data", "shard_indices", "shard_sizes", "smallest"]
 
-TIMEOUT_S = float(os.environ.get("MEMFIT_DIST_TIMEOUT", "120"))
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def collective_timeout() -> float:
+    """Seconds memfit's collectives wait for the other ranks: MEMFIT_DIST_TIMEOUT, else 120. Read at each wait,
+    not at import: a process may set it after importing memfit (ranks forked from a server that had)."""
+    return float(os.environ.get("MEMFIT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
 def is_distributed() -> bool:
@@ -160,7 +166,7 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "all_reduce",
     """In-place all_reduce on the backend's device, with a timeout; returns t (on its own device)."""
     dev = _device_for(dist.get_backend())
     buf = t.to(dev) if t.device != dev else t
-    _wait(dist.all_reduce(buf, op=op, async_op=True), what, timeout_s or TIMEOUT_S)
+    _wait(dist.all_reduce(buf, op=op, async_op=True), what, timeout_s or collective_timeout())
     if buf is not t:
         t.copy_(buf)
     return t
@@ -226,7 +232,7 @@ def all_gather(t: torch.Tensor, what: str, timeout_s: float | None = None) -> li
     dev = _device_for(dist.get_backend())
     buf = t.to(dev)
     out = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
-    _wait(dist.all_gather(out, buf, async_op=True), what, timeout_s or TIMEOUT_S)
+    _wait(dist.all_gather(out, buf, async_op=True), what, timeout_s or collective_timeout())
     return [o.cpu() for o in out]
 
 

@@ -22,6 +22,7 @@ from accumulation.cases import (
     token_loss,
 )
 from memfit.accumulation.run import accumulate
+from memfit.testing.ranks import context as ranks_context
 from memfit.testing.ranks import run_ranks
 
 # ---- two processes ------------------------------------------------------------------------------------------
@@ -252,13 +253,13 @@ def _ddp_checks(rank, world, released):
     check's time), the one where rank 1 fails on purpose last: {check: its value, or the error that check raised}.
     Each runs under the collective timeout its own spawn had (MEMFIT_DIST_TIMEOUT, read at each wait): 30 s, and
     60 s for "fails"."""
-    import memfit.distributed as md
+    import os
     out = {}
     for name, check, timeout_s in (("step", _ddp_rank, 30.0), ("terms", _ddp_terms, 30.0),
                                    ("nan", lambda r, w: _ddp_nan(r, w, False), 30.0),
                                    ("nan_bucket_view", lambda r, w: _ddp_nan(r, w, True), 30.0),
                                    ("fails", lambda r, w: _ddp_fails(r, w, released), 60.0)):
-        md.TIMEOUT_S = timeout_s
+        os.environ["MEMFIT_DIST_TIMEOUT"] = str(timeout_s)
         try:
             out[name] = ("ok", check(rank, world))
         except Exception as e:          # one check's failure must not hide the others' results
@@ -269,8 +270,7 @@ def _ddp_checks(rank, world, released):
 @pytest.fixture(scope="module")
 def ddp_checks():
     """{check: {rank: (status, value)}} from one spawn of 2 gloo ranks."""
-    import multiprocessing as mp
-    released = [mp.get_context("spawn").Event() for _ in FAIL_CALLS]      # "fails": rank 1 waits for rank 0
+    released = [ranks_context().Event() for _ in FAIL_CALLS]      # "fails": rank 1 waits for rank 0
     out = run_ranks(_ddp_checks, 2, released, timeout=120)
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     return {name: {rank: value[name] for rank, (_, value) in out.items()} for name in out[0][1]}

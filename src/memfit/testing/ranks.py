@@ -6,7 +6,8 @@ Every wait is bounded: the answers within `timeout` seconds in all (not per rank
 few seconds to exit and is killed if it has not; a rank that hangs (waiting in a collective for a rank that
 failed) shows up as missing, never as a hung caller.
 
-Example (functions must be importable by name: `spawn` starts fresh interpreters):
+Example (functions must be importable by name: each rank is a new process, forked from a server that has
+imported torch and memfit, which imports the function's module by its name):
     >>> from memfit.testing.ranks import run_ranks
     >>> run_ranks(my_module.rank_fn, 2, 64, timeout=60)     # doctest: +SKIP
     {0: ('ok', ...), 1: ('ok', ...)}
@@ -23,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 
-__all__ = ["free_port", "run_ranks", "settled_gloo", "spawn"]
+__all__ = ["context", "free_port", "run_ranks", "settled_gloo", "spawn"]
 
 EXIT_GRACE_S = 10.0     # after the answers: time each process gets to leave its process group and exit
 FAILED_GRACE_S = 5.0    # the same when a rank failed or did not answer (the others may be stuck: kill them)
@@ -107,6 +108,22 @@ def settled_gloo(timeout: float = SETTLE_TIMEOUT_S):
 settled_gloo.waits = 0
 
 
+# What every rank imports, imported once in the server its processes are forked from: a spawned rank took 3-5 s
+# to import torch and memfit on 2 busy cores, a forked one starts in ~0.1 s. Nothing here reads the environment
+# at import (the `env` of run_ranks is set in each rank before it runs; memfit reads MEMFIT_DIST_TIMEOUT at each
+# wait), and importing touches no GPU (CUDA cannot be used in a child forked after it was initialised); torch
+# resets its thread pools in a forked child, as in DataLoader's forked workers.
+PRELOAD = ["torch", "torch.distributed", "memfit"]
+
+
+def context():
+    """The multiprocessing context the ranks start in ("forkserver", its server importing PRELOAD once per
+    calling process): for the Events or Queues a test hands its ranks."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _worker(fn, rank, world, port, args, queue, env, backend, threads):
     """One rank: join the group through the caller's store on 127.0.0.1:`port`, run `fn`, put its answer."""
     import os
@@ -167,8 +184,9 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
     of the dict and its process killed.
 
     Args:
-        fn: a module-level function (the processes are spawned: they import it by name).
-        env: set in each process before torch is imported (e.g. MEMFIT_DIST_TIMEOUT).
+        fn: a module-level function (each process imports it by name).
+        env: set in each process before `fn` runs (e.g. MEMFIT_DIST_TIMEOUT; torch is imported already: a
+            variable torch reads at import has no effect).
         backend: "gloo" (CPU) or "nccl" (rank r takes GPU r).
         threads: torch intra-op threads per process (and OMP_NUM_THREADS unless `env` sets it).
         stop_at_first_error: stop collecting at the first rank that raises and kill the others (which may
@@ -176,7 +194,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
     """
     import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     # The group's store listens here, on a port the system picks as it binds: no rank can lose its port to
     # another process between a free_port() and its bind (runs in parallel, e.g. pytest-xdist workers)
