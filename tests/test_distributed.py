@@ -9,7 +9,7 @@ from memfit import evaluate
 from memfit import loader as memfit_loader
 from memfit.compact import CompactDataset
 from memfit.distributed import RankFailed, agree, epoch_batch_sizes, shard_indices, shard_sizes
-from memfit.testing.ranks import run_ranks
+from memfit.testing.ranks import run_ranks, spawn
 
 N = 1003                      # not a multiple of 2 or 3: uneven shards
 
@@ -199,6 +199,22 @@ def test_a_rank_that_dies_without_an_answer_is_reported_at_once_not_at_the_timeo
     assert out[0] == ("ok", 0), out
     assert out[1][0] == "error" and "exited with code 3 before answering" in out[1][1], out
     assert took < 60, took          # the old wait lasted the whole 120 s timeout
+
+
+def _environ(rank, world):
+    import os
+    return os.environ.get("MEMFIT_TEST_SET_AFTER_START"), os.environ.get("MEMFIT_TEST_ENV")
+
+
+def test_ranks_see_the_callers_environment_at_the_call_and_env_on_top(monkeypatch):
+    """Ranks fork from a server started at the first call, with the environment of that moment: a variable the
+    caller sets later must still reach them, as it reached a spawned rank."""
+    run_ranks(_rank_and_world, 2, timeout=60)                     # the server runs from here on
+    monkeypatch.setenv("MEMFIT_TEST_SET_AFTER_START", "set")
+    monkeypatch.delenv("MEMFIT_TEST_ENV", raising=False)
+    assert spawn(_environ, 2, timeout=60) == {0: ("set", None), 1: ("set", None)}
+    assert spawn(_environ, 2, timeout=60, env={"MEMFIT_TEST_ENV": "given"}) == {0: ("set", "given"),
+                                                                                1: ("set", "given")}
 
 
 def test_distributed_needs_a_process_group():

@@ -16,6 +16,7 @@ imported torch and memfit, which imports the function's module by its name):
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import queue as queue_module
 import socket
@@ -126,9 +127,8 @@ def context():
 
 def _worker(fn, rank, world, port, args, queue, env, backend, threads):
     """One rank: join the group through the caller's store on 127.0.0.1:`port`, run `fn`, put its answer."""
-    import os
-
-    os.environ.update(env or {})
+    os.environ.clear()              # the caller's environment now (the server's is the one it had when it started)
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     import torch.distributed as dist
@@ -200,6 +200,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
     # another process between a free_port() and its bind (runs in parallel, e.g. pytest-xdist workers)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
+    env = {**os.environ, **(env or {})}
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, env, backend, threads), daemon=True)
              for r in range(world)]
     for p in procs:
