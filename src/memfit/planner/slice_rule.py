@@ -27,7 +27,7 @@ Example:
     >>> import torch
     >>> from memfit.planner.captured import capture_model
     >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 7, 2, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
-    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 128, 128))
+    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 64, 64))
     >>> seg = next(n.target for n in cap.ep.graph.nodes if n.op == "call_function")
     >>> seg.size(8) is not None          # slices of `seg.size(8)` samples at batch 8
     True

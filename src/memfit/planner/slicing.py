@@ -30,12 +30,13 @@ Example:
     >>> import torch
     >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 7, 2, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
     >>> from memfit.planner.captured import capture_model
-    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 128, 128))    # 512 KiB a sample out of the convolution
+    >>> cap = capture_model(stem.eval(), torch.randn(4, 3, 64, 64))    # 128 KiB a sample out of the convolution
     >>> [n.target.__name__ for n in cap.ep.graph.nodes if n.op == "call_function"]
     ['batch_slices']
     >>> seg = next(n.target for n in cap.ep.graph.nodes if n.op == "call_function")
-    >>> [seg.size(n) for n in (2, 8)]             # samples a slice at batch 2 and at 8 (None: whole)
-    [1, 4]
+    >>> # samples a slice at batch 2 and at 8; None: whole (at 2, one sample a slice is under `MIN_SLICE_BYTES`)
+    >>> [seg.size(n) for n in (2, 8)]
+    [None, 4]
 """
 
 from __future__ import annotations
