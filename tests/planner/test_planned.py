@@ -24,12 +24,18 @@ from memfit.testing.zoo import MODELS, build
 LEFT_TO_BENCH = ("resnet50", "inception", "mobilenet_v2")
 ZOO = [(name, b) for name in MODELS if name not in LEFT_TO_BENCH
        for b in ((1, 3) if name in ("mlp", "lenet", "transformer") else (2,))]
+# the image models at 32x32, U-Net at 16x16 (its concatenated skips, transposed convolutions and pooling as at 32,
+# its bottom level 2x2, nothing sliced: tests/planner/test_slicing.py slices; 32x32 took twice the time, since a capture
+# weighs slicing at 17 batch sizes, each op's kernels measured at each); ResNet-18 stays at 32 (at 16 its first
+# blocks join the stem's segment, checked at more batch sizes: slower)
+IMAGE = {"unet": 16}
 
 
 @functools.cache
 def zoo_plan(name: str, batch: int):
-    """(model, input, plan with the defaults) of a zoo model at 32x32, shared by the tests that read that plan."""
-    model, shape = build(name, image=32)
+    """(model, input, plan with the defaults) of a zoo model at `IMAGE` (32x32 unless named there), shared by the
+    tests that read that plan."""
+    model, shape = build(name, image=IMAGE.get(name, 32))
     x = torch.randn(batch, *shape)
     return model, x, plan(model, (x,))
 
@@ -718,9 +724,7 @@ def test_a_conv_net_planned_holds_no_more_than_eager_by_the_allocator():
     (arena + what the allocator serves during it) stays at or below eager's allocator peak; counted nowhere,
     the arena sat on top of them (1.2x eager on ResNet-18 at 64x64, batch 8)."""
     from memfit.device.measure import track_memory
-    model, shape = build("resnet18", image=32)
-    x = torch.randn(2, *shape)
-    pm = plan(model, (x,))
+    model, x, pm = zoo_plan("resnet18", 2)           # at 32x32, the plan test_zoo_outputs_equal_eager checks
     with torch.inference_mode():
         torch.testing.assert_close(pm(x), model(x))
         with track_memory() as eager:
