@@ -250,24 +250,26 @@ class InvertedResidual(nn.Module):
 
 def test_equal_blocks_are_sliced_together(no_time_limit, monkeypatch):
     """Two equal blocks each peak where the other does: weighed one at a time, each found the other's peak
-    "elsewhere" and neither was sliced (MobileViT's second and third blocks); weighed together, both are (in slices
-    of 2: fewer rounds of kernel calls)."""
+    "elsewhere" and neither was sliced (MobileViT's second and third blocks); weighed together, both are. At 16x16
+    with `MIN_SLICE_BYTES` a quarter as large (a sample's bytes and the threshold scaled alike: at 32x32 the probes
+    at batch 256-1024 took most of the test's time), in slices of 1 (at 32x32: of 2, which peak no higher there)."""
+    monkeypatch.setattr(slicing, "MIN_SLICE_BYTES", slicing.MIN_SLICE_BYTES // 4)
     torch.manual_seed(0)
     model = nn.Sequential(InvertedResidual(), InvertedResidual(), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.uniform_(-0.1, 0.1)
             m.running_var.uniform_(0.5, 1.5)
-    x = torch.randn(8, 16, 32, 32)
+    x = torch.randn(8, 16, 16, 16)
     pm = plan(model, (x,))
     assert _sliced(pm) == 2
     with torch.inference_mode():
         for n in (8, 5):
-            xb = torch.randn(n, 16, 32, 32)
+            xb = torch.randn(n, 16, 16, 16)
             assert torch.equal(pm(xb), model(xb))
     planned = pm.report.arena_bytes + _peak(pm, x)
     assert pm.report.arena_bytes + pm.report.unplanned_bytes >= planned
-    expanded = 8 * 64 * 32 * 32 * 4                  # one block's expanded tensor at batch 8
+    expanded = 8 * 64 * 16 * 16 * 4                  # one block's expanded tensor at batch 8
     monkeypatch.setattr(captured, "slice_segments", lambda *a: {})
     whole = plan(model, (x,))
     unsliced = whole.report.arena_bytes + _peak(whole, x)
@@ -364,8 +366,9 @@ def test_slices_hold_enough_bytes_to_pay_for_their_calls(no_time_limit):
 
 
 class StemThenWideHead(nn.Module):
-    """A stem (7x7 convolution: 512 KiB a sample, exact in slices of 1 on this CPU's oneDNN) whose pooled output is
-    upsampled and read by a wide 1x1 convolution: once the stem is sliced, the head is where the call peaks."""
+    """A stem (7x7 convolution: 128 KiB a sample at 32x32, exact in slices of 1 on this CPU's oneDNN) whose pooled
+    output is upsampled and read by a wide 1x1 convolution: once the stem is sliced, the head is where the call
+    peaks."""
 
     def __init__(self):
         super().__init__()
@@ -379,9 +382,12 @@ class StemThenWideHead(nn.Module):
 
 
 def test_a_segment_runs_in_the_largest_slices_that_peak_no_higher(no_time_limit, monkeypatch):
-    """Slices of 2 peak no higher than slices of 1 where the rest of the call peaks above both: half the calls."""
+    """Slices of 2 peak no higher than slices of 1 where the rest of the call peaks above both: half the calls. At
+    32x32 with `MIN_SLICE_BYTES` a quarter as large (a sample's bytes and the threshold scaled alike: at 64x64 the
+    probes at batch 256-1024 made the test 3x slower)."""
+    monkeypatch.setattr(slicing, "MIN_SLICE_BYTES", slicing.MIN_SLICE_BYTES // 4)
     model = StemThenWideHead()
-    x = torch.randn(8, 3, 64, 64)
+    x = torch.randn(8, 3, 32, 32)
     pm = plan(model, (x,))
     assert [seg.size(8) for seg in _segments(pm.captures[0])] == [2]
     with torch.inference_mode():
