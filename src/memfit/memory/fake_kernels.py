@@ -194,13 +194,13 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
     dims = WORKSPACE.get(func)
     if dims is None:
         return 0, 0
-    from memfit.device.kernel_probe import arguments_key, probe_bytes
+    from memfit.device.kernel_probe import arguments_key, probe_bytes, zeros
     key = (func, arguments_key(args, kwargs), torch.get_num_threads())
     if key not in _WORKSPACE_BYTES:
-        def real(a):
-            if not isinstance(a, torch.Tensor):
+        def real(a):            # zeros the system hands out zeroed: nothing written (the planner's probes up to
+            if not isinstance(a, torch.Tensor):     # batch 1024 wrote every byte of each argument first)
                 return a
-            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).zero_()
+            return zeros(tuple(a.shape), a.stride(), a.dtype)
 
         def grow(a: torch.Tensor, d: int, k: int) -> torch.Tensor:
             """`a` with k along dimension d: its own strides where d is outermost (a slice of a larger buffer
@@ -208,7 +208,7 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
             if a.dim() and a.stride(d) == max(a.stride()):
                 shape = list(a.shape)
                 shape[d] = k
-                return torch.empty_strided(shape, a.stride(), dtype=a.dtype).zero_()
+                return zeros(tuple(shape), a.stride(), a.dtype)
             return torch.cat([a.narrow(d, 0, 1)] * k, d)
 
         def at(r_args, r_kwargs, k):             # the batch made k

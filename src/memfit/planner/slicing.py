@@ -99,19 +99,21 @@ def _runs(graph: torch.fx.Graph, consts: dict, symbol, n: int) -> list[tuple[Nod
 CHAIN_REACH = 4
 
 
-def _segment(start: Node, units: list[list[Node]], env: dict, symbol) -> tuple[int, int, int, float]:
+def _segment(start: Node, units: list[list[Node]], env: dict, symbol,
+             held: list[int] | None = None) -> tuple[int, int, int, float]:
     """(first block to slice, one past the last, the segment's peak run whole, the fraction of it slicing saves):
     the block where the run peaks, reaching over up to `CHAIN_REACH` blocks of one op on either side where that
     holds fewer bytes whole (its input and output, one tensor where the output can be written over the input; a
     stem to its pooling), of equal ones the fewest blocks: the fewest kernel calls slicing repeats (a residual
     block, a transformer's MLP, not every block of the model with it; each of the others is a segment of its own).
     Each block holds its input, its output and what it makes in between (each op's kernel's own bytes too: a
-    convolution on NCHW holds its result in oneDNN's layout, maybe its input reordered too)."""
-    batch = next(iter(env.values())) if env else Meta.of(start.meta["val"], env).shape[0]
+    convolution on NCHW holds its result in oneDNN's layout, maybe its input reordered too). `held`: each block's
+    peak run whole (`_held`), where the caller has them."""
     firsts = [start, *(u[-1] for u in units[:-1])]
     outs = [Meta.of(u[-1].meta["val"], env).nbytes for u in units]
     ins = [0 if f.op == "placeholder" else Meta.of(f.meta["val"], env).nbytes for f in firsts]   # (the caller's)
-    held = [build_segment(firsts[i], u, 1, symbol=symbol)[0]._slice_peak(env, batch) for i, u in enumerate(units)]
+    if held is None:
+        held = [_held(firsts[i], u, env, symbol) for i, u in enumerate(units)]
     top = max(range(len(outs)), key=lambda i: ins[i] + held[i])
     lo = hi = top
     while lo > 0 and top - lo < CHAIN_REACH and _one_op(units[lo - 1]):
@@ -129,6 +131,13 @@ def _segment(start: Node, units: list[list[Node]], env: dict, symbol) -> tuple[i
     # what a kernel allocates whatever the batch (weights reordered) stays, in every slice
     constant = max((node_inside_parts(node, env)[0] for u in units[first:end + 1] for node in u), default=0)
     return first, end + 1, whole, 1 - (ends(first, end) + constant) / whole if whole else 0.0
+
+
+def _held(first: Node, unit: list[Node], env: dict, symbol) -> int:
+    """The bytes one block holds at its peak run whole at the batch of `env` (a static capture: its own), beside
+    its input."""
+    batch = next(iter(env.values())) if env else Meta.of(first.meta["val"], env).shape[0]
+    return build_segment(first, unit, 1, symbol=symbol)[0]._slice_peak(env, batch)
 
 
 def _over_input(first: Node, last: Node) -> bool:
@@ -342,10 +351,18 @@ def _options(env: dict, start: Node, units: list, ok: dict[int, list[bool]],
         if j > i:
             todo.append((i, j))
         i = max(j, i + 1)
+    peaks: dict[int, int] = {}              # each block's peak whole, weighed once (a cut weighs what is left again)
+
+    def held(i: int, j: int) -> list[int]:
+        for k in range(i, j):
+            if k not in peaks:
+                peaks[k] = _held(start if k == 0 else units[k - 1][-1], units[k], env, symbol)
+        return [peaks[k] for k in range(i, j)]
+
     while todo:                             # each cut around its peak, the blocks left on either side cut again
         i, j = todo.pop()
         first = start if i == 0 else units[i - 1][-1]
-        a, b, _, saving = _segment(first, units[i:j], env, symbol)
+        a, b, _, saving = _segment(first, units[i:j], env, symbol, held(i, j))
         a, b = i + a, i + b
         sizes = sorted(frozenset.intersection(*exact[a:b]))
         if not sizes:                       # no size every block is exact at: runs that share one, cut again
