@@ -78,6 +78,7 @@ def test_demo_runs_on_two_processes_with_torchrun():
     assert r["world_size"] == 2
     assert r["evaluate"]["n"] == r["test"] == 359            # every test sample counted once, none twice
     assert r["loader"]["batches_per_epoch"] == -(-719 // 64)  # a rank iterates its half of the 1438
+    assert r["plan"]["planned_peak"] > 0 and r["max_eval_batch"] >= 1        # rank 0 reports them (only it)
 
 
 def test_arena_picture_agrees_with_the_table(monkeypatch):

@@ -97,7 +97,8 @@ def _say(quiet: bool, *args) -> None:
 def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, batch_size: int = 64,
         lr: float = 3e-3, seed: int = 0, out: str | os.PathLike = "memfit-demo", as_json: bool = False,
         distributed: bool = False, plots: bool = True, augment: bool = False) -> dict:
-    """Run the demo and return its figures (what `--json` prints)."""
+    """Run the demo and return its figures (what `--json` prints; on a rank other than 0 of a distributed run,
+    which prints nothing, without the plan's figures: "plan" and "max_eval_batch" None)."""
     from memfit import evaluate, loader, max_batch_size, plan
 
     t0 = time.perf_counter()
@@ -150,19 +151,26 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
     accumulated = None if distributed else train_under_budget(train, d.num_classes, dev, seed, 4 * batch_size, lr,
                                                               quiet)
 
-    # 3. plan the activation memory of inference and the largest evaluation batch in the budget
+    # 3. plan the activation memory of inference and the largest evaluation batch in the budget: rank 0 reports
+    # them (every rank's would be the same figures, shown nowhere)
     model.eval()
-    example = torch.empty((batch_size, *sample_shape), device=dev)
-    pm = plan(model, (example,))
-    rep = pm.report
-    eager_peak, planned_peak = _activation_peaks(model, pm, example)
-    largest = max_batch_size(model, sample_shape, limit, extra_bytes_per_sample=train.row_nbytes)
-    _say(quiet, f"plan     batch {batch_size}: the planned forward holds {format_bytes(planned_peak)} of activations "
-                f"at its peak, eager PyTorch {format_bytes(eager_peak)} ({eager_peak / max(planned_peak, 1):.1f}x "
-                f"less; by the allocator): arena {format_bytes(rep.arena_bytes)} (naive "
-                f"{format_bytes(rep.naive_bytes)}, lower bound {format_bytes(rep.lower_bound)}) + "
-                f"{format_bytes(rep.unplanned_bytes)} allocated by torch, parameters {format_bytes(rep.param_bytes)}")
-    _say(quiet, f"         largest evaluation batch within {format_bytes(limit)}: {largest}")
+    rep = largest = figures = None
+    if rank == 0:
+        example = torch.empty((batch_size, *sample_shape), device=dev)
+        pm = plan(model, (example,))
+        rep = pm.report
+        eager_peak, planned_peak = _activation_peaks(model, pm, example)
+        largest = max_batch_size(model, sample_shape, limit, extra_bytes_per_sample=train.row_nbytes)
+        _say(quiet, f"plan     batch {batch_size}: the planned forward holds {format_bytes(planned_peak)} of "
+                    f"activations at its peak, eager PyTorch {format_bytes(eager_peak)} "
+                    f"({eager_peak / max(planned_peak, 1):.1f}x less; by the allocator): arena "
+                    f"{format_bytes(rep.arena_bytes)} (naive {format_bytes(rep.naive_bytes)}, lower bound "
+                    f"{format_bytes(rep.lower_bound)}) + {format_bytes(rep.unplanned_bytes)} allocated by torch, "
+                    f"parameters {format_bytes(rep.param_bytes)}")
+        _say(quiet, f"         largest evaluation batch within {format_bytes(limit)}: {largest}")
+        figures = {"batch": batch_size, "naive": rep.naive_bytes, "planned": rep.arena_bytes,
+                   "eager_peak": eager_peak, "planned_peak": planned_peak, "lower_bound": rep.lower_bound,
+                   "unplanned": rep.unplanned_bytes, "parameters": rep.param_bytes}
 
     # 4. exact evaluation in chunks sized to the budget
     res = evaluate(model, test, metrics=("accuracy", "loss"), budget=limit, device=dev, progress=not quiet,
@@ -183,9 +191,7 @@ def run(data: str = "digits", *, budget="64MiB", device=None, epochs: int = 8, b
                    "augment": [repr(op) for op in ops]},
         "losses": losses,
         "accumulate": accumulated,
-        "plan": {"batch": batch_size, "naive": rep.naive_bytes, "planned": rep.arena_bytes,
-                 "eager_peak": eager_peak, "planned_peak": planned_peak,
-                 "lower_bound": rep.lower_bound, "unplanned": rep.unplanned_bytes, "parameters": rep.param_bytes},
+        "plan": figures,                                    # None on a rank other than 0 (it reports nothing)
         "max_eval_batch": largest,
         "evaluate": {"chunk_size": res.chunk_size, "chunks": res.chunks, "n": res.n, "runner": res.runner,
                      "accuracy": res.metrics["accuracy"], "loss": res.metrics["loss"], "reason": res.reason},
