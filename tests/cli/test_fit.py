@@ -32,11 +32,14 @@ def test_fit_prints_the_plan_of_the_python_api(tmp_path, capsys):
     assert code == 0 and (tmp_path / "fit.png").stat().st_size > 1000
     assert f"micro-batch {ref.micro_batch} (" in out and "<- chosen" in out and "why: " in out
     assert ref.peak_bytes < got["peak_bytes"]
-    # the plain step fits: its bytes are known; another alternative's memory model is made only where the time model
-    # predicts it faster (to be timed against the plain step): which ones depends on this machine's kernel timings
+    # the plain step fits: its bytes are known; a setting's memory model is made only for one of its alternatives
+    # the time model predicts no slower than the plain step (searched in time order up to the first that fits), and
+    # then gives the bytes of its other micro-batches too (a slower one's, free): which settings depends on this
+    # machine's kernel timings
     plain, = [a for a in got["alternatives"] if a["micro_batch"] == 32 and not a["checkpoint"]]
     assert plain["bytes"] == got["peak_bytes"] and any(a["bytes"] is None for a in got["alternatives"])
-    assert all(a["time"] < 1.0 for a in got["alternatives"] if a["bytes"] is not None and a is not plain), \
+    built = {tuple(a["checkpoint"]) for a in got["alternatives"] if a["bytes"] is not None}
+    assert all(min(a["time"] for a in got["alternatives"] if tuple(a["checkpoint"]) == c) <= 1.0 for c in built), \
         [(a["micro_batch"], a["checkpoint"], a["time"], a["bytes"]) for a in got["alternatives"]]
     assert least <= got["peak_bytes"]
 
