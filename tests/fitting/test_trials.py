@@ -45,12 +45,16 @@ def test_micro_steps_are_timed_and_leave_everything_as_it_was():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+SEEN: list[int] = []      # the batch sizes FunctionalDropout's forwards ran at (a module's own list is copied)
+
+
 class FunctionalDropout(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x):
+        SEEN.append(x.shape[0])
         return F.dropout(self.lin(x), 0.5, self.training)
 
 
@@ -62,6 +66,14 @@ def test_a_model_that_draws_outside_its_dropout_modules_is_not_timed_and_draws_n
     assert timed.seconds == {} and "draws random numbers outside its torch.nn.Dropout modules" in timed.why_not
     assert "(aten.bernoulli_)" in timed.why_not                   # the op that drew (dropout decomposes to it)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_smallest_micro_step_is_warmed_up_first_so_a_draw_is_found_on_the_cheapest():
+    """Points given largest first: the one forward that runs, and finds the draw, is the smallest micro-batch's."""
+    SEEN.clear()
+    timed = micro_steps(FunctionalDropout(), F.mse_loss, torch.randn(8, 8), torch.randn(8, 8),
+                        [(8, Setting()), (4, Setting()), (2, Setting())])
+    assert timed.seconds == {} and SEEN == [2]
 
 
 class Fails(nn.Module):

@@ -339,3 +339,24 @@ def test_a_training_prediction_passes_its_fake_ops_through_no_rng_mode(monkeypat
     memfit.memory_model(model, (16,), train=True, optimizer=torch.optim.AdamW(model.parameters()))
     assert 0 < len(seen) < 50, len(seen)
     assert torch.ops.aten.addmm.default not in seen and torch.ops.aten.native_dropout.default not in seen
+
+
+def test_a_prediction_imports_no_aot_tracing_and_a_tracer_inside_one_leaves_torchs_generators_alone():
+    """own_rng no longer replaces AOT tracing's save and restore of torch's generators around the whole prediction
+    (that imported torch's AOT tracing: 1.6 s of a fresh process's first fit, which traces nothing); a tracer inside a
+    prediction (`traced_section`) has it replaced, in this thread only, and only there."""
+    from memfit.device import torch_private
+    from memfit.memory.isolation import own_rng, traced_section
+    replacement = torch_private._AOT_RNG
+    with traced_section():
+        assert replacement._users == 0                 # no prediction around: torch's own behaviour
+    with own_rng():
+        assert replacement._users == 0
+        with traced_section():
+            assert replacement._users == 1
+            from torch._functorch import aot_autograd
+            with aot_autograd.preserve_rng_state():    # replaced: what another thread draws meanwhile stays drawn
+                state = torch.get_rng_state()
+                torch.rand(3)
+            assert not torch.equal(torch.get_rng_state(), state)
+        assert replacement._users == 0

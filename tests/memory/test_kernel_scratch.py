@@ -15,6 +15,8 @@ from memfit.device.measure import track_memory
 from memfit.memory.kernel_scratch import ScratchOp, batch_sizes, scratch_bytes, spec_of
 from memfit.memory.step import measure_step
 
+DEV = torch.device("cpu")
+
 warnings.filterwarnings("ignore", message=".*(loss_type|bos_token_id|eos_token_id).*")
 
 
@@ -203,3 +205,31 @@ def test_real_arguments_are_zeros_in_the_layout_of_the_fake_ones_and_measure_as_
     ints, _ = real_arguments(spec_of((torch.zeros(3, 4, dtype=torch.long), torch.zeros(4, dtype=torch.bool)), {}),
                              ones=True)
     assert not ints[0].any() and not ints[1].any()                 # ones are for floating tensors only
+
+
+def test_ones_for_kernels_that_write_no_argument_come_from_one_buffer_apart_and_aligned():
+    """`Ones`: a read-only kernel's floating arguments are ones in its layout (a slice with a gap, another batch's
+    shape), cut from one buffer written once, apart from each other and 64-byte aligned; the next kernel's lie over
+    them; a kernel that writes an argument (add_) gets ones of its own, and the buffer stays ones. The kernels give
+    what they give on ones made per argument."""
+    from memfit.memory.kernel_scratch import Ones, real_arguments
+    qkv = torch.zeros(4, 6, 24)
+    q, k = qkv[..., :8], qkv[..., 8:16]                   # slices of one projection: a gap between rows
+    spec = spec_of((q, k.transpose(1, 2), torch.zeros(3, dtype=torch.long)), {})
+    bmm = torch.ops.aten.bmm.default
+    fresh = real_arguments(spec_of((q, k.transpose(1, 2)), {}), {}, ones=True)[0]
+    pool = Ones()
+    (a, b, index), _ = real_arguments(spec, {0: (2, 6, 8), 1: (2, 8, 6)}, ones=pool, func=bmm)
+    assert (a.shape, b.shape) == ((2, 6, 8), (2, 8, 6)) and (a.stride(), b.stride()) == ((144, 24, 1), (144, 1, 24))
+    assert torch.equal(a, torch.ones(2, 6, 8)) and torch.equal(b, torch.ones(2, 8, 6)) and not index.any()
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()                 # one buffer
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    assert b.data_ptr() >= a.data_ptr() + a.element_size() * (1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride())))
+    (c, d), _ = real_arguments(spec_of((q, k.transpose(1, 2)), {}), {}, ones=pool, func=bmm)
+    assert c.data_ptr() == a.data_ptr()                   # the next kernel's arguments lie over the last one's
+    assert torch.equal(bmm(c, d), bmm(*fresh))
+    add_ = torch.ops.aten.add_.Tensor
+    (e, f), _ = real_arguments(spec_of((torch.zeros(4, 6), torch.zeros(4, 6)), {}), {}, ones=pool, func=add_)
+    assert e.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()       # its own: it writes e
+    add_(e, f)
+    assert torch.equal(e, torch.full((4, 6), 2.0)) and bool((pool.buffers[(torch.float32, DEV)] == 1).all())

@@ -113,8 +113,9 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
     samples in a row, came out 2.5x its usual time in one process of four)."""
     from memfit.device.torch_private import disable_current_modes
     from memfit.memory.isolation import own_draw
-    from memfit.memory.kernel_scratch import real_arguments
+    from memfit.memory.kernel_scratch import Ones, real_arguments
     threads = torch.get_num_threads()
+    ones = Ones()                        # the arguments of kernels that write none: one buffer of ones
     asked = list(dict.fromkeys(kernels))
     todo = [k for k in asked if (*k, threads, device) not in _SECONDS]
     now = clock(device)
@@ -129,7 +130,7 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
             for key in group:
                 func, spec, shapes = key
                 try:
-                    args, kwargs = real_arguments(spec, dict(shapes), device, ones=True)
+                    args, kwargs = real_arguments(spec, dict(shapes), device, ones=ones, func=func)
                     seeded = torch.Tag.nondeterministic_seeded in func.tags
                     call = (lambda f=func, a=args, k=kwargs: own_draw(f, a, k)) if seeded else \
                         (lambda f=func, a=args, k=kwargs: f(*a, **k))

@@ -155,13 +155,15 @@ def own_rng() -> Iterator[None]:
     """Inside, this thread's random ops draw from generators of their own (`_OwnGenerators`): torch's CPU and
     CUDA generators are neither advanced nor restored, so what any other thread draws is unchanged. torch.export's
     AOT tracing, which saves torch's generators and restores them afterwards (rewinding what other threads drew
-    meanwhile), skips that in this thread only (`aot_rng_not_saved`)."""
+    meanwhile), skips that in this thread only inside `traced_section`, around every tracer a prediction runs
+    (`aot_rng_not_saved`; not here: it imports torch's AOT tracing, 1.6 s of a fresh process's first `memfit.fit`,
+    which runs no tracer)."""
     if getattr(_THIS_THREAD, "own", False):   # nested (a prediction's fake run): the outer mode serves it; a
         yield                                 # second one would pass every op through Python once more
         return
     _THIS_THREAD.own = True
     try:
-        with aot_rng_not_saved(), _OwnGenerators():
+        with _OwnGenerators():
             yield
     finally:
         _THIS_THREAD.own = False
@@ -188,12 +190,17 @@ def traced_section() -> Iterator[None]:
     own_rng's mode, when it is the innermost, steps aside until it ends. In it, a random op (a dropout in
     training mode, `torch.randn_like`) met tensors the mode took for real ones and was given own_rng's generator,
     which export then lifted into the graph as a constant it could not keep ("Custom object lifted_custom_0 is not
-    in the constants dictionary"). Nothing a tracer runs draws: its tensors are fake."""
-    if not isinstance(current_dispatch_mode(), _OwnGenerators):
+    in the constants dictionary"). Nothing a tracer runs draws: its tensors are fake. Inside a prediction
+    (`own_rng`), AOT tracing neither saves nor restores torch's generators in this thread (`aot_rng_not_saved`)."""
+    if not getattr(_THIS_THREAD, "own", False):
         yield
         return
-    with pop_mode_temporarily():
-        yield
+    with aot_rng_not_saved():
+        if not isinstance(current_dispatch_mode(), _OwnGenerators):
+            yield
+            return
+        with pop_mode_temporarily():
+            yield
 
 
 @contextmanager
