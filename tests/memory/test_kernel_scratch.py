@@ -224,7 +224,8 @@ def test_ones_for_kernels_that_write_no_argument_come_from_one_buffer_apart_and_
     assert torch.equal(a, torch.ones(2, 6, 8)) and torch.equal(b, torch.ones(2, 8, 6)) and not index.any()
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()                 # one buffer
     assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
-    assert b.data_ptr() >= a.data_ptr() + a.element_size() * (1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride())))
+    a_end = a.data_ptr() + a.element_size() * (1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True)))
+    assert b.data_ptr() >= a_end
     (c, d), _ = real_arguments(spec_of((q, k.transpose(1, 2)), {}), {}, ones=pool, func=bmm)
     assert c.data_ptr() == a.data_ptr()                   # the next kernel's arguments lie over the last one's
     assert torch.equal(bmm(c, d), bmm(*fresh))

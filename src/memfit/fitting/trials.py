@@ -96,8 +96,8 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
                 rounds: int = ROUNDS) -> Timed:
     """Time real micro-steps of each point (m, setting): the first m samples of (x, y) forward, `loss_fn`, backward,
     under the point's checkpointing and autocast, `rounds` times each in turn (ABBA order, the smallest micro-batch
-    first; the first run of each a warm-up). An out-of-memory error or any other failure stops the timing: `Timed.why_not` says why, and nothing
-    is kept."""
+    first; the first run of each a warm-up). An out-of-memory error or any other failure stops the timing:
+    `Timed.why_not` says why, and nothing is kept."""
     device = model_device(module)
     now = clock(device)
     what = "the thread's CPU time" if device.type == "cpu" and torch.get_num_threads() == 1 else "the wall clock"

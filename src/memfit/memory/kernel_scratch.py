@@ -49,8 +49,8 @@ import torch
 from memfit.device.kernel_probe import probe_bytes, zeros
 from memfit.device.torch_private import OpOverload, disable_current_modes, op_schema, tree_flatten, tree_unflatten
 
-__all__ = ["ArgSpec", "Ones", "ScratchOp", "batch_sizes", "forget_measured", "inside_parts", "measured_here", "real_arguments",
-           "scratch_bytes", "scratch_ops", "sizes_at", "spec_of"]
+__all__ = ["ArgSpec", "Ones", "ScratchOp", "batch_sizes", "forget_measured", "inside_parts", "measured_here",
+           "real_arguments", "scratch_bytes", "scratch_ops", "sizes_at", "spec_of"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _CHOSEN: dict = {}              # op -> whether its outputs are new storages (not a view, not in place)
