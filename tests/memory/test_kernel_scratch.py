@@ -210,7 +210,7 @@ def test_real_arguments_are_zeros_in_the_layout_of_the_fake_ones_and_measure_as_
 def test_ones_for_kernels_that_write_no_argument_come_from_one_buffer_apart_and_aligned():
     """`Ones`: a read-only kernel's floating arguments are ones in its layout (a slice with a gap, another batch's
     shape), cut from one buffer written once, apart from each other and 64-byte aligned; the next kernel's lie over
-    them; a kernel that writes an argument (add_) gets ones of its own, and the buffer stays ones. The kernels give
+    them; an argument a kernel writes (add_'s self) is ones of its own, and the buffer stays ones. The kernels give
     what they give on ones made per argument."""
     from memfit.memory.kernel_scratch import Ones, real_arguments
     qkv = torch.zeros(4, 6, 24)
@@ -232,5 +232,6 @@ def test_ones_for_kernels_that_write_no_argument_come_from_one_buffer_apart_and_
     add_ = torch.ops.aten.add_.Tensor
     (e, f), _ = real_arguments(spec_of((torch.zeros(4, 6), torch.zeros(4, 6)), {}), {}, ones=pool, func=add_)
     assert e.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()       # its own: it writes e
+    assert f.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()       # read: from the buffer
     add_(e, f)
     assert torch.equal(e, torch.full((4, 6), 2.0)) and bool((pool.buffers[(torch.float32, DEV)] == 1).all())

@@ -147,19 +147,34 @@ def _real(leaf: tuple, shape: tuple | None = None, device=None, ones: bool | One
 
 def real_arguments(spec: ArgSpec, shapes: dict | None = None, device=None, ones: bool | Ones = False,
                    func=None) -> tuple[tuple, dict]:
-    """(args, kwargs) of `spec` made real: zeros for each tensor (ones for floating tensors with `ones`, cut from it
-    where it is an `Ones` and `func`, the op they are for, writes none of its arguments; at `shapes[i]` where given:
-    leaf index -> another shape, or another int, for another batch), the other leaves as they are."""
+    """(args, kwargs) of `spec` made real: zeros for each tensor (ones for floating tensors with `ones`; where it is an
+    `Ones`, cut from it, but for the arguments `func`, the op they are for, writes: ones of their own; at `shapes[i]`
+    where given: leaf index -> another shape, or another int, for another batch), the other leaves as they are."""
     shapes = shapes or {}
+    written: set[int] = set()
     if isinstance(ones, Ones):
-        schema = op_schema(func)
-        if schema is None or schema.is_mutable:
-            ones = True                  # it writes an argument: ones of its own
-        else:
-            ones.next_kernel()
-    real = [_real(lf, shapes.get(i), device, ones) if _is_tensor(lf) else shapes.get(i, lf)
+        ones.next_kernel()
+        written = _written_leaves(func, spec)
+    real = [_real(lf, shapes.get(i), device, True if i in written else ones) if _is_tensor(lf) else shapes.get(i, lf)
             for i, lf in enumerate(spec.leaves)]
     return tree_unflatten(real, spec.tree)
+
+
+def _written_leaves(func, spec: ArgSpec) -> set[int]:
+    """The leaves of `spec` that `func` writes (an in-place op's self, an `out=`, an optimizer's foreach lists): by
+    its schema's aliasing; every leaf where it has none (not an op)."""
+    schema = op_schema(func)
+    if schema is None:
+        return set(range(len(spec.leaves)))
+    if not schema.is_mutable:
+        return set()
+    args, kwargs = tree_unflatten(list(range(len(spec.leaves))), spec.tree)     # each argument's leaf indices
+    written = set()
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            where = args[i] if i < len(args) else kwargs.get(a.name)
+            written.update(tree_flatten(where)[0] if where is not None else ())
+    return written
 
 
 def scratch_bytes(func, spec: ArgSpec, shapes: dict | None = None) -> int:
