@@ -7,7 +7,7 @@ peak: micro-batching or checkpointing must; left out, and said, where no alterna
 runs in a process of its own that has fitted nothing (`common.in_own_process`: no kernel timing, memory model or
 host chain kept), at the default thread count, and its seconds are set against one real plain step there (the median
 of three after a warm-up), by the wall clock and by the process's CPU time (on a shared machine the wall clock
-counts other processes' turns). Target: fit at most 3x one real step.
+counts other processes' turns). Target: fit at most 3x one real step, by CPU time.
 
 Run:
     memfit bench fit --wide --quick
@@ -91,9 +91,12 @@ def wide_rows(quick: bool, line) -> list[dict]:
                          "cpu fit/step": got["fit cpu s"] / got["step cpu s"]})
     print(table(rows, ["model", "batch", "budget", "plan", "fit s", "step s", "fit/step", "fit cpu s", "step cpu s",
                        "cpu fit/step"]))
-    worst = max(rows, key=lambda r: r["fit/step"])
+    # judged by CPU time: the process's own work (the wall clock counts other processes' turns on a shared machine)
+    worst = max(rows, key=lambda r: r["cpu fit/step"])
+    wall = max(r["fit/step"] for r in rows)
     threads = torch.get_num_threads()
-    line(worst["fit/step"] <= TARGET, f"fit's cost at training widths, from nothing kept, {threads} torch threads: "
-                                      f"at most {worst['fit/step']:.2f}x one real step ({worst['model']} "
-                                      f"{worst['budget']}; target <= {TARGET:.0f}x)")
+    line(worst["cpu fit/step"] <= TARGET, f"fit's cost at training widths, from nothing kept, {threads} torch threads: "
+                                          f"at most {worst['cpu fit/step']:.2f}x one real step by CPU time "
+                                          f"({worst['model']} {worst['budget']}; target <= {TARGET:.0f}x; by the wall "
+                                          f"clock at most {wall:.2f}x)")
     return rows
