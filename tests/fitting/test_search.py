@@ -12,6 +12,7 @@ from memfit.fitting.search import (
     checkpoint_sets,
     confirm,
     interpolate,
+    keep_plain,
     micro_batch_sizes,
     search,
     step_seconds,
@@ -284,6 +285,28 @@ def test_with_clear_0_the_plain_step_is_taken_wherever_it_fits_however_much_fast
                    leading=1, clear=0.0)
     reference = search(SETS, micro_batch_sizes(16), 16, cheap, BLOCKS, MACHINE, bytes_of, plain_fits - 1)
     assert (tight.best.micro_batch, tight.best.setting) == (reference.best.micro_batch, reference.best.setting)
+
+
+def test_without_a_real_timing_the_plain_step_that_fits_is_kept_and_the_reason_says_why():
+    """The leading alternatives could not be timed (a model that draws outside its Dropout modules, a meta model):
+    the time model alone does not replace a plain step that fits; where the plain step does not fit, or its bytes
+    were never computed, the choice stands."""
+    bytes_of, _ = peaks()
+    fast8 = Cost(ops=200, kernels=((1, 3e-3), (8, 1.68e-2), (16, 4.8e-2)))        # micro-batch 8 predicted faster
+    plain_fits = bytes_of(Setting())(16)
+    choice = search(SETS, micro_batch_sizes(16), 16, fast8, BLOCKS, MACHINE, bytes_of, plain_fits, lead=1.5,
+                    leading=3)
+    assert choice.best.micro_batch == 8
+    kept = keep_plain(choice, 16, plain_fits, "the model draws random numbers")
+    assert (kept.best.micro_batch, kept.best.setting) == (16, Setting()) and kept.leading == [kept.best]
+    assert kept.reason.startswith("the plain step fits") and "predicted at" in kept.reason
+    assert "not timed for real: the model draws random numbers" in kept.reason
+    tight = search(SETS, micro_batch_sizes(16), 16, fast8, BLOCKS, MACHINE, bytes_of, plain_fits - 1, lead=1.5,
+                   leading=3)
+    assert keep_plain(tight, 16, plain_fits - 1, "why") is tight                 # the plain step does not fit
+    plain = next(a for a in choice.alternatives if a.micro_batch == 16 and a.setting == Setting())
+    plain.bytes = None                                                           # never computed: unknown
+    assert keep_plain(choice, 16, plain_fits, "why") is choice
 
 
 def test_the_timed_alternatives_decide_and_close_ones_go_to_the_simplest():

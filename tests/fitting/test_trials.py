@@ -5,7 +5,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from memfit.fitting.search import Setting
-from memfit.fitting.trials import micro_steps
+from memfit.fitting.trials import draws, micro_steps
 
 
 def model(dropout=0.3):
@@ -66,6 +66,34 @@ def test_a_model_that_draws_outside_its_dropout_modules_is_not_timed_and_draws_n
     assert timed.seconds == {} and "draws random numbers outside its torch.nn.Dropout modules" in timed.why_not
     assert "(aten.bernoulli_)" in timed.why_not                   # the op that drew (dropout decomposes to it)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class Attention(nn.Module):
+    """Self-attention as transformers models call it: F.scaled_dot_product_attention, its dropout 0 (eval, or
+    attention dropout 0). Its CPU kernel is tagged as a random op, but draws nothing at dropout_p 0."""
+
+    def __init__(self, dropout_p=0.0):
+        super().__init__()
+        self.qkv, self.out, self.dropout_p = nn.Linear(32, 96), nn.Linear(32, 32), dropout_p
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(x.shape))
+
+
+def test_attention_at_dropout_0_is_timed_and_draws_nothing_from_torch():
+    """GPT-2's and BERT's leading alternatives were never timed: the attention kernel counted as a draw."""
+    m, x, y = Attention(), torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    rng = torch.get_rng_state()
+    timed = micro_steps(m, F.mse_loss, x, y, [(2, Setting()), (4, Setting())])
+    assert timed.why_not == "" and set(timed.seconds) == {(2, Setting()), (4, Setting())}
+    assert torch.equal(torch.get_rng_state(), rng)
+    q = torch.randn(1, 2, 4, 8)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert not draws(flash, (q, q, q, 0.0), {}) and not draws(flash, (q, q, q), {})       # its default: 0
+    assert draws(flash, (q, q, q, 0.1), {}) and draws(flash, (q, q, q), {"dropout_p": 0.1})
+    assert draws(torch.ops.aten.native_dropout.default, (q, 0.0, True), {})    # no dropout_p: it draws at p 0 too
 
 
 def test_the_smallest_micro_step_is_warmed_up_first_so_a_draw_is_found_on_the_cheapest():

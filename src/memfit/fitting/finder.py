@@ -37,6 +37,7 @@ from memfit.fitting.search import (
     Setting,
     checkpoint_sets,
     confirm,
+    keep_plain,
     micro_batch_sizes,
     search,
 )
@@ -228,6 +229,9 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                          "time predicted")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
+            choice = keep_plain(choice, n, budget, timed.why_not)
+    elif len(choice.leading) > 1 and device.type == "meta":
+        choice = keep_plain(choice, n, budget, "a meta-device model runs no kernel")
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
     if dependent and not allow:
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "

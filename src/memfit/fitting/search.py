@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from memfit.budget import format_bytes
 
 __all__ = ["Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "confirm", "interpolate",
-           "micro_batch_sizes", "search", "step_seconds"]
+           "keep_plain", "micro_batch_sizes", "search", "step_seconds"]
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpointed: the grid the issue names
 LEAD = 1.15      # alternatives predicted within this of the fastest that fits are timed for real beside it ...
@@ -297,6 +297,20 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
     said = "; ".join(f"{_name(a, n)} {a.measured:.3g} s a step" for a in sorted(timed, key=lambda a: a.measured))
     reason = f"{why}: {_name(best, n)}, {format_bytes(best.bytes)} <= the budget (measured: {said})"
     return Choice(best, choice.alternatives, reason, choice.leading)
+
+
+def keep_plain(choice: Choice, n: int, budget: int, why: str) -> Choice:
+    """The choice where the leading alternatives could not be timed for real (`why`): the plain step wherever it is
+    known to fit, since no measurement shows another faster (the time model's predictions alone drift between
+    identical calls: micro-batch 2 or 4 chosen over a plain step that fits in 3 of 9 fits of GPT-2 768x2); else the
+    choice as it was."""
+    plain = next((a for a in choice.alternatives if a.micro_batch == n and a.setting == Setting()), None)
+    if plain is None or choice.best is plain or plain.bytes is None or plain.bytes > budget:
+        return choice
+    reason = (f"the plain step fits: {format_bytes(plain.bytes)} <= {format_bytes(budget)}, and no other plan was "
+              f"measured faster ({_name(choice.best, n)} was predicted at {choice.best.time:.2f}x its time, not "
+              f"timed for real: {why})")
+    return Choice(plain, choice.alternatives, reason, [plain])
 
 
 def _ready(peak: Callable[[int], int], m: int) -> bool:

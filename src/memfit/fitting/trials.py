@@ -41,13 +41,13 @@ import torch
 from memfit.accumulation.checks import part_of
 from memfit.batches import forward
 from memfit.budget import is_oom, model_device
-from memfit.device.torch_private import DropoutBase, TorchDispatchMode, own_buffers
+from memfit.device.torch_private import DropoutBase, TorchDispatchMode, op_schema, own_buffers
 from memfit.fitting.checkpointing import checkpointed
 from memfit.fitting.search import Setting
 from memfit.fitting.timing import clock
 from memfit.messages import first_line
 
-__all__ = ["ROUNDS", "Timed", "micro_steps"]
+__all__ = ["ROUNDS", "Timed", "draws", "micro_steps"]
 
 ROUNDS = 3            # micro-steps of each alternative: a warm-up, then the least of the others is its figure
 
@@ -72,10 +72,25 @@ class _Draws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from memfit.memory.isolation import own_draw
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if torch.Tag.nondeterministic_seeded in func.tags and draws(func, args, kwargs or {}):
             self.seen.append(str(func.overloadpacket))
             return own_draw(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+def draws(func, args, kwargs) -> bool:
+    """Whether a random op (tagged `nondeterministic_seeded`) draws on this call: an attention kernel with
+    `dropout_p` 0 does not (torch's generator is left as it was: the CPU's flash and math kernels, every attention
+    of a transformers model in eval or with attention dropout 0, which were never timed for it); any other does (a
+    `native_dropout` at p 0 still draws)."""
+    schema = op_schema(func)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    given = kwargs.get("dropout_p", args[i] if i < len(args) else None)
+    p = schema.arguments[i].default_value if given is None else given
+    return p is None or p != 0
 
 
 def _copy_for_timing(module: torch.nn.Module) -> torch.nn.Module:
