@@ -181,7 +181,7 @@ def as_real_kernel_takes(func, args, kwargs: dict) -> tuple[list, dict]:
     return args, kwargs
 
 
-def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
+def workspace_bytes(func, args, kwargs, exact: bool = True) -> tuple[int, int]:
     """(constant, batch part): bytes a real CPU kernel of `WORKSPACE` allocates beyond its outputs while it
     runs, (0, 0) for other ops. Measured once per argument shapes by running the real kernel on zeros of those
     shapes, strides and dtypes under the allocator's events, and at batches 2, 4 and 8: the least line above
@@ -190,12 +190,15 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
     another path there). Runs at two batch sizes then see sizes constant or proportional, as an exact line
     needs (`memfit.memory.fit.proportional`; where they do not, more sizes run, batch 1 its own exact run).
     Counted at the op beside its inputs and outputs, it errs high by what the kernel frees before its outputs
-    are made, never low."""
+    are made, never low.
+
+    `exact=False`: above batch 8, the line alone, without running the kernel at this batch (a guide for choices,
+    as the planner's slicing rule weighs batches up to 1024: never a figure reported as the bytes)."""
     dims = WORKSPACE.get(func)
     if dims is None:
         return 0, 0
     from memfit.device.kernel_probe import arguments_key, probe_bytes, zeros
-    key = (func, arguments_key(args, kwargs), torch.get_num_threads())
+    key = (func, arguments_key(args, kwargs), torch.get_num_threads(), exact)
     if key not in _WORKSPACE_BYTES:
         def real(a):            # zeros the system hands out zeroed: nothing written (the planner's probes up to
             if not isinstance(a, torch.Tensor):     # batch 1024 wrote every byte of each argument first)
@@ -247,7 +250,8 @@ def workspace_bytes(func, args, kwargs) -> tuple[int, int]:
             # above it, which makes the runs differ and more sizes run
             ws = {k: w(k) for k in _LINE}
             rate = max(0, *(-(-(ws[q] - ws[p]) // (q - p)) for p, q in zip(_LINE, _LINE[1:], strict=False)))
-            constant = max(0, *(ws[k] - rate * k for k in _LINE), w(b) - rate * b)
+            at_b = w(b) - rate * b if exact or b <= _LINE[-1] else 0
+            constant = max(0, *(ws[k] - rate * k for k in _LINE), at_b)
         _WORKSPACE_BYTES[key] = (constant, rate * b)
     return _WORKSPACE_BYTES[key]
 

@@ -272,16 +272,17 @@ def scratch_ops(run, n: int, other, m: int, column: callable) -> list[ScratchOp]
             for op, func, spec in run.scratch]
 
 
-def inside_parts(target, args: tuple, kwargs: dict) -> tuple[int, int]:
+def inside_parts(target, args: tuple, kwargs: dict, exact: bool = True) -> tuple[int, int]:
     """(the same at every batch, the part that grows with it): bytes the real CPU kernel of `target` allocates beyond
     its outputs on arguments of these shapes (meta tensors at one batch). The ops of `fake_kernels.WORKSPACE` split
     the two (`workspace_bytes`); any other op on half-precision arguments (or floating ones of two dtypes) is run
     for real on zeros of these shapes (`kernel_scratch.scratch_bytes`, once per shapes and thread count), all of it
     counted as growing with the batch. The functional kernel is measured: on the planner's `out=` variants the
-    bytes were the same (bf16 `mean`, `add` of bf16 and float32, `addmm`, `mm`, `bmm`, `gelu`, `sum`)."""
+    bytes were the same (bf16 `mean`, `add` of bf16 and float32, `addmm`, `mm`, `bmm`, `gelu`, `sum`). `exact=False`:
+    a workspace above batch 8 from its line (`workspace_bytes`), for choices only."""
     from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
     if target in WORKSPACE:
-        return workspace_bytes(target, args, kwargs)
+        return workspace_bytes(target, args, kwargs, exact)
     if measured_here(target, args, kwargs):
         return 0, scratch_bytes(target, spec_of(args, kwargs))
     return 0, 0

@@ -40,13 +40,27 @@ def _replacement_bytes(fn, args: tuple, kwargs: dict) -> int:
         return probe_bytes(fn, tuple(real(a) for a in args), {k: real(v) for k, v in kwargs.items()})
 
 
-def node_inside_parts(node: Node, env: dict) -> tuple[int, int]:
+def _replacement_at(op, env: dict, exact: bool) -> int:
+    """`_replacement_bytes` of a graph op run by another kernel, at the batch of `env`; with `exact=False` above batch
+    8, from the line through its bytes at batches 4 and 8 (rounded up), not run at this batch."""
+    def at(e: dict) -> int:
+        return _replacement_bytes(op.replacement, tuple(meta_value(a, e) for a in op.node.args),
+                                  {k: meta_value(v, e) for k, v in op.node.kwargs.items()})
+    n = next(iter(env.values()), None)
+    if exact or n is None or n <= 8:
+        return at(env)
+    w4, w8 = at(dict.fromkeys(env, 4)), at(dict.fromkeys(env, 8))
+    rate = max(0, -(-(w8 - w4) // 4))
+    return max(0, w8 - 8 * rate) + rate * n
+
+
+def node_inside_parts(node: Node, env: dict, exact: bool = True) -> tuple[int, int]:
     """`inside_parts` of a graph node's op at the batch of `env` ((0, 0) where it is no ATen op: a getitem)."""
     from memfit.memory.kernel_scratch import inside_parts
     if not isinstance(node.target, OpOverload):
         return 0, 0
     return inside_parts(node.target, tuple(meta_value(a, env) for a in node.args),
-                        {k: meta_value(v, env) for k, v in node.kwargs.items()})
+                        {k: meta_value(v, env) for k, v in node.kwargs.items()}, exact)
 
 
 def handed_over(graph: Graph, op) -> str | None:
@@ -62,8 +76,9 @@ def handed_over(graph: Graph, op) -> str | None:
     return root.name if root is not None and root.kind == "call" and root.last == op.index else None
 
 
-def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
-    """One buffer per op of `graph` whose real kernel allocates inside (on the CPU), alive at that op only."""
+def workspaces(graph: Graph, env: dict, device_type: str, exact: bool = True) -> list[Buffer]:
+    """One buffer per op of `graph` whose real kernel allocates inside (on the CPU), alive at that op only.
+    `exact=False`: workspaces above batch 8 from their lines, not run at this batch (the slicing rule's guide)."""
     if device_type != "cpu":
         return []                           # CUDA library workspaces: a known limitation (memory.allocator)
     out = []
@@ -79,14 +94,13 @@ def workspaces(graph: Graph, env: dict, device_type: str) -> list[Buffer]:
             continue
         if op.replacement is not None and op.mode == "call":
             # another kernel runs it (max pooling without indices): what that one allocates inside
-            size = _replacement_bytes(op.replacement, tuple(meta_value(a, env) for a in op.node.args),
-                                      {k: meta_value(v, env) for k, v in op.node.kwargs.items()})
+            size = _replacement_at(op, env, exact)
             if size:
                 out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
             continue
         if op.mode not in ("call", "out") or not isinstance(target, OpOverload):
             continue                        # views and getitem allocate nothing
-        size = sum(node_inside_parts(op.node, env))
+        size = sum(node_inside_parts(op.node, env, exact))
         if size:
             out.append(Buffer(f"workspace of {op.node.name}", size, op.index, op.index))
     return out
