@@ -235,3 +235,16 @@ def test_ones_for_kernels_that_write_no_argument_come_from_one_buffer_apart_and_
     assert f.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()       # read: from the buffer
     add_(e, f)
     assert torch.equal(e, torch.full((4, 6), 2.0)) and bool((pool.buffers[(torch.float32, DEV)] == 1).all())
+
+
+def test_batch_norms_running_statistics_are_written_outside_the_shared_ones():
+    """native_batch_norm in training updates running_mean and running_var in place, though its schema marks no
+    argument written (`Tensor? running_mean`): cut from the shared buffer, they wrote 0.9 into it (var of ones: 0),
+    and every kernel timed after it in that group read that instead of ones (0.9**k after k calls)."""
+    from memfit.memory.kernel_scratch import Ones, real_arguments
+    bn = torch.ops.aten.native_batch_norm.default
+    x, c = torch.zeros(4, 8, 5, 5), torch.zeros(8)
+    pool = Ones()
+    args, kwargs = real_arguments(spec_of((x, c, c, c, c, True, 0.1, 1e-5), {}), {}, ones=pool, func=bn)
+    bn(*args, **kwargs)
+    assert bool((pool.buffers[(torch.float32, DEV)] == 1).all())
