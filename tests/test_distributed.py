@@ -588,3 +588,21 @@ def clean_checks_2():
 @pytest.fixture(scope="module")
 def clean_checks_3():
     return _spawn_clean_checks(3)
+
+
+def test_a_module_the_rank_imports_to_find_its_function_sees_the_callers_environment(tmp_path, monkeypatch):
+    """The caller's environment at the call must reach code that runs at import in the rank, as it did for a
+    spawned rank: the module that holds `fn` is imported while the rank unpickles it, before `_worker` sets the
+    environment (a config module reading an environment variable at import, as torch._inductor.config does)."""
+    import importlib
+    import sys
+    (tmp_path / "memfit_review_env_at_import.py").write_text(
+        "import os\nAT_IMPORT = os.environ.get('MEMFIT_TEST_AT_IMPORT')\n\n\n"
+        "def fn(rank, world):\n    return AT_IMPORT\n")
+    run_ranks(_rank_and_world, 2, timeout=60)                     # the server runs from here on
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MEMFIT_TEST_AT_IMPORT", "set")
+    mod = importlib.import_module("memfit_review_env_at_import")
+    assert mod.AT_IMPORT == "set"
+    assert spawn(mod.fn, 2, timeout=60) == {0: "set", 1: "set"}
+    sys.modules.pop("memfit_review_env_at_import", None)
