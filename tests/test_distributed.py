@@ -606,3 +606,17 @@ def test_a_module_the_rank_imports_to_find_its_function_sees_the_callers_environ
     assert mod.AT_IMPORT == "set"
     assert spawn(mod.fn, 2, timeout=60) == {0: "set", 1: "set"}
     sys.modules.pop("memfit_review_env_at_import", None)
+
+
+def _memfit_file(rank, world):
+    import memfit
+    return memfit.__file__
+
+
+def test_ranks_run_the_callers_memfit():
+    """The forkserver's server imports memfit from its own sys.path (Python 3.11's forkserver.main ignores the
+    sys_path it is handed): where the caller found memfit through a sys.path entry (pytest's pythonpath=src in a
+    worktree) and the venv has another (an editable install of another checkout), the ranks ran that other
+    memfit, silently."""
+    import memfit
+    assert spawn(_memfit_file, 2, timeout=60) == {0: memfit.__file__, 1: memfit.__file__}
