@@ -20,6 +20,7 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -119,14 +120,29 @@ PRELOAD = ["torch", "torch.distributed", "memfit"]
 
 def context():
     """The multiprocessing context the ranks start in ("forkserver", its server importing PRELOAD once per
-    calling process): for the Events or Queues a test hands its ranks."""
+    calling process, from the caller's sys.path): for the Events or Queues a test hands its ranks."""
+    from multiprocessing import forkserver
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # the server is a fresh interpreter that imports PRELOAD from its own sys.path: Python 3.11's forkserver.main
+    # ignores the sys_path it is handed, so a memfit the caller found through a sys.path entry (pytest's
+    # pythonpath=src in a worktree) lost to the venv's (an editable install of another checkout), silently
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()         # started here if not yet (else as it was: `_worker` checks memfit)
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 
-def _worker(fn, rank, world, port, args, queue, env, backend, threads):
-    """One rank: join the group through the caller's store on 127.0.0.1:`port`, run `fn`, put its answer."""
+def _worker(fn_pickled, rank, world, port, args, queue, env, backend, threads, caller_file):
+    """One rank: join the group through the caller's store on 127.0.0.1:`port`, run `fn`, put its answer. `fn`
+    comes pickled, unpickled once the caller's environment is set: its module, imported as it unpickles, runs
+    its top-level code under that environment (not the server's), as a spawned rank did."""
     os.environ.clear()              # the caller's environment now (the server's is the one it had when it started)
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -135,6 +151,11 @@ def _worker(fn, rank, world, port, args, queue, env, backend, threads):
     torch.set_num_threads(threads)          # the processes share the machine's cores
     store = None
     try:
+        if __file__ != caller_file:      # this module as the server imported it, against the caller's
+            raise RuntimeError(f"expected the caller's memfit ({caller_file}) in the rank; found {__file__}, which "
+                               "the forkserver's server imported from its sys.path when it started: start the "
+                               "ranks before sys.path changes")
+        fn = pickle.loads(fn_pickled)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, is_master=False)       # the caller's: already listening
@@ -201,7 +222,9 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0, env: dict
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
     env = {**os.environ, **(env or {})}
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, env, backend, threads), daemon=True)
+    fn_pickled = pickle.dumps(fn)       # a reference: its module imported in the rank after `env` is set
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn_pickled, r, world, port, args, queue, env, backend, threads, __file__))
              for r in range(world)]
     for p in procs:
         p.start()
