@@ -217,6 +217,22 @@ def test_ranks_see_the_callers_environment_at_the_call_and_env_on_top(monkeypatc
                                                                                 1: ("set", "given")}
 
 
+def test_the_collective_timeout_is_read_at_each_wait_and_a_bad_one_fails_before_the_collective(monkeypatch):
+    import memfit.distributed as md
+    monkeypatch.delenv("MEMFIT_DIST_TIMEOUT", raising=False)
+    assert md.collective_timeout() == md.DEFAULT_TIMEOUT_S == 120
+    monkeypatch.setenv("MEMFIT_DIST_TIMEOUT", "30")
+    assert md.collective_timeout() == 30
+    issued = []
+    monkeypatch.setattr(md.dist, "get_backend", lambda *a: "gloo")
+    monkeypatch.setattr(md.dist, "all_reduce", lambda *a, **k: issued.append(a))
+    for bad in ("soon", "0", "-5", "nan"):
+        monkeypatch.setenv("MEMFIT_DIST_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"MEMFIT_DIST_TIMEOUT to be a number of seconds above 0; found '{bad}'"):
+            md.all_reduce(torch.ones(2))
+    assert issued == []             # no rank left waiting in a collective this one never joins
+
+
 def test_distributed_needs_a_process_group():
     x, y = data()
     with pytest.raises(ValueError, match="needs an initialised torch.distributed process group"):

@@ -33,7 +33,17 @@ DEFAULT_TIMEOUT_S = 120.0
 def collective_timeout() -> float:
     """Seconds memfit's collectives wait for the other ranks: MEMFIT_DIST_TIMEOUT, else 120. Read at each wait,
     not at import: a process may set it after importing memfit (ranks forked from a server that had)."""
-    return float(os.environ.get("MEMFIT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    value = os.environ.get("MEMFIT_DIST_TIMEOUT", "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"expected MEMFIT_DIST_TIMEOUT to be a number of seconds above 0; found {value!r}: set it "
+                         "so (e.g. 120) or unset it for the default 120 s")
+    return seconds
 
 
 def is_distributed() -> bool:
@@ -166,7 +176,8 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "all_reduce",
     """In-place all_reduce on the backend's device, with a timeout; returns t (on its own device)."""
     dev = _device_for(dist.get_backend())
     buf = t.to(dev) if t.device != dev else t
-    _wait(dist.all_reduce(buf, op=op, async_op=True), what, timeout_s or collective_timeout())
+    timeout_s = timeout_s or collective_timeout()          # a bad MEMFIT_DIST_TIMEOUT fails before the collective
+    _wait(dist.all_reduce(buf, op=op, async_op=True), what, timeout_s)
     if buf is not t:
         t.copy_(buf)
     return t
@@ -232,7 +243,8 @@ def all_gather(t: torch.Tensor, what: str, timeout_s: float | None = None) -> li
     dev = _device_for(dist.get_backend())
     buf = t.to(dev)
     out = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
-    _wait(dist.all_gather(out, buf, async_op=True), what, timeout_s or collective_timeout())
+    timeout_s = timeout_s or collective_timeout()          # a bad MEMFIT_DIST_TIMEOUT fails before the collective
+    _wait(dist.all_gather(out, buf, async_op=True), what, timeout_s)
     return [o.cpu() for o in out]
 
 

@@ -120,5 +120,8 @@ def test_an_out_of_memory_error_or_a_failure_stops_the_timing_and_says_why():
     oom = micro_steps(Fails(torch.OutOfMemoryError("CUDA out of memory")), F.mse_loss, x, y,
                       [(2, Setting()), (4, Setting())])
     assert oom.seconds == {} and oom.why_not == "out of memory"
+    assert oom.failed == (4, Setting())             # the point that raised (fit keeps no plain step that did)
     other = micro_steps(Fails(ValueError("bad shape")), F.mse_loss, x, y, [(2, Setting()), (4, Setting())])
     assert other.seconds == {} and other.why_not == "a micro-step failed (ValueError: bad shape)"
+    assert micro_steps(Attention(), F.mse_loss, torch.randn(4, 16, 32), torch.randn(4, 16, 32),
+                       [(2, Setting())]).failed is None

@@ -229,7 +229,8 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                          "time predicted")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
-            choice = keep_plain(choice, n, budget, timed.why_not)
+            if timed.failed != (n, Setting()):        # a plain step that failed for real is not kept
+                choice = keep_plain(choice, n, budget, timed.why_not)
     elif len(choice.leading) > 1 and device.type == "meta":
         choice = keep_plain(choice, n, budget, "a meta-device model runs no kernel")
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"

@@ -61,6 +61,7 @@ class Timed:
     runs: int = 0
     clock: str = ""
     why_not: str = ""
+    failed: tuple | None = None     # the point (m, setting) whose micro-step raised, where one did
 
 
 class _Draws(TorchDispatchMode):
@@ -128,6 +129,7 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
     # is the cheapest (GPT-2 768x2's SDPA kernel is seeded: a full batch's forward and backward for nothing)
     keyed = sorted(dict.fromkeys(points), key=lambda k: k[0])
     samples: dict[tuple, list[float]] = {k: [] for k in keyed}
+    key = None
     try:
         for r in range(rounds):
             for key in (keyed if r % 2 == 0 else keyed[::-1]):
@@ -146,6 +148,7 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
                 samples[key].append(now() - t0)
     except Exception as e:
         timed.why_not = "out of memory" if is_oom(e) else f"a micro-step failed ({first_line(e)})"
+        timed.failed = key
         return timed
     timed.seconds = {k: min(v) for k, v in samples.items()}
     timed.runs = rounds - 1

@@ -160,18 +160,25 @@ def real_arguments(spec: ArgSpec, shapes: dict | None = None, device=None, ones:
     return tree_unflatten(real, spec.tree)
 
 
+# arguments kernels write that their schemas do not mark: batch norm's running statistics, updated in training by
+# native_batch_norm (and cudnn_batch_norm, miopen_batch_norm), whose schemas say nothing is written
+UNMARKED_WRITES = ("running_mean", "running_var")
+
+
 def _written_leaves(func, spec: ArgSpec) -> set[int]:
-    """The leaves of `spec` that `func` writes (an in-place op's self, an `out=`, an optimizer's foreach lists): by
-    its schema's aliasing; every leaf where it has none (not an op)."""
+    """The leaves of `spec` that `func` writes (an in-place op's self, an `out=`, an optimizer's foreach lists, batch
+    norm's running statistics): by its schema's aliasing, and `UNMARKED_WRITES` by name; every leaf where it has no
+    schema (not an op)."""
     schema = op_schema(func)
     if schema is None:
         return set(range(len(spec.leaves)))
-    if not schema.is_mutable:
+    unmarked = any(a.name in UNMARKED_WRITES for a in schema.arguments)
+    if not schema.is_mutable and not unmarked:
         return set()
     args, kwargs = tree_unflatten(list(range(len(spec.leaves))), spec.tree)     # each argument's leaf indices
     written = set()
     for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
+        if (a.alias_info is not None and a.alias_info.is_write) or a.name in UNMARKED_WRITES:
             where = args[i] if i < len(args) else kwargs.get(a.name)
             written.update(tree_flatten(where)[0] if where is not None else ())
     return written
