@@ -140,8 +140,12 @@ def test_fsdp_prediction_is_one_process_under_a_fake_group_at_world_8():
 
 
 def test_prediction_against_two_settled_gloo_ranks(gloo_ranks):
-    """Settled, a rank's peak is one figure, and the prediction of that schedule (gloo_race=False) holds it."""
-    models = {(p, k): _predict(p, k, gloo_race=False) if p.startswith("fsdp") else _predict(p, k) for p, _, k in CASES}
+    """Settled, a rank's peak is one figure, and the prediction of that schedule (gloo_race=False) holds it. The
+    wrappings users add (frozen units, no resharding, bf16 parameters) predicted from one fake run at the batch
+    checked (probes=(n,)): the line through batches 2, 4 and 8 is checked on the plain FSDP2 cases, at 16 from
+    it (the MLP) and at 8 (the encoder)."""
+    models = {(p, k): _predict(p, k, gloo_race=False, **({"probes": (n,)} if "-" in p else {}))
+              if p.startswith("fsdp") else _predict(p, k) for p, n, k in CASES}
     # the gradients as views into the buckets save bytes, on the real ranks as in the prediction (the same
     # bytes to 1e-3 of the step: how many depends on where the peak is)
     for name, n in (("mlp", 32), ("encoder", 8)):
