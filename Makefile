@@ -16,10 +16,12 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/memfit demo
 
-# Two pytest worker processes (pytest-xdist, in the dev extra), a whole test file to each at a time so that a
-# file's module fixtures (one spawn of ranks shared by its checks) run once; `make test TEST_WORKERS=0` runs one.
-# Ranks' ports are bound by the system as each group's store starts (memfit.testing.ranks), so workers never race.
-TEST_WORKERS ?= 2
+# Three pytest worker processes on 2 cores (pytest-xdist, in the dev extra): a third fills the time the others spend
+# waiting on ranks and subprocesses (torchrun, the console script): 4:51 against 5:30 with two, on a quiet 2-core VM.
+# A whole test file to each at a time, so that a file's module fixtures (one spawn of ranks shared by its checks) run
+# once; `make test TEST_WORKERS=0` runs one. Ranks' ports are bound by the system as each group's store starts
+# (memfit.testing.ranks), so workers never race.
+TEST_WORKERS ?= 3
 PYTEST_ARGS := -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
