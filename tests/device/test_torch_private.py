@@ -437,3 +437,26 @@ def test_clearing_the_cublas_workspaces_frees_the_first_matmuls_workspace():
     before = torch.cuda.memory_allocated()
     tp.clear_cublas_workspaces()
     assert torch.cuda.memory_allocated() < before
+
+
+def test_every_private_aten_op_memfit_names_exists_in_this_torch():
+    """ATen ops with a leading underscore (`aten._scaled_dot_product_attention_math`, the flash attention backward,
+    `_local_scalar_dense`, ...) are torch's internal operators: a release may rename or drop one. memfit names them
+    where their meaning is (fake kernels, the storage log, the planner's masks) rather than here; this scan of the
+    source fails by name, file and overload on a torch that lacks one, instead of a KeyError deep in a prediction."""
+    import pathlib
+    import re
+    src = pathlib.Path(__file__).resolve().parents[2] / "src" / "memfit"
+    named = {(m.group(1), m.group(2) or "", f.relative_to(src.parent).as_posix())
+             for f in src.rglob("*.py")
+             for m in re.finditer(r"\baten\.(_[A-Za-z0-9_]+)(?:\.([A-Za-z_][A-Za-z0-9_]*))?", f.read_text())}
+    assert len({op for op, _, _ in named}) >= 10           # the scan finds them (15 ops in 24 places on torch 2.13)
+
+    def exists(op: str, overload: str) -> bool:
+        try:
+            packet = getattr(torch.ops.aten, op)
+        except (AttributeError, RuntimeError):
+            return False
+        return not overload or hasattr(packet, overload)
+    missing = sorted(f"aten.{op}{'.' + o if o else ''} in {f}" for op, o, f in named if not exists(op, o))
+    assert not missing, f"torch {torch.__version__} lacks ATen ops memfit names: {missing}"
