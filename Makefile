@@ -4,13 +4,21 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # torch==2.13.0 (CPU build) comes from the local wheel cache; without the pin pip would fetch CUDA.
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints-cpu.txt
+# Python's default, bytecode cached (an environment may turn it off): the suite's processes (three workers, ranks,
+# the console script) then compile memfit, the tests' rewritten asserts and torch's modules once, not each.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: demo test test-torch-next test-cuda gpu-check lint bench clean
 
+# A newer pip first (Python 3.11's pip 23 spends ~10 s of CPU weighing the wheel tags of the index's links); then no
+# bytecode at install (pip would compile every module of torch, transformers, scipy...: ~35 s) but only what the
+# suite's collection imports, once, which also caches pytest's rewritten test modules for the three workers.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@echo "Creating $(VENV) and installing memfit, torch (CPU build) and the test tools: a few minutes, once (quiet pip)."
 	$(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PIP_INSTALL) --no-compile -e '.[dev]'
+	$(PY) -m pytest --collect-only -q -p no:cacheprovider > /dev/null
 	touch $@
 
 demo: $(VENV)/.installed
