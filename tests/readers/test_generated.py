@@ -24,8 +24,25 @@ def test_digits_matches_sklearn():
     np.testing.assert_array_equal(x[:, 0], np.floor(sk.images * 255 / 16 + 0.5))  # round half up; 8 -> 128
 
 
+def test_digits_are_read_without_importing_sklearn_and_from_load_digits_where_the_file_moved(monkeypatch, tmp_path):
+    """The bundled file is read directly (importing scikit-learn costs a process about 1 s); where a scikit-learn
+    release moved it, `load_digits` gives the same arrays."""
+    import importlib.util
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "sklearn.datasets", None)                # an import of it would raise
+        x, y = digits()
+    assert x.shape == (1797, 1, 8, 8)
+    spec = importlib.util.find_spec("sklearn")
+    moved = type(spec)(spec.name, spec.loader, is_package=True)
+    moved.submodule_search_locations = [str(tmp_path)]             # no datasets/data/digits.csv.gz there
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: moved if name == "sklearn" else None)
+    x2, y2 = digits()
+    np.testing.assert_array_equal(x2, x)
+    np.testing.assert_array_equal(y2, y)
+
+
 def test_digits_without_sklearn(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # makes the import raise ImportError
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # find_spec gives None, an import raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'memfit\[demo\]'"):
         digits()
 

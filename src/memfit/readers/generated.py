@@ -29,14 +29,28 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
         >>> x.shape, int(x.max()), y[:5].tolist()
         ((1797, 1, 8, 8), 255, [0, 1, 2, 3, 4])
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:
+    table = _digits_table()
+    x = np.rint(table[:, :-1].reshape(-1, 8, 8) * (255 / 16)).astype(np.uint8)[:, None]  # -> (1797, 1, 8, 8)
+    return x, table[:, -1].astype(np.int64)
+
+
+def _digits_table() -> np.ndarray:
+    """The (1797, 65) table scikit-learn ships (64 gray levels 0..16, then the label), read from its file without
+    importing scikit-learn (about 1 s of CPU a process: scipy comes with it); `load_digits` where the file moved."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
         raise ImportError("digits() needs scikit-learn, which is not installed; "
-                          "pip install 'memfit[demo]' (or pip install scikit-learn)") from e
+                          "pip install 'memfit[demo]' (or pip install scikit-learn)")
+    path = Path(next(iter(spec.submodule_search_locations)), "datasets", "data", "digits.csv.gz")
+    if path.is_file():
+        with gzip.open(path, "rt") as f:
+            return np.loadtxt(f, delimiter=",")
+    from sklearn.datasets import load_digits
     d = load_digits()
-    x = np.rint(d.images * (255 / 16)).astype(np.uint8)[:, None]  # (1797, 8, 8) -> (1797, 1, 8, 8)
-    return x, d.target.astype(np.int64)
+    return np.column_stack([d.data, d.target])
 
 
 # ----------------------------------------------------------------------------------- synthetic
