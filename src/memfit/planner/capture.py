@@ -17,7 +17,6 @@ import os
 import warnings
 
 import torch
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from memfit.device.torch_private import OpOverload, has_kernel, op_schema
 from memfit.input_mistakes import input_hint
@@ -87,6 +86,7 @@ def diagnose(model: torch.nn.Module, inputs: tuple, error: BaseException) -> Cap
     if eager is not None:
         return CaptureError(f"{name} fails on the example inputs, before any capture: "
                             f"{first_line(eager, with_type=False)} ({input_hint(str(eager), inputs)})", kind="inputs")
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # with sympy: ~0.9 s to import
     text = first_line(error)
     if isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in text.lower() \
             or "data dependent" in text.lower():

@@ -16,7 +16,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from memfit.device.allocators import CPU_ALIGNMENT
 from memfit.device.measure import unique_bytes
@@ -116,6 +115,7 @@ def place_at(cap: Captured, batch: int | None, *, algorithm: str = "greedy_by_si
     if not cap.dynamic and batch != cap.example_batch:
         raise ValueError(f"this capture is static at batch {cap.example_batch} ({cap.static_reason}); "
                          f"found batch {batch!r}: capture again with inputs of that batch")
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # with sympy: ~0.9 s to import
     try:
         placed = _placed(cap, batch, _graph_at(cap, batch, inplace, eager_where_cheaper), algorithm)
         placed.report.graph_order_bytes = placed.report.arena_bytes + placed.report.unplanned_bytes
