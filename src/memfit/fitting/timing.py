@@ -130,6 +130,7 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
     from memfit.memory.kernel_scratch import Ones, real_arguments
     threads = torch.get_num_threads()
     ones = Ones()                        # the arguments of kernels that write none: one buffer of ones
+    own = Ones()                         # those kernels write: a group's apart, the next group's over them
     asked = list(dict.fromkeys(kernels))
     todo = [k for k in asked if (*k, threads, device) not in _SECONDS]
     now = clock(device)
@@ -141,10 +142,11 @@ def kernel_seconds(kernels: Iterable[tuple], *, device: torch.device, group_byte
                 size += _arguments_bytes(todo[0])
                 group.append(todo.pop(0))
             calls: dict[tuple, tuple] = {}       # kernel -> (the call, calls per sample, the warm-up's s a call)
+            own.next_kernel()                   # the last group's written arguments are done with
             for key in group:
                 func, spec, shapes = key
                 try:
-                    args, kwargs = real_arguments(spec, dict(shapes), device, ones=ones, func=func)
+                    args, kwargs = real_arguments(spec, dict(shapes), device, ones=ones, func=func, own=own)
                     seeded = torch.Tag.nondeterministic_seeded in func.tags
                     call = (lambda f=func, a=args, k=kwargs: own_draw(f, a, k)) if seeded else \
                         (lambda f=func, a=args, k=kwargs: f(*a, **k))
