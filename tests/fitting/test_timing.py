@@ -56,7 +56,7 @@ def test_kernels_are_timed_in_turn_so_a_busy_moment_falls_on_one_sample_of_each(
     a, b = FakeKernel(clock, "a"), FakeKernel(clock, "b")
     keys = [(a, spec_of((), {}), ()), (b, spec_of((), {}), ())]
     got = timing.kernel_seconds(keys, device=DEV)
-    assert clock.log[2:] == ["a", "b"] * timing.SAMPLES
+    assert clock.log[2:] == ["a", "b"] * timing.SAMPLES     # each first sample 3x its warm-up: a second one
     assert got[keys[0]] == pytest.approx(1e-3) and got[keys[1]] == pytest.approx(1e-3)
     calls = clock.calls
     assert timing.kernel_seconds(keys, device=DEV) == got and clock.calls == calls      # kept: not timed again
@@ -96,12 +96,29 @@ def test_kernels_run_on_ones_where_zeros_would_be_a_slow_path_and_on_zeros_for_i
 
 
 def test_a_kernel_timed_in_a_busy_moment_is_counted_unsteady(fake_clock):
-    """Three samples of each of two 1 ms kernels; one sample of `a` falls on a busy moment (3 ms): `a` is unsteady
-    (3x apart), `b` is not; the figures stay the least sample."""
-    clock = fake_clock(busy={4})            # calls 0-3: first calls and warm-ups; call 4: a's first sample
+    """Two 1 ms kernels; a's first sample falls on a busy moment (3 ms): a takes a second sample and is unsteady
+    (3x apart), b's came as its warm-up did and is not; the figures stay the least sample."""
+    clock = fake_clock(busy={2})            # calls 0-1: the first calls (the warm-up); call 2: a's first sample
     a, b = FakeKernel(clock, "a"), FakeKernel(clock, "b")
     keys = [(a, spec_of((), {}), ()), (b, spec_of((), {}), ())]
     got = timing.kernel_seconds(keys, device=DEV)
     assert got[keys[0]] == pytest.approx(1e-3) and got[keys[1]] == pytest.approx(1e-3)
     assert timing.unsteady(keys, DEV) == (1, 2)
     assert timing.unsteady(keys[1:], DEV) == (0, 1)
+    assert clock.log == ["a", "b", "a", "b", "a"]
+
+
+def test_a_sample_as_its_warm_up_ran_is_the_second_and_another_is_taken_only_where_it_is_not(fake_clock):
+    """A kernel whose first sample comes within `STEADY` of its warm-up takes no second (the warm-up is it); one
+    whose warm-up ran slow (set-up: 3 ms against 1) takes two after it, and its figure leaves the warm-up out."""
+    clock = fake_clock(busy={0})            # a's first call, its warm-up, is slow; b's is not
+    a, b = FakeKernel(clock, "a"), FakeKernel(clock, "b")
+    keys = [(a, spec_of((), {}), ()), (b, spec_of((), {}), ())]
+    got = timing.kernel_seconds(keys, device=DEV)
+    assert clock.log == ["a", "b", "a", "b", "a"]           # first calls, a sample of each, a second of a only
+    assert got[keys[0]] == pytest.approx(1e-3) and got[keys[1]] == pytest.approx(1e-3)
+    clock = fake_clock(busy={1})            # b's warm-up 3 ms, its first sample 1 ms: 3x apart, a second sample
+    a, b = FakeKernel(clock, "a"), FakeKernel(clock, "b")
+    keys = [(a, spec_of((), {}), ()), (b, spec_of((), {}), ())]
+    got = timing.kernel_seconds(keys, device=DEV)
+    assert clock.log == ["a", "b", "a", "b", "b"] and got[keys[1]] == pytest.approx(1e-3)

@@ -125,3 +125,23 @@ def test_an_out_of_memory_error_or_a_failure_stops_the_timing_and_says_why():
     assert other.seconds == {} and other.why_not == "a micro-step failed (ValueError: bad shape)"
     assert micro_steps(Attention(), F.mse_loss, torch.randn(4, 16, 32), torch.randn(4, 16, 32),
                        [(2, Setting())]).failed is None
+
+
+def test_a_point_whose_first_run_comes_as_its_warm_up_did_takes_no_second(monkeypatch):
+    """On a fake clock (each micro-step 1 s, or 3 s where the call is slow): a point whose first timed run came
+    within `timing.STEADY` of its warm-up takes the warm-up as its second sample and runs twice in all; one whose
+    warm-up was slow (set-up: 3 s) runs a second timed micro-step; the figures are the least sample either way."""
+    from memfit.fitting import trials
+    ran, now = [], [0.0]
+    slow = {0}                                               # the first call: the smallest point's warm-up
+
+    def run(copy, params, loss_fn, x, y, key, device):
+        now[0] += 3.0 if len(ran) in slow else 1.0
+        ran.append(key[0])
+    monkeypatch.setattr(trials, "_run", run)
+    monkeypatch.setattr(trials, "clock", lambda device: lambda: now[0])
+    m = model()
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    timed = micro_steps(m, F.mse_loss, x, y, [(2, Setting()), (8, Setting())])
+    assert ran == [2, 8, 8, 2, 2]          # warm-ups, a run each (ABBA), a second of 2 only (its warm-up 3 s)
+    assert timed.seconds == {(2, Setting()): 1.0, (8, Setting()): 1.0} and timed.steady == 1

@@ -237,6 +237,30 @@ def test_ones_for_kernels_that_write_no_argument_come_from_one_buffer_apart_and_
     assert torch.equal(e, torch.full((4, 6), 2.0)) and bool((pool.buffers[(torch.float32, DEV)] == 1).all())
 
 
+def test_arguments_kernels_write_come_from_their_own_buffer_apart_until_released_and_ones_again():
+    """`real_arguments(..., own=Ones())`: an argument a kernel writes (add_'s self, mul_'s) is cut from `own`, not
+    the shared buffer, apart from every other written argument taken since `own.next_kernel()` (kernels timed in
+    turn each write their own), and is ones again when its region is handed out again though a kernel wrote it;
+    the kernels give what they give on ones made per argument."""
+    from memfit.memory.kernel_scratch import Ones, real_arguments
+    pool, own = Ones(), Ones()
+    add_, mul_ = torch.ops.aten.add_.Tensor, torch.ops.aten.mul_.Tensor
+    spec = spec_of((torch.zeros(4, 6), torch.zeros(4, 6)), {})
+    (a, b), _ = real_arguments(spec, {}, ones=pool, func=add_, own=own)
+    (c, d), _ = real_arguments(spec, {}, ones=pool, func=mul_, own=own)
+    mine = own.buffers[(torch.float32, DEV)].untyped_storage().data_ptr()
+    assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr() == mine      # written: from `own`
+    assert b.untyped_storage().data_ptr() == pool.buffers[(torch.float32, DEV)].untyped_storage().data_ptr()
+    assert c.data_ptr() >= a.data_ptr() + a.nbytes                                       # apart
+    fresh = real_arguments(spec, {}, ones=True)[0]
+    assert torch.equal(add_(a, b), add_(fresh[0].clone(), fresh[1])) and torch.equal(mul_(c, d), fresh[0])
+    add_(a, b)
+    own.next_kernel()                                     # a's kernel is done with: its region is handed out again
+    (e, _), _ = real_arguments(spec, {}, ones=pool, func=add_, own=own)
+    assert e.data_ptr() == a.data_ptr() and torch.equal(e, torch.ones(4, 6))             # ones again
+    assert bool((pool.buffers[(torch.float32, DEV)] == 1).all())
+
+
 def test_batch_norms_running_statistics_are_written_outside_the_shared_ones():
     """native_batch_norm in training updates running_mean and running_var in place, though its schema marks no
     argument written (`Tensor? running_mean`): cut from the shared buffer, they wrote 0.9 into it (var of ones: 0),

@@ -41,7 +41,7 @@ from memfit.fitting.search import (
     micro_batch_sizes,
     search,
 )
-from memfit.fitting.timing import BUSY_SHARE, UNSTEADY, clock, timing_device
+from memfit.fitting.timing import BUSY_SHARE, STEADY, UNSTEADY, clock, timing_device
 from memfit.fitting.trials import micro_steps
 from memfit.memory.cache import ModelCache
 from memfit.memory.micro_batch import _signature, training_peak
@@ -225,8 +225,10 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
             choice = confirm(choice, timed.seconds, n, step, blocks, rates, once)
             how_time += (f"; then the {len(timed.seconds)} leading alternatives that fit (predicted within "
                          f"{LEAD - 1:.0%} of the fastest, or the plain step) timed for real: {timed.runs} micro-steps "
-                         f"of each after a warm-up, in turn, by {timed.clock}, the least taken; the optimizer step's "
-                         "time predicted")
+                         f"of each after a warm-up, in turn, by {timed.clock}, the least taken"
+                         + (f" ({timed.steady} with the warm-up as the second: their first came within "
+                            f"{STEADY - 1:.0%} of it)" if timed.steady else "")
+                         + "; the optimizer step's time predicted")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
             if timed.failed != (n, Setting()):        # a plain step that failed for real is not kept

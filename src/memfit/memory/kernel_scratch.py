@@ -98,7 +98,8 @@ class Ones:
     (`real_arguments(..., ones=Ones())`): each kernel's arguments lie apart in it, 64-byte aligned as c10's
     allocator aligns, and the next kernel's lie over them. The buffer is written once; a tensor of ones made per
     argument writes every byte and page-faults every page of it (GPT-2 768x2's 286 kernels timed at four batch
-    sizes: 2.1 s of a 12 s `memfit.fit`). A kernel that writes an argument (in place, `out=`) gets its own."""
+    sizes: 2.1 s of a 12 s `memfit.fit`). A kernel that writes an argument (in place, `out=`) gets its own (from a
+    second `Ones`, `real_arguments(..., own=)`, refilled with ones, where the caller gives one)."""
 
     def __init__(self):
         self.buffers: dict = {}          # (dtype, device) -> a 1-D tensor of ones
@@ -146,17 +147,27 @@ def _real(leaf: tuple, shape: tuple | None = None, device=None, ones: bool | One
 
 
 def real_arguments(spec: ArgSpec, shapes: dict | None = None, device=None, ones: bool | Ones = False,
-                   func=None) -> tuple[tuple, dict]:
+                   func=None, own: Ones | None = None) -> tuple[tuple, dict]:
     """(args, kwargs) of `spec` made real: zeros for each tensor (ones for floating tensors with `ones`; where it is an
-    `Ones`, cut from it, but for the arguments `func`, the op they are for, writes: ones of their own; at `shapes[i]`
-    where given: leaf index -> another shape, or another int, for another batch), the other leaves as they are."""
+    `Ones`, cut from it, but for the arguments `func`, the op they are for, writes: ones of their own, cut from `own`
+    where given and filled with ones again; at `shapes[i]` where given: leaf index -> another shape, or another int,
+    for another batch), the other leaves as they are. `own`: a second `Ones` whose regions the caller hands out
+    apart until it calls `own.next_kernel()` (every kernel that may still run on them taken since): its pages
+    mapped once, where a tensor made per written argument page-faults every page of it (BERT 768x2's AdamW
+    kernels, in place: 0.28 s of the ones made for the 76 kernels timed)."""
     shapes = shapes or {}
     written: set[int] = set()
     if isinstance(ones, Ones):
         ones.next_kernel()
         written = _written_leaves(func, spec)
-    real = [_real(lf, shapes.get(i), device, True if i in written else ones) if _is_tensor(lf) else shapes.get(i, lf)
-            for i, lf in enumerate(spec.leaves)]
+
+    def make(i: int, lf: tuple) -> torch.Tensor:
+        if i not in written:
+            return _real(lf, shapes.get(i), device, ones)
+        if own is not None and lf[3].is_floating_point:
+            return _real(lf, shapes.get(i), device, own).fill_(1)
+        return _real(lf, shapes.get(i), device, True)
+    real = [make(i, lf) if _is_tensor(lf) else shapes.get(i, lf) for i, lf in enumerate(spec.leaves)]
     return tree_unflatten(real, spec.tree)
 
 
