@@ -25,3 +25,44 @@ def test_a_bad_sample_shape_is_refused_the_same_way_everywhere(x):
 def test_an_example_batch_is_not_a_shape():
     for batch in (torch.zeros(2, 3), {"x": torch.zeros(2, 3)}, (torch.zeros(2),)):
         assert not is_shape(batch)
+
+
+def test_garbage_since_collects_what_the_block_made_and_leaves_a_freeze_of_the_process_alone():
+    """The cycles made in the block are freed, the older ones wait for a full pass (not walked: the point), and
+    the process's own gc.freeze() is neither undone nor joined: there every collect is a full one."""
+    import gc
+    import weakref
+
+    from memfit.memory.step import garbage_since
+
+    class Node:
+        pass
+
+    def cycle():
+        a = Node()
+        a.self = a
+        return weakref.ref(a)
+    enabled = gc.isenabled()
+    gc.disable()                        # no automatic pass frees the cycles behind the test's back
+    try:
+        old = cycle()
+        with garbage_since() as collect:
+            young = cycle()
+            collect()
+            assert young() is None and old() is not None
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert old() is None
+        gc.freeze()                     # the process's own, before forking workers, say
+        frozen = gc.get_freeze_count()
+        try:
+            old = cycle()
+            with garbage_since() as collect:
+                collect()
+                assert old() is None    # a full collect
+            assert 0 < gc.get_freeze_count() <= frozen      # not given back, nothing added (some freed since)
+        finally:
+            gc.unfreeze()
+    finally:
+        if enabled:
+            gc.enable()

@@ -36,7 +36,7 @@ from memfit.device.measure import optimizer_state
 from memfit.device.torch_private import fake_store, fsdp_param_groups
 from memfit.memory.fsdp_log import RankLog, gloo_copies, tagging
 from memfit.memory.kinds import MemoryKind
-from memfit.memory.step import ExampleBatch, training_step
+from memfit.memory.step import ExampleBatch, garbage_since, training_step
 from memfit.memory.storage_log import LoggingFakeMode
 from memfit.memory.world_scaling import WorldScaling
 
@@ -172,7 +172,9 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
     log = RankLog(device, world_size)
     marks: dict[str, int] = {}
     enabled = gc.isenabled()
-    with _fake_group(world_size, rank) as mesh, tagging(log), \
+    # the unlogged step's garbage is all made in the run: the collect before the logged step walks the run's own
+    # objects only (a full one took 0.18 s of the tests' MLP's 0.29 s run)
+    with garbage_since() as collect, _fake_group(world_size, rank) as mesh, tagging(log), \
             gloo_copies(log) if backend == "gloo" else nullcontext():
         fake = _fake_copy(model, mode)
         opt = groups = sharded = None
@@ -200,7 +202,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 log.retag(optimizer_state(opt), K.OPTIMIZER_STATE)
                 log.note_shards([(fp.sharded_param, fp) for fp in sharded] + [
                     (v, fp) for fp in sharded for v in (opt.state.get(fp.sharded_param, {}) if opt else {}).values()])
-                gc.collect()
+                collect()
                 gc.disable()
                 start = len(log.ops)
 
