@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import memfit.memory.fewest_ranks as fewest
+from memfit.memory.cache import forget
 from memfit.memory.fewest_ranks import NoWorldFits, ranks_needed
 from memfit.memory.ranks import rank_memory_model
 
@@ -20,7 +21,9 @@ def test_ranks_needed_is_the_fewest_that_fit_and_runs_only_at_one_world_size(mon
     worlds = []
     run = ranks.fsdp_fake_run
     monkeypatch.setattr(ranks, "fsdp_fake_run", lambda *a, **k: worlds.append(k["world_size"]) or run(*a, **k))
+    forget(m)                                            # the runs of `base` are kept for m: each call its own
     assert ranks_needed(m, (256,), need[2], 4, optimizer=opt) == 2
+    forget(m)
     with pytest.raises(NoWorldFits, match="world size <= 40"):
         ranks_needed(m, (256,), 1, 4, optimizer=opt, max_world=40)
     assert worlds == [2, 1, 2, 1]                        # per call one run at 2 ranks, and one at 1

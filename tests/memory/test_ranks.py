@@ -287,6 +287,28 @@ def test_max_batch_size_per_rank(fsdp2):
     assert mm.total_bytes(n) <= budget < mm.total_bytes(n + 1) and n >= 100
 
 
+def test_fsdp_runs_are_kept_per_model_until_it_changes(monkeypatch):
+    """Asked again with the same runs (the other gloo_race, another world size, max_batch_size after memory_model),
+    no step runs again; a parameter frozen since (the model changed) or another optimizer runs again, and reads
+    as a fresh model of the same wrapping does."""
+    import memfit.memory.ranks as ranks
+    runs = []
+    run = ranks.fsdp_fake_run
+    monkeypatch.setattr(ranks, "fsdp_fake_run", lambda *a, **k: runs.append((k["world_size"], a[2])) or run(*a, **k))
+    m = rank_cases.mlp()
+    opt = torch.optim.AdamW(m.parameters())
+    predict = lambda model, opt, **k: rank_memory_model(model, (64,), optimizer=opt, backend="gloo", probes=(4,), **k)
+    race, settled = predict(m, opt), predict(m, opt, gloo_race=False, world_size=8)
+    assert runs == [(2, 4)] and race.total_bytes(4) > settled.at_world(2).total_bytes(4)
+    m[0].weight.requires_grad_(False)                   # rank_cases' "fsdp-frozen" MLP
+    frozen = predict(m, opt)
+    predict(m, torch.optim.AdamW(m.parameters()))
+    assert runs == [(2, 4)] * 3
+    fresh = rank_cases.model("fsdp-frozen")
+    assert frozen.total_bytes(4) == predict(fresh, torch.optim.AdamW(fresh.parameters())).total_bytes(4) \
+        < race.total_bytes(4)
+
+
 def test_every_thread_counts_what_another_thread_frees_and_peak_within_a_range():
     import threading
 

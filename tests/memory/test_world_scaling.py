@@ -8,6 +8,7 @@ import rank_cases
 import torch
 
 from memfit import memory_model
+from memfit.memory.cache import forget
 from memfit.memory.fsdp_run import fsdp_fake_run
 from memfit.memory.ranks import DIRECT_MAX, rank_memory_model
 from memfit.memory.step import ExampleBatch
@@ -67,6 +68,7 @@ def test_where_a_run_does_not_scale_each_world_size_runs_up_to_a_bound(monkeypat
     opt = torch.optim.AdamW(m.parameters())
     computed = rank_memory_model(m, (64,), optimizer=opt, world_size=5, probes=(4,))
     monkeypatch.setattr(fsdp_run, "_scaling", lambda *a: (None, "a stand-in reason"))
+    forget(m)                                           # the runs kept for m were made before the stand-in
     direct = rank_memory_model(m, (64,), optimizer=opt, world_size=5, probes=(4,))
     assert "run at 5 ranks, not computed from 2: a stand-in reason" in direct.method
     assert direct.total_bytes(4) == computed.total_bytes(4) and direct.unscalable == "a stand-in reason"

@@ -18,6 +18,8 @@ size per rank n:
   `memfit.memory.world_scaling`: rank 0's shards are ceil(rows / W) rows of each parameter, the collectives'
   buffers W such shards), in the same few seconds at 10,000 ranks as at 2, exactly: where a run holds a
   storage whose size that does not give, each world size is run for itself, up to `DIRECT_MAX` ranks.
+  The runs are kept per model until it changes (`memfit.memory.cache.ModelCache`): asked again (max_batch_size
+  after memory_model, the other `gloo_race`), the model runs no step again.
 `memfit.memory.fewest_ranks.ranks_needed(...)` is the fewest FSDP2 ranks whose per-rank peak fits a budget.
 
 Example:
@@ -39,12 +41,13 @@ import torch
 
 from memfit.budget import check_count, format_bytes
 from memfit.device.torch_private import ddp_comm_hook, fsdp_param_groups, is_hsdp
+from memfit.memory.cache import ModelCache
 from memfit.memory.cuda_held import ddp_buckets
 from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import MemoryKind
-from memfit.memory.step import ExampleBatch
-from memfit.memory.step_model import StepMemoryModel, step_memory_model
+from memfit.memory.step import ExampleBatch, autocast_state
+from memfit.memory.step_model import StepMemoryModel, _callable_key, _optimizer_key, _signature, step_memory_model
 from memfit.memory.world_scaling import WorldScaling
 
 __all__ = ["BASE_WORLD", "DIRECT_MAX", "RankMemoryModel", "check_ddp_wrapping", "ddp_bucket_bytes",
@@ -310,16 +313,28 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
     probes = tuple(check_count("each of probes", p, 1) for p in probes)
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
+    key = (_signature(batch.template), _signature(tgt.template if tgt else None), _optimizer_key(optimizer),
+           _callable_key(loss_fn), None if units is None else _callable_key(units) if callable(units)
+           else tuple(map(id, units)) if isinstance(units, (list, tuple)) else id(units),
+           reshard_after_forward, mp_policy, autocast, backend, autocast_state(),
+           torch.get_num_threads())             # kernels' workspaces are per thread
 
     def runs_at(w: int) -> RankMemoryModel:
-        run = lambda n: fsdp_fake_run(model, batch, n, world_size=w, rank=0, optimizer=optimizer, loss_fn=loss_fn,
-                                      target=tgt, units=units, reshard_after_forward=reshard_after_forward,
-                                      mp_policy=mp_policy, autocast=autocast, backend=backend)
+        # kept per model (`_RUNS`): a prediction asked again runs no step again
+        run = lambda n: _RUNS.get(model, (key, w, n), lambda: fsdp_fake_run(
+            model, batch, n, world_size=w, rank=0, optimizer=optimizer, loss_fn=loss_fn, target=tgt, units=units,
+            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, autocast=autocast, backend=backend))
         how = (f"reshard_after_forward={reshard_after_forward}"
                + (" (fully_shard's default: every unit but the root)" if reshard_after_forward is None else "")
                + f", {backend}")
         return _fsdp_model(run, w, probes, how, backend == "gloo" and gloo_race, runs_at)
     return runs_at(1 if world_size == 1 else BASE_WORLD).at_world(world_size)
+
+
+# model -> {(the run's arguments, world size, batch): RankRun}: the fake runs of FSDP2, kept for the model's next
+# predictions (memory_model then max_batch_size, gloo_race either way, another world size from the same runs)
+# until anything a forward could depend on changes (`ModelCache`)
+_RUNS = ModelCache()
 
 
 def _fsdp_model(run, world: int, probes: tuple[int, ...], how: str, race: bool, runs_at) -> RankMemoryModel:

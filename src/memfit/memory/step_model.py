@@ -293,10 +293,8 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
-    groups = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
-                   for g in (optimizer.param_groups if optimizer is not None else ()))
-    key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, type(optimizer),
-           id(optimizer), groups, _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output,
+    key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, _optimizer_key(optimizer),
+           _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output,
            torch.get_num_threads() if dev.type == "cpu" else None,     # kernels' scratch is per thread
            cuda.key + sdp_backends() if cuda is not None else None)
     def fit() -> StepMemoryModel:
@@ -330,6 +328,14 @@ def _callable_key(f) -> object:
     if code is None:
         return id(f)
     return code, tuple(map(_cell_id, f.__closure__ or ())), id(getattr(f, "__self__", None))
+
+
+def _optimizer_key(optimizer) -> tuple:
+    """The optimizer as a prediction's key: its class, itself, and each group's parameters and hyper-parameters
+    (a group added, a learning rate changed: another key)."""
+    groups = tuple((tuple(map(id, g["params"])), tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")))
+                   for g in (optimizer.param_groups if optimizer is not None else ()))
+    return type(optimizer), id(optimizer), groups
 
 
 def _cell_id(cell) -> object:
