@@ -281,11 +281,11 @@ _MARK = "memfit::measured_step"
 def garbage_since() -> Iterator[Callable[[], int]]:
     """`collect()` (what the block gets) frees the garbage cycles among the objects made since the block began,
     without walking the older ones: a full `gc.collect()` walks every object of the process (0.2-0.3 s once
-    torch.distributed is imported, more than half of an FSDP2 fake run of a small model, and two of each rank's
-    steps measured). The older objects are set aside with `gc.freeze()` and given back as the block ends; a
-    cycle that ties one of them to the garbage waits for the collector's next full pass. Where the process has
-    frozen objects of its own (`gc.freeze()` before forking workers), nothing of theirs is touched and
-    `collect()` is a full `gc.collect()`.
+    torch.distributed is imported, more than half of an FSDP2 fake run of a small model). The older objects are
+    set aside with `gc.freeze()` and given back as the block ends; a cycle that ties one of them to the garbage
+    waits for the collector's next full pass. Where the process has frozen objects of its own (`gc.freeze()`
+    before forking workers, as a rank of `memfit.testing.ranks` does), nothing of theirs is touched and
+    `collect()` is a full `gc.collect()` (which walks only what is not frozen).
 
     Example:
         >>> with garbage_since() as collect:
@@ -331,13 +331,13 @@ def measure_rank_step(build: Callable[[], torch.nn.Module], example, make_optimi
     from torch.profiler import record_function
 
     from memfit.device.measure import track_memory
-    gc.collect()                               # everything before: nothing is freed while measured
-    with track_memory("cpu", every_thread=True) as mem, garbage_since() as collect:
+    gc.collect()
+    with track_memory("cpu", every_thread=True) as mem:
         batch = ExampleBatch(example).at(n, torch.device("cpu")) if n is not None else example
         model = build()
         opt = make_optimizer(model.parameters())
         training_step(model, batch, opt, loss_fn, target)
-        collect()                              # garbage of the first step, as a running loop's collector would
+        gc.collect()                           # garbage of the first step, as a running loop's collector would
         enabled = gc.isenabled()
         gc.disable()                           # as the prediction: cycles freed at the step's end, not mid-step
         try:

@@ -114,8 +114,9 @@ settled_gloo.waits = 0
 # to import torch and memfit on 2 busy cores, a forked one starts in ~0.1 s. Nothing here reads the environment
 # at import (the `env` of run_ranks is set in each rank before it runs; memfit reads MEMFIT_DIST_TIMEOUT at each
 # wait), and importing touches no GPU (CUDA cannot be used in a child forked after it was initialised); torch
-# resets its thread pools in a forked child, as in DataLoader's forked workers.
-PRELOAD = ["torch", "torch.distributed", "memfit"]
+# resets its thread pools in a forked child, as in DataLoader's forked workers. torch._dynamo: every optimizer
+# imports it as it is made (torch._compile), 1.1 s of a rank's CPU, and it touches no GPU either.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "memfit"]
 
 
 def context():
