@@ -400,27 +400,34 @@ def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
     down; freeing its tensors then needed the GIL and the process aborted (SIGABRT, 2-4 runs in 10). The abort
     is a race, so clean launches alone would miss a regression some of the time: the script also checks, every
     time, that memfit holds the last work (what prevents it; test_the_last_work_is_held_whenever_... checks it
-    for every backend name). One launch: each is three interpreters' start-up (torchrun's and two ranks'), and
-    the check in the script catches a regression at every launch, where a second launch only raised the odds of
-    seeing the race itself."""
+    for every backend name). One launch of two ranks, each a script run to its interpreter's exit, started as
+    torchrun starts them (its environment; the store hosted here, as torchrun's agent hosts it) without
+    torchrun's own interpreter (a third start-up of torch, 2.5 s of CPU): a rank that aborts is its own
+    exit status here."""
     import os
     import subprocess
     import sys
+
+    import torch.distributed as dist
     script = tmp_path / "ends.py"
     script.write_text(ENDS_AFTER_A_COLLECTIVE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}   # this checkout's memfit
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    launches = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)     # the port the system picks
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path),   # this checkout's memfit
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}          # the ranks join the store above, as torchrun's
+    launches = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     try:
         deadline = time.monotonic() + 120
-        for p in launches:
+        for rank, p in enumerate(launches):
             _, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            assert p.returncode == 0, err[-1500:]
+            assert p.returncode == 0, (rank, p.returncode, err[-1500:])
     finally:                                # a failed or hung launch: none is left running
         for p in launches:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+        del store
 
 
 # ---- ranks given different sets, or their own parts ------------------------------------------------------
