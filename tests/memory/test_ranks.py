@@ -95,11 +95,16 @@ def gloo_ranks():
     return run_ranks(rank_cases.measure_cases, 2, CASES + RACE_RUNS, timeout=300)
 
 
+@functools.cache       # one model and optimizer per wrapping: its predictions (gloo_race either way) share its runs
+def _model(parallel, name):
+    m = rank_cases.model(parallel, rank_cases.FACTORIES[name][0])
+    return m, torch.optim.AdamW(m.parameters())
+
+
 @functools.cache                      # shared by the tests below: each prediction of the encoder is 3 fake runs
 def _predict(parallel, name, **options):
-    factory, example = rank_cases.FACTORIES[name]
-    m = rank_cases.model(parallel, factory)
-    opt = torch.optim.AdamW(m.parameters())
+    example = rank_cases.FACTORIES[name][1]
+    m, opt = _model(parallel, name)
     if parallel == "ddp-view":
         return rank_memory_model(m, example, optimizer=opt, parallel="ddp", world_size=2, gradient_as_bucket_view=True)
     return rank_memory_model(m, example, optimizer=opt, parallel=parallel.split("-")[0], world_size=2,
