@@ -81,3 +81,26 @@ def test_forget_drops_one_model_from_one_cache_or_from_all():
     cache.forget(m)                                    # every cache
     assert second.peek(m, "k") is None and second.peek(other, "k") == "other"
     first.forget(nn.Linear(2, 2))                      # a model never seen: nothing to drop, no error
+
+
+def test_same_names_one_living_object_and_no_later_one_at_its_reused_id():
+    """A key part by identity: equal while its object lives; once collected, an object at the same address (the
+    allocator reuses it; found here by making objects until one lands there) equals it no more. Objects that take
+    no weak reference keep their id, as before."""
+    from memfit.memory.cache import Same
+
+    class A:
+        pass
+
+    class B:
+        pass
+    a = A()
+    key, address = Same(a), id(a)
+    assert key == Same(a) and hash(key) == hash(Same(a)) and key != Same(A())
+    del a
+    gc.collect()
+    made = [B() for _ in range(10000)]
+    assert any(id(b) == address for b in made)             # the address was reused
+    assert all(key != Same(b) for b in made)
+    numbers = [1, 2]
+    assert Same(numbers) == Same(numbers) and Same(numbers) != Same([1, 2])

@@ -1,5 +1,6 @@
 """Per-rank memory of DDP and FSDP2 training steps: predicted in one process, checked against 2 gloo ranks."""
 import functools
+import gc
 import math
 
 import pytest
@@ -7,6 +8,7 @@ import rank_cases
 import torch
 
 from memfit import memory_model
+from memfit.memory.cache import forget
 from memfit.memory.ranks import ddp_bucket_bytes, rank_memory_model
 from memfit.testing.ranks import run_ranks
 
@@ -312,6 +314,32 @@ def test_fsdp_runs_are_kept_per_model_until_it_changes(monkeypatch):
     fresh = rank_cases.model("fsdp-frozen")
     assert frozen.total_bytes(4) == predict(fresh, torch.optim.AdamW(fresh.parameters())).total_bytes(4) \
         < race.total_bytes(4)
+
+
+def test_kept_fsdp_runs_are_not_given_to_another_loss_at_the_address_of_a_collected_one():
+    """A loss object made per call (no `__code__`: keyed by identity) is collected after its prediction; another
+    loss, made at the same address, holds a 4096x wider temporary: its prediction is a fresh one's, not the kept one."""
+    class Cheap:
+        def __call__(self, out, y):
+            return out.sum()
+
+    class Costly:
+        def __call__(self, out, y):
+            return out.unsqueeze(-1).expand(*out.shape, 4096).exp().sum()
+    m = rank_cases.mlp()
+    opt = torch.optim.AdamW(m.parameters())
+    predict = lambda loss: rank_memory_model(m, (64,), optimizer=opt, loss_fn=loss, target=torch.zeros(4, 7),
+                                             backend="gloo", probes=(4,)).total_bytes(4)
+    cheap = Cheap()
+    address, before = id(cheap), predict(cheap)
+    del cheap
+    gc.collect()
+    made = [Costly() for _ in range(10000)]
+    costly = next(c for c in made if id(c) == address)     # the collected loss's address, reused
+    del made
+    got = predict(costly)
+    forget(m)
+    assert got == predict(costly) > before                 # as predicted afresh: its temporary (4, 7, 4096)
 
 
 def test_every_thread_counts_what_another_thread_frees_and_peak_within_a_range():

@@ -18,7 +18,7 @@ import torch
 
 from memfit.memory.fingerprint import model_state
 
-__all__ = ["ModelCache", "forget"]
+__all__ = ["ModelCache", "Same", "forget"]
 
 
 _ALL: weakref.WeakSet = weakref.WeakSet()      # every ModelCache, for `forget`
@@ -84,6 +84,38 @@ class ModelCache:
         """Drop everything kept for `model` (to time a prediction rather than a cache hit)."""
         with self._lock:
             self._entries.pop(model, None)
+
+
+class Same:
+    """An object by identity in a cache key (a loss_fn, what a closure holds): equal to another `Same` only while
+    both name one object still alive. A bare `id()` is reused once its object is collected: a loss made per call,
+    another class's at the old one's address, got the old one's kept prediction. An object that takes no weak
+    reference (a list, an int) is by its id alone.
+
+    Example:
+        >>> class Loss: pass
+        >>> a = Loss(); key = Same(a); key == Same(a)
+        True
+        >>> del a; key == Same(Loss())                     # a new object, whatever its address
+        False
+    """
+
+    __slots__ = ("id", "ref")
+
+    def __init__(self, obj):
+        self.id = id(obj)
+        try:
+            self.ref = weakref.ref(obj)
+        except TypeError:
+            self.ref = None
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Same) or other.id != self.id or (self.ref is None) != (other.ref is None):
+            return False
+        return self.ref is None or (self.ref() is not None and self.ref() is other.ref())
 
 
 def forget(model: torch.nn.Module) -> None:

@@ -50,7 +50,7 @@ import torch
 from memfit.budget import check_count, format_bytes, model_device
 from memfit.device.allocators import cpu_margin
 from memfit.device.torch_private import tree_flatten
-from memfit.memory.cache import ModelCache
+from memfit.memory.cache import ModelCache, Same
 from memfit.memory.cuda_step import CudaPeak, CudaStep, cuda_step
 from memfit.memory.cuda_target import CudaDevice, cuda_device_for, sdp_backends
 from memfit.memory.example_target import example_target, loss_target
@@ -323,11 +323,12 @@ def forget_step_model(model: torch.nn.Module) -> None:
 
 def _callable_key(f) -> object:
     """The same key for closures made again from the same code over the same objects (a loss wrapper built
-    per call), else the object's id."""
+    per call, its defaults too), else the object itself (`Same`: no later object at its id equals it)."""
     code = getattr(f, "__code__", None)
     if code is None:
-        return id(f)
-    return code, tuple(map(_cell_id, f.__closure__ or ())), id(getattr(f, "__self__", None))
+        return Same(f)
+    return code, tuple(map(_cell_id, f.__closure__ or ())), Same(getattr(f, "__self__", None)), \
+        tuple(map(Same, getattr(f, "__defaults__", None) or ()))
 
 
 def _optimizer_key(optimizer) -> tuple:
@@ -342,7 +343,7 @@ def _cell_id(cell) -> object:
     """What a closure's cell holds, by identity; the cell itself while it holds nothing yet (a name the closure
     reads that is assigned after it was made, such as the plan a loss_fn made for memfit.fit refers to)."""
     try:
-        return id(cell.cell_contents)
+        return Same(cell.cell_contents)
     except ValueError:
         return "unfilled", id(cell)
 
