@@ -17,7 +17,7 @@ export PYTHONDONTWRITEBYTECODE :=
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@echo "Creating $(VENV) and installing memfit, torch (CPU build) and the test tools: a few minutes, once (quiet pip)."
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade 'pip>=25,<27'
 	$(PIP_INSTALL) --no-compile -e '.[dev]'
 	$(PY) -m pytest --collect-only -q -p no:cacheprovider > /dev/null || \
 	  echo "(the collection that caches bytecode failed; the install is done: 'make test' says what fails)"

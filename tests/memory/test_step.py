@@ -66,3 +66,59 @@ def test_garbage_since_collects_what_the_block_made_and_leaves_a_freeze_of_the_p
     finally:
         if enabled:
             gc.enable()
+
+
+def test_overlapping_garbage_since_blocks_never_freeze_what_a_running_one_made():
+    """Three threads' fake runs overlapping as A in, B in, A out, C in: C must not freeze B's garbage (B's collect
+    would then miss it and count its bytes held). Frozen by the first block in, given back by the last out."""
+    import gc
+    import threading
+    import weakref
+
+    from memfit.memory.step import garbage_since
+
+    class Node:
+        pass
+
+    step = {k: threading.Event() for k in ("a_in", "b_made", "a_out", "c_in", "b_done")}
+    seen = {}
+
+    def a():
+        with garbage_since():
+            step["a_in"].set()
+            step["b_made"].wait(10)
+        step["a_out"].set()
+
+    def b():
+        step["a_in"].wait(10)
+        with garbage_since() as collect:
+            n = Node()
+            n.self = n
+            ref = weakref.ref(n)
+            del n
+            step["b_made"].set()
+            step["c_in"].wait(10)
+            collect()
+            seen["b freed its cycle"] = ref() is None
+        step["b_done"].set()
+
+    def c():
+        step["a_out"].wait(10)
+        with garbage_since():
+            step["c_in"].set()
+            step["b_done"].wait(10)
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        threads = [threading.Thread(target=f) for f in (a, b, c)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        assert seen == {"b freed its cycle": True}
+        assert gc.get_freeze_count() == 0
+    finally:
+        if enabled:
+            gc.enable()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import gc
 import operator
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -293,14 +294,24 @@ def garbage_since() -> Iterator[Callable[[], int]]:
         ...     collect() >= 1
         True
     """
-    ours = gc.get_freeze_count() == 0
-    if ours:
-        gc.freeze()
+    with _FREEZE_LOCK:                  # blocks on several threads: frozen by the first in, given back by the last out
+        if _FREEZE["depth"] == 0:
+            _FREEZE["ours"] = gc.get_freeze_count() == 0
+            if _FREEZE["ours"]:
+                gc.freeze()
+        _FREEZE["depth"] += 1
     try:
         yield gc.collect
     finally:
-        if ours:
-            gc.unfreeze()
+        with _FREEZE_LOCK:
+            _FREEZE["depth"] -= 1
+            if _FREEZE["depth"] == 0 and _FREEZE["ours"]:
+                gc.unfreeze()
+
+
+# an overlapping block on another thread must not freeze what a block still running made (its collect would miss it)
+_FREEZE_LOCK = threading.Lock()
+_FREEZE = {"depth": 0, "ours": False}
 
 
 def measure_rank_step(build: Callable[[], torch.nn.Module], example, make_optimizer: Callable,
