@@ -145,3 +145,48 @@ def test_a_point_whose_first_run_comes_as_its_warm_up_did_takes_no_second(monkey
     timed = micro_steps(m, F.mse_loss, x, y, [(2, Setting()), (8, Setting())])
     assert ran == [2, 8, 8, 2, 2]          # warm-ups, a run each (ABBA), a second of 2 only (its warm-up 3 s)
     assert timed.seconds == {(2, Setting()): 1.0, (8, Setting()): 1.0} and timed.steady == 1
+
+
+def _fake_runs(monkeypatch, seconds):
+    """trials' micro-steps on a fake clock: the i-th call takes seconds(i, m); returns the sizes run, in order."""
+    from memfit.fitting import trials
+    ran, now = [], [0.0]
+
+    def run(copy, params, loss_fn, x, y, key, device):
+        now[0] += seconds(len(ran), key[0])
+        ran.append(key[0])
+    monkeypatch.setattr(trials, "_run", run)
+    monkeypatch.setattr(trials, "clock", lambda device: lambda: now[0])
+    return ran
+
+
+def test_rounds_after_the_first_run_only_within_the_allowance(monkeypatch):
+    """Micro-steps of 2 s (micro-batch 8's first, 3 s): with 6 s allowed, a second round as long as the first (5 s)
+    would pass it: each point's figure is its first micro-step, and `runs` says 0; with 12 s, a second round runs
+    (9 s in all) and a third as long as their mean would pass it: each figure is the one timed run; with no
+    allowance, the three rounds as before (2 steady, its warm-up its second sample; 8 not, run again)."""
+    from memfit.fitting import trials
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    points = [(2, Setting()), (8, Setting())]
+    slow_first = lambda i, m: 3.0 if i == 1 else 2.0                   # 8's warm-up (the second call) 3 s
+    ran = _fake_runs(monkeypatch, slow_first)
+    one = trials.micro_steps(model(), F.mse_loss, x, y, points, allowance=6.0)
+    assert ran == [2, 8] and one.runs == 0 and one.seconds == {(2, Setting()): 2.0, (8, Setting()): 3.0}
+    ran = _fake_runs(monkeypatch, slow_first)
+    two = trials.micro_steps(model(), F.mse_loss, x, y, points, allowance=12.0)
+    assert ran == [2, 8, 8, 2] and two.runs == 1 and two.seconds == {(2, Setting()): 2.0, (8, Setting()): 2.0}
+    ran = _fake_runs(monkeypatch, slow_first)
+    every = trials.micro_steps(model(), F.mse_loss, x, y, points)
+    assert ran == [2, 8, 8, 2, 8] and every.runs == 2 and every.steady == 1
+    assert every.seconds == {(2, Setting()): 2.0, (8, Setting()): 2.0}
+
+
+def test_short_rounds_all_run_whatever_the_allowance(monkeypatch):
+    """Rounds that stay within `FLOOR` run whatever the allowance (a fit whose prediction was kept took none)."""
+    from memfit.fitting import trials
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    ran = _fake_runs(monkeypatch, lambda i, m: 0.125 if i else 0.25)     # 2's warm-up 0.25 s: it is not steady
+    timed = trials.micro_steps(model(), F.mse_loss, x, y, [(2, Setting()), (8, Setting())], allowance=0.0)
+    assert 0.25 + 5 * 0.125 <= trials.FLOOR
+    assert ran == [2, 8, 8, 2, 2] and timed.runs == 2
+    assert timed.seconds == {(2, Setting()): 0.125, (8, Setting()): 0.125}

@@ -7,6 +7,16 @@ the machine's load (+-30% between fits of one model at one thread; on a busy VM 
 its plain step came out "0.17x"). Whole micro-steps of the few alternatives that matter, timed in turn (a busy
 moment falls on all of them), decide between them instead (`memfit.fitting.search.confirm`).
 
+What they may cost: a round (one micro-step of each point) is a forward and backward of the largest point's samples
+and of every other's, more than a whole step where the points split one batch, whatever the model. So the rounds
+after the first run only while the trials stay within the seconds the prediction before them took (`allowance`, at
+least `FLOOR`). Where a model's step is long beside its prediction (GPT-2 768x12 on a 2-core CPU: a step 13 s of CPU
+time, the prediction 14-28 s, a round of micro-batches 8 and 4 with 6 and 3 blocks checkpointed 18-28 s; its fit 9x
+a real step, 95 s of it in the rounds), one round runs and each point's figure is its first micro-step: the kernel
+timing before it ran every kernel at these shapes, so little set-up is left in it (GPT-2 768x2 at one thread, three
+fresh processes: first runs 0.97-1.09x the least of the three after; 768x12: 0.94-1.14x, within the runs' own spread
+of 10-15%).
+
 The micro-steps run on a structural copy of the model (`memfit.memory.isolation.structural_copy`: the same
 parameters, its own module objects) that holds copies of the buffers (BatchNorm's running statistics are not
 updated) and whose `torch.nn.Dropout` modules draw nothing (p = 0: their masks' kernels are left out of the
@@ -47,10 +57,12 @@ from memfit.fitting.search import Setting
 from memfit.fitting.timing import STEADY, clock
 from memfit.messages import first_line
 
-__all__ = ["ROUNDS", "Timed", "draws", "micro_steps"]
+__all__ = ["FLOOR", "ROUNDS", "Timed", "draws", "micro_steps"]
 
 ROUNDS = 3            # micro-steps of each alternative: a warm-up, then the least of the others is its figure (of
 #                       the first and the warm-up where the two came within `timing.STEADY`)
+FLOOR = 1.0           # seconds of rounds any trials may take, whatever their allowance (a fit whose prediction was
+#                       kept from one before it: short micro-steps still get every round)
 
 
 @dataclass
@@ -59,7 +71,7 @@ class Timed:
     checkpointed, under its autocast (the least of its timed runs), `runs` how many each was timed at most, `clock`
     what timed them; `why_not` says why nothing was timed (empty when the micro-steps ran)."""
     seconds: dict = field(default_factory=dict)
-    runs: int = 0
+    runs: int = 0           # timed micro-steps of each point after its warm-up; 0: its first micro-step is its figure
     steady: int = 0         # points whose first timed run came within `timing.STEADY` of the warm-up: it is the second
     clock: str = ""
     why_not: str = ""
@@ -111,13 +123,15 @@ def _copy_for_timing(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequence[tuple[int, Setting]],
-                rounds: int = ROUNDS) -> Timed:
+                rounds: int = ROUNDS, allowance: float | None = None) -> Timed:
     """Time real micro-steps of each point (m, setting): the first m samples of (x, y) forward, `loss_fn`, backward,
     under the point's checkpointing and autocast, `rounds` times each in turn (ABBA order, the smallest micro-batch
     first; the first run of each a warm-up). A point whose first timed run came within `timing.STEADY` of its
     warm-up takes no second: the warm-up is it (BERT 768x2 at one thread: warm-ups 0.99-1.07x the run after, a
-    third of the trials' time; `Timed.steady` counts them). An out-of-memory error or any other failure stops the
-    timing: `Timed.why_not` says why, and nothing is kept."""
+    third of the trials' time; `Timed.steady` counts them). `allowance`: the seconds the trials may take, by their
+    clock (at least `FLOOR`); a round after the first runs only where the rounds so far and one more as long as
+    their mean stay within it (where only the first ran, it is each point's figure: `Timed.runs` 0). An
+    out-of-memory error or any other failure stops the timing: `Timed.why_not` says why, and nothing is kept."""
     device = model_device(module)
     now = clock(device)
     what = "the thread's CPU time" if device.type == "cpu" and torch.get_num_threads() == 1 else "the wall clock"
@@ -134,9 +148,13 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
     keyed = sorted(dict.fromkeys(points), key=lambda k: k[0])
     samples: dict[tuple, list[float]] = {k: [] for k in keyed}
     warm: dict[tuple, float] = {}
-    key = None
+    key, ran, start = None, 0, now()
     try:
         for r in range(rounds):
+            spent = now() - start
+            if r and allowance is not None and spent * (r + 1) / r > max(allowance, FLOOR):
+                break                   # another round as long as the mean of those so far: past the allowance
+            ran = r + 1
             for key in (keyed if r % 2 == 0 else keyed[::-1]):
                 if r == 0:
                     draws = _Draws()
@@ -162,8 +180,9 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
         timed.why_not = "out of memory" if is_oom(e) else f"a micro-step failed ({first_line(e)})"
         timed.failed = key
         return timed
-    timed.seconds = {k: min(v) for k, v in samples.items()}
-    timed.runs = rounds - 1
+    # only the first round ran: each point's first micro-step is its figure
+    timed.seconds = {k: min(v) if v else warm[k] for k, v in samples.items()}
+    timed.runs = ran - 1
     return timed
 
 
