@@ -36,12 +36,12 @@ def tiny() -> Case:
 def frozen_heap():
     """`CpuSide.run` collects garbage before each measured run, as a fresh process would start: here each collection
     walked every object pytest and the earlier tests left (0.29 s a call, 13 calls in two of these tests). Collected
-    once and frozen (`gc.freeze`), those objects are out of every later collection, which walks what this module
-    makes; a frozen object is never freed, mid-run either, so what each run measures is unchanged."""
+    once, then inside one `garbage_since` block (those objects frozen: out of every later collection, which walks
+    what this module makes; a frozen object is never freed, mid-run either, so what each run measures is unchanged)."""
+    from memfit.memory.step import garbage_since
     gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+    with garbage_since():
+        yield
 
 
 @pytest.fixture(scope="module")
