@@ -10,6 +10,7 @@ from memfit.device.measure import track_memory
 from memfit.memory.kinds import MemoryKind
 from memfit.planner import captured, slice_check, slice_rule, sliced, slicing
 from memfit.planner.captured import capture_model
+from memfit.planner.planned import plan_captured
 
 
 @pytest.fixture
@@ -292,7 +293,7 @@ def test_more_segments_are_sliced_only_where_they_lower_the_peak_enough():
     assert len(cap.sliced) == 1                      # block a only
     seg = next(n.target for n in cap.ep.graph.nodes if isinstance(n.target, sliced.SlicedSegment))
     assert seg.steps[1].val.shape[1] == 64           # a's expanded width
-    pm = plan(model, (x,))
+    pm = plan_captured(cap, (x,), model=model)       # as `plan(model, (x,))`, without a second export
     with torch.inference_mode():
         assert torch.equal(pm(x), model(x))
 
@@ -481,12 +482,14 @@ def test_slices_are_widened_where_their_calls_cost_more_than_the_time_budget(mon
     k = seg.size(8)
     assert k is None or k > option.sizes[0]
     monkeypatch.setattr(slice_rule, "MAX_SLICING_TIME", float("inf"))
-    [free] = _segments(capture_model(model, x))
+    cap = capture_model(model, x)
+    [free] = _segments(cap)
     assert free.size(8) == option.sizes[0]
+    pm = plan_captured(cap, (x,), model=model)        # as `plan(model, (x,))`, without a second export
     with torch.inference_mode():
         for n in (8, 5):
             xb = torch.randn(n, 3, 64, 64)
-            assert torch.equal(plan(model, (xb,))(xb), model(xb))
+            assert torch.equal(pm(xb), model(xb))
 
 
 
