@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # torch==2.13.0 (CPU build) comes from the local wheel cache; without the pin pip would fetch CUDA.
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints-cpu.txt
-# Python's default, bytecode cached (an environment may turn it off): the suite's processes (three workers, ranks,
+# Python's default, bytecode cached (an environment may turn it off): the suite's processes (the workers, ranks,
 # the console script) then compile memfit, the tests' rewritten asserts and torch's modules once, not each.
 export PYTHONDONTWRITEBYTECODE :=
 
@@ -12,13 +12,16 @@ export PYTHONDONTWRITEBYTECODE :=
 
 # A newer pip first (Python 3.11's pip 23 spends ~10 s of CPU weighing the wheel tags of the index's links); then no
 # bytecode at install (pip would compile every module of torch, transformers, scipy...: ~35 s) but only what the
-# suite's collection imports, once, which also caches pytest's rewritten test modules for the three workers. Only a
+# suite's collection imports, once, which also caches pytest's rewritten test modules for the workers; torch's
+# compiler and distributed packages, which the workers and ranks import after collection (every optimizer imports
+# torch._dynamo), compiled first on both cores instead of by each worker at once. Only a
 # warm-up: a test that fails to collect (its output to /dev/null) must not fail the install, or `make demo`, unexplained.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@echo "Creating $(VENV) and installing memfit, torch (CPU build) and the test tools: a few minutes, once (quiet pip)."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade 'pip>=25,<27'
 	$(PIP_INSTALL) --no-compile -e '.[dev]'
+	$(PY) -m compileall -q -j 0 $(addprefix $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torch/,_dynamo _inductor distributed) > /dev/null
 	$(PY) -m pytest --collect-only -q -p no:cacheprovider > /dev/null || \
 	  echo "(the collection that caches bytecode failed; the install is done: 'make test' says what fails)"
 	touch $@
@@ -26,12 +29,12 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/memfit demo
 
-# Three pytest worker processes on 2 cores (pytest-xdist, in the dev extra): a third fills the time the others spend
-# waiting on ranks and subprocesses (torchrun, the console script): 4:51 against 5:30 with two, on a quiet 2-core VM.
-# A whole test file to each at a time, so that a file's module fixtures (one spawn of ranks shared by its checks) run
+# Two pytest worker processes on 2 cores (pytest-xdist, in the dev extra): the suite 3:53 against 4:24 with three
+# and 5:27 with four on a quiet 2-core VM (once the tests waited less on ranks and subprocesses, a third worker only
+# added its start-up and competed for the cores). A whole test file to each at a time, so that a file's module fixtures (one spawn of ranks shared by its checks) run
 # once; `make test TEST_WORKERS=0` runs one. Ranks' ports are bound by the system as each group's store starts
 # (memfit.testing.ranks), so workers never race.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 PYTEST_ARGS := -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
