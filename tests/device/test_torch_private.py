@@ -460,3 +460,10 @@ def test_every_private_aten_op_memfit_names_exists_in_this_torch():
         return not overload or hasattr(packet, overload)
     missing = sorted(f"aten.{op}{'.' + o if o else ''} in {f}" for op, o, f in named if not exists(op, o))
     assert not missing, f"torch {torch.__version__} lacks ATen ops memfit names: {missing}"
+
+
+def test_the_compile_front_end_every_optimizer_imports_is_a_module_of_this_torch():
+    """memfit.testing.ranks' forkserver preloads it (multiprocessing ignores a preload that fails to import: the
+    ranks would only be slower, so this test is what fails when a torch release moves it)."""
+    import importlib
+    assert callable(importlib.import_module(tp.DYNAMO_MODULE).reset)

@@ -316,6 +316,11 @@ def fsdp_mem_tracker():
 
 # ---- torch.compile ---------------------------------------------------------------------------------------------------
 
+# every torch.optim.Optimizer imports it as it is made (1.1 s of CPU a fresh process): memfit.testing.ranks' server
+# imports it once for every rank it forks
+DYNAMO_MODULE = "torch._dynamo"
+
+
 def dynamo_reset() -> None:
     """Drop every graph torch.compile has cached (torch/_dynamo/__init__.py `reset`): the benchmark compiles fresh."""
     import torch._dynamo

@@ -114,17 +114,20 @@ settled_gloo.waits = 0
 # to import torch and memfit on 2 busy cores, a forked one starts in ~0.1 s. Nothing here reads the environment
 # at import (the `env` of run_ranks is set in each rank before it runs; memfit reads MEMFIT_DIST_TIMEOUT at each
 # wait), and importing touches no GPU (CUDA cannot be used in a child forked after it was initialised); torch
-# resets its thread pools in a forked child, as in DataLoader's forked workers. torch._dynamo: every optimizer
-# imports it as it is made (torch._compile), 1.1 s of a rank's CPU, and it touches no GPU either.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "memfit"]
+# resets its thread pools in a forked child, as in DataLoader's forked workers. torch.compile's front end
+# (torch_private.DYNAMO_MODULE): every optimizer imports it as it is made, 1.1 s of a rank's CPU, and it touches no
+# GPU either.
+PRELOAD = ["torch", "torch.distributed", "memfit"]  # and DYNAMO_MODULE, where torch is imported
 
 
 def context():
     """The multiprocessing context the ranks start in ("forkserver", its server importing PRELOAD once per
     calling process, from the caller's sys.path): for the Events or Queues a test hands its ranks."""
     from multiprocessing import forkserver
+
+    from memfit.device.torch_private import DYNAMO_MODULE
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD[:2] + [DYNAMO_MODULE] + PRELOAD[2:])
     # the server is a fresh interpreter that imports PRELOAD from its own sys.path: Python 3.11's forkserver.main
     # ignores the sys_path it is handed, so a memfit the caller found through a sys.path entry (pytest's
     # pythonpath=src in a worktree) lost to the venv's (an editable install of another checkout), silently
