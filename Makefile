@@ -7,19 +7,24 @@ PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c const
 # Python's default, bytecode cached (an environment may turn it off): the suite's processes (the workers, ranks,
 # the console script) then compile memfit, the tests' rewritten asserts and torch's modules once, not each.
 export PYTHONDONTWRITEBYTECODE :=
+NEW_PIP := --quiet --disable-pip-version-check --no-compile 'pip>=25,<27'
 
 .PHONY: demo test test-torch-next test-cuda gpu-check lint bench clean
 
-# A newer pip first (Python 3.11's pip 23 spends ~10 s of CPU weighing the wheel tags of the index's links); then no
-# bytecode at install (pip would compile every module of torch, transformers, scipy...: ~35 s) but only what the
-# suite's collection imports, once, which also caches pytest's rewritten test modules for the workers; torch's
-# compiler and distributed packages, which the workers and ranks import after collection (every optimizer imports
-# torch._dynamo), compiled first on both cores instead of by each worker at once. Only a
-# warm-up: a test that fails to collect (its output to /dev/null) must not fail the install, or `make demo`, unexplained.
+# The venv without pip, then a newer pip put in by the system's pip (`pip --python`, pip >= 22.3) without bytecode:
+# `venv` alone installs Python's bundled pip 23 and compiles all of it (5 s of CPU, 26 s wall on a busy 2-core VM),
+# and pip 23 spends ~10 s of CPU weighing the wheel tags of the index's links; where the system's pip cannot, the
+# bundled pip is put in and upgraded. Then no bytecode at install (pip would compile every module of torch,
+# transformers, scipy...: ~35 s) but only what the suite's collection imports, once, which also caches pytest's
+# rewritten test modules for the workers; torch's compiler and distributed packages, which the workers and ranks
+# import after collection (every optimizer imports torch._dynamo), compiled first on both cores instead of by each
+# worker at once. Only a warm-up: a test that fails to collect (its output to /dev/null) must not fail the install,
+# or `make demo`, unexplained.
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@echo "Creating $(VENV) and installing memfit, torch (CPU build) and the test tools: a few minutes, once (quiet pip)."
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade 'pip>=25,<27'
+	$(PYTHON) -m venv --without-pip $(VENV)
+	$(PYTHON) -m pip --python $(PY) install $(NEW_PIP) 2>/dev/null || \
+	  { $(PY) -m ensurepip --default-pip > /dev/null && $(PY) -m pip install --upgrade $(NEW_PIP); }
 	$(PIP_INSTALL) --no-compile -e '.[dev]'
 	$(PY) -m compileall -q -j 0 $(addprefix $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torch/,_dynamo _inductor distributed) > /dev/null 2>&1 || \
 	  true  # bytecode only: a failure costs time, not results
