@@ -380,6 +380,32 @@ def test_the_fx_tracers_patches_act_in_the_tracing_thread_only():
     assert vars(_Patcher)["patch_method"] is original
 
 
+def test_the_kept_split_of_a_decomposition_table_is_torchs_and_sees_ops_registered_since():
+    from torch.export import exported_program
+    split = vars(exported_program)["_split_decomp_table_to_cia_and_python_decomp"]     # what run_decompositions calls
+    aten = torch.ops.aten
+    table = {aten.linear.default: lambda *a: None, aten.hardswish.default: lambda *a: None}   # a CIA op, a kernel
+
+    def torchs() -> tuple:                      # torch's own, from another thread: outside the replacement
+        return in_thread(lambda: split(dict(table)))
+
+    def kept() -> tuple:
+        mine = dict(table)
+        cia, rest = exported_program._split_decomp_table_to_cia_and_python_decomp(mine)
+        assert rest is mine and aten.linear.default not in mine      # the table left as torch leaves it
+        return cia, rest
+    with tp.cia_split_kept():
+        assert kept() == kept() == torchs()
+        assert aten.linear.default in kept()[0] and list(kept()[1]) == [aten.hardswish.default]
+        with torch.library._scoped_library("memfit_cia_test", "DEF") as lib:
+            lib.define("twice(Tensor x) -> Tensor")
+            lib.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+            twice = torch.ops.memfit_cia_test.twice.default
+            assert twice in kept()[0] and kept() == torchs()
+        assert twice not in kept()[0] and kept() == torchs()
+    assert vars(exported_program)["_split_decomp_table_to_cia_and_python_decomp"] is split
+
+
 def test_torch_export_still_traces_inside_the_fx_and_aot_replacements():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
     with tp.tracer_patches_this_thread_only(), tp.aot_rng_not_saved():

@@ -341,6 +341,36 @@ def test_a_training_prediction_passes_its_fake_ops_through_no_rng_mode(monkeypat
     assert torch.ops.aten.addmm.default not in seen and torch.ops.aten.native_dropout.default not in seen
 
 
+def test_the_planners_exactness_checks_pass_their_ops_through_no_rng_mode(monkeypatch):
+    """The capture checks each block it may slice bit-identical on real tensors, whole and in slices of every size
+    at four batch sizes: through own_rng's mode a fifth slower. A block with a random op is never sliceable
+    (`planner.per_sample`), so the checks step the mode aside (`drawless_section`); the capture's other real runs
+    (the stand-ins' values, the kernels' layouts) still pass through it, and torch's generator is left alone."""
+    from memfit.memory import isolation
+    from memfit.planner import slice_check
+    from memfit.planner.captured import capture_model
+    seen, checking = [], []
+    original = isolation._OwnGenerators.__torch_dispatch__
+    monkeypatch.setattr(isolation._OwnGenerators, "__torch_dispatch__",
+                        lambda self, func, *a, **k: seen.append(bool(checking)) or original(self, func, *a, **k))
+    exact_steps = slice_check.exact_steps
+
+    def watched(*args, **kwargs):
+        checking.append(True)
+        try:
+            return exact_steps(*args, **kwargs)
+        finally:
+            checking.pop()
+    monkeypatch.setattr(slice_check, "exact_steps", watched)
+    torch.manual_seed(0)
+    stem = nn.Sequential(nn.Conv2d(3, 32, 7, 2, 3), nn.ReLU(), nn.MaxPool2d(3, 2, 1)).eval()
+    x = torch.randn(4, 3, 64, 64)
+    before = torch.get_rng_state()
+    assert capture_model(stem, x).sliced                                         # checked, and sliced
+    assert False in seen and True not in seen
+    assert torch.equal(before, torch.get_rng_state())
+
+
 def test_a_prediction_imports_no_aot_tracing_and_a_tracer_inside_one_leaves_torchs_generators_alone():
     """own_rng no longer replaces AOT tracing's save and restore of torch's generators around the whole prediction
     (that imported torch's AOT tracing: 1.6 s of a fresh process's first fit, which traces nothing); a tracer inside a

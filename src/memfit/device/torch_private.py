@@ -372,6 +372,39 @@ def tracer_patches_this_thread_only():
     return _FX_PATCHES.active()
 
 
+_CIA_SPLIT: dict = {}           # the last (table, registrations) -> (CIA op -> callable, the other decompositions)
+
+
+def _split_kept(original, decomp_table: dict):
+    """torch's split of a decomposition table (CompositeImplicitAutograd ops apart), kept while the table and the
+    ops registered are the same: `run_decompositions` walks every op of every namespace of `torch.ops` for it at each
+    call (torch/export/exported_program.py; 0.11 s a capture with the 28 namespaces a test process loads, a third
+    of a small model's decompositions). What it finds changes with a namespace or a C++ CIA registration, both in
+    the key; a CIA kernel given in Python only (`py_impl`) to a non-aten op after the first call is not seen (torch
+    itself computes aten's once). The table is left as torch leaves it (its CIA ops taken out)."""
+    key = (frozenset(decomp_table.items()), tuple(torch.ops._dir),
+           tuple(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")))
+    if key not in _CIA_SPLIT:
+        _CIA_SPLIT.clear()
+        _CIA_SPLIT[key] = original(dict(decomp_table))
+    cia, rest = _CIA_SPLIT[key]
+    for op in [op for op in decomp_table if op not in rest]:
+        del decomp_table[op]
+    return dict(cia), decomp_table
+
+
+_CIA = ScopedReplacement(lambda: importlib.import_module("torch.export.exported_program"),
+                         "_split_decomp_table_to_cia_and_python_decomp", _split_kept)
+
+
+def cia_split_kept():
+    """Inside (this thread only), `ExportedProgram.run_decompositions` reuses its last split of the table
+    (`_split_kept`); every other thread's splits it anew, as torch does. A torch without the function: torch's
+    own, anew (only a speed-up; tests/device/test_torch_private.py fails)."""
+    owner = importlib.import_module("torch.export.exported_program")
+    return _CIA.active() if _CIA.name in vars(owner) else nullcontext()
+
+
 # ---- c10's flag: the CPU allocator's running total for every thread ------------------------------------------------
 
 _C10_LIBRARY = {"darwin": "libc10.dylib", "win32": "c10.dll"}        # elsewhere (Linux, the BSDs): libc10.so

@@ -151,10 +151,11 @@ def _in_place(steps: list[_Step], origin: list[Node], symbol) -> list[_Step]:
     """Each allowlisted elementwise step written over an argument of its size, shape, strides and dtype that is a
     value this slice made (not its input, not a view), read by no later step and by no other argument of it."""
     out = list(steps)
+    lives = None                            # `_lifetimes(out)`, worked out again only after a step is changed
     for i, st in enumerate(out):
         if st.alias or st.item is not None and len(st.outputs) > 1 and not _empties(st, symbol):
             continue
-        roots, last = _lifetimes(out)
+        roots, last = lives = lives or _lifetimes(out)
         for pos in inplace_candidates(st.target, st.args):
             a = st.args[pos] if pos < len(st.args) else None
             if not isinstance(a, _Ref) or a.kind != "step":
@@ -173,6 +174,7 @@ def _in_place(steps: list[_Step], origin: list[Node], symbol) -> list[_Step]:
                                                                                           (tuple, list)) else [1]):
                 continue
             out[i] = _Step(st.target, st.args, st.kwargs, st.item, st.val, st.outputs, False, pos, low)
+            lives = None
             break
     return out
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from memfit.memory.isolation import drawless_section
 from memfit.planner.segment import build_segment
 from memfit.planner.sliced import SlicedSegment
 
@@ -61,17 +62,18 @@ def exact_steps(start: Node, units: list, values: dict, consts: dict, sizes: tup
     value of the run's input and of every tensor its blocks read from outside."""
     ok: dict[int, list[bool]] = {k: [] for k in (*narrow, *wide)}
     v = values[start]
-    with torch.no_grad():
+    with torch.no_grad(), drawless_section():          # (a block with a random op is never sliceable)
         for i, unit in enumerate(units):
             node_in = start if i == 0 else units[i - 1][-1]
             wholes: dict = {}           # each batch's whole run, once for all slice sizes
+            seg, params = build_segment(node_in, unit, 1, symbol=symbol)      # its steps, whatever the slice size
+            args = tuple(value(p, consts, values) for p in params)
             for k in ok:
-                seg, params = build_segment(node_in, unit, k, symbol=symbol)
                 at = sizes if k in narrow else tuple(sorted({*sizes, 2 * k + 1}))
-                ok[k].append(exact(seg, v, tuple(value(p, consts, values) for p in params), at, wholes))
+                ok[k].append(exact(seg.with_size(k), v, args, at, wholes))
+            n = v.shape[0] // seg.rows  # the next block's input: the whole batch, as eager (run above where checked)
+            v = wholes[n][1] if n in wholes else seg.run_slice(v, args)
             del wholes
-            seg, params = build_segment(node_in, unit, 1, symbol=symbol)
-            v = seg.run_slice(v, tuple(value(p, consts, values) for p in params))   # the whole batch, as eager
     return ok
 
 

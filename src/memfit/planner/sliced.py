@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -93,10 +94,19 @@ class SlicedSegment:
         self._run, self._size_exprs, self._bound = None, [], {}    # the generated code (`_generate`), its sizes
         self._roots, self._last = _lifetimes(steps)
         self._last_x = _last_input_read(steps, self._roots)
+        # (env, s, input bytes, threads) -> `_slice_peak`, and k -> `with_size(k)`: shared by those, whose steps are
+        # these (the rule weighs each option at every size at each batch it probes: 17 at capture)
+        self._peaks: dict = {}
+        self._variants: dict = {}
 
     def with_size(self, k: int) -> SlicedSegment:
         """The same steps in slices of k at every batch that makes two of them (the rule weighs sizes with it)."""
-        return SlicedSegment(self.steps, k, self.input_val, self.param_vals, symbol=self.symbol)
+        if k not in self._variants:
+            seg = copy.copy(self)           # the steps' sizes and peaks shared: they do not depend on k
+            seg.k, seg.rule, seg.index = k, None, 0
+            seg._run, seg._size_exprs, seg._bound = None, [], {}
+            self._variants[k] = seg
+        return self._variants[k]
 
     def size(self, n: int) -> int | None:
         """Samples a slice at a batch of n (the last slice takes the rest: k to 2k-1), None: the whole batch."""
@@ -215,7 +225,14 @@ class SlicedSegment:
     def _slice_peak(self, env: dict, s: int, input_bytes: int = 0) -> int:
         """The most bytes one slice of s samples holds at once: at each step, the values alive (made by a step, not
         yet read for the last time; the slice of the input is a view of the whole) and what its kernel allocates
-        inside; `input_bytes` besides, up to the last step that reads the input (`owned`)."""
+        inside; `input_bytes` besides, up to the last step that reads the input (`owned`). Worked out once per
+        sizes and thread count (what kernels allocate inside is measured per thread count)."""
+        key = (tuple(env.items()), s, input_bytes, torch.get_num_threads())
+        if key not in self._peaks:
+            self._peaks[key] = self._count_peak(env, s, input_bytes)
+        return self._peaks[key]
+
+    def _count_peak(self, env: dict, s: int, input_bytes: int) -> int:
         from memfit.memory.kernel_scratch import inside_parts
         metas = [tuple(self._meta(v, env, s) for v in st.val) if isinstance(st.val, (tuple, list))
                  else self._meta(st.val, env, s) for st in self.steps]
