@@ -7,10 +7,10 @@ What only `torch.export`, `torch.compile` or `torch.distributed` need is importe
 (importing torch._dynamo costs about 0.5 s); what is imported at the top is loaded by `import torch` already.
 
 The replacements of private torch functions memfit makes are here too (`aot_rng_not_saved`,
-`tracer_patches_this_thread_only`, through `memfit.device.replacements.ScopedReplacement`): each is installed only
-while a thread is inside it, acts in that thread only (every other thread gets torch's own function), and is put
-back when the last thread leaves, on an exception too. The one process-wide switch is c10's flag
-`caffe2_report_cpu_memory_usage` (`cpu_total_kept_for_every_thread`), which changes what no thread computes.
+`tracer_patches_this_thread_only`, `cia_split_kept`, through `memfit.device.replacements.ScopedReplacement`): each
+is installed only while a thread is inside it, acts in that thread only (every other thread gets torch's own
+function), and is put back when the last thread leaves, on an exception too. The one process-wide switch is c10's
+flag `caffe2_report_cpu_memory_usage` (`cpu_total_kept_for_every_thread`), which changes what no thread computes.
 
 Known limitations: `dict_version_reader`, the FSDP2 and DDP internals and the c10 flag may be missing from a torch
 build; their callers say so (or fall back) instead of predicting wrong.
@@ -76,7 +76,7 @@ keystr = torch.utils._pytree.keystr
 
 __all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "DropoutBase", "FakeTensor",
            "FakeTensorMode", "InstanceNormBase", "OpOverload", "ProfilerEventType", "TorchDispatchMode",
-           "aot_rng_not_saved", "base_storage_resize",
+           "aot_rng_not_saved", "base_storage_resize", "cia_split_kept",
            "clear_cublas_workspaces", "compiled_inner", "cpu_total_kept_for_every_thread", "current_dispatch_mode",
            "ddp_comm_hook",
            "detect_fake_mode", "dict_version_reader", "disable_current_modes", "dynamo_reset", "fake_store",
@@ -378,16 +378,20 @@ _CIA_SPLIT: dict = {}           # the last (table, registrations) -> (CIA op -> 
 def _split_kept(original, decomp_table: dict):
     """torch's split of a decomposition table (CompositeImplicitAutograd ops apart), kept while the table and the
     ops registered are the same: `run_decompositions` walks every op of every namespace of `torch.ops` for it at each
-    call (torch/export/exported_program.py; 0.11 s a capture with the 28 namespaces a test process loads, a third
-    of a small model's decompositions). What it finds changes with a namespace or a C++ CIA registration, both in
-    the key; a CIA kernel given in Python only (`py_impl`) to a non-aten op after the first call is not seen (torch
-    itself computes aten's once). The table is left as torch leaves it (its CIA ops taken out)."""
-    key = (frozenset(decomp_table.items()), tuple(torch.ops._dir),
-           tuple(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")))
-    if key not in _CIA_SPLIT:
-        _CIA_SPLIT.clear()
-        _CIA_SPLIT[key] = original(dict(decomp_table))
-    cia, rest = _CIA_SPLIT[key]
+    call (torch/export/exported_program.py; 0.11 s a capture in a test process, 28 namespaces). It changes with a
+    namespace or a C++ CIA registration (the key); not seen: a CIA kernel given in Python only (`py_impl`) to a
+    non-aten op after the first call (torch computes aten's once). The table is left as torch leaves it."""
+    try:
+        key = (frozenset(decomp_table.items()), tuple(torch.ops._dir),
+               tuple(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")))
+        found = _CIA_SPLIT.get(key)
+    except TypeError:
+        return original(decomp_table)
+    if found is None:
+        found = original(dict(decomp_table))
+        _CIA_SPLIT.clear()              # the last only: the registrations grow, they do not come back
+        _CIA_SPLIT[key] = found
+    cia, rest = found
     for op in [op for op in decomp_table if op not in rest]:
         del decomp_table[op]
     return dict(cia), decomp_table
@@ -399,8 +403,7 @@ _CIA = ScopedReplacement(lambda: importlib.import_module("torch.export.exported_
 
 def cia_split_kept():
     """Inside (this thread only), `ExportedProgram.run_decompositions` reuses its last split of the table
-    (`_split_kept`); every other thread's splits it anew, as torch does. A torch without the function: torch's
-    own, anew (only a speed-up; tests/device/test_torch_private.py fails)."""
+    (`_split_kept`); other threads split it anew, as does a torch without the function (tests fail there)."""
     owner = importlib.import_module("torch.export.exported_program")
     return _CIA.active() if _CIA.name in vars(owner) else nullcontext()
 

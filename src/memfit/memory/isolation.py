@@ -5,11 +5,11 @@ A memory model runs the user's code on fake tensors (`memfit.memory.fake_run`) o
 user's module, every thread would see for the length of the run: a plain forward in another thread failed
 (5,117 of 8,779 times during `max_batch_size(train=True)`). So the runs here work on a `structural_copy` (the
 module tree copied shallowly, every tensor shared, nothing copied in memory) and never touch the user's module.
-`predicting()` is around every prediction, plan and capture: its random ops (a dropout in a diagnosing run)
-draw from generators of their own (`own_rng`, a dispatch mode of this thread, stepped aside in fake sections:
-`fake_section`), so torch's CPU and CUDA generators are neither advanced nor saved and restored (restoring them
-rewound what another thread drew meanwhile), and it runs one prediction at a time in the process (torch's
-tracing machinery keeps global state).
+`predicting()` is around every prediction, plan and capture: its random ops (a dropout in a diagnosing run) draw
+from generators of their own (`own_rng`, a dispatch mode of this thread, stepped aside in fake sections:
+`fake_section`, and around real ops that cannot draw: `drawless_section`), so torch's CPU and CUDA generators are
+neither advanced nor saved and restored (restoring them rewound what another thread drew meanwhile), and it runs one
+prediction at a time in the process (torch's tracing machinery keeps global state).
 `tracer_patches_this_thread_only()` is around `torch.export`: its fx tracer replaces `torch.nn.Module.__call__`
 and `__getattr__` for the whole process while it traces, which would route another thread's plain forward of
 any model into the trace. Both replacements of torch functions this needs (fx's patches, and AOT tracing's save and
