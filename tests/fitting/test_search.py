@@ -14,8 +14,10 @@ from memfit.fitting.search import (
     interpolate,
     keep_plain,
     micro_batch_sizes,
+    micro_step_seconds,
     search,
     step_seconds,
+    trial_order,
 )
 
 MACHINE = Machine(op_seconds=1e-5)
@@ -241,6 +243,38 @@ def test_the_leading_alternatives_are_those_that_fit_within_lead_and_not_slower_
     alone, plain_calls = peaks()
     search(SETS, micro_batch_sizes(16), 16, STEP, BLOCKS, MACHINE, alone, budget)
     assert calls == plain_calls and all(a.setting in plain_calls for a in default.leading)
+
+
+def test_no_leading_alternative_is_slower_by_construction_than_another_leading_one():
+    """Each one timed costs a micro-step: one with the same micro-batch as another leading one and that one's modules
+    checkpointed and more is slower for sure, whichever is the best (GPT-2 768x12: micro-batch 4 with 6 blocks timed
+    beside 4 with 3, half a step for nothing). Here micro-batch 2 with 3 blocks fits within `lead` of the best (4 with
+    all 4), yet 2 with 2 leads already; its slot goes to the next that fits."""
+    bytes_of, _ = peaks()
+    choice = search(SETS, micro_batch_sizes(16), 16, STEP, BLOCKS, MACHINE, bytes_of, 1120, lead=1.15, leading=3,
+                    new_after=4)
+    key = lambda a: (a.micro_batch, len(a.setting.checkpoint))
+    assert [key(a) for a in choice.leading] == [(4, 4), (2, 2), (1, 0)]
+    three = next(a for a in choice.alternatives if key(a) == (2, 3))
+    assert three.bytes <= 1120 and three.time <= 1.15 * choice.best.time      # it would qualify but for (2, 2)
+    for a, b in itertools.permutations(choice.leading, 2):
+        assert not (a.micro_batch == b.micro_batch and a.setting.checkpoint[:len(b.setting.checkpoint)]
+                    == b.setting.checkpoint)
+
+
+def test_the_leading_are_timed_best_first_then_the_plain_step_then_fastest_predicted_first():
+    bytes_of, _ = peaks()
+    fast8 = Cost(ops=200, kernels=((1, 3e-3), (8, 1.68e-2), (16, 4.8e-2)))        # micro-batch 8 predicted faster
+    choice = search(SETS, micro_batch_sizes(16), 16, fast8, BLOCKS, MACHINE, bytes_of, bytes_of(Setting())(16),
+                    lead=1.5, leading=3)
+    order = trial_order(choice.leading, 16)
+    plain = next(a for a in choice.leading if a.micro_batch == 16 and a.setting == Setting())
+    assert len(order) == len(choice.leading) >= 3 and order[0] is choice.best and order[1] is plain
+    assert [a.time for a in order[2:]] == sorted(a.time for a in order[2:])
+    # what a trial of each is predicted to take: its micro-batch's share of the step, not the step's
+    a = order[0]
+    assert micro_step_seconds(a.micro_batch, fast8, BLOCKS, a.setting, MACHINE) * 16 / a.micro_batch == \
+        pytest.approx(step_seconds(16, a.micro_batch, fast8, BLOCKS, a.setting, MACHINE))
 
 
 def test_the_plain_step_that_fits_stays_unless_another_is_predicted_clearly_faster():

@@ -1,5 +1,6 @@
 """memfit.fitting.trials: real micro-steps timed for fit's leading alternatives, leaving the model, its gradients,
 its buffers and torch's generator as they were."""
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -190,3 +191,58 @@ def test_short_rounds_all_run_whatever_the_allowance(monkeypatch):
     assert 0.25 + 5 * 0.125 <= trials.FLOOR
     assert ran == [2, 8, 8, 2, 2] and timed.runs == 2
     assert timed.seconds == {(2, Setting()): 0.125, (8, Setting()): 0.125}
+
+
+def test_within_takes_the_first_two_then_each_further_point_while_the_predicted_first_steps_fit():
+    from memfit.fitting.trials import LEAST, within
+    a, b, c, d = ((m, Setting()) for m in (8, 4, 2, 1))
+    predicted = {a: 10.0, b: 5.0, c: 2.0, d: 1.0}
+    assert LEAST == 2
+    assert within([a, b, c, d], predicted, 1.0) == ([a, b], [c, d])       # two whatever the allowance
+    assert within([a, b, c, d], predicted, 17.0) == ([a, b, c], [d])
+    assert within([a, b, c, d], predicted, 18.0) == ([a, b, c, d], [])
+    # in the order given: the first past the allowance ends the list, a cheaper one after it is not taken
+    assert within([a, b, c, d], {**predicted, c: 9.0}, 17.0) == ([a, b], [c, d])
+
+
+def test_with_predicted_seconds_the_allowance_holds_in_the_time_models_seconds(monkeypatch):
+    """Each micro-step takes twice what the time model predicted for it (a busy machine, or a model whose kernels
+    run slower in a step): the allowance, given in the time model's seconds, is held in the clock's as twice that.
+    Points 8 and 4 predicted 3 and 1.5 s (real 6 and 3); 2 predicted 0.75 s: with 5 s allowed, the first round of 8
+    and 4 is predicted 4.5 s, so 2 is left out (5.25 s) and never runs; a second round (9 s of the time model's)
+    would pass the allowance: one round, each figure its first micro-step, and the clock's seconds spent stay within
+    the two points that always run."""
+    from memfit.fitting import trials
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    eight, four, two = ((m, Setting()) for m in (8, 4, 2))
+    predicted = {eight: 3.0, four: 1.5, two: 0.75}
+    ran = _fake_runs(monkeypatch, lambda i, m: 2 * predicted[(m, Setting())])
+    timed = trials.micro_steps(model(), F.mse_loss, x, y, [eight, four, two], allowance=5.0, predicted=predicted)
+    assert ran == [4, 8] and timed.left_out == [two] and timed.runs == 0
+    assert timed.seconds == {eight: 6.0, four: 3.0}
+    # with 14 s allowed all three are taken (5.25 s), and a second round fits (10.5 s of the time model's, 21 s of
+    # the clock's), a third (15.75 s) does not; the clock's seconds spent: twice the time model's 10.5
+    ran = _fake_runs(monkeypatch, lambda i, m: 2 * predicted[(m, Setting())])
+    timed = trials.micro_steps(model(), F.mse_loss, x, y, [eight, four, two], allowance=14.0, predicted=predicted)
+    assert ran == [2, 4, 8, 8, 4, 2] and timed.left_out == [] and timed.runs == 1
+    assert sum(2 * predicted[(m, Setting())] for m in ran) == 21.0 <= 2 * 14.0
+
+
+def test_a_point_left_out_is_never_chosen_and_the_choice_is_the_faster_measured(monkeypatch):
+    """Trials stopped early decide between what they timed: the predicted best, measured slower than the second,
+    gives way to it; the third, left out by the allowance (measured: None), is not chosen, however it was predicted."""
+    from memfit.fitting import trials
+    from memfit.fitting.search import Alternative, Choice, Cost, Machine, confirm
+    step = Cost(ops=0, kernels=((1, 1.0), (8, 8.0)))
+    alts = [Alternative(8, Setting(("0",)), 1.2, bytes=10), Alternative(4, Setting(), 1.25, bytes=10),
+            Alternative(2, Setting(), 1.3, bytes=10)]
+    choice = Choice(alts[0], alts, "predicted", list(alts))
+    keys = [(a.micro_batch, a.setting) for a in alts]
+    measured = {8: 10.0, 4: 4.0, 2: 0.5}                     # the third would be fastest, were it timed
+    _fake_runs(monkeypatch, lambda i, m: measured[m])
+    timed = trials.micro_steps(model(), F.mse_loss, torch.randn(8, 64), torch.randn(8, 64), keys, allowance=1.0,
+                               predicted={k: 1.0 for k in keys})
+    assert set(timed.seconds) == set(keys[:2]) and timed.left_out == keys[2:]
+    picked = confirm(choice, timed.seconds, 8, step, {"0": Cost(ops=0)}, Machine(op_seconds=0.0))
+    assert picked.best is alts[1] and alts[1].measured == pytest.approx(8.0) and alts[0].measured == 10.0
+    assert alts[2].measured is None and "micro-batch 2" not in picked.reason

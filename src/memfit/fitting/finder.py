@@ -39,10 +39,12 @@ from memfit.fitting.search import (
     confirm,
     keep_plain,
     micro_batch_sizes,
+    micro_step_seconds,
     search,
+    trial_order,
 )
 from memfit.fitting.timing import BUSY_SHARE, STEADY, UNSTEADY, clock, timing_device
-from memfit.fitting.trials import micro_steps
+from memfit.fitting.trials import TRIALS, micro_steps
 from memfit.memory.cache import ModelCache
 from memfit.memory.micro_batch import _signature, training_peak
 from memfit.progress import progress_bar
@@ -148,8 +150,6 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
           bar, predict) -> _Found:
     t0 = time.perf_counter()
     device = model_device(module)
-    now = clock(timing_device(device))         # the prediction's seconds by the clock the trials are timed by
-    c0 = now()
     # bytes for another device than the model's: its kernels are not here to time
     elsewhere = predict.get("device") is not None and torch.device(predict["device"]).type != device.type
     dependent = batch_dependent_modules(module)
@@ -221,22 +221,28 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
     # another device's bytes: its kernels are not here)
     if len(choice.leading) > 1 and device.type != "meta" and not elsewhere:
         bar.set_postfix_str(f"{len(choice.leading)} alternatives timed for real")
-        # the trials take at most what the prediction before them took (and one micro-step of each at least)
-        predicted_in = now() - c0
-        timed = micro_steps(module, loss_fn, x, y, [(a.micro_batch, a.setting) for a in choice.leading],
-                            allowance=predicted_in)
+        # the trials take about one plain step's forward and backward, as predicted (two alternatives at least)
+        order = trial_order(choice.leading, n)
+        predicted = {(a.micro_batch, a.setting): micro_step_seconds(a.micro_batch, step, blocks, a.setting, rates)
+                     for a in order}
+        allowance = TRIALS * micro_step_seconds(n, step, blocks, Setting(), rates)
+        timed = micro_steps(module, loss_fn, x, y, list(predicted), allowance=allowance, predicted=predicted)
         bar.update()
         if timed.seconds:
             choice = confirm(choice, timed.seconds, n, step, blocks, rates, once)
-            how_time += (f"; then the {len(timed.seconds)} leading alternatives that fit (predicted within "
-                         f"{LEAD - 1:.0%} of the fastest, or the plain step) timed for real, in turn, by "
-                         f"{timed.clock}: " + (
+            how_time += (f"; then {len(timed.seconds)} of the {len(choice.leading)} leading alternatives that fit "
+                         f"(predicted within {LEAD - 1:.0%} of the fastest, or the plain step) timed for real, in "
+                         f"turn, by {timed.clock}: " + (
                              f"{timed.runs} micro-step{'s' if timed.runs > 1 else ''} of each after a warm-up, the "
                              "least taken"
                              + (f" ({timed.steady} with the warm-up as the second: their first came within "
                                 f"{STEADY - 1:.0%} of it)" if timed.steady else "") if timed.runs else
-                             f"one micro-step of each, its figure (a second round would have taken the trials past "
-                             f"the {predicted_in:.1f} s the prediction took; the kernels had run at these shapes)")
+                             "one micro-step of each, its figure (a second round would have taken the trials past "
+                             f"{TRIALS:g} plain step{'s' if TRIALS != 1 else ''} as predicted; the kernels had run at "
+                             "these shapes)")
+                         + (f"; {len(timed.left_out)} left out, predicted slower (a micro-step of each would have "
+                            f"taken the trials past {TRIALS:g} plain step{'s' if TRIALS != 1 else ''})"
+                            if timed.left_out else "")
                          + "; the optimizer step's time predicted")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from memfit.budget import format_bytes
 
 __all__ = ["Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "confirm", "interpolate",
-           "keep_plain", "micro_batch_sizes", "search", "step_seconds"]
+           "keep_plain", "micro_batch_sizes", "micro_step_seconds", "search", "step_seconds", "trial_order"]
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpointed: the grid the issue names
 LEAD = 1.15      # alternatives predicted within this of the fastest that fits are timed for real beside it ...
@@ -187,6 +187,13 @@ def _per_micro_batch(step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str
     return lambda s: step.at(s, machine) + sum(blocks[b].recomputed(s, machine) for b in setting.checkpoint)
 
 
+def micro_step_seconds(m: int, step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str, Cost], setting: Setting,
+                       machine: Machine) -> float:
+    """Predicted seconds of one micro-batch of m samples (forward, loss, backward; no optimizer step) with the
+    setting's modules checkpointed: what a trial of it takes (`memfit.fitting.trials`)."""
+    return _per_micro_batch(step, blocks, setting, machine)(m)
+
+
 def step_seconds(n: int, m: int, step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str, Cost],
                  setting: Setting, machine: Machine, once: Cost | None = None) -> float:
     """Predicted seconds of a step on n samples in micro-batches of m (the last one what is left) with the
@@ -212,10 +219,10 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     that fits (unless `exhaustive`). Once one fits, a slower alternative's bytes are filled in (for `explain`)
     only where `bytes_of(setting).ready(m)` says they need no further fake run (a function without `ready` is
     always ready), or, for `Choice.leading`, where it is predicted within `lead` times the best's time and not
-    slower by construction (the same micro-batch with the best's modules checkpointed and more; its bytes may need
-    `new_after` more settings' models at most); `leading` caps how many that fit are kept. The plain step, where it
-    fits, is the best unless another is predicted at most `clear` of its time (then both are leading; 0: the plain
-    step wherever it fits, for times that are a stand-in for another device's). Ties in time
+    slower by construction than one already leading (the same micro-batch with its modules checkpointed and more;
+    its bytes may need `new_after` more settings' models at most); `leading` caps how many that fit are kept. The
+    plain step, where it fits, is the best unless another is predicted at most `clear` of its time (then both are
+    leading; 0: the plain step wherever it fits, for times that are a stand-in for another device's). Ties in time
     go to fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every
     alternative alike: it changes the relative times, not the order).
     """
@@ -234,7 +241,9 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
             return True                       # the plain step wherever it fits: weighed whatever else fits
         if len(fitting) >= leading + (plain in fitting):
             return False                      # (the plain step that fits is timed only against one predicted faster)
-        return a is plain or (a.time <= lead * best.time and not _dominated(a, best)
+        # (not one slower by construction than one already leading: GPT-2 768x12's micro-batch 4 with 6 blocks
+        # checkpointed beside 4 with 3, a trial of half a step for nothing)
+        return a is plain or (a.time <= lead * best.time and not any(_dominated(a, f) for f in fitting)
                               and (a.setting in peaks or built < new_after))
     for a in alts:
         wanted = near(a)
@@ -255,8 +264,9 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
 
 
 def _dominated(a: Alternative, best: Alternative) -> bool:
-    """`a` is slower than `best` by construction: the same micro-batch and precision, with `best`'s modules
-    checkpointed and more (checkpoint sets are prefixes of one ranking: more of the same forwards run again)."""
+    """`a` is slower than `best` (another alternative) by construction: the same micro-batch and precision, with
+    `best`'s modules checkpointed and more (checkpoint sets are prefixes of one ranking: more of the same forwards
+    run again)."""
     return (a is not best and a.micro_batch == best.micro_batch and a.setting.autocast == best.setting.autocast
             and len(a.setting.checkpoint) >= len(best.setting.checkpoint)
             and a.setting.checkpoint[:len(best.setting.checkpoint)] == best.setting.checkpoint)
@@ -297,6 +307,15 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
     said = "; ".join(f"{_name(a, n)} {a.measured:.3g} s a step" for a in sorted(timed, key=lambda a: a.measured))
     reason = f"{why}: {_name(best, n)}, {format_bytes(best.bytes)} <= the budget (measured: {said})"
     return Choice(best, choice.alternatives, reason, choice.leading)
+
+
+def trial_order(leading: Sequence[Alternative], n: int) -> list[Alternative]:
+    """The leading alternatives in the order they are worth timing: the best predicted, then the plain step where it
+    is among them (it stays unless measured clearly slower than another: the comparison the choice turns on), then
+    the rest, fastest predicted first."""
+    plain = [a for a in leading if a.micro_batch == n and a.setting == Setting()]
+    rest = sorted((a for a in leading if all(a is not p for p in plain)), key=lambda a: a.time)
+    return rest[:1] + plain + rest[1:]
 
 
 def keep_plain(choice: Choice, n: int, budget: int, why: str) -> Choice:

@@ -8,14 +8,19 @@ its plain step came out "0.17x"). Whole micro-steps of the few alternatives that
 moment falls on all of them), decide between them instead (`memfit.fitting.search.confirm`).
 
 What they may cost: a round (one micro-step of each point) is a forward and backward of the largest point's samples
-and of every other's, more than a whole step where the points split one batch, whatever the model. So the rounds
-after the first run only while the trials stay within the seconds the prediction before them took (`allowance`, at
-least `FLOOR`). Where a model's step is long beside its prediction (GPT-2 768x12 on a 2-core CPU: a step 13 s of CPU
-time, the prediction 14-28 s, a round of micro-batches 8 and 4 with 6 and 3 blocks checkpointed 18-28 s; its fit 9x
-a real step, 95 s of it in the rounds), one round runs and each point's figure is its first micro-step: the kernel
-timing before it ran every kernel at these shapes, so little set-up is left in it (GPT-2 768x2 at one thread, three
-fresh processes: first runs 0.97-1.09x the least of the three after; 768x12: 0.94-1.14x, within the runs' own spread
-of 10-15%).
+and of every other's, more than a whole step where the points split one batch, whatever the model (GPT-2 768x12 on
+a 2-core CPU: micro-batch 8 with 6 blocks checkpointed, 4 with 3 and 4 with 6, one micro-step each, 46 s of CPU
+time against a real step's 23 s). So the trials keep to an `allowance`, `TRIALS` times the plain step's forward and
+backward as the time model predicts it (`memfit.fitting.finder`), counted in the time model's seconds: the points
+are taken in the order they matter, the first two always (a comparison needs two), each further one only where the
+first micro-steps of all so far are predicted within it; a round after the first runs only where the rounds so far
+and one more as long as their mean stay within it, the measured seconds brought to the time model's by the first
+round's measured over predicted seconds (or within `FLOOR` seconds of the clock). The ratio, not the seconds: on a
+busy VM the time model put GPT-2 768x12's step at 1.4x its real time and a quiet one's at about 1x, alike for every
+alternative. Where one round is all there is, each point's figure is its first micro-step: the kernel timing before
+it ran every kernel at these shapes, so little set-up is left in it (GPT-2 768x2 at one thread, three fresh
+processes: first runs 0.97-1.09x the least of the three after; 768x12: 0.94-1.14x, within the runs' own spread of
+10-15%).
 
 The micro-steps run on a structural copy of the model (`memfit.memory.isolation.structural_copy`: the same
 parameters, its own module objects) that holds copies of the buffers (BatchNorm's running statistics are not
@@ -43,7 +48,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,12 +62,15 @@ from memfit.fitting.search import Setting
 from memfit.fitting.timing import STEADY, clock
 from memfit.messages import first_line
 
-__all__ = ["FLOOR", "ROUNDS", "Timed", "draws", "micro_steps"]
+__all__ = ["FLOOR", "LEAST", "ROUNDS", "TRIALS", "Timed", "draws", "micro_steps", "within"]
 
 ROUNDS = 3            # micro-steps of each alternative: a warm-up, then the least of the others is its figure (of
 #                       the first and the warm-up where the two came within `timing.STEADY`)
-FLOOR = 1.0           # seconds of rounds any trials may take, whatever their allowance (a fit whose prediction was
-#                       kept from one before it: short micro-steps still get every round)
+FLOOR = 1.0           # seconds of rounds any trials may take, whatever their allowance (short micro-steps get every
+#                       round: a small model's are a few ms)
+TRIALS = 1.0          # the trials' allowance, in plain steps' forward and backward (predicted): with the prediction
+#                       before them (about one step at 768x12, a little over on a busy VM) fit stays within 3 steps
+LEAST = 2             # points timed whatever the allowance: a comparison needs two
 
 
 @dataclass
@@ -76,6 +84,7 @@ class Timed:
     clock: str = ""
     why_not: str = ""
     failed: tuple | None = None     # the point (m, setting) whose micro-step raised, where one did
+    left_out: list = field(default_factory=list)    # points not timed: their first micro-steps past the allowance
 
 
 class _Draws(TorchDispatchMode):
@@ -122,16 +131,37 @@ def _copy_for_timing(module: torch.nn.Module) -> torch.nn.Module:
     return copy
 
 
+def within(points: Sequence[tuple], predicted: Mapping[tuple, float], allowance: float) -> tuple[list, list]:
+    """(the points to time, those left out): the first `LEAST` in the order given, then each further one while the
+    predicted seconds of one micro-step of every point taken so far and its own stay within `allowance` (the first
+    that would pass it ends the list: the points come in the order they matter)."""
+    keyed = list(dict.fromkeys(points))
+    keep, total = keyed[:LEAST], sum(predicted[k] for k in keyed[:LEAST])
+    for i, k in enumerate(keyed[LEAST:], LEAST):
+        if total + predicted[k] > allowance:
+            return keep, keyed[i:]
+        keep.append(k)
+        total += predicted[k]
+    return keep, []
+
+
 def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequence[tuple[int, Setting]],
-                rounds: int = ROUNDS, allowance: float | None = None) -> Timed:
+                rounds: int = ROUNDS, allowance: float | None = None,
+                predicted: Mapping[tuple, float] | None = None) -> Timed:
     """Time real micro-steps of each point (m, setting): the first m samples of (x, y) forward, `loss_fn`, backward,
     under the point's checkpointing and autocast, `rounds` times each in turn (ABBA order, the smallest micro-batch
     first; the first run of each a warm-up). A point whose first timed run came within `timing.STEADY` of its
     warm-up takes no second: the warm-up is it (BERT 768x2 at one thread: warm-ups 0.99-1.07x the run after, a
-    third of the trials' time; `Timed.steady` counts them). `allowance`: the seconds the trials may take, by their
-    clock (at least `FLOOR`); a round after the first runs only where the rounds so far and one more as long as
-    their mean stay within it (where only the first ran, it is each point's figure: `Timed.runs` 0). An
-    out-of-memory error or any other failure stops the timing: `Timed.why_not` says why, and nothing is kept."""
+    third of the trials' time; `Timed.steady` counts them).
+
+    `allowance`: what the trials may take (at least `FLOOR` seconds of their clock). With `predicted` (the time
+    model's seconds of one micro-step of each point), in the time model's seconds: `points` come in the order they
+    matter, and those after the first `LEAST` are timed only `within` it (`Timed.left_out` the others); a round
+    after the first runs only where the rounds so far and one more as long as their mean, brought to the time
+    model's seconds by the first round's measured over predicted seconds, stay within it. Without `predicted`, in
+    the clock's seconds, every point timed. Where only the first round ran, each point's first micro-step is its
+    figure (`Timed.runs` 0). An out-of-memory error or any other failure stops the timing: `Timed.why_not` says
+    why, and nothing is kept."""
     device = model_device(module)
     now = clock(device)
     what = "the thread's CPU time" if device.type == "cpu" and torch.get_num_threads() == 1 else "the wall clock"
@@ -143,16 +173,22 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
     if not params:
         timed.why_not = "no parameter requires a gradient"
         return timed
+    chosen = list(dict.fromkeys(points))
+    if predicted is not None and allowance is not None:
+        chosen, timed.left_out = within(chosen, predicted, allowance)
     # the smallest micro-step first: the warm-up that finds a draw outside Dropout modules (then nothing is timed)
     # is the cheapest (GPT-2 768x2's SDPA kernel is seeded: a full batch's forward and backward for nothing)
-    keyed = sorted(dict.fromkeys(points), key=lambda k: k[0])
+    keyed = sorted(chosen, key=lambda k: k[0])
     samples: dict[tuple, list[float]] = {k: [] for k in keyed}
     warm: dict[tuple, float] = {}
-    key, ran, start = None, 0, now()
+    key, ran, start, limit = None, 0, now(), allowance
     try:
         for r in range(rounds):
             spent = now() - start
-            if r and allowance is not None and spent * (r + 1) / r > max(allowance, FLOOR):
+            if r == 1 and predicted is not None and allowance is not None:
+                # the allowance in the clock's seconds: the time model's, scaled as the first round came out
+                limit = allowance * spent / max(sum(predicted[k] for k in keyed), 1e-12)
+            if r and limit is not None and spent * (r + 1) / r > max(limit, FLOOR):
                 break                   # another round as long as the mean of those so far: past the allowance
             ran = r + 1
             for key in (keyed if r % 2 == 0 else keyed[::-1]):
