@@ -64,3 +64,39 @@ def test_a_fit_at_another_budget_counts_and_times_nothing_again_until_the_model_
     model[0][0].weight.requires_grad_(False)          # what the step's gradients and state depend on
     memfit.fit(model, opt, (x, y), F.mse_loss, "2GiB")
     assert len(calls) == 2
+
+
+def test_the_trials_get_the_leading_fastest_first_and_one_predicted_plain_step_to_keep_to(monkeypatch):
+    """Wired to a model: the leading alternatives (every one that fits within `lead`, here made wide) go to the
+    trials fastest predicted first (the plain step does not fit), each with its micro-step's predicted seconds, and
+    the allowance is `TRIALS` times the plain step's forward and backward as predicted; `explain()` says how many of
+    the leading were timed."""
+    from memfit.fitting import trials
+    model = mlp()
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    every = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.mse_loss, "1GiB",
+                       exhaustive=True)
+    plain = next(a for a in every.alternatives if a.micro_batch == 32 and not a.setting.checkpoint)
+    monkeypatch.setattr(finder, "LEAD", 100.0)
+    seen, predicted = {}, {}
+    real_steps, real_seconds = finder.micro_steps, finder.micro_step_seconds
+
+    def seconds(m, step, blocks, setting, machine):
+        predicted[(m, setting)] = real_seconds(m, step, blocks, setting, machine)
+        return predicted[(m, setting)]
+
+    def steps(module, loss_fn, x, y, points, **kwargs):
+        seen.update(points=list(points), **kwargs)
+        return real_steps(module, loss_fn, x, y, points, **kwargs)
+    monkeypatch.setattr(finder, "micro_step_seconds", seconds)
+    monkeypatch.setattr(finder, "micro_steps", steps)
+    model = mlp()                                    # another model: nothing kept, the search runs again
+    plan = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.mse_loss, plain.bytes - 1)
+    time_of = {(a.micro_batch, a.setting): a.time for a in plan.alternatives}
+    points = seen["points"]
+    assert len(points) == 3 and (32, plain.setting) not in points
+    assert [time_of[k] for k in points] == sorted(time_of[k] for k in points)
+    assert seen["predicted"] == {k: predicted[k] for k in points}
+    assert seen["allowance"] == trials.TRIALS * predicted[(32, plain.setting)]
+    timed = [a for a in plan.alternatives if a.measured is not None]
+    assert 2 <= len(timed) <= 3 and f"then {len(timed)} of the 3 leading alternatives" in plan.explain()
