@@ -68,8 +68,8 @@ ROUNDS = 3            # micro-steps of each alternative: a warm-up, then the lea
 #                       the first and the warm-up where the two came within `timing.STEADY`)
 FLOOR = 1.0           # seconds of rounds any trials may take, whatever their allowance (short micro-steps get every
 #                       round: a small model's are a few ms)
-TRIALS = 1.0          # the trials' allowance, in plain steps' forward and backward (predicted): with the prediction
-#                       before them (about one step at 768x12, a little over on a busy VM) fit stays within 3 steps
+TRIALS = 1.0          # the trials' allowance, in plain steps' forward and backward (predicted): beyond the first two
+#                       points (GPT-2 768x12 between budgets: 1.4 steps) a third or a second round only within it
 LEAST = 2             # points timed whatever the allowance: a comparison needs two
 
 

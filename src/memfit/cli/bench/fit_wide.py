@@ -7,7 +7,9 @@ peak: micro-batching or checkpointing must; left out, and said, where no alterna
 runs in a process of its own that has fitted nothing (`common.in_own_process`: no kernel timing, memory model or
 host chain kept), at the default thread count, and its seconds are set against one real plain step there (the median
 of three after a warm-up), by the wall clock and by the process's CPU time (on a shared machine the wall clock
-counts other processes' turns). Target: fit at most 3x one real step, by CPU time.
+counts other processes' turns); "timed": how many alternatives fit timed for real (0: the time model's choice was
+clear, no trial ran; the trials are most of fit's cost where they run). Target: fit at most 3x one real step, by CPU
+time.
 
 Run:
     memfit bench fit --wide --quick
@@ -63,6 +65,7 @@ def _fit_and_step(name: str, quick: bool, budget: int | None) -> dict:
     return {"fit s": fit_s, "step s": statistics.median(steps), "fit cpu s": fit_cpu,
             "step cpu s": statistics.median(cpu), "plan": f"m={plan.micro_batch} ckpt "
             f"{len(plan.checkpoint)}/{len(plan.candidates)}", "peak": plan.peak_bytes, "n": n,
+            "timed": sum(a.measured is not None for a in plan.alternatives),
             "least": _least(model, opt, x, y, case.loss) if budget is None else None}
 
 
@@ -86,11 +89,12 @@ def wide_rows(quick: bool, line) -> list[dict]:
                   "peak is where no micro-batch or checkpoint reaches, e.g. the optimizer step)")
         for what, got in runs:
             rows.append({"model": case.name, "batch": got["n"], "budget": what, "plan": got["plan"],
-                         "fit s": got["fit s"], "step s": got["step s"], "fit/step": got["fit s"] / got["step s"],
+                         "timed": got["timed"], "fit s": got["fit s"], "step s": got["step s"],
+                         "fit/step": got["fit s"] / got["step s"],
                          "fit cpu s": got["fit cpu s"], "step cpu s": got["step cpu s"],
                          "cpu fit/step": got["fit cpu s"] / got["step cpu s"]})
-    print(table(rows, ["model", "batch", "budget", "plan", "fit s", "step s", "fit/step", "fit cpu s", "step cpu s",
-                       "cpu fit/step"]))
+    print(table(rows, ["model", "batch", "budget", "plan", "timed", "fit s", "step s", "fit/step", "fit cpu s",
+                       "step cpu s", "cpu fit/step"]))
     # judged by CPU time: the process's own work (the wall clock counts other processes' turns on a shared machine)
     worst = max(rows, key=lambda r: r["cpu fit/step"])
     wall = max(r["fit/step"] for r in rows)
