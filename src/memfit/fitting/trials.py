@@ -15,12 +15,11 @@ backward as the time model predicts it (`memfit.fitting.finder`), counted in the
 are taken in the order they matter, the first two always (a comparison needs two), each further one only where the
 first micro-steps of all so far are predicted within it; a round after the first runs only where the rounds so far
 and one more as long as their mean stay within it, the measured seconds brought to the time model's by the first
-round's measured over predicted seconds (or within `FLOOR` seconds of the clock). The ratio, not the seconds: on a
-busy VM the time model put GPT-2 768x12's step at 1.4x its real time and a quiet one's at about 1x, alike for every
-alternative. Where one round is all there is, each point's figure is its first micro-step: the kernel timing before
-it ran every kernel at these shapes, so little set-up is left in it (GPT-2 768x2 at one thread, three fresh
-processes: first runs 0.97-1.09x the least of the three after; 768x12: 0.94-1.14x, within the runs' own spread of
-10-15%).
+round's measured over predicted seconds (or within `FLOOR` seconds of the clock): the ratio, not the seconds (on a
+busy VM the time model put GPT-2 768x12's step at about 1.4x its real time, on a quieter one about 1x). Where one
+round is all there is, each point's figure is its first micro-step: the kernel timing before it ran every kernel at
+these shapes, so little set-up is left in it (GPT-2 768x2 at one thread, three fresh processes: first runs
+0.97-1.09x the least of the three after; 768x12: 0.94-1.14x, within the runs' own spread of 10-15%).
 
 The micro-steps run on a structural copy of the model (`memfit.memory.isolation.structural_copy`: the same
 parameters, its own module objects) that holds copies of the buffers (BatchNorm's running statistics are not
