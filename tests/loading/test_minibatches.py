@@ -460,14 +460,16 @@ gc.collect()
 rss0 = held()
 ld = loader((x, y), 1024, budget=int(sys.argv[2]), device="cpu", seed=0)
 # peak over the epoch (the file's pages included); keeping every batch's labels is checked on its own below. Every
-# 4th batch (a block lasts ~40): one read of smaps costs ~23 ms of CPU (the kernel walks every mapping of torch's)
+# 4th batch (a block lasts ~40) and the two each side of a block's start, where the next block is read in beside the
+# last: one read of smaps costs ~23 ms of CPU (the kernel walks every mapping of torch's)
+per_block = max(1, ld.macro_batch // 1024)
 peak, counts, first, ok = rss0, torch.zeros(n, dtype=torch.int32), [], True
 for i, (xb, yb) in enumerate(ld):
     ok &= torch.equal(xb[:, 0, 0, 0], (yb % 251).float())          # each row decoded to its own value
     counts.index_add_(0, yb, torch.ones(len(yb), dtype=torch.int32))
     if len(first) < ld.macro_batch // 1024:
         first.append(yb)
-    if i % 4 == 0:
+    if i % 4 == 0 or i % per_block in (0, 1, per_block - 1):
         peak = max(peak, held())
 block = torch.cat(first)
 print(json.dumps({"strategy": ld.strategy, "nbytes": ld.nbytes, "macro": ld.macro_batch, "ok": bool(ok),

@@ -237,14 +237,14 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     def near(a: Alternative) -> bool:        # worth timing beside the best: the plain step, or close and not slower
         if best is None or best is plain:
             return False
-        if a is plain and clear <= 0:
-            return True                       # the plain step wherever it fits: weighed whatever else fits
+        if a is plain:
+            return True                       # the plain step wherever it fits, a slot of its own beside the leading
         if len(fitting) >= leading + (plain in fitting):
-            return False                      # (the plain step that fits is timed only against one predicted faster)
+            return False
         # (not one slower by construction than one already leading: GPT-2 768x12's micro-batch 4 with 6 blocks
         # checkpointed beside 4 with 3, a trial of half a step for nothing)
-        return a is plain or (a.time <= lead * best.time and not any(_dominated(a, f) for f in fitting)
-                              and (a.setting in peaks or built < new_after))
+        return (a.time <= lead * best.time and not any(_dominated(a, f) for f in fitting)
+                and (a.setting in peaks or built < new_after))
     for a in alts:
         wanted = near(a)
         if best is not None and not exhaustive and not wanted \
