@@ -240,8 +240,8 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                              "one micro-step of each, its figure (a second round would have taken the trials past "
                              f"{TRIALS:g} plain step{'s' if TRIALS != 1 else ''} as predicted; the kernels had run at "
                              "these shapes)")
-                         + (f"; {len(timed.left_out)} left out, predicted slower than the fastest (a micro-step of each would have "
-                            f"taken the trials past {TRIALS:g} plain step{'s' if TRIALS != 1 else ''})"
+                         + (f"; {len(timed.left_out)} left out, predicted slower than the fastest (a micro-step of "
+                            f"each would have taken the trials past {TRIALS:g} plain step{'s' if TRIALS != 1 else ''})"
                             if timed.left_out else "")
                          + "; the optimizer step's time predicted")
         else:
