@@ -228,6 +228,17 @@ def test_with_predicted_seconds_the_allowance_holds_in_the_time_models_seconds(m
     assert sum(2 * predicted[(m, Setting())] for m in ran) == 21.0 <= 2 * 14.0
 
 
+def test_a_small_models_leading_points_are_all_timed_whatever_its_allowance(monkeypatch):
+    """Points predicted a few ms each, an allowance of less than one of them: every point is timed, within FLOOR
+    (which points run must not turn on the time model's noise where they cost nothing)."""
+    from memfit.fitting import trials
+    keys = [(m, Setting()) for m in (8, 4, 2)]
+    ran = _fake_runs(monkeypatch, lambda i, m: 0.004)
+    timed = trials.micro_steps(model(), F.mse_loss, torch.randn(8, 64), torch.randn(8, 64), keys, allowance=0.001,
+                               predicted={k: 0.003 for k in keys})
+    assert timed.left_out == [] and set(timed.seconds) == set(keys) and set(ran) == {2, 4, 8}
+
+
 def test_a_point_left_out_is_never_chosen_and_the_choice_is_the_faster_measured(monkeypatch):
     """Trials stopped early decide between what they timed: the predicted best, measured slower than the second,
     gives way to it; the third, left out by the allowance (measured: None), is not chosen, however it was predicted."""

@@ -65,8 +65,8 @@ __all__ = ["FLOOR", "LEAST", "ROUNDS", "TRIALS", "Timed", "draws", "micro_steps"
 
 ROUNDS = 3            # micro-steps of each alternative: a warm-up, then the least of the others is its figure (of
 #                       the first and the warm-up where the two came within `timing.STEADY`)
-FLOOR = 1.0           # seconds of rounds any trials may take, whatever their allowance (short micro-steps get every
-#                       round: a small model's are a few ms)
+FLOOR = 1.0           # seconds of rounds and points any trials may take, whatever their allowance (short micro-steps
+#                       get every round and every leading point: a small model's are a few ms)
 TRIALS = 1.0          # the trials' allowance, in plain steps' forward and backward (predicted): beyond the first two
 #                       points (GPT-2 768x12 between budgets: 1.4 steps) a third or a second round only within it
 LEAST = 2             # points timed whatever the allowance: a comparison needs two
@@ -174,7 +174,9 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
         return timed
     chosen = list(dict.fromkeys(points))
     if predicted is not None and allowance is not None:
-        chosen, timed.left_out = within(chosen, predicted, allowance)
+        # at least FLOOR: a small model's points, a few ms each, are all timed (which ones run then does not turn on
+        # the time model's noise: the CLI and the Python API chose differently on a loaded VM)
+        chosen, timed.left_out = within(chosen, predicted, max(allowance, FLOOR))
     # the smallest micro-step first: the warm-up that finds a draw outside Dropout modules (then nothing is timed)
     # is the cheapest (GPT-2 768x2's SDPA kernel is seeded: a full batch's forward and backward for nothing)
     keyed = sorted(chosen, key=lambda k: k[0])
