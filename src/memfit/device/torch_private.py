@@ -385,7 +385,7 @@ def _split_kept(original, decomp_table: dict):
         key = (frozenset(decomp_table.items()), tuple(torch.ops._dir),
                tuple(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")))
         found = _CIA_SPLIT.get(key)
-    except TypeError:
+    except (TypeError, AttributeError):  # a table torch cannot hash, or a torch without these names: torch's own
         return original(decomp_table)
     if found is None:
         found = original(dict(decomp_table))
