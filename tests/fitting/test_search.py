@@ -384,3 +384,45 @@ def test_the_timed_alternatives_decide_and_close_ones_go_to_the_simplest():
     a = next(x for x in timed)
     one = confirm(choice, {(x.micro_batch, x.setting): 1.0 for x in timed}, 16, STEP, BLOCKS, MACHINE)
     assert one.best.measured >= 1.0 and a.measured is not None
+
+
+def test_the_leading_take_one_alternative_per_setting_first_building_up_to_new_after_memory_models_for_them():
+    """GPT-2 768x12 between budgets: micro-batches 2 and 4 without checkpointing, predicted alike, led alone (only
+    their setting's bytes were at hand); 8 with half the blocks checkpointed, a step 1.5x faster, was never timed.
+    Here micro-batch 4 unchecked is the fastest that fits; 2 unchecked, then 8 with 2 blocks checkpointed, are
+    within `lead`: the one slot goes to the other setting, its memory model built for it (at most `new_after`)."""
+    step = Cost(ops=100, kernels=((1, 3e-3), (16, 4.8e-2)))            # linear kernels: host work per micro-batch
+    key = lambda a: (a.micro_batch, len(a.setting.checkpoint))
+    run = lambda new_after, leading=2: search(SETS, micro_batch_sizes(8), 8, step, BLOCKS, MACHINE, counted, 1480,
+                                              lead=1.3, leading=leading, new_after=new_after)
+    counted, calls = peaks()
+    old = run(new_after=0)
+    assert key(old.best) == (4, 0) and [key(a) for a in old.leading] == [(4, 0), (2, 0)]
+    times = {key(a): a.time for a in old.alternatives}
+    assert times[(4, 0)] < times[(2, 0)] < times[(8, 2)] <= 1.3 * times[(4, 0)]
+    counted, calls = peaks()
+    new = run(new_after=2)
+    assert key(new.best) == (4, 0) and [key(a) for a in new.leading] == [(4, 0), (8, 2)]
+    # the plain step's before the best (does not fit); then, for the leading, 1 block's (does not fit at 8) and 2's;
+    # none for 4 with blocks checkpointed (slower by construction than 4 unchecked)
+    assert [len(s.checkpoint) for s in calls] == [0, 1, 2]
+    counted, calls = peaks()
+    # 1 block's model built (at 8 it does not fit; at 2 slower by construction than 2 unchecked), 2 blocks' not
+    assert [key(a) for a in run(new_after=1).leading] == [(4, 0), (2, 0)] and len(calls) == 2
+    counted, calls = peaks()
+    # a slot left: the best's setting at another micro-batch, after the other setting (8 with 3 blocks and 2 with 1
+    # fit too, but are slower by construction than 8 with 2 and 2 unchecked)
+    three = run(new_after=2, leading=3).leading
+    assert [key(a) for a in three] == [(4, 0), (8, 2), (2, 0)]
+    assert [key(a) for a in trial_order(three, 8)] == [(4, 0), (8, 2), (2, 0)]
+
+
+def test_the_trials_take_another_setting_before_another_micro_batch_of_one_already_ordered():
+    from memfit.fitting.search import Alternative
+    two, four = Alternative(2, Setting(), 1.0), Alternative(4, Setting(), 1.01)
+    ckpt = Alternative(8, Setting(("b0", "b1")), 1.1)
+    ckpt4 = Alternative(4, Setting(("b0", "b1")), 1.12)
+    order = trial_order([two, four, ckpt, ckpt4], 8)
+    assert order == [two, ckpt, four, ckpt4]
+    plain = Alternative(8, Setting(), 1.0)
+    assert trial_order([two, four, ckpt, plain], 8) == [two, plain, ckpt, four]

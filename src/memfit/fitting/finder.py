@@ -33,6 +33,7 @@ from memfit.fitting.search import (
     CLEAR,
     LEAD,
     LEADING,
+    NEW,
     Alternative,
     Setting,
     checkpoint_sets,
@@ -188,7 +189,9 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
 
     # levers change numerics: their settings are searched only when nothing at the step's own precision fits
     # times for another device's bytes are this machine's, a stand-in: the plain step wherever it fits
-    lead = dict(lead=LEAD, leading=LEADING, clear=0.0 if elsewhere else CLEAR)
+    # (nothing is timed for another device's bytes or on meta: no memory model is built for the leading alone there)
+    trials = not elsewhere and device.type != "meta"
+    lead = dict(lead=LEAD, leading=LEADING, clear=0.0 if elsewhere else CLEAR, new_after=NEW if trials else 0)
     choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates, bytes_of,
                     budget, exhaustive=exhaustive, once=once, **lead)
     if levers and (choice.best is None or exhaustive):
@@ -219,7 +222,7 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                    "recomputed, is the fastest as a rule), else the fastest predicted here" if elsewhere else ""))
     # the leading alternatives timed for real decide between them (not on meta: no kernel runs there; nor for
     # another device's bytes: its kernels are not here)
-    if len(choice.leading) > 1 and device.type != "meta" and not elsewhere:
+    if len(choice.leading) > 1 and trials:
         bar.set_postfix_str(f"{len(choice.leading)} alternatives timed for real")
         # the trials take about one plain step's forward and backward, as predicted (two alternatives at least)
         order = trial_order(choice.leading, n)

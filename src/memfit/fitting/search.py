@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from memfit.budget import format_bytes
 
-__all__ = ["Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "confirm", "interpolate",
+__all__ = ["NEW", "Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "confirm", "interpolate",
            "keep_plain", "micro_batch_sizes", "micro_step_seconds", "search", "step_seconds", "trial_order"]
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpointed: the grid the issue names
@@ -52,6 +52,10 @@ LEADING = 3      # ... at most this many (the fastest that fits included)
 CLEAR = 0.95     # another plan replaces a plain step that fits only when measured at most this fraction of its time
 CLOSE = 1.03     # timed within this of the fastest timed, the simplest is taken (fewest checkpointed, bf16 last,
 #                  then the largest micro-batch): the same choice in repeated fits, where the timings move a little
+NEW = 2          # settings whose memory models `memfit.fit` may build for the leading alone (beyond those the
+#                  fastest that fits needed): GPT-2 768x12 between budgets, micro-batches 2 and 4 without checkpointing
+#                  predicted ~1.00x the plain step's time led alone (their setting's bytes were the only ones at hand);
+#                  2 took 28.7 s a step, 8 with 6 of 12 blocks checkpointed 16-19 s, never timed
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,9 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     only where `bytes_of(setting).ready(m)` says they need no further fake run (a function without `ready` is
     always ready), or, for `Choice.leading`, where it is predicted within `lead` times the best's time and not
     slower by construction than one already leading (the same micro-batch with its modules checkpointed and more;
-    its bytes may need `new_after` more settings' models at most); `leading` caps how many that fit are kept. The
+    its bytes may need `new_after` more settings' models at most); `leading` caps how many that fit are kept, one
+    per setting first (a setting already leading gets another micro-batch only where slots are left: the time
+    model errs alike on one setting's micro-batches, so a trial of another setting says more). The
     plain step, where it fits, is the best unless another is predicted at most `clear` of its time (then both are
     leading; 0: the plain step wherever it fits, for times that are a stand-in for another device's). Ties in time
     go to fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every
@@ -232,19 +238,22 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     alts.sort(key=lambda a: (a.time, len(a.setting.checkpoint), -a.micro_batch))
     plain = next((a for a in alts if a.micro_batch == n and a.setting == Setting()), None)
     peaks: dict[Setting, Callable[[int], int]] = {}
-    best, fitting, built = None, [], 0
+    best, fitting, built, later = None, [], 0, []
+    full = lambda: len(fitting) >= leading + (plain in fitting)
 
     def near(a: Alternative) -> bool:        # worth timing beside the best: the plain step, or close and not slower
         if best is None or best is plain:
             return False
         if a is plain:
             return True                       # the plain step wherever it fits, a slot of its own beside the leading
-        if len(fitting) >= leading + (plain in fitting):
-            return False
         # (not one slower by construction than one already leading: GPT-2 768x12's micro-batch 4 with 6 blocks
         # checkpointed beside 4 with 3, a trial of half a step for nothing)
-        return (a.time <= lead * best.time and not any(_dominated(a, f) for f in fitting)
-                and (a.setting in peaks or built < new_after))
+        if full() or a.time > lead * best.time or any(_dominated(a, f) for f in (*fitting, *later)):
+            return False
+        if any(f.setting == a.setting for f in fitting):
+            later.append(a)                   # its setting leads already: a slot only where every other had its turn
+            return False
+        return a.setting in peaks or built < new_after
     for a in alts:
         wanted = near(a)
         if best is not None and not exhaustive and not wanted \
@@ -258,6 +267,12 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
             fitting.append(a)
         if best is None and a.bytes <= budget:
             best = a                      # the first that fits in time order is the fastest that fits
+    for a in later:                       # slots left: the settings already leading, at other micro-batches
+        if full() or any(_dominated(a, f) for f in fitting):
+            continue
+        a.bytes = int(peaks[a.setting](a.micro_batch)) if a.bytes is None else a.bytes
+        if a.bytes <= budget:
+            fitting.append(a)
     if plain in fitting and best is not plain and best.time > clear:
         best, fitting = plain, [plain]    # the plain step fits, and nothing is predicted clearly faster
     return Choice(best, alts, _reason(best, alts, budget, n), fitting)
@@ -312,10 +327,18 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
 def trial_order(leading: Sequence[Alternative], n: int) -> list[Alternative]:
     """The leading alternatives in the order they are worth timing: the best predicted, then the plain step where it
     is among them (it stays unless measured clearly slower than another: the comparison the choice turns on), then
-    the rest, fastest predicted first."""
+    the rest, fastest predicted first, those of a setting not yet ordered before those of one that is (the time
+    model errs alike on one setting's micro-batches: micro-batches 2 and 4 of GPT-2 768x12 without checkpointing
+    both predicted 1.3x too fast)."""
     plain = [a for a in leading if a.micro_batch == n and a.setting == Setting()]
     rest = sorted((a for a in leading if all(a is not p for p in plain)), key=lambda a: a.time)
-    return rest[:1] + plain + rest[1:]
+    order = rest[:1] + plain
+    pool = rest[1:]
+    while pool:
+        nxt = min(pool, key=lambda a: (any(o.setting == a.setting for o in order), a.time))
+        order.append(nxt)
+        pool.remove(nxt)
+    return order
 
 
 def keep_plain(choice: Choice, n: int, budget: int, why: str) -> Choice:
