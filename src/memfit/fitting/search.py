@@ -7,8 +7,8 @@ block's forward and the optimizer step, the ops dispatched and the seconds their
 size, `memfit.fitting.costs`; the host's seconds per op and per checkpointed call, `Machine`). Bytes are the
 expensive part (fake-tensor runs of the whole step, one set of runs per checkpoint set), so `search` evaluates
 them lazily: alternatives are taken fastest first, and a checkpoint set's bytes are computed only when an
-alternative using it is the fastest not yet ruled out. The first that fits wins; every faster one was computed
-and did not fit.
+alternative using it is the fastest not yet ruled out (or, for at most `new_after` sets, one worth timing beside
+the winner: `Choice.leading`). The first that fits wins; every faster one was computed and did not fit.
 
 The time of one micro-batch of m samples: the host's work (its ops by who dispatches them, at `Machine`'s seconds
 per op: Python, the dispatcher, autograd; the same at every m) and the kernels' (`Cost.kernels`, measured at m),
@@ -218,19 +218,20 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
            leading: int = 1, new_after: int = 0, clear: float = CLEAR) -> Choice:
     """The fastest alternative (micro-batch in `sizes` x setting) whose predicted peak fits `budget`.
 
-    Times come first (cheap); `bytes_of(setting)` is called at most once per setting, in the order of the
-    fastest alternative not yet ruled out, and never for a setting whose every alternative is slower than one
-    that fits (unless `exhaustive`). Once one fits, a slower alternative's bytes are filled in (for `explain`)
-    only where `bytes_of(setting).ready(m)` says they need no further fake run (a function without `ready` is
-    always ready), or, for `Choice.leading`, where it is predicted within `lead` times the best's time and not
-    slower by construction than one already leading (the same micro-batch with its modules checkpointed and more;
-    its bytes may need `new_after` more settings' models at most); `leading` caps how many that fit are kept, one
-    per setting first (a setting already leading gets another micro-batch only where slots are left: the time
-    model errs alike on one setting's micro-batches, so a trial of another setting says more). The
-    plain step, where it fits, is the best unless another is predicted at most `clear` of its time (then both are
-    leading; 0: the plain step wherever it fits, for times that are a stand-in for another device's). Ties in time
-    go to fewer checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every
-    alternative alike: it changes the relative times, not the order).
+    Times come first (cheap); `bytes_of(setting)` is called at most once per setting, in the order of the fastest
+    alternative not yet ruled out, and never for a setting whose every alternative is slower than one that fits
+    (unless `exhaustive`, or for the leading, below). Once one fits, a slower alternative's bytes are filled in (for
+    `explain`) only where `bytes_of(setting).ready(m)` says they need no further fake run (a function without
+    `ready` is always ready), or, for `Choice.leading`, where it is predicted within `lead` times the best's time
+    and not slower by construction than one already leading (the same micro-batch with its modules checkpointed and
+    more; its bytes may need `new_after` more settings' models at most); `leading` caps how many that fit are kept,
+    one per setting first (a setting already leading gets another micro-batch only where slots are left: the time
+    model errs alike on one setting's micro-batches, so a trial of another setting says more); the same with or
+    without `exhaustive` (the memory models it builds for `explain` let nothing else lead). The plain step, where it
+    fits, is the best unless another is predicted at most `clear` of its time (then both are leading; 0: the plain
+    step wherever it fits, for times that are a stand-in for another device's). Ties in time go to fewer
+    checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every alternative
+    alike: it changes the relative times, not the order).
     """
     base = step_seconds(n, n, step, blocks, Setting(), machine, once)
     alts = [Alternative(m, s, step_seconds(n, m, step, blocks, s, machine, once) / base)
@@ -238,40 +239,48 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     alts.sort(key=lambda a: (a.time, len(a.setting.checkpoint), -a.micro_batch))
     plain = next((a for a in alts if a.micro_batch == n and a.setting == Setting()), None)
     peaks: dict[Setting, Callable[[int], int]] = {}
+    # settings that may lead: those built before the best was found, and those built for an alternative wanted
+    # (not those `exhaustive` builds for explain(): the leading, and so the plan, are the same either way)
+    may_lead: set[Setting] = set()
     best, fitting, built, later = None, [], 0, []
     full = lambda: len(fitting) >= leading + (plain in fitting)
+
+    def fits(a: Alternative) -> bool:         # a deferred one's bytes (its setting built: it leads) when first asked
+        if a.bytes is None:
+            a.bytes = int(peaks[a.setting](a.micro_batch))
+        return a.bytes <= budget
 
     def near(a: Alternative) -> bool:        # worth timing beside the best: the plain step, or close and not slower
         if best is None or best is plain:
             return False
         if a is plain:
             return True                       # the plain step wherever it fits, a slot of its own beside the leading
-        # (not one slower by construction than one already leading: GPT-2 768x12's micro-batch 4 with 6 blocks
-        # checkpointed beside 4 with 3, a trial of half a step for nothing)
-        if full() or a.time > lead * best.time or any(_dominated(a, f) for f in (*fitting, *later)):
+        # (not one slower by construction than one already leading, or deferred and fitting: GPT-2 768x12's
+        # micro-batch 4 with 6 blocks checkpointed beside 4 with 3, a trial of half a step for nothing)
+        if full() or a.time > lead * best.time or any(_dominated(a, f) for f in fitting) \
+                or any(_dominated(a, f) and fits(f) for f in later):
             return False
         if any(f.setting == a.setting for f in fitting):
             later.append(a)                   # its setting leads already: a slot only where every other had its turn
             return False
-        return a.setting in peaks or built < new_after
+        return a.setting in may_lead or built < new_after
     for a in alts:
         wanted = near(a)
         if best is not None and not exhaustive and not wanted \
                 and not (a.setting in peaks and _ready(peaks[a.setting], a.micro_batch)):
             continue                      # slower than the choice and its bytes would need fake runs of their own
         if a.setting not in peaks:
-            built += best is not None
             peaks[a.setting] = bytes_of(a.setting)
-        a.bytes = int(peaks[a.setting](a.micro_batch))
+        if a.setting not in may_lead and (best is None or wanted):
+            built += best is not None
+            may_lead.add(a.setting)
+        a.bytes = int(peaks[a.setting](a.micro_batch)) if a.bytes is None else a.bytes
         if a.bytes <= budget and (best is None or wanted):
             fitting.append(a)
         if best is None and a.bytes <= budget:
             best = a                      # the first that fits in time order is the fastest that fits
     for a in later:                       # slots left: the settings already leading, at other micro-batches
-        if full() or any(_dominated(a, f) for f in fitting):
-            continue
-        a.bytes = int(peaks[a.setting](a.micro_batch)) if a.bytes is None else a.bytes
-        if a.bytes <= budget:
+        if not full() and not any(_dominated(a, f) for f in fitting) and fits(a):
             fitting.append(a)
     if plain in fitting and best is not plain and best.time > clear:
         best, fitting = plain, [plain]    # the plain step fits, and nothing is predicted clearly faster
