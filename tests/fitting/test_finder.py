@@ -77,7 +77,7 @@ def test_the_trials_get_the_leading_fastest_first_and_one_predicted_plain_step_t
     every = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.mse_loss, "1GiB",
                        exhaustive=True)
     plain = next(a for a in every.alternatives if a.micro_batch == 32 and not a.setting.checkpoint)
-    monkeypatch.setattr(finder, "LEAD", 100.0)
+    monkeypatch.setattr(finder, "wide_lead", lambda plain_micro_step: 100.0)
     seen, predicted = {}, {}
     real_steps, real_seconds = finder.micro_steps, finder.micro_step_seconds
 

@@ -193,6 +193,23 @@ def test_short_rounds_all_run_whatever_the_allowance(monkeypatch):
     assert timed.seconds == {(2, Setting()): 0.125, (8, Setting()): 0.125}
 
 
+def test_fit_s_trials_of_short_micro_steps_take_more_rounds_within_floor(monkeypatch):
+    """With the time model's seconds (fit's trials), micro-steps of 50 ms take rounds past ROUNDS while all of them
+    stay within FLOOR (at most SHORT); without them (a direct call), ROUNDS as asked. Every call 50 ms: the third
+    round is steady (each warm-up its second sample), every later round runs both points."""
+    from memfit.fitting import trials
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    points = [(2, Setting()), (8, Setting())]
+    ran = _fake_runs(monkeypatch, lambda i, m: 0.05)
+    fit_s = trials.micro_steps(model(), F.mse_loss, x, y, points, allowance=0.01,
+                               predicted={k: 0.05 for k in points})
+    assert trials.SHORT == 9 and fit_s.runs == trials.SHORT - 1 and len(ran) == 2 + 2 + 0 + 6 * 2
+    assert 0.05 * len(ran) <= trials.FLOOR
+    ran = _fake_runs(monkeypatch, lambda i, m: 0.05)
+    direct = trials.micro_steps(model(), F.mse_loss, x, y, points, allowance=0.01)
+    assert direct.runs == trials.ROUNDS - 1 and ran == [2, 8, 8, 2]
+
+
 def test_within_takes_the_first_two_then_each_further_point_while_the_predicted_first_steps_fit():
     from memfit.fitting.trials import LEAST, within
     a, b, c, d = ((m, Setting()) for m in (8, 4, 2, 1))

@@ -43,6 +43,7 @@ from memfit.fitting.search import (
     micro_step_seconds,
     search,
     trial_order,
+    wide_lead,
 )
 from memfit.fitting.timing import BUSY_SHARE, STEADY, UNSTEADY, clock, timing_device
 from memfit.fitting.trials import TRIALS, micro_steps
@@ -191,7 +192,8 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
     # times for another device's bytes are this machine's, a stand-in: the plain step wherever it fits
     # (nothing is timed for another device's bytes or on meta: no memory model is built for the leading alone there)
     trials = not elsewhere and device.type != "meta"
-    lead = dict(lead=LEAD, leading=LEADING, clear=0.0 if elsewhere else CLEAR, new_after=NEW if trials else 0)
+    window = wide_lead(micro_step_seconds(n, step, blocks, Setting(), rates)) if trials else LEAD
+    lead = dict(lead=window, leading=LEADING, clear=0.0 if elsewhere else CLEAR, new_after=NEW if trials else 0)
     choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates, bytes_of,
                     budget, exhaustive=exhaustive, once=once, **lead)
     if levers and (choice.best is None or exhaustive):
@@ -234,7 +236,7 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
         if timed.seconds:
             choice = confirm(choice, timed.seconds, n, step, blocks, rates, once)
             how_time += (f"; then {len(timed.seconds)} of the {len(choice.leading)} leading alternatives that fit "
-                         f"(predicted within {LEAD - 1:.0%} of the fastest, or the plain step) timed for real, in "
+                         f"(predicted within {window - 1:.0%} of the fastest, or the plain step) timed for real, in "
                          f"turn, by {timed.clock}: " + (
                              f"{timed.runs} micro-step{'s' if timed.runs > 1 else ''} of each after a warm-up, the "
                              "least taken"

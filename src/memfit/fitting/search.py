@@ -44,14 +44,20 @@ from dataclasses import dataclass, field
 from memfit.budget import format_bytes
 
 __all__ = ["NEW", "Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "confirm", "interpolate",
-           "keep_plain", "micro_batch_sizes", "micro_step_seconds", "search", "step_seconds", "trial_order"]
+           "keep_plain", "micro_batch_sizes", "micro_step_seconds", "search", "step_seconds", "trial_order",
+           "wide_lead"]
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpointed: the grid the issue names
 LEAD = 1.15      # alternatives predicted within this of the fastest that fits are timed for real beside it ...
 LEADING = 3      # ... at most this many (the fastest that fits included)
 CLEAR = 0.95     # another plan replaces a plain step that fits only when measured at most this fraction of its time
-CLOSE = 1.03     # timed within this of the fastest timed, the simplest is taken (fewest checkpointed, bf16 last,
+CLOSE = 1.04     # timed within this of the fastest timed, the simplest is taken (fewest checkpointed, bf16 last,
 #                  then the largest micro-batch): the same choice in repeated fits, where the timings move a little
+#                  (`bench fit`'s GPT-2, 5 fits: micro-batch 8 with 1 block measured 3.3% faster than 4 unchecked in
+#                  one, 0-15% slower in the others; at 3% that one fit chose otherwise)
+WIDE = 1.5       # `LEAD` where trials cost next to nothing (`wide_lead`): the time model's error on a model of a
+CHEAP = 0.05     # few ms a step is 20-30% (`bench fit`'s GPT-2: 4 unchecked predicted beyond 1.15x 8 with 1 block
+#                  in one fit of five, alike for real); seconds of a plain micro-step (predicted) at most for that
 NEW = 2          # settings whose memory models `memfit.fit` may build for the leading alone (beyond those the
 #                  fastest that fits needed): GPT-2 768x12 between budgets, micro-batches 2 and 4 without checkpointing
 #                  predicted ~1.00x the plain step's time led alone (their setting's bytes were the only ones at hand);
@@ -331,6 +337,13 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
     said = "; ".join(f"{_name(a, n)} {a.measured:.3g} s a step" for a in sorted(timed, key=lambda a: a.measured))
     reason = f"{why}: {_name(best, n)}, {format_bytes(best.bytes)} <= the budget (measured: {said})"
     return Choice(best, choice.alternatives, reason, choice.leading)
+
+
+def wide_lead(plain_micro_step: float) -> float:
+    """How far behind the fastest that fits an alternative may be predicted and still be timed beside it: `LEAD`,
+    or `WIDE` where a plain micro-step is predicted at most `CHEAP` seconds (the trials' floor of a second then
+    times every leading one: what decides between them is measured, not the time model's noise)."""
+    return WIDE if plain_micro_step <= CHEAP else LEAD
 
 
 def trial_order(leading: Sequence[Alternative], n: int) -> list[Alternative]:

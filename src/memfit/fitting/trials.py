@@ -16,7 +16,9 @@ are taken in the order they matter, the first two always (a comparison needs two
 first micro-steps of all so far are predicted within it; a round after the first runs only where the rounds so far
 and one more as long as their mean stay within it, the measured seconds brought to the time model's by the first
 round's measured over predicted seconds (or within `FLOOR` seconds of the clock): the ratio, not the seconds (on a
-busy VM the time model put GPT-2 768x12's step at about 1.4x its real time, on a quieter one about 1x). Where one
+busy VM the time model put GPT-2 768x12's step at about 1.4x its real time, on a quieter one about 1x). Rounds past
+the usual ones (up to `SHORT`) run where all of them stay within `FLOOR`: a small model's micro-steps of a few ms,
+whose least over three runs moved a choice between two plans alike for real. Where one
 round is all there is, each point's figure is its first micro-step: the kernel timing before it ran every kernel at
 these shapes, so little set-up is left in it (GPT-2 768x2 at one thread, three fresh processes: first runs
 0.97-1.09x the least of the three after; 768x12: 0.94-1.14x, within the runs' own spread of 10-15%).
@@ -61,7 +63,7 @@ from memfit.fitting.search import Setting
 from memfit.fitting.timing import STEADY, clock
 from memfit.messages import first_line
 
-__all__ = ["FLOOR", "LEAST", "ROUNDS", "TRIALS", "Timed", "draws", "micro_steps", "within"]
+__all__ = ["FLOOR", "LEAST", "ROUNDS", "SHORT", "TRIALS", "Timed", "draws", "micro_steps", "within"]
 
 ROUNDS = 3            # micro-steps of each alternative: a warm-up, then the least of the others is its figure (of
 #                       the first and the warm-up where the two came within `timing.STEADY`)
@@ -70,6 +72,8 @@ FLOOR = 1.0           # seconds of rounds and points any trials may take, whatev
 TRIALS = 1.0          # the trials' allowance, in plain steps' forward and backward (predicted): beyond the first two
 #                       points (GPT-2 768x12 between budgets: 1.4 steps) a third or a second round only within it
 LEAST = 2             # points timed whatever the allowance: a comparison needs two
+SHORT = 9             # rounds of fit's trials at most where they all stay within FLOOR (`bench fit`'s GPT-2,
+#                       steps of 20 ms: two plans alike for real measured 4.2% apart in one fit of six at 3 rounds)
 
 
 @dataclass
@@ -183,9 +187,14 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
     samples: dict[tuple, list[float]] = {k: [] for k in keyed}
     warm: dict[tuple, float] = {}
     key, ran, start, limit = None, 0, now(), allowance
+    # fit's trials (the predicted seconds given): more rounds while all of them stay within FLOOR (micro-steps of a
+    # few ms: the least of more runs, steadier between fits)
+    most = max(rounds, SHORT) if predicted is not None and allowance is not None else rounds
     try:
-        for r in range(rounds):
+        for r in range(most):
             spent = now() - start
+            if r >= rounds and spent * (r + 1) / r > FLOOR:
+                break                   # a round past the usual ones only within FLOOR of the clock
             if r == 1 and predicted is not None and allowance is not None:
                 # the allowance in the clock's seconds: the time model's, scaled as the first round came out
                 limit = allowance * spent / max(sum(predicted[k] for k in keyed), 1e-12)
