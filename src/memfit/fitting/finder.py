@@ -130,10 +130,23 @@ class _Found:
 
 
 
+TIE = 1.25          # blocks' worths within this of the most worth left rank alike (forward order): the time
+#                     model's noise on a block's recomputation (`bench fit`'s CNN, fits in turn: its first block at
+#                     0.94x, 0.97x and 1.11x the others' worth, so 2 of 4 checkpointed were ('0', '1') or ('1', '2'))
+
+
 def _ranked(blocks: dict, machine_now) -> list[str]:
-    """Blocks by activation bytes written per second of recomputation, most first (forward order on ties)."""
+    """Blocks by activation bytes written per second of recomputation, most first: the blocks within `TIE` of the
+    most worth left, in forward order, then the same among the rest (the same ranking in repeated fits, where the
+    timed seconds move a little)."""
     worth = {b: c.written[1] / max(c.recomputed(1, machine_now), 1e-12) for b, c in blocks.items()}
-    return sorted(blocks, key=lambda b: -worth[b])
+    left, out = list(blocks), []
+    while left:
+        top = max(worth[b] for b in left)
+        alike = [b for b in left if worth[b] * TIE >= top]
+        out += alike
+        left = [b for b in left if b not in alike]
+    return out
 
 
 def find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates, allow, exhaustive, *,
