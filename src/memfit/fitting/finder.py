@@ -51,7 +51,7 @@ from memfit.memory.cache import ModelCache
 from memfit.memory.micro_batch import _signature, training_peak
 from memfit.progress import progress_bar
 
-__all__ = ["LEVERS", "Peaks", "agree", "find", "prediction"]
+__all__ = ["LEVERS", "TIE", "Peaks", "agree", "find", "prediction"]
 
 LEVERS = {"bf16": torch.bfloat16}        # levers that change numerics: used only when named
 PROGRESS_AFTER = 2.0                     # seconds a search runs before its progress line shows (on a terminal)

@@ -1,15 +1,15 @@
 """`memfit.fit`: choose a training step's micro-batch and activation checkpointing together, from bytes, before
 running anything; `FitPlan` holds the choice, says why, and runs steps with it.
 
-The alternatives are every micro-batch 1, 2, 4, ..., N crossed with checkpointing 0, 1/4, 1/2, 3/4 or all of
-the candidate blocks (`memfit.fitting.checkpointing.candidate_blocks`, ranked by the activation bytes their
-forward writes per second of recomputation) and, with `levers=("bf16",)`, bf16 autocast. Bytes come from the
-fake-tensor memory model of `accumulate`'s step with those modules checkpointed (`training_peak`, which
-counts what `torch.utils.checkpoint` saves and recomputes); time from the step's ops counted on fake tensors
-and their kernels timed for real on ones of their shapes (`memfit.fitting.costs`, `memfit.fitting.timing`). The
-search (`memfit.fitting.search`) takes the fastest alternative that fits and computes a checkpoint set's bytes
-only when it needs them. Plans are kept per model (dropped when the model
-changes, as memory models are).
+The alternatives are every micro-batch 1, 2, 4, ..., N crossed with checkpointing 0, 1/4, 1/2, 3/4 or all of the
+candidate blocks (`memfit.fitting.checkpointing.candidate_blocks`, ranked by the activation bytes their forward
+writes per second of recomputation; blocks within 1.25x of each other in forward order) and, with
+`levers=("bf16",)`, bf16 autocast. Bytes come from the fake-tensor memory model of `accumulate`'s step with those
+modules checkpointed (`training_peak`, which counts what `torch.utils.checkpoint` saves and recomputes); time from
+the step's ops counted on fake tensors and their kernels timed for real on ones of their shapes
+(`memfit.fitting.costs`, `memfit.fitting.timing`). The search (`memfit.fitting.search`) takes the fastest
+alternative that fits and computes a checkpoint set's bytes only when it needs them. Plans are kept per model
+(dropped when the model changes, as memory models are).
 
 Example:
     >>> import torch, memfit
@@ -44,7 +44,7 @@ from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import Walked, run_step
 from memfit.budget import BudgetExceeded, format_bytes, model_device
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
-from memfit.fitting.finder import LEVERS, Peaks, _name, prediction
+from memfit.fitting.finder import LEVERS, TIE, Peaks, _name, prediction
 from memfit.fitting.finder import agree as _agree
 from memfit.fitting.finder import find as _search
 from memfit.fitting.layout import (
@@ -165,7 +165,8 @@ class FitPlan:
                  f"why: {self.reason}.",
                  f"bytes: {self.how_bytes}.",
                  f"time: {self.how_time}.",
-                 f"candidate blocks (ranked: activation bytes written per second of recomputation): "
+                 f"candidate blocks (ranked: activation bytes written per second of recomputation, those within "
+                 f"{TIE:g}x of each other in forward order, the timings' noise): "
                  f"{', '.join(self.candidates) if self.candidates else 'none (no repeated blocks found)'}.",
                  f"checkpoint sets tried: {'; '.join(s.describe(len(self.candidates)) for s in sets)}.",
                  f"search: {self.seconds:.2f} s. Alternatives, fastest first (bytes not computed where a faster one "

@@ -163,7 +163,8 @@ class Alternative:
 @dataclass
 class Choice:
     """The search's answer: `best` (None when nothing fits), every alternative, and why; `leading`: the
-    alternatives that fit and are predicted within `LEAD` of the best (it first), to be timed for real (`confirm`)."""
+    alternatives that fit and are predicted within `search`'s `lead` of the best (it first; one per setting before
+    a second of any, the plain step wherever it fits), to be timed for real (`confirm`)."""
     best: Alternative | None
     alternatives: list[Alternative] = field(default_factory=list)
     reason: str = ""
