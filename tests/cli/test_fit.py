@@ -111,6 +111,21 @@ def test_bench_fit_budgets_are_the_three_the_issue_names():
     assert b["only checkpointing"] == (106 + 110) // 2       # below m = 1 without checkpointing, above m = 1 with both
 
 
+def test_bench_fit_has_no_only_checkpointing_budget_where_checkpointing_saves_bytes_within_the_models_bounds():
+    """BERT at batch 8 (bench fit --quick, transformers 5.x, CPU): the least checkpointed alternative predicted 32 B
+    below the least unchecked one (micro-batch 1's loss buffer of 8 float64 against micro-batch 2's of 4), both at the
+    optimizer step; micro-batch 2 unchecked was predicted 12 KB above its real step (the attention mask, counted
+    for padded batches). A budget between the two made fit checkpoint, 0.78x the fastest real point."""
+    from memfit.cli.bench.fit import budgets
+    from memfit.fitting.search import Alternative, Setting
+    peaks = {(8, 0): 8810164, (8, 1): 7747124, (4, 0): 8591036, (4, 1): 7859836, (2, 0): 7686860, (2, 1): 7674824,
+             (1, 0): 7674856, (1, 1): 7674856}          # bench fit --quick's BERT, predicted
+    alts = [Alternative(m, Setting(("bert.encoder.layer.0",)[:k]), 1.0, v) for (m, k), v in peaks.items()]
+    b = budgets(type("P", (), {"alternatives": alts})(), 8)
+    assert b["plain fits"] == 8810164 and b["micro-batching fits"] == 8591036
+    assert b["only checkpointing"].startswith("checkpointing lowers the least predicted peak by 32 B only")
+
+
 def test_bench_fit_measures_the_time_model_at_every_grid_point_but_the_plain_step():
     """The error table's figures: predicted / measured - 1 per point, from the exhaustive plan's times and the grid's
     measured relative times (made up here: the reference is the arithmetic)."""
