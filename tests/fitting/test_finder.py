@@ -120,8 +120,8 @@ def test_blocks_of_alike_worth_rank_in_forward_order_whatever_the_timing_noise()
 
 def test_where_two_micro_steps_pass_the_allowance_the_larger_runs_at_half_and_is_brought_back_by_the_time_model(
         monkeypatch):
-    """Wired to a model: an allowance of nothing (and no floor) makes the first two points pass it, so the one of
-    the larger micro-batch runs at the next smaller size (`search.trial_points`); its step's seconds are the
+    """Wired to a model: an allowance of nothing (and no floor in fit's rule) makes the first two points pass it, so
+    the one of the larger micro-batch runs at the next smaller size (`search.trial_points`); its step's seconds are the
     micro-step measured there times the time model's ratio of its two sizes, and `explain()` marks and says it."""
     model = mlp()
     x, y = torch.randn(32, 16), torch.randn(32, 16)
@@ -160,3 +160,25 @@ def test_where_two_micro_steps_pass_the_allowance_the_larger_runs_at_half_and_is
     text = plan.explain()
     assert f"micro-batch {a.micro_batch} ({a.setting.describe()}) run at {a.timed_at} samples" in text
     assert f"{a.measured:.3g} s*" in text
+
+
+def test_with_levers_and_exhaustive_the_table_shows_what_the_trials_measured(monkeypatch):
+    """levers= with exhaustive=True: explain()'s table is the search with the levers, and the leading timed for
+    real (at the step's own precision) show their measured seconds in it, as without levers."""
+    monkeypatch.setattr(finder, "wide_lead", lambda plain_micro_step: 100.0)
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    model = mlp()
+    every = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.mse_loss, "1GiB",
+                       exhaustive=True)
+    budget = next(a for a in every.alternatives if a.micro_batch == 32 and not a.setting.checkpoint).bytes - 1
+    measured = {}
+    for levers in ((), ("bf16",)):
+        model = mlp()
+        plan = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.mse_loss, budget,
+                          exhaustive=True, levers=levers)
+        assert "timed for real" in plan.explain()
+        measured[levers] = sum(a.measured is not None for a in plan.alternatives)
+        chosen = next(a for a in plan.alternatives if (a.micro_batch, a.setting.checkpoint)
+                      == (plan.micro_batch, plan.checkpoint) and a.setting.autocast is None)
+        assert chosen.measured is not None
+    assert measured[("bf16",)] == measured[()] >= 2

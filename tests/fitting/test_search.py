@@ -504,5 +504,10 @@ def test_the_larger_of_two_settings_trials_runs_at_the_next_smaller_size_where_b
     assert trial_points([(2, none), (4, one)], sizes, predicted, 0.0)[(4, one)] == (2, one)
     # one setting at two sizes: what is compared is the size itself, so both run at their own
     assert trial_points([(8, one), (4, one)], sizes, predicted, 0.0) == {(8, one): (8, one), (4, one): (4, one)}
-    # a batch of 12: searched sizes 1, 2, 4, 8, 12; 12 runs at 8
-    assert trial_points([(12, none), (2, one)], micro_batch_sizes(12), predicted, 0.0)[(12, none)] == (8, none)
+    # a batch of 12: searched sizes 1, 2, 4, 8, 12; 12 with a block checkpointed runs at 8
+    assert trial_points([(12, one), (2, none)], micro_batch_sizes(12), predicted, 0.0)[(12, one)] == (8, one)
+    # the plain step runs at its own size: whether it stays is what the trials measure
+    assert trial_points([(4, one), (8, none)], sizes, predicted, 0.0) == {(4, one): (4, one), (8, none): (8, none)}
+    # not at another point's own run (a third of the same setting): 8 against 4 of one setting is the size itself
+    three = [(8, one), (2, none), (4, one)]
+    assert trial_points(three, sizes, predicted, 0.0) == {p: p for p in three}

@@ -217,7 +217,12 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
             cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
                            f"{cast.reason}")
             choice = cast
-        else:
+        else:       # explain()'s table: the cast search's alternatives, the leading (to be timed) among them
+            by = {(a.micro_batch, a.setting): a for a in cast.alternatives}
+            for a in choice.leading:
+                by[(a.micro_batch, a.setting)].bytes = a.bytes
+            choice.leading = [by[(a.micro_batch, a.setting)] for a in choice.leading]
+            choice.best = by[(choice.best.micro_batch, choice.best.setting)] if choice.best is not None else None
             choice.alternatives = cast.alternatives
     r, plain = rates, costs[None][0]
     how_time = (f"the step's ops counted on fake tensors at micro-batches 2 and 4 ({plain.ops} in forward and loss, "
@@ -271,9 +276,10 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                             if timed.left_out else "")
                          + "".join(f"; micro-batch {a.micro_batch} ({a.setting.describe()}) run at {k} samples "
                                    f"(a micro-step of {a.micro_batch} beside the other would have taken the trials "
-                                   f"past {TRIALS:g} plain step{'s' if TRIALS != 1 else ''}), its seconds brought to "
-                                   f"{a.micro_batch} by the time model's ratio of the two sizes (marked * below)"
-                                   for a, k in smaller)
+                                   f"past their allowance: {TRIALS:g} plain step{'s' if TRIALS != 1 else ''} as "
+                                   f"predicted, at least {FLOOR:g} s), its seconds brought to {a.micro_batch} by the "
+                                   "time model's ratio of the two sizes: part measured, part predicted (marked * "
+                                   "below)" for a, k in smaller)
                          + "; the optimizer step's time predicted")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"

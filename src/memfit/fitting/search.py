@@ -369,10 +369,12 @@ def trial_order(leading: Sequence[Alternative], n: int) -> list[Alternative]:
 def trial_points(order: Sequence[tuple[int, Setting]], sizes: Sequence[int],
                  predicted: Callable[[int, Setting], float], allowance: float) -> dict[tuple, tuple]:
     """Each point of `order` (m, setting), the trials' order, -> the point its micro-steps run at: itself; but where
-    the first two (always timed: a comparison needs two) are of two settings and micro-batches and their
-    micro-steps (`predicted` seconds) would take the trials past `allowance`, the larger micro-batch runs at the
-    next smaller size searched (not below the other's) and its seconds are brought to its own size by the time
-    model's ratio of the two (its kernels timed at both): BERT 768x12 between budgets, micro-batch 8 with 3 of 12
+    the first two (always timed: a comparison needs two) are of two settings and micro-batches, neither the plain
+    step (whether it stays is what is measured), and their micro-steps (`predicted` seconds) would take the trials
+    past `allowance`, the larger micro-batch runs at the next smaller size searched (not below the other's; not
+    where another point runs there itself: what is compared with that one is the size) and its seconds are brought
+    to its own size by the time model's ratio of the two (its kernels timed at both), a figure part measured and
+    part predicted: BERT 768x12 between budgets, micro-batch 8 with 3 of 12
     blocks checkpointed against 4 with 6, one micro-step each, took 1.5 real steps of a fit of 3.1. The time
     model's ratio of a setting's micro-steps at 8 and at 4 came within 2-3% of the real one on GPT-2 and BERT
     768x2, and within 3% on BERT 768x12 unchecked (with 3 blocks checkpointed 0.85-1.06x: two real micro-steps
@@ -381,9 +383,13 @@ def trial_points(order: Sequence[tuple[int, Setting]], sizes: Sequence[int],
     at = {p: p for p in order}
     if len(order) >= 2:
         (m1, s1), (m2, s2) = order[:2]
-        if s1 != s2 and m1 != m2 and predicted(m1, s1) + predicted(m2, s2) > allowance:
+        plain = (max(sizes), Setting())
+        if s1 != s2 and m1 != m2 and plain not in order[:2] \
+                and predicted(m1, s1) + predicted(m2, s2) > allowance:
             (big, s), small = ((m1, s1), m2) if m1 > m2 else ((m2, s2), m1)
-            at[(big, s)] = (max(k for k in sizes if small <= k < big), s)
+            run = (max(k for k in sizes if small <= k < big), s)
+            if run not in at:        # not another point's own run: its comparison with that one is the size
+                at[(big, s)] = run
     return at
 
 
