@@ -1,6 +1,5 @@
 """memfit.fitting.finder: the search wired to a model, its progress line, and the leading alternatives timed for
 real deciding the choice."""
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -116,50 +115,6 @@ def test_blocks_of_alike_worth_rank_in_forward_order_whatever_the_timing_noise()
         assert finder._ranked(alike, machine) == ["0", "1", "2", "3"]
     mixed = {"0": block(1e-3), "1": block(1e-3, written=3000.0), "2": block(1e-3, written=300.0), "3": block(1e-3)}
     assert finder._ranked(mixed, machine) == ["1", "0", "3", "2"]
-
-
-def test_where_two_micro_steps_pass_the_allowance_the_larger_runs_at_half_and_is_brought_back_by_the_time_model(
-        monkeypatch):
-    """Wired to a model: an allowance of nothing (and no floor in fit's rule) makes the first two points pass it, so
-    the one of the larger micro-batch runs at the next smaller size (`search.trial_points`); its step's seconds are the
-    micro-step measured there times the time model's ratio of its two sizes, and `explain()` marks and says it."""
-    model = mlp()
-    x, y = torch.randn(32, 16), torch.randn(32, 16)
-    every = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.mse_loss, "1GiB",
-                       exhaustive=True)
-    plain = next(a for a in every.alternatives if a.micro_batch == 32 and not a.setting.checkpoint)
-    monkeypatch.setattr(finder, "wide_lead", lambda plain_micro_step: 100.0)
-    monkeypatch.setattr(finder, "TRIALS", 0.0)
-    monkeypatch.setattr(finder, "FLOOR", 0.0)
-    seen, predicted = {}, {}
-    real_steps, real_seconds = finder.micro_steps, finder.micro_step_seconds
-
-    def seconds(m, step, blocks, setting, machine):
-        predicted[(m, setting)] = real_seconds(m, step, blocks, setting, machine)
-        return predicted[(m, setting)]
-
-    def steps(module, loss_fn, x, y, points, **kwargs):
-        seen["points"] = list(points)
-        seen["timed"] = real_steps(module, loss_fn, x, y, points, **kwargs)
-        return seen["timed"]
-    monkeypatch.setattr(finder, "micro_step_seconds", seconds)
-    monkeypatch.setattr(finder, "micro_steps", steps)
-    model = mlp()
-    plan = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.mse_loss, plain.bytes - 1)
-    halved = [a for a in plan.alternatives if a.timed_at is not None]
-    assert len(halved) == 1, [(a.micro_batch, a.setting, a.measured) for a in plan.alternatives]
-    a = halved[0]
-    run = (a.timed_at, a.setting)
-    assert a.timed_at < a.micro_batch and run in seen["points"] and (a.micro_batch, a.setting) not in seen["points"]
-    # the optimizer step's predicted seconds (the same in every alternative) from one timed at its own size
-    own = next(b for b in plan.alternatives if b.measured is not None and b.timed_at is None)
-    got = seen["timed"].seconds
-    fixed = own.measured - 32 // own.micro_batch * got[(own.micro_batch, own.setting)]
-    scaled = got[run] * predicted[(a.micro_batch, a.setting)] / predicted[run]
-    assert a.measured - fixed == pytest.approx(32 // a.micro_batch * scaled, rel=1e-9)
-    text = plan.explain()
-    assert f"micro-batch {a.micro_batch} ({a.setting.describe()}) run at {a.timed_at} samples" in text
-    assert f"{a.measured:.3g} s*" in text
 
 
 def test_with_levers_and_exhaustive_the_table_shows_what_the_trials_measured(monkeypatch):

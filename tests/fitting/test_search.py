@@ -18,7 +18,6 @@ from memfit.fitting.search import (
     search,
     step_seconds,
     trial_order,
-    trial_points,
     wide_lead,
 )
 
@@ -488,26 +487,3 @@ def test_where_trials_cost_next_to_nothing_a_wider_window_leads():
     times = {key(a): a.time for a in narrow.alternatives}
     assert 1.15 * times[(4, 0)] < times[(8, 3)] <= WIDE * times[(4, 0)]       # 8 with 3 blocks: the other setting
     assert [key(a) for a in narrow.leading] == [(4, 0), (2, 0)] and [key(a) for a in wide.leading] == [(4, 0), (8, 3)]
-
-
-def test_the_larger_of_two_settings_trials_runs_at_the_next_smaller_size_where_both_would_pass_the_allowance():
-    """Hand-worked: micro-steps predicted at 1 s per sample; 8 with one block and 4 unchecked take 12 s, past an
-    allowance of 10: 8 runs at 4 (the next size searched, not below the other's); within 12 both at their own."""
-    one, none = Setting(("b0",)), Setting()
-    predicted = lambda m, s: float(m)
-    sizes = micro_batch_sizes(8)
-    at = trial_points([(8, one), (4, none), (2, none)], sizes, predicted, 10.0)
-    assert at == {(8, one): (4, one), (4, none): (4, none), (2, none): (2, none)}
-    assert trial_points([(8, one), (4, none)], sizes, predicted, 12.0) == {(8, one): (8, one), (4, none): (4, none)}
-    # the other's size is the floor: 8 against 1 runs at 4 (one halving), 4 against 2 at 2
-    assert trial_points([(1, none), (8, one)], sizes, predicted, 0.0)[(8, one)] == (4, one)
-    assert trial_points([(2, none), (4, one)], sizes, predicted, 0.0)[(4, one)] == (2, one)
-    # one setting at two sizes: what is compared is the size itself, so both run at their own
-    assert trial_points([(8, one), (4, one)], sizes, predicted, 0.0) == {(8, one): (8, one), (4, one): (4, one)}
-    # a batch of 12: searched sizes 1, 2, 4, 8, 12; 12 with a block checkpointed runs at 8
-    assert trial_points([(12, one), (2, none)], micro_batch_sizes(12), predicted, 0.0)[(12, one)] == (8, one)
-    # the plain step runs at its own size: whether it stays is what the trials measure
-    assert trial_points([(4, one), (8, none)], sizes, predicted, 0.0) == {(4, one): (4, one), (8, none): (8, none)}
-    # not at another point's own run (a third of the same setting): 8 against 4 of one setting is the size itself
-    three = [(8, one), (2, none), (4, one)]
-    assert trial_points(three, sizes, predicted, 0.0) == {p: p for p in three}

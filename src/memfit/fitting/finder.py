@@ -43,11 +43,10 @@ from memfit.fitting.search import (
     micro_step_seconds,
     search,
     trial_order,
-    trial_points,
     wide_lead,
 )
 from memfit.fitting.timing import BUSY_SHARE, STEADY, UNSTEADY, clock, timing_device
-from memfit.fitting.trials import FLOOR, TRIALS, micro_steps
+from memfit.fitting.trials import TRIALS, micro_steps
 from memfit.memory.cache import ModelCache
 from memfit.memory.micro_batch import _signature, training_peak
 from memfit.progress import progress_bar
@@ -246,22 +245,15 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
     if len(choice.leading) > 1 and trials:
         bar.set_postfix_str(f"{len(choice.leading)} alternatives timed for real")
         # the trials take about one plain step's forward and backward, as predicted (two alternatives at least)
-        pred = lambda m, s: micro_step_seconds(m, step, blocks, s, rates)
-        allowance = TRIALS * pred(n, Setting())
-        # each point -> the one run (the larger of the first two at a smaller size where both would pass the allowance)
-        at = trial_points([(a.micro_batch, a.setting) for a in trial_order(choice.leading, n)], sizes, pred,
-                          max(allowance, FLOOR))
-        predicted = {k: pred(*k) for k in at.values()}
+        order = trial_order(choice.leading, n)
+        predicted = {(a.micro_batch, a.setting): micro_step_seconds(a.micro_batch, step, blocks, a.setting, rates)
+                     for a in order}
+        allowance = TRIALS * micro_step_seconds(n, step, blocks, Setting(), rates)
         timed = micro_steps(module, loss_fn, x, y, list(predicted), allowance=allowance, predicted=predicted)
         bar.update()
-        seconds = {p: timed.seconds[k] * pred(*p) / pred(*k) for p, k in at.items() if k in timed.seconds}
-        if seconds:
-            choice = confirm(choice, seconds, n, step, blocks, rates, once)
-            smaller = [(a, at[(a.micro_batch, a.setting)][0]) for a in choice.leading
-                       if at[(a.micro_batch, a.setting)][0] != a.micro_batch and a.measured is not None]
-            for a, k in smaller:
-                a.timed_at = k
-            how_time += (f"; then {len(seconds)} of the {len(choice.leading)} leading alternatives that fit "
+        if timed.seconds:
+            choice = confirm(choice, timed.seconds, n, step, blocks, rates, once)
+            how_time += (f"; then {len(timed.seconds)} of the {len(choice.leading)} leading alternatives that fit "
                          f"(predicted within {window - 1:.0%} of the fastest, or the plain step) timed for real, in "
                          f"turn, by {timed.clock}: " + (
                              f"{timed.runs} micro-step{'s' if timed.runs > 1 else ''} of each after a warm-up, the "
@@ -274,17 +266,10 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                          + (f"; {len(timed.left_out)} left out, predicted slower than the fastest (a micro-step of "
                             f"each would have taken the trials past {TRIALS:g} plain step{'s' if TRIALS != 1 else ''})"
                             if timed.left_out else "")
-                         + "".join(f"; micro-batch {a.micro_batch} ({a.setting.describe()}) run at {k} samples "
-                                   f"(a micro-step of {a.micro_batch} beside the other would have taken the trials "
-                                   f"past their allowance: {TRIALS:g} plain step{'s' if TRIALS != 1 else ''} as "
-                                   f"predicted, at least {FLOOR:g} s), its seconds brought to {a.micro_batch} by the "
-                                   "time model's ratio of the two sizes: part measured, part predicted (marked * "
-                                   "below)" for a, k in smaller)
                          + "; the optimizer step's time predicted")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
-            plain_run = at.get((n, Setting()))
-            if plain_run is None or timed.failed != plain_run:    # a plain step that failed for real is not kept
+            if timed.failed != (n, Setting()):        # a plain step that failed for real is not kept
                 choice = keep_plain(choice, n, budget, timed.why_not)
     elif len(choice.leading) > 1 and device.type == "meta":
         choice = keep_plain(choice, n, budget, "a meta-device model runs no kernel")

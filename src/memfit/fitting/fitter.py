@@ -177,7 +177,7 @@ class FitPlan:
         for a in self.alternatives:
             fits = {True: "yes", False: "no", None: "-"}[a.fits(self.budget)]
             mark = "  <- chosen" if (a.micro_batch, a.setting) == (self.micro_batch, self._setting()) else ""
-            measured = f"{a.measured:.3g} s" + ("*" if a.timed_at else "") if a.measured is not None else "-"
+            measured = f"{a.measured:.3g} s" if a.measured is not None else "-"
             lines.append(f"  {a.micro_batch:>11} {len(a.setting.checkpoint):>12} {a.setting.autocast or '-':>9} "
                          f"{format_bytes(a.bytes) if a.bytes is not None else '-':>12} {a.time:>5.2f}x "
                          f"{measured:>10}  {fits}{mark}")

@@ -45,7 +45,7 @@ from memfit.budget import format_bytes
 
 __all__ = ["NEW", "Alternative", "Choice", "Cost", "Machine", "Setting", "checkpoint_sets", "confirm", "interpolate",
            "keep_plain", "micro_batch_sizes", "micro_step_seconds", "search", "step_seconds", "trial_order",
-           "trial_points", "wide_lead"]
+           "wide_lead"]
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpointed: the grid the issue names
 LEAD = 1.15      # alternatives predicted within this of the fastest that fits are timed for real beside it ...
@@ -149,14 +149,12 @@ class Setting:
 class Alternative:
     """One point of the search: predicted peak bytes (None: not computed, a faster alternative fits) and
     predicted step time relative to the plain step (the whole batch at once, nothing checkpointed); `measured`:
-    the step's seconds from real micro-steps (`memfit.fitting.trials`), None where not timed; `timed_at`: the
-    micro-batch its micro-steps ran at where not its own (`trial_points`: brought to its own by the time model)."""
+    the step's seconds from real micro-steps (`memfit.fitting.trials`), None where not timed."""
     micro_batch: int
     setting: Setting
     time: float
     bytes: int | None = None
     measured: float | None = None
-    timed_at: int | None = None
 
     def fits(self, budget: int) -> bool | None:
         return None if self.bytes is None else self.bytes <= budget
@@ -364,33 +362,6 @@ def trial_order(leading: Sequence[Alternative], n: int) -> list[Alternative]:
         order.append(nxt)
         pool.remove(nxt)
     return order
-
-
-def trial_points(order: Sequence[tuple[int, Setting]], sizes: Sequence[int],
-                 predicted: Callable[[int, Setting], float], allowance: float) -> dict[tuple, tuple]:
-    """Each point of `order` (m, setting), the trials' order, -> the point its micro-steps run at: itself; but where
-    the first two (always timed: a comparison needs two) are of two settings and micro-batches, neither the plain
-    step (whether it stays is what is measured), and their micro-steps (`predicted` seconds) would take the trials
-    past `allowance`, the larger micro-batch runs at the next smaller size searched (not below the other's; not
-    where another point runs there itself: what is compared with that one is the size) and its seconds are brought
-    to its own size by the time model's ratio of the two (its kernels timed at both), a figure part measured and
-    part predicted: BERT 768x12 between budgets, micro-batch 8 with 3 of 12
-    blocks checkpointed against 4 with 6, one micro-step each, took 1.5 real steps of a fit of 3.1. The time
-    model's ratio of a setting's micro-steps at 8 and at 4 came within 2-3% of the real one on GPT-2 and BERT
-    768x2, and within 3% on BERT 768x12 unchecked (with 3 blocks checkpointed 0.85-1.06x: two real micro-steps
-    of one plan are as far apart); its ratio of 8 to 2 was 12-19% off, so one halving only. The setting's own
-    cost, its recomputation, is still measured."""
-    at = {p: p for p in order}
-    if len(order) >= 2:
-        (m1, s1), (m2, s2) = order[:2]
-        plain = (max(sizes), Setting())
-        if s1 != s2 and m1 != m2 and plain not in order[:2] \
-                and predicted(m1, s1) + predicted(m2, s2) > allowance:
-            (big, s), small = ((m1, s1), m2) if m1 > m2 else ((m2, s2), m1)
-            run = (max(k for k in sizes if small <= k < big), s)
-            if run not in at:        # not another point's own run: its comparison with that one is the size
-                at[(big, s)] = run
-    return at
 
 
 def keep_plain(choice: Choice, n: int, budget: int, why: str) -> Choice:
