@@ -23,6 +23,7 @@ from memfit.device.torch_private import (
 )
 from memfit.memory.fake_kernels import BOUNDED_IN_BATCH, REAL_SIZE, WORKSPACE, real_bytes, workspace_bytes
 from memfit.memory.kernel_scratch import measured_here, spec_of
+from memfit.memory.known_values import KnownValues, transformers_reads_values
 
 __all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog"]
 
@@ -166,20 +167,24 @@ _READ_VALUE = torch.ops.aten._local_scalar_dense.default      # `.item()`, `bool
 def _mask_check_answered_no() -> bool:
     """Whether a yes/no question on values a fake run does not have is transformers' check of an attention mask
     (`if torch.all(mask == 1): return None` in 4.x's `_prepare_4d_attention_mask_for_sdpa`, `_ignore_causal_mask_sdpa`,
-    `sdpa_mask`; `warn_if_padding_and_no_attention_mask`): then it is answered no, the branch that keeps the mask
-    (exact for the padded batches a mask is for, an upper bound for a batch without padding), said with a warning
-    once per line. Any other question (`if x.sum() > 0`) stays an error: its branches may differ in memory either
-    way."""
+    `sdpa_mask`; `warn_if_padding_and_no_attention_mask`) or any question of 5.x's `masking_utils` (whether the
+    position ids the user gave are packed: `find_packed_sequence_indices`): then it is answered no, the branch that
+    keeps the mask (exact for the padded or packed batches a mask is for, an upper bound for a batch without), said
+    with a warning once per line. Any other question (`if x.sum() > 0`) stays an error: its branches may differ in
+    memory either way."""
     import sys
     import warnings
     frame = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("torch", "memfit"):
         frame = frame.f_back
-    if frame is None or not (frame.f_globals.get("__name__", "").startswith("transformers.")
-                             and "mask" in frame.f_code.co_name):
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    if not (module == "transformers.masking_utils"
+            or module.startswith("transformers.") and "mask" in frame.f_code.co_name):
         return False
+    question = "whether the position ids hold one sequence per row" if "packed" in frame.f_code.co_name else \
+        "whether the attention mask leaves every position in"
     warnings.warn_explicit(f"memfit's memory model runs on tensors without values; transformers' "
-                           f"{frame.f_code.co_name} asked whether the attention mask leaves every position in: "
+                           f"{frame.f_code.co_name} asked {question}: "
                            "answered no, so the mask counts (exact for padded batches; for batches without padding, "
                            "an upper bound)", UserWarning, frame.f_code.co_filename, frame.f_lineno)
     return True
@@ -193,11 +198,14 @@ class LoggingFakeMode(FakeTensorMode):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.storage_log: StorageLog | None = None
+        self.known_values = KnownValues()             # the values the run knows while it logs
         self._depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _READ_VALUE and (known := self.known_values.value(args[0])) is not None:
+            return known.item()                       # made from no input (`KnownValues`): as in the real run
         if func is _READ_VALUE and args[0].dtype == torch.bool:
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
@@ -211,12 +219,14 @@ class LoggingFakeMode(FakeTensorMode):
         finally:
             self._depth -= 1
         self.storage_log.record(func, out, args, kwargs)
+        self.known_values.note(func, args, kwargs or {}, out)
         return out
 
     @contextmanager
     def logging_to(self, storage_log: StorageLog):
-        self.storage_log = storage_log
+        self.storage_log, self.known_values = storage_log, KnownValues()
         try:
-            yield
+            with transformers_reads_values():
+                yield
         finally:
             self.storage_log = None

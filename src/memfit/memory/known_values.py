@@ -1,0 +1,176 @@
+"""The values a fake run knows although its tensors have none (`KnownValues`), and transformers' questions on values
+put to the run rather than skipped (`transformers_reads_values`).
+
+A fake tensor has no values, so a question on one (`if (t == 0).all():`, `t.item()`) has no answer. But a tensor
+the program makes from no input (`torch.arange(seq)`: transformers' `cache_position` and the `position_ids` a causal
+LM makes from it) holds the same values in a fake run as in the real one, and so does what integer and bool ops make
+of only such tensors. `KnownValues` keeps, beside each such fake tensor, a real CPU tensor with its values (its
+shadow), computed for real from the shadows of the op's inputs, and answers a read of its values from the shadow.
+
+transformers 5.x's `masking_utils` asks two such questions of every causal LM run without an attention mask: are the
+position ids packed (`find_packed_sequence_indices`), and may the mask be left to SDPA's `is_causal`
+(`_ignore_causal_mask_sdpa`). It skips them where `is_tracing(tensor)` says so, as it does for a fake tensor, and
+then builds the mask, which the real eager run never builds: SDPA turns it to float in every layer and keeps it for
+backward, 4*S^2 bytes per sample per layer (Llama, hidden 256, 4 layers, seq 256, batch 16: predicted 1.037x the
+real peak; 1.13x at seq 1024). `transformers_reads_values` puts the questions to the run: answered from the shadows
+(the model's own positions: not packed, no mask, as for real), or, on the user's batch, answered no, which keeps
+the mask (`memfit.memory.storage_log._mask_check_answered_no`: exact for the padded batches a mask is for, an
+upper bound otherwise, with a warning).
+
+Known limitations: no shadow is kept for a floating-point tensor (its last bits may differ on another device's
+kernels), a tensor of more than `KnownValues.MAX_ELEMENTS` elements (the shadow is real memory and real work), or
+anything made by a random op or from the batch, the parameters or buffers; reading such a value stays a question
+without an answer. An op that writes into a tensor with a shadow from inputs without one drops the shadows on
+that storage.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.device.replacements import ScopedReplacement
+from memfit.device.torch_private import FakeTensor, disable_current_modes, op_schema, storage_key
+
+__all__ = ["KnownValues", "transformers_reads_values"]
+
+_aten = torch.ops.aten
+# ops whose values depend on their arguments only, none a tensor: a shadow is made for their output
+MADE_FROM_NOTHING = frozenset({_aten.arange.default, _aten.arange.start, _aten.arange.start_step, _aten.full.default,
+                               _aten.zeros.default, _aten.ones.default, _aten.scalar_tensor.default})
+_MADE_FROM_NOTHING_IDS = frozenset(map(id, MADE_FROM_NOTHING))   # ids: an OpOverload's hash is 0.2 us of Python
+
+
+_PLAIN, _WRITES, _RANDOM = "plain", "writes", "random"    # kinds of ops (`KnownValues._kind`)
+
+
+def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments (`torch.cat`'s list included)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+
+
+def _on_cpu(x):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_cpu(a) for a in x)
+    return torch.device("cpu") if isinstance(x, torch.device) else x
+
+
+class KnownValues:
+    """Real CPU copies (shadows) of the values of the small integer and bool fake tensors made from no input, and
+    of what ops make of only such tensors, kept while the fake tensors live (`note` after each op, `value` to read).
+
+    Example:
+        >>> from memfit.device.torch_private import FakeTensorMode
+        >>> known, mode = KnownValues(), FakeTensorMode()
+        >>> with mode:
+        ...     pos = torch.arange(4)
+        ...     known.note(torch.ops.aten.arange.default, (4,), {}, pos)
+        ...     last = pos[-1]
+        ...     known.note(torch.ops.aten.select.int, (pos, 0, -1), {}, last)
+        >>> known.value(last)
+        tensor(3)
+    """
+
+    MAX_ELEMENTS = 1 << 20          # 8 MiB of int64 at most per shadow: a (batch, seq) position tensor up to 16 x 64Ki
+    _KINDS: dict = {}               # id(op) -> `_kind(op)` (ops live as long as the process)
+
+    def __init__(self):
+        self._shadows = WeakIdKeyDictionary()        # fake tensor -> its values, a real CPU tensor
+        self._ids: set[int] = set()                  # id() of every tensor given a shadow (some since freed, their
+        #                                              ids reused): a quick "not known" before the lookup above
+        self._storages: set[int] = set()             # the storage keys of those tensors (as `_ids`)
+
+    def value(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The values of fake tensor `t` where they are known, else None."""
+        return self._shadows.get(t) if id(t) in self._ids else None
+
+    def note(self, func, args, kwargs, out) -> None:
+        """Op `func` ran on `args`, `kwargs` and gave `out`: keep the shadows of its outputs where their values are
+        known (made from nothing, or from inputs that all have one), drop those it made stale."""
+        if id(func) in _MADE_FROM_NOTHING_IDS:
+            inputs, kind = None, _PLAIN
+        else:
+            ids = self._ids
+            if not ids:                              # most ops of most runs: nothing known, nothing to look up
+                return
+            kind = self._KINDS.get(id(func)) or self._kind(func)
+            first = args[0] if args else None
+            if kind is _PLAIN and isinstance(first, torch.Tensor) and id(first) not in ids:
+                return                               # most ops of the others: their first input is not known
+            inputs = list(_tensors(args, kwargs))
+            known = bool(inputs) and all(id(t) in ids and t in self._shadows for t in inputs)
+            if kind is _RANDOM or not known:
+                if kind is not _PLAIN:               # written from values not known: its shadows are stale
+                    self._forget(inputs)
+                return
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()
+                   and t.numel() <= self.MAX_ELEMENTS for t in outs):
+            if kind is not _PLAIN and inputs:
+                self._forget(inputs)
+            return
+        shadow = {id(t): s for t in inputs or () if (s := self._shadows.get(t)) is not None}
+        real_args = [shadow.get(id(a), a) if isinstance(a, torch.Tensor) else
+                     type(a)(shadow.get(id(t), t) for t in a) if isinstance(a, (list, tuple)) else _on_cpu(a)
+                     for a in args]
+        real_kwargs = {k: shadow.get(id(v), v) if isinstance(v, torch.Tensor) else _on_cpu(v)
+                       for k, v in kwargs.items()}
+        try:
+            with disable_current_modes():            # real compute, seen by no dispatch mode (no fake one)
+                real = func(*real_args, **real_kwargs)   # an op that writes writes into its inputs' shadows
+        except (RuntimeError, NotImplementedError, TypeError):   # no CPU kernel for it: its values stay unknown,
+            self._forget(inputs or [])                           # a question on them unanswered, as without this
+            return
+        for t, r in zip(outs, real if isinstance(real, (tuple, list)) else (real,)):
+            self._shadows[t] = r
+            self._ids.add(id(t))
+            self._storages.add(storage_key(t.untyped_storage()))
+
+    @classmethod
+    def _kind(cls, func) -> str:
+        """`_RANDOM` (draws: its values are not the real run's), `_WRITES` (into an argument), else `_PLAIN`."""
+        kind = cls._KINDS.get(id(func))
+        if kind is None:
+            schema = op_schema(func)
+            kind = cls._KINDS[id(func)] = _RANDOM if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) else \
+                _WRITES if schema is None or any(a.alias_info is not None and a.alias_info.is_write
+                                                 for a in schema.arguments) else _PLAIN
+        return kind
+
+    def _forget(self, tensors: list[torch.Tensor]) -> None:
+        """Drop the shadows of every tensor on the storages of `tensors` (their views included)."""
+        keys = {storage_key(t.untyped_storage()) for t in tensors} & self._storages
+        if keys:                                     # rare: an optimizer's writes meet none
+            for t in [t for t in self._shadows.keys() if storage_key(t.untyped_storage()) in keys]:
+                del self._shadows[t]
+
+
+def _fakes_are_not_tracing(is_tracing, tensor=None) -> bool:
+    """transformers' `is_tracing(tensor)` without "a fake tensor is traced": dynamo, jit, fx and stream capture
+    still count."""
+    return is_tracing() if isinstance(tensor, FakeTensor) else is_tracing(tensor)
+
+
+_IS_TRACING = ScopedReplacement(lambda: sys.modules["transformers.masking_utils"], "is_tracing",
+                                _fakes_are_not_tracing)
+
+
+@contextmanager
+def transformers_reads_values() -> Iterator[None]:
+    """Inside, on this thread only, transformers' `masking_utils` asks its questions on the values of fake tensors
+    (see the module doc) rather than taking them as traced. Nothing where transformers' `masking_utils` is not
+    imported (it is not imported here) or has no `is_tracing` (4.x decides without it)."""
+    module = sys.modules.get("transformers.masking_utils")
+    if module is None or not callable(vars(module).get("is_tracing")):
+        yield
+        return
+    with _IS_TRACING.active():
+        yield
