@@ -2,6 +2,7 @@
 is answered as the real run answers it, one on anything else stays a question; transformers' causal LMs without an
 attention mask are predicted as their real steps, against the allocator's bytes (`measure_step`)."""
 import copy
+import sys
 import warnings
 
 import pytest
@@ -65,11 +66,15 @@ def test_values_from_the_batch_a_random_op_or_a_stale_write_are_not_known():
     def user(mode):                                            # two values of the batch
         return mode.from_tensor(torch.tensor([7, 7]))
 
+    def written(mode, by):                                     # positions 2 and 3 moved by `by` in place
+        pos = torch.arange(6)
+        pos[2:4].add_(by)
+        return bool((pos == torch.arange(6)).all())
+
     questions = {
         "from the batch": lambda mode: bool(((torch.arange(2) + user(mode)) > 0).all()),
         "random": lambda mode: bool((torch.randint_like(torch.arange(4), 3) < 3).all()),
-        "written from the batch": lambda mode: bool(((pos := torch.arange(6))[2:4].add_(user(mode))
-                                                     is not None and (pos == torch.arange(6)).all())),
+        "written from the batch": lambda mode: written(mode, user(mode)),
         "over the cap": lambda mode: bool((torch.arange(KnownValues.MAX_ELEMENTS + 1) >= 0).all()),
     }
     for what, question in questions.items():
@@ -78,9 +83,8 @@ def test_values_from_the_batch_a_random_op_or_a_stale_write_are_not_known():
             pytest.fail(what)
     # the same questions on values it knows: answered, and as torch answers them on real tensors
     assert _logged(lambda mode: bool((torch.arange(KnownValues.MAX_ELEMENTS) >= 0).all())) is True
-    assert _logged(lambda mode: bool(((pos := torch.arange(6))[2:4].add_(torch.full((2,), 7))
-                                      is not None and (pos == torch.arange(6)).all()))) is False
-    assert _logged(lambda mode: int((torch.arange(5) * 3).cumsum(0)[-1].item())) == int((torch.arange(5) * 3).sum())
+    assert _logged(lambda mode: written(mode, torch.full((2,), 7))) is written(None, torch.full((2,), 7)) is False
+    assert _logged(lambda mode: (torch.arange(5) * 3).cumsum(0)[-1].item()) == (torch.arange(5) * 3).sum().item()
 
 
 # transformers: causal LMs and BERT from small configs (random weights, nothing downloaded)
@@ -139,16 +143,19 @@ def test_a_padded_batch_or_the_users_position_ids_keep_the_mask(name):
     assert any("asked whether the attention mask leaves every position in: answered no" in w for w in warned)
     if name != "llama":
         return
+    # 5.x reads the positions' values; 4.57 always builds the packed sequences' mask, 4.46 never packs
+    reads = hasattr(sys.modules.get("transformers.masking_utils"), "is_tracing")
     for packed in (True, False):
         pos = torch.arange(S).repeat(8, 1)
         if packed:
             pos[:, S // 2:] -= S // 2                            # two sequences in each row
         predicted, real, warned = _predicted_and_real(_lm(name), {"input_ids": ids, "position_ids": pos}, target,
                                                       _lm_loss)
-        assert (0 <= predicted - real <= 100) if packed else predicted - real >= 4 * S * S * 8, (packed, predicted,
-                                                                                                  real)
-        assert any("find_packed_sequence_indices asked whether the position ids hold one sequence per row" in w
-                   for w in warned)
+        exact = packed or not reads                              # the real step builds the mask too
+        assert (0 <= predicted - real <= 100) if exact else predicted - real >= 4 * S * S * 8, (packed, predicted,
+                                                                                                 real)
+        assert not reads or any("find_packed_sequence_indices asked whether the position ids hold one sequence "
+                                "per row" in w for w in warned)
 
 
 def test_bert_with_an_all_ones_attention_mask_counts_the_mask():

@@ -129,7 +129,7 @@ class KnownValues:
         except (RuntimeError, NotImplementedError, TypeError):   # no CPU kernel for it: its values stay unknown,
             self._forget(inputs or [])                           # a question on them unanswered, as without this
             return
-        for t, r in zip(outs, real if isinstance(real, (tuple, list)) else (real,)):
+        for t, r in zip(outs, real if isinstance(real, (tuple, list)) else (real,), strict=True):
             self._shadows[t] = r
             self._ids.add(id(t))
             self._storages.add(storage_key(t.untyped_storage()))
@@ -140,9 +140,9 @@ class KnownValues:
         kind = cls._KINDS.get(id(func))
         if kind is None:
             schema = op_schema(func)
-            kind = cls._KINDS[id(func)] = _RANDOM if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) else \
-                _WRITES if schema is None or any(a.alias_info is not None and a.alias_info.is_write
-                                                 for a in schema.arguments) else _PLAIN
+            writes = schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+            kind = cls._KINDS[id(func)] = _RANDOM if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) \
+                else _WRITES if writes else _PLAIN
         return kind
 
     def _forget(self, tensors: list[torch.Tensor]) -> None:
