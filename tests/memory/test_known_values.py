@@ -173,3 +173,26 @@ def test_bert_with_an_all_ones_attention_mask_counts_the_mask():
                                                   lambda out, y: F.cross_entropy(out.logits, y))
     assert predicted > real, (predicted, real)
     assert any("asked whether the attention mask leaves every position in: answered no" in w for w in warned)
+
+
+def test_transformers_takes_fakes_for_untraced_in_the_predicting_thread_only():
+    """Inside, masking_utils' is_tracing says no for a fake tensor in this thread; another thread meanwhile, and
+    every thread afterwards, gets transformers' own function (which takes a fake tensor for traced)."""
+    pytest.importorskip("transformers")
+    mu = pytest.importorskip("transformers.masking_utils")
+    if not hasattr(mu, "is_tracing"):
+        pytest.skip("transformers 4.x decides without is_tracing")
+    import threading
+
+    from memfit.device.torch_private import FakeTensorMode
+    from memfit.memory.known_values import transformers_reads_values
+    original = mu.is_tracing
+    fake = FakeTensorMode().from_tensor(torch.zeros(2))
+    other = []
+    with transformers_reads_values():
+        inside = mu.is_tracing(fake)
+        t = threading.Thread(target=lambda: other.append(mu.is_tracing(fake)))
+        t.start()
+        t.join()
+    assert (inside, other, mu.is_tracing(fake)) == (False, [True], True)
+    assert mu.is_tracing is original

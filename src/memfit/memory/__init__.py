@@ -14,7 +14,8 @@ Exports: `MemoryModel` (the interface: `total_bytes(n)`, `breakdown(n)` by `Memo
 Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `step` (what one training step is; measuring
 it for real), `fake_model` (`FakeModel`: the one set-up of a model on fake tensors),
 `fake_run` (that step or a forward on fake tensors; `storage_log`: every storage it allocates and frees,
-per op), `fake_kernels` (the bytes real kernels give where fake ones differ), `kernel_scratch` (what kernels allocate
+per op; `known_values`: the values it knows, those the program makes from no input), `fake_kernels` (the bytes
+real kernels give where fake ones differ), `kernel_scratch` (what kernels allocate
 inside, oneDNN's workspaces and the scratch of kernels on half-precision arguments, measured at each batch size asked
 about), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which fit, and which runs: the ladder
 of fitters), `step_model` (`StepMemoryModel`; `fake_failure`: why a fake run failed, in words; `recheck`: an
