@@ -15,10 +15,10 @@ Modules: `kinds` (the `MemoryKind` enum, the `MemoryModel` interface), `step` (w
 it for real), `fake_model` (`FakeModel`: the one set-up of a model on fake tensors),
 `fake_run` (that step or a forward on fake tensors; `storage_log`: every storage it allocates and frees,
 per op; `known_values`: the values it knows, those the program makes from no input), `fake_kernels` (the bytes
-real kernels give where fake ones differ), `kernel_scratch` (what kernels allocate
-inside, oneDNN's workspaces and the scratch of kernels on half-precision arguments, measured at each batch size asked
-about), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which fit, and which runs: the ladder
-of fitters), `step_model` (`StepMemoryModel`; `fake_failure`: why a fake run failed, in words; `recheck`: an
+real kernels give where fake ones differ), `kernel_scratch` (what kernels allocate inside, oneDNN's workspaces, the
+scratch of kernels on half-precision arguments and matmuls' copies of arguments BLAS cannot read, measured at each batch
+size asked about), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which fit, and which runs:
+the ladder of fitters), `step_model` (`StepMemoryModel`; `fake_failure`: why a fake run failed, in words; `recheck`: an
 APPROXIMATE model's bytes at one size from a run at it), `prediction_check`
 (`check_prediction`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept plans and
 predictions depend on: `model_value` its pieces, `fingerprint_check` the quick check that a kept one still holds),
@@ -34,7 +34,8 @@ real measurements are below it, in `memfit.device`.
 
 Known limitations: cuDNN's workspaces are not counted on CUDA. On the CPU, what kernels
 allocate inside is measured from the real kernels for the ops `fake_kernels.WORKSPACE` lists (found by
-measuring) and for every op on half-precision arguments (`kernel_scratch`); any other kernel that allocates
+measuring), for every op on half-precision arguments and for matmuls on arguments BLAS cannot read as they are
+(`kernel_scratch`); any other kernel that allocates
 inside is seen by `memfit.device.measure` (the allocator's events) only.
 
 Example:

@@ -1,5 +1,6 @@
-"""The scratch real CPU kernels allocate inside on half-precision arguments, beyond their outputs, and free
-before they return: measured from the real kernels, sized along the batch from two fake runs.
+"""The scratch real CPU kernels allocate inside on half-precision arguments, and the copies matmul kernels make of
+arguments BLAS cannot read, beyond their outputs, freed before they return: measured from the real kernels, sized
+along the batch from two fake runs.
 
 Found by running every op of bf16-autocast training steps (an MLP, CNNs with BatchNorm, a ConvNeXt-style block,
 a transformer encoder, BERT, GPT-2, ViT) under the allocator's events (`memfit.device.measure.track_memory`):
@@ -9,7 +10,7 @@ a weight's gradient), and ops on bfloat16 or float16 inputs that compute in floa
 input (layer norm, `mean`, an add of a bfloat16 and a float32 tensor: a residual under autocast). No op output
 shows these bytes, so a fake run, which logs outputs, never sees them: a bf16-autocast step peaked up to 22% above
 the prediction without them. The same ops on float32 arguments allocate nothing inside (or are in
-`memfit.memory.fake_kernels.WORKSPACE`).
+`memfit.memory.fake_kernels.WORKSPACE`), but for the matmuls' copies below.
 
 The ops of `WORKSPACE` (oneDNN's convolution and its backward, the norms' backward, flash attention, max pooling;
 not the LSTM's, which `fake_kernels` bounds at every batch) are measured here too, at any dtype, for the
@@ -19,8 +20,16 @@ EPYC), and a line through them at a few batches put a step at 0.85x the allocato
 are made as the real kernel gets them (`fake_kernels.as_real_kernel_takes`: float32 statistics of half-precision
 norms).
 
+The CPU matmul kernels (mm, addmm, bmm, baddbmm, addbmm, mv, addmv) hand BLAS a matrix argument only in row- or
+column-major order (a unit stride, the other stride at least the size); any other they copy to a contiguous tensor
+inside (`addmm_impl_cpu_`'s `clone`, bmm's per batch item where MKL's batched gemm cannot read it), at any dtype.
+The gradient `sum(-1)`'s backward gives a Linear is one: expanded along the features (strides (1, 0)), so its
+weight's and input's gradients each copy the whole (rows, features) gradient: a Linear(1024, 1024) summed over
+its outputs, batch 8 of 512 positions, peaked 8.4% above the prediction without them.
+
 So every op with a float16 or bfloat16 tensor among its arguments (or floating tensors of two dtypes), other
-than views, in-place ops and the ops of `WORKSPACE`, is noted by the fake run with its arguments' shapes, strides
+than views, in-place ops and the ops of `WORKSPACE`, and every matmul on a matrix BLAS cannot read as it is
+(`measured_here`), is noted by the fake run with its arguments' shapes, strides
 and dtypes (`spec_of`), and run for real on zeros of those at this intra-op thread count (`scratch_bytes`, once
 per shapes). The bytes are not a line in the batch (oneDNN picks its algorithm and pads by size: a weight
 gradient's packing takes 17.1 KiB at every even batch up to 32 rows, 25.2 KiB at odd ones, then grows with the
@@ -29,14 +38,16 @@ arguments of that batch's shapes: which dimensions carry the batch differs per c
 forward, its reduced dimension in a weight's gradient) and is read off two fake runs at different batch sizes,
 as the sizes that differ between the same op of both (`batch_sizes`).
 
-Known limitations: zeros stand in for values (a kernel whose scratch depends on values, an index, is measured
-on zeros); a seeded random op (dropout) runs the real kernel under a saved and restored RNG
-(`memfit.memory.isolation.kept_rng`: another thread's draw in that instant would be rewound); the first
-question about a batch size runs each measured kernel once at that size (twice the first time the process runs
-it: `memfit.device.kernel_probe.inside_bytes`), on zeros of that size's shapes (about 0.1 s for a two-layer BERT;
-for a CNN, whose layers differ in shape, 0.6-0.7x the CPU time of a real step at that size);
-where the two fake runs do not show an op's sizes as affine in the batch, its bytes at batch 4 are scaled with
-the batch and the model's `method` says APPROXIMATE.
+Known limitations: all of this is the CPU kernels' and is measured for a CPU step only (`StorageLog.scratch`): a
+prediction for CUDA (on a GPU, or from the CPU with `device="cuda"`) counts none of it, so cuBLAS's copy of a matrix it
+cannot read (`prepare_matrix_for_cublas` clones it, by the same rule) is not counted there; zeros stand in for values (a
+kernel whose scratch depends on values, an index, is measured on zeros); a seeded random op (dropout) runs the real
+kernel under a saved and restored RNG (`memfit.memory.isolation.kept_rng`: another thread's draw in that instant would
+be rewound); the first question about a batch size runs each measured kernel once at that size (twice the first time the
+process runs it: `memfit.device.kernel_probe.inside_bytes`), on zeros of that size's shapes (about 0.1 s for a two-layer
+BERT; for a CNN, whose layers differ in shape, 0.6-0.7x the CPU time of a real step at that size); where the two fake
+runs do not show an op's sizes as affine in the batch, its bytes at batch 4 are scaled with the batch and the model's
+`method` says APPROXIMATE.
 """
 
 from __future__ import annotations
@@ -69,12 +80,40 @@ def spec_of(args, kwargs) -> ArgSpec:
                                for a in leaves))
 
 
+_A = torch.ops.aten
+# the matrix arguments (positions) of the CPU matmul kernels that copy one BLAS cannot read: addmm_impl_cpu_ (mm,
+# addmm, _addmm_activation; bmm, baddbmm and addbmm per batch item past MKL's batched gemm) and addmv (mv) clone it
+# to a contiguous tensor inside (ATen's LinearAlgebra.cpp, Blas.cpp). dot, vdot and addr pass any stride (measured:
+# 0 B inside on stride-0 and strided vectors), so they are not here.
+_MATRICES = {_A.mm.default: (0, 1), _A.addmm.default: (1, 2), _A._addmm_activation.default: (1, 2),
+             _A.bmm.default: (0, 1), _A.baddbmm.default: (1, 2), _A.addbmm.default: (1, 2),
+             _A.mv.default: (0,), _A.addmv.default: (1,)}
+
+
+def _copied_by_blas_kernel(func, args) -> bool:
+    """Whether a matrix argument of a matmul kernel (`_MATRICES`) is one BLAS cannot read as it is, so the CPU
+    kernel copies it: of its last two dimensions (rows, cols) at strides (sr, sc), neither row-major (sc == 1 and
+    sr >= max(1, cols)) nor column-major (sr == 1 and sc >= max(1, rows)), as `addmm_impl_cpu_` tests. A gradient
+    broadcast by `sum(-1)`'s backward (stride 0 along the features: (1, 0)) is neither."""
+    for i in _MATRICES[func]:
+        t = args[i] if i < len(args) else None
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            rows, cols = t.shape[-2:]
+            sr, sc = t.stride()[-2:]
+            if not (sc == 1 and sr >= max(1, cols) or sr == 1 and sc >= max(1, rows)):
+                return True
+    return False
+
+
 def measured_here(func, args, kwargs) -> bool:
     """Whether `func` on these arguments is one whose scratch is measured: a half-precision floating tensor among
-    them, or floating tensors of more than one dtype; and outputs that are new storages (a view or an in-place
-    op of the optimizer allocates nothing)."""
+    them, or floating tensors of more than one dtype, and outputs that are new storages (a view or an in-place
+    op of the optimizer allocates nothing); or a matmul kernel with a matrix argument BLAS cannot read as it is
+    (`_copied_by_blas_kernel`), at any dtype."""
     if not isinstance(func, OpOverload):
         return False
+    if func in _MATRICES and _copied_by_blas_kernel(func, args):
+        return True
     dtypes = set()
     for a in (*args, *(kwargs or {}).values()):   # flat: every op of every fake run passes here
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
@@ -292,12 +331,13 @@ def scratch_ops(run, n: int, other, m: int, column: callable) -> list[ScratchOp]
 
 def inside_parts(target, args: tuple, kwargs: dict, exact: bool = True) -> tuple[int, int]:
     """(the same at every batch, the part that grows with it): bytes the real CPU kernel of `target` allocates beyond
-    its outputs on arguments of these shapes (meta tensors at one batch). The ops of `fake_kernels.WORKSPACE` split
-    the two (`workspace_bytes`); any other op on half-precision arguments (or floating ones of two dtypes) is run
-    for real on zeros of these shapes (`kernel_scratch.scratch_bytes`, once per shapes and thread count), all of it
-    counted as growing with the batch. The functional kernel is measured: on the planner's `out=` variants the
-    bytes were the same (bf16 `mean`, `add` of bf16 and float32, `addmm`, `mm`, `bmm`, `gelu`, `sum`). `exact=False`:
-    a workspace above batch 8 from its line (`workspace_bytes`), for choices only."""
+    its outputs on arguments of these shapes (meta tensors at one batch). The ops of `fake_kernels.WORKSPACE` split the
+    two (`workspace_bytes`); any other op on half-precision arguments (or floating ones of two dtypes), or matmul on a
+    matrix BLAS cannot read (`measured_here`), is run for real on zeros of these shapes and strides
+    (`kernel_scratch.scratch_bytes`, once per shapes and thread count), all of it counted as growing with the batch. The
+    functional kernel is measured: on the planner's `out=` variants the bytes were the same (bf16 `mean`, `add` of bf16
+    and float32, `addmm`, `mm`, `bmm`, `gelu`, `sum`). `exact=False`: a workspace above batch 8 from its line
+    (`workspace_bytes`), for choices only."""
     from memfit.memory.fake_kernels import WORKSPACE, workspace_bytes
     if target in WORKSPACE:
         return workspace_bytes(target, args, kwargs, exact)

@@ -119,8 +119,9 @@ class RankMemoryModel:
         if not ops:
             return live
         if n not in self._scratch_at:
-            # what kernels on half-precision arguments (a bf16 MixedPrecisionPolicy) allocate inside, measured
-            # by the real kernels at batch n's shapes (not a line in n), at each op's row
+            # what kernels on half-precision arguments (a bf16 MixedPrecisionPolicy) or matmuls copying an argument
+            # BLAS cannot read allocate inside, measured by the real kernels at batch n's shapes (not a line in n),
+            # at each op's row
             extra = np.zeros(live.shape)
             for op in ops:
                 extra[op.row, op.column] += op.bytes_at(n)
@@ -346,8 +347,9 @@ def _fsdp_model(run, world: int, probes: tuple[int, ...], how: str, race: bool, 
     mm._unscalable = next((r.unscalable for r in runs.values() if r.scaling is None), "")
     mm._scalings = {} if mm._unscalable else {n: r.scaling for n, r in runs.items()}
     if any(r.scratch for r in runs.values()):
-        mm._how += (f", the scratch {max(len(r.scratch) for r in runs.values())} kernels on half-precision arguments "
-                    "allocate inside measured from the real kernels at each batch size asked about")
+        mm._how += (f", what {max(len(r.scratch) for r in runs.values())} kernels allocate inside (half-precision "
+                    "scratch, matmuls' copies BLAS cannot read) measured from the real kernels at each batch size "
+                    "asked about")
     if {2, 4, 8} <= set(runs) and all(r.ops == runs[2].ops for r in runs.values()):
         a = 2 * runs[2].live - runs[4].live
         b = (runs[4].live - runs[2].live) / 2

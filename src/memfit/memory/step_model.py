@@ -143,8 +143,8 @@ class StepMemoryModel:
 
     def _scratch_bytes(self, n: int, live: np.ndarray) -> np.ndarray:
         """(ops, kinds) like `live`: what kernels allocate inside at batch n (oneDNN's workspaces, the scratch of
-        kernels on half-precision arguments), measured by the real kernels at that batch's shapes
-        (`memfit.memory.kernel_scratch`; not a line in the batch: oneDNN
+        kernels on half-precision arguments, matmuls' copies of arguments BLAS cannot read), measured by the real
+        kernels at that batch's shapes (`memfit.memory.kernel_scratch`; not a line in the batch: oneDNN
         picks its algorithm by size), at its op's row: batch 4's ops, or batch n's own where it ran other ops (its
         own exact run); where the rows are one line above the peaks, the largest."""
         if n not in self._scratch_at:
@@ -415,8 +415,8 @@ def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemory
         (" (no optimizer: no step)" if train and spec.optimizer is None else "")
     scratch = _scratch_ops(runs, fit.measured)
     if scratch[4]:
-        how += (f"; what {len(scratch[4])} kernels allocate inside (oneDNN's workspaces, the scratch of kernels on "
-                "half-precision arguments) measured from the real kernels at each batch size asked about")
+        how += (f"; what {len(scratch[4])} kernels allocate inside (oneDNN's workspaces, half-precision scratch, "
+                "matmuls' copies BLAS cannot read) measured from the real kernels at each batch size asked about")
         if any(s.lines is None for s in scratch[4]):
             how += ("; APPROXIMATE: the scratch of ops whose argument sizes are not affine in the batch scaled up "
                     "from batch 4")

@@ -156,8 +156,8 @@ class StorageLog:
                 self.workspaces -= 1
                 self.log += [(op, self.workspaces, extra), (op + 1, self.workspaces, -extra)]
         elif self.scratch and measured_here(func, args, kwargs):
-            # kernels on half-precision arguments (`kernel_scratch`): their scratch is not a line in the batch, so
-            # it is not logged here: the memory model measures it at each batch it is asked about
+            # kernels on half-precision arguments, matmuls copying an argument BLAS cannot read (`kernel_scratch`):
+            # their scratch is not logged here: the memory model measures it at each batch it is asked about
             self.scratch_ops.append((op, func, spec_of(args, kwargs)))
 
 
