@@ -82,12 +82,11 @@ def spec_of(args, kwargs) -> ArgSpec:
 
 _A = torch.ops.aten
 # the matrix arguments (positions) of the CPU matmul kernels that copy one BLAS cannot read: addmm_impl_cpu_ (mm,
-# addmm, _addmm_activation; bmm, baddbmm and addbmm per batch item past MKL's batched gemm) and addmv (mv) clone it
-# to a contiguous tensor inside (ATen's LinearAlgebra.cpp, Blas.cpp). dot, vdot and addr pass any stride (measured:
-# 0 B inside on stride-0 and strided vectors), so they are not here.
-_MATRICES = {_A.mm.default: (0, 1), _A.addmm.default: (1, 2), _A._addmm_activation.default: (1, 2),
-             _A.bmm.default: (0, 1), _A.baddbmm.default: (1, 2), _A.addbmm.default: (1, 2),
-             _A.mv.default: (0,), _A.addmv.default: (1,)}
+# addmm; bmm, baddbmm and addbmm per batch item past MKL's batched gemm) and addmv (mv) clone it to a contiguous
+# tensor inside (ATen's LinearAlgebra.cpp, Blas.cpp). dot, vdot and addr pass any stride (measured: 0 B inside on
+# stride-0 and strided vectors), so they are not here; nor is the fused addmm + activation only compilers emit.
+_MATRICES = {_A.mm.default: (0, 1), _A.addmm.default: (1, 2), _A.bmm.default: (0, 1), _A.baddbmm.default: (1, 2),
+             _A.addbmm.default: (1, 2), _A.mv.default: (0,), _A.addmv.default: (1,)}
 
 
 def _copied_by_blas_kernel(func, args) -> bool:
