@@ -55,7 +55,7 @@ def test_evaluate_backs_off_from_a_real_out_of_memory():
     ref = evaluate(model, ds, metrics=("accuracy", "confusion", "loss"), chunk_size=64, device="cuda",
                    progress=False, planned=False)
     assert ref.retries == 0
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())    # set_per_process_memory_fraction needs an index
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(dev).total_memory

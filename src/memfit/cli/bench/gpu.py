@@ -177,8 +177,11 @@ def _blind(chosen: list[Case], target: str) -> dict:
 
 def oom_boundaries(models: dict, side) -> list[dict]:
     """Part 2: the largest batch under a memory fraction, predicted against real."""
+    from memfit.accumulation.checks import batch_dependent_modules
     rows = []
     for case, mm in models.values():
+        # a model with batch statistics (BatchNorm) cannot train on one sample: batch 1 is no boundary there
+        least = 2 if batch_dependent_modules(case.build()) else 1
         target = 4 * max(case.batches)
         capacity = _predicted(mm, target)[1]
         fraction = capacity / side.total
@@ -186,10 +189,10 @@ def oom_boundaries(models: dict, side) -> list[dict]:
             serves = lambda n, mm=mm, f=fraction: mm.serves(n, None, memory_fraction=f, device_total=side.total)
         else:
             serves = lambda n, mm=mm, c=capacity: mm.total_bytes(n) <= c
-        predicted = boundary(serves, target, 4 * target)
+        predicted = boundary(lambda n, s=serves, least=least: n >= least and s(n), target, 4 * target)
         t0 = time.perf_counter()
-        real = boundary(lambda n, case=case, f=fraction: side.run(loop(case, n), fraction=f) is not None,
-                        predicted, 4 * target)
+        real = boundary(lambda n, case=case, f=fraction, least=least:
+                        n >= least and side.run(loop(case, n), fraction=f) is not None, predicted, 4 * target)
         err = abs(predicted - real) / real if real else float("inf")
         rows.append({"model": case.name, "fraction": f"{fraction:.4g}", "allowed": int(fraction * side.total),
                      "pred largest": predicted, "real largest": real, "error": err,
