@@ -29,7 +29,9 @@ What torch allows (found with torch 2.14.1+cu130, the CUDA build, and torch 2.13
   fake CPU tensors (tests/device/test_fake_cuda.py).
 
 Not run by `backward_by_nodes`: tensor and node hooks (`register_hook`, module backward hooks, DDP's and FSDP's),
-reentrant or non-reentrant checkpointing (their saved-tensor hooks replace the ones here), `create_graph`;
+reentrant checkpointing, `create_graph`; non-reentrant checkpointing runs (its saved-tensor hooks replace the ones
+here inside a block: the block's saved tensors go as torch.utils.checkpoint lets them go) but its bytes are not the
+engine's: over them (1.21x on tests/device/test_fake_cuda.py's block), never under there;
 a graph with nodes on the CPU and on CUDA runs on one queue (the engine interleaves two threads).
 Optimizers: under a fake mode `torch.optim` picks its for-loop implementation (`_default_to_fused_or_foreach` takes
 only `torch.Tensor` and `nn.Parameter`, not a fake tensor), a real GPU its `foreach` one; pass `foreach=True` or
@@ -222,8 +224,8 @@ class SavedTensors:
         return [t]
 
     def unpack(self, holder):
-        if self.reading is not None:
-            self.reading.append(holder)
+        if self.reading is not None and not _recomputing():
+            self.reading.append(holder)       # the node's own (not those a checkpoint's recomputation reads)
         if holder[0] is None:
             raise RuntimeError("a saved tensor was read after its node ran: backward_by_nodes runs a graph once")
         return holder[0]
@@ -236,6 +238,29 @@ class SavedTensors:
             return self.reading
         finally:
             self.reading = None
+
+
+def _call_reading(node, inputs, saved: SavedTensors | None) -> tuple[list, list]:
+    """(the node's outputs, the holders of the saved tensors its call read)."""
+    if saved is None:
+        return _call(node, inputs), []
+    saved.reading = []
+    try:
+        return _call(node, inputs), saved.reading
+    finally:
+        saved.reading = None
+
+
+def _recomputing() -> bool:
+    """Whether this unpack is torch.utils.checkpoint recomputing a block (reading the block's inputs, saved by
+    another node, from inside the unpack of a node of the block): then the tensor read is not that node's."""
+    import sys
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "torch.utils.checkpoint":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Ready:
@@ -313,8 +338,9 @@ def backward_by_nodes(loss: torch.Tensor, saved: SavedTensors | None = None) -> 
                     _accumulate(node.variable, grad, shared)
                 del grad
                 continue
-            held = saved.of(node) if saved is not None else []
-            outputs = _call(node, inputs)
+            # the holders of its saved tensors, as the call reads them (read before it, a checkpointed block's
+            # would be recomputed twice: torch.utils.checkpoint recomputes on each read)
+            outputs, held = _call_reading(node, inputs, saved)
             del inputs                     # call_function: the inputs go with the call
             outputs = [None if nxt is None else _validate(g, node_input_metadata(nxt)[slot])   # validate_outputs
                        for (nxt, slot), g in zip(node.next_functions, outputs, strict=True)]
