@@ -118,6 +118,7 @@ def test_transformers_4s_all_ones_mask_check_is_answered_no_and_any_other_questi
     one: every memory model with an attention_mask failed on fake tensors (DataDependentOutputException). That
     check is answered no, the mask counted, with a warning naming it: exact for a padded batch, above an unpadded
     one. The same question asked by any other code stays refused: its branches could differ either way."""
+    from memfit.memory import storage_log
     from memfit.memory.prediction_check import check_prediction
     torch.manual_seed(0)
     model = SdpaWithMask()
@@ -129,8 +130,9 @@ def test_transformers_4s_all_ones_mask_check_is_answered_no_and_any_other_questi
             mask[::2, -8:] = 0
         return (torch.randn(n, 48, 32), mask)
     for padded in (True, False):
-        with pytest.warns(UserWarning, match=r"_prepare_4d_attention_mask_for_sdpa asked whether the attention mask "
-                                             "leaves every position in: answered no"):
+        storage_log._WARNED.clear()                          # warned once per process per line of transformers
+        with pytest.warns(UserWarning, match=r"_prepare_4d_attention_mask_for_sdpa asks if the attention mask is "
+                                             "all ones; values unknown, answered no"):
             rows = check_prediction(model, lambda n, padded=padded: batch(n, padded), (8,), optimizer=opt,
                                     loss_fn=F.cross_entropy, target_at=lambda n: torch.randint(0, 4, (n,)))
         ratio = rows[0]["ratio"]

@@ -94,7 +94,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         >>> mm.param_bytes, mm.total_bytes(2) - mm.param_bytes      # inputs 64 + output 32 + the CPU's margin 16
         (144, 112)
     """
-    model, note = predicted_module(model)
+    given, (model, note) = model, predicted_module(model)     # step_memory_model is given the compiled module
     if parallel_options and parallel is None:
         raise ValueError(f"{sorted(parallel_options)} are options of parallel='ddp' or 'fsdp'; found them without "
                          "parallel (memory_model takes no other keyword arguments)")
@@ -113,7 +113,7 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
         return _planned(model, example_or_sample_shape, train, autocast, dtype, device, algorithm)
     if autocast is None:             # the forward runs under the autocast around the call: count that one
         autocast = surrounding_autocast(torch.device(device).type if device is not None else model_device(model).type)
-    return step_memory_model(model, example_or_sample_shape, train=train, optimizer=optimizer, loss_fn=loss_fn,
+    return step_memory_model(given, example_or_sample_shape, train=train, optimizer=optimizer, loss_fn=loss_fn,
                              target=target, autocast=autocast, dtype=dtype, device=device, why=note, gpu=gpu)
 
 

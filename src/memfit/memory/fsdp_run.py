@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from memfit.device.measure import optimizer_state
-from memfit.device.torch_private import fake_store, fsdp_param_groups
+from memfit.device.torch_private import fake_store, fsdp_param_groups, tree_flatten
 from memfit.memory.fsdp_log import RankLog, gloo_copies, tagging
 from memfit.memory.kinds import MemoryKind
 from memfit.memory.step import ExampleBatch, garbage_since, training_step
@@ -158,17 +158,18 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                   optimizer, loss_fn: Callable | None, target: ExampleBatch | None,
                   units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None,
                   reshard_after_forward: bool = True, mp_policy=None, autocast=None,
-                  backend: str = "nccl") -> RankRun:
+                  backend: str = "nccl", reads: list[int] | None = None) -> RankRun:
     """One rank's logged training step (see the module docstring) at a per-rank batch of n. With
     backend="gloo", the buffers gloo's collectives copy into while they run (`fsdp_log.gloo_copies`) are counted,
     and the largest buffer a collective's work holds is recorded (`RankRun.race_bytes`, what gloo's race may
     keep). `units`: the modules `fully_shard` wraps besides the root, innermost first, as `units(model)` or a
-    list (`_units_of`; default `default_units`)."""
+    list (`_units_of`; default `default_units`). `reads`: shared by the runs of one prediction, where a value read
+    must be made alike at every size (`LoggingFakeMode`)."""
     from contextlib import nullcontext
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device = torch.device("cpu")
-    mode = LoggingFakeMode(allow_non_fake_inputs=False)
+    mode = LoggingFakeMode(allow_non_fake_inputs=False, first_reads=reads)
     log = RankLog(device, world_size)
     marks: dict[str, int] = {}
     enabled = gc.isenabled()
@@ -197,6 +198,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 log.tag = K.INPUTS
                 x = batch.at(n, device)
                 y = target.at(n, device) if target is not None else None
+                mode.known_values.unknown(tree_flatten((x, y))[0])   # the user's values, not these zeros
                 log.tag = None
                 training_step(fake, x, opt, loss_fn, y, autocast)     # unlogged in effect: before `start`
                 log.retag(optimizer_state(opt), K.OPTIMIZER_STATE)

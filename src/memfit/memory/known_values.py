@@ -12,16 +12,28 @@ position ids packed (`find_packed_sequence_indices`), and may the mask be left t
 (`_ignore_causal_mask_sdpa`). It skips them where `is_tracing(tensor)` says so, as it does for a fake tensor, and
 then builds the mask, which the real eager run never builds: SDPA turns it to float in every layer and keeps it for
 backward, 4*S^2 bytes per sample per layer (Llama, hidden 256, 4 layers, seq 256, batch 16: predicted 1.037x the
-real peak; 1.13x at seq 1024). `transformers_reads_values` puts the questions to the run: answered from the shadows
+real peak; 1.15x at seq 1024). `transformers_reads_values` puts the questions to the run: answered from the shadows
 (the model's own positions: not packed, no mask, as for real), or, on the user's batch, answered no, which keeps
 the mask (`memfit.memory.storage_log._mask_check_answered_no`: exact for the padded batches a mask is for, an
-upper bound otherwise, with a warning).
+upper bound otherwise, with a warning). Not for a `torch.compile`d model: under dynamo `is_tracing` is true and the
+compiled step builds the mask, so its fake run leaves the questions unasked and the mask counts
+(`StepSpec.compiled`).
+
+A value made from the batch size (`torch.arange(x.shape[0])`) is known in each run, but its answer at the sizes a
+memory model runs says nothing of the others: each shadow keeps a digest of how it was made (`lineage`), and
+`LoggingFakeMode` refuses a read whose digest differs from the same read in an earlier run of the prediction
+(`DataDependentOnBatchSize`). `expand` keeps its input's digest: transformers 5 expands the positions to the batch
+(not at batch 1) before asking `.all()`, which no copy of a row changes.
 
 Known limitations: no shadow is kept for a floating-point tensor (its last bits may differ on another device's
 kernels), a tensor of more than `KnownValues.MAX_ELEMENTS` elements (the shadow is real memory and real work), or
-anything made by a random op or from the batch, the parameters or buffers; reading such a value stays a question
-without an answer. An op that writes into a tensor with a shadow from inputs without one drops the shadows on
-that storage.
+anything made by a random op, left unset (`empty_like`) or from the batch, the parameters or buffers; reading such a
+value stays a question without an answer. An op that writes into a tensor with a shadow from inputs without one
+drops the shadows on that storage and of the tensor itself; a tensor moved onto another storage (`set_`, or
+`.data =`, which dispatches no op) is not known there. Not refused: a batch-size answer the sizes run cannot show,
+as a sum over a known tensor `expand`ed to the batch, or a size the runs share (`torch.arange(x.shape[0] // 8)`
+is empty at 1, 2 and 4), and two reads swapped between runs by the batch's shapes (refused where their digests
+differ).
 """
 
 from __future__ import annotations
@@ -36,13 +48,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.device.replacements import ScopedReplacement
 from memfit.device.torch_private import FakeTensor, disable_current_modes, op_schema, storage_key
 
-__all__ = ["KnownValues", "transformers_reads_values"]
+__all__ = ["DataDependentOnBatchSize", "KnownValues", "transformers_reads_values"]
 
 _aten = torch.ops.aten
 # ops whose values depend on their arguments only, none a tensor: a shadow is made for their output
 MADE_FROM_NOTHING = frozenset({_aten.arange.default, _aten.arange.start, _aten.arange.start_step, _aten.full.default,
                                _aten.zeros.default, _aten.ones.default, _aten.scalar_tensor.default})
+_EXPAND = _aten.expand.default
 _MADE_FROM_NOTHING_IDS = frozenset(map(id, MADE_FROM_NOTHING))   # ids: an OpOverload's hash is 0.2 us of Python
+
+
+class DataDependentOnBatchSize(RuntimeError):
+    """A value read in a fake run is made from the batch size (`KnownValues.lineage` differs between the runs at two
+    sizes): its answer at the sizes run says nothing of the others, so it is not answered."""
 
 
 _PLAIN, _WRITES, _RANDOM = "plain", "writes", "random"    # kinds of ops (`KnownValues._kind`)
@@ -83,14 +101,34 @@ class KnownValues:
     _KINDS: dict = {}               # id(op) -> `_kind(op)` (ops live as long as the process)
 
     def __init__(self):
-        self._shadows = WeakIdKeyDictionary()        # fake tensor -> its values, a real CPU tensor
+        self._shadows = WeakIdKeyDictionary()        # fake tensor -> (its values, a real CPU tensor;
+        #                                              `lineage`; its storage key)
         self._ids: set[int] = set()                  # id() of every tensor given a shadow (some since freed, their
         #                                              ids reused): a quick "not known" before the lookup above
         self._storages: set[int] = set()             # the storage keys of those tensors (as `_ids`)
 
     def value(self, t: torch.Tensor) -> torch.Tensor | None:
         """The values of fake tensor `t` where they are known, else None."""
-        return self._shadows.get(t) if id(t) in self._ids else None
+        known = self._known(t)
+        return known[0] if known is not None else None
+
+    def lineage(self, t: torch.Tensor) -> int | None:
+        """A digest of how `t`'s known values were made (every op and every argument that is not a tensor, back to
+        the tensors made from nothing), else None: equal in two runs only where the values are made alike, so a
+        value made from the batch size (`torch.arange(x.shape[0])`) has another digest at another size."""
+        known = self._known(t)
+        return known[1] if known is not None else None
+
+    def _known(self, t: torch.Tensor) -> tuple | None:
+        """(values, lineage, storage key) of `t`, unless it has none or has been moved onto another storage since
+        (`t.data = other` dispatches no op)."""
+        known = self._shadows.get(t) if id(t) in self._ids else None
+        return known if known is not None and storage_key(t.untyped_storage()) == known[2] else None
+
+    def unknown(self, tensors) -> None:
+        """The values of `tensors` are not the ones they hold here (the batch, built as zeros in the run): drop
+        their shadows."""
+        self._forget([t for t in tensors if isinstance(t, torch.Tensor)])
 
     def note(self, func, args, kwargs, out) -> None:
         """Op `func` ran on `args`, `kwargs` and gave `out`: keep the shadows of its outputs where their values are
@@ -106,7 +144,7 @@ class KnownValues:
             if kind is _PLAIN and isinstance(first, torch.Tensor) and id(first) not in ids:
                 return                               # most ops of the others: their first input is not known
             inputs = list(_tensors(args, kwargs))
-            known = bool(inputs) and all(id(t) in ids and t in self._shadows for t in inputs)
+            known = bool(inputs) and all(id(t) in ids and self._known(t) is not None for t in inputs)
             if kind is _RANDOM or not known:
                 if kind is not _PLAIN:               # written from values not known: its shadows are stale
                     self._forget(inputs)
@@ -117,12 +155,19 @@ class KnownValues:
             if kind is not _PLAIN and inputs:
                 self._forget(inputs)
             return
-        shadow = {id(t): s for t in inputs or () if (s := self._shadows.get(t)) is not None}
-        real_args = [shadow.get(id(a), a) if isinstance(a, torch.Tensor) else
-                     type(a)(shadow.get(id(t), t) for t in a) if isinstance(a, (list, tuple)) else _on_cpu(a)
-                     for a in args]
-        real_kwargs = {k: shadow.get(id(v), v) if isinstance(v, torch.Tensor) else _on_cpu(v)
-                       for k, v in kwargs.items()}
+        shadow = {id(t): self._known(t) for t in inputs or ()}  # id -> (values, digest, key), all known
+        try:                                         # the op, its arguments, and the digests of its tensor inputs;
+            # a broadcast is its input's: transformers 5 expands the positions to the batch (not at batch 1), then
+            # asks a question no copy of a row changes (`.all()`)
+            digest = shadow[id(args[0])][1] if func is _EXPAND else \
+                hash((id(func), _digest_of(args, shadow), _digest_of(tuple(kwargs.items()), shadow)))
+        except TypeError:                            # an argument without a hash: not known
+            self._forget(inputs or [])
+            return
+        real_args = [shadow[id(a)][0] if isinstance(a, torch.Tensor) else
+                     type(a)(shadow[id(t)][0] if isinstance(t, torch.Tensor) else t for t in a)
+                     if isinstance(a, (list, tuple)) else _on_cpu(a) for a in args]
+        real_kwargs = {k: shadow[id(v)][0] if isinstance(v, torch.Tensor) else _on_cpu(v) for k, v in kwargs.items()}
         try:
             with disable_current_modes():            # real compute, seen by no dispatch mode (no fake one)
                 real = func(*real_args, **real_kwargs)   # an op that writes writes into its inputs' shadows
@@ -130,27 +175,39 @@ class KnownValues:
             self._forget(inputs or [])                           # a question on them unanswered, as without this
             return
         for t, r in zip(outs, real if isinstance(real, (tuple, list)) else (real,), strict=True):
-            self._shadows[t] = r
+            key = storage_key(t.untyped_storage())
+            self._shadows[t] = (r, digest, key)
             self._ids.add(id(t))
-            self._storages.add(storage_key(t.untyped_storage()))
+            self._storages.add(key)
 
     @classmethod
     def _kind(cls, func) -> str:
-        """`_RANDOM` (draws: its values are not the real run's), `_WRITES` (into an argument), else `_PLAIN`."""
+        """`_RANDOM` (draws, or leaves unset as `empty_like`: its values are not the real run's), `_WRITES` (into an
+        argument), else `_PLAIN`."""
         kind = cls._KINDS.get(id(func))
         if kind is None:
             schema = op_schema(func)
             writes = schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-            kind = cls._KINDS[id(func)] = _RANDOM if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) \
-                else _WRITES if writes else _PLAIN
+            unset = schema is not None and "empty" in schema.name      # empty_like: values never set, as random
+            kind = cls._KINDS[id(func)] = _RANDOM if unset or torch.Tag.nondeterministic_seeded in getattr(
+                func, "tags", ()) else _WRITES if writes else _PLAIN
         return kind
 
     def _forget(self, tensors: list[torch.Tensor]) -> None:
-        """Drop the shadows of every tensor on the storages of `tensors` (their views included)."""
+        """Drop the shadows of `tensors` and of every tensor on their storages (their views included). By identity
+        too: `set_` has moved a tensor onto another storage by the time its op is noted."""
+        for t in tensors:
+            self._shadows.pop(t, None)
         keys = {storage_key(t.untyped_storage()) for t in tensors} & self._storages
         if keys:                                     # rare: an optimizer's writes meet none
             for t in [t for t in self._shadows.keys() if storage_key(t.untyped_storage()) in keys]:
                 del self._shadows[t]
+
+
+def _digest_of(args, shadow: dict) -> tuple:
+    """`args` with each tensor as the digest of its known values (`KnownValues.lineage`), lists as tuples: hashable."""
+    return tuple(shadow[id(a)][1] if isinstance(a, torch.Tensor) else _digest_of(a, shadow)
+                 if isinstance(a, (list, tuple)) else a for a in args)
 
 
 def _fakes_are_not_tracing(is_tracing, tensor=None) -> bool:

@@ -320,11 +320,14 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
            reshard_after_forward, mp_policy, autocast, backend, autocast_state(),
            torch.get_num_threads())             # kernels' workspaces are per thread
 
+    reads: list[int] = []                       # the values read in this prediction's first run (`LoggingFakeMode`)
+
     def runs_at(w: int) -> RankMemoryModel:
         # kept per model (`_RUNS`): a prediction asked again runs no step again
         run = lambda n: _RUNS.get(model, (key, w, n), lambda: fsdp_fake_run(
             model, batch, n, world_size=w, rank=0, optimizer=optimizer, loss_fn=loss_fn, target=tgt, units=units,
-            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, autocast=autocast, backend=backend))
+            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, autocast=autocast, backend=backend,
+            reads=reads))
         how = (f"reshard_after_forward={reshard_after_forward}"
                + (" (fully_shard's default: every unit but the root)" if reshard_after_forward is None else "")
                + f", {backend}")

@@ -294,7 +294,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     batch = ExampleBatch(example, dtype)
     tgt = ExampleBatch(target, dtype) if target is not None else None
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, _optimizer_key(optimizer),
-           _callable_key(loss_fn), autocast, dev, why, grads_held, keep_output,
+           _callable_key(loss_fn), autocast, dev, why, bool(compiled), grads_held, keep_output,
            torch.get_num_threads() if dev.type == "cpu" else None,     # kernels' scratch is per thread
            cuda.key + sdp_backends() if cuda is not None else None)
     def fit() -> StepMemoryModel:
@@ -304,7 +304,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
             note = f"{note}; {built}" if note else built
         spec = StepSpec(model, batch, fakes, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
                         autocast=autocast, grads_held=grads_held, keep_output=keep_output,
-                        cuda=cuda.target if cuda is not None else None)
+                        cuda=cuda.target if cuda is not None else None, compiled=bool(compiled))
         return _fit(spec, why=note, cuda=cuda)
 
     # kept per model: predicting again for the same batch layout and optimizer (each evaluation) costs nothing;

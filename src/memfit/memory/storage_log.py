@@ -7,7 +7,7 @@ tensors autograd saves for Python numbers.
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from numbers import Number
 
 import torch
@@ -23,7 +23,7 @@ from memfit.device.torch_private import (
 )
 from memfit.memory.fake_kernels import BOUNDED_IN_BATCH, REAL_SIZE, WORKSPACE, real_bytes, workspace_bytes
 from memfit.memory.kernel_scratch import measured_here, spec_of
-from memfit.memory.known_values import KnownValues, transformers_reads_values
+from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, transformers_reads_values
 
 __all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog"]
 
@@ -162,6 +162,7 @@ class StorageLog:
 
 
 _READ_VALUE = torch.ops.aten._local_scalar_dense.default      # `.item()`, `bool(t)`: a value fake tensors lack
+_WARNED: set[tuple[str, int]] = set()        # (file, line) of transformers' questions answered no and warned of
 
 
 def _mask_check_answered_no() -> bool:
@@ -170,8 +171,8 @@ def _mask_check_answered_no() -> bool:
     `sdpa_mask`; `warn_if_padding_and_no_attention_mask`) or any question of 5.x's `masking_utils` (whether the
     position ids the user gave are packed: `find_packed_sequence_indices`): then it is answered no, the branch that
     keeps the mask (exact for the padded or packed batches a mask is for, an upper bound for a batch without), said
-    with a warning once per line. Any other question (`if x.sum() > 0`) stays an error: its branches may differ in
-    memory either way."""
+    with a warning once per process per line of transformers. Any other question (`if x.sum() > 0`) stays an error:
+    its branches may differ in memory either way."""
     import sys
     import warnings
     frame = sys._getframe(1)
@@ -181,30 +182,46 @@ def _mask_check_answered_no() -> bool:
     if not (module == "transformers.masking_utils"
             or module.startswith("transformers.") and "mask" in frame.f_code.co_name):
         return False
-    question = "whether the position ids hold one sequence per row" if "packed" in frame.f_code.co_name else \
-        "whether the attention mask leaves every position in"
-    warnings.warn_explicit(f"memfit's memory model runs on tensors without values; transformers' "
-                           f"{frame.f_code.co_name} asked {question}: "
-                           "answered no, so the mask counts (exact for padded batches; for batches without padding, "
-                           "an upper bound)", UserWarning, frame.f_code.co_filename, frame.f_lineno)
+    site = (frame.f_code.co_filename, frame.f_lineno)
+    if site not in _WARNED:                           # once per process per line: each run of each prediction asks
+        _WARNED.add(site)
+        question = "if the position ids are packed" if "packed" in frame.f_code.co_name else \
+            "if the attention mask is all ones"
+        warnings.warn_explicit(f"memfit memory model: transformers' {frame.f_code.co_name} asks {question}; values "
+                               "unknown, answered no: the mask counts (exact if padded, else an upper bound)",
+                               UserWarning, *site)
     return True
 
 
 class LoggingFakeMode(FakeTensorMode):
     """A fake mode that hands every op the program runs, with its outputs, to a `StorageLog` while one is set:
     one dispatch layer instead of a logging mode on top of the fake one. The ops the fake mode runs to compute
-    an op (its decompositions) are not logged: the real kernel does not allocate their outputs."""
+    an op (its decompositions) are not logged: the real kernel does not allocate their outputs.
 
-    def __init__(self, **kwargs):
+    A value read in a run is answered from `KnownValues` only where it is made alike in every run of the mode (one
+    prediction's runs at several batch sizes share it, or share `first_reads`): a value made from the batch size is
+    refused (`DataDependentOnBatchSize`), since its answer at the sizes run says nothing of the others."""
+
+    def __init__(self, first_reads: list[int] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.storage_log: StorageLog | None = None
         self.known_values = KnownValues()             # the values the run knows while it logs
+        self._reads: list[int] = []                   # the `KnownValues.lineage` of each value read in this run
+        self._first_reads = [] if first_reads is None else first_reads   # ... in the first run that read any
+        #                                               (a list the runs of one prediction share, in their modes)
         self._depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is _READ_VALUE and (known := self.known_values.value(args[0])) is not None:
+            lineage, at = self.known_values.lineage(args[0]), len(self._reads)
+            if at < len(self._first_reads) and self._first_reads[at] != lineage:
+                raise DataDependentOnBatchSize(f"value read #{at + 1} of the run (a {tuple(args[0].shape)} "
+                                       f"{args[0].dtype} tensor) is made otherwise than in the run at another "
+                                       "batch size: the answer depends on the batch size, and the sizes run say "
+                                       "nothing of the others")
+            self._reads.append(lineage)
             return known.item()                       # made from no input (`KnownValues`): as in the real run
         if func is _READ_VALUE and args[0].dtype == torch.bool:
             try:
@@ -223,10 +240,14 @@ class LoggingFakeMode(FakeTensorMode):
         return out
 
     @contextmanager
-    def logging_to(self, storage_log: StorageLog):
-        self.storage_log, self.known_values = storage_log, KnownValues()
+    def logging_to(self, storage_log: StorageLog, reads_values: bool = True):
+        """Log to `storage_log` inside. reads_values=False: transformers' mask questions are not put to the run
+        (a `torch.compile`d model's: under dynamo transformers skips them and builds the mask)."""
+        self.storage_log, self.known_values, self._reads = storage_log, KnownValues(), []
         try:
-            with transformers_reads_values():
+            with transformers_reads_values() if reads_values else nullcontext():
                 yield
         finally:
-            self.storage_log = None
+            self.storage_log, self.known_values = None, KnownValues()
+            if not self._first_reads:
+                self._first_reads += self._reads
