@@ -241,6 +241,26 @@ def test_a_value_made_from_the_batch_size_is_not_answered():
                                 loss_fn=F.mse_loss, target=torch.randn(2, 32), **parallel)
 
 
+class OwnMask(nn.Module):
+    """A causal LM behind a wrapper that makes an all-ones attention mask from the batch's shape (as LED and
+    ProphetNet do inside transformers): the mask's sum, read by transformers, is made otherwise at each batch size."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids, attention_mask=torch.ones(ids.shape, dtype=torch.long))
+
+
+def test_a_mask_made_from_the_batch_shape_is_predicted_as_before_values_were_read():
+    """Its read was refused ("depends on the batch size") where it used to predict: the runs are made again
+    without reading any value, and the mask counts, as before (over the real step, never under)."""
+    ids, target = torch.randint(0, V, (8, S)), torch.randint(0, V, (8, S))
+    predicted, real, _ = _predicted_and_real(OwnMask(_lm("llama")), {"ids": ids}, target, _lm_loss)
+    assert real <= predicted <= 1.05 * real, (predicted, real)
+
+
 class TrimsPadding(nn.Module):
     """Reads the batch: its longest unpadded row decides the shapes."""
 

@@ -31,7 +31,9 @@ What torch allows (found with torch 2.14.1+cu130, the CUDA build, and torch 2.13
 Not run by `backward_by_nodes`: tensor and node hooks (`register_hook`, module backward hooks, DDP's and FSDP's),
 reentrant checkpointing, `create_graph`; non-reentrant checkpointing runs (its saved-tensor hooks replace the ones
 here inside a block: the block's saved tensors go as torch.utils.checkpoint lets them go) but its bytes are not the
-engine's: over them (1.21x on tests/device/test_fake_cuda.py's block), never under there;
+engine's: over them (1.21x on tests/device/test_fake_cuda.py's block), never under there; a node's saved tensors
+are released once its call read them, so a node whose call reads some only on some paths (a custom Function reading
+`ctx.saved_tensors` under a condition) keeps the others to the end of backward (1.07x the engine on one such);
 a graph with nodes on the CPU and on CUDA runs on one queue (the engine interleaves two threads).
 Optimizers: under a fake mode `torch.optim` picks its for-loop implementation (`_default_to_fused_or_foreach` takes
 only `torch.Tensor` and `nn.Parameter`, not a fake tensor), a real GPU its `foreach` one; pass `foreach=True` or

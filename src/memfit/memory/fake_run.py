@@ -117,6 +117,8 @@ class StepSpec:
     cuda: CudaTarget | None = None        # the step is for a CUDA device this machine does not have
     compiled: bool = False                # the model given was `torch.compile`d (`model` is the module it wraps):
     #                                       transformers' mask questions are left unasked, as under dynamo
+    answers: bool = True                  # False: no value read is answered from `KnownValues` and transformers'
+    #                                       mask questions are left unasked (a read that depends on the batch size)
 
 
 def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optimizer_step: bool = True) -> _Run:
@@ -173,7 +175,8 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
 
                 # the RNG states torch.utils.checkpoint keeps are made through no op: logged as one
                 host = host_tensors_logged(lambda name, t: tracker.record(name, t, (), {}))
-                with mode.logging_to(tracker, reads_values=not spec.compiled), _no_cycle_collection(), host, \
+                with mode.logging_to(tracker, reads_values=spec.answers and not spec.compiled,
+                                                answers=spec.answers), _no_cycle_collection(), host, \
                         ExitStack() as cuda:
                     backward = None
                     if spec.cuda is not None:      # attention as the GPU runs it; backward node by node on CUDA fakes

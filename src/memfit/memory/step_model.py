@@ -40,6 +40,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from memfit.memory.fit import gradient_line, with_step
 from memfit.memory.fit_ladder import fit_runs
 from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
+from memfit.memory.known_values import DataDependentOnBatchSize
 from memfit.memory.recheck import Recheck, run_scratch
 from memfit.memory.step import ExampleBatch, predicted_module, surrounding_autocast
 from memfit.memory.storage_log import LoggingFakeMode
@@ -386,8 +388,8 @@ class _Probes:
     def _run(self, n: int) -> _Run:
         try:
             r = fake_run(self.spec, n, mode=self.mode, fakes=self.fakes, optimizer_step=not self.once or n == 4)
-        except (ValueError, TypeError):                # our own argument errors, and the user's
-            raise
+        except (ValueError, TypeError, DataDependentOnBatchSize):   # our own argument errors, the user's, and a
+            raise                                                    # read to ask again without values (`_fit`)
         except Exception as e:
             raise FakeRunError(explain_fake_failure(e, self.spec.model, self.spec.optimizer, self.spec.train, n)) from e
         return with_step(r, self.runs[4]) if self.once and n != 4 else r
@@ -396,9 +398,21 @@ class _Probes:
 def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemoryModel:
     """Fake runs at the fewest batch sizes the ladder of fitters needs (`memfit.memory.fit_ladder`), and what
     they say: the memory model, its `method` in words (with a warning where it is approximate)."""
-    probes = _Probes(spec)
+    try:
+        probes = _Probes(spec)
+        fit = fit_runs(probes)
+    except DataDependentOnBatchSize as e:
+        # a value read is made otherwise at another batch size (an all-ones mask made from the batch's shape): every
+        # run again without answering any read, as before values were known (transformers' mask questions left
+        # unasked: the mask counts); a read that then has no answer is refused, saying why
+        spec = dataclasses.replace(spec, answers=False)
+        why = f"{why}; values not read: {e}" if why else f"values not read: {e}"
+        try:
+            probes = _Probes(spec)
+            fit = fit_runs(probes)
+        except FakeRunError as again:
+            raise FakeRunError(f"{e}; and without reading values: {again}") from again
     train, autocast, tgt = spec.train, spec.autocast, spec.target
-    fit = fit_runs(probes)
     runs = probes.runs
     how = fit.how + probes.single
     if probes.once:

@@ -210,11 +210,12 @@ class LoggingFakeMode(FakeTensorMode):
         self._first_reads = [] if first_reads is None else first_reads   # ... in the first run that read any
         #                                               (a list the runs of one prediction share, in their modes)
         self._depth = 0
+        self._answers = True                          # value reads answered from `known_values` (`logging_to`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _READ_VALUE and (known := self.known_values.value(args[0])) is not None:
+        if func is _READ_VALUE and self._answers and (known := self.known_values.value(args[0])) is not None:
             lineage, at = self.known_values.lineage(args[0]), len(self._reads)
             if at < len(self._first_reads) and self._first_reads[at] != lineage:
                 raise DataDependentOnBatchSize(f"value read #{at + 1} of the run (a {tuple(args[0].shape)} "
@@ -240,10 +241,12 @@ class LoggingFakeMode(FakeTensorMode):
         return out
 
     @contextmanager
-    def logging_to(self, storage_log: StorageLog, reads_values: bool = True):
+    def logging_to(self, storage_log: StorageLog, reads_values: bool = True, answers: bool = True):
         """Log to `storage_log` inside. reads_values=False: transformers' mask questions are not put to the run
-        (a `torch.compile`d model's: under dynamo transformers skips them and builds the mask)."""
+        (a `torch.compile`d model's: under dynamo transformers skips them and builds the mask); answers=False: no
+        value read is answered from `KnownValues` (the runs of a prediction where one depends on the batch size)."""
         self.storage_log, self.known_values, self._reads = storage_log, KnownValues(), []
+        self._answers = answers
         try:
             with transformers_reads_values() if reads_values else nullcontext():
                 yield
