@@ -18,8 +18,9 @@ from memfit.device.cuda_kernels import sdpa_forward
 from memfit.memory.cuda_step import STEPS, event_lines
 from memfit.memory.cuda_target import resolve_gpu
 from memfit.memory.fake_run import CudaTarget, StepSpec
+from memfit.memory.probes import StepProbes
 from memfit.memory.step import ExampleBatch
-from memfit.memory.step_model import _Probes, step_memory_model
+from memfit.memory.step_model import step_memory_model
 
 MiB = 1 << 20
 A100 = 4096 * 1024 * 2 + 16 * 1024 * 8          # cuBLAS's workspace below compute capability 9.0
@@ -58,7 +59,7 @@ def test_each_allocation_is_exact_at_a_batch_size_the_lines_were_not_fitted_at()
     model = mlp()
     opt = torch.optim.AdamW(model.parameters())
     spec = StepSpec(model, ExampleBatch((32,)), torch.device("cpu"), optimizer=opt, cuda=CudaTarget((9, 0), False))
-    probes = _Probes(spec)
+    probes = StepProbes(spec)
     lines = event_lines({n: probes.at(n) for n in (1, 4)})
     seven = probes.at(7)                                  # a fake run of its own at 7
     assert np.array_equal(seven.events, probes.runs[4].events)
@@ -77,7 +78,7 @@ def test_a_batch_squared_allocation_is_fitted_as_a_quadratic_and_exact_elsewhere
 
     model = Similarity()
     spec = StepSpec(model, ExampleBatch((16,)), torch.device("cpu"), cuda=CudaTarget((9, 0), False))
-    probes = _Probes(spec)
+    probes = StepProbes(spec)
     runs = {n: probes.at(n) for n in (1, 2, 4, 8)}
     lines = event_lines(runs)
     assert lines is not None and lines.c is not None and "quadratic" in lines.how

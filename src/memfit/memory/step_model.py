@@ -40,7 +40,6 @@ Example:
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,16 +54,13 @@ from memfit.memory.cache import ModelCache, Same
 from memfit.memory.cuda_step import CudaPeak, CudaStep, cuda_step
 from memfit.memory.cuda_target import CudaDevice, cuda_device_for, sdp_backends
 from memfit.memory.example_target import example_target, loss_target
-from memfit.memory.fake_failure import explain_fake_failure
-from memfit.memory.fake_run import FakeRunError, StepSpec, _Run, fake_run
-from memfit.memory.fit import gradient_line, with_step
-from memfit.memory.fit_ladder import fit_runs
+from memfit.memory.fake_run import StepSpec, _Run
+from memfit.memory.fit import gradient_line
 from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS, MemoryKind
-from memfit.memory.known_values import DataDependentOnBatchSize
+from memfit.memory.probes import probed
 from memfit.memory.recheck import Recheck, run_scratch
 from memfit.memory.step import ExampleBatch, predicted_module, surrounding_autocast
-from memfit.memory.storage_log import LoggingFakeMode
 
 __all__ = ["PHASES", "StepMemoryModel", "step_memory_model"]
 
@@ -356,62 +352,10 @@ def _signature(template) -> object:
                  for x in tree_flatten(template)[0]) + (str(tree_flatten(template)[1]),)
 
 
-class _Probes:
-    """The fake runs of one prediction by batch size (`fit_ladder.Probes`): batch 4, which alone runs the
-    optimizer step (the others get its step put in), and batch 1, or 2 where batch 1 cannot train."""
-
-    def __init__(self, spec: StepSpec):
-        self.spec = spec
-        self.once = spec.train and spec.optimizer is not None     # the optimizer step runs at batch 4 only
-        self.single = ""                              # why there is no run at 1, for `method`
-        self._start()
-        try:
-            self.at(1)
-        except ValueError as e:        # BatchNorm training on one sample: the real step fails the same way
-            if not spec.train or "more than 1 value per channel" not in str(e):
-                raise
-            self._start()              # afresh: the failed run left fakes behind
-            self.at(2)
-            self.single = "; batch 1 cannot train (batch statistics need 2 samples): no run at 1"
-
-    def _start(self) -> None:
-        self.mode = LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
-        self.fakes: dict[int, torch.Tensor] = {}      # shared by the runs: the fake mode's op cache serves them
-        self.runs: dict[int, _Run] = {}
-        self.at(4)
-
-    def at(self, n: int) -> _Run:
-        if n not in self.runs:
-            self.runs[n] = self._run(n)
-        return self.runs[n]
-
-    def _run(self, n: int) -> _Run:
-        try:
-            r = fake_run(self.spec, n, mode=self.mode, fakes=self.fakes, optimizer_step=not self.once or n == 4)
-        except (ValueError, TypeError, DataDependentOnBatchSize):   # our own argument errors, the user's, and a
-            raise                                                    # read to ask again without values (`_fit`)
-        except Exception as e:
-            raise FakeRunError(explain_fake_failure(e, self.spec.model, self.spec.optimizer, self.spec.train, n)) from e
-        return with_step(r, self.runs[4]) if self.once and n != 4 else r
-
-
 def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemoryModel:
     """Fake runs at the fewest batch sizes the ladder of fitters needs (`memfit.memory.fit_ladder`), and what
     they say: the memory model, its `method` in words (with a warning where it is approximate)."""
-    try:
-        probes = _Probes(spec)
-        fit = fit_runs(probes)
-    except DataDependentOnBatchSize as e:
-        # a value read is made otherwise at another batch size (an all-ones mask made from the batch's shape): every
-        # run again without answering any read, as before values were known (transformers' mask questions left
-        # unasked: the mask counts); a read that then has no answer is refused, saying why
-        spec = dataclasses.replace(spec, answers=False)
-        why = f"{why}; values not read: {e}" if why else f"values not read: {e}"
-        try:
-            probes = _Probes(spec)
-            fit = fit_runs(probes)
-        except FakeRunError as again:
-            raise FakeRunError(f"{e}; and without reading values: {again}") from again
+    probes, fit, spec, why = probed(spec, why)
     train, autocast, tgt = spec.train, spec.autocast, spec.target
     runs = probes.runs
     how = fit.how + probes.single
