@@ -195,11 +195,12 @@ def test_auto_says_how_to_continue_when_the_run_with_gradients_held_fails(monkey
     """The later micro-batches' run is made only in the search (the whole batch did not fit): its failure gets
     the same advice as the first run's."""
     from memfit.memory import step_model as footprint
+    from memfit.memory.fake_run import FakeRunError
     real = footprint.step_memory_model
 
     def held_fails(*a, grads_held=False, **kw):
         if grads_held:
-            raise footprint.FakeRunError("no fake kernel for aten::foo")
+            raise FakeRunError("no fake kernel for aten::foo")
         return real(*a, grads_held=grads_held, **kw)
     monkeypatch.setattr(footprint, "step_memory_model", held_fails)
     mod = make("mlp")
