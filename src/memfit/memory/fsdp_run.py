@@ -158,13 +158,14 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                   optimizer, loss_fn: Callable | None, target: ExampleBatch | None,
                   units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None,
                   reshard_after_forward: bool = True, mp_policy=None, autocast=None,
-                  backend: str = "nccl", reads: list[int] | None = None) -> RankRun:
+                  backend: str = "nccl", reads: list[int] | None = None, answers: bool = True) -> RankRun:
     """One rank's logged training step (see the module docstring) at a per-rank batch of n. With
     backend="gloo", the buffers gloo's collectives copy into while they run (`fsdp_log.gloo_copies`) are counted,
     and the largest buffer a collective's work holds is recorded (`RankRun.race_bytes`, what gloo's race may
     keep). `units`: the modules `fully_shard` wraps besides the root, innermost first, as `units(model)` or a
     list (`_units_of`; default `default_units`). `reads`: shared by the runs of one prediction, where a value read
-    must be made alike at every size (`LoggingFakeMode`)."""
+    must be made alike at every size (`LoggingFakeMode`); answers=False: no value read answered, transformers' mask
+    questions left unasked (`StepSpec.answers`)."""
     from contextlib import nullcontext
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -180,7 +181,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
         fake = _fake_copy(model, mode)
         opt = groups = sharded = None
         try:
-            with mode, mode.logging_to(log):
+            with mode, mode.logging_to(log, reads_values=answers, answers=answers):
                 kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
                       "mp_policy": mp_policy or MixedPrecisionPolicy()}
                 log.tag = K.SHARDED_PARAMETERS

@@ -78,7 +78,7 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False,
     from memfit.memory.step_model import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     if ddp:
-        from memfit.memory.ranks import check_ddp_wrapping
+        from memfit.memory.rank_checks import check_ddp_wrapping
         check_ddp_wrapping(model)        # mixed_precision= and comm hooks hold bytes this model does not count
     module = model.module if ddp else model
     here, n = model_device(model), batch_len(x)

@@ -40,15 +40,19 @@ import numpy as np
 import torch
 
 from memfit.budget import check_count, format_bytes
-from memfit.device.torch_private import ddp_comm_hook, fsdp_param_groups, is_hsdp
+from memfit.device.torch_private import fsdp_param_groups, is_hsdp
 from memfit.memory.cache import ModelCache
 from memfit.memory.cuda_held import ddp_buckets
+from memfit.memory.fake_run import FakeRunError
 from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import MemoryKind
+from memfit.memory.known_values import DataDependentOnBatchSize
+from memfit.memory.rank_checks import check_ddp_wrapping, check_not_offloaded
 from memfit.memory.step import ExampleBatch, autocast_state
 from memfit.memory.step_model import StepMemoryModel, _callable_key, _optimizer_key, _signature, step_memory_model
 from memfit.memory.world_scaling import WorldScaling
+from memfit.messages import first_line
 
 __all__ = ["BASE_WORLD", "DIRECT_MAX", "RankMemoryModel", "check_ddp_wrapping", "ddp_bucket_bytes",
            "rank_memory_model"]
@@ -275,7 +279,7 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
         raise ValueError(f"expected parallel in {PARALLEL}; found {parallel!r}")
     world_size = check_count("world_size", world_size, 1)
     model, gradient_as_bucket_view = _unwrapped(model, parallel, gradient_as_bucket_view)
-    _check_not_offloaded(offload_policy)
+    check_not_offloaded(offload_policy)
     dev = torch.device("cpu")
     if parallel == "fsdp" and (device is not None and torch.device(device).type == "cuda" or gpu is not None):
         raise ValueError("expected parallel='ddp' for a per-rank CUDA prediction; found parallel='fsdp': FSDP2's "
@@ -321,17 +325,30 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
            torch.get_num_threads())             # kernels' workspaces are per thread
 
     reads: list[int] = []                       # the values read in this prediction's first run (`LoggingFakeMode`)
+    answers = [True]                            # False once a value read depended on the batch size (as `probed`)
 
     def runs_at(w: int) -> RankMemoryModel:
         # kept per model (`_RUNS`): a prediction asked again runs no step again
-        run = lambda n: _RUNS.get(model, (key, w, n), lambda: fsdp_fake_run(
+        run = lambda n: _RUNS.get(model, (key, answers[0], w, n), lambda: fsdp_fake_run(
             model, batch, n, world_size=w, rank=0, optimizer=optimizer, loss_fn=loss_fn, target=tgt, units=units,
             reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, autocast=autocast, backend=backend,
-            reads=reads))
+            reads=reads, answers=answers[0]))
         how = (f"reshard_after_forward={reshard_after_forward}"
                + (" (fully_shard's default: every unit but the root)" if reshard_after_forward is None else "")
                + f", {backend}")
-        return _fsdp_model(run, w, probes, how, backend == "gloo" and gloo_race, runs_at)
+        try:
+            return _fsdp_model(run, w, probes, how, backend == "gloo" and gloo_race, runs_at)
+        except DataDependentOnBatchSize as e:
+            if not answers[0]:
+                raise
+            # every run again without answering any read: the mask counts, as before values were known
+            answers[0] = False
+            reads.clear()
+            try:
+                return _fsdp_model(run, w, probes, f"{how}; values not read: {e}", backend == "gloo" and gloo_race,
+                                   runs_at)
+            except Exception as again:
+                raise FakeRunError(f"{e}; and without reading values: {first_line(again)}") from again
     return runs_at(1 if world_size == 1 else BASE_WORLD).at_world(world_size)
 
 
@@ -415,33 +432,3 @@ def _unwrapped(model: torch.nn.Module, parallel: str, bucket_view: bool | None):
                          f"found a model fully_shard has wrapped, with {what}: predict with the unwrapped model "
                          "(units= for your wrapping); offload and HSDP have no per-rank model yet")
     return model, (bool(bucket_view) if parallel == "ddp" else bucket_view)
-
-
-def check_ddp_wrapping(ddp) -> None:
-    """Raise ValueError for a `DistributedDataParallel` module whose wrapping the per-rank model does not count:
-    `mixed_precision=` (DDP keeps a low-precision copy of every parameter and casts gradients back in a comm hook
-    of its own) and any comm hook (`register_comm_hook`, a built-in one, `_register_fused_optim`), whose buffers
-    (compressed copies of the buckets, PowerSGD's matrices and error feedback) are the hook's own. A prediction
-    of DDP's default all-reduce would be returned for a step that holds other bytes, unsaid."""
-    if getattr(ddp, "mixed_precision", None) is not None:
-        raise ValueError(f"expected a DistributedDataParallel without mixed_precision= (not modelled: DDP keeps a "
-                         f"low-precision copy of every parameter and upcasts gradients in a hook of its own); found "
-                         f"mixed_precision={ddp.mixed_precision}: for lower-precision compute train under "
-                         "torch.autocast (predicted with autocast=torch.bfloat16), or use FSDP2 with a "
-                         "MixedPrecisionPolicy (parallel='fsdp', mp_policy=)")
-    name = ddp_comm_hook(ddp)
-    if name is not None:
-        raise ValueError(f"expected a DistributedDataParallel with its default all-reduce; found the comm hook "
-                         f"{name}, which is not modelled (what it allocates, e.g. compressed copies of the buckets or "
-                         "PowerSGD's state, is not counted): predict the DDP module before register_comm_hook for "
-                         "the default all-reduce and check the hooked step with memfit.memory.measure_rank_step (with "
-                         "memfit.accumulate, give micro_batch= a size instead of 'auto')")
-
-
-def _check_not_offloaded(offload_policy) -> None:
-    from torch.distributed.fsdp import OffloadPolicy
-    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        raise ValueError(f"expected offload_policy None or OffloadPolicy() (no offload); found "
-                         f"{type(offload_policy).__name__}: FSDP2's CPU offload is not modelled (parameters, "
-                         "gradients and optimizer state would move to host memory, which this model does not "
-                         "count apart); predict without it for the device's bytes with everything on it")
