@@ -126,6 +126,19 @@ def test_bench_fit_has_no_only_checkpointing_budget_where_checkpointing_saves_by
     assert b["only checkpointing"].startswith("checkpointing lowers the least predicted peak by 32 B only")
 
 
+def test_bench_fit_says_why_a_budget_is_missing_as_it_is():
+    """No block to checkpoint, and micro-batches that need no less than the plain step (its peak is the optimizer
+    step's): each said as it is, not as BatchNorm's or micro-batch 1's doing."""
+    from memfit.cli.bench.fit import budgets
+    from memfit.fitting.search import Alternative, Setting
+    flat = [Alternative(m, Setting(), 1.0, 1000) for m in (1, 2, 4, 8)]
+    b = budgets(type("P", (), {"alternatives": flat})(), 8)
+    assert b["only checkpointing"].startswith("no block to checkpoint")
+    assert b["micro-batching fits"].startswith("no micro-batch without checkpointing needs less")
+    whole = [Alternative(8, Setting(), 1.0, 1000)]
+    assert budgets(type("P", (), {"alternatives": whole})(), 8)["micro-batching fits"].startswith("batch statistics")
+
+
 def test_bench_fit_measures_the_time_model_at_every_grid_point_but_the_plain_step():
     """The error table's figures: predicted / measured - 1 per point, from the exhaustive plan's times and the grid's
     measured relative times (made up here: the reference is the arithmetic)."""

@@ -173,7 +173,9 @@ def budgets(plan_all, n: int) -> dict[str, int | str]:
     least = min(v for (m, k), v in b.items() if k == 0)
     ckpt = min(v for (m, k), v in b.items() if k > 0) if any(k for _, k in b) else None
     micro = [v for (m, k), v in b.items() if k == 0 and m < n and v < plain]
-    if ckpt is None or ckpt >= least:
+    if ckpt is None:
+        only = "no block to checkpoint (no checkpointed alternative)"
+    elif ckpt >= least:
         only = "micro-batch 1 alone needs less than any checkpointed alternative"
     elif least < ckpt * (1 + CHECKPOINT_GAIN):
         only = (f"checkpointing lowers the least predicted peak by {least - ckpt} B only (under "
@@ -181,7 +183,9 @@ def budgets(plan_all, n: int) -> dict[str, int | str]:
     else:
         only = (ckpt + least) // 2
     return {"plain fits": plain,
-            "micro-batching fits": max(micro) if micro else "batch statistics (BatchNorm): no micro-batches",
+            "micro-batching fits": max(micro) if micro else
+            "batch statistics (BatchNorm): no micro-batches" if all(m == n for m, _ in b) else
+            "no micro-batch without checkpointing needs less than the plain step",
             "only checkpointing": only}
 
 
