@@ -266,6 +266,29 @@ def test_a_mask_made_from_the_batch_shape_is_predicted_as_before_values_were_rea
     assert "values not read" in ranked.method and ranked.total_bytes(8) > 0
 
 
+class CountsExpanded(nn.Module):
+    """Its own positions, expanded to the batch (alike in every run), then counted: the count is the batch's, so
+    the question's answer turns at batch 3 although the value is made alike at every size."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        if (torch.ones(8, dtype=torch.long).expand(x.shape[0], -1).sum() < 24).item():
+            return self.a(x)
+        return self.b(self.a(x).relu()).relu() * 2
+
+
+def test_a_value_made_alike_that_answers_otherwise_at_another_size_is_not_answered():
+    """Answered from each run's own values, the run at batch 2 took one branch and the run at 4 the other, and the
+    memory model's line through them mixed the two; refused now, as any answer the batch size decides."""
+    model = CountsExpanded()
+    with pytest.raises((memfit.errors.FakeRunError, DataDependentOnBatchSize), match="depends on the batch size"):
+        memfit.memory_model(model, torch.randn(2, 32), train=True, optimizer=torch.optim.SGD(model.parameters()),
+                            loss_fn=F.mse_loss, target=torch.randn(2, 32))
+
+
 class TrimsPadding(nn.Module):
     """Reads the batch: its longest unpadded row decides the shapes."""
 

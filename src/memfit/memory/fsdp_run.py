@@ -158,7 +158,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                   optimizer, loss_fn: Callable | None, target: ExampleBatch | None,
                   units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None,
                   reshard_after_forward: bool = True, mp_policy=None, autocast=None,
-                  backend: str = "nccl", reads: list[int] | None = None, answers: bool = True) -> RankRun:
+                  backend: str = "nccl", reads: list[tuple] | None = None, answers: bool = True) -> RankRun:
     """One rank's logged training step (see the module docstring) at a per-rank batch of n. With
     backend="gloo", the buffers gloo's collectives copy into while they run (`fsdp_log.gloo_copies`) are counted,
     and the largest buffer a collective's work holds is recorded (`RankRun.race_bytes`, what gloo's race may

@@ -324,7 +324,7 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
            reshard_after_forward, mp_policy, autocast, backend, autocast_state(),
            torch.get_num_threads())             # kernels' workspaces are per thread
 
-    reads: list[int] = []                       # the values read in this prediction's first run (`LoggingFakeMode`)
+    reads: list[tuple] = []                     # the values read in this prediction's first run (`LoggingFakeMode`)
     answers = [True]                            # False once a value read depended on the batch size (as `probed`)
 
     def runs_at(w: int) -> RankMemoryModel:

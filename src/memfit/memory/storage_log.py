@@ -202,11 +202,11 @@ class LoggingFakeMode(FakeTensorMode):
     prediction's runs at several batch sizes share it, or share `first_reads`): a value made from the batch size is
     refused (`DataDependentOnBatchSize`), since its answer at the sizes run says nothing of the others."""
 
-    def __init__(self, first_reads: list[int] | None = None, **kwargs):
+    def __init__(self, first_reads: list[tuple] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.storage_log: StorageLog | None = None
         self.known_values = KnownValues()             # the values the run knows while it logs
-        self._reads: list[int] = []                   # the `KnownValues.lineage` of each value read in this run
+        self._reads: list[tuple] = []                 # (`KnownValues.lineage`, answer) of each value read in this run
         self._first_reads = [] if first_reads is None else first_reads   # ... in the first run that read any
         #                                               (a list the runs of one prediction share, in their modes)
         self._depth = 0
@@ -216,14 +216,16 @@ class LoggingFakeMode(FakeTensorMode):
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is _READ_VALUE and self._answers and (known := self.known_values.value(args[0])) is not None:
-            lineage, at = self.known_values.lineage(args[0]), len(self._reads)
-            if at < len(self._first_reads) and self._first_reads[at] != lineage:
+            # the read's lineage and its answer: a value made alike that still answers otherwise (a sum over
+            # positions expanded to the batch) depends on the batch size as much, and the runs would branch apart
+            read, at = (self.known_values.lineage(args[0]), known.item()), len(self._reads)
+            if at < len(self._first_reads) and self._first_reads[at] != read:
                 raise DataDependentOnBatchSize(f"value read #{at + 1} of the run (a {tuple(args[0].shape)} "
-                                       f"{args[0].dtype} tensor) is made otherwise than in the run at another "
-                                       "batch size: the answer depends on the batch size, and the sizes run say "
-                                       "nothing of the others")
-            self._reads.append(lineage)
-            return known.item()                       # made from no input (`KnownValues`): as in the real run
+                                       f"{args[0].dtype} tensor) is made or answered otherwise than in the run at "
+                                       "another batch size: the answer depends on the batch size, and the sizes "
+                                       "run say nothing of the others")
+            self._reads.append(read)
+            return read[1]                            # made from no input (`KnownValues`): as in the real run
         if func is _READ_VALUE and args[0].dtype == torch.bool:
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
