@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -13,26 +15,38 @@ from memfit.memory.fit import with_step
 from memfit.memory.fit_ladder import Fit, fit_runs
 from memfit.memory.known_values import DataDependentOnBatchSize
 from memfit.memory.storage_log import LoggingFakeMode
+from memfit.messages import first_line
 
-__all__ = ["StepProbes", "probed"]
+__all__ = ["StepProbes", "answered_or_again", "probed"]
+
+T = TypeVar("T")
+
+
+def answered_or_again(make: Callable[[bool], T], answering: bool = True) -> tuple[T, str]:
+    """(make(answers), what to add to `why`): made with value reads answered (`answers`: `StepSpec.answers`), or, where
+    a value read depends on the batch size, made again without answering any read, as before values were known
+    (transformers' mask questions left unasked: the mask counts); a read that then has no answer is refused, saying
+    both. answering=False: made without answering at once."""
+    if not answering:
+        return make(False), ""
+    try:
+        return make(True), ""
+    except DataDependentOnBatchSize as e:
+        try:
+            return make(False), f"values not read: {e}"
+        except Exception as again:
+            raise FakeRunError(f"{e}; and without reading values: {first_line(again)}") from again
 
 
 def probed(spec: StepSpec, why: str) -> tuple[StepProbes, Fit, StepSpec, str]:
-    """(the runs, their fit, the spec they ran with, why as it is now): a value read made otherwise at another batch
-    size (an all-ones mask made from the batch's shape) has every run made again without answering any read, as
-    before values were known (transformers' mask questions left unasked: the mask counts); a read that then has no
-    answer is refused, saying why."""
-    try:
-        probes = StepProbes(spec)
-        return probes, fit_runs(probes), spec, why
-    except DataDependentOnBatchSize as e:
-        spec = dataclasses.replace(spec, answers=False)
-        why = f"{why}; values not read: {e}" if why else f"values not read: {e}"
-        try:
-            probes = StepProbes(spec)
-            return probes, fit_runs(probes), spec, why
-        except FakeRunError as again:
-            raise FakeRunError(f"{e}; and without reading values: {again}") from again
+    """(the runs, their fit, the spec they ran with, why as it is now): `answered_or_again` over the runs of `spec`
+    (an all-ones mask made from the batch's shape asks a question made otherwise at each size)."""
+    def make(answers: bool):
+        ran = dataclasses.replace(spec, answers=answers)
+        probes = StepProbes(ran)
+        return probes, fit_runs(probes), ran
+    (probes, fit, ran), note = answered_or_again(make, spec.answers)
+    return probes, fit, ran, f"{why}; {note}" if why and note else why or note
 
 
 class StepProbes:

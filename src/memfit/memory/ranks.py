@@ -43,16 +43,14 @@ from memfit.budget import check_count, format_bytes
 from memfit.device.torch_private import fsdp_param_groups, is_hsdp
 from memfit.memory.cache import ModelCache
 from memfit.memory.cuda_held import ddp_buckets
-from memfit.memory.fake_run import FakeRunError
 from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
 from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import MemoryKind
-from memfit.memory.known_values import DataDependentOnBatchSize
+from memfit.memory.probes import answered_or_again
 from memfit.memory.rank_checks import check_ddp_wrapping, check_not_offloaded
 from memfit.memory.step import ExampleBatch, autocast_state
 from memfit.memory.step_model import StepMemoryModel, _callable_key, _optimizer_key, _signature, step_memory_model
 from memfit.memory.world_scaling import WorldScaling
-from memfit.messages import first_line
 
 __all__ = ["BASE_WORLD", "DIRECT_MAX", "RankMemoryModel", "check_ddp_wrapping", "ddp_bucket_bytes",
            "rank_memory_model"]
@@ -325,30 +323,25 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
            torch.get_num_threads())             # kernels' workspaces are per thread
 
     reads: list[tuple] = []                     # the values read in this prediction's first run (`LoggingFakeMode`)
-    answers = [True]                            # False once a value read depended on the batch size (as `probed`)
+    answering = [True]                          # False once a value read depended on the batch size
 
     def runs_at(w: int) -> RankMemoryModel:
-        # kept per model (`_RUNS`): a prediction asked again runs no step again
-        run = lambda n: _RUNS.get(model, (key, answers[0], w, n), lambda: fsdp_fake_run(
-            model, batch, n, world_size=w, rank=0, optimizer=optimizer, loss_fn=loss_fn, target=tgt, units=units,
-            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, autocast=autocast, backend=backend,
-            reads=reads, answers=answers[0]))
         how = (f"reshard_after_forward={reshard_after_forward}"
                + (" (fully_shard's default: every unit but the root)" if reshard_after_forward is None else "")
                + f", {backend}")
-        try:
-            return _fsdp_model(run, w, probes, how, backend == "gloo" and gloo_race, runs_at)
-        except DataDependentOnBatchSize as e:
-            if not answers[0]:
-                raise
-            # every run again without answering any read: the mask counts, as before values were known
-            answers[0] = False
-            reads.clear()
-            try:
-                return _fsdp_model(run, w, probes, f"{how}; values not read: {e}", backend == "gloo" and gloo_race,
-                                   runs_at)
-            except Exception as again:
-                raise FakeRunError(f"{e}; and without reading values: {first_line(again)}") from again
+
+        def make(answers: bool) -> RankMemoryModel:
+            answering[0] = answers
+            if not answers:                     # the runs made again: their reads are the first
+                reads.clear()
+            # kept per model (`_RUNS`): a prediction asked again runs no step again
+            run = lambda n: _RUNS.get(model, (key, answers, w, n), lambda: fsdp_fake_run(
+                model, batch, n, world_size=w, rank=0, optimizer=optimizer, loss_fn=loss_fn, target=tgt,
+                units=units, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, autocast=autocast,
+                backend=backend, reads=reads, answers=answers))
+            said = how if answers else f"{how}; values not read (a value read depends on the batch size)"
+            return _fsdp_model(run, w, probes, said, backend == "gloo" and gloo_race, runs_at)
+        return answered_or_again(make, answering[0])[0]
     return runs_at(1 if world_size == 1 else BASE_WORLD).at_world(world_size)
 
 
