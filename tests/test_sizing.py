@@ -93,6 +93,31 @@ def test_the_default_inference_answer_is_for_the_users_own_eager_forward():
     assert "planned forward" in memfit.memory_model(model, (3, 64, 64), planned=True).explain(planned)
 
 
+def test_training_arguments_without_train_are_refused_not_dropped():
+    """`memory_model(model, batch, optimizer=opt)` gave the inference forward's figure, the optimizer counted
+    nowhere (a GPT-2 of 2.6 MiB of parameters: 16.9 MB, where its AdamW step needs more than 20)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"optimizer= is for a training step.*pass train=True.*or drop optimizer="):
+        memfit.memory_model(model, (8,), optimizer=opt)
+    with pytest.raises(ValueError, match=r"loss_fn= and target= are for a training step"):
+        memfit.max_batch_size(model, (8,), "1MiB", loss_fn=F.mse_loss, target=(4,))
+    train = memfit.memory_model(model, (8,), train=True, optimizer=opt)       # the same call, train=True
+    assert train.total_bytes(4) > memfit.memory_model(model, (8,)).total_bytes(4) + 2 * train.param_bytes
+
+
+def test_a_memory_model_prints_what_it_is_for_not_its_tables():
+    """print(memory_model(...)) printed the dataclass: per-op arrays, pages of numbers (GPT-2 of 3 layers: 60 KB)."""
+    model = small_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for mm, what in ((memfit.memory_model(model, (3, 64, 64)), "one eager forward"),
+                     (memfit.memory_model(model, (3, 64, 64), train=True, optimizer=opt), "one training step"),
+                     (memfit.memory_model(model, (3, 64, 64), planned=True), "the planned forward")):
+        text = repr(mm)
+        assert text.startswith(f"{type(mm).__name__}({what} on cpu, parameters {format_bytes(mm.param_bytes)};")
+        assert "\n" not in text and len(text) < 160, text
+
+
 def test_planned_is_refused_where_it_cannot_answer_with_what_to_do():
     model = small_cnn()
     with pytest.raises(ValueError, match="training step is not planned"):

@@ -13,7 +13,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["STEP_KINDS", "MemoryKind", "MemoryModel"]
+from memfit.budget import format_bytes
+
+__all__ = ["STEP_KINDS", "MemoryKind", "MemoryModel", "summary"]
 
 
 class MemoryKind(Enum):
@@ -69,3 +71,16 @@ class MemoryModel(Protocol):
 
     def explain(self, n: int = 1) -> str:
         """What the figure is, how it was computed, and the bytes by kind at a batch of n."""
+
+
+def summary(model: MemoryModel, what: str) -> str:
+    """A memory model's repr: what its figures are for, not its tables (per-op arrays: pages of numbers).
+
+    Example:
+        >>> import torch
+        >>> from memfit.memory.step_model import step_memory_model
+        >>> step_memory_model(torch.nn.Linear(8, 4), (8,), train=False)
+        StepMemoryModel(one eager forward on cpu, parameters 144 B; total_bytes(n), breakdown(n), explain(n))
+    """
+    return (f"{type(model).__name__}({what} on {model.device}, parameters {format_bytes(model.param_bytes)}; "
+            "total_bytes(n), breakdown(n), explain(n))")

@@ -45,7 +45,7 @@ from memfit.memory.cache import ModelCache
 from memfit.memory.cuda_held import ddp_buckets
 from memfit.memory.fsdp_run import RANK_KINDS, RankRun, fsdp_fake_run
 from memfit.memory.kernel_scratch import scratch_ops
-from memfit.memory.kinds import MemoryKind
+from memfit.memory.kinds import MemoryKind, summary
 from memfit.memory.probes import answered_or_again
 from memfit.memory.rank_checks import check_ddp_wrapping, check_not_offloaded
 from memfit.memory.step import ExampleBatch, autocast_state
@@ -107,6 +107,9 @@ class RankMemoryModel:
     _how: str = ""                                    # FSDP: the wrapping and backend, for `method`
     _fit: str = ""                                    # FSDP: a line in n or a run per n, for `method`
     _gloo_race: bool = False                          # FSDP on gloo with gloo_race=True
+
+    def __repr__(self) -> str:
+        return summary(self, f"one of {self.world_size} ranks' {self.parallel.upper()} training step")
 
     def _live(self, n: int) -> np.ndarray:
         if n not in self._exact and self._a is None:

@@ -57,7 +57,7 @@ from memfit.memory.example_target import example_target, loss_target
 from memfit.memory.fake_run import StepSpec, _Run
 from memfit.memory.fit import gradient_line
 from memfit.memory.isolation import predicting
-from memfit.memory.kinds import STEP_KINDS, MemoryKind
+from memfit.memory.kinds import STEP_KINDS, MemoryKind, summary
 from memfit.memory.probes import probed
 from memfit.memory.recheck import Recheck, run_scratch
 from memfit.memory.step import ExampleBatch, predicted_module, surrounding_autocast
@@ -98,6 +98,9 @@ class StepMemoryModel:
     _measured_ends: dict = field(default_factory=dict)                # n in _measured -> its run's phase ends
     _cuda: CudaStep | None = None                     # on CUDA: the allocator replayed, the fixed costs
     _recheck: Recheck | None = field(default=None, repr=False)      # APPROXIMATE on the CPU: a run at another size
+
+    def __repr__(self) -> str:
+        return summary(self, "one training step" if self.train else "one eager forward")
 
     def gradient_bytes(self, n: int) -> int:
         """Bytes of the storages the gradients of a step on n samples sit in (with `grads_held`, the gradients

@@ -24,7 +24,7 @@ from memfit.memory.cuda_held import prelude
 from memfit.memory.cuda_step import STEPS
 from memfit.memory.cuda_target import cuda_device
 from memfit.memory.fit import exact_line_at
-from memfit.memory.kinds import MemoryKind
+from memfit.memory.kinds import MemoryKind, summary
 from memfit.planner.arena import Buffer, assign_offsets, live_profile
 from memfit.planner.capture import CaptureError
 from memfit.planner.planned import capture_model, place, place_at
@@ -65,6 +65,9 @@ class PlannedMemoryModel:
     _capture_below: Callable = field(default=lambda n: None, repr=False)
     _blocks: list = field(default_factory=list)      # CUDA: (kind, bytes) of each parameter storage in `.to` order
     _rows: dict = field(default_factory=dict)        # n -> [(bytes, first op, last op)] of the tensors outside it
+
+    def __repr__(self) -> str:
+        return summary(self, "the planned forward")
 
     def _parts(self, n: int) -> tuple[int, int]:
         if n not in self._cache and self._cap is not None:
