@@ -98,7 +98,8 @@ def memory_model(model: torch.nn.Module, example_or_sample_shape, *, train: bool
     if parallel_options and parallel is None:
         raise ValueError(f"{sorted(parallel_options)} are options of parallel='ddp' or 'fsdp'; found them without "
                          "parallel (memory_model takes no other keyword arguments)")
-    training_only = [k for k, v in (("optimizer", optimizer), ("loss_fn", loss_fn), ("target", target)) if v is not None]
+    training_only = [k for k, v in (("optimizer", optimizer), ("loss_fn", loss_fn), ("target", target))
+                     if v is not None]
     if training_only and not train:      # else counted nowhere: the inference forward's figure, unsaid
         named = " and ".join(k + "=" for k in training_only)
         raise ValueError(f"{named} {'is' if len(training_only) == 1 else 'are'} for a training step, but train=False "
