@@ -320,11 +320,17 @@ def tagging(log: RankLog):
         setattr(group, n, tagged(n, fn))
     collectives.foreach_reduce_scatter_copy_in = padded_copy_in
     set_sharding_fake_mode_lock(_Unlogged(log, lock))
+    # what the class itself held, put back as found: torch's MemTracker leaves the base method set on it, and a
+    # user's own wrapper must survive (deleting it uncovered the base method)
+    own = vars(torch.UntypedStorage).get("resize_")
     torch.UntypedStorage.resize_ = resize
     try:
         yield
     finally:
-        del torch.UntypedStorage.resize_
+        if own is None:
+            del torch.UntypedStorage.resize_
+        else:
+            torch.UntypedStorage.resize_ = own
         set_sharding_fake_mode_lock(lock)
         collectives.foreach_reduce_scatter_copy_in = copy_in
         for n, fn in originals.items():
