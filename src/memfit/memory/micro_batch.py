@@ -31,7 +31,7 @@ from memfit.device.measure import held_bytes
 from memfit.device.torch_private import storage_key
 from memfit.memory.cache import ModelCache
 from memfit.memory.recheck import exact_at
-from memfit.memory.step import autocast_state
+from memfit.memory.step import autocast_state, same_tensor_key
 from memfit.messages import first_line, whole_words
 
 __all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
@@ -117,10 +117,11 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False,
         return exact[held, m]
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
-    on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device or elsewhere]
-    batch_bytes = sum(t.nbytes for t in on_device)
+    on_device = {same_tensor_key(t): t for t in batch_tensors(x) + batch_tensors(y) if t.device == device or elsewhere}
+    batch_bytes = sum(t.nbytes for t in on_device.values())     # a tensor given twice, `(ids, ids)`, once
     # Micro-batches of tensors already on the device (x, y or both) are views: their bytes are in batch_bytes,
-    # not new; those on the host are copied per micro-batch, and counted
+    # not new (two slices of a tensor given twice are one, as the memory model counts them); those on the host are
+    # copied per micro-batch, each slice apart (two copies of a tensor given twice), and counted
 
     # accumulate's own: a micro-batch's weighted loss alive in backward (a block of its own on CUDA) and the
     # float64 buffer of the micro-batches' losses and a flag (`accumulation.micro_step.LossSum`), for k micro-batches
