@@ -368,6 +368,28 @@ def test_a_linear_on_a_transposed_input_adds_its_bias_in_place_as_the_real_kerne
     assert 1.0 <= forward.total_bytes(9) / real <= 1.01, (forward.total_bytes(9), real)
 
 
+def shifted_loss(logits, ids):
+    """A causal LM's loss against its own input ids."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_ids_given_as_input_and_target_are_one_tensor_as_for_the_allocator():
+    """`target=ids` beside `ids` (a causal LM fed its own ids) holds the ids once: they were counted twice, 8 bytes
+    a token a sample over the real step (+528 B at batch 1 of 64 tokens)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 100))          # a tiny causal LM
+    ids = torch.randint(0, 100, (2, 64))
+    mm = memfit.memory_model(model, ids, train=True, optimizer=torch.optim.AdamW(model.parameters()),
+                             loss_fn=shifted_loss, target=ids)
+    for n in (1, 16):
+        m, x = copy.deepcopy(model), torch.randint(0, 100, (n, 64))
+        real = measure_step(m, x, torch.optim.AdamW(m.parameters()), shifted_loss, x)
+        assert real <= mm.total_bytes(n) <= real + 64, (n, mm.total_bytes(n), real)
+    other = memfit.memory_model(model, ids, train=True, optimizer=torch.optim.AdamW(model.parameters()),
+                                loss_fn=shifted_loss, target=ids.clone())           # another tensor: not the same
+    assert other.total_bytes(16) == mm.total_bytes(16) + 16 * 64 * 8
+
+
 def test_models_on_the_meta_device_and_inference_tensors_on_modules_are_fine():
     with torch.device("meta"):
         meta = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
