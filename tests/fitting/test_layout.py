@@ -46,6 +46,20 @@ def test_step_refuses_a_batch_larger_than_the_plans_and_runs_smaller_ones():
     assert plan.step([x, y]).n == 24                         # a list is the same layout as the tuple fit saw
 
 
+def test_step_refuses_two_tensors_where_the_plan_had_one_given_twice():
+    """An autoencoder fit on (x, x) holds x once, as its plan counts it; a batch of x and a copy holds one more
+    tensor than planned, on the model's device: it ran above the plan's peak, and is refused."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    plan = memfit.fit(model, opt, (x, x), F.mse_loss, "1GiB")
+    assert _real_peak(model, opt, (x, x), plan.micro_batch) <= plan.peak_bytes
+    assert _real_peak(model, opt, (x, x.clone()), plan.micro_batch) > plan.peak_bytes
+    with pytest.raises(ValueError, match=r"made for a batch holding one tensor twice \(as \(ids, ids\)\)"):
+        plan.step((x, x.clone()))
+    assert plan.step((x, x)).n == 24 and plan.step((x[:10], x[:10])).n == 10
+
+
 def test_step_lets_shorter_sequences_through_a_plan_for_dict_inputs():
     torch.manual_seed(0)
     lm = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))

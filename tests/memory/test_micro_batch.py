@@ -108,6 +108,27 @@ def test_the_predicted_accumulate_step_is_the_real_one_at_every_micro_batch(kind
             assert real <= predicted(m) <= real + slack, (m, held_on_entry, restore, predicted(m), real)
 
 
+def test_ids_given_as_input_and_target_are_one_tensor_in_every_micro_batch():
+    """accumulate(model, opt, (ids, ids), ...), a causal LM fed its own ids: the batch is one tensor and each
+    micro-batch two views of it; counted twice, 8 KiB over the real step at every micro-batch of a 16x64 batch."""
+    from memfit.device.measure import held_bytes, track_memory, unique_bytes
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16), torch.nn.Linear(16, 100))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = lambda logits, ids: F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())  # noqa: E731
+    ids = torch.randint(0, 100, (16, 64))
+    accumulate(model, opt, (ids, ids), loss_fn, micro_batch=16)          # optimizer state, as in a running loop
+    peak, _ = micro_batch_size.training_peak(model, opt, loss_fn, ids, ids)
+    for m in (1, 5, 16):
+        with track_memory("cpu"):      # the gradients freed inside are counted where made inside an enclosing one
+            model.zero_grad(set_to_none=True)
+            held = held_bytes(model, opt, grads=True) + unique_bytes([ids, ids])
+            with track_memory("cpu") as mem:
+                accumulate(model, opt, (ids, ids), loss_fn, micro_batch=m)
+        real = held + mem.peak
+        assert real <= peak(m) <= real + 64, (m, peak(m), real)
+
+
 def test_gradients_held_on_entry_count_in_the_micro_batches_not_in_the_optimizer_step():
     """LeNet, AdamW, batch 8, restore_grads=True: accumulate lets the gradients held on entry go before the
     optimizer's step, where

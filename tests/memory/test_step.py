@@ -1,4 +1,6 @@
 """memory/step.py: what a sample shape is (one rule for every entry point) and the example batch built from it."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -122,3 +124,23 @@ def test_overlapping_garbage_since_blocks_never_freeze_what_a_running_one_made()
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_tensor_given_twice_is_one_tensor_counted_once_and_rebuilt_as_one():
+    """`(ids, ids)`, `labels=ids`, `target=ids` beside `ids`: one tensor for the allocator, so for the example batch,
+    and two slices alike of it (accumulate's micro-batches of a batch on the device) too; two views that differ
+    (a shifted pair) are two, counted apart."""
+    ids, meta = torch.zeros(2, 16, dtype=torch.long), torch.device("meta")
+    pair = ExampleBatch((ids, ids))
+    assert pair.bytes_per_sample() == 16 * 8 and pair.per_sample() == [16 * 8]
+    a, b = pair.at(3, meta)
+    assert a is b and a.shape == (3, 16)
+    batch = ExampleBatch({"input_ids": ids, "mask": torch.ones(2, 16)})
+    target = ExampleBatch(ids[0:2], beside=batch)                 # a slice alike: the same tensor
+    assert target.bytes_per_sample() == 0 and batch.bytes_per_sample() == 16 * (8 + 4)
+    x = batch.at(5, meta)
+    assert target.at(5, meta, x) is x["input_ids"] and target.at(5, meta).shape == (5, 16)
+    assert ExampleBatch(ids.clone(), beside=batch).bytes_per_sample() == 16 * 8      # equal values, another tensor
+    assert ExampleBatch((ids[:, :-1], ids[:, 1:])).bytes_per_sample() == 2 * 15 * 8
+    # made again from shapes alone (`memory.recheck`): still the batch's tensor
+    assert dataclasses.replace(target, template=ids.to(meta)).bytes_per_sample() == 0

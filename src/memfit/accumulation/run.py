@@ -186,7 +186,7 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
         step.splittable = not whole or allow_batch_dependent or not (
             dependent if dependent is not None else batch_dependent_modules(model))
         if micro_batch == "auto":
-            key = auto_key(step.params, optimizer, x, n, budget, restore_grads)
+            key = auto_key(step.params, optimizer, x, n, budget, restore_grads, y)
             size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key, restore_grads)
         else:
             size, reason = min(micro_batch, n), "micro_batch given"

@@ -59,7 +59,7 @@ from memfit.fitting.layout import (
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.cache import ModelCache
 from memfit.memory.cuda_target import device_budget
-from memfit.memory.micro_batch import _signature
+from memfit.memory.micro_batch import _signature, shared_tensors
 from memfit.own_loss import is_own, label_terms, model_loss, own_batch
 
 __all__ = ["FitPlan", "fit"]
@@ -343,7 +343,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         raise ValueError(f"candidates {[c for c in blocks if c not in known][:3]} are not modules of "
                          f"{type(module).__name__}; expected names from model.named_modules()")
     key = (*_key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world),
-           _signature(y), note, restore_grads, tuple(map(str, predict.values())))
+           _signature(y), shared_tensors(x, y), note, restore_grads, tuple(map(str, predict.values())))
     kept = _PLANS.values(module)
     found, error = kept.get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):

@@ -40,6 +40,7 @@ import torch
 
 from memfit.device.torch_private import keystr, tree_flatten, tree_flatten_with_path
 from memfit.memory.fingerprint import describe_change, model_state
+from memfit.memory.micro_batch import shared_tensors
 
 __all__ = ["ModelChanged", "batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
 
@@ -172,9 +173,18 @@ def batch_shapes(batch) -> tuple:
 
 
 def layout(batch) -> tuple:
-    """(tree structure, [(where, shape past the samples, dtype), ...]) of a batch (x, y) or of the inputs x."""
+    """(tree structure, [(where, shape past the samples, dtype), ...], the tensors given twice) of a batch (x, y) or
+    of the inputs x."""
     leaves, spec = tree_flatten_with_path(batch)
-    return spec, [(_where(path), tuple(t.shape[1:]), t.dtype) for path, t in leaves if isinstance(t, torch.Tensor)]
+    return spec, [(_where(path), tuple(t.shape[1:]), t.dtype) for path, t in leaves if isinstance(t, torch.Tensor)], \
+        shared_tensors(batch, None)
+
+
+def _unshared(planned: tuple, batch, device: torch.device) -> bool:
+    """Whether a tensor the plan had twice (`(ids, ids)`: its bytes once) is two tensors in `batch`, one of them on
+    the model's device, where the batch's bytes count in the plan's peak."""
+    return bool(planned[2]) and not set(planned[2]) <= set(shared_tensors(batch, None)) and \
+        any(t.device == device for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
 
 
 def _where(path) -> str:
@@ -211,14 +221,14 @@ def layout_error(planned: tuple, n: int, batch, device: torch.device) -> Excepti
     if spec == planned[0] and len(tensors) == len(planned[1]) and all(
             fits(t, was, dtype) for t, (_, was, dtype) in zip(tensors, planned[1], strict=True)):
         m = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
-        if not (m > n and any(t.device == device for t in tensors)):
+        if not (m > n and any(t.device == device for t in tensors)) and not _unshared(planned, batch, device):
             return None
     return _said(planned, n, batch, device)
 
 
 def _said(planned: tuple, n: int, batch, device: torch.device) -> Exception | None:
     """`layout_error`, with the places named."""
-    spec, tensors = layout(batch)
+    spec, tensors, _ = layout(batch)
     fix = ("fit the plan on the largest batch you will step on (pad shorter ones up to it: smaller batches and "
            "shorter samples pass), or call memfit.fit with this batch (plans are kept per layout)")
     if spec != planned[0] or len(tensors) != len(planned[1]):
@@ -242,4 +252,8 @@ def _said(planned: tuple, n: int, batch, device: torch.device) -> Exception | No
     if m > n and any(t.device == device for _, t in leaves):
         return ValueError(f"plan.step: the batch holds {m} samples on the model's device; the plan was made for {n} "
                           f"(their bytes count in its peak): {fix}")
+    if _unshared(planned, batch, device):
+        return ValueError("plan.step: the plan was made for a batch holding one tensor twice (as (ids, ids)), its "
+                          "bytes once; this batch holds two tensors there, on the model's device: its step needs "
+                          f"more than the plan's peak; {fix}")
     return None

@@ -32,7 +32,8 @@ costs), `cuda_step` (`CudaStep`: the caching allocator replayed over the runs' a
 `cuda_held`: the blocks held before the step: parameters in `.to` order, DDP's buckets). The allocator's rules and
 real measurements are below it, in `memfit.device`.
 
-Known limitations: cuDNN's workspaces are not counted on CUDA. On the CPU, what kernels
+Known limitations: cuDNN's workspaces, and what the eval fast paths of transformer layers make inside, are not
+counted on CUDA. On the CPU, what kernels
 allocate inside is measured from the real kernels for the ops `fake_kernels.WORKSPACE` lists (found by
 measuring), for every op on half-precision arguments and for matmuls on arguments BLAS cannot read as they are
 (`kernel_scratch`); any other kernel that allocates

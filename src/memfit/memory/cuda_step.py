@@ -44,13 +44,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from memfit.device.cuda_alloc_conf import AllocatorConfig
 from memfit.device.cuda_blocks import round_size
 from memfit.device.cuda_caching import Replay, replay
 from memfit.device.cuda_costs import FixedCost
-from memfit.device.torch_private import tree_flatten
 from memfit.memory.cuda_held import INPUTS, PARAMETERS, WORKSPACES, prelude
 from memfit.memory.fake_run import _Run
 from memfit.memory.fit import proportional
@@ -360,8 +358,7 @@ def cuda_step(runs: dict[int, _Run], spec, costs: Callable[[int], list[FixedCost
         sources = {n: _source(r, lambda m, s=r.sizes: s, full) for n, r in runs.items()}
         how = (f"APPROXIMATE: exact at the batch sizes run ({sorted(runs)}); elsewhere the allocated bytes fitted, "
                "with the most reserved beyond allocated seen in those runs' replays, as a fraction")
-    inputs = [x[0].nbytes for b in (spec.batch, spec.target) if b is not None
-              for x in tree_flatten(b.template)[0] if isinstance(x, torch.Tensor)]
+    inputs = [*spec.batch.per_sample(), *(spec.target.per_sample() if spec.target is not None else ())]
     ops = {_name(op) for r in runs.values() for op in r.ops}
     uncounted = sorted({v for k, v in UNCOUNTED.items() if k in ops})
     if uncounted:

@@ -1,9 +1,10 @@
 """Where torch's fake (meta) kernels give an op's outputs other bytes than the real kernels do, and the bytes
 the real ones give (`real_bytes`): what a fake run (`memfit.memory.fake_run`) logs instead; and the bytes real
 CPU kernels allocate inside beyond their outputs, freed before they return (`workspace_bytes`): oneDNN's
-reordered weights, its result before the copy into the output, a temporary of an input's size; and the
+reordered weights, its result before the copy into the output, a temporary of an input's size; the
 tensors made outside any op that the fake mode never sees (`host_tensors_logged`: the RNG states
-`torch.utils.checkpoint` keeps).
+`torch.utils.checkpoint` keeps); and the ops a composite of torch runs otherwise for a tensor subclass than for a
+real tensor (`composites_as_real`: F.linear's bias add, in place for real).
 
 Each entry was found by comparing a fake run with the allocator's bytes of the real step
 (`memfit.device.measure.track_memory`); a test in tests/memory/test_step_model.py guards each.
@@ -26,8 +27,8 @@ from memfit.device.torch_private import (
     unset_fake_temporarily,
 )
 
-__all__ = ["BOUNDED_IN_BATCH", "REAL_SIZE", "WORKSPACE", "as_real_kernel_takes", "host_tensors_logged", "real_bytes",
-           "workspace_bytes"]
+__all__ = ["BOUNDED_IN_BATCH", "REAL_SIZE", "WORKSPACE", "as_real_kernel_takes", "bias_added_in_place",
+           "composites_as_real", "host_tensors_logged", "real_bytes", "workspace_bytes"]
 
 
 def _overloads(*names: str) -> frozenset:
@@ -148,6 +149,11 @@ _BATCH_ARGS = {
     "aten.native_layer_norm.default": {0: 0},      # a permuted (non-contiguous) input: copied contiguous inside
     "aten.max_pool2d_with_indices.default": {0: 0},
     "aten.mkldnn_rnn_layer.default": {0: 1, 5: 0, 6: 0},        # the input comes sequence first
+    # the fast paths of nn.TransformerEncoderLayer and nn.MultiheadAttention in eval mode without grad (batch first):
+    # one kernel each, whose meta kernel gives its output alone; the real one makes the projections, the attention
+    # and the feed-forward inside (an encoder layer's eager forward was predicted 0.40-0.54x its real peak)
+    "aten._transformer_encoder_layer_fwd.default": {0: 0},
+    "aten._native_multi_head_attention.default": {0: 0, 1: 0, 2: 0},
     # its backward: input, hx, cx, output, hy, cy and their gradients (the workspace, 22, is the forward's at that
     # batch: made again by the forward, `_rnn_backward_at`); on an AVX2 CPU 75 KiB + 24 KiB a sample for a 2-layer
     # 48-wide LSTM over 32 steps, uncounted until a step at batch 40 peaked 0.5% above its prediction
@@ -274,7 +280,8 @@ def _rnn_backward_at(args: list) -> list:
 # mode never sees it; torch.utils.checkpoint takes one per checkpointed call when its forward runs (kept until
 # the block's backward is done) and one more around each recomputation (`fork_rng`). On the CPU they are the
 # device's bytes: a plan checkpointing 2 blocks of a small MLP peaked 5 KiB (5.4%) above its prediction.
-_HOST = threading.local()           # `.record`: where this thread's fake run logs them (None: not logged)
+_HOST = threading.local()           # `.record`: where this thread's fake run logs them (None: not logged);
+#                                     `.linear_bias`: F.linear with a bias runs in this thread (`composites_as_real`)
 
 
 def _logged(get_rng_state) -> torch.Tensor:
@@ -300,3 +307,44 @@ def host_tensors_logged(record: Callable[[str, torch.Tensor], None]) -> Iterator
             yield
     finally:
         _HOST.record = outer
+
+
+# ATen's linear (aten/src/ATen/native/Linear.cpp) with a bias, on an input not 2-D that it does not flatten into one
+# addmm (torch 2.13/2.14: one not contiguous, as `lin(x.transpose(1, 2))`; or a bias it cannot fuse), runs matmul
+# and then adds the bias: in place (`output.add_(bias)`) for a real tensor, out of place (`at::add`) for a tensor
+# subclass (`isTensorSubclassLike`: a fake tensor), one more output-sized tensor live beside the matmul's result.
+# A small model's step was predicted 1.2-1.6x its real peak. While a fake run logs, F.linear is replaced in the
+# logging thread (`ScopedReplacement`) by torch's own inside a note that the bias add it runs is the real one's in
+# place: the only `aten.add.Tensor` that linear dispatches (its matmul folds, views, copies and multiplies; autocast
+# casts with `_to_copy`), which `memfit.memory.storage_log.StorageLog` then logs into its first argument's storage.
+_ADD = torch.ops.aten.add.Tensor
+
+
+def _linear_noted(linear, *args, **kwargs):
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    x = args[0] if args else kwargs.get("input")
+    if bias is None or not isinstance(x, torch.Tensor) or x.dim() == 2:      # 2-D: one addmm, no add
+        return linear(*args, **kwargs)
+    outer, _HOST.linear_bias = getattr(_HOST, "linear_bias", False), True
+    try:
+        return linear(*args, **kwargs)
+    finally:
+        _HOST.linear_bias = outer
+
+
+_LINEAR = ScopedReplacement(lambda: torch.nn.functional, "linear", _linear_noted)
+
+
+@contextmanager
+def composites_as_real() -> Iterator[None]:
+    """Inside the block, this thread's F.linear notes where it adds its bias (`bias_added_in_place`): a real tensor's
+    in place, a fake one's out of place (see above). `torch.nn.functional.linear` is replaced while any thread is
+    inside such a block, for the threads inside only (`ScopedReplacement`)."""
+    with _LINEAR.active():
+        yield
+
+
+def bias_added_in_place(func) -> bool:
+    """Whether op `func`, dispatched now in this thread, is the bias add of a F.linear inside `composites_as_real`:
+    the real kernel adds in place into its first argument (the matmul's result), which then is the output."""
+    return func is _ADD and getattr(_HOST, "linear_bias", False)

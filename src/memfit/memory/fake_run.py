@@ -154,7 +154,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                         p.grad = torch.zeros_like(p)
                     held["gradients"] = grad_bytes = sum(rounded(p.grad.nbytes) for p in trainable)
                 x = batch.at(n, device)
-                y = target.at(n, device) if target is not None else None
+                y = target.at(n, device, x) if target is not None else None
 
                 def mark(phase):
                     nonlocal grad_bytes

@@ -198,7 +198,7 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 opt = _same_optimizer(optimizer, model, fake) if optimizer is not None else None
                 log.tag = K.INPUTS
                 x = batch.at(n, device)
-                y = target.at(n, device) if target is not None else None
+                y = target.at(n, device, x) if target is not None else None
                 mode.known_values.unknown(tree_flatten((x, y))[0])   # the user's values, not these zeros
                 log.tag = None
                 training_step(fake, x, opt, loss_fn, y, autocast)     # unlogged in effect: before `start`

@@ -31,10 +31,10 @@ from memfit.device.measure import held_bytes
 from memfit.device.torch_private import storage_key
 from memfit.memory.cache import ModelCache
 from memfit.memory.recheck import exact_at
-from memfit.memory.step import autocast_state
+from memfit.memory.step import autocast_state, same_tensor_key
 from memfit.messages import first_line, whole_words
 
-__all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "training_peak"]
+__all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "shared_tensors", "training_peak"]
 
 MICRO_PHASES = ("forward", "backward")      # a micro-batch's ops (`StepMemoryModel.breakdown(phases=...)`)
 STEP_PHASES = ("step", "zero_grad")         # the optimizer's step after the last, and what follows it
@@ -117,10 +117,11 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False,
         return exact[held, m]
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     buckets = grads if ddp and not getattr(model, "gradient_as_bucket_view", False) else 0
-    on_device = [t for t in batch_tensors(x) + batch_tensors(y) if t.device == device or elsewhere]
-    batch_bytes = sum(t.nbytes for t in on_device)
+    on_device = {same_tensor_key(t): t for t in batch_tensors(x) + batch_tensors(y) if t.device == device or elsewhere}
+    batch_bytes = sum(t.nbytes for t in on_device.values())     # a tensor given twice, `(ids, ids)`, once
     # Micro-batches of tensors already on the device (x, y or both) are views: their bytes are in batch_bytes,
-    # not new; those on the host are copied per micro-batch, and counted
+    # not new (two slices of a tensor given twice are one, as the memory model counts them); those on the host are
+    # copied per micro-batch, each slice apart (two copies of a tensor given twice), and counted
 
     # accumulate's own: a micro-batch's weighted loss alive in backward (a block of its own on CUDA) and the
     # float64 buffer of the micro-batches' losses and a flag (`accumulation.micro_step.LossSum`), for k micro-batches
@@ -193,8 +194,10 @@ def choose_micro_batch(model, optimizer, loss_fn, x, y, n: int, budget, device,
                f"batch of {n} needs {format_bytes(whole)} ({how})")
 
 
-def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget, restore_grads: bool = False) -> tuple:
-    """What a kept size depends on: the optimizer, the trainable parameters, the batch's size and layout,
+def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget, restore_grads: bool = False,
+             y=None) -> tuple:
+    """What a kept size depends on: the optimizer, the trainable parameters, the batch's size and layout (and which
+    of its tensors and y's are one tensor given twice),
     the budget, whether the gradients held on entry are kept (`restore_grads`), the surrounding autocast, the
     intra-op thread count (the memory model's kernel scratch is
     measured per thread count, as `step_memory_model` keys it). (Not the model's other state, which would
@@ -202,7 +205,7 @@ def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget, res
     the first out-of-memory.)"""
     trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
     return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
-            _signature(x), restore_grads, autocast_state(), torch.get_num_threads())
+            _signature(x), shared_tensors(x, y), restore_grads, autocast_state(), torch.get_num_threads())
 
 
 def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key,
@@ -222,6 +225,14 @@ def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key,
 
 def _signature(x) -> tuple:
     return tuple((t.shape[1:], t.dtype, t.device) for t in batch_tensors(x))
+
+
+def shared_tensors(x, y) -> tuple:
+    """Which tensors of x and then y are one tensor given twice (`(ids, ids)`): (index, index of the first) pairs,
+    a part of the keys of what is kept for a batch layout, since such a batch holds the tensor once."""
+    first: dict = {}
+    return tuple((i, j) for i, t in enumerate(batch_tensors(x) + batch_tensors(y))
+                 if (j := first.setdefault(same_tensor_key(t), i)) != i)
 
 
 def lower_chosen(model, key: tuple, final: int) -> None:

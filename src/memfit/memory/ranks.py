@@ -318,8 +318,9 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
         raise ValueError("expected probes, the per-rank batch sizes to run first, to hold at least one size; found ()")
     probes = tuple(check_count("each of probes", p, 1) for p in probes)
     batch = ExampleBatch(example, dtype)
-    tgt = ExampleBatch(target, dtype) if target is not None else None
-    key = (_signature(batch.template), _signature(tgt.template if tgt else None), _optimizer_key(optimizer),
+    tgt = ExampleBatch(target, dtype, beside=batch) if target is not None else None
+    key = (_signature(batch.template), _signature(tgt.template if tgt else None), batch.repeats, tgt and tgt.repeats,
+           _optimizer_key(optimizer),
            _callable_key(loss_fn), None if units is None else _callable_key(units) if callable(units)
            else tuple(map(id, units)) if isinstance(units, (list, tuple)) else id(units),
            reshard_after_forward, mp_policy, autocast, backend, autocast_state(),

@@ -20,19 +20,20 @@ import operator
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
 from memfit.batches import forward
 from memfit.budget import model_device
 from memfit.device.measure import optimizer_state, unique_bytes
-from memfit.device.torch_private import compiled_inner, tree_flatten, tree_map
+from memfit.device.torch_private import compiled_inner, storage_key, tree_flatten, tree_unflatten
 from memfit.losses import call_loss
 from memfit.own_loss import is_own, model_loss, no_target
 
 __all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "garbage_since", "loss_name", "measure_rank_step",
-           "measure_step", "missing_target", "predicted_module", "surrounding_autocast", "training_step"]
+           "measure_step", "missing_target", "predicted_module", "same_tensor_key", "surrounding_autocast",
+           "training_step"]
 
 
 def _integral(s) -> bool:
@@ -90,16 +91,31 @@ def predicted_module(model) -> tuple[torch.nn.Module, str]:
                    "module's fused kernels usually hold less; not modelled)")
 
 
+def same_tensor_key(x: torch.Tensor) -> tuple:
+    """What makes two tensors one (the same bytes, seen alike): one given twice, or the same view of one storage
+    (two slices of it, as `memfit.batches.batch_slice` makes of each)."""
+    try:
+        where = storage_key(x.untyped_storage()), x.storage_offset()
+    except (RuntimeError, NotImplementedError):          # sparse or wrapper tensors own no plain storage
+        where = id(x), 0
+    return *where, tuple(x.shape), x.stride() if x.layout == torch.strided else None, x.dtype
+
+
 @dataclass
 class ExampleBatch:
     """An example batch (a sample shape, a tensor, a tuple or a dict of tensors) rebuilt at any batch size.
 
-    Tensors are scaled along their leading (batch) dimension; other dict values pass through.
+    Tensors are scaled along their leading (batch) dimension; other dict values pass through. A tensor given twice
+    (`(ids, ids)`, `labels=ids`), or in the batch a target is given `beside` (`target=ids` beside `ids`), is one
+    tensor, as for the allocator: its bytes count once and it is rebuilt as one (`repeats`).
     """
     template: object
     dtype: torch.dtype = torch.float32
+    beside: InitVar[ExampleBatch | None] = None   # the batch this one (a target) is given beside
+    repeats: tuple | None = None  # ((tensor index in `tree_flatten` order, (True: of `beside`, else of this batch;
+    #                               the index there) of the tensor it is), ...); computed when not given
 
-    def __post_init__(self):
+    def __post_init__(self, beside: ExampleBatch | None):
         t = self.template
         if _integral(t):
             t = self.template = (operator.index(t),)
@@ -114,15 +130,42 @@ class ExampleBatch:
         if len(sizes) != 1 or None in sizes:
             raise ValueError(f"every tensor of the example batch needs the same leading (batch) dimension; found "
                              f"leading sizes {sorted(map(str, sizes))}")
+        if self.repeats is None:
+            seen = {} if beside is None else {same_tensor_key(x): (True, i) for i, x in enumerate(tree_flatten(
+                beside.template)[0]) if isinstance(x, torch.Tensor) and i not in dict(beside.repeats)}
+            repeats = []
+            for i, x in enumerate(tree_flatten(self.template)[0]):
+                if isinstance(x, torch.Tensor):
+                    first = seen.setdefault(same_tensor_key(x), (False, i))
+                    if first != (False, i):
+                        repeats.append((i, first))
+            self.repeats = tuple(repeats)
+
+    def per_sample(self) -> list[int]:
+        """Bytes per sample of each tensor the batch holds, a tensor given twice once."""
+        repeats = dict(self.repeats)
+        return [x[0].nbytes for i, x in enumerate(tree_flatten(self.template)[0])
+                if isinstance(x, torch.Tensor) and i not in repeats]
 
     def bytes_per_sample(self) -> int:
-        return sum(x[0].nbytes for x in tree_flatten(self.template)[0] if isinstance(x, torch.Tensor))
+        return sum(self.per_sample())
 
-    def at(self, n: int, device: torch.device):
-        """The batch at size n as zeros (call it under FakeTensorMode to allocate nothing)."""
-        scale = lambda x: torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=device) \
-            if isinstance(x, torch.Tensor) else x
-        return tree_map(scale, self.template)
+    def at(self, n: int, device: torch.device, beside=None):
+        """The batch at size n as zeros (call it under FakeTensorMode to allocate nothing); a tensor given twice is
+        one, the one of `beside` (the batch this one was given beside, at n) where it is that batch's."""
+        leaves, spec = tree_flatten(self.template)
+        given = tree_flatten(beside)[0] if beside is not None else None
+        out, repeats = [], dict(self.repeats)
+        for i, x in enumerate(leaves):
+            of_beside, j = repeats.get(i, (False, None))
+            if of_beside and given is not None:
+                out.append(given[j])
+            elif j is not None and not of_beside:
+                out.append(out[j])
+            else:
+                out.append(torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=device)
+                           if isinstance(x, torch.Tensor) else x)
+        return tree_unflatten(out, spec)
 
 
 def loss_name(loss_fn) -> str:

@@ -293,9 +293,10 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     fakes = cuda.fakes if cuda is not None else dev
     autocast = autocast if autocast is not None else surrounding_autocast(dev.type)
     batch = ExampleBatch(example, dtype)
-    tgt = ExampleBatch(target, dtype) if target is not None else None
-    key = (_signature(batch.template), _signature(tgt.template if tgt else None), train, _optimizer_key(optimizer),
-           _callable_key(loss_fn), autocast, dev, why, bool(compiled), grads_held, keep_output,
+    tgt = ExampleBatch(target, dtype, beside=batch) if target is not None else None
+    key = (_signature(batch.template), _signature(tgt.template if tgt else None), batch.repeats, tgt and tgt.repeats,
+           train, _optimizer_key(optimizer), _callable_key(loss_fn), autocast, dev, why, bool(compiled), grads_held,
+           keep_output,
            torch.get_num_threads() if dev.type == "cpu" else None,     # kernels' scratch is per thread
            cuda.key + sdp_backends() if cuda is not None else None)
     def fit() -> StepMemoryModel:

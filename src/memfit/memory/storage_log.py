@@ -21,7 +21,15 @@ from memfit.device.torch_private import (
     storage_key,
     tree_flatten,
 )
-from memfit.memory.fake_kernels import BOUNDED_IN_BATCH, REAL_SIZE, WORKSPACE, real_bytes, workspace_bytes
+from memfit.memory.fake_kernels import (
+    BOUNDED_IN_BATCH,
+    REAL_SIZE,
+    WORKSPACE,
+    bias_added_in_place,
+    composites_as_real,
+    real_bytes,
+    workspace_bytes,
+)
 from memfit.memory.kernel_scratch import measured_here, spec_of
 from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, transformers_reads_values
 
@@ -126,6 +134,11 @@ class StorageLog:
             nbytes = real_bytes(func, i, t, nbytes, args, kwargs, self.cpu_kernels)
             if not nbytes:
                 continue
+            if i == 0 and bias_added_in_place(func) and (k := _storage_key(args[0])) and \
+                    self.live.get(k[0]) == nbytes:
+                # F.linear's bias add, in place for a real tensor (`fake_kernels.composites_as_real`): the matmul
+                # result's storage is let go as the output is made, never both live (its own free then logs none)
+                self.log.append((op, k[0], -self.live.pop(k[0])))
             self.live[key] = nbytes
             self.log.append((op, key, nbytes))
             self._watch(s, key)
@@ -250,7 +263,7 @@ class LoggingFakeMode(FakeTensorMode):
         self.storage_log, self.known_values, self._reads = storage_log, KnownValues(), []
         self._answers = answers
         try:
-            with transformers_reads_values() if reads_values else nullcontext():
+            with transformers_reads_values() if reads_values else nullcontext(), composites_as_real():
                 yield
         finally:
             self.storage_log, self.known_values = None, KnownValues()
