@@ -49,6 +49,7 @@ from memfit.fitting.finder import agree as _agree
 from memfit.fitting.finder import find as _search
 from memfit.fitting.layout import (
     ModelChanged,
+    apart,
     batch_shapes,
     held,
     held_error,
@@ -59,7 +60,7 @@ from memfit.fitting.layout import (
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.cache import ModelCache
 from memfit.memory.cuda_target import device_budget
-from memfit.memory.micro_batch import _signature, shared_tensors
+from memfit.memory.micro_batch import _signature
 from memfit.own_loss import is_own, label_terms, model_loss, own_batch
 
 __all__ = ["FitPlan", "fit"]
@@ -332,6 +333,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
                             f"{type(batch).__name__}")
         from memfit.batches import batch_len
         y, note = _targets(module, x, batch_len(x), loss_fn, target)
+    x, y = apart(x, y)          # a tensor given twice counted as two: the batches stepped later often hold two
     n = _batch_size(x, y)
     if world > 1:     # ranks holding fewer samples plan for the most any holds: the same alternatives on all
         from memfit.distributed import agree
@@ -343,7 +345,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         raise ValueError(f"candidates {[c for c in blocks if c not in known][:3]} are not modules of "
                          f"{type(module).__name__}; expected names from model.named_modules()")
     key = (*_key(model, optimizer, x, n, budget, levers, blocks, loss_fn, terms, allow_batch_dependent, world),
-           _signature(y), shared_tensors(x, y), note, restore_grads, tuple(map(str, predict.values())))
+           _signature(y), note, restore_grads, tuple(map(str, predict.values())))
     kept = _PLANS.values(module)
     found, error = kept.get(key), None
     if found is None or (exhaustive and any(a.bytes is None for a in found.alternatives)):

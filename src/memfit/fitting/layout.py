@@ -42,7 +42,7 @@ from memfit.device.torch_private import keystr, tree_flatten, tree_flatten_with_
 from memfit.memory.fingerprint import describe_change, model_state
 from memfit.memory.micro_batch import shared_tensors
 
-__all__ = ["ModelChanged", "batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
+__all__ = ["ModelChanged", "apart", "batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
 
 _MISSING = object()
 
@@ -173,18 +173,30 @@ def batch_shapes(batch) -> tuple:
 
 
 def layout(batch) -> tuple:
-    """(tree structure, [(where, shape past the samples, dtype), ...], the tensors given twice) of a batch (x, y) or
-    of the inputs x."""
+    """(tree structure, [(where, shape past the samples, dtype), ...]) of a batch (x, y) or of the inputs x."""
     leaves, spec = tree_flatten_with_path(batch)
-    return spec, [(_where(path), tuple(t.shape[1:]), t.dtype) for path, t in leaves if isinstance(t, torch.Tensor)], \
-        shared_tensors(batch, None)
+    return spec, [(_where(path), tuple(t.shape[1:]), t.dtype) for path, t in leaves if isinstance(t, torch.Tensor)]
 
 
-def _unshared(planned: tuple, batch, device: torch.device) -> bool:
-    """Whether a tensor the plan had twice (`(ids, ids)`: its bytes once) is two tensors in `batch`, one of them on
-    the model's device, where the batch's bytes count in the plan's peak."""
-    return bool(planned[2]) and not set(planned[2]) <= set(shared_tensors(batch, None)) and \
-        any(t.device == device for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+def apart(x, y) -> tuple:
+    """(x, y) with each tensor given twice (`(ids, ids)`, `labels=ids`) after its first a copy: a plan is for the
+    batches a loop steps on later, where they are often two (a collator's `labels = input_ids.clone()`), and a plan
+    that counted one tensor's bytes once would not hold there (nor refuse them: `layout` leaves sharing out)."""
+    repeats = {i for i, _ in shared_tensors(x, y)}
+    if not repeats:
+        return x, y
+    count = iter(range(1 << 62))
+
+    def copied(v):
+        if isinstance(v, torch.Tensor):
+            return v.clone() if next(count) in repeats else v
+        if isinstance(v, dict):
+            return {k: copied(u) for k, u in v.items()}
+        if not isinstance(v, (tuple, list)):
+            return v
+        items = [copied(u) for u in v]
+        return v._make(items) if hasattr(v, "_make") else type(v)(items)        # a namedtuple: its fields
+    return copied(x), copied(y)
 
 
 def _where(path) -> str:
@@ -221,14 +233,14 @@ def layout_error(planned: tuple, n: int, batch, device: torch.device) -> Excepti
     if spec == planned[0] and len(tensors) == len(planned[1]) and all(
             fits(t, was, dtype) for t, (_, was, dtype) in zip(tensors, planned[1], strict=True)):
         m = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
-        if not (m > n and any(t.device == device for t in tensors)) and not _unshared(planned, batch, device):
+        if not (m > n and any(t.device == device for t in tensors)):
             return None
     return _said(planned, n, batch, device)
 
 
 def _said(planned: tuple, n: int, batch, device: torch.device) -> Exception | None:
     """`layout_error`, with the places named."""
-    spec, tensors, _ = layout(batch)
+    spec, tensors = layout(batch)
     fix = ("fit the plan on the largest batch you will step on (pad shorter ones up to it: smaller batches and "
            "shorter samples pass), or call memfit.fit with this batch (plans are kept per layout)")
     if spec != planned[0] or len(tensors) != len(planned[1]):
@@ -252,8 +264,4 @@ def _said(planned: tuple, n: int, batch, device: torch.device) -> Exception | No
     if m > n and any(t.device == device for _, t in leaves):
         return ValueError(f"plan.step: the batch holds {m} samples on the model's device; the plan was made for {n} "
                           f"(their bytes count in its peak): {fix}")
-    if _unshared(planned, batch, device):
-        return ValueError("plan.step: the plan was made for a batch holding one tensor twice (as (ids, ids)), its "
-                          "bytes once; this batch holds two tensors there, on the model's device: its step needs "
-                          f"more than the plan's peak; {fix}")
     return None
