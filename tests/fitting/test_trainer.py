@@ -20,7 +20,11 @@ def tiny_bert():
     cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
                                   intermediate_size=64, max_position_embeddings=SEQ, num_labels=3,
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                  attn_implementation="eager")
+                                  attn_implementation="eager",
+                                  # what the first forward with labels sets otherwise: a config changed by a forward
+                                  # drops what memfit kept for the model (`ModelCache`), and the second fit of a
+                                  # test counted the step's costs and memory models all over again
+                                  problem_type="single_label_classification")
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(cfg).train()
 
