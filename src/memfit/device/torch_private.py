@@ -81,7 +81,7 @@ __all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "Dro
            "ddp_comm_hook",
            "detect_fake_mode", "dict_version_reader", "disable_current_modes", "dynamo_reset", "fake_store",
            "foreach_by_default", "fsdp_collectives", "fsdp_mem_tracker", "fsdp_param_group", "fsdp_param_groups",
-           "fsdp_param_shard", "fsdp_param_size",
+           "fsdp_param_shard", "fsdp_param_size", "grad_hooks",
            "has_kernel", "in_backward", "inductor_config", "is_hsdp", "keystr", "local_tensor", "mem_tracker",
            "nn_binding", "node_input_metadata", "node_sequence_nr", "op_kernel", "op_schema", "overload_name",
            "own_buffers", "own_children", "own_parameters", "pop_mode_temporarily", "profiler_running",
@@ -110,6 +110,13 @@ own_children: Callable[[torch.nn.Module], dict] = operator.attrgetter("_modules"
 # The un-patched `UntypedStorage.resize_` (torch/csrc/StorageMethods.cpp, on torch._C.StorageBase): FSDP2's resizes
 # logged by a wrapper on torch.UntypedStorage call it.
 base_storage_resize = torch._C.StorageBase.resize_
+
+
+def grad_hooks(t: torch.Tensor) -> int:
+    """Hooks on `t`'s gradient: `register_hook`'s (run before AccumulateGrad takes it) and
+    `register_post_accumulate_grad_hook`'s (after), as torch/_tensor.py keeps them (`_backward_hooks`,
+    `_post_accumulate_grad_hooks`): whether a fake run's AccumulateGrad calls run anything but their own ops."""
+    return len(t._backward_hooks or ()) + len(t._post_accumulate_grad_hooks or ())
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:
