@@ -264,7 +264,8 @@ def _noting_grads(params, tracker: StorageLog):
                 and s.nbytes() == g.nbytes
         except (RuntimeError, NotImplementedError):     # sparse or wrapper tensors own no plain storage
             key, refs, whole = None, 0, False
-        stored.append(_GradStored(len(tracker.ops), len(tracker.log), id(p), key, refs, whole, grad_hooks(p) - 1))
+        others = sum(len(h or ()) for h in grad_hooks(p)) - 1       # ours is one of them
+        stored.append(_GradStored(len(tracker.ops), len(tracker.log), id(p), key, refs, whole, others))
     handles = [p.register_post_accumulate_grad_hook(note) for p in params]
     try:
         yield stored
