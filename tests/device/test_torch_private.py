@@ -76,6 +76,20 @@ def test_storage_use_count_counts_each_tensor_on_the_storage():
     assert tp.storage_use_count(t.untyped_storage()) == before
 
 
+def test_grad_hooks_counts_both_kinds_of_hook_on_a_gradient():
+    w = torch.nn.Parameter(torch.ones(2))
+    count = lambda: sum(len(h or ()) for h in tp.grad_hooks(w))       # noqa: E731
+    assert count() == 0
+    pre = w.register_hook(lambda g: g * 2)
+    post = w.register_post_accumulate_grad_hook(lambda p: None)
+    assert count() == 2
+    w.sum().backward()
+    assert torch.equal(w.grad, torch.full((2,), 2.0))     # the hook it counts is the one that runs
+    pre.remove()
+    post.remove()
+    assert count() == 0
+
+
 def test_a_compiled_module_is_seen_and_its_inner_module_is_the_original():
     lin = torch.nn.Linear(3, 2)
     compiled = torch.compile(lin)

@@ -76,19 +76,17 @@ keystr = torch.utils._pytree.keystr
 
 __all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "DropoutBase", "FakeTensor",
            "FakeTensorMode", "InstanceNormBase", "OpOverload", "ProfilerEventType", "TorchDispatchMode",
-           "aot_rng_not_saved", "base_storage_resize", "cia_split_kept",
-           "clear_cublas_workspaces", "compiled_inner", "cpu_total_kept_for_every_thread", "current_dispatch_mode",
-           "ddp_comm_hook",
-           "detect_fake_mode", "dict_version_reader", "disable_current_modes", "dynamo_reset", "fake_store",
-           "foreach_by_default", "fsdp_collectives", "fsdp_mem_tracker", "fsdp_param_group", "fsdp_param_groups",
-           "fsdp_param_shard", "fsdp_param_size",
-           "has_kernel", "in_backward", "inductor_config", "is_hsdp", "keystr", "local_tensor", "mem_tracker",
-           "nn_binding", "node_input_metadata", "node_sequence_nr", "op_kernel", "op_schema", "overload_name",
-           "own_buffers", "own_children", "own_parameters", "pop_mode_temporarily", "profiler_running",
-           "read_saved_tensors", "reparametrized", "set_sharding_fake_mode_lock", "sharding_fake_mode_lock",
-           "storage_key", "storage_use_count",
-           "tracer_patches_this_thread_only", "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map",
-           "tree_map_only", "tree_unflatten", "unset_fake_temporarily", "version_counter"]
+           "aot_rng_not_saved", "base_storage_resize", "cia_split_kept", "clear_cublas_workspaces", "compiled_inner",
+           "cpu_total_kept_for_every_thread", "current_dispatch_mode", "ddp_comm_hook", "detect_fake_mode",
+           "dict_version_reader", "disable_current_modes", "dynamo_reset", "fake_store", "foreach_by_default",
+           "fsdp_collectives", "fsdp_mem_tracker", "fsdp_param_group", "fsdp_param_groups", "fsdp_param_shard",
+           "fsdp_param_size", "grad_hooks", "has_kernel", "in_backward", "inductor_config", "is_hsdp", "keystr",
+           "local_tensor", "mem_tracker", "nn_binding", "node_input_metadata", "node_sequence_nr", "op_kernel",
+           "op_schema", "overload_name", "own_buffers", "own_children", "own_parameters", "pop_mode_temporarily",
+           "profiler_running", "read_saved_tensors", "reparametrized", "set_sharding_fake_mode_lock",
+           "sharding_fake_mode_lock", "storage_key", "storage_use_count", "tracer_patches_this_thread_only",
+           "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
+           "unset_fake_temporarily", "version_counter"]
 
 # ---- tensors, storages, modules -------------------------------------------------------------------------------------
 
@@ -97,8 +95,10 @@ __all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "Dro
 storage_key: Callable[[torch.UntypedStorage], int] = operator.attrgetter("_cdata")
 
 # A tensor's version counter, bumped by every in-place write (torch/csrc/autograd/python_variable.cpp `_version`):
-# which gradients a micro-step added to, whether a kept tensor was written.
+# which gradients a micro-step added to, whether a kept tensor was written; the hooks on a tensor's gradient, dicts or
+# None (torch/_tensor.py: register_hook's, register_post_accumulate_grad_hook's): whose ops AccumulateGrad runs.
 version_counter: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+grad_hooks: Callable[[torch.Tensor], tuple] = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
 
 # An nn.Module's own parameters, buffers and children, by name, None entries kept (torch/nn/modules/module.py
 # `_parameters`, `_buffers`, `_modules`): fingerprints, module walks, structural copies.

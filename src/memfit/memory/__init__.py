@@ -20,8 +20,10 @@ scratch of kernels on half-precision arguments and matmuls' copies of arguments 
 size asked about), `fit` (fake runs at a few sizes fitted into lines per op), `fit_ladder` (which fit, and which runs:
 the ladder of fitters), `step_model` (`StepMemoryModel`; `fake_failure`: why a fake run failed, in words; `recheck`: an
 APPROXIMATE model's bytes at one size from a run at it), `prediction_check`
-(`check_prediction`), `micro_batch` (the micro-batch size `accumulate` picks), `fingerprint` (what kept plans and
-predictions depend on: `model_value` its pieces, `fingerprint_check` the quick check that a kept one still holds),
+(`check_prediction`), `micro_batch` (the micro-batch size `accumulate` picks; `held_grads`: the model of a later
+micro-batch, its gradients held, derived from the first one's runs where they show it is the same), `fingerprint`
+(what kept plans and predictions depend on: `model_value` its pieces, `fingerprint_check` the quick check that a kept
+one still holds),
 `cache` (`ModelCache`: values kept per model), `isolation` (what a prediction leaves alone: the user's module as other
 threads see it, every RNG), `global_caches` (function caches a fake run must leave without fake tensors),
 `example_target` (the example target of a common loss, built from the output), `ranks` (`RankMemoryModel`: one rank

@@ -26,7 +26,13 @@ from memfit.batches import forward
 from memfit.device.allocators import rounder
 from memfit.device.fake_cuda import SavedTensors, SdpaRouting, backward_by_nodes
 from memfit.device.measure import _storage_key, optimizer_state, unique_bytes
-from memfit.device.torch_private import FakeTensorMode, foreach_by_default
+from memfit.device.torch_private import (
+    FakeTensorMode,
+    foreach_by_default,
+    grad_hooks,
+    storage_key,
+    storage_use_count,
+)
 from memfit.memory.fake_kernels import (
     host_tensors_logged,
 )
@@ -61,6 +67,33 @@ class _Run:
     step_sizes: np.ndarray | None = None    # its allocation's index among these; -3 - i: event i of `events`)
     step_at: int = 0                  # the index in `events` where the optimizer step's events go
     sdpa: list = field(default_factory=list)      # the attention kernel each call was routed to (a CUDA target)
+    source: RunLog | None = None      # a plain training step's log and where backward stored each gradient
+
+
+@dataclass
+class RunLog:
+    """What a plain training step's timeline is made from (`_timeline`'s arguments), and each gradient as
+    AccumulateGrad stored it: the run with every gradient held is derived from these (`memfit.memory.held_grads`)."""
+    log: list                         # StorageLog.log: (op index, storage key, +bytes or -bytes)
+    marks: dict                       # phase -> (op index, log position) at its end
+    samples: dict                     # "gradients" / "optimizer state" -> storage keys
+    live_at_end: set
+    pad: int
+    stored: list                      # per AccumulateGrad call: `_GradStored`
+    trainable: dict                   # id -> bytes (rounded) of each trainable parameter: what a held run holds
+
+
+@dataclass(frozen=True)
+class _GradStored:
+    """A parameter's gradient as AccumulateGrad left it (its post-accumulate-grad hook): where in the run, and
+    what the gradient's storage is."""
+    ops: int                          # ops logged so far (the last: what AccumulateGrad ran)
+    at: int                           # the log's length then
+    param: int                        # id of the fake parameter
+    key: int                          # storage key of its .grad
+    refs: int                         # references to that storage (`storage_use_count`): 2 = .grad's and ours
+    whole: bool                       # dense, same strides as the parameter, offset 0, the storage all its own bytes
+    hooks: int                        # other hooks on the parameter's gradient (`grad_hooks`), which run around it
 
 
 def _fake_optimizer(optimizer, fake: Callable, mode: FakeTensorMode, cuda: bool = False):
@@ -147,12 +180,14 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
             fake_named = fm.named
             opt = _fake_optimizer(optimizer, fm.fake, mode, kernels.type == "cuda") if optimizer is not None else None
             with fm.running() as run_model:
+                trainable = {id(p): p for p in fake_named.values()
+                             if isinstance(p, torch.nn.Parameter) and p.requires_grad}
                 if grads_held:                 # made before the log starts: held, as the parameters are
-                    trainable = {id(p): p for p in fake_named.values()
-                                 if isinstance(p, torch.nn.Parameter) and p.requires_grad}.values()
-                    for p in trainable:
+                    for p in trainable.values():
                         p.grad = torch.zeros_like(p)
-                    held["gradients"] = grad_bytes = sum(rounded(p.grad.nbytes) for p in trainable)
+                    held["gradients"] = grad_bytes = sum(rounded(p.grad.nbytes) for p in trainable.values())
+                # a plain step on the CPU notes where backward stores each gradient (`RunLog`)
+                noting = train and not grads_held and spec.cuda is None and kernels.type == "cpu"
                 x = batch.at(n, device)
                 y = target.at(n, device, x) if target is not None else None
 
@@ -177,7 +212,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                 host = host_tensors_logged(lambda name, t: tracker.record(name, t, (), {}))
                 with mode.logging_to(tracker, reads_values=spec.answers and not spec.compiled,
                                                 answers=spec.answers), _no_cycle_collection(), host, \
-                        ExitStack() as cuda:
+                        _noting_grads(trainable.values() if noting else (), tracker) as stored, ExitStack() as cuda:
                     backward = None
                     if spec.cuda is not None:      # attention as the GPU runs it; backward node by node on CUDA fakes
                         cuda.enter_context(SdpaRouting("auto", _Choices(sdpa), spec.cuda.capability,
@@ -208,8 +243,35 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
     if samples.get("host"):
         log, marks = _without(log, marks, samples.pop("host"))
     live, events, sizes, step_kept, step = _timeline(log, len(tracker.ops), marks, samples, live_at_end, pad)
+    source = RunLog(list(log), marks, samples, live_at_end, pad, stored,   # frees after the run: not in it
+                    {k: rounded(p.nbytes) for k, p in trainable.items()}) if noting else None
     return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes,
-                tracker.scratch_ops, *step, sdpa=sdpa)
+                tracker.scratch_ops, *step, sdpa=sdpa, source=source)
+
+
+@contextmanager
+def _noting_grads(params, tracker: StorageLog):
+    """A list of `_GradStored`, one per AccumulateGrad call on `params` inside (post-accumulate-grad hooks, which
+    leave AccumulateGrad's choice to steal or copy the incoming gradient as it is)."""
+    stored: list[_GradStored] = []
+
+    def note(p):
+        g = p.grad
+        try:
+            s = g.untyped_storage()
+            key, refs = storage_key(s), storage_use_count(s)
+            whole = g.layout == torch.strided and g.storage_offset() == 0 and g.stride() == p.stride() \
+                and s.nbytes() == g.nbytes
+        except (RuntimeError, NotImplementedError):     # sparse or wrapper tensors own no plain storage
+            key, refs, whole = None, 0, False
+        others = sum(len(h or ()) for h in grad_hooks(p)) - 1       # ours is one of them
+        stored.append(_GradStored(len(tracker.ops), len(tracker.log), id(p), key, refs, whole, others))
+    handles = [p.register_post_accumulate_grad_hook(note) for p in params]
+    try:
+        yield stored
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class _Choices:

@@ -93,12 +93,13 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False,
     target = None if y is None else batch_to(batch_slice(y, 0, k), here)
     example = batch_to(batch_slice(x, 0, k), here)
     models = {}
+    plain_runs: dict = {}       # the first micro-batch's runs, until the later ones' model is derived from them
     scalar_loss = _scalar_loss(loss_fn, y is not None)     # one wrapper: a run at another size uses it too
 
     def fit(held: bool):
         if held not in models:
             models[held] = step_memory_model(module, example, train=True, optimizer=stateless, target=target,
-                                             loss_fn=scalar_loss, grads_held=held,
+                                             loss_fn=scalar_loss, grads_held=held, plain_runs=plain_runs,
                                              keep_output=False, autocast=autocast,
                                              device=device if elsewhere else None, gpu=gpu)
         return models[held]

@@ -71,6 +71,7 @@ class StepProbes:
         self.mode = LoggingFakeMode(allow_non_fake_inputs=True)    # plain tensors a forward makes are converted
         self.fakes: dict[int, torch.Tensor] = {}      # shared by the runs: the fake mode's op cache serves them
         self.runs: dict[int, _Run] = {}
+        self.raw: dict[int, _Run] = {}               # each run as it ran (before the optimizer step is put in)
         self.at(4)
 
     def at(self, n: int) -> _Run:
@@ -85,4 +86,5 @@ class StepProbes:
             raise                                                    # read to ask again without values (`_fit`)
         except Exception as e:
             raise FakeRunError(explain_fake_failure(e, self.spec.model, self.spec.optimizer, self.spec.train, n)) from e
+        self.raw[n] = r
         return with_step(r, self.runs[4]) if self.once and n != 4 else r

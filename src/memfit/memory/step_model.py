@@ -40,6 +40,7 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,8 @@ class StepMemoryModel:
     _measured_ends: dict = field(default_factory=dict)                # n in _measured -> its run's phase ends
     _cuda: CudaStep | None = None                     # on CUDA: the allocator replayed, the fixed costs
     _recheck: Recheck | None = field(default=None, repr=False)      # APPROXIMATE on the CPU: a run at another size
+    held_runs: str = ""                               # grads_held: whether its runs were derived from the plain
+    #                                                   step's ("derived ...") or its own ("own runs: " and why)
 
     def __repr__(self) -> str:
         return summary(self, "one training step" if self.train else "one eager forward")
@@ -257,7 +260,8 @@ def _batch(n) -> int:
 def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, optimizer=None,
                       loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, device=None, why: str = "",
-                      grads_held: bool = False, keep_output: bool = True, gpu=None) -> StepMemoryModel:
+                      grads_held: bool = False, keep_output: bool = True, gpu=None,
+                      plain_runs: dict | None = None) -> StepMemoryModel:
     """The bytes of one training step (train=True) or forward (train=False) at any batch size, from fake runs.
 
     Args:
@@ -283,6 +287,9 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
             accumulation, which adds into it) instead of getting it in backward.
         keep_output: the output lives until the step ends (a training loop's local); False: it is dropped once
             the loss is computed (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it).
+        plain_runs: a dict of the caller's (kept by it, not by the model: the runs reference the model): a plain
+            step's fake runs are put there when made; with grads_held, the runs are derived from those there where
+            they show it is the same (`memfit.memory.held_grads`; `held_runs` says whether), and let go.
     """
     from memfit.device.machine import resolve_device
     model, compiled = predicted_module(model)       # a torch.compile'd module: the module it wraps, said in why
@@ -300,6 +307,9 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
            torch.get_num_threads() if dev.type == "cpu" else None,     # kernels' scratch is per thread
            cuda.key + sdp_backends() if cuda is not None else None)
     def fit() -> StepMemoryModel:
+        derived, declined = _held_from(plain_runs) if grads_held and plain_runs is not None else (None, "")
+        if derived is not None:
+            return derived
         target, note = tgt, why
         if train and target is None and loss_target(loss_fn) is not None:     # F.cross_entropy and no target
             target, built = example_target(model, batch, loss_fn, fakes)
@@ -307,14 +317,31 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         spec = StepSpec(model, batch, fakes, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
                         autocast=autocast, grads_held=grads_held, keep_output=keep_output,
                         cuda=cuda.target if cuda is not None else None, compiled=bool(compiled))
-        return _fit(spec, why=note, cuda=cuda)
+        mm = _fit(spec, why=note, cuda=cuda, runs_to=plain_runs if not grads_held else None)
+        mm.held_runs = f"own runs ({declined})" if declined else "own runs" if grads_held else ""
+        return mm
 
     # kept per model: predicting again for the same batch layout and optimizer (each evaluation) costs nothing;
     # a new or reshaped parameter, a changed flag or attribute (checkpointing, dropout p) predicts again
     return _STEP_MODELS.get(model, key, fit)
 
 
+def _held_from(plain_runs: dict) -> tuple[StepMemoryModel | None, str]:
+    """(the held step's model derived from the plain step's runs in `plain_runs`, or None; why not)."""
+    from memfit.memory.held_grads import Declined, held_probes
+    probes, why = plain_runs.pop("plain", (None, ""))     # let go: the held model is kept in their stead
+    try:
+        made = held_probes(probes)
+    except Declined as e:
+        _log.info("memory model with the gradients held: its own fake runs (%s)", e)
+        return None, str(e)
+    mm = _fit(made[0].spec, why, made=made)
+    mm.held_runs = "derived from the plain step's runs (the gradients added in place where it stole them)"
+    return mm, ""
+
+
 _STEP_MODELS = ModelCache()
+_log = logging.getLogger("memfit.memory")
 
 
 
@@ -356,10 +383,12 @@ def _signature(template) -> object:
                  for x in tree_flatten(template)[0]) + (str(tree_flatten(template)[1]),)
 
 
-def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemoryModel:
+def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None, made: tuple | None = None,
+         runs_to: dict | None = None) -> StepMemoryModel:
     """Fake runs at the fewest batch sizes the ladder of fitters needs (`memfit.memory.fit_ladder`), and what
-    they say: the memory model, its `method` in words (with a warning where it is approximate)."""
-    probes, fit, spec, why = probed(spec, why)
+    they say: the memory model, its `method` in words (with a warning where it is approximate). `made`: (runs, fit)
+    made already (`held_grads.held_probes`); `runs_to`: a plain training step's runs and `why` go there ("plain")."""
+    probes, fit, spec, why = (*made, spec, why) if made is not None else probed(spec, why)
     train, autocast, tgt = spec.train, spec.autocast, spec.target
     runs = probes.runs
     how = fit.how + probes.single
@@ -394,6 +423,8 @@ def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None) -> StepMemory
         mm.method += f"; on CUDA ({cuda.source}): {mm._cuda.how}"
     if "APPROXIMATE" in how and cuda is None:  # its answers can be checked by a run at them (`memory.recheck`)
         mm._recheck = Recheck.of(spec, runs[4])
+    if runs_to is not None and spec.train and cuda is None:     # for a held step's model derived from them
+        runs_to["plain"] = probes, why
     if "APPROXIMATE" in mm.method:             # the runs' lines, or the CUDA replay's fitted events
         warnings.warn(f"the memory of {type(spec.model).__name__} is estimated, not exact: {mm.method}. Check the "
                       "size you pick with memfit.measure_step", stacklevel=4)
