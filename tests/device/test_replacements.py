@@ -53,3 +53,24 @@ def test_a_scoped_replacement_refuses_a_name_torch_no_longer_has():
     r = ScopedReplacement(lambda: types.SimpleNamespace(), "gone", lambda orig: None)
     with pytest.raises(RuntimeError, match="expected torch to define .*gone.*needs updating"), r.active():
         pass
+
+
+def test_an_inherited_method_is_replaced_on_the_class_and_uncovered_again():
+    """torch.UntypedStorage inherits resize_ from its C base: replaced on the class for the threads inside (bound as
+    a method), the base one uncovered after; a method the class holds itself (a user's wrapper) is put back."""
+    class Base:
+        def size(self):
+            return "base"
+
+    class Storage(Base):
+        pass
+    r = ScopedReplacement(lambda: Storage, "size", lambda orig, self: "ours, over " + orig(self))
+    s = Storage()
+    with r.active():
+        assert s.size() == "ours, over base" and in_thread(s.size) == "base"
+    assert "size" not in vars(Storage) and s.size() == "base"
+    users = lambda self: "user's"          # noqa: E731
+    Storage.size = users
+    with r.active():
+        assert s.size() == "ours, over user's"
+    assert vars(Storage)["size"] is users

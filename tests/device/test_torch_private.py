@@ -58,15 +58,6 @@ def test_a_modules_own_dicts_hold_its_parameters_buffers_and_children_none_entri
     assert isinstance(m[0], torch.nn.Identity)
 
 
-def test_the_base_storage_resize_resizes_and_is_what_untyped_storage_inherits():
-    # torch defines no resize_ of its own on UntypedStorage: the one found is the base one (inherited, or set on the
-    # class by torch's MemTracker, run earlier in the process, which leaves the base method there after it)
-    assert torch.UntypedStorage.resize_ is tp.base_storage_resize
-    s = torch.UntypedStorage(8)
-    tp.base_storage_resize(s, 32)
-    assert s.nbytes() == 32
-
-
 def test_storage_use_count_counts_each_tensor_on_the_storage():
     t = torch.ones(4)
     before = tp.storage_use_count(t.untyped_storage())

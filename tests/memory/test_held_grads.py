@@ -9,6 +9,7 @@ from torch.nn import functional as F
 
 from accumulation.cases import data, make
 from memfit.memory import held_grads
+from memfit.memory.fake_run import FakeRunError
 from memfit.memory.micro_batch import MICRO_PHASES, STEP_PHASES, training_peak
 from memfit.memory.step_model import PHASES, forget_step_model, step_memory_model
 
@@ -174,3 +175,21 @@ def test_training_peak_is_the_same_derived_or_not(monkeypatch):
     forget_step_model(model)
     peak, _ = training_peak(model, opt, loss_fn, x, y)
     assert derived == [peak(m) for m in (1, 2, 3, 5, 8)]
+
+
+def test_a_derived_fit_that_fails_leaves_the_held_model_to_its_own_runs(monkeypatch):
+    """The derived model may run sizes the plain runs did not; where such a run fails (a value read that the batch
+    size answers otherwise), the held model is made from its own runs, which make every run again without reading
+    values, instead of the failure ending the prediction."""
+    from memfit.memory import step_model
+    model, x, y, loss_fn, _ = _case("mlp")
+    fit = step_model._fit
+
+    def failing(spec, *args, made=None, **kw):
+        if made is not None:
+            raise FakeRunError("a run at another size failed")
+        return fit(spec, *args, **kw)
+    monkeypatch.setattr(step_model, "_fit", failing)
+    derived, own = _models(model, x, y, loss_fn)
+    assert derived.held_runs == "own runs (a run at another size failed)", derived.held_runs
+    _assert_same(derived, own)

@@ -387,6 +387,30 @@ def test_the_fast_paths_of_transformer_layers_in_eval_are_measured_inside(make):
         assert 1.0 <= mm.total_bytes(n) / real <= 1.01, (n, mm.total_bytes(n), real)
 
 
+def test_the_fused_encoder_layer_under_cpu_autocast_is_refused_and_its_slow_path_predicted():
+    """Its fast-path check looks at CUDA's autocast only: under CPU autocast the fused kernel runs, in bfloat16
+    inside, and returns bfloat16, which its fake kernel does not show (predicted 0.71x the real forward at batch 1).
+    Refused, naming the fix; with the fast path off the layer runs op by op, predicted as the real forward."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    with pytest.raises(FakeRunError, match=r"fused eval kernel under CPU autocast.*set_fastpath_enabled\(False\)"):
+        memfit.memory_model(model, (24, 32), autocast=torch.bfloat16)
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        mm = memfit.memory_model(model, (24, 32), autocast=torch.bfloat16)
+        for n in (1, 5):
+            v = torch.randn(n, 24, 32)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
+                    memfit.device.measure.track_memory() as mem:
+                out = model(v)
+                del out
+            real = sum(p.nbytes for p in model.parameters()) + v.nbytes + mem.peak
+            assert 1.0 <= mm.total_bytes(n) / real <= 1.01, (n, mm.total_bytes(n), real)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
 def shifted_loss(logits, ids):
     """A causal LM's loss against its own input ids."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())

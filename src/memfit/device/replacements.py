@@ -21,11 +21,12 @@ __all__ = ["ScopedReplacement"]
 
 
 class ScopedReplacement:
-    """`owner.name` (a function of a module or a class of torch) replaced while any thread is inside `active()`:
-    a call from a thread inside it runs `inside(original, *args, **kwargs)`, a call from any other thread torch's
-    own function. Reference-counted under a lock: installed by the first thread to enter, torch's put back by the
-    last to leave (on an exception too), unless something else replaced it meanwhile (theirs is kept; ours then
-    calls torch's in every thread outside). Raises RuntimeError where torch no longer defines `owner.name`.
+    """`owner.name` (a function of a module or a class of torch, or a method the class inherits) replaced while any
+    thread is inside `active()`: a call from a thread inside it runs `inside(original, *args, **kwargs)`, a call
+    from any other thread torch's own function. Reference-counted under a lock: installed by the first thread to
+    enter, torch's put back (an inherited method uncovered) by the last to leave (on an exception too), unless
+    something else replaced it meanwhile (theirs is kept; ours then calls torch's in every thread outside). Raises
+    RuntimeError where torch no longer defines `owner.name`.
 
     Example:
         >>> r = ScopedReplacement(lambda: torch, "get_num_threads", lambda original: -1)
@@ -57,13 +58,14 @@ class ScopedReplacement:
         with self._lock:
             if self._users == 0:
                 owner = self._owner()
-                original = vars(owner).get(self.name)
+                own = vars(owner).get(self.name)        # None: a class's method inherited from its base
+                original = own if own is not None else getattr(owner, self.name, None)
                 if original is None:
                     raise RuntimeError(
                         f"expected torch to define {getattr(owner, '__name__', owner)}.{self.name}, which memfit "
                         f"replaces in the thread that needs it; found none in torch {torch.__version__}: "
                         "memfit.device.torch_private needs updating for this torch")
-                self._installed = (owner, original, self._replacement(original))
+                self._installed = (owner, own, self._replacement(original))
                 setattr(owner, self.name, self._installed[2])
             self._users += 1
         self._here.depth = getattr(self._here, "depth", 0) + 1
@@ -74,7 +76,10 @@ class ScopedReplacement:
             with self._lock:
                 self._users -= 1
                 if self._users == 0:
-                    owner, original, replacement = self._installed
+                    owner, own, replacement = self._installed
                     if vars(owner).get(self.name) is replacement:
-                        setattr(owner, self.name, original)
+                        if own is None:                 # inherited: uncovered again
+                            delattr(owner, self.name)
+                        else:
+                            setattr(owner, self.name, own)
                     self._installed = None

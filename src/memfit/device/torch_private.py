@@ -76,7 +76,7 @@ keystr = torch.utils._pytree.keystr
 
 __all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "DropoutBase", "FakeTensor",
            "FakeTensorMode", "InstanceNormBase", "OpOverload", "ProfilerEventType", "TorchDispatchMode",
-           "aot_rng_not_saved", "base_storage_resize", "cia_split_kept", "clear_cublas_workspaces", "compiled_inner",
+           "aot_rng_not_saved", "cia_split_kept", "clear_cublas_workspaces", "compiled_inner",
            "cpu_total_kept_for_every_thread", "current_dispatch_mode", "ddp_comm_hook", "detect_fake_mode",
            "dict_version_reader", "disable_current_modes", "dynamo_reset", "fake_store", "foreach_by_default",
            "fsdp_collectives", "fsdp_mem_tracker", "fsdp_param_group", "fsdp_param_groups", "fsdp_param_shard",
@@ -107,9 +107,6 @@ own_parameters: Callable[[torch.nn.Module], dict] = operator.attrgetter("_parame
 own_buffers: Callable[[torch.nn.Module], dict] = operator.attrgetter("_buffers")
 own_children: Callable[[torch.nn.Module], dict] = operator.attrgetter("_modules")
 
-# The un-patched `UntypedStorage.resize_` (torch/csrc/StorageMethods.cpp, on torch._C.StorageBase): FSDP2's resizes
-# logged by a wrapper on torch.UntypedStorage call it.
-base_storage_resize = torch._C.StorageBase.resize_
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:

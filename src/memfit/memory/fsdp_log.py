@@ -31,8 +31,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from memfit.device.replacements import ScopedReplacement
 from memfit.device.torch_private import (
-    base_storage_resize,
     fsdp_collectives,
     fsdp_param_group,
     fsdp_param_shard,
@@ -264,6 +264,22 @@ def gloo_copies(log: RankLog):
             setattr(dist, k, fn)
 
 
+def _resize_logged(resize_, storage, size):
+    """`UntypedStorage.resize_` in a thread inside `tagging`: FSDP2 frees and makes its unsharded parameters' storages
+    by resizing them, which no op's output shows; each logged to the thread's `RankLog`."""
+    log, old = _RESIZING.log, storage.nbytes()
+    out = resize_(storage, size)
+    if isinstance(storage_key(storage), int):       # every storage here is the run's (a fake one is on meta)
+        before, log.tag = log.tag, log.tag or K.UNSHARDED_PARAMETERS
+        log.resized(storage, old, storage.nbytes())
+        log.tag = before
+    return out
+
+
+_RESIZING = threading.local()          # .log: the `RankLog` of the thread's `tagging`
+_RESIZE = ScopedReplacement(lambda: torch.UntypedStorage, "resize_", _resize_logged)
+
+
 @contextmanager
 def tagging(log: RankLog):
     """Wrap FSDP2's all-gather, copy-out and reduction to tag what they allocate and to say which unit's
@@ -293,15 +309,6 @@ def tagging(log: RankLog):
                     log.note_shards((p.sharded_param.grad, p) for p in params if p.sharded_param.grad is not None)
         return run
 
-    def resize(storage, size):
-        old = storage.nbytes()
-        out = base_storage_resize(storage, size)
-        if isinstance(storage_key(storage), int):       # every storage here is the run's (a fake one is on meta)
-            before, log.tag = log.tag, log.tag or K.UNSHARDED_PARAMETERS
-            log.resized(storage, old, storage.nbytes())
-            log.tag = before
-        return out
-
     collectives = fsdp_collectives()
     copy_in = collectives.foreach_reduce_scatter_copy_in
     lock = sharding_fake_mode_lock()
@@ -320,17 +327,12 @@ def tagging(log: RankLog):
         setattr(group, n, tagged(n, fn))
     collectives.foreach_reduce_scatter_copy_in = padded_copy_in
     set_sharding_fake_mode_lock(_Unlogged(log, lock))
-    # what the class itself held, put back as found: torch's MemTracker leaves the base method set on it, and a
-    # user's own wrapper must survive (deleting it uncovered the base method)
-    own = vars(torch.UntypedStorage).get("resize_")
-    torch.UntypedStorage.resize_ = resize
+    before, _RESIZING.log = getattr(_RESIZING, "log", None), log
     try:
-        yield
+        with _RESIZE.active():
+            yield
     finally:
-        if own is None:
-            del torch.UntypedStorage.resize_
-        else:
-            torch.UntypedStorage.resize_ = own
+        _RESIZING.log = before
         set_sharding_fake_mode_lock(lock)
         collectives.foreach_reduce_scatter_copy_in = copy_in
         for n, fn in originals.items():

@@ -55,10 +55,11 @@ from memfit.memory.cache import ModelCache, Same
 from memfit.memory.cuda_step import CudaPeak, CudaStep, cuda_step
 from memfit.memory.cuda_target import CudaDevice, cuda_device_for, sdp_backends
 from memfit.memory.example_target import example_target, loss_target
-from memfit.memory.fake_run import StepSpec, _Run
+from memfit.memory.fake_run import FakeRunError, StepSpec, _Run
 from memfit.memory.fit import gradient_line
 from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS, MemoryKind, summary
+from memfit.memory.known_values import DataDependentOnBatchSize
 from memfit.memory.probes import probed
 from memfit.memory.recheck import Recheck, run_scratch
 from memfit.memory.step import ExampleBatch, predicted_module, surrounding_autocast
@@ -332,10 +333,12 @@ def _held_from(plain_runs: dict) -> tuple[StepMemoryModel | None, str]:
     probes, why = plain_runs.pop("plain", (None, ""))     # let go: the held model is kept in their stead
     try:
         made = held_probes(probes)
-    except Declined as e:
+        # a size the plain runs did not make runs here (derived alike); one that fails there (a value read the
+        # sizes answer otherwise) leaves it to the held step's own runs, which make every run again without reading
+        mm = _fit(made[0].spec, why, made=made)
+    except (Declined, FakeRunError, DataDependentOnBatchSize) as e:
         _log.info("memory model with the gradients held: its own fake runs (%s)", e)
         return None, str(e)
-    mm = _fit(made[0].spec, why, made=made)
     mm.held_runs = "derived from the plain step's runs (the gradients added in place where it stole them)"
     return mm, ""
 
