@@ -74,3 +74,18 @@ def test_an_inherited_method_is_replaced_on_the_class_and_uncovered_again():
     with r.active():
         assert s.size() == "ours, over user's"
     assert vars(Storage)["size"] is users
+
+
+def test_a_replacement_left_installed_by_another_library_is_not_wrapped_again():
+    """A library that saves the function while memfit's replacement is in and puts it back after (torch's MemTracker
+    does so with UntypedStorage.resize_) leaves memfit's replacement installed: the next entry wraps what it wraps,
+    not it (each call ran `inside` twice: FSDP2's storage resizes logged twice, a free counted twice)."""
+    owner = types.SimpleNamespace(f=lambda: 1)
+    calls = []
+    r = ScopedReplacement(lambda: owner, "f", lambda orig: calls.append("inside") or orig())
+    with r.active():
+        saved = owner.f                      # another library's save...
+    owner.f = saved                          # ...and restore after memfit left
+    with r.active():
+        assert owner.f() == 1
+    assert calls == ["inside"]

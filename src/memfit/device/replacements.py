@@ -51,6 +51,7 @@ class ScopedReplacement:
             if getattr(here, "depth", 0):
                 return inside(original, *args, **kwargs)
             return original(*args, **kwargs)
+        replaced._memfit_replaces = original
         return replaced
 
     @contextmanager
@@ -59,6 +60,10 @@ class ScopedReplacement:
             if self._users == 0:
                 owner = self._owner()
                 own = vars(owner).get(self.name)        # None: a class's method inherited from its base
+                # ours left installed (another library saved it while we were in, and put it back after): the
+                # function it wraps, or each call would run `inside` twice
+                while own is not None and getattr(own, "_memfit_replaces", None) is not None:
+                    own = own._memfit_replaces
                 original = own if own is not None else getattr(owner, self.name, None)
                 if original is None:
                     raise RuntimeError(

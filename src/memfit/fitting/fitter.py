@@ -206,7 +206,7 @@ def _check_levers(levers) -> tuple[str, ...]:
 
 
 def _key(model, optimizer, x, n, budget, levers, candidates, loss_fn, terms, allow, world) -> tuple:
-    from memfit.memory.step import autocast_state
+    from memfit.memory.step import forward_state
     from memfit.memory.step_model import _callable_key
     groups = optimizer_options(optimizer)         # a schedule moving lr keeps the plan: its bytes are the same
     # the DDP wrapper's bucket layout: with gradient_as_bucket_view=False the buckets are a second copy of the
@@ -214,7 +214,7 @@ def _key(model, optimizer, x, n, budget, levers, candidates, loss_fn, terms, all
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     buckets = model.gradient_as_bucket_view if ddp else None
     return (id(optimizer), type(optimizer).__name__, groups, _signature(x), n, budget, levers, tuple(candidates),
-            _callable_key(loss_fn), terms is None, allow, world, buckets, autocast_state(), torch.get_num_threads())
+            _callable_key(loss_fn), terms is None, allow, world, buckets, forward_state(), torch.get_num_threads())
 
 
 def _cast_loss(loss_fn: Callable) -> Callable:

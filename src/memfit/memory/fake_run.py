@@ -211,7 +211,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                 # the RNG states torch.utils.checkpoint keeps are made through no op: logged as one
                 host = host_tensors_logged(lambda name, t: tracker.record(name, t, (), {}))
                 with mode.logging_to(tracker, reads_values=spec.answers and not spec.compiled, answers=spec.answers,
-                                     cpu_autocast=spec.autocast is not None and kernels.type == "cpu"), \
+                                     cpu_autocast=spec.autocast if kernels.type == "cpu" else None), \
                         _no_cycle_collection(), host, \
                         _noting_grads(trainable.values() if noting else (), tracker) as stored, ExitStack() as cuda:
                     backward = None

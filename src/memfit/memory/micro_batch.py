@@ -31,7 +31,7 @@ from memfit.device.measure import held_bytes
 from memfit.device.torch_private import storage_key
 from memfit.memory.cache import ModelCache
 from memfit.memory.recheck import exact_at
-from memfit.memory.step import autocast_state, same_tensor_key
+from memfit.memory.step import forward_state, same_tensor_key
 from memfit.messages import first_line, whole_words
 
 __all__ = ["auto_key", "choose_micro_batch", "chosen_size", "lower_chosen", "shared_tensors", "training_peak"]
@@ -206,7 +206,7 @@ def auto_key(params: list[torch.nn.Parameter], optimizer, x, n: int, budget, res
     the first out-of-memory.)"""
     trainable = sum(p.numel() for p in params)    # the trainable parameters: frozen layers need less
     return (id(optimizer), type(optimizer).__name__, trainable, n, None if budget is None else parse_bytes(budget),
-            _signature(x), shared_tensors(x, y), restore_grads, autocast_state(), torch.get_num_threads())
+            _signature(x), shared_tensors(x, y), restore_grads, forward_state(), torch.get_num_threads())
 
 
 def chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, world, key,

@@ -48,7 +48,7 @@ from memfit.memory.kernel_scratch import scratch_ops
 from memfit.memory.kinds import MemoryKind, summary
 from memfit.memory.probes import answered_or_again
 from memfit.memory.rank_checks import check_ddp_wrapping, check_not_offloaded
-from memfit.memory.step import ExampleBatch, autocast_state
+from memfit.memory.step import ExampleBatch, forward_state
 from memfit.memory.step_model import StepMemoryModel, _callable_key, _optimizer_key, _signature, step_memory_model
 from memfit.memory.world_scaling import WorldScaling
 
@@ -323,7 +323,7 @@ def rank_memory_model(model: torch.nn.Module, example, *, optimizer=None, loss_f
            _optimizer_key(optimizer),
            _callable_key(loss_fn), None if units is None else _callable_key(units) if callable(units)
            else tuple(map(id, units)) if isinstance(units, (list, tuple)) else id(units),
-           reshard_after_forward, mp_policy, autocast, backend, autocast_state(),
+           reshard_after_forward, mp_policy, autocast, backend, forward_state(),
            torch.get_num_threads())             # kernels' workspaces are per thread
 
     reads: list[tuple] = []                     # the values read in this prediction's first run (`LoggingFakeMode`)

@@ -31,7 +31,7 @@ from memfit.device.torch_private import compiled_inner, storage_key, tree_flatte
 from memfit.losses import call_loss
 from memfit.own_loss import is_own, model_loss, no_target
 
-__all__ = ["ExampleBatch", "autocast_state", "forward_autocast", "garbage_since", "loss_name", "measure_rank_step",
+__all__ = ["ExampleBatch", "forward_state", "forward_autocast", "garbage_since", "loss_name", "measure_rank_step",
            "measure_step", "missing_target", "predicted_module", "same_tensor_key", "surrounding_autocast",
            "training_step"]
 
@@ -216,10 +216,12 @@ def surrounding_autocast(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-def autocast_state() -> tuple:
-    """The surrounding autocast of every device type a model here may run on: part of the key of anything
-    kept that a forward under autocast would change (a plan, a memory model, a micro-batch size)."""
-    return surrounding_autocast("cpu"), surrounding_autocast("cuda")
+def forward_state() -> tuple:
+    """What of torch's process state a forward here runs otherwise with: the surrounding autocast of every device
+    type a model may run on, and whether nn.TransformerEncoderLayer's and MultiheadAttention's fused eval paths are
+    on (`torch.backends.mha.set_fastpath_enabled`). Part of the key of anything kept that it would change (a plan,
+    a memory model, a micro-batch size)."""
+    return surrounding_autocast("cpu"), surrounding_autocast("cuda"), torch.backends.mha.get_fastpath_enabled()
 
 
 def _autocast_off(device_type: str):

@@ -62,7 +62,7 @@ from memfit.memory.kinds import STEP_KINDS, MemoryKind, summary
 from memfit.memory.known_values import DataDependentOnBatchSize
 from memfit.memory.probes import probed
 from memfit.memory.recheck import Recheck, run_scratch
-from memfit.memory.step import ExampleBatch, predicted_module, surrounding_autocast
+from memfit.memory.step import ExampleBatch, forward_state, predicted_module, surrounding_autocast
 
 __all__ = ["PHASES", "StepMemoryModel", "step_memory_model"]
 
@@ -305,7 +305,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
     key = (_signature(batch.template), _signature(tgt.template if tgt else None), batch.repeats, tgt and tgt.repeats,
            train, _optimizer_key(optimizer), _callable_key(loss_fn), autocast, dev, why, bool(compiled), grads_held,
            keep_output,
-           torch.get_num_threads() if dev.type == "cpu" else None,     # kernels' scratch is per thread
+           forward_state(), torch.get_num_threads() if dev.type == "cpu" else None,  # scratch is per thread
            cuda.key + sdp_backends() if cuda is not None else None)
     def fit() -> StepMemoryModel:
         derived, declined = _held_from(plain_runs) if grads_held and plain_runs is not None else (None, "")

@@ -228,16 +228,16 @@ class LoggingFakeMode(FakeTensorMode):
         #                                               (a list the runs of one prediction share, in their modes)
         self._depth = 0
         self._answers = True                          # value reads answered from `known_values` (`logging_to`)
-        self._cpu_autocast = False                    # the forward runs under CPU autocast (`logging_to`)
+        self._cpu_autocast = None                     # the CPU autocast dtype the forward runs under (`logging_to`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _FUSED_ENCODER_LAYER and self._cpu_autocast:       # (autocast reads off inside a mode)
+        if func is _FUSED_ENCODER_LAYER and self._cpu_autocast is not None:    # (autocast reads off in a mode)
             raise NotImplementedError(
-                "nn.TransformerEncoderLayer's fused eval kernel under CPU autocast works in bfloat16 unseen by its "
-                "fake kernel: turn the fast path off where you run it (torch.backends.mha.set_fastpath_enabled("
-                "False): predicted exactly), or run without CPU autocast")
+                f"nn.TransformerEncoderLayer's fused eval kernel under CPU autocast works in {self._cpu_autocast} "
+                "unseen by its fake kernel: turn the fast path off where you run it (torch.backends.mha."
+                "set_fastpath_enabled(False): predicted exactly), or run without CPU autocast")
         if func is _READ_VALUE and self._answers and (known := self.known_values.value(args[0])) is not None:
             # the read's lineage and its answer: a value made alike that still answers otherwise (a sum over
             # positions expanded to the batch) depends on the batch size as much, and the runs would branch apart
@@ -267,11 +267,12 @@ class LoggingFakeMode(FakeTensorMode):
 
     @contextmanager
     def logging_to(self, storage_log: StorageLog, reads_values: bool = True, answers: bool = True,
-                   cpu_autocast: bool = False):
+                   cpu_autocast: torch.dtype | None = None):
         """Log to `storage_log` inside. reads_values=False: transformers' mask questions are not put to the run
         (a `torch.compile`d model's: under dynamo transformers skips them and builds the mask); answers=False: no
         value read is answered from `KnownValues` (the runs of a prediction where one depends on the batch size);
-        cpu_autocast: the forward runs under CPU autocast (`_FUSED_ENCODER_LAYER` is refused there)."""
+        cpu_autocast: the dtype of the CPU autocast the forward runs under (`_FUSED_ENCODER_LAYER` refused there; one
+        entered inside the model's own forward is not seen)."""
         self.storage_log, self.known_values, self._reads = storage_log, KnownValues(), []
         self._answers, self._cpu_autocast = answers, cpu_autocast
         try:

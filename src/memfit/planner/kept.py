@@ -22,7 +22,7 @@ import torch
 
 from memfit.memory.cache import ModelCache
 from memfit.memory.isolation import predicting
-from memfit.memory.step import autocast_state
+from memfit.memory.step import forward_state
 from memfit.planner.arena_model import PlannedMemoryModel, planned_memory_model
 from memfit.planner.capture import CaptureError
 from memfit.planner.planned import PlannedModule, plan, plan_captured
@@ -39,7 +39,7 @@ def _context() -> tuple:
     """What every kept plan or memory model also depends on: the surrounding autocast (a capture or estimate
     under autocast holds only under it) and the intra-op thread count (the kernels' workspaces the placements
     and memory models count, oneDNN's scratch, are measured per thread count: `fake_kernels.WORKSPACE`)."""
-    return autocast_state(), torch.get_num_threads()
+    return forward_state(), torch.get_num_threads()
 
 
 def _cached(model: torch.nn.Module, key: tuple, make: Callable):
