@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 
@@ -185,7 +186,7 @@ def apart(x, y) -> tuple:
     repeats = {i for i, _ in shared_tensors(x, y)}
     if not repeats:
         return x, y
-    count = iter(range(1 << 62))
+    count = itertools.count()                # each tensor's index, in batch_tensors' order
 
     def copied(v):
         if isinstance(v, torch.Tensor):
