@@ -396,6 +396,16 @@ def test_the_fused_encoder_layer_under_cpu_autocast_is_refused_and_its_slow_path
     with pytest.raises(FakeRunError, match=r"fused eval kernel under CPU autocast works in torch.float16.*"
                                            r"set_fastpath_enabled\(False\)"):
         memfit.memory_model(model, (24, 32), autocast=torch.float16)
+    class Inner(nn.Module):                                       # the user's forward enters the autocast
+        def __init__(self):
+            super().__init__()
+            self.layer = model
+
+        def forward(self, v):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.layer(v)
+    with pytest.raises(FakeRunError, match=r"fused eval kernel under CPU autocast works in torch.bfloat16"):
+        memfit.memory_model(Inner().eval(), (24, 32))
     fused = memfit.memory_model(model, (24, 32))                  # kept: the slow path's was this one (0.987x)
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)

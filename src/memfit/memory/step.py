@@ -31,9 +31,9 @@ from memfit.device.torch_private import compiled_inner, storage_key, tree_flatte
 from memfit.losses import call_loss
 from memfit.own_loss import is_own, model_loss, no_target
 
-__all__ = ["ExampleBatch", "forward_state", "forward_autocast", "garbage_since", "loss_name", "measure_rank_step",
-           "measure_step", "missing_target", "predicted_module", "same_tensor_key", "surrounding_autocast",
-           "training_step"]
+__all__ = ["ExampleBatch", "autocast_entered_in_forward", "autocast_nesting", "forward_autocast", "forward_state",
+           "garbage_since", "loss_name", "measure_rank_step", "measure_step", "missing_target", "predicted_module",
+           "same_tensor_key", "surrounding_autocast", "training_step"]
 
 
 def _integral(s) -> bool:
@@ -259,11 +259,31 @@ def forward_autocast(device_type: str, dtype: torch.dtype | None):
     on = nullcontext() if dtype is None else _fake_cuda_autocast(dtype) if fake_cuda else \
         torch.autocast(device_type, dtype=dtype)
     with _autocast_off(device_type), on:
+        before, _NESTING.forward = getattr(_NESTING, "forward", None), autocast_nesting()
         try:
             yield
         finally:
+            _NESTING.forward = before
             if dtype is not None:
                 torch.clear_autocast_cache()
+
+
+_NESTING = threading.local()     # .forward: `autocast_nesting()` inside `forward_autocast`'s own contexts
+
+
+def autocast_nesting() -> int:
+    """How many `torch.autocast` contexts (on or off, any device) the calling thread is in: a count torch keeps
+    apart from the dispatcher, so it reads the same inside a dispatch mode, where autocast itself reads off."""
+    n = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return n
+
+
+def autocast_entered_in_forward() -> bool:
+    """Whether the forward running inside `forward_autocast` entered an autocast of its own (the user's forward
+    around a layer)."""
+    base = getattr(_NESTING, "forward", None)
+    return base is not None and autocast_nesting() > base
 
 
 def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: torch.dtype | None = None,

@@ -32,6 +32,7 @@ from memfit.memory.fake_kernels import (
 )
 from memfit.memory.kernel_scratch import measured_here, spec_of
 from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, transformers_reads_values
+from memfit.memory.step import autocast_entered_in_forward
 
 __all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog"]
 
@@ -233,9 +234,11 @@ class LoggingFakeMode(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _FUSED_ENCODER_LAYER and self._cpu_autocast is not None:    # (autocast reads off in a mode)
+        # (autocast reads off inside a mode: the run's is known, one the user's forward enters is counted)
+        if func is _FUSED_ENCODER_LAYER and (self._cpu_autocast is not None or autocast_entered_in_forward()):
             raise NotImplementedError(
-                f"nn.TransformerEncoderLayer's fused eval kernel under CPU autocast works in {self._cpu_autocast} "
+                "nn.TransformerEncoderLayer's fused eval kernel under CPU autocast works in "
+                f"{self._cpu_autocast or torch.get_autocast_dtype('cpu')} "
                 "unseen by its fake kernel: turn the fast path off where you run it (torch.backends.mha."
                 "set_fastpath_enabled(False): predicted exactly), or run without CPU autocast")
         if func is _READ_VALUE and self._answers and (known := self.known_values.value(args[0])) is not None:
