@@ -182,7 +182,9 @@ def layout(batch) -> tuple:
 def apart(x, y) -> tuple:
     """(x, y) with each tensor given twice (`(ids, ids)`, `labels=ids`) after its first a copy: a plan is for the
     batches a loop steps on later, where they are often two (a collator's `labels = input_ids.clone()`), and a plan
-    that counted one tensor's bytes once would not hold there (nor refuse them: `layout` leaves sharing out)."""
+    that counted one tensor's bytes once would not hold there (nor refuse them: `layout` leaves sharing out). The
+    copy is real and lives while `fit` runs (on the batch's device: an autoencoder's `(x, x)` holds its batch twice
+    then), dropped when fit returns: the plan keeps the layout, not the tensors."""
     repeats = {i for i, _ in shared_tensors(x, y)}
     if not repeats:
         return x, y
