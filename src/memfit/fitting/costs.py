@@ -48,6 +48,7 @@ from memfit.fitting.search import Cost
 from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, timing_device, unsteady
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.step import ExampleBatch, forward_autocast
+from memfit.memory.storage_log import device_asked
 
 __all__ = ["CAP", "step_costs"]
 
@@ -92,6 +93,8 @@ class _Counter(TorchDispatchMode):
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (device := device_asked(func, args)) is not None:      # a fake tensor's .device: no op
+            return device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.namespace == "prim":
