@@ -15,11 +15,18 @@ parameter (its unsharded parameters) and the optimizer state are read off FSDP2 
 (`RankLog.read_off`). Whatever must scale and fits none of these is said in `RankLog.unscalable`, and then no other
 world size is computed from the run.
 
+The functions wrapped (FSDP2's collectives, gloo's, `UntypedStorage.resize_`) and DTensor's sharding lock are
+replaced per thread (`memfit.device.replacements`): the thread inside `tagging` (`gloo_copies`) logs to its own
+`RankLog`, every other thread runs torch's own, and torch's are put back when the last thread leaves.
+
 Known limitations: torch's FSDP2 internals (the module-level names `foreach_all_gather`,
 `foreach_all_gather_copy_out`, `foreach_reduce` of `_fsdp_param_group`, `foreach_reduce_scatter_copy_in` of
 `_fsdp_collectives`, an `FSDPParam`'s `_orig_size`, `padded_sharded_param_size`, `_sharded_param_data`,
 `all_gather_outputs`, `sharded_param`, and DTensor's `ShardingPropagator._fake_mode_lock`) are read or wrapped;
-a torch that renames them raises here rather than mislabel.
+a torch that renames them raises here rather than mislabel. They are replaced on their modules, where FSDP2 looks
+them up at each call; a caller that imported one by name before (`from ... import foreach_reduce`) is not seen.
+Only what runs in the thread inside is logged: FSDP2 work in another thread (autograd's device threads on CUDA)
+would go unlogged; the run is CPU-only, where backward runs in the thread that calls it.
 """
 
 from __future__ import annotations
