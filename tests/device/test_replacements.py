@@ -7,7 +7,7 @@ import types
 import pytest
 
 from device.threads import in_thread
-from memfit.device.replacements import ScopedReplacement
+from memfit.device.replacements import ScopedContext, ScopedReplacement
 
 
 def test_a_scoped_replacement_acts_in_the_entering_thread_only_and_is_put_back():
@@ -89,3 +89,34 @@ def test_a_replacement_left_installed_by_another_library_is_not_wrapped_again():
     with r.active():
         assert owner.f() == 1
     assert calls == ["inside"]
+
+
+def test_a_scoped_context_is_entered_in_the_threads_inside_only_and_left_as_entered():
+    """DTensor's sharding lock is an object torch enters, not a function: a thread inside enters `inside(torch's)`
+    and leaves the same; another thread, entering while the first is still in, enters torch's own."""
+    entered = []
+
+    class Lock:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            entered.append(f"enter {self.name}")
+            return self.name
+
+        def __exit__(self, *exc):
+            entered.append(f"exit {self.name}")
+
+    owner = types.SimpleNamespace(lock=Lock("torch's"))
+    original = owner.lock
+
+    def enter():
+        with owner.lock as name:
+            return name
+    r = ScopedContext(lambda: owner, "lock", lambda orig: Lock("ours over " + orig.name))
+    with r.active():
+        with owner.lock as mine:
+            theirs = in_thread(enter)                           # another thread, while this one is in
+    assert (mine, theirs) == ("ours over torch's", "torch's") and owner.lock is original
+    assert entered == ["enter ours over torch's", "enter torch's", "exit torch's", "exit ours over torch's"]
+    assert enter() == "torch's"

@@ -310,14 +310,17 @@ def test_fsdp2_and_ddp_internals_the_per_rank_model_reads(fake_group):
     assert shard.numel() == weight.padded_sharded_param_size.numel() == 8                   # 2 of 4 rows, 2 ranks
     assert tp.storage_key(shard.untyped_storage()) == \
         tp.storage_key(tp.local_tensor(weight.sharded_param).untyped_storage())
-    lock = tp.sharding_fake_mode_lock()
-    with lock:                                                      # a context manager the propagation enters
-        pass
-    try:
-        tp.set_sharding_fake_mode_lock("replaced")
-        assert tp.sharding_fake_mode_lock() == "replaced"
-    finally:
-        tp.set_sharding_fake_mode_lock(lock)
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    lock, entered = ShardingPropagator._fake_mode_lock, []
+    scoped = tp.sharding_fake_mode_lock_scoped(lambda torchs: entered.append(torchs) or torchs)
+
+    def propagate():
+        with ShardingPropagator._fake_mode_lock:                    # what the propagation enters
+            pass
+    with scoped.active():
+        propagate()                                                 # ours, handed torch's lock
+        in_thread(propagate)                                        # another thread: torch's only
+    assert entered == [lock] and ShardingPropagator._fake_mode_lock is lock
     assert {"foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce"} <= set(vars(tp.fsdp_param_group()))
     assert callable(tp.fsdp_collectives().foreach_reduce_scatter_copy_in)
 

@@ -5,7 +5,8 @@ tracing's save and restore of torch's generators, fx's patches of `torch.nn.Modu
 `torch.get_rng_state` while a fake run logs the states it makes). Python has no per-thread attribute, so the function
 is replaced on its module or class, by one that looks at the calling thread: a thread inside `active()` gets memfit's
 behaviour, every other thread torch's own function. It is installed while any thread is inside and put back when the
-last one leaves (on an exception too).
+last one leaves (on an exception too). `ScopedContext` does the same for a context manager torch enters (an object,
+not a function: DTensor's sharding lock).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["ScopedReplacement"]
+__all__ = ["ScopedContext", "ScopedReplacement"]
 
 
 class ScopedReplacement:
@@ -88,3 +89,42 @@ class ScopedReplacement:
                         else:
                             setattr(owner, self.name, own)
                     self._installed = None
+
+
+class ScopedContext(ScopedReplacement):
+    """`owner.name` a context manager torch enters (an object, not a function) replaced as `ScopedReplacement`
+    replaces a function: a thread inside `active()` enters `inside(original)` where torch enters it, any other thread
+    torch's own object.
+
+    Example:
+        >>> import contextlib, types
+        >>> owner = types.SimpleNamespace(lock=contextlib.nullcontext("torch's"))
+        >>> r = ScopedContext(lambda: owner, "lock", lambda original: contextlib.nullcontext("ours"))
+        >>> with r.active(), owner.lock as inside:
+        ...     pass
+        >>> with owner.lock as after:
+        ...     pass
+        >>> inside, after
+        ('ours', "torch's")
+    """
+
+    def _replacement(self, original) -> _PerThreadContext:
+        return _PerThreadContext(original, self._here, self.inside)
+
+
+class _PerThreadContext:
+    """What `ScopedContext` installs: each `with` enters `inside(original)` in a thread inside, else `original`, and
+    leaves what that thread entered (innermost first)."""
+
+    def __init__(self, original, here: threading.local, inside: Callable):
+        self._memfit_replaces, self._here, self._inside = original, here, inside
+        self._entered = threading.local()          # .stack: the context managers this thread is in, innermost last
+
+    def __enter__(self):
+        cm = self._inside(self._memfit_replaces) if getattr(self._here, "depth", 0) else self._memfit_replaces
+        value = cm.__enter__()
+        self._entered.__dict__.setdefault("stack", []).append(cm)
+        return value
+
+    def __exit__(self, *exc):
+        return self._entered.stack.pop().__exit__(*exc)

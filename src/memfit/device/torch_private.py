@@ -7,10 +7,11 @@ What only `torch.export`, `torch.compile` or `torch.distributed` need is importe
 (importing torch._dynamo costs about 0.5 s); what is imported at the top is loaded by `import torch` already.
 
 The replacements of private torch functions memfit makes are here too (`aot_rng_not_saved`,
-`tracer_patches_this_thread_only`, `cia_split_kept`, through `memfit.device.replacements.ScopedReplacement`): each
-is installed only while a thread is inside it, acts in that thread only (every other thread gets torch's own
-function), and is put back when the last thread leaves, on an exception too. The one process-wide switch is c10's
-flag `caffe2_report_cpu_memory_usage` (`cpu_total_kept_for_every_thread`), which changes what no thread computes.
+`tracer_patches_this_thread_only`, `cia_split_kept`, and DTensor's sharding lock `sharding_fake_mode_lock_scoped`,
+through `memfit.device.replacements`): each is installed only while a thread is inside it, acts in that thread only
+(every other thread gets torch's own), and is put back when the last thread leaves, on an exception too. The one
+process-wide switch is c10's flag `caffe2_report_cpu_memory_usage` (`cpu_total_kept_for_every_thread`), which
+changes what no thread computes.
 
 Known limitations: `dict_version_reader`, the FSDP2 and DDP internals and the c10 flag may be missing from a torch
 build; their callers say so (or fall back) instead of predicting wrong.
@@ -36,7 +37,7 @@ import torch.nn.utils.stateless
 import torch.utils._python_dispatch
 import torch.utils._pytree
 
-from memfit.device.replacements import ScopedReplacement
+from memfit.device.replacements import ScopedContext, ScopedReplacement
 
 # Re-exported as they are (each module is loaded by `import torch` already):
 # fake tensors, the mode that makes them, and a section of real tensors inside one (torch/_subclasses/fake_tensor.py)
@@ -83,9 +84,9 @@ __all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "Dro
            "fsdp_param_size", "grad_hooks", "has_kernel", "in_backward", "inductor_config", "is_hsdp", "keystr",
            "local_tensor", "mem_tracker", "nn_binding", "node_input_metadata", "node_sequence_nr", "op_kernel",
            "op_schema", "overload_name", "own_buffers", "own_children", "own_parameters", "pop_mode_temporarily",
-           "profiler_running", "read_saved_tensors", "reparametrized", "set_sharding_fake_mode_lock",
-           "sharding_fake_mode_lock", "storage_key", "storage_use_count", "tracer_patches_this_thread_only",
-           "tree_flatten", "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
+           "profiler_running", "read_saved_tensors", "reparametrized", "sharding_fake_mode_lock_scoped",
+           "storage_key", "storage_use_count", "tracer_patches_this_thread_only", "tree_flatten",
+           "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
            "unset_fake_temporarily", "version_counter"]
 
 # ---- tensors, storages, modules -------------------------------------------------------------------------------------
@@ -261,18 +262,12 @@ def fsdp_param_shard(fsdp_param) -> torch.Tensor:
     return fsdp_param._sharded_param_data
 
 
-def sharding_fake_mode_lock():
-    """What DTensor's sharding propagation enters around running an op on fake tensors of the global shapes
-    (`ShardingPropagator._fake_mode_lock`, torch/distributed/tensor/_sharding_prop.py): the per-rank log replaces
-    it (`set_sharding_fake_mode_lock`) to pause itself meanwhile in its thread."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    return ShardingPropagator._fake_mode_lock
-
-
-def set_sharding_fake_mode_lock(lock) -> None:
-    """Set `ShardingPropagator._fake_mode_lock` (see `sharding_fake_mode_lock`)."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    ShardingPropagator._fake_mode_lock = lock
+def sharding_fake_mode_lock_scoped(inside) -> ScopedContext:
+    """DTensor's sharding propagation enters `ShardingPropagator._fake_mode_lock` around running an op on fake tensors
+    of the global shapes (torch/distributed/tensor/_sharding_prop.py): replaced by `inside(torch's lock)` for the
+    threads inside `.active()` (the per-rank log pauses itself there), torch's for every other thread."""
+    return ScopedContext(lambda: importlib.import_module("torch.distributed.tensor._sharding_prop").ShardingPropagator,
+                         "_fake_mode_lock", inside)
 
 
 def fsdp_param_groups(module: torch.nn.Module) -> list:

@@ -15,18 +15,25 @@ parameter (its unsharded parameters) and the optimizer state are read off FSDP2 
 (`RankLog.read_off`). Whatever must scale and fits none of these is said in `RankLog.unscalable`, and then no other
 world size is computed from the run.
 
+The functions wrapped (FSDP2's collectives, gloo's, `UntypedStorage.resize_`) and DTensor's sharding lock are
+replaced per thread (`memfit.device.replacements`): the thread inside `tagging` (`gloo_copies`) logs to its own
+`RankLog`, every other thread runs torch's own, and torch's are put back when the last thread leaves.
+
 Known limitations: torch's FSDP2 internals (the module-level names `foreach_all_gather`,
 `foreach_all_gather_copy_out`, `foreach_reduce` of `_fsdp_param_group`, `foreach_reduce_scatter_copy_in` of
 `_fsdp_collectives`, an `FSDPParam`'s `_orig_size`, `padded_sharded_param_size`, `_sharded_param_data`,
 `all_gather_outputs`, `sharded_param`, and DTensor's `ShardingPropagator._fake_mode_lock`) are read or wrapped;
-a torch that renames them raises here rather than mislabel.
+a torch that renames them raises here rather than mislabel. They are replaced on their modules, where FSDP2 looks
+them up at each call; a caller that imported one by name before (`from ... import foreach_reduce`) is not seen.
+Only what runs in the thread inside is logged: FSDP2 work in another thread (autograd's device threads on CUDA)
+would go unlogged; the run is CPU-only, where backward runs in the thread that calls it.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.distributed as dist
@@ -38,8 +45,7 @@ from memfit.device.torch_private import (
     fsdp_param_shard,
     fsdp_param_size,
     local_tensor,
-    set_sharding_fake_mode_lock,
-    sharding_fake_mode_lock,
+    sharding_fake_mode_lock_scoped,
     storage_key,
     tree_flatten,
 )
@@ -221,12 +227,50 @@ class RankLog(StorageLog):
             self.transients.append((aid, at))
 
 
+_HERE = threading.local()          # .log: the `RankLog` of the thread's `tagging` or `gloo_copies`
+
+
 @contextmanager
+def _logging_to(log: RankLog, *replacements: ScopedReplacement):
+    """Inside, this thread's calls of the replaced functions log to `log` (every other thread's run torch's own)."""
+    before, _HERE.log = getattr(_HERE, "log", None), log
+    try:
+        with ExitStack() as inside:
+            for r in replacements:
+                inside.enter_context(r.active())
+            yield
+    finally:
+        _HERE.log = before
+
+
+_GLOO_WHOLE = {"all_gather_single": (0, "output_tensor"), "reduce_scatter_single": (1, "input")}   # the whole buffer
+
+
+def _gloo_logged(name: str):
+    """What `name` logs in a thread inside `gloo_copies`: the buffer gloo copies or clones while it runs."""
+    i, key = _GLOO_WHOLE[name]
+    what = "copy" if name.startswith("all_gather") else "clone"
+
+    def run(fn, *args, **kwargs):
+        log = _HERE.log
+        out = fn(*args, **kwargs)
+        whole = args[i] if len(args) > i else kwargs[key]
+        scaled = Scaled(whole.element_size(), True, log.group[1]) if log.group else None   # W shards of the unit
+        log.transient(whole.nbytes, f"gloo's {what} in {name}", scaled and scaled.bytes_at)
+        log.race_bytes = max(log.race_bytes, whole.nbytes)
+        log.race += [scaled] if scaled else []
+        return out
+    return run
+
+
+_GLOO = [ScopedReplacement(lambda: dist, name, _gloo_logged(name)) for name in _GLOO_WHOLE]
+
+
 def gloo_copies(log: RankLog):
     """What gloo's all-gather and reduce-scatter of one tensor (`all_gather_single`, `reduce_scatter_single`:
-    what FSDP2 calls) hold beyond NCCL, logged: the all-gather copies the whole output into a buffer of its own
-    while it runs, the reduce-scatter clones its whole input; both freed by the time the call returns (the
-    schedule `memfit.testing.ranks.settled_gloo` makes deterministic).
+    what FSDP2 calls) hold beyond NCCL, logged (in this thread): the all-gather copies the whole output into a
+    buffer of its own while it runs, the reduce-scatter clones its whole input; both freed by the time the call
+    returns (the schedule `memfit.testing.ranks.settled_gloo` makes deterministic).
 
     gloo's race: each call's work object keeps the tensors it was given (and the clone) until the gloo worker
     thread that ran it drops it, after the call has returned: usually before the rank drops them (the bytes
@@ -239,35 +283,13 @@ def gloo_copies(log: RankLog):
     holds (an all-gather output, a reduce-scatter clone) of each call: `rank_memory_model(gloo_race=True)`
     adds the largest at the peak, a bound of every run seen (not of every schedule: two sleeping workers could
     keep two). NCCL works in place and keeps nothing after the call."""
-    names = {"all_gather_single": (0, "output_tensor"), "reduce_scatter_single": (1, "input")}   # the whole buffer
-    originals = {k: getattr(dist, k) for k in names}
-
-    def copying(name, fn):
-        def run(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            i, key = names[name]
-            whole = args[i] if len(args) > i else kwargs[key]
-            what = "copy" if name.startswith("all_gather") else "clone"
-            scaled = Scaled(whole.element_size(), True, log.group[1]) if log.group else None   # W shards of the unit
-            log.transient(whole.nbytes, f"gloo's {what} in {name}", scaled and scaled.bytes_at)
-            log.race_bytes = max(log.race_bytes, whole.nbytes)
-            log.race += [scaled] if scaled else []
-            return out
-        return run
-
-    for k, fn in originals.items():
-        setattr(dist, k, copying(k, fn))
-    try:
-        yield
-    finally:
-        for k, fn in originals.items():
-            setattr(dist, k, fn)
+    return _logging_to(log, *_GLOO)
 
 
 def _resize_logged(resize_, storage, size):
     """`UntypedStorage.resize_` in a thread inside `tagging`: FSDP2 frees and makes its unsharded parameters' storages
     by resizing them, which no op's output shows; each logged to the thread's `RankLog`."""
-    log, old = _RESIZING.log, storage.nbytes()
+    log, old = _HERE.log, storage.nbytes()
     out = resize_(storage, size)
     if isinstance(storage_key(storage), int):       # every storage here is the run's (a fake one is on meta)
         before, log.tag = log.tag, log.tag or K.UNSHARDED_PARAMETERS
@@ -276,92 +298,74 @@ def _resize_logged(resize_, storage, size):
     return out
 
 
-_RESIZING = threading.local()          # .log: the `RankLog` of the thread's `tagging`
-_RESIZE = ScopedReplacement(lambda: torch.UntypedStorage, "resize_", _resize_logged)
+_TAGS = {"foreach_all_gather": (K.COMMUNICATION, 0), "foreach_all_gather_copy_out": (K.UNSHARDED_PARAMETERS, 1),
+         "foreach_reduce": (K.COMMUNICATION, 0)}          # the tag, and where the FSDPParams are in the call
+
+
+def _tagged(name: str):
+    """FSDP2's `name` in a thread inside `tagging`: what it allocates tagged, the unit it works on said."""
+    tag, at = _TAGS[name]
+
+    def run(fn, *args, **kwargs):
+        log, params = _HERE.log, args[at]
+        before = log.tag, log.group
+        log.tag, log.group = tag, (name, tuple(_rows(p) for p in params))
+        if name == "foreach_reduce":
+            log.retag(args[1], K.GRADIENTS)       # the unsharded gradients it is handed
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            log.tag, log.group = before
+            if name == "foreach_reduce":          # the sharded gradients it leaves, for the optimizer's step
+                log.note_shards((p.sharded_param.grad, p) for p in params if p.sharded_param.grad is not None)
+    return run
+
+
+def _copy_in_logged(copy_in, unsharded_grads, reduce_scatter_input, world_size):
+    """FSDP2's reduce-scatter copy-in in a thread inside `tagging`: the copies its kernel makes inside logged."""
+    log = _HERE.log
+    shapes = [_grad_rows(g) for g in unsharded_grads]
+    converted = bool(unsharded_grads) and unsharded_grads[0].dtype != reduce_scatter_input.dtype
+    out = copy_in(unsharded_grads, reduce_scatter_input, world_size)
+    # logged at every world size, 0 bytes or not, so the ops are the same at each
+    log.transient(_chunk_cat_bytes(shapes, converted, world_size),
+                  "fsdp.chunk_cat's padded and converted copies of the gradients",
+                  lambda w: _chunk_cat_bytes(shapes, converted, w))
+    return out
 
 
 @contextmanager
-def tagging(log: RankLog):
-    """Wrap FSDP2's all-gather, copy-out and reduction to tag what they allocate and to say which unit's
-    parameters they work on (`RankLog.group`), and log storage resizes."""
-    group = fsdp_param_group()
-    names = {"foreach_all_gather": (K.COMMUNICATION, 0), "foreach_all_gather_copy_out": (K.UNSHARDED_PARAMETERS, 1),
-             "foreach_reduce": (K.COMMUNICATION, 0)}          # the tag, and where the FSDPParams are in the call
-    missing = [n for n in names if not hasattr(group, n)]
-    if missing:
-        raise RuntimeError(f"expected torch's FSDP2 to call {missing} in _fsdp_param_group (torch 2.13 does); "
-                           f"found torch {torch.__version__} without them: the per-rank model needs updating")
-    originals = {n: getattr(group, n) for n in names}
-
-    def tagged(name, fn):
-        def run(*args, **kwargs):
-            tag, at = names[name]
-            params = args[at]
-            before = log.tag, log.group
-            log.tag, log.group = tag, (name, tuple(_rows(p) for p in params))
-            if name == "foreach_reduce":
-                log.retag(args[1], K.GRADIENTS)       # the unsharded gradients it is handed
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                log.tag, log.group = before
-                if name == "foreach_reduce":          # the sharded gradients it leaves, for the optimizer's step
-                    log.note_shards((p.sharded_param.grad, p) for p in params if p.sharded_param.grad is not None)
-        return run
-
-    collectives = fsdp_collectives()
-    copy_in = collectives.foreach_reduce_scatter_copy_in
-    lock = sharding_fake_mode_lock()
-
-    def padded_copy_in(unsharded_grads, reduce_scatter_input, world_size):
-        shapes = [_grad_rows(g) for g in unsharded_grads]
-        converted = bool(unsharded_grads) and unsharded_grads[0].dtype != reduce_scatter_input.dtype
-        out = copy_in(unsharded_grads, reduce_scatter_input, world_size)
-        # logged at every world size, 0 bytes or not, so the ops are the same at each
-        log.transient(_chunk_cat_bytes(shapes, converted, world_size),
-                      "fsdp.chunk_cat's padded and converted copies of the gradients",
-                      lambda w: _chunk_cat_bytes(shapes, converted, w))
-        return out
-
-    for n, fn in originals.items():
-        setattr(group, n, tagged(n, fn))
-    collectives.foreach_reduce_scatter_copy_in = padded_copy_in
-    set_sharding_fake_mode_lock(_Unlogged(log, lock))
-    before, _RESIZING.log = getattr(_RESIZING, "log", None), log
-    try:
-        with _RESIZE.active():
-            yield
-    finally:
-        _RESIZING.log = before
-        set_sharding_fake_mode_lock(lock)
-        collectives.foreach_reduce_scatter_copy_in = copy_in
-        for n, fn in originals.items():
-            setattr(group, n, fn)
-
-
-class _Unlogged:
+def _unlogged(lock):
     """DTensor's sharding propagation (on a cache miss: the first time an op sees these shardings, as SGD's
     momentum update in its second step) runs the op on empty tensors of the global shapes to read the output's
     metadata, under the fake mode it finds active: in this run, the logging one, where a real step uses a fresh
-    fake mode and allocates nothing. It enters `ShardingPropagator._fake_mode_lock` around that; this lock pauses
-    the log in the run's thread meanwhile (before, SGD with momentum logged a whole unsharded parameter per
-    update, 65,536 bytes on the tests' MLP, that no real step allocates)."""
+    fake mode and allocates nothing. It enters its lock around that; in a thread inside `tagging` this pauses the
+    thread's log meanwhile (before, SGD with momentum logged a whole unsharded parameter per update, 65,536 bytes on
+    the tests' MLP, that no real step allocates)."""
+    log = _HERE.log
+    with lock:
+        before, log.paused = log.paused, True
+        try:
+            yield
+        finally:
+            log.paused = before
 
-    def __init__(self, log: RankLog, lock):
-        self.log, self.lock, self.thread = log, lock, threading.get_ident()
-        self.before: list[bool] = []
 
-    def __enter__(self):
-        self.lock.__enter__()
-        if threading.get_ident() == self.thread:
-            self.before.append(self.log.paused)
-            self.log.paused = True
-        return self
+_RESIZE = ScopedReplacement(lambda: torch.UntypedStorage, "resize_", _resize_logged)
+_FSDP = [*(ScopedReplacement(fsdp_param_group, name, _tagged(name)) for name in _TAGS),
+         ScopedReplacement(fsdp_collectives, "foreach_reduce_scatter_copy_in", _copy_in_logged),
+         sharding_fake_mode_lock_scoped(_unlogged), _RESIZE]
 
-    def __exit__(self, *exc):
-        if threading.get_ident() == self.thread:
-            self.log.paused = self.before.pop()
-        return self.lock.__exit__(*exc)
+
+def tagging(log: RankLog):
+    """In this thread, FSDP2's all-gather, copy-out and reduction tag what they allocate and say which unit's
+    parameters they work on (`RankLog.group`), and storage resizes are logged."""
+    group = fsdp_param_group()
+    missing = [n for n in _TAGS if not hasattr(group, n)]
+    if missing:
+        raise RuntimeError(f"expected torch's FSDP2 to call {missing} in _fsdp_param_group (torch 2.13 does); "
+                           f"found torch {torch.__version__} without them: the per-rank model needs updating")
+    return _logging_to(log, *_FSDP)
 
 
 def _grad_rows(g: torch.Tensor) -> tuple[int, int, int, bool]:
