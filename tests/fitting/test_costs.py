@@ -60,6 +60,26 @@ def test_the_ops_counted_are_the_ops_a_real_step_dispatches(stepped):
         assert [o.func for o in counted.ops if o.phase == phase] == real.ops[phase], phase
 
 
+
+def test_the_adds_counted_for_a_later_micro_batch_are_those_its_real_backward_dispatches_beyond_the_first():
+    """A micro-batch after the first (gradients held) runs what the first does and AccumulateGrad's add of each
+    gradient into the one held: counted apart (phase "accumulate"), one add per trainable parameter, on its shape."""
+    model, (x, y) = mlp(), (torch.randn(4, 8), torch.randn(4, 8))
+    model[0][3].weight.requires_grad_(False)                   # a frozen parameter: no gradient, no add
+    counted = costs._count(model, x, y, F.mse_loss, ["0", "1"], None, DEV, adds=True)
+    first, later = RealOps(), RealOps()
+    with first:
+        F.mse_loss(model(x), y).backward()
+    with later:
+        F.mse_loss(model(x), y).backward()                     # into the gradients held
+    extra = collections.Counter(later.ops["backward"]) - collections.Counter(first.ops["backward"])
+    adds = [o for o in counted.ops if o.phase == "accumulate"]
+    assert collections.Counter(o.func for o in adds) == extra and sum(extra.values()) == 11     # 12 less 1 frozen
+    trainable = sorted(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+    assert sorted(o.spec.leaves[0][1] for o in adds) == trainable
+    assert [o.func for o in counted.ops if o.phase == "backward"] == first.ops["backward"]
+
+
 def test_each_blocks_saved_tensors_are_those_autograd_saves_in_its_forward():
     model, (x, y) = mlp(), (torch.randn(4, 8), torch.randn(4, 8))
     counted = costs._count(model, x, y, F.mse_loss, ["0", "1"], None, DEV)
@@ -118,7 +138,7 @@ def test_counting_and_timing_leave_torchs_generator_alone_while_dropout_is_timed
     model, (x, y) = mlp(dropout=0.3), (torch.randn(4, 8), torch.randn(4, 8))
     torch.manual_seed(5)
     state = torch.get_rng_state()
-    step, blocks, _ = costs.step_costs(model, x, y, F.mse_loss, ["0", "1"], sizes=[1, 4])
+    step, blocks, _, _ = costs.step_costs(model, x, y, F.mse_loss, ["0", "1"], sizes=[1, 4])
     assert torch.equal(state, torch.get_rng_state())
     counted = costs._count(model, x, y, F.mse_loss, [], None, DEV)
     assert any(torch.Tag.nondeterministic_seeded in o.func.tags for o in counted.ops)     # a random op was timed
@@ -135,7 +155,7 @@ def test_predicted_order_of_settings_whose_true_order_is_known_by_construction()
     model = nn.Sequential(heavy, light)
     x, y = torch.randn(8, 256), torch.randn(8, 256)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step, blocks, once = costs.step_costs(model, x, y, F.mse_loss, ["0", "1"], sizes=[1, 8], optimizer=opt)
+    step, blocks, once, _ = costs.step_costs(model, x, y, F.mse_loss, ["0", "1"], sizes=[1, 8], optimizer=opt)
     machine = host.machine(DEV)
     at = lambda m, s: step_seconds(8, m, step, blocks, Setting(s), machine, once)
     assert at(8, ("0",)) > at(8, ("1",)) > at(8, ())

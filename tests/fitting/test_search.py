@@ -219,6 +219,29 @@ def test_the_optimizer_step_runs_once_and_dilutes_the_relative_times_without_reo
     assert all(1.0 <= d.time <= p.time for p, d in zip(plain.alternatives, diluted.alternatives, strict=True))
 
 
+
+def test_a_micro_batch_after_the_first_adds_its_gradients_into_those_held_in_the_time_model_and_in_confirm():
+    """k micro-batches pay k - 1 passes of gradient adds (AccumulateGrad into the gradient held); the whole batch
+    none. A trial's micro-step holds no gradient, so confirm adds them to the measured steps too: two alternatives
+    timed alike per sample come apart by the adds alone."""
+    later = Cost(ops=0, kernels=((1, 0.5), (16, 0.5)))               # 0.5 s of adds, whatever the batch
+    n = 16
+    for m, parts in ((16, 1), (8, 2), (4, 4), (12, 2)):
+        added = step_seconds(n, m, STEP, BLOCKS, Setting(), MACHINE, later=later)
+        assert added == pytest.approx(step_seconds(n, m, STEP, BLOCKS, Setting(), MACHINE) + (parts - 1) * 0.5)
+    choice = _leading_search(peaks()[0](Setting())(4))
+    timed = choice.leading
+    seconds = {(a.micro_batch, a.setting): 0.01 * a.micro_batch for a in timed}    # alike per sample
+    confirm(choice, seconds, n, STEP, BLOCKS, MACHINE)          # (confirm sets `measured` on the alternatives)
+    alone = {(a.micro_batch, a.setting): a.measured for a in timed}
+    picked = confirm(choice, seconds, n, STEP, BLOCKS, MACHINE, later=later)
+    assert len({a.micro_batch for a in timed}) >= 2
+    for a in timed:
+        parts = -(-n // a.micro_batch)
+        assert a.measured == pytest.approx(alone[(a.micro_batch, a.setting)] + (parts - 1) * 0.5)
+    assert picked.best.micro_batch == max(a.micro_batch for a in timed)     # the fewest adds
+
+
 def _leading_search(budget, lead=1.5, leading=3, new_after=4):
     bytes_of, _ = peaks()
     return search(SETS, micro_batch_sizes(16), 16, STEP, BLOCKS, MACHINE, bytes_of, budget, lead=lead,

@@ -2,35 +2,40 @@
 here, measured (the model does not run for real).
 
 `step_costs` runs one step (forward, loss, backward, the optimizer step on a copy holding fake state; an optimizer
-without state yet steps twice, the first step, which makes the state, not counted) on fake tensors (the
-parameters swapped for fake copies as the memory model does, `memfit.memory.fake_run`) at two micro-batch sizes
-and notes every op (those a real step dispatches, in the same order: tested): its arguments' shapes
+without state yet steps twice, the first step, which makes the state, not counted) on fake tensors (the parameters
+swapped for fake copies as the memory model does, `memfit.memory.fake_run`) at two micro-batch sizes and notes every
+op (those a real step dispatches, in the same order: tested): its arguments' shapes
 (`memfit.memory.kernel_scratch.spec_of`), whether it is a view (no kernel), its phase (forward, backward,
 optimizer), whether it ran inside a candidate block's forward, and per block the tensors its forward saves for
-backward. Which dimensions carry the batch is read off the two runs (`kernel_scratch.batch_sizes`), so each op's
-arguments are known at every micro-batch size; each distinct kernel is then run for real on ones of those shapes
-and timed (`memfit.fitting.timing.kernel_seconds`). The result: a `Cost` for the step, for each block's forward
-(its recomputation) and for the optimizer step, each with its ops by phase (host work) and its kernels' seconds at
-every micro-batch size asked for.
+backward; and the adds a micro-batch after the first runs (AccumulateGrad adds each parameter's gradient into the
+one held: one `add_` per trainable parameter, which a trial's micro-step, holding no gradient, does not run). Which
+dimensions carry the batch is read off the two runs (`kernel_scratch.batch_sizes`), so each op's arguments are known
+at every micro-batch size; each distinct kernel is then run for real on ones of those shapes and timed
+(`memfit.fitting.timing.kernel_seconds`). The result: a `Cost` for the step, for each block's forward (its
+recomputation), for the optimizer step and for the gradients' adds, each with its ops by phase (host work) and its
+kernels' seconds at every micro-batch size asked for.
 
 What the host pays besides kernels is `memfit.fitting.host.machine`'s.
 
-Known limitations: kernels are timed warm and alone (in a step their data is not always in cache: 7-35% slower
-for the larger ones measured); a kernel whose arguments at a micro-batch size exceed `CAP` is timed at
-the largest halving of that size within it and scaled up in proportion (one with no batch dimension, or over
-`CAP` at one sample, and one that fails on ones, is priced by the larger of its FLOPs at a large matmul's rate
+Known limitations: kernels are timed warm and alone (in a step their data is not always in cache: 7-35% slower for
+the larger ones measured; the gradients' adds, each parameter's add timed on its own, run in a step over every
+gradient, BERT 768x12's 440 MB, far past any cache); a kernel whose arguments at a micro-batch size exceed `CAP` is
+timed at the largest halving of that size within it and scaled up in proportion (one with no batch dimension, or
+over `CAP` at one sample, and one that fails on ones, is priced by the larger of its FLOPs at a large matmul's rate
 and its bytes at a copy's); accumulate's own bookkeeping per micro-batch (about 0.1 ms) is left out.
 
 Example:
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()),
     ...                             torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
-    >>> step, blocks, once = step_costs(model, torch.randn(4, 8), torch.randn(4, 8), torch.nn.functional.mse_loss,
-    ...                                 ["1"], sizes=[1, 4])
+    >>> step, blocks, once, later = step_costs(model, torch.randn(4, 8), torch.randn(4, 8),
+    ...                                        torch.nn.functional.mse_loss, ["1"], sizes=[1, 4])
     >>> blocks["1"].ops, blocks["1"].saved    # t, addmm, relu; the input, the weight and relu's output saved
     (3, 3)
     >>> [m for m, _ in step.kernels]
     [1, 4]
+    >>> later.backward_ops      # a later micro-batch adds each of the 4 gradients into the one held
+    4
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ class _Counter(TorchDispatchMode):
         return out
 
 
-def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None) -> _Counter:
+def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None, adds: bool = False) -> _Counter:
     from memfit.memory.fake_model import FakeModel
     from memfit.memory.fake_run import _fake_optimizer
     from memfit.memory.isolation import predicting
@@ -139,6 +144,11 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None) -> _C
             with torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) \
                     else ExitStack():
                 loss.backward()
+                if adds:                # a later micro-batch: AccumulateGrad adds each gradient into the one held
+                    counter.phase = "accumulate"
+                    for p in fm.copy.parameters():
+                        if p.grad is not None:
+                            p.grad.add_(p.grad)
                 if opt is not None:     # a step as in a running loop: state not made yet is made by a first
                     if not optimizer.state:                         # step, not counted
                         counter.phase = "first optimizer step"
@@ -206,12 +216,12 @@ def _seconds(ops: list[_Sized], sizes: list[int], device: torch.device) -> tuple
 
 
 def _sized(a: _Counter, m1: int, b: _Counter, m2: int) -> list[_Sized]:
-    """The ops of run b (at batch m2) with their batch dimensions read off run a (at m1), the optimizer's (run b's
-    only) without; where the two runs did not run the same ops, every op's time is scaled from batch m2. The first
-    optimizer step's (the one that makes the state) are left out: no cost counts them, so none is timed (AdamW's
-    state made for BERT 768x2: 9 kernels more)."""
+    """The ops of run b (at batch m2) with their batch dimensions read off run a (at m1), the gradients' adds and the
+    optimizer's (run b's only) without; where the two runs did not run the same ops, every op's time is scaled from
+    batch m2. The first optimizer step's (the one that makes the state) are left out: no cost counts them, so none
+    is timed (AdamW's state made for BERT 768x2: 9 kernels more)."""
     step = [q for q in b.ops if q.phase in ("forward", "backward")]
-    rest = [_Sized(q, m2, {}) for q in b.ops if q.phase == "optimizer"]
+    rest = [_Sized(q, m2, {}) for q in b.ops if q.phase in ("accumulate", "optimizer")]
     theirs = [p for p in a.ops if p.phase in ("forward", "backward")]
     if len(theirs) != len(step) or any(p.func != q.func for p, q in zip(theirs, step, strict=True)):
         return [_Sized(q, m2, None) for q in step] + rest
@@ -229,23 +239,26 @@ def _cost(rows: list[dict[int, float]], phases: list[str], saved: int = 0,
         m1, w1, m2, w2 = runs
         slope = max(0.0, (w2 - w1) / (m2 - m1))
         written = (max(0.0, w1 - slope * m1), slope)
-    return Cost(phases.count("forward"), kernels, saved, written, backward_ops=phases.count("backward"),
+    return Cost(phases.count("forward"), kernels, saved, written,
+                backward_ops=phases.count("backward") + phases.count("accumulate"),   # autograd's engine runs both
                 optimizer_ops=phases.count("optimizer"))
 
 
 def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dtype | None = None,
                sizes: Iterable[int] = (1, 2, 4), optimizer: torch.optim.Optimizer | None = None,
-               runs: tuple[int, int] = (2, 4)) -> tuple[Cost, dict[str, Cost], Cost]:
-    """(the step's cost, each block's forward cost, the optimizer step's cost) with kernel seconds at each of
-    `sizes`, from fake runs at the two sizes of `runs` (2 and 4 by default: BatchNorm cannot train on one
-    sample). `x`, `y`: an example batch (any size: only its layout is used); `loss_fn(output, y)` -> a scalar or
-    one loss per sample; `optimizer`: its step counted once (None: an empty cost)."""
+               runs: tuple[int, int] = (2, 4)) -> tuple[Cost, dict[str, Cost], Cost, Cost]:
+    """(the step's cost, each block's forward cost, the optimizer step's cost, the cost of adding each gradient into the
+    one held in a micro-batch after the first) with kernel seconds at each of `sizes`, from fake runs at the two
+    sizes of `runs` (2 and 4 by default: BatchNorm cannot train on one sample). `x`, `y`: an example batch (any
+    size: only its layout is used); `loss_fn(output, y)` -> a scalar or one loss per sample; `optimizer`: its step
+    counted once (None: an empty cost)."""
     from memfit.budget import model_device
     device = model_device(model)
     m1, m2 = runs
-    # the optimizer step is counted in the second run only: its ops do not depend on the batch
-    a, b = (_count(model, _at(x, m), _at(y, m), loss_fn, blocks, autocast, device, opt)
-            for m, opt in ((m1, None), (m2, optimizer)))
+    # the gradients' adds and the optimizer step are counted in the second run only: their ops do not depend on
+    # the batch
+    a, b = (_count(model, _at(x, m), _at(y, m), loss_fn, blocks, autocast, device, opt, adds)
+            for m, opt, adds in ((m1, None, False), (m2, optimizer, True)))
     ops = _sized(a, m1, b, m2)
     sizes = sorted(set(sizes))
     seconds, steadiness = _seconds(ops, sizes, timing_device(device))
@@ -259,7 +272,8 @@ def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dt
     step = replace(cost(lambda o: o.phase in ("forward", "backward")), unsteady=steadiness)
     blocks_cost = {k: cost(lambda o, k=k: k in o.blocks, b.saved[k]) for k in blocks}
     once = cost(lambda o: o.phase == "optimizer", line=False)
-    return step, blocks_cost, once
+    later = cost(lambda o: o.phase == "accumulate", line=False)
+    return step, blocks_cost, once, later
 
 
 def _at(v, m: int):

@@ -189,6 +189,7 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
     settings = [Setting(s, _name(p)) for p in precisions for s in (checkpoint_sets(ranked) if p is None else [()])]
     step = {_name(p): costs[p][0] for p in precisions}       # each precision's kernels, timed at its dtypes
     once = costs[None][2]                                    # the optimizer step: the same in every alternative
+    later = costs[None][3]                                   # the gradients' adds of a micro-batch after the first
     blocks = costs[None][1]
     how: list[str] = []
     tables: dict[Setting, Peaks] = {}      # each setting's memory models once, across both searches
@@ -208,10 +209,10 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
     window = wide_lead(micro_step_seconds(n, step, blocks, Setting(), rates)) if trials else LEAD
     lead = dict(lead=window, leading=LEADING, clear=0.0 if elsewhere else CLEAR, new_after=NEW if trials else 0)
     choice = search([s for s in settings if s.autocast is None], sizes, n, step, blocks, rates, bytes_of,
-                    budget, exhaustive=exhaustive, once=once, **lead)
+                    budget, exhaustive=exhaustive, once=once, later=later, **lead)
     if levers and (choice.best is None or exhaustive):
         cast = search(settings, sizes, n, step, blocks, rates, bytes_of, budget, exhaustive=exhaustive, once=once,
-                      **lead)
+                      later=later, **lead)
         if choice.best is None and cast.best is not None:
             cast.reason = (f"nothing at the step's own precision fits, so the levers asked for are used: "
                            f"{cast.reason}")
@@ -225,10 +226,12 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
             choice.alternatives = cast.alternatives
     r, plain = rates, costs[None][0]
     how_time = (f"the step's ops counted on fake tensors at micro-batches 2 and 4 ({plain.ops} in forward and loss, "
-                f"{plain.backward_ops} in backward, {once.optimizer_ops} in the optimizer step), each distinct kernel "
+                f"{plain.backward_ops} in backward, {once.optimizer_ops} in the optimizer step, {later.backward_ops} "
+                "gradients added into those held in a micro-batch after the first), each distinct kernel "
                 f"run for real on ones of its shapes at each micro-batch size and timed (the step's kernels "
                 f"{_ms(plain.kernel_seconds(n))} at {n} samples, {_ms(plain.kernel_seconds(1))} at 1; the optimizer "
-                f"step's {_ms(once.kernel_seconds(n))}), and the host's work per op measured on a small chain here "
+                f"step's {_ms(once.kernel_seconds(n))}; the adds {_ms(later.kernel_seconds(n))}), and the host's "
+                "work per op measured on a small chain here "
                 f"({r.op_seconds * 1e6:.1f} us in forward, {r.backward_op_seconds * 1e6:.1f} in backward, "
                 f"{r.optimizer_op_seconds * 1e6:.1f} in the optimizer step); a checkpointed block adds its forward "
                 f"again, {r.checkpoint_seconds * 1e6:.0f} us per call and {r.saved_seconds * 1e6:.1f} us per tensor it "
@@ -252,7 +255,7 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
         timed = micro_steps(module, loss_fn, x, y, list(predicted), allowance=allowance, predicted=predicted)
         bar.update()
         if timed.seconds:
-            choice = confirm(choice, timed.seconds, n, step, blocks, rates, once)
+            choice = confirm(choice, timed.seconds, n, step, blocks, rates, once, later)
             how_time += (f"; then {len(timed.seconds)} of the {len(choice.leading)} leading alternatives that fit "
                          f"(predicted within {window - 1:.0%} of the fastest, or the plain step) timed for real, in "
                          f"turn, by {timed.clock}: " + (

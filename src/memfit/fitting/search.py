@@ -206,22 +206,30 @@ def micro_step_seconds(m: int, step: Mapping[str | None, Cost] | Cost, blocks: M
 
 
 def step_seconds(n: int, m: int, step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str, Cost],
-                 setting: Setting, machine: Machine, once: Cost | None = None) -> float:
+                 setting: Setting, machine: Machine, once: Cost | None = None, later: Cost | None = None) -> float:
     """Predicted seconds of a step on n samples in micro-batches of m (the last one what is left) with the
     setting's modules checkpointed: each micro-batch runs the step, and each checkpointed block's forward again;
-    `once` (the optimizer step) runs once. `step` may map autocast names to costs (the step under bf16 autocast
-    runs other kernels)."""
+    `once` (the optimizer step) runs once; `later` (each parameter's gradient added into the one held, what
+    AccumulateGrad does in a micro-batch after the first) runs in every micro-batch but one. `step` may map
+    autocast names to costs (the step under bf16 autocast runs other kernels)."""
     if not 1 <= m <= n:
         raise ValueError(f"expected a micro-batch in [1, {n}]; found {m}")
     full, last = divmod(n, m)
     per = _per_micro_batch(step, blocks, setting, machine)
-    fixed = once.at(n, machine) if once is not None else 0.0
+    fixed = (once.at(n, machine) if once is not None else 0.0) + _adds(full + (last > 0), n, later, machine)
     return full * per(m) + (per(last) if last else 0.0) + fixed
+
+
+def _adds(parts: int, n: int, later: Cost | None, machine: Machine) -> float:
+    """Predicted seconds of the gradients' adds in a step on n samples in `parts` micro-batches (none in the
+    first; their kernels do not depend on the batch: priced at n, a size timed)."""
+    return (parts - 1) * later.at(n, machine) if later is not None else 0.0
 
 
 def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapping[str | None, Cost] | Cost,
            blocks: Mapping[str, Cost], machine: Machine, bytes_of: Callable[[Setting], Callable[[int], int]],
-           budget: int, *, exhaustive: bool = False, once: Cost | None = None, lead: float = 1.0,
+           budget: int, *, exhaustive: bool = False, once: Cost | None = None, later: Cost | None = None,
+           lead: float = 1.0,
            leading: int = 1, new_after: int = 0, clear: float = CLEAR) -> Choice:
     """The fastest alternative (micro-batch in `sizes` x setting) whose predicted peak fits `budget`.
 
@@ -238,10 +246,11 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     fits, is the best unless another is predicted at most `clear` of its time (then both are leading; 0: the plain
     step wherever it fits, for times that are a stand-in for another device's). Ties in time go to fewer
     checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every alternative
-    alike: it changes the relative times, not the order).
+    alike: it changes the relative times, not the order); `later`: the gradients' adds of a micro-batch after the
+    first (`step_seconds`).
     """
-    base = step_seconds(n, n, step, blocks, Setting(), machine, once)
-    alts = [Alternative(m, s, step_seconds(n, m, step, blocks, s, machine, once) / base)
+    base = step_seconds(n, n, step, blocks, Setting(), machine, once, later)
+    alts = [Alternative(m, s, step_seconds(n, m, step, blocks, s, machine, once, later) / base)
             for s in settings for m in sizes]
     alts.sort(key=lambda a: (a.time, len(a.setting.checkpoint), -a.micro_batch))
     plain = next((a for a in alts if a.micro_batch == n and a.setting == Setting()), None)
@@ -305,11 +314,12 @@ def _dominated(a: Alternative, best: Alternative) -> bool:
 
 def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int,
             step: Mapping[str | None, Cost] | Cost, blocks: Mapping[str, Cost], machine: Machine,
-            once: Cost | None = None) -> Choice:
+            once: Cost | None = None, later: Cost | None = None) -> Choice:
     """The choice among the leading alternatives timed for real: `seconds[(m, setting)]` one micro-step of m
     samples (`memfit.fitting.trials.micro_steps`); a step's seconds are its micro-batches' (the uneven last one
     scaled by the time model's ratio to the one timed) plus the optimizer step's (`once`, predicted: the same in
-    every alternative), set as `Alternative.measured`. The plain step, where it fits and was timed, stays unless
+    every alternative) and the gradients' adds of every micro-batch after the first (`later`, predicted: a trial
+    holds no gradient), set as `Alternative.measured`. The plain step, where it fits and was timed, stays unless
     another is measured at most `CLEAR` of its time; else the simplest (fewest checkpointed, bf16 last, then the
     largest micro-batch) among those within `CLOSE` of the fastest timed. Fewer than two timed: the choice as it
     was."""
@@ -321,7 +331,8 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
         per = _per_micro_batch(step, blocks, a.setting, machine)
         full, last = divmod(n, a.micro_batch)
         t = seconds[(a.micro_batch, a.setting)]
-        a.measured = full * t + (t * per(last) / per(a.micro_batch) if last else 0.0) + fixed
+        a.measured = full * t + (t * per(last) / per(a.micro_batch) if last else 0.0) + fixed \
+            + _adds(full + (last > 0), n, later, machine)
     fastest = min(timed, key=lambda a: a.measured)
     plain = next((a for a in timed if a.micro_batch == n and a.setting == Setting()), None)
     if plain is not None:
