@@ -2,6 +2,7 @@
 storage resizes, DTensor's sharding lock), and torch's functions are left as found."""
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -75,18 +76,22 @@ def _fsdp2_steps():
             opt.zero_grad()
 
 
-def _inside(log: RankLog, entered: threading.Event, leave: threading.Event):
-    with tagging(log), gloo_copies(log):
-        entered.set()
-        assert leave.wait(60)
+def _inside(log: RankLog, entered: threading.Event, leave: threading.Event, failed: list):
+    try:
+        with tagging(log), gloo_copies(log):
+            entered.set()
+            if not leave.wait(60):
+                failed.append("never told to leave")
+    except Exception as e:                                # (a thread's exception would not fail the test)
+        failed.append(repr(e))
 
 
 def test_another_threads_fsdp2_step_gets_torchs_own_functions_while_a_thread_is_inside():
     """The wrappers were set on torch's modules for the whole process: an FSDP2 step in any other thread ran them and
     logged into the tagging thread's log (its all-gathers' groups, gloo's copies, chunk_cat's copies, resizes)."""
     originals = _originals()
-    held, entered, leave = RankLog(torch.device("cpu"), 2), threading.Event(), threading.Event()
-    t = threading.Thread(target=_inside, args=(held, entered, leave), daemon=True)
+    held, entered, leave, failed = RankLog(torch.device("cpu"), 2), threading.Event(), threading.Event(), []
+    t = threading.Thread(target=_inside, args=(held, entered, leave, failed), daemon=True)
     t.start()
     try:
         assert entered.wait(60)
@@ -98,6 +103,7 @@ def test_another_threads_fsdp2_step_gets_torchs_own_functions_while_a_thread_is_
     finally:
         leave.set()
         t.join(60)
+    assert not t.is_alive() and failed == []
     assert _originals() == originals
     mine = RankLog(torch.device("cpu"), 2)
     with tagging(mine), gloo_copies(mine):               # the same steps from a thread inside are logged
@@ -106,25 +112,27 @@ def test_another_threads_fsdp2_step_gets_torchs_own_functions_while_a_thread_is_
     assert any("chunk_cat" in op for op in mine.ops) and mine.events and mine.race
 
 
-def test_torchs_functions_are_put_back_when_threads_leave_in_any_order():
+@pytest.mark.parametrize("first_out", [0, 1])
+def test_torchs_functions_are_put_back_when_threads_leave_in_any_order(first_out):
     """Each `tagging` saved what it found and set it back on the way out: with two threads inside, the first to leave
     put torch's back under the second (whose run then went unlogged) and the second put the first's wrappers back
     for good."""
-    originals = _originals()
+    originals, failed = _originals(), []
     logs = [RankLog(torch.device("cpu"), 2) for _ in range(2)]
     entered, leave = [threading.Event() for _ in logs], [threading.Event() for _ in logs]
-    threads = [threading.Thread(target=_inside, args=(log, e, lv), daemon=True)
+    threads = [threading.Thread(target=_inside, args=(log, e, lv, failed), daemon=True)
                for log, e, lv in zip(logs, entered, leave, strict=True)]
     try:
         for t, e in zip(threads, entered, strict=True):
             t.start()
             assert e.wait(60)
-        leave[0].set()                                    # the first in leaves first
-        threads[0].join(60)
-        assert _originals()["foreach_reduce"] is not originals["foreach_reduce"]      # still in for the second
+        leave[first_out].set()                            # the first or the second in leaves first
+        threads[first_out].join(60)
+        assert _originals()["foreach_reduce"] is not originals["foreach_reduce"]      # still in for the other
     finally:
         for lv in leave:
             lv.set()
         for t in threads:
             t.join(60)
+    assert not any(t.is_alive() for t in threads) and failed == []
     assert _originals() == originals

@@ -18,11 +18,11 @@ kernels' seconds at every micro-batch size asked for.
 What the host pays besides kernels is `memfit.fitting.host.machine`'s.
 
 Known limitations: kernels are timed warm and alone (in a step their data is not always in cache: 7-35% slower for
-the larger ones measured; the gradients' adds, each parameter's add timed on its own, run in a step over every
-gradient, BERT 768x12's 440 MB, far past any cache); a kernel whose arguments at a micro-batch size exceed `CAP` is
-timed at the largest halving of that size within it and scaled up in proportion (one with no batch dimension, or
-over `CAP` at one sample, and one that fails on ones, is priced by the larger of its FLOPs at a large matmul's rate
-and its bytes at a copy's); accumulate's own bookkeeping per micro-batch (about 0.1 ms) is left out.
+the larger ones measured; the gradients' adds run back to back over every gradient, BERT 768x12's 440 MB, so they
+are priced at no less than their bytes at a copy's rate); a kernel whose arguments at a micro-batch size exceed
+`CAP` is timed at the largest halving of that size within it and scaled up in proportion (one with no batch
+dimension, or over `CAP` at one sample, and one that fails on ones, is priced by the larger of its FLOPs at a large
+matmul's rate and its bytes at a copy's); accumulate's own bookkeeping per micro-batch (about 0.1 ms) is left out.
 
 Example:
     >>> import torch
@@ -109,7 +109,14 @@ class _Counter(TorchDispatchMode):
             return out
         formula = flop_registry.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-        written = float(sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if any(t.layout != torch.strided for t in outs):
+            raise NotImplementedError(
+                f"memfit.fit: {func} makes a {next(t.layout for t in outs if t.layout != torch.strided)} tensor "
+                f"(in {'backward' if in_backward() else 'the forward'}): fit's time model counts dense tensors only, "
+                "and a sparse gradient (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True)) grows with every "
+                "micro-batch it is added into. Build the module with sparse=False to plan its dense step")
+        written = float(sum(t.nbytes for t in outs))
         backward = in_backward()
         inside = frozenset(self.open) if self.open and not backward else frozenset()
         view = func.is_view or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten._unsafe_view)
@@ -273,6 +280,11 @@ def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dt
     blocks_cost = {k: cost(lambda o, k=k: k in o.blocks, b.saved[k]) for k in blocks}
     once = cost(lambda o: o.phase == "optimizer", line=False)
     later = cost(lambda o: o.phase == "accumulate", line=False)
+    # the adds run back to back over every gradient, far past any cache (each timed alone, summed: 0.6x their real
+    # time on BERT 768x12's 440 MB): at least their bytes at a copy's rate (each gradient read twice, written once)
+    moved = 3 * written(b, lambda o: o.phase == "accumulate")
+    floor = moved / copy_rate(timing_device(device)) if moved else 0.0
+    later = replace(later, kernels=tuple((m, max(t, floor)) for m, t in later.kernels))
     return step, blocks_cost, once, later
 
 

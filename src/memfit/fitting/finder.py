@@ -269,7 +269,8 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                          + (f"; {len(timed.left_out)} left out, predicted slower than the fastest (a micro-step of "
                             f"each would have taken the trials past {TRIALS:g} plain step{'s' if TRIALS != 1 else ''})"
                             if timed.left_out else "")
-                         + "; the optimizer step's time predicted")
+                         + "; the optimizer step's time and the gradients' adds of each micro-batch after the first "
+                           "predicted (no trial runs them)")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
             if timed.failed != (n, Setting()):        # a plain step that failed for real is not kept

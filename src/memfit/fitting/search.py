@@ -12,11 +12,11 @@ the winner: `Choice.leading`). The first that fits wins; every faster one was co
 
 The time of one micro-batch of m samples: the host's work (its ops by who dispatches them, at `Machine`'s seconds
 per op: Python, the dispatcher, autograd; the same at every m) and the kernels' (`Cost.kernels`, measured at m),
-summed on the CPU
-(one thread does both) and the larger of the two where the device runs the kernels while the host goes on
-(`Machine.overlap`, CUDA). A checkpointed block adds its forward again and torch.utils.checkpoint's own host work:
-`Machine.checkpoint_seconds` per call and `Machine.saved_seconds` per tensor its forward saves for backward
-(each goes through checkpoint's hooks). The optimizer step (`once`) is the same in every alternative.
+summed on the CPU (one thread does both) and the larger of the two where the device runs the kernels while the host
+goes on (`Machine.overlap`, CUDA). A checkpointed block adds its forward again and torch.utils.checkpoint's own host
+work: `Machine.checkpoint_seconds` per call and `Machine.saved_seconds` per tensor its forward saves for backward
+(each goes through checkpoint's hooks). The optimizer step (`once`) is the same in every alternative; every
+micro-batch after the first adds each gradient into the one held (`later`).
 
 Example:
     >>> sizes = micro_batch_sizes(8)

@@ -33,8 +33,10 @@ dropout in an attention) is not timed (timing it would draw from torch's generat
 the model, its gradients, its optimizer or torch's generators changes.
 
 Known limitations: the optimizer's step is not run (the time model's figure, the same in every alternative, is
-added); the uneven last micro-batch is priced as the micro-batch timed, scaled by the time model's ratio of the
-two; accumulate's own work per micro-batch (about 0.1 ms) is left out.
+added), nor the gradients' adds of a micro-batch after the first (a micro-step holds no gradient: the time model's
+figure for each is added, `memfit.fitting.search.confirm`); the uneven last micro-batch is priced as the micro-batch
+timed, scaled by the time model's ratio of the two; accumulate's own work per micro-batch (about 0.1 ms) is left
+out.
 
 Example:
     >>> import torch
