@@ -510,3 +510,13 @@ def test_where_trials_cost_next_to_nothing_a_wider_window_leads():
     times = {key(a): a.time for a in narrow.alternatives}
     assert 1.15 * times[(4, 0)] < times[(8, 3)] <= WIDE * times[(4, 0)]       # 8 with 3 blocks: the other setting
     assert [key(a) for a in narrow.leading] == [(4, 0), (2, 0)] and [key(a) for a in wide.leading] == [(4, 0), (8, 3)]
+
+
+def test_the_adds_cost_their_kernels_only():
+    """Each add takes the place of the detach AccumulateGrad runs where it takes a gradient over (counted in the
+    step's backward): a later micro-batch's host work is the first's."""
+    later = Cost(ops=0, backward_ops=100, kernels=((1, 0.25), (16, 0.25)))
+    host = Machine(op_seconds=1e-5, backward_op_seconds=1e-3)              # 0.1 s of host work if counted
+    added = step_seconds(16, 8, STEP, BLOCKS, Setting(), host, later=later) - \
+        step_seconds(16, 8, STEP, BLOCKS, Setting(), host)
+    assert added == pytest.approx(0.25)

@@ -216,14 +216,15 @@ def step_seconds(n: int, m: int, step: Mapping[str | None, Cost] | Cost, blocks:
         raise ValueError(f"expected a micro-batch in [1, {n}]; found {m}")
     full, last = divmod(n, m)
     per = _per_micro_batch(step, blocks, setting, machine)
-    fixed = (once.at(n, machine) if once is not None else 0.0) + _adds(full + (last > 0), n, later, machine)
+    fixed = (once.at(n, machine) if once is not None else 0.0) + _adds(full + (last > 0), n, later)
     return full * per(m) + (per(last) if last else 0.0) + fixed
 
 
-def _adds(parts: int, n: int, later: Cost | None, machine: Machine) -> float:
+def _adds(parts: int, n: int, later: Cost | None) -> float:
     """Predicted seconds of the gradients' adds in a step on n samples in `parts` micro-batches (none in the
-    first; their kernels do not depend on the batch: priced at n, a size timed)."""
-    return (parts - 1) * later.at(n, machine) if later is not None else 0.0
+    first): their kernels, which do not depend on the batch (priced at n, a size timed). No host work: each add
+    takes the place of the `detach` AccumulateGrad runs where it takes a gradient over, counted in the step."""
+    return (parts - 1) * later.kernel_seconds(n) if later is not None else 0.0
 
 
 def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapping[str | None, Cost] | Cost,
@@ -332,7 +333,7 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
         full, last = divmod(n, a.micro_batch)
         t = seconds[(a.micro_batch, a.setting)]
         a.measured = full * t + (t * per(last) / per(a.micro_batch) if last else 0.0) + fixed \
-            + _adds(full + (last > 0), n, later, machine)
+            + _adds(full + (last > 0), n, later)
     fastest = min(timed, key=lambda a: a.measured)
     plain = next((a for a in timed if a.micro_batch == n and a.setting == Setting()), None)
     if plain is not None:
