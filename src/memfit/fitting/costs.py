@@ -18,8 +18,8 @@ kernels' seconds at every micro-batch size asked for.
 What the host pays besides kernels is `memfit.fitting.host.machine`'s.
 
 Known limitations: kernels are timed warm and alone (in a step their data is not always in cache: 7-35% slower for
-the larger ones measured; the gradients' adds run back to back over every gradient, BERT 768x12's 440 MB, so they
-are priced at no less than their bytes at a copy's rate); a kernel whose arguments at a micro-batch size exceed
+the larger ones measured; the gradients' adds, each timed alone, run in a step back to back over every gradient:
+0.6-0.9x their real time over BERT 768x12's 440 MB); a kernel whose arguments at a micro-batch size exceed
 `CAP` is timed at the largest halving of that size within it and scaled up in proportion (one with no batch
 dimension, or over `CAP` at one sample, and one that fails on ones, is priced by the larger of its FLOPs at a large
 matmul's rate and its bytes at a copy's); accumulate's own bookkeeping per micro-batch (about 0.1 ms) is left out.
@@ -107,15 +107,17 @@ class _Counter(TorchDispatchMode):
         if func is torch.ops.aten.detach.default and args and args[0] is self.unpacked:
             self.unpacked = None
             return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        sparse = next((t.layout for t in [*outs, *tree_flatten((args, kwargs))[0]]
+                       if isinstance(t, torch.Tensor) and t.layout != torch.strided), None)
+        if sparse is not None:
+            raise NotImplementedError(
+                f"memfit.fit: {func} works on a {sparse} tensor (in {'backward' if in_backward() else 'the forward'})"
+                ": fit's time model counts dense tensors only (a sparse gradient also grows with every micro-batch "
+                "it is added into). Use dense tensors: for nn.Embedding or nn.EmbeddingBag, sparse=False; for a "
+                "sparse buffer or .to_sparse(), its dense form")
         formula = flop_registry.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if any(t.layout != torch.strided for t in outs):
-            raise NotImplementedError(
-                f"memfit.fit: {func} makes a {next(t.layout for t in outs if t.layout != torch.strided)} tensor "
-                f"(in {'backward' if in_backward() else 'the forward'}): fit's time model counts dense tensors only, "
-                "and a sparse gradient (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True)) grows with every "
-                "micro-batch it is added into. Build the module with sparse=False to plan its dense step")
         written = float(sum(t.nbytes for t in outs))
         backward = in_backward()
         inside = frozenset(self.open) if self.open and not backward else frozenset()
@@ -280,11 +282,6 @@ def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dt
     blocks_cost = {k: cost(lambda o, k=k: k in o.blocks, b.saved[k]) for k in blocks}
     once = cost(lambda o: o.phase == "optimizer", line=False)
     later = cost(lambda o: o.phase == "accumulate", line=False)
-    # the adds run back to back over every gradient, far past any cache (each timed alone, summed: 0.6x their real
-    # time on BERT 768x12's 440 MB): at least their bytes at a copy's rate (each gradient read twice, written once)
-    moved = 3 * written(b, lambda o: o.phase == "accumulate")
-    floor = moved / copy_rate(timing_device(device)) if moved else 0.0
-    later = replace(later, kernels=tuple((m, max(t, floor)) for m, t in later.kernels))
     return step, blocks_cost, once, later
 
 
