@@ -71,3 +71,17 @@ def test_a_fake_tensors_device_is_answered_as_the_fake_mode_does_and_is_no_op_of
             fake = mode.from_tensor(torch.ones(2, 3))
             assert fake.device == torch.device("cpu")
             assert torch.ops.prim.device.default(fake) == torch.device("cpu")    # the dispatched ask itself
+
+
+def test_a_sparse_gradient_is_refused_naming_the_fix_not_predicted_without_it():
+    """A sparse gradient owns no plain storage: the log cannot count it (it crashed on None there)."""
+    import memfit
+    model = nn.Sequential(nn.Embedding(100, 8, sparse=True), nn.Flatten(), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"'0.weight' is a torch.sparse_coo tensor.*sparse=False"):
+        memfit.memory_model(model, torch.randint(0, 100, (8, 4)), train=True, optimizer=opt,
+                            loss_fn=torch.nn.functional.mse_loss, target=torch.randn(8, 2))
+    dense = nn.Sequential(nn.Embedding(100, 8), nn.Flatten(), nn.Linear(32, 2))   # the fix named: predicted
+    opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+    assert memfit.memory_model(dense, torch.randint(0, 100, (8, 4)), train=True, optimizer=opt,
+                               loss_fn=torch.nn.functional.mse_loss, target=torch.randn(8, 2)).total_bytes(8) > 0

@@ -111,7 +111,7 @@ class _Counter(TorchDispatchMode):
         sparse = next((t.layout for t in [*outs, *tree_flatten((args, kwargs))[0]]
                        if isinstance(t, torch.Tensor) and t.layout != torch.strided), None)
         if sparse is not None:
-            raise NotImplementedError(
+            raise ValueError(
                 f"memfit.fit: {func} works on a {sparse} tensor (in {'backward' if in_backward() else 'the forward'})"
                 ": fit's time model counts dense tensors only (a sparse gradient also grows with every micro-batch "
                 "it is added into). Use dense tensors: for nn.Embedding or nn.EmbeddingBag, sparse=False; for a "
