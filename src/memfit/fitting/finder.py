@@ -269,6 +269,9 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                          + (f"; {len(timed.left_out)} left out, predicted slower than the fastest (a micro-step of "
                             f"each would have taken the trials past {TRIALS:g} plain step{'s' if TRIALS != 1 else ''})"
                             if timed.left_out else "")
+                         + (f"; the model draws random numbers outside its Dropout modules ({', '.join(timed.drawn)}): "
+                            "its micro-steps drew from generators of memfit's own, torch's untouched (through a "
+                            "dispatch mode: a few % on each figure)" if timed.drawn else "")
                          + "; the optimizer step's time and the gradients' adds of each micro-batch after the first "
                            "predicted (no trial runs them)")
         else:

@@ -28,9 +28,11 @@ parameters, its own module objects) that holds copies of the buffers (BatchNorm'
 updated) and whose `torch.nn.Dropout` modules draw nothing (p = 0: their masks' kernels are left out of the
 figures, alike in every alternative); the gradients are returned by `torch.autograd.grad`, so no `.grad` is
 touched. The first micro-step of each alternative is a warm-up, run where a random op would draw from generators
-of its own (`memfit.memory.isolation.own_draw`); a model that draws outside its Dropout modules (a functional
-dropout in an attention) is not timed (timing it would draw from torch's generator), and fit says so. Nothing of
-the model, its gradients, its optimizer or torch's generators changes.
+of its own (`memfit.memory.isolation.own_draw`); where a model draws outside its Dropout modules (a functional
+dropout in T5's attention: `Timed.drawn` names the ops), every later micro-step runs inside
+`memfit.memory.isolation.own_rng`, its draws from generators of its own (a dispatch mode: a few % on each figure,
+as on the warm-ups'), and fit says so. Nothing of the model, its gradients, its optimizer or torch's generators
+changes.
 
 Known limitations: the optimizer's step is not run (the time model's figure, the same in every alternative, is
 added), nor the gradients' adds of a micro-batch after the first (a micro-step holds no gradient: the time model's
@@ -90,6 +92,7 @@ class Timed:
     why_not: str = ""
     failed: tuple | None = None     # the point (m, setting) whose micro-step raised, where one did
     left_out: list = field(default_factory=list)    # points not timed: their first micro-steps past the allowance
+    drawn: tuple = ()       # random ops the model drew outside its Dropout modules: from generators of memfit's own
 
 
 class _Draws(TorchDispatchMode):
@@ -167,6 +170,7 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
     the clock's seconds, every point timed. Where only the first round ran, each point's first micro-step is its
     figure (`Timed.runs` 0). An out-of-memory error or any other failure stops the timing: `Timed.why_not` says
     why, and nothing is kept."""
+    from memfit.memory.isolation import own_rng
     device = model_device(module)
     now = clock(device)
     what = "the thread's CPU time" if device.type == "cpu" and torch.get_num_threads() == 1 else "the wall clock"
@@ -183,12 +187,11 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
         # at least FLOOR: a small model's points, a few ms each, are all timed (which ones run then does not turn on
         # the time model's noise: the CLI and the Python API chose differently on a loaded VM)
         chosen, timed.left_out = within(chosen, predicted, max(allowance, FLOOR))
-    # the smallest micro-step first: the warm-up that finds a draw outside Dropout modules (then nothing is timed)
-    # is the cheapest (GPT-2 768x2's SDPA kernel is seeded: a full batch's forward and backward for nothing)
+    # the smallest micro-step first (the warm-ups note which random ops a model draws outside its Dropout modules)
     keyed = sorted(chosen, key=lambda k: k[0])
     samples: dict[tuple, list[float]] = {k: [] for k in keyed}
     warm: dict[tuple, float] = {}
-    key, ran, start, limit = None, 0, now(), allowance
+    key, ran, start, limit, drawn = None, 0, now(), allowance, set()
     # fit's trials (the predicted seconds given): more rounds while all of them stay within FLOOR (micro-steps of a
     # few ms: the least of more runs, steadier between fits)
     most = max(rounds, SHORT) if predicted is not None and allowance is not None else rounds
@@ -210,11 +213,7 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
                     with draws:
                         _run(copy, params, loss_fn, x, y, key, device)
                     warm[key] = now() - t0
-                    if draws.seen:
-                        timed.why_not = (f"the model draws random numbers outside its torch.nn.Dropout modules "
-                                         f"({', '.join(sorted(set(draws.seen)))}): timing it would draw from torch's "
-                                         "generator")
-                        return timed
+                    drawn.update(draws.seen)
                     continue
                 got = samples[key]
                 if r == 2 and max(warm[key], got[0]) <= STEADY * min(warm[key], got[0]):
@@ -222,12 +221,14 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
                     timed.steady += 1
                     continue
                 t0 = now()
-                _run(copy, params, loss_fn, x, y, key, device)
+                with own_rng() if drawn else contextlib.nullcontext():   # its draws from generators of its own
+                    _run(copy, params, loss_fn, x, y, key, device)
                 got.append(now() - t0)
     except Exception as e:
         timed.why_not = "out of memory" if is_oom(e) else f"a micro-step failed ({first_line(e)})"
         timed.failed = key
         return timed
+    timed.drawn = tuple(sorted(drawn))
     # only the first round ran: each point's first micro-step is its figure
     timed.seconds = {k: min(v) if v else warm[k] for k, v in samples.items()}
     timed.runs = ran - 1
