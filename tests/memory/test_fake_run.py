@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from memfit.device.torch_private import FakeTensorMode
 from memfit.memory.fake_run import COLUMN, StepSpec, fake_run
@@ -73,12 +74,30 @@ def test_a_fake_tensors_device_is_answered_as_the_fake_mode_does_and_is_no_op_of
             assert torch.ops.prim.device.default(fake) == torch.device("cpu")    # the dispatched ask itself
 
 
-def test_a_sparse_gradient_is_refused_naming_the_fix_not_predicted_without_it():
-    """A sparse gradient owns no plain storage: the log cannot count it (it crashed on None there)."""
+class ToSparse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.lin(x.relu().to_sparse().to_dense())
+
+
+def test_a_sparse_tensor_made_in_the_step_is_refused_naming_the_fix_not_predicted_without_it():
+    """A sparse tensor owns no plain storage: the log could not count it. `.to_sparse()` in a forward was predicted
+    below the real step (932 B against the allocator's 2,128); a sparse gradient crashed on None."""
     import memfit
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+    model = ToSparse()
+    real = memfit.measure_step(model, x, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, y)
+    assert real > 0
+    with pytest.raises(ValueError, match=r"memory model counts dense tensors only: .*torch.sparse_coo tensor "
+                                         r"\(in the forward\).*\.to_sparse\(\), its dense form"):
+        memfit.memory_model(model, x, train=True, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            loss_fn=F.mse_loss, target=y)
     model = nn.Sequential(nn.Embedding(100, 8, sparse=True), nn.Flatten(), nn.Linear(32, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"'0.weight' is a torch.sparse_coo tensor.*sparse=False"):
+    with pytest.raises(ValueError, match=r"torch.sparse_coo tensor \(in backward\).*sparse=False"):
         memfit.memory_model(model, torch.randint(0, 100, (8, 4)), train=True, optimizer=opt,
                             loss_fn=torch.nn.functional.mse_loss, target=torch.randn(8, 2))
     dense = nn.Sequential(nn.Embedding(100, 8), nn.Flatten(), nn.Linear(32, 2))   # the fix named: predicted

@@ -53,7 +53,7 @@ from memfit.fitting.search import Cost
 from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, timing_device, unsteady
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.step import ExampleBatch, forward_autocast
-from memfit.memory.storage_log import device_asked
+from memfit.memory.storage_log import device_asked, refuse_sparse
 
 __all__ = ["CAP", "step_costs"]
 
@@ -108,14 +108,7 @@ class _Counter(TorchDispatchMode):
             self.unpacked = None
             return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        sparse = next((t.layout for t in [*outs, *tree_flatten((args, kwargs))[0]]
-                       if isinstance(t, torch.Tensor) and t.layout != torch.strided), None)
-        if sparse is not None:
-            raise ValueError(
-                f"memfit.fit: {func} works on a {sparse} tensor (in {'backward' if in_backward() else 'the forward'})"
-                ": fit's time model counts dense tensors only (a sparse gradient also grows with every micro-batch "
-                "it is added into). Use dense tensors: for nn.Embedding or nn.EmbeddingBag, sparse=False; for a "
-                "sparse buffer or .to_sparse(), its dense form")
+        refuse_sparse(func, [*outs, *tree_flatten((args, kwargs))[0]], "memfit.fit's time model")
         formula = flop_registry.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
         written = float(sum(t.nbytes for t in outs))

@@ -198,7 +198,6 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                     tracker.ops.append(f"<end of {phase}>")   # what is freed before the mark is freed in it
                     marks[phase] = (len(tracker.ops), len(log))
                     if phase == "backward":
-                        _refuse_sparse(fake_named)
                         samples["gradients"] = {_storage_key(p.grad)[0] for p in fake_named.values()
                                                 if isinstance(p, torch.Tensor) and p.grad is not None}
                         if not grads_held:     # the storages, which may be larger than the gradients on them
@@ -249,18 +248,6 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                     {k: rounded(p.nbytes) for k, p in trainable.items()}) if noting else None
     return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes,
                 tracker.scratch_ops, *step, sdpa=sdpa, source=source)
-
-
-def _refuse_sparse(named: dict) -> None:
-    """A sparse gradient (nn.Embedding(sparse=True)) owns no plain storage: the log cannot count it, so the run is
-    refused rather than predicted without it."""
-    sparse = next((name for name, p in named.items()
-                   if isinstance(p, torch.Tensor) and p.grad is not None and p.grad.layout != torch.strided), None)
-    if sparse is not None:
-        raise ValueError(
-            f"the gradient of {sparse!r} is a {named[sparse].grad.layout} tensor: memfit's memory model counts dense "
-            "storages only (a sparse gradient's bytes depend on the ids in the batch). Build the module with "
-            "sparse=False (nn.Embedding, nn.EmbeddingBag) to predict its dense step")
 
 
 @contextmanager

@@ -18,6 +18,7 @@ from memfit.device.torch_private import (
     DataDependentOutputException,
     FakeTensor,
     FakeTensorMode,
+    in_backward,
     op_schema,
     storage_key,
     tree_flatten,
@@ -35,7 +36,7 @@ from memfit.memory.kernel_scratch import measured_here, spec_of
 from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, transformers_reads_values
 from memfit.memory.step import autocast_entered_in_forward
 
-__all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked"]
+__all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "refuse_sparse"]
 
 # ops whose backward keeps their second argument: given a Python number, a 0-d tensor autograd wraps and saves
 SAVES_SCALAR = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
@@ -119,6 +120,7 @@ class StorageLog:
             try:
                 s = t.untyped_storage()
             except (RuntimeError, NotImplementedError):   # sparse or wrapper tensors own no plain storage
+                refuse_sparse(func, (t,), "memfit's memory model")    # a sparse one made here would go uncounted
                 continue
             key = storage_key(s)
             if key in self.refs:                          # allocated here, or known to be made outside
@@ -185,6 +187,19 @@ _FUSED_ENCODER_LAYER = torch.ops.aten._transformer_encoder_layer_fwd.default
 # moves (~2,000 times a BERT 768x12 backward: 62% of what a run dispatched, a fifth of a memory model's time)
 _DEVICE = torch.ops.prim.device.default
 _WARNED: set[tuple[str, int]] = set()        # (file, line) of transformers' questions answered no and warned of
+
+
+def refuse_sparse(func, tensors, counter: str) -> None:
+    """ValueError where one of `tensors` is sparse: what `counter` counts is dense tensors' bytes (a sparse tensor's
+    depend on its values: `x.to_sparse().to_dense()` in a forward was predicted 0.44x its real step, a sparse
+    gradient crashed the run)."""
+    layout = next((t.layout for t in tensors if isinstance(t, torch.Tensor) and t.layout != torch.strided), None)
+    if layout is not None:
+        raise ValueError(
+            f"{counter} counts dense tensors only: {func} works on a {layout} tensor (in "
+            f"{'backward' if in_backward() else 'the forward'}), whose bytes depend on its values (a sparse "
+            "gradient's on the ids in the batch; it grows with every micro-batch added into it). Use dense tensors: "
+            "for nn.Embedding or nn.EmbeddingBag, sparse=False; for a sparse buffer or .to_sparse(), its dense form")
 
 
 def device_asked(func, args) -> torch.device | None:
