@@ -6,6 +6,7 @@ import pytest
 from memfit.fitting.search import (
     CLEAR,
     CLOSE,
+    Choice,
     Cost,
     Machine,
     Setting,
@@ -385,8 +386,9 @@ def test_without_a_real_timing_the_plain_step_that_fits_is_kept_and_the_reason_s
 
 
 def test_the_timed_alternatives_decide_and_close_ones_go_to_the_simplest():
-    """Without the plain step: the fastest timed, or, within CLOSE of it, the one with fewer checkpointed modules
-    and then the larger micro-batch (repeated fits whose timings move a little keep their choice). Timed
+    """Without the plain step: the fastest timed, or, within CLOSE of it, the one with the larger micro-batch (fewer
+    micro-batches) and then fewer checkpointed modules (repeated fits whose timings move a little keep their
+    choice; a trial leaves out what each micro-batch costs beyond its micro-step). Timed
     micro-steps: the step's seconds are its micro-batches', the uneven last one scaled by the time model."""
     bytes_of, _ = peaks()
     choice = _leading_search(bytes_of(Setting())(4))
@@ -401,8 +403,16 @@ def test_the_timed_alternatives_decide_and_close_ones_go_to_the_simplest():
     for k in close:                                  # the predicted best 1% slower than the fastest: within CLOSE
         close[k] *= 1.0 if k == (timed[0].micro_batch, timed[0].setting) else 0.99
     picked = confirm(choice, close, 16, STEP, BLOCKS, MACHINE)
-    simplest = min(timed, key=lambda a: (len(a.setting.checkpoint), -a.micro_batch))
+    simplest = min(timed, key=lambda a: (-a.micro_batch, len(a.setting.checkpoint)))
     assert picked.best is simplest and CLOSE > 1.01
+    # micro-batch 8 with a block checkpointed against 4 unchecked, 3% apart either way: the larger micro-batch
+    pair = [next(a for a in timed if a.setting.checkpoint), next(a for a in timed if not a.setting.checkpoint)]
+    assert pair[0].micro_batch > pair[1].micro_batch
+    two = Choice(pair[1], choice.alternatives, "", pair)
+    scale = pair[0].micro_batch // pair[1].micro_batch                        # the same seconds per sample, then
+    for apart in (0.97, 1.03, 1.06):                                           # the larger 3% faster, 3% and 6% slower
+        seconds = {(pair[0].micro_batch, pair[0].setting): apart * scale, (pair[1].micro_batch, pair[1].setting): 1.0}
+        assert confirm(two, seconds, 16, STEP, BLOCKS, MACHINE).best is (pair[0] if apart < CLOSE else pair[1])
     assert confirm(choice, {}, 16, STEP, BLOCKS, MACHINE).best is choice.best      # nothing timed: as it was
     # an uneven last micro-batch: 16 in micro-batches of 12 is one of 12 and one of 4, priced by the time model
     a = next(x for x in timed)

@@ -51,10 +51,15 @@ FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpoint
 LEAD = 1.15      # alternatives predicted within this of the fastest that fits are timed for real beside it ...
 LEADING = 3      # ... at most this many (the fastest that fits included)
 CLEAR = 0.95     # another plan replaces a plain step that fits only when measured at most this fraction of its time
-CLOSE = 1.04     # timed within this of the fastest timed, the simplest is taken (fewest checkpointed, bf16 last,
-#                  then the largest micro-batch): the same choice in repeated fits, where the timings move a little
-#                  (`bench fit`'s GPT-2, 5 fits: micro-batch 8 with 1 block measured 3.3% faster than 4 unchecked in
-#                  one, 0-15% slower in the others; at 3% that one fit chose otherwise)
+CLOSE = 1.04     # timed within this of the fastest timed, the simplest is taken (bf16 last, then the fewest
+#                  micro-batches, then the fewest checkpointed): the same choice in repeated fits, where the timings
+#                  move a little (`bench fit`'s GPT-2, 5 fits: micro-batch 8 with 1 block measured 3.3% faster than 4
+#                  unchecked in one, 0-15% slower in the others; at 3% that one fit chose otherwise). The fewest
+#                  micro-batches before the fewest checkpointed: what a micro-batch costs beyond its micro-step is
+#                  left out of a trial or predicted low (accumulate's own work, the gradients' adds timed warm), and
+#                  the trials' ratio of a pair moves from process to process (`bench fit --quick`'s BERT and Llama,
+#                  micro-batch 4 unchecked against 8 with 1 of 2 blocks checkpointed: trials 0.95-1.07x in fresh
+#                  processes, the grid 0.90-0.95x; fewest checkpointed first took micro-batch 4 in 2-4 fits of 5)
 WIDE = 1.5       # `LEAD` where trials cost next to nothing (`wide_lead`): the time model's error on a model of a
 CHEAP = 0.05     # few ms a step is 20-30% (`bench fit`'s GPT-2: 4 unchecked predicted beyond 1.15x 8 with 1 block
 #                  in one fit of five, alike for real); seconds of a plain micro-step (predicted) at most for that
@@ -321,9 +326,9 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
     scaled by the time model's ratio to the one timed) plus the optimizer step's (`once`, predicted: the same in
     every alternative) and the gradients' adds of every micro-batch after the first (`later`, predicted: a trial
     holds no gradient), set as `Alternative.measured`. The plain step, where it fits and was timed, stays unless
-    another is measured at most `CLEAR` of its time; else the simplest (fewest checkpointed, bf16 last, then the
-    largest micro-batch) among those within `CLOSE` of the fastest timed. Fewer than two timed: the choice as it
-    was."""
+    another is measured at most `CLEAR` of its time; else the simplest (bf16 last, then the fewest micro-batches,
+    then the fewest checkpointed) among those within `CLOSE` of the fastest timed. Fewer than two timed: the choice
+    as it was."""
     timed = [a for a in choice.leading if (a.micro_batch, a.setting) in seconds]
     if len(timed) < 2:
         return choice
@@ -343,13 +348,19 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
                f"the plain step fits, and no other plan was measured faster by {1 - CLEAR:.0%} or more")
     else:
         close = [a for a in timed if a.measured <= CLOSE * fastest.measured]
-        best = min(close, key=lambda a: (len(a.setting.checkpoint), a.setting.autocast is not None, -a.micro_batch))
+        best = min(close, key=_simplest)
         why = f"the fastest of the {len(timed)} leading alternatives timed for real" + (
-            f" (or within {CLOSE - 1:.0%} of it, with fewer checkpointed modules or a larger micro-batch)"
+            f" (or within {CLOSE - 1:.0%} of it, with fewer micro-batches or fewer checkpointed modules)"
             if best is not fastest else "")
     said = "; ".join(f"{_name(a, n)} {a.measured:.3g} s a step" for a in sorted(timed, key=lambda a: a.measured))
     reason = f"{why}: {_name(best, n)}, {format_bytes(best.bytes)} <= the budget (measured: {said})"
     return Choice(best, choice.alternatives, reason, choice.leading)
+
+
+def _simplest(a: Alternative) -> tuple:
+    """The order among plans timed within `CLOSE` of each other: bf16 last, then the fewest micro-batches (the
+    largest micro-batch), then the fewest checkpointed modules."""
+    return a.setting.autocast is not None, -a.micro_batch, len(a.setting.checkpoint)
 
 
 def wide_lead(plain_micro_step: float) -> float:
