@@ -35,18 +35,28 @@ class RealOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("stepped", [False, True])
-def test_the_ops_counted_are_the_ops_a_real_step_dispatches(stepped):
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+              "adam amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True),
+              "sgd momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+              "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1, momentum=0.5)}
+
+
+@pytest.mark.parametrize("stepped, optimizer", [(False, "adamw"), (True, "adamw"), (False, "adam amsgrad"),
+                                                (False, "sgd momentum"), (False, "rmsprop")])
+def test_the_ops_counted_are_the_ops_a_real_step_dispatches(stepped, optimizer):
     """Forward, backward and the optimizer step: the same ops in the same order as a real step of the model (fake
     tensors dispatch `prim` ops for attributes, and autograd detaches what the saved-tensor count's hook unpacks:
-    neither is an op of a real step). An optimizer without state yet: its state-making first step is not counted."""
+    neither is an op of a real step). An optimizer without state yet: its state-making first step is not counted
+    (it runs on the multi-tensor kernels: the state it makes must be the one the counted step reads)."""
     model, (x, y) = mlp(), (torch.randn(4, 8), torch.randn(4, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    groups = [dict(g) for g in opt.param_groups]
     if stepped:
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
     counted = costs._count(model, x, y, F.mse_loss, ["0", "1"], None, DEV, opt)
+    assert opt.param_groups == groups and (stepped or not opt.state)       # the optimizer as it was
     if not stepped:                               # the reference steps over existing state, as counted
         model(x).sum().backward()
         opt.step()

@@ -41,7 +41,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -154,12 +154,30 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None, adds:
                 if opt is not None:     # a step as in a running loop: state not made yet is made by a first
                     if not optimizer.state:                         # step, not counted
                         counter.phase = "first optimizer step"
-                        type(opt).step(opt)
+                        with _multi_tensor(opt):
+                            type(opt).step(opt)
                     counter.phase = "optimizer"
                     type(opt).step(opt)
                     type(opt).zero_grad(opt)
         del loss, xs, ys
     return counter
+
+
+@contextmanager
+def _multi_tensor(opt):
+    """The fake optimizer's groups on torch's multi-tensor kernels (foreach) for a step that only makes the state:
+    its ops are not counted, and the state is the same either way (torch.optim makes it before picking the kernels),
+    in one op per kind of update for the whole group instead of one per parameter (AdamW on BERT 768x12: 2,615 ops,
+    40% of a counted run's). Groups without the choice (fused, or an optimizer without `foreach`) as they are."""
+    groups = [g for g in opt.param_groups if "foreach" in g and not g.get("fused") and not g.get("differentiable")]
+    was = [g["foreach"] for g in groups]
+    for g in groups:
+        g["foreach"] = True
+    try:
+        yield
+    finally:
+        for g, f in zip(groups, was, strict=True):
+            g["foreach"] = f
 
 
 def _len(x) -> int:
