@@ -38,11 +38,13 @@ class RealOps(TorchDispatchMode):
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1),
               "adam amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True),
               "sgd momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-              "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1, momentum=0.5)}
+              "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1, momentum=0.5),
+              "adamw tensor lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.1))}
 
 
 @pytest.mark.parametrize("stepped, optimizer", [(False, "adamw"), (True, "adamw"), (False, "adam amsgrad"),
-                                                (False, "sgd momentum"), (False, "rmsprop")])
+                                                (False, "sgd momentum"), (False, "rmsprop"),
+                                                (False, "adamw tensor lr")])
 def test_the_ops_counted_are_the_ops_a_real_step_dispatches(stepped, optimizer):
     """Forward, backward and the optimizer step: the same ops in the same order as a real step of the model (fake
     tensors dispatch `prim` ops for attributes, and autograd detaches what the saved-tensor count's hook unpacks:

@@ -168,8 +168,13 @@ def _multi_tensor(opt):
     """The fake optimizer's groups on torch's multi-tensor kernels (foreach) for a step that only makes the state:
     its ops are not counted, and the state is the same either way (torch.optim makes it before picking the kernels),
     in one op per kind of update for the whole group instead of one per parameter (AdamW on BERT 768x12: 2,615 ops,
-    40% of a counted run's). Groups without the choice (fused, or an optimizer without `foreach`) as they are."""
-    groups = [g for g in opt.param_groups if "foreach" in g and not g.get("fused") and not g.get("differentiable")]
+    40% of a counted run's). Groups without the choice (fused, or an optimizer without `foreach`) as they are, and
+    those with a tensor option (an `lr` or `betas` tensor: torch's multi-tensor Adam refuses them without
+    `capturable`, and the default then picks the single-tensor kernels)."""
+    def options(g):
+        return tree_flatten([v for k, v in g.items() if k != "params"])[0]
+    groups = [g for g in opt.param_groups if "foreach" in g and not g.get("fused") and not g.get("differentiable")
+              and not any(isinstance(v, torch.Tensor) for v in options(g))]
     was = [g["foreach"] for g in groups]
     for g in groups:
         g["foreach"] = True
