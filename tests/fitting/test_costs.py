@@ -190,3 +190,24 @@ def test_a_sparse_gradient_is_refused_by_fit_naming_the_fix():
     with pytest.raises(ValueError, match=r"sparse_coo tensor \(in backward\).*sparse=False"):
         memfit.fit(model, opt, (ids, y), F.mse_loss, budget="1GiB")
     assert all(p.grad is None for p in model.parameters())                    # nothing half-done
+
+
+def test_a_blocks_dropped_cost_is_what_its_dropout_modules_run():
+    """`Cost.dropped` of a block: the ops its Dropout modules' forwards dispatch (the reference: a real Dropout on a
+    tensor of the block's shapes), which fit's trials leave out (Dropout at p = 0 there); none for a block without
+    one, nor anything of the block's other ops."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.GELU(), nn.Dropout(0.25),
+                                        nn.Linear(16, 8)),
+                          nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    _, blocks, _, _ = costs.step_costs(model, x, y, F.mse_loss, ["0", "1"])
+    real, h = RealOps(), torch.randn(4, 16, requires_grad=True)
+    with real:
+        nn.Dropout(0.5)(h)
+    per_dropout = len(real.ops["forward"])
+    assert per_dropout >= 2                                        # the mask drawn, the product (at least)
+    assert blocks["0"].dropped.ops == 2 * per_dropout
+    assert blocks["0"].dropped.kernel_seconds(4) > 0
+    assert blocks["0"].dropped.ops < blocks["0"].ops
+    assert blocks["1"].dropped.ops == 0 and blocks["1"].dropped.kernel_seconds(4) == 0

@@ -1,11 +1,13 @@
 """memfit.fitting.search: the pure search core, on made-up costs and peaks (no model)."""
 import itertools
+from dataclasses import replace
 
 import pytest
 
 from memfit.fitting.search import (
     CLEAR,
     CLOSE,
+    Alternative,
     Choice,
     Cost,
     Machine,
@@ -530,3 +532,24 @@ def test_the_adds_cost_their_kernels_only():
     added = step_seconds(16, 8, STEP, BLOCKS, Setting(), host, later=later) - \
         step_seconds(16, 8, STEP, BLOCKS, Setting(), host)
     assert added == pytest.approx(0.25)
+
+
+def test_confirm_adds_what_the_trials_dropout_at_p0_leaves_out_of_each_recomputation():
+    """A trial runs Dropout at p = 0: each checkpointed block's `Cost.dropped` (its Dropout modules' work, run again
+    in the recomputation) is added once per micro-batch, the uneven last one at its own size; nothing where no
+    block is checkpointed."""
+    drop = Cost(ops=3, kernels=((1, 1e-3), (16, 1.6e-2)))            # 1 ms a sample
+    blocks = {k: replace(BLOCK, dropped=drop) for k in BLOCKS}
+    choice = _leading_search(10**9)
+    pair = [Alternative(16, Setting(), 1.0, 100), Alternative(16, Setting(("b0", "b1")), 1.0, 100),
+            Alternative(12, Setting(("b0",)), 1.0, 100)]
+    two = Choice(pair[0], choice.alternatives, "", pair)
+    seconds = {(a.micro_batch, a.setting): 1.0 for a in pair}
+    base = {k: replace(BLOCK) for k in BLOCKS}
+    confirm(two, seconds, 16, STEP, base, MACHINE)
+    without = [a.measured for a in pair]
+    confirm(two, seconds, 16, STEP, blocks, MACHINE)
+    assert pair[0].measured == without[0]
+    assert pair[1].measured == pytest.approx(without[1] + 2 * drop.at(16, MACHINE))
+    # 16 in micro-batches of 12: one of 12 and one of 4, each recomputing b0's dropout at its size
+    assert pair[2].measured == pytest.approx(without[2] + drop.at(12, MACHINE) + drop.at(4, MACHINE))

@@ -48,7 +48,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from memfit.batches import forward
-from memfit.device.torch_private import FakeTensorMode, TorchDispatchMode, in_backward, tree_flatten
+from memfit.device.torch_private import DropoutBase, FakeTensorMode, TorchDispatchMode, in_backward, tree_flatten
 from memfit.fitting.search import Cost
 from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, timing_device, unsteady
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
@@ -71,6 +71,7 @@ class _Op:
     phase: str
     flops: float
     written: float
+    dropout: bool = False       # run inside a Dropout module's forward (a trial runs them at p = 0: none of it)
 
 
 class _Counter(TorchDispatchMode):
@@ -84,9 +85,13 @@ class _Counter(TorchDispatchMode):
         self.ops: list[_Op] = []
         self.saved = {b: 0 for b in blocks}
         self.unpacked = None
+        self.dropping = 0           # Dropout modules whose forward is running
 
     def close(self) -> None:          # a forward hook: returns None, so the output stays the module's
         self.open.pop()
+
+    def drop(self, step: int) -> None:   # a Dropout module's forward begins (1) or ends (-1)
+        self.dropping += step
 
     def pack(self, t):               # saved_tensors_hooks: counts what each open block's forward saves
         for b in set(self.open):
@@ -116,7 +121,8 @@ class _Counter(TorchDispatchMode):
         inside = frozenset(self.open) if self.open and not backward else frozenset()
         view = func.is_view or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten._unsafe_view)
         phase = ("backward" if backward else "forward") if self.phase == "step" else self.phase
-        self.ops.append(_Op(func, spec_of(args, kwargs), view, inside, phase, flops, written))
+        self.ops.append(_Op(func, spec_of(args, kwargs), view, inside, phase, flops, written,
+                            self.dropping > 0 and not backward))
         return out
 
 
@@ -133,6 +139,10 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None, adds:
         for b in blocks:          # which blocks' forwards are running (a block called twice is counted twice)
             stack.enter_context(modules[b].register_forward_pre_hook(lambda m, a, _b=b: counter.open.append(_b)))
             stack.enter_context(modules[b].register_forward_hook(lambda m, a, o: counter.close(), always_call=True))
+        for m in modules.values():    # which ops a Dropout module runs (`Cost.dropped`)
+            if isinstance(m, DropoutBase):
+                stack.enter_context(m.register_forward_pre_hook(lambda m, a: counter.drop(1)))
+                stack.enter_context(m.register_forward_hook(lambda m, a, o: counter.drop(-1), always_call=True))
         # made outside the fake mode: its copy of a real one-element state tensor (Adam's step) must be real
         opt = _fake_optimizer(optimizer, fm.fake, mode) if optimizer is not None else None
         model = stack.enter_context(fm.running())  # own_rng's mode steps aside: nothing draws on fake tensors
@@ -295,7 +305,9 @@ def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dt
         rows = [r for _, r in chosen] or [dict.fromkeys(sizes, 0.0)]
         return _cost(rows, [p for p, _ in chosen], saved, runs)
     step = replace(cost(lambda o: o.phase in ("forward", "backward")), unsteady=steadiness)
-    blocks_cost = {k: cost(lambda o, k=k: k in o.blocks, b.saved[k]) for k in blocks}
+    blocks_cost = {k: replace(cost(lambda o, k=k: k in o.blocks, b.saved[k]),
+                              dropped=cost(lambda o, k=k: k in o.blocks and o.dropout, line=False))
+                   for k in blocks}
     once = cost(lambda o: o.phase == "optimizer", line=False)
     later = cost(lambda o: o.phase == "accumulate", line=False)
     return step, blocks_cost, once, later

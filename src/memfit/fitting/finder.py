@@ -272,8 +272,8 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                          + (f"; the model draws random numbers outside its Dropout modules ({', '.join(timed.drawn)}): "
                             "its micro-steps drew from generators of memfit's own, torch's untouched (through a "
                             "dispatch mode: a few % on each figure)" if timed.drawn else "")
-                         + "; the optimizer step's time and the gradients' adds of each micro-batch after the first "
-                           "predicted (no trial runs them)")
+                         + "; the optimizer step's time, the gradients' adds of each micro-batch after the first "
+                           "and the Dropout modules a checkpointed block runs again predicted (no trial runs them)")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
             if timed.failed != (n, Setting()):        # a plain step that failed for real is not kept

@@ -76,7 +76,8 @@ class Cost:
     them: `ops` from Python with autograd recording (a forward), `backward_ops` autograd's engine, `optimizer_ops`
     Python without autograd (an optimizer's step); `kernels` the seconds its kernels take at micro-batch sizes
     ((m, seconds) pairs, measured); `saved` the tensors it saves for backward; `written` its bytes written as a
-    line (a, b): a + b * m (ranks blocks for checkpointing)."""
+    line (a, b): a + b * m (ranks blocks for checkpointing); `dropped` (a block's) the part of it its Dropout
+    modules run, which `memfit.fitting.trials` leaves out (Dropout at p = 0 there)."""
     ops: int
     kernels: tuple[tuple[int, float], ...] = ()
     saved: int = 0
@@ -84,6 +85,7 @@ class Cost:
     backward_ops: int = 0
     optimizer_ops: int = 0
     unsteady: tuple[int, int] = (0, 0)   # (kernels timed in samples far apart, kernels timed): `timing.unsteady`
+    dropped: Cost | None = None
 
     def kernel_seconds(self, m: int) -> float:
         """The kernels' seconds at m: measured there, else `interpolate`d between the sizes measured."""
@@ -324,11 +326,12 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
     """The choice among the leading alternatives timed for real: `seconds[(m, setting)]` one micro-step of m
     samples (`memfit.fitting.trials.micro_steps`); a step's seconds are its micro-batches' (the uneven last one
     scaled by the time model's ratio to the one timed) plus the optimizer step's (`once`, predicted: the same in
-    every alternative) and the gradients' adds of every micro-batch after the first (`later`, predicted: a trial
-    holds no gradient), set as `Alternative.measured`. The plain step, where it fits and was timed, stays unless
-    another is measured at most `CLEAR` of its time; else the simplest (bf16 last, then the fewest micro-batches,
-    then the fewest checkpointed) among those within `CLOSE` of the fastest timed. Fewer than two timed: the choice
-    as it was."""
+    every alternative), the gradients' adds of every micro-batch after the first (`later`, predicted: a trial
+    holds no gradient) and the Dropout modules of each checkpointed block run again in each micro-batch
+    (`Cost.dropped`, predicted: a trial runs them at p = 0), set as `Alternative.measured`. The plain step, where
+    it fits and was timed, stays unless another is measured at most `CLEAR` of its time; else the simplest (bf16
+    last, then the fewest micro-batches, then the fewest checkpointed) among those within `CLOSE` of the fastest
+    timed. Fewer than two timed: the choice as it was."""
     timed = [a for a in choice.leading if (a.micro_batch, a.setting) in seconds]
     if len(timed) < 2:
         return choice
@@ -337,8 +340,11 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
         per = _per_micro_batch(step, blocks, a.setting, machine)
         full, last = divmod(n, a.micro_batch)
         t = seconds[(a.micro_batch, a.setting)]
-        a.measured = full * t + (t * per(last) / per(a.micro_batch) if last else 0.0) + fixed \
-            + _adds(full + (last > 0), n, later)
+        # a trial runs Dropout at p = 0: the dropouts of the checkpointed blocks' forwards run again, predicted
+        again = lambda s, a=a: sum(blocks[b].dropped.at(s, machine) for b in a.setting.checkpoint
+                                   if blocks[b].dropped is not None)
+        a.measured = full * (t + again(a.micro_batch)) + ((t * per(last) / per(a.micro_batch) + again(last))
+                                                          if last else 0.0) + fixed + _adds(full + (last > 0), n, later)
     fastest = min(timed, key=lambda a: a.measured)
     plain = next((a for a in timed if a.micro_batch == n and a.setting == Setting()), None)
     if plain is not None:
