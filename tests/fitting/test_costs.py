@@ -39,12 +39,22 @@ OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1),
               "adam amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True),
               "sgd momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
               "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1, momentum=0.5),
-              "adamw tensor lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.1))}
+              "adamw tensor lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.1)),
+              "refuses foreach": lambda ps: NoForeach(ps, lr=0.1, momentum=0.9)}
+
+
+class NoForeach(torch.optim.SGD):
+    """An optimizer of another library: a `foreach` option whose multi-tensor path refuses these groups."""
+
+    def step(self, closure=None):
+        if any(g["foreach"] for g in self.param_groups):
+            raise RuntimeError("foreach is not supported here")
+        return super().step(closure)
 
 
 @pytest.mark.parametrize("stepped, optimizer", [(False, "adamw"), (True, "adamw"), (False, "adam amsgrad"),
                                                 (False, "sgd momentum"), (False, "rmsprop"),
-                                                (False, "adamw tensor lr")])
+                                                (False, "adamw tensor lr"), (False, "refuses foreach")])
 def test_the_ops_counted_are_the_ops_a_real_step_dispatches(stepped, optimizer):
     """Forward, backward and the optimizer step: the same ops in the same order as a real step of the model (fake
     tensors dispatch `prim` ops for attributes, and autograd detaches what the saved-tensor count's hook unpacks:

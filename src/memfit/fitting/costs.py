@@ -164,13 +164,24 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None, adds:
                 if opt is not None:     # a step as in a running loop: state not made yet is made by a first
                     if not optimizer.state:                         # step, not counted
                         counter.phase = "first optimizer step"
-                        with _multi_tensor(opt):
-                            type(opt).step(opt)
+                        _first_step(opt)
                     counter.phase = "optimizer"
                     type(opt).step(opt)
                     type(opt).zero_grad(opt)
         del loss, xs, ys
     return counter
+
+
+def _first_step(opt) -> None:
+    """The step that makes the fake optimizer's state: on the multi-tensor kernels (`_multi_tensor`), or, where
+    those refuse the groups (an optimizer of another library whose `foreach` path has conditions of its own), on its
+    own kernels from no state."""
+    try:
+        with _multi_tensor(opt):
+            type(opt).step(opt)
+    except Exception:
+        opt.state.clear()
+        type(opt).step(opt)
 
 
 @contextmanager
