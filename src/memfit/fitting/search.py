@@ -252,15 +252,15 @@ def search(settings: Sequence[Setting], sizes: Sequence[int], n: int, step: Mapp
     model errs alike on one setting's micro-batches, so a trial of another setting says more); the same with or
     without `exhaustive` (the memory models it builds for `explain` let nothing else lead). The plain step, where it
     fits, is the best unless another is predicted at most `clear` of its time (then both are leading; 0: the plain
-    step wherever it fits, for times that are a stand-in for another device's). Ties in time go to fewer
-    checkpointed modules, then the larger micro-batch. `once`: the optimizer step's cost (in every alternative
+    step wherever it fits, for times that are a stand-in for another device's). Ties in time go to the simplest,
+    as in `confirm` (`_simplest`). `once`: the optimizer step's cost (in every alternative
     alike: it changes the relative times, not the order); `later`: the gradients' adds of a micro-batch after the
     first (`step_seconds`).
     """
     base = step_seconds(n, n, step, blocks, Setting(), machine, once, later)
     alts = [Alternative(m, s, step_seconds(n, m, step, blocks, s, machine, once, later) / base)
             for s in settings for m in sizes]
-    alts.sort(key=lambda a: (a.time, len(a.setting.checkpoint), -a.micro_batch))
+    alts.sort(key=lambda a: (a.time, *_simplest(a)))
     plain = next((a for a in alts if a.micro_batch == n and a.setting == Setting()), None)
     peaks: dict[Setting, Callable[[int], int]] = {}
     # settings that may lead: those built before the best was found, and those built for an alternative wanted
@@ -356,7 +356,9 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
         close = [a for a in timed if a.measured <= CLOSE * fastest.measured]
         best = min(close, key=_simplest)
         why = f"the fastest of the {len(timed)} leading alternatives timed for real" + (
-            f" (or within {CLOSE - 1:.0%} of it, with fewer micro-batches or fewer checkpointed modules)"
+            f", or one measured within {CLOSE - 1:.0%} of it with fewer micro-batches or else fewer checkpointed "
+            f"modules (what a micro-batch costs beyond its micro-step is partly left out of a trial): "
+            f"{_name(best, n)} measured {best.measured / fastest.measured - 1:.1%} slower than {_name(fastest, n)}"
             if best is not fastest else "")
     said = "; ".join(f"{_name(a, n)} {a.measured:.3g} s a step" for a in sorted(timed, key=lambda a: a.measured))
     reason = f"{why}: {_name(best, n)}, {format_bytes(best.bytes)} <= the budget (measured: {said})"
