@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
+from memfit.errors import FakeRunError
 from memfit.fitting import costs, host
 from memfit.fitting.search import Setting, step_seconds
 
@@ -221,3 +222,15 @@ def test_a_blocks_dropped_cost_is_what_its_dropout_modules_run():
     assert blocks["0"].dropped.kernel_seconds(4) > 0
     assert blocks["0"].dropped.ops < blocks["0"].ops
     assert blocks["1"].dropped.ops == 0 and blocks["1"].dropped.kernel_seconds(4) == 0
+
+
+def test_fit_with_an_optimizer_that_reads_values_is_refused_by_name_and_leaves_everything_as_found():
+    """Adafactor's step reads `param.norm().item()`, which a fake run cannot answer: fit says so, naming the
+    optimizer and what to do instead (it raised torch's bare DataDependentOutputException), and changes nothing."""
+    model = mlp()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(FakeRunError, match=r"Adafactor\.step\(\) reads tensor values.*measure_step.*accumulate"):
+        memfit.fit(model, opt, (torch.randn(8, 8), torch.randn(8, 8)), F.mse_loss, "1MiB")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not opt.state and all(p.grad is None for p in model.parameters())

@@ -172,6 +172,22 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None, adds:
     return counter
 
 
+def _counted(model, x, y, loss_fn, blocks, autocast, device, optimizer, adds: bool, m: int) -> _Counter:
+    """`_count`, a failure of the fake run explained as the memory model's are (`FakeRunError`: an optimizer that
+    reads values, Adafactor's `.item()`, said as such instead of torch's bare DataDependentOutputException)."""
+    from memfit.memory.fake_failure import explain_fake_failure
+    from memfit.memory.fake_run import FakeRunError
+    try:
+        return _count(model, x, y, loss_fn, blocks, autocast, device, optimizer, adds)
+    except (ValueError, TypeError):        # our own refusals (sparse tensors) and the user's argument errors
+        raise
+    except Exception as e:
+        raise FakeRunError(explain_fake_failure(
+            e, model, optimizer, True, m, instead="memfit.fit plans only a step that runs on fake tensors: measure "
+            "real steps at a few micro-batch sizes with memfit.measure_step and pass the one that fits to "
+            "memfit.accumulate(micro_batch=...)")) from e
+
+
 def _first_step(opt) -> None:
     """The step that makes the fake optimizer's state: on the multi-tensor kernels (`_multi_tensor`), or, where
     those refuse the groups (an optimizer of another library whose `foreach` path has conditions of its own), on its
@@ -303,7 +319,7 @@ def step_costs(model: torch.nn.Module, x, y, loss_fn, blocks, autocast: torch.dt
     m1, m2 = runs
     # the gradients' adds and the optimizer step are counted in the second run only: their ops do not depend on
     # the batch
-    a, b = (_count(model, _at(x, m), _at(y, m), loss_fn, blocks, autocast, device, opt, adds)
+    a, b = (_counted(model, _at(x, m), _at(y, m), loss_fn, blocks, autocast, device, opt, adds, m)
             for m, opt, adds in ((m1, None, False), (m2, optimizer, True)))
     ops = _sized(a, m1, b, m2)
     sizes = sorted(set(sizes))

@@ -12,9 +12,9 @@ from memfit.messages import first_line, whole_words
 __all__ = ["explain_fake_failure"]
 
 
-def explain_fake_failure(e: Exception, model, optimizer, train: bool, n: int) -> str:
+def explain_fake_failure(e: Exception, model, optimizer, train: bool, n: int, instead: str = "") -> str:
     """Why a fake run failed, and what to do: in the optimizer's step, on a value the code reads, or in an op's
-    fake kernel."""
+    fake kernel. `instead`: what to do where the optimizer's step failed (default: predict without it)."""
     what = "one training step" if train else "the forward"
     head = f"could not run {what} of {type(model).__name__} on fake tensors at batch {n} " \
            f"({whole_words(first_line(e), 300)})"
@@ -28,8 +28,9 @@ def explain_fake_failure(e: Exception, model, optimizer, train: bool, n: int) ->
         return (f"{head}: {type(optimizer).__name__}.step() "
                 + ("reads tensor values (`.item()`), which fake tensors do not have" if data_dependent else
                    "does not run on fake tensors")
-                + ". Predict without the step (optimizer=None: forward, loss, backward, gradients) and add the "
-                  f"optimizer's state, or {measure}")
+                + (f". {instead}" if instead else
+                   ". Predict without the step (optimizer=None: forward, loss, backward, gradients) and add the "
+                   f"optimizer's state, or {measure}"))
     if data_dependent:
         return (f"{head}. Fake tensors have shapes but no values: data-dependent Python control flow or "
                 f"shapes (`if x.sum() > 0`, `.item()`, `.tolist()`, `x[x > 0]`) cannot run on them; {measure}, or "
