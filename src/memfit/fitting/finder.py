@@ -74,17 +74,19 @@ class Peaks:
     micro-batch run only then), and kept. `ready(m)`: m is known or needs no fake run that has not run (the whole
     batch needs the first micro-batch's model, built here; a smaller m a later one's, built on the first m < n).
     `entry_grads`: the gradients held on entry are kept through the micro-batches (`restore_grads=True`);
-    `predict`: the device the bytes are for (`device=`, `gpu=` of `training_peak`; none: the model's)."""
+    `predict`: the device the bytes are for (`device=`, `gpu=` of `training_peak`; none: the model's); `steps`: one
+    dict for the settings of one search, the first setting's optimizer step kept there for the others'
+    (`training_peak`)."""
 
     def __init__(self, model, module, optimizer, loss_fn, x, y, setting: Setting, entry_grads: bool = False,
-                 predict: dict | None = None):
+                 predict: dict | None = None, steps: dict | None = None):
         from memfit.batches import batch_len
         self.module, self.setting, self.predict = module, setting, predict or {}
         self.dtype = next((d for d in LEVERS.values() if _name(d) == setting.autocast), None)
         self.n = batch_len(x)
         with self._on():
             self.peak, self.what = training_peak(model, optimizer, loss_fn, x, y, entry_grads=entry_grads,
-                                                 autocast=self.dtype, **self.predict)
+                                                 autocast=self.dtype, steps=steps, **self.predict)
         self.known: dict[int, int] = {}
 
     def _on(self):
@@ -193,11 +195,12 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
     blocks = costs[None][1]
     how: list[str] = []
     tables: dict[Setting, Peaks] = {}      # each setting's memory models once, across both searches
+    steps: dict = {}                       # the optimizer step, run in the first setting's model, for the others'
 
     def bytes_of(setting: Setting) -> Peaks:
         if setting not in tables:
             bar.set_postfix_str(f"memory model, {setting.describe(len(ranked))}")
-            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting, entry_grads, predict)
+            tables[setting] = Peaks(model, module, optimizer, loss_fn, x, y, setting, entry_grads, predict, steps)
             how.append(tables[setting].what)
             bar.update()
         return tables[setting]

@@ -39,7 +39,10 @@ def with_step(r: _Run, full: _Run) -> _Run:
     live = np.concatenate([r.live[:b] + keep, r.live[b - 1] + keep + rise, r.live[b:] + keep + left])
     ops = r.ops[:b] + full.ops[fb:fs - 1] + r.ops[b:]
     ends = {**r.phase_ends, "step": s + fs - 1 - fb}
-    return _Run(ops, live, ends, r.held, r.events, r.sizes, keep, r.grad_bytes, r.scratch, full.step_events,
+    # the ops whose scratch is measured, at their rows here: the step's (half-precision state, say) among them
+    scratch = [x for x in r.scratch if x[0] < b] + [(i - fb + b, *x) for i, *x in full.scratch if fb <= i < fs - 1] \
+        + [(i + fs - 1 - fb, *x) for i, *x in r.scratch if i >= b]
+    return _Run(ops, live, ends, r.held, r.events, r.sizes, keep, r.grad_bytes, scratch, full.step_events,
                 full.step_sizes, r.step_at, r.sdpa)
 
 

@@ -125,12 +125,15 @@ def _lifetimes(log: list, stored: list) -> tuple[dict[int, int], dict[int, int]]
 
 class HeldProbes:
     """`probes.StepProbes` of the held step, each run derived from the plain step's (`held_run`): the same sizes at
-    the start (4, then 1, or 2 where batch 1 cannot train), any other made by a plain run at it."""
+    the start (4, then 1, or 2 where batch 1 cannot train), any other made by a plain run at it. Where the plain
+    run at 4 took its optimizer step from another model's (`StepProbes.step_from`: its own raw run has none), the
+    held run at 4 takes the step of that run's held run."""
 
     def __init__(self, plain: StepProbes):
         self.plain = plain
         self.spec = dataclasses.replace(plain.spec, grads_held=True)
         self.once, self.single = plain.once, plain.single
+        self.step_from, self.declined = plain.step_from, plain.declined
         self.runs: dict[int, _Run] = {}
         self.at(4)
         self.at(1 if 1 in plain.runs else 2)
@@ -139,6 +142,8 @@ class HeldProbes:
         if n not in self.runs:
             self.plain.at(n)
             r = held_run(self.plain.raw[n])
+            if n == 4 and self.step_from is not None:      # its step skipped: the source's, held as this one is
+                r = with_step(r, held_run(self.step_from))
             self.runs[n] = with_step(r, self.runs[4]) if self.once and n != 4 else r
         return self.runs[n]
 

@@ -53,7 +53,7 @@ def _scalar_loss(loss_fn: Callable, y_given: bool) -> Callable:
 
 
 def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False, device=None, gpu=None,
-                  autocast: torch.dtype | None = None) -> tuple[Callable[[int], int], str]:
+                  autocast: torch.dtype | None = None, steps: dict | None = None) -> tuple[Callable[[int], int], str]:
     """peak(m): predicted bytes of accumulate's step in micro-batches of m on the batch (x, y).
 
     Two fake-tensor memory models of accumulate's step (`step_memory_model(..., keep_output=False)`: the
@@ -73,7 +73,8 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False,
     at micro-batch 2). Without (accumulate's default), they are let go when the step begins and not counted.
     `device`, `gpu`: the device the bytes are for, as for `memfit.memory_model` (default the model's; "cuda" from a
     machine without a GPU predicts the CUDA step, the batch counted as on that device); `autocast`: forward and loss
-    under this dtype (default the surrounding autocast's).
+    under this dtype (default the surrounding autocast's); `steps`: the optimizer step's source across the memory
+    models of one `memfit.fit` (`step_memory_model(steps=)`).
     """
     from memfit.memory.step_model import step_memory_model  # one training step on fake tensors
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -99,7 +100,7 @@ def training_peak(model, optimizer, loss_fn, x, y, *, entry_grads: bool = False,
     def fit(held: bool):
         if held not in models:
             models[held] = step_memory_model(module, example, train=True, optimizer=stateless, target=target,
-                                             loss_fn=scalar_loss, grads_held=held, plain_runs=plain_runs,
+                                             loss_fn=scalar_loss, grads_held=held, plain_runs=plain_runs, steps=steps,
                                              keep_output=False, autocast=autocast,
                                              device=device if elsewhere else None, gpu=gpu)
         return models[held]

@@ -60,7 +60,7 @@ from memfit.memory.fit import gradient_line
 from memfit.memory.isolation import predicting
 from memfit.memory.kinds import STEP_KINDS, MemoryKind, summary
 from memfit.memory.known_values import DataDependentOnBatchSize
-from memfit.memory.probes import probed
+from memfit.memory.probes import optimizer_groups, probed, step_how
 from memfit.memory.recheck import Recheck, run_scratch
 from memfit.memory.step import ExampleBatch, forward_state, predicted_module, surrounding_autocast
 
@@ -262,7 +262,7 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
                       loss_fn: Callable | None = None, target=None, autocast: torch.dtype | None = None,
                       dtype: torch.dtype = torch.float32, device=None, why: str = "",
                       grads_held: bool = False, keep_output: bool = True, gpu=None,
-                      plain_runs: dict | None = None) -> StepMemoryModel:
+                      plain_runs: dict | None = None, steps: dict | None = None) -> StepMemoryModel:
     """The bytes of one training step (train=True) or forward (train=False) at any batch size, from fake runs.
 
     Args:
@@ -291,6 +291,10 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         plain_runs: a dict of the caller's (kept by it, not by the model: the runs reference the model): a plain
             step's fake runs are put there when made; with grads_held, the runs are derived from those there where
             they show it is the same (`memfit.memory.held_grads`; `held_runs` says whether), and let go.
+        steps: a dict of the caller's, kept across the memory models of one `memfit.fit` (its checkpoint settings and
+            precisions): the first training step's run at 4 goes there, and the later ones take its optimizer step
+            in place of running their own where their runs show the same parameters, optimizer state and gradient
+            bytes (`memfit.memory.probes.StepProbes`; `method` says where the step came from). CPU steps only.
     """
     from memfit.device.machine import resolve_device
     model, compiled = predicted_module(model)       # a torch.compile'd module: the module it wraps, said in why
@@ -318,7 +322,8 @@ def step_memory_model(model: torch.nn.Module, example, *, train: bool = True, op
         spec = StepSpec(model, batch, fakes, train=train, optimizer=optimizer, loss_fn=loss_fn, target=target,
                         autocast=autocast, grads_held=grads_held, keep_output=keep_output,
                         cuda=cuda.target if cuda is not None else None, compiled=bool(compiled))
-        mm = _fit(spec, why=note, cuda=cuda, runs_to=plain_runs if not grads_held else None)
+        mm = _fit(spec, why=note, cuda=cuda, runs_to=plain_runs if not grads_held else None,
+                  steps=steps if cuda is None else None)
         mm.held_runs = f"own runs ({declined})" if declined else "own runs" if grads_held else ""
         return mm
 
@@ -364,11 +369,9 @@ def _callable_key(f) -> object:
 
 
 def _optimizer_key(optimizer) -> tuple:
-    """The optimizer as a prediction's key: its class, itself, and each group's parameters and hyper-parameters
+    """The optimizer as a prediction's key: itself, its class and each group's parameters and hyper-parameters
     (a group added, a learning rate changed: another key)."""
-    groups = tuple((tuple(map(id, g["params"])), tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")))
-                   for g in (optimizer.param_groups if optimizer is not None else ()))
-    return type(optimizer), id(optimizer), groups
+    return id(optimizer), optimizer_groups(optimizer)
 
 
 def _cell_id(cell) -> object:
@@ -387,17 +390,15 @@ def _signature(template) -> object:
 
 
 def _fit(spec: StepSpec, why: str, cuda: CudaDevice | None = None, made: tuple | None = None,
-         runs_to: dict | None = None) -> StepMemoryModel:
+         runs_to: dict | None = None, steps: dict | None = None) -> StepMemoryModel:
     """Fake runs at the fewest batch sizes the ladder of fitters needs (`memfit.memory.fit_ladder`), and what
     they say: the memory model, its `method` in words (with a warning where it is approximate). `made`: (runs, fit)
-    made already (`held_grads.held_probes`); `runs_to`: a plain training step's runs and `why` go there ("plain")."""
-    probes, fit, spec, why = (*made, spec, why) if made is not None else probed(spec, why)
+    made already (`held_grads.held_probes`); `runs_to`: a plain training step's runs and `why` go there ("plain");
+    `steps`: the optimizer step's source across one fit's models (`step_memory_model`)."""
+    probes, fit, spec, why = (*made, spec, why) if made is not None else probed(spec, why, steps)
     train, autocast, tgt = spec.train, spec.autocast, spec.target
     runs = probes.runs
-    how = fit.how + probes.single
-    if probes.once:
-        how += ("; the optimizer step ran once, at batch 4: it reads and writes parameters, gradients and its "
-                "state, none of which depends on the batch")
+    how = fit.how + probes.single + step_how(probes)
     held = {"inputs": (0, spec.batch.bytes_per_sample() + (tgt.bytes_per_sample() if tgt else 0))}
     if train:
         held["optimizer state"] = (runs[4].held["optimizer state"], 0)
