@@ -118,11 +118,14 @@ def test_a_cuda_prediction_keeps_its_own_step():
     """A CUDA step predicted from here replays the step's allocations beside the others': it takes no step from
     another model and leaves none for them."""
     model = _Blocks()
+    optimizer = OPTIMIZERS["adamw"](model)
     steps: dict = {}
-    forget_step_model(model)
-    mm = step_memory_model(model, X[:2], optimizer=OPTIMIZERS["adamw"](model), loss_fn=F.cross_entropy, target=Y[:2],
-                           device="cuda", steps=steps)
-    assert not steps and "the optimizer step ran once, at batch 4" in mm.method
+    _models(model, optimizer, (), None, steps)
+    source = dict(steps)
+    assert len(source) == 1
+    mm = step_memory_model(model, X[:2], optimizer=optimizer, loss_fn=F.cross_entropy, target=Y[:2],
+                           keep_output=False, device="cuda", steps=steps)
+    assert steps == source and "the optimizer step ran once, at batch 4" in mm.method
 
 
 def test_memfit_fit_runs_the_optimizer_step_once(step_runs):

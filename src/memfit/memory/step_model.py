@@ -18,7 +18,7 @@ Python work per op whatever the tensors' sizes, so a prediction runs as few as i
   (`memfit.memory.recheck`).
 - the optimizer step runs once, at batch 4: it reads and writes parameters, gradients and its state, none
   of which depends on the batch, so what it adds above the end of backward is the same at every size and
-  is put into the other runs, which skip it.
+  is put into the other runs, which skip it; in `memfit.fit`, once over all its settings (`probes.StepProbes`).
 No `torch.export`, so any model that runs eagerly works; data-dependent Python control flow does not
 (`FakeRunError` says so). The model, its buffers, `.grad` and the optimizer are left exactly as they were.
 
