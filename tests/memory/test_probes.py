@@ -48,7 +48,7 @@ def step_runs(monkeypatch):
     return made
 
 
-def _models(model, optimizer, names, autocast, steps):
+def _models(model, optimizer, names, autocast, steps, x=X):
     """(plain, held) memory models of accumulate's step with `names` checkpointed, the held one derived from the
     plain one's runs where it can be (as `training_peak` makes them), each from nothing kept."""
     forget_step_model(model)
@@ -56,8 +56,8 @@ def _models(model, optimizer, names, autocast, steps):
               autocast=autocast, steps=steps)
     runs: dict = {}
     with checkpointed(model, names):
-        return (step_memory_model(model, X[:2], plain_runs=runs, **kw),
-                step_memory_model(model, X[:2], grads_held=True, plain_runs=runs, **kw))
+        return (step_memory_model(model, x[:2], plain_runs=runs, **kw),
+                step_memory_model(model, x[:2], grads_held=True, plain_runs=runs, **kw))
 
 
 def _assert_same(shared, alone):
@@ -95,6 +95,23 @@ def test_the_settings_of_a_fit_run_the_step_once_with_each_models_own_bytes(opt,
         _assert_same(plain, alone[0])
         _assert_same(held, alone[1])
     assert sum(ran for _, ran, _ in step_runs) == len(SETTINGS) * (1 + unused)       # each its own
+
+
+def test_the_steps_measured_scratch_comes_with_it():
+    """bfloat16 parameters: AdamW's kernels on them allocate scratch that is measured, not logged
+    (`kernel_scratch`); a model whose step came from the source has those ops at their rows, as its own step had."""
+    model = _Blocks().to(torch.bfloat16)
+    optimizer = OPTIMIZERS["adamw"](model)
+    steps: dict = {}
+    x = X.to(torch.bfloat16)
+    _models(model, optimizer, (), None, steps, x)
+    source = next(iter(steps.values()))
+    assert any(source.phase_ends["backward"] <= s[0] < source.phase_ends["step"] for s in source.scratch)
+    plain, held = _models(model, optimizer, ("b0",), None, steps, x)
+    assert "put in at every batch size from the first memory model's run at 4" in plain.method
+    alone = _models(model, optimizer, ("b0",), None, None, x)
+    _assert_same(plain, alone[0])
+    _assert_same(held, alone[1])
 
 
 def test_a_run_whose_gradients_differ_from_the_sources_runs_its_own_step(step_runs):
