@@ -176,3 +176,30 @@ def test_the_kernel_chosen_follows_the_gpu_and_the_enabled_backends():
         assert sdpa_kernel(q, q, q) == "math"
     with backends([SDPBackend.EFFICIENT_ATTENTION]):
         assert sdpa_kernel(q, q, q) == "efficient"
+
+
+def test_attention_is_routed_inside_a_backwards_recomputation_and_inside_multihead_attention():
+    """`SdpaRouting` stays on inside the torch functions that run attention within them (torch pops a mode while its
+    handler runs): a checkpointed block's attention recomputed inside `Tensor.backward` (it ran the CPU's own
+    kernel, saving other tensors: torch.utils.checkpoint's CheckpointError on BERT with a layer checkpointed,
+    `device="cuda"`), and `nn.MultiheadAttention`'s attention inside `F.multi_head_attention_forward`."""
+    from torch.utils.checkpoint import checkpoint
+
+    from memfit.device.fake_cuda import SdpaRouting
+    from memfit.device.torch_private import FakeTensorMode
+
+    class Run:
+        def __init__(self):
+            self.sdpa = []
+    recomputed, inner = Run(), Run()
+    with FakeTensorMode():
+        x = torch.randn(2, 4, 16, 32, requires_grad=True)
+        with SdpaRouting("auto", recomputed):
+            out = checkpoint(lambda t: F.scaled_dot_product_attention(t * 2, t, t), x, use_reentrant=False)
+            out.sum().backward()
+        mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        h = torch.randn(2, 16, 32, requires_grad=True)
+        with SdpaRouting("auto", inner):
+            mha(h, h, h, need_weights=False)[0].sum().backward()
+    assert recomputed.sdpa == ["efficient", "efficient"]        # the forward's, then the recomputation's
+    assert inner.sdpa == ["efficient"]

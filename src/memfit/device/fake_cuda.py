@@ -59,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, redispatch_function
 
 from memfit.device.torch_private import (
     FakeTensorMode,
@@ -151,6 +151,11 @@ class _LoggingFakeMode(FakeTensorMode):
         return out
 
 
+# torch functions that run attention inside them: `SdpaRouting` stays on for their inner calls
+_AROUND_ATTENTION = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
+                     F.multi_head_attention_forward)
+
+
 class SdpaRouting(TorchFunctionMode):
     """Routes `F.scaled_dot_product_attention` to the kernel a GPU of compute `capability` would run (flash, then
     memory-efficient, then math, the order of torch's sdp_utils), or to the one asked for; `run.sdpa` (any object
@@ -167,6 +172,13 @@ class SdpaRouting(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _AROUND_ATTENTION:
+            # on the stack again inside the call (torch pops a mode while its handler runs): a backward's
+            # checkpointed blocks recompute their attention inside `Tensor.backward`, and MultiheadAttention
+            # calls its attention inside `F.multi_head_attention_forward`; both ran the CPU's own kernel
+            # (BERT with a checkpointed layer: 31 tensors saved in forward, 29 in recomputation: CheckpointError)
+            with self:
+                return redispatch_function(func, types, args, kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
