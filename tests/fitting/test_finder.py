@@ -137,3 +137,16 @@ def test_with_levers_and_exhaustive_the_table_shows_what_the_trials_measured(mon
                       == (plan.micro_batch, plan.checkpoint) and a.setting.autocast is None)
         assert chosen.measured is not None
     assert measured[("bf16",)] == measured[()] >= 2
+
+
+def test_explain_names_the_dropout_added_only_where_a_timed_plan_recomputes_one():
+    """`how_time` says a checkpointed block's Dropout work was added (predicted) only where a timed plan checkpoints
+    a block whose Dropout modules run ops (`Cost.dropped`)."""
+    from memfit.fitting.search import Cost, Setting
+    from memfit.fitting.trials import Timed
+    drop, none = Cost(ops=4, kernels=((1, 1e-4),)), Cost(ops=0)
+    blocks = {"a": Cost(ops=20, dropped=drop), "b": Cost(ops=20, dropped=none)}
+    timed = lambda *sets: Timed(seconds={(8, Setting(s)): 1.0 for s in sets})     # noqa: E731
+    assert finder._dropped(timed(("a",), ()), blocks)
+    assert not finder._dropped(timed(("b",), ()), blocks)            # its block runs no Dropout
+    assert not finder._dropped(timed((),), blocks)                    # nothing recomputed

@@ -418,6 +418,12 @@ def test_the_timed_alternatives_decide_and_close_ones_go_to_the_simplest():
         picked = confirm(two, seconds, 16, STEP, BLOCKS, MACHINE)
         assert picked.best is (pair[0] if apart < CLOSE else pair[1])
         assert ("3.0% slower than" in picked.reason) == (apart == 1.03)     # the trade-off said where taken
+        assert ("with fewer micro-batches" in picked.reason) == (apart == 1.03)
+    # bf16 last: a plan at the step's own precision with more micro-batches, 2% slower, is taken, and said so
+    cast = [Alternative(16, Setting((), "bfloat16"), 1.0, 100), Alternative(8, Setting(), 1.0, 100)]
+    picked = confirm(Choice(cast[0], choice.alternatives, "", cast), {(16, cast[0].setting): 1.0,
+                     (8, Setting()): 0.51}, 16, STEP, BLOCKS, MACHINE)
+    assert picked.best is cast[1] and "without bf16 autocast" in picked.reason and "2.0% slower" in picked.reason
     assert confirm(choice, {}, 16, STEP, BLOCKS, MACHINE).best is choice.best      # nothing timed: as it was
     # an uneven last micro-batch: 16 in micro-batches of 12 is one of 12 and one of 4, priced by the time model
     a = next(x for x in timed)

@@ -160,7 +160,10 @@ class SdpaRouting(TorchFunctionMode):
     """Routes `F.scaled_dot_product_attention` to the kernel a GPU of compute `capability` would run (flash, then
     memory-efficient, then math, the order of torch's sdp_utils), or to the one asked for; `run.sdpa` (any object
     with a list `sdpa`) records each choice. Works on fake CPU tensors too: the CUDA kernels' fake implementations
-    are device-independent (a CUDA step predicted on a CPU build of torch)."""
+    are device-independent (a CUDA step predicted on a CPU build of torch). Inside `Tensor.backward`,
+    `torch.autograd.backward`/`grad` and `F.multi_head_attention_forward` it stays on (attention recomputed or called
+    within them); those four calls are then hidden from a torch function mode entered outside it (its inner calls
+    are seen instead: `torch.overrides.redispatch_function` skips the whole handler step)."""
 
     def __init__(self, choice: str, run, capability: tuple[int, int] = (9, 0), autocast: str | None = None):
         super().__init__()

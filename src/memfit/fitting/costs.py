@@ -51,6 +51,8 @@ from memfit.batches import forward
 from memfit.device.torch_private import DropoutBase, FakeTensorMode, TorchDispatchMode, in_backward, tree_flatten
 from memfit.fitting.search import Cost
 from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, timing_device, unsteady
+from memfit.memory.fake_failure import explain_fake_failure
+from memfit.memory.fake_run import FakeRunError
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.step import ExampleBatch, forward_autocast
 from memfit.memory.storage_log import device_asked, refuse_sparse
@@ -175,8 +177,6 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None, adds:
 def _counted(model, x, y, loss_fn, blocks, autocast, device, optimizer, adds: bool, m: int) -> _Counter:
     """`_count`, a failure of the fake run explained as the memory model's are (`FakeRunError`: an optimizer that
     reads values, Adafactor's `.item()`, said as such instead of torch's bare DataDependentOutputException)."""
-    from memfit.memory.fake_failure import explain_fake_failure
-    from memfit.memory.fake_run import FakeRunError
     try:
         return _count(model, x, y, loss_fn, blocks, autocast, device, optimizer, adds)
     except (ValueError, TypeError):        # our own refusals (sparse tensors) and the user's argument errors

@@ -106,6 +106,13 @@ class Peaks:
         return m in self.known or m >= self.n or any(k < self.n for k in self.known)
 
 
+def _dropped(timed, blocks) -> bool:
+    """Whether a plan timed checkpoints a block with Dropout modules (their work in its recomputation is predicted:
+    a trial runs them at p = 0)."""
+    return any(blocks[b].dropped is not None and blocks[b].dropped.ops > 0
+               for _, setting in timed.seconds for b in setting.checkpoint)
+
+
 def prediction(module, device, gpu, distributed: bool) -> dict:
     """training_peak's `device=`, `gpu=` where the bytes are for another device than the model's or for a named GPU
     ({} for the model's own)."""
@@ -275,8 +282,9 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                          + (f"; the model draws random numbers outside its Dropout modules ({', '.join(timed.drawn)}): "
                             "its micro-steps drew from generators of memfit's own, torch's untouched (through a "
                             "dispatch mode: a few % on each figure)" if timed.drawn else "")
-                         + "; the optimizer step's time, the gradients' adds of each micro-batch after the first "
-                           "and the Dropout modules a checkpointed block runs again predicted (no trial runs them)")
+                         + "; the optimizer step's time and the gradients' adds of each micro-batch after the first"
+                         + (", and the Dropout modules a checkpointed block runs again," if _dropped(timed, blocks)
+                            else "") + " predicted (no trial runs them)")
         else:
             how_time += f"; the leading alternatives were not timed for real: {timed.why_not}"
             if timed.failed != (n, Setting()):        # a plain step that failed for real is not kept

@@ -51,15 +51,11 @@ FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)     # of the candidate blocks checkpoint
 LEAD = 1.15      # alternatives predicted within this of the fastest that fits are timed for real beside it ...
 LEADING = 3      # ... at most this many (the fastest that fits included)
 CLEAR = 0.95     # another plan replaces a plain step that fits only when measured at most this fraction of its time
-CLOSE = 1.04     # timed within this of the fastest timed, the simplest is taken (bf16 last, then the fewest
-#                  micro-batches, then the fewest checkpointed): the same choice in repeated fits, where the timings
-#                  move a little (`bench fit`'s GPT-2, 5 fits: micro-batch 8 with 1 block measured 3.3% faster than 4
-#                  unchecked in one, 0-15% slower in the others; at 3% that one fit chose otherwise). The fewest
-#                  micro-batches before the fewest checkpointed: what a micro-batch costs beyond its micro-step is
-#                  left out of a trial or predicted low (accumulate's own work, the gradients' adds timed warm), and
-#                  the trials' ratio of a pair moves from process to process (`bench fit --quick`'s BERT and Llama,
-#                  micro-batch 4 unchecked against 8 with 1 of 2 blocks checkpointed: trials 0.95-1.07x in fresh
-#                  processes, the grid 0.90-0.95x; fewest checkpointed first took micro-batch 4 in 2-4 fits of 5)
+CLOSE = 1.04     # timed within this of the fastest timed, the simplest is taken (`_simplest`): the same choice in
+#                  repeated fits, where timings move a little; the fewest micro-batches before the fewest checkpointed
+#                  (a trial leaves out or prices low what a micro-batch costs beyond its micro-step; `bench fit
+#                  --quick`'s BERT and Llama, micro-batch 4 unchecked against 8 with 1 of 2 checkpointed: trials
+#                  0.95-1.07x from process to process, the grid 0.90-0.95x; the other order took the slower in 2-4 of 5)
 WIDE = 1.5       # `LEAD` where trials cost next to nothing (`wide_lead`): the time model's error on a model of a
 CHEAP = 0.05     # few ms a step is 20-30% (`bench fit`'s GPT-2: 4 unchecked predicted beyond 1.15x 8 with 1 block
 #                  in one fit of five, alike for real); seconds of a plain micro-step (predicted) at most for that
@@ -356,13 +352,22 @@ def confirm(choice: Choice, seconds: Mapping[tuple[int, Setting], float], n: int
         close = [a for a in timed if a.measured <= CLOSE * fastest.measured]
         best = min(close, key=_simplest)
         why = f"the fastest of the {len(timed)} leading alternatives timed for real" + (
-            f", or one measured within {CLOSE - 1:.0%} of it with fewer micro-batches or else fewer checkpointed "
-            f"modules (what a micro-batch costs beyond its micro-step is partly left out of a trial): "
-            f"{_name(best, n)} measured {best.measured / fastest.measured - 1:.1%} slower than {_name(fastest, n)}"
+            f", or one measured within {CLOSE - 1:.0%} of it {_simpler(best, fastest)}: {_name(best, n)} measured "
+            f"{best.measured / fastest.measured - 1:.1%} slower than {_name(fastest, n)}"
             if best is not fastest else "")
     said = "; ".join(f"{_name(a, n)} {a.measured:.3g} s a step" for a in sorted(timed, key=lambda a: a.measured))
     reason = f"{why}: {_name(best, n)}, {format_bytes(best.bytes)} <= the budget (measured: {said})"
     return Choice(best, choice.alternatives, reason, choice.leading)
+
+
+def _simpler(a: Alternative, b: Alternative) -> str:
+    """What makes `a` simpler than `b` by `_simplest`, in words."""
+    if (a.setting.autocast is None) != (b.setting.autocast is None):
+        return "without bf16 autocast (it changes numerics)"
+    if a.micro_batch != b.micro_batch:
+        return ("with fewer micro-batches (what a micro-batch costs beyond its micro-step is partly left out of a "
+                "trial)")
+    return "with fewer checkpointed modules"
 
 
 def _simplest(a: Alternative) -> tuple:
