@@ -52,11 +52,11 @@ LEAD = 1.15      # alternatives predicted within this of the fastest that fits a
 LEADING = 3      # ... at most this many (the fastest that fits included)
 CLEAR = 0.95     # another plan replaces a plain step that fits only when measured at most this fraction of its time
 CLOSE = 1.04     # timed within this of the fastest timed, the simplest is taken (`_simplest`): the same choice in
-#                  repeated fits, where timings move a little; the fewest micro-batches before the fewest checkpointed
-#                  (a trial leaves out or prices low what a micro-batch costs beyond its micro-step: `bench fit
-#                  --quick`'s BERT, Llama and GPT-2, micro-batch 4 unchecked against 8 with 1 of 2 checkpointed,
-#                  trials 0.95-1.07x from process to process, grid 0.90-0.96x; the other order took the slower in 2-4
-#                  fits of 5, and so did 2% here: GPT-2 2 of 5). Pairs whose gap is about the trials' noise (the
+#                  repeated fits, where timings move a little; the fewest micro-batches before the fewest checkpointed:
+#                  trials lean toward more micro-batches (`bench fit --quick`'s BERT, Llama and GPT-2, micro-batch 4
+#                  unchecked against 8 with 1 of 2 checkpointed: trials 0.95-1.10x from process to process, the grid
+#                  0.90-0.96x; not accumulate's own work, alike in a plain loop; cause not pinned); the other order,
+#                  or 2% here, took the slower in 2-4 fits of 5. Pairs whose gap is about the trials' noise (the
 #                  issue's Llama, micro-batch 1 unchecked against 2 with 2 checkpointed: 3.8-6.7% apart) split still
 WIDE = 1.5       # `LEAD` where trials cost next to nothing (`wide_lead`): the time model's error on a model of a
 CHEAP = 0.05     # few ms a step is 20-30% (`bench fit`'s GPT-2: 4 unchecked predicted beyond 1.15x 8 with 1 block
@@ -367,8 +367,7 @@ def _simpler(a: Alternative, b: Alternative) -> str:
     if (a.setting.autocast is None) != (b.setting.autocast is None):
         return "without bf16 autocast (it changes numerics)"
     if a.micro_batch != b.micro_batch:
-        return ("with fewer micro-batches (what a micro-batch costs beyond its micro-step is partly left out of a "
-                "trial)")
+        return "with fewer micro-batches (trials lean a few % toward more micro-batches)"
     return "with fewer checkpointed modules"
 
 
