@@ -1,17 +1,17 @@
 """memfit.memory.held_grads: the memory model of a step with every gradient held, derived from the plain step's fake
 runs, against the held step's own fake runs (`step_memory_model(grads_held=True)`): the same bytes at every op, or
 declined."""
-import numpy as np
 import pytest
 import torch
+from model_checks import assert_same_model
 from torch import nn
 from torch.nn import functional as F
 
 from accumulation.cases import data, make
 from memfit.memory import held_grads
 from memfit.memory.fake_run import FakeRunError
-from memfit.memory.micro_batch import MICRO_PHASES, STEP_PHASES, training_peak
-from memfit.memory.step_model import PHASES, forget_step_model, step_memory_model
+from memfit.memory.micro_batch import training_peak
+from memfit.memory.step_model import forget_step_model, step_memory_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,16 +72,7 @@ def _models(model, x, y, loss_fn, autocast=None):
 
 def _assert_same(derived, own):
     assert derived.method == own.method
-    assert derived._ops == own._ops and derived._ends == own._ends and derived._held == own._held
-    for field in ("_a", "_b", "_c"):
-        a, b = getattr(derived, field), getattr(own, field)
-        assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), field
-    assert derived._measured.keys() == own._measured.keys()
-    assert all(np.array_equal(v, own._measured[n]) for n, v in derived._measured.items())
-    for m in (1, 3, 8):
-        assert derived.gradient_bytes(m) == own.gradient_bytes(m)
-        for phases in (MICRO_PHASES, STEP_PHASES, PHASES):
-            assert derived.breakdown(m, phases=phases) == own.breakdown(m, phases=phases), (m, phases)
+    assert_same_model(derived, own)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "bn_cnn", "tied", "bert", "gpt2", "llama", "frozen_cat", "cls_token"])

@@ -1,17 +1,16 @@
 """memfit.memory.probes: the optimizer step of one `memfit.fit` runs once, in its first memory model's run at 4, and
 is put into the others' (`StepProbes(steps=)`); every model's bytes are those of the same model built alone (its own
 step), the held-gradients models derived from them too; a run whose gradients differ from the source's runs its own."""
-import numpy as np
 import pytest
 import torch
+from model_checks import assert_same_model
 from torch import nn
 from torch.nn import functional as F
 
 import memfit
 from memfit.fitting.checkpointing import checkpointed
 from memfit.memory import probes
-from memfit.memory.micro_batch import MICRO_PHASES, STEP_PHASES
-from memfit.memory.step_model import PHASES, forget_step_model, step_memory_model
+from memfit.memory.step_model import forget_step_model, step_memory_model
 
 
 class _Blocks(nn.Module):
@@ -60,20 +59,6 @@ def _models(model, optimizer, names, autocast, steps, x=X):
                 step_memory_model(model, x[:2], grads_held=True, plain_runs=runs, **kw))
 
 
-def _assert_same(shared, alone):
-    """The same bytes at every op and kind, by phase at several sizes, and the same gradient bytes."""
-    assert shared._ops == alone._ops and shared._ends == alone._ends and shared._held == alone._held
-    for field in ("_a", "_b", "_c"):
-        a, b = getattr(shared, field), getattr(alone, field)
-        assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), field
-    assert shared._measured.keys() == alone._measured.keys()
-    assert all(np.array_equal(v, alone._measured[n]) for n, v in shared._measured.items())
-    for m in (1, 3, 8):
-        assert shared.gradient_bytes(m) == alone.gradient_bytes(m)
-        for phases in (MICRO_PHASES, STEP_PHASES, PHASES):
-            assert shared.breakdown(m, phases=phases) == alone.breakdown(m, phases=phases), (m, phases)
-
-
 @pytest.mark.parametrize("unused", [False, True], ids=["derived held", "own held runs"])
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_the_settings_of_a_fit_run_the_step_once_with_each_models_own_bytes(opt, unused, step_runs):
@@ -92,8 +77,8 @@ def test_the_settings_of_a_fit_run_the_step_once_with_each_models_own_bytes(opt,
     step_runs.clear()
     for (names, cast), (plain, held) in zip(SETTINGS, shared, strict=True):
         alone = _models(model, optimizer, names, cast, None)
-        _assert_same(plain, alone[0])
-        _assert_same(held, alone[1])
+        assert_same_model(plain, alone[0])
+        assert_same_model(held, alone[1])
     assert sum(ran for _, ran, _ in step_runs) == len(SETTINGS) * (1 + unused)       # each its own
 
 
@@ -110,8 +95,8 @@ def test_the_steps_measured_scratch_comes_with_it():
     plain, held = _models(model, optimizer, ("b0",), None, steps, x)
     assert "put in at every batch size from the first memory model's run at 4" in plain.method
     alone = _models(model, optimizer, ("b0",), None, None, x)
-    _assert_same(plain, alone[0])
-    _assert_same(held, alone[1])
+    assert_same_model(plain, alone[0])
+    assert_same_model(held, alone[1])
 
 
 def test_a_run_whose_gradients_differ_from_the_sources_runs_its_own_step(step_runs):
@@ -127,8 +112,8 @@ def test_a_run_whose_gradients_differ_from_the_sources_runs_its_own_step(step_ru
     assert [(n, ran) for n, ran, _ in step_runs] == [(4, False), (4, True), (1, False)]
     assert "its own, not the fit's first memory model's: its gradients take" in plain.method
     alone = _models(model, optimizer, ("b0",), None, None)
-    _assert_same(plain, alone[0])
-    _assert_same(held, alone[1])
+    assert_same_model(plain, alone[0])
+    assert_same_model(held, alone[1])
 
 
 def test_a_cuda_prediction_keeps_its_own_step():
@@ -153,3 +138,27 @@ def test_memfit_fit_runs_the_optimizer_step_once(step_runs):
     assert {a.setting.checkpoint for a in plan.alternatives if a.bytes is not None} == \
         {(), ("b0",), ("b0", "b1"), ("b0", "b1", "b2")}
     assert sum(ran for _, ran, _ in step_runs) == 1
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_a_model_whose_step_came_from_the_fits_source_matches_the_allocator(opt):
+    """The reference is the allocator, not memfit's own count: a checkpointed setting's model built after the plain
+    one, its optimizer step put in from the plain one's run, against a real step of the model so checkpointed
+    (`measure_step`) at sizes it ran and did not run."""
+    import copy
+
+    model = _Blocks()
+    optimizer = OPTIMIZERS[opt](model)
+    steps: dict = {}
+    kw = dict(train=True, optimizer=optimizer, loss_fn=F.cross_entropy, target=Y[:2], steps=steps)
+    forget_step_model(model)
+    step_memory_model(model, X[:2], **kw)                                   # the plain step: the source
+    with checkpointed(model, ("b0", "b1")):
+        shared = step_memory_model(model, X[:2], **kw)
+    assert "put in at every batch size from the first memory model's run" in shared.method
+    for n in (1, 3, 8):
+        real_model = copy.deepcopy(model)
+        with checkpointed(real_model, ("b0", "b1")):
+            real = memfit.measure_step(real_model, X[:n].clone(), OPTIMIZERS[opt](real_model), F.cross_entropy,
+                                       Y[:n].clone())      # a slice would hold the whole batch's storage
+        assert 1.0 <= shared.total_bytes(n) / real <= 1.05, (n, shared.total_bytes(n), real)
