@@ -21,7 +21,9 @@ the usual ones (up to `SHORT`) run where all of them stay within `FLOOR`: a smal
 whose least over three runs moved a choice between two plans alike for real. Where one
 round is all there is, each point's figure is its first micro-step: the kernel timing before it ran every kernel at
 these shapes, so little set-up is left in it (GPT-2 768x2 at one thread, three fresh processes: first runs
-0.97-1.09x the least of the three after; 768x12: 0.94-1.14x, within the runs' own spread of 10-15%).
+0.97-1.09x the least of the three after; 768x12: 0.94-1.14x, within the runs' own spread of 10-15%), once an
+untimed micro-step of one sample has opened the trials (`_openers`: the process's first micro-step pays for memory
+touched for the first time, 1.2-1.3x at BERT 768x12, and fell on the smallest point alone).
 
 The micro-steps run on a structural copy of the model (`memfit.memory.isolation.structural_copy`: the same
 parameters, its own module objects) that holds copies of the buffers (BatchNorm's running statistics are not
@@ -60,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.accumulation.checks import part_of
+from memfit.accumulation.checks import batch_dependent_modules, part_of
 from memfit.batches import forward
 from memfit.budget import is_oom, model_device
 from memfit.device.torch_private import DropoutBase, TorchDispatchMode, op_schema, own_buffers
@@ -193,7 +195,20 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
     keyed = sorted(chosen, key=lambda k: k[0])
     samples: dict[tuple, list[float]] = {k: [] for k in keyed}
     warm: dict[tuple, float] = {}
-    key, ran, start, limit, drawn = None, 0, now(), allowance, set()
+    key, ran, limit, drawn = None, 0, allowance, set()
+    for key in _openers(copy, keyed[0]):       # untimed: the process's first micro-step
+        try:
+            with _Draws() as opened:
+                _run(copy, params, loss_fn, x, y, key, device)
+            drawn.update(opened.seen)
+            break
+        except Exception as e:
+            if key != keyed[0] and not is_oom(e):
+                continue                            # one sample the model cannot take: the point itself opens
+            timed.why_not = "out of memory" if is_oom(e) else f"a micro-step failed ({first_line(e)})"
+            timed.failed = key if key == keyed[0] else None     # a point that failed, not one sample of it
+            return timed
+    start = now()
     # fit's trials (the predicted seconds given): more rounds while all of them stay within FLOOR (micro-steps of a
     # few ms: the least of more runs, steadier between fits)
     most = max(rounds, SHORT) if predicted is not None and allowance is not None else rounds
@@ -235,6 +250,17 @@ def micro_steps(module: torch.nn.Module, loss_fn: Callable, x, y, points: Sequen
     timed.seconds = {k: min(v) if v else warm[k] for k, v in samples.items()}
     timed.runs = ran - 1
     return timed
+
+
+def _openers(copy: torch.nn.Module, smallest: tuple) -> list[tuple]:
+    """The untimed micro-step that opens the trials, and the one to run instead where it fails: one sample under the
+    smallest point's setting, then that point itself (at once where the model has batch statistics: BatchNorm does
+    not train on one sample). The first micro-step a process runs pays for memory it touches for the first time:
+    BERT 768x12 at one thread, micro-batch 2 as the trials' first point came out 1.21-1.30x its later runs by CPU
+    time (the second point, 8 with 3 blocks checkpointed, 1.04-1.08x); after one sample first, 1.11-1.16x (8: 1.04x).
+    Where one round is all the trials run, each point's figure is its first micro-step."""
+    m, setting = smallest
+    return [smallest] if m == 1 or batch_dependent_modules(copy) else [(1, setting), smallest]
 
 
 def _run(copy, params, loss_fn, x, y, key: tuple, device: torch.device) -> None:
