@@ -224,13 +224,26 @@ def test_a_blocks_dropped_cost_is_what_its_dropout_modules_run():
     assert blocks["1"].dropped.ops == 0 and blocks["1"].dropped.kernel_seconds(4) == 0
 
 
-def test_fit_with_an_optimizer_that_reads_values_is_refused_by_name_and_leaves_everything_as_found():
-    """Adafactor's step reads `param.norm().item()`, which a fake run cannot answer: fit says so, naming the
-    optimizer and what to do instead (it raised torch's bare DataDependentOutputException), and changes nothing."""
+class MaskedSGD(torch.optim.SGD):
+    """An SGD whose step takes the gradients' nonzero entries (`g[g != 0]`): a size made from values."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad[p.grad != 0].mean())
+
+
+def test_fit_with_an_optimizer_that_makes_a_size_from_values_is_refused_by_name_and_leaves_everything_as_found():
+    """A step that takes the gradients' nonzero entries cannot run on fake tensors (a scalar read is answered,
+    `test_value_reads`; a size is not): fit says so, naming the optimizer and what to do instead (it raised torch's
+    bare exception), and changes nothing."""
     model = mlp()
-    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    opt = MaskedSGD(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(FakeRunError, match=r"Adafactor\.step\(\) reads tensor values.*measure_step.*accumulate"):
+    with pytest.raises(FakeRunError, match=r"MaskedSGD\.step\(\) makes a size from tensor values.*measure_step.*"
+                                           r"accumulate"):
         memfit.fit(model, opt, (torch.randn(8, 8), torch.randn(8, 8)), F.mse_loss, "1MiB")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not opt.state and all(p.grad is None for p in model.parameters())

@@ -48,17 +48,26 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from memfit.batches import forward
-from memfit.device.torch_private import DropoutBase, FakeTensorMode, TorchDispatchMode, in_backward, tree_flatten
+from memfit.device.torch_private import (
+    DataDependentOutputException,
+    DropoutBase,
+    FakeTensorMode,
+    TorchDispatchMode,
+    in_backward,
+    tree_flatten,
+)
 from memfit.fitting.search import Cost
 from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_bytes, timing_device, unsteady
 from memfit.memory.fake_failure import explain_fake_failure
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
+from memfit.memory.known_values import stand_in
 from memfit.memory.step import ExampleBatch, forward_autocast
 from memfit.memory.storage_log import device_asked, refuse_sparse
 
 __all__ = ["CAP", "step_costs"]
 
+_READ_VALUE = torch.ops.aten._local_scalar_dense.default     # `.item()`, `bool(t)`
 CAP = 64 << 20           # bytes of one kernel's arguments above which it is timed at a smaller batch (or priced)
 
 
@@ -108,7 +117,12 @@ class _Counter(TorchDispatchMode):
         if (device := device_asked(func, args)) is not None:      # a fake tensor's .device: no op
             return device
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException:
+            if func is not _READ_VALUE or self.phase not in ("first optimizer step", "optimizer"):
+                raise
+            out = stand_in(args[0])     # a scalar of the optimizer's update, as the memory model answers it
         if func.namespace == "prim":
             return out
         if func is torch.ops.aten.detach.default and args and args[0] is self.unpacked:

@@ -26,7 +26,9 @@ def explain_fake_failure(e: Exception, model, optimizer, train: bool, n: int, in
         or "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e)     # .item(), x[x > 0]
     if step_code is not None and any(f.f_code is step_code for f in frames):
         return (f"{head}: {type(optimizer).__name__}.step() "
-                + ("reads tensor values (`.item()`), which fake tensors do not have" if data_dependent else
+                + ("makes a size from tensor values (`x[x > 0]`, `nonzero`), which fake tensors do not have (a "
+                   "scalar it reads, `.item()`, is answered 1: it scales the update; a size cannot be)" if data_dependent
+                   else
                    "does not run on fake tensors")
                 + (f". {instead}" if instead else
                    ". Predict without the step (optimizer=None: forward, loss, backward, gradients) and add the "

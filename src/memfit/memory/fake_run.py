@@ -68,6 +68,8 @@ class _Run:
     step_at: int = 0                  # the index in `events` where the optimizer step's events go
     sdpa: list = field(default_factory=list)      # the attention kernel each call was routed to (a CUDA target)
     source: RunLog | None = None      # a plain training step's log and where backward stored each gradient
+    stood_in: int = 0                 # values the optimizer step read that no fake run knows, answered 1
+    #                                   (`memfit.memory.known_values.stand_in`)
 
 
 @dataclass
@@ -224,7 +226,7 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
                             backward = lambda loss: backward_by_nodes(loss, saved)     # noqa: E731
                     if train:
                         training_step(run_model, x, opt, spec.loss_fn, y, spec.autocast, mark, optimizer_step,
-                                      spec.keep_output, backward)
+                                      spec.keep_output, backward, mode.step_reads)
                     else:
                         with torch.no_grad(), forward_autocast(device.type, spec.autocast):
                             out = forward(run_model, x)
@@ -247,7 +249,8 @@ def fake_run(spec: StepSpec, n: int, *, mode: FakeTensorMode, fakes: dict, optim
     source = RunLog(list(log), marks, samples, live_at_end, pad, stored,   # frees after the run: not in it
                     {k: rounded(p.nbytes) for k, p in trainable.items()}) if noting else None
     return _Run(tracker.ops, live, {k: v[0] for k, v in marks.items()}, held, events, sizes, step_kept, grad_bytes,
-                tracker.scratch_ops, *step, sdpa=sdpa, source=source)
+                tracker.scratch_ops, *step, sdpa=sdpa, source=source,
+                stood_in=mode.stood_in if train and optimizer_step and optimizer is not None else 0)
 
 
 @contextmanager

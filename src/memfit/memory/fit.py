@@ -43,7 +43,7 @@ def with_step(r: _Run, full: _Run) -> _Run:
     scratch = [x for x in r.scratch if x[0] < b] + [(i - fb + b, *x) for i, *x in full.scratch if fb <= i < fs - 1] \
         + [(i + fs - 1 - fb, *x) for i, *x in r.scratch if i >= b]
     return _Run(ops, live, ends, r.held, r.events, r.sizes, keep, r.grad_bytes, scratch, full.step_events,
-                full.step_sizes, r.step_at, r.sdpa)
+                full.step_sizes, r.step_at, r.sdpa, stood_in=full.stood_in)
 
 
 def affine(runs: dict[int, _Run], n1: int, n2: int):

@@ -94,7 +94,7 @@ def held_run(raw: _Run) -> _Run:
     held_bytes = sum(src.trainable.values())
     live, events, sizes, step_kept, step = _timeline(log, len(ops), marks, samples, live_at_end, src.pad)
     return _Run(ops, live, {k: v[0] for k, v in marks.items()}, {**raw.held, "gradients": held_bytes}, events, sizes,
-                step_kept, held_bytes, raw.scratch, *step, sdpa=raw.sdpa)
+                step_kept, held_bytes, raw.scratch, *step, sdpa=raw.sdpa, stood_in=raw.stood_in)
 
 
 def _lifetimes(log: list, stored: list) -> tuple[dict[int, int], dict[int, int]]:

@@ -48,7 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.device.replacements import ScopedReplacement
 from memfit.device.torch_private import FakeTensor, disable_current_modes, op_schema, storage_key
 
-__all__ = ["DataDependentOnBatchSize", "KnownValues", "transformers_reads_values"]
+__all__ = ["DataDependentOnBatchSize", "KnownValues", "stand_in", "transformers_reads_values"]
 
 _aten = torch.ops.aten
 # ops whose values depend on their arguments only, none a tensor: a shadow is made for their output
@@ -231,3 +231,16 @@ def transformers_reads_values() -> Iterator[None]:
         return
     with _IS_TRACING.active():
         yield
+
+
+def stand_in(t: torch.Tensor) -> bool | int | float | complex:
+    """The answer to a value the optimizer's step reads that no fake run knows (`.item()`, `bool(t)` on a fake
+    tensor): 1 of its dtype (True, 1, 1.0). torch's Adafactor reads its step counter and each parameter's norm, ASGD
+    its eta and mu, transformers' Adafactor compares each parameter's RMS with eps: scalars of the update, not the
+    sizes of what it allocates (the memory models of those steps came out within the allocator's bytes with these
+    answers: `tests/memory/test_value_reads.py`). 1, not 0: Adafactor divides by the square root of its step. Read
+    in the forward or backward, a value can pick another path (mixture-of-experts routing sizes tensors by it): not
+    stood in there."""
+    if t.dtype == torch.bool:
+        return True
+    return 1.0 if t.dtype.is_floating_point else 1 + 0j if t.dtype.is_complex else 1

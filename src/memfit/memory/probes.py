@@ -76,7 +76,18 @@ def step_differs(r: _Run, source: _Run) -> str:
 
 
 def step_how(probes) -> str:
-    """Where the optimizer step of `probes` (`StepProbes`, `held_grads.HeldProbes`) came from, for `method`."""
+    """Where the optimizer step of `probes` (`StepProbes`, `held_grads.HeldProbes`) came from, for `method`, and the
+    values it read that no fake run knows (`known_values.stand_in`)."""
+    run = probes.step_from if probes.step_from is not None else probes.runs.get(4)
+    if run is not None and run.stood_in:
+        return _step_source(probes) + (
+            f"; the optimizer step read {run.stood_in} value{'s' if run.stood_in > 1 else ''} of its tensors (`.item()`, "
+            "a comparison) that fake tensors do not have: each answered 1, taken as a scalar of the update that "
+            "changes no size it allocates (Adafactor's step and norms, ASGD's eta and mu)")
+    return _step_source(probes)
+
+
+def _step_source(probes) -> str:
     if probes.step_from is not None:
         return ("; the optimizer step did not run here: put in at every batch size from the first memory model's run "
                 "at 4 in this fit, whose parameters, optimizer state and gradient bytes are the same (the step reads "

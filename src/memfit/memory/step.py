@@ -19,7 +19,7 @@ import gc
 import operator
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import InitVar, dataclass
 
 import torch
@@ -288,13 +288,15 @@ def autocast_entered_in_forward() -> bool:
 
 def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: torch.dtype | None = None,
                   marks: Callable[[str], None] = lambda phase: None, step: bool = True,
-                  keep_output: bool = True, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+                  keep_output: bool = True, backward: Callable[[torch.Tensor], None] | None = None,
+                  step_reads: Callable[[], AbstractContextManager] = nullcontext) -> None:
     """One training step as `footprint` counts it: forward and loss under `torch.autocast(autocast)` (none
     when None, whatever autocast surrounds the call: callers pass `surrounding_autocast`), then outside it
     backward, `optimizer.step()` (skipped with step=False), `optimizer.zero_grad()`. The loss, and the output
     unless keep_output=False (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it), live
     until the step returns. `backward(loss)` replaces `loss.backward()` (fake CUDA tensors without a GPU:
-    `memfit.device.fake_cuda.backward_by_nodes`)."""
+    `memfit.device.fake_cuda.backward_by_nodes`); `step_reads()`: around the optimizer's step (a fake run's value
+    reads stood in there, `LoggingFakeMode.step_reads`)."""
     dev = next((t.device.type for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), "cpu")
     with forward_autocast(dev, autocast):
         out = forward(model, batch)
@@ -310,7 +312,8 @@ def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: 
         marks("backward")
         if optimizer is not None:
             if step:
-                type(optimizer).step(optimizer)       # the class's step: a scheduler's wrapper may step the original
+                with step_reads():
+                    type(optimizer).step(optimizer)   # the class's step: a scheduler's wrapper may step the original
             marks("step")
             type(optimizer).zero_grad(optimizer)
     del out, loss

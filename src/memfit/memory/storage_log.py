@@ -33,7 +33,7 @@ from memfit.memory.fake_kernels import (
     workspace_bytes,
 )
 from memfit.memory.kernel_scratch import measured_here, spec_of
-from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, transformers_reads_values
+from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, stand_in, transformers_reads_values
 from memfit.memory.step import autocast_entered_in_forward
 
 __all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "refuse_sparse"]
@@ -257,12 +257,23 @@ class LoggingFakeMode(FakeTensorMode):
         self._depth = 0
         self._answers = True                          # value reads answered from `known_values` (`logging_to`)
         self._cpu_autocast = None                     # the CPU autocast dtype the forward runs under (`logging_to`)
+        self._stood_in: list | None = None            # value reads stood in (`step_reads`): None outside the step
+        self.stood_in = 0                             # value reads stood in in the last run's optimizer step
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if (device := device_asked(func, args)) is not None:
             return device                           # neither logged nor noted
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _READ_VALUE and self._stood_in is not None:
+            reads, self._stood_in = self._stood_in, None
+            try:
+                return self.__torch_dispatch__(func, types, args, kwargs)
+            except DataDependentOutputException:
+                reads.append(func)
+                return stand_in(args[0])          # the optimizer's step: a scalar of its update
+            finally:
+                self._stood_in = reads
         # (autocast reads off inside a mode: the run's is known, one the user's forward enters is counted)
         if func is _FUSED_ENCODER_LAYER and (self._cpu_autocast is not None or autocast_entered_in_forward()):
             raise NotImplementedError(
@@ -296,6 +307,16 @@ class LoggingFakeMode(FakeTensorMode):
         self.storage_log.record(func, out, args, kwargs)
         self.known_values.note(func, args, kwargs or {}, out)
         return out
+
+    @contextmanager
+    def step_reads(self):
+        """Inside (the optimizer's step), a value read that nothing answers is stood in (`known_values.stand_in`);
+        `stood_in` counts them."""
+        self._stood_in = []
+        try:
+            yield
+        finally:
+            self.stood_in, self._stood_in = len(self._stood_in), None
 
     @contextmanager
     def logging_to(self, storage_log: StorageLog, reads_values: bool = True, answers: bool = True,
