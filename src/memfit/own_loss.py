@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from memfit.batches import plain_batch
 from memfit.targets import IGNORE_INDEX
 
 __all__ = ["MODEL", "LabelTerms", "is_causal_lm", "is_own", "label_terms", "model_loss", "no_target", "own_batch"]
@@ -121,7 +122,8 @@ def label_terms(model: torch.nn.Module, x) -> LabelTerms | None:
 
 def own_batch(batch, where: str) -> tuple:
     """(x, None) for a step on the model's own loss: `batch` the inputs x alone (a dict holding its labels) or
-    (x, None); targets beside x are refused."""
+    (x, None); targets beside x are refused. A `BatchEncoding` is its dict (`memfit.batches.plain_batch`)."""
+    batch = plain_batch(batch)
     if isinstance(batch, dict):
         batch = (batch, None)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:

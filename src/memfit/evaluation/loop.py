@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from memfit.batches import batch_len, batch_slice, batch_to, forward
+from memfit.batches import batch_len, batch_slice, batch_to, forward, plain_batch
 from memfit.budget import halve_after_oom, is_oom
 from memfit.device.measure import reset_cuda_peak
 from memfit.evaluation.chunks import Chunks
@@ -100,6 +100,7 @@ def run_chunks(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch
                 cur = min(limit, cur * 2) if cur < limit else cur     # grow back towards the chosen size
         else:
             for i, batch in enumerate(chunks):
+                batch = plain_batch(batch)       # a data collator's BatchEncoding: the dict it holds
                 # a dict is the inputs alone (labels inside, for the model's own loss)
                 x, y = (batch, None) if isinstance(batch, dict) else (batch[0], batch[1] if len(batch) > 1 else None)
                 watch.where = f"batch {i} of the loader"
