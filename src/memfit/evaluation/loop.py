@@ -25,6 +25,13 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch, label
     `labels(x, y)`: the labels to score against (a causal LM's shifted ones, `evaluation.causal`), or raises."""
     if labels is not None:
         y = labels(x, y)
+    if y is None and isinstance(x, dict) and "labels" in x and any(
+            m.target is None and not getattr(m, "reads_output", False) for m in metrics.values()):
+        # a loader's dict batches: the labels ride inside the inputs, which only the model's own loss reads
+        raise ValueError(f"the batches hold their labels inside the inputs (x['labels'], keys {list(x)[:6]}) and no "
+                         f"targets beside them: the metrics {', '.join(m.name for m in metrics.values())} have none to "
+                         "score against. Fix: loss_fn='model' (the model's own loss, out.loss; the other metrics then read "
+                         "x['labels']), or batches (x, y) with the targets beside the inputs")
     try:
         out = forward(runner, x)
     except Exception as e:       # the forward's dtype mistakes only: a metric's or loss_fn's own error stays its own
