@@ -70,6 +70,10 @@ def test_model_loss_and_what_it_refuses():
     with pytest.raises(ValueError, match=r"without one.*x\['labels'\]"):
         with torch.no_grad():
             model_loss(llama()(input_ids=torch.zeros(2, 4, dtype=torch.long)))
+    with pytest.raises(ValueError, match=r"returned tuple without one \(a transformers model returns a tuple with "
+                                         r"return_dict=False: leave that out"):
+        with torch.no_grad():
+            model_loss(llama()(**labels_with_holes(), return_dict=False))
     assert is_own(None) and is_own("model") and is_own(model_loss) and not is_own(torch.nn.functional.mse_loss)
     with pytest.raises(ValueError, match="found the string 'mse'"):
         is_own("mse")

@@ -51,8 +51,11 @@ def model_loss(out, y=None) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         return loss
     has = type(out).__name__ + (f" (keys {list(out)[:6]})" if isinstance(out, dict) else "")
+    # a transformers model asked for return_dict=False returns a plain tuple, its loss first: nothing names it a loss
+    plain = " (a transformers model returns a tuple with return_dict=False: leave that out, so that out.loss names " \
+            "it)" if isinstance(out, (tuple, list)) else ""
     raise ValueError(f"loss_fn=None (or 'model') trains on the model's own loss, out.loss; the model returned {has} "
-                     "without one. Fix: put the labels in the inputs (x['labels'], as transformers models take "
+                     f"without one{plain}. Fix: put the labels in the inputs (x['labels'], as transformers models take "
                      "them: model(**x) then returns .loss), or pass a loss_fn(output, y) and targets y")
 
 
