@@ -70,6 +70,10 @@ def test_model_loss_and_what_it_refuses():
     with pytest.raises(ValueError, match=r"without one.*x\['labels'\]"):
         with torch.no_grad():
             model_loss(llama()(input_ids=torch.zeros(2, 4, dtype=torch.long)))
+    with pytest.raises(ValueError, match=r"returned tuple without one \(a transformers model returns a tuple with "
+                                         r"return_dict=False: leave that out"):
+        with torch.no_grad():
+            model_loss(llama()(**labels_with_holes(), return_dict=False))
     assert is_own(None) and is_own("model") and is_own(model_loss) and not is_own(torch.nn.functional.mse_loss)
     with pytest.raises(ValueError, match="found the string 'mse'"):
         is_own("mse")
@@ -79,3 +83,37 @@ def test_model_loss_and_what_it_refuses():
         own_batch((x, x["labels"]), "here")
     with pytest.raises(TypeError, match="here: .*found tuple of length 3"):
         own_batch((x, None, None), "here")
+
+
+def test_a_tokenizers_batch_encoding_is_the_dict_it_holds():
+    """What a tokenizer or data collator returns (`BatchEncoding`, a UserDict, not a dict) is taken as its dict by fit,
+    plan.step, accumulate, evaluate and memory_model: the same plan, loss and gradient as the dict gives (each was
+    refused: 'the batch is the inputs x, a dict ... found BatchEncoding', or in evaluate a KeyError from
+    BatchEncoding's integer indexing)."""
+    import copy
+
+    import memfit
+    x = labels_with_holes()
+    enc = tf.BatchEncoding(x)
+    assert not isinstance(enc, dict)
+    model = llama()
+    results = []
+    for batch in (x, enc):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        plan = memfit.fit(m, opt, batch, None, "64MiB")
+        step = plan.step(batch)
+        grads = [p.grad.clone() for p in m.parameters()]
+        acc = memfit.accumulate(m, opt, batch, None, micro_batch=3)
+        evaluated = memfit.evaluate(m, [batch], loss_fn="model", progress=False)["loss"]
+        results.append(((plan.micro_batch, plan.checkpoint, plan.peak_bytes), step.loss, grads, acc.loss, evaluated,
+                        memfit.memory_model(m, batch).total_bytes(4)))
+    inputs, labels = {"input_ids": x["input_ids"]}, x["labels"]          # (x, y) with a loss_fn: x a BatchEncoding too
+    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    pair = [memfit.accumulate(m, torch.optim.SGD(m.parameters(), lr=0.1), (b, labels), loss_fn, micro_batch=2).loss
+            for m, b in zip(copies, (inputs, tf.BatchEncoding(inputs)), strict=True)]
+    assert pair[0] == pair[1]
+    (plan, loss, grads, acc, ev, mm), want = results[1], results[0]
+    assert (plan, loss, acc, ev, mm) == (want[0], want[1], want[3], want[4], want[5])
+    assert all(torch.equal(a, b) for a, b in zip(grads, want[2], strict=True))

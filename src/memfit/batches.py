@@ -16,9 +16,30 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-__all__ = ["async_copy_to", "batch_len", "batch_nbytes", "batch_slice", "batch_tensors", "batch_to", "forward"]
+__all__ = ["async_copy_to", "batch_len", "batch_nbytes", "batch_slice", "batch_tensors", "batch_to", "forward",
+           "plain_batch"]
+
+
+def plain_batch(batch):
+    """`batch` with a mapping that is not a dict made a dict, at the top and in an (x, y) tuple or list: a
+    tokenizer's or data collator's `transformers.BatchEncoding` (a `UserDict`) is the keyword inputs it holds, as a
+    dict is. Anything else is returned as it is.
+
+    Example:
+        >>> import collections, torch
+        >>> x = collections.UserDict(input_ids=torch.zeros(2, 3))
+        >>> type(plain_batch(x)).__name__, type(plain_batch((x, None))[0]).__name__
+        ('dict', 'dict')
+    """
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        return dict(batch)
+    if type(batch) in (tuple, list) and any(isinstance(v, Mapping) and not isinstance(v, dict) for v in batch):
+        return type(batch)(dict(v) if isinstance(v, Mapping) and not isinstance(v, dict) else v for v in batch)
+    return batch
 
 
 def forward(model, x):

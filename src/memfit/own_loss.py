@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from memfit.batches import plain_batch
 from memfit.targets import IGNORE_INDEX
 
 __all__ = ["MODEL", "LabelTerms", "is_causal_lm", "is_own", "label_terms", "model_loss", "no_target", "own_batch"]
@@ -50,8 +51,11 @@ def model_loss(out, y=None) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         return loss
     has = type(out).__name__ + (f" (keys {list(out)[:6]})" if isinstance(out, dict) else "")
+    # a transformers model asked for return_dict=False returns a plain tuple, its loss first: nothing names it a loss
+    plain = " (a transformers model returns a tuple with return_dict=False: leave that out, so that out.loss names " \
+            "it)" if isinstance(out, (tuple, list)) else ""
     raise ValueError(f"loss_fn=None (or 'model') trains on the model's own loss, out.loss; the model returned {has} "
-                     "without one. Fix: put the labels in the inputs (x['labels'], as transformers models take "
+                     f"without one{plain}. Fix: put the labels in the inputs (x['labels'], as transformers models take "
                      "them: model(**x) then returns .loss), or pass a loss_fn(output, y) and targets y")
 
 
@@ -121,7 +125,8 @@ def label_terms(model: torch.nn.Module, x) -> LabelTerms | None:
 
 def own_batch(batch, where: str) -> tuple:
     """(x, None) for a step on the model's own loss: `batch` the inputs x alone (a dict holding its labels) or
-    (x, None); targets beside x are refused."""
+    (x, None); targets beside x are refused. A `BatchEncoding` is its dict (`memfit.batches.plain_batch`)."""
+    batch = plain_batch(batch)
     if isinstance(batch, dict):
         batch = (batch, None)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:

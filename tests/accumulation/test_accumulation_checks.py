@@ -63,8 +63,12 @@ def test_usage_errors_say_what_was_expected():
         accumulate(mod, opt, (x, y), F.cross_entropy, micro_batch=0)
     with pytest.raises(TypeError, match=r"batch must be \(x, y\)"):
         accumulate(mod, opt, x, F.cross_entropy, micro_batch=2)
-    with pytest.raises(ValueError, match="same first"):
+    with pytest.raises(ValueError, match=r"same first \(batch\) dimension, its samples; found x 4, y 3\. Fix"):
         accumulate(mod, opt, (x, y[:3]), F.cross_entropy, micro_batch=2)
+    with pytest.raises(ValueError, match=r"found x\['a'\] 4, x\['b'\] 2, y 4\. Fix"):     # each place named
+        accumulate(mod, opt, ({"a": x, "b": x[:2]}, y), F.cross_entropy, micro_batch=2)
+    with pytest.raises(TypeError, match=r"found numpy arrays at x\['a'\], y\. Fix: torch.from_numpy"):
+        accumulate(mod, opt, ({"a": x.numpy()}, y.numpy()), F.cross_entropy, micro_batch=2)
     with pytest.raises(ValueError, match="mean loss over the micro-batch"):
         accumulate(mod, opt, (x, y), lambda o, t: o, micro_batch=2)
     with pytest.raises(ValueError, match="DistributedDataParallel"):

@@ -132,3 +132,8 @@ def test_the_models_own_loss_over_chunks_is_its_loss_on_the_whole_set(build):
               for s in range(0, N, 6)]
     res = memfit.evaluate(model, loader, loss_fn="model", progress=False)
     assert res["loss"] == pytest.approx(out.loss.item(), rel=1e-5) and res.n == N
+    # a loader's dict batches with loss_fn=None: the default metrics have no targets; the fix is named (it said
+    # 'accuracy needs targets; the data has none (give y, or use metrics that need none)')
+    with pytest.raises(ValueError, match=r"labels inside the inputs \(x\['labels'\].*the metrics accuracy, loss have "
+                                         r"none to score against. Fix: loss_fn='model'"):
+        memfit.evaluate(model, loader, progress=False)

@@ -258,6 +258,23 @@ def test_iterable_of_batches():
     assert r.n == 100 and r.chunks == 4 and r.metrics["accuracy"] == unchunked(model, x, y)["accuracy"]
 
 
+def test_a_torch_dataloader_over_a_torch_dataset():
+    """A plain torch DataLoader (its dataset a TensorDataset, or one whose `.targets` is a list of labels, as
+    torchvision's) is an iterable of (x, y) batches: the textbook metrics. (It raised AttributeError: 'TensorDataset'
+    object has no attribute 'targets', from the lookup meant for a memfit Loader's CompactDataset.)"""
+    x, y = make_data(50)
+    model = make_model()
+    xt, yt = torch.from_numpy(x).float(), torch.from_numpy(y)
+
+    class Labelled(torch.utils.data.TensorDataset):
+        targets = y.tolist()
+    want = unchunked(model, x, y)
+    for ds in (torch.utils.data.TensorDataset(xt, yt), Labelled(xt, yt)):
+        r = evaluate(model, torch.utils.data.DataLoader(ds, batch_size=16), progress=False)
+        assert r.n == 50 and r.metrics["accuracy"] == want["accuracy"]
+        assert r.metrics["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize("data, kwargs, error, match", [
     (make_data(20), dict(), None, None),
     ((make_data(20)[0], make_data(20)[1] + 10), dict(), ValueError, r"label 1\d is out of range for a model with 10 "),

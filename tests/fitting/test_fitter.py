@@ -256,6 +256,10 @@ def test_levers_are_opt_in_and_a_last_resort():
     with pytest.raises(memfit.BudgetExceeded) as e:
         memfit.fit(model, opt, (x, y), F.mse_loss, least16 - 1, **off)
     assert "levers=" not in str(e.value)                 # bf16 would not fit either
+    with pytest.raises(memfit.BudgetExceeded) as e:      # the lever given: its step is the least, and said as it is
+        memfit.fit(model, opt, (x, y), F.mse_loss, least16 - 1, levers=("bf16",), **off)
+    assert e.value.needed == least16, (e.value.needed, least16, least32)      # it was the float32 step's bytes
+    assert f"bfloat16 autocast) is {format_bytes(least16)} > budget" in str(e.value)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)       # exact: no approximation to warn of
         tight = memfit.fit(model, opt, (x, y), F.mse_loss, least16, levers=("bf16",), **off)

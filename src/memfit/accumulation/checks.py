@@ -21,16 +21,34 @@ def batch_size(x, y) -> int:
     """N, the samples in (x, y): dim 0 of every tensor, which must agree."""
     ts = batch_tensors(x)
     if not ts:
+        arrays = _places((x, y), lambda v: type(v).__module__ == "numpy")
+        if arrays:
+            raise TypeError(f"batch x must hold torch tensors; found numpy arrays at {', '.join(arrays)}. Fix: "
+                            "torch.from_numpy(a) (.float() for float64 arrays a float32 model takes)")
         raise TypeError(f"batch x must be a tensor, a dict of tensors (e.g. tokenizer output) or a tuple of "
                         f"tensors; found {type(x).__name__}")
     sizes = {t.shape[0] if t.dim() else None for t in ts + batch_tensors(y)}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"every tensor of the batch needs the same first (batch) dimension; found sizes "
-                         f"{sorted(map(str, sizes))}")
+        found = _places((x, y), lambda v: isinstance(v, torch.Tensor), lambda t: t.shape[0] if t.dim() else "0-d")
+        raise ValueError(f"every tensor of the batch needs the same first (batch) dimension, its samples; found "
+                         f"{', '.join(found)}. Fix: give every tensor one row per sample (a per-batch value that is "
+                         "not per sample, such as a flag, can pass as a Python value)")
     n = sizes.pop()
     if n == 0:
         raise ValueError("the batch is empty: nothing to accumulate")
     return n
+
+
+def _places(batch, keep, say=None) -> list[str]:
+    """"x['labels'] 4": the places in (x, y) of the leaves `keep` takes, each with `say(leaf)` when given."""
+    from memfit.device.torch_private import keystr, tree_flatten_with_path
+    out = []
+    for path, v in tree_flatten_with_path(batch)[0]:
+        if keep(v):
+            text = keystr(path)
+            out.append({"[0]": "x", "[1]": "y"}.get(text[:3], "the batch") + text[3:]
+                       + ("" if say is None else f" {say(v)}"))
+    return out
 
 
 def part_of(v, s: int, e: int, device: torch.device):

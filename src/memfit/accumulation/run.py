@@ -30,6 +30,7 @@ from memfit.accumulation.checks import (
 from memfit.accumulation.micro_step import KeptGrads, LossSum, MicroStep
 from memfit.accumulation.ranks import agree_start, run_rounds, synchronise
 from memfit.accumulation.result import NONFINITE, NonFiniteLossError, StepResult
+from memfit.batches import plain_batch
 from memfit.losses import batch_terms, count_terms, loss_ignore_index, said_reduction
 from memfit.memory.micro_batch import auto_key, chosen_size, lower_chosen
 from memfit.own_loss import LabelTerms, is_own, label_terms, model_loss, own_batch
@@ -139,6 +140,7 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
     """`accumulate`; `walked`: the model's `Walked`, known to hold (else walked here)."""
     t0 = time.perf_counter()
     given = terms
+    batch = plain_batch(batch)     # a tokenizer's or collator's BatchEncoding: the dict it holds
     if is_own(loss_fn):           # the model's own loss: x alone (its labels inside), weighted by the labels that count
         batch, loss_fn = own_batch(batch, "accumulate"), model_loss
         if terms is None:

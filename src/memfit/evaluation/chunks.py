@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from memfit.batches import batch_to
+from memfit.batches import batch_to, plain_batch
 from memfit.compact import CompactDataset
 from memfit.targets import IGNORE_INDEX, check_count
 
@@ -41,7 +41,7 @@ def as_chunks(data, device: torch.device, asked: tuple[int, str] | None = None):
             raise ValueError("the data is empty: nothing to evaluate")
         return Chunks(data, device)
     if isinstance(data, tuple) and len(data) == 2:
-        x, y = data
+        x, y = plain_batch(data)
         if isinstance(x, dict):     # several inputs per sample; from_arrays checks every count
             return Chunks(CompactDataset.from_arrays(x, y, device="cpu", ignore_index=ignore), device)
         if y is not None:

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from memfit.batches import batch_len, batch_slice, batch_to, forward
+from memfit.batches import batch_len, batch_slice, batch_to, forward, plain_batch
 from memfit.budget import halve_after_oom, is_oom
 from memfit.device.measure import reset_cuda_peak
 from memfit.evaluation.chunks import Chunks
@@ -25,6 +25,13 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch, label
     `labels(x, y)`: the labels to score against (a causal LM's shifted ones, `evaluation.causal`), or raises."""
     if labels is not None:
         y = labels(x, y)
+    if y is None and isinstance(x, dict) and "labels" in x and any(
+            m.target is None and not getattr(m, "reads_output", False) for m in metrics.values()):
+        # a loader's dict batches: the labels ride inside the inputs, which only the model's own loss reads
+        raise ValueError(f"the batches hold their labels inside the inputs (x['labels'], keys {list(x)[:6]}) and no "
+                         f"targets beside them: the metrics {', '.join(m.name for m in metrics.values())} have none to "
+                         "score against. Fix: loss_fn='model' (the model's own loss, out.loss; the other metrics then read "
+                         "x['labels']), or batches (x, y) with the targets beside the inputs")
     try:
         out = forward(runner, x)
     except Exception as e:       # the forward's dtype mistakes only: a metric's or loss_fn's own error stays its own
@@ -100,6 +107,7 @@ def run_chunks(runner, chunks, metrics: dict[str, Metric], size: int, dev: torch
                 cur = min(limit, cur * 2) if cur < limit else cur     # grow back towards the chosen size
         else:
             for i, batch in enumerate(chunks):
+                batch = plain_batch(batch)       # a data collator's BatchEncoding: the dict it holds
                 # a dict is the inputs alone (labels inside, for the model's own loss)
                 x, y = (batch, None) if isinstance(batch, dict) else (batch[0], batch[1] if len(batch) > 1 else None)
                 watch.where = f"batch {i} of the loader"

@@ -39,7 +39,7 @@ from memfit.losses import loss_ignore_index
 from memfit.messages import first_line, whole_words
 from memfit.metrics import Loss, Metric, default_metrics, make_metric
 from memfit.own_loss import LabelTerms, is_causal_lm, is_own, model_loss
-from memfit.targets import IGNORE_INDEX
+from memfit.targets import IGNORE_INDEX, Targets
 
 __all__ = ["evaluate"]
 
@@ -226,8 +226,10 @@ def _resolve_metrics(mets: dict[str, Metric], chunks, auto: bool, make, asked: t
                       "drop_last=False, or pass the CompactDataset itself, to evaluate every sample",
                       UserWarning, stacklevel=4)
     targets = getattr(chunks.ds if isinstance(chunks, Chunks) else chunks, "targets", None)
-    if targets is None and hasattr(chunks, "dataset"):           # a memfit Loader
-        targets = chunks.dataset.targets
+    if targets is None:      # a memfit Loader's CompactDataset; a torch DataLoader's dataset has none of memfit's
+        targets = getattr(getattr(chunks, "dataset", None), "targets", None)
+    if not isinstance(targets, Targets):     # a torchvision dataset's .targets is a tensor or a list of labels
+        targets = None
     if auto:
         mets.update(_metrics(default_metrics(None if targets is None else targets.kind), make))
     _bind(mets, targets, asked, loss_index)

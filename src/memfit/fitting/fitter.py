@@ -42,6 +42,7 @@ from memfit.accumulation.checks import check_distributed as _check_distributed
 from memfit.accumulation.checks import check_optimizer_holds
 from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import Walked, run_step
+from memfit.batches import plain_batch
 from memfit.budget import BudgetExceeded, format_bytes, model_device
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.finder import LEVERS, TIE, Peaks, _name, prediction
@@ -312,6 +313,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         BudgetExceeded: no alternative fits; the message has the breakdown (parameters, gradients, optimizer
             state, the rest) and what would fit.
     """
+    batch = plain_batch(batch)       # a tokenizer's BatchEncoding: the dict it holds
     own = is_own(loss_fn)
     if own:                   # the model's own loss: the inputs alone, their labels inside; nothing to build a y for
         if target is not None:
@@ -383,6 +385,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         # since, could exceed the budget (every rank says)
         # the model as the last step left it (`State.holds`, no new fingerprint): its parameters and batch-dependent
         # modules as they were then too (`Walked`: two walks of every module a step fewer)
+        step_batch = plain_batch(step_batch)
         unchanged = plan._held is not None and plan._held[0].holds(module)
         error = None if plan._held is None else held_error(plan._held, module, optimizer, unchanged)
         if isinstance(error, ModelChanged) and plan._quiet is not None:

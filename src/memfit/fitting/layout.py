@@ -254,9 +254,19 @@ def _said(planned: tuple, n: int, batch, device: torch.device) -> Exception | No
             return TypeError(f"plan.step takes torch tensors, as the plan was made for ({was}); found numpy arrays at "
                              f"{', '.join(arrays)}. Fix: torch.from_numpy(a) (.float() where the plan has float32 "
                              "and the array is float64), or step on a memfit loader's batches")
-        found = "; ".join(f"{_where(path)} {_what(v)}" for path, v in leaves) or "nothing"
-        return ValueError(f"plan.step: the batch holds {found}; the plan was made for {was} (in that structure: "
-                          f"{_kind(planned[0])}, found {_kind(spec)}): {fix}")
+        found = "; ".join(f"{_where(path)} {_what(v)}" for path, v in leaves if v is not None) or "nothing"
+        # the places the plan has and the batch lacks, and the other way round: what a user looks for first
+        places = {_where(path) for path, v in leaves if isinstance(v, torch.Tensor)}
+        lacks = [where for where, _, _ in planned[1] if where not in places]
+        adds = sorted(places - {where for where, _, _ in planned[1]})
+        head = "; ".join(part for part in (f"lacks {', '.join(lacks)}" if lacks else "",
+                                           f"has {', '.join(adds)} beside what the plan was made for" if adds else "")
+                         if part)
+        if head:                   # another set of inputs: no padding makes it the plan's
+            fix = ("step on batches holding what the plan was made for, or call memfit.fit with this batch (plans are "
+                   "kept per layout)")
+        return ValueError(f"plan.step: the batch {head + ': it ' if head else ''}holds {found}; the plan was made for "
+                          f"{was} (in that structure: {_kind(planned[0])}, found {_kind(spec)}): {fix}")
     for (where, shape, dtype), (_, was, was_dtype) in zip(tensors, planned[1], strict=True):
         if dtype != was_dtype or len(shape) != len(was) or any(a > b for a, b in zip(shape, was, strict=True)):
             return ValueError(f"plan.step: {where} is {shape} per sample ({dtype}); the plan was made for {was} per "

@@ -6,10 +6,12 @@ some, and the step without it would fit)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from memfit.batches import batch_slice
-from memfit.budget import BudgetExceeded, format_bytes
+from memfit.budget import BudgetExceeded, format_bytes, model_device
 from memfit.fitting.checkpointing import checkpointed
 from memfit.memory.micro_batch import training_peak
 from memfit.messages import first_line
@@ -27,10 +29,16 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     params = sum(p.nbytes for p in {id(p): p for p in module.parameters()}.values())
     grads = sum(p.nbytes for p in {id(p): p for p in module.parameters() if p.requires_grad}.values())
     least = min((a for a in choice.alternatives if a.bytes is not None), key=lambda a: a.bytes)
-    with checkpointed(module, least.setting.checkpoint):
-        first = training_peak(model, optimizer, loss_fn, x, y, **predict)[0](least.micro_batch)   # none on entry
-        need = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True, **predict)[0](least.micro_batch) \
-            if entry_grads else first
+    # under the least's autocast too, as the search's memory model ran it (`finder.Peaks`): without it a bf16 plan's
+    # breakdown was the float32 step's (a CNN with BatchNorm: 'bfloat16 autocast ... is 20.44 MiB', its 10.77 MiB)
+    dtype = getattr(torch, least.setting.autocast) if least.setting.autocast else None
+    with contextlib.ExitStack() as on:
+        on.enter_context(checkpointed(module, least.setting.checkpoint))
+        if dtype is not None and not predict:          # (for another device: `autocast=` names it)
+            on.enter_context(torch.autocast(model_device(module).type, dtype=dtype))
+        first = training_peak(model, optimizer, loss_fn, x, y, autocast=dtype, **predict)[0](least.micro_batch)
+        need = training_peak(model, optimizer, loss_fn, x, y, entry_grads=True, autocast=dtype,
+                             **predict)[0](least.micro_batch) if entry_grads else first     # first: none on entry
     state = optimizer_state_bytes(optimizer, module)
     static = params + grads + state
     items = [("parameters", params), ("gradients", grads), ("optimizer state", state),

@@ -24,7 +24,7 @@ from dataclasses import InitVar, dataclass
 
 import torch
 
-from memfit.batches import forward
+from memfit.batches import forward, plain_batch
 from memfit.budget import model_device
 from memfit.device.measure import optimizer_state, unique_bytes
 from memfit.device.torch_private import compiled_inner, storage_key, tree_flatten, tree_unflatten
@@ -116,7 +116,7 @@ class ExampleBatch:
     #                               the index there) of the tensor it is), ...); computed when not given
 
     def __post_init__(self, beside: ExampleBatch | None):
-        t = self.template
+        t = self.template = plain_batch(self.template)      # a BatchEncoding: the dict it holds
         if _integral(t):
             t = self.template = (operator.index(t),)
         if is_shape(t):
