@@ -529,11 +529,31 @@ def test_the_plan_says_when_the_machine_was_busy_while_its_kernels_were_timed(mo
     import time
 
     from memfit.fitting import costs, finder
+    monkeypatch.setattr(finder, "_load", lambda: (0.0, 2))
     monkeypatch.setattr(costs, "unsteady", lambda keys, device: (apart, 100))
     monkeypatch.setattr(finder, "clock", lambda device: time.perf_counter if by_wall_clock else time.thread_time)
     model = mlp(blocks=2)
     plan = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), F.mse_loss, "1GiB")
     assert ("THE MACHINE WAS BUSY while the kernels were timed: 50 of 100" in plan.explain()) == warned
+
+
+@pytest.mark.parametrize("load, threads, warned", [(4.6, 2, True), (1.5, 2, False), (4.6, 1, False)])
+def test_the_plan_says_when_the_load_average_passed_the_cores(monkeypatch, load, threads, warned):
+    """torch's threads wait for each other where a core is taken (a 64-wide MLP's plain step 50-60 ms at load 4.6 on
+    2 cores, 0.2 ms quiet): with the load average past the cores and more than one thread (timed by the wall clock),
+    the explanation says the times may not hold on a quiet machine; at one thread (CPU time) or a lower load,
+    nothing."""
+    from memfit.fitting import costs, finder
+    monkeypatch.setattr(finder, "_load", lambda: (load, 2))
+    monkeypatch.setattr(costs, "unsteady", lambda keys, device: (0, 100))
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = mlp(blocks=2)
+        plan = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), F.mse_loss, "1GiB")
+    finally:
+        torch.set_num_threads(was)
+    assert ("THE MACHINE WAS BUSY: load average 4.6 on 2 cores" in plan.explain()) == warned
 
 
 def test_a_causal_lm_trains_on_its_own_loss_with_its_default_cache():
@@ -668,3 +688,23 @@ def test_fit_plans_for_a_cuda_device_from_the_cpu_with_its_fixed_costs_in_the_bu
         memfit.fit(model, opt, (x, y), F.mse_loss, device_memory="24GiB")
     with pytest.raises(ValueError, match="needs a budget"):
         memfit.fit(model, opt, (x, y), F.mse_loss, device="cuda")
+
+
+def test_sharding_offered_to_a_batchnorm_model_says_its_statistics_become_each_ranks():
+    """FSDP2 at a few samples per rank changes what BatchNorm normalises over: the hint says so and names
+    SyncBatchNorm, and counts ranks at 2 samples each (at one, BatchNorm's training step fails: the hint fell back to
+    an even split 'could not be predicted'). A model without batch statistics gets neither."""
+    torch.manual_seed(0)
+    bn = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 64))
+    plain = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    said = {}
+    for name, model in (("bn", bn), ("plain", plain)):
+        opt = torch.optim.AdamW(model.parameters())
+        with pytest.raises(memfit.BudgetExceeded, match=r"parameters \+ gradients \+ optimizer state alone") as e:
+            memfit.fit(model, opt, (x, y), F.mse_loss, "200KiB")
+        said[name] = str(e.value)
+    assert "FSDP2 ranks" in said["bn"] and "SyncBatchNorm" in said["bn"] and "but 1 (BatchNorm1d) and" in said["bn"]
+    assert "2 samples per rank" in said["bn"]       # BatchNorm does not train on one (the ranks' run failed on it)
+    assert "FSDP2 ranks" in said["plain"] and "SyncBatchNorm" not in said["plain"]
+    assert "one sample" in said["plain"] and "2 samples" not in said["plain"]

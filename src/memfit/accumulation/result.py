@@ -40,6 +40,7 @@ class StepResult:
     def __str__(self) -> str:
         if self.skipped:
             return f"no step on {self.n} samples: {self.skipped}"
-        return (f"one step on {self.n} samples in {self.micro_batches} micro-batches of up to "
+        parts = f"{self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}"
+        return (f"one step on {self.n} samples in {parts} of up to "
                 f"{self.final_micro_batch} ({self.retries} out-of-memory retries), loss {self.loss:.6g}, "
                 f"{self.seconds:.3f} s; micro-batch {self.micro_batch}: {self.reason}")

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -291,6 +292,9 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
                 choice = keep_plain(choice, n, budget, timed.why_not)
     elif len(choice.leading) > 1 and device.type == "meta":
         choice = keep_plain(choice, n, budget, "a meta-device model runs no kernel")
+    elif trials and choice.best is not None:
+        how_time += (f"; nothing timed for real: no other alternative that fits was predicted within {window - 1:.0%} "
+                     "of the fastest, so the time model's choice stands")
     how_bytes = (how[0] if how else "not computed") + " (one memory model per checkpoint set tried)"
     if dependent and not allow:
         choice.reason += (f"; micro-batches not considered: {dependent[0]} (batch statistics; "
@@ -309,15 +313,33 @@ def _find(model, module, optimizer, loss_fn, x, y, n, budget, levers, candidates
 
 
 def _busy(counts: list[tuple[int, int]], device) -> str:
-    """The time model's warning where many kernels' samples came out far apart (`timing.unsteady`), else ""."""
+    """The time model's warning where many kernels' samples came out far apart (`timing.unsteady`), or where the
+    CPU's load average passed its cores while kernels were timed by the wall clock, else ""."""
     apart, timed = (sum(c[i] for c in counts) for i in (0, 1))
-    if timed < 8 or apart <= BUSY_SHARE * timed or clock(device) is time.thread_time:
+    if clock(device) is time.thread_time:
         return ""                 # the thread's CPU time: other processes' turns on the core are not counted
     threads = torch.get_num_threads()
     advice = " or with torch.set_num_threads(1)" if device.type == "cpu" and threads > 1 else ""
-    return (f". THE MACHINE WAS BUSY while the kernels were timed: {apart} of {timed} kernels' samples came out more "
-            f"than {UNSTEADY}x apart ({threads} torch threads), so the predicted times, and the choice made from "
-            f"them, may be far off; fit again on a quiet machine{advice}")
+    if timed >= 8 and apart > BUSY_SHARE * timed:
+        return (f". THE MACHINE WAS BUSY while the kernels were timed: {apart} of {timed} kernels' samples came out "
+                f"more than {UNSTEADY}x apart ({threads} torch threads), so the predicted times, and the choice made "
+                f"from them, may be far off; fit again on a quiet machine{advice}")
+    load, cores = _load()
+    if device.type == "cpu" and threads > 1 and load > cores:
+        # torch's threads wait for each other where a core is taken: a 64-wide MLP's plain step of 8 samples
+        # (2 threads, load 4.6 on 2 cores) timed 50-60 ms, 0.2 ms on a quiet machine: micro-batch 1 taken at 0.03x
+        return (f". THE MACHINE WAS BUSY: load average {load:.1f} on {cores} cores while fit timed by the wall clock "
+                f"({threads} torch threads); a kernel whose threads wait for a taken core can run many times slower "
+                f"than on a quiet machine, so the times measured, and the choice made from them, may not hold there; "
+                f"fit again on a quiet machine{advice}")
+    return ""
+
+
+def _load() -> tuple[float, int]:
+    """(the last minute's load average, the cores this process may run on); (0, 1) where the system says neither."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return load, cores
 
 
 def _ms(seconds: float) -> str:

@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from memfit.accumulation.checks import batch_dependent_modules
 from memfit.batches import batch_slice
 from memfit.budget import BudgetExceeded, format_bytes, model_device
 from memfit.fitting.checkpointing import checkpointed
@@ -52,7 +53,13 @@ def nothing_fits(model, module, optimizer, loss_fn, x, y, budget, choice, levers
     else:
         head = (f"nothing fits: the least any alternative needs (micro-batch {least.micro_batch}, "
                 f"{least.setting.describe()}) is {format_bytes(need)} > budget {format_bytes(budget)}")
-    more = _sharded(module, optimizer, loss_fn, x, y, budget, static, max(0, first - static), bool(predict))
+    dependent = batch_dependent_modules(module)       # batch statistics: two samples a rank at least
+    more = _sharded(module, optimizer, loss_fn, x, y, budget, static, max(0, first - static), bool(predict),
+                    2 if dependent else 1)
+    if dependent:                                    # fewer samples per rank than in the batch
+        more = [f"{h} (but {dependent[0].split(':')[0]} and any other batch statistics would then be each rank's "
+                "samples', not the batch's: torch.nn.SyncBatchNorm.convert_sync_batchnorm keeps the batch's)"
+                for h in more]
     smallest = min(a.micro_batch for a in choice.alternatives)
     cast = [] if "bf16" in levers or static > budget else _bf16(bytes_of, smallest, budget)
     # without its state (plain SGD keeps none) the step needs about that much less: offered where that would fit
@@ -80,8 +87,9 @@ MAX_WORLD = 64                  # the most FSDP2 ranks the hint tries
 
 
 def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: int,
-             elsewhere: bool = False) -> list[str]:
-    """How many FSDP2 ranks a step at one sample per rank needs, as a fix to offer. Each rank holds at least its
+             elsewhere: bool = False, per_rank: int = 1) -> list[str]:
+    """How many FSDP2 ranks a step at `per_rank` samples per rank (2 where batch statistics need them) needs, as
+    a fix to offer. Each rank holds at least its
     shards of the parameters, gradients and optimizer state at once (in the optimizer's step): `static / d`, so the
     search starts at the smallest d where that fits, a lower bound (`static / d + rest` is not one: the optimizer's
     transients in `rest` shard too), and `ranks_needed` tries every count from there up, from one run of FSDP2's
@@ -100,14 +108,16 @@ def _sharded(module, optimizer, loss_fn, x, y, budget: int, static: int, rest: i
         return [even + "; memfit.sizing.ranks_needed(model.cpu(), ...) predicts FSDP2's per-rank peak)"] if even else []
     from memfit.memory.fewest_ranks import NoWorldFits, ranks_needed
     try:
-        w = ranks_needed(module, batch_slice(x, 0, 1), budget, 1, optimizer=optimizer, loss_fn=loss_fn,
-                         target=batch_slice(y, 0, 1), at_least=low, max_world=MAX_WORLD)
+        w = ranks_needed(module, batch_slice(x, 0, per_rank), budget, per_rank, optimizer=optimizer,
+                         loss_fn=loss_fn, target=batch_slice(y, 0, per_rank), at_least=low, max_world=MAX_WORLD)
     except NoWorldFits:            # predicted: sharding alone does not make it fit
         return [f"FSDP2 with checkpointing or bf16 ({MAX_WORLD} FSDP2 ranks alone still need more than the budget "
-                "per rank at one sample each: activations do not shard)"]
+                f"per rank at {'one sample' if per_rank == 1 else f'{per_rank} samples'} each: activations do not "
+                "shard)"]
     except Exception as e:         # a hint inside an error: never replace the BudgetExceeded
         return [even + f"; FSDP2's per-rank peak could not be predicted: {first_line(e)})"] if even else []
-    return [f"{w} FSDP2 ranks (fully_shard on each block and the root, a plain step of one sample per rank, no "
+    return [f"{w} FSDP2 ranks (fully_shard on each block and the root, a plain step of "
+            f"{'one sample' if per_rank == 1 else f'{per_rank} samples'} per rank, no "
             f"checkpointing: per-rank peak predicted by memfit.sizing.ranks_needed, from {low} ranks up)"]
 
 
