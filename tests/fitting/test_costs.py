@@ -247,3 +247,43 @@ def test_fit_with_an_optimizer_that_makes_a_size_from_values_is_refused_by_name_
         memfit.fit(model, opt, (torch.randn(8, 8), torch.randn(8, 8)), F.mse_loss, "1MiB")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def _transformers_4x_mask_check():
+    """transformers 4.x's `_ignore_causal_mask_sdpa` as it asks (`if torch.all(mask == 1)`), made in a module named
+    as transformers' own, where the fake runs look for it (transformers 5.x, installed here, does not ask)."""
+    import types
+    module = types.ModuleType("transformers.memfit_test_masks")
+    exec("import torch\n"
+         "def _ignore_causal_mask_sdpa(mask):\n"
+         "    return bool(torch.all(mask == 1))\n", module.__dict__)
+    return module._ignore_causal_mask_sdpa
+
+
+class MaskAsked(nn.Module):
+    """A layer whose forward asks transformers 4.x's mask question and builds the mask where it is not all ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.ask = nn.Linear(8, 8), _transformers_4x_mask_check()
+
+    def forward(self, x):
+        mask = (x[..., 0] > -10).long()                        # (batch, seq): all ones for real
+        h = self.lin(x)
+        if not self.ask(mask):
+            h = h + (1 - mask[:, None, :] * mask[:, :, None]).float().sum(-1, keepdim=True)
+        return h
+
+
+def test_transformers_4x_mask_question_is_answered_no_in_the_op_counting_as_in_the_memory_model():
+    """Under transformers 4.46 fit failed on a Llama with an attention mask: the op counting's fake run had no
+    answer to `_ignore_causal_mask_sdpa`'s `torch.all(mask == 1)` (DataDependentOutputException) where the memory
+    model answers it no (the mask counts). Both answer alike now: the counted step holds the mask's ops."""
+    import warnings
+    model = MaskAsked()
+    x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step, _, _, _ = costs.step_costs(model, x, y, F.mse_loss, [])
+        plan = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y), F.mse_loss, "1GiB")
+    assert step.ops > 4 and plan.micro_batch in (1, 2, 4)

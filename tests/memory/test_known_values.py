@@ -46,7 +46,7 @@ class PositionsChecked(nn.Module):
 
 def test_a_question_on_values_made_from_no_input_is_answered_as_the_real_run_answers_it():
     """Predicted as the allocator's bytes of the real step (which never builds the packed branch's mask), and no
-    question left for `_mask_check_answered_no` (no warning, no error)."""
+    question left for `mask_check_answered_no` (no warning, no error)."""
     torch.manual_seed(0)
     model = PositionsChecked()
     x, y = torch.randn(6, 24, 16), torch.randn(6, 24, 16)

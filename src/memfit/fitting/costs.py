@@ -63,7 +63,7 @@ from memfit.memory.fake_run import FakeRunError
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.known_values import stand_in
 from memfit.memory.step import ExampleBatch, forward_autocast
-from memfit.memory.storage_log import device_asked, refuse_sparse
+from memfit.memory.storage_log import device_asked, mask_check_answered_no, refuse_sparse
 
 __all__ = ["CAP", "step_costs"]
 
@@ -120,9 +120,12 @@ class _Counter(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
-            if func is not _READ_VALUE or self.phase not in ("first optimizer step", "optimizer"):
+            if func is _READ_VALUE and self.phase in ("first optimizer step", "optimizer"):
+                out = stand_in(args[0])     # a scalar of the optimizer's update, as the memory model answers it
+            elif func is _READ_VALUE and args[0].dtype == torch.bool and mask_check_answered_no():
+                out = False     # transformers 4.x's "is the attention mask all ones?": no, as the memory model says
+            else:
                 raise
-            out = stand_in(args[0])     # a scalar of the optimizer's update, as the memory model answers it
         if func.namespace == "prim":
             return out
         if func is torch.ops.aten.detach.default and args and args[0] is self.unpacked:

@@ -14,7 +14,7 @@ then builds the mask, which the real eager run never builds: SDPA turns it to fl
 backward, 4*S^2 bytes per sample per layer (Llama, hidden 256, 4 layers, seq 256, batch 16: predicted 1.037x the
 real peak; 1.15x at seq 1024). `transformers_reads_values` puts the questions to the run: answered from the shadows
 (the model's own positions: not packed, no mask, as for real), or, on the user's batch, answered no, which keeps
-the mask (`memfit.memory.storage_log._mask_check_answered_no`: exact for the padded batches a mask is for, an
+the mask (`memfit.memory.storage_log.mask_check_answered_no`: exact for the padded batches a mask is for, an
 upper bound otherwise, with a warning). Not for a `torch.compile`d model: under dynamo `is_tracing` is true and the
 compiled step builds the mask, so its fake run leaves the questions unasked and the mask counts
 (`StepSpec.compiled`).

@@ -36,7 +36,7 @@ from memfit.memory.kernel_scratch import measured_here, spec_of
 from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, stand_in, transformers_reads_values
 from memfit.memory.step import autocast_entered_in_forward
 
-__all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "refuse_sparse"]
+__all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "mask_check_answered_no", "refuse_sparse"]
 
 # ops whose backward keeps their second argument: given a Python number, a 0-d tensor autograd wraps and saves
 SAVES_SCALAR = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
@@ -210,7 +210,7 @@ def device_asked(func, args) -> torch.device | None:
     return None
 
 
-def _mask_check_answered_no() -> bool:
+def mask_check_answered_no() -> bool:
     """Whether a yes/no question on values a fake run does not have is transformers' check of an attention mask
     (`if torch.all(mask == 1): return None` in 4.x's `_prepare_4d_attention_mask_for_sdpa`, `_ignore_causal_mask_sdpa`,
     `sdpa_mask`; `warn_if_padding_and_no_attention_mask`) or any question of 5.x's `masking_utils` (whether the
@@ -296,7 +296,7 @@ class LoggingFakeMode(FakeTensorMode):
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             except DataDependentOutputException:
-                if not _mask_check_answered_no():
+                if not mask_check_answered_no():
                     raise
                 return False
         self._depth += 1
