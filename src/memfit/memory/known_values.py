@@ -38,6 +38,7 @@ differ).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +49,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.device.replacements import ScopedReplacement
 from memfit.device.torch_private import FakeTensor, disable_current_modes, op_schema, storage_key
 
-__all__ = ["DataDependentOnBatchSize", "KnownValues", "stand_in", "transformers_reads_values"]
+__all__ = ["DataDependentOnBatchSize", "KnownValues", "READS_SCALARS", "reads_stood_in", "stand_in",
+           "transformers_reads_values"]
 
 _aten = torch.ops.aten
 # ops whose values depend on their arguments only, none a tensor: a shadow is made for their output
@@ -240,7 +242,24 @@ def stand_in(t: torch.Tensor) -> bool | int | float | complex:
     sizes of what it allocates (the memory models of those steps came out within the allocator's bytes with these
     answers: `tests/memory/test_value_reads.py`). 1, not 0: Adafactor divides by the square root of its step. Read
     in the forward or backward, a value can pick another path (mixture-of-experts routing sizes tensors by it): not
-    stood in there."""
+    stood in there; nor in the step of an optimizer not in `READS_SCALARS` (`reads_stood_in`)."""
     if t.dtype == torch.bool:
         return True
     return 1.0 if t.dtype.is_floating_point else 1 + 0j if t.dtype.is_complex else 1
+
+
+# The optimizer steps (module, qualified name of `step`) whose every value read was read through: each scalar answered
+# scales the update (ASGD's `mu.item() != 1` allocates a parameter's copy where mu is not 1: it is 1 at a fresh
+# optimizer's first step, the step predicted; one loaded with state has mu known). Any other step is refused where
+# it reads a value, as before stand-ins: a guard that skips a parameter whose gradient holds a NaN or an inf
+# (`if torch.isnan(g).any(): continue`) is answered True, and its memory model held no state for any parameter:
+# 0.53-0.56x the allocator's bytes (`tests/memory/test_value_reads.py`), where it was refused before the stand-in.
+READS_SCALARS = frozenset({("torch.optim._adafactor", "Adafactor.step"), ("torch.optim.asgd", "ASGD.step"),
+                           ("transformers.optimization", "Adafactor.step")})
+
+
+def reads_stood_in(optimizer) -> bool:
+    """Whether a value the step of `optimizer` reads is stood in (`stand_in`): its class's `step` (a subclass that
+    does not override it included) is one of `READS_SCALARS`."""
+    step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
+    return (getattr(step, "__module__", None), getattr(step, "__qualname__", None)) in READS_SCALARS

@@ -33,7 +33,13 @@ from memfit.memory.fake_kernels import (
     workspace_bytes,
 )
 from memfit.memory.kernel_scratch import measured_here, spec_of
-from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, stand_in, transformers_reads_values
+from memfit.memory.known_values import (
+    DataDependentOnBatchSize,
+    KnownValues,
+    reads_stood_in,
+    stand_in,
+    transformers_reads_values,
+)
 from memfit.memory.step import autocast_entered_in_forward
 
 __all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "refuse_sparse"]
@@ -309,14 +315,15 @@ class LoggingFakeMode(FakeTensorMode):
         return out
 
     @contextmanager
-    def step_reads(self):
-        """Inside (the optimizer's step), a value read that nothing answers is stood in (`known_values.stand_in`);
-        `stood_in` counts them."""
-        self._stood_in = []
+    def step_reads(self, optimizer=None):
+        """Inside (the optimizer's step), a value read that nothing answers is stood in (`known_values.stand_in`)
+        where the step of `optimizer` is one whose reads were read through (`known_values.reads_stood_in`), else
+        refused as anywhere; `stood_in` counts them."""
+        self._stood_in = [] if reads_stood_in(optimizer) else None
         try:
             yield
         finally:
-            self.stood_in, self._stood_in = len(self._stood_in), None
+            self.stood_in, self._stood_in = len(self._stood_in or ()), None
 
     @contextmanager
     def logging_to(self, storage_log: StorageLog, reads_values: bool = True, answers: bool = True,
