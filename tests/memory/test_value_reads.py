@@ -84,3 +84,60 @@ def test_a_value_read_in_the_forward_is_still_refused():
     with pytest.raises(FakeRunError, match=r"\.item\(\)"):
         step_memory_model(model, X[:2], train=True, optimizer=torch.optim.Adafactor(model.parameters()),
                           loss_fn=F.cross_entropy, target=Y[:2])
+
+
+class GuardedMomentum(torch.optim.Optimizer):
+    """SGD with momentum that skips a parameter whose gradient holds a NaN or an inf, its buffer made on first use."""
+
+    def __init__(self, params, lr=1e-2, momentum=0.9):
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or torch.isnan(p.grad).any() or torch.isinf(p.grad).any():
+                    continue
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = torch.zeros_like(p)
+                state["buf"].mul_(group["momentum"]).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+def test_a_step_whose_reads_were_not_read_through_is_refused_not_stood_in():
+    """A read answered 1 (True) takes the guard's side: no buffer made. Stood in, the memory model came out 0.56x the
+    allocator's bytes (48,269 against 86,680 at batch 1 here; 0.53x on a 2048-wide MLP); it is refused, as before the
+    stand-in, saying why, by the memory model and by fit's op counting alike."""
+    model = _model()
+    real_model = copy.deepcopy(model)
+    real_opt = GuardedMomentum(real_model.parameters())
+    memfit.measure_step(real_model, X[:2].clone(), real_opt, F.cross_entropy, Y[:2].clone())
+    assert len(real_opt.state) == len(list(model.parameters()))     # the real step keeps a buffer for each
+    forget_step_model(model)
+    with pytest.raises(FakeRunError, match=r"GuardedMomentum.step\(\) reads tensor values .* answered only in the "
+                                           r"steps read through"):
+        step_memory_model(model, X[:2], train=True, optimizer=GuardedMomentum(model.parameters()),
+                          loss_fn=F.cross_entropy, target=Y[:2])
+    from memfit.fitting.costs import step_costs
+    with pytest.raises(FakeRunError, match=r"reads tensor values"):
+        step_costs(model, X, Y, F.cross_entropy, [], optimizer=GuardedMomentum(model.parameters()))
+
+
+def test_a_subclass_that_keeps_the_step_is_stood_in_and_one_that_overrides_it_is_not():
+    class Kept(torch.optim.Adafactor):
+        pass
+
+    class Overridden(torch.optim.Adafactor):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    model = _model()
+    forget_step_model(model)
+    kept = step_memory_model(model, X[:2], train=True, optimizer=Kept(model.parameters(), lr=1e-2),
+                             loss_fn=F.cross_entropy, target=Y[:2])
+    assert "answered 1" in kept.method
+    forget_step_model(model)
+    with pytest.raises(FakeRunError, match=r"Overridden.step\(\) reads tensor values"):
+        step_memory_model(model, X[:2], train=True, optimizer=Overridden(model.parameters(), lr=1e-2),
+                          loss_fn=F.cross_entropy, target=Y[:2])

@@ -61,7 +61,7 @@ from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_b
 from memfit.memory.fake_failure import explain_fake_failure
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
-from memfit.memory.known_values import stand_in
+from memfit.memory.known_values import reads_stood_in, stand_in
 from memfit.memory.step import ExampleBatch, forward_autocast
 from memfit.memory.storage_log import device_asked, mask_check_answered_no, refuse_sparse
 
@@ -97,6 +97,8 @@ class _Counter(TorchDispatchMode):
         self.saved = {b: 0 for b in blocks}
         self.unpacked = None
         self.dropping = 0           # Dropout modules whose forward is running
+        self.stands_in = None       # the answer the optimizer's value reads get, as its memory model's
+        #                             (`reads_stood_in`; None: not stood in)
 
     def close(self) -> None:          # a forward hook: returns None, so the output stays the module's
         self.open.pop()
@@ -120,8 +122,9 @@ class _Counter(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
-            if func is _READ_VALUE and self.phase in ("first optimizer step", "optimizer"):
-                out = stand_in(args[0])     # a scalar of the optimizer's update, as the memory model answers it
+            if func is _READ_VALUE and self.phase in ("first optimizer step", "optimizer") \
+                    and self.stands_in is not None:
+                out = stand_in(args[0], self.stands_in)     # a scalar of the optimizer's update, as the memory model answers it
             elif func is _READ_VALUE and args[0].dtype == torch.bool and mask_check_answered_no():
                 out = False     # transformers 4.x's "is the attention mask all ones?": no, as the memory model says
             else:
@@ -151,6 +154,7 @@ def _count(model, x, y, loss_fn, blocks, autocast, device, optimizer=None, adds:
     from memfit.memory.isolation import predicting
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     counter = _Counter(blocks)
+    counter.stands_in = reads_stood_in(optimizer)
     with ExitStack() as stack:
         stack.enter_context(predicting())      # any draw goes to generators of its own, none to torch's
         fm = FakeModel(model, mode, device)    # hooks and fake parameters go on its copy: no other thread sees them

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import traceback
 
+from memfit.memory.known_values import reads_stood_in
 from memfit.messages import first_line, whole_words
 
 __all__ = ["explain_fake_failure"]
@@ -25,8 +26,14 @@ def explain_fake_failure(e: Exception, model, optimizer, train: bool, n: int, in
     data_dependent = any(k in type(e).__name__ for k in ("DataDependent", "DynamicOutputShape")) \
         or "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e)     # .item(), x[x > 0]
     if step_code is not None and any(f.f_code is step_code for f in frames):
+        read_refused = "_local_scalar_dense" in str(e) and reads_stood_in(optimizer) is None
         return (f"{head}: {type(optimizer).__name__}.step() "
-                + ("makes a size from tensor values (`x[x > 0]`, `nonzero`), which fake tensors do not have (a "
+                + ("reads tensor values (`.item()`, a comparison), which fake tensors do not have: they are answered "
+                   "only in the steps read through (torch's Adafactor and ASGD, transformers' Adafactor: scalars of "
+                   "the update, `known_values.READS_SCALARS`); in another a value "
+                   "can pick a branch that allocates (a guard that skips a parameter whose gradient holds a NaN "
+                   "keeps no state for it)" if data_dependent and read_refused else
+                   "makes a size from tensor values (`x[x > 0]`, `nonzero`), which fake tensors do not have (a "
                    "scalar it reads, `.item()`, is answered 1: it scales the update; a size cannot be)" if data_dependent
                    else
                    "does not run on fake tensors")

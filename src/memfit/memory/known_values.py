@@ -38,6 +38,7 @@ differ).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +49,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.device.replacements import ScopedReplacement
 from memfit.device.torch_private import FakeTensor, disable_current_modes, op_schema, storage_key
 
-__all__ = ["DataDependentOnBatchSize", "KnownValues", "stand_in", "transformers_reads_values"]
+__all__ = ["DataDependentOnBatchSize", "KnownValues", "READS_SCALARS", "reads_stood_in", "stand_in",
+           "transformers_reads_values"]
 
 _aten = torch.ops.aten
 # ops whose values depend on their arguments only, none a tensor: a shadow is made for their output
@@ -233,14 +235,34 @@ def transformers_reads_values() -> Iterator[None]:
         yield
 
 
-def stand_in(t: torch.Tensor) -> bool | int | float | complex:
+def stand_in(t: torch.Tensor, answer: float = 1.0) -> bool | int | float | complex:
     """The answer to a value the optimizer's step reads that no fake run knows (`.item()`, `bool(t)` on a fake
-    tensor): 1 of its dtype (True, 1, 1.0). torch's Adafactor reads its step counter and each parameter's norm, ASGD
-    its eta and mu, transformers' Adafactor compares each parameter's RMS with eps: scalars of the update, not the
-    sizes of what it allocates (the memory models of those steps came out within the allocator's bytes with these
-    answers: `tests/memory/test_value_reads.py`). 1, not 0: Adafactor divides by the square root of its step. Read
-    in the forward or backward, a value can pick another path (mixture-of-experts routing sizes tensors by it): not
-    stood in there."""
+    tensor): `answer` for a floating-point value (`READS_SCALARS`' for the optimizer), 1 for an integer, True for a
+    bool. torch's Adafactor reads its step counter and each parameter's norm, ASGD its eta and mu, transformers'
+    Adafactor compares each parameter's RMS with eps: scalars of the update (the memory models of those steps came
+    out within the allocator's bytes with these answers: `tests/memory/test_value_reads.py`). Read in the forward or
+    backward, a value can pick another path (mixture-of-experts routing sizes tensors by it): not stood in there;
+    nor in the step of an optimizer not in `READS_SCALARS` (`reads_stood_in`)."""
     if t.dtype == torch.bool:
         return True
-    return 1.0 if t.dtype.is_floating_point else 1 + 0j if t.dtype.is_complex else 1
+    return answer if t.dtype.is_floating_point else complex(answer) if t.dtype.is_complex else 1
+
+
+# The optimizer steps (module, qualified name of `step`) whose every value read was read through, each with the
+# answer its floating-point reads get: each scalar scales the update, except ASGD's `if mu.item() != 1:`, which
+# copies a parameter (`param.sub(ax)`) where mu is not 1: 1 at a fresh optimizer's first steps, below 1 once t0
+# steps have passed (ASGD(t0=0): steps 2 and 3 peaked 1.33x the first). Its reads answer 0.5, so the copy counts:
+# never below a later step (above the first t0 steps' by that transient copy, one parameter's bytes). 1, not 0, for
+# Adafactor: it divides by the square root of its step. Any other step is refused where it reads a value, as
+# before stand-ins: a guard that skips a parameter whose gradient holds a NaN or an inf (`if torch.isnan(g).any():
+# continue`) is answered True, and its memory model held no state for any parameter: 0.53-0.56x the allocator's
+# bytes (`tests/memory/test_value_reads.py`).
+READS_SCALARS = {("torch.optim._adafactor", "Adafactor.step"): 1.0, ("torch.optim.asgd", "ASGD.step"): 0.5,
+                 ("transformers.optimization", "Adafactor.step"): 1.0}
+
+
+def reads_stood_in(optimizer) -> float | None:
+    """The answer a value the step of `optimizer` reads gets (`stand_in`), where its class's `step` (a subclass that
+    does not override it included) is one of `READS_SCALARS`; None where none is stood in."""
+    step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
+    return READS_SCALARS.get((getattr(step, "__module__", None), getattr(step, "__qualname__", None)))

@@ -289,14 +289,14 @@ def autocast_entered_in_forward() -> bool:
 def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: torch.dtype | None = None,
                   marks: Callable[[str], None] = lambda phase: None, step: bool = True,
                   keep_output: bool = True, backward: Callable[[torch.Tensor], None] | None = None,
-                  step_reads: Callable[[], AbstractContextManager] = nullcontext) -> None:
+                  step_reads: Callable[[object], AbstractContextManager] = nullcontext) -> None:
     """One training step as `footprint` counts it: forward and loss under `torch.autocast(autocast)` (none
     when None, whatever autocast surrounds the call: callers pass `surrounding_autocast`), then outside it
     backward, `optimizer.step()` (skipped with step=False), `optimizer.zero_grad()`. The loss, and the output
     unless keep_output=False (`loss_fn(model(x), y)` in one expression, as `memfit.accumulate` runs it), live
     until the step returns. `backward(loss)` replaces `loss.backward()` (fake CUDA tensors without a GPU:
-    `memfit.device.fake_cuda.backward_by_nodes`); `step_reads()`: around the optimizer's step (a fake run's value
-    reads stood in there, `LoggingFakeMode.step_reads`)."""
+    `memfit.device.fake_cuda.backward_by_nodes`); `step_reads(optimizer)`: around the optimizer's step (a fake run's
+    value reads stood in there, `LoggingFakeMode.step_reads`)."""
     dev = next((t.device.type for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), "cpu")
     with forward_autocast(dev, autocast):
         out = forward(model, batch)
@@ -312,7 +312,7 @@ def training_step(model, batch, optimizer, loss_fn=None, target=None, autocast: 
         marks("backward")
         if optimizer is not None:
             if step:
-                with step_reads():
+                with step_reads(optimizer):
                     type(optimizer).step(optimizer)   # the class's step: a scheduler's wrapper may step the original
             marks("step")
             type(optimizer).zero_grad(optimizer)

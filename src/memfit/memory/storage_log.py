@@ -33,7 +33,13 @@ from memfit.memory.fake_kernels import (
     workspace_bytes,
 )
 from memfit.memory.kernel_scratch import measured_here, spec_of
-from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues, stand_in, transformers_reads_values
+from memfit.memory.known_values import (
+    DataDependentOnBatchSize,
+    KnownValues,
+    reads_stood_in,
+    stand_in,
+    transformers_reads_values,
+)
 from memfit.memory.step import autocast_entered_in_forward
 
 __all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "mask_check_answered_no", "refuse_sparse"]
@@ -258,6 +264,7 @@ class LoggingFakeMode(FakeTensorMode):
         self._answers = True                          # value reads answered from `known_values` (`logging_to`)
         self._cpu_autocast = None                     # the CPU autocast dtype the forward runs under (`logging_to`)
         self._stood_in: list | None = None            # value reads stood in (`step_reads`): None outside the step
+        self._answer = 1.0                            # what they are answered (`known_values.READS_SCALARS`)
         self.stood_in = 0                             # value reads stood in in the last run's optimizer step
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -271,7 +278,7 @@ class LoggingFakeMode(FakeTensorMode):
                 return self.__torch_dispatch__(func, types, args, kwargs)
             except DataDependentOutputException:
                 reads.append(func)
-                return stand_in(args[0])          # the optimizer's step: a scalar of its update
+                return stand_in(args[0], self._answer)     # the optimizer's step: a scalar of its update
             finally:
                 self._stood_in = reads
         # (autocast reads off inside a mode: the run's is known, one the user's forward enters is counted)
@@ -309,14 +316,16 @@ class LoggingFakeMode(FakeTensorMode):
         return out
 
     @contextmanager
-    def step_reads(self):
-        """Inside (the optimizer's step), a value read that nothing answers is stood in (`known_values.stand_in`);
-        `stood_in` counts them."""
-        self._stood_in = []
+    def step_reads(self, optimizer=None):
+        """Inside (the optimizer's step), a value read that nothing answers is stood in (`known_values.stand_in`)
+        where the step of `optimizer` is one whose reads were read through (`known_values.reads_stood_in`), else
+        refused as anywhere; `stood_in` counts them."""
+        self._answer = reads_stood_in(optimizer)
+        self._stood_in = [] if self._answer is not None else None
         try:
             yield
         finally:
-            self.stood_in, self._stood_in = len(self._stood_in), None
+            self.stood_in, self._stood_in = len(self._stood_in or ()), None
 
     @contextmanager
     def logging_to(self, storage_log: StorageLog, reads_values: bool = True, answers: bool = True,
