@@ -27,6 +27,7 @@ def _hf_adafactor(**kw):
 OPTIMIZERS = {
     "torch adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
     "torch asgd": lambda params: torch.optim.ASGD(params, lr=1e-2),
+    "torch asgd t0=0": lambda params: torch.optim.ASGD(params, lr=1e-2, t0=0),   # mu below 1 from its second step
     "transformers adafactor (relative step)": lambda params: _hf_adafactor()(params),
     "transformers adafactor (beta1, fixed lr)": lambda params: _hf_adafactor(
         lr=1e-3, beta1=0.9, relative_step=False, scale_parameter=True)(params),
@@ -41,12 +42,18 @@ def test_a_step_that_reads_values_is_predicted_within_the_allocators_bytes(name)
     forget_step_model(model)
     predicted = step_memory_model(model, X[:2], train=True, optimizer=make(model.parameters()),
                                   loss_fn=F.cross_entropy, target=Y[:2])
-    assert "answered 1" in predicted.method and "read" in predicted.method
+    assert "answered a stand-in" in predicted.method and "read" in predicted.method
+    # ASGD at its default t0 (mu 1 for 1e6 steps) does not yet make the copy of each parameter its stand-in counts
+    copy_made = max(p.nbytes for p in model.parameters()) if name == "torch asgd" else 0
     for n in (1, 3, 8):
         real_model = copy.deepcopy(model)
-        real = memfit.measure_step(real_model, X[:n].clone(), make(real_model.parameters()), F.cross_entropy,
-                                   Y[:n].clone())
-        assert 1.0 <= predicted.total_bytes(n) / real <= 1.05, (n, predicted.total_bytes(n), real)
+        opt = make(real_model.parameters())
+        if name == "torch asgd t0=0":    # mu is set at a step's end: 0.5 from the third step on (the one measured)
+            F.cross_entropy(real_model(X[:n]), Y[:n]).backward()
+            opt.step()
+            opt.zero_grad()
+        real = memfit.measure_step(real_model, X[:n].clone(), opt, F.cross_entropy, Y[:n].clone())
+        assert real <= predicted.total_bytes(n) <= 1.05 * real + copy_made, (n, predicted.total_bytes(n), real)
 
 
 def test_fit_with_adafactor_plans_and_its_step_matches_a_plain_one():
@@ -57,7 +64,7 @@ def test_fit_with_adafactor_plans_and_its_step_matches_a_plain_one():
     x, y = torch.randn(1024, 256), torch.randint(0, 4, (1024,))
     opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
     plain = memfit.fit(model, opt, (x, y), F.cross_entropy, "1GiB")
-    assert plain.micro_batch == 1024 and "answered 1" in plain.explain()
+    assert plain.micro_batch == 1024 and "answered a stand-in" in plain.explain()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.Adafactor(reference.parameters(), lr=1e-2)
     F.cross_entropy(reference(x), y).backward()
@@ -136,7 +143,7 @@ def test_a_subclass_that_keeps_the_step_is_stood_in_and_one_that_overrides_it_is
     forget_step_model(model)
     kept = step_memory_model(model, X[:2], train=True, optimizer=Kept(model.parameters(), lr=1e-2),
                              loss_fn=F.cross_entropy, target=Y[:2])
-    assert "answered 1" in kept.method
+    assert "answered a stand-in" in kept.method
     forget_step_model(model)
     with pytest.raises(FakeRunError, match=r"Overridden.step\(\) reads tensor values"):
         step_memory_model(model, X[:2], train=True, optimizer=Overridden(model.parameters(), lr=1e-2),

@@ -34,7 +34,7 @@ def explain_fake_failure(e: Exception, model, optimizer, train: bool, n: int, in
                    "can pick a branch that allocates (a guard that skips a parameter whose gradient holds a NaN "
                    "keeps no state for it)" if data_dependent and read_refused else
                    "makes a size from tensor values (`x[x > 0]`, `nonzero`), which fake tensors do not have (a "
-                   "scalar it reads, `.item()`, is answered 1: it scales the update; a size cannot be)" if data_dependent
+                   "scalar it reads, `.item()`, is answered: it scales the update; a size cannot be)" if data_dependent
                    else
                    "does not run on fake tensors")
                 + (f". {instead}" if instead else

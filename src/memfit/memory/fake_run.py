@@ -68,7 +68,7 @@ class _Run:
     step_at: int = 0                  # the index in `events` where the optimizer step's events go
     sdpa: list = field(default_factory=list)      # the attention kernel each call was routed to (a CUDA target)
     source: RunLog | None = None      # a plain training step's log and where backward stored each gradient
-    stood_in: int = 0                 # values the optimizer step read that no fake run knows, answered 1
+    stood_in: int = 0                 # values the optimizer step read that no fake run knows, stood in
     #                                   (`memfit.memory.known_values.stand_in`)
 
 

@@ -82,8 +82,9 @@ def step_how(probes) -> str:
     if run is not None and run.stood_in:
         return _step_source(probes) + (
             f"; the optimizer step read {run.stood_in} value{'s' if run.stood_in > 1 else ''} of its tensors (`.item()`, "
-            "a comparison) that fake tensors do not have: each answered 1, taken as a scalar of the update that "
-            "changes no size it allocates (Adafactor's step and norms, ASGD's eta and mu)")
+            "a comparison) that fake tensors do not have: each answered a stand-in, taken as a scalar of the "
+            "update (Adafactor's step and norms: 1; ASGD's eta and mu: 0.5, so that the copy of each parameter it "
+            "makes once mu is below 1, after t0 steps, counts)")
     return _step_source(probes)
 
 
