@@ -12,6 +12,7 @@ from torch import nn
 
 import memfit
 from memfit.device.torch_private import DataDependentOutputException
+from memfit.errors import FakeRunError
 from memfit.memory import storage_log
 from memfit.memory.known_values import DataDependentOnBatchSize, KnownValues
 from memfit.memory.step import measure_step
@@ -343,3 +344,39 @@ def test_a_mask_question_is_warned_of_once_per_process_per_line():
             memfit.memory_model(model, batch, train=True, loss_fn=_lm_loss, target=batch["input_ids"])
         counts.append([(w.filename, w.lineno) for w in caught if NO_VALUES in str(w.message)])
     assert counts[0] and len(set(counts[0])) == len(counts[0]) and counts[1] == [], counts
+
+
+class LayerDrop(nn.Module):
+    """transformers 4.x's LayerDrop as BART, Whisper and wav2vec2 run it in training: a draw in [0, 1) compared with
+    the layerdrop, whatever it is (5.x draws only where it is above 0)."""
+
+    def __init__(self, layerdrop):
+        super().__init__()
+        self.layers, self.layerdrop = nn.ModuleList(nn.Linear(16, 16) for _ in range(3)), layerdrop
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:      # skip the layer
+                    continue
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_a_draw_compared_with_a_bound_outside_its_range_is_answered_as_every_draw_answers_it():
+    """At layerdrop 0 no draw in [0, 1) skips a layer: the memory model and fit's op counting answer so (under
+    transformers 4.46 both raised FakeRunError on BART, Whisper and wav2vec2 in training), and the prediction is the
+    allocator's bytes; at layerdrop 0.5 the draw decides, and stays a question without an answer."""
+    torch.manual_seed(0)
+    model = LayerDrop(0.0)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mm = memfit.memory_model(model, x[:2], train=True, optimizer=torch.optim.AdamW(model.parameters()),
+                             loss_fn=F.mse_loss, target=y[:2])
+    m = copy.deepcopy(model)
+    real = measure_step(m, x, torch.optim.AdamW(m.parameters()), F.mse_loss, y)
+    assert 0 <= mm.total_bytes(8) - real <= 64, (mm.total_bytes(8), real)
+    plan = memfit.fit(model, torch.optim.AdamW(model.parameters()), (x, y), F.mse_loss, "1GiB")   # op counting too
+    assert plan.micro_batch >= 1
+    with pytest.raises(FakeRunError, match="control flow"):
+        memfit.memory_model(LayerDrop(0.5), x[:2], train=True, optimizer=None, loss_fn=F.mse_loss, target=y[:2])

@@ -53,6 +53,7 @@ from memfit.device.torch_private import (
     DropoutBase,
     FakeTensorMode,
     TorchDispatchMode,
+    disable_current_modes,
     in_backward,
     tree_flatten,
 )
@@ -61,7 +62,7 @@ from memfit.fitting.timing import copy_rate, kernel_seconds, matmul_rate, spec_b
 from memfit.memory.fake_failure import explain_fake_failure
 from memfit.memory.fake_run import FakeRunError
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
-from memfit.memory.known_values import reads_stood_in, stand_in
+from memfit.memory.known_values import KnownValues, reads_stood_in, stand_in
 from memfit.memory.step import ExampleBatch, forward_autocast
 from memfit.memory.storage_log import device_asked, mask_check_answered_no, refuse_sparse
 
@@ -97,6 +98,8 @@ class _Counter(TorchDispatchMode):
         self.saved = {b: 0 for b in blocks}
         self.unpacked = None
         self.dropping = 0           # Dropout modules whose forward is running
+        self.known = KnownValues()  # values the run knows (positions it makes, LayerDrop's decided draws), as the
+        #                             memory model's: a question on them answered as it answers it
         self.stands_in = None       # the answer the optimizer's value reads get, as its memory model's
         #                             (`reads_stood_in`; None: not stood in)
 
@@ -122,7 +125,10 @@ class _Counter(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
-            if func is _READ_VALUE and self.phase in ("first optimizer step", "optimizer") \
+            if func is _READ_VALUE and (known := self.known.value(args[0])) is not None:
+                with disable_current_modes():           # a real tensor's value: not through the fake mode below
+                    out = known.item()
+            elif func is _READ_VALUE and self.phase in ("first optimizer step", "optimizer") \
                     and self.stands_in is not None:
                 out = stand_in(args[0], self.stands_in)     # a scalar of the optimizer's update, as the memory model answers it
             elif func is _READ_VALUE and args[0].dtype == torch.bool and mask_check_answered_no():
@@ -131,6 +137,7 @@ class _Counter(TorchDispatchMode):
                 raise
         if func.namespace == "prim":
             return out
+        self.known.note(func, args, kwargs, out)
         if func is torch.ops.aten.detach.default and args and args[0] is self.unpacked:
             self.unpacked = None
             return out

@@ -19,6 +19,9 @@ upper bound otherwise, with a warning). Not for a `torch.compile`d model: under 
 compiled step builds the mask, so its fake run leaves the questions unasked and the mask counts
 (`StepSpec.compiled`).
 
+A draw in [0, 1) (`torch.rand`) compared with a number outside that range answers alike for every draw: known
+(transformers 4.x's LayerDrop, `if torch.rand([]) < self.layerdrop`, asked in training at layerdrop 0 too).
+
 A value made from the batch size (`torch.arange(x.shape[0])`) is known in each run, but its answer at the sizes a
 memory model runs says nothing of the others: each shadow keeps a digest of how it was made (`lineage`), and
 `LoggingFakeMode` refuses a read whose digest differs from the same read in an earlier run of the prediction
@@ -58,6 +61,14 @@ MADE_FROM_NOTHING = frozenset({_aten.arange.default, _aten.arange.start, _aten.a
                                _aten.zeros.default, _aten.ones.default, _aten.scalar_tensor.default})
 _EXPAND = _aten.expand.default
 _MADE_FROM_NOTHING_IDS = frozenset(map(id, MADE_FROM_NOTHING))   # ids: an OpOverload's hash is 0.2 us of Python
+# draws in [0, 1), and the comparisons with a number that decide the same for every such draw: transformers 4.x's
+# LayerDrop, `if torch.rand([]) < self.layerdrop: skip the layer`, in training whatever the layerdrop (45 models of
+# 4.46: BART, Whisper, wav2vec2...; 5.x draws only where layerdrop > 0). At layerdrop 0 nothing is skipped.
+_UNIT_DRAWS = frozenset(map(id, (_aten.rand.default, _aten.rand_like.default)))
+_BOUNDS = {id(_aten.lt.Scalar): lambda c: False if c <= 0 else True if c >= 1 else None,
+           id(_aten.le.Scalar): lambda c: False if c < 0 else True if c >= 1 else None,
+           id(_aten.gt.Scalar): lambda c: True if c < 0 else False if c >= 1 else None,
+           id(_aten.ge.Scalar): lambda c: True if c <= 0 else False if c >= 1 else None}
 
 
 class DataDependentOnBatchSize(RuntimeError):
@@ -108,6 +119,7 @@ class KnownValues:
         self._ids: set[int] = set()                  # id() of every tensor given a shadow (some since freed, their
         #                                              ids reused): a quick "not known" before the lookup above
         self._storages: set[int] = set()             # the storage keys of those tensors (as `_ids`)
+        self._unit = WeakIdKeyDictionary()            # fake tensors drawn in [0, 1) (`_UNIT_DRAWS`)
 
     def value(self, t: torch.Tensor) -> torch.Tensor | None:
         """The values of fake tensor `t` where they are known, else None."""
@@ -135,6 +147,16 @@ class KnownValues:
     def note(self, func, args, kwargs, out) -> None:
         """Op `func` ran on `args`, `kwargs` and gave `out`: keep the shadows of its outputs where their values are
         known (made from nothing, or from inputs that all have one), drop those it made stale."""
+        if id(func) in _UNIT_DRAWS:
+            self._unit[out] = True
+            return
+        if self._unit and id(func) in _BOUNDS and args and isinstance(args[0], torch.Tensor) and args[0] in self._unit \
+                and isinstance(args[1], (int, float)) and (answer := _BOUNDS[id(func)](args[1])) is not None:
+            # a comparison every draw in [0, 1) answers alike: known, made alike in every run
+            with disable_current_modes():            # a real tensor, whatever mode the op runs under
+                values = torch.full(tuple(out.shape), answer)
+            self._keep(out, values, hash((id(func), "a draw in [0, 1)", args[1])))
+            return
         if id(func) in _MADE_FROM_NOTHING_IDS:
             inputs, kind = None, _PLAIN
         else:
@@ -177,10 +199,14 @@ class KnownValues:
             self._forget(inputs or [])                           # a question on them unanswered, as without this
             return
         for t, r in zip(outs, real if isinstance(real, (tuple, list)) else (real,), strict=True):
-            key = storage_key(t.untyped_storage())
-            self._shadows[t] = (r, digest, key)
-            self._ids.add(id(t))
-            self._storages.add(key)
+            self._keep(t, r, digest)
+
+    def _keep(self, t: torch.Tensor, values: torch.Tensor, digest: int) -> None:
+        """`values` (real, on the CPU) as the shadow of fake tensor `t`, made as `digest` says."""
+        key = storage_key(t.untyped_storage())
+        self._shadows[t] = (values, digest, key)
+        self._ids.add(id(t))
+        self._storages.add(key)
 
     @classmethod
     def _kind(cls, func) -> str:
