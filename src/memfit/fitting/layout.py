@@ -167,10 +167,12 @@ def _same_groups(now: tuple, planned: tuple) -> bool:
     return len(now) == len(planned) and all(same(g, w) for g, w in zip(now, planned, strict=True))
 
 
-def batch_shapes(batch) -> tuple:
+def batch_shapes(batch, leaves: list | None = None) -> tuple:
     """Every tensor's (shape, dtype, device) in the batch, flattened: what a forward's own changes to its model may
-    depend on besides the values (Swin's window sizes on the image's, a cache on the sequence length)."""
-    return tuple((t.shape, t.dtype, t.device) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+    depend on besides the values (Swin's window sizes on the image's, a cache on the sequence length). `leaves`: the
+    batch's, flattened already."""
+    leaves = tree_flatten(batch)[0] if leaves is None else leaves
+    return tuple((t.shape, t.dtype, t.device) for t in leaves if isinstance(t, torch.Tensor))
 
 
 def layout(batch) -> tuple:
@@ -226,10 +228,11 @@ def _kind(spec) -> str:
     return f"a {spec.type.__name__} of {spec.num_children} ({kids})"
 
 
-def layout_error(planned: tuple, n: int, batch, device: torch.device) -> Exception | None:
+def layout_error(planned: tuple, n: int, batch, device: torch.device, flat: tuple | None = None) -> Exception | None:
     """Why `batch` may need more than the plan made for `planned` (a `layout`) at n samples, or None. (Checked every
-    `plan.step`: the batch is flattened without the names of its places, which only an error message needs.)"""
-    leaves, spec = tree_flatten(batch)
+    `plan.step`: the batch is flattened without the names of its places, which only an error message needs; `flat`:
+    `tree_flatten(batch)`, done already.)"""
+    leaves, spec = tree_flatten(batch) if flat is None else flat
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     fits = lambda t, was, dtype: (t.dtype == dtype and len(t.shape[1:]) == len(was)
                                   and all(a <= b for a, b in zip(t.shape[1:], was, strict=True)))
