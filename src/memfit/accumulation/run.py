@@ -185,8 +185,8 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
         step = MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, terms=terms)
         step.summed = summed
         # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
-        step.splittable = not whole or allow_batch_dependent or not (
-            dependent if dependent is not None else batch_dependent_modules(model))
+        step.splittable = not whole or allow_batch_dependent or (lambda: not (
+            dependent if dependent is not None else batch_dependent_modules(model)))
         if micro_batch == "auto":
             key = auto_key(step.params, optimizer, x, n, budget, restore_grads, y)
             size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key, restore_grads)

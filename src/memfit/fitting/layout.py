@@ -46,6 +46,7 @@ from memfit.memory.micro_batch import shared_tensors
 __all__ = ["ModelChanged", "apart", "batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
 
 _MISSING = object()
+_DEREF = weakref.ref.__call__                # a weak reference's object (None once collected), by a C loop in `map`
 
 
 class ModelChanged(ValueError):
@@ -137,7 +138,7 @@ def _groups_hold(optimizer, planned: tuple) -> bool:
         return False
     for g, (params_then, options_then) in zip(now, planned, strict=True):
         params = g["params"]
-        if len(params) != len(params_then) or not all(map(operator.is_, params, (r() for r in params_then))):
+        if len(params) != len(params_then) or not all(map(operator.is_, params, map(_DEREF, params_then))):
             return False
         if not all(k in g and _option(g[k], k in _ZERO_DECIDES) == v for k, v in options_then.items()):
             return False
