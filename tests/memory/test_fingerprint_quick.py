@@ -335,6 +335,23 @@ def test_a_parameter_transposed_in_place_through_data_is_a_change():
     assert before.holds(model)
 
 
+def test_the_tensor_checker_sees_each_property_it_is_used_for():
+    w, b = torch.nn.Parameter(torch.ones(4, 4)), torch.zeros(3)
+    check = fingerprint_check.tensor_checker([w, b])
+    assert check(w, b)
+    changes = [(lambda: w.requires_grad_(False), lambda: w.requires_grad_(True)),
+               (lambda: setattr(w, "data", w.data.t()), lambda: setattr(w, "data", w.data.t())),
+               (lambda: b.resize_(4), lambda: b.resize_(3)),
+               (lambda: setattr(w, "data", w.data.double()), lambda: setattr(w, "data", w.data.float()))]
+    for change, undo in changes:
+        change()
+        assert not check(w, b)
+        undo()
+        assert check(w, b)
+    assert not check(torch.ones(4, 4, requires_grad=True), b)      # a plain tensor for the parameter: other keys
+    assert fingerprint_check.tensor_checker([]) is None
+
+
 @pytest.mark.parametrize("change", ["requires_grad", "transposed", "resized", "dtype"])
 def test_the_tensors_are_checked_by_torch_and_again_where_it_says_no(change):
     """The parameters' and buffers' properties by torch's C++ check (`tensor_checker`) when it passes, each change

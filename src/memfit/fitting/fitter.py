@@ -112,6 +112,7 @@ class FitPlan:
     _held: tuple | None = field(repr=False, default=None)     # the model and optimizer as planned (layout.held)
     _walked: tuple | None = field(repr=False, default=None)   # (the _held state it is for, accumulation's Walked)
     _quiet: tuple | None = field(repr=False, default=None)    # batch shapes a step ran on and left the model as it was
+    _stepping: _Stepping | None = field(repr=False, default=None)    # the model's, looked up at the first step
 
     @property
     def micro_batches(self) -> int:
@@ -133,7 +134,9 @@ class FitPlan:
         only on some steps of one batch shape is refused (the error says so). Steps on one model from several
         threads run one after the other (the weights are those of one serial order); a step called from inside a
         step of the same model (its loss_fn, a hook) raises RuntimeError."""
-        stepping = _STEPPING.setdefault(self._module, _Stepping())     # dict.setdefault: one per model
+        stepping = self._stepping
+        if stepping is None:         # dict.setdefault: one per model, for every plan of it
+            stepping = self._stepping = _STEPPING.setdefault(self._module, _Stepping())
         if stepping.owner == threading.get_ident():
             raise RuntimeError("plan.step was called inside a step of the same model (from its loss_fn, a hook or "
                                "its forward): one optimizer step at a time; call it after the step returns")

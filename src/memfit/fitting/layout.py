@@ -235,10 +235,11 @@ def layout_error(planned: tuple, n: int, batch, device: torch.device, flat: tupl
     `tree_flatten(batch)`, done already.)"""
     leaves, spec = tree_flatten(batch) if flat is None else flat
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    fits = lambda t, was, dtype: (t.dtype == dtype and len(t.shape[1:]) == len(was)
-                                  and all(a <= b for a, b in zip(t.shape[1:], was, strict=True)))
+    # the planned sample shape itself (most steps) by one comparison, a smaller one dimension by dimension
+    fits = lambda t, was, dtype, shape: (t.dtype == dtype and (shape == was or len(shape) == len(was) and all(
+        a <= b for a, b in zip(shape, was, strict=True))))
     if spec == planned[0] and len(tensors) == len(planned[1]) and all(
-            fits(t, was, dtype) for t, (_, was, dtype) in zip(tensors, planned[1], strict=True)):
+            fits(t, was, dtype, t.shape[1:]) for t, (_, was, dtype) in zip(tensors, planned[1], strict=True)):
         m = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
         if not (m > n and any(t.device == device for t in tensors)):
             return None
