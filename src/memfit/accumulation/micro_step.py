@@ -91,7 +91,11 @@ class LossSum:
         """(the sum, 0.0 when nothing was added; the index of the first running sum that was not finite, or None;
         the flag noted, False if none). The buffer stays until the step ends (through the optimizer's step too,
         where `training_peak` counts it as everywhere else)."""
-        values = [0.0] if self.buffer is None else self.buffer[:len(self.counts) + 1].tolist()    # the one sync
+        if self.buffer is None:
+            values = [0.0]
+        else:                               # the one sync; the buffer whole where every slot is filled (no view)
+            k = len(self.counts) + 1
+            values = (self.buffer if k == self.buffer.numel() else self.buffer[:k]).tolist()
         total, first = 0.0, None
         for i, (v, c) in enumerate(zip(values[1:], self.counts, strict=True)):
             share = v * c if c != 1 else v
