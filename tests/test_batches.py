@@ -91,10 +91,12 @@ def test_copies_to_the_cpu_block_and_copies_to_a_device_do_not(monkeypatch):
         moves.append((torch.device(device).type, non_blocking))
         return self
     monkeypatch.setattr(torch.Tensor, "to", to)
-    x = {"a": torch.zeros(2), "b": (torch.ones(2), None)}
+    x = {"a": torch.zeros(2, device="meta"), "b": (torch.ones(2, device="meta"), None)}   # elsewhere: moved
     batch_to(x, torch.device("cpu"))
     batch_to(x, torch.device("cuda", 0))
     assert moves == [("cpu", False)] * 2 + [("cuda", True)] * 2
+    here = {"a": torch.zeros(2)}
+    assert batch_to(here, torch.device("cpu"))["a"] is here["a"] and len(moves) == 4     # there already: not moved
 
 
 def test_batch_len_of_no_tensors_says_what_it_expected():

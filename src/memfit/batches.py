@@ -91,8 +91,9 @@ def batch_slice(x, start: int, stop: int):
 
 
 def batch_to(x, device: torch.device):
-    """x on `device` (the tensors already there are themselves, not copies)."""
-    return _map(x, lambda t: t.to(device, non_blocking=async_copy_to(device)))
+    """x on `device` (the tensors already there are themselves, not copies: not asked of `to`, a dispatched call)."""
+    non_blocking = async_copy_to(device)
+    return _map(x, lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking))
 
 
 def async_copy_to(device) -> bool:

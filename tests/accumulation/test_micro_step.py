@@ -1,14 +1,17 @@
 """memfit.accumulation.micro_step: out-of-memory back-off of one micro-batch, class ids the loss ignores unsaid, the
 gradients held before a call given back when no step is taken (restore_grads=True), None otherwise."""
 import copy
+import warnings
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 from accumulation.cases import (
+    C,
     D,
     Gated,
+    Tagger,
     assert_bitwise,
     assert_same_step,
     data,
@@ -17,6 +20,7 @@ from accumulation.cases import (
     nan_on,
     plain_step,
     state_of,
+    token_loss,
 )
 from memfit.accumulation.result import NonFiniteLossError
 from memfit.accumulation.run import accumulate
@@ -65,6 +69,28 @@ def test_a_single_sample_that_does_not_fit_raises(oom_budget):
     with pytest.raises(torch.OutOfMemoryError, match="single sample"):
         accumulate(mod, torch.optim.SGD(mod.parameters(), lr=0.1), data(4), F.cross_entropy, micro_batch=4)
     assert all(p.requires_grad for p in mod.parameters())
+
+
+def test_the_whole_batch_split_by_an_out_of_memory_error_is_checked_as_micro_batches_are(oom_budget):
+    """One micro-batch of the whole batch is the plain step: its labels are not read beforehand (nothing to warn of)
+    nor its modules walked for batch statistics. Where an out-of-memory error splits it, both matter again: labels
+    ignoring a different number of positions per sample are warned of, and a model with BatchNorm is not split."""
+    torch.manual_seed(0)
+    m = Tagger()
+    ids, y = torch.randint(0, 20, (8, 6)), torch.randint(0, C, (8, 6))
+    y[0, :3] = -100
+    m.register_forward_hook(lambda mod, i, o: oom_budget.apply(o))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert accumulate(m, opt, (ids, y), token_loss, micro_batch=8).micro_batches == 1
+    oom_budget.budget = staticmethod(lambda n: n < 8)          # the whole batch does not fit
+    with pytest.warns(UserWarning, match=r"ignores \(-100\) a different number of positions per sample"):
+        assert accumulate(m, opt, (ids, y), token_loss, micro_batch=8).micro_batches == 2
+    bn = torch.nn.Sequential(torch.nn.Linear(D, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, C))
+    bn.register_forward_hook(lambda mod, i, o: oom_budget.apply(o))
+    with pytest.raises(torch.OutOfMemoryError, match="batch statistics"):
+        accumulate(bn, torch.optim.SGD(bn.parameters(), lr=0.1), data(8), F.cross_entropy, micro_batch=8)
 
 
 def test_other_errors_are_not_swallowed():

@@ -261,6 +261,11 @@ def test_the_dict_version_changes_with_every_write_and_is_no_other_dicts():
     assert version(d) == seen[-1]                       # reading is no write
 
 
+def test_torch_has_the_tensor_check_the_fingerprint_uses():
+    # memfit.memory.fingerprint_check.tensor_checker builds it (its behaviour is tested there)
+    assert callable(tp.tensor_guards())
+
+
 # ---- autograd graph nodes -------------------------------------------------------------------------------------------
 
 def test_node_order_inputs_and_saved_tensors():

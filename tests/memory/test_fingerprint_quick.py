@@ -18,12 +18,15 @@ from memfit.memory import fingerprint_check
 from memfit.memory.fingerprint import describe_change, model_state
 
 
-@pytest.fixture(params=["dict versions", "every attribute"])
+@pytest.fixture(params=["dict versions", "every attribute", "tensors read in Python"])
 def path(request, monkeypatch):
-    """Both ways `holds` compares: skipping what no dict write changed (torch's dict versions), and in full (where
-    torch has no version reader, or a dict was written)."""
+    """Every way `holds` compares: skipping what no dict write changed (torch's dict versions), and in full (where
+    torch has no version reader, or a dict was written); the tensors' properties by torch's C++ check, or (where torch
+    has none) read in Python."""
     if request.param == "every attribute":
         monkeypatch.setattr(fingerprint_check, "_dict_version", lambda: None)
+    if request.param == "tensors read in Python":
+        monkeypatch.setattr(fingerprint_check, "tensor_checker", lambda tensors: None)
     return request.param
 
 
@@ -330,6 +333,41 @@ def test_a_parameter_transposed_in_place_through_data_is_a_change():
     assert "strides" in describe_change(before, model)
     model[0].weight.data = model[0].weight.data.t()
     assert before.holds(model)
+
+
+def test_the_tensor_checker_sees_each_property_it_is_used_for():
+    w, b = torch.nn.Parameter(torch.ones(4, 4)), torch.zeros(3)
+    check = fingerprint_check.tensor_checker([w, b])
+    assert check(w, b)
+    changes = [(lambda: w.requires_grad_(False), lambda: w.requires_grad_(True)),
+               (lambda: setattr(w, "data", w.data.t()), lambda: setattr(w, "data", w.data.t())),
+               (lambda: b.resize_(4), lambda: b.resize_(3)),
+               (lambda: setattr(w, "data", w.data.double()), lambda: setattr(w, "data", w.data.float()))]
+    for change, undo in changes:
+        change()
+        assert not check(w, b)
+        undo()
+        assert check(w, b)
+    assert not check(torch.ones(4, 4, requires_grad=True), b)      # a plain tensor for the parameter: other keys
+    assert fingerprint_check.tensor_checker([]) is None
+
+
+@pytest.mark.parametrize("change", ["requires_grad", "transposed", "resized", "dtype"])
+def test_the_tensors_are_checked_by_torch_and_again_where_it_says_no(change):
+    """The parameters' and buffers' properties by torch's C++ check (`tensor_checker`) when it passes, each change
+    seen by it; where it says no for another reason (an autocast around the check, which it compares too), read in
+    Python: the model as it was still holds."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model.register_buffer("scale", torch.ones(3))
+    before = model_state(model)
+    assert before.quick.checker is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert before.holds(model)
+    w = model[0].weight
+    undo = {"requires_grad": lambda: w.requires_grad_(False), "transposed": lambda: setattr(w, "data", w.data.t()),
+            "resized": lambda: model.scale.resize_(4), "dtype": lambda: setattr(w, "data", w.data.double())}
+    undo[change]()
+    assert not before.holds(model) and model_state(model) != before
 
 
 class _CallableDict(dict):

@@ -173,10 +173,12 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
                              f"({loss_fn!r}, reduction='sum'), and the full batch's sum is the sum of the "
                              "micro-batches' sums: drop terms=, or give the loss reduction='mean'")
         # per sample, the labels the loss ignores (its ignore_index, else -100): one read of y, which both the
-        # weighting by terms and the warning about unequal samples answer from
+        # weighting by terms and the warning about unequal samples answer from. Not for the whole batch at once: no
+        # warning is given for one micro-batch, and `batch_terms` reads them where it weights by them (a torch cross
+        # entropy): a plain step of another loss reads no labels (a sync on a GPU; 3 kernels and a read on the CPU)
         ignore = loss_ignore_index(loss_fn)         # the loss's own (CrossEntropyLoss(ignore_index=0)), else -100
         ignore = -100 if ignore is None else ignore
-        ignored = ignored_per_sample(y, ignore) if terms is None else None
+        ignored = ignored_per_sample(y, ignore) if terms is None and not whole else None
         # a cross entropy whose mean divides by the targets not ignored, or by their class weights: weighted by
         # those, micro-batches give the full-batch mean (by samples they would not, silently)
         terms = terms if terms is not None else batch_terms(loss_fn, y, ignored)
@@ -185,8 +187,8 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
         step = MicroStep(model, params, loss_fn, x, y, n, n_total, world, device, terms=terms)
         step.summed = summed
         # a model with batch statistics runs whole (no opt-in): an out-of-memory error must not split it
-        step.splittable = not whole or allow_batch_dependent or not (
-            dependent if dependent is not None else batch_dependent_modules(model))
+        step.splittable = not whole or allow_batch_dependent or (lambda: not (
+            dependent if dependent is not None else batch_dependent_modules(model)))
         if micro_batch == "auto":
             key = auto_key(step.params, optimizer, x, n, budget, restore_grads, y)
             size, reason = chosen_size(model, optimizer, loss_fn, x, y, n, budget, device, 1, key, restore_grads)
@@ -207,12 +209,13 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
                          "terms(x, y) counts no terms in the whole batch: there is no loss to take a step on"
                          if given is not None else f"every target of the batch is the ignore index of {loss_fn!r}: "
                          "there is no loss to take a step on (its full-batch mean is 0 / 0)")
-    # before the step: its temporaries never sit on the grads
-    differ = terms_differ(x, y, ignore, ignored) if terms is None else None
+    # before the step: its temporaries never sit on the grads (the whole batch: only where an out-of-memory back-off
+    # split it, after the step)
+    differ = terms_differ(x, y, ignore, ignored) if terms is None and not whole else None
     step.ignore = ignore
     step.losses = LossSum(-(-n // size))
     # what .grad gets when no step follows: None, or the gradients held now (referenced through the micro-batches)
-    kept = KeptGrads(_trained_and_stepped(params, optimizer), keep=restore_grads)
+    kept = KeptGrads(lambda: _trained_and_stepped(params, optimizer), keep=restore_grads)
     optimizer.zero_grad(set_to_none=True)
     for p in step.params:            # parameters outside the optimizer too: .grad holds this step's gradient
         if p.grad is not None:
@@ -237,6 +240,8 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
         if world > 1:                # every rank finished with a finite loss: DDP all-reduces, once
             synchronise(model, step.params)
         optimizer.step()
+    if whole and terms is None and step.micro_batches > 1:
+        differ = terms_differ(x, y, ignore)
     for said in (differ, step.warning):
         if said is not None and step.micro_batches > 1:
             warnings.warn(said, stacklevel=2)

@@ -210,6 +210,13 @@ def dict_version_reader() -> Callable[[dict], int]:
     return dict_version
 
 
+def tensor_guards():
+    """torch.compile's C++ check of tensors' dtype, device, shape, strides, requires_grad and dispatch keys
+    (torch/csrc/dynamo/guards.cpp `TensorGuards`): the fingerprint's quick check of parameters and buffers."""
+    from torch._C._dynamo.guards import TensorGuards
+    return TensorGuards
+
+
 # ---- autograd graph nodes -------------------------------------------------------------------------------------------
 
 def node_sequence_nr(node) -> int:

@@ -44,6 +44,7 @@ from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import Walked, run_step
 from memfit.batches import plain_batch
 from memfit.budget import BudgetExceeded, format_bytes, model_device
+from memfit.device.torch_private import tree_flatten
 from memfit.fitting.checkpointing import candidate_blocks, checkpointed
 from memfit.fitting.finder import LEVERS, TIE, Peaks, _name, prediction
 from memfit.fitting.finder import agree as _agree
@@ -112,6 +113,7 @@ class FitPlan:
     _held: tuple | None = field(repr=False, default=None)     # the model and optimizer as planned (layout.held)
     _walked: tuple | None = field(repr=False, default=None)   # (the _held state it is for, accumulation's Walked)
     _quiet: tuple | None = field(repr=False, default=None)    # batch shapes a step ran on and left the model as it was
+    _stepping: _Stepping | None = field(repr=False, default=None)    # the model's, looked up at the first step
 
     @property
     def micro_batches(self) -> int:
@@ -133,7 +135,9 @@ class FitPlan:
         only on some steps of one batch shape is refused (the error says so). Steps on one model from several
         threads run one after the other (the weights are those of one serial order); a step called from inside a
         step of the same model (its loss_fn, a hook) raises RuntimeError."""
-        stepping = _STEPPING.setdefault(self._module, _Stepping())     # dict.setdefault: one per model
+        stepping = self._stepping
+        if stepping is None:         # dict.setdefault: one per model, for every plan of it
+            stepping = self._stepping = _STEPPING.setdefault(self._module, _Stepping())
         if stepping.owner == threading.get_ident():
             raise RuntimeError("plan.step was called inside a step of the same model (from its loss_fn, a hook or "
                                "its forward): one optimizer step at a time; call it after the step returns")
@@ -398,24 +402,31 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             step_batch = own_batch(step_batch, "plan.step")
             step_terms = terms if terms is not None else label_terms(module, step_batch[0])
         pair_given = isinstance(step_batch, (tuple, list)) and len(step_batch) == 2
+        # the parameters and batch-dependent modules as the last step found them, where the model is as it left it
+        walked = plan._walked[1] if unchanged and plan._walked is not None and plan._walked[0] is plan._held[0] \
+            else None
+        device = walked.params[0].device if walked is not None and walked.params else model_device(module)
+        # the batch flattened once: for its layout and for its shapes, which tell whether to check after the step
+        flat = tree_flatten(tuple(step_batch)) if pair_given else None
         if error is None and plan._layout is not None and pair_given:
-            part = tuple(step_batch) if pair else (step_batch[0],)
-            error = layout_error(plan._layout, plan.n, part, model_device(module))
+            error = layout_error(plan._layout, plan.n, tuple(step_batch) if pair else (step_batch[0],), device,
+                                 flat if pair else None)
         if world > 1:
             from memfit.distributed import agree
             agree(error, "memfit.fit plan.step batch")
         elif error is not None:
             raise error
-        dev = model_device(module).type
-        cast = torch.autocast(dev, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
-        if not (unchanged and plan._walked is not None and plan._walked[0] is plan._held[0]):
-            plan._walked = (None if plan._held is None else plan._held[0], Walked.of(model))
-        shapes = batch_shapes(step_batch)
-        with checkpointed(module, plan.checkpoint), cast:
+        if walked is None:
+            walked = Walked.of(model)
+            plan._walked = (None if plan._held is None else plan._held[0], walked)
+        shapes = batch_shapes(step_batch, flat[0] if flat is not None else None)
+        # nothing checkpointed, no autocast (the plain step): no context entered
+        with (checkpointed(module, plan.checkpoint) if plan.checkpoint else contextlib.nullcontext(),
+              torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None
+              else contextlib.nullcontext()):
             res = run_step(model, optimizer, step_batch, loss_fn if plan.autocast is None else _cast_loss(loss_fn),
                            micro_batch=plan.micro_batch, terms=step_terms, distributed=distributed,
-                           allow_batch_dependent=allow_batch_dependent, restore_grads=restore_grads,
-                           walked=plan._walked[1])
+                           allow_batch_dependent=allow_batch_dependent, restore_grads=restore_grads, walked=walked)
         res.reason = f"memfit.fit: {plan.reason}"
         # what the step's own forward set is the model as planned (Swin sets `shift_size` at its first forward; fit's
         # fake runs saw the same): the next step is checked against the model as this one left it. A step on a batch

@@ -46,6 +46,7 @@ from memfit.memory.micro_batch import shared_tensors
 __all__ = ["ModelChanged", "apart", "batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
 
 _MISSING = object()
+_DEREF = weakref.ref.__call__                # a weak reference's object (None once collected), by a C loop in `map`
 
 
 class ModelChanged(ValueError):
@@ -137,7 +138,7 @@ def _groups_hold(optimizer, planned: tuple) -> bool:
         return False
     for g, (params_then, options_then) in zip(now, planned, strict=True):
         params = g["params"]
-        if len(params) != len(params_then) or not all(map(operator.is_, params, (r() for r in params_then))):
+        if len(params) != len(params_then) or not all(map(operator.is_, params, map(_DEREF, params_then))):
             return False
         if not all(k in g and _option(g[k], k in _ZERO_DECIDES) == v for k, v in options_then.items()):
             return False
@@ -167,10 +168,12 @@ def _same_groups(now: tuple, planned: tuple) -> bool:
     return len(now) == len(planned) and all(same(g, w) for g, w in zip(now, planned, strict=True))
 
 
-def batch_shapes(batch) -> tuple:
+def batch_shapes(batch, leaves: list | None = None) -> tuple:
     """Every tensor's (shape, dtype, device) in the batch, flattened: what a forward's own changes to its model may
-    depend on besides the values (Swin's window sizes on the image's, a cache on the sequence length)."""
-    return tuple((t.shape, t.dtype, t.device) for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+    depend on besides the values (Swin's window sizes on the image's, a cache on the sequence length). `leaves`: the
+    batch's, flattened already."""
+    leaves = tree_flatten(batch)[0] if leaves is None else leaves
+    return tuple((t.shape, t.dtype, t.device) for t in leaves if isinstance(t, torch.Tensor))
 
 
 def layout(batch) -> tuple:
@@ -226,15 +229,17 @@ def _kind(spec) -> str:
     return f"a {spec.type.__name__} of {spec.num_children} ({kids})"
 
 
-def layout_error(planned: tuple, n: int, batch, device: torch.device) -> Exception | None:
+def layout_error(planned: tuple, n: int, batch, device: torch.device, flat: tuple | None = None) -> Exception | None:
     """Why `batch` may need more than the plan made for `planned` (a `layout`) at n samples, or None. (Checked every
-    `plan.step`: the batch is flattened without the names of its places, which only an error message needs.)"""
-    leaves, spec = tree_flatten(batch)
+    `plan.step`: the batch is flattened without the names of its places, which only an error message needs; `flat`:
+    `tree_flatten(batch)`, done already.)"""
+    leaves, spec = tree_flatten(batch) if flat is None else flat
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    fits = lambda t, was, dtype: (t.dtype == dtype and len(t.shape[1:]) == len(was)
-                                  and all(a <= b for a, b in zip(t.shape[1:], was, strict=True)))
+    # the planned sample shape itself (most steps) by one comparison, a smaller one dimension by dimension
+    fits = lambda t, was, dtype, shape: (t.dtype == dtype and (shape == was or len(shape) == len(was) and all(
+        a <= b for a, b in zip(shape, was, strict=True))))
     if spec == planned[0] and len(tensors) == len(planned[1]) and all(
-            fits(t, was, dtype) for t, (_, was, dtype) in zip(tensors, planned[1], strict=True)):
+            fits(t, was, dtype, t.shape[1:]) for t, (_, was, dtype) in zip(tensors, planned[1], strict=True)):
         m = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
         if not (m > n and any(t.device == device for t in tensors)):
             return None
