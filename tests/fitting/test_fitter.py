@@ -602,6 +602,8 @@ def test_a_meta_device_model_is_planned_with_kernels_timed_on_the_cpu():
     # bytes without the CPU allocator's alignment (meta has none): 2% fewer here
     assert 0.95 * on_cpu.peak_bytes <= on_meta.peak_bytes <= on_cpu.peak_bytes
     assert "a meta-device model: every kernel and the host's costs timed on the CPU as a stand-in" in on_meta.explain()
+    with pytest.raises(ValueError, match=r"meta device \(shapes, no values\).*to_empty"):    # not torch's bare error
+        on_meta.step((x.to("meta"), y.to("meta")))
 
 
 def test_two_threads_stepping_one_plan_run_one_after_the_other():
