@@ -20,7 +20,8 @@ compiled step builds the mask, so its fake run leaves the questions unasked and 
 (`StepSpec.compiled`).
 
 A draw in [0, 1) (`torch.rand`) compared with a number outside that range answers alike for every draw: known
-(transformers 4.x's LayerDrop, `if torch.rand([]) < self.layerdrop`, asked in training at layerdrop 0 too).
+(transformers 4.x's LayerDrop, `if torch.rand([]) < self.layerdrop`, asked in training at layerdrop 0 too); not
+once the draw was written (in place, through a view) or moved (`.data =`) since: its range is then unknown.
 
 A value made from the batch size (`torch.arange(x.shape[0])`) is known in each run, but its answer at the sizes a
 memory model runs says nothing of the others: each shadow keeps a digest of how it was made (`lineage`), and
@@ -50,7 +51,13 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.device.replacements import ScopedReplacement
-from memfit.device.torch_private import FakeTensor, disable_current_modes, op_schema, storage_key
+from memfit.device.torch_private import (
+    FakeTensor,
+    disable_current_modes,
+    op_schema,
+    storage_key,
+    version_counter,
+)
 
 __all__ = ["DataDependentOnBatchSize", "KnownValues", "READS_SCALARS", "reads_stood_in", "stand_in",
            "transformers_reads_values"]
@@ -119,7 +126,9 @@ class KnownValues:
         self._ids: set[int] = set()                  # id() of every tensor given a shadow (some since freed, their
         #                                              ids reused): a quick "not known" before the lookup above
         self._storages: set[int] = set()             # the storage keys of those tensors (as `_ids`)
-        self._unit = WeakIdKeyDictionary()            # fake tensors drawn in [0, 1) (`_UNIT_DRAWS`)
+        self._unit = WeakIdKeyDictionary()            # fake tensors drawn in [0, 1) (`_UNIT_DRAWS`) -> their
+        #                                              (version, storage key) then: a write since (`r.mul_(2)`, through
+        #                                              a view, `.data =`) leaves the range unknown
 
     def value(self, t: torch.Tensor) -> torch.Tensor | None:
         """The values of fake tensor `t` where they are known, else None."""
@@ -148,9 +157,12 @@ class KnownValues:
         """Op `func` ran on `args`, `kwargs` and gave `out`: keep the shadows of its outputs where their values are
         known (made from nothing, or from inputs that all have one), drop those it made stale."""
         if id(func) in _UNIT_DRAWS:
-            self._unit[out] = True
+            drawn = _as_drawn(out)
+            if drawn is not None:
+                self._unit[out] = drawn
             return
         if self._unit and id(func) in _BOUNDS and args and isinstance(args[0], torch.Tensor) and args[0] in self._unit \
+                and self._unit[args[0]] == _as_drawn(args[0]) \
                 and isinstance(args[1], (int, float)) and (answer := _BOUNDS[id(func)](args[1])) is not None:
             # a comparison every draw in [0, 1) answers alike: known, made alike in every run
             with disable_current_modes():            # a real tensor, whatever mode the op runs under
@@ -230,6 +242,15 @@ class KnownValues:
         if keys:                                     # rare: an optimizer's writes meet none
             for t in [t for t in self._shadows.keys() if storage_key(t.untyped_storage()) in keys]:
                 del self._shadows[t]
+
+
+def _as_drawn(t: torch.Tensor) -> tuple | None:
+    """(version, storage key) of a drawn tensor: both as at the draw only where nothing wrote it or moved it since;
+    None for one without a version counter (an inference tensor), which stays unknown."""
+    try:
+        return version_counter(t), storage_key(t.untyped_storage())
+    except RuntimeError:
+        return None
 
 
 def _digest_of(args, shadow: dict) -> tuple:
