@@ -98,3 +98,25 @@ def test_an_optimizer_of_another_models_parameters_is_refused_before_anything_ch
     head = list(other.parameters())[-2:]
     r = accumulate(other, torch.optim.SGD(head, lr=0.1), (x, y), F.cross_entropy, micro_batch=2)
     assert r.loss > 0 and not torch.equal(head[0], before[-2])        # the head stepped
+
+
+@pytest.mark.parametrize("off", [torch.no_grad, torch.inference_mode, lambda: torch.set_grad_enabled(False)],
+                         ids=["no_grad", "inference_mode", "set_grad_enabled(False)"])
+def test_a_step_with_autograd_off_around_it_is_refused(off):
+    """With autograd off around the call no micro-batch gets a gradient: the step returned a loss and left the
+    weights as they were (a plain step moves them; a plain loop's backward raises there). Refused, the weights and
+    gradients untouched; plan.step too, which runs it."""
+    import memfit
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with off(), pytest.raises(RuntimeError, match=r"autograd is off around the call"):
+        accumulate(model, opt, (x, y), F.mse_loss, micro_batch=2)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
+    with off(), pytest.raises(RuntimeError, match=r"autograd is off around the call"):
+        plan.step((x, y))
+    accumulate(model, opt, (x, y), F.mse_loss, micro_batch=2)           # outside: a step that moves the weights
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

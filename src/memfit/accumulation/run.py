@@ -21,6 +21,7 @@ from memfit.accumulation.checks import (
     batch_size,
     check_batch_dependence,
     check_distributed,
+    check_grad_enabled,
     check_micro,
     check_optimizer_holds,
     ignored_per_sample,
@@ -150,6 +151,7 @@ def run_step(model, optimizer, batch, loss_fn, budget=None, micro_batch="auto", 
         raise TypeError(f"batch must be (x, y); found {type(batch).__name__}"
                         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
     check_micro(micro_batch)
+    check_grad_enabled()
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}; found {nonfinite!r}")
     world = check_distributed(model, distributed)
