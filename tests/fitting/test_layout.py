@@ -88,13 +88,15 @@ def test_step_lets_shorter_sequences_through_a_plan_for_dict_inputs():
     with pytest.raises(ValueError, match=r"x\['input_ids'\] is \(24,\) per sample"):
         plan.step(({"input_ids": ids.repeat(1, 2)}, ids.repeat(1, 2)))
     with pytest.raises(ValueError, match=r"the batch lacks x\['input_ids'\]; has x\['ids'\] beside what the plan "
-                                         r"was made for: it holds x\['ids'\] a tensor of \(12,\) per sample \(torch.int64\); "
+                                         r"was made for: it holds x\['ids'\] a tensor of \(12,\) per sample "
+                                         r"\(torch.int64\); "
                                          r"y .*; the plan was made for x\['input_ids'\] a tensor .* "
                                          r"\(in that structure: a tuple of 2 \(a dict of input_ids, a tensor\), "
                                          r"found a tuple of 2 \(a dict of ids, a tensor\)\)"):
         plan.step(({"ids": ids}, ids))
-    with pytest.raises(ValueError, match=r"the batch lacks y: it holds x\['input_ids'\] a tensor of \(12,\) per sample "
-                                         r"\(torch.int64\); the plan .*: step on batches holding what the plan was made for"):
+    with pytest.raises(ValueError, match=r"the batch lacks y: it holds x\['input_ids'\] a tensor of \(12,\) per "
+                                         r"sample \(torch.int64\); the plan .*: step on batches holding what the plan "
+                                         r"was made for"):
         plan.step(({"input_ids": ids}, None))
     with pytest.raises(TypeError, match=r"plan.step takes torch tensors, .*; found numpy arrays at x\['input_ids'\], "
                                         r"y. Fix: torch.from_numpy"):

@@ -149,7 +149,8 @@ def test_a_point_whose_first_run_comes_as_its_warm_up_did_takes_no_second(monkey
     m = model()
     x, y = torch.randn(8, 64), torch.randn(8, 64)
     timed = micro_steps(m, F.mse_loss, x, y, [(2, Setting()), (8, Setting())])
-    assert ran == [2, 2, 8, 8, 2, 2]       # the opener, warm-ups, a run each (ABBA), a second of 2 only (its warm-up 3 s)
+    # the opener, warm-ups, a run each (ABBA), a second of 2 only (its warm-up 3 s)
+    assert ran == [2, 2, 8, 8, 2, 2]
     assert timed.seconds == {(2, Setting()): 1.0, (8, Setting()): 1.0} and timed.steady == 1
 
 

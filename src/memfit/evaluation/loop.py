@@ -30,8 +30,8 @@ def _run_chunk(runner, metrics: dict[str, Metric], x, y, output_fn, watch, label
         # a loader's dict batches: the labels ride inside the inputs, which only the model's own loss reads
         raise ValueError(f"the batches hold their labels inside the inputs (x['labels'], keys {list(x)[:6]}) and no "
                          f"targets beside them: the metrics {', '.join(m.name for m in metrics.values())} have none to "
-                         "score against. Fix: loss_fn='model' (the model's own loss, out.loss; the other metrics then read "
-                         "x['labels']), or batches (x, y) with the targets beside the inputs")
+                         "score against. Fix: loss_fn='model' (the model's own loss, out.loss; the other metrics then "
+                         "read x['labels']), or batches (x, y) with the targets beside the inputs")
     try:
         out = forward(runner, x)
     except Exception as e:       # the forward's dtype mistakes only: a metric's or loss_fn's own error stays its own

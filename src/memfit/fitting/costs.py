@@ -130,7 +130,8 @@ class _Counter(TorchDispatchMode):
                     out = known.item()
             elif func is _READ_VALUE and self.phase in ("first optimizer step", "optimizer") \
                     and self.stands_in is not None:
-                out = stand_in(args[0], self.stands_in)     # a scalar of the optimizer's update, as the memory model answers it
+                out = stand_in(args[0], self.stands_in)     # a scalar of the optimizer's update (as the memory
+                #                                             model answers it)
             elif func is _READ_VALUE and args[0].dtype == torch.bool and mask_check_answered_no():
                 out = False     # transformers 4.x's "is the attention mask all ones?": no, as the memory model says
             else:

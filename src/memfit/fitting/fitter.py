@@ -53,11 +53,14 @@ from memfit.fitting.layout import (
     ModelChanged,
     apart,
     batch_shapes,
+    first_sample,
+    grown,
     held,
     held_error,
     layout,
     layout_error,
     optimizer_options,
+    targets_at,
 )
 from memfit.fitting.search import Alternative, Setting
 from memfit.memory.cache import ModelCache
@@ -233,39 +236,6 @@ def _cast_loss(loss_fn: Callable) -> Callable:
     return loss
 
 
-def _targets(module, x, n: int, loss_fn: Callable, target) -> tuple[object, str]:
-    """(y at the batch's size n, a note): `target` rebuilt at n (an example target batch, or one target's sample
-    shape for float targets), or for a common loss built from the model's output as `memory_model` does. Only
-    its shape and dtype matter to the search."""
-    from memfit.memory.example_target import example_target
-    from memfit.memory.step import ExampleBatch, is_shape
-    device = model_device(module)
-    if target is None:
-        tgt, note = example_target(module, ExampleBatch(x), loss_fn, device)
-    else:
-        tgt, note = ExampleBatch(target), "target= given: its layout at the batch's size"
-        if is_shape(target):
-            note = "target= given as one target's sample shape (float32)"
-    # zeros of one target broadcast to n (no bytes allocated; counted as n targets): the search reads shapes only
-    from memfit.device.torch_private import tree_map
-    grow = lambda t: torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=device).expand(n, *t.shape[1:]) \
-        if isinstance(t, torch.Tensor) else t
-    return tree_map(grow, tgt.template), note
-
-
-def _grown(batch, n: int):
-    """The batch's first sample broadcast to n samples (no bytes allocated; counted as n: the search reads shapes)."""
-    from memfit.device.torch_private import tree_map
-    return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
-
-
-def _first_sample(x):
-    """x's first sample, copied (the batch is not kept): what the Trainer hand-off tries the model's own loss on."""
-    from memfit.batches import batch_slice
-    from memfit.device.torch_private import tree_map
-    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, batch_slice(x, 0, 1))
-
-
 def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable | str | None,
         budget: int | str | None = None, *,
         target=None, levers: Sequence[str] = (), candidates: Sequence[str] | None = None,
@@ -338,13 +308,13 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             raise TypeError(f"batch must be (x, y), or the inputs x with target= or a common loss; found "
                             f"{type(batch).__name__}")
         from memfit.batches import batch_len
-        y, note = _targets(module, x, batch_len(x), loss_fn, target)
+        y, note = targets_at(module, x, batch_len(x), loss_fn, target)
     x, y = apart(x, y)          # a tensor given twice counted as two: the batches stepped later often hold two
     n = _batch_size(x, y)
     if world > 1:     # ranks holding fewer samples plan for the most any holds: the same alternatives on all
         from memfit.distributed import agree
         most = max(v[0] for v in agree(None, "memfit.fit batch sizes", (n,)))
-        x, y, n = _grown(x, most), _grown(y, most), most
+        x, y, n = grown(x, most), grown(y, most), most
     blocks = candidate_blocks(module) if candidates is None else list(candidates)
     known = dict(module.named_modules())
     if any(c not in known for c in blocks):
@@ -449,7 +419,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
     return FitPlan(best.micro_batch, best.setting.checkpoint, dtype, best.bytes, relative, budget, n, found.reason,
                    found.alternatives, found.candidates, how_bytes, found.how_time, found.seconds,
                    torch.device(predict.get("device") or model_device(module)), run, module,
-                   _terms=terms is not None, _own=_first_sample(x) if own else None,
+                   _terms=terms is not None, _own=first_sample(x) if own else None,
                    _layout=layout(tuple(batch) if pair else (x,)), _held=held(module, optimizer))
 
 

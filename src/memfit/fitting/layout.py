@@ -39,11 +39,13 @@ import weakref
 
 import torch
 
-from memfit.device.torch_private import keystr, tree_flatten, tree_flatten_with_path
+from memfit.budget import model_device
+from memfit.device.torch_private import keystr, tree_flatten, tree_flatten_with_path, tree_map
 from memfit.memory.fingerprint import describe_change, model_state
 from memfit.memory.micro_batch import shared_tensors
 
-__all__ = ["ModelChanged", "apart", "batch_shapes", "held", "held_error", "layout", "layout_error", "optimizer_options"]
+__all__ = ["ModelChanged", "apart", "batch_shapes", "first_sample", "grown", "held", "held_error", "layout",
+           "layout_error", "optimizer_options", "targets_at"]
 
 _MISSING = object()
 _DEREF = weakref.ref.__call__                # a weak reference's object (None once collected), by a C loop in `map`
@@ -283,3 +285,33 @@ def _said(planned: tuple, n: int, batch, device: torch.device) -> Exception | No
         return ValueError(f"plan.step: the batch holds {m} samples on the model's device; the plan was made for {n} "
                           f"(their bytes count in its peak): {fix}")
     return None
+
+
+def targets_at(module, x, n: int, loss_fn, target) -> tuple[object, str]:
+    """(y at the batch's size n, a note): `target` rebuilt at n (an example target batch, or one target's sample
+    shape for float targets), or for a common loss built from the model's output as `memory_model` does. Only
+    its shape and dtype matter to the search."""
+    from memfit.memory.example_target import example_target
+    from memfit.memory.step import ExampleBatch, is_shape
+    device = model_device(module)
+    if target is None:
+        tgt, note = example_target(module, ExampleBatch(x), loss_fn, device)
+    else:
+        tgt, note = ExampleBatch(target), "target= given: its layout at the batch's size"
+        if is_shape(target):
+            note = "target= given as one target's sample shape (float32)"
+    # zeros of one target broadcast to n (no bytes allocated; counted as n targets): the search reads shapes only
+    grow = lambda t: torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=device).expand(n, *t.shape[1:]) \
+        if isinstance(t, torch.Tensor) else t
+    return tree_map(grow, tgt.template), note
+
+
+def grown(batch, n: int):
+    """The batch's first sample broadcast to n samples (no bytes allocated; counted as n: the search reads shapes)."""
+    return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
+
+
+def first_sample(x):
+    """x's first sample, copied (the batch is not kept): what the Trainer hand-off tries the model's own loss on."""
+    from memfit.batches import batch_slice
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, batch_slice(x, 0, 1))

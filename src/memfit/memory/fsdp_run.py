@@ -201,7 +201,8 @@ def fsdp_fake_run(model: torch.nn.Module, batch: ExampleBatch, n: int, *, world_
                 y = target.at(n, device, x) if target is not None else None
                 mode.known_values.unknown(tree_flatten((x, y))[0])   # the user's values, not these zeros
                 log.tag = None
-                training_step(fake, x, opt, loss_fn, y, autocast, step_reads=mode.step_reads)     # unlogged: before `start`
+                # unlogged: before `start`
+                training_step(fake, x, opt, loss_fn, y, autocast, step_reads=mode.step_reads)
                 log.retag(optimizer_state(opt), K.OPTIMIZER_STATE)
                 log.note_shards([(fp.sharded_param, fp) for fp in sharded] + [
                     (v, fp) for fp in sharded for v in (opt.state.get(fp.sharded_param, {}) if opt else {}).values()])

@@ -81,7 +81,8 @@ def step_how(probes) -> str:
     run = probes.step_from if probes.step_from is not None else probes.runs.get(4)
     if run is not None and run.stood_in:
         return _step_source(probes) + (
-            f"; the optimizer step read {run.stood_in} value{'s' if run.stood_in > 1 else ''} of its tensors (`.item()`, "
+            f"; the optimizer step read {run.stood_in} value{'s' if run.stood_in > 1 else ''} of its tensors "
+            "(`.item()`, "
             "a comparison) that fake tensors do not have: each answered a stand-in, taken as a scalar of the "
             "update (Adafactor's step and norms: 1; ASGD's eta and mu: 0.5, so that the copy of each parameter it "
             "makes once mu is below 1, after t0 steps, counts)")
