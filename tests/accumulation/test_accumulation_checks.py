@@ -115,6 +115,8 @@ def test_a_step_with_autograd_off_around_it_is_refused(off):
     with off(), pytest.raises(RuntimeError, match=r"autograd is off around the call"):
         accumulate(model, opt, (x, y), F.mse_loss, micro_batch=2)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    with off(), pytest.raises(RuntimeError, match=r"memfit.fit plans a training step, and autograd is off"):
+        memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")      # it raised FakeRunError, saying nothing of why
     plan = memfit.fit(model, opt, (x, y), F.mse_loss, "1GiB")
     with off(), pytest.raises(RuntimeError, match=r"autograd is off around the call"):
         plan.step((x, y))

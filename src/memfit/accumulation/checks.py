@@ -114,14 +114,14 @@ def check_micro(micro_batch) -> None:
         raise ValueError(f"micro_batch must be 'auto' or an int >= 1; found {micro_batch!r}") from None
 
 
-def check_grad_enabled() -> None:
+def check_grad_enabled(what: str = "accumulate (and plan.step, which runs it) takes") -> None:
     """Refuse a step with autograd off around it (`torch.no_grad()`, `torch.inference_mode()`): its forward records
     no graph, so no micro-batch gets a gradient and the optimizer's step changes nothing, silently (a plain loop's
     `loss.backward()` raises there)."""
     if not torch.is_grad_enabled():
         where = ("torch.inference_mode()" if torch.is_inference_mode_enabled()
                  else "torch.no_grad() or torch.set_grad_enabled(False)")
-        raise RuntimeError(f"accumulate (and plan.step, which runs it) takes a training step, and autograd is off "
+        raise RuntimeError(f"{what} a training step, and autograd is off "
                            f"around the call ({where}): no gradient would be computed and the optimizer would change "
                            "nothing. Expected gradients enabled; call it outside that block (or inside "
                            "torch.enable_grad())")

@@ -39,7 +39,7 @@ import torch
 
 from memfit.accumulation.checks import batch_size as _batch_size
 from memfit.accumulation.checks import check_distributed as _check_distributed
-from memfit.accumulation.checks import check_optimizer_holds
+from memfit.accumulation.checks import check_grad_enabled, check_optimizer_holds
 from memfit.accumulation.result import StepResult
 from memfit.accumulation.run import Walked, run_step
 from memfit.batches import plain_batch
@@ -296,6 +296,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
         batch, loss_fn = own_batch(batch, "memfit.fit"), model_loss
     pair = isinstance(batch, (tuple, list)) and len(batch) == 2 and target is None     # (x, y)
     budget, gpu = device_budget("memfit.fit", budget, device, device_memory, gpu)
+    check_grad_enabled("memfit.fit plans")      # its fake runs' backward would fail, saying nothing of why
     levers = _check_levers(levers)
     world = _check_distributed(model, distributed)
     module = model.module if distributed else model
