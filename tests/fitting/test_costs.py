@@ -247,6 +247,13 @@ def test_fit_with_an_optimizer_that_makes_a_size_from_values_is_refused_by_name_
         memfit.fit(model, opt, (torch.randn(8, 8), torch.randn(8, 8)), F.mse_loss, "1MiB")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not opt.state and all(p.grad is None for p in model.parameters())
+    # the memory model names the step as the cause too, and what it offers (optimizer=None) works
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    with pytest.raises(FakeRunError, match=r"MaskedSGD\.step\(\) makes a size from tensor values.*optimizer=None") \
+            as err:
+        memfit.memory_model(model, x, train=True, optimizer=opt, loss_fn=F.mse_loss, target=y)
+    assert "control flow" not in str(err.value)
+    assert memfit.memory_model(model, x, train=True, optimizer=None, loss_fn=F.mse_loss, target=y).total_bytes(8) > 0
 
 
 def _transformers_4x_mask_check():

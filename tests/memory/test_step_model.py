@@ -213,33 +213,6 @@ class CachesOnItself(nn.Module):
         return self.lin(x) * self.last
 
 
-class MaskedSGD(torch.optim.SGD):
-    """An SGD whose step takes the gradients' nonzero entries (`g[g != 0]`): a size made from values."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.sub_(group["lr"] * p.grad[p.grad != 0].mean())
-
-
-def test_an_optimizer_step_that_makes_a_size_from_values_is_named_as_the_cause():
-    """A step that takes the gradients' nonzero entries (a size made from values, which no stand-in answers; a
-    scalar read, Adafactor's `.item()`, is answered: `test_value_reads`): the error says the step is the cause and
-    how to go on, not that the model branches on values."""
-    model = mlp()
-    opt = MaskedSGD(model.parameters(), lr=0.1)
-    with pytest.raises(FakeRunError, match=r"MaskedSGD\.step\(\) makes a size from tensor values.*optimizer=None") \
-            as err:
-        memfit.memory_model(model, (32,), train=True, optimizer=opt, loss_fn=F.cross_entropy,
-                            target=torch.randint(0, 10, (2,)))
-    assert "control flow" not in str(err.value)
-    mm = memfit.memory_model(model, (32,), train=True, optimizer=None, loss_fn=F.cross_entropy,
-                             target=torch.randint(0, 10, (2,)))                    # what it offers works
-    assert mm.total_bytes(8) > 0
-
-
 def test_tensors_a_forward_caches_on_the_module_are_not_left_behind():
     model = CachesOnItself()
     step_memory_model(model, (8,), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -64,11 +64,10 @@ from memfit.memory.fake_run import FakeRunError
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.known_values import KnownValues, reads_stood_in, stand_in
 from memfit.memory.step import ExampleBatch, forward_autocast
-from memfit.memory.storage_log import device_asked, mask_check_answered_no, refuse_sparse
+from memfit.memory.storage_log import READ_VALUE, device_asked, mask_check_answered_no, refuse_sparse
 
 __all__ = ["CAP", "step_costs"]
 
-_READ_VALUE = torch.ops.aten._local_scalar_dense.default     # `.item()`, `bool(t)`
 CAP = 64 << 20           # bytes of one kernel's arguments above which it is timed at a smaller batch (or priced)
 
 
@@ -125,14 +124,14 @@ class _Counter(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
-            if func is _READ_VALUE and (known := self.known.value(args[0])) is not None:
+            if func is READ_VALUE and (known := self.known.value(args[0])) is not None:
                 with disable_current_modes():           # a real tensor's value: not through the fake mode below
                     out = known.item()
-            elif func is _READ_VALUE and self.phase in ("first optimizer step", "optimizer") \
+            elif func is READ_VALUE and self.phase in ("first optimizer step", "optimizer") \
                     and self.stands_in is not None:
                 out = stand_in(args[0], self.stands_in)     # a scalar of the optimizer's update (as the memory
                 #                                             model answers it)
-            elif func is _READ_VALUE and args[0].dtype == torch.bool and mask_check_answered_no():
+            elif func is READ_VALUE and args[0].dtype == torch.bool and mask_check_answered_no():
                 out = False     # transformers 4.x's "is the attention mask all ones?": no, as the memory model says
             else:
                 raise

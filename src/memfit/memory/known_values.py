@@ -304,12 +304,18 @@ def stand_in(t: torch.Tensor, answer: float = 1.0) -> bool | int | float | compl
 # before stand-ins: a guard that skips a parameter whose gradient holds a NaN or an inf (`if torch.isnan(g).any():
 # continue`) is answered True, and its memory model held no state for any parameter: 0.53-0.56x the allocator's
 # bytes (`tests/memory/test_value_reads.py`).
-READS_SCALARS = {("torch.optim._adafactor", "Adafactor.step"): 1.0, ("torch.optim.asgd", "ASGD.step"): 0.5,
+def _step_of(cls) -> tuple[str | None, str | None]:
+    """(module, qualified name) of a class's `step`, under its decorators."""
+    step = inspect.unwrap(cls.step)
+    return getattr(step, "__module__", None), getattr(step, "__qualname__", None)
+
+
+# torch's read off its classes (no module path of torch's written here); transformers' by name (not imported here)
+READS_SCALARS = {_step_of(torch.optim.Adafactor): 1.0, _step_of(torch.optim.ASGD): 0.5,
                  ("transformers.optimization", "Adafactor.step"): 1.0}
 
 
 def reads_stood_in(optimizer) -> float | None:
     """The answer a value the step of `optimizer` reads gets (`stand_in`), where its class's `step` (a subclass that
     does not override it included) is one of `READS_SCALARS`; None where none is stood in."""
-    step = inspect.unwrap(type(optimizer).step) if optimizer is not None else None
-    return READS_SCALARS.get((getattr(step, "__module__", None), getattr(step, "__qualname__", None)))
+    return READS_SCALARS.get(_step_of(type(optimizer))) if optimizer is not None else None

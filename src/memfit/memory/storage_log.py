@@ -42,7 +42,8 @@ from memfit.memory.known_values import (
 )
 from memfit.memory.step import autocast_entered_in_forward
 
-__all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "mask_check_answered_no", "refuse_sparse"]
+__all__ = ["READ_VALUE", "SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "mask_check_answered_no",
+           "refuse_sparse"]
 
 # ops whose backward keeps their second argument: given a Python number, a 0-d tensor autograd wraps and saves
 SAVES_SCALAR = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor})
@@ -184,7 +185,7 @@ class StorageLog:
             self.scratch_ops.append((op, func, spec_of(args, kwargs)))
 
 
-_READ_VALUE = torch.ops.aten._local_scalar_dense.default      # `.item()`, `bool(t)`: a value fake tensors lack
+READ_VALUE = torch.ops.aten._local_scalar_dense.default      # `.item()`, `bool(t)`: a value fake tensors lack
 # nn.TransformerEncoderLayer's fused eval kernel: its fast-path check looks at CUDA's autocast only, so under CPU
 # autocast it runs, its inner matmuls autocast to bfloat16 and its output bfloat16, none of which its fake kernel
 # shows (float32 out: an encoder layer's forward predicted 0.71x its real peak at batch 1)
@@ -272,7 +273,7 @@ class LoggingFakeMode(FakeTensorMode):
             return device                           # neither logged nor noted
         if self.storage_log is None or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _READ_VALUE and self._stood_in is not None:
+        if func is READ_VALUE and self._stood_in is not None:
             reads, self._stood_in = self._stood_in, None
             try:
                 return self.__torch_dispatch__(func, types, args, kwargs)
@@ -288,7 +289,7 @@ class LoggingFakeMode(FakeTensorMode):
                 f"{self._cpu_autocast or torch.get_autocast_dtype('cpu')} "
                 "unseen by its fake kernel: turn the fast path off where you run it (torch.backends.mha."
                 "set_fastpath_enabled(False): predicted exactly), or run without CPU autocast")
-        if func is _READ_VALUE and self._answers and (known := self.known_values.value(args[0])) is not None:
+        if func is READ_VALUE and self._answers and (known := self.known_values.value(args[0])) is not None:
             # the read's lineage and its answer: a value made alike that still answers otherwise (a sum over
             # positions expanded to the batch) depends on the batch size as much, and the runs would branch apart
             read, at = (self.known_values.lineage(args[0]), known.item()), len(self._reads)
@@ -299,7 +300,7 @@ class LoggingFakeMode(FakeTensorMode):
                                        "run say nothing of the others")
             self._reads.append(read)
             return read[1]                            # made from no input (`KnownValues`): as in the real run
-        if func is _READ_VALUE and args[0].dtype == torch.bool:
+        if func is READ_VALUE and args[0].dtype == torch.bool:
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             except DataDependentOutputException:
