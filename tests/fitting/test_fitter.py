@@ -604,6 +604,11 @@ def test_a_meta_device_model_is_planned_with_kernels_timed_on_the_cpu():
     assert "a meta-device model: every kernel and the host's costs timed on the CPU as a stand-in" in on_meta.explain()
     with pytest.raises(ValueError, match=r"meta device \(shapes, no values\).*to_empty"):    # not torch's bare error
         on_meta.step((x.to("meta"), y.to("meta")))
+    half = mlp(blocks=2)
+    half[-1].to_empty(device="meta")            # a later layer still on meta, the first real
+    plan = memfit.fit(half, torch.optim.SGD(half.parameters(), lr=0.1), (x, y), F.mse_loss, budget)
+    with pytest.raises(ValueError, match=r"\(some or all\) are on the meta device"):
+        plan.step((x, y))
 
 
 def test_two_threads_stepping_one_plan_run_one_after_the_other():

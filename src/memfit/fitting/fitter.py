@@ -413,7 +413,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
             plan._quiet = shapes if unchanged and before is not None and plan._held is before else None
         return res
 
-    if model_device(module).type == "meta":
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         run = _no_values                # a plan for the model once it has values: no step runs on meta
     how_bytes = found.how_bytes + (f"; {note}" if note else "")
     relative = found.relative_time if found.relative_time is not None and found.best is best else best.time
@@ -426,6 +426,6 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
 
 def _no_values(step_batch, plan: FitPlan) -> StepResult:
     """plan.step of a plan made for a meta-device model (it raised torch's bare 'Cannot copy out of meta tensor')."""
-    raise ValueError("plan.step runs a real step, and the model's parameters are on the meta device (shapes, no "
-                     "values): the plan says what fits; materialise the model (model.to_empty(device=...) and "
+    raise ValueError("plan.step runs a real step, and the model's parameters (some or all) are on the meta device "
+                     "(shapes, no values): the plan says what fits; materialise the model (model.to_empty(device=...) and "
                      "initialise it, or load its weights), then call memfit.fit on it and step with that plan")
