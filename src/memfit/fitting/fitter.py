@@ -427,5 +427,6 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn
 def _no_values(step_batch, plan: FitPlan) -> StepResult:
     """plan.step of a plan made for a meta-device model (it raised torch's bare 'Cannot copy out of meta tensor')."""
     raise ValueError("plan.step runs a real step, and the model's parameters (some or all) are on the meta device "
-                     "(shapes, no values): the plan says what fits; materialise the model (model.to_empty(device=...) and "
-                     "initialise it, or load its weights), then call memfit.fit on it and step with that plan")
+                     "(shapes, no values): the plan says what fits; materialise the model "
+                     "(model.to_empty(device=...) and initialise it, or load its weights), then call memfit.fit on it "
+                     "and step with that plan")
