@@ -524,3 +524,22 @@ def test_the_compile_front_end_every_optimizer_imports_is_a_module_of_this_torch
     ranks would only be slower, so this test is what fails when a torch release moves it)."""
     import importlib
     assert callable(importlib.import_module(tp.DYNAMO_MODULE).reset)
+
+
+def test_a_value_read_on_a_fake_tensor_is_the_op_memfit_answers():
+    """`.item()` and `bool(t)` on a fake tensor reach READ_VALUE, and torch refuses them with the exception memfit
+    catches to answer (stand-ins in an optimizer's step, known values, transformers' mask questions): a torch that
+    renames either would leave every such read refused, silently for the stand-ins."""
+    seen = []
+
+    class Reads(tp.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+    with tp.FakeTensorMode(), Reads():
+        t = torch.ones(2)
+        for read in (lambda: t.sum().item(), lambda: bool(t.sum() > 0)):
+            with pytest.raises(tp.DataDependentOutputException) as e:
+                read()
+            assert str(tp.READ_VALUE) in str(e.value)
+    assert seen.count(tp.READ_VALUE) == 2

@@ -44,8 +44,9 @@ from memfit.device.replacements import ScopedContext, ScopedReplacement
 FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 FakeTensorMode = torch._subclasses.fake_tensor.FakeTensorMode
 unset_fake_temporarily = torch._subclasses.fake_tensor.unset_fake_temporarily
-# what a fake tensor raises when a value is read (`.item()`, `bool(t)`): `func` is the op that needed it
+# what a fake tensor raises when a value is read (`.item()`, `bool(t)`), and the op that reads it (`func` then)
 DataDependentOutputException = torch._subclasses.fake_tensor.DataDependentOutputException
+READ_VALUE = torch.ops.aten._local_scalar_dense.default
 # the fake mode of a graph's fake tensors, for the planner's masks (torch/_guards.py)
 detect_fake_mode = torch._guards.detect_fake_mode
 # an ATen op with its overload chosen, what every dispatch mode is handed as `func` (torch/_ops.py)
@@ -75,7 +76,7 @@ tree_map = torch.utils._pytree.tree_map
 tree_map_only = torch.utils._pytree.tree_map_only
 keystr = torch.utils._pytree.keystr
 
-__all__ = ["MODULE_DICTS", "BatchNormBase", "DataDependentOutputException", "DropoutBase", "FakeTensor",
+__all__ = ["MODULE_DICTS", "READ_VALUE", "BatchNormBase", "DataDependentOutputException", "DropoutBase", "FakeTensor",
            "FakeTensorMode", "InstanceNormBase", "OpOverload", "ProfilerEventType", "TorchDispatchMode",
            "aot_rng_not_saved", "cia_split_kept", "clear_cublas_workspaces", "compiled_inner",
            "cpu_total_kept_for_every_thread", "current_dispatch_mode", "ddp_comm_hook", "detect_fake_mode",

@@ -49,6 +49,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memfit.batches import forward
 from memfit.device.torch_private import (
+    READ_VALUE,
     DataDependentOutputException,
     DropoutBase,
     FakeTensorMode,
@@ -64,7 +65,7 @@ from memfit.memory.fake_run import FakeRunError
 from memfit.memory.kernel_scratch import batch_sizes, sizes_at, spec_of
 from memfit.memory.known_values import KnownValues, reads_stood_in, stand_in
 from memfit.memory.step import ExampleBatch, forward_autocast
-from memfit.memory.storage_log import READ_VALUE, device_asked, mask_check_answered_no, refuse_sparse
+from memfit.memory.storage_log import device_asked, mask_check_answered_no, refuse_sparse
 
 __all__ = ["CAP", "step_costs"]
 

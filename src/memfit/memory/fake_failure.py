@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import traceback
 
+from memfit.device.torch_private import READ_VALUE
 from memfit.memory.known_values import reads_stood_in
 from memfit.messages import first_line, whole_words
 
@@ -24,9 +25,9 @@ def explain_fake_failure(e: Exception, model, optimizer, train: bool, n: int, in
     step_code = getattr(step, "__code__", None)
     frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
     data_dependent = any(k in type(e).__name__ for k in ("DataDependent", "DynamicOutputShape")) \
-        or "data-dependent" in str(e).lower() or "_local_scalar_dense" in str(e)     # .item(), x[x > 0]
+        or "data-dependent" in str(e).lower() or str(READ_VALUE) in str(e)     # .item(), x[x > 0]
     if step_code is not None and any(f.f_code is step_code for f in frames):
-        read_refused = "_local_scalar_dense" in str(e) and reads_stood_in(optimizer) is None
+        read_refused = str(READ_VALUE) in str(e) and reads_stood_in(optimizer) is None
         return (f"{head}: {type(optimizer).__name__}.step() "
                 + ("reads tensor values (`.item()`, a comparison), which fake tensors do not have: they are answered "
                    "only in the steps read through (torch's Adafactor and ASGD, transformers' Adafactor: scalars of "

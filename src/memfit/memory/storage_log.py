@@ -15,6 +15,7 @@ import torch
 from memfit.device.cuda_kernels import flash_backward_workspaces
 from memfit.device.measure import _storage_key
 from memfit.device.torch_private import (
+    READ_VALUE,
     DataDependentOutputException,
     FakeTensor,
     FakeTensorMode,
@@ -42,7 +43,7 @@ from memfit.memory.known_values import (
 )
 from memfit.memory.step import autocast_entered_in_forward
 
-__all__ = ["READ_VALUE", "SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "mask_check_answered_no",
+__all__ = ["SAVES_SCALAR", "LoggingFakeMode", "StorageLog", "device_asked", "mask_check_answered_no",
            "refuse_sparse"]
 
 # ops whose backward keeps their second argument: given a Python number, a 0-d tensor autograd wraps and saves
@@ -185,7 +186,6 @@ class StorageLog:
             self.scratch_ops.append((op, func, spec_of(args, kwargs)))
 
 
-READ_VALUE = torch.ops.aten._local_scalar_dense.default      # `.item()`, `bool(t)`: a value fake tensors lack
 # nn.TransformerEncoderLayer's fused eval kernel: its fast-path check looks at CUDA's autocast only, so under CPU
 # autocast it runs, its inner matmuls autocast to bfloat16 and its output bfloat16, none of which its fake kernel
 # shows (float32 out: an encoder layer's forward predicted 0.71x its real peak at batch 1)
